@@ -1,0 +1,78 @@
+"""Configuration of lookahead decoding.
+
+One dataclass holds every knob of the drafter and the verifier so that the CLI flags,
+the LangChain wrapper and the benchmark all mirror the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Literal
+
+from .errors import ConfigError
+
+#: Text pieces that are too common to predict anything when used alone as a lookup key.
+DEFAULT_STOP_WORDS: tuple[str, ...] = (",", ".", " ", "\n", "，", "。", "、", "：", ":", "；", ";", "！", "？", "!", "?")
+
+
+@dataclass
+class LookaheadConfig:
+    """Knobs of the drafter and verifier.
+
+    decoding_length: most draft nodes verified in one forward (the tree size cap).
+    branch_length: deepest draft path, i.e. most draft tokens one step can accept.
+    stop_words: token ids never used alone as a lookup key (see ``with_tokenizer``).
+    enabled: False decodes plainly (one token a forward) through the same loop.
+    budget: "auto" sizes each draft from the measured cost of a forward of k tokens and the
+        trie's estimate of how many draft tokens will be accepted; "fixed" always verifies up
+        to ``decoding_length`` nodes (useful for tests and for GPUs, where cost is flat).
+    max_key_length: longest suffix of the text used as a lookup key.
+    min_key_length: shortest key that may still be used (1 = a single token).
+    output_pool_nodes: node cap of the shared pool of earlier answers (memory bound).
+    use_output_pool: draft also from n-grams of earlier answers.
+    debug: keep a per-step trace in ``GenerationResult.stats.trace``.
+    """
+
+    decoding_length: int = 64
+    branch_length: int = 12
+    stop_words: frozenset[int] = field(default_factory=frozenset)
+    enabled: bool = True
+    budget: Literal["auto", "fixed"] = "auto"
+    max_key_length: int = 4
+    min_key_length: int = 1
+    output_pool_nodes: int = 2_000_000
+    use_output_pool: bool = True
+    debug: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("decoding_length", "branch_length", "max_key_length", "min_key_length", "output_pool_nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.min_key_length > self.max_key_length:
+            raise ConfigError(
+                f"min_key_length ({self.min_key_length}) must not exceed max_key_length ({self.max_key_length})"
+            )
+        if self.budget not in ("auto", "fixed"):
+            raise ConfigError(f"budget must be 'auto' or 'fixed', got {self.budget!r}")
+        self.stop_words = frozenset(int(t) for t in self.stop_words)
+
+    def replace(self, **changes) -> "LookaheadConfig":
+        return replace(self, **changes)
+
+    def with_tokenizer(self, tokenizer, words: Iterable[str] = DEFAULT_STOP_WORDS) -> "LookaheadConfig":
+        """Return a copy whose stop words are the single-token ids of ``words`` for this tokenizer."""
+        return self.replace(stop_words=self.stop_words | stop_word_ids(tokenizer, words))
+
+
+def stop_word_ids(tokenizer, words: Iterable[str] = DEFAULT_STOP_WORDS) -> frozenset[int]:
+    """Ids of the words that the tokenizer encodes as exactly one token."""
+    ids: set[int] = set()
+    for word in words:
+        encoded = tokenizer.encode(word, add_special_tokens=False)
+        if len(encoded) == 1:
+            ids.add(int(encoded[0]))
+    return frozenset(ids)

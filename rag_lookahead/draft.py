@@ -1,0 +1,151 @@
+"""Turn trie lookups into a draft tree.
+
+The key is the longest suffix of the text (at most ``max_key_length`` tokens) that occurred
+before with a continuation. From the node it reaches, continuations are taken best-first by
+estimated probability (a child's share of its siblings' counts, multiplied down the path), so
+the tree holds the likeliest ``decoding_length`` nodes no deeper than ``branch_length``. The
+context pool is read first; the output pool then adds what the context did not already hold.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from .config import LookaheadConfig
+from .trie import ContextPool, NGramTrie, Node, OutputPool
+
+
+@dataclass
+class DraftTree:
+    """Draft nodes in topological order (every parent before its children).
+
+    ``parents[i]`` is the index of node i's parent, or -1 for a child of the root (the last
+    accepted token, which is verified with the tree). ``probs`` are the drafter's estimates
+    that each node will be accepted; they never grow from parent to child.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def top(self, k: int) -> "DraftTree":
+        """The k likeliest nodes; still a tree because no child is likelier than its parent."""
+        if k >= len(self):
+            return self
+        order = sorted(range(len(self)), key=lambda i: (-self.probs[i], self.depths[i], i))[:k]
+        order.sort(key=lambda i: (self.depths[i], i))  # parents first
+        new_index = {old: new for new, old in enumerate(order)}
+        return DraftTree(
+            tokens=[self.tokens[i] for i in order],
+            parents=[new_index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in order],
+            depths=[self.depths[i] for i in order],
+            probs=[self.probs[i] for i in order],
+        )
+
+    def limit_depth(self, max_depth: int) -> "DraftTree":
+        """Drop nodes deeper than ``max_depth`` (near max_new_tokens or the context end)."""
+        if not self.depths or max(self.depths) <= max_depth:
+            return self
+        keep = [i for i in range(len(self)) if self.depths[i] <= max_depth]
+        new_index = {old: new for new, old in enumerate(keep)}
+        return DraftTree(
+            tokens=[self.tokens[i] for i in keep],
+            parents=[new_index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
+            depths=[self.depths[i] for i in keep],
+            probs=[self.probs[i] for i in keep],
+        )
+
+    def best_chain(self) -> "DraftTree":
+        """The single likeliest path, for models whose attention cannot take a tree mask."""
+        if not self.tokens:
+            return self
+        leaf = max(range(len(self)), key=lambda i: (self.depths[i] * self.probs[i], -i))
+        path = []
+        while leaf >= 0:
+            path.append(leaf)
+            leaf = self.parents[leaf]
+        path.reverse()
+        return DraftTree(
+            tokens=[self.tokens[i] for i in path],
+            parents=list(range(-1, len(path) - 1)),
+            depths=list(range(1, len(path) + 1)),
+            probs=[self.probs[i] for i in path],
+        )
+
+
+class _TreeBuilder:
+    def __init__(self, limit: int, max_depth: int) -> None:
+        self.tree = DraftTree()
+        self.limit = limit
+        self.max_depth = max_depth
+        self._index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+
+    @property
+    def full(self) -> bool:
+        return len(self.tree) >= self.limit
+
+    def grow(self, start: Node, depth_cap: int) -> None:
+        """Add the likeliest continuations below ``start`` (best-first), merging shared prefixes."""
+        depth_cap = min(depth_cap, self.max_depth)
+        if depth_cap < 1:
+            return
+        tree = self.tree
+        heap: list[tuple[float, int, Node, int, int, int]] = []
+        tick = 0
+
+        def push(node: Node, parent: int, depth: int, prob: float) -> None:
+            nonlocal tick
+            total = sum(child.count for child in node.children.values())
+            for token, child in node.children.items():
+                tick += 1
+                heapq.heappush(heap, (-prob * child.count / total, tick, child, parent, depth, token))
+
+        push(start, -1, 1, 1.0)
+        while heap:
+            neg_prob, _, node, parent, depth, token = heapq.heappop(heap)
+            prob = -neg_prob
+            index = self._index.get((parent, token))
+            if index is None:
+                if self.full:
+                    continue  # a merge further down the heap may still fit
+                index = len(tree.tokens)
+                self._index[(parent, token)] = index
+                tree.tokens.append(token)
+                tree.parents.append(parent)
+                tree.depths.append(depth)
+                tree.probs.append(prob)
+            elif prob > tree.probs[index]:
+                tree.probs[index] = prob
+            if depth < depth_cap and node.children:
+                push(node, index, depth + 1, prob)
+
+
+def _longest_key(trie: NGramTrie, stream: list[int], config: LookaheadConfig) -> tuple[Node | None, int]:
+    """The deepest node reached by a suffix of ``stream`` that has continuations."""
+    longest = min(config.max_key_length, len(stream), trie.depth - 1)
+    for length in range(longest, config.min_key_length - 1, -1):
+        if length == 1 and stream[-1] in config.stop_words:
+            break
+        node = trie.find(stream[-length:])
+        if node is not None and node.children:
+            return node, length
+    return None, 0
+
+
+def propose(context: ContextPool, output: OutputPool | None, config: LookaheadConfig) -> DraftTree:
+    """Candidate draft tree (at most ``decoding_length`` nodes) continuing ``context.stream``."""
+    builder = _TreeBuilder(config.decoding_length, config.branch_length)
+    node, key_length = _longest_key(context, context.stream, config)
+    if node is not None:
+        builder.grow(node, context.depth - key_length)
+    if output is not None and not builder.full:
+        with output.lock:
+            node, key_length = _longest_key(output.trie, context.stream, config)
+            if node is not None:
+                builder.grow(node, output.depth - key_length)
+    return builder.tree

@@ -1,0 +1,23 @@
+"""Errors a user can act on. The CLI prints their message as one line instead of a traceback."""
+
+from __future__ import annotations
+
+
+class RagLookaheadError(Exception):
+    """Base class: something the caller must fix; ``str(err)`` is a one-line explanation."""
+
+
+class ConfigError(RagLookaheadError, ValueError):
+    """An invalid setting or argument."""
+
+
+class InputError(RagLookaheadError, ValueError):
+    """Invalid input data: empty prompt, prompt longer than the model's context, empty question."""
+
+
+class ModelLoadError(RagLookaheadError, OSError):
+    """A model could not be found, downloaded, verified or converted."""
+
+
+class IndexLoadError(RagLookaheadError, OSError):
+    """A document index is missing, corrupt, or was built with another embedding model."""

@@ -1,0 +1,391 @@
+"""The decode loop: prefill, then (propose -> verify -> accept) until every row is done.
+
+``generate`` is greedy and lossless: each row's tokens are exactly what
+``model.generate(do_sample=False)`` gives for it, but a step may accept several tokens when
+the drafted tree guessed them. ``DecodeBatch`` holds the state of the rows being decoded
+(KV cache, which cache columns each row may see, each row's trie) so that a server can drive
+the same loop step by step.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .budget import Budget, cost_curve
+from .config import LookaheadConfig
+from .draft import DraftTree, propose
+from .errors import ConfigError, InputError
+from .trie import ContextPool, OutputPool
+from .verify import check_cache, compact_cache, forward_tree, longest_path, supports_tree_mask
+
+
+@dataclass
+class GenerationStats:
+    rows: int = 0
+    forward_passes: int = 0  # decode forwards after the prefill
+    new_tokens: int = 0  # over all rows, the prefill's token included
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    lookup_seconds: float = 0.0  # trie lookups, draft building and sizing
+    draft_tokens: int = 0  # draft nodes verified, over all rows and steps
+    accepted_histogram: dict[int, int] = field(default_factory=dict)  # tokens gained by a row in one step -> count
+    trace: list[dict] | None = None
+
+    @property
+    def row_steps(self) -> int:
+        return sum(self.accepted_histogram.values())
+
+    @property
+    def mean_accepted(self) -> float:
+        """New tokens per decode forward and row (1.0 for plain decoding)."""
+        steps = self.row_steps
+        return sum(k * n for k, n in self.accepted_histogram.items()) / steps if steps else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after each row's first, per second of decoding."""
+        tokens = self.new_tokens - self.rows
+        return tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "rows": self.rows,
+            "forward_passes": self.forward_passes,
+            "new_tokens": self.new_tokens,
+            "mean_accepted": round(self.mean_accepted, 4),
+            "accepted_histogram": dict(sorted(self.accepted_histogram.items())),
+            "draft_tokens": self.draft_tokens,
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "decode_seconds": round(self.decode_seconds, 4),
+            "lookup_seconds": round(self.lookup_seconds, 4),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
+        }
+
+
+@dataclass
+class GenerationResult:
+    sequences: torch.LongTensor  # the prompt as given + new tokens, right-padded with the pad id
+    stats: GenerationStats
+
+
+@dataclass
+class _Row:
+    index: int  # row of the caller's batch
+    context: ContextPool
+    budget: Budget
+    max_new_tokens: int
+    generated: list[int] = field(default_factory=list)
+    position: int = 0  # cache entries this row owns = position id of its pending token
+    done: bool = False
+
+    @property
+    def pending(self) -> int:
+        return self.generated[-1]
+
+
+_OUTPUT_POOLS: "weakref.WeakKeyDictionary[torch.nn.Module, OutputPool]" = weakref.WeakKeyDictionary()
+
+
+def default_output_pool(model, config: LookaheadConfig) -> OutputPool:
+    """The output pool shared by every call on this model that does not bring its own."""
+    pool = _OUTPUT_POOLS.get(model)
+    if pool is None:
+        pool = _OUTPUT_POOLS[model] = OutputPool(config.branch_length + config.max_key_length, config.output_pool_nodes)
+    return pool
+
+
+def _eos_set(model, eos_token_id) -> frozenset[int]:
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset([eos_token_id])
+    return frozenset(int(t) for t in eos_token_id)
+
+
+def _context_limit(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+class DecodeBatch:
+    """Rows decoded together: one KV cache, a validity mask over its columns, a trie per row."""
+
+    def __init__(self, model, config: LookaheadConfig, eos: frozenset[int], output_pool: OutputPool | None) -> None:
+        self.model = model
+        self.config = config
+        self.eos = eos
+        self.output_pool = output_pool if config.use_output_pool else None
+        self.tree_mask = supports_tree_mask(model) if config.enabled else True
+        self.curve = cost_curve(model) if config.enabled and config.budget == "auto" else None
+        self.context_limit = _context_limit(model)
+        self.rows: list[_Row] = []
+        self.cache = None
+        self.cache_valid: torch.Tensor | None = None  # (rows, cache length) bool
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, references, max_new_tokens: int) -> None:
+        from transformers import DynamicCache
+
+        depth = self.config.branch_length + self.config.max_key_length
+        device = input_ids.device
+        self.cache = DynamicCache(config=self.model.config)
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
+        check_cache(self.cache)
+        first = logits[:, -1].argmax(-1).tolist()
+        self.cache_valid = attention_mask.bool().to(device)
+        lengths = attention_mask.sum(-1).tolist()
+        for r in range(input_ids.shape[0]):
+            prompt = input_ids[r, input_ids.shape[1] - lengths[r] :].tolist()
+            context = ContextPool(depth, references[r] if references else ())
+            context.extend(prompt)
+            row = _Row(r, context, Budget(self.curve), max_new_tokens, position=lengths[r])
+            self.rows.append(row)
+            self._take(row, [first[r]])
+
+    def _take(self, row: _Row, tokens: list[int]) -> list[int]:
+        """Append accepted tokens, cut at EOS, the token budget or the context end."""
+        room = row.max_new_tokens - len(row.generated)
+        if self.context_limit is not None:
+            room = min(room, self.context_limit - row.position)
+        tokens = tokens[: max(room, 0)]
+        for i, token in enumerate(tokens):
+            if token in self.eos:
+                tokens = tokens[: i + 1]
+                break
+        row.generated.extend(tokens)
+        row.context.extend(tokens)
+        if not tokens or tokens[-1] in self.eos or len(row.generated) >= row.max_new_tokens:
+            row.done = True
+        elif self.context_limit is not None and row.position + 1 >= self.context_limit:
+            row.done = True
+        return tokens
+
+    def propose(self) -> list[DraftTree]:
+        """Each row's draft tree, sized for this step."""
+        drafts = []
+        active = len(self.rows)
+        for row in self.rows:
+            if not self.config.enabled:
+                drafts.append(DraftTree())
+                continue
+            room = row.max_new_tokens - len(row.generated) - 1  # the bonus token needs no draft
+            if self.context_limit is not None:
+                room = min(room, self.context_limit - row.position - 1)
+            if room < 1:
+                drafts.append(DraftTree())
+                continue
+            draft = propose(row.context, self.output_pool, self.config).limit_depth(room)
+            if not self.tree_mask:
+                draft = draft.best_chain()
+            drafts.append(draft.top(row.budget.size(draft, active)))
+        return drafts
+
+    @torch.inference_mode()
+    def verify_and_accept(self, drafts: list[DraftTree]) -> list[list[int]]:
+        """One forward over all trees; returns the tokens each row gained."""
+        start = self.cache.get_seq_length()
+        greedy = forward_tree(
+            self.model,
+            self.cache,
+            self.cache_valid,
+            [row.pending for row in self.rows],
+            drafts,
+            [row.position for row in self.rows],
+        ).tolist()
+        accepted = [longest_path(draft, choices) for draft, choices in zip(drafts, greedy)]
+        kept_valid = compact_cache(self.cache, start, accepted)
+        self.cache_valid = torch.cat([self.cache_valid, kept_valid.to(self.cache_valid.device)], dim=1)
+        gained = []
+        for row, draft, result in zip(self.rows, drafts, accepted):
+            row.position += 1 + len(result.nodes)
+            row.budget.observe(draft, len(result.nodes))
+            gained.append(self._take(row, result.tokens))
+        return gained
+
+    def finish(self, keep: Callable[[_Row], bool] | None = None) -> list[_Row]:
+        """Drop the finished rows (and any that ``keep`` rejects) from the batch; return them."""
+        keep = keep or (lambda row: True)
+        stay = [i for i, row in enumerate(self.rows) if not row.done and keep(row)]
+        if len(stay) == len(self.rows):
+            return []
+        left = [row for i, row in enumerate(self.rows) if i not in set(stay)]
+        for row in left:
+            row.done = True
+            if self.output_pool is not None:
+                self.output_pool.add(row.generated)
+        self.rows = [self.rows[i] for i in stay]
+        if stay:
+            index = torch.tensor(stay, device=self.cache_valid.device)
+            self.cache.batch_select_indices(index)
+            self.cache_valid = self.cache_valid[index]
+            self._drop_dead_columns()
+        return left
+
+    def _drop_dead_columns(self) -> None:
+        """Cut leading cache columns that no remaining row can see (e.g. a long prompt left)."""
+        seen = self.cache_valid.any(dim=0)
+        first = int(seen.int().argmax()) if bool(seen.any()) else 0
+        if first > 0:
+            self.cache_valid = self.cache_valid[:, first:]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, first:]
+                layer.values = layer.values[:, :, first:]
+
+
+def _as_batch(input_ids, attention_mask, device) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.numel() == 0:
+        raise InputError("input_ids must be a non-empty list of token ids or a (batch, length) tensor")
+    if attention_mask is None:
+        mask = torch.ones_like(ids)
+    else:
+        mask = torch.as_tensor(attention_mask, dtype=torch.long)
+        if mask.dim() == 1:
+            mask = mask[None]
+        if mask.shape != ids.shape:
+            raise InputError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+    if bool((mask.sum(-1) == 0).any()):
+        raise InputError("a row of input_ids is empty (its attention_mask is all zeros)")
+    if bool((mask[:, -1] == 0).any()):
+        raise InputError("input rows must be left-padded (attention_mask ends with 0 on some row)")
+    return ids.to(device), mask.to(device)
+
+
+def _pad_id(model, pad_token_id, eos: frozenset[int]) -> int:
+    if pad_token_id is None:
+        pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = min(eos) if eos else 0
+    return int(pad_token_id)
+
+
+def generate(
+    model,
+    input_ids,
+    attention_mask=None,
+    *,
+    max_new_tokens: int,
+    config: LookaheadConfig | None = None,
+    references: Sequence[Sequence[Sequence[int]]] | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    output_pool: OutputPool | None = None,
+    on_tokens: Callable[[int, list[int]], bool | None] | None = None,
+) -> GenerationResult:
+    """Greedy decoding, lossless, several tokens a forward where the trie guesses right.
+
+    input_ids: a list of ids, or a (batch, length) tensor left-padded per ``attention_mask``.
+    references: per row, token-id sequences seeding that row's context pool (passages that
+        are not in the prompt).
+    output_pool: n-grams of earlier answers to draft from; defaults to one shared per model.
+    on_tokens(row, tokens): called as each row's tokens are accepted; return True to end that
+        row there (a stop string was seen, the client left).
+    """
+    config = config or LookaheadConfig()
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    device = next(model.parameters()).device
+    ids, mask = _as_batch(input_ids, attention_mask, device)
+    if references is not None and len(references) != ids.shape[0]:
+        raise InputError(f"references has {len(references)} rows but input_ids has {ids.shape[0]}")
+    limit = _context_limit(model)
+    longest = int(mask.sum(-1).max())
+    if limit is not None and longest >= limit:
+        raise InputError(f"the input has {longest} tokens but the model's context holds {limit}")
+    eos = _eos_set(model, eos_token_id)
+    pad = _pad_id(model, pad_token_id, eos)
+    if output_pool is None and config.enabled and config.use_output_pool:
+        output_pool = default_output_pool(model, config)
+
+    if config.enabled and ids.shape[0] > 1 and not supports_tree_mask(model):
+        return _row_by_row(model, ids, mask, max_new_tokens, config, references, eos, pad, output_pool, on_tokens)
+
+    stats = GenerationStats(rows=ids.shape[0], trace=[] if config.debug else None)
+    batch = DecodeBatch(model, config, eos, output_pool)
+    start = time.perf_counter()
+    batch.prefill(ids, mask, references, max_new_tokens)
+    stats.prefill_seconds = time.perf_counter() - start
+    outputs: dict[int, list[int]] = {}
+
+    def notify(row: _Row, tokens: list[int]) -> bool:
+        return bool(on_tokens(row.index, tokens)) if on_tokens is not None and tokens else False
+
+    stopped = {row.index for row in batch.rows if notify(row, row.generated)}
+    start = time.perf_counter()
+    while True:
+        for row in batch.finish(lambda row: row.index not in stopped):
+            outputs[row.index] = row.generated
+        if not batch.rows:
+            break
+        tick = time.perf_counter()
+        drafts = batch.propose()
+        lookup = time.perf_counter() - tick
+        gained = batch.verify_and_accept(drafts)
+        stats.forward_passes += 1
+        stats.lookup_seconds += lookup
+        for row, draft, tokens in zip(batch.rows, drafts, gained):
+            stats.draft_tokens += len(draft)
+            stats.accepted_histogram[len(tokens)] = stats.accepted_histogram.get(len(tokens), 0) + 1
+            if notify(row, tokens):
+                stopped.add(row.index)
+        if stats.trace is not None:
+            stats.trace.append(
+                {
+                    "step": stats.forward_passes,
+                    "draft": [len(d) for d in drafts],
+                    "gained": [len(t) for t in gained],
+                    "lookup_ms": round(lookup * 1e3, 3),
+                    "step_ms": round((time.perf_counter() - tick) * 1e3, 3),
+                }
+            )
+    stats.decode_seconds = time.perf_counter() - start
+    stats.new_tokens = sum(len(t) for t in outputs.values())
+    return GenerationResult(_assemble(ids, [outputs[r] for r in range(ids.shape[0])], pad), stats)
+
+
+def _assemble(ids: torch.Tensor, outputs: list[list[int]], pad: int) -> torch.LongTensor:
+    width = max(len(o) for o in outputs)
+    new = torch.full((ids.shape[0], width), pad, dtype=torch.long, device=ids.device)
+    for r, tokens in enumerate(outputs):
+        new[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    return torch.cat([ids, new], dim=1)
+
+
+def _row_by_row(model, ids, mask, max_new_tokens, config, references, eos, pad, output_pool, on_tokens):
+    """Models without tree masks cannot batch ragged rows; decode each row alone."""
+    outputs, total = [], GenerationStats(rows=ids.shape[0])
+    for r in range(ids.shape[0]):
+        length = int(mask[r].sum())
+        result = generate(
+            model,
+            ids[r : r + 1, ids.shape[1] - length :],
+            max_new_tokens=max_new_tokens,
+            config=config,
+            references=[references[r]] if references else None,
+            eos_token_id=sorted(eos),
+            pad_token_id=pad,
+            output_pool=output_pool,
+            on_tokens=(lambda _row, tokens, r=r: on_tokens(r, tokens)) if on_tokens else None,
+        )
+        outputs.append(result.sequences[0, length:].tolist())
+        for name in ("forward_passes", "new_tokens", "prefill_seconds", "decode_seconds", "lookup_seconds", "draft_tokens"):
+            setattr(total, name, getattr(total, name) + getattr(result.stats, name))
+        for k, n in result.stats.accepted_histogram.items():
+            total.accepted_histogram[k] = total.accepted_histogram.get(k, 0) + n
+    return GenerationResult(_assemble(ids, outputs, pad), total)

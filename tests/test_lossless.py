@@ -1,0 +1,128 @@
+"""Lossless: lookahead output equals transformers' greedy output, token for token, in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.trie import OutputPool
+
+from tiny_models import ARCHITECTURES, reference_generate, tiny_model
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# A small alphabet makes prompts repeat themselves, so drafts are found and often right.
+tokens = st.integers(min_value=1, max_value=12)
+
+
+@st.composite
+def cases(draw):
+    prompt = draw(st.lists(tokens, min_size=1, max_size=40))
+    max_new = draw(st.integers(min_value=1, max_value=40))
+    kind = draw(st.sampled_from(["none", "random", "right", "wrong", "eos_inside"]))
+    config = LookaheadConfig(
+        decoding_length=draw(st.integers(min_value=1, max_value=64)),
+        branch_length=draw(st.integers(min_value=1, max_value=12)),
+        max_key_length=draw(st.integers(min_value=1, max_value=4)),
+        budget=draw(st.sampled_from(["fixed", "auto"])),
+        use_output_pool=draw(st.booleans()),
+    )
+    seed = draw(st.integers(min_value=0, max_value=2**16))
+    return prompt, max_new, kind, config, seed
+
+
+def _references(model, prompt, max_new, kind, seed):
+    """References for one case, and the EOS id to use (None: no EOS)."""
+    rng = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return [], None
+    if kind == "random":
+        return [torch.randint(1, 13, (int(torch.randint(1, 50, (1,), generator=rng)),), generator=rng).tolist()], None
+    truth = reference_generate(model, prompt, max_new, None)
+    if kind == "right":  # the true continuation, after the prompt's tail: every draft is accepted
+        return [prompt[-3:] + truth], None
+    if kind == "wrong":  # the prompt's tail followed by tokens the model never chooses next
+        return [prompt[-3:] + [(t % 12) + 1 for t in truth]], None
+    # eos_inside: EOS is a token in the middle of the true continuation, drafted in one block
+    eos = truth[len(truth) // 2]
+    return [prompt[-3:] + truth], eos
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@SETTINGS
+@given(case=cases())
+def test_single_row_matches_generate(arch, case):
+    prompt, max_new, kind, config, seed = case
+    model = tiny_model(arch)
+    references, eos = _references(model, prompt, max_new, kind, seed)
+    expected = reference_generate(model, prompt, max_new, eos)
+    pool = OutputPool(config.branch_length + config.max_key_length)
+    if config.use_output_pool:  # an earlier answer that partly matches
+        pool.add(expected[: len(expected) // 2] + prompt)
+    result = generate(
+        model,
+        prompt,
+        max_new_tokens=max_new,
+        config=config,
+        references=[references],
+        eos_token_id=eos,
+        pad_token_id=0,
+        output_pool=pool,
+    )
+    got = result.sequences[0, len(prompt) :].tolist()
+    assert got == expected
+    assert len(got) <= max_new
+    assert result.stats.new_tokens == len(got)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "glm4"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompts=st.lists(st.lists(tokens, min_size=1, max_size=30), min_size=2, max_size=5),
+    max_new=st.integers(min_value=1, max_value=30),
+    eos=st.one_of(st.none(), st.integers(min_value=1, max_value=12)),
+    budget=st.sampled_from(["fixed", "auto"]),
+    with_refs=st.booleans(),
+)
+def test_batch_rows_match_single_rows(arch, prompts, max_new, eos, budget, with_refs):
+    model = tiny_model(arch)
+    config = LookaheadConfig(decoding_length=16, branch_length=6, budget=budget, use_output_pool=False)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    expected = [reference_generate(model, p, max_new, eos) for p in prompts]
+    references = [[p[-2:] + e] for p, e in zip(prompts, expected)] if with_refs else None
+    result = generate(
+        model, ids, mask, max_new_tokens=max_new, config=config, references=references, eos_token_id=eos, pad_token_id=0
+    )
+    longest = max(len(e) for e in expected)
+    assert result.sequences.shape == (len(prompts), width + longest)
+    for row, want in enumerate(expected):
+        got = result.sequences[row, width:].tolist()
+        assert got == want + [0] * (longest - len(want))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_eager_attention_matches_generate(arch):
+    model = tiny_model(arch, attn="eager")
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    expected = reference_generate(model, prompt, 30, None)
+    result = generate(model, prompt, max_new_tokens=30, config=LookaheadConfig(budget="fixed"), references=[[prompt + expected]])
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+    assert result.stats.mean_accepted > 1.5  # the reference holds the answer, so blocks are accepted
+
+
+def test_matches_hf_batched_generate_padding_layout():
+    """Shaped like ``model.generate``'s output for a left-padded batch."""
+    model = tiny_model("qwen2")
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    ids = torch.tensor([[1, 2, 3, 4, 5], [0, 0, 0, 7, 8]])
+    mask = (torch.arange(5)[None] >= torch.tensor([[0], [3]])).long()
+    single = [reference_generate(model, p, 12, 5) for p in prompts]
+    result = generate(model, ids, mask, max_new_tokens=12, eos_token_id=5, pad_token_id=0)
+    for row, want in enumerate(single):
+        assert result.sequences[row, 5 : 5 + len(want)].tolist() == want
+        assert set(result.sequences[row, 5 + len(want) :].tolist()) <= {0}
