@@ -1,0 +1,216 @@
+"""Retrieval chains that seed the lookahead trie with the retrieved passages.
+
+Retrieval returns ``k_seed`` passages; the best ``k_prompt`` go into the prompt (their tokens seed
+the row's context pool like any prompt token), the rest are handed to :class:`LookaheadLLM` as
+``references``: they are never shown to the model, so the answer is unchanged, but when the
+model quotes them the trie already holds the words and drafts whole phrases.
+
+Two shapes:
+
+* :func:`build_rag_chain` - an LCEL ``Runnable``: question (str or ``{"question": ...}``) ->
+  ``{"answer", "sources", "stats"}``.
+* :func:`build_retrieval_qa` - ``langchain_classic.chains.RetrievalQA.from_chain_type`` with a
+  :class:`SeedingRetriever`. ``RetrievalQA`` cannot pass per-query kwargs to its LLM, so the
+  retriever registers the extra passages on the LLM (``LookaheadLLM.register_seeds``), keyed by the
+  texts of the passages it returns; the LLM picks them up for the prompt that contains those texts.
+  This works across threads and needs no context variables; with a non-lookahead LLM the wrapper
+  simply returns the top ``k_prompt`` documents.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.prompts import PromptTemplate
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnableConfig, RunnableLambda
+
+from .errors import ConfigError, InputError
+
+__all__ = [
+    "RAG_TEMPLATE",
+    "RAG_PROMPT",
+    "SeedingRetriever",
+    "as_retriever",
+    "retrieve",
+    "format_context",
+    "make_prompt",
+    "source_info",
+    "build_rag_chain",
+    "build_retrieval_qa",
+]
+
+RAG_TEMPLATE = """Answer the question using only the context below. Quote the context's exact words where they answer it. \
+If the answer is not in the context, say that it is not there. Answer in the language of the question.
+请只根据下面的资料回答问题，尽量直接引用资料原文；如果资料里没有答案，请说明资料中没有。用提问的语言回答。
+
+Context / 资料:
+{context}
+
+Question / 问题: {question}"""
+
+RAG_PROMPT = PromptTemplate.from_template(RAG_TEMPLATE)
+SNIPPET_CHARS = 160
+
+
+def as_retriever(retriever_or_index: Any, k: int) -> BaseRetriever:
+    """A ``BaseRetriever`` for a :class:`rag_lookahead.index.DocumentIndex`, a folder holding one, or a retriever."""
+    from pathlib import Path
+
+    if isinstance(retriever_or_index, BaseRetriever):
+        if hasattr(retriever_or_index, "k"):  # ours and most vector-store retrievers: ask for k_seed
+            try:
+                return retriever_or_index.model_copy(update={"k": max(k, retriever_or_index.k)})
+            except Exception:
+                return retriever_or_index
+        if hasattr(retriever_or_index, "search_kwargs"):
+            kwargs = dict(retriever_or_index.search_kwargs or {})
+            kwargs["k"] = max(k, kwargs.get("k", 0))
+            return retriever_or_index.model_copy(update={"search_kwargs": kwargs})
+        return retriever_or_index
+    if isinstance(retriever_or_index, (str, Path)):
+        from .index import load_index
+
+        retriever_or_index = load_index(retriever_or_index)
+    if hasattr(retriever_or_index, "as_retriever"):
+        return retriever_or_index.as_retriever(k=k)
+    raise ConfigError(f"expected a retriever or a DocumentIndex, got {type(retriever_or_index).__name__}")
+
+
+def _check_k(k_prompt: int, k_seed: int) -> None:
+    if not isinstance(k_prompt, int) or k_prompt < 1:
+        raise ConfigError(f"k_prompt must be an integer >= 1, got {k_prompt!r}")
+    if not isinstance(k_seed, int) or k_seed < k_prompt:
+        raise ConfigError(f"k_seed must be an integer >= k_prompt ({k_prompt}), got {k_seed!r}")
+
+
+def retrieve(retriever: BaseRetriever, question: str, k_seed: int, config: RunnableConfig | None = None) -> list[Document]:
+    if not isinstance(question, str) or not question.strip():
+        raise InputError("the question is empty")
+    return list(retriever.invoke(question, config=config))[:k_seed]
+
+
+def format_context(docs: Sequence[Document]) -> str:
+    parts = []
+    for i, doc in enumerate(docs, start=1):
+        source = doc.metadata.get("source", "")
+        parts.append(f"[{i}] ({source})\n{doc.page_content}" if source else f"[{i}]\n{doc.page_content}")
+    return "\n\n".join(parts)
+
+
+def make_prompt(question: str, docs: Sequence[Document], prompt: PromptTemplate = RAG_PROMPT) -> str:
+    return prompt.format(context=format_context(docs), question=question.strip())
+
+
+def source_info(doc: Document, in_prompt: bool) -> dict:
+    text = doc.page_content
+    snippet = " ".join(text.split())
+    if len(snippet) > SNIPPET_CHARS:
+        snippet = snippet[: SNIPPET_CHARS - 1] + "…"
+    return {
+        "source": doc.metadata.get("source"),
+        "chunk_id": doc.metadata.get("chunk_id"),
+        "score": doc.metadata.get("score"),
+        "in_prompt": in_prompt,
+        "snippet": snippet,
+        "text": text,
+    }
+
+
+def build_rag_chain(llm, retriever_or_index: Any, k_prompt: int = 3, k_seed: int = 8, prompt: PromptTemplate = RAG_PROMPT):
+    """LCEL chain: question -> ``{"answer": str, "sources": [dict], "stats": dict}``.
+
+    ``sources`` lists all ``k_seed`` passages (``in_prompt`` tells which the model saw).
+    Extra call kwargs of :class:`LookaheadLLM` (``enable_lookahead``, ``max_new_tokens``) can be
+    given in the input dict: ``{"question": q, "enable_lookahead": False}``. Token callbacks
+    (``config={"callbacks": [...]}``) receive each accepted block's text.
+    """
+    _check_k(k_prompt, k_seed)
+    retriever = as_retriever(retriever_or_index, k_seed)
+
+    def run(inputs: Any, config: RunnableConfig) -> dict:
+        if isinstance(inputs, dict):
+            question = inputs.get("question", inputs.get("query"))
+            extra = {k: v for k, v in inputs.items() if k in ("enable_lookahead", "max_new_tokens")}
+        else:
+            question, extra = inputs, {}
+        if not isinstance(question, str) or not question.strip():
+            raise InputError("the question is empty")
+        t0 = time.perf_counter()
+        docs = retrieve(retriever, question, k_seed, config)
+        retrieval_seconds = time.perf_counter() - t0
+        shown, seeds = docs[:k_prompt], docs[k_prompt:]
+        text = make_prompt(question, shown, prompt)
+        kwargs = dict(extra)
+        if _is_lookahead(llm):
+            kwargs["references"] = [[d.page_content for d in seeds]]
+        result = llm.generate(
+            [text],
+            callbacks=config.get("callbacks"),
+            tags=config.get("tags"),
+            metadata=config.get("metadata"),
+            **kwargs,
+        )
+        generation = result.generations[0][0]
+        stats = dict(generation.generation_info or {})
+        stats["retrieval_seconds"] = round(retrieval_seconds, 4)
+        stats["seed_passages"] = len(seeds)
+        return {
+            "answer": generation.text.strip(),
+            "sources": [source_info(d, i < k_prompt) for i, d in enumerate(docs)],
+            "stats": stats,
+        }
+
+    return RunnableLambda(run, name="rag_lookahead_chain")
+
+
+def _is_lookahead(llm) -> bool:
+    from .llm import LookaheadLLM
+
+    return isinstance(llm, LookaheadLLM)
+
+
+class SeedingRetriever(BaseRetriever):
+    """Retrieves ``k_seed`` passages, returns the top ``k_prompt`` and registers the rest on ``llm``
+    as references for the prompt that will hold the returned ones (see module docstring)."""
+
+    retriever: BaseRetriever
+    llm: Any = None
+    k_prompt: int = 3
+    k_seed: int = 8
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        docs = retrieve(self.retriever, query, self.k_seed, {"callbacks": run_manager.get_child()})
+        shown, seeds = docs[: self.k_prompt], docs[self.k_prompt :]
+        if seeds and self.llm is not None and hasattr(self.llm, "register_seeds"):
+            self.llm.register_seeds([d.page_content for d in shown], [d.page_content for d in seeds])
+        return shown
+
+
+def build_retrieval_qa(
+    llm,
+    retriever_or_index: Any,
+    k_prompt: int = 3,
+    k_seed: int = 8,
+    prompt: PromptTemplate = RAG_PROMPT,
+    return_source_documents: bool = True,
+):
+    """``RetrievalQA.from_chain_type(llm=llm, retriever=SeedingRetriever(...), chain_type_kwargs={"prompt": prompt})``.
+
+    Call it as ``qa.invoke({"query": question})`` -> ``{"query", "result", "source_documents"}``.
+    """
+    from langchain_classic.chains import RetrievalQA
+
+    _check_k(k_prompt, k_seed)
+    base = as_retriever(retriever_or_index, k_seed)
+    seeding = SeedingRetriever(retriever=base, llm=llm, k_prompt=k_prompt, k_seed=k_seed)
+    return RetrievalQA.from_chain_type(
+        llm=llm,
+        chain_type="stuff",
+        retriever=seeding,
+        chain_type_kwargs={"prompt": prompt},
+        return_source_documents=return_source_documents,
+    )

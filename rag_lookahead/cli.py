@@ -1,0 +1,73 @@
+"""``rag_lookahead index | ask | bench | serve``.
+
+Errors the user can fix (``RagLookaheadError``) print as one red line and exit 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .ask import ask_command, fail
+from .errors import RagLookaheadError
+
+app = typer.Typer(
+    name="rag_lookahead",
+    help="Lossless lookahead decoding for local retrieval-augmented generation.",
+    add_completion=False,
+    no_args_is_help=True,
+)
+
+app.command("ask")(ask_command)
+
+_FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@app.command("index")
+def index_command(
+    corpus_dir: Path = typer.Argument(..., help="Folder of .txt/.md/.pdf files (searched recursively)."),
+    index_dir: Optional[Path] = typer.Option(None, "--index-dir", help="Index folder (default: default_index_dir())."),
+    embedder: Optional[str] = typer.Option(None, "--embedder", help="e5-small (default), use, or a sentence-transformers name."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+) -> None:
+    """Build or incrementally update the document index."""
+    from .index import build_index
+
+    try:
+        report = build_index(corpus_dir, index_dir, embedder, progress=not no_progress)
+    except RagLookaheadError as e:
+        fail(e)
+    typer.echo(report.summary())
+
+
+def _forward(module: str, ctx: typer.Context, what: str) -> None:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            fail(RagLookaheadError(f"`rag_lookahead {what}` is not available in this installation ({module} is missing)"))
+        raise
+    try:
+        rc = mod.main(list(ctx.args))
+    except RagLookaheadError as e:
+        fail(e)
+    raise typer.Exit(rc if isinstance(rc, int) and not isinstance(rc, bool) else 0)
+
+
+@app.command("bench", context_settings=_FORWARD, add_help_option=False)
+def bench_command(ctx: typer.Context) -> None:
+    """Side-by-side benchmark (arguments go to rag_lookahead.bench; try `bench --help`)."""
+    _forward("rag_lookahead.bench", ctx, "bench")
+
+
+@app.command("serve", context_settings=_FORWARD, add_help_option=False)
+def serve_command(ctx: typer.Context) -> None:
+    """OpenAI-compatible server (arguments go to rag_lookahead.server; try `serve --help`)."""
+    _forward("rag_lookahead.server", ctx, "serve")
+
+
+if __name__ == "__main__":
+    app()
