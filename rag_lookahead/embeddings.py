@@ -35,9 +35,13 @@ __all__ = [
     "get_embedder",
     "tokenize",
     "reciprocal_rank_fusion",
+    "HYBRID_WEIGHTS",
 ]
 
 DEFAULT_EMBEDDER = "e5-small"
+# RRF weights (dense, BM25) for hybrid search: BM25 at half weight fixes dense misses on exact terms
+# without overriding a confident dense top hit (see bench_retrieval)
+HYBRID_WEIGHTS = (1.0, 0.5)
 BATCH_SIZE = 16
 
 
@@ -225,6 +229,11 @@ class LangChainEmbeddings(_LCEmbeddings):  # type: ignore[misc,valid-type]
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 _WORD = re.compile(r"\w+", re.UNICODE)
 _jieba = None
+# English function words: in short English questions they otherwise dominate BM25 matches
+_EN_STOP = frozenset(
+    "a an and are as at be by can do does did for from how i in is it its of on or so that the this to"
+    " was what when where which who why will with you your my we our they their me should would".split()
+)
 
 
 def _get_jieba():
@@ -237,20 +246,41 @@ def _get_jieba():
     return _jieba
 
 
+# a run of word characters with no CJK in it (Latin with accents, Cyrillic, digits, identifiers)
+_ASCII_WORD = re.compile(r"[^\W\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
+
+
+def _word_tokens(word: str) -> list[str]:
+    """A non-CJK word, plus its parts when it is an identifier like ``branch_length``."""
+    if word in _EN_STOP:
+        return []
+    parts = [p for p in word.split("_") if p and p not in _EN_STOP]
+    return [word] + parts if len(parts) > 1 else ([word] if word.strip("_") else [])
+
+
 def tokenize(text: str) -> list[str]:
-    """Tokens for BM25: jieba search-mode words for Chinese, lower-cased ``\\w+`` words otherwise.
+    """Tokens for BM25: lower-cased non-CJK words and identifiers (kept whole, plus their ``_`` parts),
+    jieba search-mode words for everything else; punctuation and English stop words dropped.
 
     Single-character Chinese function words are kept: BM25's IDF already discounts them.
     """
     text = text.lower()
-    if not _CJK.search(text):
-        return _WORD.findall(text)
-    toks = []
-    for w in _get_jieba().lcut_for_search(text):
-        w = w.strip()
-        if w and _WORD.fullmatch(w):  # drops punctuation and spaces
-            toks.append(w)
+    toks: list[str] = []
+    pos = 0
+    for m in _ASCII_WORD.finditer(text):
+        toks.extend(_other_tokens(text[pos : m.start()]))
+        toks.extend(_word_tokens(m.group()))
+        pos = m.end()
+    toks.extend(_other_tokens(text[pos:]))
     return toks
+
+
+def _other_tokens(chunk: str) -> list[str]:
+    if not chunk.strip():
+        return []
+    if not _CJK.search(chunk):
+        return _WORD.findall(chunk)  # other scripts: \w runs
+    return [w for w in (t.strip() for t in _get_jieba().lcut_for_search(chunk)) if w and _WORD.fullmatch(w)]
 
 
 class BM25Index:
@@ -275,10 +305,19 @@ class BM25Index:
         return [(int(i), float(s[i])) for i in order if s[i] > 0]
 
 
-def reciprocal_rank_fusion(rankings: Sequence[Sequence[int]], k: int = 60) -> list[tuple[int, float]]:
-    """Fuse ranked id lists: score(d) = sum over lists of 1 / (k + rank), rank from 1. Best first."""
+def reciprocal_rank_fusion(
+    rankings: Sequence[Sequence[int]], k: int = 60, weights: Sequence[float] | None = None
+) -> list[tuple[int, float]]:
+    """Fuse ranked id lists: score(d) = sum over lists of w / (k + rank), rank from 1. Best first.
+
+    Ties (common with few documents) go to the better rank in the earliest list, so put the more
+    trusted ranking (dense) first.
+    """
+    weights = list(weights) if weights is not None else [1.0] * len(rankings)
     fused: dict[int, float] = {}
-    for ranking in rankings:
+    first_seen: dict[int, tuple[int, int]] = {}
+    for li, (ranking, w) in enumerate(zip(rankings, weights)):
         for rank, doc in enumerate(ranking, start=1):
-            fused[doc] = fused.get(doc, 0.0) + 1.0 / (k + rank)
-    return sorted(fused.items(), key=lambda kv: (-kv[1], kv[0]))
+            fused[doc] = fused.get(doc, 0.0) + w / (k + rank)
+            first_seen.setdefault(doc, (li, rank))
+    return sorted(fused.items(), key=lambda kv: (-round(kv[1], 12), first_seen[kv[0]], kv[0]))

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .embeddings import BM25Index, Embedder, get_embedder, reciprocal_rank_fusion
+from .embeddings import HYBRID_WEIGHTS, BM25Index, Embedder, get_embedder, reciprocal_rank_fusion
 from .errors import ConfigError, IndexLoadError, InputError
 
 __all__ = [
@@ -296,7 +296,7 @@ class DocumentIndex:
         else:
             dense = [i for i, _ in self._dense(query, depth)]
             lexical = [i for i, _ in self.bm25.search(query, depth)]
-            hits = reciprocal_rank_fusion([dense, lexical])[:k]
+            hits = reciprocal_rank_fusion([dense, lexical], weights=HYBRID_WEIGHTS)[:k]
         out = []
         for i, score in hits[:k]:
             r = self.records[i]
