@@ -4,7 +4,7 @@
 
 Each output line: {"question", "answer", "sources": [{source, chunk_id, score, in_prompt, snippet}], "stats"}
 in input order. Questions are answered in batches through one batched generate call each
-(``LookaheadLLM.batch``); the output file is written to a temporary sibling and renamed into
+(``LookaheadLLM.generate``, like ``.batch``); the output file is written to a temporary sibling and renamed into
 place, so an interrupted run never leaves a half-written file.
 """
 

@@ -1,0 +1,135 @@
+"""LookaheadLLM behaviour on the real default model (small max_new_tokens to keep CPU time down)."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+
+from rag_lookahead.config import LookaheadConfig
+from rag_lookahead.errors import InputError
+from rag_lookahead.llm import LookaheadLLM
+
+pytestmark = pytest.mark.slow
+
+PASSAGE = (
+    "decoding_length 是一次前向计算中最多验证的草稿词元总数，默认值为 64。"
+    "在 CPU 上改用 budget=\"fixed\" 时，建议把 decoding_length 设在 8 到 16 左右。"
+)
+PROMPTS = [
+    "List three primary colors, separated by commas.",
+    "用一句话介绍北京。",
+    f"资料：{PASSAGE}\n问题：在 CPU 上 decoding_length 建议设为多少？请引用原文回答。",
+    "Write the numbers from 1 to 10 separated by spaces.",
+]
+
+
+class Collect(BaseCallbackHandler):
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def on_llm_new_token(self, token: str, **kwargs) -> None:
+        self.tokens.append(token)
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    model, tokenizer = default_model
+    return LookaheadLLM(
+        model=model,
+        tokenizer=tokenizer,
+        model_name="default",
+        max_new_tokens=24,
+        lookahead=LookaheadConfig(budget="fixed", decoding_length=16),
+    )
+
+
+@pytest.fixture(scope="module")
+def singles(llm):
+    return [llm.invoke(p) for p in PROMPTS]
+
+
+def test_batch_equals_single_invokes(llm, singles):
+    assert all(s.strip() for s in singles)
+    assert llm.batch(PROMPTS) == singles
+
+
+def test_answer_only_no_prompt(llm, singles):
+    assert "List three" not in singles[0] and "<|im_start|>" not in singles[0]
+
+
+def test_lookahead_on_off_identical(llm, singles):
+    assert llm.invoke(PROMPTS[2], enable_lookahead=False) == singles[2]
+    assert llm.invoke(PROMPTS[3], enable_lookahead=False, references=["1 2 3 4 5 6 7 8 9 10"]) == singles[3]
+
+
+def test_stop_honoured_and_excluded(llm, singles):
+    text = singles[3]
+    stop = " 5"
+    assert stop in text
+    out = llm.invoke(PROMPTS[3], stop=[stop])
+    assert out == text[: text.index(stop)]
+    # the stop is cut even when it ends inside a multi-token block, and in the streamed text too
+    streamed = "".join(llm.stream(PROMPTS[3], stop=[stop, "never-there"]))
+    assert streamed == out
+    result = llm.generate([PROMPTS[3]], stop=[stop])
+    assert result.generations[0][0].generation_info["stopped_by"] == "stop"
+
+
+def test_stream_concatenates_to_invoke(llm, singles):
+    for prompt, text in zip(PROMPTS[1:3], singles[1:3]):
+        chunks = list(llm._stream(prompt))
+        assert "".join(c.text for c in chunks) == text
+        assert len(chunks) > 2
+        assert all("\ufffd" not in c.text for c in chunks)
+        assert all(c.generation_info is None for c in chunks[:-1])
+        info = chunks[-1].generation_info
+        assert info["new_tokens"] > 0 and info["forward_passes"] >= 1 and "tokens_per_second" in info
+        assert "".join(llm.stream(prompt)) == text
+
+
+def test_callbacks_in_invoke_and_stream(llm, singles):
+    handler = Collect()
+    assert llm.invoke(PROMPTS[1], config={"callbacks": [handler]}) == singles[1]
+    assert len(handler.tokens) > 1 and "".join(handler.tokens) == singles[1]
+    handler = Collect()
+    assert "".join(llm.stream(PROMPTS[1], config={"callbacks": [handler]})) == singles[1]
+    assert "".join(handler.tokens) == singles[1]
+
+
+def test_generation_info_has_stats(llm, singles):
+    result = llm.generate(PROMPTS[:2])
+    for gens, text in zip(result.generations, singles[:2]):
+        info = gens[0].generation_info
+        assert gens[0].text == text
+        for key in ("new_tokens", "forward_passes", "mean_accepted", "tokens_per_second", "batch_size"):
+            assert key in info
+        assert info["batch_size"] == 2 and info["new_tokens"] >= 1
+    assert result.llm_output["stats"]["rows"] == 2
+
+
+def test_references_shapes(llm, singles):
+    assert llm.invoke(PROMPTS[2], references=[PASSAGE]) == singles[2]  # flat list, one prompt
+    assert llm.batch(PROMPTS[:2], references=[[PASSAGE], []]) == singles[:2]
+    with pytest.raises(InputError):
+        llm.generate(PROMPTS[:2], references=[PASSAGE])
+    with pytest.raises(InputError):
+        llm.invoke(PROMPTS[0], references=[[PASSAGE], [PASSAGE]])
+
+
+def test_empty_prompt_is_an_input_error(llm):
+    for bad in ("", "   \n"):
+        with pytest.raises(InputError, match="empty"):
+            llm.invoke(bad)
+        with pytest.raises(InputError, match="empty"):
+            list(llm.stream(bad))
+
+
+def test_identifying_params_and_serialization(llm):
+    assert llm._llm_type == "rag_lookahead"
+    assert dict(llm._identifying_params) == {"model_name": "default", "max_new_tokens": 24, "system_prompt": None}
+    dumped = llm.model_dump()
+    assert "model" not in dumped and "tokenizer" not in dumped
+    other = LookaheadLLM(model=llm.model, tokenizer=llm.tokenizer, model_name="default", max_new_tokens=24,
+                         lookahead=LookaheadConfig(decoding_length=8))
+    assert other._identifying_params == llm._identifying_params  # draft settings share the LLM cache
+    assert other.output_pool is not llm.output_pool
