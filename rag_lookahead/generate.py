@@ -75,7 +75,7 @@ class GenerationResult:
 
 @dataclass
 class _Row:
-    index: int  # row of the caller's batch
+    index: object  # the row's key: its row in generate's batch, a request id in a server
     context: ContextPool
     budget: Budget
     max_new_tokens: int
@@ -125,36 +125,77 @@ class DecodeBatch:
         self.curve = cost_curve(model) if config.enabled and config.budget == "auto" else None
         self.context_limit = _context_limit(model)
         self.rows: list[_Row] = []
+        self._arrivals = 0
         self.cache = None
         self.cache_valid: torch.Tensor | None = None  # (rows, cache length) bool
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, references, max_new_tokens: int) -> None:
+    def add(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        references=None,
+        max_new_tokens: int | Sequence[int] = 1,
+        keys: Sequence | None = None,
+    ) -> list[_Row]:
+        """Prefill new left-padded rows and merge them into the running batch.
+
+        ``keys`` name the rows (default: their order of arrival); rows joining a running
+        batch are how a server batches continuously.
+        """
         from transformers import DynamicCache
 
         depth = self.config.branch_length + self.config.max_key_length
-        device = input_ids.device
-        self.cache = DynamicCache(config=self.model.config)
+        count = input_ids.shape[0]
+        if isinstance(max_new_tokens, int):
+            max_new_tokens = [max_new_tokens] * count
+        if keys is None:
+            keys = list(range(self._arrivals, self._arrivals + count))
+        self._arrivals += count
+        cache = DynamicCache(config=self.model.config)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         logits = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=positions,
-            cache=self.cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,
         ).logits
-        check_cache(self.cache)
+        check_cache(cache)
         first = logits[:, -1].argmax(-1).tolist()
-        self.cache_valid = attention_mask.bool().to(device)
         lengths = attention_mask.sum(-1).tolist()
-        for r in range(input_ids.shape[0]):
+        rows = []
+        for r in range(count):
             prompt = input_ids[r, input_ids.shape[1] - lengths[r] :].tolist()
             context = ContextPool(depth, references[r] if references else ())
             context.extend(prompt)
-            row = _Row(r, context, Budget(self.curve), max_new_tokens, position=lengths[r])
-            self.rows.append(row)
+            row = _Row(keys[r], context, Budget(self.curve), max_new_tokens[r], position=lengths[r])
             self._take(row, [first[r]])
+            rows.append(row)
+        self._merge(cache, attention_mask.bool(), rows)
+        return rows
+
+    def _merge(self, cache, valid: torch.Tensor, rows: list[_Row]) -> None:
+        """Append rows (their cache and column validity) to the batch, left-aligning columns."""
+        if self.cache is None or not self.rows:
+            self.cache, self.cache_valid, self.rows = cache, valid, rows
+            return
+        width = max(valid.shape[1], self.cache_valid.shape[1])
+
+        def widen(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - tensor.shape[dim]
+            if missing == 0:
+                return tensor
+            shape = list(tensor.shape)
+            shape[dim] = missing
+            return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([widen(mine.keys, 2), widen(theirs.keys, 2)], dim=0)
+            mine.values = torch.cat([widen(mine.values, 2), widen(theirs.values, 2)], dim=0)
+        self.cache_valid = torch.cat([widen(self.cache_valid, 1), widen(valid, 1)], dim=0)
+        self.rows = self.rows + rows
 
     def _take(self, row: _Row, tokens: list[int]) -> list[int]:
         """Append accepted tokens, cut at EOS, the token budget or the context end."""
@@ -319,7 +360,7 @@ def generate(
     stats = GenerationStats(rows=ids.shape[0], trace=[] if config.debug else None)
     batch = DecodeBatch(model, config, eos, output_pool)
     start = time.perf_counter()
-    batch.prefill(ids, mask, references, max_new_tokens)
+    batch.add(ids, mask, references, max_new_tokens)
     stats.prefill_seconds = time.perf_counter() - start
     outputs: dict[int, list[int]] = {}
 

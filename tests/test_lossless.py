@@ -126,3 +126,36 @@ def test_matches_hf_batched_generate_padding_layout():
     for row, want in enumerate(single):
         assert result.sequences[row, 5 : 5 + len(want)].tolist() == want
         assert set(result.sequences[row, 5 + len(want) :].tolist()) <= {0}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    first=st.lists(tokens, min_size=1, max_size=30),
+    later=st.lists(st.lists(tokens, min_size=1, max_size=30), min_size=1, max_size=3),
+    join_after=st.integers(min_value=0, max_value=6),
+    max_new=st.integers(min_value=1, max_value=25),
+)
+def test_rows_joining_a_running_batch_match_single_rows(arch, first, later, join_after, max_new):
+    """Continuous batching: requests merged between decode steps keep their single-row output."""
+    from rag_lookahead.generate import DecodeBatch
+
+    model = tiny_model(arch)
+    config = LookaheadConfig(decoding_length=12, branch_length=5, budget="fixed", use_output_pool=False)
+    batch = DecodeBatch(model, config, frozenset(), None)
+    batch.add(torch.tensor([first]), torch.ones(1, len(first), dtype=torch.long), None, max_new, keys=["first"])
+    outputs = {}
+    steps = 0
+    pending = list(enumerate(later))
+    while batch.rows or pending:
+        if steps >= join_after and pending:
+            key, prompt = pending.pop(0)
+            batch.add(torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long), None, max_new, keys=[key])
+        for row in batch.finish():
+            outputs[row.index] = row.generated
+        if batch.rows:
+            batch.verify_and_accept(batch.propose())
+        steps += 1
+    assert outputs["first"] == reference_generate(model, first, max_new, None)
+    for key, prompt in enumerate(later):
+        assert outputs[key] == reference_generate(model, prompt, max_new, None)

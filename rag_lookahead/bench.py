@@ -1,0 +1,288 @@
+"""Side-by-side benchmark: transformers greedy, transformers prompt lookup, and lookahead.
+
+Same model, same prompts, one process, methods interleaved prompt by prompt so that machine
+noise hits all of them alike. Reports end-to-end and decode-only (after the first token)
+tokens per second, speedups over greedy, mean accepted tokens per forward, and whether each
+output is token-identical to greedy.
+
+    python -m rag_lookahead.bench --max-new-tokens 256 --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .config import LookaheadConfig
+from .generate import generate
+from .trie import OutputPool
+
+METHODS = ("greedy", "prompt_lookup", "lookahead")
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    seconds: float  # end to end, prefill included
+    first_token_seconds: float  # until the first new token exists
+    forwards: int | None = None
+    mean_accepted: float | None = None
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.seconds - self.first_token_seconds
+
+
+@dataclass
+class MethodTotals:
+    tokens: int = 0
+    seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    identical: int = 0
+    runs: int = 0
+    accepted: list[float] = field(default_factory=list)
+
+    def add(self, run: Run, identical: bool) -> None:
+        self.tokens += len(run.tokens)
+        self.seconds += run.seconds
+        self.decode_tokens += max(len(run.tokens) - 1, 0)
+        self.decode_seconds += run.decode_seconds
+        self.identical += identical
+        self.runs += 1
+        if run.mean_accepted is not None:
+            self.accepted.append(run.mean_accepted)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class _FirstTokenClock:
+    """A transformers streamer that notes when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # the first call carries the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def load_prompts(path: str | None) -> list[dict]:
+    if path:
+        text = Path(path).read_text(encoding="utf-8")
+    else:
+        text = resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def chat_ids(tokenizer, prompt: dict, *, with_context: bool = True) -> list[int]:
+    """The prompt as the user turn of the model's chat template."""
+    if with_context:
+        content = f"{prompt['context']}\n\n{prompt['question']}"
+    else:
+        content = prompt["question"]
+    messages = [{"role": "user", "content": content}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@torch.inference_mode()
+def run_hf(model, ids: list[int], max_new_tokens: int, eos, pad, prompt_lookup: int | None) -> Run:
+    x = torch.tensor([ids], device=model.device)
+    clock = _FirstTokenClock()
+    kwargs = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+    start = time.perf_counter()
+    out = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        streamer=clock,
+        **kwargs,
+    )
+    seconds = time.perf_counter() - start
+    first = (clock.first or time.perf_counter()) - start
+    return Run(out[0, len(ids) :].tolist(), seconds, first)
+
+
+def run_lookahead(model, ids, max_new_tokens, eos, pad, config, references=None) -> Run:
+    pool = OutputPool(config.branch_length + config.max_key_length)  # fresh: no earlier answer to copy
+    start = time.perf_counter()
+    result = generate(
+        model,
+        ids,
+        max_new_tokens=max_new_tokens,
+        config=config,
+        references=[references] if references else None,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        output_pool=pool,
+    )
+    seconds = time.perf_counter() - start
+    s = result.stats
+    return Run(result.sequences[0, len(ids) :].tolist(), seconds, s.prefill_seconds, s.forward_passes, s.mean_accepted)
+
+
+def _trim(tokens: list[int], eos: list[int], pad: int) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="rag_lookahead bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--prompts", default=None, help="JSONL with context/question per line (default: bundled set)")
+    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--decoding-length", type=int, default=LookaheadConfig.decoding_length)
+    parser.add_argument("--branch-length", type=int, default=LookaheadConfig.branch_length)
+    parser.add_argument("--budget", default="auto", choices=["auto", "fixed"])
+    parser.add_argument(
+        "--seed-mode",
+        default="prompt",
+        choices=["prompt", "references", "none"],
+        help="prompt: context in the prompt; references: context only seeds the trie; none: question alone",
+    )
+    parser.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+
+    from .models import load_model
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        parser.error(f"unknown methods: {', '.join(sorted(unknown))}")
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    config = LookaheadConfig(
+        decoding_length=args.decoding_length, branch_length=args.branch_length, budget=args.budget
+    ).with_tokenizer(tokenizer)
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    pad = model.generation_config.pad_token_id
+    pad = eos[0] if pad is None else pad
+    prompts = load_prompts(args.prompts)[: args.limit]
+
+    def run(method: str, prompt: dict) -> Run:
+        ids = chat_ids(tokenizer, prompt, with_context=args.seed_mode == "prompt")
+        if method == "greedy":
+            return run_hf(model, ids, args.max_new_tokens, eos, pad, None)
+        if method == "prompt_lookup":
+            return run_hf(model, ids, args.max_new_tokens, eos, pad, 10)
+        references = tokenizer.encode(prompt["context"], add_special_tokens=False) if args.seed_mode == "references" else None
+        return run_lookahead(model, ids, args.max_new_tokens, eos, pad, config, references)
+
+    # warm-up: kernels, and the one-time measurement of the model's verify cost curve
+    for method in methods:
+        run(method, prompts[0])
+
+    totals = {m: MethodTotals() for m in methods}
+    per_prompt = []
+    for repeat in range(args.repeats):
+        for prompt in prompts:
+            runs = {m: run(m, prompt) for m in methods}
+            reference = _trim(runs[methods[0]].tokens, eos, pad) if "greedy" not in runs else _trim(runs["greedy"].tokens, eos, pad)
+            row = {"id": prompt.get("id"), "repeat": repeat}
+            for m, r in runs.items():
+                same = _trim(r.tokens, eos, pad) == reference
+                totals[m].add(r, same)
+                row[m] = {
+                    "new_tokens": len(r.tokens),
+                    "seconds": round(r.seconds, 4),
+                    "decode_tokens_per_second": round(max(len(r.tokens) - 1, 0) / r.decode_seconds, 3) if r.decode_seconds else None,
+                    "identical_to_greedy": same,
+                    "mean_accepted": None if r.mean_accepted is None else round(r.mean_accepted, 3),
+                }
+            per_prompt.append(row)
+            print(json.dumps(row, ensure_ascii=False), flush=True)
+
+    base = totals.get("greedy")
+    summary = {}
+    for m, t in totals.items():
+        summary[m] = {
+            "tokens_per_second": round(t.tokens_per_second, 3),
+            "decode_tokens_per_second": round(t.decode_tokens_per_second, 3),
+            "speedup_e2e": round(t.tokens_per_second / base.tokens_per_second, 3) if base else None,
+            "speedup_decode": round(t.decode_tokens_per_second / base.decode_tokens_per_second, 3) if base else None,
+            "mean_accepted": round(statistics.mean(t.accepted), 3) if t.accepted else None,
+            "identical_to_greedy": f"{t.identical}/{t.runs}",
+            "new_tokens": t.tokens,
+        }
+    report = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": str(model.device),
+        "threads": torch.get_num_threads(),
+        "prompts": len(prompts),
+        "repeats": args.repeats,
+        "max_new_tokens": args.max_new_tokens,
+        "seed_mode": args.seed_mode,
+        "config": {"decoding_length": config.decoding_length, "branch_length": config.branch_length, "budget": config.budget},
+        "summary": summary,
+        "per_prompt": per_prompt,
+    }
+    _print_table(report)
+    if args.json_path:
+        _write_json_atomic(Path(args.json_path), report)
+    return report
+
+
+def _print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{report['model']} {report['dtype']} on {report['device']}, batch 1, {report['prompts']} prompts x {report['repeats']}")
+    for column in ("method", "tok/s e2e", "tok/s decode", "speedup e2e", "speedup decode", "mean accepted", "identical"):
+        table.add_column(column, justify="right")
+    for method, s in report["summary"].items():
+        table.add_row(
+            method,
+            f"{s['tokens_per_second']:.2f}",
+            f"{s['decode_tokens_per_second']:.2f}",
+            f"{s['speedup_e2e']:.2f}x" if s["speedup_e2e"] else "-",
+            f"{s['speedup_decode']:.2f}x" if s["speedup_decode"] else "-",
+            f"{s['mean_accepted']:.2f}" if s["mean_accepted"] else "-",
+            s["identical_to_greedy"],
+        )
+    Console().print(table)
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    import os
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, ensure_ascii=False, indent=2)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()
