@@ -1,0 +1,522 @@
+"""The OpenAI-compatible server, started for real on a free loopback port.
+
+Two engines:
+
+* the tiny random Qwen2 (vocab 96) with the default model's tokenizer, fed token-id prompts
+  through ``/v1/completions``: cheap enough for the 200-request load test, the queue-full test
+  and cancellation under load;
+* the real default model (slow): completions and chat completions (raw HTTP and the ``openai``
+  client), stop strings, concurrent mixed requests, cancellation, RAG, validation errors.
+
+Every completed text must equal what a single-request ``generate`` gives for the same prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import random
+import re
+import socket
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from rag_lookahead.config import LookaheadConfig
+from rag_lookahead.generate import generate
+from rag_lookahead.llm import LookaheadLLM
+from rag_lookahead.server import Engine, ServerConfig, create_app
+
+from tiny_models import VOCAB, tiny_model
+
+LOOKAHEAD = LookaheadConfig(budget="fixed", decoding_length=16)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def serving(engine: Engine):
+    """Run the app with uvicorn in a background thread on a free 127.0.0.1 port; yield its base URL."""
+    app = create_app(engine)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not (server.started and engine.ready.is_set()):
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+        assert not engine.alive
+
+
+def parse_sse(text: str) -> list:
+    """The payloads of a server-sent event stream; "[DONE]" stays a string."""
+    events = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def stream_text(events: list, chat: bool) -> tuple[str, str | None]:
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    text, reason = "", None
+    for e in events[:-1]:
+        for choice in e["choices"]:
+            text += (choice["delta"].get("content") or "") if chat else choice["text"]
+            reason = choice["finish_reason"] or reason
+    return text, reason
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    for line in text.splitlines():
+        if line.startswith(name + labels + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def single_text(engine: Engine, ids: list[int], max_tokens: int, stop: list[str] = ()) -> str:
+    """What a single-request ``generate`` gives for ``ids``, decoded as the server decodes."""
+    out = generate(engine.model, ids, max_new_tokens=max_tokens, config=engine.lookahead, eos_token_id=sorted(engine.eos))
+    tokens = [t for t in out.sequences[0, len(ids) :].tolist() if t not in engine.eos]
+    tokens = tokens[: max_tokens]
+    return cut_at_stop(engine.tokenizer.decode(tokens, skip_special_tokens=True), list(stop))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def wait_idle(engine: Engine, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.queue_depth or engine.active or engine.batch_size:
+        assert time.monotonic() < deadline, "the engine did not drain"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- the tiny model (fast)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from rag_lookahead.models import default_model_dir
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir()))
+
+
+def tiny_engine(tokenizer, **changes) -> Engine:
+    settings = dict(max_batch_size=8, max_queue=64, max_tokens_limit=64, default_max_tokens=16, lookahead_config=LOOKAHEAD)
+    settings.update(changes)
+    return Engine(tiny_model("qwen2"), tokenizer, ServerConfig(**settings))
+
+
+def tiny_prompts(count: int, seed: int = 7) -> list[list[int]]:
+    """Token-id prompts with repeated spans (so drafts get accepted) of varied lengths."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        span = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 8))]
+        noise = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 20))]
+        prompts.append((noise + span) * rng.randint(1, 3) + span[:2])
+    return prompts
+
+
+def test_tiny_load_200_requests_32_clients(tokenizer):
+    """200 requests from 32 concurrent clients (non-stream, stream, and streams dropped after the
+    first chunk): every completed text equals its single-request output, nothing is lost or
+    duplicated, the engine drains, memory returns near its baseline and /health still answers."""
+    engine = tiny_engine(tokenizer, max_queue=256)
+    prompts = tiny_prompts(6)
+    budgets = [8, 12, 16, 24, 32, 20]
+    expected = {i: single_text(engine, p, budgets[i]) for i, p in enumerate(prompts)}
+    assert len(set(expected.values())) > 1
+
+    async def one(client: httpx.AsyncClient, n: int, gate: asyncio.Semaphore) -> dict:
+        i = n % len(prompts)
+        kind = ("plain", "stream", "drop", "plain", "stream")[n % 5]
+        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": budgets[i], "stream": kind != "plain"}
+        async with gate:
+            if kind == "plain":
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                data = r.json()
+                return {"n": n, "i": i, "kind": kind, "id": data["id"], "text": data["choices"][0]["text"],
+                        "reason": data["choices"][0]["finish_reason"], "usage": data["usage"]}
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                raw = ""
+                async for chunk in r.aiter_text():
+                    raw += chunk
+                    if kind == "drop" and "\n\n" in raw:
+                        return {"n": n, "i": i, "kind": kind}  # leave after the first event
+            events = parse_sse(raw)
+            text, reason = stream_text(events, chat=False)
+            ids = {e["id"] for e in events[:-1]}
+            assert len(ids) == 1
+            return {"n": n, "i": i, "kind": kind, "id": ids.pop(), "text": text, "reason": reason}
+
+    async def run(base: str, count: int, clients: int) -> list[dict]:
+        gate = asyncio.Semaphore(clients)
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, n, gate) for n in range(count))), 300)
+
+    with serving(engine) as base:
+        asyncio.run(run(base, 32, 32))  # warm-up: allocator pools, thread pools, tokenizer caches
+        wait_idle(engine)
+        gc.collect()
+        baseline = rss_bytes()
+        before = httpx.get(base + "/metrics").text
+        start = time.perf_counter()
+        results = asyncio.run(run(base, 200, 32))
+        seconds = time.perf_counter() - start
+        wait_idle(engine)
+        gc.collect()
+        after = httpx.get(base + "/metrics").text
+        grown = rss_bytes() - baseline
+        health = httpx.get(base + "/health")
+
+    assert len(results) == 200 and sorted(r["n"] for r in results) == list(range(200))
+    finished = [r for r in results if r["kind"] != "drop"]
+    assert len(finished) == 160
+    assert len({r["id"] for r in finished}) == len(finished), "a response id was reused"
+    for r in finished:
+        assert r["text"] == expected[r["i"]], (r["n"], r["kind"])
+        assert r["reason"] == "length"
+        if "usage" in r:
+            assert r["usage"]["completion_tokens"] == budgets[r["i"]]
+            assert r["usage"]["prompt_tokens"] == len(prompts[r["i"]])
+    done = metric(after, "rag_lookahead_requests_completed_total") - metric(before, "rag_lookahead_requests_completed_total")
+    dropped = metric(after, "rag_lookahead_requests_cancelled_total") - metric(before, "rag_lookahead_requests_cancelled_total")
+    assert done + dropped == 200, (done, dropped)  # a dropped stream may have finished before the server noticed
+    assert done >= 160
+    assert metric(after, "rag_lookahead_queue_depth") == 0 and metric(after, "rag_lookahead_batch_size") == 0
+    assert grown < 200 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB over the load"
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    print(f"\n200 requests / 32 clients on the tiny model: {seconds:.1f} s, {dropped:.0f} cancelled, RSS {grown / 2**20:+.1f} MiB")
+
+
+def test_tiny_queue_full_gives_429(tokenizer):
+    engine = tiny_engine(tokenizer, max_batch_size=1, max_queue=1, max_tokens_limit=200,
+                         lookahead=False, lookahead_config=None)
+    prompt = tiny_prompts(1, seed=3)[0]
+    expected = single_text(engine, prompt, 200)
+
+    async def run(base: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 200}) for _ in range(8)))
+
+    with serving(engine) as base:
+        responses = asyncio.run(run(base))
+        metrics = httpx.get(base + "/metrics").text
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+    for r in responses:
+        if r.status_code == 429:
+            error = r.json()["error"]
+            assert error["type"] == "rate_limit_error" and "max_queue=1" in error["message"]
+        else:
+            assert r.json()["choices"][0]["text"] == expected
+    assert metric(metrics, "rag_lookahead_requests_total", '{endpoint="/v1/completions",status="429"}') == codes.count(429)
+
+
+def test_tiny_validation_health_metrics(tokenizer):
+    engine = tiny_engine(tokenizer, max_prompt_tokens=50)
+    bad = [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        (json.dumps({"max_tokens": 4}), "'prompt' is required"),
+        (json.dumps({"prompt": [1, 2], "temperature": 0.7}), "greedily only"),
+        (json.dumps({"prompt": [1, 2], "top_p": 0.5}), "greedily only"),
+        (json.dumps({"prompt": [1, 2], "n": 2}), "'n'"),
+        (json.dumps({"prompt": [1, 2], "max_tokens": 0}), "'max_tokens'"),
+        (json.dumps({"prompt": [1, 2], "max_tokens": 65}), "max_tokens limit is 64"),
+        (json.dumps({"prompt": [1, 2], "max_tokens": "8"}), "must be an integer"),
+        (json.dumps({"prompt": [1, 2], "stop": 5}), "'stop'"),
+        (json.dumps({"prompt": [1, 2], "stream": "yes"}), "'stream'"),
+        (json.dumps({"prompt": [1] * 51}), "at most 50"),
+        (json.dumps({"prompt": [1, VOCAB + 5]}), "vocabulary"),
+        (json.dumps({"prompt": ["a", "b"]}), "one prompt per request"),
+        (json.dumps({"prompt": [1, 2], "logprobs": 3}), "logprobs"),
+    ]
+    with serving(engine) as base:
+        with httpx.Client(base_url=base, timeout=60) as client:
+            for body, message in bad:
+                r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+                assert r.status_code == 400, (body, r.text)
+                error = r.json()["error"]
+                assert error["type"] == "invalid_request_error" and message in error["message"], (body, error)
+            for body, message in [
+                ({"messages": []}, "'messages' is required"),
+                ({"messages": [{"role": "wizard", "content": "x"}]}, "role must be one of"),
+                ({"messages": [{"role": "user", "content": 3}]}, "content must be"),
+                ({"messages": [{"role": "user", "content": "x"}], "temperature": 1}, "greedily only"),
+            ]:
+                r = client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+            r = client.post("/v1/rag", json={"question": "what?"})
+            assert r.status_code == 503 and "no document index" in r.json()["error"]["message"]
+            assert client.post("/v1/rag", json={"question": ""}).status_code == 400
+            r = client.get("/v1/nothing")
+            assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+            ok = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "stop": None})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+            health = client.get("/health")
+            assert health.status_code == 200 and health.json()["status"] == "ok"
+            assert client.get("/v1/models").json()["data"][0]["object"] == "model"
+            r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? -?[0-9.e+-]+$')
+    for line in text.strip().splitlines():
+        assert line.startswith("# HELP ") or line.startswith("# TYPE ") or sample.match(line), line
+    assert metric(text, "rag_lookahead_requests_total", '{endpoint="/v1/completions",status="400"}') == len(bad)
+    assert metric(text, "rag_lookahead_requests_total", '{endpoint="/v1/completions",status="200"}') == 1
+    assert metric(text, "rag_lookahead_tokens_generated_total") == 4
+    assert metric(text, "rag_lookahead_forward_passes_total") >= 1
+    assert metric(text, "process_resident_memory_bytes") > 0
+    for name in ("rag_lookahead_mean_accepted_tokens", "rag_lookahead_queue_depth", "rag_lookahead_batch_size",
+                 "rag_lookahead_requests_cancelled_total"):
+        assert f"# TYPE {name} " in text
+
+
+def test_tiny_cancel_frees_the_slot(tokenizer):
+    """A client that leaves mid-stream is dropped at the next step; the others are undisturbed."""
+    engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
+    prompts = tiny_prompts(2, seed=11)
+    expected = single_text(engine, prompts[1], 64)
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+            async def leaver():
+                async with client.stream("POST", "/v1/completions", json={"prompt": prompts[0], "max_tokens": 200, "stream": True}) as r:
+                    async for _ in r.aiter_text():
+                        break
+
+            async def stayer():
+                r = await client.post("/v1/completions", json={"prompt": prompts[1], "max_tokens": 64})
+                return r.json()["choices"][0]["text"]
+
+            return await asyncio.gather(leaver(), stayer())
+
+    with serving(engine) as base:
+        _, text = asyncio.run(run(base))
+        wait_idle(engine, 30)
+        metrics = httpx.get(base + "/metrics").text
+    assert text == expected
+    assert metric(metrics, "rag_lookahead_requests_cancelled_total") == 1
+    assert metric(metrics, "rag_lookahead_requests_completed_total") == 1
+    assert metric(metrics, "rag_lookahead_tokens_generated_total") < 200 + 64
+
+
+# ---------------------------------------------------------------- the real default model (slow)
+
+PROMPTS = [
+    "The three primary colors are",
+    "北京是中国的首都，",
+]
+QUESTIONS = [
+    "List three primary colors, separated by commas.",
+    "用一句话介绍北京。",
+]
+
+
+@pytest.fixture(scope="module")
+def real(default_model):
+    model, tok = default_model
+    engine = Engine(model, tok, ServerConfig(max_batch_size=8, max_queue=64, max_tokens_limit=64, default_max_tokens=16,
+                                             lookahead_config=LOOKAHEAD))
+    with serving(engine) as base:
+        yield engine, base
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    model, tok = default_model
+    return LookaheadLLM(model=model, tokenizer=tok, max_new_tokens=16, lookahead=LOOKAHEAD)
+
+
+@pytest.fixture(scope="module")
+def expected_chat(real, llm):
+    wait_idle(real[0])  # torch work only while the engine is idle
+    return [llm.invoke(q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def expected_completion(real):
+    engine = real[0]
+    wait_idle(engine)
+    return [single_text(engine, engine.encode_text(p), 16) for p in PROMPTS]
+
+
+@pytest.mark.slow
+def test_real_completions_stream_and_not(real, expected_completion):
+    engine, base = real
+    with httpx.Client(base_url=base, timeout=300) as client:
+        for prompt, expected in zip(PROMPTS, expected_completion):
+            r = client.post("/v1/completions", json={"model": "m1", "prompt": prompt, "max_tokens": 16})
+            data = r.json()
+            assert r.status_code == 200 and data["object"] == "text_completion" and data["model"] == "m1"
+            assert data["choices"][0]["text"] == expected
+            assert data["usage"]["total_tokens"] == data["usage"]["prompt_tokens"] + data["usage"]["completion_tokens"]
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16, "stream": True})
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = parse_sse(r.text)
+            assert all(e["object"] == "text_completion" for e in events[:-1])
+            text, reason = stream_text(events, chat=False)
+            assert text == expected and reason == data["choices"][0]["finish_reason"]
+
+
+@pytest.mark.slow
+def test_real_chat_with_openai_client(real, expected_chat):
+    openai = pytest.importorskip("openai")
+    engine, base = real
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=300, max_retries=0)
+    for question, expected in zip(QUESTIONS, expected_chat):
+        messages = [{"role": "user", "content": question}]
+        reply = client.chat.completions.create(model="default", messages=messages, max_tokens=16, temperature=0)
+        assert reply.choices[0].message.content == expected and reply.choices[0].message.role == "assistant"
+        assert reply.usage.completion_tokens <= 16
+        pieces = []
+        usage = None
+        for chunk in client.chat.completions.create(model="default", messages=messages, max_tokens=16, stream=True,
+                                                    stream_options={"include_usage": True}):
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+            if chunk.usage:
+                usage = chunk.usage
+        assert "".join(pieces) == expected and usage.total_tokens == reply.usage.total_tokens
+    with pytest.raises(openai.BadRequestError, match="greedily only"):
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], temperature=0.8)
+    text = client.completions.create(model="default", prompt=PROMPTS[0], max_tokens=16).choices[0].text
+    assert text
+
+
+@pytest.mark.slow
+def test_real_stop_strings(real, expected_completion):
+    engine, base = real
+    full = expected_completion[0]
+    stop = full.strip().split()[1]  # a word in the middle of the answer
+    want = cut_at_stop(full, [stop])
+    assert want != full
+    with httpx.Client(base_url=base, timeout=300) as client:
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 16, "stop": [stop, "never-seen"]})
+        choice = r.json()["choices"][0]
+        assert choice["text"] == want and choice["finish_reason"] == "stop"
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 16, "stop": stop, "stream": True})
+        assert stream_text(parse_sse(r.text), chat=False) == (want, "stop")
+
+
+@pytest.mark.slow
+def test_real_concurrent_mixed_requests(real, expected_chat, expected_completion):
+    """12 requests from 6 clients, batched together: each text equals its single-request output."""
+    engine, base = real
+
+    async def one(client, n):
+        chat, stream, i = n % 2 == 0, n % 3 == 0, n % len(PROMPTS)
+        if chat:
+            body, path, want = {"messages": [{"role": "user", "content": QUESTIONS[i]}]}, "/v1/chat/completions", expected_chat[i]
+        else:
+            body, path, want = {"prompt": PROMPTS[i]}, "/v1/completions", expected_completion[i]
+        body.update(max_tokens=16, stream=stream)
+        r = await client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        if stream:
+            got = stream_text(parse_sse(r.text), chat)[0]
+        else:
+            choice = r.json()["choices"][0]
+            got = choice["message"]["content"] if chat else choice["text"]
+        return got, want
+
+    async def run():
+        gate = asyncio.Semaphore(6)
+        async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+            async def gated(n):
+                async with gate:
+                    return await one(client, n)
+            return await asyncio.gather(*(gated(n) for n in range(12)))
+
+    before = httpx.get(base + "/metrics").text
+    for got, want in asyncio.run(run()):
+        assert got == want
+    after = httpx.get(base + "/metrics").text
+    # the requests overlapped: fewer batched forwards than rows stepped
+    steps = metric(after, "rag_lookahead_row_steps_total") - metric(before, "rag_lookahead_row_steps_total")
+    forwards = metric(after, "rag_lookahead_forward_passes_total") - metric(before, "rag_lookahead_forward_passes_total")
+    assert steps > forwards
+
+
+@pytest.mark.slow
+def test_real_non_stream_disconnect_cancels(real):
+    engine, base = real
+    wait_idle(engine)
+    before = httpx.get(base + "/metrics").text
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 64}, timeout=1.0)
+    wait_idle(engine, 60)
+    after = httpx.get(base + "/metrics").text
+    assert metric(after, "rag_lookahead_requests_cancelled_total") - metric(before, "rag_lookahead_requests_cancelled_total") == 1
+    assert metric(after, "rag_lookahead_tokens_generated_total") - metric(before, "rag_lookahead_tokens_generated_total") < 64
+
+
+@pytest.mark.slow
+def test_real_rag_endpoint(real, llm, tmp_path):
+    from rag_lookahead.chains import make_prompt
+    from rag_lookahead.index import build_index, load_index
+
+    engine, base = real
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "tea.md").write_text("龙井茶产自杭州西湖一带，是中国十大名茶之一。龙井茶的采摘时间通常在清明节前后。", encoding="utf-8")
+    (corpus / "volcano.md").write_text("Mount Etna is an active volcano on the east coast of Sicily, Italy. It is 3,357 metres tall.", encoding="utf-8")
+    build_index(corpus, tmp_path / "index", progress=False)
+    engine.index = load_index(tmp_path / "index")
+    try:
+        question = "How tall is Mount Etna?"
+        r = httpx.post(base + "/v1/rag", json={"question": question, "k": 1, "max_tokens": 16}, timeout=300)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        assert len(data["sources"]) == 2 and data["sources"][0]["in_prompt"] and not data["sources"][1]["in_prompt"]
+        assert "Etna" in data["sources"][0]["text"]
+        assert data["stats"]["seed_passages"] == 1
+        wait_idle(engine)
+        docs = engine.retrieve(question, 8)[:1]
+        assert data["answer"] == llm.invoke(make_prompt(question, docs)).strip()
+        r = httpx.post(base + "/v1/rag", json={"question": question, "k": 1, "max_tokens": 16, "stream": True}, timeout=300)
+        events = parse_sse(r.text)
+        assert events[0]["type"] == "sources" and events[-2]["type"] == "done" and events[-1] == "[DONE]"
+        assert events[-2]["answer"] == data["answer"]
+        assert "".join(e["text"] for e in events if isinstance(e, dict) and e["type"] == "delta").strip() == data["answer"]
+    finally:
+        engine.index = None
