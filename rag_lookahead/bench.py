@@ -254,23 +254,34 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _print_table(report: dict) -> None:
+    rows = []
+    for method, s in report["summary"].items():
+        rows.append(
+            {
+                "method": method,
+                "tok/s e2e": f"{s['tokens_per_second']:.2f}",
+                "tok/s decode": f"{s['decode_tokens_per_second']:.2f}",
+                "speedup e2e": f"{s['speedup_e2e']:.2f}x" if s["speedup_e2e"] else "-",
+                "speedup decode": f"{s['speedup_decode']:.2f}x" if s["speedup_decode"] else "-",
+                "mean accepted": f"{s['mean_accepted']:.2f}" if s["mean_accepted"] else "-",
+                "identical": s["identical_to_greedy"],
+            }
+        )
+    title = f"{report['model']} {report['dtype']} on {report['device']}, batch 1, {report['prompts']} prompts x {report['repeats']}"
+    _print_rows(title, rows)
+
+
+def _print_rows(title: str, rows: list[dict]) -> None:
+    """A rich table of dicts that share their keys."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{report['model']} {report['dtype']} on {report['device']}, batch 1, {report['prompts']} prompts x {report['repeats']}")
-    for column in ("method", "tok/s e2e", "tok/s decode", "speedup e2e", "speedup decode", "mean accepted", "identical"):
-        table.add_column(column, justify="right")
-    for method, s in report["summary"].items():
-        table.add_row(
-            method,
-            f"{s['tokens_per_second']:.2f}",
-            f"{s['decode_tokens_per_second']:.2f}",
-            f"{s['speedup_e2e']:.2f}x" if s["speedup_e2e"] else "-",
-            f"{s['speedup_decode']:.2f}x" if s["speedup_decode"] else "-",
-            f"{s['mean_accepted']:.2f}" if s["mean_accepted"] else "-",
-            s["identical_to_greedy"],
-        )
-    Console().print(table)
+    table = Table(title=title)
+    for column in rows[0]:
+        table.add_column(str(column), justify="right")
+    for row in rows:
+        table.add_row(*(str(v) for v in row.values()))
+    Console(width=160).print(table)
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:

@@ -1,0 +1,151 @@
+"""Throughput benchmark: many requests at once, batched.
+
+The same requests go through (a) transformers batched greedy ``generate`` with left padding,
+(b) our loop with drafting off and (c) our loop with drafting on, at each concurrency: the
+requests are served in waves of ``concurrency`` rows. Reports requests/s, tokens/s and
+p50/p95 latency (a request's latency: from its wave's start to its last token), and whether
+every output equals the single-request greedy output.
+
+    python -m rag_lookahead.bench_batch --concurrency 1,4,16 --requests 16 --json batch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .bench import _print_rows, _write_json_atomic, chat_ids, load_prompts
+from .config import LookaheadConfig
+from .generate import generate
+from .trie import OutputPool
+
+
+def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def _cut(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def run_wave(method, model, rows, max_new_tokens, eos, pad, config):
+    """Decode one wave of rows; returns (outputs, per-row latency seconds)."""
+    ids, mask = _left_pad(rows, pad)
+    start = time.perf_counter()
+    if method == "hf_greedy":
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(eos), pad_token_id=pad
+            )
+        seconds = time.perf_counter() - start
+        outputs = [_cut(out[r, ids.shape[1] :].tolist(), eos) for r in range(len(rows))]
+        return outputs, [seconds] * len(rows)  # a padded batch returns all rows together
+    finished: dict[int, float] = {}
+    counts = [0] * len(rows)
+
+    def on_tokens(row: int, tokens: list[int]) -> None:
+        counts[row] += len(tokens)
+        if tokens[-1] in eos or counts[row] >= max_new_tokens:
+            finished[row] = time.perf_counter() - start
+
+    result = generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=max_new_tokens,
+        config=config.replace(enabled=method == "lookahead"),
+        eos_token_id=sorted(eos),
+        pad_token_id=pad,
+        output_pool=OutputPool(config.branch_length + config.max_key_length),
+        on_tokens=on_tokens,
+    )
+    seconds = time.perf_counter() - start
+    outputs = [_cut(result.sequences[r, ids.shape[1] :].tolist(), eos) for r in range(len(rows))]
+    return outputs, [finished.get(r, seconds) for r in range(len(rows))]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m rag_lookahead.bench_batch", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--prompts", default=None)
+    parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level (prompts cycled)")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--methods", default="hf_greedy,plain,lookahead")
+    parser.add_argument("--json", dest="json_path", default=None)
+    args = parser.parse_args(argv)
+
+    from .models import load_model
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    pad = model.generation_config.pad_token_id
+    pad = min(eos) if pad is None else pad
+    config = LookaheadConfig().with_tokenizer(tokenizer)
+    prompts = load_prompts(args.prompts)
+    requests = [chat_ids(tokenizer, prompts[i % len(prompts)]) for i in range(args.requests)]
+    methods = [m for m in args.methods.split(",") if m]
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    run_wave("lookahead", model, requests[:1], 8, eos, pad, config)  # warm-up and cost curve
+    single = {}
+    results = []
+    for level in levels:
+        for method in methods:
+            latencies, tokens, outputs = [], 0, []
+            start = time.perf_counter()
+            for first in range(0, len(requests), level):
+                wave = requests[first : first + level]
+                outs, lats = run_wave(method, model, wave, args.max_new_tokens, eos, pad, config)
+                outputs += outs
+                latencies += lats
+                tokens += sum(len(o) for o in outs)
+            seconds = time.perf_counter() - start
+            if level == 1 and method == methods[0]:
+                single = {i: o for i, o in enumerate(outputs)}
+            identical = sum(o == single.get(i) for i, o in enumerate(outputs)) if single else None
+            lat = sorted(latencies)
+            row = {
+                "concurrency": level,
+                "method": method,
+                "requests_per_second": round(len(requests) / seconds, 4),
+                "tokens_per_second": round(tokens / seconds, 3),
+                "p50_latency_s": round(statistics.median(lat), 3),
+                "p95_latency_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
+                "identical_to_single": f"{identical}/{len(outputs)}" if identical is not None else "-",
+            }
+            results.append(row)
+            print(row, flush=True)
+    for level in levels:
+        base = next((r for r in results if r["concurrency"] == level and r["method"] == "hf_greedy"), None)
+        for r in results:
+            if r["concurrency"] == level and base:
+                r["speedup_vs_hf"] = round(r["tokens_per_second"] / base["tokens_per_second"], 3)
+    report = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "requests": len(requests),
+        "max_new_tokens": args.max_new_tokens,
+        "results": results,
+    }
+    _print_rows(f"{args.model} {args.dtype}, {len(requests)} requests, waves of each concurrency", results)
+    if args.json_path:
+        _write_json_atomic(Path(args.json_path), report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

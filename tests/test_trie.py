@@ -1,0 +1,165 @@
+"""The n-gram pools and the draft trees built from them (pure Python, no model)."""
+
+from __future__ import annotations
+
+import threading
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rag_lookahead import LookaheadConfig
+from rag_lookahead.budget import CostCurve, Trust, choose_width
+from rag_lookahead.draft import DraftTree, propose
+from rag_lookahead.trie import ContextPool, NGramTrie, OutputPool
+
+sequences = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=60)
+
+
+def _ngram_counts(tokens, depth):
+    counts = {}
+    for start in range(len(tokens)):
+        for end in range(start + 1, min(start + depth, len(tokens)) + 1):
+            key = tuple(tokens[start:end])
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _trie_counts(trie):
+    counts, stack = {}, [((), trie.root)]
+    while stack:
+        path, node = stack.pop()
+        for token, child in node.children.items():
+            counts[path + (token,)] = child.count
+            stack.append((path + (token,), child))
+    return counts
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=sequences, depth=st.integers(min_value=2, max_value=6), split=st.integers(min_value=0, max_value=60))
+def test_streamed_context_counts_every_ngram_once(tokens, depth, split):
+    pool = ContextPool(depth)
+    pool.extend(tokens[:split])  # tokens arrive in two blocks, as prompt then answer
+    pool.extend(tokens[split:])
+    assert _trie_counts(pool) == _ngram_counts(tokens, depth)
+    assert pool.nodes == len(_ngram_counts(tokens, depth))
+    assert pool.stream == tokens
+
+
+def test_insertion_is_linear_in_tokens_times_depth():
+    tokens = list(range(5000))  # all distinct: every window makes new nodes
+    pool = ContextPool(depth=8)
+    pool.extend(tokens)
+    assert pool.nodes <= len(tokens) * 8
+
+
+def test_references_do_not_join_across_sequences():
+    trie = NGramTrie(depth=3)
+    trie.insert([1, 2])
+    trie.insert([3, 4])
+    assert trie.find([2, 3]) is None
+    assert trie.find([1, 2]).count == 1
+
+
+def test_output_pool_stays_bounded_and_keeps_frequent_ngrams():
+    pool = OutputPool(depth=4, max_nodes=200)
+    frequent = [7, 8, 9, 10]
+    for i in range(300):
+        pool.add(frequent)
+        pool.add([100 + i, 200 + i, 300 + i])  # rare n-grams, each seen once
+        assert pool.nodes <= 200
+    assert pool.trie.find(frequent) is not None
+    assert pool.trie.find([100, 200]) is None  # an old rare n-gram was forgotten
+
+
+def test_output_pool_is_safe_under_concurrent_writers():
+    pool = OutputPool(depth=4, max_nodes=500)
+
+    def writer(offset):
+        for i in range(200):
+            pool.add([offset, i % 50, (i * 7) % 50, offset])
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 0 < pool.nodes <= 500
+    assert pool.nodes == len(_trie_counts(pool.trie))
+
+
+def _is_tree(draft: DraftTree) -> bool:
+    for i, parent in enumerate(draft.parents):
+        if parent >= i:
+            return False
+        if (parent == -1 and draft.depths[i] != 1) or (parent >= 0 and draft.depths[i] != draft.depths[parent] + 1):
+            return False
+        if parent >= 0 and draft.probs[i] > draft.probs[parent] + 1e-12:
+            return False
+    siblings = list(zip(draft.parents, draft.tokens))
+    return len(siblings) == len(set(siblings))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=80),
+    previous=st.lists(st.integers(min_value=0, max_value=5), max_size=40),
+    decoding_length=st.integers(min_value=1, max_value=40),
+    branch_length=st.integers(min_value=1, max_value=10),
+    k=st.integers(min_value=0, max_value=40),
+)
+def test_draft_trees_respect_limits_and_stay_trees(prompt, previous, decoding_length, branch_length, k):
+    config = LookaheadConfig(decoding_length=decoding_length, branch_length=branch_length, stop_words=frozenset({0}))
+    context = ContextPool(branch_length + config.max_key_length)
+    context.extend(prompt)
+    output = OutputPool(branch_length + config.max_key_length)
+    output.add(previous)
+    draft = propose(context, output, config)
+    assert len(draft) <= decoding_length
+    assert all(1 <= d <= branch_length for d in draft.depths)
+    assert _is_tree(draft)
+    assert _is_tree(draft.top(k)) and len(draft.top(k)) == min(k, len(draft))
+    assert _is_tree(draft.best_chain())
+    assert _is_tree(draft.limit_depth(2)) and all(d <= 2 for d in draft.limit_depth(2).depths)
+
+
+def test_longest_key_wins_and_frequencies_rank_children():
+    config = LookaheadConfig(decoding_length=8, branch_length=3, max_key_length=2)
+    context = ContextPool(5)
+    # after "1 2" came "3" twice and "4" once; after "9 2" came "5"
+    context.extend([1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 4, 0, 9, 2, 5, 0, 1, 2])
+    draft = propose(context, None, config)
+    first_level = [(t, p) for t, parent, p in zip(draft.tokens, draft.parents, draft.probs) if parent == -1]
+    assert [t for t, _ in first_level] == [3, 4]  # "5" only follows "9 2", not the key "1 2"
+    assert first_level[0][1] > first_level[1][1]
+
+
+def test_a_stop_word_alone_is_never_a_key():
+    config = LookaheadConfig(decoding_length=8, branch_length=3, stop_words=frozenset({0}))
+    context = ContextPool(7)
+    context.extend([5, 0, 6, 7, 8, 0])  # the text ends in the stop word 0; "0" was followed by "6"
+    assert len(propose(context, None, config)) == 0
+    context.extend([6])  # now the key "0 6" (two tokens) is allowed
+    assert propose(context, None, config).tokens[:2] == [7, 8]
+
+
+def test_context_pool_is_preferred_over_output_pool():
+    config = LookaheadConfig(decoding_length=2, branch_length=1, max_key_length=1)
+    context = ContextPool(4)
+    context.extend([1, 2, 1])
+    output = OutputPool(4)
+    for _ in range(10):
+        output.add([1, 3])
+    draft = propose(context, output, config)
+    assert draft.tokens[0] == 2  # from the context, though the output pool saw "1 3" more often
+    assert set(draft.tokens) == {2, 3}
+
+
+def test_width_shrinks_as_the_batch_grows():
+    # cost per forward: nearly flat for a few tokens, then linear (a CPU)
+    curve = CostCurve([1, 8, 16, 64, 256, 1024], [0.050, 0.057, 0.066, 0.14, 0.55, 2.2])
+    draft = DraftTree(tokens=list(range(8)), parents=[-1] + list(range(7)), depths=list(range(1, 9)), probs=[0.6**d for d in range(1, 9)])
+    widths = [choose_width([draft] * rows, [Trust() for _ in range(rows)], curve) for rows in (1, 4, 16, 64)]
+    assert widths[0] >= 3
+    assert widths == sorted(widths, reverse=True)
+    assert widths[-1] == 0
+    assert choose_width([draft], [Trust()], None) == len(draft)  # fixed budget: every candidate
