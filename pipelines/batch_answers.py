@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from rag_lookahead.ask import ensure_index
+from rag_lookahead.atomic import write_jsonl_atomic
 from rag_lookahead.chains import as_retriever, make_prompt, retrieve, source_info
 from rag_lookahead.errors import InputError
 from rag_lookahead.index import default_index_dir
@@ -38,21 +37,6 @@ def read_questions(path: Path) -> list[str]:
                 raise InputError(f"{path}:{lineno}: the question is empty")
             questions.append(q.strip())
     return questions
-
-
-def write_atomic(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def main() -> None:
@@ -88,7 +72,7 @@ def main() -> None:
                 }
             )
         print(f"answered {len(rows)}/{len(questions)}", file=sys.stderr)
-    write_atomic(args.answers, rows)
+    write_jsonl_atomic(args.answers, rows)
     print(f"wrote {len(rows)} answers to {args.answers}", file=sys.stderr)
 
 

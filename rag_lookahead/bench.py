@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic import write_json_atomic
 from .config import LookaheadConfig
 from .generate import generate
 from .trie import OutputPool
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     _print_table(report)
     if args.json_path:
-        _write_json_atomic(Path(args.json_path), report)
+        write_json_atomic(args.json_path, report)
     return report
 
 
@@ -282,17 +283,6 @@ def _print_rows(title: str, rows: list[dict]) -> None:
     for row in rows:
         table.add_row(*(str(v) for v in row.values()))
     Console(width=160).print(table)
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    import os
-    import tempfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, ensure_ascii=False, indent=2)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from .bench import _print_rows, _write_json_atomic, chat_ids, load_prompts
+from .atomic import write_json_atomic
+from .bench import _print_rows, chat_ids, load_prompts
 from .config import LookaheadConfig
 from .generate import generate
 from .trie import OutputPool
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     _print_rows(f"{args.model} {args.dtype}, {len(requests)} requests, waves of each concurrency", results)
     if args.json_path:
-        _write_json_atomic(Path(args.json_path), report)
+        write_json_atomic(args.json_path, report)
     return report
 
 

@@ -9,12 +9,16 @@ predicted so far, give the expected gain; the size with the best gain per second
 
 from __future__ import annotations
 
+import json
+import os
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from .atomic import write_json_atomic
 from .draft import DraftTree
 
 
@@ -40,8 +44,24 @@ class CostCurve:
 _CURVES: "weakref.WeakKeyDictionary[torch.nn.Module, CostCurve]" = weakref.WeakKeyDictionary()
 
 
+def _curve_key(model) -> str | None:
+    """What the cost depends on: the model, its dtype and device, and the CPU threads."""
+    name = getattr(model.config, "_name_or_path", "") or ""
+    if not name:
+        return None  # an in-memory model (tests): nothing stable to key a file on
+    params = sum(p.numel() for p in model.parameters())
+    device = next(model.parameters()).device
+    return f"{name}|{params}|{model.dtype}|{device}|{torch.get_num_threads()}|{torch.__version__}"
+
+
+def _curve_file() -> Path:
+    from .models import cache_dir
+
+    return cache_dir() / "cost_curves.json"
+
+
 @torch.inference_mode()
-def measure_cost(model, *, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 2) -> CostCurve:
+def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128), repeats: int = 2) -> CostCurve:
     """Time forwards of each size on top of a ``context``-token cache (median of ``repeats``)."""
     from transformers import DynamicCache
 
@@ -65,49 +85,83 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64, 12
             cache.crop(-n)
         runs = sorted(runs[1:])
         seconds.append(runs[len(runs) // 2])
+    for i in range(1, len(seconds)):  # more tokens never cost less; noise must not say otherwise
+        seconds[i] = max(seconds[i], seconds[i - 1])
     return CostCurve(list(sizes), seconds)
 
 
 def cost_curve(model) -> CostCurve:
-    """The model's cost curve, measured on first use and then remembered."""
+    """The model's cost curve: measured on first use, then remembered in memory and on disk.
+
+    The file lets a one-shot CLI call skip the measurement; delete it (or set
+    RAG_LOOKAHEAD_RECALIBRATE=1) after changing hardware or when it was measured under load.
+    """
     curve = _CURVES.get(model)
-    if curve is None:
-        curve = _CURVES[model] = measure_cost(model)
+    if curve is not None:
+        return curve
+    key = _curve_key(model)
+    path = _curve_file() if key else None
+    stored = {}
+    if path is not None and path.exists():
+        try:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            stored = {}
+    if key in stored and not os.environ.get("RAG_LOOKAHEAD_RECALIBRATE"):
+        curve = CostCurve(**stored[key])
+    else:
+        curve = measure_cost(model)
+        if path is not None:
+            stored[key] = {"sizes": curve.sizes, "seconds": curve.seconds}
+            write_json_atomic(path, stored)
+    _CURVES[model] = curve
     return curve
 
 
-class Budget:
-    """Chooses draft sizes and learns how far to trust the drafter's probabilities."""
+class Trust:
+    """How far one row's drafter estimates have held up: accepted / predicted, smoothed."""
 
-    def __init__(self, curve: CostCurve | None) -> None:
-        self.curve = curve  # None: fixed budget, verify every candidate
-        self.trust = 1.0  # observed accepted / predicted accepted, smoothed
+    def __init__(self) -> None:
+        self.value = 1.0
         self._predicted = 0.0
         self._observed = 0.0
 
-    def size(self, draft: DraftTree, rows: int, widest_other: int = 0) -> int:
-        """Nodes of ``draft`` worth verifying when ``rows`` rows share the forward."""
-        if self.curve is None or not draft.tokens:
-            return len(draft)
-        probs = sorted(draft.probs, reverse=True)
-        best_k, best_rate, gain = 0, 1.0 / self.curve(rows), 1.0
-        for k, prob in enumerate(probs, start=1):
-            gain += self.trust * prob
-            width = max(k, widest_other)
-            rate = gain / self.curve(rows * (1 + width))
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
-
     def observe(self, draft: DraftTree, accepted: int) -> None:
-        """Update trust with one step's predicted versus accepted draft tokens."""
+        """Update with one step's verified draft and the number of its nodes accepted."""
         if not draft.tokens:
             return
-        depth_probs: dict[int, float] = {}
-        for depth, prob in zip(draft.depths, draft.probs):
-            depth_probs[depth] = depth_probs.get(depth, 0.0) + prob
-        predicted = sum(min(p, 1.0) for p in depth_probs.values())  # expected accepted path length
-        self._predicted = 0.9 * self._predicted + predicted
+        self._predicted = 0.9 * self._predicted + expected_accepted(draft.probs)
         self._observed = 0.9 * self._observed + accepted
         if self._predicted > 0:
-            self.trust = min(1.0, max(0.05, self._observed / self._predicted))
+            self.value = min(1.0, max(0.05, self._observed / self._predicted))
+
+
+def expected_accepted(probs: list[float]) -> float:
+    """Expected accepted path length: the nodes' path probabilities summed (one node a depth at most)."""
+    return sum(probs)
+
+
+def choose_width(drafts: list[DraftTree], trusts: list[Trust], curve: CostCurve | None) -> int:
+    """Draft nodes per row for one forward over all rows, best expected tokens per second.
+
+    Rows share the forward, padded to the widest tree, so the width is chosen jointly: a
+    forward of ``rows * (1 + width)`` tokens costs ``curve`` seconds and gains, per row, the
+    bonus token plus the trusted probabilities of its ``width`` likeliest nodes. As the batch
+    grows the forward becomes compute-bound, extra width costs more, and the choice shrinks
+    toward plain decoding (width 0) by itself.
+    """
+    longest = max((len(d) for d in drafts), default=0)
+    if curve is None or longest == 0:
+        return longest
+    rows = len(drafts)
+    ranked = [sorted(d.probs, reverse=True) for d in drafts]
+    gains = [1.0] * rows
+    best_width, best_rate = 0, rows / curve(rows)
+    for width in range(1, longest + 1):
+        for r, probs in enumerate(ranked):
+            if width <= len(probs):
+                gains[r] += trusts[r].value * probs[width - 1]
+        rate = sum(gains) / curve(rows * (1 + width))
+        if rate > best_rate:
+            best_width, best_rate = width, rate
+    return best_width
