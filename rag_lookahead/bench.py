@@ -25,7 +25,7 @@ from .config import LookaheadConfig
 from .generate import generate
 from .trie import OutputPool
 
-METHODS = ("greedy", "prompt_lookup", "lookahead")
+METHODS = ("greedy", "prompt_lookup", "lookahead", "lookahead_warm")
 
 
 @dataclass
@@ -128,8 +128,9 @@ def run_hf(model, ids: list[int], max_new_tokens: int, eos, pad, prompt_lookup: 
     return Run(out[0, len(ids) :].tolist(), seconds, first)
 
 
-def run_lookahead(model, ids, max_new_tokens, eos, pad, config, references=None) -> Run:
-    pool = OutputPool(config.branch_length + config.max_key_length)  # fresh: no earlier answer to copy
+def run_lookahead(model, ids, max_new_tokens, eos, pad, config, references=None, pool=None) -> Run:
+    """``pool``: the output pool to draft from; None gives a fresh one (no earlier answers)."""
+    pool = pool or OutputPool(config.branch_length + config.max_key_length)
     start = time.perf_counter()
     result = generate(
         model,
@@ -161,7 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="lookahead starts each prompt with an empty output pool; lookahead_warm keeps one pool across "
+        "the prompts of a pass (earlier answers, never the same prompt's), as a RAG session would",
+    )
     parser.add_argument("--decoding-length", type=int, default=LookaheadConfig.decoding_length)
     parser.add_argument("--branch-length", type=int, default=LookaheadConfig.branch_length)
     parser.add_argument("--budget", default="auto", choices=["auto", "fixed"])
@@ -197,15 +203,18 @@ def main(argv: list[str] | None = None) -> dict:
         if method == "prompt_lookup":
             return run_hf(model, ids, args.max_new_tokens, eos, pad, 10)
         references = tokenizer.encode(prompt["context"], add_special_tokens=False) if args.seed_mode == "references" else None
-        return run_lookahead(model, ids, args.max_new_tokens, eos, pad, config, references)
+        pool = warm_pool if method == "lookahead_warm" else None
+        return run_lookahead(model, ids, args.max_new_tokens, eos, pad, config, references, pool)
 
     # warm-up: kernels, and the one-time measurement of the model's verify cost curve
+    warm_pool = None
     for method in methods:
         run(method, prompts[0])
 
     totals = {m: MethodTotals() for m in methods}
     per_prompt = []
     for repeat in range(args.repeats):
+        warm_pool = OutputPool(config.branch_length + config.max_key_length)
         for prompt in prompts:
             runs = {m: run(m, prompt) for m in methods}
             reference = _trim(runs[methods[0]].tokens, eos, pad) if "greedy" not in runs else _trim(runs["greedy"].tokens, eos, pad)

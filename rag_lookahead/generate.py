@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .budget import Budget, cost_curve
+from .budget import Trust, choose_width, cost_curve
 from .config import LookaheadConfig
 from .draft import DraftTree, propose
 from .errors import ConfigError, InputError
@@ -77,7 +77,7 @@ class GenerationResult:
 class _Row:
     index: object  # the row's key: its row in generate's batch, a request id in a server
     context: ContextPool
-    budget: Budget
+    trust: Trust
     max_new_tokens: int
     generated: list[int] = field(default_factory=list)
     position: int = 0  # cache entries this row owns = position id of its pending token
@@ -170,7 +170,7 @@ class DecodeBatch:
             prompt = input_ids[r, input_ids.shape[1] - lengths[r] :].tolist()
             context = ContextPool(depth, references[r] if references else ())
             context.extend(prompt)
-            row = _Row(keys[r], context, Budget(self.curve), max_new_tokens[r], position=lengths[r])
+            row = _Row(keys[r], context, Trust(), max_new_tokens[r], position=lengths[r])
             self._take(row, [first[r]])
             rows.append(row)
         self._merge(cache, attention_mask.bool(), rows)
@@ -216,24 +216,21 @@ class DecodeBatch:
         return tokens
 
     def propose(self) -> list[DraftTree]:
-        """Each row's draft tree, sized for this step."""
-        drafts = []
-        active = len(self.rows)
-        for row in self.rows:
-            if not self.config.enabled:
-                drafts.append(DraftTree())
-                continue
-            room = row.max_new_tokens - len(row.generated) - 1  # the bonus token needs no draft
-            if self.context_limit is not None:
-                room = min(room, self.context_limit - row.position - 1)
-            if room < 1:
-                drafts.append(DraftTree())
-                continue
-            draft = propose(row.context, self.output_pool, self.config).limit_depth(room)
-            if not self.tree_mask:
-                draft = draft.best_chain()
-            drafts.append(draft.top(row.budget.size(draft, active)))
-        return drafts
+        """Each row's draft tree, cut to the width that pays for itself in this step."""
+        drafts = [self._candidates(row) for row in self.rows]
+        width = choose_width(drafts, [row.trust for row in self.rows], self.curve)
+        return [draft.top(width) for draft in drafts]
+
+    def _candidates(self, row: _Row) -> DraftTree:
+        if not self.config.enabled:
+            return DraftTree()
+        room = row.max_new_tokens - len(row.generated) - 1  # the bonus token needs no draft
+        if self.context_limit is not None:
+            room = min(room, self.context_limit - row.position - 1)
+        if room < 1:
+            return DraftTree()
+        draft = propose(row.context, self.output_pool, self.config).limit_depth(room)
+        return draft if self.tree_mask else draft.best_chain()
 
     @torch.inference_mode()
     def verify_and_accept(self, drafts: list[DraftTree]) -> list[list[int]]:
@@ -253,7 +250,7 @@ class DecodeBatch:
         gained = []
         for row, draft, result in zip(self.rows, drafts, accepted):
             row.position += 1 + len(result.nodes)
-            row.budget.observe(draft, len(result.nodes))
+            row.trust.observe(draft, len(result.nodes))
             gained.append(self._take(row, result.tokens))
         return gained
 
