@@ -163,7 +163,7 @@ class DecodeBatch:
             logits_to_keep=1,
         ).logits
         check_cache(cache)
-        first = logits[:, -1].argmax(-1).tolist()
+        first = logits[:, -1].float().argmax(-1).tolist()
         lengths = attention_mask.sum(-1).tolist()
         rows = []
         for r in range(count):

@@ -73,7 +73,7 @@ def forward_tree(model, cache, cache_valid, pending, drafts, positions) -> torch
     ids, pos, tree_allowed = tree_inputs(pending, drafts, positions, cache_valid.device)
     mask = additive_mask(cache_valid, tree_allowed, model.dtype)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits
-    return logits.argmax(dim=-1)
+    return logits.float().argmax(dim=-1)  # as transformers does: fp32 logits, first maximum on ties
 
 
 def longest_path(draft: DraftTree, greedy: list[int]) -> Accepted:
