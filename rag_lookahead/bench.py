@@ -172,6 +172,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--branch-length", type=int, default=LookaheadConfig.branch_length)
     parser.add_argument("--budget", default="auto", choices=["auto", "fixed"])
     parser.add_argument(
+        "--extra-branch-length",
+        type=int,
+        default=None,
+        help="also run lookahead with this branch_length (method lookahead_bN), side by side",
+    )
+    parser.add_argument(
         "--seed-mode",
         default="prompt",
         choices=["prompt", "references", "none"],
@@ -184,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS)
+    extra = f"lookahead_b{args.extra_branch_length}" if args.extra_branch_length else None
     if unknown:
         parser.error(f"unknown methods: {', '.join(sorted(unknown))}")
     model, tokenizer = load_model(args.model, dtype=args.dtype)
@@ -195,6 +202,10 @@ def main(argv: list[str] | None = None) -> dict:
     pad = model.generation_config.pad_token_id
     pad = eos[0] if pad is None else pad
     prompts = load_prompts(args.prompts)[: args.limit]
+    configs = {"lookahead": config, "lookahead_warm": config}
+    if extra:
+        methods.append(extra)
+        configs[extra] = config.replace(branch_length=args.extra_branch_length)
 
     def run(method: str, prompt: dict) -> Run:
         ids = chat_ids(tokenizer, prompt, with_context=args.seed_mode == "prompt")
@@ -204,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
             return run_hf(model, ids, args.max_new_tokens, eos, pad, 10)
         references = tokenizer.encode(prompt["context"], add_special_tokens=False) if args.seed_mode == "references" else None
         pool = warm_pool if method == "lookahead_warm" else None
-        return run_lookahead(model, ids, args.max_new_tokens, eos, pad, config, references, pool)
+        return run_lookahead(model, ids, args.max_new_tokens, eos, pad, configs[method], references, pool)
 
     # warm-up: kernels, and the one-time measurement of the model's verify cost curve
     warm_pool = None

@@ -38,20 +38,16 @@ class DraftTree:
         if k >= len(self):
             return self
         order = sorted(range(len(self)), key=lambda i: (-self.probs[i], self.depths[i], i))[:k]
-        order.sort(key=lambda i: (self.depths[i], i))  # parents first
-        new_index = {old: new for new, old in enumerate(order)}
-        return DraftTree(
-            tokens=[self.tokens[i] for i in order],
-            parents=[new_index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in order],
-            depths=[self.depths[i] for i in order],
-            probs=[self.probs[i] for i in order],
-        )
+        return self._subset(sorted(order, key=lambda i: (self.depths[i], i)))  # parents first
 
     def limit_depth(self, max_depth: int) -> "DraftTree":
         """Drop nodes deeper than ``max_depth`` (near max_new_tokens or the context end)."""
         if not self.depths or max(self.depths) <= max_depth:
             return self
-        keep = [i for i in range(len(self)) if self.depths[i] <= max_depth]
+        return self._subset([i for i in range(len(self)) if self.depths[i] <= max_depth])
+
+    def _subset(self, keep: list[int]) -> "DraftTree":
+        """The nodes ``keep`` (closed under parents, parents first), renumbered."""
         new_index = {old: new for new, old in enumerate(keep)}
         return DraftTree(
             tokens=[self.tokens[i] for i in keep],
@@ -69,13 +65,7 @@ class DraftTree:
         while leaf >= 0:
             path.append(leaf)
             leaf = self.parents[leaf]
-        path.reverse()
-        return DraftTree(
-            tokens=[self.tokens[i] for i in path],
-            parents=list(range(-1, len(path) - 1)),
-            depths=list(range(1, len(path) + 1)),
-            probs=[self.probs[i] for i in path],
-        )
+        return self._subset(path[::-1])
 
 
 class _TreeBuilder:

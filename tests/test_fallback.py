@@ -1,0 +1,62 @@
+"""Models whose attention ignores a custom 4-D mask: detected by the probe, decoded with chains."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.verify import supports_tree_mask
+
+from tiny_models import reference_generate, tiny_model
+
+
+def causal_only_attention(module, query, key, value, attention_mask, **kwargs):
+    """Like a kernel that only knows causal attention: whatever mask it is given is ignored."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    rows = torch.arange(q_len, device=query.device)[:, None]
+    cols = torch.arange(kv_len, device=query.device)[None, :]
+    causal = (cols <= rows + (kv_len - q_len))[None, None]
+    return sdpa_attention_forward(module, query, key, value, causal, **kwargs)
+
+
+AttentionInterface.register("causal_only", causal_only_attention)
+AttentionMaskInterface.register("causal_only", sdpa_mask)
+
+
+@pytest.fixture(scope="module")
+def maskless_model():
+    return tiny_model("qwen2", attn="causal_only", seed=3)
+
+
+def test_probe_tells_mask_aware_from_mask_blind_models(maskless_model):
+    assert supports_tree_mask(tiny_model("qwen2")) is True
+    with pytest.warns(UserWarning, match="ignores the tree mask"):
+        assert supports_tree_mask(maskless_model) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: the answer is remembered per model
+        assert supports_tree_mask(maskless_model) is False
+
+
+def test_chain_drafts_stay_lossless_without_a_tree_mask(maskless_model):
+    prompt = [4, 5, 6, 7, 4, 5, 6, 7, 4, 5]
+    expected = reference_generate(maskless_model, prompt, 24, None)
+    result = generate(
+        maskless_model, prompt, max_new_tokens=24, config=LookaheadConfig(budget="fixed"), references=[[prompt + expected]]
+    )
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+    assert result.stats.mean_accepted > 1.5  # a chain from the reference is still accepted
+
+
+def test_batches_fall_back_to_row_by_row(maskless_model):
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [9, 8]]
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1], [0, 0, 0, 0, 0, 9, 8]])
+    mask = (ids != 0).long()
+    result = generate(maskless_model, ids, mask, max_new_tokens=10, config=LookaheadConfig(budget="fixed"), pad_token_id=0)
+    for row, prompt in enumerate(prompts):
+        assert result.sequences[row, 7:].tolist() == reference_generate(maskless_model, prompt, 10, None)
