@@ -1,10 +1,10 @@
 """Throughput benchmark: many requests at once, batched.
 
-The same requests go through (a) transformers batched greedy ``generate`` with left padding,
-(b) our loop with drafting off and (c) our loop with drafting on, at each concurrency: the
-requests are served in waves of ``concurrency`` rows. Reports requests/s, tokens/s and
-p50/p95 latency (a request's latency: from its wave's start to its last token), and whether
-every output equals the single-request greedy output.
+The same requests go through (a) transformers batched greedy ``generate`` with left padding, in
+static waves of ``concurrency`` requests, (b) our engine with drafting off and (c) with drafting
+on, both keeping ``concurrency`` requests in flight (a finished request's slot is refilled at
+once, as in the server). Reports requests/s, tokens/s, p50/p95 latency (from a request's start
+to its last token) and whether every output equals the single-request greedy output.
 
     python -m rag_lookahead.bench_batch --concurrency 1,4,16 --requests 16 --json batch.json
 """
@@ -20,8 +20,7 @@ import torch
 from .atomic import write_json_atomic
 from .bench import _print_rows, chat_ids, load_prompts
 from .config import LookaheadConfig
-from .generate import generate
-from .trie import OutputPool
+from .generate import DecodeBatch
 
 
 def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,40 +37,51 @@ def _cut(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
-def run_wave(method, model, rows, max_new_tokens, eos, pad, config):
-    """Decode one wave of rows; returns (outputs, per-row latency seconds)."""
-    ids, mask = _left_pad(rows, pad)
-    start = time.perf_counter()
-    if method == "hf_greedy":
+def run_hf_waves(model, requests, level, max_new_tokens, eos, pad):
+    """transformers: padded static batches of ``level`` requests; a wave returns all rows together."""
+    outputs, latencies = [], []
+    for first in range(0, len(requests), level):
+        rows = requests[first : first + level]
+        ids, mask = _left_pad(rows, pad)
+        start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
                 ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(eos), pad_token_id=pad
             )
         seconds = time.perf_counter() - start
-        outputs = [_cut(out[r, ids.shape[1] :].tolist(), eos) for r in range(len(rows))]
-        return outputs, [seconds] * len(rows)  # a padded batch returns all rows together
-    finished: dict[int, float] = {}
-    counts = [0] * len(rows)
+        outputs += [_cut(out[r, ids.shape[1] :].tolist(), eos) for r in range(len(rows))]
+        latencies += [seconds] * len(rows)
+    return outputs, latencies, None
 
-    def on_tokens(row: int, tokens: list[int]) -> None:
-        counts[row] += len(tokens)
-        if tokens[-1] in eos or counts[row] >= max_new_tokens:
-            finished[row] = time.perf_counter() - start
 
-    result = generate(
-        model,
-        ids,
-        mask,
-        max_new_tokens=max_new_tokens,
-        config=config.replace(enabled=method == "lookahead"),
-        eos_token_id=sorted(eos),
-        pad_token_id=pad,
-        output_pool=OutputPool(config.branch_length + config.max_key_length),
-        on_tokens=on_tokens,
-    )
-    seconds = time.perf_counter() - start
-    outputs = [_cut(result.sequences[r, ids.shape[1] :].tolist(), eos) for r in range(len(rows))]
-    return outputs, [finished.get(r, seconds) for r in range(len(rows))]
+def run_continuous(model, requests, level, max_new_tokens, eos, pad, config):
+    """Our engine: at most ``level`` rows decode together; a finished row's slot goes to the next
+    request at once (continuous batching, as the server does). Latency: admission to last token."""
+    batch = DecodeBatch(model, config, frozenset(eos), None)  # requests repeat: no pool of earlier answers
+    waiting = list(enumerate(requests))
+    outputs: dict[int, list[int]] = {}
+    admitted: dict[int, float] = {}
+    latencies: dict[int, float] = {}
+    steps = row_steps = gained = 0
+    while waiting or batch.rows:
+        for row in batch.finish():
+            outputs[row.index] = row.generated
+            latencies[row.index] = time.perf_counter() - admitted[row.index]
+        free = level - len(batch.rows)
+        if waiting and free > 0:
+            joining, waiting = waiting[:free], waiting[free:]
+            ids, mask = _left_pad([r for _, r in joining], pad)
+            for key, _ in joining:
+                admitted[key] = time.perf_counter()
+            batch.add(ids, mask, None, max_new_tokens, keys=[key for key, _ in joining])
+            continue  # a prefill's first token may already finish a row
+        if batch.rows:
+            new = batch.verify_and_accept(batch.propose())
+            steps += 1
+            row_steps += len(new)
+            gained += sum(len(t) for t in new)
+    ordered = [outputs[i] for i in range(len(requests))]
+    return ordered, [latencies[i] for i in range(len(requests))], gained / row_steps if row_steps else None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -99,19 +109,19 @@ def main(argv: list[str] | None = None) -> dict:
     methods = [m for m in args.methods.split(",") if m]
     levels = [int(c) for c in args.concurrency.split(",")]
 
-    run_wave("lookahead", model, requests[:1], 8, eos, pad, config)  # warm-up and cost curve
+    run_continuous(model, requests[:2], 2, 8, eos, pad, config)  # warm-up and cost curve
+    run_hf_waves(model, requests[:2], 2, 8, eos, pad)
     single = {}
     results = []
     for level in levels:
         for method in methods:
-            latencies, tokens, outputs = [], 0, []
             start = time.perf_counter()
-            for first in range(0, len(requests), level):
-                wave = requests[first : first + level]
-                outs, lats = run_wave(method, model, wave, args.max_new_tokens, eos, pad, config)
-                outputs += outs
-                latencies += lats
-                tokens += sum(len(o) for o in outs)
+            if method == "hf_greedy":
+                outputs, latencies, accepted = run_hf_waves(model, requests, level, args.max_new_tokens, eos, pad)
+            else:
+                method_config = config.replace(enabled=method == "lookahead")
+                outputs, latencies, accepted = run_continuous(model, requests, level, args.max_new_tokens, eos, pad, method_config)
+            tokens = sum(len(o) for o in outputs)
             seconds = time.perf_counter() - start
             if level == 1 and method == methods[0]:
                 single = {i: o for i, o in enumerate(outputs)}
@@ -125,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "p50_latency_s": round(statistics.median(lat), 3),
                 "p95_latency_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
                 "identical_to_single": f"{identical}/{len(outputs)}" if identical is not None else "-",
+                "mean_accepted": round(accepted, 3) if accepted else "-",
             }
             results.append(row)
             print(row, flush=True)

@@ -141,27 +141,62 @@ def expected_accepted(probs: list[float]) -> float:
     return sum(probs)
 
 
-def choose_width(drafts: list[DraftTree], trusts: list[Trust], curve: CostCurve | None) -> int:
+class StepCosts:
+    """What verify steps really cost, by (rows, width), correcting the batch-1 curve.
+
+    The curve is timed at batch 1 without a mask; a batch of rows with a tree mask over a long,
+    holed cache costs more, and by how much depends on the regime. So every step's time is
+    remembered, and a width not yet seen for this many rows is predicted from the curve scaled
+    like the nearest width that was seen. The first step at a new row count runs plain (width
+    0), which measures the regime at the price of one step without drafts.
+    """
+
+    def __init__(self, curve: CostCurve) -> None:
+        self.curve = curve
+        self.seen: dict[tuple[int, int], float] = {}
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        old = self.seen.get((rows, width))
+        self.seen[(rows, width)] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    def known(self, rows: int) -> bool:
+        return (rows, 0) in self.seen
+
+    def __call__(self, rows: int, width: int) -> float:
+        exact = self.seen.get((rows, width))
+        if exact is not None:
+            return exact
+        predicted = self.curve(rows * (1 + width))
+        nearest = min((abs(w - width), w) for r, w in self.seen if r == rows) if self.known(rows) else None
+        if nearest is None:
+            return predicted
+        w = nearest[1]
+        return predicted * self.seen[(rows, w)] / self.curve(rows * (1 + w))
+
+
+def choose_width(drafts: list[DraftTree], trusts: list[Trust], costs: StepCosts | None) -> int:
     """Draft nodes per row for one forward over all rows, best expected tokens per second.
 
-    Rows share the forward, padded to the widest tree, so the width is chosen jointly: a
-    forward of ``rows * (1 + width)`` tokens costs ``curve`` seconds and gains, per row, the
-    bonus token plus the trusted probabilities of its ``width`` likeliest nodes. As the batch
-    grows the forward becomes compute-bound, extra width costs more, and the choice shrinks
-    toward plain decoding (width 0) by itself.
+    Rows share the forward, padded to the widest tree, so the width is chosen jointly: a step
+    of width w costs ``costs(rows, w)`` seconds and gains, per row, the bonus token plus the
+    trusted probabilities of its w likeliest nodes. As the batch grows the forward becomes
+    compute-bound, extra width costs more, and the choice shrinks toward plain decoding
+    (width 0) by itself.
     """
     longest = max((len(d) for d in drafts), default=0)
-    if curve is None or longest == 0:
+    if costs is None or longest == 0:
         return longest
     rows = len(drafts)
+    if not costs.known(rows):
+        return 0  # measure this batch size's plain step first
     ranked = [sorted(d.probs, reverse=True) for d in drafts]
     gains = [1.0] * rows
-    best_width, best_rate = 0, rows / curve(rows)
+    best_width, best_rate = 0, rows / costs(rows, 0)
     for width in range(1, longest + 1):
         for r, probs in enumerate(ranked):
             if width <= len(probs):
                 gains[r] += trusts[r].value * probs[width - 1]
-        rate = sum(gains) / curve(rows * (1 + width))
+        rate = sum(gains) / costs(rows, width)
         if rate > best_rate:
             best_width, best_rate = width, rate
     return best_width

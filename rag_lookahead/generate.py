@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .budget import Trust, choose_width, cost_curve
+from .budget import StepCosts, Trust, choose_width, cost_curve
 from .config import LookaheadConfig
 from .draft import DraftTree, propose
 from .errors import ConfigError, InputError
@@ -122,7 +122,7 @@ class DecodeBatch:
         self.eos = eos
         self.output_pool = output_pool if config.use_output_pool else None
         self.tree_mask = supports_tree_mask(model) if config.enabled else True
-        self.curve = cost_curve(model) if config.enabled and config.budget == "auto" else None
+        self.costs = StepCosts(cost_curve(model)) if config.enabled and config.budget == "auto" else None
         self.context_limit = _context_limit(model)
         self.rows: list[_Row] = []
         self._arrivals = 0
@@ -218,7 +218,7 @@ class DecodeBatch:
     def propose(self) -> list[DraftTree]:
         """Each row's draft tree, cut to the width that pays for itself in this step."""
         drafts = [self._candidates(row) for row in self.rows]
-        width = choose_width(drafts, [row.trust for row in self.rows], self.curve)
+        width = choose_width(drafts, [row.trust for row in self.rows], self.costs)
         return [draft.top(width) for draft in drafts]
 
     def _candidates(self, row: _Row) -> DraftTree:
@@ -235,6 +235,7 @@ class DecodeBatch:
     @torch.inference_mode()
     def verify_and_accept(self, drafts: list[DraftTree]) -> list[list[int]]:
         """One forward over all trees; returns the tokens each row gained."""
+        tick = time.perf_counter()
         start = self.cache.get_seq_length()
         greedy = forward_tree(
             self.model,
@@ -252,6 +253,8 @@ class DecodeBatch:
             row.position += 1 + len(result.nodes)
             row.trust.observe(draft, len(result.nodes))
             gained.append(self._take(row, result.tokens))
+        if self.costs is not None:
+            self.costs.observe(len(drafts), max(len(d) for d in drafts), time.perf_counter() - tick)
         return gained
 
     def finish(self, keep: Callable[[_Row], bool] | None = None) -> list[_Row]:

@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from fastapi import Request  # module level: FastAPI resolves the handlers' string annotations here

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rag_lookahead import LookaheadConfig
-from rag_lookahead.budget import CostCurve, Trust, choose_width
+from rag_lookahead.budget import CostCurve, StepCosts, Trust, choose_width
 from rag_lookahead.draft import DraftTree, propose
 from rag_lookahead.trie import ContextPool, NGramTrie, OutputPool
 
@@ -154,12 +154,32 @@ def test_context_pool_is_preferred_over_output_pool():
     assert set(draft.tokens) == {2, 3}
 
 
+def _costs(curve, rows_seen):
+    costs = StepCosts(curve)
+    for rows in rows_seen:
+        costs.observe(rows, 0, curve(rows))
+    return costs
+
+
 def test_width_shrinks_as_the_batch_grows():
     # cost per forward: nearly flat for a few tokens, then linear (a CPU)
     curve = CostCurve([1, 8, 16, 64, 256, 1024], [0.050, 0.057, 0.066, 0.14, 0.55, 2.2])
+    costs = _costs(curve, (1, 4, 16, 64))
     draft = DraftTree(tokens=list(range(8)), parents=[-1] + list(range(7)), depths=list(range(1, 9)), probs=[0.6**d for d in range(1, 9)])
-    widths = [choose_width([draft] * rows, [Trust() for _ in range(rows)], curve) for rows in (1, 4, 16, 64)]
+    widths = [choose_width([draft] * rows, [Trust() for _ in range(rows)], costs) for rows in (1, 4, 16, 64)]
     assert widths[0] >= 3
     assert widths == sorted(widths, reverse=True)
     assert widths[-1] == 0
     assert choose_width([draft], [Trust()], None) == len(draft)  # fixed budget: every candidate
+
+
+def test_measured_step_costs_override_the_curve():
+    curve = CostCurve([1, 8, 16, 64, 256, 1024], [0.050, 0.057, 0.066, 0.14, 0.55, 2.2])
+    draft = DraftTree(tokens=list(range(4)), parents=[-1, 0, 1, 2], depths=[1, 2, 3, 4], probs=[0.9, 0.8, 0.7, 0.6])
+    costs = StepCosts(curve)
+    assert choose_width([draft] * 4, [Trust() for _ in range(4)], costs) == 0  # a new batch size: measure plain first
+    costs.observe(4, 0, curve(4))
+    assert choose_width([draft] * 4, [Trust() for _ in range(4)], costs) == 4  # the curve says drafting pays
+    for width in range(1, 5):  # but drafting steps turned out 5x dearer than the curve said
+        costs.observe(4, width, 5 * curve(4 * (1 + width)))
+    assert choose_width([draft] * 4, [Trust() for _ in range(4)], costs) == 0
