@@ -174,6 +174,17 @@ class StepCosts:
         return predicted * self.seen[(rows, w)] / self.curve(rows * (1 + w))
 
 
+_STEP_COSTS: "weakref.WeakKeyDictionary[torch.nn.Module, StepCosts]" = weakref.WeakKeyDictionary()
+
+
+def step_costs(model) -> StepCosts:
+    """The model's measured step costs, shared by every call on it (calibrated once per batch size)."""
+    costs = _STEP_COSTS.get(model)
+    if costs is None:
+        costs = _STEP_COSTS[model] = StepCosts(cost_curve(model))
+    return costs
+
+
 def choose_width(drafts: list[DraftTree], trusts: list[Trust], costs: StepCosts | None) -> int:
     """Draft nodes per row for one forward over all rows, best expected tokens per second.
 

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .budget import StepCosts, Trust, choose_width, cost_curve
+from .budget import Trust, choose_width, step_costs
 from .config import LookaheadConfig
 from .draft import DraftTree, propose
 from .errors import ConfigError, InputError
@@ -122,7 +122,7 @@ class DecodeBatch:
         self.eos = eos
         self.output_pool = output_pool if config.use_output_pool else None
         self.tree_mask = supports_tree_mask(model) if config.enabled else True
-        self.costs = StepCosts(cost_curve(model)) if config.enabled and config.budget == "auto" else None
+        self.costs = step_costs(model) if config.enabled and config.budget == "auto" else None
         self.context_limit = _context_limit(model)
         self.rows: list[_Row] = []
         self._arrivals = 0
