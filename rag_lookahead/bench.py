@@ -147,7 +147,8 @@ def run_lookahead(model, ids, max_new_tokens, eos, pad, config, references=None,
     return Run(result.sequences[0, len(ids) :].tolist(), seconds, s.prefill_seconds, s.forward_passes, s.mean_accepted)
 
 
-def _trim(tokens: list[int], eos: list[int], pad: int) -> list[int]:
+def cut_at_eos(tokens: list[int], eos) -> list[int]:
+    """The tokens up to and including the first EOS (drops any padding after it)."""
     for i, t in enumerate(tokens):
         if t in eos:
             return tokens[: i + 1]
@@ -228,10 +229,10 @@ def main(argv: list[str] | None = None) -> dict:
         warm_pool = OutputPool(config.branch_length + config.max_key_length)
         for prompt in prompts:
             runs = {m: run(m, prompt) for m in methods}
-            reference = _trim(runs[methods[0]].tokens, eos, pad) if "greedy" not in runs else _trim(runs["greedy"].tokens, eos, pad)
+            reference = cut_at_eos(runs["greedy" if "greedy" in runs else methods[0]].tokens, eos)
             row = {"id": prompt.get("id"), "repeat": repeat}
             for m, r in runs.items():
-                same = _trim(r.tokens, eos, pad) == reference
+                same = cut_at_eos(r.tokens, eos) == reference
                 totals[m].add(r, same)
                 row[m] = {
                     "new_tokens": len(r.tokens),

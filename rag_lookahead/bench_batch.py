@@ -18,23 +18,9 @@ import time
 import torch
 
 from .atomic import write_json_atomic
-from .bench import _print_rows, chat_ids, load_prompts
+from .bench import _print_rows, chat_ids, cut_at_eos, load_prompts
 from .config import LookaheadConfig
-from .generate import DecodeBatch
-
-
-def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
-
-
-def _cut(tokens: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
+from .generate import DecodeBatch, left_pad
 
 
 def run_hf_waves(model, requests, level, max_new_tokens, eos, pad):
@@ -42,14 +28,14 @@ def run_hf_waves(model, requests, level, max_new_tokens, eos, pad):
     outputs, latencies = [], []
     for first in range(0, len(requests), level):
         rows = requests[first : first + level]
-        ids, mask = _left_pad(rows, pad)
+        ids, mask = left_pad(rows, pad)
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
                 ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(eos), pad_token_id=pad
             )
         seconds = time.perf_counter() - start
-        outputs += [_cut(out[r, ids.shape[1] :].tolist(), eos) for r in range(len(rows))]
+        outputs += [cut_at_eos(out[r, ids.shape[1] :].tolist(), eos) for r in range(len(rows))]
         latencies += [seconds] * len(rows)
     return outputs, latencies, None
 
@@ -70,7 +56,7 @@ def run_continuous(model, requests, level, max_new_tokens, eos, pad, config):
         free = level - len(batch.rows)
         if waiting and free > 0:
             joining, waiting = waiting[:free], waiting[free:]
-            ids, mask = _left_pad([r for _, r in joining], pad)
+            ids, mask = left_pad([r for _, r in joining], pad)
             for key, _ in joining:
                 admitted[key] = time.perf_counter()
             batch.add(ids, mask, None, max_new_tokens, keys=[key for key, _ in joining])

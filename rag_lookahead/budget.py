@@ -1,7 +1,7 @@
 """How many draft nodes to verify: chosen from what a forward of n tokens costs.
 
 On a GPU at batch 1 a forward of 64 tokens costs about what one token costs, so a large tree
-is free. On a CPU it is not (0.5B bf16 here: ~50 ms for 1 token, ~66 ms for 16), so each
+is free. On a CPU it is not (0.5B bf16 here: ~95 ms for 1 token, ~120 ms for 16, ~200 ms for 64), so each
 extra node must pay for itself. The cost curve is measured once per model (a few forwards
 over a dummy cache) and the drafter's acceptance estimates, corrected by how well they
 predicted so far, give the expected gain; the size with the best gain per second wins.

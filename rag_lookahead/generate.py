@@ -263,7 +263,8 @@ class DecodeBatch:
         stay = [i for i, row in enumerate(self.rows) if not row.done and keep(row)]
         if len(stay) == len(self.rows):
             return []
-        left = [row for i, row in enumerate(self.rows) if i not in set(stay)]
+        staying = set(stay)
+        left = [row for i, row in enumerate(self.rows) if i not in staying]
         for row in left:
             row.done = True
             if self.output_pool is not None:
@@ -285,6 +286,14 @@ class DecodeBatch:
             for layer in self.cache.layers:
                 layer.keys = layer.keys[:, :, first:]
                 layer.values = layer.values[:, :, first:]
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows of different lengths as a left-padded (ids, attention_mask) pair."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    return ids, mask
 
 
 def _as_batch(input_ids, attention_mask, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -264,7 +264,7 @@ class LookaheadLLM(BaseLLM):
 
         Returns (trackers, per-row step counts, GenerationResult).
         """
-        from .generate import generate
+        from .generate import generate, left_pad
 
         kwargs = dict(kwargs)
         config = self._config(kwargs)
@@ -273,9 +273,7 @@ class LookaheadLLM(BaseLLM):
         cancel: threading.Event | None = kwargs.pop("_cancel", None)
         encoded = [self._encode(p) for p in prompts]
         pad = self.tokenizer.pad_token_id
-        width = max(len(e) for e in encoded)
-        ids = [[pad] * (width - len(e)) + e for e in encoded]
-        mask = [[0] * (width - len(e)) + [1] * len(e) for e in encoded]
+        ids, mask = left_pad(encoded, pad)
         trackers = [_TextTracker(self.tokenizer, stop, self._eos) for _ in prompts]
         steps = [0] * len(prompts)
 

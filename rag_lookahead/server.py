@@ -425,7 +425,7 @@ class Engine:
 
     def _admit(self, requests: list[_Request]) -> None:
         """One prefill for all admitted requests, merged into the running batch."""
-        import torch
+        from .generate import left_pad
 
         dropped = sum(1 for r in requests if r.cancelled)
         if dropped:  # cancelled between leaving the queue and the prefill
@@ -436,9 +436,7 @@ class Engine:
         if self._batch is None or not self._batch.rows:
             self._batch = self._new_batch()
         device = next(self.model.parameters()).device
-        width = max(len(r.prompt_ids) for r in requests)
-        ids = torch.tensor([[self.pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in requests], dtype=torch.long, device=device)
-        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in requests], dtype=torch.long, device=device)
+        ids, mask = left_pad([r.prompt_ids for r in requests], self.pad_id, device)
         references = [r.references for r in requests] if any(r.references for r in requests) else None
         for r in requests:
             self._active[r.id] = r

@@ -106,7 +106,7 @@ def compact_cache(cache, start: int, accepted: list[Accepted]) -> torch.Tensor:
         n = 1 + len(a.nodes)
         index[r, 1:n] = np.asarray(a.nodes, dtype=np.int64) + 1
         valid[r, :n] = True
-    contiguous = all(index[r, : 1 + len(a.nodes)].tolist() == list(range(1 + len(a.nodes))) for r, a in enumerate(accepted))
+    contiguous = all(a.nodes == list(range(len(a.nodes))) for a in accepted)  # a chain prefix: crop suffices
     end = start + keep_width
     if contiguous:
         for layer in cache.layers:
