@@ -25,7 +25,7 @@ from .config import LookaheadConfig
 from .generate import generate
 from .trie import OutputPool
 
-METHODS = ("greedy", "prompt_lookup", "lookahead", "lookahead_warm")
+METHODS = ("greedy", "prompt_lookup", "lookahead", "lookahead_warm", "lookahead_unseeded")
 
 
 @dataclass
@@ -86,12 +86,20 @@ class _FirstTokenClock:
         pass
 
 
-def load_prompts(path: str | None) -> list[dict]:
+def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
+    """The prompt set (default: the bundled one), optionally only the comma-separated ``ids``."""
     if path:
         text = Path(path).read_text(encoding="utf-8")
     else:
         text = resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    prompts = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if ids:
+        wanted = [i.strip() for i in ids.split(",") if i.strip()]
+        unknown = sorted(set(wanted) - {p.get("id") for p in prompts})
+        if unknown:
+            raise SystemExit(f"unknown prompt ids: {', '.join(unknown)}")
+        prompts = [p for p in prompts if p.get("id") in wanted]
+    return prompts
 
 
 def chat_ids(tokenizer, prompt: dict, *, with_context: bool = True) -> list[int]:
@@ -137,7 +145,7 @@ def run_lookahead(model, ids, max_new_tokens, eos, pad, config, references=None,
         ids,
         max_new_tokens=max_new_tokens,
         config=config,
-        references=[references] if references else None,
+        references=[[references]] if references else None,  # one row, one passage
         eos_token_id=eos,
         pad_token_id=pad,
         output_pool=pool,
@@ -155,19 +163,36 @@ def cut_at_eos(tokens: list[int], eos) -> list[int]:
     return tokens
 
 
+def copied_fraction(answer: list[int], source: list[int], n: int = 4) -> float:
+    """Share of the answer's tokens that lie in a run of >= n tokens also found in ``source``.
+
+    Tells how much an answer quotes its passage, i.e. how much any drafter could copy.
+    """
+    if len(answer) < n:
+        return 0.0
+    grams = {tuple(source[i : i + n]) for i in range(len(source) - n + 1)}
+    covered = [False] * len(answer)
+    for i in range(len(answer) - n + 1):
+        if tuple(answer[i : i + n]) in grams:
+            covered[i : i + n] = [True] * n
+    return sum(covered) / len(answer)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="rag_lookahead bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--prompts", default=None, help="JSONL with context/question per line (default: bundled set)")
     parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--ids", default=None, help="use only these prompt ids (comma-separated)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument(
         "--methods",
-        default=",".join(METHODS),
+        default=",".join(METHODS[:4]),
         help="lookahead starts each prompt with an empty output pool; lookahead_warm keeps one pool across "
-        "the prompts of a pass (earlier answers, never the same prompt's), as a RAG session would",
+        "the prompts of a pass (earlier answers, never the same prompt's), as a RAG session would; "
+        "lookahead_unseeded ignores the context passage given with --seed-mode references (drafts from the prompt only)",
     )
     parser.add_argument("--decoding-length", type=int, default=LookaheadConfig.decoding_length)
     parser.add_argument("--branch-length", type=int, default=LookaheadConfig.branch_length)
@@ -202,8 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     pad = model.generation_config.pad_token_id
     pad = eos[0] if pad is None else pad
-    prompts = load_prompts(args.prompts)[: args.limit]
-    configs = {"lookahead": config, "lookahead_warm": config}
+    prompts = load_prompts(args.prompts, args.ids)[: args.limit]
+    configs = {"lookahead": config, "lookahead_warm": config, "lookahead_unseeded": config}
     if extra:
         methods.append(extra)
         configs[extra] = config.replace(branch_length=args.extra_branch_length)
@@ -214,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
             return run_hf(model, ids, args.max_new_tokens, eos, pad, None)
         if method == "prompt_lookup":
             return run_hf(model, ids, args.max_new_tokens, eos, pad, 10)
-        references = tokenizer.encode(prompt["context"], add_special_tokens=False) if args.seed_mode == "references" else None
+        seeded = args.seed_mode == "references" and method != "lookahead_unseeded"
+        references = tokenizer.encode(prompt["context"], add_special_tokens=False) if seeded else None
         pool = warm_pool if method == "lookahead_warm" else None
         return run_lookahead(model, ids, args.max_new_tokens, eos, pad, configs[method], references, pool)
 
@@ -230,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
         for prompt in prompts:
             runs = {m: run(m, prompt) for m in methods}
             reference = cut_at_eos(runs["greedy" if "greedy" in runs else methods[0]].tokens, eos)
-            row = {"id": prompt.get("id"), "repeat": repeat}
+            context_ids = tokenizer.encode(prompt["context"], add_special_tokens=False)
+            row = {"id": prompt.get("id"), "repeat": repeat, "copied_from_context": round(copied_fraction(reference, context_ids), 3)}
             for m, r in runs.items():
                 same = cut_at_eos(r.tokens, eos) == reference
                 totals[m].add(r, same)
@@ -267,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         "seed_mode": args.seed_mode,
         "config": {"decoding_length": config.decoding_length, "branch_length": config.branch_length, "budget": config.budget},
         "summary": summary,
+        "mean_copied_from_context": round(statistics.mean(r["copied_from_context"] for r in per_prompt), 3),
         "per_prompt": per_prompt,
     }
     _print_table(report)
@@ -289,7 +317,10 @@ def _print_table(report: dict) -> None:
                 "identical": s["identical_to_greedy"],
             }
         )
-    title = f"{report['model']} {report['dtype']} on {report['device']}, batch 1, {report['prompts']} prompts x {report['repeats']}"
+    title = (
+        f"{report['model']} {report['dtype']} on {report['device']}, batch 1, {report['prompts']} prompts x {report['repeats']}, "
+        f"context {report['seed_mode']}, {report['mean_copied_from_context']:.0%} of answer tokens copied from it"
+    )
     _print_rows(title, rows)
 
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from .atomic import write_json_atomic
-from .bench import _print_rows, chat_ids, cut_at_eos, load_prompts
+from .bench import _print_rows, chat_ids, copied_fraction, cut_at_eos, load_prompts
 from .config import LookaheadConfig
 from .generate import DecodeBatch, left_pad
 
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--prompts", default=None)
+    parser.add_argument("--ids", default=None, help="use only these prompt ids (comma-separated)")
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level (prompts cycled)")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -90,8 +91,9 @@ def main(argv: list[str] | None = None) -> dict:
     pad = model.generation_config.pad_token_id
     pad = min(eos) if pad is None else pad
     config = LookaheadConfig().with_tokenizer(tokenizer)
-    prompts = load_prompts(args.prompts)
+    prompts = load_prompts(args.prompts, args.ids)
     requests = [chat_ids(tokenizer, prompts[i % len(prompts)]) for i in range(args.requests)]
+    contexts = [tokenizer.encode(prompts[i % len(prompts)]["context"], add_special_tokens=False) for i in range(args.requests)]
     methods = [m for m in args.methods.split(",") if m]
     levels = [int(c) for c in args.concurrency.split(",")]
 
@@ -130,15 +132,19 @@ def main(argv: list[str] | None = None) -> dict:
         for r in results:
             if r["concurrency"] == level and base:
                 r["speedup_vs_hf"] = round(r["tokens_per_second"] / base["tokens_per_second"], 3)
+    copied = [copied_fraction(single[i], contexts[i]) for i in single]
     report = {
         "model": args.model,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "requests": len(requests),
+        "prompt_ids": sorted({p.get("id") for p in prompts}),
+        "mean_copied_from_context": round(statistics.mean(copied), 3) if copied else None,
         "max_new_tokens": args.max_new_tokens,
         "results": results,
     }
-    _print_rows(f"{args.model} {args.dtype}, {len(requests)} requests, waves of each concurrency", results)
+    share = f", {report['mean_copied_from_context']:.0%} of answer tokens copied from the context" if copied else ""
+    _print_rows(f"{args.model} {args.dtype}, {len(requests)} requests, waves of each concurrency{share}", results)
     if args.json_path:
         write_json_atomic(args.json_path, report)
     return report

@@ -71,9 +71,20 @@ def additive_mask(cache_valid: torch.Tensor, tree_allowed: torch.Tensor, dtype) 
 def forward_tree(model, cache, cache_valid, pending, drafts, positions) -> torch.Tensor:
     """One forward over every row's tree; returns the greedy token at each node, (rows, q)."""
     ids, pos, tree_allowed = tree_inputs(pending, drafts, positions, cache_valid.device)
-    mask = additive_mask(cache_valid, tree_allowed, model.dtype)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits
+    if is_plain_causal(cache_valid, drafts, positions):
+        # what transformers itself runs for one row: same kernels, so bf16 rounds as greedy does
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+    else:
+        mask = additive_mask(cache_valid, tree_allowed, model.dtype)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits
     return logits.float().argmax(dim=-1)  # as transformers does: fp32 logits, first maximum on ties
+
+
+def is_plain_causal(cache_valid: torch.Tensor, drafts: list[DraftTree], positions: list[int]) -> bool:
+    """One row, no holes in its cache, a chain (or no) draft: the causal mask is the tree mask."""
+    if len(drafts) != 1 or positions[0] != cache_valid.shape[1] or not bool(cache_valid.all()):
+        return False
+    return all(parent == i - 1 for i, parent in enumerate(drafts[0].parents))
 
 
 def longest_path(draft: DraftTree, greedy: list[int]) -> Accepted:

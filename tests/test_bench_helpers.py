@@ -1,0 +1,34 @@
+"""The benchmarks' pure helpers (the benchmarks themselves are run by hand, not timed in tests)."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rag_lookahead.bench import copied_fraction, cut_at_eos
+
+tokens = st.lists(st.integers(0, 20), min_size=0, max_size=60)
+
+
+@given(tokens)
+def test_an_answer_quoting_its_whole_source_is_fully_copied(source):
+    assert copied_fraction(source, source) == (1.0 if len(source) >= 4 else 0.0)
+
+
+@given(tokens, tokens)
+def test_copied_fraction_counts_only_runs_found_in_the_source(answer, source):
+    shifted = [t + 100 for t in answer]  # no token in common with the source
+    assert copied_fraction(shifted, source) == 0.0
+    value = copied_fraction(answer + source, source)
+    assert 0.0 <= value <= 1.0
+    if len(source) >= 4:
+        assert value >= len(source) / (len(answer) + len(source))
+
+
+def test_copied_fraction_example():
+    source = [1, 2, 3, 4, 5, 6]
+    assert copied_fraction([9, 1, 2, 3, 4, 9, 9, 9], source) == 0.5  # tokens 1..4 of 8
+    assert copied_fraction([1, 2, 3, 9, 4, 5, 6, 9], source) == 0.0  # runs of 3 are too short
+
+
+def test_cut_at_eos_keeps_the_eos_and_drops_padding():
+    assert cut_at_eos([5, 6, 2, 2, 2], {2}) == [5, 6, 2]
+    assert cut_at_eos([5, 6], {2}) == [5, 6]
