@@ -142,36 +142,35 @@ def expected_accepted(probs: list[float]) -> float:
 
 
 class StepCosts:
-    """What verify steps really cost, by (rows, width), correcting the batch-1 curve.
+    """What verify steps really cost, by (rows, tokens), correcting the batch-1 curve.
 
-    The curve is timed at batch 1 without a mask; a batch of rows with a tree mask over a long,
-    holed cache costs more, and by how much depends on the regime. So every step's time is
-    remembered, and a width not yet seen for this many rows is predicted from the curve scaled
-    like the nearest width that was seen. The first step at a new row count runs plain (width
-    0), which measures the regime at the price of one step without drafts.
+    The curve is timed for one row without a mask; rows packed together also attend over each
+    other's (masked) cache columns, which costs more as rows and caches grow. So every step's
+    time is remembered, and a token count not yet seen for this many rows is predicted from the
+    curve scaled like the nearest count that was seen. The first step at a new row count runs
+    plain (no drafts), which measures the regime at the price of one step without drafts.
     """
 
     def __init__(self, curve: CostCurve) -> None:
         self.curve = curve
         self.seen: dict[tuple[int, int], float] = {}
 
-    def observe(self, rows: int, width: int, seconds: float) -> None:
-        old = self.seen.get((rows, width))
-        self.seen[(rows, width)] = seconds if old is None else 0.7 * old + 0.3 * seconds
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        old = self.seen.get((rows, tokens))
+        self.seen[(rows, tokens)] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
     def known(self, rows: int) -> bool:
-        return (rows, 0) in self.seen
+        return (rows, rows) in self.seen
 
-    def __call__(self, rows: int, width: int) -> float:
-        exact = self.seen.get((rows, width))
+    def __call__(self, rows: int, tokens: int) -> float:
+        exact = self.seen.get((rows, tokens))
         if exact is not None:
             return exact
-        predicted = self.curve(rows * (1 + width))
-        nearest = min((abs(w - width), w) for r, w in self.seen if r == rows) if self.known(rows) else None
-        if nearest is None:
+        predicted = self.curve(tokens)
+        if not self.known(rows):
             return predicted
-        w = nearest[1]
-        return predicted * self.seen[(rows, w)] / self.curve(rows * (1 + w))
+        nearest = min((abs(t - tokens), t) for r, t in self.seen if r == rows)[1]
+        return predicted * self.seen[(rows, nearest)] / self.curve(nearest)
 
 
 _STEP_COSTS: "weakref.WeakKeyDictionary[torch.nn.Module, StepCosts]" = weakref.WeakKeyDictionary()
@@ -185,29 +184,29 @@ def step_costs(model) -> StepCosts:
     return costs
 
 
-def choose_width(drafts: list[DraftTree], trusts: list[Trust], costs: StepCosts | None) -> int:
+def allocate(drafts: list[DraftTree], trusts: list[Trust], costs: StepCosts | None) -> list[int]:
     """Draft nodes per row for one forward over all rows, best expected tokens per second.
 
-    Rows share the forward, padded to the widest tree, so the width is chosen jointly: a step
-    of width w costs ``costs(rows, w)`` seconds and gains, per row, the bonus token plus the
-    trusted probabilities of its w likeliest nodes. As the batch grows the forward becomes
-    compute-bound, extra width costs more, and the choice shrinks toward plain decoding
-    (width 0) by itself.
+    Rows are packed side by side, so a node costs the same wherever it sits: one more token in
+    the forward. The nodes of all rows are therefore ranked together by their trusted chance of
+    acceptance, and the best prefix of that ranking wins: with k nodes a step costs
+    ``costs(rows, rows + k)`` and gains the rows' bonus tokens plus the k chances. A row's share
+    is its k_r likeliest nodes, still a tree. As the batch grows each step costs more and
+    fewer nodes pay; where none does, the step is plain decoding.
     """
-    longest = max((len(d) for d in drafts), default=0)
-    if costs is None or longest == 0:
-        return longest
+    if costs is None:
+        return [len(d) for d in drafts]  # fixed budget: every candidate
     rows = len(drafts)
-    if not costs.known(rows):
-        return 0  # measure this batch size's plain step first
-    ranked = [sorted(d.probs, reverse=True) for d in drafts]
-    gains = [1.0] * rows
-    best_width, best_rate = 0, rows / costs(rows, 0)
-    for width in range(1, longest + 1):
-        for r, probs in enumerate(ranked):
-            if width <= len(probs):
-                gains[r] += trusts[r].value * probs[width - 1]
-        rate = sum(gains) / costs(rows, width)
+    counts = [0] * rows
+    if not any(len(d) for d in drafts) or not costs.known(rows):
+        return counts  # nothing to draft, or a new batch size: measure its plain step first
+    ranked = sorted(((trusts[r].value * p, r) for r, d in enumerate(drafts) for p in d.probs), reverse=True)
+    gain, best_k, best_rate = float(rows), 0, rows / costs(rows, rows)
+    for k, (value, _) in enumerate(ranked, start=1):
+        gain += value
+        rate = gain / costs(rows, rows + k)
         if rate > best_rate:
-            best_width, best_rate = width, rate
-    return best_width
+            best_k, best_rate = k, rate
+    for _, r in ranked[:best_k]:
+        counts[r] += 1
+    return counts

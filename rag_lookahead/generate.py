@@ -16,12 +16,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from .budget import Trust, choose_width, step_costs
+from .budget import Trust, allocate, step_costs
 from .config import LookaheadConfig
 from .draft import DraftTree, propose
 from .errors import ConfigError, InputError
 from .trie import ContextPool, OutputPool
-from .verify import check_cache, compact_cache, forward_tree, longest_path, supports_tree_mask
+from .packed_cache import PackedCache
+from .verify import check_cache, forward_tree, keep_accepted, longest_path, supports_tree_mask
 
 
 @dataclass
@@ -126,8 +127,7 @@ class DecodeBatch:
         self.context_limit = _context_limit(model)
         self.rows: list[_Row] = []
         self._arrivals = 0
-        self.cache = None
-        self.cache_valid: torch.Tensor | None = None  # (rows, cache length) bool
+        self.packed = PackedCache()  # every row's KV entries, side by side
 
     @torch.inference_mode()
     def add(
@@ -173,29 +173,9 @@ class DecodeBatch:
             row = _Row(keys[r], context, Trust(), max_new_tokens[r], position=lengths[r])
             self._take(row, [first[r]])
             rows.append(row)
-        self._merge(cache, attention_mask.bool(), rows)
-        return rows
-
-    def _merge(self, cache, valid: torch.Tensor, rows: list[_Row]) -> None:
-        """Append rows (their cache and column validity) to the batch, left-aligning columns."""
-        if self.cache is None or not self.rows:
-            self.cache, self.cache_valid, self.rows = cache, valid, rows
-            return
-        width = max(valid.shape[1], self.cache_valid.shape[1])
-
-        def widen(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-            missing = width - tensor.shape[dim]
-            if missing == 0:
-                return tensor
-            shape = list(tensor.shape)
-            shape[dim] = missing
-            return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([widen(mine.keys, 2), widen(theirs.keys, 2)], dim=0)
-            mine.values = torch.cat([widen(mine.values, 2), widen(theirs.values, 2)], dim=0)
-        self.cache_valid = torch.cat([widen(self.cache_valid, 1), widen(valid, 1)], dim=0)
+        self.packed.append_rows(cache, lengths)
         self.rows = self.rows + rows
+        return rows
 
     def _take(self, row: _Row, tokens: list[int]) -> list[int]:
         """Append accepted tokens, cut at EOS, the token budget or the context end."""
@@ -216,10 +196,10 @@ class DecodeBatch:
         return tokens
 
     def propose(self) -> list[DraftTree]:
-        """Each row's draft tree, cut to the width that pays for itself in this step."""
+        """Each row's draft tree, cut to the nodes that pay for themselves in this step."""
         drafts = [self._candidates(row) for row in self.rows]
-        width = choose_width(drafts, [row.trust for row in self.rows], self.costs)
-        return [draft.top(width) for draft in drafts]
+        counts = allocate(drafts, [row.trust for row in self.rows], self.costs)
+        return [draft.top(count) for draft, count in zip(drafts, counts)]
 
     def _candidates(self, row: _Row) -> DraftTree:
         if not self.config.enabled:
@@ -236,25 +216,18 @@ class DecodeBatch:
     def verify_and_accept(self, drafts: list[DraftTree]) -> list[list[int]]:
         """One forward over all trees; returns the tokens each row gained."""
         tick = time.perf_counter()
-        start = self.cache.get_seq_length()
-        greedy = forward_tree(
-            self.model,
-            self.cache,
-            self.cache_valid,
-            [row.pending for row in self.rows],
-            drafts,
-            [row.position for row in self.rows],
-        ).tolist()
+        start = self.packed.length
+        pending = [row.pending for row in self.rows]
+        greedy, step = forward_tree(self.model, self.packed, pending, drafts, [row.position for row in self.rows])
         accepted = [longest_path(draft, choices) for draft, choices in zip(drafts, greedy)]
-        kept_valid = compact_cache(self.cache, start, accepted)
-        self.cache_valid = torch.cat([self.cache_valid, kept_valid.to(self.cache_valid.device)], dim=1)
+        keep_accepted(self.packed, start, step, accepted)
         gained = []
         for row, draft, result in zip(self.rows, drafts, accepted):
             row.position += 1 + len(result.nodes)
             row.trust.observe(draft, len(result.nodes))
             gained.append(self._take(row, result.tokens))
         if self.costs is not None:
-            self.costs.observe(len(drafts), max(len(d) for d in drafts), time.perf_counter() - tick)
+            self.costs.observe(len(drafts), len(drafts) + sum(len(d) for d in drafts), time.perf_counter() - tick)
         return gained
 
     def finish(self, keep: Callable[[_Row], bool] | None = None) -> list[_Row]:
@@ -270,22 +243,8 @@ class DecodeBatch:
             if self.output_pool is not None:
                 self.output_pool.add(row.generated)
         self.rows = [self.rows[i] for i in stay]
-        if stay:
-            index = torch.tensor(stay, device=self.cache_valid.device)
-            self.cache.batch_select_indices(index)
-            self.cache_valid = self.cache_valid[index]
-            self._drop_dead_columns()
+        self.packed.drop_rows(stay)
         return left
-
-    def _drop_dead_columns(self) -> None:
-        """Cut leading cache columns that no remaining row can see (e.g. a long prompt left)."""
-        seen = self.cache_valid.any(dim=0)
-        first = int(seen.int().argmax()) if bool(seen.any()) else 0
-        if first > 0:
-            self.cache_valid = self.cache_valid[:, first:]
-            for layer in self.cache.layers:
-                layer.keys = layer.keys[:, :, first:]
-                layer.values = layer.values[:, :, first:]
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,12 @@
 """Verify draft trees in one forward of the stock model, accept, and compact the KV cache.
 
-Each row feeds ``[last accepted token] + its draft nodes``. A 4-D attention mask lets every
-node see the row's valid cache columns, its ancestors and itself; position ids are the row's
-length plus the node's depth. The model's greedy choice at each node then tells which path
-of the tree is what plain greedy decoding would have produced: we walk it from the root, keep
-the KV entries of that path (gathered, not recomputed) and take the bonus token from the last
-node of the path. Rows accept different numbers of tokens; the columns a row did not accept
-become holes its mask hides from then on.
+Each row feeds ``[last accepted token] + its draft nodes``; the rows' tokens sit side by side
+in one sequence over a packed cache (see ``packed_cache``). A 4-D attention mask lets every
+node see its row's cache columns, its ancestors and itself; position ids are the row's length
+plus the node's depth. The model's greedy choice at each node then tells which path of the
+tree is what plain greedy decoding would have produced: we walk it from the root, keep the KV
+entries of that path (gathered, not recomputed) and take the bonus token from the last node of
+the path. Rows accept different numbers of tokens and nothing is padded.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .draft import DraftTree
+from .packed_cache import PackedCache
 
 
 @dataclass
@@ -29,60 +30,74 @@ class Accepted:
     tokens: list[int]  # their tokens followed by the bonus token
 
 
-def tree_inputs(pending: list[int], drafts: list[DraftTree], positions: list[int], device):
-    """Input ids, position ids and the tree part of the mask for one verify step.
+@dataclass
+class StepInputs:
+    """One verify step's tokens, all rows side by side: ``[pending] + draft nodes`` per row."""
 
-    Rows with fewer nodes than the widest tree are padded with dummy nodes that attend only
-    to themselves (a fully masked query row would produce NaNs that then spread into the cache).
-    """
-    rows, width = len(drafts), 1 + max(len(d) for d in drafts)
-    ids = np.zeros((rows, width), dtype=np.int64)
-    pos = np.zeros((rows, width), dtype=np.int64)
-    allowed = np.zeros((rows, width, width), dtype=bool)
-    for r, draft in enumerate(drafts):
-        n = 1 + len(draft)
-        ids[r, 0] = pending[r]
-        ids[r, 1:n] = draft.tokens
-        pos[r, 0] = positions[r]
-        pos[r, 1:n] = positions[r] + np.asarray(draft.depths, dtype=np.int64)
-        pos[r, n:] = positions[r]
-        allowed[r, 0, 0] = True
-        for i, parent in enumerate(draft.parents, start=1):
-            allowed[r, i] = allowed[r, parent + 1]
-            allowed[r, i, i] = True
-        allowed[r, np.arange(n, width), np.arange(n, width)] = True
-    return (
-        torch.from_numpy(ids).to(device),
-        torch.from_numpy(pos).to(device),
-        torch.from_numpy(allowed).to(device),
+    ids: torch.Tensor  # (1, Q)
+    positions: torch.Tensor  # (1, Q): the row's length + the node's depth
+    owners: torch.Tensor  # (Q,): the row each token belongs to
+    tree: torch.Tensor  # (Q, Q) bool: token i may see token j (its ancestors and itself)
+    offsets: list[int]  # where each row's tokens start
+
+
+def step_inputs(pending: list[int], drafts: list[DraftTree], positions: list[int], device) -> StepInputs:
+    sizes = [1 + len(d) for d in drafts]
+    total = sum(sizes)
+    ids = np.zeros(total, dtype=np.int64)
+    pos = np.zeros(total, dtype=np.int64)
+    owners = np.zeros(total, dtype=np.int64)
+    tree = np.zeros((total, total), dtype=bool)
+    offsets = []
+    o = 0
+    for r, (draft, n) in enumerate(zip(drafts, sizes)):
+        offsets.append(o)
+        ids[o] = pending[r]
+        ids[o + 1 : o + n] = draft.tokens
+        pos[o] = positions[r]
+        pos[o + 1 : o + n] = positions[r] + np.asarray(draft.depths, dtype=np.int64)
+        owners[o : o + n] = r
+        tree[o, o] = True
+        for i, parent in enumerate(draft.parents, start=o + 1):
+            tree[i] = tree[o + 1 + parent]
+            tree[i, i] = True
+        o += n
+    return StepInputs(
+        torch.from_numpy(ids)[None].to(device),
+        torch.from_numpy(pos)[None].to(device),
+        torch.from_numpy(owners),
+        torch.from_numpy(tree),
+        offsets,
     )
 
 
-def additive_mask(cache_valid: torch.Tensor, tree_allowed: torch.Tensor, dtype) -> torch.Tensor:
-    """(rows, 1, q, cache + q) float mask: 0 where attention is allowed, dtype-min elsewhere."""
-    rows, q, _ = tree_allowed.shape
-    allowed = torch.cat([cache_valid[:, None, :].expand(rows, q, -1), tree_allowed], dim=2)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+def step_mask(valid: torch.Tensor, step: StepInputs, dtype, device) -> torch.Tensor:
+    """(1, 1, Q, columns + Q) additive mask: each token sees its row's columns and its tree path."""
+    allowed = torch.cat([valid[step.owners], step.tree], dim=1).to(device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+    return mask[None, None]
 
 
 @torch.inference_mode()
-def forward_tree(model, cache, cache_valid, pending, drafts, positions) -> torch.Tensor:
-    """One forward over every row's tree; returns the greedy token at each node, (rows, q)."""
-    ids, pos, tree_allowed = tree_inputs(pending, drafts, positions, cache_valid.device)
-    if is_plain_causal(cache_valid, drafts, positions):
+def forward_tree(model, packed: PackedCache, pending, drafts, positions) -> tuple[list[list[int]], StepInputs]:
+    """One forward over every row's tree; returns each row's greedy token per node (root first)."""
+    device = next(model.parameters()).device
+    step = step_inputs(pending, drafts, positions, device)
+    if is_plain_causal(packed.valid, drafts, positions):
         # what transformers itself runs for one row: same kernels, so bf16 rounds as greedy does
-        logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+        logits = model(input_ids=step.ids, cache=packed.cache, use_cache=True).logits
     else:
-        mask = additive_mask(cache_valid, tree_allowed, model.dtype)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits
-    return logits.float().argmax(dim=-1)  # as transformers does: fp32 logits, first maximum on ties
+        mask = step_mask(packed.valid, step, model.dtype, device)
+        logits = model(input_ids=step.ids, attention_mask=mask, position_ids=step.positions, cache=packed.cache, use_cache=True).logits
+    greedy = logits[0].float().argmax(dim=-1).tolist()  # as transformers does: fp32 logits, first maximum on ties
+    ends = step.offsets[1:] + [len(greedy)]
+    return [greedy[o:e] for o, e in zip(step.offsets, ends)], step
 
 
-def is_plain_causal(cache_valid: torch.Tensor, drafts: list[DraftTree], positions: list[int]) -> bool:
+def is_plain_causal(valid: torch.Tensor, drafts: list[DraftTree], positions: list[int]) -> bool:
     """One row, no holes in its cache, a chain (or no) draft: the causal mask is the tree mask."""
-    if len(drafts) != 1 or positions[0] != cache_valid.shape[1] or not bool(cache_valid.all()):
+    if len(drafts) != 1 or positions[0] != valid.shape[1] or not bool(valid.all()):
         return False
     return all(parent == i - 1 for i, parent in enumerate(drafts[0].parents))
 
@@ -103,38 +118,14 @@ def longest_path(draft: DraftTree, greedy: list[int]) -> Accepted:
         current = nxt
 
 
-def compact_cache(cache, start: int, accepted: list[Accepted]) -> torch.Tensor:
-    """Keep, per row, the root and its accepted nodes' KV entries right after ``start``.
-
-    Returns the validity of the kept columns, (rows, 1 + longest path): a row that accepted
-    fewer nodes than the longest leaves holes at its end.
-    """
-    keep_width = 1 + max(len(a.nodes) for a in accepted)
-    rows = len(accepted)
-    index = np.zeros((rows, keep_width), dtype=np.int64)
-    valid = np.zeros((rows, keep_width), dtype=bool)
-    for r, a in enumerate(accepted):
-        n = 1 + len(a.nodes)
-        index[r, 1:n] = np.asarray(a.nodes, dtype=np.int64) + 1
-        valid[r, :n] = True
-    contiguous = all(a.nodes == list(range(len(a.nodes))) for a in accepted)  # a chain prefix: crop suffices
-    end = start + keep_width
-    if contiguous:
-        for layer in cache.layers:
-            layer.keys = layer.keys[:, :, :end]
-            layer.values = layer.values[:, :, :end]
-    else:
-        gather = None
-        for layer in cache.layers:
-            if gather is None or gather.shape[1] != layer.keys.shape[1] or gather.shape[3] != layer.keys.shape[3]:
-                gather = torch.from_numpy(index).to(layer.keys.device)[:, None, :, None].expand(
-                    rows, layer.keys.shape[1], keep_width, layer.keys.shape[3]
-                )
-            layer.keys[:, :, start:end] = layer.keys[:, :, start:].gather(2, gather)
-            layer.values[:, :, start:end] = layer.values[:, :, start:].gather(2, gather)
-            layer.keys = layer.keys[:, :, :end]
-            layer.values = layer.values[:, :, :end]
-    return torch.from_numpy(valid)
+def keep_accepted(packed: PackedCache, start: int, step: StepInputs, accepted: list[Accepted]) -> None:
+    """Keep each row's root and accepted nodes among the step's columns (gathered, not recomputed)."""
+    keep, owners = [], []
+    for r, (offset, result) in enumerate(zip(step.offsets, accepted)):
+        keep.append(offset)
+        keep.extend(offset + 1 + node for node in result.nodes)
+        owners.extend([r] * (1 + len(result.nodes)))
+    packed.keep_new(start, keep, owners)
 
 
 def check_cache(cache) -> None:
@@ -169,10 +160,9 @@ def supports_tree_mask(model) -> bool:
     draft = DraftTree(tokens=[a[0], a[1], b[0], b[1]], parents=[-1, 0, -1, 2], depths=[1, 2, 1, 2], probs=[1.0] * 4)
     cache = DynamicCache(config=model.config)
     model(input_ids=prefix[:, :-1], cache=cache, use_cache=True)
-    ids, pos, tree_allowed = tree_inputs([int(prefix[0, -1])], [draft], [5], device)
-    cache_valid = torch.ones((1, 5), dtype=torch.bool, device=device)
-    mask = additive_mask(cache_valid, tree_allowed, model.dtype)
-    tree_logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits[0]
+    step = step_inputs([int(prefix[0, -1])], [draft], [5], device)
+    mask = step_mask(torch.ones((1, 5), dtype=torch.bool), step, model.dtype, device)
+    tree_logits = model(input_ids=step.ids, attention_mask=mask, position_ids=step.positions, cache=cache, use_cache=True).logits[0]
     ok = True
     for branch, rows in ((a, [0, 1, 2]), (b, [0, 3, 4])):
         full = torch.cat([prefix, torch.tensor([branch], device=device)], dim=1)

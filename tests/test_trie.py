@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rag_lookahead import LookaheadConfig
-from rag_lookahead.budget import CostCurve, StepCosts, Trust, choose_width
+from rag_lookahead.budget import CostCurve, StepCosts, Trust, allocate
 from rag_lookahead.draft import DraftTree, propose
 from rag_lookahead.trie import ContextPool, NGramTrie, OutputPool
 
@@ -157,29 +157,49 @@ def test_context_pool_is_preferred_over_output_pool():
 def _costs(curve, rows_seen):
     costs = StepCosts(curve)
     for rows in rows_seen:
-        costs.observe(rows, 0, curve(rows))
+        costs.observe(rows, rows, curve(rows))
     return costs
 
 
-def test_width_shrinks_as_the_batch_grows():
-    # cost per forward: nearly flat for a few tokens, then linear (a CPU)
-    curve = CostCurve([1, 8, 16, 64, 256, 1024], [0.050, 0.057, 0.066, 0.14, 0.55, 2.2])
-    costs = _costs(curve, (1, 4, 16, 64))
-    draft = DraftTree(tokens=list(range(8)), parents=[-1] + list(range(7)), depths=list(range(1, 9)), probs=[0.6**d for d in range(1, 9)])
-    widths = [choose_width([draft] * rows, [Trust() for _ in range(rows)], costs) for rows in (1, 4, 16, 64)]
-    assert widths[0] >= 3
-    assert widths == sorted(widths, reverse=True)
-    assert widths[-1] == 0
-    assert choose_width([draft], [Trust()], None) == len(draft)  # fixed budget: every candidate
+def _chain(probs):
+    n = len(probs)
+    return DraftTree(tokens=list(range(n)), parents=list(range(-1, n - 1)), depths=list(range(1, n + 1)), probs=list(probs))
+
+
+# cost per forward: nearly flat for a few tokens, then linear (a CPU)
+CPU_CURVE = CostCurve([1, 8, 16, 64, 256, 1024], [0.050, 0.057, 0.066, 0.14, 0.55, 2.2])
+
+
+def test_draft_nodes_per_row_shrink_as_the_batch_grows():
+    costs = _costs(CPU_CURVE, (1, 4, 16, 64))
+    draft = _chain([0.6**d for d in range(1, 9)])
+    per_row = []
+    for rows in (1, 4, 16, 64):
+        counts = allocate([draft] * rows, [Trust() for _ in range(rows)], costs)
+        assert len(counts) == rows and all(0 <= c <= len(draft) for c in counts)
+        per_row.append(sum(counts) / rows)
+    assert per_row[0] >= 3
+    assert per_row == sorted(per_row, reverse=True)
+    assert per_row[-1] == 0
+    assert allocate([draft, draft], [Trust(), Trust()], None) == [len(draft)] * 2  # fixed budget: every candidate
+
+
+def test_nodes_go_to_the_rows_likely_to_accept_them():
+    costs = _costs(CPU_CURVE, (3,))
+    sure, unsure, empty = _chain([0.95] * 10), _chain([0.05] * 10), DraftTree()
+    counts = allocate([sure, unsure, empty], [Trust() for _ in range(3)], costs)
+    assert counts[0] >= 5 and counts[1] == 0 and counts[2] == 0
+    distrusted = Trust()
+    distrusted.value = 0.05  # this row's estimates have not held up
+    assert allocate([sure, unsure, empty], [distrusted, Trust(), Trust()], costs)[0] == 0
 
 
 def test_measured_step_costs_override_the_curve():
-    curve = CostCurve([1, 8, 16, 64, 256, 1024], [0.050, 0.057, 0.066, 0.14, 0.55, 2.2])
-    draft = DraftTree(tokens=list(range(4)), parents=[-1, 0, 1, 2], depths=[1, 2, 3, 4], probs=[0.9, 0.8, 0.7, 0.6])
-    costs = StepCosts(curve)
-    assert choose_width([draft] * 4, [Trust() for _ in range(4)], costs) == 0  # a new batch size: measure plain first
-    costs.observe(4, 0, curve(4))
-    assert choose_width([draft] * 4, [Trust() for _ in range(4)], costs) == 4  # the curve says drafting pays
-    for width in range(1, 5):  # but drafting steps turned out 5x dearer than the curve said
-        costs.observe(4, width, 5 * curve(4 * (1 + width)))
-    assert choose_width([draft] * 4, [Trust() for _ in range(4)], costs) == 0
+    draft = _chain([0.9, 0.8, 0.7, 0.6])
+    costs = StepCosts(CPU_CURVE)
+    assert allocate([draft] * 4, [Trust() for _ in range(4)], costs) == [0] * 4  # a new batch size: measure plain first
+    costs.observe(4, 4, CPU_CURVE(4))
+    assert allocate([draft] * 4, [Trust() for _ in range(4)], costs) == [4] * 4  # the curve says drafting pays
+    for tokens in range(5, 21):  # but drafting steps turned out 5x dearer than the curve said
+        costs.observe(4, tokens, 5 * CPU_CURVE(tokens))
+    assert allocate([draft] * 4, [Trust() for _ in range(4)], costs) == [0] * 4

@@ -1,0 +1,98 @@
+"""Every row's KV entries in one batch-1 cache, kept apart by a mask.
+
+Why not one cache row per request: rows draft different numbers of nodes and accept different
+numbers of tokens. In a (rows, width) layout every row is padded to the widest tree, and on a
+CPU a forward's cost grows with the tokens it carries, so a row with nothing to draft pays for
+the padding as if it had. Here the rows' new tokens sit side by side in one sequence (no
+padding), their cache columns are interleaved in one cache, and ``valid[r, c]`` says that
+column c belongs to row r; the 4-D attention mask built from it keeps every row to its own
+columns and its own tree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PackedCache:
+    """A ``DynamicCache`` of batch 1 plus the owner of each column."""
+
+    def __init__(self) -> None:
+        self.cache = None  # transformers DynamicCache, batch 1
+        self.valid = torch.zeros((0, 0), dtype=torch.bool)  # (rows, columns)
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def rows(self) -> int:
+        return self.valid.shape[0]
+
+    def append_rows(self, prefill_cache, lengths: list[int]) -> None:
+        """Add rows from a left-padded prefill cache; row r's entries are its last ``lengths[r]`` columns."""
+        width = prefill_cache.layers[0].keys.shape[2]
+        starts = [width - n for n in lengths]
+
+        def packed(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.shape[0] == 1 and starts[0] == 0:
+                return tensor
+            return torch.cat([tensor[r : r + 1, :, start:] for r, start in enumerate(starts)], dim=2)
+
+        for index, layer in enumerate(prefill_cache.layers):
+            keys, values = packed(layer.keys), packed(layer.values)
+            if self.cache is None:
+                layer.keys, layer.values = keys, values
+            else:
+                mine = self.cache.layers[index]
+                mine.keys = torch.cat([mine.keys, keys], dim=2)
+                mine.values = torch.cat([mine.values, values], dim=2)
+        if self.cache is None:
+            self.cache = prefill_cache
+        new_columns = sum(lengths)
+        block = torch.zeros((len(lengths), new_columns), dtype=torch.bool)
+        offset = 0
+        for r, n in enumerate(lengths):
+            block[r, offset : offset + n] = True
+            offset += n
+        self.valid = torch.cat(
+            [
+                torch.cat([self.valid, torch.zeros((self.rows, new_columns), dtype=torch.bool)], dim=1),
+                torch.cat([torch.zeros((len(lengths), self.length), dtype=torch.bool), block], dim=1),
+            ],
+            dim=0,
+        )
+
+    def keep_new(self, start: int, keep: list[int], owners: list[int]) -> None:
+        """After a verify step: of the columns from ``start`` on, keep ``keep`` (owned by ``owners``)."""
+        count = len(keep)
+        if keep != list(range(count)):
+            index = None
+            for layer in self.cache.layers:
+                if index is None or index.device != layer.keys.device:
+                    index = torch.tensor(keep, device=layer.keys.device)
+                layer.keys[:, :, start : start + count] = layer.keys[:, :, start:].index_select(2, index)
+                layer.values[:, :, start : start + count] = layer.values[:, :, start:].index_select(2, index)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[:, :, : start + count]
+            layer.values = layer.values[:, :, : start + count]
+        block = torch.zeros((self.rows, count), dtype=torch.bool)
+        block[torch.tensor(owners, dtype=torch.long), torch.arange(count)] = True
+        self.valid = torch.cat([self.valid[:, :start], block], dim=1)
+
+    def drop_rows(self, stay: list[int]) -> None:
+        """Keep only rows ``stay``; reclaim the columns nobody owns once they are a quarter of the
+        cache, or when one row is left (its cache then has no holes and runs unmasked)."""
+        self.valid = self.valid[torch.tensor(stay, dtype=torch.long)] if stay else self.valid[:0]
+        if not stay:
+            self.cache, self.valid = None, torch.zeros((0, 0), dtype=torch.bool)
+            return
+        owned = self.valid.any(dim=0)
+        dead = self.length - int(owned.sum())
+        if dead and (4 * dead >= self.length or len(stay) == 1):
+            index = owned.nonzero().flatten()
+            for layer in self.cache.layers:
+                cols = index.to(layer.keys.device)
+                layer.keys = layer.keys.index_select(2, cols)
+                layer.values = layer.values.index_select(2, cols)
+            self.valid = self.valid[:, index]
