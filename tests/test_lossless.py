@@ -135,9 +135,11 @@ def test_matches_hf_batched_generate_padding_layout():
     later=st.lists(st.lists(tokens, min_size=1, max_size=30), min_size=1, max_size=3),
     join_after=st.integers(min_value=0, max_value=6),
     max_new=st.integers(min_value=1, max_value=25),
+    extra=st.lists(st.integers(min_value=0, max_value=15), min_size=3, max_size=3),
 )
-def test_rows_joining_a_running_batch_match_single_rows(arch, first, later, join_after, max_new):
-    """Continuous batching: requests merged between decode steps keep their single-row output."""
+def test_rows_joining_a_running_batch_match_single_rows(arch, first, later, join_after, max_new, extra):
+    """Continuous batching: requests merged between decode steps keep their single-row output,
+    while others leave (different budgets) and their cache columns are reclaimed."""
     from rag_lookahead.generate import DecodeBatch
 
     model = tiny_model(arch)
@@ -150,7 +152,8 @@ def test_rows_joining_a_running_batch_match_single_rows(arch, first, later, join
     while batch.rows or pending:
         if steps >= join_after and pending:
             key, prompt = pending.pop(0)
-            batch.add(torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long), None, max_new, keys=[key])
+            budget = max_new + extra[key]
+            batch.add(torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long), None, budget, keys=[key])
         for row in batch.finish():
             outputs[row.index] = row.generated
         if batch.rows:
@@ -158,4 +161,4 @@ def test_rows_joining_a_running_batch_match_single_rows(arch, first, later, join
         steps += 1
     assert outputs["first"] == reference_generate(model, first, max_new, None)
     for key, prompt in enumerate(later):
-        assert outputs[key] == reference_generate(model, prompt, max_new, None)
+        assert outputs[key] == reference_generate(model, prompt, max_new + extra[key], None)
