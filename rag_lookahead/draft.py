@@ -93,7 +93,7 @@ class _TreeBuilder:
             total = sum(child.count for child in node.children.values())
             for token, child in node.children.items():
                 tick += 1
-                heapq.heappush(heap, (-prob * child.count / total, tick, child, parent, depth, token))
+                heapq.heappush(heap, (-prob * (child.count / total), tick, child, parent, depth, token))  # share <= 1: a child never outranks its parent, even by rounding
 
         push(start, -1, 1, 1.0)
         while heap:

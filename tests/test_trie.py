@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from rag_lookahead import LookaheadConfig
 from rag_lookahead.budget import CostCurve, StepCosts, Trust, allocate
-from rag_lookahead.draft import DraftTree, propose
+from rag_lookahead.draft import DraftTree, _TreeBuilder, propose
 from rag_lookahead.trie import ContextPool, NGramTrie, OutputPool
 
 sequences = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=60)
@@ -93,7 +93,7 @@ def _is_tree(draft: DraftTree) -> bool:
             return False
         if (parent == -1 and draft.depths[i] != 1) or (parent >= 0 and draft.depths[i] != draft.depths[parent] + 1):
             return False
-        if parent >= 0 and draft.probs[i] > draft.probs[parent] + 1e-12:
+        if parent >= 0 and draft.probs[i] > draft.probs[parent]:  # exactly: top(k) relies on it
             return False
     siblings = list(zip(draft.parents, draft.tokens))
     return len(siblings) == len(set(siblings))
@@ -118,6 +118,7 @@ def test_draft_trees_respect_limits_and_stay_trees(prompt, previous, decoding_le
     assert all(1 <= d <= branch_length for d in draft.depths)
     assert _is_tree(draft)
     assert _is_tree(draft.top(k)) and len(draft.top(k)) == min(k, len(draft))
+    assert all(_is_tree(draft.top(j)) for j in range(len(draft)))  # every cut of the ranking is a tree
     assert _is_tree(draft.best_chain())
     assert _is_tree(draft.limit_depth(2)) and all(d <= 2 for d in draft.limit_depth(2).depths)
 
@@ -203,3 +204,18 @@ def test_measured_step_costs_override_the_curve():
     for tokens in range(5, 21):  # but drafting steps turned out 5x dearer than the curve said
         costs.observe(4, tokens, 5 * CPU_CURVE(tokens))
     assert allocate([draft] * 4, [Trust() for _ in range(4)], costs) == [0] * 4
+
+
+def test_a_child_never_outranks_its_parent_by_rounding():
+    # ten continuations of 100 with 3 occurrences each (share 0.1), each followed by one token:
+    # 0.1 * 3 / 3 rounds above 0.1, which once let top(k) keep a child without its parent
+    trie = NGramTrie(4)
+    for i in range(10):
+        for _ in range(3):
+            trie.insert([100, i, 50 + i])
+    builder = _TreeBuilder(limit=20, max_depth=2)
+    builder.grow(trie.find([100]), 2)
+    draft = builder.tree
+    assert len(draft) == 20
+    assert _is_tree(draft)
+    assert all(_is_tree(draft.top(k)) for k in range(len(draft) + 1))
