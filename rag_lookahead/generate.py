@@ -322,7 +322,7 @@ def generate(
     if output_pool is None and config.enabled and config.use_output_pool:
         output_pool = default_output_pool(model, config)
 
-    if config.enabled and ids.shape[0] > 1 and not supports_tree_mask(model):
+    if ids.shape[0] > 1 and not supports_tree_mask(model):  # packed rows are kept apart by the mask
         return _row_by_row(model, ids, mask, max_new_tokens, config, references, eos, pad, output_pool, on_tokens)
 
     stats = GenerationStats(rows=ids.shape[0], trace=[] if config.debug else None)

@@ -392,8 +392,9 @@ class Engine:
             self._new_batch()
             from .verify import supports_tree_mask
 
-            if self.lookahead.enabled and not supports_tree_mask(self.model) and self.max_batch_size > 1:
-                log.warning("this model ignores tree attention masks: decoding one request at a time")
+            # rows share one packed cache kept apart by the mask, drafting or not
+            if self.max_batch_size > 1 and not supports_tree_mask(self.model):
+                log.warning("this model ignores custom attention masks: decoding one request at a time")
                 self.max_batch_size = 1
         except BaseException as e:  # noqa: BLE001 - reported by /health and to every request
             log.exception("engine warm-up failed")

@@ -53,10 +53,13 @@ def test_chain_drafts_stay_lossless_without_a_tree_mask(maskless_model):
     assert result.stats.mean_accepted > 1.5  # a chain from the reference is still accepted
 
 
-def test_batches_fall_back_to_row_by_row(maskless_model):
+@pytest.mark.parametrize("enabled", [True, False])
+def test_batches_fall_back_to_row_by_row(maskless_model, enabled):
+    """Rows share one packed cache that only the mask keeps apart, with or without drafts."""
     prompts = [[1, 2, 3, 1, 2, 3, 1], [9, 8]]
     ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1], [0, 0, 0, 0, 0, 9, 8]])
     mask = (ids != 0).long()
-    result = generate(maskless_model, ids, mask, max_new_tokens=10, config=LookaheadConfig(budget="fixed"), pad_token_id=0)
+    config = LookaheadConfig(budget="fixed", enabled=enabled)
+    result = generate(maskless_model, ids, mask, max_new_tokens=10, config=config, pad_token_id=0)
     for row, prompt in enumerate(prompts):
         assert result.sequences[row, 7:].tolist() == reference_generate(maskless_model, prompt, 10, None)
