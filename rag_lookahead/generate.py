@@ -227,7 +227,7 @@ class DecodeBatch:
             row.trust.observe(draft, len(result.nodes))
             gained.append(self._take(row, result.tokens))
         if self.costs is not None:
-            self.costs.observe(len(drafts), len(drafts) + sum(len(d) for d in drafts), time.perf_counter() - tick)
+            self.costs.observe(len(drafts), step.ids.shape[1], time.perf_counter() - tick)
         return gained
 
     def finish(self, keep: Callable[[_Row], bool] | None = None) -> list[_Row]:

@@ -83,10 +83,10 @@ class PackedCache:
     def drop_rows(self, stay: list[int]) -> None:
         """Keep only rows ``stay``; reclaim the columns nobody owns once they are a quarter of the
         cache, or when one row is left (its cache then has no holes and runs unmasked)."""
-        self.valid = self.valid[torch.tensor(stay, dtype=torch.long)] if stay else self.valid[:0]
         if not stay:
             self.cache, self.valid = None, torch.zeros((0, 0), dtype=torch.bool)
             return
+        self.valid = self.valid[torch.tensor(stay, dtype=torch.long)]
         owned = self.valid.any(dim=0)
         dead = self.length - int(owned.sum())
         if dead and (4 * dead >= self.length or len(stay) == 1):

@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 from fastapi import Request  # module level: FastAPI resolves the handlers' string annotations here
@@ -1051,25 +1051,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The flags that share a ``ServerConfig`` field's name, plus the lookahead switches."""
+    flags = vars(args)
+    same = {f.name: flags[f.name] for f in fields(ServerConfig) if f.name in flags}
     changes = {k: v for k, v in (("decoding_length", args.decoding_length), ("branch_length", args.branch_length), ("budget", args.budget)) if v is not None}
     return ServerConfig(
-        host=args.host,
-        port=args.port,
-        model=args.model,
-        served_model_name=args.served_model_name,
-        dtype=args.dtype,
-        device=args.device,
-        index_dir=args.index_dir,
-        max_batch_size=args.max_batch_size,
-        max_queue=args.max_queue,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_tokens_limit=args.max_tokens_limit,
-        default_max_tokens=args.default_max_tokens,
+        **same,
         lookahead=not args.no_lookahead,
         lookahead_config=LookaheadConfig(**changes) if changes else None,
-        k_prompt=args.k_prompt,
-        k_seed=args.k_seed,
-        log_level=args.log_level,
     )
 
 
