@@ -199,15 +199,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget", default="auto", choices=["auto", "fixed"])
     parser.add_argument(
         "--extra-branch-length",
-        type=int,
-        default=None,
-        help="also run lookahead with this branch_length (method lookahead_bN), side by side",
+        default="",
+        help="also run lookahead with these branch_lengths (comma-separated; methods lookahead_bN), side by side",
     )
     parser.add_argument(
         "--seed-mode",
         default="prompt",
         choices=["prompt", "references", "none"],
         help="prompt: context in the prompt; references: context only seeds the trie; none: question alone",
+    )
+    parser.add_argument(
+        "--copying-threshold",
+        type=float,
+        default=0.8,
+        help="also sum up the prompts whose greedy answer copies at least this share of its tokens from the context",
     )
     parser.add_argument("--json", dest="json_path", default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -216,7 +221,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS)
-    extra = f"lookahead_b{args.extra_branch_length}" if args.extra_branch_length else None
+    try:
+        extra = {f"lookahead_b{int(n)}": int(n) for n in args.extra_branch_length.split(",") if n.strip()}
+    except ValueError:
+        parser.error(f"--extra-branch-length takes integers separated by commas, not {args.extra_branch_length!r}")
     if unknown:
         parser.error(f"unknown methods: {', '.join(sorted(unknown))}")
     model, tokenizer = load_model(args.model, dtype=args.dtype)
@@ -229,9 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
     pad = eos[0] if pad is None else pad
     prompts = load_prompts(args.prompts, args.ids)[: args.limit]
     configs = {"lookahead": config, "lookahead_warm": config, "lookahead_unseeded": config}
-    if extra:
-        methods.append(extra)
-        configs[extra] = config.replace(branch_length=args.extra_branch_length)
+    for method, branch_length in extra.items():
+        methods.append(method)
+        configs[method] = config.replace(branch_length=branch_length)
 
     def run(method: str, prompt: dict) -> Run:
         ids = chat_ids(tokenizer, prompt, with_context=args.seed_mode == "prompt")
@@ -250,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
         run(method, prompts[0])
 
     totals = {m: MethodTotals() for m in methods}
+    copying = {m: MethodTotals() for m in methods}  # the same, over the prompts whose answers copy
     per_prompt = []
     for repeat in range(args.repeats):
         warm_pool = OutputPool(config.branch_length + config.max_key_length)
@@ -261,6 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
             for m, r in runs.items():
                 same = cut_at_eos(r.tokens, eos) == reference
                 totals[m].add(r, same)
+                if row["copied_from_context"] >= args.copying_threshold:
+                    copying[m].add(r, same)
                 row[m] = {
                     "new_tokens": len(r.tokens),
                     "seconds": round(r.seconds, 4),
@@ -271,18 +282,6 @@ def main(argv: list[str] | None = None) -> dict:
             per_prompt.append(row)
             print(json.dumps(row, ensure_ascii=False), flush=True)
 
-    base = totals.get("greedy")
-    summary = {}
-    for m, t in totals.items():
-        summary[m] = {
-            "tokens_per_second": round(t.tokens_per_second, 3),
-            "decode_tokens_per_second": round(t.decode_tokens_per_second, 3),
-            "speedup_e2e": round(t.tokens_per_second / base.tokens_per_second, 3) if base else None,
-            "speedup_decode": round(t.decode_tokens_per_second / base.decode_tokens_per_second, 3) if base else None,
-            "mean_accepted": round(statistics.mean(t.accepted), 3) if t.accepted else None,
-            "identical_to_greedy": f"{t.identical}/{t.runs}",
-            "new_tokens": t.tokens,
-        }
     report = {
         "model": args.model,
         "dtype": args.dtype,
@@ -293,7 +292,10 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "seed_mode": args.seed_mode,
         "config": {"decoding_length": config.decoding_length, "branch_length": config.branch_length, "budget": config.budget},
-        "summary": summary,
+        "summary": summarize(totals),
+        "copying_threshold": args.copying_threshold,
+        "copying_prompts": sum(r["copied_from_context"] >= args.copying_threshold for r in per_prompt),
+        "summary_copying": summarize(copying),
         "mean_copied_from_context": round(statistics.mean(r["copied_from_context"] for r in per_prompt), 3),
         "per_prompt": per_prompt,
     }
@@ -303,25 +305,57 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def summarize(totals: dict[str, MethodTotals]) -> dict[str, dict]:
+    """Per method: tokens/s, and decode speedups over greedy and over prompt lookup where they ran."""
+    greedy, lookup = totals.get("greedy"), totals.get("prompt_lookup")
+
+    def ratio(t: MethodTotals, base: MethodTotals | None, decode: bool) -> float | None:
+        if base is None or not base.runs:
+            return None
+        ours, theirs = (t.decode_tokens_per_second, base.decode_tokens_per_second) if decode else (t.tokens_per_second, base.tokens_per_second)
+        return round(ours / theirs, 3) if theirs else None
+
+    return {
+        m: {
+            "tokens_per_second": round(t.tokens_per_second, 3),
+            "decode_tokens_per_second": round(t.decode_tokens_per_second, 3),
+            "speedup_e2e": ratio(t, greedy, decode=False),
+            "speedup_decode": ratio(t, greedy, decode=True),
+            "vs_prompt_lookup_decode": ratio(t, lookup, decode=True),
+            "mean_accepted": round(statistics.mean(t.accepted), 3) if t.accepted else None,
+            "identical_to_greedy": f"{t.identical}/{t.runs}",
+            "new_tokens": t.tokens,
+        }
+        for m, t in totals.items()
+        if t.runs
+    }
+
+
 def _print_table(report: dict) -> None:
-    rows = []
-    for method, s in report["summary"].items():
-        rows.append(
+    def times(value) -> str:
+        return f"{value:.2f}x" if value else "-"
+
+    for key, which in (("summary", f"{report['prompts']} prompts x {report['repeats']}"), ("summary_copying", f"the {report['copying_prompts']} whose answers copy >= {report['copying_threshold']:.0%}")):
+        if not report[key]:
+            continue
+        rows = [
             {
                 "method": method,
                 "tok/s e2e": f"{s['tokens_per_second']:.2f}",
                 "tok/s decode": f"{s['decode_tokens_per_second']:.2f}",
-                "speedup e2e": f"{s['speedup_e2e']:.2f}x" if s["speedup_e2e"] else "-",
-                "speedup decode": f"{s['speedup_decode']:.2f}x" if s["speedup_decode"] else "-",
+                "speedup e2e": times(s["speedup_e2e"]),
+                "speedup decode": times(s["speedup_decode"]),
+                "vs prompt lookup": times(s["vs_prompt_lookup_decode"]),
                 "mean accepted": f"{s['mean_accepted']:.2f}" if s["mean_accepted"] else "-",
                 "identical": s["identical_to_greedy"],
             }
+            for method, s in report[key].items()
+        ]
+        title = (
+            f"{report['model']} {report['dtype']} on {report['device']}, batch 1, {which}, "
+            f"context {report['seed_mode']}, {report['mean_copied_from_context']:.0%} of answer tokens copied from it"
         )
-    title = (
-        f"{report['model']} {report['dtype']} on {report['device']}, batch 1, {report['prompts']} prompts x {report['repeats']}, "
-        f"context {report['seed_mode']}, {report['mean_copied_from_context']:.0%} of answer tokens copied from it"
-    )
-    _print_rows(title, rows)
+        _print_rows(title, rows)
 
 
 def _print_rows(title: str, rows: list[dict]) -> None:

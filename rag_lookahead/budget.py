@@ -13,7 +13,7 @@ import json
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -119,26 +119,53 @@ def cost_curve(model) -> CostCurve:
 
 
 class Trust:
-    """How far one row's drafter estimates have held up: accepted / predicted, smoothed."""
+    """How far one row's drafts have held up, as two acceptance rates learned step by step.
+
+    The drafter's counts say which continuation is likeliest, not whether the model will
+    follow the passage at all: a phrase seen once in the prompt gets probability 1 at every
+    depth, whether the answer quotes it or paraphrases it. So each row learns ``first``, the
+    chance that a drafted first token is accepted, and ``onward``, the chance that an accepted
+    node's drafted child is accepted too. A node at depth d is then worth
+    ``p * first * onward ** (d - 1)``: deep nodes pay only while the row keeps copying long
+    runs, and the rates recover as soon as it does again (a fully accepted draft counts no
+    failure, so the next one may go deeper). Counts decay so the estimate follows the text.
+    """
+
+    DECAY = 0.8
+    PROBE = 0.1  # a step without a draft drifts both rates back toward 1, so no row is written off for good
 
     def __init__(self) -> None:
-        self.value = 1.0
-        self._predicted = 0.0
-        self._observed = 0.0
+        self._first = [1.0, 1.0]  # decayed (accepted, drafted) at depth 1; starts trusting
+        self._onward = [1.0, 1.0]  # the same below an accepted node
 
-    def observe(self, draft: DraftTree, accepted: int) -> None:
-        """Update with one step's verified draft and the number of its nodes accepted."""
+    @property
+    def first(self) -> float:
+        return self._first[0] / self._first[1]
+
+    @property
+    def onward(self) -> float:
+        return self._onward[0] / self._onward[1]
+
+    def observe(self, draft: DraftTree, accepted: list[int]) -> None:
+        """Update with one step's verified draft and its accepted nodes (root to leaf)."""
         if not draft.tokens:
+            for counts in (self._first, self._onward):
+                counts[0] = self.DECAY * counts[0] + self.PROBE
+                counts[1] = self.DECAY * counts[1] + self.PROBE
             return
-        self._predicted = 0.9 * self._predicted + expected_accepted(draft.probs)
-        self._observed = 0.9 * self._observed + accepted
-        if self._predicted > 0:
-            self.value = min(1.0, max(0.05, self._observed / self._predicted))
+        deeper_tried = len(accepted) - 1 if accepted else 0
+        if accepted and accepted[-1] in draft.parents:
+            deeper_tried += 1  # the last accepted node had a drafted child, and it failed
+        for counts, hits, tries in ((self._first, min(len(accepted), 1), 1), (self._onward, max(len(accepted) - 1, 0), deeper_tried)):
+            counts[0] = self.DECAY * counts[0] + hits
+            counts[1] = self.DECAY * counts[1] + tries
 
-
-def expected_accepted(probs: list[float]) -> float:
-    """Expected accepted path length: the nodes' path probabilities summed (one node a depth at most)."""
-    return sum(probs)
+    def weigh(self, draft: DraftTree) -> DraftTree:
+        """The draft with each node's trusted chance of acceptance (still never above its parent's)."""
+        scale = [0.0, self.first]  # by depth; built so that it never grows with depth, even by rounding
+        for _ in range(max(draft.depths, default=0) - 1):
+            scale.append(min(scale[-1], scale[-1] * self.onward))
+        return replace(draft, probs=[p * scale[d] for p, d in zip(draft.probs, draft.depths)])
 
 
 class StepCosts:
@@ -184,7 +211,7 @@ def step_costs(model) -> StepCosts:
     return costs
 
 
-def allocate(drafts: list[DraftTree], trusts: list[Trust], costs: StepCosts | None) -> list[int]:
+def allocate(drafts: list[DraftTree], costs: StepCosts | None) -> list[int]:
     """Draft nodes per row for one forward over all rows, best expected tokens per second.
 
     Rows are packed side by side, so a node costs the same wherever it sits: one more token in
@@ -200,7 +227,7 @@ def allocate(drafts: list[DraftTree], trusts: list[Trust], costs: StepCosts | No
     counts = [0] * rows
     if not any(len(d) for d in drafts) or not costs.known(rows):
         return counts  # nothing to draft, or a new batch size: measure its plain step first
-    ranked = sorted(((trusts[r].value * p, r) for r, d in enumerate(drafts) for p in d.probs), reverse=True)
+    ranked = sorted(((p, r) for r, d in enumerate(drafts) for p in d.probs), reverse=True)
     gain, best_k, best_rate = float(rows), 0, rows / costs(rows, rows)
     for k, (value, _) in enumerate(ranked, start=1):
         gain += value

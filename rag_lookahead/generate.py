@@ -197,8 +197,8 @@ class DecodeBatch:
 
     def propose(self) -> list[DraftTree]:
         """Each row's draft tree, cut to the nodes that pay for themselves in this step."""
-        drafts = [self._candidates(row) for row in self.rows]
-        counts = allocate(drafts, [row.trust for row in self.rows], self.costs)
+        drafts = [row.trust.weigh(self._candidates(row)) for row in self.rows]
+        counts = allocate(drafts, self.costs)
         return [draft.top(count) for draft, count in zip(drafts, counts)]
 
     def _candidates(self, row: _Row) -> DraftTree:
@@ -224,7 +224,7 @@ class DecodeBatch:
         gained = []
         for row, draft, result in zip(self.rows, drafts, accepted):
             row.position += 1 + len(result.nodes)
-            row.trust.observe(draft, len(result.nodes))
+            row.trust.observe(draft, result.nodes)
             gained.append(self._take(row, result.tokens))
         if self.costs is not None:
             self.costs.observe(len(drafts), step.ids.shape[1], time.perf_counter() - tick)

@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rag_lookahead.bench import copied_fraction, cut_at_eos
+from rag_lookahead.bench import MethodTotals, Run, copied_fraction, cut_at_eos, summarize
 
 tokens = st.lists(st.integers(0, 20), min_size=0, max_size=60)
 
@@ -32,3 +32,20 @@ def test_copied_fraction_example():
 def test_cut_at_eos_keeps_the_eos_and_drops_padding():
     assert cut_at_eos([5, 6, 2, 2, 2], {2}) == [5, 6, 2]
     assert cut_at_eos([5, 6], {2}) == [5, 6]
+
+
+def test_summary_ratios_are_decode_speeds_over_greedy_and_over_prompt_lookup():
+    def totals(*runs):
+        t = MethodTotals()
+        for tokens, seconds, first in runs:
+            t.add(Run(list(range(tokens)), seconds, first), identical=True)
+        return t
+
+    # decode: 100 tokens in 10 s (greedy), in 4 s (lookup), in 2 s (ours, two prompts summed)
+    summary = summarize({"greedy": totals((101, 11.0, 1.0)), "prompt_lookup": totals((101, 5.0, 1.0)), "lookahead": totals((51, 2.0, 1.0), (51, 2.0, 1.0))})
+    assert summary["lookahead"]["speedup_decode"] == 5.0
+    assert summary["lookahead"]["vs_prompt_lookup_decode"] == 2.0
+    assert summary["prompt_lookup"]["speedup_decode"] == 2.5
+    assert summary["greedy"]["vs_prompt_lookup_decode"] == 0.4
+    alone = summarize({"lookahead": totals((11, 2.0, 1.0)), "greedy": MethodTotals()})  # greedy never ran
+    assert list(alone) == ["lookahead"] and alone["lookahead"]["speedup_decode"] is None
