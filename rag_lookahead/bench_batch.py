@@ -80,6 +80,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--methods", default="hf_greedy,plain,lookahead")
+    parser.add_argument("--branch-length", type=int, default=LookaheadConfig.branch_length)
+    parser.add_argument(
+        "--extra-branch-length",
+        default="",
+        help="also run lookahead with these branch_lengths (comma-separated; methods lookahead_bN), side by side",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="passes over all levels and methods (timing drifts: compare within a pass)")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
 
@@ -90,32 +97,41 @@ def main(argv: list[str] | None = None) -> dict:
     eos = {eos} if isinstance(eos, int) else set(eos or [])
     pad = model.generation_config.pad_token_id
     pad = min(eos) if pad is None else pad
-    config = LookaheadConfig().with_tokenizer(tokenizer)
+    config = LookaheadConfig(branch_length=args.branch_length).with_tokenizer(tokenizer)
     prompts = load_prompts(args.prompts, args.ids)
     requests = [chat_ids(tokenizer, prompts[i % len(prompts)]) for i in range(args.requests)]
     contexts = [tokenizer.encode(prompts[i % len(prompts)]["context"], add_special_tokens=False) for i in range(args.requests)]
     methods = [m for m in args.methods.split(",") if m]
+    try:
+        depths = {f"lookahead_b{int(n)}": int(n) for n in args.extra_branch_length.split(",") if n.strip()}
+    except ValueError:
+        parser.error(f"--extra-branch-length takes integers separated by commas, not {args.extra_branch_length!r}")
+    unknown = set(methods) - {"hf_greedy", "plain", "lookahead"}
+    if unknown:
+        parser.error(f"unknown methods: {', '.join(sorted(unknown))} (choose from hf_greedy, plain, lookahead)")
+    methods += list(depths)
     levels = [int(c) for c in args.concurrency.split(",")]
 
     run_continuous(model, requests[:2], 2, 8, eos, pad, config)  # warm-up and cost curve
     run_hf_waves(model, requests[:2], 2, 8, eos, pad)
     single = {}
     results = []
-    for level in levels:
+    for repeat, level in ((r, c) for r in range(args.repeats) for c in levels):
         for method in methods:
             start = time.perf_counter()
             if method == "hf_greedy":
                 outputs, latencies, accepted = run_hf_waves(model, requests, level, args.max_new_tokens, eos, pad)
             else:
-                method_config = config.replace(enabled=method == "lookahead")
+                method_config = config.replace(enabled=method != "plain", branch_length=depths.get(method, config.branch_length))
                 outputs, latencies, accepted = run_continuous(model, requests, level, args.max_new_tokens, eos, pad, method_config)
             tokens = sum(len(o) for o in outputs)
             seconds = time.perf_counter() - start
-            if level == 1 and method == methods[0]:
+            if level == 1 and method == methods[0] and not single:
                 single = {i: o for i, o in enumerate(outputs)}
             identical = sum(o == single.get(i) for i, o in enumerate(outputs)) if single else None
             lat = sorted(latencies)
             row = {
+                "pass": repeat,
                 "concurrency": level,
                 "method": method,
                 "requests_per_second": round(len(requests) / seconds, 4),
@@ -127,11 +143,10 @@ def main(argv: list[str] | None = None) -> dict:
             }
             results.append(row)
             print(row, flush=True)
-    for level in levels:
-        base = next((r for r in results if r["concurrency"] == level and r["method"] == "hf_greedy"), None)
-        for r in results:
-            if r["concurrency"] == level and base:
-                r["speedup_vs_hf"] = round(r["tokens_per_second"] / base["tokens_per_second"], 3)
+    for r in results:
+        base = next((b for b in results if (b["pass"], b["concurrency"], b["method"]) == (r["pass"], r["concurrency"], "hf_greedy")), None)
+        if base:
+            r["speedup_vs_hf"] = round(r["tokens_per_second"] / base["tokens_per_second"], 3)
     copied = [copied_fraction(single[i], contexts[i]) for i in single]
     report = {
         "model": args.model,
