@@ -336,8 +336,8 @@ def _print_table(report: dict) -> None:
         return f"{value:.2f}x" if value else "-"
 
     for key, which in (("summary", f"{report['prompts']} prompts x {report['repeats']}"), ("summary_copying", f"the {report['copying_prompts']} whose answers copy >= {report['copying_threshold']:.0%}")):
-        if not report[key]:
-            continue
+        if not report[key] or (key == "summary_copying" and report["copying_prompts"] == len(report["per_prompt"])):
+            continue  # nothing to sum up, or the same prompts as the table above
         rows = [
             {
                 "method": method,
