@@ -140,11 +140,11 @@ class Trust:
 
     @property
     def first(self) -> float:
-        return self._first[0] / self._first[1]
+        return _rate(self._first)
 
     @property
     def onward(self) -> float:
-        return self._onward[0] / self._onward[1]
+        return _rate(self._onward)
 
     def observe(self, draft: DraftTree, accepted: list[int]) -> None:
         """Update with one step's verified draft and its accepted nodes (root to leaf)."""
@@ -166,6 +166,11 @@ class Trust:
         for _ in range(max(draft.depths, default=0) - 1):
             scale.append(min(scale[-1], scale[-1] * self.onward))
         return replace(draft, probs=[p * scale[d] for p, d in zip(draft.probs, draft.depths)])
+
+
+def _rate(counts: list[float]) -> float:
+    """accepted / drafted; 1 once the decayed counts have faded to nothing (no evidence left)."""
+    return counts[0] / counts[1] if counts[1] > 1e-9 else 1.0
 
 
 class StepCosts:
