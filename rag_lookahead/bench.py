@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {"decoding_length": config.decoding_length, "branch_length": config.branch_length, "budget": config.budget},
         "summary": summarize(totals),
         "copying_threshold": args.copying_threshold,
-        "copying_prompts": sum(r["copied_from_context"] >= args.copying_threshold for r in per_prompt),
+        "copying_runs": sum(r["copied_from_context"] >= args.copying_threshold for r in per_prompt),
         "summary_copying": summarize(copying),
         "mean_copied_from_context": round(statistics.mean(r["copied_from_context"] for r in per_prompt), 3),
         "per_prompt": per_prompt,
@@ -335,8 +335,8 @@ def _print_table(report: dict) -> None:
     def times(value) -> str:
         return f"{value:.2f}x" if value else "-"
 
-    for key, which in (("summary", f"{report['prompts']} prompts x {report['repeats']}"), ("summary_copying", f"the {report['copying_prompts']} whose answers copy >= {report['copying_threshold']:.0%}")):
-        if not report[key] or (key == "summary_copying" and report["copying_prompts"] == len(report["per_prompt"])):
+    for key, which in (("summary", f"{report['prompts']} prompts x {report['repeats']}"), ("summary_copying", f"the {report['copying_runs']} prompt runs whose answers copy >= {report['copying_threshold']:.0%}")):
+        if not report[key] or (key == "summary_copying" and report["copying_runs"] == len(report["per_prompt"])):
             continue  # nothing to sum up, or the same prompts as the table above
         rows = [
             {
