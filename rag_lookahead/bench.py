@@ -86,6 +86,24 @@ class _FirstTokenClock:
         pass
 
 
+def add_depth_arguments(parser: argparse.ArgumentParser) -> None:
+    """--branch-length, and --extra-branch-length for lookahead at other depths side by side."""
+    parser.add_argument("--branch-length", type=int, default=LookaheadConfig.branch_length)
+    parser.add_argument(
+        "--extra-branch-length",
+        default="",
+        help="also run lookahead with these branch_lengths (comma-separated; methods lookahead_bN), side by side",
+    )
+
+
+def extra_depth_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, int]:
+    """The extra methods asked for, ``lookahead_bN`` -> N (a clear parser error on bad input)."""
+    try:
+        return {f"lookahead_b{int(n)}": int(n) for n in args.extra_branch_length.split(",") if n.strip()}
+    except ValueError:
+        parser.error(f"--extra-branch-length takes integers separated by commas, not {args.extra_branch_length!r}")
+
+
 def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
     """The prompt set (default: the bundled one), optionally only the comma-separated ``ids``."""
     if path:
@@ -195,13 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
         "lookahead_unseeded ignores the context passage given with --seed-mode references (drafts from the prompt only)",
     )
     parser.add_argument("--decoding-length", type=int, default=LookaheadConfig.decoding_length)
-    parser.add_argument("--branch-length", type=int, default=LookaheadConfig.branch_length)
     parser.add_argument("--budget", default="auto", choices=["auto", "fixed"])
-    parser.add_argument(
-        "--extra-branch-length",
-        default="",
-        help="also run lookahead with these branch_lengths (comma-separated; methods lookahead_bN), side by side",
-    )
+    add_depth_arguments(parser)
     parser.add_argument(
         "--seed-mode",
         default="prompt",
@@ -221,10 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS)
-    try:
-        extra = {f"lookahead_b{int(n)}": int(n) for n in args.extra_branch_length.split(",") if n.strip()}
-    except ValueError:
-        parser.error(f"--extra-branch-length takes integers separated by commas, not {args.extra_branch_length!r}")
+    extra = extra_depth_methods(parser, args)
     if unknown:
         parser.error(f"unknown methods: {', '.join(sorted(unknown))}")
     model, tokenizer = load_model(args.model, dtype=args.dtype)

@@ -18,7 +18,7 @@ import time
 import torch
 
 from .atomic import write_json_atomic
-from .bench import _print_rows, chat_ids, copied_fraction, cut_at_eos, load_prompts
+from .bench import _print_rows, add_depth_arguments, chat_ids, copied_fraction, cut_at_eos, extra_depth_methods, load_prompts
 from .config import LookaheadConfig
 from .generate import DecodeBatch, left_pad
 
@@ -48,7 +48,7 @@ def run_continuous(model, requests, level, max_new_tokens, eos, pad, config):
     outputs: dict[int, list[int]] = {}
     admitted: dict[int, float] = {}
     latencies: dict[int, float] = {}
-    steps = row_steps = gained = 0
+    row_steps = gained = 0
     while waiting or batch.rows:
         for row in batch.finish():
             outputs[row.index] = row.generated
@@ -63,7 +63,6 @@ def run_continuous(model, requests, level, max_new_tokens, eos, pad, config):
             continue  # a prefill's first token may already finish a row
         if batch.rows:
             new = batch.verify_and_accept(batch.propose())
-            steps += 1
             row_steps += len(new)
             gained += sum(len(t) for t in new)
     ordered = [outputs[i] for i in range(len(requests))]
@@ -80,12 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--methods", default="hf_greedy,plain,lookahead")
-    parser.add_argument("--branch-length", type=int, default=LookaheadConfig.branch_length)
-    parser.add_argument(
-        "--extra-branch-length",
-        default="",
-        help="also run lookahead with these branch_lengths (comma-separated; methods lookahead_bN), side by side",
-    )
+    add_depth_arguments(parser)
     parser.add_argument("--repeats", type=int, default=1, help="passes over all levels and methods (timing drifts: compare within a pass)")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
@@ -102,10 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     requests = [chat_ids(tokenizer, prompts[i % len(prompts)]) for i in range(args.requests)]
     contexts = [tokenizer.encode(prompts[i % len(prompts)]["context"], add_special_tokens=False) for i in range(args.requests)]
     methods = [m for m in args.methods.split(",") if m]
-    try:
-        depths = {f"lookahead_b{int(n)}": int(n) for n in args.extra_branch_length.split(",") if n.strip()}
-    except ValueError:
-        parser.error(f"--extra-branch-length takes integers separated by commas, not {args.extra_branch_length!r}")
+    depths = extra_depth_methods(parser, args)
     unknown = set(methods) - {"hf_greedy", "plain", "lookahead"}
     if unknown:
         parser.error(f"unknown methods: {', '.join(sorted(unknown))} (choose from hf_greedy, plain, lookahead)")
@@ -159,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": results,
     }
     share = f", {report['mean_copied_from_context']:.0%} of answer tokens copied from the context" if copied else ""
-    _print_rows(f"{args.model} {args.dtype}, {len(requests)} requests, waves of each concurrency{share}", results)
+    _print_rows(f"{args.model} {args.dtype}, {len(requests)} requests at each concurrency{share}", results)
     if args.json_path:
         write_json_atomic(args.json_path, report)
     return report

@@ -153,10 +153,9 @@ class Trust:
                 counts[0] = self.DECAY * counts[0] + self.PROBE
                 counts[1] = self.DECAY * counts[1] + self.PROBE
             return
-        deeper_tried = len(accepted) - 1 if accepted else 0
-        if accepted and accepted[-1] in draft.parents:
-            deeper_tried += 1  # the last accepted node had a drafted child, and it failed
-        for counts, hits, tries in ((self._first, min(len(accepted), 1), 1), (self._onward, max(len(accepted) - 1, 0), deeper_tried)):
+        onward_hits = max(len(accepted) - 1, 0)  # accepted nodes below an accepted node
+        failed_below = bool(accepted) and accepted[-1] in draft.parents  # the last one had a drafted child that failed
+        for counts, hits, tries in ((self._first, min(len(accepted), 1), 1), (self._onward, onward_hits, onward_hits + failed_below)):
             counts[0] = self.DECAY * counts[0] + hits
             counts[1] = self.DECAY * counts[1] + tries
 
