@@ -80,9 +80,15 @@ class _Row:
     context: ContextPool
     trust: Trust
     max_new_tokens: int
+    prompt_length: int = 0
     generated: list[int] = field(default_factory=list)
     position: int = 0  # cache entries this row owns = position id of its pending token
     done: bool = False
+
+    @property
+    def length(self) -> int:
+        """Tokens of the row's text so far: prompt + generated."""
+        return self.prompt_length + len(self.generated)
 
     @property
     def pending(self) -> int:
@@ -170,28 +176,36 @@ class DecodeBatch:
             prompt = input_ids[r, input_ids.shape[1] - lengths[r] :].tolist()
             context = ContextPool(depth, references[r] if references else ())
             context.extend(prompt)
-            row = _Row(keys[r], context, Trust(), max_new_tokens[r], position=lengths[r])
+            row = _Row(keys[r], context, Trust(), max_new_tokens[r], prompt_length=lengths[r], position=lengths[r])
             self._take(row, [first[r]])
             rows.append(row)
         self.packed.append_rows(cache, lengths)
         self.rows = self.rows + rows
         return rows
 
-    def _take(self, row: _Row, tokens: list[int]) -> list[int]:
-        """Append accepted tokens, cut at EOS, the token budget or the context end."""
+    def _room(self, row: _Row) -> int:
+        """Tokens the row may still gain: its token budget, and the context window, which holds
+        ``context_limit`` tokens (prompt + generated) in all."""
         room = row.max_new_tokens - len(row.generated)
         if self.context_limit is not None:
-            room = min(room, self.context_limit - row.position)
-        tokens = tokens[: max(room, 0)]
+            room = min(room, self.context_limit - row.length)
+        return max(room, 0)
+
+    def _take(self, row: _Row, tokens: list[int]) -> list[int]:
+        """Append accepted tokens, cut at EOS, the token budget or the context end.
+
+        The room is counted before the tokens are added; a block cut short always ends the row,
+        so a running row's KV cache and ``generated`` stay in step.
+        """
+        room = self._room(row)
+        tokens = tokens[:room]
         for i, token in enumerate(tokens):
             if token in self.eos:
                 tokens = tokens[: i + 1]
                 break
         row.generated.extend(tokens)
         row.context.extend(tokens)
-        if not tokens or tokens[-1] in self.eos or len(row.generated) >= row.max_new_tokens:
-            row.done = True
-        elif self.context_limit is not None and row.position + 1 >= self.context_limit:
+        if not tokens or tokens[-1] in self.eos or self._room(row) == 0:
             row.done = True
         return tokens
 
@@ -204,9 +218,7 @@ class DecodeBatch:
     def _candidates(self, row: _Row) -> DraftTree:
         if not self.config.enabled:
             return DraftTree()
-        room = row.max_new_tokens - len(row.generated) - 1  # the bonus token needs no draft
-        if self.context_limit is not None:
-            room = min(room, self.context_limit - row.position - 1)
+        room = self._room(row) - 1  # the bonus token needs no draft
         if room < 1:
             return DraftTree()
         draft = propose(row.context, self.output_pool, self.config).limit_depth(room)
