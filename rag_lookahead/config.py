@@ -7,12 +7,42 @@ the LangChain wrapper and the benchmark all mirror the same names.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 from typing import Iterable, Literal
 
 from .errors import ConfigError
 
 #: Text pieces that are too common to predict anything when used alone as a lookup key.
 DEFAULT_STOP_WORDS: tuple[str, ...] = (",", ".", " ", "\n", "，", "。", "、", "：", ":", "；", ";", "！", "？", "!", "?")
+
+
+#: Upper bounds keep one bad value from building a huge mask or trie: a draft of
+#: ``decoding_length`` nodes costs a (nodes x nodes) mask per step, and the trie depth is
+#: ``branch_length + max_key_length``.
+_UPPER_BOUNDS = {
+    "decoding_length": 1024,
+    "branch_length": 256,
+    "max_key_length": 64,
+    "min_key_length": 64,
+    "output_pool_nodes": 100_000_000,
+}
+
+
+def _stop_word_ids(words) -> frozenset[int]:
+    """Stop words are token ids; text is refused (``with_tokenizer`` turns words into ids)."""
+    if isinstance(words, (str, bytes)):
+        raise ConfigError("stop_words are token ids, not text: use LookaheadConfig().with_tokenizer(tokenizer)")
+    try:
+        items = list(words)
+    except TypeError:
+        raise ConfigError(f"stop_words must be a set of token ids, got {words!r}") from None
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, Integral) or item < 0:
+            raise ConfigError(
+                f"stop_words must be non-negative token ids, got {item!r} "
+                "(for words, use LookaheadConfig().with_tokenizer(tokenizer, words))"
+            )
+    return frozenset(int(t) for t in items)
 
 
 @dataclass
@@ -52,17 +82,20 @@ class LookaheadConfig:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("decoding_length", "branch_length", "max_key_length", "min_key_length", "output_pool_nodes"):
+        for name, high in _UPPER_BOUNDS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+                raise ConfigError(f"{name} must be an integer from 1 to {high:,}, got {value!r}")
+        for name in ("enabled", "use_output_pool", "debug"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.min_key_length > self.max_key_length:
             raise ConfigError(
                 f"min_key_length ({self.min_key_length}) must not exceed max_key_length ({self.max_key_length})"
             )
         if self.budget not in ("auto", "fixed"):
             raise ConfigError(f"budget must be 'auto' or 'fixed', got {self.budget!r}")
-        self.stop_words = frozenset(int(t) for t in self.stop_words)
+        self.stop_words = _stop_word_ids(self.stop_words)
 
     def replace(self, **changes) -> "LookaheadConfig":
         return replace(self, **changes)

@@ -20,6 +20,7 @@ from .budget import Trust, allocate, step_costs
 from .config import LookaheadConfig
 from .draft import DraftTree, propose
 from .errors import ConfigError, InputError
+from .inputs import as_batch, check_ids, check_references, vocab_size
 from .trie import ContextPool, OutputPool
 from .packed_cache import PackedCache
 from .verify import check_cache, forward_tree, keep_accepted, longest_path, supports_tree_mask
@@ -131,6 +132,7 @@ class DecodeBatch:
         self.tree_mask = supports_tree_mask(model) if config.enabled else True
         self.costs = step_costs(model) if config.enabled and config.budget == "auto" else None
         self.context_limit = _context_limit(model)
+        self.vocab = vocab_size(model)
         self.rows: list[_Row] = []
         self._arrivals = 0
         self.packed = PackedCache()  # every row's KV entries, side by side
@@ -152,7 +154,12 @@ class DecodeBatch:
         from transformers import DynamicCache
 
         depth = self.config.branch_length + self.config.max_key_length
+        input_ids, attention_mask = as_batch(input_ids, attention_mask)
+        check_ids(input_ids, attention_mask, self.vocab)
         count = input_ids.shape[0]
+        references = check_references(references, count, self.vocab)
+        device = next(self.model.parameters()).device  # callers may build ids on the CPU
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         if isinstance(max_new_tokens, int):
             max_new_tokens = [max_new_tokens] * count
         if keys is None:
@@ -267,27 +274,6 @@ def left_pad(rows: Sequence[Sequence[int]], pad: int, device=None) -> tuple[torc
     return ids, mask
 
 
-def _as_batch(input_ids, attention_mask, device) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
-    if ids.dim() == 1:
-        ids = ids[None]
-    if ids.dim() != 2 or ids.numel() == 0:
-        raise InputError("input_ids must be a non-empty list of token ids or a (batch, length) tensor")
-    if attention_mask is None:
-        mask = torch.ones_like(ids)
-    else:
-        mask = torch.as_tensor(attention_mask, dtype=torch.long)
-        if mask.dim() == 1:
-            mask = mask[None]
-        if mask.shape != ids.shape:
-            raise InputError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
-    if bool((mask.sum(-1) == 0).any()):
-        raise InputError("a row of input_ids is empty (its attention_mask is all zeros)")
-    if bool((mask[:, -1] == 0).any()):
-        raise InputError("input rows must be left-padded (attention_mask ends with 0 on some row)")
-    return ids.to(device), mask.to(device)
-
-
 def _pad_id(model, pad_token_id, eos: frozenset[int]) -> int:
     if pad_token_id is None:
         pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
@@ -322,9 +308,10 @@ def generate(
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     device = next(model.parameters()).device
-    ids, mask = _as_batch(input_ids, attention_mask, device)
-    if references is not None and len(references) != ids.shape[0]:
-        raise InputError(f"references has {len(references)} rows but input_ids has {ids.shape[0]}")
+    ids, mask = as_batch(input_ids, attention_mask)
+    check_ids(ids, mask, vocab_size(model))
+    references = check_references(references, ids.shape[0], vocab_size(model))
+    ids, mask = ids.to(device), mask.to(device)
     limit = _context_limit(model)
     longest = int(mask.sum(-1).max())
     if limit is not None and longest >= limit:

@@ -49,8 +49,8 @@ def test_single_row_fills_the_window_exactly(arch, case):
     assert got == expected
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "glm"])
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_batch_rows_fill_the_window_exactly(arch, data):
     prompts = [_prompt(data.draw, 1, 80) for _ in range(3)]

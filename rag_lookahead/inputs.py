@@ -1,0 +1,126 @@
+"""Checks on what callers hand the decode loop, so bad input fails with one clear line.
+
+Why here and not in the model: an out-of-vocabulary id reaches the embedding as an index
+error on a CPU and as a device-side assert on CUDA (which poisons the whole process), and a
+string where token ids belong would otherwise be inserted into the trie character by
+character. Every front end (``generate``, ``DecodeBatch``, the server) funnels through these.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral
+from typing import Sequence
+
+import torch
+
+from .errors import InputError
+
+
+def vocab_size(model) -> int:
+    """Rows of the input embedding: the ids the model can take."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and hasattr(embeddings, "num_embeddings"):
+        return int(embeddings.num_embeddings)
+    return int(model.config.vocab_size)
+
+
+def as_batch(input_ids, attention_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` as (batch, length) long tensors, each row left-padded and non-empty."""
+    if isinstance(input_ids, str) or (
+        isinstance(input_ids, (list, tuple)) and any(isinstance(t, str) for t in _flat(input_ids))
+    ):
+        raise InputError("input_ids must be token ids, not text: encode the text with the tokenizer first")
+    try:
+        ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError) as err:
+        raise InputError(f"input_ids must be a list of token ids or a (batch, length) tensor ({err})") from None
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.numel() == 0:
+        raise InputError("input_ids must be a non-empty list of token ids or a (batch, length) tensor")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise InputError(f"input_ids must be integers, got {ids.dtype}")
+    ids = ids.long()
+    if attention_mask is None:
+        mask = torch.ones_like(ids)
+    else:
+        mask = torch.as_tensor(attention_mask).long().to(ids.device)
+        if mask.dim() == 1:
+            mask = mask[None]
+        if mask.shape != ids.shape:
+            raise InputError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+    check_mask(mask)
+    return ids, mask
+
+
+def check_mask(mask: torch.Tensor) -> None:
+    """Each row is zeros then ones: left padding only, no holes, at least one token."""
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise InputError("attention_mask must hold only 0 and 1")
+    if bool((mask.sum(-1) == 0).any()):
+        raise InputError("a row of input_ids is empty (its attention_mask is all zeros)")
+    if mask.shape[1] > 1 and bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise InputError(
+            "attention_mask has zeros after the first token of a row: rows must be left-padded, with no holes"
+        )
+
+
+def check_ids(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> None:
+    """Every id the model will read lies in ``[0, vocab)`` (pad positions too: they are embedded)."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = ids[(ids < 0) | (ids >= vocab)][0].item()
+        raise InputError(f"input_ids holds token id {bad}, outside the model's vocabulary [0, {vocab})")
+
+
+def check_references(references, rows: int, vocab: int) -> list[list[list[int]]] | None:
+    """Per row, a list of token-id sequences; returned as plain lists of ints."""
+    if references is None:
+        return None
+    if isinstance(references, (str, bytes)) or not isinstance(references, Sequence):
+        raise InputError("references must be a list with one entry per row, each a list of token-id lists")
+    if len(references) != rows:
+        raise InputError(f"references has {len(references)} rows but input_ids has {rows}")
+    return [_row_references(r, row, vocab) for r, row in enumerate(references)]
+
+
+def _row_references(r: int, row, vocab: int) -> list[list[int]]:
+    if row is None:
+        return []
+    if isinstance(row, (str, bytes)):
+        raise InputError(
+            f"references[{r}] is text; references are token ids (rows -> passages -> ids): encode each passage"
+        )
+    if not isinstance(row, (Sequence, torch.Tensor)):
+        raise InputError(f"references[{r}] must be a list of token-id lists, got {type(row).__name__}")
+    out = []
+    for j, sequence in enumerate(row):
+        where = f"references[{r}][{j}]"
+        if isinstance(sequence, (str, bytes)):
+            raise InputError(f"{where} is text; references are token ids: encode each passage with the tokenizer")
+        if isinstance(sequence, torch.Tensor):
+            sequence = sequence.tolist()
+        if not isinstance(sequence, Sequence):
+            raise InputError(
+                f"{where} must be a list of token ids (references are nested: rows -> passages -> ids)"
+            )
+        tokens = []
+        for token in sequence:
+            if isinstance(token, bool) or not isinstance(token, Integral):
+                raise InputError(f"{where} holds {token!r}; token ids must be integers")
+            if not 0 <= token < vocab:
+                raise InputError(f"{where} holds token id {token}, outside the model's vocabulary [0, {vocab})")
+            tokens.append(int(token))
+        out.append(tokens)
+    return out
+
+
+def _flat(value, limit: int = 10_000):
+    """The leaves of a nested list, up to ``limit`` of them (enough to catch text passed as ids)."""
+    stack, seen = [value], 0
+    while stack and seen < limit:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        else:
+            seen += 1
+            yield item

@@ -1,0 +1,111 @@
+"""Bad input to the decode loop fails with one clear InputError/ConfigError, never a crash deep inside."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.generate import DecodeBatch
+
+from tiny_models import VOCAB, reference_generate, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2")
+
+
+def test_attention_mask_with_holes_is_refused(model):
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]])  # a zero after the row's first token
+    with pytest.raises(InputError, match="no holes"):
+        generate(model, ids, mask, max_new_tokens=4)
+    with pytest.raises(InputError, match="no holes"):
+        DecodeBatch(model, LookaheadConfig(), frozenset(), None).add(ids, mask, None, 4)
+
+
+def test_attention_mask_values_are_checked(model):
+    with pytest.raises(InputError, match="only 0 and 1"):
+        generate(model, [[1, 2, 3]], [[1, 2, 1]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("bad", [-1, VOCAB, VOCAB + 1000])
+def test_input_ids_outside_the_vocabulary(model, bad):
+    with pytest.raises(InputError, match=f"token id {bad}, outside the model's vocabulary"):
+        generate(model, [1, 2, bad], max_new_tokens=2)
+
+
+def test_pad_positions_are_checked_too(model):
+    ids = torch.tensor([[VOCAB + 5, 1, 2]])  # a padding id the embedding cannot take
+    with pytest.raises(InputError, match="outside the model's vocabulary"):
+        generate(model, ids, torch.tensor([[0, 1, 1]]), max_new_tokens=2)
+
+
+def test_text_instead_of_ids(model):
+    with pytest.raises(InputError, match="not text"):
+        generate(model, "hello", max_new_tokens=2)
+    with pytest.raises(InputError, match="must be integers"):
+        generate(model, [1.5, 2.0], max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("references", "message"),
+    [
+        (["a passage"], "is text"),  # strings where ids belong
+        ([[["a", "b"]]], "token ids must be integers"),
+        ([[1, 2, 3]], "must be a list of token ids"),  # one level of nesting missing
+        ([[[1, 2, VOCAB]]], "outside the model's vocabulary"),
+        ([[[1, -2]]], "outside the model's vocabulary"),
+        ("passage", "one entry per row"),
+        ([[[1]], [[2]]], "references has 2 rows"),
+    ],
+)
+def test_bad_references(model, references, message):
+    with pytest.raises(InputError, match=message):
+        generate(model, [1, 2, 3], max_new_tokens=2, references=references)
+
+
+def test_good_references_as_tensors_and_tuples(model):
+    prompt = [3, 4, 5, 3, 4]
+    expected = reference_generate(model, prompt, 8, None)
+    refs = [(torch.tensor(prompt[-2:] + expected),)]
+    result = generate(model, prompt, max_new_tokens=8, references=refs, config=LookaheadConfig(budget="fixed"))
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+
+
+def test_decode_batch_moves_inputs_to_the_model_device(model):
+    """Ids built on another device than the model's are moved (here both are the CPU; the call path
+    is the same one a CUDA model takes)."""
+    batch = DecodeBatch(model, LookaheadConfig(), frozenset(), None)
+    rows = batch.add([[1, 2, 3]], None, None, 3)
+    assert rows[0].generated
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"decoding_length": 10**6}, "decoding_length"),
+        ({"branch_length": 10**5}, "branch_length"),
+        ({"max_key_length": 1000}, "max_key_length"),
+        ({"output_pool_nodes": 10**12}, "output_pool_nodes"),
+        ({"decoding_length": 2.5}, "decoding_length"),
+        ({"enabled": "no"}, "enabled must be True or False"),
+        ({"use_output_pool": 1}, "use_output_pool must be True or False"),
+        ({"debug": None}, "debug must be True or False"),
+        ({"stop_words": ",."}, "stop_words"),
+        ({"stop_words": {","}}, "stop_words"),
+        ({"stop_words": {-3}}, "stop_words"),
+        ({"budget": "AUTO"}, "budget"),
+    ],
+)
+def test_config_checks(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        LookaheadConfig(**changes)
+
+
+def test_config_error_is_one_line():
+    with pytest.raises(ConfigError) as info:
+        LookaheadConfig(stop_words=",.")
+    assert "\n" not in str(info.value)
