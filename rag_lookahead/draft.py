@@ -33,6 +33,10 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def children(self) -> dict[tuple[int, int], int]:
+        """``(parent, token) -> node``: where a chosen token leads (parent -1 is the root)."""
+        return {(parent, token): i for i, (parent, token) in enumerate(zip(self.parents, self.tokens))}
+
     def top(self, k: int) -> "DraftTree":
         """The k likeliest nodes; still a tree because no child is likelier than its parent."""
         if k >= len(self):

@@ -23,7 +23,8 @@ from .errors import ConfigError, InputError
 from .inputs import as_batch, check_ids, check_references, vocab_size
 from .trie import ContextPool, OutputPool
 from .packed_cache import PackedCache
-from .verify import check_cache, forward_tree, keep_accepted, longest_path, supports_tree_mask
+from .sampling import Accepted, SamplingParams, TokenChooser, longest_path, per_row, resolve_sampling
+from .verify import check_cache, forward_tree, keep_accepted, supports_tree_mask
 
 
 @dataclass
@@ -78,9 +79,10 @@ class GenerationResult:
 @dataclass
 class _Row:
     index: object  # the row's key: its row in generate's batch, a request id in a server
-    context: ContextPool
+    context: ContextPool  # its stream is the row's text so far: prompt + generated
     trust: Trust
     max_new_tokens: int
+    chooser: TokenChooser
     prompt_length: int = 0
     generated: list[int] = field(default_factory=list)
     position: int = 0  # cache entries this row owns = position id of its pending token
@@ -145,11 +147,13 @@ class DecodeBatch:
         references=None,
         max_new_tokens: int | Sequence[int] = 1,
         keys: Sequence | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[_Row]:
         """Prefill new left-padded rows and merge them into the running batch.
 
         ``keys`` name the rows (default: their order of arrival); rows joining a running
-        batch are how a server batches continuously.
+        batch are how a server batches continuously. ``sampling``: one setting for all rows
+        or one per row (default greedy); rows with different settings share the batch.
         """
         from transformers import DynamicCache
 
@@ -162,6 +166,10 @@ class DecodeBatch:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         if isinstance(max_new_tokens, int):
             max_new_tokens = [max_new_tokens] * count
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * count
+        if len(sampling) != count:
+            raise ConfigError(f"sampling has {len(sampling)} entries for {count} rows")
         if keys is None:
             keys = list(range(self._arrivals, self._arrivals + count))
         self._arrivals += count
@@ -176,15 +184,17 @@ class DecodeBatch:
             logits_to_keep=1,
         ).logits
         check_cache(cache)
-        first = logits[:, -1].float().argmax(-1).tolist()
+        greedy = logits[:, -1].float().argmax(-1).tolist()  # as transformers does: fp32 logits, first maximum on ties
         lengths = attention_mask.sum(-1).tolist()
         rows = []
         for r in range(count):
             prompt = input_ids[r, input_ids.shape[1] - lengths[r] :].tolist()
             context = ContextPool(depth, references[r] if references else ())
             context.extend(prompt)
-            row = _Row(keys[r], context, Trust(), max_new_tokens[r], prompt_length=lengths[r], position=lengths[r])
-            self._take(row, [first[r]])
+            chooser = TokenChooser(sampling[r], device)
+            row = _Row(keys[r], context, Trust(), max_new_tokens[r], chooser, prompt_length=lengths[r], position=lengths[r])
+            first = greedy[r] if chooser.plain else chooser.choose(prompt, logits[r, -1])
+            self._take(row, [first])
             rows.append(row)
         self.packed.append_rows(cache, lengths)
         self.rows = self.rows + rows
@@ -237,8 +247,8 @@ class DecodeBatch:
         tick = time.perf_counter()
         start = self.packed.length
         pending = [row.pending for row in self.rows]
-        greedy, step = forward_tree(self.model, self.packed, pending, drafts, [row.position for row in self.rows])
-        accepted = [longest_path(draft, choices) for draft, choices in zip(drafts, greedy)]
+        logits, step = forward_tree(self.model, self.packed, pending, drafts, [row.position for row in self.rows])
+        accepted = self._accept(logits, step.offsets, drafts)
         keep_accepted(self.packed, start, step, accepted)
         gained = []
         for row, draft, result in zip(self.rows, drafts, accepted):
@@ -248,6 +258,19 @@ class DecodeBatch:
         if self.costs is not None:
             self.costs.observe(len(drafts), step.ids.shape[1], time.perf_counter() - tick)
         return gained
+
+    def _accept(self, logits: torch.Tensor, offsets: list[int], drafts: list[DraftTree]) -> list[Accepted]:
+        """Each row's accepted path: greedy rows from one argmax over all logits, the others by a
+        walk that draws (or applies the repetition penalty) node by node."""
+        ends = offsets[1:] + [logits.shape[0]]
+        greedy = logits.float().argmax(dim=-1).tolist() if any(row.chooser.plain for row in self.rows) else []
+        accepted = []
+        for row, draft, start, end in zip(self.rows, drafts, offsets, ends):
+            if row.chooser.plain:
+                accepted.append(longest_path(draft, greedy[start:end]))
+            else:
+                accepted.append(row.chooser.walk(draft, logits[start:end], row.context.stream, self._room(row), self.eos))
+        return accepted
 
     def finish(self, keep: Callable[[_Row], bool] | None = None) -> list[_Row]:
         """Drop the finished rows (and any that ``keep`` rejects) from the batch; return them."""
@@ -294,8 +317,24 @@ def generate(
     pad_token_id: int | None = None,
     output_pool: OutputPool | None = None,
     on_tokens: Callable[[int, list[int]], bool | None] | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    seed: int | Sequence[int] | None = None,
+    generation_config=None,
 ) -> GenerationResult:
-    """Greedy decoding, lossless, several tokens a forward where the trie guesses right.
+    """Lossless decoding, several tokens a forward where the trie guesses right.
+
+    Greedy or sampled exactly as ``model.generate`` would for the same arguments: the sampling
+    options (``do_sample`` ... ``repetition_penalty``, or a ``transformers.GenerationConfig``)
+    default to the model's generation config, then transformers' defaults. Without ``seed`` a
+    single row draws from torch's global generator in transformers' order, so after
+    ``torch.manual_seed(s)`` the tokens equal ``model.generate``'s; with ``seed`` (an int for
+    every row, or one per row) each row draws from its own generator and its tokens do not
+    depend on the batch or on the drafts.
 
     input_ids: a list of ids, or a (batch, length) tensor left-padded per ``attention_mask``.
     references: per row, token-id sequences seeding that row's context pool (passages that
@@ -316,18 +355,29 @@ def generate(
     longest = int(mask.sum(-1).max())
     if limit is not None and longest >= limit:
         raise InputError(f"the input has {longest} tokens but the model's context holds {limit}")
+    params = resolve_sampling(
+        model,
+        generation_config,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+    )
+    sampling = per_row(params, seed, ids.shape[0])
     eos = _eos_set(model, eos_token_id)
     pad = _pad_id(model, pad_token_id, eos)
     if output_pool is None and config.enabled and config.use_output_pool:
         output_pool = default_output_pool(model, config)
 
     if ids.shape[0] > 1 and not supports_tree_mask(model):  # packed rows are kept apart by the mask
-        return _row_by_row(model, ids, mask, max_new_tokens, config, references, eos, pad, output_pool, on_tokens)
+        return _row_by_row(model, ids, mask, max_new_tokens, config, references, eos, pad, output_pool, on_tokens, sampling)
 
     stats = GenerationStats(rows=ids.shape[0], trace=[] if config.debug else None)
     batch = DecodeBatch(model, config, eos, output_pool)
     start = time.perf_counter()
-    batch.add(ids, mask, references, max_new_tokens)
+    batch.add(ids, mask, references, max_new_tokens, sampling=sampling)
     stats.prefill_seconds = time.perf_counter() - start
     outputs: dict[int, list[int]] = {}
 
@@ -367,6 +417,19 @@ def generate(
     return GenerationResult(_assemble(ids, [outputs[r] for r in range(ids.shape[0])], pad), stats)
 
 
+def _as_options(params: SamplingParams) -> dict:
+    """A row's settings as ``generate`` keywords (top_k 0 = off, so it is not taken from defaults)."""
+    return {
+        "do_sample": params.do_sample,
+        "temperature": params.temperature,
+        "top_k": params.top_k or 0,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
+        "seed": params.seed,
+    }
+
+
 def _assemble(ids: torch.Tensor, outputs: list[list[int]], pad: int) -> torch.LongTensor:
     width = max(len(o) for o in outputs)
     new = torch.full((ids.shape[0], width), pad, dtype=torch.long, device=ids.device)
@@ -375,7 +438,7 @@ def _assemble(ids: torch.Tensor, outputs: list[list[int]], pad: int) -> torch.Lo
     return torch.cat([ids, new], dim=1)
 
 
-def _row_by_row(model, ids, mask, max_new_tokens, config, references, eos, pad, output_pool, on_tokens):
+def _row_by_row(model, ids, mask, max_new_tokens, config, references, eos, pad, output_pool, on_tokens, sampling):
     """Models without tree masks cannot batch ragged rows; decode each row alone."""
     outputs, total = [], GenerationStats(rows=ids.shape[0])
     for r in range(ids.shape[0]):
@@ -390,6 +453,7 @@ def _row_by_row(model, ids, mask, max_new_tokens, config, references, eos, pad, 
             pad_token_id=pad,
             output_pool=output_pool,
             on_tokens=(lambda _row, tokens, r=r: on_tokens(r, tokens)) if on_tokens else None,
+            **_as_options(sampling[r]),
         )
         outputs.append(result.sequences[0, length:].tolist())
         for name in ("forward_passes", "new_tokens", "prefill_seconds", "decode_seconds", "lookup_seconds", "draft_tokens"):

@@ -1,12 +1,13 @@
-"""Verify draft trees in one forward of the stock model, accept, and compact the KV cache.
+"""Verify draft trees in one forward of the stock model and keep the accepted KV entries.
 
 Each row feeds ``[last accepted token] + its draft nodes``; the rows' tokens sit side by side
 in one sequence over a packed cache (see ``packed_cache``). A 4-D attention mask lets every
 node see its row's cache columns, its ancestors and itself; position ids are the row's length
-plus the node's depth. The model's greedy choice at each node then tells which path of the
-tree is what plain greedy decoding would have produced: we walk it from the root, keep the KV
-entries of that path (gathered, not recomputed) and take the bonus token from the last node of
-the path. Rows accept different numbers of tokens and nothing is padded.
+plus the node's depth. The token chosen at each node (greedy, or drawn: see ``sampling``) then
+tells which path of the tree plain decoding would have produced: we walk it from the root,
+keep the KV entries of that path (``packed_cache`` gathers them, nothing is recomputed) and take
+the bonus token from the last node of the path. Rows accept different numbers of tokens and
+nothing is padded.
 """
 
 from __future__ import annotations
@@ -20,14 +21,7 @@ import torch
 
 from .draft import DraftTree
 from .packed_cache import PackedCache
-
-
-@dataclass
-class Accepted:
-    """One row's outcome of a verify step."""
-
-    nodes: list[int]  # accepted draft node indices, root to leaf
-    tokens: list[int]  # their tokens followed by the bonus token
+from .sampling import Accepted
 
 
 @dataclass
@@ -80,8 +74,8 @@ def step_mask(valid: torch.Tensor, step: StepInputs, dtype, device) -> torch.Ten
 
 
 @torch.inference_mode()
-def forward_tree(model, packed: PackedCache, pending, drafts, positions) -> tuple[list[list[int]], StepInputs]:
-    """One forward over every row's tree; returns each row's greedy token per node (root first)."""
+def forward_tree(model, packed: PackedCache, pending, drafts, positions) -> tuple[torch.Tensor, StepInputs]:
+    """One forward over every row's tree; returns the logits (Q, vocab) of every token, rows side by side."""
     device = next(model.parameters()).device
     step = step_inputs(pending, drafts, positions, device)
     if is_plain_causal(packed.valid, drafts, positions):
@@ -90,9 +84,7 @@ def forward_tree(model, packed: PackedCache, pending, drafts, positions) -> tupl
     else:
         mask = step_mask(packed.valid, step, model.dtype, device)
         logits = model(input_ids=step.ids, attention_mask=mask, position_ids=step.positions, cache=packed.cache, use_cache=True).logits
-    greedy = logits[0].float().argmax(dim=-1).tolist()  # as transformers does: fp32 logits, first maximum on ties
-    ends = step.offsets[1:] + [len(greedy)]
-    return [greedy[o:e] for o, e in zip(step.offsets, ends)], step
+    return logits[0], step
 
 
 def is_plain_causal(valid: torch.Tensor, drafts: list[DraftTree], positions: list[int]) -> bool:
@@ -100,22 +92,6 @@ def is_plain_causal(valid: torch.Tensor, drafts: list[DraftTree], positions: lis
     if len(drafts) != 1 or positions[0] != valid.shape[1] or not bool(valid.all()):
         return False
     return all(parent == i - 1 for i, parent in enumerate(drafts[0].parents))
-
-
-def longest_path(draft: DraftTree, greedy: list[int]) -> Accepted:
-    """Follow the model's greedy choices down the tree; ``greedy[i]`` is for node i-1 (0: root)."""
-    children = {(parent, token): i for i, (parent, token) in enumerate(zip(draft.parents, draft.tokens))}
-    nodes: list[int] = []
-    tokens: list[int] = []
-    current = -1
-    while True:
-        choice = greedy[current + 1]
-        tokens.append(choice)
-        nxt = children.get((current, choice))
-        if nxt is None:
-            return Accepted(nodes, tokens)
-        nodes.append(nxt)
-        current = nxt
 
 
 def keep_accepted(packed: PackedCache, start: int, step: StepInputs, accepted: list[Accepted]) -> None:

@@ -1,0 +1,259 @@
+"""How each token is chosen: greedy or sampled, at the root and at every node of a verified tree.
+
+Trie drafts are deterministic, so sampling needs no rejection correction. Walk the verified
+tree from the root: at each node turn its logits into the target distribution with
+transformers' own logits processors (the ones ``model.generate`` would build: repetition
+penalty, then temperature, top-k, top-p, min-p), draw one token, and descend into the child
+drafted with that token if there is one; otherwise the draw is the step's bonus token. Every
+emitted token costs exactly one draw, in order, from the same distribution plain sampling
+uses, so the output is an ancestral sample of the model, and with the same generator state
+it is the same sample token for token.
+
+Worked example: the root's draft children are ``A`` and ``B``, ``A`` has a child ``C``. The
+root's distribution draws ``A`` (a drafted child: descend), ``A``'s node draws ``D`` (not
+drafted): the step emits ``A D``. Had it drawn ``C``, the walk would continue at ``C``'s node.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, fields, replace
+from numbers import Integral, Real
+from typing import Sequence
+
+import torch
+
+from .draft import DraftTree
+from .errors import ConfigError
+
+#: generation options that change the output and that we do not implement, with their neutral
+#: values; a value other than these raises instead of being silently ignored
+_UNSUPPORTED_NEUTRAL = {
+    "num_beams": (None, 1),
+    "num_beam_groups": (None, 1),
+    "num_return_sequences": (None, 1),
+    "penalty_alpha": (None,),
+    "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "bad_words_ids": (None,),
+    "force_words_ids": (None,),
+    "constraints": (None,),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "top_h": (None,),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "guidance_scale": (None, 1.0),
+    "sequence_bias": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "exponential_decay_length_penalty": (None,),
+    "renormalize_logits": (None, False),
+    "remove_invalid_values": (None, False),
+    "watermarking_config": (None,),
+    "diversity_penalty": (None, 0.0),
+    "dola_layers": (None,),
+    "stop_strings": (None,),
+    "max_time": (None,),
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What turns a row's logits into its next token (names and meanings as in ``model.generate``).
+
+    do_sample: False picks the most likely token (after the repetition penalty, if any).
+    temperature, top_k, top_p, min_p: the sampling warpers; top_k 0/None and top_p 1.0 are off.
+    repetition_penalty: applied exactly at each tree node over the row's tokens and the node's path.
+    seed: None draws from torch's global generator (the order transformers draws in); an int
+        gives the row a generator of its own, so its tokens depend on nothing else in the batch.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.do_sample, bool):
+            raise ConfigError(f"do_sample must be True or False, got {self.do_sample!r}")
+        _number("temperature", self.temperature, low=0.0, high=100.0, open_low=True)
+        _number("top_p", self.top_p, low=0.0, high=1.0, open_low=True)
+        _number("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, open_low=True)
+        if self.min_p is not None:
+            _number("min_p", self.min_p, low=0.0, high=1.0)
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) or self.top_k < 0):
+            raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, Integral) or not 0 <= self.seed < 2**63):
+            raise ConfigError(f"seed must be an integer from 0 to 2**63-1, got {self.seed!r}")
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing to apply: the argmax of the raw logits."""
+        return not self.do_sample and self.repetition_penalty == 1.0
+
+
+def _number(name: str, value, *, low: float, high: float, open_low: bool = False) -> None:
+    ok = isinstance(value, Real) and not isinstance(value, bool) and value <= high and (value > low if open_low else value >= low)
+    if not ok:
+        bound = f"> {low}" if open_low else f">= {low}"
+        raise ConfigError(f"{name} must be a number {bound} and <= {high}, got {value!r}")
+
+
+def resolve_sampling(model, generation_config=None, **options) -> SamplingParams:
+    """The sampling settings ``model.generate`` would use for the same arguments.
+
+    Precedence as in transformers: explicit options, then ``generation_config``, then the
+    model's own ``generation_config``, then transformers' defaults (e.g. top_k 50 when
+    sampling). Options left at None are not given. Settings we do not implement raise
+    ``ConfigError`` rather than being ignored.
+    """
+    from transformers import GenerationConfig
+
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise ConfigError(f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}")
+    config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    own = getattr(model, "generation_config", None)
+    if own is not None:
+        config.update(**own.to_dict(), defaults_only=True)
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    if defaults is not None:
+        config.update(**defaults(), defaults_only=True)
+    given = {k: v for k, v in options.items() if v is not None}
+    unknown = config.update(**given)
+    if unknown:
+        raise ConfigError(f"unknown generation options: {', '.join(sorted(unknown))}")
+    check_supported(config)
+    top_k = config.top_k if config.top_k else None
+    return SamplingParams(
+        do_sample=bool(config.do_sample),
+        temperature=float(config.temperature if config.temperature is not None else 1.0),
+        top_k=int(top_k) if top_k is not None else None,
+        top_p=float(config.top_p if config.top_p is not None else 1.0),
+        min_p=float(config.min_p) if config.min_p is not None else None,
+        repetition_penalty=float(config.repetition_penalty if config.repetition_penalty is not None else 1.0),
+    )
+
+
+def check_supported(config) -> None:
+    """Refuse generation options that would change the output and that we do not implement."""
+    for name, neutral in _UNSUPPORTED_NEUTRAL.items():
+        value = getattr(config, name, None)
+        if value not in neutral:
+            raise ConfigError(f"generation option {name}={value!r} is not supported by lookahead decoding")
+
+
+def per_row(params: SamplingParams, seed: int | Sequence[int] | None, rows: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per row: an int seed is every row's, a list gives one per row."""
+    if seed is None or isinstance(seed, Integral):
+        return [replace(params, seed=None if seed is None else int(seed))] * rows
+    if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence) or len(seed) != rows:
+        raise ConfigError(f"seed must be an int or a list of {rows} ints (one per row), got {seed!r}")
+    return [replace(params, seed=s) for s in seed]
+
+
+def build_processors(params: SamplingParams):
+    """transformers' own processors, in the order ``model.generate`` applies them."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    processors = LogitsProcessorList()
+    if params.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.do_sample:
+        if params.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k:
+            processors.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
+        if params.top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
+        if params.min_p is not None:
+            processors.append(MinPLogitsWarper(min_p=params.min_p, min_tokens_to_keep=1))
+    return processors
+
+
+@dataclass
+class Accepted:
+    """One row's outcome of a verify step."""
+
+    nodes: list[int]  # accepted draft node indices, root to leaf
+    tokens: list[int]  # their tokens followed by the bonus token
+
+
+class TokenChooser:
+    """One row's rule for picking tokens from logits: its processors and its random generator."""
+
+    def __init__(self, params: SamplingParams, device) -> None:
+        self.params = params
+        self.processors = build_processors(params)
+        self.generator = None
+        if params.do_sample and params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+
+    @property
+    def plain(self) -> bool:
+        return self.params.plain
+
+    def choose(self, history: Sequence[int], logits: torch.Tensor) -> int:
+        """The next token after ``history`` given its logits (V,), drawn as ``model.generate`` draws."""
+        scores = logits.to(dtype=torch.float32)[None]
+        if self.processors:
+            ids = torch.tensor([list(history)], dtype=torch.long, device=logits.device)
+            scores = self.processors(ids, scores)
+        if self.params.do_sample:
+            probs = torch.softmax(scores, dim=-1)
+            return int(torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0])
+        return int(scores.argmax(dim=-1)[0])
+
+    def walk(self, draft: DraftTree, logits: torch.Tensor, history: Sequence[int], limit: int, eos: frozenset[int]) -> Accepted:
+        """Choose down the tree; ``logits[i]`` is node i-1's (0: the root). At most ``limit`` tokens,
+        and none after EOS, so no draw is spent on a token that would be cut."""
+        children = draft.children()
+        path = list(history)
+        nodes: list[int] = []
+        tokens: list[int] = []
+        current = -1
+        while len(tokens) < max(limit, 1):
+            token = self.choose(path, logits[current + 1])
+            tokens.append(token)
+            child = children.get((current, token))
+            if child is None or token in eos:
+                break
+            nodes.append(child)
+            path.append(token)
+            current = child
+        return Accepted(nodes, tokens)
+
+
+def longest_path(draft: DraftTree, greedy: list[int]) -> Accepted:
+    """Follow precomputed greedy choices down the tree; ``greedy[i]`` is for node i-1 (0: root)."""
+    children = draft.children()
+    nodes: list[int] = []
+    tokens: list[int] = []
+    current = -1
+    while True:
+        choice = greedy[current + 1]
+        tokens.append(choice)
+        nxt = children.get((current, choice))
+        if nxt is None:
+            return Accepted(nodes, tokens)
+        nodes.append(nxt)
+        current = nxt
+
+
+def sampling_fields() -> tuple[str, ...]:
+    """Names of the per-row sampling options (for front ends that take them as keywords)."""
+    return tuple(f.name for f in fields(SamplingParams))
