@@ -32,10 +32,11 @@ def bundled_corpus() -> Path:
 
 
 def ensure_index(index_dir: Path, *, quiet: bool = False):
-    """Load the index at ``index_dir``; build it from the bundled corpus first if there is none."""
+    """Load the index at ``index_dir``; build it from the bundled corpus first if there is none
+    (``build_index`` refuses a non-empty folder that is not an index, so nothing of the user's is touched)."""
     from .index import MANIFEST, build_index, load_index
 
-    if not (index_dir / MANIFEST).is_file() and (not index_dir.exists() or not any(index_dir.iterdir())):
+    if not (index_dir / MANIFEST).is_file():
         corpus = bundled_corpus()
         if not quiet:
             print(f"rag_lookahead: no index at {index_dir}; indexing the bundled corpus {corpus}", file=sys.stderr)

@@ -13,6 +13,7 @@ import typer
 
 from .ask import ask_command, fail
 from .errors import RagLookaheadError
+from .index import LOCK_TIMEOUT_S, MAX_FILE_MB
 
 app = typer.Typer(
     name="rag_lookahead",
@@ -29,15 +30,27 @@ _FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True, "help_opti
 @app.command("index")
 def index_command(
     corpus_dir: Path = typer.Argument(..., help="Folder of .txt/.md/.pdf files (searched recursively)."),
-    index_dir: Optional[Path] = typer.Option(None, "--index-dir", help="Index folder (default: default_index_dir())."),
+    index_dir: Optional[Path] = typer.Option(
+        None, "--index-dir", help="Index folder: new, empty, or an index built before (default: default_index_dir())."
+    ),
     embedder: Optional[str] = typer.Option(None, "--embedder", help="e5-small (default), use, or a sentence-transformers name."),
+    follow_symlinks: bool = typer.Option(
+        False, "--follow-symlinks", help="Index the targets of symbolic links (off: links are skipped and reported)."
+    ),
+    max_file_mb: float = typer.Option(MAX_FILE_MB, "--max-file-mb", help="Skip (and report) files larger than this."),
+    lock_timeout: float = typer.Option(
+        LOCK_TIMEOUT_S, "--lock-timeout", help="Seconds to wait while another run writes the same index, then fail."
+    ),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
 ) -> None:
     """Build or incrementally update the document index."""
     from .index import build_index
 
     try:
-        report = build_index(corpus_dir, index_dir, embedder, progress=not no_progress)
+        report = build_index(
+            corpus_dir, index_dir, embedder, progress=not no_progress, follow_symlinks=follow_symlinks,
+            max_file_mb=max_file_mb, lock_timeout=lock_timeout,
+        )
     except RagLookaheadError as e:
         fail(e)
     typer.echo(report.summary())

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,17 @@ def copy_index(built, tmp_path) -> Path:
     return dst
 
 
+def artifact(index_dir: Path, name: str) -> Path:
+    """Where the published version keeps ``name`` (index.faiss or docstore.jsonl)."""
+    manifest = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))
+    return index_dir / manifest["data"] / name
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` with its bytes (None for folders): to assert nothing changed."""
+    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+
+
 # ---------------------------------------------------------------- build and search
 
 
@@ -68,6 +81,8 @@ def test_build_reports_and_skips_binary(built):
     assert set(manifest["files"]) == {"tea.md", "sub/train_gbk.txt", "volcano.md"}
     assert manifest["num_chunks"] == report.chunks
     assert not list(index_dir.parent.glob(".index.*"))  # no temp or backup folder left behind
+    data_dirs = [p.name for p in index_dir.iterdir() if p.is_dir()]
+    assert data_dirs == [manifest["data"]]  # one published version, nothing half-written beside it
 
 
 @pytest.mark.parametrize(
@@ -156,21 +171,20 @@ def test_interrupted_build_leaves_old_index_loadable(tmp_path, built, embedder, 
     (corpus / "blob.txt").unlink()
     index_dir = copy_index(built, tmp_path)
     (corpus / "panda.md").write_text(PANDA, encoding="utf-8")
+    before = tree(index_dir)
 
-    def crash(tmp_dir):
-        assert (tmp_dir / "manifest.json").is_file()  # the new index was fully written beside the old one
+    def crash(index_dir, manifest):
+        # the new version is fully written beside the old one; the crash lands just before publishing it
+        assert (index_dir / manifest["data"] / "docstore.jsonl").is_file()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ix, "_before_swap", crash)
+    monkeypatch.setattr(ix, "_publish", crash)
     with pytest.raises(KeyboardInterrupt):
         build(corpus, index_dir, embedder)
     old = ix.load_index(index_dir, embedder)
     assert {r["source"] for r in old.records} == {"tea.md", "sub/train_gbk.txt", "volcano.md"}
     assert not list(tmp_path.glob(".index.*"))
-
-    # a crash between the two renames of the swap: the old folder is restored on the next load
-    ix.os.replace(index_dir, tmp_path / ".index.old")
-    assert len(ix.load_index(index_dir, embedder)) == len(old)
+    assert tree(index_dir) == before  # the unpublished data folder was removed, nothing else touched
 
 
 # ---------------------------------------------------------------- damaged indexes
@@ -191,29 +205,30 @@ def _sha(path: Path) -> str:
 
 def test_truncated_faiss_file(tmp_path, built, embedder):
     d = copy_index(built, tmp_path)
-    data = (d / "index.faiss").read_bytes()
-    (d / "index.faiss").write_bytes(data[: len(data) // 2])
+    data = artifact(d, "index.faiss").read_bytes()
+    artifact(d, "index.faiss").write_bytes(data[: len(data) // 2])
     with pytest.raises(IndexLoadError, match="index.faiss"):
         ix.load_index(d, embedder)
     # even with the hash "fixed", faiss's own reader fails and is reported, not crashed on
     m = json.loads((d / "manifest.json").read_text(encoding="utf-8"))
-    _rewrite_manifest(d, artifacts={**m["artifacts"], "index.faiss": _sha(d / "index.faiss")})
+    _rewrite_manifest(d, artifacts={**m["artifacts"], "index.faiss": _sha(artifact(d, "index.faiss"))})
     with pytest.raises(IndexLoadError, match="index.faiss"):
         ix.load_index(d, embedder)
 
 
 def test_edited_docstore(tmp_path, built, embedder):
     d = copy_index(built, tmp_path)
-    lines = (d / "docstore.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
-    (d / "docstore.jsonl").write_text("".join(lines[:-1]), encoding="utf-8")  # one chunk dropped
+    docstore = artifact(d, "docstore.jsonl")
+    lines = docstore.read_text(encoding="utf-8").splitlines(keepends=True)
+    docstore.write_text("".join(lines[:-1]), encoding="utf-8")  # one chunk dropped
     with pytest.raises(IndexLoadError, match="docstore.jsonl"):
         ix.load_index(d, embedder)
     m = json.loads((d / "manifest.json").read_text(encoding="utf-8"))
-    _rewrite_manifest(d, artifacts={**m["artifacts"], "docstore.jsonl": _sha(d / "docstore.jsonl")})
+    _rewrite_manifest(d, artifacts={**m["artifacts"], "docstore.jsonl": _sha(docstore)})
     with pytest.raises(IndexLoadError, match="vectors"):  # count mismatch faiss vs docstore
         ix.load_index(d, embedder)
-    (d / "docstore.jsonl").write_text("{not json\n" + "".join(lines[1:]), encoding="utf-8")
-    _rewrite_manifest(d, artifacts={**m["artifacts"], "docstore.jsonl": _sha(d / "docstore.jsonl")})
+    docstore.write_text("{not json\n" + "".join(lines[1:]), encoding="utf-8")
+    _rewrite_manifest(d, artifacts={**m["artifacts"], "docstore.jsonl": _sha(docstore)})
     with pytest.raises(IndexLoadError, match="line 1"):
         ix.load_index(d, embedder)
 
@@ -235,7 +250,7 @@ def test_manifest_problems(tmp_path, built, embedder):
 
 def test_missing_docstore(tmp_path, built, embedder):
     d = copy_index(built, tmp_path)
-    (d / "docstore.jsonl").unlink()
+    artifact(d, "docstore.jsonl").unlink()
     with pytest.raises(IndexLoadError, match="docstore.jsonl is missing"):
         ix.load_index(d, embedder)
 
@@ -298,3 +313,337 @@ def test_tokenize_and_fusion():
     toks = tokenize("绿茶的冲泡水温，Branch_Length 是 12。")
     assert "绿茶" in toks and "branch_length" in toks and "，" not in toks
     assert reciprocal_rank_fusion([[1, 2], [2, 3]])[0][0] == 2
+
+
+# ---------------------------------------------------------------- never touch a folder that is not ours
+
+
+def run_cli(*args: str):
+    from typer.testing import CliRunner
+
+    from rag_lookahead.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind", ["user files", "foreign manifest", "subfolder"])
+def test_cli_refuses_a_folder_that_is_not_an_index(tmp_path, built, kind):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    if kind == "user files":
+        (notes / "important.txt").write_text("do not lose me", encoding="utf-8")
+    elif kind == "foreign manifest":  # a web project's manifest.json is not our marker
+        (notes / "manifest.json").write_text('{"name": "my-app", "version": 1}', encoding="utf-8")
+    else:
+        (notes / "drafts").mkdir()
+        (notes / "drafts" / "chapter1.md").write_text("chapter one", encoding="utf-8")
+    before = tree(notes)
+    result = run_cli("index", str(built[0]), "--index-dir", str(notes), "--no-progress")
+    assert result.exit_code != 0
+    message = one_line(result.stderr)
+    assert "refusing" in message and str(notes) in message
+    assert tree(notes) == before  # not even a lock file was added
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # and nothing beside it
+
+
+def test_cli_builds_into_an_empty_folder_and_rebuilds_its_own_index(tmp_path, built):
+    target = tmp_path / "empty"
+    target.mkdir()
+    first = run_cli("index", str(built[0]), "--index-dir", str(target), "--no-progress")
+    assert first.exit_code == 0, first.output
+    again = run_cli("index", str(built[0]), "--index-dir", str(target), "--no-progress")
+    assert again.exit_code == 0, again.output
+    assert "3 unchanged" in again.stdout and "0 embedded" in again.stdout
+
+
+def test_rebuild_deletes_only_what_it_wrote(tmp_path, built, embedder):
+    index_dir = copy_index(built, tmp_path)
+    old_data = artifact(index_dir, "index.faiss").parent
+    (index_dir / "my-notes.txt").write_text("mine", encoding="utf-8")  # a user's file beside our index
+    (old_data / "keep.txt").write_text("mine too", encoding="utf-8")  # and one inside an old data folder
+    (index_dir / "data-userstuff").mkdir()  # our name pattern, not our content
+    (index_dir / "data-userstuff" / "photo.jpg").write_bytes(b"\xff\xd8")
+    with pytest.warns(UserWarning, match="blob.txt"):
+        build(built[0], index_dir, embedder)
+    assert (index_dir / "my-notes.txt").read_text(encoding="utf-8") == "mine"
+    assert sorted(p.name for p in old_data.iterdir()) == ["keep.txt"]  # our two files gone, theirs kept
+    assert (index_dir / "data-userstuff" / "photo.jpg").read_bytes() == b"\xff\xd8"
+    assert artifact(index_dir, "index.faiss").parent != old_data
+    assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
+
+
+def test_version1_index_is_read_and_upgraded(tmp_path, built, embedder):
+    """Indexes written before the versioned layout (data files directly in the folder) still load."""
+    index_dir = copy_index(built, tmp_path)
+    data = artifact(index_dir, "index.faiss").parent
+    for name in ("index.faiss", "docstore.jsonl"):
+        (data / name).rename(index_dir / name)
+    data.rmdir()
+    m = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))
+    del m["data"]
+    m["format_version"] = 1
+    (index_dir / "manifest.json").write_text(json.dumps(m), encoding="utf-8")
+    assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
+    with pytest.warns(UserWarning, match="blob.txt"):
+        report = build(built[0], index_dir, embedder)
+    assert report.embedded_chunks == 0  # the version-1 vectors were reused
+    assert not (index_dir / "index.faiss").exists() and not (index_dir / "docstore.jsonl").exists()
+    assert json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))["format_version"] == ix.FORMAT_VERSION
+    assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
+
+
+# ---------------------------------------------------------------- concurrent builds and readers
+
+
+def two_corpora(root: Path) -> tuple[Path, Path]:
+    a, b = root / "a", root / "b"
+    for corpus, extra in ((a, ("panda.md", PANDA)), (b, ("volcano.md", VOLCANO))):
+        corpus.mkdir(parents=True)
+        (corpus / "tea.md").write_text(TEA, encoding="utf-8")
+        (corpus / extra[0]).write_text(extra[1], encoding="utf-8")
+    return a, b
+
+
+def sources(index) -> frozenset[str]:
+    return frozenset(r["source"] for r in index.records)
+
+
+def test_reader_racing_a_publish_gets_a_whole_index(tmp_path, embedder, monkeypatch):
+    """A reader reads the old manifest; before it reads the data, a whole build publishes a new version
+    and removes the old data. The reader must still return one consistent index (the new one)."""
+    a, b = two_corpora(tmp_path)
+    index_dir = tmp_path / "index"
+    build(a, index_dir, embedder)
+    real = ix._read_verified
+    raced = []
+
+    def read_after_a_build(index_dir, manifest):
+        if not raced:
+            raced.append(True)
+            build(b, index_dir, embedder)
+        return real(index_dir, manifest)
+
+    monkeypatch.setattr(ix, "_read_verified", read_after_a_build)
+    index = ix.load_index(index_dir, embedder)
+    assert raced and sources(index) == {"tea.md", "volcano.md"}
+    assert index.search("Why do some volcanoes explode?", k=1)[0].source == "volcano.md"
+
+
+def test_readers_never_change_the_folder(tmp_path, built, embedder):
+    # what the old layout left after a crash between its two renames: readers used to move it back,
+    # under the feet of a build that was writing at that moment
+    backup = tmp_path / ".index.old"
+    shutil.copytree(built[1], backup)
+    before = tree(tmp_path)
+    with pytest.raises(IndexLoadError, match="no index"):
+        ix.load_index(tmp_path / "index", embedder)
+    assert tree(tmp_path) == before
+    index_dir = copy_index(built, tmp_path)
+    (index_dir / "data-unpublished").mkdir()  # a build still writing (or one that was killed)
+    (index_dir / "data-unpublished" / "index.faiss").write_bytes(b"half")
+    before = tree(tmp_path)
+    assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
+    assert tree(tmp_path) == before
+
+
+def test_readers_see_old_or_new_while_a_writer_rebuilds(tmp_path, embedder):
+    import threading
+
+    a, b = two_corpora(tmp_path)
+    index_dir = tmp_path / "index"
+    build(a, index_dir, embedder)
+    seen: set[frozenset[str]] = set()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                seen.add(sources(ix.load_index(index_dir, embedder)))
+            except BaseException as e:  # noqa: BLE001 - every failure is a test failure
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for corpus in (b, a, b, a):
+            build(corpus, index_dir, embedder)
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors[0]
+    assert seen <= {frozenset({"tea.md", "panda.md"}), frozenset({"tea.md", "volcano.md"})}
+    assert [p.name for p in index_dir.iterdir() if p.is_dir()] == [artifact(index_dir, "x").parent.name]
+
+
+def test_second_build_waits_for_the_first(tmp_path, embedder, monkeypatch, caplog):
+    """Two builds of one folder: while the first holds the lock the second waits (and uses the first's
+    result) or, past its timeout, fails clearly; neither destroys the other's work."""
+    import threading
+
+    a, _ = two_corpora(tmp_path)
+    index_dir = tmp_path / "index"
+    inside, release = threading.Event(), threading.Event()
+    real = ix._write_data
+
+    def paused_write(data_dir, fidx, records):
+        if threading.current_thread().name == "first":
+            inside.set()
+            assert release.wait(60)
+        return real(data_dir, fidx, records)
+
+    monkeypatch.setattr(ix, "_write_data", paused_write)
+    reports: dict[str, ix.IndexReport] = {}
+    first = threading.Thread(name="first", target=lambda: reports.setdefault("first", build(a, index_dir, embedder)))
+    second = threading.Thread(name="second", target=lambda: reports.setdefault("second", build(a, index_dir, embedder)))
+    first.start()
+    try:
+        assert inside.wait(60)
+        with pytest.raises(ix.IndexBusyError, match="another `rag_lookahead index` run") as err:
+            build(a, index_dir, embedder, lock_timeout=0.2)
+        assert "\n" not in str(err.value)
+        with caplog.at_level("WARNING", logger="rag_lookahead.index"):
+            second.start()
+            deadline = time.monotonic() + 60
+            while "waiting up to" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert "waiting up to" in caplog.text
+    finally:
+        release.set()
+        first.join()
+        if second.is_alive() or second.ident:
+            second.join()
+    assert reports["first"].embedded_chunks > 0
+    # the second planned against the first's published index: nothing left to embed
+    assert reports["second"].embedded_chunks == 0 and reports["second"].unchanged == 2
+    assert sources(ix.load_index(index_dir, embedder)) == {"tea.md", "panda.md"}
+    assert [p.name for p in index_dir.iterdir() if p.is_dir()] == [artifact(index_dir, "x").parent.name]
+
+
+def test_cli_fails_clearly_while_another_process_holds_the_lock(tmp_path, built):
+    import subprocess
+    import sys
+
+    index_dir = copy_index(built, tmp_path)
+    before = tree(index_dir)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, filelock; l = filelock.FileLock(sys.argv[1]); l.acquire();"
+         " print('held', flush=True); sys.stdin.read()", str(index_dir / ix.LOCK_FILE)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = run_cli("index", str(built[0]), "--index-dir", str(index_dir), "--lock-timeout", "0.3", "--no-progress")
+    finally:
+        holder.communicate("")
+    assert result.exit_code != 0
+    assert "another `rag_lookahead index` run is still writing" in one_line(result.stderr.split("error:", 1)[-1])
+    assert tree(index_dir) == before
+
+
+# ---------------------------------------------------------------- symbolic links and size limits
+
+
+def test_symlinks_are_not_followed_unless_asked(tmp_path, embedder):
+    secret_dir = tmp_path / "home" / ".aws"
+    secret_dir.mkdir(parents=True)
+    (secret_dir / "credentials").write_text("aws_secret_access_key = SECRETSECRETSECRET\n", encoding="utf-8")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "far.md").write_text(VOLCANO, encoding="utf-8")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "tea.md").write_text(TEA, encoding="utf-8")
+    (corpus / "notes.md").symlink_to(secret_dir / "credentials")
+    (corpus / "linked").symlink_to(outside, target_is_directory=True)
+    (corpus / "loop").symlink_to(corpus, target_is_directory=True)
+
+    with pytest.warns(UserWarning, match="symbolic link"):
+        report = build(corpus, tmp_path / "i1", embedder)
+    index = ix.load_index(tmp_path / "i1", embedder)
+    assert sources(index) == {"tea.md"}
+    assert not any("SECRET" in r["text"] for r in index.records)
+    assert sorted(s.split(":")[0] for s in report.skipped) == ["linked", "loop", "notes.md"]
+    assert "--follow-symlinks" in report.summary()
+
+    report = build(corpus, tmp_path / "i2", embedder, follow_symlinks=True)  # opted in; the loop still ends
+    assert sources(ix.load_index(tmp_path / "i2", embedder)) == {"tea.md", "notes.md", "linked/far.md"}
+    assert not report.skipped
+
+
+def test_special_files_are_skipped_without_blocking(tmp_path, embedder):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "tea.md").write_text(TEA, encoding="utf-8")
+    os.mkfifo(corpus / "pipe.txt")  # reading a FIFO with no writer would hang forever
+    with pytest.warns(UserWarning, match="pipe.txt"):
+        report = build(corpus, tmp_path / "index", embedder)
+    assert report.skipped == ["pipe.txt: not a regular file"]
+
+
+def test_cli_skips_files_over_the_size_cap(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "tea.md").write_text(TEA, encoding="utf-8")
+    (corpus / "huge.txt").write_text(GIT * 40, encoding="utf-8")  # ~3.5 KB
+    result = run_cli("index", str(corpus), "--index-dir", str(tmp_path / "index"), "--max-file-mb", "0.002",
+                     "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "skipped huge.txt: 3.4 KB is over the 0.002 MB limit (--max-file-mb)" in result.stdout
+    index = ix.load_index(tmp_path / "index")
+    assert sources(index) == {"tea.md"}
+    with pytest.warns(UserWarning, match="huge.txt"):
+        corpus_read = ix.load_corpus(corpus, max_file_mb=0.002)
+    assert list(corpus_read.docs) == ["tea.md"]
+
+
+# ---------------------------------------------------------------- text encodings
+
+
+LEGACY = {
+    "big5": "繁體中文的文件，使用大五碼編碼。臺灣的高鐵從臺北到高雄只要九十分鐘左右，沿途經過新竹、臺中和嘉義。",
+    "shift_jis": "日本語の文章です。東京から大阪まで新幹線で約二時間半かかります。富士山は日本で一番高い山です。",
+    "euc_kr": "한국어 문서입니다. 서울에서 부산까지 KTX로 약 두 시간 반이 걸립니다. 한강은 서울을 가로질러 흐릅니다.",
+    "gbk": TRAIN,
+}
+
+
+@pytest.mark.parametrize("encoding", sorted(LEGACY))
+def test_legacy_encodings_are_detected(encoding):
+    decoded = ix.decode_text(LEGACY[encoding].encode(encoding))
+    assert decoded is not None and decoded.text == LEGACY[encoding] and decoded.replaced == 0
+
+
+def test_encoded_corpus_is_indexed_without_mojibake(tmp_path, embedder):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for encoding, text in LEGACY.items():
+        (corpus / f"{encoding}.txt").write_bytes(text.encode(encoding))
+    damaged = TEA.encode("utf-8")
+    cut = damaged.index("杀青".encode("utf-8"))
+    (corpus / "damaged.md").write_bytes(damaged[:cut] + b"\xff" + damaged[cut:])  # one bad byte
+    with pytest.warns(UserWarning, match="damaged.md: 1 undecodable byte"):
+        report = build(corpus, tmp_path / "index", embedder)
+    texts: dict[str, str] = {}
+    for r in ix.load_index(tmp_path / "index", embedder).records:
+        texts[r["source"]] = texts.get(r["source"], "") + r["text"]
+    for encoding, text in LEGACY.items():
+        assert texts[f"{encoding}.txt"] == text, encoding
+    assert texts["damaged.md"] == TEA[: TEA.index("杀青")] + "\ufffd" + TEA[TEA.index("杀青") :]
+    assert "damaged.md: 1 undecodable byte(s) replaced with U+FFFD (read as utf-8)" in report.notes
+    assert any(n.startswith("big5.txt: read as big5") for n in report.notes)
+    assert "note damaged.md: 1 undecodable byte(s)" in report.summary()
+
+
+def test_decode_text_edge_cases():
+    assert ix.decode_text(b"\xef\xbb\xbfplain") == ix.DecodedText("plain", "utf-8-sig", 0)
+    assert ix.decode_text("中文".encode("utf-16")).text == "中文"  # with its byte order mark
+    assert ix.decode_text(b"\xff\xfe" + b"\x00\xd8" * 10) is None  # an FF FE start that is not UTF-16
+    assert ix.decode_text(bytes(range(256)) * 4) is None
