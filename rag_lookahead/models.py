@@ -9,6 +9,7 @@ every later load is a plain ``from_pretrained`` of that folder.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import importlib.metadata
@@ -25,6 +26,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 import torch
 
+from .atomic import fsync_dir, fsync_file
 from .errors import ConfigError, ModelLoadError
 
 DEFAULT_MODEL_NAME = "qwen2.5-coder-0.5b-instruct"
@@ -125,17 +127,39 @@ def default_model_dir(convert: bool = True) -> Path:
     target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_SHA256[:12]}"
     if not convert or _is_complete(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
-        if _is_complete(target):  # another process finished it while we waited
-            return target
-        _remove_stale(target)
-        paths = _locate_parts()
-        t0 = time.perf_counter()
-        print(f"rag_lookahead: converting the embedded default model into {target} (once, ~1 min)", file=sys.stderr)
-        _atomic_build(target, lambda tmp: _convert_default(paths, tmp), {"sha256": DEFAULT_SHA256})
-        print(f"rag_lookahead: conversion done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(target.parent / f".{target.name}.lock"):
+            if _is_complete(target):  # another process finished it while we waited
+                return target
+            _remove_stale(target)
+            paths = _locate_parts()
+            t0 = time.perf_counter()
+            print(f"rag_lookahead: converting the embedded default model into {target} (once, ~1 min)", file=sys.stderr)
+            _atomic_build(target, lambda tmp: _convert_default(paths, tmp), {"sha256": DEFAULT_SHA256})
+            print(f"rag_lookahead: conversion done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    except ModelLoadError:
+        raise
+    except OSError as err:  # disk full, read-only or unwritable cache: one line, nothing half-written left
+        raise ModelLoadError(_conversion_failure(err, target.parent)) from err
     return target
+
+
+#: Peak extra disk use of a conversion: the joined GGUF (~0.5 GB) plus the bf16 safetensors (~1 GB).
+CONVERSION_SPACE = "about 1.5 GB"
+
+
+def _conversion_failure(err: OSError, where: Path) -> str:
+    """One line that says what to do about an OSError while converting into ``where``."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"not enough disk space to convert the default model in {where} (it needs {CONVERSION_SPACE} free);"
+            f" free some space or set RAG_LOOKAHEAD_CACHE to a folder on another disk"
+        )
+    return (
+        f"converting the default model in {where} failed: {_one_line(err)};"
+        f" set RAG_LOOKAHEAD_CACHE to a writable folder with {CONVERSION_SPACE} free"
+    )
 
 
 # ---------------------------------------------------------------- default model: parts
@@ -247,19 +271,32 @@ def _atomic_build(target: Path, build: Callable[[Path], None], marker: dict[str,
     try:
         build(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by the user's tools
-        for child in tmp.iterdir():
-            if child.is_file():
-                os.chmod(child, 0o644)
+        _sync_tree(tmp)  # the weights are on disk before the marker can say they are complete
         with open(tmp / MARKER_FILE, "w") as f:
             json.dump(marker, f)
             f.flush()
             os.fsync(f.fileno())
+        fsync_dir(tmp)
         if target.exists():  # os.replace cannot replace a non-empty dir
             shutil.rmtree(target)
         os.replace(tmp, target)
+        fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _sync_tree(folder: Path) -> None:
+    """Make every file under ``folder`` readable by all and flush it, then the folders, to disk."""
+    for path in sorted(folder.rglob("*"), reverse=True):  # children before their folder
+        if path.is_symlink():
+            continue
+        if path.is_file():
+            os.chmod(path, 0o644)
+            fsync_file(path)
+        elif path.is_dir():
+            fsync_dir(path)
+    fsync_dir(folder)
 
 
 def _convert_default(paths: Sequence[Path], out_dir: Path) -> None:

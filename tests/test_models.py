@@ -6,8 +6,10 @@ failure paths use real files in temp dirs instead of mocks.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -216,6 +218,58 @@ def test_unmarked_or_wrong_folders_are_not_complete_and_get_cleaned(tmp_path):
     leftover.mkdir()
     _remove_stale(target)
     assert not target.exists() and not leftover.exists()
+
+
+def _disk_full_while_joining(paths, out=None, progress=False):
+    out.write(b"GGUF" + bytes(4096))  # part of the joined GGUF reached the disk, then the disk filled up
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _disk_full_while_saving(paths, out_dir):
+    (out_dir / "model.safetensors").write_bytes(b"half of the weights")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("stage", ["joining the GGUF", "saving the weights"])
+def test_disk_full_during_conversion_is_one_line_and_leaves_no_half_cache(tmp_path, monkeypatch, stage):
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    if stage == "joining the GGUF":  # the real _convert_default runs; its GGUF temp folder must go too
+        monkeypatch.setattr(models, "_verify_parts", _disk_full_while_joining)
+    else:
+        monkeypatch.setattr(models, "_convert_default", _disk_full_while_saving)
+    target = default_model_dir(convert=False)
+    with pytest.raises(ModelLoadError) as err:
+        default_model_dir()
+    msg = _assert_one_line(err)
+    assert "not enough disk space" in msg and "RAG_LOOKAHEAD_CACHE" in msg
+    assert [p.name for p in target.parent.iterdir()] == [f".{target.name}.lock"]  # no target, no temp folders
+    assert not _is_complete(target)
+
+
+def test_weights_and_folder_reach_the_disk_before_the_marker(tmp_path, monkeypatch):
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc to name the file behind a descriptor")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def build(tmp: Path) -> None:
+        (tmp / "model.safetensors").write_bytes(b"w" * 4096)
+        (tmp / "config.json").write_text("{}")
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    target = tmp_path / "models" / "m"
+    _atomic_build(target, build, {"sha256": DEFAULT_SHA256})
+    marker = next(i for i, p in enumerate(synced) if p.endswith("/" + MARKER_FILE))
+    tmp_dir = str(Path(synced[marker]).parent)
+    before = synced[:marker]
+    assert f"{tmp_dir}/model.safetensors" in before and f"{tmp_dir}/config.json" in before
+    assert tmp_dir in before  # the folder's entries too
+    assert str(target.parent) in synced[marker + 1 :]  # and the rename into place
+    assert _is_complete(target)
 
 
 def test_file_lock_is_exclusive(tmp_path):
