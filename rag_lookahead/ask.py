@@ -58,8 +58,14 @@ def answer(
     llm: Any = None,
     callbacks: list | None = None,
     quiet: bool = False,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
 ) -> dict:
-    """Answer ``question``: ``{"question", "answer", "sources", "stats"}``."""
+    """Answer ``question``: ``{"question", "answer", "sources", "stats"}``.
+
+    ``temperature`` > 0 samples (lossless: the model's own distribution); ``seed`` makes it
+    reproducible."""
     from .chains import build_rag_chain
     from .index import default_index_dir
 
@@ -71,8 +77,10 @@ def answer(
 
         llm = LookaheadLLM.from_model_id(model, max_new_tokens=max_new_tokens)
     chain = build_rag_chain(llm, index, k_prompt=k, k_seed=max(k, k_seed))
+    sampling = {"temperature": temperature, "top_p": top_p, "seed": seed}
     result = chain.invoke(
-        {"question": question, "enable_lookahead": lookahead, "max_new_tokens": max_new_tokens},
+        {"question": question, "enable_lookahead": lookahead, "max_new_tokens": max_new_tokens}
+        | {name: value for name, value in sampling.items() if value is not None},
         config={"callbacks": callbacks} if callbacks else None,
     )
     return {"question": question.strip(), **result}
@@ -119,9 +127,12 @@ def ask_command(
     k: int = typer.Option(3, "--k", min=1, help="Passages put into the prompt."),
     k_seed: int = typer.Option(8, "--k-seed", min=1, help="Passages retrieved to seed the draft trie (>= --k)."),
     stream: bool = typer.Option(False, "--stream", help="Print the answer as it is decoded."),
-    no_lookahead: bool = typer.Option(False, "--no-lookahead", help="Plain greedy decoding (same text, slower)."),
+    no_lookahead: bool = typer.Option(False, "--no-lookahead", help="Plain decoding, one token a forward (same text, slower)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: question, answer, sources, stats."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Most tokens in the answer."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0: greedy; above 0: sample (lossless)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (with --temperature)."),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Make a sampled answer reproducible."),
 ) -> None:
     """Answer a question from the indexed documents (indexes the bundled corpus on first use)."""
     try:
@@ -136,6 +147,9 @@ def ask_command(
             max_new_tokens=max_new_tokens,
             callbacks=[_stream_handler()] if streaming else None,
             quiet=as_json,
+            temperature=temperature or None,
+            top_p=top_p,
+            seed=seed,
         )
     except RagLookaheadError as e:
         fail(e)

@@ -26,6 +26,17 @@ from .generate import generate
 from .trie import OutputPool
 
 METHODS = ("greedy", "prompt_lookup", "lookahead", "lookahead_warm", "lookahead_unseeded")
+#: sampling methods, run once per --temperatures value as ``<method>_t<T>``; each run starts from
+#: the same ``torch.manual_seed``, so in fp32 all three give the same tokens
+SAMPLING_METHODS = ("sample", "prompt_lookup_sample", "lookahead_sample")
+
+
+def sampling_method(method: str) -> tuple[str, float] | None:
+    """``("lookahead_sample", 0.7)`` for ``lookahead_sample_t0.7``; None for a greedy method."""
+    base, _, temperature = method.rpartition("_t")
+    if base in SAMPLING_METHODS:
+        return base, float(temperature)
+    return None
 
 
 @dataclass
@@ -134,15 +145,16 @@ def chat_ids(tokenizer, prompt: dict, *, with_context: bool = True) -> list[int]
 
 
 @torch.inference_mode()
-def run_hf(model, ids: list[int], max_new_tokens: int, eos, pad, prompt_lookup: int | None) -> Run:
+def run_hf(model, ids: list[int], max_new_tokens: int, eos, pad, prompt_lookup: int | None, sampling: dict | None = None) -> Run:
+    """transformers' greedy (or, with ``sampling``, its sampling) generate, prompt lookup optional."""
     x = torch.tensor([ids], device=model.device)
     clock = _FirstTokenClock()
     kwargs = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+    kwargs.update(sampling or {"do_sample": False})
     start = time.perf_counter()
     out = model.generate(
         x,
         attention_mask=torch.ones_like(x),
-        do_sample=False,
         max_new_tokens=max_new_tokens,
         eos_token_id=eos,
         pad_token_id=pad,
@@ -154,7 +166,7 @@ def run_hf(model, ids: list[int], max_new_tokens: int, eos, pad, prompt_lookup: 
     return Run(out[0, len(ids) :].tolist(), seconds, first)
 
 
-def run_lookahead(model, ids, max_new_tokens, eos, pad, config, references=None, pool=None) -> Run:
+def run_lookahead(model, ids, max_new_tokens, eos, pad, config, references=None, pool=None, sampling: dict | None = None) -> Run:
     """``pool``: the output pool to draft from; None gives a fresh one (no earlier answers)."""
     pool = pool or OutputPool(config.branch_length + config.max_key_length)
     start = time.perf_counter()
@@ -167,6 +179,7 @@ def run_lookahead(model, ids, max_new_tokens, eos, pad, config, references=None,
         eos_token_id=eos,
         pad_token_id=pad,
         output_pool=pool,
+        **(sampling or {"do_sample": False}),
     )
     seconds = time.perf_counter() - start
     s = result.stats
@@ -212,6 +225,13 @@ def main(argv: list[str] | None = None) -> dict:
         "the prompts of a pass (earlier answers, never the same prompt's), as a RAG session would; "
         "lookahead_unseeded ignores the context passage given with --seed-mode references (drafts from the prompt only)",
     )
+    parser.add_argument(
+        "--temperatures",
+        default="0.7",
+        help="temperatures for the sampling methods (sample, prompt_lookup_sample, lookahead_sample), comma-separated",
+    )
+    parser.add_argument("--top-p", type=float, default=0.9, help="top_p of the sampling methods")
+    parser.add_argument("--seed", type=int, default=0, help="base of each sampling run's torch.manual_seed")
     parser.add_argument("--decoding-length", type=int, default=LookaheadConfig.decoding_length)
     parser.add_argument("--budget", default="auto", choices=["auto", "fixed"])
     add_depth_arguments(parser)
@@ -233,8 +253,17 @@ def main(argv: list[str] | None = None) -> dict:
     from .models import load_model
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = set(methods) - set(METHODS)
+    unknown = set(methods) - set(METHODS) - set(SAMPLING_METHODS)
     extra = extra_depth_methods(parser, args)
+    try:
+        temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--temperatures takes numbers separated by commas, not {args.temperatures!r}")
+    if any(t <= 0 for t in temperatures):
+        parser.error("--temperatures must be > 0 (greedy is the method greedy)")
+    methods = [m for m in methods if m not in SAMPLING_METHODS] + [
+        f"{m}_t{t:g}" for t in temperatures for m in SAMPLING_METHODS if m in methods
+    ]
     if unknown:
         parser.error(f"unknown methods: {', '.join(sorted(unknown))}")
     model, tokenizer = load_model(args.model, dtype=args.dtype)
@@ -251,8 +280,18 @@ def main(argv: list[str] | None = None) -> dict:
         methods.append(method)
         configs[method] = config.replace(branch_length=branch_length)
 
-    def run(method: str, prompt: dict) -> Run:
+    def run(method: str, prompt: dict, repeat: int = -1) -> Run:
         ids = chat_ids(tokenizer, prompt, with_context=args.seed_mode == "prompt")
+        sampled = sampling_method(method)
+        if sampled is not None:
+            base, temperature = sampled
+            options = {"do_sample": True, "temperature": temperature, "top_p": args.top_p}
+            torch.manual_seed(args.seed + 1000 * (repeat + 1) + prompts.index(prompt))
+            if base == "lookahead_sample":
+                seeded = args.seed_mode == "references"
+                references = tokenizer.encode(prompt["context"], add_special_tokens=False) if seeded else None
+                return run_lookahead(model, ids, args.max_new_tokens, eos, pad, config, references, None, options)
+            return run_hf(model, ids, args.max_new_tokens, eos, pad, 10 if base == "prompt_lookup_sample" else None, options)
         if method == "greedy":
             return run_hf(model, ids, args.max_new_tokens, eos, pad, None)
         if method == "prompt_lookup":
@@ -273,12 +312,13 @@ def main(argv: list[str] | None = None) -> dict:
     for repeat in range(args.repeats):
         warm_pool = OutputPool(config.branch_length + config.max_key_length)
         for prompt in prompts:
-            runs = {m: run(m, prompt) for m in methods}
+            runs = {m: run(m, prompt, repeat) for m in methods}
             reference = cut_at_eos(runs["greedy" if "greedy" in runs else methods[0]].tokens, eos)
             context_ids = tokenizer.encode(prompt["context"], add_special_tokens=False)
             row = {"id": prompt.get("id"), "repeat": repeat, "copied_from_context": round(copied_fraction(reference, context_ids), 3)}
             for m, r in runs.items():
-                same = cut_at_eos(r.tokens, eos) == reference
+                baseline = _baselines(m)[0]  # sampling methods are compared with transformers' sample at their temperature
+                same = cut_at_eos(r.tokens, eos) == (cut_at_eos(runs[baseline].tokens, eos) if baseline in runs else reference)
                 totals[m].add(r, same)
                 if row["copied_from_context"] >= args.copying_threshold:
                     copying[m].add(r, same)
@@ -302,6 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "seed_mode": args.seed_mode,
         "config": {"decoding_length": config.decoding_length, "branch_length": config.branch_length, "budget": config.budget},
+        "sampling": {"temperatures": temperatures, "top_p": args.top_p, "seed": args.seed},
         "summary": summarize(totals),
         "copying_threshold": args.copying_threshold,
         "copying_runs": sum(r["copied_from_context"] >= args.copying_threshold for r in per_prompt),
@@ -315,9 +356,18 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def _baselines(method: str) -> tuple[str, str]:
+    """What a method's speed is compared with: transformers' plain decoding and its prompt lookup,
+    greedy for greedy methods, sampling at the same temperature for sampling methods."""
+    sampled = sampling_method(method)
+    if sampled is None:
+        return "greedy", "prompt_lookup"
+    return f"sample_t{sampled[1]:g}", f"prompt_lookup_sample_t{sampled[1]:g}"
+
+
 def summarize(totals: dict[str, MethodTotals]) -> dict[str, dict]:
-    """Per method: tokens/s, and decode speedups over greedy and over prompt lookup where they ran."""
-    greedy, lookup = totals.get("greedy"), totals.get("prompt_lookup")
+    """Per method: tokens/s, and decode speedups over transformers' plain decoding and its prompt
+    lookup (greedy, or sampling at the method's temperature) where they ran."""
 
     def ratio(t: MethodTotals, base: MethodTotals | None, decode: bool) -> float | None:
         if base is None or not base.runs:
@@ -329,9 +379,9 @@ def summarize(totals: dict[str, MethodTotals]) -> dict[str, dict]:
         m: {
             "tokens_per_second": round(t.tokens_per_second, 3),
             "decode_tokens_per_second": round(t.decode_tokens_per_second, 3),
-            "speedup_e2e": ratio(t, greedy, decode=False),
-            "speedup_decode": ratio(t, greedy, decode=True),
-            "vs_prompt_lookup_decode": ratio(t, lookup, decode=True),
+            "speedup_e2e": ratio(t, totals.get(_baselines(m)[0]), decode=False),
+            "speedup_decode": ratio(t, totals.get(_baselines(m)[0]), decode=True),
+            "vs_prompt_lookup_decode": ratio(t, totals.get(_baselines(m)[1]), decode=True),
             "mean_accepted": round(statistics.mean(t.accepted), 3) if t.accepted else None,
             "identical_to_greedy": f"{t.identical}/{t.runs}",
             "new_tokens": t.tokens,

@@ -120,11 +120,16 @@ def source_info(doc: Document, in_prompt: bool) -> dict:
     }
 
 
+#: per-call options of LookaheadLLM that the RAG chain passes on from its input dict
+_CALL_OPTIONS = ("enable_lookahead", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+
+
 def build_rag_chain(llm, retriever_or_index: Any, k_prompt: int = 3, k_seed: int = 8, prompt: PromptTemplate = RAG_PROMPT):
     """LCEL chain: question -> ``{"answer": str, "sources": [dict], "stats": dict}``.
 
     ``sources`` lists all ``k_seed`` passages (``in_prompt`` tells which the model saw).
-    Extra call kwargs of :class:`LookaheadLLM` (``enable_lookahead``, ``max_new_tokens``) can be
+    Extra call kwargs of :class:`LookaheadLLM` (``enable_lookahead``, ``max_new_tokens``, and the
+    sampling options ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed``) can be
     given in the input dict: ``{"question": q, "enable_lookahead": False}``. Token callbacks
     (``config={"callbacks": [...]}``) receive each accepted block's text.
     """
@@ -134,7 +139,7 @@ def build_rag_chain(llm, retriever_or_index: Any, k_prompt: int = 3, k_seed: int
     def run(inputs: Any, config: RunnableConfig) -> dict:
         if isinstance(inputs, dict):
             question = inputs.get("question", inputs.get("query"))
-            extra = {k: v for k, v in inputs.items() if k in ("enable_lookahead", "max_new_tokens")}
+            extra = {k: v for k, v in inputs.items() if k in _CALL_OPTIONS}
         else:
             question, extra = inputs, {}
         if not isinstance(question, str) or not question.strip():

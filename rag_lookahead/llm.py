@@ -7,8 +7,10 @@
     llm.invoke(prompt, references=["passage that is not in the prompt", ...])
 
 Each prompt is wrapped in the tokenizer's chat template (prompt as the user turn, optional system
-prompt); only the answer text comes back. Greedy decoding: the text is the same with lookahead
-on or off (``enable_lookahead=False`` per call), only the speed differs.
+prompt); only the answer text comes back. Greedy by default; ``temperature > 0`` samples (also
+``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed``, as fields or per call). Either
+way the text is the same with lookahead on or off (``enable_lookahead=False`` per call; for
+sampling, under the same ``seed``), only the speed differs.
 
 ``references`` (per call): passages that seed the row's draft trie without being in the prompt,
 one list of strings per prompt (a flat list of strings is accepted for a single prompt).
@@ -36,6 +38,7 @@ from .trie import OutputPool
 __all__ = ["LookaheadLLM"]
 
 _REPLACEMENT = "\ufffd"
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 _SEED_SLOTS = 256
 
 
@@ -114,6 +117,18 @@ class LookaheadLLM(BaseLLM):
     lookahead: LookaheadConfig = Field(default_factory=LookaheadConfig)
     max_new_tokens: int = 256
     system_prompt: str | None = None
+    temperature: float | None = None
+    """None or 0: greedy. Above 0: sample (lossless: the model's own sampling distribution)."""
+    top_k: int | None = None
+    """Sampling: keep the k likeliest tokens (None: the model's generation config, else 50; 0: off)."""
+    top_p: float | None = None
+    """Sampling: nucleus mass (None: the model's generation config, else 1.0)."""
+    min_p: float | None = None
+    """Sampling: drop tokens below min_p times the top probability."""
+    repetition_penalty: float | None = None
+    """Applied at every tree node, greedy or sampled (None: the model's generation config, else 1.0)."""
+    seed: int | None = None
+    """Sampling: a fixed seed makes each answer reproducible, whatever else is in the batch."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
 
@@ -131,6 +146,7 @@ class LookaheadLLM(BaseLLM):
             self.lookahead = self.lookahead.with_tokenizer(self.tokenizer)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        self._sampling({})  # refuse bad sampling settings at construction
         cfg = self.lookahead
         self._output_pool = OutputPool(cfg.branch_length + cfg.max_key_length, cfg.output_pool_nodes)
         self._seeds = OrderedDict()
@@ -176,7 +192,8 @@ class LookaheadLLM(BaseLLM):
     @property
     def _identifying_params(self) -> Mapping[str, Any]:
         # only what changes the text: draft settings change speed, never output, so the cache is shared
-        return {"model_name": self.model_name, "max_new_tokens": self.max_new_tokens, "system_prompt": self.system_prompt}
+        params = {"model_name": self.model_name, "max_new_tokens": self.max_new_tokens, "system_prompt": self.system_prompt}
+        return params | {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
 
     @property
     def output_pool(self) -> OutputPool:
@@ -259,6 +276,22 @@ class LookaheadLLM(BaseLLM):
             config = config.replace(enabled=bool(enable))
         return config
 
+    def _sampling(self, kwargs: dict) -> dict:
+        """``generate``'s sampling keywords: the fields, overridden per call; pops what it uses."""
+        from .sampling import resolve_sampling
+
+        values = {name: kwargs.pop(name, getattr(self, name)) for name in _SAMPLING_FIELDS}
+        temperature = values.pop("temperature")
+        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0):
+            raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
+        sample = bool(temperature)
+        options = {"do_sample": sample, "temperature": temperature if sample else None, **values}
+        seed = options.pop("seed")
+        resolve_sampling(self.model, **options)  # raises ConfigError on a bad value
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
+        return options | {"seed": seed}
+
     def _run(self, prompts: Sequence[str], stop, kwargs: dict, on_block=None):
         """One batched ``generate`` over ``prompts``; ``on_block(row, tokens)`` sees each accepted block.
 
@@ -271,6 +304,12 @@ class LookaheadLLM(BaseLLM):
         max_new = kwargs.pop("max_new_tokens", None) or self.max_new_tokens
         references = self._references(prompts, kwargs.pop("references", None))
         cancel: threading.Event | None = kwargs.pop("_cancel", None)
+        sampling = self._sampling(kwargs)
+        if kwargs:
+            raise ConfigError(
+                f"unknown option(s) for LookaheadLLM: {', '.join(sorted(kwargs))} (known: max_new_tokens, references, "
+                f"enable_lookahead, lookahead, {', '.join(_SAMPLING_FIELDS)})"
+            )
         encoded = [self._encode(p) for p in prompts]
         pad = self.tokenizer.pad_token_id
         ids, mask = left_pad(encoded, pad)
@@ -296,6 +335,7 @@ class LookaheadLLM(BaseLLM):
             pad_token_id=pad,
             output_pool=self._output_pool,
             on_tokens=on_tokens,
+            **sampling,
         )
         return trackers, steps, result
 

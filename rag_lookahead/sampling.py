@@ -127,7 +127,10 @@ def resolve_sampling(model, generation_config=None, **options) -> SamplingParams
     if defaults is not None:
         config.update(**defaults(), defaults_only=True)
     given = {k: v for k, v in options.items() if v is not None}
-    unknown = config.update(**given)
+    try:
+        unknown = config.update(**given)
+    except ValueError as err:  # transformers' own validation
+        raise ConfigError(f"invalid generation options: {err}") from None
     if unknown:
         raise ConfigError(f"unknown generation options: {', '.join(sorted(unknown))}")
     check_supported(config)

@@ -133,3 +133,25 @@ def test_identifying_params_and_serialization(llm):
                          lookahead=LookaheadConfig(decoding_length=8))
     assert other._identifying_params == llm._identifying_params  # draft settings share the LLM cache
     assert other.output_pool is not llm.output_pool
+
+
+def test_sampling_with_a_seed_is_reproducible_and_lossless(llm):
+    prompt = PROMPTS[2]
+    first = llm.invoke(prompt, temperature=0.8, top_p=0.9, seed=7)
+    assert llm.invoke(prompt, temperature=0.8, top_p=0.9, seed=7) == first
+    assert llm.invoke(prompt, temperature=0.8, top_p=0.9, seed=7, enable_lookahead=False) == first
+    # each row of a batch draws from its own generator: the same text as alone
+    assert llm.batch([prompt, PROMPTS[0]], temperature=0.8, top_p=0.9, seed=7)[0] == first
+
+
+def test_sampling_fields_and_bad_values(default_model):
+    model, tokenizer = default_model
+    hot = LookaheadLLM(model=model, tokenizer=tokenizer, max_new_tokens=8, temperature=1.0, seed=3)
+    assert hot._identifying_params["temperature"] == 1.0
+    assert hot.invoke(PROMPTS[0]) == hot.invoke(PROMPTS[0])
+    from rag_lookahead.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="top_p"):
+        LookaheadLLM(model=model, tokenizer=tokenizer, temperature=0.7, top_p=1.7)
+    with pytest.raises(ConfigError, match="unknown option"):
+        hot.invoke(PROMPTS[0], temprature=0.5)

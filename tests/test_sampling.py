@@ -1,0 +1,319 @@
+"""Sampling stays lossless: the same tokens as ``model.generate(do_sample=True)`` under the same seed,
+and the same distribution (chi-square on the joint law of the first three tokens)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import GenerationConfig
+
+from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.errors import ConfigError
+from rag_lookahead.sampling import Accepted, TokenChooser
+
+from tiny_models import ARCHITECTURES, tiny_model
+
+tokens = st.integers(min_value=1, max_value=12)
+
+
+def hf_sample(model, prompt, max_new, seed, eos=None, **options):
+    """transformers' own sampling for one unpadded prompt, after ``torch.manual_seed(seed)``."""
+    ids = torch.tensor([prompt])
+    torch.manual_seed(seed)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0, **options
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@st.composite
+def sampling_options(draw):
+    options = {"do_sample": True, "temperature": draw(st.floats(min_value=0.3, max_value=1.5))}
+    if draw(st.booleans()):
+        options["top_k"] = draw(st.integers(min_value=0, max_value=20))  # absent: transformers' default 50
+    if draw(st.booleans()):
+        options["top_p"] = draw(st.floats(min_value=0.5, max_value=1.0))
+    if draw(st.booleans()):
+        options["min_p"] = draw(st.floats(min_value=0.01, max_value=0.2))
+    if draw(st.booleans()):
+        options["repetition_penalty"] = draw(st.floats(min_value=1.0, max_value=1.6))
+    return options
+
+
+@st.composite
+def cases(draw):
+    motif = draw(st.lists(tokens, min_size=2, max_size=8))
+    prompt = (motif * 6)[: draw(st.integers(min_value=2, max_value=40))]
+    config = LookaheadConfig(
+        decoding_length=draw(st.integers(min_value=1, max_value=48)),
+        branch_length=draw(st.integers(min_value=1, max_value=12)),
+        budget=draw(st.sampled_from(["fixed", "auto"])),
+        use_output_pool=False,
+    )
+    return prompt, draw(st.integers(1, 30)), config, draw(sampling_options()), draw(st.integers(0, 2**16)), draw(st.booleans())
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_batch_one_without_seed_equals_hf_sampling(arch, case):
+    prompt, max_new, config, options, seed, eos_inside = case
+    model = tiny_model(arch)
+    expected = hf_sample(model, prompt, max_new, seed, **options)
+    eos = expected[len(expected) // 2] if eos_inside else None  # EOS inside the drafted block
+    if eos is not None:
+        expected = hf_sample(model, prompt, max_new, seed, eos=eos, **options)
+    # drafts: the true sample (accepted, several tokens a step) and a wrong variant (rejected)
+    references = [[prompt[-3:] + expected, prompt[-2:] + [(t % 12) + 1 for t in expected]]]
+    torch.manual_seed(seed)
+    result = generate(
+        model, prompt, max_new_tokens=max_new, config=config, references=references, eos_token_id=eos, pad_token_id=0, **options
+    )
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(tokens, min_size=1, max_size=30), max_new=st.integers(1, 30), penalty=st.floats(1.0, 2.0))
+def test_greedy_with_repetition_penalty_equals_hf(arch, prompt, max_new, penalty):
+    model = tiny_model(arch)
+    ids = torch.tensor([prompt])
+    expected = model.generate(ids, do_sample=False, max_new_tokens=max_new, pad_token_id=0, repetition_penalty=penalty)
+    expected = expected[0, len(prompt) :].tolist()
+    result = generate(
+        model,
+        prompt,
+        max_new_tokens=max_new,
+        repetition_penalty=penalty,
+        references=[[prompt[-2:] + expected]],
+        config=LookaheadConfig(budget="fixed"),
+    )
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "glm4"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompts=st.lists(st.lists(tokens, min_size=1, max_size=25), min_size=2, max_size=4),
+    max_new=st.integers(1, 25),
+    options=sampling_options(),
+    seeds=st.lists(st.integers(0, 2**31), min_size=4, max_size=4),
+)
+def test_per_row_seeds_do_not_depend_on_the_batch_or_the_drafts(arch, prompts, max_new, options, seeds):
+    model = tiny_model(arch)
+    seeds = seeds[: len(prompts)]
+    config = LookaheadConfig(decoding_length=16, branch_length=6, budget="fixed", use_output_pool=False)
+    alone = []
+    for prompt, seed in zip(prompts, seeds):
+        plain = generate(model, prompt, max_new_tokens=max_new, seed=seed, config=config.replace(enabled=False), **options)
+        alone.append(plain.sequences[0, len(prompt) :].tolist())
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    references = [[p[-2:] + a] for p, a in zip(prompts, alone)]
+    batched = generate(model, ids, mask, max_new_tokens=max_new, seed=seeds, config=config, references=references, **options)
+    for row, want in enumerate(alone):
+        assert batched.sequences[row, width : width + len(want)].tolist() == want
+
+
+def test_generation_config_is_taken_as_model_generate_takes_it():
+    model = tiny_model("qwen2")
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6]
+    gc = GenerationConfig(do_sample=True, temperature=0.8, top_k=7, top_p=0.9, repetition_penalty=1.1, max_new_tokens=20)
+    torch.manual_seed(3)
+    expected = model.generate(torch.tensor([prompt]), generation_config=gc, pad_token_id=0)[0, len(prompt) :].tolist()
+    torch.manual_seed(3)
+    got = generate(model, prompt, max_new_tokens=20, generation_config=gc, references=[[prompt + expected]])
+    assert got.sequences[0, len(prompt) :].tolist() == expected
+
+
+def test_model_generation_config_defaults_apply():
+    """A model whose own generation config samples (as Qwen's does) samples with its settings."""
+    model = tiny_model("llama", seed=3)
+    saved = model.generation_config
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, pad_token_id=0)
+    try:
+        prompt = [5, 6, 7, 5, 6, 7]
+        torch.manual_seed(11)
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=25)[0, len(prompt) :].tolist()
+        torch.manual_seed(11)
+        got = generate(model, prompt, max_new_tokens=25, references=[[prompt + expected]])
+        assert got.sequences[0, len(prompt) :].tolist() == expected
+    finally:
+        model.generation_config = saved
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"num_beams": 4}, "num_beams"),
+        ({"no_repeat_ngram_size": 3}, "no_repeat_ngram_size"),
+        ({"typical_p": 0.5}, "typical_p"),
+        ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
+        ({"do_sample": True, "temperature": 0.0}, "temperature"),
+        ({"do_sample": True, "top_p": 1.5}, "top_p"),
+        ({"do_sample": True, "top_k": -1}, "top_k"),
+        ({"seed": "abc"}, "seed"),
+        ({"seed": [1, 2]}, "seed"),
+    ],
+)
+def test_unsupported_or_bad_options_raise(options, message):
+    model = tiny_model("qwen2")
+    with pytest.raises(ConfigError, match=message):
+        if "num_beams" in options or "no_repeat_ngram_size" in options or "typical_p" in options or "num_return_sequences" in options:
+            generate(model, [1, 2, 3], max_new_tokens=3, generation_config=GenerationConfig(**options))
+        else:
+            generate(model, [1, 2, 3], max_new_tokens=3, **options)
+
+
+# --- the distribution ---------------------------------------------------------------------------
+
+TEMPERATURE, TOP_K, SAMPLES, ROWS = 0.7, 3, 3000, 150
+
+
+def _exact_law(model, prompt) -> dict[tuple[int, ...], float]:
+    """P(first three tokens) under temperature + top-k, computed from the model's logits directly."""
+    law: dict[tuple[int, ...], float] = {}
+
+    def step(path):
+        logits = model(torch.tensor([prompt + list(path)])).logits[0, -1].double() / TEMPERATURE
+        top = torch.topk(logits, TOP_K)
+        return top.indices.tolist(), torch.softmax(top.values, -1).tolist()
+
+    with torch.no_grad():
+        for a, pa in zip(*step(())):
+            for b, pb in zip(*step((a,))):
+                for c, pc in zip(*step((a, b))):
+                    law[(a, b, c)] = pa * pb * pc
+    return law
+
+
+def _sample_counts(model, prompt, references) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    config = LookaheadConfig(decoding_length=8, branch_length=3, budget="fixed", use_output_pool=False)
+    for start in range(0, SAMPLES, ROWS):
+        result = generate(
+            model,
+            [prompt] * ROWS,
+            max_new_tokens=3,
+            do_sample=True,
+            temperature=TEMPERATURE,
+            top_k=TOP_K,
+            seed=list(range(start, start + ROWS)),
+            config=config,
+            references=[references] * ROWS,
+        )
+        for row in result.sequences[:, len(prompt) :].tolist():
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    return counts
+
+
+def _chi_square_p(counts, law) -> float:
+    """Goodness of fit; cells expected below 5 times are pooled, unseen outcomes count against."""
+    big = [k for k, p in law.items() if p * SAMPLES >= 5]
+    observed = [counts.get(k, 0) for k in big]
+    expected = [law[k] * SAMPLES for k in big]
+    observed.append(SAMPLES - sum(observed))
+    expected.append(SAMPLES - sum(expected))
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+    df = len(observed) - 1
+    return _chi2_sf(stat, df)
+
+
+def _chi2_sf(x: float, k: int) -> float:
+    """Survival function of the chi-square law (regularised upper incomplete gamma, by series)."""
+    a, x = k / 2.0, x / 2.0
+    term = total = 1.0 / a
+    n = 1
+    while term > 1e-15 * total:
+        term *= x / (a + n)
+        total += term
+        n += 1
+    lower = math.exp(-x + a * math.log(x) - math.lgamma(a)) * total
+    return max(0.0, 1.0 - lower)
+
+
+@pytest.fixture(scope="module")
+def law_setup():
+    model = tiny_model("qwen2", seed=5)
+    prompt = [7, 8, 9, 7, 8]
+    law = _exact_law(model, prompt)
+    likeliest = max(law, key=law.get)
+    # only the likeliest path is drafted: draws that leave it must end the step with their own token
+    references = [prompt[-2:] + list(likeliest)]
+    return model, prompt, law, references
+
+
+def test_joint_law_of_three_tokens_matches_the_model(law_setup):
+    model, prompt, law, references = law_setup
+    counts = _sample_counts(model, prompt, references)
+    assert sum(counts.values()) == SAMPLES
+    assert _chi_square_p(counts, law) > 1e-4
+
+
+def test_the_law_check_catches_argmax_instead_of_a_draw(law_setup, monkeypatch):
+    model, prompt, law, references = law_setup
+
+    def argmax_choose(self, history, logits):
+        return int(logits.argmax())
+
+    monkeypatch.setattr(TokenChooser, "choose", argmax_choose)
+    assert _chi_square_p(_sample_counts(model, prompt, references), law) < 1e-6
+
+
+def test_the_law_check_catches_keeping_a_rejected_draft_token(law_setup, monkeypatch):
+    model, prompt, law, references = law_setup
+    honest_walk = TokenChooser.walk
+
+    def keep_rejected(self, draft, logits, history, limit, eos):
+        result = honest_walk(self, draft, logits, history, limit, eos)
+        parent = result.nodes[-1] if result.nodes else -1
+        drafted = [i for i, p in enumerate(draft.parents) if p == parent]
+        if drafted and len(result.tokens) < limit:  # the draw left the draft: keep the draft's token anyway
+            return Accepted(result.nodes + [drafted[0]], result.tokens[:-1] + [draft.tokens[drafted[0]]] + [result.tokens[-1]])
+        return result
+
+    monkeypatch.setattr(TokenChooser, "walk", keep_rejected)
+    assert _chi_square_p(_sample_counts(model, prompt, references), law) < 1e-6
+
+
+def test_sampling_law_helper_is_sane():
+    assert abs(_chi2_sf(3.84, 1) - 0.05) < 1e-3
+    assert abs(_chi2_sf(18.31, 10) - 0.05) < 1e-3
+
+
+def test_a_hot_row_learns_low_acceptance_and_yields_its_nodes():
+    """Acceptance falls as temperature rises: the row's own rates learn it, and the budget then
+    gives the batch's draft nodes to the row whose drafts are being accepted."""
+    from rag_lookahead.budget import CostCurve, StepCosts, allocate
+    from rag_lookahead.generate import DecodeBatch
+    from rag_lookahead.sampling import SamplingParams
+
+    model = tiny_model("qwen2")
+    cold, hot = [3, 4, 5, 6, 3, 4, 5, 6, 3], [7, 8, 9, 10, 7, 8, 9, 10, 7]
+    truth_cold = hf_sample(model, cold, 120, 0, do_sample=False)
+    truth_hot = hf_sample(model, hot, 40, 0, do_sample=False)  # the hot row will not follow its greedy text
+    config = LookaheadConfig(decoding_length=16, branch_length=8, budget="fixed", use_output_pool=False)
+    batch = DecodeBatch(model, config, frozenset(), None)
+    batch.add(torch.tensor([cold]), None, [[cold[-2:] + truth_cold]], 120, keys=["cold"])
+    batch.add(
+        torch.tensor([hot]), None, [[hot[-2:] + truth_hot]], 40, keys=["hot"],
+        sampling=SamplingParams(do_sample=True, temperature=2.0, top_k=0, seed=1),
+    )
+    for _ in range(6):
+        batch.verify_and_accept(batch.propose())
+    rows = {row.index: row for row in batch.rows}
+    assert rows["cold"].trust.first > 0.8
+    assert rows["hot"].trust.first < 0.3
+    # priced with the forward costs measured on this CPU (DESIGN.md: 1 token 120 ms ... 64 tokens 520 ms)
+    costs = StepCosts(CostCurve([1, 8, 16, 32, 64], [0.12, 0.19, 0.24, 0.34, 0.52]))
+    costs.observe(2, 2, 0.13)
+    from rag_lookahead.draft import propose
+
+    drafts = [row.trust.weigh(propose(row.context, None, config)) for row in batch.rows]
+    counts = dict(zip((row.index for row in batch.rows), allocate(drafts, costs)))
+    assert counts["cold"] > counts["hot"]
