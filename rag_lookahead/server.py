@@ -3,25 +3,39 @@
     rag_lookahead serve --port 8000 --index-dir ~/my_index
     curl -N 127.0.0.1:8000/v1/chat/completions -d '{"messages":[{"role":"user","content":"hi"}],"stream":true}'
 
-One engine thread owns the model and a :class:`rag_lookahead.generate.DecodeBatch`. HTTP handlers
-(asyncio, uvicorn) validate and tokenize a request, put it into a bounded waiting queue (full ->
-429) and read the request's events from an ``asyncio.Queue`` that the engine feeds with
-``loop.call_soon_threadsafe``. Between decode steps the engine
+One engine thread owns the model and the running :class:`rag_lookahead.generate.DecodeBatch`
+(one per output pool, see ``--output-pool``). HTTP handlers (asyncio, uvicorn) validate a request,
+tokenize it in a worker thread, put it into a bounded waiting queue (full -> 429) and read the
+request's events from an ``asyncio.Queue`` that the engine feeds with ``loop.call_soon_threadsafe``.
+Between decode steps the engine
 
 1. retires finished rows (EOS, max_tokens, a stop string seen, the client gone) at once,
-2. admits waiting requests up to the batch size (one prefill for all of them, merged into the
+2. admits waiting requests up to the batch size (one prefill per output pool, merged into the
    running batch),
-3. runs one propose -> verify -> accept step for every row and pushes each row's new text.
+3. runs one propose -> verify -> accept step for every batch and pushes each row's new text.
+
+Failures are contained: a prefill that fails fails the requests it admitted (retried one by one
+to find the one at fault), a failed step or retire fails the batch it ran on, a failure while
+turning one row's tokens into text fails that request only; the engine thread carries on. If the
+thread itself dies, every waiting client gets an error at once and ``/health`` says so. Clients
+get a short message with an error id; the details go to the log.
 
 Decoding is greedy: a request's text is exactly what a single-request ``generate`` gives for the
 same prompt, whatever else is in the batch. ``temperature`` > 0 (and other sampling knobs) are
-refused with 400 rather than silently ignored.
+refused with 400 rather than silently ignored (:class:`SamplingParams` is parsed apart from that
+check, so sampling can be switched on in one place).
 
 Endpoints: ``POST /v1/completions`` (raw prompt, no chat template; a string or a list of token
 ids), ``POST /v1/chat/completions`` (messages through the tokenizer's chat template), both with
 ``stream`` (server-sent events in OpenAI's chunk shapes, ``data: [DONE]``); ``POST /v1/rag``
 (retrieve from the loaded index, seed the trie with the passages left out of the prompt);
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
+
+Security: loopback bind by default; requests whose ``Host`` (or browser ``Origin``) is not the
+bound host, a loopback name or an ``--allowed-hosts`` entry are refused (DNS rebinding); no CORS
+headers are ever sent; with ``--api-key`` every endpoint but ``/health`` needs
+``Authorization: Bearer KEY``. Limits (body size, messages, stop strings, prompt and answer
+length, queue) are :class:`ServerConfig` fields with flags of the same names.
 """
 
 from __future__ import annotations
@@ -29,33 +43,67 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
+import hashlib
+import hmac
 import itertools
 import json
 import logging
+import math
+import os
+import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import Request  # module level: FastAPI resolves the handlers' string annotations here
+from starlette.responses import StreamingResponse
 
 from .config import LookaheadConfig
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 
-__all__ = ["ServerConfig", "Engine", "ApiError", "create_app", "main"]
+__all__ = ["ServerConfig", "SamplingParams", "Engine", "ApiError", "create_app", "make_server", "main"]
 
 log = logging.getLogger("rag_lookahead.server")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WILDCARD_BINDS = ("0.0.0.0", "::", "")
+API_KEY_ENV = "RAG_LOOKAHEAD_API_KEY"
+OUTPUT_POOL_MODES = ("shared", "per-key", "off")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+MiB = 1 << 20
+
+#: Seconds uvicorn waits for connections to close after the drain (slow readers, idle keep-alives).
+CLOSE_GRACE_SECONDS = 5.0
+#: How often a waiting handler looks whether its client left or the engine died.
+POLL_SECONDS = 0.25
 
 
 # ---------------------------------------------------------------- configuration
 
 
+#: (low, high) of every integer setting; the upper bounds keep a typo from allocating the machine away.
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "port": (0, 65535),
+    "max_batch_size": (1, 1024),
+    "max_queue": (1, 1_000_000),
+    "max_prompt_tokens": (1, 10_000_000),
+    "max_tokens_limit": (1, 10_000_000),
+    "default_max_tokens": (1, 10_000_000),
+    "k_prompt": (1, 32),
+    "k_seed": (1, 256),
+    "max_stop": (1, 256),
+    "max_stop_chars": (1, 4096),
+    "max_messages": (1, 100_000),
+    "max_body_bytes": (1024, 1 << 30),
+}
+
+
 @dataclass
 class ServerConfig:
-    """Every knob of the server; the ``serve`` flags mirror these names.
+    """Every knob of the server; the ``serve`` flags mirror these names (``--max-body-bytes`` ...).
 
     host/port: where to listen (loopback by default).
     model: "default", a hub id or a local folder (see :func:`rag_lookahead.models.load_model`).
@@ -69,6 +117,17 @@ class ServerConfig:
     lookahead: False decodes one token a forward (same text, for comparison).
     lookahead_config: drafter settings (default ``LookaheadConfig()``).
     k_prompt / k_seed: passages shown in the RAG prompt / retrieved in all (the rest seed the trie).
+    max_stop / max_stop_chars: most stop strings in a request / longest stop string (400 beyond;
+        each held-back character delays streamed text, each string costs a scan per step).
+    max_messages: most chat messages in a request (400 beyond).
+    max_body_bytes: largest request body (413 at once from Content-Length, or as soon as a
+        streamed body passes it; nothing is parsed before).
+    drain_seconds: on shutdown (SIGTERM), how long running and queued requests may finish while
+        new ones get 503; what is left then gets an error.
+    api_keys: with any, every endpoint but /health needs ``Authorization: Bearer <one of them>``.
+    allowed_hosts: Host names accepted besides the bound host and loopback names ("*": any).
+    output_pool: "shared" (one pool of earlier answers for everyone), "per-key" (one per API
+        key; rows of different keys decode in separate forwards) or "off".
     """
 
     host: str = "127.0.0.1"
@@ -88,17 +147,55 @@ class ServerConfig:
     k_prompt: int = 3
     k_seed: int = 8
     max_stop: int = 16
+    max_stop_chars: int = 256
+    max_messages: int = 256
+    max_body_bytes: int = 4 * MiB
+    drain_seconds: float = 30.0
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in logs
+    allowed_hosts: tuple[str, ...] = ()
+    output_pool: str = "shared"
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_queue", "max_prompt_tokens", "max_tokens_limit", "default_max_tokens", "k_prompt", "max_stop"):
+        self._check_numbers()
+        self._check_strings()
+        self.api_keys = _key_tuple(self.api_keys)
+        self.allowed_hosts = _host_tuple(self.allowed_hosts)
+        if self.output_pool not in OUTPUT_POOL_MODES:
+            raise ConfigError(f"output_pool must be one of {', '.join(OUTPUT_POOL_MODES)}, got {self.output_pool!r}")
+        if self.output_pool == "per-key" and not self.api_keys:
+            raise ConfigError("output_pool='per-key' needs API keys (--api-key or $RAG_LOOKAHEAD_API_KEY)")
+
+    def _check_numbers(self) -> None:
+        for name, (low, high) in _INT_RANGES.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.k_seed, int) or self.k_seed < self.k_prompt:
-            raise ConfigError(f"k_seed must be an integer >= k_prompt ({self.k_prompt}), got {self.k_seed!r}")
-        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ConfigError(f"port must be an integer in 0..65535, got {self.port!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ConfigError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+        if self.k_seed < self.k_prompt:
+            raise ConfigError(f"k_seed must be >= k_prompt ({self.k_prompt}), got {self.k_seed}")
+        seconds = self.drain_seconds
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds <= 86_400:
+            raise ConfigError(f"drain_seconds must be a number in 0..86400, got {seconds!r}")
+        self.drain_seconds = float(seconds)
+        if not isinstance(self.lookahead, bool):
+            raise ConfigError(f"lookahead must be true or false, got {self.lookahead!r}")
+        if self.lookahead_config is not None and not isinstance(self.lookahead_config, LookaheadConfig):
+            raise ConfigError(f"lookahead_config must be a LookaheadConfig, got {type(self.lookahead_config).__name__}")
+
+    def _check_strings(self) -> None:
+        for name in ("host", "model"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value or len(value) > 4096:
+                raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
+        for name in ("served_model_name", "dtype", "device", "index_dir"):
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)
+                setattr(self, name, value)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > 4096):
+                raise ConfigError(f"{name} must be a non-empty string or None, got {value!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 
     @property
     def model_name(self) -> str:
@@ -107,15 +204,80 @@ class ServerConfig:
         return "qwen2.5-coder-0.5b-instruct" if self.model == "default" else str(self.model)
 
 
-class ApiError(Exception):
-    """An error answered as OpenAI's ``{"error": {...}}`` JSON with an HTTP status."""
+def _string_tuple(values, what: str) -> tuple[str, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple, set, frozenset)):
+        raise ConfigError(f"{what} must be a list of strings, got {type(values).__name__}")
+    if len(values) > 1024:
+        raise ConfigError(f"{what} holds {len(values)} entries; at most 1024")
+    for value in values:
+        if not isinstance(value, str):
+            raise ConfigError(f"{what} must hold strings, got {type(value).__name__}")
+    return tuple(values)
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None) -> None:
+
+def _key_tuple(keys) -> tuple[str, ...]:
+    """API keys: 8-4096 visible ASCII characters each, so they travel in a header unchanged."""
+    keys = _string_tuple(keys, "api_keys")
+    for key in keys:
+        if not 8 <= len(key) <= 4096 or not all("!" <= c <= "~" for c in key):
+            raise ConfigError("an API key must be 8 to 4096 visible ASCII characters (no spaces)")
+    return tuple(dict.fromkeys(keys))
+
+
+def _host_tuple(hosts) -> tuple[str, ...]:
+    hosts = _string_tuple(hosts, "allowed_hosts")
+    out = []
+    for host in hosts:
+        name = host.strip().lower().rstrip(".")
+        if name.startswith("[") and name.endswith("]"):
+            name = name[1:-1]
+        if not name or len(name) > 253 or any(c in name for c in "/ \t@,"):
+            raise ConfigError(f"allowed_hosts entries must be host names or addresses (or '*'), got {host!r}")
+        out.append(name)
+    return tuple(dict.fromkeys(out))
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's ``{"error": {...}}`` JSON with an HTTP status.
+
+    ``message`` is for the user: never exception text or paths (those go to the log).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type, param
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _internal_error(status: int, what: str, error: BaseException | None = None) -> ApiError:
+    """Log ``error`` with a fresh id; the client gets ``what`` and the id, nothing more."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("%s (error id %s)", what, error_id, exc_info=(type(error), error, error.__traceback__) if error else None)
+    return ApiError(status, f"{what} (error id {error_id}; the server log has the details)", "server_error")
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry later", "server_error", code="shutting_down")
+
+
+def _engine_stopped() -> ApiError:
+    return ApiError(503, "the generation engine is not running; the server log has the details", "server_error",
+                    code="engine_stopped")
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """A request value quoted back in an error message, cut short."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError):
+        text = type(value).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------- metrics
@@ -136,6 +298,7 @@ class Metrics:
         self.step_tokens = 0  # tokens those row steps gained
         self.cancelled = 0
         self.completed = 0
+        self.failed = 0
         self.engine_errors = 0
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
@@ -175,11 +338,12 @@ class Metrics:
             metric("rag_lookahead_mean_accepted_tokens", "gauge", "Tokens gained per row and decode forward (1.0 = plain decoding).", [("", mean)])
             metric("rag_lookahead_requests_completed_total", "counter", "Generation requests answered in full.", [("", self.completed)])
             metric("rag_lookahead_requests_cancelled_total", "counter", "Generation requests dropped because the client left.", [("", self.cancelled)])
-            metric("rag_lookahead_engine_errors_total", "counter", "Engine steps that failed (their requests got an error).", [("", self.engine_errors)])
+            metric("rag_lookahead_requests_failed_total", "counter", "Generation requests ended with an error by the engine.", [("", self.failed)])
+            metric("rag_lookahead_engine_errors_total", "counter", "Engine failures (prefill, step, retire); their requests got an error.", [("", self.engine_errors)])
             metric("rag_lookahead_prefill_seconds_total", "counter", "Seconds spent in prefills.", [("", self.prefill_seconds)])
             metric("rag_lookahead_decode_seconds_total", "counter", "Seconds spent in decode steps.", [("", self.decode_seconds)])
         metric("rag_lookahead_queue_depth", "gauge", "Requests waiting for a batch slot.", [("", queue_depth)])
-        metric("rag_lookahead_batch_size", "gauge", "Rows in the running batch.", [("", batch_size)])
+        metric("rag_lookahead_batch_size", "gauge", "Rows in the running batches.", [("", batch_size)])
         metric("rag_lookahead_requests_active", "gauge", "Requests being decoded.", [("", active)])
         metric("rag_lookahead_ready", "gauge", "1 once the engine has warmed up.", [("", 1 if ready else 0)])
         metric("process_resident_memory_bytes", "gauge", "Resident memory of the server process.", [("", _rss_bytes())])
@@ -212,18 +376,25 @@ def _rss_bytes() -> int:
 
 
 class _Request:
-    """One generation request: tokens in, text events out through ``channel``."""
+    """One generation request: tokens in, text events out through ``channel``.
 
-    def __init__(self, prompt_ids: list[int], max_tokens: int, stop: list[str], references: list[list[int]], tracker) -> None:
+    Events: ``("piece", text)`` any number of times, then exactly one ``("done", info)`` or
+    ``("error", ApiError)``.
+    """
+
+    def __init__(self, prompt_ids: list[int], max_tokens: int, stop: list[str], references: list[list[int]], tracker,
+                 pool_key: str = "") -> None:
         self.id = uuid.uuid4().hex
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
         self.stop = stop
         self.references = references
         self.tracker = tracker
+        self.pool_key = pool_key  # requests with the same key share an output pool and a batch
         self.loop = asyncio.get_running_loop()
         self.channel: asyncio.Queue = asyncio.Queue()
-        self.cancelled = False
+        self.cancelled = False  # the client left
+        self.ended = False  # the engine sent the last event (done or error)
         self.finished = False  # the handler saw the last event
         self.steps = 0  # blocks accepted (the prefill's first token is one)
         self.submitted = time.perf_counter()
@@ -234,13 +405,23 @@ class _Request:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
+    def end(self, event: tuple) -> None:
+        """Send the last event (once)."""
+        if not self.ended:
+            self.ended = True
+            self.emit(event)
+
+    @property
+    def live(self) -> bool:
+        """Still worth decoding: nobody cancelled or ended it."""
+        return not (self.cancelled or self.ended)
+
 
 class Engine:
-    """The engine thread: owns the model and the running :class:`DecodeBatch`."""
+    """The engine thread: owns the model and the running :class:`DecodeBatch` of each output pool."""
 
     def __init__(self, model, tokenizer, config: ServerConfig | None = None, index=None) -> None:
         from .llm import _eos_ids
-        from .trie import OutputPool
 
         self.config = config or ServerConfig()
         self.model = model
@@ -260,19 +441,24 @@ class Engine:
         if self.vocab_size and self.pad_id >= self.vocab_size:  # padding is masked, but must still embed
             self.pad_id = 0
         self.context_limit = getattr(model.config, "max_position_embeddings", None)
-        self.output_pool = OutputPool(lookahead.branch_length + lookahead.max_key_length, lookahead.output_pool_nodes)
         self.max_batch_size = self.config.max_batch_size
         self.metrics = Metrics()
         self.ready = threading.Event()
-        self.tokenizer_lock = threading.Lock()  # encode in handlers, decode in the engine
+        # Encoding runs in handler threads, decoding in the engine thread. Plain encode and decode
+        # only read the Rust tokenizer (no padding or truncation is ever set), so they may overlap;
+        # encodes are serialised among themselves, decodes never wait for a long encode.
+        self.tokenizer_lock = threading.Lock()
         self.retrieval_lock = threading.Lock()
+        self._pools: dict[str, Any] = {}  # output pool key -> OutputPool
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._active: dict[str, _Request] = {}
-        self._batch = None
+        self._batches: dict[str, Any] = {}  # output pool key -> DecodeBatch
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.error: BaseException | None = None  # set when warm-up failed
+        self._draining = False
+        self._drain_deadline = math.inf
+        self.error: BaseException | None = None  # why the engine stopped (warm-up failed, the thread died)
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> "Engine":
@@ -295,12 +481,27 @@ class Engine:
 
     def start(self) -> "Engine":
         if self._thread is None:
-            self._stopping = False
+            self._stopping = self._draining = False
+            self._drain_deadline = math.inf
             self._thread = threading.Thread(target=self._run, name="rag-lookahead-engine", daemon=True)
             self._thread.start()
         return self
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def begin_drain(self, seconds: float) -> None:
+        """Stop admitting new requests (503); those already accepted may finish within ``seconds``,
+        then whatever is left gets an error."""
+        with self._cond:
+            deadline = time.monotonic() + max(float(seconds), 0.0)
+            self._drain_deadline = min(self._drain_deadline, deadline)
+            self._draining = True
+            self._cond.notify_all()
+
+    def stop(self, drain_seconds: float = 0.0, timeout: float = 60.0) -> None:
+        """Drain for up to ``drain_seconds``, then end the engine thread (what is left gets 503)."""
+        self.begin_drain(drain_seconds)
+        deadline = time.monotonic() + drain_seconds + timeout
+        while self.alive and not self.idle and time.monotonic() < deadline:
+            time.sleep(0.02)
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -313,19 +514,26 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self._active
+
+    @property
     def queue_depth(self) -> int:
         return len(self._waiting)
 
     @property
     def batch_size(self) -> int:
-        batch = self._batch
-        return len(batch.rows) if batch is not None else 0
+        return sum(len(batch.rows) for batch in list(self._batches.values()))
 
     @property
     def active(self) -> int:
         return len(self._active)
 
-    # ------------------------------------------------------------ tokenizing (handler side)
+    # ------------------------------------------------------------ tokenizing (handler side, worker threads)
 
     def encode_text(self, text: str) -> list[int]:
         with self.tokenizer_lock:
@@ -344,51 +552,99 @@ class Engine:
         with self.tokenizer_lock:
             return [self.tokenizer.encode(p, add_special_tokens=False) for p in passages if p]
 
-    def new_request(self, prompt_ids: list[int], max_tokens: int, stop: list[str], references=()) -> _Request:
+    def new_request(self, prompt_ids: list[int], max_tokens: int, stop: list[str], references=(), pool_key: str = "") -> _Request:
         from .llm import _TextTracker
 
-        return _Request(list(prompt_ids), max_tokens, list(stop), [list(r) for r in references], _TextTracker(self.tokenizer, stop, self.eos))
+        tracker = _TextTracker(self.tokenizer, stop, self.eos)
+        key = pool_key if self.config.output_pool == "per-key" else ""
+        return _Request(list(prompt_ids), max_tokens, list(stop), [list(r) for r in references], tracker, key)
 
     # ------------------------------------------------------------ queue (handler side)
 
+    def _refusal(self) -> ApiError | None:
+        """Why a new request cannot be taken now (call with ``_cond`` held)."""
+        if self.error is not None or (self._thread is not None and not self._thread.is_alive()):
+            return _engine_stopped()
+        if self._stopping or self._draining:
+            return _shutting_down()
+        if len(self._waiting) >= self.config.max_queue:
+            return ApiError(
+                429,
+                f"the server is busy: {len(self._waiting)} requests are already waiting (max_queue={self.config.max_queue}); retry later",
+                "rate_limit_error",
+            )
+        return None
+
+    def check_capacity(self) -> None:
+        """Raise the 429/503 that ``submit`` would, before a handler spends work on a request."""
+        with self._cond:
+            refusal = self._refusal()
+        if refusal is not None:
+            raise refusal
+
     def submit(self, request: _Request) -> None:
         with self._cond:
-            if self._stopping or (self._thread is not None and not self._thread.is_alive()):
-                raise ApiError(503, "the server is shutting down or its engine has stopped", "server_error")
-            if len(self._waiting) >= self.config.max_queue:
-                raise ApiError(
-                    429,
-                    f"the server is busy: {len(self._waiting)} requests are already waiting (max_queue={self.config.max_queue}); retry later",
-                    "rate_limit_error",
-                )
+            refusal = self._refusal()
+            if refusal is not None:
+                raise refusal
             self._waiting.append(request)
             self._cond.notify_all()
 
     def cancel(self, request: _Request) -> None:
         """The client left: drop the request from the queue, or from the batch at the next step."""
         with self._cond:
-            if request.cancelled or request.finished:
+            if request.cancelled or request.finished or request.ended:
                 return
             request.cancelled = True
             try:
                 self._waiting.remove(request)
             except ValueError:
-                return  # in the batch (or being admitted): the engine retires it
+                return  # in a batch (or being admitted): the engine retires it and counts it
         self.metrics.add(cancelled=1)
 
     # ------------------------------------------------------------ the engine thread
 
-    def _new_batch(self):
+    def _pool(self, key: str):
+        """The output pool of ``key`` (created on first use), or None when pools are off."""
+        from .trie import OutputPool
+
+        if self.config.output_pool == "off":
+            return None
+        pool = self._pools.get(key)
+        if pool is None:
+            nodes = self.lookahead.output_pool_nodes
+            if self.config.output_pool == "per-key":  # the pools together stay within the one bound
+                nodes = max(nodes // max(len(self.config.api_keys), 1), 1)
+            pool = self._pools[key] = OutputPool(self.lookahead.branch_length + self.lookahead.max_key_length, nodes)
+        return pool
+
+    def _new_batch(self, key: str = ""):
         from .generate import DecodeBatch
 
-        return DecodeBatch(self.model, self.lookahead, self.eos, self.output_pool)
+        return DecodeBatch(self.model, self.lookahead, self.eos, self._pool(key))
 
     def _run(self) -> None:
+        """The engine thread. Whatever ends it, every request still waiting gets an error at once."""
         import torch
 
+        clean = False
         try:
-            # warm up: the tree-mask probe and the cost curve are measured once per model here,
-            # not inside the first request's latency
+            if self._warm_up():
+                with torch.inference_mode():
+                    while self._serve_once():
+                        pass
+            clean = True
+        except BaseException as e:  # noqa: BLE001 - the thread dies: tell every client and /health
+            self.error = e
+            _internal_error(503, "the generation engine stopped", e)
+        finally:
+            with self._cond:
+                self._stopping = True
+            self._fail_everything(_shutting_down() if clean and self.error is None else _engine_stopped())
+
+    def _warm_up(self) -> bool:
+        """Measure the tree-mask probe and the cost curve once, not inside a request's latency."""
+        try:
             self._new_batch()
             from .verify import supports_tree_mask
 
@@ -396,135 +652,235 @@ class Engine:
             if self.max_batch_size > 1 and not supports_tree_mask(self.model):
                 log.warning("this model ignores custom attention masks: decoding one request at a time")
                 self.max_batch_size = 1
-        except BaseException as e:  # noqa: BLE001 - reported by /health and to every request
-            log.exception("engine warm-up failed")
+        except Exception as e:  # noqa: BLE001 - reported by /health and to every request
             self.error = e
-            self._fail_all(f"the engine failed to start: {e}")
-            return
+            _internal_error(503, "engine warm-up failed", e)
+            return False
         self.ready.set()
-        with torch.inference_mode():
-            while True:
-                self._retire()
-                with self._cond:
-                    while not self._stopping and not self._waiting and self.batch_size == 0:
-                        self._cond.wait(timeout=1.0)
-                    if self._stopping:
-                        break
+        return True
+
+    def _serve_once(self) -> bool:
+        """One round: retire, admit, step. False once the engine is stopping."""
+        admitted: list[_Request] | None = []
+        try:
+            self._retire_all()
+            admitted = self._take_waiting()
+            if admitted is None:
+                return False
+            if admitted:
+                self._admit(admitted)
+                self._retire_all()
+            self._step_all()
+        except Exception as e:  # noqa: BLE001 - a bug between the guarded parts: fail what runs, carry on
+            self.metrics.add(engine_errors=1)
+            self._fail_requests(list(self._active.values()) + list(admitted or ()), _internal_error(500, "generation failed", e))
+            self._active.clear()
+            self._batches.clear()
+        return True
+
+    def _take_waiting(self) -> list[_Request] | None:
+        """Wait for work; return the requests to admit ([] when only stepping), None when stopping."""
+        with self._cond:
+            while not self._stopping:
+                expired = self._draining and time.monotonic() >= self._drain_deadline
+                if expired and not self.idle:
+                    break
+                if not expired and (self._waiting or self.batch_size):
                     room = self.max_batch_size - self.batch_size
-                    admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-                try:
-                    if admitted:
-                        self._admit(admitted)
-                        self._retire()
-                    if self.batch_size:
-                        self._step()
-                except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
-                    log.exception("engine step failed")
-                    self.metrics.add(engine_errors=1)
-                    self._fail_active(f"generation failed: {type(e).__name__}: {e}", admitted)
-        self._fail_all("the server is shutting down")
+                    return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                until_deadline = self._drain_deadline - time.monotonic()
+                self._cond.wait(timeout=min(1.0, until_deadline) if until_deadline > 0 else 1.0)
+            else:
+                return None
+        self._fail_everything(_shutting_down())  # the drain time is over: what is left gets an error
+        return []
+
+    # ------------------------------------------------------------ admit
 
     def _admit(self, requests: list[_Request]) -> None:
-        """One prefill for all admitted requests, merged into the running batch."""
+        """One prefill per output pool for the admitted requests, merged into its running batch."""
+        dropped = [r for r in requests if r.cancelled]
+        if dropped:  # cancelled between leaving the queue and the prefill
+            self.metrics.add(cancelled=len(dropped))
+        groups: dict[str, list[_Request]] = {}
+        for r in requests:
+            if r.live:
+                groups.setdefault(r.pool_key, []).append(r)
+        for key, group in groups.items():
+            self._admit_group(key, group)
+
+    def _admit_group(self, key: str, group: list[_Request]) -> None:
+        """Prefill ``group``; on failure retry one by one so only the request at fault fails."""
+        try:
+            batch = self._batches.get(key)
+            if batch is None:
+                batch = self._new_batch(key)
+        except Exception as e:  # noqa: BLE001
+            self._fail_requests(group, _internal_error(500, "generation failed", e))
+            return
+        rows_before = len(batch.rows)
+        try:
+            self._prefill(batch, group)
+        except Exception as e:  # noqa: BLE001
+            if len(batch.rows) != rows_before:  # it failed half-way through the merge: the batch is unsafe
+                self._fail_batch(key, e, also=group)
+            elif len(group) > 1:
+                for request in group:
+                    self._admit_group(key, [request])
+            else:
+                self._fail_requests(group, _internal_error(500, "generation failed", e))
+            return
+        self._batches[key] = batch
+
+    def _prefill(self, batch, requests: list[_Request]) -> None:
         from .generate import left_pad
 
-        dropped = sum(1 for r in requests if r.cancelled)
-        if dropped:  # cancelled between leaving the queue and the prefill
-            self.metrics.add(cancelled=dropped)
-        requests = [r for r in requests if not r.cancelled]
-        if not requests:
-            return
-        if self._batch is None or not self._batch.rows:
-            self._batch = self._new_batch()
         device = next(self.model.parameters()).device
         ids, mask = left_pad([r.prompt_ids for r in requests], self.pad_id, device)
         references = [r.references for r in requests] if any(r.references for r in requests) else None
-        for r in requests:
-            self._active[r.id] = r
         start = time.perf_counter()
-        rows = self._batch.add(ids, mask, references, [r.max_tokens for r in requests], keys=[r.id for r in requests])
+        rows = batch.add(ids, mask, references, [r.max_tokens for r in requests], keys=[r.id for r in requests])
         self.metrics.add(prefills=1, prefill_seconds=time.perf_counter() - start)
+        for request in requests:
+            self._active[request.id] = request
         for request, row in zip(requests, rows):
             self._deliver(request, row.generated)
 
-    def _step(self) -> None:
-        batch = self._batch
+    # ------------------------------------------------------------ step
+
+    def _step_all(self) -> None:
+        for key, batch in list(self._batches.items()):
+            if not batch.rows:
+                continue
+            try:
+                gained = self._step(batch)
+            except Exception as e:  # noqa: BLE001 - which row is at fault is unknown: the batch fails
+                self._fail_batch(key, e)
+                continue
+            for row, new in zip(list(batch.rows), gained):
+                request = self._active.get(row.index)
+                if request is not None:
+                    self._deliver(request, new)
+
+    def _step(self, batch) -> list[list[int]]:
         start = time.perf_counter()
         drafts = batch.propose()
         gained = batch.verify_and_accept(drafts)
-        tokens = sum(len(g) for g in gained)
         self.metrics.add(
-            forward_passes=1, row_steps=len(gained), step_tokens=tokens, decode_seconds=time.perf_counter() - start
+            forward_passes=1,
+            row_steps=len(gained),
+            step_tokens=sum(len(g) for g in gained),
+            decode_seconds=time.perf_counter() - start,
         )
-        for row, new in zip(batch.rows, gained):
-            self._deliver(self._active[row.index], new)
+        return gained
 
     def _deliver(self, request: _Request, tokens: list[int]) -> None:
-        if not tokens:
+        """Turn a row's new tokens into text for its client; a failure here fails that request only."""
+        if not tokens or not request.live:
             return
         request.steps += 1
         self.metrics.add(tokens_generated=len(tokens))
-        with self.tokenizer_lock:
+        try:
             piece = request.tracker.add(tokens)
-        if piece and not request.cancelled:
+        except Exception as e:  # noqa: BLE001
+            self._fail_requests([request], _internal_error(500, "generation failed", e))
+            return
+        if piece:
             request.emit(("piece", piece))
 
-    def _retire(self) -> None:
-        """Remove finished, stopped and cancelled rows from the batch; send the last event."""
-        batch = self._batch
-        if batch is None:
+    # ------------------------------------------------------------ retire
+
+    def _retire_all(self) -> None:
+        """Remove finished, stopped, cancelled and failed rows from every batch; answer them."""
+        for key, batch in list(self._batches.items()):
+            if batch.rows:
+                try:
+                    left = batch.finish(self._keep)
+                except Exception as e:  # noqa: BLE001 - the batch's bookkeeping is unknown now
+                    self._fail_batch(key, e)
+                    continue
+                for row in left:
+                    self._answer(row)
+            if not batch.rows:
+                self._batches.pop(key, None)  # frees the KV cache; the next admission starts afresh
+
+    def _keep(self, row) -> bool:
+        request = self._active.get(row.index)
+        return request is not None and request.live and not request.tracker.stopped
+
+    def _answer(self, row) -> None:
+        """Send a retired row's last event (or count it cancelled)."""
+        request = self._active.pop(row.index, None)
+        if request is None or request.ended:
             return
-        if batch.rows:
+        if request.cancelled:
+            request.ended = True
+            self.metrics.add(cancelled=1)
+            return
+        try:
+            info = self._final_info(request, row)
+        except Exception as e:  # noqa: BLE001
+            self._fail_requests([request], _internal_error(500, "generation failed", e))
+            return
+        self.metrics.add(completed=1)
+        request.end(("done", info))
 
-            def keep(row) -> bool:
-                request = self._active.get(row.index)
-                return request is not None and not request.cancelled and not request.tracker.stopped
+    def _final_info(self, request: _Request, row) -> dict:
+        tracker = request.tracker
+        rest = tracker.rest()
+        text = tracker.final_text()
+        stopped = tracker.stopped or bool(row.generated and row.generated[-1] in self.eos)
+        decode_steps = max(request.steps - 1, 0)
+        return {
+            "text": text,
+            "rest": rest,
+            "finish_reason": "stop" if stopped else "length",
+            "prompt_tokens": len(request.prompt_ids),
+            "completion_tokens": len(row.generated),
+            "forward_passes": decode_steps,
+            "mean_accepted": round((len(row.generated) - 1) / decode_steps, 4) if decode_steps else 0.0,
+            "seconds": round(time.perf_counter() - request.submitted, 4),
+            "lookahead": self.lookahead.enabled,
+        }
 
-            for row in batch.finish(keep):
-                request = self._active.pop(row.index, None)
-                if request is None:
-                    continue
-                if request.cancelled:
-                    self.metrics.add(cancelled=1)
-                    continue
-                with self.tokenizer_lock:
-                    rest = request.tracker.rest()
-                    text = request.tracker.final_text()
-                tracker = request.tracker
-                stopped = tracker.stopped or bool(row.generated and row.generated[-1] in self.eos)
-                decode_steps = max(request.steps - 1, 0)
-                info = {
-                    "text": text,
-                    "rest": rest,
-                    "finish_reason": "stop" if stopped else "length",
-                    "prompt_tokens": len(request.prompt_ids),
-                    "completion_tokens": len(row.generated),
-                    "forward_passes": decode_steps,
-                    "mean_accepted": round((len(row.generated) - 1) / decode_steps, 4) if decode_steps else 0.0,
-                    "seconds": round(time.perf_counter() - request.submitted, 4),
-                    "lookahead": self.lookahead.enabled,
-                }
-                self.metrics.add(completed=1)
-                request.emit(("done", info))
-        if not batch.rows:
-            self._batch = None  # frees the KV cache; the next admission starts a fresh batch
+    # ------------------------------------------------------------ failing requests
 
-    def _fail_active(self, message: str, admitted: Sequence[_Request] = ()) -> None:
-        seen = set()
-        for request in list(self._active.values()) + list(admitted):
-            if request.id in seen:
+    def _fail_requests(self, requests: Sequence[_Request], error: ApiError) -> None:
+        """End each request with ``error``; their rows (if any) are dropped at the next retire.
+
+        A request whose client already left ends silently (counted as cancelled: nothing counted it
+        yet, since only requests still in the queue are counted when they are cancelled)."""
+        for request in requests:
+            if request.ended:
                 continue
-            seen.add(request.id)
-            request.emit(("error", ApiError(500, message, "server_error")))
-        self._active.clear()
-        self._batch = None
+            if request.cancelled:
+                request.ended = True
+                self.metrics.add(cancelled=1)
+            else:
+                self.metrics.add(failed=1)
+                request.end(("error", error))
 
-    def _fail_all(self, message: str) -> None:
-        self._fail_active(message)
+    def _fail_batch(self, key: str, cause: BaseException, also: Sequence[_Request] = ()) -> None:
+        """A failure that cannot be pinned on one row: every request of the batch gets the error.
+
+        The batch's requests are the active ones of its pool key, not ``batch.rows``: a failure
+        half-way through ``finish`` may have taken rows out already."""
+        self.metrics.add(engine_errors=1)
+        self._batches.pop(key, None)
+        requests = {r.id: r for r in also}
+        requests.update((r.id, r) for r in self._active.values() if r.pool_key == key)
+        for request_id in requests:
+            self._active.pop(request_id, None)
+        self._fail_requests(list(requests.values()), _internal_error(500, "generation failed", cause))
+
+    def _fail_everything(self, error: ApiError) -> None:
+        """Every running and waiting request gets ``error`` (shutdown, drain over, the engine died)."""
         with self._cond:
             waiting, self._waiting = list(self._waiting), collections.deque()
-        for request in waiting:
-            request.emit(("error", ApiError(503, message, "server_error")))
+        running = list(self._active.values())
+        self._active.clear()
+        self._batches.clear()
+        self._fail_requests(running + waiting, error)
 
     # ------------------------------------------------------------ retrieval (handler side, in a worker thread)
 
@@ -544,11 +900,22 @@ def _get_int(body: dict, name: str, default: int | None, low: int, high: int | N
     if value is None:
         return default
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(value)}", param=name)
+        raise ApiError(400, f"'{name}' must be an integer, got {_show(value)}", param=name)
     if value < low or (high is not None and value > high):
         span = f"between {low} and {high}" if high is not None else f">= {low}"
-        raise ApiError(400, f"'{name}' must be {span}{hint}, got {value}", param=name)
+        raise ApiError(400, f"'{name}' must be {span}{hint}, got {_show(value)}", param=name)
     return value
+
+
+def _get_number(body: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value > high or value < low or (low_open and value == low):
+        span = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise ApiError(400, f"'{name}' must be a number in {span}, got {_show(value)}", param=name)
+    return float(value)
 
 
 def _get_bool(body: dict, name: str, default: bool = False) -> bool:
@@ -556,8 +923,51 @@ def _get_bool(body: dict, name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ApiError(400, f"'{name}' must be true or false, got {json.dumps(value)}", param=name)
+        raise ApiError(400, f"'{name}' must be true or false, got {_show(value)}", param=name)
     return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How each next token is chosen, as the request asked. ``None``: not given.
+
+    Parsing (types and ranges) is apart from :func:`_require_greedy`, the one place that refuses
+    sampling today: when the engine samples, drop that check and pass these on.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Absent temperature means greedy here (OpenAI's default is 1: we say so when refusing)."""
+        return not self.temperature
+
+
+def _sampling_params(body: dict) -> SamplingParams:
+    return SamplingParams(
+        temperature=_get_number(body, "temperature", 0.0, 2.0),
+        top_p=_get_number(body, "top_p", 0.0, 1.0, low_open=True),
+        top_k=_get_int(body, "top_k", None, -1, 1 << 31),
+        seed=_get_int(body, "seed", None, -(1 << 63), (1 << 64) - 1),
+    )
+
+
+def _require_greedy(sampling: SamplingParams) -> None:
+    """This server decodes greedily only (lossless lookahead): refuse a request that asks to sample."""
+    if sampling.temperature:
+        raise ApiError(
+            400,
+            f"this server decodes greedily only (lossless lookahead): 'temperature' must be 0 or absent, got {sampling.temperature:g}",
+            param="temperature",
+        )
+    if sampling.temperature is None:  # with temperature 0 decoding is greedy whatever these say
+        if sampling.top_p is not None and sampling.top_p != 1:
+            raise ApiError(400, f"this server decodes greedily only: 'top_p' must be 1 or absent, got {sampling.top_p:g}", param="top_p")
+        if sampling.top_k not in (None, 0, -1, 1):
+            raise ApiError(400, f"this server decodes greedily only: 'top_k' must be 1 or absent, got {sampling.top_k}", param="top_k")
 
 
 @dataclass
@@ -567,43 +977,45 @@ class _Params:
     stop: list[str]
     stream: bool
     include_usage: bool
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = body.get(name)
+        if value is not None and value != 0 and not (name == "repetition_penalty" and value == 1):
+            raise ApiError(400, f"'{name}' is not supported (greedy decoding only): leave it out", param=name)
+    for name, what in (("logit_bias", "'logit_bias'"), ("logprobs", "'logprobs'"), ("top_logprobs", "'logprobs'"),
+                       ("echo", "'echo'"), ("suffix", "'suffix'")):
+        if body.get(name):
+            raise ApiError(400, f"{what} is not supported by this server", param=name)
+
+
+def _stop_strings(body: dict, cfg: ServerConfig) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    if len(stop) > cfg.max_stop:
+        raise ApiError(400, f"'stop' has {len(stop)} strings; at most {cfg.max_stop} are allowed (max_stop)", param="stop")
+    if any(len(s) > cfg.max_stop_chars for s in stop):
+        raise ApiError(400, f"a 'stop' string is longer than {cfg.max_stop_chars} characters (max_stop_chars)", param="stop")
+    return [s for s in stop if s]
 
 
 def _common_params(body: dict, engine: Engine, max_tokens_names: Sequence[str] = ("max_tokens",)) -> _Params:
     cfg = engine.config
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError(400, "'model' must be a string", param="model")
+    if model is not None and (not isinstance(model, str) or len(model) > 256):
+        raise ApiError(400, "'model' must be a string of at most 256 characters", param="model")
     _get_int(body, "n", 1, 1, 1, " (this server returns one choice per request)")
-    temperature = body.get("temperature")
-    if temperature is not None:
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
-            raise ApiError(400, "'temperature' must be a number", param="temperature")
-        if temperature != 0:
-            raise ApiError(
-                400,
-                f"this server decodes greedily only (lossless lookahead): 'temperature' must be 0 or absent, got {temperature}",
-                param="temperature",
-            )
-    top_p = body.get("top_p")
-    if top_p is not None:
-        if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
-            raise ApiError(400, f"'top_p' must be a number in (0, 1], got {json.dumps(top_p)}", param="top_p")
-        if top_p != 1 and temperature != 0:  # with temperature 0 decoding is greedy whatever top_p says
-            raise ApiError(400, f"this server decodes greedily only: 'top_p' must be 1 or absent, got {top_p}", param="top_p")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = body.get(name)
-        if value is not None and value != 0:
-            raise ApiError(400, f"'{name}' is not supported (greedy decoding only): leave it out or set it to 0", param=name)
-    if body.get("logit_bias"):
-        raise ApiError(400, "'logit_bias' is not supported", param="logit_bias")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise ApiError(400, "'logprobs' is not supported by this server", param="logprobs")
-    if body.get("echo"):
-        raise ApiError(400, "'echo' is not supported by this server", param="echo")
-    if body.get("suffix"):
-        raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
     _get_int(body, "best_of", 1, 1, 1, " (greedy decoding has one best)")
+    sampling = _sampling_params(body)
+    _require_greedy(sampling)
+    _refuse_unsupported(body)
     max_tokens = None
     for name in max_tokens_names:
         max_tokens = _get_int(body, name, None, 1, cfg.max_tokens_limit, f" (the server's max_tokens limit is {cfg.max_tokens_limit})")
@@ -611,22 +1023,13 @@ def _common_params(body: dict, engine: Engine, max_tokens_names: Sequence[str] =
             break
     if max_tokens is None:
         max_tokens = min(cfg.default_max_tokens, cfg.max_tokens_limit)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
-    stop = [s for s in stop if s]
-    if len(stop) > cfg.max_stop:
-        raise ApiError(400, f"'stop' has {len(stop)} strings; at most {cfg.max_stop} are allowed", param="stop")
+    stop = _stop_strings(body, cfg)
     stream = _get_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
-    include_usage = bool(options and options.get("include_usage"))
-    return _Params(model or cfg.model_name, max_tokens, stop, stream, include_usage)
+    include_usage = _get_bool(options or {}, "include_usage")
+    return _Params(model or cfg.model_name, max_tokens, stop, stream, include_usage, sampling)
 
 
 def _check_prompt(ids: list[int], engine: Engine) -> list[int]:
@@ -642,19 +1045,22 @@ def _check_prompt(ids: list[int], engine: Engine) -> list[int]:
     return ids
 
 
-def _completion_prompt(body: dict, engine: Engine) -> list[int]:
+def _completion_prompt(body: dict, engine: Engine) -> str | list[int]:
+    """The prompt as given: text (to tokenize off the event loop) or checked token ids."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, "'prompt' is empty", param="prompt")
-        return _check_prompt(engine.encode_text(prompt), engine)
+        return prompt
+    if isinstance(prompt, list) and prompt and len(prompt) > engine.config.max_prompt_tokens:
+        _check_prompt(prompt, engine)  # too long: refused before looking at every element
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(t < 0 for t in prompt):
             raise ApiError(400, "token ids in 'prompt' must be >= 0", param="prompt")
         return _check_prompt(list(prompt), engine)
-    if isinstance(prompt, list) and len(prompt) > 1:
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise ApiError(400, "'prompt' holds several prompts: send one prompt per request", param="prompt")
     raise ApiError(400, "'prompt' is required: a string or a list of token ids", param="prompt")
 
@@ -662,33 +1068,59 @@ def _completion_prompt(body: dict, engine: Engine) -> list[int]:
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
-def _chat_messages(body: dict) -> list[dict]:
+def _chat_messages(body: dict, cfg: ServerConfig) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' is required: a non-empty list of {role, content} objects", param="messages")
+    if len(messages) > cfg.max_messages:
+        raise ApiError(400, f"'messages' has {len(messages)} entries; at most {cfg.max_messages} are allowed (max_messages)", param="messages")
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
         role = message.get("role")
         if role not in _ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {json.dumps(role)}", param="messages")
-        content = message.get("content")
-        if content is None:
-            content = ""
-        if isinstance(content, list):  # OpenAI content parts: text only
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}].content parts must be {{\"type\": \"text\", \"text\": ...}} (text only)", param="messages")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+            raise ApiError(400, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {_show(role)}", param="messages")
+        out.append({"role": "system" if role == "developer" else role, "content": _message_text(message.get("content"), i)})
     if not any(m["content"].strip() for m in out):
         raise ApiError(400, "every message is empty", param="messages")
     return out
+
+
+def _message_text(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):  # OpenAI content parts: text only
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content parts must be {{\"type\": \"text\", \"text\": ...}} (text only)", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+    return content
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _parse_json(raw: bytes) -> dict:
+    """The body as a JSON object; a clear 400 for anything else (NaN, lone surrogates, deep nesting)."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:  # strings with lone surrogates (\\ud800) cannot be tokenized or sent back
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body holds invalid Unicode (a lone surrogate escape)") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    return body
 
 
 # ---------------------------------------------------------------- responses
@@ -701,32 +1133,54 @@ def _sse(payload: Any) -> str:
 _DONE = "data: [DONE]\n\n"
 
 
-async def _next_event(request: _Request, http_request, engine: Engine, poll: float = 0.25) -> tuple:
-    """The request's next event; cancels it when the client has gone (non-streaming waits)."""
-    while True:
-        try:
-            return await asyncio.wait_for(request.channel.get(), poll)
-        except asyncio.TimeoutError:
-            if http_request is not None and await http_request.is_disconnected():
-                engine.cancel(request)
-                raise _ClientGone() from None
-
-
 class _ClientGone(Exception):
     pass
 
 
-async def _collect(request: _Request, http_request, engine: Engine) -> dict:
-    """Wait for the whole answer; returns the engine's final info."""
+async def _events(request: _Request, engine: Engine, http_request: Request | None = None) -> AsyncIterator[tuple]:
+    """The request's events, the last one "done" or "error".
+
+    Every ``POLL_SECONDS`` without an event it looks whether the client left (when
+    ``http_request`` is given: the request is cancelled, ``_ClientGone`` raised) and whether the
+    engine thread is gone (an error event, so no client waits forever). One pending ``get`` is
+    kept across polls, so no event can be lost to a timeout.
+    """
+    getter: asyncio.Future | None = None
     try:
         while True:
-            event = await _next_event(request, http_request, engine)
-            if event[0] == "done":
+            if getter is None:
+                getter = asyncio.ensure_future(request.channel.get())
+            done, _ = await asyncio.wait((getter,), timeout=POLL_SECONDS)
+            if not done:
+                if http_request is not None and await http_request.is_disconnected():
+                    engine.cancel(request)
+                    raise _ClientGone()
+                if not engine.alive and request.channel.empty():
+                    request.finished = True
+                    yield ("error", _engine_stopped())
+                    return
+                continue
+            event, getter = getter.result(), None
+            if event[0] != "piece":
                 request.finished = True
-                return event[1]
-            if event[0] == "error":
-                request.finished = True
-                raise event[1]
+            yield event
+            if event[0] != "piece":
+                return
+    finally:
+        if getter is not None:
+            getter.cancel()
+
+
+async def _collect(request: _Request, http_request: Request, engine: Engine) -> dict:
+    """Wait for the whole answer; returns the engine's final info."""
+    try:
+        async with contextlib.aclosing(_events(request, engine, http_request)) as events:
+            async for event in events:
+                if event[0] == "done":
+                    return event[1]
+                if event[0] == "error":
+                    raise event[1]
+        raise _engine_stopped()  # unreachable: the events end with done or error
     finally:
         if not request.finished:
             engine.cancel(request)
@@ -744,40 +1198,168 @@ def _stats(info: dict) -> dict:
     return {k: info[k] for k in ("forward_passes", "mean_accepted", "seconds", "lookahead")}
 
 
-async def _stream(request: _Request, engine: Engine, make_chunk, include_usage: bool, first: list | None = None, final=None):
-    """Server-sent events: ``make_chunk(text, finish_reason)`` shapes each one."""
+async def _stream(request: _Request, http_request: Request, engine: Engine, make_chunk, include_usage: bool,
+                  first: list | None = None, final=None):
+    """Server-sent events: ``make_chunk(text, finish_reason)`` shapes each one.
+
+    It looks for the client's disconnect itself while it waits: under ASGI 2.4 servers Starlette
+    no longer listens for it, and a queued request would otherwise be decoded for nobody."""
     try:
         for payload in first or ():
             yield _sse(payload)
-        while True:
-            event = await request.channel.get()
-            kind = event[0]
-            if kind == "piece":
-                yield _sse(make_chunk(event[1], None))
-            elif kind == "done":
-                request.finished = True
-                info = event[1]
-                if info["rest"]:
-                    yield _sse(make_chunk(info["rest"], None))
-                if final is not None:
-                    yield _sse(final(info))
+        async with contextlib.aclosing(_events(request, engine, http_request)) as events:
+            async for event in events:
+                if event[0] == "piece":
+                    yield _sse(make_chunk(event[1], None))
+                elif event[0] == "done":
+                    for payload in _last_chunks(event[1], make_chunk, include_usage, final):
+                        yield _sse(payload)
+                    yield _DONE
                 else:
-                    yield _sse(make_chunk(None, info["finish_reason"]))
-                    if include_usage:
-                        yield _sse(make_chunk(None, None, usage=_usage(info)))
-                yield _DONE
-                return
-            else:
-                request.finished = True
-                yield _sse(event[1].body())
-                yield _DONE
-                return
+                    yield _sse(event[1].body())
+                    yield _DONE
+    except _ClientGone:
+        return
     finally:  # the client left (the generator was cancelled or closed) or we are done
         if not request.finished:
             engine.cancel(request)
 
 
-# ---------------------------------------------------------------- the app
+def _last_chunks(info: dict, make_chunk, include_usage: bool, final) -> list:
+    """The chunks after the last piece: the held-back rest, then the finish (and usage) chunk."""
+    chunks = [make_chunk(info["rest"], None)] if info["rest"] else []
+    if final is not None:
+        return chunks + [final(info)]
+    chunks.append(make_chunk(None, info["finish_reason"]))
+    if include_usage:
+        chunks.append(make_chunk(None, None, usage=_usage(info)))
+    return chunks
+
+
+class _EngineStream(StreamingResponse):
+    """A stream that cancels its request however the response ends, even when the client left
+    before the stream's first chunk (then the generator never runs, so its own cleanup cannot)."""
+
+    def __init__(self, content, engine: Engine, request: _Request) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.engine, self.request = engine, request
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.request.finished:
+                self.engine.cancel(self.request)
+
+
+# ---------------------------------------------------------------- middleware
+
+
+async def _send_error(send, error: ApiError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps(error.body()).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    await send({"type": "http.response.start", "status": error.status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _host_name(value: str) -> str:
+    """``example.com:8000`` -> ``example.com``; ``[::1]:8000`` -> ``::1``; lower case, no final dot."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        return value[1:end] if end > 0 else ""
+    if value.count(":") == 1:
+        value = value.split(":", 1)[0]
+    return value.rstrip(".")
+
+
+def _origin_host(origin: str) -> str | None:
+    """The host name of an ``Origin`` header (``http://localhost:3000`` -> ``localhost``); None if opaque."""
+    scheme, sep, rest = origin.strip().partition("://")
+    if not sep or not scheme:
+        return None
+    return _host_name(rest.split("/", 1)[0]) or None
+
+
+class _Gate:
+    """ASGI middleware in front of every handler, before any body is read:
+
+    1. ``Host`` must name this server (the bound host, a loopback name or ``allowed_hosts``):
+       a DNS-rebinding page reaches a loopback port under its own name and is refused (421); a
+       browser ``Origin`` must pass the same test (403), so no web page can drive the server.
+    2. With API keys, ``Authorization: Bearer KEY`` on every path but ``/health`` (401). Keys are
+       compared as SHA-256 digests with ``hmac.compare_digest`` against all keys, so the time
+       taken says nothing about them; the handler learns only the digest's short id.
+    3. A declared ``Content-Length`` above ``max_body_bytes``: 413 at once.
+    """
+
+    OPEN_PATHS = frozenset({"/health"})
+
+    def __init__(self, app, config: ServerConfig) -> None:
+        self.app = app
+        self.max_body = config.max_body_bytes
+        hosts = set(LOOPBACK) | set(config.allowed_hosts)
+        if config.host not in WILDCARD_BINDS:
+            hosts.add(_host_name(config.host) or config.host.lower())
+        self.hosts = None if "*" in hosts else frozenset(hosts)
+        self.keys = [(hashlib.sha256(k.encode()).digest(), hashlib.sha256(k.encode()).hexdigest()[:16]) for k in config.api_keys]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers: dict[str, list[str]] = {}
+        for name, value in scope.get("headers", ()):
+            headers.setdefault(name.decode("latin-1").lower(), []).append(value.decode("latin-1"))
+        error = self._check_host(headers) or self._check_key(scope, headers) or self._check_length(headers)
+        if error is not None:
+            extra = [(b"connection", b"close")] if error.status == 413 else []
+            if error.status == 401:
+                extra.append((b"www-authenticate", b"Bearer"))
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1008})
+            return await _send_error(send, error, extra)
+        await self.app(scope, receive, send)
+
+    def _check_host(self, headers: dict[str, list[str]]) -> ApiError | None:
+        if self.hosts is None:
+            return None
+        hosts = headers.get("host", [])
+        if len(hosts) != 1 or _host_name(hosts[0]) not in self.hosts:
+            return ApiError(421, "this server does not answer to that Host name (start it with --allowed-hosts NAME to allow it)",
+                            code="invalid_host")
+        for origin in headers.get("origin", []):
+            if _origin_host(origin) not in self.hosts:
+                return ApiError(403, "requests from web pages of other origins are refused", code="invalid_origin")
+        return None
+
+    def _check_key(self, scope, headers: dict[str, list[str]]) -> ApiError | None:
+        if not self.keys or scope.get("path") in self.OPEN_PATHS:
+            return None
+        given = headers.get("authorization", [""])[0]
+        scheme, _, token = given.partition(" ")
+        digest = hashlib.sha256(token.strip().encode("latin-1")).digest()
+        matched = ""
+        for key_digest, key_id in self.keys:  # all of them, whatever matched: constant work
+            if hmac.compare_digest(digest, key_digest) and scheme.lower() == "bearer":
+                matched = key_id
+        if not matched:
+            return ApiError(401, "a valid API key is required: send 'Authorization: Bearer YOUR_KEY'", code="invalid_api_key")
+        scope.setdefault("state", {})["key_id"] = matched
+        return None
+
+    def _check_length(self, headers: dict[str, list[str]]) -> ApiError | None:
+        lengths = headers.get("content-length", [])
+        if not lengths:
+            return None
+        if len(lengths) > 1 or not lengths[0].strip().isdigit():
+            return ApiError(400, "the Content-Length header is not a single number")
+        if int(lengths[0]) > self.max_body:
+            return _too_large(self.max_body)
+        return None
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server accepts ({limit} bytes, max_body_bytes)", code="body_too_large")
 
 
 class _CountRequests:
@@ -802,14 +1384,47 @@ class _CountRequests:
             self.metrics.request(scope.get("path", ""), status[0])
 
 
+# ---------------------------------------------------------------- the app
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    """The body, counted as it streams in (413 past ``limit``), parsed off the event loop."""
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import ClientDisconnect
+
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise _ClientGone() from None
+    raw = b"".join(chunks)
+    return await run_in_threadpool(_parse_json, raw) if len(raw) > 65536 else _parse_json(raw)
+
+
+def _template_error(error: Exception) -> ApiError:
+    """The chat template refused the messages: its own message when it raised one on purpose."""
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:  # pragma: no cover - transformers needs jinja2 for templates
+        TemplateError = ()  # type: ignore[assignment]
+    if isinstance(error, TemplateError) and str(error) and len(str(error)) <= 300:
+        return ApiError(400, f"the chat template rejected these messages: {error}", param="messages")
+    log.info("chat template failed", exc_info=(type(error), error, error.__traceback__))
+    return ApiError(400, "the chat template rejected these messages", param="messages")
+
+
 def create_app(engine_or_config: Engine | ServerConfig | None = None):
     """The FastAPI app. Given a config it loads the model; the engine thread starts with the app
-    (lifespan) and stops with it."""
+    (lifespan) and stops with it, after draining for ``drain_seconds``."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -824,48 +1439,49 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
         try:
             yield
         finally:
-            await run_in_threadpool(engine.stop)
+            await run_in_threadpool(engine.stop, cfg.drain_seconds)
 
-    app = FastAPI(title="rag_lookahead", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="rag_lookahead", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
-    app.add_middleware(_CountRequests, metrics=engine.metrics)
+    app.add_middleware(_Gate, config=cfg)
+    app.add_middleware(_CountRequests, metrics=engine.metrics)  # outermost: counts the gate's refusals too
     ids = itertools.count()
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):
-        return JSONResponse(err.body(), status_code=err.status)
+        headers = {"Connection": "close"} if err.status == 413 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: Request, err: _ClientGone):
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return JSONResponse(ApiError(err.status_code, str(err.detail), kind).body(), status_code=err.status_code)
+        message = {404: "no such endpoint", 405: "this endpoint does not take that method"}.get(err.status_code, "invalid request")
+        return JSONResponse(ApiError(err.status_code, message, kind).body(), status_code=err.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError):
-        return JSONResponse(ApiError(400, f"invalid request: {err.errors()}").body(), status_code=400)
+        return JSONResponse(ApiError(400, "invalid request").body(), status_code=400)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):
-        log.exception("unhandled error")
-        return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}: {err}", "server_error").body(), status_code=500)
-
-    async def json_body(request: Request) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
+        return JSONResponse(_internal_error(500, "internal error", err).body(), status_code=500)
 
     def make_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex[:16]}{next(ids)}"
 
-    async def submit(request: _Request) -> None:
-        if not engine.ready.is_set() and engine.error is not None:
-            raise ApiError(503, f"the engine failed to start: {engine.error}", "server_error")
-        engine.submit(request)
+    def key_of(http_request: Request) -> str:
+        return getattr(http_request.state, "key_id", "")
+
+    async def read_body(http_request: Request) -> dict:
+        engine.check_capacity()  # 429/503 before reading, parsing or tokenizing anything
+        return await _read_json(http_request, cfg.max_body_bytes)
+
+    async def encode(fn: Callable, *args) -> list[int]:
+        return await run_in_threadpool(fn, *args)
 
     async def non_stream(request: _Request, http_request: Request) -> dict | Response:
         try:
@@ -873,16 +1489,15 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
         except _ClientGone:
             return Response(status_code=499)
 
-    def stream_response(generator) -> StreamingResponse:
-        return StreamingResponse(generator, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
     @app.post("/v1/completions")
     async def completions(http_request: Request):
-        body = await json_body(http_request)
+        body = await read_body(http_request)
         params = _common_params(body, engine)
         prompt = _completion_prompt(body, engine)
-        request = engine.new_request(prompt, params.max_tokens, params.stop)
-        await submit(request)
+        if isinstance(prompt, str):
+            prompt = _check_prompt(await encode(engine.encode_text, prompt), engine)
+        request = engine.new_request(prompt, params.max_tokens, params.stop, pool_key=key_of(http_request))
+        engine.submit(request)
         rid, created = make_id("cmpl"), int(time.time())
 
         def chunk(text: str | None, finish_reason: str | None, usage: dict | None = None) -> dict:
@@ -893,7 +1508,7 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
             return out
 
         if params.stream:
-            return stream_response(_stream(request, engine, chunk, params.include_usage))
+            return _EngineStream(_stream(request, http_request, engine, chunk, params.include_usage), engine, request)
         info = await non_stream(request, http_request)
         if isinstance(info, Response):
             return info
@@ -904,17 +1519,17 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http_request: Request):
-        body = await json_body(http_request)
+        body = await read_body(http_request)
         params = _common_params(body, engine, ("max_completion_tokens", "max_tokens"))
         if body.get("tools") or body.get("functions"):
             raise ApiError(400, "tool and function calling are not supported by this server", param="tools")
-        messages = _chat_messages(body)
+        messages = _chat_messages(body, cfg)
         try:
-            prompt = engine.encode_chat(messages)
+            prompt = await encode(engine.encode_chat, messages)
         except Exception as e:  # a template that refuses this conversation (e.g. role order)
-            raise ApiError(400, f"the chat template rejected these messages: {e}", param="messages") from None
-        request = engine.new_request(_check_prompt(prompt, engine), params.max_tokens, params.stop)
-        await submit(request)
+            raise _template_error(e) from None
+        request = engine.new_request(_check_prompt(prompt, engine), params.max_tokens, params.stop, pool_key=key_of(http_request))
+        engine.submit(request)
         rid, created = make_id("chatcmpl"), int(time.time())
 
         def chunk(text: str | None, finish_reason: str | None, usage: dict | None = None, first: bool = False) -> dict:
@@ -927,7 +1542,8 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
             return out
 
         if params.stream:
-            return stream_response(_stream(request, engine, chunk, params.include_usage, first=[chunk(None, None, first=True)]))
+            events = _stream(request, http_request, engine, chunk, params.include_usage, first=[chunk(None, None, first=True)])
+            return _EngineStream(events, engine, request)
         info = await non_stream(request, http_request)
         if isinstance(info, Response):
             return info
@@ -948,7 +1564,7 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
     async def rag(http_request: Request):
         from .chains import make_prompt, source_info
 
-        body = await json_body(http_request)
+        body = await read_body(http_request)
         question = body.get("question")
         if not isinstance(question, str) or not question.strip():
             raise ApiError(400, "'question' is required: a non-empty string", param="question")
@@ -963,15 +1579,21 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
                 "and start the server with `--index-dir DIR`",
                 "server_error",
             )
+        if len(await encode(engine.encode_text, question)) > cfg.max_prompt_tokens:  # before the costly retrieval
+            raise ApiError(400, f"'question' is longer than this server's prompt limit ({cfg.max_prompt_tokens} tokens)", param="question")
+        engine.check_capacity()  # again: the tokenizing may have taken a while
         k_seed = max(cfg.k_seed, k)
         start = time.perf_counter()
-        docs = await run_in_threadpool(engine.retrieve, question, k_seed)
+        try:
+            docs = await run_in_threadpool(engine.retrieve, question, k_seed)
+        except InputError as e:
+            raise ApiError(400, str(e)[:300], param="question") from None
         retrieval_seconds = time.perf_counter() - start
         shown, seeds = docs[:k], docs[k:]
-        prompt = engine.encode_chat([{"role": "user", "content": make_prompt(question, shown)}])
-        references = engine.encode_passages([d.page_content for d in seeds]) if engine.lookahead.enabled else []
-        request = engine.new_request(_check_prompt(prompt, engine), max_tokens, [], references)
-        await submit(request)
+        prompt = await encode(engine.encode_chat, [{"role": "user", "content": make_prompt(question, shown)}])
+        references = await encode(engine.encode_passages, [d.page_content for d in seeds]) if engine.lookahead.enabled else []
+        request = engine.new_request(_check_prompt(prompt, engine), max_tokens, [], references, pool_key=key_of(http_request))
+        engine.submit(request)
         sources = [source_info(d, i < k) for i, d in enumerate(docs)]
 
         def stats(info: dict) -> dict:
@@ -979,16 +1601,16 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
                     "finish_reason": info["finish_reason"], "usage": _usage(info)}
 
         if stream:
-            return stream_response(
-                _stream(
-                    request,
-                    engine,
-                    lambda text, finish_reason, usage=None: {"type": "delta", "text": text or ""},
-                    False,
-                    first=[{"type": "sources", "sources": sources}],
-                    final=lambda info: {"type": "done", "answer": info["text"].strip(), "stats": stats(info)},
-                )
+            events = _stream(
+                request,
+                http_request,
+                engine,
+                lambda text, finish_reason, usage=None: {"type": "delta", "text": text or ""},
+                False,
+                first=[{"type": "sources", "sources": sources}],
+                final=lambda info: {"type": "done", "answer": info["text"].strip(), "stats": stats(info)},
             )
+            return _EngineStream(events, engine, request)
         info = await non_stream(request, http_request)
         if isinstance(info, Response):
             return info
@@ -1000,9 +1622,9 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
 
     @app.get("/health")
     async def health():
-        ok = engine.alive and engine.ready.is_set()
+        status = _health_status(engine)
         body = {
-            "status": "ok" if ok else ("error" if engine.error or (engine.ready.is_set() and not engine.alive) else "starting"),
+            "status": status,
             "model": cfg.model_name,
             "lookahead": engine.lookahead.enabled,
             "index": engine.index is not None,
@@ -1010,9 +1632,9 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
             "batch_size": engine.batch_size,
             "max_batch_size": engine.max_batch_size,
         }
-        if engine.error is not None:
-            body["error"] = str(engine.error)
-        return JSONResponse(body, status_code=200 if ok else 503)
+        if status == "error":
+            body["error"] = "the generation engine is not running; the server log has the details"
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -1020,6 +1642,48 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _health_status(engine: Engine) -> str:
+    """ok | starting | draining | error (the engine failed to start or its thread died)."""
+    if engine.error is not None or (engine.ready.is_set() and not engine.alive and not engine.draining):
+        return "error"
+    if engine.draining:
+        return "draining"
+    if not (engine.alive and engine.ready.is_set()):
+        return "starting"
+    return "ok"
+
+
+# ---------------------------------------------------------------- running it
+
+
+async def drain(engine: Engine, seconds: float) -> None:
+    """Stop admitting; wait until the accepted requests are answered or ``seconds`` pass (then the
+    engine fails the rest, and their handlers answer at once)."""
+    engine.begin_drain(seconds)
+    deadline = time.monotonic() + seconds + CLOSE_GRACE_SECONDS
+    while engine.alive and not engine.idle and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(POLL_SECONDS)  # let the handlers send the last events
+
+
+def make_server(app, engine: Engine, **uvicorn_options):
+    """A ``uvicorn.Server`` for ``app`` whose shutdown (SIGTERM, SIGINT) first drains ``engine`` for
+    its ``drain_seconds`` while new requests get 503, then closes the connections."""
+    import uvicorn
+
+    config = engine.config
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            log.info("shutting down: draining for up to %.0f s", config.drain_seconds)
+            await drain(engine, config.drain_seconds)
+            await super().shutdown(sockets)
+
+    options = dict(host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=CLOSE_GRACE_SECONDS)
+    options.update(uvicorn_options)
+    return DrainingServer(uvicorn.Config(app, **options))
 
 
 # ---------------------------------------------------------------- command line
@@ -1042,17 +1706,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     p.add_argument("--k-prompt", type=int, default=d.k_prompt, help="RAG passages shown to the model")
     p.add_argument("--k-seed", type=int, default=d.k_seed, help="RAG passages retrieved (the rest seed the trie)")
+    p.add_argument("--max-stop", type=int, default=d.max_stop, help="most stop strings in a request")
+    p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="longest stop string")
+    p.add_argument("--max-messages", type=int, default=d.max_messages, help="most chat messages in a request")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (413 beyond)")
+    p.add_argument("--drain-seconds", type=float, default=d.drain_seconds,
+                   help="on SIGTERM, time for accepted requests to finish while new ones get 503")
+    p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' (repeat for several keys; default ${API_KEY_ENV}, "
+                        "comma-separated; prefer the variable: flags are visible to other local users)")
+    p.add_argument("--allowed-hosts", dest="allowed_hosts", action="append", default=None, metavar="HOST[,HOST]",
+                   help="Host names accepted besides the bound host and loopback ('*': any; needed behind a proxy or a DNS name)")
+    p.add_argument("--output-pool", choices=OUTPUT_POOL_MODES, default=d.output_pool,
+                   help="shared: earlier answers speed up everyone (and stats can reveal them); per-key: one pool per API key; off")
     p.add_argument("--no-lookahead", action="store_true", help="decode one token a forward (same text)")
     p.add_argument("--decoding-length", type=int, default=None, help="most draft nodes per forward")
     p.add_argument("--branch-length", type=int, default=None, help="deepest draft path")
     p.add_argument("--budget", choices=("auto", "fixed"), default=None)
-    p.add_argument("--log-level", default=d.log_level)
+    p.add_argument("--log-level", default=d.log_level, type=str.lower, choices=LOG_LEVELS)
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The flags that share a ``ServerConfig`` field's name, plus the lookahead switches."""
-    flags = vars(args)
+def _split_commas(values: Sequence[str] | None) -> tuple[str, ...]:
+    return tuple(v.strip() for value in values or () for v in value.split(",") if v.strip())
+
+
+def config_from_args(args: argparse.Namespace, environ: dict | None = None) -> ServerConfig:
+    """The flags that share a ``ServerConfig`` field's name, plus the lookahead switches and the
+    API keys (``--api-key``, else ``$RAG_LOOKAHEAD_API_KEY``)."""
+    environ = os.environ if environ is None else environ
+    flags = dict(vars(args))
+    flags["api_keys"] = _split_commas(args.api_keys if args.api_keys else [environ.get(API_KEY_ENV, "")])
+    flags["allowed_hosts"] = _split_commas(args.allowed_hosts)
     same = {f.name: flags[f.name] for f in fields(ServerConfig) if f.name in flags}
     changes = {k: v for k, v in (("decoding_length", args.decoding_length), ("branch_length", args.branch_length), ("budget", args.budget)) if v is not None}
     return ServerConfig(
@@ -1062,18 +1747,30 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import uvicorn
+def _warn_about_exposure(config: ServerConfig) -> None:
+    if config.host in LOOPBACK:
+        return
+    if not config.api_keys:
+        log.warning("binding to %s without --api-key: anyone who can reach this address can use the server", config.host)
+    if config.host in WILDCARD_BINDS and not config.allowed_hosts:
+        log.warning("binding to %s: only requests addressed to a loopback name are answered; "
+                    "pass --allowed-hosts with the names clients use", config.host)
 
+
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if config.host not in LOOPBACK:
-        log.warning("binding to %s: the server has no authentication; anyone who can reach this address can use it", config.host)
+    logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _warn_about_exposure(config)
     app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower())
+    make_server(app, app.state.engine).run()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)

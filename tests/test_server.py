@@ -32,7 +32,7 @@ pytest.importorskip("fastapi")
 from rag_lookahead.config import LookaheadConfig
 from rag_lookahead.generate import generate
 from rag_lookahead.llm import LookaheadLLM
-from rag_lookahead.server import Engine, ServerConfig, create_app
+from rag_lookahead.server import Engine, ServerConfig, create_app, make_server
 
 from tiny_models import VOCAB, tiny_model
 
@@ -43,14 +43,18 @@ LOOKAHEAD = LookaheadConfig(budget="fixed", decoding_length=16)
 
 
 @contextlib.contextmanager
-def serving(engine: Engine):
-    """Run the app with uvicorn in a background thread on a free 127.0.0.1 port; yield its base URL."""
+def running(engine: Engine, wrap=None):
+    """Run the app as ``serve`` does (uvicorn, draining on shutdown) in a background thread on a
+    free 127.0.0.1 port; yield its base URL and the uvicorn server (``handle_exit`` is SIGTERM's path).
+    ``wrap``: an ASGI wrapper put around the app."""
     app = create_app(engine)
+    if wrap is not None:
+        app = wrap(app)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = make_server(app, engine, log_level="warning", lifespan="on")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
@@ -58,12 +62,19 @@ def serving(engine: Engine):
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         thread.join(60)
         sock.close()
-        assert not engine.alive
+        assert not thread.is_alive() and not engine.alive
+
+
+@contextlib.contextmanager
+def serving(engine: Engine):
+    """``running`` for tests that need only the base URL."""
+    with running(engine) as (base, _):
+        yield base
 
 
 def parse_sse(text: str) -> list:
@@ -121,6 +132,70 @@ def wait_idle(engine: Engine, timeout: float = 60) -> None:
     while engine.queue_depth or engine.active or engine.batch_size:
         assert time.monotonic() < deadline, "the engine did not drain"
         time.sleep(0.05)
+
+
+ENGINE_THREAD = "rag-lookahead-engine"
+
+
+def patch_engine(monkeypatch, cls, name: str, before) -> None:
+    """Call ``before(self, *args, **kwargs)`` ahead of ``cls.name`` whenever the engine thread runs
+    it (fault injection: delay, hold or raise). Other threads, e.g. ``single_text`` computing the
+    expected outputs through ``generate``, are untouched."""
+    real = getattr(cls, name)
+
+    def wrapper(self, *args, **kwargs):
+        if threading.current_thread().name == ENGINE_THREAD:
+            before(self, *args, **kwargs)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, wrapper)
+
+
+class Gate:
+    """Holds the engine thread at one method until ``set``; ``blocked`` counts the calls held."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.blocked = 0
+
+    def wait(self, *args, **kwargs) -> None:
+        self.blocked += 1
+        self.event.wait(60)
+
+    def set(self) -> None:
+        self.event.set()
+
+
+def hold_steps(monkeypatch) -> Gate:
+    """Decode steps wait for the gate (requests stay in the batch or the queue meanwhile)."""
+    from rag_lookahead.generate import DecodeBatch
+
+    gate = Gate()
+    patch_engine(monkeypatch, DecodeBatch, "verify_and_accept", gate.wait)
+    return gate
+
+
+def hold_prefills(monkeypatch) -> Gate:
+    """Prefills wait for the gate (the request being admitted has left the queue; later ones queue)."""
+    from rag_lookahead.generate import DecodeBatch
+
+    gate = Gate()
+    patch_engine(monkeypatch, DecodeBatch, "add", gate.wait)
+    return gate
+
+
+def slow_steps(monkeypatch, seconds: float) -> None:
+    """Each decode step takes at least ``seconds`` (so a request is still running when a test acts)."""
+    from rag_lookahead.generate import DecodeBatch
+
+    patch_engine(monkeypatch, DecodeBatch, "verify_and_accept", lambda *a, **k: time.sleep(seconds))
+
+
+async def until(predicate, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the engine"
+        await asyncio.sleep(0.01)
 
 
 # ---------------------------------------------------------------- the tiny model (fast)
