@@ -22,7 +22,7 @@ get a short message with an error id; the details go to the log.
 
 Decoding is greedy: a request's text is exactly what a single-request ``generate`` gives for the
 same prompt, whatever else is in the batch. ``temperature`` > 0 (and other sampling knobs) are
-refused with 400 rather than silently ignored (:class:`SamplingParams` is parsed apart from that
+refused with 400 rather than silently ignored (:class:`SamplingRequest` is parsed apart from that
 check, so sampling can be switched on in one place).
 
 Endpoints: ``POST /v1/completions`` (raw prompt, no chat template; a string or a list of token
@@ -64,7 +64,7 @@ from starlette.responses import StreamingResponse
 from .config import LookaheadConfig
 from .errors import ConfigError, InputError
 
-__all__ = ["ServerConfig", "SamplingParams", "Engine", "ApiError", "create_app", "make_server", "main"]
+__all__ = ["ServerConfig", "SamplingRequest", "Engine", "ApiError", "create_app", "make_server", "main"]
 
 log = logging.getLogger("rag_lookahead.server")
 
@@ -928,11 +928,13 @@ def _get_bool(body: dict, name: str, default: bool = False) -> bool:
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How each next token is chosen, as the request asked. ``None``: not given.
+class SamplingRequest:
+    """How the request asks each next token to be chosen (OpenAI's names). ``None``: not given.
 
     Parsing (types and ranges) is apart from :func:`_require_greedy`, the one place that refuses
-    sampling today: when the engine samples, drop that check and pass these on.
+    sampling today. To serve sampling: drop that check, turn this into the core's
+    :class:`rag_lookahead.sampling.SamplingParams` (``do_sample=bool(temperature)``) in
+    ``Engine.new_request`` and pass it per row to ``DecodeBatch.add(..., sampling=...)``.
     """
 
     temperature: float | None = None
@@ -946,8 +948,8 @@ class SamplingParams:
         return not self.temperature
 
 
-def _sampling_params(body: dict) -> SamplingParams:
-    return SamplingParams(
+def _sampling_params(body: dict) -> SamplingRequest:
+    return SamplingRequest(
         temperature=_get_number(body, "temperature", 0.0, 2.0),
         top_p=_get_number(body, "top_p", 0.0, 1.0, low_open=True),
         top_k=_get_int(body, "top_k", None, -1, 1 << 31),
@@ -955,7 +957,7 @@ def _sampling_params(body: dict) -> SamplingParams:
     )
 
 
-def _require_greedy(sampling: SamplingParams) -> None:
+def _require_greedy(sampling: SamplingRequest) -> None:
     """This server decodes greedily only (lossless lookahead): refuse a request that asks to sample."""
     if sampling.temperature:
         raise ApiError(
@@ -977,7 +979,7 @@ class _Params:
     stop: list[str]
     stream: bool
     include_usage: bool
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingRequest = field(default_factory=SamplingRequest)
 
 
 def _refuse_unsupported(body: dict) -> None:

@@ -1,0 +1,216 @@
+"""Request limits: a huge body is refused with 413 before it is read, tokenizing a long prompt
+never stalls /health or running streams, messages and stop strings are capped, malformed JSON
+gets a 400, and ServerConfig refuses settings out of range. Real tiny-model server over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from rag_lookahead.errors import ConfigError
+from rag_lookahead.server import ServerConfig
+
+from test_server import (  # noqa: F401 - tokenizer is a fixture
+    parse_sse,
+    serving,
+    slow_steps,
+    tiny_engine,
+    tiny_prompts,
+    tokenizer,
+    until,
+)
+
+MiB = 1 << 20
+
+
+def raw_request(base: str, head: str, body_parts, read_timeout: float = 10) -> tuple[int, dict, float]:
+    """Send ``head`` and as much of ``body_parts`` as the server takes; return the status, the JSON
+    body and the seconds from the first byte sent to the response's arrival."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        start = time.monotonic()
+        s.sendall(head.encode())
+        s.settimeout(0.2)
+        for part in body_parts:
+            try:
+                s.sendall(part)
+            except (BrokenPipeError, ConnectionResetError, socket.timeout):
+                break  # the server answered and stopped reading
+        s.settimeout(read_timeout)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + _length(data):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        seconds = time.monotonic() - start
+    head_bytes, _, payload = data.partition(b"\r\n\r\n")
+    status = int(head_bytes.split()[1])
+    return status, json.loads(payload[: _length(data)]), seconds
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n")[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+def health_latencies(base: str, stop: threading.Event, out: list) -> None:
+    """Ask /health again and again until ``stop``; record each answer's latency (None: not 200)."""
+    with httpx.Client(base_url=base, timeout=30) as client:
+        while not stop.is_set():
+            start = time.monotonic()
+            ok = client.get("/health").status_code == 200
+            out.append(time.monotonic() - start if ok else None)
+            time.sleep(0.05)
+
+
+def test_huge_body_gets_413_at_once_and_health_stays_prompt(tokenizer):
+    """A declared 60 MB body is refused before it is read (the measured bug: 27 s to a 400, /health
+    blocked meanwhile); a chunked body with no length is cut off once it passes the limit."""
+    engine = tiny_engine(tokenizer)
+    with serving(engine) as base:
+        host = base.removeprefix("http://")
+        stop, latencies = threading.Event(), []
+        watcher = threading.Thread(target=health_latencies, args=(base, stop, latencies))
+        watcher.start()
+        try:
+            asyncio.run(until(lambda: len(latencies) >= 2))
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {60 * MiB}\r\n\r\n"
+            status, body, seconds = raw_request(base, head, [b'{"prompt": "' + b"a" * MiB])
+            assert status == 413 and body["error"]["code"] == "body_too_large" and seconds < 2, (status, body, seconds)
+
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            chunk = b"a" * (256 * 1024)
+            parts = [b'{"prompt": "'] + [f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" for _ in range(24)]  # 6 MiB
+            parts[0] = f"{len(parts[0]):x}\r\n".encode() + parts[0] + b"\r\n"
+            status, body, seconds = raw_request(base, head, parts)
+            assert status == 413 and "max_body_bytes" in body["error"]["message"] and seconds < 5, (status, body, seconds)
+            seen = len(latencies)
+            asyncio.run(until(lambda: len(latencies) >= seen + 2))
+        finally:
+            stop.set()
+            watcher.join()
+        assert len(latencies) >= 3 and None not in latencies and max(latencies) < 1.0, latencies
+        assert httpx.post(base + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}).status_code == 200
+
+
+def test_tokenizing_a_long_prompt_stalls_neither_health_nor_streams(tokenizer, monkeypatch):
+    """A 3.8 MB text prompt (under the body cap) takes seconds to tokenize before it is refused as
+    too long; meanwhile /health answers at once and a running stream keeps streaming."""
+    engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
+    slow_steps(monkeypatch, 0.02)
+    prompt = ("the quick brown fox jumps over the lazy dog " * 90_000)[: 3_800_000]
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+            arrivals: list[float] = []
+
+            async def stream():
+                body = {"prompt": tiny_prompts(1, seed=31)[0], "max_tokens": 200, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    async for _ in r.aiter_raw():
+                        arrivals.append(time.monotonic())
+
+            streaming = asyncio.create_task(stream())
+            await until(lambda: len(arrivals) >= 2)
+            big = asyncio.create_task(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}))
+            start = time.monotonic()
+            health = []
+            while not big.done():
+                t = time.monotonic()
+                assert (await client.get("/health")).status_code == 200
+                health.append(time.monotonic() - t)
+                await asyncio.sleep(0.05)
+            big_seconds = time.monotonic() - start
+            streamed = [b - a for a, b in zip(arrivals, arrivals[1:]) if a >= start and b <= start + big_seconds]
+            await streaming
+            return (await big), big_seconds, health, streamed
+
+    with serving(engine) as base:
+        big, big_seconds, health, gaps = asyncio.run(run(base))
+    assert big.status_code == 400 and "max_prompt_tokens" in big.json()["error"]["message"]
+    assert big_seconds > 1.5, "the prompt tokenized too fast to show anything"
+    assert max(health) < 1.0, health
+    assert gaps and max(gaps) < 2.0, gaps
+
+
+def test_messages_and_stop_strings_are_capped(tokenizer):
+    engine = tiny_engine(tokenizer, max_messages=3, max_stop=2, max_stop_chars=8)
+    message = {"role": "user", "content": "hi"}
+    cases = [
+        ("/v1/chat/completions", {"messages": [message] * 4}, "max_messages"),
+        ("/v1/completions", {"prompt": [5, 6], "stop": ["a", "b", "c"]}, "max_stop"),
+        ("/v1/completions", {"prompt": [5, 6], "stop": "123456789"}, "max_stop_chars"),
+        ("/v1/completions", {"prompt": [5, 6], "stop": ["ok", "x" * 10_000]}, "max_stop_chars"),
+    ]
+    with serving(engine) as base:
+        for path, body, name in cases:
+            r = httpx.post(base + path, json=body, timeout=30)
+            assert r.status_code == 400 and name in r.json()["error"]["message"], (body, r.text)
+        r = httpx.post(base + "/v1/completions", json={"prompt": [5, 6], "stop": ["12345678"], "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200
+
+
+def test_malformed_json_is_a_400(tokenizer):
+    engine = tiny_engine(tokenizer)
+    bodies = [
+        b'{"prompt": [1, 2], "max_tokens": NaN}',
+        b'{"prompt": [1, 2], "max_tokens": Infinity}',
+        b'{"prompt": "\\ud800 lone surrogate"}',
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"prompt": [1, 2]' + b" " * 10,
+        b"\xff\xfe not utf-8",
+    ]
+    with serving(engine) as base:
+        for body in bodies:
+            r = httpx.post(base + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (body[:40], r.text)
+        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True}, timeout=30)
+        assert parse_sse(r.text)[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"max_batch_size": 10**9}, "max_batch_size"),
+        ({"max_queue": 0}, "max_queue"),
+        ({"max_tokens_limit": True}, "max_tokens_limit"),
+        ({"max_body_bytes": 2**40}, "max_body_bytes"),
+        ({"max_messages": "10"}, "max_messages"),
+        ({"max_stop_chars": 10**6}, "max_stop_chars"),
+        ({"k_prompt": 4, "k_seed": 2}, "k_seed"),
+        ({"drain_seconds": -1}, "drain_seconds"),
+        ({"drain_seconds": float("nan")}, "drain_seconds"),
+        ({"lookahead": "yes"}, "lookahead"),
+        ({"port": 70000}, "port"),
+        ({"output_pool": "everyone"}, "output_pool"),
+        ({"output_pool": "per-key"}, "per-key"),
+        ({"api_keys": "a-single-string-key"}, "list of strings"),
+        ({"api_keys": ["short"]}, "API key"),
+        ({"api_keys": ["has space in it"]}, "API key"),
+        ({"allowed_hosts": ["http://example.com/"]}, "allowed_hosts"),
+        ({"log_level": "loud"}, "log_level"),
+        ({"host": ""}, "host"),
+        ({"lookahead_config": {"decoding_length": 8}}, "lookahead_config"),
+    ],
+)
+def test_server_config_refuses_bad_settings(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        ServerConfig(**changes)
+
+
+def test_server_config_keeps_keys_out_of_its_repr():
+    config = ServerConfig(api_keys=["sk-0123456789abcdef"], allowed_hosts=["Example.COM."], output_pool="per-key")
+    assert "sk-0123456789abcdef" not in repr(config)
+    assert config.allowed_hosts == ("example.com",) and config.api_keys == ("sk-0123456789abcdef",)
