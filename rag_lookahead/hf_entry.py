@@ -1,0 +1,317 @@
+"""transformers' own entry point: ``model.generate(..., custom_generate=rag_lookahead.hf_generate)``.
+
+transformers 5.x prepares the call (generation config, attention mask, logits processors,
+stopping criteria) and hands it to a callable ``custom_generate``; this module is that
+callable, running ``rag_lookahead.generate`` instead of transformers' token-by-token loop, so
+the output equals ``model.generate``'s for the same arguments (and, when sampling, under the
+same ``torch.manual_seed``).
+
+The Lookahead article's keys are read from the ``GenerationConfig``, which keeps keys it does
+not know::
+
+    GenerationConfig(use_lookahead=True, decoding_length=64, branch_length=24,
+                     stop_words={...token ids...}, debug_lookahead=False, max_new_tokens=256)
+
+Extra keywords of ``model.generate`` that transformers passes on to us: ``references``
+(per row, the passages to draft from: token-id lists, or text with ``lookahead_tokenizer``),
+``lookahead_tokenizer`` (transformers keeps ``tokenizer=`` for itself and does not pass it on)
+and ``lookahead_config`` (a whole ``LookaheadConfig``; the config's keys override it).
+
+What would change the output and cannot be reproduced exactly is refused with
+``ConfigError``, never ignored: logits processors other than the sampling ones transformers
+builds from the config, per-step scores/attentions in the output, custom stopping criteria
+on batches (a batch-level criterion sees other rows; per row we cannot know what it means).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .config import LookaheadConfig, stop_word_ids
+from .errors import ConfigError, InputError
+from .generate import GenerationStats, generate
+from .sampling import build_processors, resolve_sampling
+
+#: model inputs transformers prepares for every decoder-only call; anything else is refused
+_PREPARED_INPUTS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "cache", "use_cache"})
+
+#: GenerationConfig switches that ask for per-step tensors we do not produce
+_PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+@dataclass
+class LookaheadGenerateOutput(GenerateDecoderOnlyOutput):
+    """``model.generate``'s ``return_dict_in_generate`` output plus the decoding stats.
+
+    ``scores``, ``logits``, ``attentions``, ``hidden_states`` are refused up front rather than
+    left empty; ``past_key_values`` is None (the decode loop packs rows into its own cache).
+    """
+
+    lookahead_stats: GenerationStats | None = None
+
+
+def hf_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    synced_gpus: bool = False,
+    streamer=None,
+    references: Sequence[Sequence[Sequence[int] | str]] | None = None,
+    lookahead_tokenizer=None,
+    lookahead_config: LookaheadConfig | None = None,
+    **model_kwargs: Any,
+) -> torch.LongTensor | LookaheadGenerateOutput:
+    """Lookahead decoding as a ``custom_generate`` callable for ``model.generate``.
+
+    Use it through ``model.generate(**inputs, custom_generate=hf_generate, generation_config=...)``:
+    transformers resolves the generation config and builds the processors and criteria this
+    function checks. Returns what ``model.generate`` returns: the sequences tensor, or a
+    ``LookaheadGenerateOutput`` (a ``GenerateDecoderOnlyOutput``) with ``lookahead_stats``
+    when ``return_dict_in_generate`` is set.
+    """
+    if generation_config is None or logits_processor is None or stopping_criteria is None:
+        raise ConfigError("hf_generate is called by transformers: use model.generate(..., custom_generate=hf_generate)")
+    streamer = streamer if streamer is not None else _streamer_of_caller(sys._getframe(1))
+    if synced_gpus:
+        raise ConfigError("synced_gpus is not supported by lookahead decoding")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ConfigError("lookahead decoding supports decoder-only models only")
+    _check_outputs(generation_config)
+    mask = _attention_mask(input_ids, model_kwargs)
+    rows = input_ids.shape[0]
+    if streamer is not None and rows > 1:
+        raise ConfigError("a streamer takes one row; stream batch size 1 (as transformers' TextStreamer does)")
+
+    params = resolve_sampling(model, generation_config)
+    _check_processors(logits_processor, build_processors(params))
+    max_length, eos, custom = _read_criteria(stopping_criteria, rows)
+    config = lookahead_settings(generation_config, lookahead_config, lookahead_tokenizer)
+    references = _encode_references(references, lookahead_tokenizer)
+    pad = generation_config._pad_token_tensor
+    pad_id = int(pad) if pad is not None else 0
+
+    watcher = _RowWatcher(input_ids, custom, streamer)
+    try:
+        result = generate(
+            model,
+            input_ids,
+            mask,
+            max_new_tokens=max(1, max_length - input_ids.shape[1]),  # as transformers: max_length counts padding
+            config=config,
+            references=references,
+            eos_token_id=sorted(eos),
+            pad_token_id=pad_id,
+            on_tokens=watcher.on_tokens,
+            generation_config=generation_config,
+        )
+    finally:
+        if streamer is not None:
+            streamer.end()
+    sequences = watcher.sequences(pad_id)
+    result.stats.new_tokens = sum(len(tokens) for tokens in watcher.generated)
+    if generation_config.return_dict_in_generate:
+        return LookaheadGenerateOutput(sequences=sequences, lookahead_stats=result.stats)
+    return sequences
+
+
+def lookahead_settings(generation_config, base: LookaheadConfig | None = None, tokenizer=None) -> LookaheadConfig:
+    """The ``LookaheadConfig`` a GenerationConfig asks for with the article's keys.
+
+    use_lookahead: False decodes one token a forward through the same loop (default True).
+    decoding_length, branch_length: as in ``LookaheadConfig``.
+    stop_words: token ids (or words, with a tokenizer); default: the usual punctuation when a
+        tokenizer is given, else none.
+    debug_lookahead: keep the per-step trace in the stats.
+    decoding_mode: only the article's "hier" (tree drafts) exists here.
+    """
+    if base is not None and not isinstance(base, LookaheadConfig):
+        raise ConfigError(f"lookahead_config must be a LookaheadConfig, got {type(base).__name__}")
+    config = copy.deepcopy(base) if base is not None else LookaheadConfig()
+    changes: dict[str, Any] = {}
+    use = getattr(generation_config, "use_lookahead", None)
+    if use is not None:
+        changes["enabled"] = _flag("use_lookahead", use)
+    for name in ("decoding_length", "branch_length"):
+        value = getattr(generation_config, name, None)
+        if value is not None:
+            changes[name] = value
+    debug = getattr(generation_config, "debug_lookahead", None)
+    if debug is not None:
+        changes["debug"] = _flag("debug_lookahead", debug)
+    mode = getattr(generation_config, "decoding_mode", None)
+    if mode not in (None, "hier"):
+        raise ConfigError(f"decoding_mode={mode!r} is not supported: drafts are always trees ('hier')")
+    words = getattr(generation_config, "stop_words", None)
+    if words is not None:
+        changes["stop_words"] = _stop_words(words, tokenizer)
+    elif tokenizer is not None and base is None:
+        changes["stop_words"] = stop_word_ids(tokenizer)
+    return config.replace(**changes) if changes else config
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _stop_words(words, tokenizer) -> frozenset[int]:
+    """Token ids as given; words become the ids they encode to as a single token."""
+    if isinstance(words, (str, bytes)):
+        words = [words]
+    text = [w for w in words if isinstance(w, str)]
+    if text and tokenizer is None:
+        raise ConfigError("stop_words given as text need lookahead_tokenizer=tokenizer in model.generate")
+    ids = [w for w in words if not isinstance(w, str)]
+    return LookaheadConfig(stop_words=ids).stop_words | (stop_word_ids(tokenizer, text) if text else frozenset())
+
+
+def _encode_references(references, tokenizer):
+    """Passages given as text are encoded (without special tokens); ids pass through to the checks."""
+    if references is None or isinstance(references, (str, bytes)):
+        return references  # the checks explain the nesting
+    out = []
+    for r, row in enumerate(references):
+        if row is None or isinstance(row, (str, bytes)) or not isinstance(row, (list, tuple)):
+            out.append(row)
+            continue
+        passages = []
+        for passage in row:
+            if isinstance(passage, str):
+                if tokenizer is None:
+                    raise InputError(
+                        f"references[{r}] holds text: pass lookahead_tokenizer=tokenizer to model.generate, or token ids"
+                    )
+                passage = tokenizer.encode(passage, add_special_tokens=False)
+            passages.append(passage)
+        out.append(passages)
+    return out
+
+
+def _streamer_of_caller(frame) -> Any:
+    """The streamer given to ``model.generate``.
+
+    transformers 5.2x does not pass ``streamer`` on to a callable ``custom_generate`` (it
+    rebuilds the keywords from the callable's own parameters), although it has already put
+    the prompt into it. Dropping it would leave a ``TextIteratorStreamer`` waiting forever, so
+    we read it from the calling ``generate`` frame.
+    """
+    code = frame.f_code
+    if code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
+        return frame.f_locals.get("streamer")
+    return None
+
+
+def _check_outputs(generation_config) -> None:
+    for name in _PER_STEP_OUTPUTS:
+        if getattr(generation_config, name, False):
+            raise ConfigError(f"{name}=True is not supported by lookahead decoding (sequences and stats only)")
+
+
+def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
+    """The 2-D mask transformers prepared (it drops an all-ones mask); other model inputs are refused."""
+    unknown = sorted(k for k, v in model_kwargs.items() if k not in _PREPARED_INPUTS and v is not None)
+    if unknown:
+        raise ConfigError(f"model inputs not supported by lookahead decoding: {', '.join(unknown)}")
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise InputError("input_ids must be a non-empty (batch, length) tensor (inputs_embeds are not supported)")
+    cache = model_kwargs.get("cache")
+    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+        raise ConfigError("a filled cache cannot be continued by lookahead decoding; pass the whole text as input_ids")
+    mask = model_kwargs.get("attention_mask")
+    mask = torch.ones_like(input_ids) if mask is None else mask
+    positions = model_kwargs.get("position_ids")
+    if positions is not None:
+        expected = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        if positions.shape != mask.shape or not torch.equal(positions[mask.bool()], expected[mask.bool()]):
+            raise ConfigError("custom position_ids are not supported by lookahead decoding")
+    return mask
+
+
+def _check_processors(given, ours) -> None:
+    """The prepared processors must be exactly those our sampling applies (same kinds, same settings)."""
+    extra = [type(p).__name__ for p in given if type(p) not in {type(o) for o in ours}]
+    if extra:
+        raise ConfigError(f"logits processors not supported by lookahead decoding: {', '.join(extra)}")
+    if [type(p) for p in given] != [type(p) for p in ours] or not all(_same(a, b) for a, b in zip(given, ours)):
+        names = ", ".join(type(p).__name__ for p in given)
+        raise ConfigError(f"logits processors [{names}] differ from the sampling settings of the generation config")
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(vars(a) == vars(b))
+    except (RuntimeError, TypeError):  # tensors in the state
+        return False
+
+
+def _read_criteria(criteria, rows: int) -> tuple[int, frozenset[int], list]:
+    """max_length and EOS ids from transformers' criteria; the rest are checked per token as rows grow."""
+    from transformers.generation.stopping_criteria import (
+        EosTokenCriteria,
+        MaxLengthCriteria,
+        MaxTimeCriteria,
+        StopStringCriteria,
+    )
+
+    max_length, eos, custom = None, set(), []
+    for criterion in criteria:
+        if isinstance(criterion, MaxLengthCriteria):
+            max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+        elif isinstance(criterion, EosTokenCriteria):
+            eos.update(int(t) for t in criterion.eos_token_id.reshape(-1).tolist())
+        else:
+            custom.append(criterion)
+    if max_length is None:
+        raise ConfigError("no max_length: set max_new_tokens or max_length in the generation config")
+    row_wise = (StopStringCriteria, MaxTimeCriteria)  # transformers' own: each row's verdict depends on that row only
+    if rows > 1 and any(not isinstance(c, row_wise) for c in custom):
+        names = ", ".join(type(c).__name__ for c in custom if not isinstance(c, row_wise))
+        raise ConfigError(f"custom stopping criteria ({names}) need batch size 1 with lookahead decoding")
+    return max_length, frozenset(eos), custom
+
+
+class _RowWatcher:
+    """Follows each row token by token as blocks are accepted: streams them and applies the
+    stopping criteria transformers would call after each token, cutting a block where one says stop."""
+
+    def __init__(self, input_ids: torch.Tensor, criteria: list, streamer) -> None:
+        self.input_ids = input_ids
+        self.criteria = criteria
+        self.streamer = streamer
+        self.generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+        self.stopped: set[int] = set()
+
+    def on_tokens(self, row: int, tokens: list[int]) -> bool:
+        if row in self.stopped:
+            return True
+        for token in tokens:
+            self.generated[row].append(token)
+            if self.streamer is not None:
+                self.streamer.put(torch.tensor([token]))
+            if self.criteria and self._should_stop(row):
+                self.stopped.add(row)
+                return True
+        return False
+
+    def _should_stop(self, row: int) -> bool:
+        text = self.input_ids[row].tolist() + self.generated[row]
+        ids = torch.tensor([text], dtype=torch.long, device=self.input_ids.device)
+        verdicts = [bool(criterion(ids, None).reshape(-1)[0]) for criterion in self.criteria]  # all, as transformers calls them
+        return any(verdicts)
+
+    def sequences(self, pad: int) -> torch.LongTensor:
+        """The prompt as given plus each row's tokens, right-padded with ``pad`` as transformers pads finished rows."""
+        width = max(len(tokens) for tokens in self.generated)
+        new = torch.full((len(self.generated), width), pad, dtype=torch.long, device=self.input_ids.device)
+        for r, tokens in enumerate(self.generated):
+            new[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        return torch.cat([self.input_ids, new], dim=1)

@@ -1,0 +1,330 @@
+"""``model.generate(custom_generate=hf_generate)`` equals ``model.generate`` for the same arguments,
+takes the article's GenerationConfig keys, and refuses what it cannot reproduce."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from rag_lookahead import LookaheadConfig
+from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.hf_entry import LookaheadGenerateOutput, hf_generate
+
+from tiny_models import ARCHITECTURES, tiny_model
+from tiny_tokenizer import tiny_tokenizer
+
+tokens = st.integers(min_value=1, max_value=12)
+
+
+def lookahead(**keys) -> GenerationConfig:
+    """The article's config: lookahead keys next to the usual ones."""
+    return GenerationConfig(**{"use_lookahead": True, "decoding_length": 64, "branch_length": 24, **keys})
+
+
+#: drafts from the references alone, every node verified: what a step accepts shows what was drafted
+ISOLATED = LookaheadConfig(budget="fixed", use_output_pool=False)
+
+
+def padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompts=st.lists(st.lists(tokens, min_size=1, max_size=20), min_size=1, max_size=3),
+    max_new=st.integers(1, 30),
+    eos_at=st.none() | st.integers(0, 29),
+)
+def test_greedy_equals_model_generate(arch, prompts, max_new, eos_at):
+    model = tiny_model(arch)
+    ids, mask = padded(prompts)
+    plain = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new)
+    eos = None
+    if eos_at is not None:  # an EOS the first row really produces, so rows end at different steps
+        new = plain[0, ids.shape[1] :].tolist()
+        eos = new[min(eos_at, len(new) - 1)]
+    expected = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, eos_token_id=eos)
+    references = [[p + expected[r, ids.shape[1] :].tolist()] for r, p in enumerate(prompts)]  # drafts that get accepted
+    got = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        custom_generate=hf_generate,
+        generation_config=lookahead(max_new_tokens=max_new, do_sample=False, eos_token_id=eos),
+        references=references,
+    )
+    assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "glm4"])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt=st.lists(tokens, min_size=2, max_size=20),
+    max_new=st.integers(1, 30),
+    seed=st.integers(0, 2**16),
+    temperature=st.floats(0.3, 1.5),
+    top_p=st.floats(0.5, 1.0),
+    penalty=st.floats(1.0, 1.5),
+)
+def test_sampling_equals_model_generate_under_the_same_seed(arch, prompt, max_new, seed, temperature, top_p, penalty):
+    model = tiny_model(arch)
+    ids = torch.tensor([prompt])
+    options = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=30, min_p=0.02, repetition_penalty=penalty)
+    torch.manual_seed(seed)
+    expected = model.generate(input_ids=ids, max_new_tokens=max_new, **options)
+    torch.manual_seed(seed)
+    got = model.generate(
+        input_ids=ids,
+        custom_generate=hf_generate,
+        generation_config=lookahead(max_new_tokens=max_new, **options),
+        references=[[prompt + expected[0, len(prompt) :].tolist()]],
+    )
+    assert got.tolist() == expected.tolist()
+
+
+def repeating_case(arch="qwen2", max_new=24):
+    """A prompt, its greedy continuation, and a reference holding that continuation."""
+    model = tiny_model(arch)
+    prompt = [7, 3, 9, 4, 11, 2, 8]
+    expected = model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new)
+    answer = expected[0, len(prompt) :].tolist()
+    return model, prompt, answer, expected
+
+
+def test_references_and_lengths_are_taken_from_the_call():
+    model, prompt, answer, expected = repeating_case()
+    out = model.generate(
+        input_ids=torch.tensor([prompt]),
+        custom_generate=hf_generate,
+        generation_config=lookahead(max_new_tokens=24, do_sample=False, return_dict_in_generate=True),
+        references=[[prompt[-2:] + answer]],
+        lookahead_config=ISOLATED,
+    )
+    assert out.sequences.tolist() == expected.tolist()
+    assert out.lookahead_stats.accepted_histogram == {23: 1}  # after the prefill's token, the rest in one step
+    short = model.generate(
+        input_ids=torch.tensor([prompt]),
+        custom_generate=hf_generate,
+        generation_config=lookahead(max_new_tokens=24, do_sample=False, branch_length=3, return_dict_in_generate=True),
+        references=[[prompt[-2:] + answer]],
+        lookahead_config=ISOLATED,
+    )
+    assert short.sequences.tolist() == expected.tolist()
+    assert max(short.lookahead_stats.accepted_histogram) <= 4  # branch_length 3 + the bonus token
+
+
+def test_use_lookahead_false_decodes_one_token_a_step():
+    model, prompt, answer, expected = repeating_case()
+    out = model.generate(
+        input_ids=torch.tensor([prompt]),
+        custom_generate=hf_generate,
+        generation_config=GenerationConfig(use_lookahead=False, max_new_tokens=24, do_sample=False, return_dict_in_generate=True),
+        references=[[prompt[-2:] + answer]],
+    )
+    assert out.sequences.tolist() == expected.tolist()
+    assert out.lookahead_stats.draft_tokens == 0 and set(out.lookahead_stats.accepted_histogram) == {1}
+
+
+def test_return_dict_is_what_model_generate_returns_plus_stats():
+    model, prompt, answer, expected = repeating_case()
+    out = model.generate(
+        input_ids=torch.tensor([prompt]),
+        custom_generate=hf_generate,
+        generation_config=lookahead(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, debug_lookahead=True),
+    )
+    assert isinstance(out, GenerateDecoderOnlyOutput) and isinstance(out, LookaheadGenerateOutput)
+    assert out.sequences.tolist() == expected.tolist()
+    assert out.lookahead_stats.new_tokens == 24 and out.lookahead_stats.trace  # debug_lookahead keeps the trace
+
+
+def test_max_length_counts_the_padded_width_as_transformers_does():
+    model = tiny_model("llama")
+    ids, mask = padded([[4, 5, 6, 7, 8, 9], [4, 5]])
+    expected = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_length=15)
+    got = model.generate(
+        input_ids=ids, attention_mask=mask, custom_generate=hf_generate, generation_config=lookahead(max_length=15, do_sample=False)
+    )
+    assert got.tolist() == expected.tolist() and got.shape[1] == 15
+
+
+def test_pad_and_eos_come_from_the_generation_config():
+    """Two EOS ids and a pad id other than both: a row that ends early is filled as transformers fills it."""
+    model = tiny_model("qwen3")
+    ids, mask = padded([[5, 9, 5, 9, 5], [8, 2, 6]])
+    plain = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    first, second = (plain[r, ids.shape[1] :].tolist() for r in (0, 1))
+    ending = next(t for i, t in enumerate(first) if i >= 2 and t not in first[:i] and t not in second)
+    unused = next(t for t in range(1, 95) if t not in first + second)
+    keys = dict(max_new_tokens=20, do_sample=False, eos_token_id=[unused, ending], pad_token_id=95)
+    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(**keys))
+    got = model.generate(input_ids=ids, attention_mask=mask, custom_generate=hf_generate, generation_config=lookahead(**keys))
+    assert got.tolist() == expected.tolist()
+    assert got[0, -1].item() == 95 and got[1, -1].item() != 95  # the first row ended early and was padded
+
+
+class Recorder:
+    """A streamer that records every put() and end()."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def put(self, value) -> None:
+        self.calls.append(value.tolist())
+
+    def end(self) -> None:
+        self.calls.append("end")
+
+
+def test_streamer_receives_what_model_generate_gives_it():
+    """transformers does not hand a streamer to a callable custom_generate; without reading it
+    from the calling frame the streamer saw the prompt and never a token or end()."""
+    model, prompt, answer, expected = repeating_case()
+    want, got = Recorder(), Recorder()
+    model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=24, streamer=want)
+    model.generate(
+        input_ids=torch.tensor([prompt]),
+        custom_generate=hf_generate,
+        generation_config=lookahead(max_new_tokens=24, do_sample=False),
+        references=[[prompt[-2:] + answer]],
+        streamer=got,
+    )
+    assert got.calls == want.calls
+    assert got.calls[-1] == "end" and len(got.calls) == 1 + 24 + 1  # prompt, one put per token, end
+
+
+class StopAfter(StoppingCriteria):
+    """Stops a row once it holds ``length`` tokens; counts its calls."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.calls = 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_custom_stopping_criteria_cut_inside_an_accepted_block():
+    model, prompt, answer, expected = repeating_case()
+    theirs, ours = StopAfter(len(prompt) + 7), StopAfter(len(prompt) + 7)
+    want = model.generate(
+        input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=24, stopping_criteria=StoppingCriteriaList([theirs])
+    )
+    got = model.generate(
+        input_ids=torch.tensor([prompt]),
+        custom_generate=hf_generate,
+        generation_config=lookahead(max_new_tokens=24, do_sample=False, return_dict_in_generate=True),
+        references=[[prompt[-2:] + answer]],  # the whole answer arrives as one block; the criterion cuts it
+        stopping_criteria=StoppingCriteriaList([ours]),
+    )
+    assert got.sequences.tolist() == want.tolist() and want.shape[1] == len(prompt) + 7
+    assert ours.calls == theirs.calls == 7
+    assert got.lookahead_stats.new_tokens == 7
+
+
+def test_text_references_and_stop_words_need_the_tokenizer():
+    model, prompt, answer, expected = repeating_case()
+    tokenizer = tiny_tokenizer()
+    text = tokenizer.decode(prompt[-2:] + answer)
+    out = model.generate(
+        input_ids=torch.tensor([prompt]),
+        custom_generate=hf_generate,
+        generation_config=lookahead(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, stop_words=["t5", 4]),
+        references=[[text]],
+        lookahead_tokenizer=tokenizer,
+        lookahead_config=ISOLATED,
+    )
+    assert out.sequences.tolist() == expected.tolist()
+    assert out.lookahead_stats.accepted_histogram == {23: 1}
+    with pytest.raises(InputError, match="lookahead_tokenizer"):
+        model.generate(
+            input_ids=torch.tensor([prompt]), custom_generate=hf_generate, generation_config=lookahead(max_new_tokens=4), references=[[text]]
+        )
+    with pytest.raises(ConfigError, match="lookahead_tokenizer"):
+        model.generate(
+            input_ids=torch.tensor([prompt]), custom_generate=hf_generate, generation_config=lookahead(max_new_tokens=4, stop_words=["t3"])
+        )
+
+
+def test_lookahead_config_is_the_base_the_keys_override():
+    model, prompt, answer, expected = repeating_case()
+    out = model.generate(
+        input_ids=torch.tensor([prompt]),
+        custom_generate=hf_generate,
+        generation_config=GenerationConfig(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, branch_length=2),
+        lookahead_config=ISOLATED.replace(decoding_length=8),
+        references=[[prompt[-2:] + answer]],
+    )
+    assert out.sequences.tolist() == expected.tolist()
+    assert max(out.lookahead_stats.accepted_histogram) == 3
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (dict(logits_processor=LogitsProcessorList([NoBadWordsLogitsProcessor([[5]], eos_token_id=None)])), "NoBadWords"),
+        (dict(prefix_allowed_tokens_fn=lambda batch, ids: [1, 2]), "PrefixConstrained"),
+        (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
+        (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
+        (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
+        (dict(num_beams=2), "num_beams"),
+        (dict(position_ids=torch.tensor([[0, 2, 4]])), "position_ids"),
+        (dict(generation_config=GenerationConfig(decoding_mode="par")), "decoding_mode"),
+        (dict(generation_config=GenerationConfig(use_lookahead="yes")), "use_lookahead"),
+        (dict(generation_config=GenerationConfig(branch_length=0)), "branch_length"),
+        (dict(generation_config=GenerationConfig(stop_words="t5")), "lookahead_tokenizer"),
+    ],
+)
+def test_what_cannot_be_reproduced_is_refused(call, message):
+    model = tiny_model("qwen2")
+    with pytest.raises(ConfigError, match=message):
+        model.generate(input_ids=torch.tensor([[4, 5, 6]]), custom_generate=hf_generate, max_new_tokens=5, **call)
+
+
+def test_batch_level_stopping_criteria_and_streamers_are_refused_on_batches():
+    model = tiny_model("qwen2")
+    ids, mask = padded([[4, 5, 6], [7, 8]])
+    with pytest.raises(ConfigError, match="StopAfter"):
+        model.generate(
+            input_ids=ids, attention_mask=mask, custom_generate=hf_generate, max_new_tokens=5,
+            stopping_criteria=StoppingCriteriaList([StopAfter(9)]),
+        )
+
+    class Quiet(Recorder):
+        def put(self, value) -> None:  # transformers puts the prompt before calling us; a batch of rows is fine here
+            pass
+
+    with pytest.raises(ConfigError, match="streamer"):
+        model.generate(input_ids=ids, attention_mask=mask, custom_generate=hf_generate, max_new_tokens=5, streamer=Quiet())
+
+
+def test_called_directly_it_says_how_to_call_it():
+    with pytest.raises(ConfigError, match="custom_generate"):
+        hf_generate(tiny_model("qwen2"), torch.tensor([[4, 5]]))
+
+
+@pytest.mark.slow
+def test_default_model_fp32_equals_model_generate(default_model_fp32):
+    """The bar of the issue: the article's config on the default model gives model.generate's tokens."""
+    model, tokenizer = default_model_fp32
+    passage = "The budget option sizes each draft from the measured cost of a forward pass and the trie's estimate."
+    messages = [{"role": "user", "content": f"{passage}\n\nRepeat the passage above word for word."}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    expected = model.generate(**inputs, do_sample=False, max_new_tokens=40)
+    got = model.generate(
+        **inputs,
+        custom_generate=hf_generate,
+        generation_config=lookahead(max_new_tokens=40, do_sample=False, return_dict_in_generate=True),
+        references=[[passage]],
+        lookahead_tokenizer=tokenizer,
+    )
+    assert got.sequences.tolist() == expected.tolist()
+    assert got.lookahead_stats.mean_accepted > 1.5  # the passage was drafted and accepted
