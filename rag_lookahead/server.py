@@ -1265,13 +1265,19 @@ async def _send_error(send, error: ApiError, headers: Sequence[tuple[bytes, byte
 
 
 def _host_name(value: str) -> str:
-    """``example.com:8000`` -> ``example.com``; ``[::1]:8000`` -> ``::1``; lower case, no final dot."""
+    """``example.com:8000`` -> ``example.com``; ``[::1]:8000`` -> ``::1``; lower case, no final dot;
+    "" when the port is not a number."""
     value = value.strip().lower()
+    port = ""
     if value.startswith("["):
         end = value.find("]")
-        return value[1:end] if end > 0 else ""
-    if value.count(":") == 1:
-        value = value.split(":", 1)[0]
+        if end < 0 or value[end + 1 :][:1] not in ("", ":"):
+            return ""
+        value, port = value[1:end], value[end + 2 :]
+    elif value.count(":") == 1:
+        value, port = value.split(":")
+    if port and not port.isdigit():
+        return ""
     return value.rstrip(".")
 
 

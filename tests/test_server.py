@@ -58,7 +58,7 @@ def running(engine: Engine, wrap=None):
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
-    while not (server.started and engine.ready.is_set()):
+    while not (server.started and (engine.ready.is_set() or engine.error is not None)):
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
     try:

@@ -1,0 +1,188 @@
+"""Security of the server: API keys on every endpoint but /health, Host and Origin checks against
+DNS rebinding and web pages, no CORS, output pools per API key, and errors that tell clients
+nothing of the internals. Real tiny-model server over HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from rag_lookahead.generate import DecodeBatch
+from rag_lookahead.server import API_KEY_ENV, build_parser, config_from_args
+
+from test_server import patch_engine, serving, single_text, tiny_engine, tiny_prompts, tokenizer  # noqa: F401
+
+KEY1 = "sk-test-0123456789abcdef"
+KEY2 = "sk-test-fedcba9876543210"
+SECRET = "/home/alice/.cache/secret-corpus/notes.md"
+ENDPOINTS = [
+    ("GET", "/v1/models", None),
+    ("GET", "/metrics", None),
+    ("POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/rag", {"question": "what?"}),
+    ("GET", "/v1/nothing", None),
+]
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_api_key_is_required_everywhere_but_health(tokenizer):
+    engine = tiny_engine(tokenizer, api_keys=(KEY1, KEY2))
+    wrong = [{}, bearer("sk-test-0123456789abcdeX"), bearer(KEY1 + "x"), bearer(KEY1[:-1]), {"Authorization": KEY1},
+             {"Authorization": f"Basic {KEY1}"}, {"Authorization": "Bearer"}, {"X-Api-Key": KEY1}]
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=30) as client:
+        assert client.get("/health").status_code == 200
+        for method, path, body in ENDPOINTS:
+            for headers in wrong:
+                r = client.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (path, headers, r.text)
+                assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+                assert KEY1 not in r.text
+        for key in (KEY1, KEY2):
+            r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, headers=bearer(key))
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert client.get("/v1/models", headers={"Authorization": f"bearer {KEY2}"}).status_code == 200
+        assert client.get("/metrics", headers=bearer(KEY1)).status_code == 200
+        # a 404 needs the key too, then says only that the endpoint does not exist
+        assert client.get("/v1/nothing", headers=bearer(KEY1)).status_code == 404
+
+
+def test_api_keys_from_flags_or_environment():
+    parse = build_parser().parse_args
+    env = {API_KEY_ENV: f"{KEY1}, {KEY2}"}
+    assert config_from_args(parse([]), env).api_keys == (KEY1, KEY2)
+    assert config_from_args(parse(["--api-key", "sk-flag-key-123"]), env).api_keys == ("sk-flag-key-123",)
+    assert config_from_args(parse([]), {}).api_keys == ()
+    config = config_from_args(parse(["--allowed-hosts", "a.lan,b.lan", "--allowed-hosts", "C.lan", "--output-pool", "per-key",
+                                     "--drain-seconds", "2.5", "--max-body-bytes", "65536"]), env)
+    assert config.allowed_hosts == ("a.lan", "b.lan", "c.lan") and config.output_pool == "per-key"
+    assert config.drain_seconds == 2.5 and config.max_body_bytes == 65536
+
+
+def test_serve_refuses_bad_settings_in_one_line():
+    from typer.testing import CliRunner
+
+    from rag_lookahead.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--output-pool", "per-key"], env={API_KEY_ENV: ""})
+    assert result.exit_code == 1 and "per-key" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["serve", "--api-key", "short"])
+    assert result.exit_code == 1 and "API key" in result.output
+
+
+def test_host_and_origin_must_name_this_server(tokenizer):
+    """DNS rebinding: a page on evil.example.com whose name now resolves to 127.0.0.1 reaches the port
+    with Host: evil.example.com (the measured bug: 200). Pages of other origins are refused too."""
+    engine = tiny_engine(tokenizer)
+    body = {"prompt": [5, 6, 7], "max_tokens": 2}
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=30) as client:
+        port = base.rsplit(":", 1)[1]
+        for host in ("evil.example.com", f"evil.example.com:{port}", f"127.0.0.1.evil.example.com:{port}", "", f"localhost.:{port}x"):
+            for method, path in (("POST", "/v1/completions"), ("GET", "/health"), ("GET", "/v1/models")):
+                r = client.request(method, path, json=body if method == "POST" else None, headers={"Host": host})
+                assert r.status_code == 421 and r.json()["error"]["code"] == "invalid_host", (host, path, r.text)
+        for host in (f"localhost:{port}", "127.0.0.1", f"[::1]:{port}", f"LOCALHOST.:{port}"):
+            assert client.post("/v1/completions", json=body, headers={"Host": host}).status_code == 200, host
+        for origin in ("http://evil.example.com", "https://evil.example.com:443", "null", "file://"):
+            r = client.post("/v1/completions", json=body, headers={"Origin": origin})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "invalid_origin", origin
+        ok = client.post("/v1/completions", json=body, headers={"Origin": "http://localhost:3000"})
+        assert ok.status_code == 200
+        preflight = client.options("/v1/completions", headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+        for r in (ok, preflight):
+            assert not any(name.lower().startswith("access-control-") for name in r.headers), r.headers
+
+
+def test_allowed_hosts_extend_the_list(tokenizer):
+    body = {"prompt": [5, 6, 7], "max_tokens": 2}
+    with serving(tiny_engine(tokenizer, allowed_hosts=("rag.lan",))) as base:
+        assert httpx.post(base + "/v1/completions", json=body, headers={"Host": "rag.lan:8000"}).status_code == 200
+        assert httpx.post(base + "/v1/completions", json=body, headers={"Host": "other.lan"}).status_code == 421
+    with serving(tiny_engine(tokenizer, allowed_hosts=("*",))) as base:
+        assert httpx.post(base + "/v1/completions", json=body, headers={"Host": "anything.example"}).status_code == 200
+
+
+def test_errors_tell_clients_nothing_internal(tokenizer, monkeypatch, caplog):
+    """An unexpected exception in a handler: the client gets a message and an error id; the log
+    gets the exception with the same id."""
+    engine = tiny_engine(tokenizer)
+
+    def broken(text):
+        raise OSError(f"[Errno 13] Permission denied: '{SECRET}'")
+
+    monkeypatch.setattr(engine, "encode_text", broken)
+    with caplog.at_level(logging.ERROR, logger="rag_lookahead.server"), serving(engine) as base:
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 500 and SECRET not in r.text and "OSError" not in r.text and "Errno" not in r.text
+    message = r.json()["error"]["message"]
+    error_id = message.split("error id ")[1].split(";")[0]
+    assert any(error_id in rec.getMessage() and rec.exc_info and SECRET in str(rec.exc_info[1]) for rec in caplog.records)
+
+
+def test_failed_warm_up_is_reported_without_internals(tokenizer, monkeypatch):
+    engine = tiny_engine(tokenizer)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"cannot map {SECRET}")
+
+    patch_engine(monkeypatch, DecodeBatch, "__init__", broken)
+    with serving(engine) as base:
+        health = httpx.get(base + "/health", timeout=10)
+        r = httpx.post(base + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "error" and SECRET not in health.text
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped" and SECRET not in r.text
+
+
+def passes(client, key: str, prompt, max_tokens: int) -> tuple[str, int]:
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}, headers=bearer(key))
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"], r.json()["stats"]["forward_passes"]
+
+
+@pytest.mark.parametrize("mode", ["per-key", "shared", "off"])
+def test_output_pool_modes(tokenizer, mode):
+    """With a shared pool, one key's earlier answer speeds up another key's identical request, and
+    the stats show it (the side channel); per key, the other key decodes as if fresh; off, nobody
+    is sped up by an earlier answer. The text is the same in every case."""
+    engine = tiny_engine(tokenizer, api_keys=(KEY1, KEY2), output_pool=mode)
+    prompt = tiny_prompts(1, seed=41)[0]
+    want = single_text(engine, prompt, 48)
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=60) as client:
+        first = passes(client, KEY1, prompt, 48)
+        again = passes(client, KEY1, prompt, 48)
+        other = passes(client, KEY2, prompt, 48)
+    assert first[0] == again[0] == other[0] == want
+    fresh = first[1]
+    if mode == "shared":
+        assert again[1] < fresh and other[1] < fresh
+    elif mode == "per-key":
+        assert again[1] < fresh and other[1] == fresh
+    else:
+        assert again[1] == fresh and other[1] == fresh
+
+
+def test_per_key_pools_batch_concurrent_keys_correctly(tokenizer):
+    """Rows of different keys decode in separate batches at the same time; each text is exact."""
+    import asyncio
+
+    engine = tiny_engine(tokenizer, api_keys=(KEY1, KEY2), output_pool="per-key")
+    prompts = tiny_prompts(4, seed=42)
+    want = [single_text(engine, p, 24) for p in prompts]
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            calls = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 24}, headers=bearer((KEY1, KEY2)[i % 2]))
+                     for i, p in enumerate(prompts * 2)]
+            return await asyncio.gather(*calls)
+
+    with serving(engine) as base:
+        responses = asyncio.run(run(base))
+    assert [r.json()["choices"][0]["text"] for r in responses] == want * 2
