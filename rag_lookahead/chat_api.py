@@ -1,0 +1,130 @@
+"""The Lookahead article's ``model.chat`` call for any model with a chat template.
+
+``response, history = model.chat(tokenizer, query, history, generation_config=...)`` in the
+article comes from the model's own remote code (Qwen-1, ChatGLM3). Here it is one function
+over any chat-template model, decoding through ``model.generate(custom_generate=hf_generate)``
+so the answer equals ``model.generate``'s for the same generation config::
+
+    answer, history = rag_lookahead.chat(model, tokenizer, "What does the budget option do?")
+    answer, history = rag_lookahead.chat(model, tokenizer, "And branch_length?", history)
+
+History comes in either of the two shapes those models use and goes back in the same shape:
+Qwen-1's ``[(query, answer), ...]`` pairs (also the shape for ``history=None``), or
+ChatGLM3/OpenAI-style messages ``[{"role": "user", "content": ...}, ...]``, which may start
+with a system message.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+from .errors import ConfigError, InputError
+from .hf_entry import hf_generate
+
+#: answer length when neither the given config nor the model's sets one (transformers would stop at 20 tokens)
+DEFAULT_MAX_NEW_TOKENS = 512
+
+History = list  # list[tuple[str, str]] or list[dict[str, str]]
+
+
+def chat(
+    model,
+    tokenizer,
+    query: str,
+    history: History | None = None,
+    generation_config=None,
+    *,
+    system: str | None = None,
+    references: Sequence[str] | None = None,
+    streamer=None,
+) -> tuple[str, History]:
+    """Answer ``query`` after ``history``; return ``(answer, new_history)``.
+
+    generation_config: a ``transformers.GenerationConfig``, with the article's keys
+        (``use_lookahead``, ``decoding_length``, ``branch_length``, ...) if wanted; without
+        ``max_new_tokens``/``max_length`` anywhere, answers stop at ``DEFAULT_MAX_NEW_TOKENS``.
+    system: a system message put first (pairs history, or messages without one).
+    references: passages to draft from (text), e.g. the retrieved ones the prompt quotes.
+    streamer: a transformers streamer (``TextStreamer(tokenizer, skip_prompt=True)``).
+    """
+    if not isinstance(query, str) or not query.strip():
+        raise InputError("query must be a non-empty string")
+    as_messages = _is_messages(history)
+    messages = _messages(history, as_messages)
+    if system is not None:
+        if messages and messages[0].get("role") == "system":
+            raise InputError("history already starts with a system message; do not also pass system=")
+        messages.insert(0, {"role": "system", "content": system})
+    messages.append({"role": "user", "content": query})
+
+    inputs = _encode(tokenizer, messages)
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    output = model.generate(
+        **inputs,
+        custom_generate=hf_generate,
+        generation_config=_answer_config(model, generation_config),
+        references=[list(references)] if references else None,
+        lookahead_tokenizer=tokenizer,
+        streamer=streamer,
+    )
+    sequences = output if not hasattr(output, "sequences") else output.sequences
+    answer = tokenizer.decode(sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    return answer, _extended(history, as_messages, query, answer)
+
+
+def _is_messages(history) -> bool:
+    """True for message dicts, False for (query, answer) pairs or no history."""
+    if history is None:
+        return False
+    if isinstance(history, (str, bytes)) or not isinstance(history, Sequence):
+        raise InputError("history must be a list of (query, answer) pairs or of {'role', 'content'} messages")
+    kinds = {isinstance(item, dict) for item in history}
+    if len(kinds) > 1:
+        raise InputError("history mixes (query, answer) pairs and message dicts; use one shape")
+    return kinds == {True}
+
+
+def _messages(history, as_messages: bool) -> list[dict[str, Any]]:
+    if not history:
+        return []
+    if as_messages:
+        for i, message in enumerate(history):
+            if "role" not in message or "content" not in message:
+                raise InputError(f"history[{i}] is a message without 'role' and 'content'")
+        return [dict(message) for message in history]
+    messages = []
+    for i, pair in enumerate(history):
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise InputError(f"history[{i}] must be a (query, answer) pair")
+        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    return messages
+
+
+def _encode(tokenizer, messages: list[dict]) -> dict:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("the tokenizer has no chat template; rag_lookahead.chat needs a chat model")
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return {k: encoded[k] for k in ("input_ids", "attention_mask") if k in encoded}
+
+
+def _answer_config(model, generation_config):
+    """A copy of the caller's config that stops somewhere sensible."""
+    from transformers import GenerationConfig
+
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise ConfigError(f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}")
+    config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    own = getattr(model, "generation_config", None)
+    lengths = [getattr(c, name, None) for c in (config, own) if c is not None for name in ("max_new_tokens", "max_length")]
+    if all(length is None for length in lengths):
+        config.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+    return config
+
+
+def _extended(history, as_messages: bool, query: str, answer: str) -> History:
+    """A new history (the caller's is left as it was) in the shape it came in."""
+    if as_messages:
+        return [dict(m) for m in history] + [{"role": "user", "content": query}, {"role": "assistant", "content": answer}]
+    return [tuple(pair) for pair in (history or [])] + [(query, answer)]

@@ -1,0 +1,102 @@
+"""``rag_lookahead.chat``: the article's ``model.chat`` for any chat-template model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from rag_lookahead.chat_api import chat
+from rag_lookahead.errors import ConfigError, InputError
+
+from tiny_models import tiny_model
+from tiny_tokenizer import tiny_tokenizer
+
+
+def plain_answer(model, tokenizer, messages, **options) -> str:
+    """What model.generate answers for the same messages, decoded the same way."""
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**inputs, do_sample=False, **options)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("qwen2"), tiny_tokenizer()
+
+
+def test_pairs_history_is_sent_and_returned_as_pairs(tiny):
+    model, tokenizer = tiny
+    config = GenerationConfig(use_lookahead=True, max_new_tokens=12, do_sample=False)
+    history = [("t5 t6 t7", "t8 t9")]
+    answer, new_history = chat(model, tokenizer, "t10 t11", history, generation_config=config)
+    expected = plain_answer(
+        model,
+        tokenizer,
+        [{"role": "user", "content": "t5 t6 t7"}, {"role": "assistant", "content": "t8 t9"}, {"role": "user", "content": "t10 t11"}],
+        max_new_tokens=12,
+    )
+    assert answer == expected and len(answer.split()) == 12
+    assert new_history == [("t5 t6 t7", "t8 t9"), ("t10 t11", answer)]
+    assert history == [("t5 t6 t7", "t8 t9")]  # the caller's list is left alone
+
+
+def test_messages_history_is_returned_as_messages_and_answers_alike(tiny):
+    model, tokenizer = tiny
+    config = GenerationConfig(max_new_tokens=10, do_sample=False)
+    messages = [{"role": "system", "content": "t40"}, {"role": "user", "content": "t5"}, {"role": "assistant", "content": "t6"}]
+    answer, new_history = chat(model, tokenizer, "t7", messages, generation_config=config)
+    same, _ = chat(model, tokenizer, "t7", [("t5", "t6")], generation_config=config, system="t40")
+    assert answer == same == plain_answer(model, tokenizer, messages + [{"role": "user", "content": "t7"}], max_new_tokens=10)
+    assert new_history == messages + [{"role": "user", "content": "t7"}, {"role": "assistant", "content": answer}]
+
+
+def test_without_a_length_answers_are_not_cut_at_transformers_default_20(tiny):
+    model, tokenizer = tiny  # no EOS in the tiny model's config: the answer runs to the context end
+    answer, _ = chat(model, tokenizer, "t5 t6")
+    assert len(answer.split()) > 20
+
+
+@pytest.mark.parametrize(
+    "history, query, error",
+    [
+        (None, "  ", InputError),
+        ([("t1", "t2"), {"role": "user", "content": "t3"}], "t4", InputError),
+        ([("t1",)], "t4", InputError),
+        ([{"role": "user"}], "t4", InputError),
+        ("t1 t2", "t4", InputError),
+    ],
+)
+def test_bad_history_or_query_is_refused(tiny, history, query, error):
+    model, tokenizer = tiny
+    with pytest.raises(error):
+        chat(model, tokenizer, query, history)
+
+
+def test_system_twice_and_no_chat_template_are_refused(tiny):
+    model, tokenizer = tiny
+    with pytest.raises(InputError, match="system"):
+        chat(model, tokenizer, "t4", [{"role": "system", "content": "t1"}], system="t2")
+    bare = tiny_tokenizer()
+    bare.chat_template = None
+    with pytest.raises(ConfigError, match="chat template"):
+        chat(model, bare, "t4")
+
+
+@pytest.mark.slow
+def test_default_model_chat_two_turns(default_model_fp32):
+    model, tokenizer = default_model_fp32
+    passage = "decoding_length caps the number of draft tokens verified in one forward pass."
+    config = GenerationConfig(use_lookahead=True, decoding_length=64, branch_length=24, max_new_tokens=32, do_sample=False)
+    first_query = f"{passage}\nWhat does decoding_length cap? Answer with the sentence above."
+    answer, history = chat(model, tokenizer, first_query, generation_config=config, references=[passage])
+    assert answer == plain_answer(model, tokenizer, [{"role": "user", "content": first_query}], max_new_tokens=32)
+    assert "draft tokens" in answer
+    second, history = chat(model, tokenizer, "Say it again in one word.", history, generation_config=config)
+    messages = [
+        {"role": "user", "content": first_query},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "Say it again in one word."},
+    ]
+    assert second == plain_answer(model, tokenizer, messages, max_new_tokens=32)
+    assert [q for q, _ in history] == [first_query, "Say it again in one word."]
