@@ -1,0 +1,9 @@
+"""``python -m rag_lookahead <command>``: the same commands as the ``rag_lookahead`` console script,
+for environments where the script's folder is not on PATH (a venv not activated, ``pip install --user``)."""
+
+from __future__ import annotations
+
+from .cli import app
+
+if __name__ == "__main__":
+    app(prog_name="rag_lookahead")
