@@ -1,0 +1,160 @@
+"""Graceful shutdown: on SIGTERM the server stops admitting (503 for new requests, /health says
+"draining"), lets running and queued requests finish for up to ``drain_seconds``, then ends what
+is left with an error and exits. Real tiny-model server: in a thread (uvicorn's own SIGTERM path,
+``handle_exit``) and in a child process sent a real SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from test_server import (  # noqa: F401 - tokenizer is a fixture
+    parse_sse,
+    running,
+    single_text,
+    slow_steps,
+    stream_text,
+    tiny_engine,
+    tiny_prompts,
+    tokenizer,
+    until,
+)
+
+
+def slow_engine(tokenizer, monkeypatch, drain_seconds: float, step_seconds: float):
+    engine = tiny_engine(tokenizer, max_batch_size=1, max_tokens_limit=200, lookahead=False, lookahead_config=None,
+                         drain_seconds=drain_seconds)
+    slow_steps(monkeypatch, step_seconds)
+    return engine
+
+
+async def stream(client: httpx.AsyncClient, prompt, max_tokens: int) -> list:
+    async with client.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "stream": True}) as r:
+        assert r.status_code == 200
+        return parse_sse((await r.aread()).decode())
+
+
+def test_sigterm_drains_running_and_queued_requests(tokenizer, monkeypatch):
+    engine = slow_engine(tokenizer, monkeypatch, drain_seconds=60, step_seconds=0.02)
+    a, b, c = tiny_prompts(3, seed=51)
+    want_a, want_b = single_text(engine, a, 40), single_text(engine, b, 40)
+
+    async def run(base: str, server) -> dict:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            streaming = asyncio.create_task(stream(client, a, 40))
+            queued = asyncio.create_task(client.post("/v1/completions", json={"prompt": b, "max_tokens": 40}))
+            await until(lambda: engine.active == 1 and engine.queue_depth == 1)
+            server.handle_exit(signal.SIGTERM, None)  # what uvicorn's SIGTERM handler calls
+            await until(lambda: engine.draining)
+            late = await client.post("/v1/completions", json={"prompt": c, "max_tokens": 4})
+            health = await client.get("/health")
+            return {"stream": await streaming, "queued": await queued, "late": late, "health": health}
+
+    with running(engine) as (base, server):
+        out = asyncio.run(run(base, server))
+    assert stream_text(out["stream"], chat=False) == (want_a, "length")
+    assert out["queued"].status_code == 200 and out["queued"].json()["choices"][0]["text"] == want_b
+    assert out["late"].status_code == 503 and out["late"].json()["error"]["code"] == "shutting_down"
+    assert out["health"].status_code == 503 and out["health"].json()["status"] == "draining"
+
+
+def test_drain_time_over_ends_the_rest_with_an_error(tokenizer, monkeypatch):
+    """drain_seconds=0.5 while a request needs ~10 s: it ends with a shutting-down error in its
+    stream, the queued one gets 503, and the server exits within a few seconds."""
+    engine = slow_engine(tokenizer, monkeypatch, drain_seconds=0.5, step_seconds=0.05)
+    a, b = tiny_prompts(2, seed=52)
+
+    async def run(base: str, server) -> tuple:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            streaming = asyncio.create_task(stream(client, a, 200))
+            queued = asyncio.create_task(client.post("/v1/completions", json={"prompt": b, "max_tokens": 200}))
+            await until(lambda: engine.active == 1 and engine.queue_depth == 1)
+            server.handle_exit(signal.SIGTERM, None)
+            start = time.monotonic()
+            events, refused = await streaming, await queued
+            return events, refused, time.monotonic() - start
+
+    with running(engine) as (base, server):
+        thread = next(t for t in threading.enumerate() if t.name == "test-uvicorn")
+        events, refused, seconds = asyncio.run(run(base, server))
+        thread.join(10)
+        assert not thread.is_alive(), "the server did not exit"
+    assert seconds < 3, seconds
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down"
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+
+
+CHILD = """
+import socket, sys, time
+sys.path.insert(0, sys.argv[1])
+from transformers import AutoTokenizer
+from rag_lookahead.generate import DecodeBatch
+from rag_lookahead.models import default_model_dir
+from rag_lookahead.server import create_app, make_server
+from test_server import tiny_engine
+
+step = DecodeBatch.verify_and_accept
+DecodeBatch.verify_and_accept = lambda self, drafts: time.sleep(0.02) or step(self, drafts)
+engine = tiny_engine(AutoTokenizer.from_pretrained(str(default_model_dir())), max_tokens_limit=200, lookahead=False,
+                     lookahead_config=None, drain_seconds=30)
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+app = create_app(engine)
+print(sock.getsockname()[1], flush=True)
+make_server(app, engine, log_level="warning").run(sockets=[sock])
+"""
+
+
+def test_real_sigterm_lets_the_running_stream_finish(tokenizer):
+    engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
+    prompt = tiny_prompts(1, seed=53)[0]
+    want = single_text(engine, prompt, 100)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(Path(__file__).parent)], stdout=subprocess.PIPE,
+                             cwd=Path(__file__).parent.parent, text=True)
+    try:
+        base = f"http://127.0.0.1:{child.stdout.readline().strip()}"
+        asyncio.run(until(lambda: _healthy(base), timeout=120))
+
+        async def run() -> tuple:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                events = []
+                body = {"prompt": prompt, "max_tokens": 100, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            if len(events) == 2:
+                                child.send_signal(signal.SIGTERM)
+                                await asyncio.sleep(0.3)
+                                late = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+                return events, late
+
+        events, late = asyncio.run(run())
+        child.wait(30)
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait()
+    parsed = [e if e == "[DONE]" else __import__("json").loads(e) for e in events]
+    assert stream_text(parsed, chat=False) == (want, "length")
+    assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+    assert child.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
