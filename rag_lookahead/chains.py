@@ -5,10 +5,13 @@ the row's context pool like any prompt token), the rest are handed to :class:`Lo
 ``references``: they are never shown to the model, so the answer is unchanged, but when the
 model quotes them the trie already holds the words and drafts whole phrases.
 
-Two shapes:
+Three shapes:
 
-* :func:`build_rag_chain` - an LCEL ``Runnable``: question (str or ``{"question": ...}``) ->
-  ``{"answer", "sources", "stats"}``.
+* :func:`build_chat_rag_chain` - current LangChain style: LCEL with a ``ChatPromptTemplate`` and
+  :class:`rag_lookahead.chat_model.ChatLookahead`; question -> ``{"question", "answer", "sources",
+  "stats"}``, and ``.stream()`` yields the sources first, then the answer block by block.
+* :func:`build_rag_chain` - an LCEL ``Runnable`` over :class:`LookaheadLLM`: question (str or
+  ``{"question": ...}``) -> ``{"answer", "sources", "stats"}``.
 * :func:`build_retrieval_qa` - ``langchain_classic.chains.RetrievalQA.from_chain_type`` with a
   :class:`SeedingRetriever`. ``RetrievalQA`` cannot pass per-query kwargs to its LLM, so the
   retriever registers the extra passages on the LLM (``LookaheadLLM.register_seeds``), keyed by the
@@ -20,19 +23,24 @@ Two shapes:
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
-from langchain_core.prompts import PromptTemplate
+from langchain_core.messages import BaseMessage
+from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.retrievers import BaseRetriever
-from langchain_core.runnables import RunnableConfig, RunnableLambda
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableGenerator, RunnableLambda, RunnablePassthrough
+from langchain_core.runnables.utils import AddableDict
 
 from .errors import ConfigError, InputError
 
 __all__ = [
     "RAG_TEMPLATE",
     "RAG_PROMPT",
+    "RAG_SYSTEM",
+    "RAG_CHAT_PROMPT",
+    "DocumentIndexRetriever",
     "SeedingRetriever",
     "as_retriever",
     "retrieve",
@@ -40,6 +48,7 @@ __all__ = [
     "make_prompt",
     "source_info",
     "build_rag_chain",
+    "build_chat_rag_chain",
     "build_retrieval_qa",
 ]
 
@@ -53,7 +62,42 @@ Context / 资料:
 Question / 问题: {question}"""
 
 RAG_PROMPT = PromptTemplate.from_template(RAG_TEMPLATE)
+
+RAG_SYSTEM = """Answer the question using only the context the user gives. Quote the context's exact words where they answer it. \
+If the answer is not in the context, say that it is not there. Answer in the language of the question.
+请只根据用户给出的资料回答问题，尽量直接引用资料原文；如果资料里没有答案，请说明资料中没有。用提问的语言回答。"""
+
+RAG_CHAT_PROMPT = ChatPromptTemplate.from_messages(
+    [("system", RAG_SYSTEM), ("human", "Context / 资料:\n{context}\n\nQuestion / 问题: {question}")]
+)
 SNIPPET_CHARS = 160
+
+
+class DocumentIndexRetriever(BaseRetriever):
+    """Retrieves passages from a rag_lookahead :class:`~rag_lookahead.index.DocumentIndex`.
+
+    ``k`` and ``mode`` are defaults; ``retriever.invoke(query, k=2, mode="lexical")`` overrides
+    them for one call (LangChain's standard retriever contract). Documents carry ``source``,
+    ``chunk_id`` and ``score`` metadata.
+    """
+
+    index: Any
+    k: int = 4
+    mode: str | None = None
+
+    def _get_relevant_documents(
+        self,
+        query: str,
+        *,
+        run_manager: CallbackManagerForRetrieverRun,
+        k: int | None = None,
+        mode: str | None = None,
+    ) -> list[Document]:
+        hits = self.index.search(query, self.k if k is None else k, mode=mode or self.mode)
+        return [
+            Document(page_content=p.text, metadata={"source": p.source, "chunk_id": p.chunk_id, "score": p.score})
+            for p in hits
+        ]
 
 
 def as_retriever(retriever_or_index: Any, k: int) -> BaseRetriever:
@@ -75,6 +119,10 @@ def as_retriever(retriever_or_index: Any, k: int) -> BaseRetriever:
         from .index import load_index
 
         retriever_or_index = load_index(retriever_or_index)
+    from .index import DocumentIndex
+
+    if isinstance(retriever_or_index, DocumentIndex):
+        return DocumentIndexRetriever(index=retriever_or_index, k=k)
     if hasattr(retriever_or_index, "as_retriever"):
         return retriever_or_index.as_retriever(k=k)
     raise ConfigError(f"expected a retriever or a DocumentIndex, got {type(retriever_or_index).__name__}")
@@ -170,6 +218,88 @@ def build_rag_chain(llm, retriever_or_index: Any, k_prompt: int = 3, k_seed: int
         }
 
     return RunnableLambda(run, name="rag_lookahead_chain")
+
+
+def _question_of(inputs: Any) -> str:
+    question = inputs.get("question", inputs.get("query")) if isinstance(inputs, dict) else inputs
+    if not isinstance(question, str) or not question.strip():
+        raise InputError("the question is empty")
+    return question.strip()
+
+
+def _unbound(model: Any) -> Any:
+    """The model under ``model.bind(...)`` / ``bind_tools`` wrappers."""
+    while hasattr(model, "bound"):
+        model = model.bound
+    return model
+
+
+def build_chat_rag_chain(
+    chat_model: Any,
+    retriever_or_index: Any,
+    k_prompt: int = 3,
+    k_seed: int = 8,
+    prompt: ChatPromptTemplate = RAG_CHAT_PROMPT,
+) -> Runnable:
+    """LCEL chain with a chat prompt: question -> ``{"question", "answer", "sources", "stats"}``.
+
+    Spelled out, it is ``retrieve | RunnablePassthrough.assign(message=prompt | chat_model) | split``:
+    ``retrieve`` fetches ``k_seed`` passages, formats the best ``k_prompt`` as the prompt's
+    ``{context}`` and registers the rest on a :class:`ChatLookahead` as draft seeds (kept out of
+    the prompt, so the answer is unchanged); ``split`` turns the message into ``answer`` text and
+    ``stats`` (the model's ``response_metadata``, ``usage`` and ``retrieval_seconds``).
+    ``.stream()`` yields ``{"question"}`` and ``{"sources"}`` first, then ``{"answer": piece}`` as
+    the model's blocks are accepted, then ``{"stats"}``. Any LangChain chat model works; pass
+    ``chat_model.bind(max_tokens=..., temperature=...)`` for per-chain options.
+    """
+    _check_k(k_prompt, k_seed)
+    retriever = as_retriever(retriever_or_index, k_seed)
+    seeding = _unbound(chat_model)
+
+    def fetch(inputs: Any, config: RunnableConfig) -> dict:
+        question = _question_of(inputs)
+        t0 = time.perf_counter()
+        docs = retrieve(retriever, question, k_seed, config)
+        shown, seeds = docs[:k_prompt], docs[k_prompt:]
+        if seeds and hasattr(seeding, "register_seeds"):
+            seeding.register_seeds([d.page_content for d in shown], [d.page_content for d in seeds])
+        return {
+            "question": question,
+            "context": format_context(shown),
+            "sources": [source_info(d, i < k_prompt) for i, d in enumerate(docs)],
+            "retrieval": {"retrieval_seconds": round(time.perf_counter() - t0, 4), "seed_passages": len(seeds)},
+        }
+
+    answer = RunnablePassthrough.assign(message=prompt | chat_model)
+    return (RunnableLambda(fetch, name="retrieve") | answer | RunnableGenerator(_answer_and_stats, name="answer")).with_config(
+        run_name="rag_lookahead_chat_chain"
+    )
+
+
+def _answer_and_stats(chunks: Iterator[dict]) -> Iterator[AddableDict]:
+    """The chain's output stream: question and sources as they come, the message as answer text
+    (piece by piece) and, with its last piece, the stats."""
+    retrieval: dict = {}
+    for chunk in chunks:
+        for key, value in chunk.items():
+            if key == "retrieval":
+                retrieval = value
+            elif key == "message":
+                yield from _message_parts(value, retrieval)
+            elif key != "context":
+                yield AddableDict({key: value})
+
+
+def _message_parts(message: BaseMessage, retrieval: dict) -> Iterator[AddableDict]:
+    last = getattr(message, "chunk_position", None) == "last" or not type(message).__name__.endswith("Chunk")
+    text = message.text
+    if text or last:  # the key is there even for an empty answer
+        yield AddableDict(answer=text)
+    if last:
+        stats = dict(message.response_metadata or {})
+        if getattr(message, "usage_metadata", None):
+            stats["usage"] = dict(message.usage_metadata)
+        yield AddableDict(stats=stats | retrieval)
 
 
 def _is_lookahead(llm) -> bool:
