@@ -70,6 +70,7 @@ def load_model(
     device: str | torch.device | None = None,
     device_map: str | dict[str, Any] | None = None,
     attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[Any, Any]:
     """Return ``(model, tokenizer)`` in eval mode, ready for ``generate``.
 
@@ -81,6 +82,9 @@ def load_model(
     ``device``: where to move the model (default: cuda if available, else cpu); ignored when
     ``device_map`` is given, which is handed to accelerate unchanged (e.g. ``"auto"``).
     ``attn_implementation``: defaults to "sdpa"; tree verification works through it.
+    ``trust_remote_code``: run the modeling code a hub repo or folder ships (ChatGLM3, Qwen-1);
+    off by default, since that code runs with your rights. The tree-mask probe then decides
+    whether its attention takes tree drafts or single chains.
     """
     torch_dtype = _resolve_dtype(dtype, device, device_map)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation or "sdpa"}
@@ -96,7 +100,9 @@ def load_model(
                 f"the converted default model in {folder} is unreadable ({_one_line(err)}); delete that folder to reconvert"
             ) from err
     else:
-        model, tokenizer = _load_named(name, kwargs)
+        if not isinstance(trust_remote_code, bool):
+            raise ConfigError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
+        model, tokenizer = _load_named(name, {**kwargs, "trust_remote_code": trust_remote_code})
 
     if device_map is None:
         model.to(_resolve_device(device))
@@ -417,11 +423,17 @@ def _from_pretrained(where: str, extra: dict[str, Any], kwargs: dict[str, Any], 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local, **extra)
+        remote = kwargs.get("trust_remote_code", False)  # always a bool: transformers would prompt on None
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local, trust_remote_code=remote, **extra)
         model = AutoModelForCausalLM.from_pretrained(where, local_files_only=local, **extra, **kwargs)
     except OSError:
         raise
     except (ValueError, KeyError, RuntimeError, ImportError) as err:
+        if "trust_remote_code" in str(err) and not kwargs.get("trust_remote_code"):
+            raise ModelLoadError(
+                f"model '{where}' ships its own modeling code, which is not run by default: pass "
+                "trust_remote_code=True (ask --trust-remote-code) if you trust its source"
+            ) from err
         raise ModelLoadError(f"could not load model '{where}': {type(err).__name__}: {_one_line(err)}") from err
     return model, tokenizer
 

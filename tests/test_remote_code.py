@@ -1,0 +1,94 @@
+"""Remote-code models are an explicit opt-in, and the tree-mask probe decides tree or chain drafts.
+
+The model folders are built here from ``remote_code/modeling_tiny_remote.py``: a config.json
+whose ``auto_map`` points at classes in a modeling file next to it, as ChatGLM3 and Qwen-1
+ship them on the hub.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.errors import ConfigError, ModelLoadError
+from rag_lookahead.generate import DecodeBatch
+from rag_lookahead.models import load_model
+from rag_lookahead.verify import supports_tree_mask
+
+from tiny_models import tiny_model
+from tiny_tokenizer import tiny_tokenizer
+
+MODELING = Path(__file__).parent / "remote_code" / "modeling_tiny_remote.py"
+
+
+def remote_folder(root: Path, model_class: str) -> Path:
+    """A local model folder whose config maps AutoModelForCausalLM to ``model_class`` in its own modeling file."""
+    folder = root / f"tiny_remote_{model_class.lower()}"  # fixed names: transformers' module cache does not grow per run
+    tiny_model("qwen2").save_pretrained(folder)  # the shared cached weights; saving does not change them
+    tiny_tokenizer().save_pretrained(folder)
+    shutil.copy(MODELING, folder / MODELING.name)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(
+        model_type="tiny_remote",
+        architectures=[model_class],
+        auto_map={
+            "AutoConfig": "modeling_tiny_remote.TinyRemoteConfig",
+            "AutoModelForCausalLM": f"modeling_tiny_remote.{model_class}",
+        },
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_refused_without_the_opt_in(tmp_path):
+    folder = remote_folder(tmp_path, "TinyRemoteForCausalLM")
+    with pytest.raises(ModelLoadError, match=r"ships its own modeling code.*trust_remote_code=True") as caught:
+        load_model(str(folder), dtype=torch.float32, device="cpu")
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match="trust_remote_code"):
+        load_model(str(folder), dtype=torch.float32, device="cpu", trust_remote_code="yes")
+
+
+def test_loads_with_the_opt_in_and_drafts_trees(tmp_path):
+    folder = remote_folder(tmp_path, "TinyRemoteForCausalLM")
+    model, tokenizer = load_model(str(folder), dtype=torch.float32, device="cpu", trust_remote_code=True)
+    assert type(model).__name__ == "TinyRemoteForCausalLM" and type(model).__module__.startswith("transformers_modules")
+    assert tokenizer.encode("t5 t6", add_special_tokens=False) == [5, 6]
+    assert supports_tree_mask(model)
+    assert DecodeBatch(model, LookaheadConfig(), frozenset(), None).tree_mask
+    prompt = [7, 3, 9, 4, 11, 2, 8]
+    expected = greedy(model, prompt, 20)
+    result = generate(model, prompt, max_new_tokens=20, references=[[prompt[-2:] + expected]], config=LookaheadConfig(budget="fixed"))
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+
+
+def test_attention_that_ignores_the_tree_mask_gets_chains(tmp_path):
+    """A Qwen-1-like attention that drops 4-D masks: trees would let branches see each other, so
+    the probe falls back to single chains and the output stays model.generate's."""
+    folder = remote_folder(tmp_path, "MaskBlindForCausalLM")
+    model, _ = load_model(str(folder), dtype=torch.float32, device="cpu", trust_remote_code=True)
+    assert type(model).__name__ == "MaskBlindForCausalLM"
+    with pytest.warns(UserWarning, match="single chains"):
+        assert not supports_tree_mask(model)
+    prompt = [7, 3, 9, 4, 11, 2, 8]
+    expected = greedy(model, prompt, 20)
+    wrong = [(t % 12) + 1 for t in expected]  # a competing branch that a tree would also verify
+    result = generate(
+        model,
+        prompt,
+        max_new_tokens=20,
+        references=[[prompt[-2:] + expected, prompt[-2:] + wrong]],
+        config=LookaheadConfig(budget="fixed"),
+    )
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+    assert result.stats.mean_accepted > 1.5  # chains still accept several tokens a step
