@@ -9,8 +9,10 @@ predicted so far, give the expected gain; the size with the best gain per second
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import platform
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -45,13 +47,68 @@ _CURVES: "weakref.WeakKeyDictionary[torch.nn.Module, CostCurve]" = weakref.WeakK
 
 
 def _curve_key(model) -> str | None:
-    """What the cost depends on: the model, its dtype and device, and the CPU threads."""
+    """What the cost depends on: the model, dtype, hardware (by name), attention kernel and
+    device map, threads and torch version; a shared cache file never hands one GPU's curve to another."""
     name = getattr(model.config, "_name_or_path", "") or ""
     if not name:
         return None  # an in-memory model (tests): nothing stable to key a file on
     params = sum(p.numel() for p in model.parameters())
-    device = next(model.parameters()).device
-    return f"{name}|{params}|{model.dtype}|{device}|{torch.get_num_threads()}|{torch.__version__}"
+    devices = model_devices(model)
+    hardware = ",".join(f"{d}={device_name(d)}" for d in devices)
+    attention = getattr(model.config, "_attn_implementation", None)
+    return "|".join(
+        str(part)
+        for part in (name, params, model.dtype, hardware, attention, device_map_digest(model), torch.get_num_threads(), torch.__version__)
+    )
+
+
+def model_devices(model) -> list[torch.device]:
+    """The devices the model's weights sit on (several under an accelerate device map), in order."""
+    seen: dict[str, torch.device] = {}
+    for parameter in model.parameters():
+        seen.setdefault(str(parameter.device), parameter.device)
+    return list(seen.values())
+
+
+def device_name(device: torch.device) -> str:
+    """A device's hardware name: the GPU's (``NVIDIA H100 80GB HBM3``), else the CPU model and threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return f"{cpu_name()} x{torch.get_num_threads()} threads"
+    return device.type
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_map_digest(model) -> str:
+    """A short digest of an accelerate device map ("none" when the model sits on one device as a whole)."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return "none"
+    text = json.dumps({str(k): str(v) for k, v in device_map.items()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def synchronize(model) -> None:
+    """Wait for every accelerator the model runs on, so a timer stops after the work, not after its launch."""
+    for device in model_devices(model):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elif device.type == "xpu" and hasattr(torch, "xpu"):
+            torch.xpu.synchronize(device)
+        elif device.type == "mps":
+            torch.mps.synchronize()
 
 
 def _curve_file() -> Path:
@@ -65,12 +122,15 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
     """Time forwards of each size on top of a ``context``-token cache (median of ``repeats``)."""
     from transformers import DynamicCache
 
-    device = next(model.parameters()).device
+    from .verify import input_device
+
+    device = input_device(model)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
     model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+    synchronize(model)
     seconds = []
     for n in sizes:
         ids = torch.randint(0, vocab, (1, n), generator=generator).to(device)
@@ -79,8 +139,7 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
         for _ in range(repeats + 1):  # the first run warms up
             start = time.perf_counter()
             model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(model)
             runs.append(time.perf_counter() - start)
             cache.crop(-n)
         runs = sorted(runs[1:])

@@ -77,19 +77,21 @@ def load_model(
     ``name``: ``"default"`` (the embedded offline model), a hub id, a local model folder, or a
     local ``.gguf`` file. Hub ids are tried from the local cache first, so nothing touches the
     network when the model is already there.
-    ``dtype``: None picks bfloat16 (fp32 on CPUs without fast bf16); also "bf16", "fp32",
-    "fp16", "auto" or a ``torch.dtype``.
-    ``device``: where to move the model (default: cuda if available, else cpu); ignored when
-    ``device_map`` is given, which is handed to accelerate unchanged (e.g. ``"auto"``).
-    ``attn_implementation``: defaults to "sdpa"; tree verification works through it.
+    ``dtype``: None picks bfloat16 on CPUs with fast bf16 (else fp32) and on GPUs with native
+    bf16 (compute capability 8+; older GPUs such as T4 and V100 get float16); also "bf16",
+    "fp32", "fp16", "auto" or a ``torch.dtype``.
+    ``device``: where the weights go (default: cuda if available, else cpu); a GPU's weights are
+    loaded straight onto it, never staged in host RAM as a whole. Ignored when ``device_map``
+    is given, which is handed to transformers/accelerate unchanged (e.g. ``"auto"``).
+    ``attn_implementation``: defaults to "sdpa"; tree verification works through it (and
+    "eager"). Flash attention reads a 4-D mask as padding: with it drafts are single chains.
     ``trust_remote_code``: run the modeling code a hub repo or folder ships (ChatGLM3, Qwen-1);
     off by default, since that code runs with your rights. The tree-mask probe then decides
     whether its attention takes tree drafts or single chains.
     """
     torch_dtype = _resolve_dtype(dtype, device, device_map)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation or "sdpa"}
-    if device_map is not None:
-        kwargs["device_map"] = device_map
+    kwargs.update(_placement(device, device_map))
 
     if name == "default":
         folder = default_model_dir()
@@ -104,8 +106,6 @@ def load_model(
             raise ConfigError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
         model, tokenizer = _load_named(name, {**kwargs, "trust_remote_code": trust_remote_code})
 
-    if device_map is None:
-        model.to(_resolve_device(device))
     model.eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -447,8 +447,13 @@ def _resolve_dtype(
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None:
-        on_cpu = device_map is None and _resolve_device(device).type == "cpu"
-        return torch.bfloat16 if not on_cpu or _cpu_has_fast_bf16() else torch.float32
+        targets = _target_devices(device, device_map)
+        gpus = [d for d in targets if d.type == "cuda"]
+        if gpus:
+            return torch.bfloat16 if all(_cuda_has_native_bf16(d) for d in gpus) else torch.float16
+        if all(d.type == "cpu" for d in targets):
+            return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+        return torch.bfloat16
     if isinstance(dtype, str) and dtype.strip().lower() in _DTYPES:
         return _DTYPES[dtype.strip().lower()]
     raise ConfigError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)} or a torch.dtype")
@@ -460,6 +465,56 @@ def _cpu_has_fast_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except Exception:  # private API: assume yes, bf16 still computes correctly
         return True
+
+
+def _cuda_has_native_bf16(device: torch.device) -> bool:
+    """``torch.cuda.is_bf16_supported(including_emulation=False)`` for one GPU: compute capability 8+
+    (A100, L4, H100...). Emulated bf16 on a T4 or V100 works but is slow; fp16 is native there.
+    Without a CUDA runtime nothing can be asked: bf16, and loading will say what is missing."""
+    if not torch.cuda.is_available():
+        return True
+    if torch.version.hip:
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).major >= 8
+
+
+def _target_devices(device: str | torch.device | None, device_map: Any) -> list[torch.device]:
+    """The devices the weights will sit on: ``device``, or those a device map names ("auto" and the
+    other strategies spread over every GPU there is, else stay on the CPU)."""
+    if device_map is None:
+        return [_resolve_device(device)]
+    if isinstance(device_map, dict):
+        places = [v for v in device_map.values() if v != "disk"]
+        return [torch.device("cuda", v) if isinstance(v, int) else torch.device(v) for v in places] or [torch.device("cpu")]
+    if isinstance(device_map, str) and device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
+    if isinstance(device_map, int):
+        return [torch.device("cuda", device_map)]
+    return [_resolve_device(device_map)]
+
+
+def _placement(device: str | torch.device | None, device_map: Any) -> dict[str, Any]:
+    """``from_pretrained`` keywords that put the weights where they belong while loading.
+
+    A GPU gets ``device_map={"": cuda:N}``: each tensor goes straight to it, so host RAM never
+    holds the whole model. The CPU needs no map (that is where loading happens anyway).
+    """
+    if device_map is not None:
+        return {"device_map": device_map}
+    target = _resolve_device(device)
+    if target.type == "cpu":
+        return {}
+    if target.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"device {str(target)!r} asked for, but torch {torch.__version__} sees no CUDA GPU")
+        if target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        elif target.index >= count:
+            raise ConfigError(f"device {str(target)!r} asked for, but only {count} CUDA GPU(s) are visible")
+    return {"device_map": {"": target}}
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:

@@ -4,9 +4,13 @@ Why not one cache row per request: rows draft different numbers of nodes and acc
 numbers of tokens. In a (rows, width) layout every row is padded to the widest tree, and on a
 CPU a forward's cost grows with the tokens it carries, so a row with nothing to draft pays for
 the padding as if it had. Here the rows' new tokens sit side by side in one sequence (no
-padding), their cache columns are interleaved in one cache, and ``valid[r, c]`` says that
+padding), their cache columns are interleaved in one cache, and ``owned[r, c]`` says that
 column c belongs to row r; the 4-D attention mask built from it keeps every row to its own
 columns and its own tree.
+
+The ownership matrix lives on the cache's device, so a step's mask is built there and no
+(rows, columns) matrix crosses to a GPU per step; how many columns each row owns is also
+counted on the host, so deciding whether a step needs a mask never waits for the device.
 """
 
 from __future__ import annotations
@@ -19,15 +23,26 @@ class PackedCache:
 
     def __init__(self) -> None:
         self.cache = None  # transformers DynamicCache, batch 1
-        self.valid = torch.zeros((0, 0), dtype=torch.bool)  # (rows, columns)
+        self.owned = torch.zeros((0, 0), dtype=torch.bool)  # (rows, columns), on the cache's device
+        self._row_columns: list[int] = []  # per row: how many columns it owns (host copy of owned.sum(1))
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """The ownership matrix under its former name."""
+        return self.owned
 
     @property
     def length(self) -> int:
-        return self.valid.shape[1]
+        return self.owned.shape[1]
 
     @property
     def rows(self) -> int:
-        return self.valid.shape[0]
+        return self.owned.shape[0]
+
+    @property
+    def hole_free(self) -> bool:
+        """Every column belongs to some row (with one row: its cache is contiguous)."""
+        return sum(self._row_columns) == self.length
 
     def append_rows(self, prefill_cache, lengths: list[int]) -> None:
         """Add rows from a left-padded prefill cache; row r's entries are its last ``lengths[r]`` columns."""
@@ -49,19 +64,10 @@ class PackedCache:
                 mine.values = torch.cat([mine.values, values], dim=2)
         if self.cache is None:
             self.cache = prefill_cache
-        new_columns = sum(lengths)
-        block = torch.zeros((len(lengths), new_columns), dtype=torch.bool)
-        offset = 0
-        for r, n in enumerate(lengths):
-            block[r, offset : offset + n] = True
-            offset += n
-        self.valid = torch.cat(
-            [
-                torch.cat([self.valid, torch.zeros((self.rows, new_columns), dtype=torch.bool)], dim=1),
-                torch.cat([torch.zeros((len(lengths), self.length), dtype=torch.bool), block], dim=1),
-            ],
-            dim=0,
-        )
+        device = self.cache.layers[0].keys.device
+        block = torch.block_diag(*(torch.ones((1, n), dtype=torch.bool) for n in lengths))
+        self.owned = torch.block_diag(self.owned.to(device), block.to(device))
+        self._row_columns += [int(n) for n in lengths]
 
     def keep_new(self, start: int, keep: list[int], owners: list[int]) -> None:
         """After a verify step: of the columns from ``start`` on, keep ``keep`` (owned by ``owners``)."""
@@ -78,21 +84,23 @@ class PackedCache:
             layer.values = layer.values[:, :, : start + count]
         block = torch.zeros((self.rows, count), dtype=torch.bool)
         block[torch.tensor(owners, dtype=torch.long), torch.arange(count)] = True
-        self.valid = torch.cat([self.valid[:, :start], block], dim=1)
+        self.owned = torch.cat([self.owned[:, :start], block.to(self.owned.device)], dim=1)
+        for owner in owners:
+            self._row_columns[owner] += 1
 
     def drop_rows(self, stay: list[int]) -> None:
         """Keep only rows ``stay``; reclaim the columns nobody owns once they are a quarter of the
         cache, or when one row is left (its cache then has no holes and runs unmasked)."""
         if not stay:
-            self.cache, self.valid = None, torch.zeros((0, 0), dtype=torch.bool)
+            self.cache, self.owned, self._row_columns = None, torch.zeros((0, 0), dtype=torch.bool), []
             return
-        self.valid = self.valid[torch.tensor(stay, dtype=torch.long)]
-        owned = self.valid.any(dim=0)
-        dead = self.length - int(owned.sum())
+        self.owned = self.owned[torch.tensor(stay, dtype=torch.long, device=self.owned.device)]
+        self._row_columns = [self._row_columns[r] for r in stay]
+        dead = self.length - sum(self._row_columns)
         if dead and (4 * dead >= self.length or len(stay) == 1):
-            index = owned.nonzero().flatten()
+            index = self.owned.any(dim=0).nonzero().flatten()
             for layer in self.cache.layers:
                 cols = index.to(layer.keys.device)
                 layer.keys = layer.keys.index_select(2, cols)
                 layer.values = layer.values.index_select(2, cols)
-            self.valid = self.valid[:, index]
+            self.owned = self.owned[:, index]

@@ -30,17 +30,17 @@ class StepInputs:
 
     ids: torch.Tensor  # (1, Q)
     positions: torch.Tensor  # (1, Q): the row's length + the node's depth
-    owners: torch.Tensor  # (Q,): the row each token belongs to
+    owners: torch.Tensor  # (Q,): the row each token belongs to (all four tensors on the input device)
     tree: torch.Tensor  # (Q, Q) bool: token i may see token j (its ancestors and itself)
     offsets: list[int]  # where each row's tokens start
 
 
 def step_inputs(pending: list[int], drafts: list[DraftTree], positions: list[int], device) -> StepInputs:
+    """The step's tokens, positions, owners and tree, built on the host and sent to ``device`` in two copies."""
     sizes = [1 + len(d) for d in drafts]
     total = sum(sizes)
-    ids = np.zeros(total, dtype=np.int64)
-    pos = np.zeros(total, dtype=np.int64)
-    owners = np.zeros(total, dtype=np.int64)
+    columns = np.zeros((3, total), dtype=np.int64)  # ids, positions, owners: one transfer
+    ids, pos, owners = columns
     tree = np.zeros((total, total), dtype=bool)
     offsets = []
     o = 0
@@ -56,40 +56,53 @@ def step_inputs(pending: list[int], drafts: list[DraftTree], positions: list[int
             tree[i] = tree[o + 1 + parent]
             tree[i, i] = True
         o += n
-    return StepInputs(
-        torch.from_numpy(ids)[None].to(device),
-        torch.from_numpy(pos)[None].to(device),
-        torch.from_numpy(owners),
-        torch.from_numpy(tree),
-        offsets,
-    )
+    on_device = torch.from_numpy(columns).to(device)
+    return StepInputs(on_device[0:1], on_device[1:2], on_device[2], torch.from_numpy(tree).to(device), offsets)
 
 
-def step_mask(valid: torch.Tensor, step: StepInputs, dtype, device) -> torch.Tensor:
-    """(1, 1, Q, columns + Q) additive mask: each token sees its row's columns and its tree path."""
-    allowed = torch.cat([valid[step.owners], step.tree], dim=1).to(device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+def boolean_mask(model) -> bool:
+    """sdpa takes a boolean mask (True: attend) as it is; eager and flex add the mask to the
+    scores, so they need the additive float form."""
+    return getattr(model.config, "_attn_implementation", None) == "sdpa"
+
+
+def step_mask(owned: torch.Tensor, step: StepInputs, dtype: torch.dtype, boolean: bool) -> torch.Tensor:
+    """(1, 1, Q, columns + Q) mask on the step's device: each token sees its row's columns and its
+    tree path. Boolean (True: attend) when ``boolean``, else additive (0 / the dtype's minimum)."""
+    allowed = torch.cat([owned.to(step.tree.device)[step.owners], step.tree], dim=1)
+    if boolean:
+        return allowed[None, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+def input_device(model) -> torch.device:
+    """Where the model takes its inputs: its embeddings' device (the first of several under a device map)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    return weight.device if isinstance(weight, torch.Tensor) else next(model.parameters()).device
 
 
 @torch.inference_mode()
 def forward_tree(model, packed: PackedCache, pending, drafts, positions) -> tuple[torch.Tensor, StepInputs]:
     """One forward over every row's tree; returns the logits (Q, vocab) of every token, rows side by side."""
-    device = next(model.parameters()).device
-    step = step_inputs(pending, drafts, positions, device)
-    if is_plain_causal(packed.valid, drafts, positions):
+    step = step_inputs(pending, drafts, positions, input_device(model))
+    if is_plain_causal(packed, drafts, positions):
         # what transformers itself runs for one row: same kernels, so bf16 rounds as greedy does
         logits = model(input_ids=step.ids, cache=packed.cache, use_cache=True).logits
     else:
-        mask = step_mask(packed.valid, step, model.dtype, device)
+        mask = step_mask(packed.owned, step, model.dtype, boolean_mask(model))
         logits = model(input_ids=step.ids, attention_mask=mask, position_ids=step.positions, cache=packed.cache, use_cache=True).logits
     return logits[0], step
 
 
-def is_plain_causal(valid: torch.Tensor, drafts: list[DraftTree], positions: list[int]) -> bool:
-    """One row, no holes in its cache, a chain (or no) draft: the causal mask is the tree mask."""
-    if len(drafts) != 1 or positions[0] != valid.shape[1] or not bool(valid.all()):
+def is_plain_causal(packed: PackedCache, drafts: list[DraftTree], positions: list[int]) -> bool:
+    """One row, no holes in its cache, a chain (or no) draft: the causal mask is the tree mask.
+
+    Decided from host-side counts, so a step on a GPU does not wait for the device to answer.
+    """
+    if len(drafts) != 1 or positions[0] != packed.length or not packed.hole_free:
         return False
     return all(parent == i - 1 for i, parent in enumerate(drafts[0].parents))
 
@@ -115,20 +128,80 @@ def check_cache(cache) -> None:
 
 _TREE_MASK_OK: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
+#: Relative logit error the probe allows: exact fp32 differs only by summation order; bf16, fp16
+#: and fp32 with TF32 (or other reduced-precision) matmuls round at ~1e-3..1e-2 of the largest logit.
+EXACT_TOLERANCE = 1e-3
+ROUNDED_TOLERANCE = 5e-2
 
-@torch.inference_mode()
+
+def mask_blind_reason(model) -> str | None:
+    """Why the model's attention cannot take a custom 4-D mask, known without running it; else None.
+
+    Flash attention (2, 3, 4 and hub kernels) reads any mask as a padding mask: a 4-D one makes
+    its index gather run out of range, a device-side assert that kills the process's CUDA
+    context, so such a model must never see a tree-masked forward, not even the probe's.
+    Paged attention ignores the mask.
+    """
+    implementation = str(getattr(model.config, "_attn_implementation", None) or "")
+    if "flash" in implementation:
+        return f"attn_implementation={implementation!r} treats a 4-D mask as a padding mask"
+    if "paged" in implementation:
+        return f"attn_implementation={implementation!r} ignores custom masks"
+    return None
+
+
+def fp32_matmuls_rounded(device: torch.device) -> bool:
+    """Whether fp32 matmuls on ``device`` run at reduced precision (TF32 on CUDA, bf16/TF32 via oneDNN)."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return True
+    if device.type == "cuda":
+        matmul = torch.backends.cuda.matmul
+        return bool(matmul.allow_tf32) or getattr(matmul, "fp32_precision", "none") == "tf32"
+    if device.type == "cpu":
+        mkldnn_matmul = getattr(torch.backends.mkldnn, "matmul", None)
+        return getattr(mkldnn_matmul, "fp32_precision", "none") in ("bf16", "tf32")
+    return False
+
+
+def probe_tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    """The relative logit error below which the tree-masked logits count as equal to the branch runs."""
+    exact = dtype in (torch.float32, torch.float64) and not fp32_matmuls_rounded(device)
+    return EXACT_TOLERANCE if exact else ROUNDED_TOLERANCE
+
+
 def supports_tree_mask(model) -> bool:
     """Probe once per model: do tree-masked logits equal each branch run on its own?
 
-    A model whose attention ignores a custom 4-D mask would let one branch see another;
-    such models fall back to single-chain drafts, which need no mask, with one warning.
+    A model whose attention ignores a custom 4-D mask would let one branch see another; such
+    models fall back to single-chain drafts, which need no mask, with one warning. Attention
+    known to choke on 4-D masks is refused without a forward; a probe that raises, or logits
+    that are not finite (fp16 overflow), also mean chains, never a dead ``generate``.
     """
     known = _TREE_MASK_OK.get(model)
     if known is not None:
         return known
+    reason = mask_blind_reason(model)
+    if reason is None:
+        try:
+            reason = _probe_tree_mask(model)
+        except Exception as err:  # e.g. a kernel that refuses the mask, out of memory
+            reason = f"the tree-mask probe failed ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
+    if reason is not None:
+        warnings.warn(
+            f"{type(model).__name__}: {reason}; drafting single chains only "
+            "(still lossless, fewer tokens accepted per step)",
+            stacklevel=2,
+        )
+    _TREE_MASK_OK[model] = reason is None
+    return reason is None
+
+
+@torch.inference_mode()
+def _probe_tree_mask(model) -> str | None:
+    """Run two 2-token branches as one tree and each on its own; None if they agree, else why not."""
     from transformers import DynamicCache
 
-    device = next(model.parameters()).device
+    device = input_device(model)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1234)
     prefix = torch.randint(0, vocab, (1, 6), generator=gen).to(device)
@@ -137,21 +210,16 @@ def supports_tree_mask(model) -> bool:
     cache = DynamicCache(config=model.config)
     model(input_ids=prefix[:, :-1], cache=cache, use_cache=True)
     step = step_inputs([int(prefix[0, -1])], [draft], [5], device)
-    mask = step_mask(torch.ones((1, 5), dtype=torch.bool), step, model.dtype, device)
+    mask = step_mask(torch.ones((1, 5), dtype=torch.bool, device=device), step, model.dtype, boolean_mask(model))
     tree_logits = model(input_ids=step.ids, attention_mask=mask, position_ids=step.positions, cache=cache, use_cache=True).logits[0]
-    ok = True
+    tolerance = probe_tolerance(model.dtype, device)
     for branch, rows in ((a, [0, 1, 2]), (b, [0, 3, 4])):
         full = torch.cat([prefix, torch.tensor([branch], device=device)], dim=1)
         ref = model(input_ids=full).logits[0, -3:]
-        scale = ref.abs().max().clamp_min(1e-6)
-        tolerance = 1e-3 if model.dtype == torch.float32 else 5e-2
-        if ((tree_logits[rows] - ref).abs().max() / scale).item() > tolerance:
-            ok = False
-    if not ok:
-        warnings.warn(
-            f"{type(model).__name__}: attention ignores the tree mask; drafting single chains only "
-            "(still lossless, fewer tokens accepted per step)",
-            stacklevel=3,
-        )
-    _TREE_MASK_OK[model] = ok
-    return ok
+        ours = tree_logits[rows]
+        if not (bool(torch.isfinite(ours).all()) and bool(torch.isfinite(ref).all())):
+            return f"its logits are not finite in {model.dtype} (overflow?), so the tree mask cannot be checked"
+        error = ((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+        if not error <= tolerance:
+            return f"attention ignores the tree mask (relative logit error {error:.2g} > {tolerance:g})"
+    return None
