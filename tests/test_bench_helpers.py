@@ -49,3 +49,18 @@ def test_summary_ratios_are_decode_speeds_over_greedy_and_over_prompt_lookup():
     assert summary["greedy"]["vs_prompt_lookup_decode"] == 0.4
     alone = summarize({"lookahead": totals((11, 2.0, 1.0)), "greedy": MethodTotals()})  # greedy never ran
     assert list(alone) == ["lookahead"] and alone["lookahead"]["speedup_decode"] is None
+
+
+def test_sampling_methods_are_compared_with_transformers_sampling_at_their_temperature():
+    from rag_lookahead.bench import _baselines, sampling_method
+
+    assert sampling_method("lookahead_sample_t0.7") == ("lookahead_sample", 0.7)
+    assert sampling_method("prompt_lookup_sample_t1") == ("prompt_lookup_sample", 1.0)
+    assert sampling_method("lookahead") is None
+    assert _baselines("lookahead_sample_t0.3") == ("sample_t0.3", "prompt_lookup_sample_t0.3")
+    assert _baselines("lookahead") == ("greedy", "prompt_lookup")
+    fast, slow = MethodTotals(), MethodTotals()
+    fast.add(Run(list(range(11)), 1.0, 0.0), True)
+    slow.add(Run(list(range(11)), 2.0, 0.0), True)
+    summary = summarize({"sample_t0.7": slow, "lookahead_sample_t0.7": fast})
+    assert summary["lookahead_sample_t0.7"]["speedup_decode"] == 2.0
