@@ -1320,9 +1320,9 @@ class _Gate:
             headers.setdefault(name.decode("latin-1").lower(), []).append(value.decode("latin-1"))
         error = self._check_host(headers) or self._check_key(scope, headers) or self._check_length(headers)
         if error is not None:
-            extra = [(b"connection", b"close")] if error.status == 413 else []
-            if error.status == 401:
-                extra.append((b"www-authenticate", b"Bearer"))
+            # no "Connection: close" on a 413: closing while the client still uploads resets the
+            # connection, and it may never read the answer; uvicorn discards the declared rest
+            extra = [(b"www-authenticate", b"Bearer")] if error.status == 401 else []
             if scope["type"] == "websocket":
                 return await send({"type": "websocket.close", "code": 1008})
             return await _send_error(send, error, extra)
@@ -1457,6 +1457,7 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):
+        # a streamed (chunked) body past the limit has no declared end to discard up to: close
         headers = {"Connection": "close"} if err.status == 413 else None
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
