@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .config import LookaheadConfig, stop_word_ids
@@ -91,7 +92,7 @@ def hf_generate(
         raise ConfigError("a streamer takes one row; stream batch size 1 (as transformers' TextStreamer does)")
 
     params = resolve_sampling(model, generation_config)
-    _check_processors(logits_processor, build_processors(params))
+    _check_processors(logits_processor, build_processors(params), mask)
     max_length, eos, custom = _read_criteria(stopping_criteria, rows)
     config = lookahead_settings(generation_config, lookahead_config, lookahead_tokenizer)
     references = _encode_references(references, lookahead_tokenizer)
@@ -236,20 +237,28 @@ def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor
     return mask
 
 
-def _check_processors(given, ours) -> None:
+def _check_processors(given, ours, mask: torch.Tensor) -> None:
     """The prepared processors must be exactly those our sampling applies (same kinds, same settings)."""
     extra = [type(p).__name__ for p in given if type(p) not in {type(o) for o in ours}]
     if extra:
         raise ConfigError(f"logits processors not supported by lookahead decoding: {', '.join(extra)}")
-    if [type(p) for p in given] != [type(p) for p in ours] or not all(_same(a, b) for a, b in zip(given, ours)):
+    pads = (mask == 0).sum(-1)
+    if [type(p) for p in given] != [type(p) for p in ours] or not all(_same(a, b, pads) for a, b in zip(given, ours)):
         names = ", ".join(type(p).__name__ for p in given)
         raise ConfigError(f"logits processors [{names}] differ from the sampling settings of the generation config")
 
 
-def _same(a, b) -> bool:
+def _same(given, ours, pads: torch.Tensor) -> bool:
+    """Same settings. transformers tells the repetition penalty to skip each row's left padding
+    (``prompt_ignore_length`` = pad counts); our rows' histories hold no padding, which is the same."""
+    state = dict(vars(given))
+    skip = state.get("prompt_ignore_length")
+    if isinstance(given, RepetitionPenaltyLogitsProcessor) and isinstance(skip, torch.Tensor):
+        if skip.shape == pads.shape and torch.equal(skip.to(pads.device), pads):
+            state["prompt_ignore_length"] = None
     try:
-        return bool(vars(a) == vars(b))
-    except (RuntimeError, TypeError):  # tensors in the state
+        return bool(state == vars(ours))
+    except (RuntimeError, TypeError):  # other tensors in the state
         return False
 
 

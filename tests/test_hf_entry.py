@@ -90,6 +90,18 @@ def test_sampling_equals_model_generate_under_the_same_seed(arch, prompt, max_ne
     assert got.tolist() == expected.tolist()
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_repetition_penalty_on_a_padded_batch_equals_model_generate(arch):
+    """transformers skips each row's left padding in the penalty (prompt_ignore_length); so do our
+    rows, whose histories hold no padding. Was refused as a differing processor before."""
+    model = tiny_model(arch)
+    ids, mask = padded([[4, 9, 4, 9, 4, 9, 11, 5], [7, 2, 7]])
+    keys = dict(max_new_tokens=20, do_sample=False, repetition_penalty=2.5)
+    expected = model.generate(input_ids=ids, attention_mask=mask, **keys)
+    got = model.generate(input_ids=ids, attention_mask=mask, custom_generate=hf_generate, generation_config=lookahead(**keys))
+    assert got.tolist() == expected.tolist()
+
+
 def repeating_case(arch="qwen2", max_new=24):
     """A prompt, its greedy continuation, and a reference holding that continuation."""
     model = tiny_model(arch)
