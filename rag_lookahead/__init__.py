@@ -3,6 +3,7 @@
 from .config import LookaheadConfig
 from .errors import ConfigError, InputError, ModelLoadError, RagLookaheadError
 from .generate import GenerationResult, GenerationStats, generate
+from .sampling import SamplingParams
 
 __all__ = [
     "ConfigError",
@@ -11,16 +12,28 @@ __all__ = [
     "InputError",
     "LookaheadConfig",
     "ModelLoadError",
+    "LookaheadGenerateOutput",
     "RagLookaheadError",
+    "SamplingParams",
+    "chat",
     "generate",
+    "hf_generate",
     "load_model",
 ]
 __version__ = "0.1.0"
 
 
-def __getattr__(name):  # load_model pulls in transformers lazily
+def __getattr__(name):  # these pull in transformers (or LangChain) lazily
     if name == "load_model":
         from .models import load_model
 
         return load_model
+    if name in ("hf_generate", "LookaheadGenerateOutput"):
+        from . import hf_entry
+
+        return getattr(hf_entry, name)
+    if name == "chat":
+        from .chat_api import chat
+
+        return chat
     raise AttributeError(name)

@@ -61,6 +61,7 @@ def answer(
     temperature: float | None = None,
     top_p: float | None = None,
     seed: int | None = None,
+    trust_remote_code: bool = False,
 ) -> dict:
     """Answer ``question``: ``{"question", "answer", "sources", "stats"}``.
 
@@ -75,7 +76,13 @@ def answer(
     if llm is None:
         from .llm import LookaheadLLM
 
-        llm = LookaheadLLM.from_model_id(model, max_new_tokens=max_new_tokens)
+        if trust_remote_code:  # an explicit opt-in: the model repo's own code runs
+            from .models import load_model
+
+            loaded, tokenizer = load_model(model, trust_remote_code=True)
+            llm = LookaheadLLM(model=loaded, tokenizer=tokenizer, model_name=str(model), max_new_tokens=max_new_tokens)
+        else:
+            llm = LookaheadLLM.from_model_id(model, max_new_tokens=max_new_tokens)
     chain = build_rag_chain(llm, index, k_prompt=k, k_seed=max(k, k_seed))
     sampling = {"temperature": temperature, "top_p": top_p, "seed": seed}
     result = chain.invoke(
@@ -133,6 +140,9 @@ def ask_command(
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0: greedy; above 0: sample (lossless)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (with --temperature)."),
     seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Make a sampled answer reproducible."),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code", help="Run the modeling code a model repo ships (ChatGLM3, Qwen-1); only for sources you trust."
+    ),
 ) -> None:
     """Answer a question from the indexed documents (indexes the bundled corpus on first use)."""
     try:
@@ -150,6 +160,7 @@ def ask_command(
             temperature=temperature or None,
             top_p=top_p,
             seed=seed,
+            trust_remote_code=trust_remote_code,
         )
     except RagLookaheadError as e:
         fail(e)
