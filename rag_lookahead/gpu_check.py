@@ -60,8 +60,8 @@ class Sizes:
     @classmethod
     def small(cls) -> "Sizes":
         return cls(
-            exact_prompts=8, exact_new_tokens=12, speed_prompts=2, speed_new_tokens=24, requests=4,
-            concurrency_new_tokens=16, stress_rows=4, stress_context=160, stress_new_tokens=12,
+            exact_prompts=8, exact_new_tokens=12, speed_prompts=1, speed_new_tokens=16, requests=3,
+            concurrency_new_tokens=12, stress_rows=3, stress_context=160, stress_new_tokens=8,
         )
 
 
@@ -213,7 +213,9 @@ def exactness_model(load: Callable[..., tuple[Any, Any]], name: str, prompts: li
         ids = [chat_ids(tokenizer, p) for p in prompts[: sizes.exact_prompts]]
         config = LookaheadConfig(budget="fixed").with_tokenizer(tokenizer)
         rows = check_exact(model, name, ids, sizes.exact_new_tokens, eos, pad, config)
-    _free(model)
+    devices = model_devices(model)
+    del model, tokenizer
+    _empty_cache(devices)  # room for the model in --dtype
     return rows
 
 
@@ -345,16 +347,17 @@ def _eos_pad(model) -> tuple[list[int], int]:
     return eos, (eos[0] if pad is None and eos else pad if pad is not None else 0)
 
 
-def _free(model) -> None:
-    devices = [d for d in model_devices(model) if d.type == "cuda"]
-    del model
+def _empty_cache(devices: list[torch.device]) -> None:
+    """Hand the GPU memory of tensors no longer referenced back to the driver."""
     for device in devices:
-        with torch.cuda.device(device):
-            torch.cuda.empty_cache()
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.empty_cache()
 
 
 def _section(report: dict, name: str, run: Callable[[], Any]) -> None:
     """Run one section into ``report[name]``; a failure is recorded (one line and a traceback) and the check goes on."""
+    print(f"gpu_check: {name} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
         report[name] = run()
@@ -362,6 +365,7 @@ def _section(report: dict, name: str, run: Callable[[], Any]) -> None:
         report[name] = {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"}
         traceback.print_exc(file=sys.stderr)
     report.setdefault("section_seconds", {})[name] = round(time.perf_counter() - start, 1)
+    print(f"gpu_check: {name} done in {report['section_seconds'][name]} s", file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -507,14 +511,15 @@ def _table_rows(report: dict) -> Iterator[tuple[str, str, str, bool | None]]:
         yield "stress", "one row alone", f"step p50 {st['one_row_step_ms_p50']} ms, {st['one_row_tokens_per_second']} tok/s, packed/row-by-row x{st.get('packed_vs_row_by_row')}", None
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the check, print the table, write the JSON; 0 when everything held, else 1."""
     args = build_parser().parse_args(argv)
     report = run_check(args)
     print_table(report)
     if args.json_path:
         write_json_atomic(args.json_path, report)
-    return report
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(0 if main()["ok"] else 1)
+    raise SystemExit(main())
