@@ -24,7 +24,7 @@ from .inputs import as_batch, check_ids, check_references, vocab_size
 from .trie import ContextPool, OutputPool
 from .packed_cache import PackedCache
 from .sampling import Accepted, SamplingParams, TokenChooser, longest_path, per_row, resolve_sampling
-from .verify import check_cache, forward_tree, keep_accepted, supports_tree_mask
+from .verify import check_cache, forward_tree, input_device, keep_accepted, supports_tree_mask
 
 
 @dataclass
@@ -131,7 +131,7 @@ class DecodeBatch:
         self.config = config
         self.eos = eos
         self.output_pool = output_pool if config.use_output_pool else None
-        self.tree_mask = supports_tree_mask(model) if config.enabled else True
+        self.tree_mask = supports_tree_mask(model)  # also what keeps packed rows apart
         self.costs = step_costs(model) if config.enabled and config.budget == "auto" else None
         self.context_limit = _context_limit(model)
         self.vocab = vocab_size(model)
@@ -161,8 +161,13 @@ class DecodeBatch:
         input_ids, attention_mask = as_batch(input_ids, attention_mask)
         check_ids(input_ids, attention_mask, self.vocab)
         count = input_ids.shape[0]
+        if not self.tree_mask and len(self.rows) + count > 1:
+            raise ConfigError(
+                f"{type(self.model).__name__}'s attention ignores custom masks, so rows cannot share a batch: "
+                "decode one row at a time (generate() does this by itself)"
+            )
         references = check_references(references, count, self.vocab)
-        device = next(self.model.parameters()).device  # callers may build ids on the CPU
+        device = input_device(self.model)  # callers may build ids on the CPU
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         if isinstance(max_new_tokens, int):
             max_new_tokens = [max_new_tokens] * count
@@ -346,7 +351,7 @@ def generate(
     config = config or LookaheadConfig()
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    device = next(model.parameters()).device
+    device = input_device(model)
     ids, mask = as_batch(input_ids, attention_mask)
     check_ids(ids, mask, vocab_size(model))
     references = check_references(references, ids.shape[0], vocab_size(model))

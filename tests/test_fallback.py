@@ -63,3 +63,15 @@ def test_batches_fall_back_to_row_by_row(maskless_model, enabled):
     result = generate(maskless_model, ids, mask, max_new_tokens=10, config=config, pad_token_id=0)
     for row, prompt in enumerate(prompts):
         assert result.sequences[row, 7:].tolist() == reference_generate(maskless_model, prompt, 10, None)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_decode_batch_refuses_a_second_row_on_a_mask_blind_model(maskless_model, enabled):
+    """A caller driving DecodeBatch itself (a server) gets a clear error instead of rows that see each other."""
+    from rag_lookahead.errors import ConfigError
+    from rag_lookahead.generate import DecodeBatch
+
+    batch = DecodeBatch(maskless_model, LookaheadConfig(budget="fixed", enabled=enabled), frozenset(), None)
+    batch.add([[1, 2, 3]], None, None, 4)
+    with pytest.raises(ConfigError, match="ignores custom masks"):
+        batch.add([[4, 5, 6]], None, None, 4)
