@@ -62,6 +62,9 @@ def answer(
     top_p: float | None = None,
     seed: int | None = None,
     trust_remote_code: bool = False,
+    dtype: str | None = None,
+    device: str | None = None,
+    device_map: str | None = None,
 ) -> dict:
     """Answer ``question``: ``{"question", "answer", "sources", "stats"}``.
 
@@ -76,13 +79,14 @@ def answer(
     if llm is None:
         from .llm import LookaheadLLM
 
+        placement = {"dtype": dtype, "device": device, "device_map": device_map}
         if trust_remote_code:  # an explicit opt-in: the model repo's own code runs
             from .models import load_model
 
-            loaded, tokenizer = load_model(model, trust_remote_code=True)
+            loaded, tokenizer = load_model(model, trust_remote_code=True, **placement)
             llm = LookaheadLLM(model=loaded, tokenizer=tokenizer, model_name=str(model), max_new_tokens=max_new_tokens)
         else:
-            llm = LookaheadLLM.from_model_id(model, max_new_tokens=max_new_tokens)
+            llm = LookaheadLLM.from_model_id(model, max_new_tokens=max_new_tokens, **placement)
     chain = build_rag_chain(llm, index, k_prompt=k, k_seed=max(k, k_seed))
     sampling = {"temperature": temperature, "top_p": top_p, "seed": seed}
     result = chain.invoke(
@@ -143,6 +147,9 @@ def ask_command(
     trust_remote_code: bool = typer.Option(
         False, "--trust-remote-code", help="Run the modeling code a model repo ships (ChatGLM3, Qwen-1); only for sources you trust."
     ),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 where fast, fp16 on older GPUs)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)."),
+    device_map: Optional[str] = typer.Option(None, "--device-map", help='accelerate device map, e.g. "auto" for several GPUs.'),
 ) -> None:
     """Answer a question from the indexed documents (indexes the bundled corpus on first use)."""
     try:
@@ -161,6 +168,9 @@ def ask_command(
             top_p=top_p,
             seed=seed,
             trust_remote_code=trust_remote_code,
+            dtype=dtype,
+            device=device,
+            device_map=device_map,
         )
     except RagLookaheadError as e:
         fail(e)

@@ -107,6 +107,22 @@ def add_depth_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --device, --device-map: which model, in what precision, where."""
+    parser.add_argument("--model", default="default", help='"default", a hub id or a local model folder')
+    parser.add_argument("--dtype", default="bf16", help="bf16, fp16, fp32 or auto (GPU: bf16 where native, else fp16)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--device-map", default=None, help='accelerate device map, e.g. "auto" to spread over GPUs')
+
+
+def load_bench_model(args: argparse.Namespace):
+    """The model and tokenizer named by ``add_model_arguments``' flags."""
+    from .models import load_model
+
+    dtype = None if args.dtype == "auto" else args.dtype
+    return load_model(args.model, dtype=dtype, device=args.device, device_map=args.device_map)
+
+
 def extra_depth_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, int]:
     """The extra methods asked for, ``lookahead_bN`` -> N (a clear parser error on bad input)."""
     try:
@@ -211,8 +227,7 @@ def copied_fraction(answer: list[int], source: list[int], n: int = 4) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="rag_lookahead bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="bf16")
+    add_model_arguments(parser)
     parser.add_argument("--prompts", default=None, help="JSONL with context/question per line (default: bundled set)")
     parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     parser.add_argument("--ids", default=None, help="use only these prompt ids (comma-separated)")
@@ -250,8 +265,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", dest="json_path", default=None, help="write the results here")
     args = parser.parse_args(argv)
 
-    from .models import load_model
-
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS) - set(SAMPLING_METHODS)
     extra = extra_depth_methods(parser, args)
@@ -266,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     if unknown:
         parser.error(f"unknown methods: {', '.join(sorted(unknown))}")
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_bench_model(args)
     config = LookaheadConfig(
         decoding_length=args.decoding_length, branch_length=args.branch_length, budget=args.budget
     ).with_tokenizer(tokenizer)

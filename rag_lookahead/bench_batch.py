@@ -18,9 +18,20 @@ import time
 import torch
 
 from .atomic import write_json_atomic
-from .bench import _print_rows, add_depth_arguments, chat_ids, copied_fraction, cut_at_eos, extra_depth_methods, load_prompts
+from .bench import (
+    _print_rows,
+    add_depth_arguments,
+    add_model_arguments,
+    chat_ids,
+    copied_fraction,
+    cut_at_eos,
+    extra_depth_methods,
+    load_bench_model,
+    load_prompts,
+)
 from .config import LookaheadConfig
 from .generate import DecodeBatch, left_pad
+from .verify import input_device
 
 
 def run_hf_waves(model, requests, level, max_new_tokens, eos, pad):
@@ -28,7 +39,7 @@ def run_hf_waves(model, requests, level, max_new_tokens, eos, pad):
     outputs, latencies = [], []
     for first in range(0, len(requests), level):
         rows = requests[first : first + level]
-        ids, mask = left_pad(rows, pad)
+        ids, mask = left_pad(rows, pad, input_device(model))
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
@@ -71,8 +82,7 @@ def run_continuous(model, requests, level, max_new_tokens, eos, pad, config):
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m rag_lookahead.bench_batch", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="bf16")
+    add_model_arguments(parser)
     parser.add_argument("--prompts", default=None)
     parser.add_argument("--ids", default=None, help="use only these prompt ids (comma-separated)")
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level (prompts cycled)")
@@ -84,9 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
 
-    from .models import load_model
-
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_bench_model(args)
     eos = model.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos or [])
     pad = model.generation_config.pad_token_id

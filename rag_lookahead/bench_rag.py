@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from .atomic import write_json_atomic
-from .bench import _print_rows
+from .bench import _print_rows, add_model_arguments, load_bench_model
 
 QUESTIONS = [
     "decoding_length 应该怎么设置？",
@@ -35,8 +35,7 @@ MODES = ("off", "prompt", "seeded", "session")
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m rag_lookahead.bench_rag", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="bf16")
+    add_model_arguments(parser)
     parser.add_argument("--index-dir", default=None, help="an index to use (default: the bundled corpus, indexed into a temp dir)")
     parser.add_argument("--k-prompt", type=int, default=2)
     parser.add_argument("--k-seed", type=int, default=8)
@@ -48,9 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     from .chains import build_rag_chain
     from .index import build_index, load_index
     from .llm import LookaheadLLM
-    from .models import load_model
-
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_bench_model(args)
     if args.index_dir:
         index = load_index(Path(args.index_dir))
     else:

@@ -76,6 +76,12 @@ def bench_command(ctx: typer.Context) -> None:
     _forward("rag_lookahead.bench", ctx, "bench")
 
 
+@app.command("gpu-check", context_settings=_FORWARD, add_help_option=False)
+def gpu_check_command(ctx: typer.Context) -> None:
+    """Exactness, speed and stress check of this machine's accelerator (arguments go to rag_lookahead.gpu_check)."""
+    _forward("rag_lookahead.gpu_check", ctx, "gpu-check")
+
+
 @app.command("serve", context_settings=_FORWARD, add_help_option=False)
 def serve_command(ctx: typer.Context) -> None:
     """OpenAI-compatible server (arguments go to rag_lookahead.server; try `serve --help`)."""
