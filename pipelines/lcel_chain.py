@@ -1,27 +1,28 @@
-"""The LCEL RAG chain: question -> {"answer", "sources", "stats"}, streamed token by token.
+"""A RAG chain in current LangChain style: LCEL with a ChatPromptTemplate and the ChatLookahead chat model.
 
-    python pipelines/lcel_chain.py "How should I set decoding_length on a CPU?" [--index-dir DIR] [--no-lookahead]
+    python pipelines/lcel_chain.py "What does the budget option do?" [--index-dir DIR] [--no-lookahead]
+
+The chain is the one from LangChain's RAG tutorial, with our retriever and chat model swapped in:
+
+    {"context": retriever | format_context, "question": RunnablePassthrough()} | prompt | chat | StrOutputParser()
+
+``build_chat_rag_chain`` (see pipelines/chat_stream.py) is the same chain plus sources, stats and
+the retrieved passages that did not fit the prompt handed to the drafter as seeds.
+Builds the index from the bundled corpora/ on first use (see rag_lookahead.ask.ensure_index).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
-from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.runnables import RunnablePassthrough
 
 from rag_lookahead.ask import ensure_index
-from rag_lookahead.chains import build_rag_chain
+from rag_lookahead.chains import RAG_CHAT_PROMPT, as_retriever, format_context
+from rag_lookahead.chat_model import ChatLookahead
 from rag_lookahead.index import default_index_dir
-from rag_lookahead.llm import LookaheadLLM
-
-
-class PrintTokens(BaseCallbackHandler):
-    def on_llm_new_token(self, token: str, **kwargs) -> None:
-        sys.stdout.write(token)
-        sys.stdout.flush()
 
 
 def main() -> None:
@@ -30,22 +31,21 @@ def main() -> None:
     ap.add_argument("--index-dir", type=Path, default=None)
     ap.add_argument("--model", default="default")
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--k-seed", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--no-lookahead", action="store_true")
     args = ap.parse_args()
 
-    index = ensure_index(args.index_dir or default_index_dir())
-    llm = LookaheadLLM.from_model_id(args.model, max_new_tokens=args.max_new_tokens)
-    chain = build_rag_chain(llm, index, k_prompt=args.k, k_seed=args.k_seed)
-    out = chain.invoke(
-        {"question": args.question, "enable_lookahead": not args.no_lookahead},
-        config={"callbacks": [PrintTokens()]},
+    retriever = as_retriever(ensure_index(args.index_dir or default_index_dir()), args.k)
+    chat = ChatLookahead(model=args.model, max_tokens=args.max_tokens)
+    chain = (
+        {"context": retriever | format_context, "question": RunnablePassthrough()}
+        | RAG_CHAT_PROMPT
+        | chat.bind(enable_lookahead=not args.no_lookahead)
+        | StrOutputParser()
     )
-    print("\n")
-    for s in out["sources"]:
-        print(f"- {s['source']}{'' if s['in_prompt'] else ' (seed only)'}: {s['snippet'][:100]}")
-    print(json.dumps(out["stats"], ensure_ascii=False))
+    for piece in chain.stream(args.question):  # one piece per block of accepted tokens
+        print(piece, end="", flush=True)
+    print()
 
 
 if __name__ == "__main__":

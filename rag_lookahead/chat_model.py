@@ -197,8 +197,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[ParsedCall]]:
 
 
 def _parse_call(raw: str) -> ParsedCall:
-    try:
-        data = json.loads(raw)
+    try:  # the first JSON value; text after it (before a missing </tool_call>) is not part of the call
+        data = json.JSONDecoder().raw_decode(raw)[0]
     except json.JSONDecodeError as err:
         name = re.search(r'"name"\s*:\s*"([^"]*)"', raw)
         return ParsedCall(name.group(1) if name else None, None, raw, f"the tool call is not valid JSON: {err}")
@@ -219,11 +219,17 @@ def _tool_name(tool: Mapping[str, Any]) -> str:
     return tool["function"]["name"]
 
 
+def _takes_no_arguments(tool: Mapping[str, Any]) -> bool:
+    parameters = tool["function"].get("parameters") or {}
+    return not parameters.get("properties") and not parameters.get("additionalProperties")
+
+
 def _forced_opening(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
     """The text the assistant's turn opens with so that it calls a tool (see module docstring).
 
     Ends where the template's own call format continues with a fresh token: after ``"name": "``
-    when the model picks the tool, after ``"arguments":`` when the tool is known.
+    when the model picks the tool, after ``"arguments":`` when the tool is known, after the
+    whole call when the known tool takes no arguments.
     """
     if tool_choice in (None, "auto", "none"):
         return ""
@@ -239,7 +245,12 @@ def _forced_opening(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str
     if name is not None and name not in names:
         raise ConfigError(f"tool_choice names {name!r}, which is not among the bound tools ({', '.join(names)})")
     opening = TOOL_CALL_OPEN + '\n{"name": "'
-    return opening + (f'{name}", "arguments":' if name else "")
+    if name is None:
+        return opening
+    opening += f'{name}", "arguments":'
+    # a tool without parameters has one possible call: write it whole (left open, the model
+    # fills an argument-less call with its schema)
+    return opening + " {}}" if _takes_no_arguments(tools[names.index(name)]) else opening
 
 
 # ---------------------------------------------------------------- one batch, one decode

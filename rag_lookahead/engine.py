@@ -346,7 +346,12 @@ OnBlock = Callable[[int, list[int], str], None]
 
 
 class Engine:
-    """A model, its tokenizer and an output pool: what LookaheadLLM and ChatLookahead decode with."""
+    """A model, its tokenizer and an output pool: what LookaheadLLM and ChatLookahead decode with.
+
+    One decode runs at a time (calls from other threads wait their turn): the output pool and the
+    step-cost estimates are shared state, and rows that should run together go into one batched
+    call (``batch``) instead.
+    """
 
     def __init__(self, model, tokenizer, config: LookaheadConfig | None = None) -> None:
         if model is None or tokenizer is None:
@@ -358,6 +363,7 @@ class Engine:
         self.pad = pad_id(model, tokenizer, self.eos)
         self.output_pool = OutputPool(config.branch_length + config.max_key_length, config.output_pool_nodes)
         self.seeds = SeedRegistry()
+        self._decoding = threading.Lock()
 
     def passages(self, passages: Sequence[str]) -> list[list[int]]:
         return [self.tokenizer.encode(p, add_special_tokens=False) for p in passages if p]
@@ -399,19 +405,20 @@ class Engine:
 
         ids, mask = left_pad([r.ids for r in rows], self.pad)
         references = [r.references for r in rows]
-        result = generate(
-            self.model,
-            ids,
-            mask,
-            max_new_tokens=max_new_tokens,
-            config=config,
-            references=references if any(references) else None,
-            eos_token_id=sorted(self.eos),
-            pad_token_id=self.pad,
-            output_pool=self.output_pool,
-            on_tokens=on_tokens,
-            **sampling,
-        )
+        with self._decoding:
+            result = generate(
+                self.model,
+                ids,
+                mask,
+                max_new_tokens=max_new_tokens,
+                config=config,
+                references=references if any(references) else None,
+                eos_token_id=sorted(self.eos),
+                pad_token_id=self.pad,
+                output_pool=self.output_pool,
+                on_tokens=on_tokens,
+                **sampling,
+            )
         timed_out = [t and not trackers[i].stopped and not _ended(trackers[i], self.eos) for i, t in enumerate(timed_out)]
         return EngineRun(trackers, steps, result, config.enabled, [len(r.ids) for r in rows], self.eos, timed_out)
 

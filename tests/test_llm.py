@@ -151,7 +151,21 @@ def test_sampling_fields_and_bad_values(default_model):
     assert hot.invoke(PROMPTS[0]) == hot.invoke(PROMPTS[0])
     from rag_lookahead.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="top_p"):
+    with pytest.raises(ValueError, match="top_p must be a number"):  # pydantic wraps the ConfigError
         LookaheadLLM(model=model, tokenizer=tokenizer, temperature=0.7, top_p=1.7)
     with pytest.raises(ConfigError, match="unknown option"):
         hot.invoke(PROMPTS[0], temprature=0.5)
+
+
+def test_tokenizer_without_pad_is_left_untouched(default_model, llm):
+    import copy
+
+    model, tokenizer = default_model
+    bare = copy.deepcopy(tokenizer)
+    bare.pad_token = None
+    padless = LookaheadLLM(model=model, tokenizer=bare, max_new_tokens=4, lookahead=LookaheadConfig(budget="fixed", decoding_length=16))
+    assert bare.pad_token is None  # the caller's tokenizer is not written to
+    # rows of different lengths still pad (with an EOS id) and answer as they do alone
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    assert padless.batch(prompts) == [llm.invoke(p, max_new_tokens=4) for p in prompts]
+    assert bare.pad_token is None

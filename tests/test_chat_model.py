@@ -1,0 +1,379 @@
+"""ChatLookahead and the LCEL chat RAG chain, on the real default model (fp32, small max_tokens).
+
+The pure parts (tool-call parsing, forced openings, message conversion, the text tracker) run
+without the model; everything else decodes with the real weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import tool
+from pydantic import ValidationError
+
+from rag_lookahead.chat_model import ChatLookahead, _forced_opening, parse_tool_calls, template_messages
+from rag_lookahead.config import LookaheadConfig
+from rag_lookahead.engine import TextTracker
+from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.llm import LookaheadLLM
+
+FIXED = LookaheadConfig(budget="fixed", decoding_length=16)
+PASSAGE = (
+    "decoding_length 是一次前向计算中最多验证的草稿词元总数，默认值为 64。"
+    "在 CPU 上改用 budget=\"fixed\" 时，建议把 decoding_length 设在 8 到 16 左右。"
+)
+QUOTE = f"资料：{PASSAGE}\n问题：在 CPU 上 decoding_length 建议设为多少？请引用原文回答。"
+COUNT = "Write the numbers from 1 to 10 separated by spaces."
+HELLO = "Say hello in one short sentence."
+
+
+@tool
+def magic_function(input: int) -> int:
+    """Apply a magic function to an input."""
+    return input + 2
+
+
+@tool
+def get_weather(city: str) -> str:
+    """Get the weather in a city."""
+    return "sunny"
+
+
+class Collect(BaseCallbackHandler):
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def on_llm_new_token(self, token: str, **kwargs) -> None:
+        self.tokens.append(token)
+
+
+# ---------------------------------------------------------------- without the model
+
+
+def test_parse_tool_calls_splits_text_and_calls():
+    text = (
+        'Let me look.<tool_call>\n{"name": "magic_function", "arguments": {"input": 3}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"北京\\"}"}\n</tool_call>'
+    )
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me look.\n"
+    assert [(c.name, c.args, c.error) for c in calls] == [
+        ("magic_function", {"input": 3}, None),
+        ("get_weather", {"city": "北京"}, None),
+    ]
+    assert calls[0].id != calls[1].id
+    cut = parse_tool_calls('<tool_call>\n{"name": "magic_function", "arguments": {"inp')[1]  # max_tokens hit
+    assert cut[0].name == "magic_function" and cut[0].args is None and "not valid JSON" in cut[0].error
+    assert parse_tool_calls("no calls here") == ("no calls here", [])
+    unclosed = parse_tool_calls('<tool_call>\n{"name": "now", "arguments": {}}\nThat is the call.')[1]
+    assert (unclosed[0].name, unclosed[0].args) == ("now", {})  # text after the JSON is not part of it
+    assert parse_tool_calls('<tool_call>["a"]</tool_call>')[1][0].error.startswith("a tool call needs")
+
+
+def test_forced_opening_per_tool_choice():
+    takes_x = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": takes_x}} for n in ("magic_function", "get_weather")]
+    assert _forced_opening(None, tools) == _forced_opening("auto", tools) == _forced_opening("none", tools) == ""
+    assert _forced_opening("any", tools) == '<tool_call>\n{"name": "'
+    named = '<tool_call>\n{"name": "get_weather", "arguments":'
+    assert _forced_opening("get_weather", tools) == named
+    assert _forced_opening({"type": "function", "function": {"name": "get_weather"}}, tools) == named
+    assert _forced_opening("required", tools[1:]) == named  # one tool: its name is known
+    bare = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    assert _forced_opening("any", bare) == '<tool_call>\n{"name": "now", "arguments": {}}'  # the only possible call
+    with pytest.raises(ConfigError, match="not among the bound tools"):
+        _forced_opening("nope", tools)
+    with pytest.raises(ConfigError, match="tool_choice must be"):
+        _forced_opening(3, tools)
+
+
+def test_template_messages_convert_history():
+    messages = [
+        SystemMessage("a"),
+        SystemMessage("b"),
+        HumanMessage([{"type": "text", "text": "What is "}, "1 + 2"]),
+        AIMessage(
+            [{"type": "text", "text": "thinking"}, {"type": "tool_use", "id": "x", "name": "add", "input": {"a": 1}}],
+            tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "x", "type": "tool_call"}],
+        ),
+        ToolMessage(json.dumps({"result": 3}), tool_call_id="x", name="add"),
+    ]
+    assert template_messages(messages) == [
+        {"role": "system", "content": "a\n\nb"},
+        {"role": "user", "content": "What is 1 + 2"},
+        {
+            "role": "assistant",
+            "content": "thinking",
+            "tool_calls": [{"id": "x", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}],
+        },
+        {"role": "tool", "content": '{"result": 3}', "tool_call_id": "x", "name": "add"},
+    ]
+    with pytest.raises(InputError, match="image"):
+        template_messages([HumanMessage([{"type": "image", "url": "https://example.com/cat.png"}])])
+    with pytest.raises(InputError, match="empty"):
+        template_messages([HumanMessage("")])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from rag_lookahead.models import default_model_dir
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir()))
+
+
+def test_tracker_holds_tool_calls_and_keeps_stops_out_of_the_prefix(tokenizer):
+    ids = tokenizer.encode('Sure. <tool_call>\n{"name": "f"}\n</tool_call>', add_special_tokens=False)
+    tracker = TextTracker(tokenizer, None, frozenset(), hold=["<tool_call>"])
+    pieces = [tracker.add([t]) for t in ids]
+    assert "".join(pieces) == "Sure. " and "<" not in "".join(pieces)  # nothing from the marker on
+    assert tracker.final_text().endswith("</tool_call>")
+    # a stop string inside the forced opening does not cut it; one in the answer does
+    prefix = '<tool_call>\n{"name": "'
+    tracker = TextTracker(tokenizer, ["\n"], frozenset(), prefix=prefix)
+    tracker.add(tokenizer.encode('f", "arguments": {}}\n</tool_call>', add_special_tokens=False))
+    assert tracker.stopped and tracker.final_text() == prefix + 'f", "arguments": {}}'
+
+
+# ---------------------------------------------------------------- with the model
+
+slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def weights(default_model_fp32):
+    return default_model_fp32
+
+
+@pytest.fixture(scope="module")
+def chat(weights):
+    model, tok = weights
+    return ChatLookahead(model=model, tokenizer=tok, max_tokens=24, lookahead=FIXED)
+
+
+@pytest.fixture(scope="module")
+def singles(chat):
+    return {p: chat.invoke(p) for p in (HELLO, QUOTE, COUNT)}
+
+
+@slow
+def test_shares_engine_with_lookahead_llm_and_answers_alike(weights, chat, singles):
+    model, tok = weights
+    llm = LookaheadLLM(model=model, tokenizer=tok, max_new_tokens=24, lookahead=FIXED)
+    from_llm = ChatLookahead.from_llm(llm)
+    assert from_llm.get_engine() is llm.engine and from_llm.output_pool is llm.output_pool
+    assert from_llm.max_tokens == 24 and from_llm.lookahead == llm.lookahead
+    assert ChatLookahead(model=model, tokenizer=tok).get_engine() is chat.get_engine()  # one engine per model
+    assert llm.invoke(QUOTE) == singles[QUOTE].content  # same template, same engine code, same text
+    assert from_llm.invoke(QUOTE).content == singles[QUOTE].content
+
+
+@slow
+def test_batch_is_one_decode_with_the_same_answers(chat, singles):
+    prompts = [HELLO, QUOTE, COUNT]
+    answers = chat.batch(prompts)
+    assert [a.content for a in answers] == [singles[p].content for p in prompts]
+    assert [a.response_metadata["batch_size"] for a in answers] == [3, 3, 3]
+    assert [a.usage_metadata for a in answers] == [singles[p].usage_metadata for p in prompts]
+    waves = chat.batch(prompts, config={"max_concurrency": 2})
+    assert [a.response_metadata["batch_size"] for a in waves] == [2, 2, 1]
+    mixed = chat.batch([HELLO, "", COUNT], return_exceptions=True)
+    assert isinstance(mixed[1], InputError)
+    assert [mixed[0].response_metadata["batch_size"], mixed[2].response_metadata["batch_size"]] == [2, 2]
+    assert mixed[2].content == singles[COUNT].content
+    async_answers = asyncio.run(chat.abatch(prompts))
+    assert [a.content for a in async_answers] == [singles[p].content for p in prompts]
+    assert async_answers[0].response_metadata["batch_size"] == 3
+
+
+@slow
+def test_stream_yields_accepted_blocks_then_usage(chat, singles):
+    whole = singles[QUOTE]
+    chunks = list(chat.stream(QUOTE))
+    assert "".join(c.content for c in chunks) == whole.content
+    assert len(chunks) > 2 and all("\ufffd" not in c.content for c in chunks)
+    assert chunks[-1].chunk_position == "last"
+    assert all(c.usage_metadata is None for c in chunks[:-1])
+    assert chunks[-1].usage_metadata == whole.usage_metadata
+    meta = chunks[-1].response_metadata
+    assert meta["finish_reason"] == whole.response_metadata["finish_reason"]
+    assert meta["new_tokens"] == whole.usage_metadata["output_tokens"] and meta["forward_passes"] >= 1
+
+    async def collect():
+        return [c async for c in chat.astream(QUOTE)]
+
+    assert "".join(c.content for c in asyncio.run(collect())) == whole.content
+
+
+@slow
+def test_callbacks_see_each_block(chat, singles):
+    for run in (chat.invoke, lambda p, config: list(chat.stream(p, config=config))):
+        handler = Collect()
+        run(COUNT, config={"callbacks": [handler]})
+        pieces = [t for t in handler.tokens if t]
+        assert len(pieces) > 1 and "".join(pieces) == singles[COUNT].content
+
+
+@slow
+def test_usage_and_stats(chat, singles, weights):
+    answer = singles[HELLO]
+    usage = answer.usage_metadata
+    tok = weights[1]
+    prompt = tok.apply_chat_template([{"role": "user", "content": HELLO}], tokenize=False, add_generation_prompt=True)
+    assert usage["input_tokens"] == len(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    meta = answer.response_metadata
+    assert meta["model_name"] == chat.model_name and meta["finish_reason"] in ("stop", "length")
+    for key in ("new_tokens", "forward_passes", "mean_accepted", "tokens_per_second", "batch_size", "lookahead"):
+        assert key in meta
+
+
+@slow
+def test_stop_strings(chat, singles):
+    text = singles[COUNT].content
+    assert " 5" in text
+    cut = text[: text.index(" 5")]
+    answer = chat.invoke(COUNT, stop=[" 5"])
+    assert answer.content == cut and answer.response_metadata["finish_reason"] == "stop"
+    assert "".join(c.content for c in chat.stream(COUNT, stop=[" 5", "never"])) == cut
+    stopping = ChatLookahead(model=chat.get_engine().model, tokenizer=chat.get_engine().tokenizer, max_tokens=24,
+                             lookahead=FIXED, stop=[" 5"])
+    assert stopping.invoke(COUNT).content == cut
+
+
+@slow
+def test_tools_through_the_template_and_back_as_tool_calls(chat, singles):
+    question = "What is the value of magic_function(3)? Use the tool."
+    forced = chat.bind_tools([magic_function, get_weather], tool_choice="magic_function")
+    answer = forced.invoke(question)
+    assert answer.tool_calls and answer.tool_calls[0]["name"] == "magic_function"
+    assert answer.tool_calls[0]["args"] == {"input": 3}
+    assert answer.response_metadata["finish_reason"] == "tool_calls"
+    plain = chat.invoke(question)
+    assert answer.usage_metadata["input_tokens"] > plain.usage_metadata["input_tokens"] + 40  # the tools' schemas
+    streamed = None
+    for chunk in forced.stream(question):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [("magic_function", {"input": 3})]
+    assert streamed.content == answer.content
+    none = chat.bind_tools([magic_function], tool_choice="none").invoke(question)
+    assert none.usage_metadata == plain.usage_metadata and none.content == plain.content
+    # a tool result in the history reaches the model through the template's <tool_response>
+    history = [
+        HumanMessage(question),
+        AIMessage("", tool_calls=[{"name": "magic_function", "args": {"input": 3}, "id": "c1", "type": "tool_call"}]),
+        ToolMessage("5", tool_call_id="c1", name="magic_function"),
+    ]
+    request = chat._prepare(history, None, {"tools": [magic_function]})[0]
+    assert "<tool_response>\n5\n</tool_response>" in chat.get_engine().tokenizer.decode(request.ids)
+    assert chat.bind_tools([magic_function]).invoke(history).content
+
+
+@slow
+def test_sampling_is_seeded_and_lossless(chat):
+    first = chat.invoke(QUOTE, temperature=0.8, top_p=0.9, seed=7)
+    assert chat.invoke(QUOTE, temperature=0.8, top_p=0.9, seed=7).content == first.content
+    assert chat.invoke(QUOTE, temperature=0.8, top_p=0.9, seed=7, enable_lookahead=False).content == first.content
+    hot = ChatLookahead(model=chat.get_engine().model, tokenizer=chat.get_engine().tokenizer, max_tokens=24,
+                        lookahead=FIXED, temperature=0.8, top_p=0.9, seed=7)
+    assert hot.invoke(QUOTE).content == first.content
+    assert hot.batch([QUOTE, HELLO])[0].content == first.content  # each row draws from its own generator
+
+
+@slow
+def test_lookahead_off_and_references_leave_the_text(chat, singles):
+    assert chat.invoke(QUOTE, enable_lookahead=False).content == singles[QUOTE].content
+    assert chat.invoke(COUNT, references=["1 2 3 4 5 6 7 8 9 10"]).content == singles[COUNT].content
+
+
+@slow
+def test_timeout_ends_the_decode(chat):
+    answer = chat.invoke(COUNT, timeout=1e-6)
+    assert answer.response_metadata["finish_reason"] == "timeout"
+    assert answer.usage_metadata["output_tokens"] == 1  # the prefill's token, then the deadline
+
+
+@slow
+def test_bad_settings_are_refused(chat, weights):
+    model, tok = weights
+    with pytest.raises(ConfigError, match="unknown option"):
+        chat.invoke(HELLO, temprature=0.5)
+    with pytest.raises(ConfigError, match="no tools are bound"):
+        chat.invoke(HELLO, tool_choice="any")
+    with pytest.raises(ConfigError, match="top_p"):
+        ChatLookahead(model=model, tokenizer=tok, temperature=0.7, top_p=1.7)
+    with pytest.raises(ConfigError, match="max_tokens"):
+        ChatLookahead(model=model, tokenizer=tok, max_tokens=0)
+    with pytest.raises(ConfigError, match="tokenizer only with a loaded model"):
+        ChatLookahead(model="default", tokenizer=tok)
+    with pytest.raises(ValidationError):
+        ChatLookahead(model=model, tokenizer=tok, max_tokns=5)  # a typo is not silently dropped
+    with pytest.raises(ConfigError, match="not among the bound tools"):
+        chat.bind_tools([magic_function], tool_choice="get_weather")
+    with pytest.raises(InputError, match="image"):
+        chat.invoke([HumanMessage([{"type": "image", "url": "https://example.com/cat.png"}])])
+
+
+# ---------------------------------------------------------------- the chat RAG chain
+
+QUESTION = "What does the budget option do?"  # corpora/en/tuning.md answers it
+
+
+@pytest.fixture(scope="module")
+def corpus_index(tmp_path_factory):
+    from rag_lookahead.ask import bundled_corpus
+    from rag_lookahead.index import build_index, load_index
+
+    folder = tmp_path_factory.mktemp("chat-chain") / "index"
+    build_index(bundled_corpus(), folder, progress=False)
+    return load_index(folder)
+
+
+def test_index_retriever_takes_k_and_mode_per_call(corpus_index):
+    from rag_lookahead.chains import as_retriever
+
+    retriever = as_retriever(corpus_index, 8)
+    assert len(retriever.invoke(QUESTION)) == 8
+    two = retriever.invoke(QUESTION, k=2)
+    assert [d.page_content for d in two] == [d.page_content for d in retriever.invoke(QUESTION)[:2]]
+    lexical = retriever.invoke("budget", k=3, mode="lexical")
+    assert len(lexical) == 3 and all("budget" in d.page_content for d in lexical)
+    assert asyncio.run(retriever.ainvoke(QUESTION, k=1))[0].page_content == two[0].page_content
+
+
+@slow
+def test_chat_rag_chain_streams_sources_then_answer(chat, corpus_index):
+    from langchain_core.output_parsers import StrOutputParser
+
+    from rag_lookahead.chains import RAG_CHAT_PROMPT, build_chat_rag_chain, format_context
+
+    chain = build_chat_rag_chain(chat, corpus_index, k_prompt=2, k_seed=4)
+    out = chain.invoke(QUESTION)
+    assert set(out) == {"question", "answer", "sources", "stats"} and out["answer"].strip()
+    sources = out["sources"]
+    assert [s["in_prompt"] for s in sources] == [True, True, False, False]
+    assert any(s["source"].endswith("tuning.md") for s in sources[:2])
+    stats = out["stats"]
+    assert stats["usage"]["output_tokens"] == stats["new_tokens"] >= 1 and stats["seed_passages"] == 2
+    assert stats["retrieval_seconds"] >= 0 and stats["finish_reason"] in ("stop", "length")
+    # the passages kept out of the prompt were handed to the drafter, keyed by the ones in it
+    engine = chat.get_engine()
+    assert engine.seeds.lookup("\n".join(s["text"] for s in sources[:2])) == [s["text"] for s in sources[2:]]
+    # streaming: the sources come before the first piece of the answer, and the pieces add up
+    parts = list(chain.stream(QUESTION))
+    first_answer = next(i for i, p in enumerate(parts) if p.get("answer"))
+    assert any("sources" in p for p in parts[:first_answer])
+    assert sum(1 for p in parts if p.get("answer")) > 1
+    assert "".join(p.get("answer", "") for p in parts) == out["answer"]
+    # the same answer as plain decoding on the same context: seeds and drafts change speed only
+    docs = [s for s in sources[:2]]
+    from langchain_core.documents import Document
+
+    context = format_context([Document(page_content=d["text"], metadata={"source": d["source"]}) for d in docs])
+    plain = (RAG_CHAT_PROMPT | chat.bind(enable_lookahead=False) | StrOutputParser()).invoke({"context": context, "question": QUESTION})
+    assert plain == out["answer"]
