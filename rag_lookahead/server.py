@@ -77,8 +77,10 @@ MiB = 1 << 20
 
 #: Seconds uvicorn waits for connections to close after the drain (slow readers, idle keep-alives).
 CLOSE_GRACE_SECONDS = 5.0
-#: How often a waiting handler looks whether its client left or the engine died.
+#: How long a handler waits for its next event before it looks whether the engine thread died.
 POLL_SECONDS = 0.25
+#: How often a handler looks whether its client left, events flowing or not.
+CLIENT_CHECK_SECONDS = 0.25
 
 
 # ---------------------------------------------------------------- configuration
@@ -672,8 +674,7 @@ class Engine:
                 self._retire_all()
             self._step_all()
         except Exception as e:  # noqa: BLE001 - a bug between the guarded parts: fail what runs, carry on
-            self.metrics.add(engine_errors=1)
-            self._fail_requests(list(self._active.values()) + list(admitted or ()), _internal_error(500, "generation failed", e))
+            self._fail_requests(list(self._active.values()) + list(admitted or ()), self._failure(e))
             self._active.clear()
             self._batches.clear()
         return True
@@ -716,19 +717,24 @@ class Engine:
             if batch is None:
                 batch = self._new_batch(key)
         except Exception as e:  # noqa: BLE001
-            self._fail_requests(group, _internal_error(500, "generation failed", e))
+            self._fail_requests(group, self._failure(e))
             return
         rows_before = len(batch.rows)
+        for request in group:  # active from here on: a drain or a test waiting for idle sees the prefill
+            self._active[request.id] = request
         try:
             self._prefill(batch, group)
         except Exception as e:  # noqa: BLE001
             if len(batch.rows) != rows_before:  # it failed half-way through the merge: the batch is unsafe
                 self._fail_batch(key, e, also=group)
-            elif len(group) > 1:
+                return
+            for request in group:
+                self._active.pop(request.id, None)
+            if len(group) > 1:
                 for request in group:
                     self._admit_group(key, [request])
             else:
-                self._fail_requests(group, _internal_error(500, "generation failed", e))
+                self._fail_requests(group, self._failure(e))
             return
         self._batches[key] = batch
 
@@ -741,8 +747,6 @@ class Engine:
         start = time.perf_counter()
         rows = batch.add(ids, mask, references, [r.max_tokens for r in requests], keys=[r.id for r in requests])
         self.metrics.add(prefills=1, prefill_seconds=time.perf_counter() - start)
-        for request in requests:
-            self._active[request.id] = request
         for request, row in zip(requests, rows):
             self._deliver(request, row.generated)
 
@@ -783,7 +787,7 @@ class Engine:
         try:
             piece = request.tracker.add(tokens)
         except Exception as e:  # noqa: BLE001
-            self._fail_requests([request], _internal_error(500, "generation failed", e))
+            self._fail_requests([request], self._failure(e))
             return
         if piece:
             request.emit(("piece", piece))
@@ -820,7 +824,7 @@ class Engine:
         try:
             info = self._final_info(request, row)
         except Exception as e:  # noqa: BLE001
-            self._fail_requests([request], _internal_error(500, "generation failed", e))
+            self._fail_requests([request], self._failure(e))
             return
         self.metrics.add(completed=1)
         request.end(("done", info))
@@ -845,6 +849,11 @@ class Engine:
 
     # ------------------------------------------------------------ failing requests
 
+    def _failure(self, cause: BaseException) -> ApiError:
+        """Count and log an engine failure; the error its requests get (no internals in it)."""
+        self.metrics.add(engine_errors=1)
+        return _internal_error(500, "generation failed", cause)
+
     def _fail_requests(self, requests: Sequence[_Request], error: ApiError) -> None:
         """End each request with ``error``; their rows (if any) are dropped at the next retire.
 
@@ -865,13 +874,12 @@ class Engine:
 
         The batch's requests are the active ones of its pool key, not ``batch.rows``: a failure
         half-way through ``finish`` may have taken rows out already."""
-        self.metrics.add(engine_errors=1)
         self._batches.pop(key, None)
         requests = {r.id: r for r in also}
         requests.update((r.id, r) for r in self._active.values() if r.pool_key == key)
         for request_id in requests:
             self._active.pop(request_id, None)
-        self._fail_requests(list(requests.values()), _internal_error(500, "generation failed", cause))
+        self._fail_requests(list(requests.values()), self._failure(cause))
 
     def _fail_everything(self, error: ApiError) -> None:
         """Every running and waiting request gets ``error`` (shutdown, drain over, the engine died)."""
@@ -1142,21 +1150,25 @@ class _ClientGone(Exception):
 async def _events(request: _Request, engine: Engine, http_request: Request | None = None) -> AsyncIterator[tuple]:
     """The request's events, the last one "done" or "error".
 
-    Every ``POLL_SECONDS`` without an event it looks whether the client left (when
-    ``http_request`` is given: the request is cancelled, ``_ClientGone`` raised) and whether the
-    engine thread is gone (an error event, so no client waits forever). One pending ``get`` is
-    kept across polls, so no event can be lost to a timeout.
+    Every ``CLIENT_CHECK_SECONDS``, events flowing or not, it looks whether the client left (when
+    ``http_request`` is given: the request is cancelled, ``_ClientGone`` raised); after
+    ``POLL_SECONDS`` without an event, whether the engine thread is gone (an error event, so no
+    client waits forever). One pending ``get`` is kept across polls, so no event is lost to a
+    timeout.
     """
     getter: asyncio.Future | None = None
+    looked = time.monotonic()
     try:
         while True:
             if getter is None:
                 getter = asyncio.ensure_future(request.channel.get())
-            done, _ = await asyncio.wait((getter,), timeout=POLL_SECONDS)
-            if not done:
-                if http_request is not None and await http_request.is_disconnected():
+            done, _ = await asyncio.wait((getter,), timeout=min(POLL_SECONDS, CLIENT_CHECK_SECONDS))
+            if http_request is not None and time.monotonic() - looked >= CLIENT_CHECK_SECONDS:
+                looked = time.monotonic()
+                if await http_request.is_disconnected():
                     engine.cancel(request)
                     raise _ClientGone()
+            if not done:
                 if not engine.alive and request.channel.empty():
                     request.finished = True
                     yield ("error", _engine_stopped())
@@ -1669,12 +1681,12 @@ def _health_status(engine: Engine) -> str:
 
 async def drain(engine: Engine, seconds: float) -> None:
     """Stop admitting; wait until the accepted requests are answered or ``seconds`` pass (then the
-    engine fails the rest, and their handlers answer at once)."""
+    engine fails the rest, and their handlers answer at once; uvicorn's own shutdown then waits
+    for those responses to go out)."""
     engine.begin_drain(seconds)
     deadline = time.monotonic() + seconds + CLOSE_GRACE_SECONDS
     while engine.alive and not engine.idle and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    await asyncio.sleep(POLL_SECONDS)  # let the handlers send the last events
 
 
 def make_server(app, engine: Engine, **uvicorn_options):

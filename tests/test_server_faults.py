@@ -114,11 +114,13 @@ def fail_once(monkeypatch, cls, name: str, error: Exception, when=lambda self, *
 
 
 async def fill(client, engine, gate, first: dict, then: list[dict]) -> list[asyncio.Task]:
-    """Post ``first``; once its prefill is held by ``gate``, post ``then`` and wait until they queue."""
+    """Post ``first``; once its prefill is held by ``gate``, post ``then`` one by one (so they queue
+    in that order), then open the gate."""
     tasks = [asyncio.create_task(client.post("/v1/completions", json=first))]
     await until(lambda: gate.blocked == 1)
-    tasks += [asyncio.create_task(client.post("/v1/completions", json=body)) for body in then]
-    await until(lambda: engine.queue_depth == len(then))
+    for queued, body in enumerate(then, 1):
+        tasks.append(asyncio.create_task(client.post("/v1/completions", json=body)))
+        await until(lambda: engine.queue_depth == queued)
     gate.set()
     return tasks
 
@@ -280,6 +282,24 @@ def test_stream_left_before_it_starts_is_cancelled(tokenizer, monkeypatch, spec)
     assert metric(metrics, "rag_lookahead_tokens_generated_total") < 30 + 100
 
 
+def test_non_stream_client_that_leaves_is_cancelled_while_tokens_flow(tokenizer, monkeypatch):
+    """A non-streaming client gives up while its tokens keep coming: it is cancelled within
+    CLIENT_CHECK_SECONDS (the disconnect used to be looked at only after a pause in the events, so
+    a request whose steps came quickly enough was decoded to the end for nobody)."""
+    import rag_lookahead.server as server
+
+    monkeypatch.setattr(server, "POLL_SECONDS", 30.0)  # no pause in the events this long: only the check finds the leave
+    engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
+    slow_steps(monkeypatch, 0.02)  # 200 tokens take >= 4 s
+    with serving(engine) as base:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/completions", json=completion(tiny_prompts(1, seed=28)[0], 200), timeout=1.0)
+        wait_idle(engine, 10)
+        metrics = httpx.get(base + "/metrics").text
+    assert metric(metrics, "rag_lookahead_requests_cancelled_total") == 1
+    assert metric(metrics, "rag_lookahead_tokens_generated_total") < 100
+
+
 @pytest.fixture(scope="module")
 def tiny_index(tmp_path_factory):
     """A real two-passage index (real embedder, real FAISS)."""
@@ -304,8 +324,10 @@ def test_rag_refuses_a_full_queue_before_retrieving(tokenizer, monkeypatch, tiny
 
     async def run(base: str):
         async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-            tasks = [asyncio.create_task(client.post("/v1/completions", json=completion(p, 8))) for p in (a, b)]
-            await until(lambda: engine.active == 1 and engine.queue_depth == 1)
+            tasks = [asyncio.create_task(client.post("/v1/completions", json=completion(a, 8)))]
+            await until(lambda: engine.active == 1)  # a holds the batch slot (its step waits for the gate)
+            tasks.append(asyncio.create_task(client.post("/v1/completions", json=completion(b, 8))))
+            await until(lambda: engine.queue_depth == 1)  # b fills the queue
             refused = await client.post("/v1/rag", json={"question": "How tall is Etna?", "max_tokens": 4})
             gate.set()
             return refused, await asyncio.wait_for(asyncio.gather(*tasks), 60)
