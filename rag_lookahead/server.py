@@ -423,7 +423,7 @@ class Engine:
     """The engine thread: owns the model and the running :class:`DecodeBatch` of each output pool."""
 
     def __init__(self, model, tokenizer, config: ServerConfig | None = None, index=None) -> None:
-        from .llm import _eos_ids
+        from .engine import eos_ids, pad_id
 
         self.config = config or ServerConfig()
         self.model = model
@@ -435,11 +435,9 @@ class Engine:
         if not self.config.lookahead:
             lookahead = lookahead.replace(enabled=False)
         self.lookahead = lookahead
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        self.eos = frozenset(_eos_ids(model, tokenizer))
+        self.eos = frozenset(eos_ids(model, tokenizer))
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or 0)
-        self.pad_id = int(tokenizer.pad_token_id)
+        self.pad_id = pad_id(model, tokenizer, self.eos)  # the caller's tokenizer is left as it is
         if self.vocab_size and self.pad_id >= self.vocab_size:  # padding is masked, but must still embed
             self.pad_id = 0
         self.context_limit = getattr(model.config, "max_position_embeddings", None)
@@ -555,9 +553,9 @@ class Engine:
             return [self.tokenizer.encode(p, add_special_tokens=False) for p in passages if p]
 
     def new_request(self, prompt_ids: list[int], max_tokens: int, stop: list[str], references=(), pool_key: str = "") -> _Request:
-        from .llm import _TextTracker
+        from .engine import TextTracker
 
-        tracker = _TextTracker(self.tokenizer, stop, self.eos)
+        tracker = TextTracker(self.tokenizer, stop, self.eos)
         key = pool_key if self.config.output_pool == "per-key" else ""
         return _Request(list(prompt_ids), max_tokens, list(stop), [list(r) for r in references], tracker, key)
 

@@ -175,13 +175,13 @@ def test_retire_failure_fails_its_batch_and_the_engine_carries_on(tokenizer, mon
 
 def test_text_failure_fails_only_that_request(tokenizer, monkeypatch):
     """Turning one row's tokens into text raises: only that request fails; its batch mate finishes."""
-    from rag_lookahead.llm import _TextTracker
+    from rag_lookahead.engine import TextTracker
 
     engine = tiny_engine(tokenizer, max_batch_size=2, lookahead=False, lookahead_config=None)  # one token a step
     a, b = tiny_prompts(2, seed=24)
     want_b = single_text(engine, b, 24)
     # the marked request's third block: a's prefill and first step come before b is admitted
-    faults = fail_once(monkeypatch, _TextTracker, "add", UnicodeDecodeError("utf-8", b"\xff", 0, 1, SECRET),
+    faults = fail_once(monkeypatch, TextTracker, "add", UnicodeDecodeError("utf-8", b"\xff", 0, 1, SECRET),
                        when=lambda tracker, tokens: "MARK" in tracker.stop and len(tracker.ids) == 2)
     gate = hold_prefills(monkeypatch)
 
