@@ -25,12 +25,13 @@ from __future__ import annotations
 import time
 from typing import Any, Iterator, Sequence
 
-from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableGenerator, RunnableLambda, RunnablePassthrough
+from langchain_core.runnables.config import run_in_executor
 from langchain_core.runnables.utils import AddableDict
 
 from .errors import ConfigError, InputError
@@ -93,6 +94,19 @@ class DocumentIndexRetriever(BaseRetriever):
         k: int | None = None,
         mode: str | None = None,
     ) -> list[Document]:
+        return self._search(query, k, mode)
+
+    async def _aget_relevant_documents(
+        self,
+        query: str,
+        *,
+        run_manager: AsyncCallbackManagerForRetrieverRun,
+        k: int | None = None,
+        mode: str | None = None,
+    ) -> list[Document]:
+        return await run_in_executor(None, self._search, query, k, mode)
+
+    def _search(self, query: str, k: int | None, mode: str | None) -> list[Document]:
         hits = self.index.search(query, self.k if k is None else k, mode=mode or self.mode)
         return [
             Document(page_content=p.text, metadata={"source": p.source, "chunk_id": p.chunk_id, "score": p.score})

@@ -55,7 +55,7 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import get_config_list, run_in_executor
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError
 
 from .config import LookaheadConfig
 from .engine import (
@@ -69,6 +69,7 @@ from .engine import (
     encode_messages,
     resolve_config,
     sampling_options,
+    settings_error,
 )
 from .errors import ConfigError, InputError
 
@@ -399,14 +400,19 @@ class ChatLookahead(BaseChatModel):
 
     _engine: Any = PrivateAttr(default=None)
 
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:  # pydantic wraps our ConfigError: hand it over as raised
+            raise settings_error(type(self).__name__, err) from None
+
     def model_post_init(self, __context: Any) -> None:
         super().model_post_init(__context)
         self._engine = self._make_engine()
         if self.model_name is None:
             self.model_name = self._derived_name()
         check_max_tokens("max_tokens", self.max_tokens)
-        if self.timeout is not None and (isinstance(self.timeout, bool) or self.timeout <= 0):
-            raise ConfigError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+        _check_timeout(self.timeout)
         if isinstance(self.stop, str):
             raise ConfigError("stop must be a list of strings")
         if not self.lookahead.stop_words:
@@ -524,7 +530,7 @@ class ChatLookahead(BaseChatModel):
         kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # LangChain's own switch
         config = resolve_config(self.lookahead, kwargs)
         max_tokens = check_max_tokens("max_tokens", kwargs.pop("max_tokens", None) or self.max_tokens)
-        timeout = kwargs.pop("timeout", None) or self.timeout
+        timeout = _check_timeout(kwargs.pop("timeout", None)) or self.timeout
         tools = list(kwargs.pop("tools", None) or [])
         tool_choice = kwargs.pop("tool_choice", None)
         parallel = kwargs.pop("parallel_tool_calls", None)
@@ -713,6 +719,12 @@ class ChatLookahead(BaseChatModel):
     ) -> list[Any]:
         """:meth:`batch` in a worker thread: one batched decode, the event loop stays free."""
         return await run_in_executor(None, lambda: self.batch(inputs, config, return_exceptions=return_exceptions, **kwargs))
+
+
+def _check_timeout(timeout: Any) -> float | None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    return timeout
 
 
 def _settings_key(settings: dict) -> tuple:

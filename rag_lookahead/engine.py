@@ -37,6 +37,7 @@ __all__ = [
     "pad_id",
     "resolve_config",
     "sampling_options",
+    "settings_error",
 ]
 
 REPLACEMENT = "\ufffd"
@@ -238,6 +239,23 @@ def sampling_options(model, values: Mapping[str, Any]) -> dict:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
     return options | {"seed": seed}
+
+
+def settings_error(owner: str, err: Exception) -> Exception:
+    """Our own error back out of pydantic's wrapping, or a one-line :class:`ConfigError`.
+
+    Pydantic wraps a ``ValueError`` raised while a model is built (our ``ConfigError`` is one)
+    into a multi-line ``ValidationError``; callers should get the error we raised.
+    """
+    details = err.errors() if hasattr(err, "errors") else []
+    for detail in details:
+        original = (detail.get("ctx") or {}).get("error")
+        if isinstance(original, (ConfigError, InputError)):
+            return original
+    if details:
+        where = ".".join(str(part) for part in details[0].get("loc", ())) or "settings"
+        return ConfigError(f"invalid {owner} setting {where}: {details[0].get('msg', err)}")
+    return err
 
 
 def check_max_tokens(name: str, value: Any) -> int:

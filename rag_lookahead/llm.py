@@ -32,7 +32,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError
 
 from .config import LookaheadConfig
 from .engine import (
@@ -47,6 +47,7 @@ from .engine import (
     eos_ids,
     resolve_config,
     sampling_options,
+    settings_error,
 )
 from .errors import ConfigError, InputError
 from .trie import OutputPool
@@ -83,6 +84,12 @@ class LookaheadLLM(BaseLLM):
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
 
     _engine: Any = PrivateAttr(default=None)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:  # pydantic wraps our ConfigError: hand it over as raised
+            raise settings_error(type(self).__name__, err) from None
 
     def model_post_init(self, __context: Any) -> None:
         if self.model is None or self.tokenizer is None:

@@ -13,7 +13,6 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
-from pydantic import ValidationError
 
 from rag_lookahead.chat_model import ChatLookahead, _forced_opening, parse_tool_calls, template_messages
 from rag_lookahead.config import LookaheadConfig
@@ -311,7 +310,7 @@ def test_bad_settings_are_refused(chat, weights):
         ChatLookahead(model=model, tokenizer=tok, max_tokens=0)
     with pytest.raises(ConfigError, match="tokenizer only with a loaded model"):
         ChatLookahead(model="default", tokenizer=tok)
-    with pytest.raises(ValidationError):
+    with pytest.raises(ConfigError, match="max_tokns"):
         ChatLookahead(model=model, tokenizer=tok, max_tokns=5)  # a typo is not silently dropped
     with pytest.raises(ConfigError, match="not among the bound tools"):
         chat.bind_tools([magic_function], tool_choice="get_weather")
