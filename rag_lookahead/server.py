@@ -20,10 +20,12 @@ turning one row's tokens into text fails that request only; the engine thread ca
 thread itself dies, every waiting client gets an error at once and ``/health`` says so. Clients
 get a short message with an error id; the details go to the log.
 
-Decoding is greedy: a request's text is exactly what a single-request ``generate`` gives for the
-same prompt, whatever else is in the batch. ``temperature`` > 0 (and other sampling knobs) are
-refused with 400 rather than silently ignored (:class:`SamplingRequest` is parsed apart from that
-check, so sampling can be switched on in one place).
+Decoding is lossless: a request's text is what a single-request ``generate`` gives for the same
+prompt (greedy when ``temperature`` is 0 or absent; a sample of the model's own distribution
+otherwise, the same text for the same ``seed`` whatever else is in the batch), in fp32 with TF32
+off; in bf16/fp16 kernels change with the batch shape and near-ties can flip. ``top_p``,
+``top_k``, ``min_p``, ``repetition_penalty`` and ``n`` (choice i draws with ``seed + i``) are
+honoured; options we do not implement are refused with 400, never ignored.
 
 Endpoints: ``POST /v1/completions`` (raw prompt, no chat template; a string or a list of token
 ids), ``POST /v1/chat/completions`` (messages through the tokenizer's chat template), both with
@@ -385,8 +387,11 @@ class _Request:
     """
 
     def __init__(self, prompt_ids: list[int], max_tokens: int, stop: list[str], references: list[list[int]], tracker,
-                 pool_key: str = "") -> None:
+                 pool_key: str = "", sampling=None) -> None:
+        from .sampling import SamplingParams
+
         self.id = uuid.uuid4().hex
+        self.sampling = sampling or SamplingParams()  # greedy unless the request samples
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
         self.stop = stop
@@ -552,12 +557,15 @@ class Engine:
         with self.tokenizer_lock:
             return [self.tokenizer.encode(p, add_special_tokens=False) for p in passages if p]
 
-    def new_request(self, prompt_ids: list[int], max_tokens: int, stop: list[str], references=(), pool_key: str = "") -> _Request:
+    def new_request(self, prompt_ids: list[int], max_tokens: int, stop: list[str], references=(), pool_key: str = "",
+                    sampling=None) -> _Request:
+        """``sampling``: a :class:`rag_lookahead.sampling.SamplingParams` (default greedy); rows with
+        different settings share one batch, and a seeded row's text does not depend on the batch."""
         from .engine import TextTracker
 
         tracker = TextTracker(self.tokenizer, stop, self.eos)
         key = pool_key if self.config.output_pool == "per-key" else ""
-        return _Request(list(prompt_ids), max_tokens, list(stop), [list(r) for r in references], tracker, key)
+        return _Request(list(prompt_ids), max_tokens, list(stop), [list(r) for r in references], tracker, key, sampling)
 
     # ------------------------------------------------------------ queue (handler side)
 
@@ -743,7 +751,10 @@ class Engine:
         ids, mask = left_pad([r.prompt_ids for r in requests], self.pad_id, device)
         references = [r.references for r in requests] if any(r.references for r in requests) else None
         start = time.perf_counter()
-        rows = batch.add(ids, mask, references, [r.max_tokens for r in requests], keys=[r.id for r in requests])
+        rows = batch.add(
+            ids, mask, references, [r.max_tokens for r in requests], keys=[r.id for r in requests],
+            sampling=[r.sampling for r in requests],
+        )
         self.metrics.add(prefills=1, prefill_seconds=time.perf_counter() - start)
         for request, row in zip(requests, rows):
             self._deliver(request, row.generated)
@@ -935,23 +946,41 @@ def _get_bool(body: dict, name: str, default: bool = False) -> bool:
 
 @dataclass(frozen=True)
 class SamplingRequest:
-    """How the request asks each next token to be chosen (OpenAI's names). ``None``: not given.
-
-    Parsing (types and ranges) is apart from :func:`_require_greedy`, the one place that refuses
-    sampling today. To serve sampling: drop that check, turn this into the core's
-    :class:`rag_lookahead.sampling.SamplingParams` (``do_sample=bool(temperature)``) in
-    ``Engine.new_request`` and pass it per row to ``DecodeBatch.add(..., sampling=...)``.
-    """
+    """How the request asks each next token to be chosen (OpenAI's names, plus vLLM's ``top_k``,
+    ``min_p`` and ``repetition_penalty``). ``None``: not given. ``temperature`` 0 or absent is
+    greedy (lossless either way: sampled rows draw exactly from the model's distribution)."""
 
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
 
     @property
     def greedy(self) -> bool:
-        """Absent temperature means greedy here (OpenAI's default is 1: we say so when refusing)."""
         return not self.temperature
+
+    def params(self, choice: int = 0):
+        """The core's :class:`SamplingParams` for choice ``choice`` of ``n`` (seed + choice)."""
+        from .sampling import SamplingParams
+
+        seed = None if self.seed is None else (self.seed + choice) % (1 << 63)
+        penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
+        if self.greedy:
+            return SamplingParams(repetition_penalty=penalty)
+        return SamplingParams(
+            do_sample=True,
+            temperature=self.temperature,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else None,  # 0 and -1: off, as in vLLM
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p or None,
+            repetition_penalty=penalty,
+            seed=seed,
+        )
+
+
+_MAX_CHOICES = 8
 
 
 def _sampling_params(body: dict) -> SamplingRequest:
@@ -959,23 +988,10 @@ def _sampling_params(body: dict) -> SamplingRequest:
         temperature=_get_number(body, "temperature", 0.0, 2.0),
         top_p=_get_number(body, "top_p", 0.0, 1.0, low_open=True),
         top_k=_get_int(body, "top_k", None, -1, 1 << 31),
+        min_p=_get_number(body, "min_p", 0.0, 1.0),
+        repetition_penalty=_get_number(body, "repetition_penalty", 0.0, 10.0, low_open=True),
         seed=_get_int(body, "seed", None, -(1 << 63), (1 << 64) - 1),
     )
-
-
-def _require_greedy(sampling: SamplingRequest) -> None:
-    """This server decodes greedily only (lossless lookahead): refuse a request that asks to sample."""
-    if sampling.temperature:
-        raise ApiError(
-            400,
-            f"this server decodes greedily only (lossless lookahead): 'temperature' must be 0 or absent, got {sampling.temperature:g}",
-            param="temperature",
-        )
-    if sampling.temperature is None:  # with temperature 0 decoding is greedy whatever these say
-        if sampling.top_p is not None and sampling.top_p != 1:
-            raise ApiError(400, f"this server decodes greedily only: 'top_p' must be 1 or absent, got {sampling.top_p:g}", param="top_p")
-        if sampling.top_k not in (None, 0, -1, 1):
-            raise ApiError(400, f"this server decodes greedily only: 'top_k' must be 1 or absent, got {sampling.top_k}", param="top_k")
 
 
 @dataclass
@@ -986,13 +1002,14 @@ class _Params:
     stream: bool
     include_usage: bool
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
+    n: int = 1  # independent choices (seeded: seed, seed + 1, ...)
 
 
 def _refuse_unsupported(body: dict) -> None:
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in ("presence_penalty", "frequency_penalty"):
         value = body.get(name)
-        if value is not None and value != 0 and not (name == "repetition_penalty" and value == 1):
-            raise ApiError(400, f"'{name}' is not supported (greedy decoding only): leave it out", param=name)
+        if value is not None and value != 0:
+            raise ApiError(400, f"'{name}' is not supported (use repetition_penalty, as transformers applies it): leave it out", param=name)
     for name, what in (("logit_bias", "'logit_bias'"), ("logprobs", "'logprobs'"), ("top_logprobs", "'logprobs'"),
                        ("echo", "'echo'"), ("suffix", "'suffix'")):
         if body.get(name):
@@ -1019,10 +1036,11 @@ def _common_params(body: dict, engine: Engine, max_tokens_names: Sequence[str] =
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or len(model) > 256):
         raise ApiError(400, "'model' must be a string of at most 256 characters", param="model")
-    _get_int(body, "n", 1, 1, 1, " (this server returns one choice per request)")
-    _get_int(body, "best_of", 1, 1, 1, " (greedy decoding has one best)")
+    n = _get_int(body, "n", 1, 1, _MAX_CHOICES, f" (at most {_MAX_CHOICES} choices a request)")
+    _get_int(body, "best_of", 1, 1, 1, " (best_of is not supported)")
     sampling = _sampling_params(body)
-    _require_greedy(sampling)
+    if n > 1 and _get_bool(body, "stream"):
+        raise ApiError(400, "'n' > 1 is not supported with 'stream': send n requests instead", param="n")
     _refuse_unsupported(body)
     max_tokens = None
     for name in max_tokens_names:
@@ -1037,7 +1055,7 @@ def _common_params(body: dict, engine: Engine, max_tokens_names: Sequence[str] =
     if options is not None and not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
     include_usage = _get_bool(options or {}, "include_usage")
-    return _Params(model or cfg.model_name, max_tokens, stop, stream, include_usage, sampling)
+    return _Params(model or cfg.model_name, max_tokens, stop, stream, include_usage, sampling, n)
 
 
 def _check_prompt(ids: list[int], engine: Engine) -> list[int]:
@@ -1204,6 +1222,14 @@ def _usage(info: dict) -> dict:
         "completion_tokens": info["completion_tokens"],
         "total_tokens": info["prompt_tokens"] + info["completion_tokens"],
     }
+
+
+def _sum_usage(infos: list[dict]) -> dict:
+    """Usage of all choices: the prompt counted once, completions added up (as OpenAI reports n > 1)."""
+    usages = [_usage(info) for info in infos]
+    completion = sum(u["completion_tokens"] for u in usages)
+    prompt = usages[0]["prompt_tokens"]
+    return {**usages[0], "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _stats(info: dict) -> dict:
@@ -1508,6 +1534,25 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
         except _ClientGone:
             return Response(status_code=499)
 
+    def submit_choices(prompt: list[int], params: _Params, http_request: Request) -> list[_Request]:
+        """One request per choice (``n``); choice i of a seeded request draws with seed + i."""
+        requests = [
+            engine.new_request(prompt, params.max_tokens, params.stop, pool_key=key_of(http_request), sampling=params.sampling.params(i))
+            for i in range(params.n)
+        ]
+        for request in requests:
+            engine.submit(request)
+        return requests
+
+    async def collect_choices(requests: list[_Request], http_request: Request) -> list[dict] | Response:
+        infos = await asyncio.gather(*(non_stream(r, http_request) for r in requests))
+        for info in infos:
+            if isinstance(info, Response):
+                for r in requests:
+                    engine.cancel(r)
+                return info
+        return list(infos)
+
     @app.post("/v1/completions")
     async def completions(http_request: Request):
         body = await read_body(http_request)
@@ -1515,8 +1560,8 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
         prompt = _completion_prompt(body, engine)
         if isinstance(prompt, str):
             prompt = _check_prompt(await encode(engine.encode_text, prompt), engine)
-        request = engine.new_request(prompt, params.max_tokens, params.stop, pool_key=key_of(http_request))
-        engine.submit(request)
+        requests = submit_choices(prompt, params, http_request)
+        request = requests[0]
         rid, created = make_id("cmpl"), int(time.time())
 
         def chunk(text: str | None, finish_reason: str | None, usage: dict | None = None) -> dict:
@@ -1528,12 +1573,14 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
 
         if params.stream:
             return _EngineStream(_stream(request, http_request, engine, chunk, params.include_usage), engine, request)
-        info = await non_stream(request, http_request)
-        if isinstance(info, Response):
-            return info
-        out = chunk(info["text"], info["finish_reason"])
-        out["usage"] = _usage(info)
-        out["stats"] = _stats(info)
+        infos = await collect_choices(requests, http_request)
+        if isinstance(infos, Response):
+            return infos
+        out = chunk(None, None, usage=_sum_usage(infos))
+        out["choices"] = [
+            {"text": info["text"], "index": i, "logprobs": None, "finish_reason": info["finish_reason"]} for i, info in enumerate(infos)
+        ]
+        out["stats"] = _stats(infos[0])
         return out
 
     @app.post("/v1/chat/completions")
@@ -1547,8 +1594,8 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
             prompt = await encode(engine.encode_chat, messages)
         except Exception as e:  # a template that refuses this conversation (e.g. role order)
             raise _template_error(e) from None
-        request = engine.new_request(_check_prompt(prompt, engine), params.max_tokens, params.stop, pool_key=key_of(http_request))
-        engine.submit(request)
+        requests = submit_choices(_check_prompt(prompt, engine), params, http_request)
+        request = requests[0]
         rid, created = make_id("chatcmpl"), int(time.time())
 
         def chunk(text: str | None, finish_reason: str | None, usage: dict | None = None, first: bool = False) -> dict:
@@ -1563,9 +1610,9 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
         if params.stream:
             events = _stream(request, http_request, engine, chunk, params.include_usage, first=[chunk(None, None, first=True)])
             return _EngineStream(events, engine, request)
-        info = await non_stream(request, http_request)
-        if isinstance(info, Response):
-            return info
+        infos = await collect_choices(requests, http_request)
+        if isinstance(infos, Response):
+            return infos
         return {
             "id": rid,
             "object": "chat.completion",
@@ -1573,10 +1620,11 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
             "model": params.model,
             "system_fingerprint": None,
             "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": info["text"]}, "logprobs": None, "finish_reason": info["finish_reason"]}
+                {"index": i, "message": {"role": "assistant", "content": info["text"]}, "logprobs": None, "finish_reason": info["finish_reason"]}
+                for i, info in enumerate(infos)
             ],
-            "usage": _usage(info),
-            "stats": _stats(info),
+            "usage": _sum_usage(infos),
+            "stats": _stats(infos[0]),
         }
 
     @app.post("/v1/rag")
