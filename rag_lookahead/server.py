@@ -140,6 +140,7 @@ class ServerConfig:
     served_model_name: str | None = None
     dtype: str | None = None
     device: str | None = None
+    device_map: str | None = None  # accelerate device map, e.g. "auto" over several GPUs
     index_dir: str | None = None
     max_batch_size: int = 8
     max_queue: int = 64
@@ -191,7 +192,7 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value or len(value) > 4096:
                 raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
-        for name in ("served_model_name", "dtype", "device", "index_dir"):
+        for name in ("served_model_name", "dtype", "device", "device_map", "index_dir"):
             value = getattr(self, name)
             if isinstance(value, os.PathLike):
                 value = os.fspath(value)
@@ -471,7 +472,7 @@ class Engine:
         from .index import default_index_dir, load_index
         from .models import load_model
 
-        model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
+        model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device, device_map=config.device_map)
         index = None
         if config.index_dir is not None:
             index = load_index(config.index_dir)  # asked for explicitly: fail loudly
@@ -746,8 +747,9 @@ class Engine:
 
     def _prefill(self, batch, requests: list[_Request]) -> None:
         from .generate import left_pad
+        from .verify import input_device
 
-        device = next(self.model.parameters()).device
+        device = input_device(self.model)
         ids, mask = left_pad([r.prompt_ids for r in requests], self.pad_id, device)
         references = [r.references for r in requests] if any(r.references for r in requests) else None
         start = time.perf_counter()
@@ -1764,7 +1766,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model, help='"default" (embedded), a hub id or a local folder')
     p.add_argument("--served-model-name", default=None, help="model name reported in responses")
     p.add_argument("--dtype", default=None, help="bf16, fp32, fp16 or auto (default: bf16 where fast)")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--device-map", default=None, help='accelerate device map, e.g. "auto" to spread the model over GPUs')
     p.add_argument("--index-dir", default=None, help="document index for /v1/rag (default: the default index, if built)")
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests beyond the batch; more get 429")

@@ -277,3 +277,9 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     stress = report["stress"]
     assert stress["rows"] >= 2 and 0 < stress["step_ms_p50"] <= stress["step_ms_p95"]
     assert "GPU check" in run.stdout  # the table was printed
+
+
+def test_serve_takes_a_device_map():
+    from rag_lookahead.server import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args(["--device-map", "auto"]), {}).device_map == "auto"
