@@ -81,7 +81,8 @@ def load_dataset(path: str | Path | None = None) -> list[Item]:
         try:
             text = Path(name).read_text(encoding="utf-8")
         except OSError as e:
-            raise InputError(f"cannot read dataset {name!r} ({e.strerror or e}); names: {', '.join(DATASETS)}") from None
+            known = ", ".join(DATASETS)
+            raise InputError(f"cannot read dataset {name!r} ({e.strerror or e}); known names: {known}") from None
     items = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if line.strip():
@@ -200,8 +201,8 @@ def method_table(r: Ranked) -> dict[str, dict]:
         rows[f"hybrid {name} (default: w={HYBRID_WEIGHTS}, k={RRF_K})"] = scores(r, hybrid)
         rows[f"hybrid {name} (previous: w={PREVIOUS_FUSION[0]}, k={PREVIOUS_FUSION[1]})"] = scores(
             r, fuse(dense, r.bm25, *PREVIOUS_FUSION))
-        rows[f"  default hybrid, specific questions"] = scores(r, hybrid, np.flatnonzero(~generic))
-        rows[f"  default hybrid, generic questions"] = scores(r, hybrid, np.flatnonzero(generic))
+        rows["  default hybrid, specific questions"] = scores(r, hybrid, np.flatnonzero(~generic))
+        rows["  default hybrid, generic questions"] = scores(r, hybrid, np.flatnonzero(generic))
     return rows
 
 
@@ -248,7 +249,7 @@ def load_embedders(names: list[str]) -> dict[str, Embedder]:
 
 
 def run(embedder_names: list[str], datasets: list[str] | str | None = None, *, do_tune: bool = False,
-        speed_chunks: int = 0, rounds: int = 2) -> dict:
+        speed_chunks: int = 0, rounds: int = 2, recall_too: bool = True) -> dict:
     names = [datasets] if isinstance(datasets, str) else (datasets or ["bundled"])
     embedders = load_embedders(embedder_names)
     data = [chunk_dataset(n, load_dataset(n)) for n in names]
@@ -261,7 +262,7 @@ def run(embedder_names: list[str], datasets: list[str] | str | None = None, *, d
             "dataset": data[0].name, "chunks": len(texts), "mean_chars": float(np.mean([len(t) for t in texts])),
             "rounds": rounds, "chunks_per_s": cps, "ratio_to_first": {n: v / first for n, v in cps.items()},
         }
-    ranked = [rank_dataset(ds, embedders) for ds in data]
+    ranked = [rank_dataset(ds, embedders) for ds in data] if recall_too else []
     for r in ranked:
         out["datasets"][r.ds.name] = {
             "passages": len(r.ds.items), "chunks": len(r.ds.chunks), "questions": len(r.ds.questions),
@@ -305,10 +306,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tune", action="store_true", help="search RRF weights and k on half the questions")
     ap.add_argument("--speed", type=int, default=0, metavar="N", help="also time embedding N chunks per embedder")
     ap.add_argument("--rounds", type=int, default=2, help="alternating timing rounds for --speed")
+    ap.add_argument("--speed-only", action="store_true", help="with --speed: skip the recall runs")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
     out = run([n for n in args.embedders.split(",") if n], args.dataset, do_tune=args.tune,
-              speed_chunks=args.speed, rounds=args.rounds)
+              speed_chunks=args.speed, rounds=args.rounds, recall_too=not args.speed_only)
     if args.json:
         print(json.dumps(out, ensure_ascii=False, indent=2))
     else:
