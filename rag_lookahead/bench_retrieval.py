@@ -309,8 +309,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speed-only", action="store_true", help="with --speed: skip the recall runs")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
-    out = run([n for n in args.embedders.split(",") if n], args.dataset, do_tune=args.tune,
-              speed_chunks=args.speed, rounds=args.rounds, recall_too=not args.speed_only)
+    try:
+        out = run([n for n in args.embedders.split(",") if n], args.dataset, do_tune=args.tune,
+                  speed_chunks=args.speed, rounds=args.rounds, recall_too=not args.speed_only)
+    except RagLookaheadError as e:
+        raise SystemExit(f"error: {str(e).splitlines()[0]}") from None
     if args.json:
         print(json.dumps(out, ensure_ascii=False, indent=2))
     else:
