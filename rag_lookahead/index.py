@@ -582,7 +582,11 @@ def _read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
         if not path.is_file():
             raise IndexLoadError(f"index at {index_dir} is incomplete: {name} is missing")
         expected = manifest["artifacts"].get(name)
-        if _file_sha256(path) != expected:
+        try:
+            actual = _file_sha256(path)
+        except FileNotFoundError:  # a build removed it after the is_file check: the caller reads again
+            raise IndexLoadError(f"index at {index_dir} is incomplete: {name} is missing") from None
+        if actual != expected:
             raise IndexLoadError(
                 f"index at {index_dir} is corrupt: {name} does not match the sha256 in {MANIFEST}; rebuild it"
             )
