@@ -470,7 +470,9 @@ class ChatLookahead(BaseChatModel):
         return params | {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider="rag_lookahead", ls_model_name=self.model_name or "", ls_model_type="chat")
+        model = kwargs.get("model")  # LangChain's contract for tracing; a per-call model is refused at decode time
+        name = model if isinstance(model, str) else self.model_name or ""
+        params = LangSmithParams(ls_provider="rag_lookahead", ls_model_name=name, ls_model_type="chat")
         temperature = kwargs.get("temperature", self.temperature)
         params["ls_temperature"] = float(temperature or 0)
         params["ls_max_tokens"] = kwargs.get("max_tokens") or self.max_tokens
