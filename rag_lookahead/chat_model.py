@@ -60,7 +60,6 @@ from pydantic import ConfigDict, Field, PrivateAttr, ValidationError
 from .config import LookaheadConfig
 from .engine import (
     SAMPLING_FIELDS,
-    BlockStream,
     Engine,
     EngineRun,
     RowRequest,
