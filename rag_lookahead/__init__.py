@@ -6,6 +6,7 @@ from .generate import GenerationResult, GenerationStats, generate
 from .sampling import SamplingParams
 
 __all__ = [
+    "ChatLookahead",
     "ConfigError",
     "GenerationResult",
     "GenerationStats",
@@ -36,4 +37,8 @@ def __getattr__(name):  # these pull in transformers (or LangChain) lazily
         from .chat_api import chat
 
         return chat
+    if name == "ChatLookahead":
+        from .chat_model import ChatLookahead
+
+        return ChatLookahead
     raise AttributeError(name)

@@ -506,22 +506,9 @@ class DocumentIndex:
 
 
 def _make_retriever(index: DocumentIndex, k: int, mode: str | None):
-    from langchain_core.callbacks import CallbackManagerForRetrieverRun
-    from langchain_core.documents import Document
-    from langchain_core.retrievers import BaseRetriever
-
-    class DocumentIndexRetriever(BaseRetriever):
-        """Retrieves passages from a rag_lookahead :class:`DocumentIndex`."""
-
-        index: Any
-        k: int = 4
-        mode: str | None = None
-
-        def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
-            return [
-                Document(page_content=p.text, metadata={"source": p.source, "chunk_id": p.chunk_id, "score": p.score})
-                for p in self.index.search(query, self.k, mode=self.mode)
-            ]
+    """The one LangChain retriever class (it honours ``k``/``mode`` per call); imported late,
+    since LangChain is only needed by those who ask for a retriever."""
+    from .chains import DocumentIndexRetriever
 
     return DocumentIndexRetriever(index=index, k=k, mode=mode)
 
