@@ -17,7 +17,7 @@ drafted): the step emits ``A D``. Had it drawn ``C``, the walk would continue at
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from numbers import Integral, Real
 from typing import Sequence
 
@@ -256,7 +256,3 @@ def longest_path(draft: DraftTree, greedy: list[int]) -> Accepted:
         nodes.append(nxt)
         current = nxt
 
-
-def sampling_fields() -> tuple[str, ...]:
-    """Names of the per-row sampling options (for front ends that take them as keywords)."""
-    return tuple(f.name for f in fields(SamplingParams))
