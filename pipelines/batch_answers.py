@@ -17,10 +17,10 @@ from pathlib import Path
 
 from rag_lookahead.ask import ensure_index
 from rag_lookahead.atomic import write_jsonl_atomic
-from rag_lookahead.chains import as_retriever, make_prompt, retrieve, source_info
 from rag_lookahead.errors import InputError
-from rag_lookahead.index import default_index_dir
-from rag_lookahead.llm import LookaheadLLM
+from rag_lookahead.langchain.llm import LookaheadLLM
+from rag_lookahead.rag.chains import as_retriever, make_prompt, retrieve, source_info
+from rag_lookahead.rag.index import default_index_dir
 
 
 def read_questions(path: Path) -> list[str]:
@@ -67,7 +67,9 @@ def main() -> None:
                 {
                     "question": q,
                     "answer": gens[0].text.strip(),
-                    "sources": [{k: v for k, v in source_info(x, i < args.k).items() if k != "text"} for i, x in enumerate(d)],
+                    "sources": [
+                        {k: v for k, v in source_info(x, i < args.k).items() if k != "text"} for i, x in enumerate(d)
+                    ],
                     "stats": gens[0].generation_info,
                 }
             )

@@ -15,9 +15,9 @@ import argparse
 from pathlib import Path
 
 from rag_lookahead.ask import ensure_index
-from rag_lookahead.chains import build_chat_rag_chain
-from rag_lookahead.chat_model import ChatLookahead
-from rag_lookahead.index import default_index_dir
+from rag_lookahead.langchain.chat_model import ChatLookahead
+from rag_lookahead.rag.chains import build_chat_rag_chain
+from rag_lookahead.rag.index import default_index_dir
 
 QUESTIONS = ["What does the budget option do?", "branch_length 的默认值是多少？"]
 

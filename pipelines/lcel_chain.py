@@ -20,9 +20,9 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.runnables import RunnablePassthrough
 
 from rag_lookahead.ask import ensure_index
-from rag_lookahead.chains import RAG_CHAT_PROMPT, as_retriever, format_context
-from rag_lookahead.chat_model import ChatLookahead
-from rag_lookahead.index import default_index_dir
+from rag_lookahead.langchain.chat_model import ChatLookahead
+from rag_lookahead.rag.chains import RAG_CHAT_PROMPT, as_retriever, format_context
+from rag_lookahead.rag.index import default_index_dir
 
 
 def main() -> None:

@@ -11,9 +11,9 @@ import argparse
 from pathlib import Path
 
 from rag_lookahead.ask import ensure_index
-from rag_lookahead.chains import build_retrieval_qa
-from rag_lookahead.index import default_index_dir
-from rag_lookahead.llm import LookaheadLLM
+from rag_lookahead.langchain.llm import LookaheadLLM
+from rag_lookahead.rag.chains import build_retrieval_qa
+from rag_lookahead.rag.index import default_index_dir
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """rag_lookahead: lossless lookahead decoding for local retrieval-augmented generation."""
 
-from .config import LookaheadConfig
-from .errors import ConfigError, InputError, ModelLoadError, RagLookaheadError
-from .generate import GenerationResult, GenerationStats, generate
-from .sampling import SamplingParams
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.loop import GenerationResult, GenerationStats, generate
+from rag_lookahead.decoding.sampling import SamplingParams
+from rag_lookahead.errors import ConfigError, InputError, ModelLoadError, RagLookaheadError
 
 __all__ = [
     "ChatLookahead",
@@ -12,6 +12,7 @@ __all__ = [
     "GenerationStats",
     "InputError",
     "LookaheadConfig",
+    "LookaheadLLM",
     "ModelLoadError",
     "LookaheadGenerateOutput",
     "RagLookaheadError",
@@ -26,19 +27,23 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # these pull in transformers (or LangChain) lazily
     if name == "load_model":
-        from .models import load_model
+        from rag_lookahead.models import load_model
 
         return load_model
     if name in ("hf_generate", "LookaheadGenerateOutput"):
-        from . import hf_entry
+        from rag_lookahead import hf_entry
 
         return getattr(hf_entry, name)
     if name == "chat":
-        from .chat_api import chat
+        from rag_lookahead.chat_api import chat
 
         return chat
     if name == "ChatLookahead":
-        from .chat_model import ChatLookahead
+        from rag_lookahead.langchain.chat_model import ChatLookahead
 
         return ChatLookahead
+    if name == "LookaheadLLM":
+        from rag_lookahead.langchain.llm import LookaheadLLM
+
+        return LookaheadLLM
     raise AttributeError(name)

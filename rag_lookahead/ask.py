@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
-from .errors import InputError, RagLookaheadError
+from rag_lookahead.errors import InputError, RagLookaheadError
 
 __all__ = ["bundled_corpus", "ensure_index", "answer", "ask_command", "main"]
 
@@ -34,7 +34,7 @@ def bundled_corpus() -> Path:
 def ensure_index(index_dir: Path, *, quiet: bool = False):
     """Load the index at ``index_dir``; build it from the bundled corpus first if there is none
     (``build_index`` refuses a non-empty folder that is not an index, so nothing of the user's is touched)."""
-    from .index import MANIFEST, build_index, load_index
+    from rag_lookahead.rag.index import MANIFEST, build_index, load_index
 
     if not (index_dir / MANIFEST).is_file():
         corpus = bundled_corpus()
@@ -70,18 +70,20 @@ def answer(
 
     ``temperature`` > 0 samples (lossless: the model's own distribution); ``seed`` makes it
     reproducible."""
-    from .chains import build_rag_chain
-    from .index import default_index_dir
+    from rag_lookahead.rag.chains import build_rag_chain
+    from rag_lookahead.rag.index import default_index_dir
 
     if not isinstance(question, str) or not question.strip():
-        raise InputError("the question is empty: ask something, e.g. rag_lookahead ask \"decoding_length 应该怎么设置？\"")
+        raise InputError(
+            'the question is empty: ask something, e.g. rag_lookahead ask "decoding_length 应该怎么设置？"'
+        )
     index = ensure_index(Path(index_dir).expanduser() if index_dir else default_index_dir(), quiet=quiet)
     if llm is None:
-        from .llm import LookaheadLLM
+        from rag_lookahead.langchain.llm import LookaheadLLM
 
         placement = {"dtype": dtype, "device": device, "device_map": device_map}
         if trust_remote_code:  # an explicit opt-in: the model repo's own code runs
-            from .models import load_model
+            from rag_lookahead.models import load_model
 
             loaded, tokenizer = load_model(model, trust_remote_code=True, **placement)
             llm = LookaheadLLM(model=loaded, tokenizer=tokenizer, model_name=str(model), max_new_tokens=max_new_tokens)
@@ -133,23 +135,33 @@ def _print_result(result: dict, streamed: bool) -> None:
 
 def ask_command(
     question: str = typer.Argument(..., help="The question (any language the model speaks)."),
-    index_dir: Optional[Path] = typer.Option(None, "--index-dir", help="Index folder (default: default_index_dir())."),
+    index_dir: Path | None = typer.Option(None, "--index-dir", help="Index folder (default: default_index_dir())."),
     model: str = typer.Option("default", "--model", help='"default", a hub id or a local model folder.'),
     k: int = typer.Option(3, "--k", min=1, help="Passages put into the prompt."),
     k_seed: int = typer.Option(8, "--k-seed", min=1, help="Passages retrieved to seed the draft trie (>= --k)."),
     stream: bool = typer.Option(False, "--stream", help="Print the answer as it is decoded."),
-    no_lookahead: bool = typer.Option(False, "--no-lookahead", help="Plain decoding, one token a forward (same text, slower)."),
+    no_lookahead: bool = typer.Option(
+        False, "--no-lookahead", help="Plain decoding, one token a forward (same text, slower)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: question, answer, sources, stats."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Most tokens in the answer."),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0: greedy; above 0: sample (lossless)."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (with --temperature)."),
-    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Make a sampled answer reproducible."),
-    trust_remote_code: bool = typer.Option(
-        False, "--trust-remote-code", help="Run the modeling code a model repo ships (ChatGLM3, Qwen-1); only for sources you trust."
+    top_p: float | None = typer.Option(
+        None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (with --temperature)."
     ),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 where fast, fp16 on older GPUs)."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)."),
-    device_map: Optional[str] = typer.Option(None, "--device-map", help='accelerate device map, e.g. "auto" for several GPUs.'),
+    seed: int | None = typer.Option(None, "--seed", min=0, help="Make a sampled answer reproducible."),
+    trust_remote_code: bool = typer.Option(
+        False,
+        "--trust-remote-code",
+        help="Run the modeling code a model repo ships (ChatGLM3, Qwen-1); only for sources you trust.",
+    ),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 where fast, fp16 on older GPUs)."
+    ),
+    device: str | None = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)."),
+    device_map: str | None = typer.Option(
+        None, "--device-map", help='accelerate device map, e.g. "auto" for several GPUs.'
+    ),
 ) -> None:
     """Answer a question from the indexed documents (indexes the bundled corpus on first use)."""
     try:
@@ -187,7 +199,10 @@ def fail(error: BaseException) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    Console(stderr=True).print(f"[red]error: {escape(str(error).splitlines()[0] if str(error) else type(error).__name__)}[/red]", soft_wrap=True)
+    Console(stderr=True).print(
+        f"[red]error: {escape(str(error).splitlines()[0] if str(error) else type(error).__name__)}[/red]",
+        soft_wrap=True,
+    )
     raise typer.Exit(1)
 
 

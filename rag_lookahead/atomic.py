@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 __all__ = ["fsync_dir", "fsync_file", "write_text_atomic", "write_json_atomic", "write_jsonl_atomic"]
 

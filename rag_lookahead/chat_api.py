@@ -17,10 +17,11 @@ with a system message.
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from .errors import ConfigError, InputError
-from .hf_entry import hf_generate
+from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.hf_entry import hf_generate
 
 #: answer length when neither the given config nor the model's sets one (transformers would stop at 20 tokens)
 DEFAULT_MAX_NEW_TOKENS = 512
@@ -114,10 +115,14 @@ def _answer_config(model, generation_config):
     from transformers import GenerationConfig
 
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-        raise ConfigError(f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}")
+        raise ConfigError(
+            f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}"
+        )
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     own = getattr(model, "generation_config", None)
-    lengths = [getattr(c, name, None) for c in (config, own) if c is not None for name in ("max_new_tokens", "max_length")]
+    lengths = [
+        getattr(c, name, None) for c in (config, own) if c is not None for name in ("max_new_tokens", "max_length")
+    ]
     if all(length is None for length in lengths):
         config.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
     return config
@@ -126,5 +131,8 @@ def _answer_config(model, generation_config):
 def _extended(history, as_messages: bool, query: str, answer: str) -> History:
     """A new history (the caller's is left as it was) in the shape it came in."""
     if as_messages:
-        return [dict(m) for m in history] + [{"role": "user", "content": query}, {"role": "assistant", "content": answer}]
+        return [dict(m) for m in history] + [
+            {"role": "user", "content": query},
+            {"role": "assistant", "content": answer},
+        ]
     return [tuple(pair) for pair in (history or [])] + [(query, answer)]

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from .ask import ask_command, fail
-from .errors import RagLookaheadError
-from .index import LOCK_TIMEOUT_S, MAX_FILE_MB
+from rag_lookahead.ask import ask_command, fail
+from rag_lookahead.errors import RagLookaheadError
+from rag_lookahead.rag.index import LOCK_TIMEOUT_S, MAX_FILE_MB
 
 app = typer.Typer(
     name="rag_lookahead",
@@ -30,10 +29,12 @@ _FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True, "help_opti
 @app.command("index")
 def index_command(
     corpus_dir: Path = typer.Argument(..., help="Folder of .txt/.md/.pdf files (searched recursively)."),
-    index_dir: Optional[Path] = typer.Option(
+    index_dir: Path | None = typer.Option(
         None, "--index-dir", help="Index folder: new, empty, or an index built before (default: default_index_dir())."
     ),
-    embedder: Optional[str] = typer.Option(None, "--embedder", help="e5-small (default), use, or a sentence-transformers name."),
+    embedder: str | None = typer.Option(
+        None, "--embedder", help="e5-small (default), use, or a sentence-transformers name."
+    ),
     follow_symlinks: bool = typer.Option(
         False, "--follow-symlinks", help="Index the targets of symbolic links (off: links are skipped and reported)."
     ),
@@ -44,12 +45,17 @@ def index_command(
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
 ) -> None:
     """Build or incrementally update the document index."""
-    from .index import build_index
+    from rag_lookahead.rag.index import build_index
 
     try:
         report = build_index(
-            corpus_dir, index_dir, embedder, progress=not no_progress, follow_symlinks=follow_symlinks,
-            max_file_mb=max_file_mb, lock_timeout=lock_timeout,
+            corpus_dir,
+            index_dir,
+            embedder,
+            progress=not no_progress,
+            follow_symlinks=follow_symlinks,
+            max_file_mb=max_file_mb,
+            lock_timeout=lock_timeout,
         )
     except RagLookaheadError as e:
         fail(e)
@@ -61,7 +67,9 @@ def _forward(module: str, ctx: typer.Context, what: str) -> None:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name == module:
-            fail(RagLookaheadError(f"`rag_lookahead {what}` is not available in this installation ({module} is missing)"))
+            fail(
+                RagLookaheadError(f"`rag_lookahead {what}` is not available in this installation ({module} is missing)")
+            )
         raise
     try:
         rc = mod.main(list(ctx.args))
@@ -72,20 +80,20 @@ def _forward(module: str, ctx: typer.Context, what: str) -> None:
 
 @app.command("bench", context_settings=_FORWARD, add_help_option=False)
 def bench_command(ctx: typer.Context) -> None:
-    """Side-by-side benchmark (arguments go to rag_lookahead.bench; try `bench --help`)."""
-    _forward("rag_lookahead.bench", ctx, "bench")
+    """Side-by-side benchmark (arguments go to rag_lookahead.bench.single; try `bench --help`)."""
+    _forward("rag_lookahead.bench.single", ctx, "bench")
 
 
 @app.command("gpu-check", context_settings=_FORWARD, add_help_option=False)
 def gpu_check_command(ctx: typer.Context) -> None:
-    """Exactness, speed and stress check of this machine's accelerator (arguments go to rag_lookahead.gpu_check)."""
-    _forward("rag_lookahead.gpu_check", ctx, "gpu-check")
+    """Exactness, speed and stress check of this machine's accelerator (arguments go to rag_lookahead.bench.gpu_check)."""
+    _forward("rag_lookahead.bench.gpu_check", ctx, "gpu-check")
 
 
 @app.command("serve", context_settings=_FORWARD, add_help_option=False)
 def serve_command(ctx: typer.Context) -> None:
-    """OpenAI-compatible server (arguments go to rag_lookahead.server; try `serve --help`)."""
-    _forward("rag_lookahead.server", ctx, "serve")
+    """OpenAI-compatible server (arguments go to rag_lookahead.serve.server; try `serve --help`)."""
+    _forward("rag_lookahead.serve.server", ctx, "serve")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 transformers 5.x prepares the call (generation config, attention mask, logits processors,
 stopping criteria) and hands it to a callable ``custom_generate``; this module is that
-callable, running ``rag_lookahead.generate`` instead of transformers' token-by-token loop, so
+callable, running ``rag_lookahead.decoding.loop`` instead of transformers' token-by-token loop, so
 the output equals ``model.generate``'s for the same arguments (and, when sampling, under the
 same ``torch.manual_seed``).
 
@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .config import LookaheadConfig, stop_word_ids
-from .errors import ConfigError, InputError
-from .generate import GenerationStats, generate
-from .sampling import build_processors, resolve_sampling
+from rag_lookahead.decoding.config import LookaheadConfig, stop_word_ids
+from rag_lookahead.decoding.loop import GenerationStats, generate
+from rag_lookahead.decoding.sampling import build_processors, resolve_sampling
+from rag_lookahead.errors import ConfigError, InputError
 
 #: model inputs transformers prepares for every decoder-only call; anything else is refused
 _PREPARED_INPUTS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "cache", "use_cache"})
@@ -314,7 +315,9 @@ class _RowWatcher:
     def _should_stop(self, row: int) -> bool:
         text = self.input_ids[row].tolist() + self.generated[row]
         ids = torch.tensor([text], dtype=torch.long, device=self.input_ids.device)
-        verdicts = [bool(criterion(ids, None).reshape(-1)[0]) for criterion in self.criteria]  # all, as transformers calls them
+        verdicts = [
+            bool(criterion(ids, None).reshape(-1)[0]) for criterion in self.criteria
+        ]  # all, as transformers calls them
         return any(verdicts)
 
     def sequences(self, pad: int) -> torch.LongTensor:

@@ -21,13 +21,14 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Sequence
+from typing import Any, BinaryIO
 
 import torch
 
-from .atomic import fsync_dir, fsync_file
-from .errors import ConfigError, ModelLoadError
+from rag_lookahead.atomic import fsync_dir, fsync_file
+from rag_lookahead.errors import ConfigError, ModelLoadError
 
 DEFAULT_MODEL_NAME = "qwen2.5-coder-0.5b-instruct"
 
@@ -212,12 +213,16 @@ def _verify_parts(paths: Sequence[Path | str], out: BinaryIO | None = None, prog
         if not path.is_file() or path.stat().st_size != size:
             bad.append(package)
     if bad:  # cheap check first: no hashing needed to see a truncated or missing file
-        raise ModelLoadError(f"default model part(s) missing or of the wrong size ({', '.join(bad)}); run: {_reinstall_hint(bad)}")
+        raise ModelLoadError(
+            f"default model part(s) missing or of the wrong size ({', '.join(bad)}); run: {_reinstall_hint(bad)}"
+        )
 
     from tqdm.auto import tqdm
 
     total = hashlib.sha256()
-    with tqdm(total=DEFAULT_TOTAL_SIZE, unit="B", unit_scale=True, desc="joining model parts", disable=not progress or None) as bar:
+    with tqdm(
+        total=DEFAULT_TOTAL_SIZE, unit="B", unit_scale=True, desc="joining model parts", disable=not progress or None
+    ) as bar:
         for path, (package, _, part_sha) in zip(paths, DEFAULT_PARTS):
             part = hashlib.sha256()
             with open(path, "rb") as f:
@@ -486,7 +491,9 @@ def _target_devices(device: str | torch.device | None, device_map: Any) -> list[
         return [_resolve_device(device)]
     if isinstance(device_map, dict):
         places = [v for v in device_map.values() if v != "disk"]
-        return [torch.device("cuda", v) if isinstance(v, int) else torch.device(v) for v in places] or [torch.device("cpu")]
+        return [torch.device("cuda", v) if isinstance(v, int) else torch.device(v) for v in places] or [
+            torch.device("cpu")
+        ]
     if isinstance(device_map, str) and device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]

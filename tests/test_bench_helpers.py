@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rag_lookahead.bench import MethodTotals, Run, copied_fraction, cut_at_eos, summarize
+from rag_lookahead.bench.single import MethodTotals, Run, copied_fraction, cut_at_eos, summarize
 
 tokens = st.lists(st.integers(0, 20), min_size=0, max_size=60)
 
@@ -42,7 +42,13 @@ def test_summary_ratios_are_decode_speeds_over_greedy_and_over_prompt_lookup():
         return t
 
     # decode: 100 tokens in 10 s (greedy), in 4 s (lookup), in 2 s (ours, two prompts summed)
-    summary = summarize({"greedy": totals((101, 11.0, 1.0)), "prompt_lookup": totals((101, 5.0, 1.0)), "lookahead": totals((51, 2.0, 1.0), (51, 2.0, 1.0))})
+    summary = summarize(
+        {
+            "greedy": totals((101, 11.0, 1.0)),
+            "prompt_lookup": totals((101, 5.0, 1.0)),
+            "lookahead": totals((51, 2.0, 1.0), (51, 2.0, 1.0)),
+        }
+    )
     assert summary["lookahead"]["speedup_decode"] == 5.0
     assert summary["lookahead"]["vs_prompt_lookup_decode"] == 2.0
     assert summary["prompt_lookup"]["speedup_decode"] == 2.5
@@ -52,7 +58,7 @@ def test_summary_ratios_are_decode_speeds_over_greedy_and_over_prompt_lookup():
 
 
 def test_sampling_methods_are_compared_with_transformers_sampling_at_their_temperature():
-    from rag_lookahead.bench import _baselines, sampling_method
+    from rag_lookahead.bench.single import _baselines, sampling_method
 
     assert sampling_method("lookahead_sample_t0.7") == ("lookahead_sample", 0.7)
     assert sampling_method("prompt_lookup_sample_t1") == ("prompt_lookup_sample", 1.0)

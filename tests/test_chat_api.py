@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_model
+from tiny_tokenizer import tiny_tokenizer
 from transformers import GenerationConfig
 
 from rag_lookahead.chat_api import chat
 from rag_lookahead.errors import ConfigError, InputError
-
-from tiny_models import tiny_model
-from tiny_tokenizer import tiny_tokenizer
 
 
 def plain_answer(model, tokenizer, messages, **options) -> str:
@@ -33,7 +32,11 @@ def test_pairs_history_is_sent_and_returned_as_pairs(tiny):
     expected = plain_answer(
         model,
         tokenizer,
-        [{"role": "user", "content": "t5 t6 t7"}, {"role": "assistant", "content": "t8 t9"}, {"role": "user", "content": "t10 t11"}],
+        [
+            {"role": "user", "content": "t5 t6 t7"},
+            {"role": "assistant", "content": "t8 t9"},
+            {"role": "user", "content": "t10 t11"},
+        ],
         max_new_tokens=12,
     )
     assert answer == expected and len(answer.split()) == 12
@@ -44,10 +47,18 @@ def test_pairs_history_is_sent_and_returned_as_pairs(tiny):
 def test_messages_history_is_returned_as_messages_and_answers_alike(tiny):
     model, tokenizer = tiny
     config = GenerationConfig(max_new_tokens=10, do_sample=False)
-    messages = [{"role": "system", "content": "t40"}, {"role": "user", "content": "t5"}, {"role": "assistant", "content": "t6"}]
+    messages = [
+        {"role": "system", "content": "t40"},
+        {"role": "user", "content": "t5"},
+        {"role": "assistant", "content": "t6"},
+    ]
     answer, new_history = chat(model, tokenizer, "t7", messages, generation_config=config)
     same, _ = chat(model, tokenizer, "t7", [("t5", "t6")], generation_config=config, system="t40")
-    assert answer == same == plain_answer(model, tokenizer, messages + [{"role": "user", "content": "t7"}], max_new_tokens=10)
+    assert (
+        answer
+        == same
+        == plain_answer(model, tokenizer, messages + [{"role": "user", "content": "t7"}], max_new_tokens=10)
+    )
     assert new_history == messages + [{"role": "user", "content": "t7"}, {"role": "assistant", "content": answer}]
 
 
@@ -87,7 +98,9 @@ def test_system_twice_and_no_chat_template_are_refused(tiny):
 def test_default_model_chat_two_turns(default_model_fp32):
     model, tokenizer = default_model_fp32
     passage = "decoding_length caps the number of draft tokens verified in one forward pass."
-    config = GenerationConfig(use_lookahead=True, decoding_length=64, branch_length=24, max_new_tokens=32, do_sample=False)
+    config = GenerationConfig(
+        use_lookahead=True, decoding_length=64, branch_length=24, max_new_tokens=32, do_sample=False
+    )
     first_query = f"{passage}\nWhat does decoding_length cap? Answer with the sentence above."
     answer, history = chat(model, tokenizer, first_query, generation_config=config, references=[passage])
     assert answer == plain_answer(model, tokenizer, [{"role": "user", "content": first_query}], max_new_tokens=32)

@@ -14,16 +14,16 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 
-from rag_lookahead.chat_model import ChatLookahead, _forced_opening, parse_tool_calls, template_messages
-from rag_lookahead.config import LookaheadConfig
-from rag_lookahead.engine import TextTracker
+from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError, InputError
-from rag_lookahead.llm import LookaheadLLM
+from rag_lookahead.langchain.chat_model import ChatLookahead, _forced_opening, parse_tool_calls, template_messages
+from rag_lookahead.langchain.llm import LookaheadLLM
+from rag_lookahead.tokens import TextTracker
 
 FIXED = LookaheadConfig(budget="fixed", decoding_length=16)
 PASSAGE = (
     "decoding_length 是一次前向计算中最多验证的草稿词元总数，默认值为 64。"
-    "在 CPU 上改用 budget=\"fixed\" 时，建议把 decoding_length 设在 8 到 16 左右。"
+    '在 CPU 上改用 budget="fixed" 时，建议把 decoding_length 设在 8 到 16 左右。'
 )
 QUOTE = f"资料：{PASSAGE}\n问题：在 CPU 上 decoding_length 建议设为多少？请引用原文回答。"
 COUNT = "Write the numbers from 1 to 10 separated by spaces."
@@ -75,7 +75,9 @@ def test_parse_tool_calls_splits_text_and_calls():
 
 def test_forced_opening_per_tool_choice():
     takes_x = {"type": "object", "properties": {"x": {"type": "integer"}}}
-    tools = [{"type": "function", "function": {"name": n, "parameters": takes_x}} for n in ("magic_function", "get_weather")]
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": takes_x}} for n in ("magic_function", "get_weather")
+    ]
     assert _forced_opening(None, tools) == _forced_opening("auto", tools) == _forced_opening("none", tools) == ""
     assert _forced_opening("any", tools) == '<tool_call>\n{"name": "'
     named = '<tool_call>\n{"name": "get_weather", "arguments":'
@@ -240,8 +242,13 @@ def test_stop_strings(chat, singles):
     answer = chat.invoke(COUNT, stop=[" 5"])
     assert answer.content == cut and answer.response_metadata["finish_reason"] == "stop"
     assert "".join(c.content for c in chat.stream(COUNT, stop=[" 5", "never"])) == cut
-    stopping = ChatLookahead(model=chat.get_engine().model, tokenizer=chat.get_engine().tokenizer, max_tokens=24,
-                             lookahead=FIXED, stop=[" 5"])
+    stopping = ChatLookahead(
+        model=chat.get_engine().model,
+        tokenizer=chat.get_engine().tokenizer,
+        max_tokens=24,
+        lookahead=FIXED,
+        stop=[" 5"],
+    )
     assert stopping.invoke(COUNT).content == cut
 
 
@@ -278,8 +285,15 @@ def test_sampling_is_seeded_and_lossless(chat):
     first = chat.invoke(QUOTE, temperature=0.8, top_p=0.9, seed=7)
     assert chat.invoke(QUOTE, temperature=0.8, top_p=0.9, seed=7).content == first.content
     assert chat.invoke(QUOTE, temperature=0.8, top_p=0.9, seed=7, enable_lookahead=False).content == first.content
-    hot = ChatLookahead(model=chat.get_engine().model, tokenizer=chat.get_engine().tokenizer, max_tokens=24,
-                        lookahead=FIXED, temperature=0.8, top_p=0.9, seed=7)
+    hot = ChatLookahead(
+        model=chat.get_engine().model,
+        tokenizer=chat.get_engine().tokenizer,
+        max_tokens=24,
+        lookahead=FIXED,
+        temperature=0.8,
+        top_p=0.9,
+        seed=7,
+    )
     assert hot.invoke(QUOTE).content == first.content
     assert hot.batch([QUOTE, HELLO])[0].content == first.content  # each row draws from its own generator
 
@@ -326,7 +340,7 @@ QUESTION = "What does the budget option do?"  # corpora/en/tuning.md answers it
 @pytest.fixture(scope="module")
 def corpus_index(tmp_path_factory):
     from rag_lookahead.ask import bundled_corpus
-    from rag_lookahead.index import build_index, load_index
+    from rag_lookahead.rag.index import build_index, load_index
 
     folder = tmp_path_factory.mktemp("chat-chain") / "index"
     build_index(bundled_corpus(), folder, progress=False)
@@ -334,7 +348,7 @@ def corpus_index(tmp_path_factory):
 
 
 def test_index_retriever_takes_k_and_mode_per_call(corpus_index):
-    from rag_lookahead.chains import as_retriever
+    from rag_lookahead.rag.chains import as_retriever
 
     retriever = as_retriever(corpus_index, 8)
     assert len(retriever.invoke(QUESTION)) == 8
@@ -349,7 +363,7 @@ def test_index_retriever_takes_k_and_mode_per_call(corpus_index):
 def test_chat_rag_chain_streams_sources_then_answer(chat, corpus_index):
     from langchain_core.output_parsers import StrOutputParser
 
-    from rag_lookahead.chains import RAG_CHAT_PROMPT, build_chat_rag_chain, format_context
+    from rag_lookahead.rag.chains import RAG_CHAT_PROMPT, build_chat_rag_chain, format_context
 
     chain = build_chat_rag_chain(chat, corpus_index, k_prompt=2, k_seed=4)
     out = chain.invoke(QUESTION)
@@ -374,5 +388,7 @@ def test_chat_rag_chain_streams_sources_then_answer(chat, corpus_index):
     from langchain_core.documents import Document
 
     context = format_context([Document(page_content=d["text"], metadata={"source": d["source"]}) for d in docs])
-    plain = (RAG_CHAT_PROMPT | chat.bind(enable_lookahead=False) | StrOutputParser()).invoke({"context": context, "question": QUESTION})
+    plain = (RAG_CHAT_PROMPT | chat.bind(enable_lookahead=False) | StrOutputParser()).invoke(
+        {"context": context, "question": QUESTION}
+    )
     assert plain == out["answer"]

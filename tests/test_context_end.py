@@ -6,10 +6,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import ARCHITECTURES, reference_generate, tiny_model
 
 from rag_lookahead import LookaheadConfig, generate
-
-from tiny_models import ARCHITECTURES, reference_generate, tiny_model
 
 LIMIT = 256  # max_position_embeddings of the tiny models
 tokens = st.integers(min_value=1, max_value=12)
@@ -59,7 +58,9 @@ def test_batch_rows_fill_the_window_exactly(arch, data):
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    config = LookaheadConfig(decoding_length=32, branch_length=data.draw(st.integers(1, 24)), budget="fixed", use_output_pool=False)
+    config = LookaheadConfig(
+        decoding_length=32, branch_length=data.draw(st.integers(1, 24)), budget="fixed", use_output_pool=False
+    )
     references = [[p[-3:] + e] for p, e in zip(prompts, expected)]
     result = generate(model, ids, mask, max_new_tokens=LIMIT, config=config, references=references, pad_token_id=0)
     for row, want in enumerate(expected):

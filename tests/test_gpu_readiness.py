@@ -13,16 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from rag_lookahead import LookaheadConfig, generate
-from rag_lookahead import models
-from rag_lookahead.errors import ConfigError
-from rag_lookahead.budget import _curve_key, cpu_name
-from rag_lookahead.generate import DecodeBatch, left_pad
-from rag_lookahead.packed_cache import PackedCache
-from rag_lookahead.verify import EXACT_TOLERANCE, ROUNDED_TOLERANCE, probe_tolerance, supports_tree_mask
-
 from tiny_models import build_tiny_model, reference_generate
+
+from rag_lookahead import LookaheadConfig, generate, models
+from rag_lookahead.decoding.costs import _curve_key, cpu_name
+from rag_lookahead.decoding.loop import DecodeBatch, left_pad
+from rag_lookahead.decoding.packed_cache import PackedCache
+from rag_lookahead.decoding.verify import EXACT_TOLERANCE, ROUNDED_TOLERANCE, probe_tolerance, supports_tree_mask
+from rag_lookahead.errors import ConfigError
 
 
 def _count_forwards(model) -> list[int]:
@@ -62,7 +60,9 @@ def test_a_probe_that_raises_falls_back_to_chain_drafts():
     prompt = [4, 5, 6, 7, 4, 5, 6, 7, 4, 5]
     expected = reference_generate(model, prompt, 20, None)
     with pytest.warns(UserWarning, match="probe failed"):
-        result = generate(model, prompt, max_new_tokens=20, config=LookaheadConfig(budget="fixed"), references=[[prompt + expected]])
+        result = generate(
+            model, prompt, max_new_tokens=20, config=LookaheadConfig(budget="fixed"), references=[[prompt + expected]]
+        )
     assert result.sequences[0, len(prompt) :].tolist() == expected
     assert result.stats.mean_accepted > 1.5  # chains are still drafted, and run unmasked
     with warnings.catch_warnings():
@@ -131,7 +131,9 @@ def test_packed_steps_give_sdpa_a_boolean_mask(implementation, dtype):
     model = build_tiny_model("llama", attn=implementation, seed=15)
     masks = []
     model.register_forward_pre_hook(
-        lambda module, args, kwargs: masks.append(kwargs["attention_mask"]) if kwargs.get("attention_mask") is not None else None,
+        lambda module, args, kwargs: (
+            masks.append(kwargs["attention_mask"]) if kwargs.get("attention_mask") is not None else None
+        ),
         with_kwargs=True,
     )
     prompts = [[1, 2, 3, 1, 2, 3, 1], [9, 8]]
@@ -259,7 +261,17 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     nothing from more, and threads that outnumber free cores spin (minutes on a busy machine)."""
     out = tmp_path / "check.json"
     run = subprocess.run(
-        [sys.executable, "-m", "rag_lookahead.gpu_check", "--device", "cpu", "--small", "--tiny-only", "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "rag_lookahead.bench.gpu_check",
+            "--device",
+            "cpu",
+            "--small",
+            "--tiny-only",
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -270,7 +282,9 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert report["ok"] is True
     assert report["environment"]["device"] == "cpu"
     exact = report["exactness"]
-    assert {(r["model"], r["batch"]) for r in exact} == {(a, b) for a in ("qwen2", "qwen3", "llama", "glm4", "glm") for b in (1, 8)}
+    assert {(r["model"], r["batch"]) for r in exact} == {
+        (a, b) for a in ("qwen2", "qwen3", "llama", "glm4", "glm") for b in (1, 8)
+    }
     assert all(r["identical"] == r["rows"] for r in exact)
     assert {"greedy", "prompt_lookup", "lookahead"} <= set(report["speed_batch1"]["summary"])
     assert report["concurrency"]["lookahead"]["identical"] == report["concurrency"]["requests"]
@@ -280,6 +294,6 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
 
 
 def test_serve_takes_a_device_map():
-    from rag_lookahead.server import build_parser, config_from_args
+    from rag_lookahead.serve.server import build_parser, config_from_args
 
     assert config_from_args(build_parser().parse_args(["--device-map", "auto"]), {}).device_map == "auto"

@@ -7,6 +7,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import ARCHITECTURES, tiny_model
+from tiny_tokenizer import tiny_tokenizer
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import NoBadWordsLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -14,9 +16,6 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from rag_lookahead import LookaheadConfig
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.hf_entry import LookaheadGenerateOutput, hf_generate
-
-from tiny_models import ARCHITECTURES, tiny_model
-from tiny_tokenizer import tiny_tokenizer
 
 tokens = st.integers(min_value=1, max_value=12)
 
@@ -52,7 +51,9 @@ def test_greedy_equals_model_generate(arch, prompts, max_new, eos_at):
     if eos_at is not None:  # an EOS the first row really produces, so rows end at different steps
         new = plain[0, ids.shape[1] :].tolist()
         eos = new[min(eos_at, len(new) - 1)]
-    expected = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, eos_token_id=eos)
+    expected = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, eos_token_id=eos
+    )
     references = [[p + expected[r, ids.shape[1] :].tolist()] for r, p in enumerate(prompts)]  # drafts that get accepted
     got = model.generate(
         input_ids=ids,
@@ -77,7 +78,9 @@ def test_greedy_equals_model_generate(arch, prompts, max_new, eos_at):
 def test_sampling_equals_model_generate_under_the_same_seed(arch, prompt, max_new, seed, temperature, top_p, penalty):
     model = tiny_model(arch)
     ids = torch.tensor([prompt])
-    options = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=30, min_p=0.02, repetition_penalty=penalty)
+    options = dict(
+        do_sample=True, temperature=temperature, top_p=top_p, top_k=30, min_p=0.02, repetition_penalty=penalty
+    )
     torch.manual_seed(seed)
     expected = model.generate(input_ids=ids, max_new_tokens=max_new, **options)
     torch.manual_seed(seed)
@@ -98,7 +101,9 @@ def test_repetition_penalty_on_a_padded_batch_equals_model_generate(arch):
     ids, mask = padded([[4, 9, 4, 9, 4, 9, 11, 5], [7, 2, 7]])
     keys = dict(max_new_tokens=20, do_sample=False, repetition_penalty=2.5)
     expected = model.generate(input_ids=ids, attention_mask=mask, **keys)
-    got = model.generate(input_ids=ids, attention_mask=mask, custom_generate=hf_generate, generation_config=lookahead(**keys))
+    got = model.generate(
+        input_ids=ids, attention_mask=mask, custom_generate=hf_generate, generation_config=lookahead(**keys)
+    )
     assert got.tolist() == expected.tolist()
 
 
@@ -138,7 +143,9 @@ def test_use_lookahead_false_decodes_one_token_a_step():
     out = model.generate(
         input_ids=torch.tensor([prompt]),
         custom_generate=hf_generate,
-        generation_config=GenerationConfig(use_lookahead=False, max_new_tokens=24, do_sample=False, return_dict_in_generate=True),
+        generation_config=GenerationConfig(
+            use_lookahead=False, max_new_tokens=24, do_sample=False, return_dict_in_generate=True
+        ),
         references=[[prompt[-2:] + answer]],
     )
     assert out.sequences.tolist() == expected.tolist()
@@ -150,7 +157,9 @@ def test_return_dict_is_what_model_generate_returns_plus_stats():
     out = model.generate(
         input_ids=torch.tensor([prompt]),
         custom_generate=hf_generate,
-        generation_config=lookahead(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, debug_lookahead=True),
+        generation_config=lookahead(
+            max_new_tokens=24, do_sample=False, return_dict_in_generate=True, debug_lookahead=True
+        ),
     )
     assert isinstance(out, GenerateDecoderOnlyOutput) and isinstance(out, LookaheadGenerateOutput)
     assert out.sequences.tolist() == expected.tolist()
@@ -162,7 +171,10 @@ def test_max_length_counts_the_padded_width_as_transformers_does():
     ids, mask = padded([[4, 5, 6, 7, 8, 9], [4, 5]])
     expected = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_length=15)
     got = model.generate(
-        input_ids=ids, attention_mask=mask, custom_generate=hf_generate, generation_config=lookahead(max_length=15, do_sample=False)
+        input_ids=ids,
+        attention_mask=mask,
+        custom_generate=hf_generate,
+        generation_config=lookahead(max_length=15, do_sample=False),
     )
     assert got.tolist() == expected.tolist() and got.shape[1] == 15
 
@@ -177,7 +189,9 @@ def test_pad_and_eos_come_from_the_generation_config():
     unused = next(t for t in range(1, 95) if t not in first + second)
     keys = dict(max_new_tokens=20, do_sample=False, eos_token_id=[unused, ending], pad_token_id=95)
     expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(**keys))
-    got = model.generate(input_ids=ids, attention_mask=mask, custom_generate=hf_generate, generation_config=lookahead(**keys))
+    got = model.generate(
+        input_ids=ids, attention_mask=mask, custom_generate=hf_generate, generation_config=lookahead(**keys)
+    )
     assert got.tolist() == expected.tolist()
     assert got[0, -1].item() == 95 and got[1, -1].item() != 95  # the first row ended early and was padded
 
@@ -228,7 +242,10 @@ def test_custom_stopping_criteria_cut_inside_an_accepted_block():
     model, prompt, answer, expected = repeating_case()
     theirs, ours = StopAfter(len(prompt) + 7), StopAfter(len(prompt) + 7)
     want = model.generate(
-        input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=24, stopping_criteria=StoppingCriteriaList([theirs])
+        input_ids=torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=24,
+        stopping_criteria=StoppingCriteriaList([theirs]),
     )
     got = model.generate(
         input_ids=torch.tensor([prompt]),
@@ -249,7 +266,9 @@ def test_text_references_and_stop_words_need_the_tokenizer():
     out = model.generate(
         input_ids=torch.tensor([prompt]),
         custom_generate=hf_generate,
-        generation_config=lookahead(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, stop_words=["t5", 4]),
+        generation_config=lookahead(
+            max_new_tokens=24, do_sample=False, return_dict_in_generate=True, stop_words=["t5", 4]
+        ),
         references=[[text]],
         lookahead_tokenizer=tokenizer,
         lookahead_config=ISOLATED,
@@ -258,11 +277,16 @@ def test_text_references_and_stop_words_need_the_tokenizer():
     assert out.lookahead_stats.accepted_histogram == {23: 1}
     with pytest.raises(InputError, match="lookahead_tokenizer"):
         model.generate(
-            input_ids=torch.tensor([prompt]), custom_generate=hf_generate, generation_config=lookahead(max_new_tokens=4), references=[[text]]
+            input_ids=torch.tensor([prompt]),
+            custom_generate=hf_generate,
+            generation_config=lookahead(max_new_tokens=4),
+            references=[[text]],
         )
     with pytest.raises(ConfigError, match="lookahead_tokenizer"):
         model.generate(
-            input_ids=torch.tensor([prompt]), custom_generate=hf_generate, generation_config=lookahead(max_new_tokens=4, stop_words=["t3"])
+            input_ids=torch.tensor([prompt]),
+            custom_generate=hf_generate,
+            generation_config=lookahead(max_new_tokens=4, stop_words=["t3"]),
         )
 
 
@@ -271,7 +295,9 @@ def test_lookahead_config_is_the_base_the_keys_override():
     out = model.generate(
         input_ids=torch.tensor([prompt]),
         custom_generate=hf_generate,
-        generation_config=GenerationConfig(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, branch_length=2),
+        generation_config=GenerationConfig(
+            max_new_tokens=24, do_sample=False, return_dict_in_generate=True, branch_length=2
+        ),
         lookahead_config=ISOLATED.replace(decoding_length=8),
         references=[[prompt[-2:] + answer]],
     )
@@ -282,7 +308,10 @@ def test_lookahead_config_is_the_base_the_keys_override():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (dict(logits_processor=LogitsProcessorList([NoBadWordsLogitsProcessor([[5]], eos_token_id=None)])), "NoBadWords"),
+        (
+            dict(logits_processor=LogitsProcessorList([NoBadWordsLogitsProcessor([[5]], eos_token_id=None)])),
+            "NoBadWords",
+        ),
         (dict(prefix_allowed_tokens_fn=lambda batch, ids: [1, 2]), "PrefixConstrained"),
         (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
         (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
@@ -306,7 +335,10 @@ def test_batch_level_stopping_criteria_and_streamers_are_refused_on_batches():
     ids, mask = padded([[4, 5, 6], [7, 8]])
     with pytest.raises(ConfigError, match="StopAfter"):
         model.generate(
-            input_ids=ids, attention_mask=mask, custom_generate=hf_generate, max_new_tokens=5,
+            input_ids=ids,
+            attention_mask=mask,
+            custom_generate=hf_generate,
+            max_new_tokens=5,
             stopping_criteria=StoppingCriteriaList([StopAfter(9)]),
         )
 
@@ -315,7 +347,9 @@ def test_batch_level_stopping_criteria_and_streamers_are_refused_on_batches():
             pass
 
     with pytest.raises(ConfigError, match="streamer"):
-        model.generate(input_ids=ids, attention_mask=mask, custom_generate=hf_generate, max_new_tokens=5, streamer=Quiet())
+        model.generate(
+            input_ids=ids, attention_mask=mask, custom_generate=hf_generate, max_new_tokens=5, streamer=Quiet()
+        )
 
 
 def test_called_directly_it_says_how_to_call_it():

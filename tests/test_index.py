@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rag_lookahead import index as ix
-from rag_lookahead.embeddings import E5SmallEmbedder, LangChainEmbeddings, reciprocal_rank_fusion, tokenize
 from rag_lookahead.errors import IndexLoadError, InputError
+from rag_lookahead.rag import index as ix
+from rag_lookahead.rag.embedders import E5SmallEmbedder, LangChainEmbeddings, reciprocal_rank_fusion, tokenize
 
 TEA = "绿茶属于不发酵茶，采摘后要经过杀青，用高温破坏鲜叶中的酶，所以叶子保持翠绿。冲泡龙井时水温八十度左右最合适。"
 TRAIN = "京沪高铁全长约一千三百公里，最快的列车四个多小时就能从北京开到上海。复兴号动车组的设计时速是三百五十公里。"
@@ -272,7 +272,7 @@ def test_missing_or_empty_corpus(tmp_path, embedder):
 
 
 def test_read_text_file_encodings():
-    assert ix.read_text_file("中文".encode("utf-8")) == "中文"
+    assert ix.read_text_file("中文".encode()) == "中文"
     assert ix.read_text_file("\ufeff中文".encode("utf-8")) == "中文"
     assert ix.read_text_file("简体中文文本，编码是国标。".encode("gbk")) == "简体中文文本，编码是国标。"
     assert ix.read_text_file(b"\x00\x00binary") is None
@@ -509,7 +509,7 @@ def test_second_build_waits_for_the_first(tmp_path, embedder, monkeypatch, caplo
         with pytest.raises(ix.IndexBusyError, match="another `rag_lookahead index` run") as err:
             build(a, index_dir, embedder, lock_timeout=0.2)
         assert "\n" not in str(err.value)
-        with caplog.at_level("WARNING", logger="rag_lookahead.index"):
+        with caplog.at_level("WARNING", logger="rag_lookahead.rag.index"):
             second.start()
             deadline = time.monotonic() + 60
             while "waiting up to" not in caplog.text and time.monotonic() < deadline:
@@ -534,13 +534,22 @@ def test_cli_fails_clearly_while_another_process_holds_the_lock(tmp_path, built)
     index_dir = copy_index(built, tmp_path)
     before = tree(index_dir)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, filelock; l = filelock.FileLock(sys.argv[1]); l.acquire();"
-         " print('held', flush=True); sys.stdin.read()", str(index_dir / ix.LOCK_FILE)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, filelock; l = filelock.FileLock(sys.argv[1]); l.acquire();"
+            " print('held', flush=True); sys.stdin.read()",
+            str(index_dir / ix.LOCK_FILE),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        result = run_cli("index", str(built[0]), "--index-dir", str(index_dir), "--lock-timeout", "0.3", "--no-progress")
+        result = run_cli(
+            "index", str(built[0]), "--index-dir", str(index_dir), "--lock-timeout", "0.3", "--no-progress"
+        )
     finally:
         holder.communicate("")
     assert result.exit_code != 0
@@ -593,8 +602,9 @@ def test_cli_skips_files_over_the_size_cap(tmp_path):
     corpus.mkdir()
     (corpus / "tea.md").write_text(TEA, encoding="utf-8")
     (corpus / "huge.txt").write_text(GIT * 40, encoding="utf-8")  # ~3.5 KB
-    result = run_cli("index", str(corpus), "--index-dir", str(tmp_path / "index"), "--max-file-mb", "0.002",
-                     "--no-progress")
+    result = run_cli(
+        "index", str(corpus), "--index-dir", str(tmp_path / "index"), "--max-file-mb", "0.002", "--no-progress"
+    )
     assert result.exit_code == 0, result.output
     assert "skipped huge.txt: 3.4 KB is over the 0.002 MB limit (--max-file-mb)" in result.stdout
     index = ix.load_index(tmp_path / "index")
@@ -627,7 +637,7 @@ def test_encoded_corpus_is_indexed_without_mojibake(tmp_path, embedder):
     for encoding, text in LEGACY.items():
         (corpus / f"{encoding}.txt").write_bytes(text.encode(encoding))
     damaged = TEA.encode("utf-8")
-    cut = damaged.index("杀青".encode("utf-8"))
+    cut = damaged.index("杀青".encode())
     (corpus / "damaged.md").write_bytes(damaged[:cut] + b"\xff" + damaged[cut:])  # one bad byte
     with pytest.warns(UserWarning, match="damaged.md: 1 undecodable byte"):
         report = build(corpus, tmp_path / "index", embedder)

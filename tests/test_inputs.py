@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import VOCAB, reference_generate, tiny_model
 
 from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.decoding.loop import DecodeBatch
 from rag_lookahead.errors import ConfigError, InputError
-from rag_lookahead.generate import DecodeBatch
-
-from tiny_models import VOCAB, reference_generate, tiny_model
 
 
 @pytest.fixture(scope="module")

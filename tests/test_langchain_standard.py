@@ -29,10 +29,10 @@ from langchain_tests.integration_tests import (  # noqa: E402
 )
 from langchain_tests.unit_tests import ChatModelUnitTests, EmbeddingsUnitTests  # noqa: E402
 
-from rag_lookahead.chains import DocumentIndexRetriever  # noqa: E402
-from rag_lookahead.chat_model import ChatLookahead  # noqa: E402
-from rag_lookahead.config import LookaheadConfig  # noqa: E402
-from rag_lookahead.embeddings import LangChainEmbeddings  # noqa: E402
+from rag_lookahead.decoding.config import LookaheadConfig  # noqa: E402
+from rag_lookahead.langchain.chat_model import ChatLookahead  # noqa: E402
+from rag_lookahead.rag.chains import DocumentIndexRetriever  # noqa: E402
+from rag_lookahead.rag.embedders import LangChainEmbeddings  # noqa: E402
 
 CORPUS_EN = Path(__file__).resolve().parent.parent / "corpora" / "en"
 _LOADED: dict[str, Any] = {}
@@ -133,7 +133,7 @@ class TestLangChainEmbeddingsUnitStandard(EmbeddingsUnitTests):
 
 @pytest.fixture(scope="module")
 def corpus_index(tmp_path_factory):
-    from rag_lookahead.index import build_index, load_index
+    from rag_lookahead.rag.index import build_index, load_index
 
     folder = tmp_path_factory.mktemp("standard") / "index"
     build_index(CORPUS_EN, folder, progress=False)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 
-from rag_lookahead.config import LookaheadConfig
+from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import InputError
-from rag_lookahead.llm import LookaheadLLM
+from rag_lookahead.langchain.llm import LookaheadLLM
 
 pytestmark = pytest.mark.slow
 
 PASSAGE = (
     "decoding_length 是一次前向计算中最多验证的草稿词元总数，默认值为 64。"
-    "在 CPU 上改用 budget=\"fixed\" 时，建议把 decoding_length 设在 8 到 16 左右。"
+    '在 CPU 上改用 budget="fixed" 时，建议把 decoding_length 设在 8 到 16 左右。'
 )
 PROMPTS = [
     "List three primary colors, separated by commas.",
@@ -129,8 +129,13 @@ def test_identifying_params_and_serialization(llm):
     assert dict(llm._identifying_params) == {"model_name": "default", "max_new_tokens": 24, "system_prompt": None}
     dumped = llm.model_dump()
     assert "model" not in dumped and "tokenizer" not in dumped
-    other = LookaheadLLM(model=llm.model, tokenizer=llm.tokenizer, model_name="default", max_new_tokens=24,
-                         lookahead=LookaheadConfig(decoding_length=8))
+    other = LookaheadLLM(
+        model=llm.model,
+        tokenizer=llm.tokenizer,
+        model_name="default",
+        max_new_tokens=24,
+        lookahead=LookaheadConfig(decoding_length=8),
+    )
     assert other._identifying_params == llm._identifying_params  # draft settings share the LLM cache
     assert other.output_pool is not llm.output_pool
 
@@ -163,7 +168,9 @@ def test_tokenizer_without_pad_is_left_untouched(default_model, llm):
     model, tokenizer = default_model
     bare = copy.deepcopy(tokenizer)
     bare.pad_token = None
-    padless = LookaheadLLM(model=model, tokenizer=bare, max_new_tokens=4, lookahead=LookaheadConfig(budget="fixed", decoding_length=16))
+    padless = LookaheadLLM(
+        model=model, tokenizer=bare, max_new_tokens=4, lookahead=LookaheadConfig(budget="fixed", decoding_length=16)
+    )
     assert bare.pad_token is None  # the caller's tokenizer is not written to
     # rows of different lengths still pad (with an EOS id) and answer as they do alone
     prompts = [PROMPTS[0], PROMPTS[2]]

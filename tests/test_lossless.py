@@ -6,11 +6,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import ARCHITECTURES, reference_generate, tiny_model
 
 from rag_lookahead import LookaheadConfig, generate
-from rag_lookahead.trie import OutputPool
-
-from tiny_models import ARCHITECTURES, reference_generate, tiny_model
+from rag_lookahead.decoding.trie import OutputPool
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -110,7 +109,9 @@ def test_eager_attention_matches_generate(arch):
     model = tiny_model(arch, attn="eager")
     prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     expected = reference_generate(model, prompt, 30, None)
-    result = generate(model, prompt, max_new_tokens=30, config=LookaheadConfig(budget="fixed"), references=[[prompt + expected]])
+    result = generate(
+        model, prompt, max_new_tokens=30, config=LookaheadConfig(budget="fixed"), references=[[prompt + expected]]
+    )
     assert result.sequences[0, len(prompt) :].tolist() == expected
     assert result.stats.mean_accepted > 1.5  # the reference holds the answer, so blocks are accepted
 
@@ -140,7 +141,7 @@ def test_matches_hf_batched_generate_padding_layout():
 def test_rows_joining_a_running_batch_match_single_rows(arch, first, later, join_after, max_new, extra):
     """Continuous batching: requests merged between decode steps keep their single-row output,
     while others leave (different budgets) and their cache columns are reclaimed."""
-    from rag_lookahead.generate import DecodeBatch
+    from rag_lookahead.decoding.loop import DecodeBatch
 
     model = tiny_model(arch)
     config = LookaheadConfig(decoding_length=12, branch_length=5, budget="fixed", use_output_pool=False)

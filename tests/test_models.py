@@ -66,7 +66,9 @@ def test_default_model_loads_plain_bf16_in_eval_mode(default_model):
 def test_default_model_chat_template_came_through(default_model):
     _, tokenizer = default_model
     assert tokenizer.chat_template
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert "<|im_start|>user\nhi<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
 
@@ -321,8 +323,14 @@ def test_bad_dtype_is_a_config_error():
 
 @pytest.mark.parametrize(
     ("given", "expected"),
-    [("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16), ("fp32", torch.float32), ("float16", torch.float16),
-     ("auto", "auto"), (torch.float64, torch.float64)],
+    [
+        ("bf16", torch.bfloat16),
+        ("BFloat16", torch.bfloat16),
+        ("fp32", torch.float32),
+        ("float16", torch.float16),
+        ("auto", "auto"),
+        (torch.float64, torch.float64),
+    ],
 )
 def test_dtype_names(given, expected):
     assert _resolve_dtype(given, "cpu", None) == expected

@@ -9,7 +9,9 @@ import sys
 
 def run_module(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "rag_lookahead", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "rag_lookahead", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_help_lists_the_commands():

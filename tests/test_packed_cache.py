@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from rag_lookahead.packed_cache import PackedCache
+from rag_lookahead.decoding.packed_cache import PackedCache
 
 
 def _prefill(rows: list[list[int]]):

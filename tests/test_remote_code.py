@@ -13,22 +13,23 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from rag_lookahead import LookaheadConfig, generate
-from rag_lookahead.errors import ConfigError, ModelLoadError
-from rag_lookahead.generate import DecodeBatch
-from rag_lookahead.models import load_model
-from rag_lookahead.verify import supports_tree_mask
-
 from tiny_models import tiny_model
 from tiny_tokenizer import tiny_tokenizer
+
+from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.decoding.loop import DecodeBatch
+from rag_lookahead.decoding.verify import supports_tree_mask
+from rag_lookahead.errors import ConfigError, ModelLoadError
+from rag_lookahead.models import load_model
 
 MODELING = Path(__file__).parent / "remote_code" / "modeling_tiny_remote.py"
 
 
 def remote_folder(root: Path, model_class: str) -> Path:
     """A local model folder whose config maps AutoModelForCausalLM to ``model_class`` in its own modeling file."""
-    folder = root / f"tiny_remote_{model_class.lower()}"  # fixed names: transformers' module cache does not grow per run
+    folder = (
+        root / f"tiny_remote_{model_class.lower()}"
+    )  # fixed names: transformers' module cache does not grow per run
     tiny_model("qwen2").save_pretrained(folder)  # the shared cached weights; saving does not change them
     tiny_tokenizer().save_pretrained(folder)
     shutil.copy(MODELING, folder / MODELING.name)
@@ -68,7 +69,9 @@ def test_loads_with_the_opt_in_and_drafts_trees(tmp_path):
     assert DecodeBatch(model, LookaheadConfig(), frozenset(), None).tree_mask
     prompt = [7, 3, 9, 4, 11, 2, 8]
     expected = greedy(model, prompt, 20)
-    result = generate(model, prompt, max_new_tokens=20, references=[[prompt[-2:] + expected]], config=LookaheadConfig(budget="fixed"))
+    result = generate(
+        model, prompt, max_new_tokens=20, references=[[prompt[-2:] + expected]], config=LookaheadConfig(budget="fixed")
+    )
     assert result.sequences[0, len(prompt) :].tolist() == expected
 
 

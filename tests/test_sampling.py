@@ -9,13 +9,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import ARCHITECTURES, tiny_model
 from transformers import GenerationConfig
 
 from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.decoding.sampling import Accepted, TokenChooser
 from rag_lookahead.errors import ConfigError
-from rag_lookahead.sampling import Accepted, TokenChooser
-
-from tiny_models import ARCHITECTURES, tiny_model
 
 tokens = st.integers(min_value=1, max_value=12)
 
@@ -54,7 +53,14 @@ def cases(draw):
         budget=draw(st.sampled_from(["fixed", "auto"])),
         use_output_pool=False,
     )
-    return prompt, draw(st.integers(1, 30)), config, draw(sampling_options()), draw(st.integers(0, 2**16)), draw(st.booleans())
+    return (
+        prompt,
+        draw(st.integers(1, 30)),
+        config,
+        draw(sampling_options()),
+        draw(st.integers(0, 2**16)),
+        draw(st.booleans()),
+    )
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -71,7 +77,14 @@ def test_batch_one_without_seed_equals_hf_sampling(arch, case):
     references = [[prompt[-3:] + expected, prompt[-2:] + [(t % 12) + 1 for t in expected]]]
     torch.manual_seed(seed)
     result = generate(
-        model, prompt, max_new_tokens=max_new, config=config, references=references, eos_token_id=eos, pad_token_id=0, **options
+        model,
+        prompt,
+        max_new_tokens=max_new,
+        config=config,
+        references=references,
+        eos_token_id=eos,
+        pad_token_id=0,
+        **options,
     )
     assert result.sequences[0, len(prompt) :].tolist() == expected
 
@@ -109,13 +122,17 @@ def test_per_row_seeds_do_not_depend_on_the_batch_or_the_drafts(arch, prompts, m
     config = LookaheadConfig(decoding_length=16, branch_length=6, budget="fixed", use_output_pool=False)
     alone = []
     for prompt, seed in zip(prompts, seeds):
-        plain = generate(model, prompt, max_new_tokens=max_new, seed=seed, config=config.replace(enabled=False), **options)
+        plain = generate(
+            model, prompt, max_new_tokens=max_new, seed=seed, config=config.replace(enabled=False), **options
+        )
         alone.append(plain.sequences[0, len(prompt) :].tolist())
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     references = [[p[-2:] + a] for p, a in zip(prompts, alone)]
-    batched = generate(model, ids, mask, max_new_tokens=max_new, seed=seeds, config=config, references=references, **options)
+    batched = generate(
+        model, ids, mask, max_new_tokens=max_new, seed=seeds, config=config, references=references, **options
+    )
     for row, want in enumerate(alone):
         assert batched.sequences[row, width : width + len(want)].tolist() == want
 
@@ -123,7 +140,9 @@ def test_per_row_seeds_do_not_depend_on_the_batch_or_the_drafts(arch, prompts, m
 def test_generation_config_is_taken_as_model_generate_takes_it():
     model = tiny_model("qwen2")
     prompt = [3, 4, 5, 6, 3, 4, 5, 6]
-    gc = GenerationConfig(do_sample=True, temperature=0.8, top_k=7, top_p=0.9, repetition_penalty=1.1, max_new_tokens=20)
+    gc = GenerationConfig(
+        do_sample=True, temperature=0.8, top_k=7, top_p=0.9, repetition_penalty=1.1, max_new_tokens=20
+    )
     torch.manual_seed(3)
     expected = model.generate(torch.tensor([prompt]), generation_config=gc, pad_token_id=0)[0, len(prompt) :].tolist()
     torch.manual_seed(3)
@@ -135,7 +154,9 @@ def test_model_generation_config_defaults_apply():
     """A model whose own generation config samples (as Qwen's does) samples with its settings."""
     model = tiny_model("llama", seed=3)
     saved = model.generation_config
-    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, pad_token_id=0)
+    model.generation_config = GenerationConfig(
+        do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, pad_token_id=0
+    )
     try:
         prompt = [5, 6, 7, 5, 6, 7]
         torch.manual_seed(11)
@@ -164,7 +185,12 @@ def test_model_generation_config_defaults_apply():
 def test_unsupported_or_bad_options_raise(options, message):
     model = tiny_model("qwen2")
     with pytest.raises(ConfigError, match=message):
-        if "num_beams" in options or "no_repeat_ngram_size" in options or "typical_p" in options or "num_return_sequences" in options:
+        if (
+            "num_beams" in options
+            or "no_repeat_ngram_size" in options
+            or "typical_p" in options
+            or "num_return_sequences" in options
+        ):
             generate(model, [1, 2, 3], max_new_tokens=3, generation_config=GenerationConfig(**options))
         else:
             generate(model, [1, 2, 3], max_new_tokens=3, **options)
@@ -274,7 +300,9 @@ def test_the_law_check_catches_keeping_a_rejected_draft_token(law_setup, monkeyp
         parent = result.nodes[-1] if result.nodes else -1
         drafted = [i for i, p in enumerate(draft.parents) if p == parent]
         if drafted and len(result.tokens) < limit:  # the draw left the draft: keep the draft's token anyway
-            return Accepted(result.nodes + [drafted[0]], result.tokens[:-1] + [draft.tokens[drafted[0]]] + [result.tokens[-1]])
+            return Accepted(
+                result.nodes + [drafted[0]], result.tokens[:-1] + [draft.tokens[drafted[0]]] + [result.tokens[-1]]
+            )
         return result
 
     monkeypatch.setattr(TokenChooser, "walk", keep_rejected)
@@ -289,9 +317,9 @@ def test_sampling_law_helper_is_sane():
 def test_a_hot_row_learns_low_acceptance_and_yields_its_nodes():
     """Acceptance falls as temperature rises: the row's own rates learn it, and the budget then
     gives the batch's draft nodes to the row whose drafts are being accepted."""
-    from rag_lookahead.budget import CostCurve, StepCosts, allocate
-    from rag_lookahead.generate import DecodeBatch
-    from rag_lookahead.sampling import SamplingParams
+    from rag_lookahead.decoding.costs import CostCurve, StepCosts, allocate
+    from rag_lookahead.decoding.loop import DecodeBatch
+    from rag_lookahead.decoding.sampling import SamplingParams
 
     model = tiny_model("qwen2")
     cold, hot = [3, 4, 5, 6, 3, 4, 5, 6, 3], [7, 8, 9, 10, 7, 8, 9, 10, 7]
@@ -303,7 +331,11 @@ def test_a_hot_row_learns_low_acceptance_and_yields_its_nodes():
     batch = DecodeBatch(model, config, frozenset(), None)
     batch.add(torch.tensor([cold]), None, [[cold[-2:] + truth_cold]], 120, keys=["cold"])
     batch.add(
-        torch.tensor([hot]), None, [[noise]], 40, keys=["hot"],
+        torch.tensor([hot]),
+        None,
+        [[noise]],
+        40,
+        keys=["hot"],
         sampling=SamplingParams(do_sample=True, temperature=2.0, top_k=0, seed=1),
     )
     for _ in range(6):
@@ -314,7 +346,7 @@ def test_a_hot_row_learns_low_acceptance_and_yields_its_nodes():
     # priced with the forward costs measured on this CPU (DESIGN.md: 1 token 120 ms ... 64 tokens 520 ms)
     costs = StepCosts(CostCurve([1, 8, 16, 32, 64], [0.12, 0.19, 0.24, 0.34, 0.52]))
     costs.observe(2, 2, 0.13)
-    from rag_lookahead.draft import propose
+    from rag_lookahead.decoding.draft import propose
 
     drafts = [row.trust.weigh(propose(row.context, None, config)) for row in batch.rows]
     counts = dict(zip((row.index for row in batch.rows), allocate(drafts, costs)))

@@ -29,12 +29,12 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-from rag_lookahead.config import LookaheadConfig
-from rag_lookahead.generate import generate
-from rag_lookahead.llm import LookaheadLLM
-from rag_lookahead.server import Engine, ServerConfig, create_app, make_server
-
 from tiny_models import VOCAB, tiny_model
+
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.loop import generate
+from rag_lookahead.langchain.llm import LookaheadLLM
+from rag_lookahead.serve.server import Engine, ServerConfig, create_app, make_server
 
 LOOKAHEAD = LookaheadConfig(budget="fixed", decoding_length=16)
 
@@ -113,9 +113,11 @@ def cut_at_stop(text: str, stop: list[str]) -> str:
 
 def single_text(engine: Engine, ids: list[int], max_tokens: int, stop: list[str] = ()) -> str:
     """What a single-request ``generate`` gives for ``ids``, decoded as the server decodes."""
-    out = generate(engine.model, ids, max_new_tokens=max_tokens, config=engine.lookahead, eos_token_id=sorted(engine.eos))
+    out = generate(
+        engine.model, ids, max_new_tokens=max_tokens, config=engine.lookahead, eos_token_id=sorted(engine.eos)
+    )
     tokens = [t for t in out.sequences[0, len(ids) :].tolist() if t not in engine.eos]
-    tokens = tokens[: max_tokens]
+    tokens = tokens[:max_tokens]
     return cut_at_stop(engine.tokenizer.decode(tokens, skip_special_tokens=True), list(stop))
 
 
@@ -168,7 +170,7 @@ class Gate:
 
 def hold_steps(monkeypatch) -> Gate:
     """Decode steps wait for the gate (requests stay in the batch or the queue meanwhile)."""
-    from rag_lookahead.generate import DecodeBatch
+    from rag_lookahead.decoding.loop import DecodeBatch
 
     gate = Gate()
     patch_engine(monkeypatch, DecodeBatch, "verify_and_accept", gate.wait)
@@ -177,7 +179,7 @@ def hold_steps(monkeypatch) -> Gate:
 
 def hold_prefills(monkeypatch) -> Gate:
     """Prefills wait for the gate (the request being admitted has left the queue; later ones queue)."""
-    from rag_lookahead.generate import DecodeBatch
+    from rag_lookahead.decoding.loop import DecodeBatch
 
     gate = Gate()
     patch_engine(monkeypatch, DecodeBatch, "add", gate.wait)
@@ -186,7 +188,7 @@ def hold_prefills(monkeypatch) -> Gate:
 
 def slow_steps(monkeypatch, seconds: float) -> None:
     """Each decode step takes at least ``seconds`` (so a request is still running when a test acts)."""
-    from rag_lookahead.generate import DecodeBatch
+    from rag_lookahead.decoding.loop import DecodeBatch
 
     patch_engine(monkeypatch, DecodeBatch, "verify_and_accept", lambda *a, **k: time.sleep(seconds))
 
@@ -211,7 +213,9 @@ def tokenizer():
 
 
 def tiny_engine(tokenizer, **changes) -> Engine:
-    settings = dict(max_batch_size=8, max_queue=64, max_tokens_limit=64, default_max_tokens=16, lookahead_config=LOOKAHEAD)
+    settings = dict(
+        max_batch_size=8, max_queue=64, max_tokens_limit=64, default_max_tokens=16, lookahead_config=LOOKAHEAD
+    )
     settings.update(changes)
     return Engine(tiny_model("qwen2"), tokenizer, ServerConfig(**settings))
 
@@ -246,8 +250,15 @@ def test_tiny_load_200_requests_32_clients(tokenizer):
                 r = await client.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
                 data = r.json()
-                return {"n": n, "i": i, "kind": kind, "id": data["id"], "text": data["choices"][0]["text"],
-                        "reason": data["choices"][0]["finish_reason"], "usage": data["usage"]}
+                return {
+                    "n": n,
+                    "i": i,
+                    "kind": kind,
+                    "id": data["id"],
+                    "text": data["choices"][0]["text"],
+                    "reason": data["choices"][0]["finish_reason"],
+                    "usage": data["usage"],
+                }
             async with client.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
                 raw = ""
@@ -292,25 +303,34 @@ def test_tiny_load_200_requests_32_clients(tokenizer):
         if "usage" in r:
             assert r["usage"]["completion_tokens"] == budgets[r["i"]]
             assert r["usage"]["prompt_tokens"] == len(prompts[r["i"]])
-    done = metric(after, "rag_lookahead_requests_completed_total") - metric(before, "rag_lookahead_requests_completed_total")
-    dropped = metric(after, "rag_lookahead_requests_cancelled_total") - metric(before, "rag_lookahead_requests_cancelled_total")
+    done = metric(after, "rag_lookahead_requests_completed_total") - metric(
+        before, "rag_lookahead_requests_completed_total"
+    )
+    dropped = metric(after, "rag_lookahead_requests_cancelled_total") - metric(
+        before, "rag_lookahead_requests_cancelled_total"
+    )
     assert done + dropped == 200, (done, dropped)  # a dropped stream may have finished before the server noticed
     assert done >= 160
     assert metric(after, "rag_lookahead_queue_depth") == 0 and metric(after, "rag_lookahead_batch_size") == 0
     assert grown < 200 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB over the load"
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    print(f"\n200 requests / 32 clients on the tiny model: {seconds:.1f} s, {dropped:.0f} cancelled, RSS {grown / 2**20:+.1f} MiB")
+    print(
+        f"\n200 requests / 32 clients on the tiny model: {seconds:.1f} s, {dropped:.0f} cancelled, RSS {grown / 2**20:+.1f} MiB"
+    )
 
 
 def test_tiny_queue_full_gives_429(tokenizer):
-    engine = tiny_engine(tokenizer, max_batch_size=1, max_queue=1, max_tokens_limit=200,
-                         lookahead=False, lookahead_config=None)
+    engine = tiny_engine(
+        tokenizer, max_batch_size=1, max_queue=1, max_tokens_limit=200, lookahead=False, lookahead_config=None
+    )
     prompt = tiny_prompts(1, seed=3)[0]
     expected = single_text(engine, prompt, 200)
 
     async def run(base: str) -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=base, timeout=120) as client:
-            return await asyncio.gather(*(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 200}) for _ in range(8)))
+            return await asyncio.gather(
+                *(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 200}) for _ in range(8))
+            )
 
     with serving(engine) as base:
         responses = asyncio.run(run(base))
@@ -323,7 +343,9 @@ def test_tiny_queue_full_gives_429(tokenizer):
             assert error["type"] == "rate_limit_error" and "max_queue=1" in error["message"]
         else:
             assert r.json()["choices"][0]["text"] == expected
-    assert metric(metrics, "rag_lookahead_requests_total", '{endpoint="/v1/completions",status="429"}') == codes.count(429)
+    assert metric(metrics, "rag_lookahead_requests_total", '{endpoint="/v1/completions",status="429"}') == codes.count(
+        429
+    )
 
 
 def test_tiny_validation_health_metrics(tokenizer):
@@ -366,7 +388,9 @@ def test_tiny_validation_health_metrics(tokenizer):
             assert client.post("/v1/rag", json={"question": ""}).status_code == 400
             r = client.get("/v1/nothing")
             assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-            ok = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "stop": None})
+            ok = client.post(
+                "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "stop": None}
+            )
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
             health = client.get("/health")
             assert health.status_code == 200 and health.json()["status"] == "ok"
@@ -374,7 +398,9 @@ def test_tiny_validation_health_metrics(tokenizer):
             r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
-    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? -?[0-9.e+-]+$')
+    sample = re.compile(
+        r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? -?[0-9.e+-]+$'
+    )
     for line in text.strip().splitlines():
         assert line.startswith("# HELP ") or line.startswith("# TYPE ") or sample.match(line), line
     assert metric(text, "rag_lookahead_requests_total", '{endpoint="/v1/completions",status="400"}') == len(bad)
@@ -382,8 +408,12 @@ def test_tiny_validation_health_metrics(tokenizer):
     assert metric(text, "rag_lookahead_tokens_generated_total") == 4
     assert metric(text, "rag_lookahead_forward_passes_total") >= 1
     assert metric(text, "process_resident_memory_bytes") > 0
-    for name in ("rag_lookahead_mean_accepted_tokens", "rag_lookahead_queue_depth", "rag_lookahead_batch_size",
-                 "rag_lookahead_requests_cancelled_total"):
+    for name in (
+        "rag_lookahead_mean_accepted_tokens",
+        "rag_lookahead_queue_depth",
+        "rag_lookahead_batch_size",
+        "rag_lookahead_requests_cancelled_total",
+    ):
         assert f"# TYPE {name} " in text
 
 
@@ -395,8 +425,11 @@ def test_tiny_cancel_frees_the_slot(tokenizer):
 
     async def run(base: str):
         async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+
             async def leaver():
-                async with client.stream("POST", "/v1/completions", json={"prompt": prompts[0], "max_tokens": 200, "stream": True}) as r:
+                async with client.stream(
+                    "POST", "/v1/completions", json={"prompt": prompts[0], "max_tokens": 200, "stream": True}
+                ) as r:
                     async for _ in r.aiter_text():
                         break
 
@@ -434,8 +467,13 @@ def real(default_model_fp32):
     # (draft tree size, batch rows), so the same prompt may give different text from one request
     # to the next (seen here: an answer that repeats itself changes once the output pool holds it)
     model, tok = default_model_fp32
-    engine = Engine(model, tok, ServerConfig(max_batch_size=8, max_queue=64, max_tokens_limit=64, default_max_tokens=16,
-                                             lookahead_config=LOOKAHEAD))
+    engine = Engine(
+        model,
+        tok,
+        ServerConfig(
+            max_batch_size=8, max_queue=64, max_tokens_limit=64, default_max_tokens=16, lookahead_config=LOOKAHEAD
+        ),
+    )
     with serving(engine) as base:
         yield engine, base
 
@@ -489,15 +527,18 @@ def test_real_chat_with_openai_client(real, expected_chat):
         assert reply.usage.completion_tokens <= 16
         pieces = []
         usage = None
-        for chunk in client.chat.completions.create(model="default", messages=messages, max_tokens=16, stream=True,
-                                                    stream_options={"include_usage": True}):
+        for chunk in client.chat.completions.create(
+            model="default", messages=messages, max_tokens=16, stream=True, stream_options={"include_usage": True}
+        ):
             if chunk.choices:
                 pieces.append(chunk.choices[0].delta.content or "")
             if chunk.usage:
                 usage = chunk.usage
         assert "".join(pieces) == expected and usage.total_tokens == reply.usage.total_tokens
     sampled = [
-        client.chat.completions.create(model="default", messages=messages, max_tokens=12, temperature=0.8, seed=5).choices[0].message.content
+        client.chat.completions.create(model="default", messages=messages, max_tokens=12, temperature=0.8, seed=5)
+        .choices[0]
+        .message.content
         for _ in range(2)
     ]
     assert sampled[0] == sampled[1]  # seeded sampling is reproducible
@@ -528,7 +569,11 @@ def test_real_concurrent_mixed_requests(real, expected_chat, expected_completion
     async def one(client, n):
         chat, stream, i = n % 2 == 0, n % 3 == 0, n % len(PROMPTS)
         if chat:
-            body, path, want = {"messages": [{"role": "user", "content": QUESTIONS[i]}]}, "/v1/chat/completions", expected_chat[i]
+            body, path, want = (
+                {"messages": [{"role": "user", "content": QUESTIONS[i]}]},
+                "/v1/chat/completions",
+                expected_chat[i],
+            )
         else:
             body, path, want = {"prompt": PROMPTS[i]}, "/v1/completions", expected_completion[i]
         body.update(max_tokens=16, stream=stream)
@@ -544,9 +589,11 @@ def test_real_concurrent_mixed_requests(real, expected_chat, expected_completion
     async def run():
         gate = asyncio.Semaphore(6)
         async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+
             async def gated(n):
                 async with gate:
                     return await one(client, n)
+
             return await asyncio.gather(*(gated(n) for n in range(12)))
 
     before = httpx.get(base + "/metrics").text
@@ -555,7 +602,9 @@ def test_real_concurrent_mixed_requests(real, expected_chat, expected_completion
     after = httpx.get(base + "/metrics").text
     # the requests overlapped: fewer batched forwards than rows stepped
     steps = metric(after, "rag_lookahead_row_steps_total") - metric(before, "rag_lookahead_row_steps_total")
-    forwards = metric(after, "rag_lookahead_forward_passes_total") - metric(before, "rag_lookahead_forward_passes_total")
+    forwards = metric(after, "rag_lookahead_forward_passes_total") - metric(
+        before, "rag_lookahead_forward_passes_total"
+    )
     assert steps > forwards
 
 
@@ -571,20 +620,31 @@ def test_real_non_stream_disconnect_cancels(real):
         httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 64}, timeout=1.0)
     wait_idle(engine, 60)
     after = httpx.get(base + "/metrics").text
-    assert metric(after, "rag_lookahead_requests_cancelled_total") - metric(before, "rag_lookahead_requests_cancelled_total") == 1
-    assert metric(after, "rag_lookahead_tokens_generated_total") - metric(before, "rag_lookahead_tokens_generated_total") < 64
+    assert (
+        metric(after, "rag_lookahead_requests_cancelled_total")
+        - metric(before, "rag_lookahead_requests_cancelled_total")
+        == 1
+    )
+    assert (
+        metric(after, "rag_lookahead_tokens_generated_total") - metric(before, "rag_lookahead_tokens_generated_total")
+        < 64
+    )
 
 
 @pytest.mark.slow
 def test_real_rag_endpoint(real, llm, tmp_path):
-    from rag_lookahead.chains import make_prompt
-    from rag_lookahead.index import build_index, load_index
+    from rag_lookahead.rag.chains import make_prompt
+    from rag_lookahead.rag.index import build_index, load_index
 
     engine, base = real
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    (corpus / "tea.md").write_text("龙井茶产自杭州西湖一带，是中国十大名茶之一。龙井茶的采摘时间通常在清明节前后。", encoding="utf-8")
-    (corpus / "volcano.md").write_text("Mount Etna is an active volcano on the east coast of Sicily, Italy. It is 3,357 metres tall.", encoding="utf-8")
+    (corpus / "tea.md").write_text(
+        "龙井茶产自杭州西湖一带，是中国十大名茶之一。龙井茶的采摘时间通常在清明节前后。", encoding="utf-8"
+    )
+    (corpus / "volcano.md").write_text(
+        "Mount Etna is an active volcano on the east coast of Sicily, Italy. It is 3,357 metres tall.", encoding="utf-8"
+    )
     build_index(corpus, tmp_path / "index", progress=False)
     engine.index = load_index(tmp_path / "index")
     try:
@@ -598,10 +658,14 @@ def test_real_rag_endpoint(real, llm, tmp_path):
         wait_idle(engine)
         docs = engine.retrieve(question, 8)[:1]
         assert data["answer"] == llm.invoke(make_prompt(question, docs)).strip()
-        r = httpx.post(base + "/v1/rag", json={"question": question, "k": 1, "max_tokens": 16, "stream": True}, timeout=300)
+        r = httpx.post(
+            base + "/v1/rag", json={"question": question, "k": 1, "max_tokens": 16, "stream": True}, timeout=300
+        )
         events = parse_sse(r.text)
         assert events[0]["type"] == "sources" and events[-2]["type"] == "done" and events[-1] == "[DONE]"
         assert events[-2]["answer"] == data["answer"]
-        assert "".join(e["text"] for e in events if isinstance(e, dict) and e["type"] == "delta").strip() == data["answer"]
+        assert (
+            "".join(e["text"] for e in events if isinstance(e, dict) and e["type"] == "delta").strip() == data["answer"]
+        )
     finally:
         engine.index = None

@@ -17,10 +17,6 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from rag_lookahead.generate import DecodeBatch
-from rag_lookahead.packed_cache import PackedCache
-from rag_lookahead.server import POLL_SECONDS
-
 from test_server import (  # noqa: F401 - tokenizer is a fixture
     hold_prefills,
     hold_steps,
@@ -36,6 +32,10 @@ from test_server import (  # noqa: F401 - tokenizer is a fixture
     until,
     wait_idle,
 )
+
+from rag_lookahead.decoding.loop import DecodeBatch
+from rag_lookahead.decoding.packed_cache import PackedCache
+from rag_lookahead.serve.server import POLL_SECONDS
 
 SECRET = "/home/alice/.cache/weights.bin"  # in every injected exception: must never reach a client
 
@@ -131,8 +131,13 @@ def test_step_failure_fails_its_batch_and_the_engine_carries_on(tokenizer, monke
     engine = tiny_engine(tokenizer, max_batch_size=2)
     a, b, c = tiny_prompts(3, seed=22)
     want_c = single_text(engine, c, 16)
-    faults = fail_once(monkeypatch, DecodeBatch, "verify_and_accept", RuntimeError(f"device-side assert in {SECRET}"),
-                       when=lambda batch, drafts: len(batch.rows) == 2)
+    faults = fail_once(
+        monkeypatch,
+        DecodeBatch,
+        "verify_and_accept",
+        RuntimeError(f"device-side assert in {SECRET}"),
+        when=lambda batch, drafts: len(batch.rows) == 2,
+    )
     gate = hold_prefills(monkeypatch)
 
     async def run(base: str):
@@ -175,14 +180,19 @@ def test_retire_failure_fails_its_batch_and_the_engine_carries_on(tokenizer, mon
 
 def test_text_failure_fails_only_that_request(tokenizer, monkeypatch):
     """Turning one row's tokens into text raises: only that request fails; its batch mate finishes."""
-    from rag_lookahead.engine import TextTracker
+    from rag_lookahead.tokens import TextTracker
 
     engine = tiny_engine(tokenizer, max_batch_size=2, lookahead=False, lookahead_config=None)  # one token a step
     a, b = tiny_prompts(2, seed=24)
     want_b = single_text(engine, b, 24)
     # the marked request's third block: a's prefill and first step come before b is admitted
-    faults = fail_once(monkeypatch, TextTracker, "add", UnicodeDecodeError("utf-8", b"\xff", 0, 1, SECRET),
-                       when=lambda tracker, tokens: "MARK" in tracker.stop and len(tracker.ids) == 2)
+    faults = fail_once(
+        monkeypatch,
+        TextTracker,
+        "add",
+        UnicodeDecodeError("utf-8", b"\xff", 0, 1, SECRET),
+        when=lambda tracker, tokens: "MARK" in tracker.stop and len(tracker.ids) == 2,
+    )
     gate = hold_prefills(monkeypatch)
 
     async def run(base: str):
@@ -207,6 +217,7 @@ def test_engine_thread_death_answers_everyone_at_once(tokenizer, monkeypatch):
     "error", and a new request is refused at once instead of queueing for nobody."""
     engine = tiny_engine(tokenizer, max_batch_size=1)
     a, b = tiny_prompts(2, seed=25)
+
     def die(*args, **kwargs):
         raise EngineKilled(SECRET)
 
@@ -268,8 +279,9 @@ def test_stream_left_before_it_starts_is_cancelled(tokenizer, monkeypatch, spec)
     slow_steps(monkeypatch, 0.02)  # 200 tokens take >= 4 s
     first, second = tiny_prompts(2, seed=26)
     with running(engine, wrap=asgi_spec(spec)) as (base, _):
-        ahead = threading.Thread(target=httpx.post, args=(base + "/v1/completions",),
-                                 kwargs={"json": completion(first, 30), "timeout": 60})
+        ahead = threading.Thread(
+            target=httpx.post, args=(base + "/v1/completions",), kwargs={"json": completion(first, 30), "timeout": 60}
+        )
         ahead.start()  # holds the only batch slot for >= 0.6 s
         asyncio.run(until(lambda: engine.active == 1))
         post_and_leave(base, "/v1/completions", completion(second, 200, stream=True), stay=0.2)
@@ -286,9 +298,11 @@ def test_non_stream_client_that_leaves_is_cancelled_while_tokens_flow(tokenizer,
     """A non-streaming client gives up while its tokens keep coming: it is cancelled within
     CLIENT_CHECK_SECONDS (the disconnect used to be looked at only after a pause in the events, so
     a request whose steps came quickly enough was decoded to the end for nobody)."""
-    import rag_lookahead.server as server
+    import rag_lookahead.serve.server as server
 
-    monkeypatch.setattr(server, "POLL_SECONDS", 30.0)  # no pause in the events this long: only the check finds the leave
+    monkeypatch.setattr(
+        server, "POLL_SECONDS", 30.0
+    )  # no pause in the events this long: only the check finds the leave
     engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
     slow_steps(monkeypatch, 0.02)  # 200 tokens take >= 4 s
     with serving(engine) as base:
@@ -303,12 +317,14 @@ def test_non_stream_client_that_leaves_is_cancelled_while_tokens_flow(tokenizer,
 @pytest.fixture(scope="module")
 def tiny_index(tmp_path_factory):
     """A real two-passage index (real embedder, real FAISS)."""
-    from rag_lookahead.index import build_index, load_index
+    from rag_lookahead.rag.index import build_index, load_index
 
     root = tmp_path_factory.mktemp("rag")
     (root / "corpus").mkdir()
     (root / "corpus" / "tea.md").write_text("Longjing tea grows near West Lake in Hangzhou.", encoding="utf-8")
-    (root / "corpus" / "etna.md").write_text("Mount Etna is an active volcano on the east coast of Sicily.", encoding="utf-8")
+    (root / "corpus" / "etna.md").write_text(
+        "Mount Etna is an active volcano on the east coast of Sicily.", encoding="utf-8"
+    )
     build_index(root / "corpus", root / "index", progress=False)
     return load_index(root / "index")
 

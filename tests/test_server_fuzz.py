@@ -16,7 +16,6 @@ hypothesis = pytest.importorskip("hypothesis")
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from test_server import parse_sse, serving, single_text, tiny_engine, tiny_prompts, tokenizer  # noqa: F401
 
 KEY = "sk-fuzz-0123456789abcdef"
@@ -31,14 +30,23 @@ scalars = st.one_of(
     st.text(max_size=40),
     st.sampled_from(["", "\x00", "\ud7ff\ue000", "😀" * 50, "<|im_end|>", "\u202e", "a" * 5000, "0", "1e999"]),
 )
-any_json = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                        max_leaves=10)
+any_json = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10,
+)
 small_ints = st.integers(min_value=-3, max_value=12)
 token_ids = st.lists(st.integers(min_value=-2, max_value=120), max_size=24)
 messages = st.lists(
     st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "wizard", ""]),
-         "content": st.one_of(st.text(max_size=30), st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}), max_size=2), any_json)},
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "wizard", ""]),
+            "content": st.one_of(
+                st.text(max_size=30),
+                st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}), max_size=2),
+                any_json,
+            ),
+        },
         optional={"name": st.text(max_size=5)},
     ),
     max_size=5,
@@ -76,8 +84,20 @@ VALID = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
     "/v1/rag": {"question": "How tall is Etna?", "max_tokens": 3},
 }
-RAW_VALUES = ["NaN", "-Infinity", "1e400", "-0", "1" * 5000, '"\\ud800"', '"a\\udfff"', '["\\ud83d"]', '"\\u0000"',
-              "[" * 3000 + "]" * 3000, '{"a":' * 3000 + "1" + "}" * 3000, '"\\u202e<|im_end|>"']
+RAW_VALUES = [
+    "NaN",
+    "-Infinity",
+    "1e400",
+    "-0",
+    "1" * 5000,
+    '"\\ud800"',
+    '"a\\udfff"',
+    '["\\ud83d"]',
+    '"\\u0000"',
+    "[" * 3000 + "]" * 3000,
+    '{"a":' * 3000 + "1" + "}" * 3000,
+    '"\\u202e<|im_end|>"',
+]
 PATHS = list(VALID) + ["/v1/models", "/health", "/metrics", "/v1/nope"]
 
 
@@ -103,14 +123,18 @@ def bodies(draw, path: str) -> bytes:
     if kind == "bytes":
         return draw(st.binary(max_size=200))
     size = draw(st.integers(min_value=1_000, max_value=3 * MAX_BODY))  # a value far too large, or a body past the limit
-    return json.dumps({**VALID.get(path, {}), "prompt": "7" * size, "messages": [{"role": "user", "content": "9" * size}]}).encode()
+    return json.dumps(
+        {**VALID.get(path, {}), "prompt": "7" * size, "messages": [{"role": "user", "content": "9" * size}]}
+    ).encode()
 
 
 @st.composite
 def requests(draw) -> dict:
     path = draw(st.sampled_from(PATHS))
     method = "POST" if path in VALID else draw(st.sampled_from(["GET", "POST", "DELETE"]))
-    headers = {"Content-Type": draw(st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded"]))}
+    headers = {
+        "Content-Type": draw(st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded"]))
+    }
     auth = draw(st.sampled_from(["good"] * 8 + ["none", "wrong"]))
     if auth != "none":
         headers["Authorization"] = f"Bearer {KEY if auth == 'good' else KEY[::-1]}"
@@ -137,26 +161,39 @@ def check_answer(response: httpx.Response) -> None:
 
 @pytest.fixture(scope="module")
 def fuzz_server(tokenizer, tmp_path_factory):
-    from rag_lookahead.index import build_index, load_index
+    from rag_lookahead.rag.index import build_index, load_index
 
     root = tmp_path_factory.mktemp("fuzz")
     (root / "corpus").mkdir()
     (root / "corpus" / "digits.md").write_text("3141592653589793 are the first digits of pi.", encoding="utf-8")
-    (root / "corpus" / "etna.md").write_text("Mount Etna is an active volcano on the east coast of Sicily.", encoding="utf-8")
+    (root / "corpus" / "etna.md").write_text(
+        "Mount Etna is an active volcano on the east coast of Sicily.", encoding="utf-8"
+    )
     build_index(root / "corpus", root / "index", progress=False)
-    engine = tiny_engine(tokenizer, api_keys=(KEY,), max_tokens_limit=8, default_max_tokens=4, max_body_bytes=MAX_BODY,
-                         max_prompt_tokens=200)
+    engine = tiny_engine(
+        tokenizer,
+        api_keys=(KEY,),
+        max_tokens_limit=8,
+        default_max_tokens=4,
+        max_body_bytes=MAX_BODY,
+        max_prompt_tokens=200,
+    )
     engine.index = load_index(root / "index")
     with serving(engine) as base, httpx.Client(base_url=base, timeout=30) as client:
         yield engine, client
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                                   HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 @given(request=requests())
 def test_fuzz_every_answer_is_2xx_or_4xx(fuzz_server, request):
     engine, client = fuzz_server
-    response = client.request(request["method"], request["path"], content=request["content"], headers=request["headers"])
+    response = client.request(
+        request["method"], request["path"], content=request["content"], headers=request["headers"]
+    )
     hypothesis.event(f"{request['path']} {response.status_code}")
     check_answer(response)
 
@@ -164,6 +201,8 @@ def test_fuzz_every_answer_is_2xx_or_4xx(fuzz_server, request):
 def test_after_the_fuzz_the_server_answers_exactly(fuzz_server):
     engine, client = fuzz_server
     prompt = tiny_prompts(1, seed=61)[0]
-    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8}, headers={"Authorization": f"Bearer {KEY}"})
+    r = client.post(
+        "/v1/completions", json={"prompt": prompt, "max_tokens": 8}, headers={"Authorization": f"Bearer {KEY}"}
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == single_text(engine, prompt, 8)
     assert client.get("/health").json()["status"] == "ok"

@@ -16,9 +16,6 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from rag_lookahead.errors import ConfigError
-from rag_lookahead.server import ServerConfig
-
 from test_server import (  # noqa: F401 - tokenizer is a fixture
     parse_sse,
     serving,
@@ -28,6 +25,9 @@ from test_server import (  # noqa: F401 - tokenizer is a fixture
     tokenizer,
     until,
 )
+
+from rag_lookahead.errors import ConfigError
+from rag_lookahead.serve.server import ServerConfig
 
 MiB = 1 << 20
 
@@ -43,7 +43,7 @@ def raw_request(base: str, head: str, body_parts, read_timeout: float = 10) -> t
         for part in body_parts:
             try:
                 s.sendall(part)
-            except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            except (TimeoutError, BrokenPipeError, ConnectionResetError):
                 break  # the server answered and stopped reading
         s.settimeout(read_timeout)
         data = b""
@@ -95,7 +95,11 @@ def test_huge_body_gets_413_at_once_and_health_stays_prompt(tokenizer):
             parts = [b'{"prompt": "'] + [f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" for _ in range(24)]  # 6 MiB
             parts[0] = f"{len(parts[0]):x}\r\n".encode() + parts[0] + b"\r\n"
             status, body, seconds = raw_request(base, head, parts)
-            assert status == 413 and "max_body_bytes" in body["error"]["message"] and seconds < 5, (status, body, seconds)
+            assert status == 413 and "max_body_bytes" in body["error"]["message"] and seconds < 5, (
+                status,
+                body,
+                seconds,
+            )
             seen = len(latencies)
             asyncio.run(until(lambda: len(latencies) >= seen + 2))
         finally:
@@ -110,7 +114,7 @@ def test_tokenizing_a_long_prompt_stalls_neither_health_nor_streams(tokenizer, m
     too long; meanwhile /health answers at once and a running stream keeps streaming."""
     engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
     slow_steps(monkeypatch, 0.02)
-    prompt = ("the quick brown fox jumps over the lazy dog " * 90_000)[: 3_800_000]
+    prompt = ("the quick brown fox jumps over the lazy dog " * 90_000)[:3_800_000]
 
     async def run(base: str):
         async with httpx.AsyncClient(base_url=base, timeout=120) as client:
@@ -158,7 +162,9 @@ def test_messages_and_stop_strings_are_capped(tokenizer):
         for path, body, name in cases:
             r = httpx.post(base + path, json=body, timeout=30)
             assert r.status_code == 400 and name in r.json()["error"]["message"], (body, r.text)
-        r = httpx.post(base + "/v1/completions", json={"prompt": [5, 6], "stop": ["12345678"], "max_tokens": 3}, timeout=30)
+        r = httpx.post(
+            base + "/v1/completions", json={"prompt": [5, 6], "stop": ["12345678"], "max_tokens": 3}, timeout=30
+        )
         assert r.status_code == 200
 
 
@@ -174,7 +180,9 @@ def test_malformed_json_is_a_400(tokenizer):
     ]
     with serving(engine) as base:
         for body in bodies:
-            r = httpx.post(base + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+            r = httpx.post(
+                base + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30
+            )
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (body[:40], r.text)
         r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True}, timeout=30)
         assert parse_sse(r.text)[-1] == "[DONE]"

@@ -11,17 +11,25 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from rag_lookahead.generate import generate
-
 from test_server import serving, single_text, tiny_engine, tiny_prompts, tokenizer  # noqa: F401
+
+from rag_lookahead.decoding.loop import generate
 
 SAMPLE = {"temperature": 0.9, "top_p": 0.95, "top_k": 40}
 
 
 def sampled_text(engine, ids, max_tokens, seed, **options) -> str:
     """What generate() samples for ``ids`` with ``seed``, decoded as the server decodes."""
-    out = generate(engine.model, ids, max_new_tokens=max_tokens, config=engine.lookahead, eos_token_id=sorted(engine.eos),
-                   do_sample=True, seed=seed, **options)
+    out = generate(
+        engine.model,
+        ids,
+        max_new_tokens=max_tokens,
+        config=engine.lookahead,
+        eos_token_id=sorted(engine.eos),
+        do_sample=True,
+        seed=seed,
+        **options,
+    )
     tokens = [t for t in out.sequences[0, len(ids) :].tolist() if t not in engine.eos]
     return engine.tokenizer.decode(tokens, skip_special_tokens=True)
 
@@ -67,7 +75,14 @@ def test_repetition_penalty_and_min_p_are_applied(tokenizer):
     engine = tiny_engine(tokenizer)
     prompt = tiny_prompts(1, seed=5)[0]
     with serving(engine) as base, httpx.Client(base_url=base, timeout=120) as client:
-        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0.7, "min_p": 0.05, "repetition_penalty": 1.3, "seed": 9}
+        body = {
+            "prompt": prompt,
+            "max_tokens": 16,
+            "temperature": 0.7,
+            "min_p": 0.05,
+            "repetition_penalty": 1.3,
+            "seed": 9,
+        }
         text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
         assert text == sampled_text(engine, prompt, 16, 9, temperature=0.7, min_p=0.05, repetition_penalty=1.3, top_k=0)
         r = client.post("/v1/completions", json={"prompt": prompt, "presence_penalty": 0.5})

@@ -12,10 +12,10 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from rag_lookahead.generate import DecodeBatch
-from rag_lookahead.server import API_KEY_ENV, build_parser, config_from_args
-
 from test_server import patch_engine, serving, single_text, tiny_engine, tiny_prompts, tokenizer  # noqa: F401
+
+from rag_lookahead.decoding.loop import DecodeBatch
+from rag_lookahead.serve.server import API_KEY_ENV, build_parser, config_from_args
 
 KEY1 = "sk-test-0123456789abcdef"
 KEY2 = "sk-test-fedcba9876543210"
@@ -36,8 +36,16 @@ def bearer(key: str) -> dict:
 
 def test_api_key_is_required_everywhere_but_health(tokenizer):
     engine = tiny_engine(tokenizer, api_keys=(KEY1, KEY2))
-    wrong = [{}, bearer("sk-test-0123456789abcdeX"), bearer(KEY1 + "x"), bearer(KEY1[:-1]), {"Authorization": KEY1},
-             {"Authorization": f"Basic {KEY1}"}, {"Authorization": "Bearer"}, {"X-Api-Key": KEY1}]
+    wrong = [
+        {},
+        bearer("sk-test-0123456789abcdeX"),
+        bearer(KEY1 + "x"),
+        bearer(KEY1[:-1]),
+        {"Authorization": KEY1},
+        {"Authorization": f"Basic {KEY1}"},
+        {"Authorization": "Bearer"},
+        {"X-Api-Key": KEY1},
+    ]
     with serving(engine) as base, httpx.Client(base_url=base, timeout=30) as client:
         assert client.get("/health").status_code == 200
         for method, path, body in ENDPOINTS:
@@ -61,8 +69,23 @@ def test_api_keys_from_flags_or_environment():
     assert config_from_args(parse([]), env).api_keys == (KEY1, KEY2)
     assert config_from_args(parse(["--api-key", "sk-flag-key-123"]), env).api_keys == ("sk-flag-key-123",)
     assert config_from_args(parse([]), {}).api_keys == ()
-    config = config_from_args(parse(["--allowed-hosts", "a.lan,b.lan", "--allowed-hosts", "C.lan", "--output-pool", "per-key",
-                                     "--drain-seconds", "2.5", "--max-body-bytes", "65536"]), env)
+    config = config_from_args(
+        parse(
+            [
+                "--allowed-hosts",
+                "a.lan,b.lan",
+                "--allowed-hosts",
+                "C.lan",
+                "--output-pool",
+                "per-key",
+                "--drain-seconds",
+                "2.5",
+                "--max-body-bytes",
+                "65536",
+            ]
+        ),
+        env,
+    )
     assert config.allowed_hosts == ("a.lan", "b.lan", "c.lan") and config.output_pool == "per-key"
     assert config.drain_seconds == 2.5 and config.max_body_bytes == 65536
 
@@ -85,7 +108,13 @@ def test_host_and_origin_must_name_this_server(tokenizer):
     body = {"prompt": [5, 6, 7], "max_tokens": 2}
     with serving(engine) as base, httpx.Client(base_url=base, timeout=30) as client:
         port = base.rsplit(":", 1)[1]
-        for host in ("evil.example.com", f"evil.example.com:{port}", f"127.0.0.1.evil.example.com:{port}", "", f"localhost.:{port}x"):
+        for host in (
+            "evil.example.com",
+            f"evil.example.com:{port}",
+            f"127.0.0.1.evil.example.com:{port}",
+            "",
+            f"localhost.:{port}x",
+        ):
             for method, path in (("POST", "/v1/completions"), ("GET", "/health"), ("GET", "/v1/models")):
                 r = client.request(method, path, json=body if method == "POST" else None, headers={"Host": host})
                 assert r.status_code == 421 and r.json()["error"]["code"] == "invalid_host", (host, path, r.text)
@@ -96,7 +125,9 @@ def test_host_and_origin_must_name_this_server(tokenizer):
             assert r.status_code == 403 and r.json()["error"]["code"] == "invalid_origin", origin
         ok = client.post("/v1/completions", json=body, headers={"Origin": "http://localhost:3000"})
         assert ok.status_code == 200
-        preflight = client.options("/v1/completions", headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+        preflight = client.options(
+            "/v1/completions", headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}
+        )
         for r in (ok, preflight):
             assert not any(name.lower().startswith("access-control-") for name in r.headers), r.headers
 
@@ -119,12 +150,14 @@ def test_errors_tell_clients_nothing_internal(tokenizer, monkeypatch, caplog):
         raise OSError(f"[Errno 13] Permission denied: '{SECRET}'")
 
     monkeypatch.setattr(engine, "encode_text", broken)
-    with caplog.at_level(logging.ERROR, logger="rag_lookahead.server"), serving(engine) as base:
+    with caplog.at_level(logging.ERROR, logger="rag_lookahead.serve.server"), serving(engine) as base:
         r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=30)
     assert r.status_code == 500 and SECRET not in r.text and "OSError" not in r.text and "Errno" not in r.text
     message = r.json()["error"]["message"]
     error_id = message.split("error id ")[1].split(";")[0]
-    assert any(error_id in rec.getMessage() and rec.exc_info and SECRET in str(rec.exc_info[1]) for rec in caplog.records)
+    assert any(
+        error_id in rec.getMessage() and rec.exc_info and SECRET in str(rec.exc_info[1]) for rec in caplog.records
+    )
 
 
 def test_failed_warm_up_is_reported_without_internals(tokenizer, monkeypatch):
@@ -179,8 +212,12 @@ def test_per_key_pools_batch_concurrent_keys_correctly(tokenizer):
 
     async def run(base: str):
         async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-            calls = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 24}, headers=bearer((KEY1, KEY2)[i % 2]))
-                     for i, p in enumerate(prompts * 2)]
+            calls = [
+                client.post(
+                    "/v1/completions", json={"prompt": p, "max_tokens": 24}, headers=bearer((KEY1, KEY2)[i % 2])
+                )
+                for i, p in enumerate(prompts * 2)
+            ]
             return await asyncio.gather(*calls)
 
     with serving(engine) as base:

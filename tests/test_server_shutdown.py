@@ -34,14 +34,22 @@ from test_server import (  # noqa: F401 - tokenizer is a fixture
 
 
 def slow_engine(tokenizer, monkeypatch, drain_seconds: float, step_seconds: float):
-    engine = tiny_engine(tokenizer, max_batch_size=1, max_tokens_limit=200, lookahead=False, lookahead_config=None,
-                         drain_seconds=drain_seconds)
+    engine = tiny_engine(
+        tokenizer,
+        max_batch_size=1,
+        max_tokens_limit=200,
+        lookahead=False,
+        lookahead_config=None,
+        drain_seconds=drain_seconds,
+    )
     slow_steps(monkeypatch, step_seconds)
     return engine
 
 
 async def stream(client: httpx.AsyncClient, prompt, max_tokens: int) -> list:
-    async with client.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "stream": True}) as r:
+    async with client.stream(
+        "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    ) as r:
         assert r.status_code == 200
         return parse_sse((await r.aread()).decode())
 
@@ -100,9 +108,9 @@ CHILD = """
 import socket, sys, time
 sys.path.insert(0, sys.argv[1])
 from transformers import AutoTokenizer
-from rag_lookahead.generate import DecodeBatch
+from rag_lookahead.decoding.loop import DecodeBatch
 from rag_lookahead.models import default_model_dir
-from rag_lookahead.server import create_app, make_server
+from rag_lookahead.serve.server import create_app, make_server
 from test_server import tiny_engine
 
 step = DecodeBatch.verify_and_accept
@@ -121,8 +129,12 @@ def test_real_sigterm_lets_the_running_stream_finish(tokenizer):
     engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
     prompt = tiny_prompts(1, seed=53)[0]
     want = single_text(engine, prompt, 100)
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(Path(__file__).parent)], stdout=subprocess.PIPE,
-                             cwd=Path(__file__).parent.parent, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).parent.parent,
+        text=True,
+    )
     try:
         base = f"http://127.0.0.1:{child.stdout.readline().strip()}"
         asyncio.run(until(lambda: _healthy(base), timeout=120))

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rag_lookahead import LookaheadConfig
-from rag_lookahead.budget import CostCurve, StepCosts, Trust, allocate
-from rag_lookahead.draft import DraftTree, _TreeBuilder, propose
-from rag_lookahead.trie import ContextPool, NGramTrie, OutputPool
+from rag_lookahead.decoding.costs import CostCurve, StepCosts, Trust, allocate
+from rag_lookahead.decoding.draft import DraftTree, _TreeBuilder, propose
+from rag_lookahead.decoding.trie import ContextPool, NGramTrie, OutputPool
 
 sequences = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=60)
 
@@ -164,7 +164,9 @@ def _costs(curve, rows_seen):
 
 def _chain(probs):
     n = len(probs)
-    return DraftTree(tokens=list(range(n)), parents=list(range(-1, n - 1)), depths=list(range(1, n + 1)), probs=list(probs))
+    return DraftTree(
+        tokens=list(range(n)), parents=list(range(-1, n - 1)), depths=list(range(1, n + 1)), probs=list(probs)
+    )
 
 
 # cost per forward: nearly flat for a few tokens, then linear (a CPU)

@@ -19,7 +19,9 @@ def working_tree_files() -> list[str]:
     """Tracked and new (not ignored) files: what a commit of this checkout would hold."""
     listing = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=REPO, capture_output=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        check=True,
     ).stdout.decode()
     return [name for name in listing.split("\0") if name and (REPO / name).is_file()]
 

@@ -11,7 +11,7 @@ from rag_lookahead.tiny import ARCHITECTURES, VOCAB, build_tiny_model
 __all__ = ["ARCHITECTURES", "VOCAB", "build_tiny_model", "reference_generate", "tiny_model"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model(arch: str, attn: str = "sdpa", seed: int = 0):
     """A deterministic fp32 tiny model; cached so every test reuses the same weights."""
     return build_tiny_model(arch, attn, seed)

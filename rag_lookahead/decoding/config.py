@@ -6,14 +6,31 @@ the LangChain wrapper and the benchmark all mirror the same names.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from numbers import Integral
-from typing import Iterable, Literal
+from typing import Literal
 
-from .errors import ConfigError
+from rag_lookahead.errors import ConfigError
 
 #: Text pieces that are too common to predict anything when used alone as a lookup key.
-DEFAULT_STOP_WORDS: tuple[str, ...] = (",", ".", " ", "\n", "，", "。", "、", "：", ":", "；", ";", "！", "？", "!", "?")
+DEFAULT_STOP_WORDS: tuple[str, ...] = (
+    ",",
+    ".",
+    " ",
+    "\n",
+    "，",
+    "。",
+    "、",
+    "：",
+    ":",
+    "；",
+    ";",
+    "！",
+    "？",
+    "!",
+    "?",
+)
 
 
 #: Upper bounds keep one bad value from building a huge mask or trie: a draft of
@@ -97,10 +114,10 @@ class LookaheadConfig:
             raise ConfigError(f"budget must be 'auto' or 'fixed', got {self.budget!r}")
         self.stop_words = _stop_word_ids(self.stop_words)
 
-    def replace(self, **changes) -> "LookaheadConfig":
+    def replace(self, **changes) -> LookaheadConfig:
         return replace(self, **changes)
 
-    def with_tokenizer(self, tokenizer, words: Iterable[str] = DEFAULT_STOP_WORDS) -> "LookaheadConfig":
+    def with_tokenizer(self, tokenizer, words: Iterable[str] = DEFAULT_STOP_WORDS) -> LookaheadConfig:
         """Return a copy whose stop words are the single-token ids of ``words`` for this tokenizer."""
         return self.replace(stop_words=self.stop_words | stop_word_ids(tokenizer, words))
 

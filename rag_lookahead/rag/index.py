@@ -43,17 +43,18 @@ import stat
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .atomic import fsync_dir, fsync_file, write_json_atomic
-from .errors import ConfigError, IndexLoadError, InputError
+from rag_lookahead.atomic import fsync_dir, fsync_file, write_json_atomic
+from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
 
 if TYPE_CHECKING:  # the embedders pull in LangChain: imported where used, so the CLI starts fast
-    from .embeddings import BM25Index, Embedder
+    from rag_lookahead.rag.embedders import BM25Index, Embedder
 
 __all__ = [
     "FORMAT_VERSION",
@@ -242,7 +243,7 @@ def decode_text(data: bytes) -> DecodedText | None:
     for bom, encoding in _BOMS:
         if data.startswith(bom):
             if encoding == "utf-8-sig":
-                decoded = _decode_utf8_replacing(data[len(bom):])
+                decoded = _decode_utf8_replacing(data[len(bom) :])
                 return DecodedText(decoded.text, encoding, decoded.replaced)
             try:  # UTF-16/32: strict, so a binary file that happens to start with FF FE is not "text"
                 text = data.decode(encoding).lstrip("\ufeff")
@@ -296,7 +297,10 @@ def _walk(root: Path, follow_symlinks: bool, skip) -> Iterator[tuple[str, Path]]
     seen: set[tuple[int, int]] = set()
 
     def unreadable(err: OSError) -> None:
-        skip(os.path.relpath(err.filename, root) if err.filename else str(root), f"unreadable folder ({err.strerror or err})")
+        skip(
+            os.path.relpath(err.filename, root) if err.filename else str(root),
+            f"unreadable folder ({err.strerror or err})",
+        )
 
     for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_symlinks, onerror=unreadable):
         here = Path(dirpath)
@@ -443,8 +447,15 @@ def make_splitter(chunk_size: int = CHUNK_SIZE, chunk_overlap: int = CHUNK_OVERL
 class DocumentIndex:
     """A loaded index: FAISS for dense search, BM25 rebuilt from the texts, fused with RRF."""
 
-    def __init__(self, index_dir: Path, manifest: dict, faiss_index: Any, records: list[dict], embedder: Embedder,
-                 mode: str = "hybrid"):
+    def __init__(
+        self,
+        index_dir: Path,
+        manifest: dict,
+        faiss_index: Any,
+        records: list[dict],
+        embedder: Embedder,
+        mode: str = "hybrid",
+    ):
         if mode not in SEARCH_MODES:
             raise ConfigError(f"search mode must be one of {', '.join(SEARCH_MODES)}, got {mode!r}")
         self.index_dir = index_dir
@@ -461,7 +472,7 @@ class DocumentIndex:
     @property
     def bm25(self) -> BM25Index:
         if self._bm25 is None:
-            from .embeddings import BM25Index
+            from rag_lookahead.rag.embedders import BM25Index
 
             self._bm25 = BM25Index(r["text"] for r in self.records)
         return self._bm25
@@ -491,7 +502,7 @@ class DocumentIndex:
         else:
             dense = [i for i, _ in self._dense(query, depth)]
             lexical = [i for i, _ in self.bm25.search(query, depth)]
-            from .embeddings import HYBRID_WEIGHTS, reciprocal_rank_fusion
+            from rag_lookahead.rag.embedders import HYBRID_WEIGHTS, reciprocal_rank_fusion
 
             hits = reciprocal_rank_fusion([dense, lexical], weights=HYBRID_WEIGHTS)[:k]
         out = []
@@ -508,7 +519,7 @@ class DocumentIndex:
 def _make_retriever(index: DocumentIndex, k: int, mode: str | None):
     """The one LangChain retriever class (it honours ``k``/``mode`` per call); imported late,
     since LangChain is only needed by those who ask for a retriever."""
-    from .chains import DocumentIndexRetriever
+    from rag_lookahead.rag.chains import DocumentIndexRetriever
 
     return DocumentIndexRetriever(index=index, k=k, mode=mode)
 
@@ -640,8 +651,10 @@ def load_index(
     Safe while a build publishes a new version: it returns the old index or the new one."""
     index_dir = Path(index_dir).expanduser() if index_dir is not None else default_index_dir()
     if not index_dir.is_dir():
-        raise IndexLoadError(f"no index at {index_dir}: build one with `rag_lookahead index DIR --index-dir {index_dir}`")
-    from .embeddings import get_embedder
+        raise IndexLoadError(
+            f"no index at {index_dir}: build one with `rag_lookahead index DIR --index-dir {index_dir}`"
+        )
+    from rag_lookahead.rag.embedders import get_embedder
 
     manifest, fidx, records = _read_snapshot(index_dir)
     built_with = manifest["embedding_model"]
@@ -805,7 +818,9 @@ def _plan(docs, previous, splitter, report: IndexReport):
         else:
             report.updated += 1
         chunks = [c for c in splitter.split_text(text) if c.strip()]
-        recs = [{"chunk_id": f"{source}#{i}", "source": source, "file_sha256": sha, "text": c} for i, c in enumerate(chunks)]
+        recs = [
+            {"chunk_id": f"{source}#{i}", "source": source, "file_sha256": sha, "text": c} for i, c in enumerate(chunks)
+        ]
         plan.append((source, recs, None))
         to_embed.extend(chunks)
     report.removed = sum(1 for s in previous if s not in docs)
@@ -839,8 +854,10 @@ def _write_docstore(path: Path, records: list[dict]) -> str:
     h = hashlib.sha256()
     with open(path, "wb") as f:
         for r in records:
-            line = (json.dumps({k: r[k] for k in ("id", "chunk_id", "source", "file_sha256", "text")},
-                               ensure_ascii=False) + "\n").encode("utf-8")
+            line = (
+                json.dumps({k: r[k] for k in ("id", "chunk_id", "source", "file_sha256", "text")}, ensure_ascii=False)
+                + "\n"
+            ).encode("utf-8")
             h.update(line)
             f.write(line)
         f.flush()
@@ -854,7 +871,10 @@ def _write_data(data_dir: Path, fidx: Any, records: list[dict]) -> dict[str, str
 
     faiss.write_index(fidx, str(data_dir / FAISS_FILE))
     fsync_file(data_dir / FAISS_FILE)
-    artifacts = {FAISS_FILE: _file_sha256(data_dir / FAISS_FILE), DOCSTORE: _write_docstore(data_dir / DOCSTORE, records)}
+    artifacts = {
+        FAISS_FILE: _file_sha256(data_dir / FAISS_FILE),
+        DOCSTORE: _write_docstore(data_dir / DOCSTORE, records),
+    }
     fsync_dir(data_dir)
     return artifacts
 
@@ -890,7 +910,7 @@ def build_index(
     _check_target(index_dir)  # before any slow work, and before anything is created
     corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb)
     if embedder is None or isinstance(embedder, str):
-        from .embeddings import get_embedder
+        from rag_lookahead.rag.embedders import get_embedder
 
         embedder = get_embedder(embedder)
     report = IndexReport(index_dir=index_dir, embedding_model=embedder.name, skipped=corpus.skipped, notes=corpus.notes)
@@ -901,7 +921,9 @@ def build_index(
         previous, why_not = _previous(index_dir, embedder, chunk_size, chunk_overlap)
         if why_not:
             report.rebuilt = True
-            warnings.warn(f"re-embedding everything: the index at {index_dir} cannot be reused ({why_not})", stacklevel=2)
+            warnings.warn(
+                f"re-embedding everything: the index at {index_dir} cannot be reused ({why_not})", stacklevel=2
+            )
             log.warning("rebuilding %s: %s", index_dir, why_not)
         plan, to_embed = _plan(corpus.docs, previous, splitter, report)
         if report.rebuilt:  # counts describe what happened to files relative to the previous file list
@@ -918,7 +940,9 @@ def build_index(
         data_dir = Path(tempfile.mkdtemp(prefix=DATA_PREFIX, dir=index_dir))
         try:
             artifacts = _write_data(data_dir, fidx, records)
-            manifest = _manifest(corpus, records, embedder, chunk_size, chunk_overlap, corpus_dir, data_dir.name, artifacts)
+            manifest = _manifest(
+                corpus, records, embedder, chunk_size, chunk_overlap, corpus_dir, data_dir.name, artifacts
+            )
             _publish(index_dir, manifest)
         except BaseException:
             shutil.rmtree(data_dir, ignore_errors=True)  # made by this run, never published
@@ -965,8 +989,8 @@ def _safe_manifest_files(index_dir: Path) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rag_lookahead.index DIR [--index-dir D] [--embedder NAME]``: the ``rag_lookahead index`` backend."""
-    from .errors import RagLookaheadError
+    """``python -m rag_lookahead.rag.index DIR [--index-dir D] [--embedder NAME]``: the ``rag_lookahead index`` backend."""
+    from rag_lookahead.errors import RagLookaheadError
 
     ap = argparse.ArgumentParser(prog="rag_lookahead index", description="Build or update a document index.")
     ap.add_argument("corpus_dir")
@@ -976,15 +1000,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chunk-overlap", type=int, default=CHUNK_OVERLAP)
     ap.add_argument("--follow-symlinks", action="store_true", help="index the targets of symbolic links")
     ap.add_argument("--max-file-mb", type=float, default=MAX_FILE_MB, help="skip larger files (default %(default)g)")
-    ap.add_argument("--lock-timeout", type=float, default=LOCK_TIMEOUT_S,
-                    help="seconds to wait for another run on the same index (default %(default)g)")
+    ap.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=LOCK_TIMEOUT_S,
+        help="seconds to wait for another run on the same index (default %(default)g)",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     try:
         report = build_index(
-            args.corpus_dir, args.index_dir, args.embedder, chunk_size=args.chunk_size,
-            chunk_overlap=args.chunk_overlap, progress=not args.no_progress, follow_symlinks=args.follow_symlinks,
-            max_file_mb=args.max_file_mb, lock_timeout=args.lock_timeout,
+            args.corpus_dir,
+            args.index_dir,
+            args.embedder,
+            chunk_size=args.chunk_size,
+            chunk_overlap=args.chunk_overlap,
+            progress=not args.no_progress,
+            follow_symlinks=args.follow_symlinks,
+            max_file_mb=args.max_file_mb,
+            lock_timeout=args.lock_timeout,
         )
     except RagLookaheadError as e:
         print(f"error: {str(e).splitlines()[0]}")

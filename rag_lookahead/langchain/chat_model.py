@@ -11,8 +11,8 @@ go to the template too, and Qwen-style ``<tool_call>{"name": ..., "arguments": .
 output comes back as ``AIMessage.tool_calls``. A ``tool_choice`` other than "auto" is honoured
 by opening the assistant's turn with ``<tool_call>`` (and the tool's name when it is known), so
 the model writes the call from there. Greedy by default; ``temperature > 0`` samples exactly as
-``model.generate`` would. Decoding is the same :class:`rag_lookahead.engine.Engine` as
-:class:`rag_lookahead.llm.LookaheadLLM`'s: ``ChatLookahead.from_llm(llm)`` shares its engine
+``model.generate`` would. Decoding is the same :class:`rag_lookahead.langchain.engine.Engine` as
+:class:`rag_lookahead.langchain.llm.LookaheadLLM`'s: ``ChatLookahead.from_llm(llm)`` shares its engine
 and output pool, and every ChatLookahead over the same loaded model shares one.
 
 ``usage_metadata`` counts prompt and answer tokens; ``response_metadata`` holds ``model_name``,
@@ -31,10 +31,11 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -57,20 +58,19 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError
 
-from .config import LookaheadConfig
-from .engine import (
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.langchain.engine import (
     SAMPLING_FIELDS,
     Engine,
     EngineRun,
     RowRequest,
-    chat_template_text,
     check_max_tokens,
-    encode_messages,
     resolve_config,
     sampling_options,
     settings_error,
 )
-from .errors import ConfigError, InputError
+from rag_lookahead.tokens import chat_template_text, encode_messages
 
 __all__ = ["ChatLookahead", "parse_tool_calls"]
 
@@ -79,7 +79,16 @@ TOOL_CALL_OPEN = "<tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "timeout"}
 #: per-call options besides the sampling fields
-_CALL_OPTIONS = ("max_tokens", "references", "enable_lookahead", "lookahead", "timeout", "tools", "tool_choice", "parallel_tool_calls")
+_CALL_OPTIONS = (
+    "max_tokens",
+    "references",
+    "enable_lookahead",
+    "lookahead",
+    "timeout",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+)
 #: content blocks an assistant turn may carry besides text; its tool_calls hold the same calls
 _AI_CALL_BLOCKS = frozenset({"tool_use", "tool_call", "tool_call_chunk", "function_call", "server_tool_call"})
 
@@ -89,12 +98,12 @@ _AI_CALL_BLOCKS = frozenset({"tool_use", "tool_call", "tool_call_chunk", "functi
 
 _LOADED: dict[tuple, tuple[Any, Any]] = {}
 _LOAD_LOCK = threading.Lock()
-_ENGINES: "weakref.WeakKeyDictionary[Any, Engine]" = weakref.WeakKeyDictionary()
+_ENGINES: weakref.WeakKeyDictionary[Any, Engine] = weakref.WeakKeyDictionary()
 
 
 def _load(model_id: str, dtype: Any, device: Any, device_map: Any) -> tuple[Any, Any]:
     """``load_model`` once per (id, dtype, device): chat models built from the same id share the weights."""
-    from .models import load_model
+    from rag_lookahead.models import load_model
 
     key = (model_id, str(dtype), str(device), repr(device_map))
     with _LOAD_LOCK:
@@ -130,7 +139,9 @@ def _text_of(message: BaseMessage) -> str:
         elif isinstance(message, AIMessage) and block.get("type") in _AI_CALL_BLOCKS | {"reasoning", "thinking"}:
             continue  # the call is in message.tool_calls; reasoning is not replayed
         else:
-            raise InputError(f"a {message.type} message holds a {block.get('type')!r} block: this model reads text only")
+            raise InputError(
+                f"a {message.type} message holds a {block.get('type')!r} block: this model reads text only"
+            )
     return "".join(parts)
 
 
@@ -442,9 +453,9 @@ class ChatLookahead(BaseChatModel):
         return str(path).rstrip("/").rsplit("/", 1)[-1] or "custom"
 
     @classmethod
-    def from_llm(cls, llm: Any, **kwargs: Any) -> "ChatLookahead":
+    def from_llm(cls, llm: Any, **kwargs: Any) -> ChatLookahead:
         """A chat model decoding with ``llm``'s engine (same weights, same output pool) and its settings."""
-        from .llm import LookaheadLLM
+        from rag_lookahead.langchain.llm import LookaheadLLM
 
         if not isinstance(llm, LookaheadLLM):
             raise ConfigError(f"from_llm takes a LookaheadLLM, got {type(llm).__name__}")
@@ -489,7 +500,7 @@ class ChatLookahead(BaseChatModel):
 
     def register_seeds(self, anchors: Sequence[str], passages: Sequence[str]) -> None:
         """Seed any later prompt whose messages contain every string in ``anchors`` with ``passages``
-        (see :class:`rag_lookahead.chains.SeedingRetriever`)."""
+        (see :class:`rag_lookahead.rag.chains.SeedingRetriever`)."""
         self._engine.seeds.register(anchors, passages)
 
     def bind_tools(
@@ -524,9 +535,13 @@ class ChatLookahead(BaseChatModel):
     # ------------------------------------------------------------ one call's request
 
     def _sampling(self, kwargs: dict) -> dict:
-        return sampling_options(self._engine.model, {name: kwargs.pop(name, getattr(self, name)) for name in SAMPLING_FIELDS})
+        return sampling_options(
+            self._engine.model, {name: kwargs.pop(name, getattr(self, name)) for name in SAMPLING_FIELDS}
+        )
 
-    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> tuple[RowRequest, dict, dict]:
+    def _prepare(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict
+    ) -> tuple[RowRequest, dict, dict]:
         """(the row to decode, ``Engine.run``'s settings, the call's tool options) for one call."""
         kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # LangChain's own switch
         config = resolve_config(self.lookahead, kwargs)
@@ -590,7 +605,9 @@ class ChatLookahead(BaseChatModel):
         content, calls = self._split(run.trackers[row].final_text(), tool_options)
         message = AIMessage(
             content=content,
-            tool_calls=[{"name": c.name, "args": c.args, "id": c.id, "type": "tool_call"} for c in calls if c.args is not None],
+            tool_calls=[
+                {"name": c.name, "args": c.args, "id": c.id, "type": "tool_call"} for c in calls if c.args is not None
+            ],
             invalid_tool_calls=[
                 {"name": c.name, "args": c.raw, "id": c.id, "error": c.error, "type": "invalid_tool_call"}
                 for c in calls
@@ -605,11 +622,18 @@ class ChatLookahead(BaseChatModel):
         content, calls = self._split(run.trackers[0].final_text(), tool_options)
         rest = _rest(run, 0, content)
         chunks = [
-            {"name": c.name, "args": json.dumps(c.args, ensure_ascii=False) if c.args is not None else c.raw,
-             "id": c.id, "index": i, "type": "tool_call_chunk"}
+            {
+                "name": c.name,
+                "args": json.dumps(c.args, ensure_ascii=False) if c.args is not None else c.raw,
+                "id": c.id,
+                "index": i,
+                "type": "tool_call_chunk",
+            }
             for i, c in enumerate(calls)
         ]
-        message = AIMessageChunk(content=rest, tool_call_chunks=chunks, usage_metadata=self._usage(run, 0), chunk_position="last")
+        message = AIMessageChunk(
+            content=rest, tool_call_chunks=chunks, usage_metadata=self._usage(run, 0), chunk_position="last"
+        )
         return ChatGenerationChunk(message=message, generation_info=self._info(run, 0, calls))
 
     # ------------------------------------------------------------ BaseChatModel hooks
@@ -627,7 +651,9 @@ class ChatLookahead(BaseChatModel):
 
             def on_block(tokens: list[int], piece: str) -> None:
                 if piece:
-                    run_manager.on_llm_new_token(piece, chunk=ChatGenerationChunk(message=AIMessageChunk(content=piece)))
+                    run_manager.on_llm_new_token(
+                        piece, chunk=ChatGenerationChunk(message=AIMessageChunk(content=piece))
+                    )
 
         call = _Call(request, settings, _settings_key(settings), on_block)
         seat = _SEAT.get()
@@ -719,7 +745,9 @@ class ChatLookahead(BaseChatModel):
         **kwargs: Any,
     ) -> list[Any]:
         """:meth:`batch` in a worker thread: one batched decode, the event loop stays free."""
-        return await run_in_executor(None, lambda: self.batch(inputs, config, return_exceptions=return_exceptions, **kwargs))
+        return await run_in_executor(
+            None, lambda: self.batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        )
 
 
 def _check_timeout(timeout: Any) -> float | None:

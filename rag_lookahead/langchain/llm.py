@@ -15,42 +15,41 @@ sampling, under the same ``seed``), only the speed differs.
 ``references`` (per call): passages that seed the row's draft trie without being in the prompt,
 one list of strings per prompt (a flat list of strings is accepted for a single prompt).
 Passages may also be registered ahead with :meth:`LookaheadLLM.register_seeds` (used by
-:class:`rag_lookahead.chains.SeedingRetriever` for ``RetrievalQA``, whose chain cannot pass
+:class:`rag_lookahead.rag.chains.SeedingRetriever` for ``RetrievalQA``, whose chain cannot pass
 per-query kwargs to the LLM).
 
-The decoding itself is :class:`rag_lookahead.engine.Engine`, shared with
-:class:`rag_lookahead.chat_model.ChatLookahead` (``ChatLookahead.from_llm(llm)`` decodes with this
+The decoding itself is :class:`rag_lookahead.langchain.engine.Engine`, shared with
+:class:`rag_lookahead.langchain.chat_model.ChatLookahead` (``ChatLookahead.from_llm(llm)`` decodes with this
 LLM's engine and output pool).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError
 
-from .config import LookaheadConfig
-from .engine import (
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.trie import OutputPool
+from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.langchain.engine import (
     SAMPLING_FIELDS,
     BlockStream,
     Engine,
     EngineRun,
     RowRequest,
-    TextTracker,
     check_max_tokens,
-    encode_messages,
-    eos_ids,
     resolve_config,
     sampling_options,
     settings_error,
 )
-from .errors import ConfigError, InputError
-from .trie import OutputPool
+from rag_lookahead.tokens import TextTracker, encode_messages, eos_ids
 
 __all__ = ["LookaheadLLM"]
 
@@ -114,9 +113,9 @@ class LookaheadLLM(BaseLLM):
         device: Any = None,
         device_map: Any = None,
         **kwargs: Any,
-    ) -> "LookaheadLLM":
+    ) -> LookaheadLLM:
         """Load ``model_id`` ("default", a hub id or a local path) with :func:`rag_lookahead.models.load_model`."""
-        from .models import load_model
+        from rag_lookahead.models import load_model
 
         model, tokenizer = load_model(model_id, dtype=dtype, device=device, device_map=device_map)
         name = "qwen2.5-coder-0.5b-instruct" if model_id == "default" else str(model_id)
@@ -139,7 +138,11 @@ class LookaheadLLM(BaseLLM):
     @property
     def _identifying_params(self) -> Mapping[str, Any]:
         # only what changes the text: draft settings change speed, never output, so the cache is shared
-        params = {"model_name": self.model_name, "max_new_tokens": self.max_new_tokens, "system_prompt": self.system_prompt}
+        params = {
+            "model_name": self.model_name,
+            "max_new_tokens": self.max_new_tokens,
+            "system_prompt": self.system_prompt,
+        }
         return params | {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
 
     @property
@@ -194,13 +197,18 @@ class LookaheadLLM(BaseLLM):
                 if isinstance(r, str) or not all(isinstance(p, str) for p in r):
                     raise InputError("each entry of references must be a list of passages (strings)")
                 rows.append(list(r))
-        return [self._engine.passages(passages or self._engine.seeds.lookup(prompt)) for prompt, passages in zip(prompts, rows)]
+        return [
+            self._engine.passages(passages or self._engine.seeds.lookup(prompt))
+            for prompt, passages in zip(prompts, rows)
+        ]
 
     def _sampling(self, kwargs: dict) -> dict:
         """``generate``'s sampling keywords: the fields, overridden per call; pops what it uses."""
         return sampling_options(self.model, {name: kwargs.pop(name, getattr(self, name)) for name in SAMPLING_FIELDS})
 
-    def _run(self, prompts: Sequence[str], stop, kwargs: dict, on_block=None, cancel: threading.Event | None = None) -> EngineRun:
+    def _run(
+        self, prompts: Sequence[str], stop, kwargs: dict, on_block=None, cancel: threading.Event | None = None
+    ) -> EngineRun:
         """One batched ``generate`` over ``prompts``; ``on_block(row, tokens, piece)`` sees each accepted block."""
         kwargs = dict(kwargs)
         config = resolve_config(self.lookahead, kwargs)
@@ -213,7 +221,9 @@ class LookaheadLLM(BaseLLM):
                 f"enable_lookahead, lookahead, {', '.join(SAMPLING_FIELDS)})"
             )
         rows = [RowRequest(self._encode(p), stop, refs) for p, refs in zip(prompts, references)]
-        return self._engine.run(rows, max_new_tokens=max_new, config=config, sampling=sampling, on_block=on_block, cancel=cancel)
+        return self._engine.run(
+            rows, max_new_tokens=max_new, config=config, sampling=sampling, on_block=on_block, cancel=cancel
+        )
 
     # ------------------------------------------------------------ BaseLLM hooks
 
@@ -242,7 +252,9 @@ class LookaheadLLM(BaseLLM):
                 if rest:
                     run_manager.on_llm_new_token(rest)
             generations.append([Generation(text=text, generation_info=run.info(row))])
-        return LLMResult(generations=generations, llm_output={"stats": run.result.stats.as_dict(), "model_name": self.model_name})
+        return LLMResult(
+            generations=generations, llm_output={"stats": run.result.stats.as_dict(), "model_name": self.model_name}
+        )
 
     def _stream(
         self,

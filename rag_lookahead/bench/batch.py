@@ -6,7 +6,7 @@ on, both keeping ``concurrency`` requests in flight (a finished request's slot i
 once, as in the server). Reports requests/s, tokens/s, p50/p95 latency (from a request's start
 to its last token) and whether every output equals the single-request greedy output.
 
-    python -m rag_lookahead.bench_batch --concurrency 1,4,16 --requests 16 --json batch.json
+    python -m rag_lookahead.bench.batch --concurrency 1,4,16 --requests 16 --json batch.json
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from .atomic import write_json_atomic
-from .bench import (
+from rag_lookahead.atomic import write_json_atomic
+from rag_lookahead.bench.single import (
     _print_rows,
     add_depth_arguments,
     add_model_arguments,
@@ -29,9 +29,9 @@ from .bench import (
     load_bench_model,
     load_prompts,
 )
-from .config import LookaheadConfig
-from .generate import DecodeBatch, left_pad
-from .verify import input_device
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.loop import DecodeBatch, left_pad
+from rag_lookahead.decoding.verify import input_device
 
 
 def run_hf_waves(model, requests, level, max_new_tokens, eos, pad):
@@ -43,7 +43,12 @@ def run_hf_waves(model, requests, level, max_new_tokens, eos, pad):
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
-                ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(eos), pad_token_id=pad
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=sorted(eos),
+                pad_token_id=pad,
             )
         seconds = time.perf_counter() - start
         outputs += [cut_at_eos(out[r, ids.shape[1] :].tolist(), eos) for r in range(len(rows))]
@@ -81,7 +86,7 @@ def run_continuous(model, requests, level, max_new_tokens, eos, pad, config):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m rag_lookahead.bench_batch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m rag_lookahead.bench.batch", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
     parser.add_argument("--prompts", default=None)
     parser.add_argument("--ids", default=None, help="use only these prompt ids (comma-separated)")
@@ -90,7 +95,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--methods", default="hf_greedy,plain,lookahead")
     add_depth_arguments(parser)
-    parser.add_argument("--repeats", type=int, default=1, help="passes over all levels and methods (timing drifts: compare within a pass)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="passes over all levels and methods (timing drifts: compare within a pass)",
+    )
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
 
@@ -102,7 +112,9 @@ def main(argv: list[str] | None = None) -> dict:
     config = LookaheadConfig(branch_length=args.branch_length).with_tokenizer(tokenizer)
     prompts = load_prompts(args.prompts, args.ids)
     requests = [chat_ids(tokenizer, prompts[i % len(prompts)]) for i in range(args.requests)]
-    contexts = [tokenizer.encode(prompts[i % len(prompts)]["context"], add_special_tokens=False) for i in range(args.requests)]
+    contexts = [
+        tokenizer.encode(prompts[i % len(prompts)]["context"], add_special_tokens=False) for i in range(args.requests)
+    ]
     methods = [m for m in args.methods.split(",") if m]
     depths = extra_depth_methods(parser, args)
     unknown = set(methods) - {"hf_greedy", "plain", "lookahead"}
@@ -121,8 +133,12 @@ def main(argv: list[str] | None = None) -> dict:
             if method == "hf_greedy":
                 outputs, latencies, accepted = run_hf_waves(model, requests, level, args.max_new_tokens, eos, pad)
             else:
-                method_config = config.replace(enabled=method != "plain", branch_length=depths.get(method, config.branch_length))
-                outputs, latencies, accepted = run_continuous(model, requests, level, args.max_new_tokens, eos, pad, method_config)
+                method_config = config.replace(
+                    enabled=method != "plain", branch_length=depths.get(method, config.branch_length)
+                )
+                outputs, latencies, accepted = run_continuous(
+                    model, requests, level, args.max_new_tokens, eos, pad, method_config
+                )
             tokens = sum(len(o) for o in outputs)
             seconds = time.perf_counter() - start
             if level == 1 and method == methods[0] and not single:
@@ -143,7 +159,14 @@ def main(argv: list[str] | None = None) -> dict:
             results.append(row)
             print(row, flush=True)
     for r in results:
-        base = next((b for b in results if (b["pass"], b["concurrency"], b["method"]) == (r["pass"], r["concurrency"], "hf_greedy")), None)
+        base = next(
+            (
+                b
+                for b in results
+                if (b["pass"], b["concurrency"], b["method"]) == (r["pass"], r["concurrency"], "hf_greedy")
+            ),
+            None,
+        )
         if base:
             r["speedup_vs_hf"] = round(r["tokens_per_second"] / base["tokens_per_second"], 3)
     copied = [copied_fraction(single[i], contexts[i]) for i in single]

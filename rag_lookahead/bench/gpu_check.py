@@ -1,7 +1,7 @@
 """One command that says whether rag_lookahead works on this machine's accelerator, and how fast.
 
-    python -m rag_lookahead.gpu_check --json gpu_check.json         # on a GPU: every section, a few minutes
-    python -m rag_lookahead.gpu_check --device cpu --small --tiny-only --json out.json   # what CI runs
+    python -m rag_lookahead.bench.gpu_check --json gpu_check.json         # on a GPU: every section, a few minutes
+    python -m rag_lookahead.bench.gpu_check --device cpu --small --tiny-only --json out.json   # what CI runs
 
 Sections (each runs on its own: one that fails is reported and the others still run):
   environment  device name and memory, native bf16, TF32 switches, attention kernels installed
@@ -28,17 +28,18 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from .atomic import write_json_atomic
-from .budget import device_name, model_devices, synchronize
-from .config import LookaheadConfig
-from .generate import DecodeBatch, generate, left_pad
-from .tiny import ARCHITECTURES, VOCAB, build_tiny_model
-from .verify import input_device, supports_tree_mask
+from rag_lookahead.atomic import write_json_atomic
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.costs import device_name, model_devices, synchronize
+from rag_lookahead.decoding.loop import DecodeBatch, generate, left_pad
+from rag_lookahead.decoding.verify import input_device, supports_tree_mask
+from rag_lookahead.tiny import ARCHITECTURES, VOCAB, build_tiny_model
 
 TINY_PAD = 0
 
@@ -58,10 +59,17 @@ class Sizes:
     stress_new_tokens: int = 32
 
     @classmethod
-    def small(cls) -> "Sizes":
+    def small(cls) -> Sizes:
         return cls(
-            exact_prompts=8, exact_new_tokens=12, speed_prompts=1, speed_new_tokens=16, requests=3,
-            concurrency_new_tokens=12, stress_rows=3, stress_context=160, stress_new_tokens=8,
+            exact_prompts=8,
+            exact_new_tokens=12,
+            speed_prompts=1,
+            speed_new_tokens=16,
+            requests=3,
+            concurrency_new_tokens=12,
+            stress_rows=3,
+            stress_context=160,
+            stress_new_tokens=8,
         )
 
 
@@ -72,7 +80,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     """What the results depend on: versions, the device and its capabilities, the matmul switches."""
     import transformers
 
-    from .models import _cuda_has_native_bf16
+    from rag_lookahead.models import _cuda_has_native_bf16
 
     report: dict[str, Any] = {
         "device": str(device),
@@ -132,7 +140,7 @@ def synthetic_prompts(count: int, length: int, seed: int, vocab: int = VOCAB) ->
 
 def long_prompts(tokenizer, prompts: list[dict], rows: int, length: int) -> list[list[int]]:
     """``rows`` chat prompts of about ``length`` tokens: the bundled passages, rotated per row, as context."""
-    from .bench import chat_ids
+    from rag_lookahead.bench.single import chat_ids
 
     passage = tokenizer.encode("\n\n".join(p["context"] for p in prompts), add_special_tokens=False)
     room = max(length - 96, 16)  # the chat template and the question take the rest
@@ -160,14 +168,25 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: Sequence[int],
     """transformers' greedy decoding of one unpadded prompt: the reference every output must equal."""
     ids = torch.tensor([prompt], device=input_device(model))
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-        eos_token_id=list(eos) or None, pad_token_id=pad,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(eos) or None,
+        pad_token_id=pad,
     )
     return cut_at_eos(out[0, len(prompt) :].tolist(), eos)
 
 
-def check_exact(model, name: str, prompts: list[list[int]], max_new_tokens: int, eos: Sequence[int], pad: int,
-                config: LookaheadConfig) -> list[dict]:
+def check_exact(
+    model,
+    name: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos: Sequence[int],
+    pad: int,
+    config: LookaheadConfig,
+) -> list[dict]:
     """Batch 1 and a left-padded batch of all ``prompts``, each row against transformers' greedy of it alone.
 
     Each row's context pool is also seeded with the first half of its reference answer, so deep
@@ -179,18 +198,47 @@ def check_exact(model, name: str, prompts: list[list[int]], max_new_tokens: int,
     single = []
     accepted = []
     for prompt, seed in zip(prompts, seeds):
-        result = generate(model, prompt, max_new_tokens=max_new_tokens, config=config, references=[seed], eos_token_id=eos_ids, pad_token_id=pad)
+        result = generate(
+            model,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            config=config,
+            references=[seed],
+            eos_token_id=eos_ids,
+            pad_token_id=pad,
+        )
         single.append(cut_at_eos(result.sequences[0, len(prompt) :].tolist(), eos))
         accepted.append(result.stats.mean_accepted)
     ids, mask = left_pad(prompts, pad)
-    result = generate(model, ids, mask, max_new_tokens=max_new_tokens, config=config, references=seeds, eos_token_id=eos_ids, pad_token_id=pad)
+    result = generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=max_new_tokens,
+        config=config,
+        references=seeds,
+        eos_token_id=eos_ids,
+        pad_token_id=pad,
+    )
     batched = [cut_at_eos(result.sequences[r, ids.shape[1] :].tolist(), eos) for r in range(len(prompts))]
     tree = supports_tree_mask(model)
     return [
-        {"model": name, "batch": 1, "rows": len(prompts), "identical": sum(a == b for a, b in zip(single, references)),
-         "mean_accepted": round(statistics.mean(accepted), 3), "tree_mask": tree},
-        {"model": name, "batch": len(prompts), "rows": len(prompts), "identical": sum(a == b for a, b in zip(batched, references)),
-         "mean_accepted": round(result.stats.mean_accepted, 3), "tree_mask": tree},
+        {
+            "model": name,
+            "batch": 1,
+            "rows": len(prompts),
+            "identical": sum(a == b for a, b in zip(single, references)),
+            "mean_accepted": round(statistics.mean(accepted), 3),
+            "tree_mask": tree,
+        },
+        {
+            "model": name,
+            "batch": len(prompts),
+            "rows": len(prompts),
+            "identical": sum(a == b for a, b in zip(batched, references)),
+            "mean_accepted": round(result.stats.mean_accepted, 3),
+            "tree_mask": tree,
+        },
     ]
 
 
@@ -200,12 +248,14 @@ def exactness_tiny(device: torch.device, sizes: Sizes, attn: str) -> list[dict]:
         for seed, arch in enumerate(ARCHITECTURES):
             model = build_tiny_model(arch, attn, seed=seed, device=device)
             prompts = synthetic_prompts(sizes.exact_prompts, 24, seed=100 + seed)
-            rows += check_exact(model, arch, prompts, sizes.exact_new_tokens, (), TINY_PAD, LookaheadConfig(budget="fixed"))
+            rows += check_exact(
+                model, arch, prompts, sizes.exact_new_tokens, (), TINY_PAD, LookaheadConfig(budget="fixed")
+            )
     return rows
 
 
 def exactness_model(load: Callable[..., tuple[Any, Any]], name: str, prompts: list[dict], sizes: Sizes) -> list[dict]:
-    from .bench import chat_ids
+    from rag_lookahead.bench.single import chat_ids
 
     with exact_fp32():
         model, tokenizer = load(dtype=torch.float32)
@@ -222,9 +272,11 @@ def exactness_model(load: Callable[..., tuple[Any, Any]], name: str, prompts: li
 # ---------------------------------------------------------------- speed, concurrency, stress
 
 
-def speed_batch1(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int], pad: int, config: LookaheadConfig) -> dict:
+def speed_batch1(
+    model, prompts: list[list[int]], max_new_tokens: int, eos: list[int], pad: int, config: LookaheadConfig
+) -> dict:
     """Batch-1 decode speed of transformers greedy, its prompt lookup and lookahead, prompt by prompt."""
-    from .bench import MethodTotals, run_hf, run_lookahead, summarize
+    from rag_lookahead.bench.single import MethodTotals, run_hf, run_lookahead, summarize
 
     runners = {
         "greedy": lambda ids: run_hf(model, ids, max_new_tokens, eos, pad, None),
@@ -246,13 +298,22 @@ def speed_batch1(model, prompts: list[list[int]], max_new_tokens: int, eos: list
 def hf_batched(model, requests: list[list[int]], max_new_tokens: int, eos: list[int], pad: int) -> list[list[int]]:
     """transformers batched greedy: all requests as one left-padded batch, built on the model's input device."""
     ids, mask = left_pad(requests, pad, input_device(model))
-    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos or None, pad_token_id=pad)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos or None,
+        pad_token_id=pad,
+    )
     return [cut_at_eos(out[r, ids.shape[1] :].tolist(), eos) for r in range(len(requests))]
 
 
-def concurrency(model, requests: list[list[int]], max_new_tokens: int, eos: list[int], pad: int, config: LookaheadConfig) -> dict:
+def concurrency(
+    model, requests: list[list[int]], max_new_tokens: int, eos: list[int], pad: int, config: LookaheadConfig
+) -> dict:
     """All requests in flight at once: transformers batched greedy against our continuous batching."""
-    from .bench_batch import run_continuous
+    from rag_lookahead.bench.batch import run_continuous
 
     hf_batched(model, requests[:2], 4, eos, pad)  # warm-up
     run_continuous(model, requests[:2], 2, 4, eos, pad, config)
@@ -262,13 +323,18 @@ def concurrency(model, requests: list[list[int]], max_new_tokens: int, eos: list
     reference = hf_batched(model, requests, max_new_tokens, eos, pad)
     synchronize(model)
     seconds = time.perf_counter() - start
-    report["hf_batched"] = {"tokens_per_second": round(sum(map(len, reference)) / seconds, 2), "seconds": round(seconds, 3)}
+    report["hf_batched"] = {
+        "tokens_per_second": round(sum(map(len, reference)) / seconds, 2),
+        "seconds": round(seconds, 3),
+    }
     # packed rows are kept apart only by the mask: a mask-blind model decodes one request at a time, as the server does
     level = len(requests) if supports_tree_mask(model) else 1
     report["our_concurrency"] = level
     for method, enabled in (("plain", False), ("lookahead", True)):
         start = time.perf_counter()
-        outputs, _, accepted = run_continuous(model, requests, level, max_new_tokens, eos, pad, config.replace(enabled=enabled))
+        outputs, _, accepted = run_continuous(
+            model, requests, level, max_new_tokens, eos, pad, config.replace(enabled=enabled)
+        )
         synchronize(model)
         seconds = time.perf_counter() - start
         tokens = sum(map(len, outputs))
@@ -282,7 +348,9 @@ def concurrency(model, requests: list[list[int]], max_new_tokens: int, eos: list
     return report
 
 
-def decode_steps(model, prompts: list[list[int]], max_new_tokens: int, pad: int, config: LookaheadConfig, admit: int = 4) -> dict:
+def decode_steps(
+    model, prompts: list[list[int]], max_new_tokens: int, pad: int, config: LookaheadConfig, admit: int = 4
+) -> dict:
     """Decode ``prompts`` together (admitted ``admit`` at a time) to the end; time every step."""
     batch = DecodeBatch(model, config, frozenset(), None)  # no EOS: every row runs its full length
     start = time.perf_counter()
@@ -319,7 +387,9 @@ def stress(model, prompts: list[list[int]], max_new_tokens: int, pad: int, confi
     """Every long prompt in one packed batch (step times, peak memory), then the same prompts one
     at a time: whether packing pays over row-by-row decoding at this size on this device."""
     if not supports_tree_mask(model):
-        return {"skipped": "attention is mask-blind: rows cannot be packed, so they decode one at a time (see concurrency)"}
+        return {
+            "skipped": "attention is mask-blind: rows cannot be packed, so they decode one at a time (see concurrency)"
+        }
     devices = [d for d in model_devices(model) if d.type == "cuda"]
     for device in devices:
         torch.cuda.reset_peak_memory_stats(device)
@@ -369,42 +439,87 @@ def _section(report: dict, name: str, run: Callable[[], Any]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m rag_lookahead.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m rag_lookahead.bench.gpu_check", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    parser.add_argument("--device-map", default=None, help='for the real model: handed to from_pretrained, e.g. "auto" (spreads it over all GPUs)')
-    parser.add_argument("--dtype", default=None, help="speed, concurrency and stress: bf16, fp16, fp32 (default: bf16 where native, else fp16; CPU: bf16 where fast)")
-    parser.add_argument("--attn", default="sdpa", help="attn_implementation: sdpa, eager, flash_attention_2 (refused tree masks: chains)")
+    parser.add_argument(
+        "--device-map",
+        default=None,
+        help='for the real model: handed to from_pretrained, e.g. "auto" (spreads it over all GPUs)',
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="speed, concurrency and stress: bf16, fp16, fp32 (default: bf16 where native, else fp16; CPU: bf16 where fast)",
+    )
+    parser.add_argument(
+        "--attn",
+        default="sdpa",
+        help="attn_implementation: sdpa, eager, flash_attention_2 (refused tree masks: chains)",
+    )
     parser.add_argument("--model", default="default", help='"default" (embedded), a hub id or a local folder')
     parser.add_argument("--small", action="store_true", help="small sizes (CI on a CPU)")
-    parser.add_argument("--tiny-only", action="store_true", help="only the tiny random models (no download, no conversion)")
+    parser.add_argument(
+        "--tiny-only", action="store_true", help="only the tiny random models (no download, no conversion)"
+    )
     parser.add_argument("--json", dest="json_path", default=None, help="write the report here")
     return parser
 
 
 def run_check(args: argparse.Namespace) -> dict:
-    from .models import _resolve_device, load_model
+    from rag_lookahead.models import _resolve_device, load_model
 
     device = _resolve_device(args.device)
     sizes = Sizes.small() if args.small else Sizes()
-    report: dict[str, Any] = {"settings": {**{k: v for k, v in vars(args).items() if k != "json_path"}, "sizes": asdict(sizes)}}
+    report: dict[str, Any] = {
+        "settings": {**{k: v for k, v in vars(args).items() if k != "json_path"}, "sizes": asdict(sizes)}
+    }
     started = time.perf_counter()
     _section(report, "environment", lambda: environment(device))
     _section(report, "exactness", lambda: exactness_tiny(device, sizes, args.attn))
 
     def load(dtype=None):
-        return load_model(args.model, dtype=dtype if dtype is not None else args.dtype, device=device,
-                          device_map=args.device_map, attn_implementation=args.attn)
+        return load_model(
+            args.model,
+            dtype=dtype if dtype is not None else args.dtype,
+            device=device,
+            device_map=args.device_map,
+            attn_implementation=args.attn,
+        )
 
     if not (args.small or args.tiny_only):
-        from .bench import load_prompts
+        from rag_lookahead.bench.single import load_prompts
 
         _section(report, "exactness_model", lambda: exactness_model(load, args.model, load_prompts(None), sizes))
 
     model, workload = _workload(args, device, sizes, load, report)
     if model is not None:
-        _section(report, "speed_batch1", lambda: speed_batch1(model, workload["speed"], sizes.speed_new_tokens, *workload["eos_pad"], workload["config"]))
-        _section(report, "concurrency", lambda: concurrency(model, workload["requests"], sizes.concurrency_new_tokens, *workload["eos_pad"], workload["config"]))
-        _section(report, "stress", lambda: stress(workload["stress_model"], workload["stress"], sizes.stress_new_tokens, workload["eos_pad"][1], workload["config"]))
+        _section(
+            report,
+            "speed_batch1",
+            lambda: speed_batch1(
+                model, workload["speed"], sizes.speed_new_tokens, *workload["eos_pad"], workload["config"]
+            ),
+        )
+        _section(
+            report,
+            "concurrency",
+            lambda: concurrency(
+                model, workload["requests"], sizes.concurrency_new_tokens, *workload["eos_pad"], workload["config"]
+            ),
+        )
+        _section(
+            report,
+            "stress",
+            lambda: stress(
+                workload["stress_model"],
+                workload["stress"],
+                sizes.stress_new_tokens,
+                workload["eos_pad"][1],
+                workload["config"],
+            ),
+        )
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["ok"] = _all_ok(report)
     return report
@@ -418,15 +533,19 @@ def _workload(args, device: torch.device, sizes: Sizes, load, report: dict) -> t
     def prepare():
         if args.tiny_only:
             stress_positions = sizes.stress_context + sizes.stress_new_tokens + 64
-            model = build_tiny_model("qwen2", args.attn, seed=7, device=device, max_positions=max(256, stress_positions))
+            model = build_tiny_model(
+                "qwen2", args.attn, seed=7, device=device, max_positions=max(256, stress_positions)
+            )
             workload.update(
                 speed=synthetic_prompts(sizes.speed_prompts, 48, seed=1),
                 requests=synthetic_prompts(sizes.requests, 40, seed=2),
                 stress=synthetic_prompts(sizes.stress_rows, sizes.stress_context, seed=3),
-                stress_model=model, eos_pad=([], TINY_PAD), config=LookaheadConfig(),
+                stress_model=model,
+                eos_pad=([], TINY_PAD),
+                config=LookaheadConfig(),
             )
             return model, "tiny qwen2 fp32"
-        from .bench import chat_ids, load_prompts
+        from rag_lookahead.bench.single import chat_ids, load_prompts
 
         model, tokenizer = load()
         prompts = load_prompts(None)
@@ -435,7 +554,9 @@ def _workload(args, device: torch.device, sizes: Sizes, load, report: dict) -> t
             speed=chats[: sizes.speed_prompts],
             requests=[chats[i % len(chats)] for i in range(sizes.requests)],
             stress=long_prompts(tokenizer, prompts, sizes.stress_rows, sizes.stress_context),
-            stress_model=model, eos_pad=_eos_pad(model), config=LookaheadConfig().with_tokenizer(tokenizer),
+            stress_model=model,
+            eos_pad=_eos_pad(model),
+            config=LookaheadConfig().with_tokenizer(tokenizer),
         )
         return model, f"{args.model} {model.dtype}".replace("torch.", "")
 
@@ -482,33 +603,81 @@ def print_table(report: dict) -> None:
 def _table_rows(report: dict) -> Iterator[tuple[str, str, str, bool | None]]:
     env = report.get("environment", {})
     if "error" not in env:
-        extra = f", capability {env['compute_capability']}, {env['memory_gb']} GB, native bf16 {env['native_bf16']}" if "compute_capability" in env else ""
-        yield "environment", f"torch {env['torch']}, transformers {env['transformers']}", f"TF32 {env['cuda_matmul_allow_tf32']}, flash_attn {env['flash_attn_installed']}{extra}", None
+        extra = (
+            f", capability {env['compute_capability']}, {env['memory_gb']} GB, native bf16 {env['native_bf16']}"
+            if "compute_capability" in env
+            else ""
+        )
+        yield (
+            "environment",
+            f"torch {env['torch']}, transformers {env['transformers']}",
+            f"TF32 {env['cuda_matmul_allow_tf32']}, flash_attn {env['flash_attn_installed']}{extra}",
+            None,
+        )
     for name in ("environment", "exactness", "exactness_model", "model", "speed_batch1", "concurrency", "stress"):
         value = report.get(name)
         if isinstance(value, dict) and "error" in value:
             yield name, "failed", value["error"], False
     for r in _exact_rows(report):
-        yield "exactness fp32", f"{r['model']} batch {r['batch']}", f"{r['identical']}/{r['rows']} identical, mean accepted {r['mean_accepted']}, tree mask {r['tree_mask']}", r["identical"] == r["rows"]
+        yield (
+            "exactness fp32",
+            f"{r['model']} batch {r['batch']}",
+            f"{r['identical']}/{r['rows']} identical, mean accepted {r['mean_accepted']}, tree mask {r['tree_mask']}",
+            r["identical"] == r["rows"],
+        )
     model = report.get("model", {})
     if "label" in model:
-        yield "model", model["label"], f"attention {model['attn_implementation']}, tree mask {model['tree_mask']}, on {', '.join(model['devices'])}", None
+        yield (
+            "model",
+            model["label"],
+            f"attention {model['attn_implementation']}, tree mask {model['tree_mask']}, on {', '.join(model['devices'])}",
+            None,
+        )
     speed = report.get("speed_batch1", {})
     for method, s in speed.get("summary", {}).items():
-        yield "speed batch 1", method, f"{s['decode_tokens_per_second']} tok/s decode, x{s['speedup_decode']} greedy, x{s['vs_prompt_lookup_decode']} prompt lookup, {s['identical_to_greedy']} identical", None
+        yield (
+            "speed batch 1",
+            method,
+            f"{s['decode_tokens_per_second']} tok/s decode, x{s['speedup_decode']} greedy, x{s['vs_prompt_lookup_decode']} prompt lookup, {s['identical_to_greedy']} identical",
+            None,
+        )
     conc = report.get("concurrency", {})
     if "hf_batched" in conc:
-        yield f"concurrency {conc['requests']}", "hf batched greedy", f"{conc['hf_batched']['tokens_per_second']} tok/s", None
+        yield (
+            f"concurrency {conc['requests']}",
+            "hf batched greedy",
+            f"{conc['hf_batched']['tokens_per_second']} tok/s",
+            None,
+        )
         for method in ("plain", "lookahead"):
             c = conc[method]
-            yield f"concurrency {conc['requests']}", method, f"{c['tokens_per_second']} tok/s, x{c['speedup_vs_hf']} hf, {c['identical']}/{conc['requests']} identical to hf, mean accepted {c['mean_accepted']}", None
+            yield (
+                f"concurrency {conc['requests']}",
+                method,
+                f"{c['tokens_per_second']} tok/s, x{c['speedup_vs_hf']} hf, {c['identical']}/{conc['requests']} identical to hf, mean accepted {c['mean_accepted']}",
+                None,
+            )
     st = report.get("stress", {})
     if "skipped" in st:
         yield "stress", "skipped", st["skipped"], None
     if "steps" in st:
-        memory = f"peak GPU {st['peak_gpu_memory_gb']} GB" if "peak_gpu_memory_gb" in st else f"peak host RSS {st['peak_host_rss_gb']} GB"
-        yield "stress", f"{st['rows']} rows, {st['prompt_tokens']} prompt tokens", f"step p50 {st['step_ms_p50']} ms, p95 {st['step_ms_p95']} ms, {memory}, {st['decode_tokens_per_second']} tok/s", None
-        yield "stress", "one row alone", f"step p50 {st['one_row_step_ms_p50']} ms, {st['one_row_tokens_per_second']} tok/s, packed/row-by-row x{st.get('packed_vs_row_by_row')}", None
+        memory = (
+            f"peak GPU {st['peak_gpu_memory_gb']} GB"
+            if "peak_gpu_memory_gb" in st
+            else f"peak host RSS {st['peak_host_rss_gb']} GB"
+        )
+        yield (
+            "stress",
+            f"{st['rows']} rows, {st['prompt_tokens']} prompt tokens",
+            f"step p50 {st['step_ms_p50']} ms, p95 {st['step_ms_p95']} ms, {memory}, {st['decode_tokens_per_second']} tok/s",
+            None,
+        )
+        yield (
+            "stress",
+            "one row alone",
+            f"step p50 {st['one_row_step_ms_p50']} ms, {st['one_row_tokens_per_second']} tok/s, packed/row-by-row x{st.get('packed_vs_row_by_row')}",
+            None,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

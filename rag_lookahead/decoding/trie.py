@@ -17,7 +17,7 @@ Pure Python, no torch: the drafter runs between forwards and must stay cheap.
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 class Node:

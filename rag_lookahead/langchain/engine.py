@@ -4,7 +4,7 @@ Everything between "text in" and "text out" that both need lives here once: EOS 
 (read from the model and tokenizer, never written into the caller's tokenizer), prompt encoding
 through the chat template (with tools where the template takes them), passages registered
 ahead as draft seeds, sampling and draft settings per call, stop strings over accepted token
-blocks (:class:`TextTracker`), one batched :func:`rag_lookahead.generate.generate` call with
+blocks (:class:`TextTracker`), one batched :func:`rag_lookahead.decoding.loop.generate` call with
 per-block callbacks, streaming from a worker thread, and the per-row stats. An
 :class:`Engine` owns the output pool, so wrappers that share an engine share what earlier
 answers taught the drafter.
@@ -16,12 +16,14 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
-from .config import LookaheadConfig
-from .errors import ConfigError, InputError
-from .trie import OutputPool
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.trie import OutputPool
+from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.tokens import TextTracker, eos_ids, pad_id
 
 __all__ = [
     "SAMPLING_FIELDS",
@@ -30,181 +32,13 @@ __all__ = [
     "Engine",
     "EngineRun",
     "RowRequest",
-    "TextTracker",
-    "chat_template_text",
-    "cut_at_stop",
-    "eos_ids",
-    "pad_id",
     "resolve_config",
     "sampling_options",
     "settings_error",
 ]
 
-REPLACEMENT = "\ufffd"
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 SEED_SLOTS = 256
-
-
-# ---------------------------------------------------------------- text from accepted blocks
-
-
-class TextTracker:
-    """Turns a row's accepted token blocks into stable text pieces, honouring stop strings.
-
-    The whole answer so far is decoded each time and only the new suffix is emitted, so a
-    multi-byte character split over tokens is never emitted half (a trailing U+FFFD is held
-    back), and text that might be the start of a stop string is held back until it is decided.
-
-    ``prefix``: answer text the prompt already holds (a forced opening such as ``<tool_call>``);
-    it is part of the text but never searched for stop strings. ``hold``: markers from which
-    on nothing is emitted while decoding goes on (a tool call is handed over whole, at the end).
-    """
-
-    def __init__(
-        self,
-        tokenizer,
-        stop: Sequence[str] | None,
-        eos: frozenset[int],
-        *,
-        prefix: str = "",
-        hold: Sequence[str] = (),
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [s for s in (stop or []) if s]
-        self.eos = eos
-        self.prefix = prefix
-        self.hold = [h for h in hold if h]
-        self.ids: list[int] = []
-        self.emitted = ""
-        self.stopped = False
-
-    def text(self) -> str:
-        ids = [t for t in self.ids if t not in self.eos]
-        return self.prefix + self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def final_text(self) -> str:
-        text = self.text()
-        return self.prefix + cut_at_stop(text[len(self.prefix) :], self.stop)
-
-    def add(self, tokens: Sequence[int]) -> str:
-        """Take a block of accepted tokens; return the newly stable text (may be "")."""
-        if self.stopped:
-            return ""
-        self.ids.extend(int(t) for t in tokens)
-        text = self.text()
-        answer = text[len(self.prefix) :]
-        cut = cut_at_stop(answer, self.stop)
-        if len(cut) < len(answer):
-            self.stopped = True
-            stable = self.prefix + cut
-        else:
-            stable = text.rstrip(REPLACEMENT)
-            stable = stable[: len(stable) - held_back(stable[len(self.prefix) :], self.stop)]
-        stable = _before_hold(stable, self.hold)
-        if not stable.startswith(self.emitted) or len(stable) <= len(self.emitted):
-            return ""
-        piece = stable[len(self.emitted) :]
-        self.emitted = stable
-        return piece
-
-    def rest(self) -> str:
-        """What is left to emit once the row is done: the final text minus what was emitted."""
-        final = self.final_text()
-        piece = final[len(self.emitted) :] if final.startswith(self.emitted) else ""
-        self.emitted = final
-        return piece
-
-
-def cut_at_stop(text: str, stop: Sequence[str]) -> str:
-    """``text`` up to the first stop string in it (all of it when none occurs)."""
-    cuts = [text.find(s) for s in stop if s and s in text]
-    return text[: min(cuts)] if cuts else text
-
-
-def held_back(text: str, stop: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stop:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
-
-
-def _before_hold(text: str, hold: Sequence[str]) -> str:
-    """``text`` up to the first hold marker, less a suffix that may be the start of one."""
-    if not hold:
-        return text
-    text = cut_at_stop(text, hold)
-    return text[: len(text) - held_back(text, hold)]
-
-
-# ---------------------------------------------------------------- token plumbing
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    """Every id that ends an answer: the model's generation config and the tokenizer's EOS."""
-    ids: set[int] = set()
-    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(gen, int):
-        ids.add(gen)
-    elif gen is not None:
-        ids.update(int(t) for t in gen)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
-
-
-def pad_id(model, tokenizer, eos: frozenset[int] | set[int]) -> int:
-    """The id to left-pad batches with, read without setting ``tokenizer.pad_token``.
-
-    Padded positions are masked out, so any id in the vocabulary serves; the tokenizer's pad,
-    then the model's, then an EOS id.
-    """
-    for candidate in (tokenizer.pad_token_id, getattr(getattr(model, "generation_config", None), "pad_token_id", None)):
-        if isinstance(candidate, int):
-            return candidate
-    if tokenizer.eos_token_id is not None:
-        return int(tokenizer.eos_token_id)
-    return min(eos) if eos else 0
-
-
-def chat_template_text(tokenizer) -> str:
-    """The tokenizer's chat template source ("" without one; named templates joined)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        return "\n".join(str(t) for t in template.values())
-    return template or ""
-
-
-def encode_messages(
-    tokenizer,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    answer_prefix: str = "",
-) -> list[int]:
-    """Prompt ids for chat ``messages`` (role/content dicts) through the chat template.
-
-    ``tools`` go to the template (a template that never reads them is refused, not ignored);
-    ``answer_prefix`` is text the assistant's turn starts with. A tokenizer without a chat
-    template gets the contents joined by blank lines.
-    """
-    template = chat_template_text(tokenizer)
-    if not template:
-        if tools:
-            raise ConfigError("this tokenizer has no chat template, so it cannot be given tools")
-        text = "\n\n".join(str(m.get("content") or "") for m in messages)
-        return list(tokenizer(text + answer_prefix)["input_ids"])
-    if tools and "tools" not in template:
-        raise ConfigError("this model's chat template does not take tools: bind tools only to a model whose template does")
-    extra = {"tools": list(tools)} if tools else {}
-    try:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
-    except Exception as err:  # jinja's TemplateError and friends: say what the template refused
-        raise InputError(f"the chat template refused these messages: {err}") from None
-    return list(tokenizer(text + answer_prefix, add_special_tokens=False)["input_ids"])
 
 
 # ---------------------------------------------------------------- per-call settings
@@ -226,11 +60,13 @@ def sampling_options(model, values: Mapping[str, Any]) -> dict:
 
     Bad values raise :class:`ConfigError` here, before any decoding.
     """
-    from .sampling import resolve_sampling
+    from rag_lookahead.decoding.sampling import resolve_sampling
 
     values = dict(values)
     temperature = values.pop("temperature", None)
-    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0):
+    if temperature is not None and (
+        isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0
+    ):
         raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
     sample = bool(temperature)
     seed = values.pop("seed", None)
@@ -402,11 +238,9 @@ class Engine:
         ``cancel`` ends every row at its next block; ``deadline`` (``time.monotonic()``) ends
         the rows still running then, marked ``stopped_by="timeout"``.
         """
-        from .generate import generate, left_pad
+        from rag_lookahead.decoding.loop import generate, left_pad
 
-        trackers = [
-            TextTracker(self.tokenizer, r.stop, self.eos, prefix=r.answer_prefix, hold=r.hold) for r in rows
-        ]
+        trackers = [TextTracker(self.tokenizer, r.stop, self.eos, prefix=r.answer_prefix, hold=r.hold) for r in rows]
         steps = [0] * len(rows)
         timed_out = [False] * len(rows)
 
@@ -437,10 +271,12 @@ class Engine:
                 on_tokens=on_tokens,
                 **sampling,
             )
-        timed_out = [t and not trackers[i].stopped and not _ended(trackers[i], self.eos) for i, t in enumerate(timed_out)]
+        timed_out = [
+            t and not trackers[i].stopped and not _ended(trackers[i], self.eos) for i, t in enumerate(timed_out)
+        ]
         return EngineRun(trackers, steps, result, config.enabled, [len(r.ids) for r in rows], self.eos, timed_out)
 
-    def stream(self, rows: Sequence[RowRequest], **run_options: Any) -> "BlockStream":
+    def stream(self, rows: Sequence[RowRequest], **run_options: Any) -> BlockStream:
         """Like :meth:`run`, decoding in a worker thread while the caller iterates the blocks."""
         return BlockStream(lambda on_block, cancel: self.run(rows, on_block=on_block, cancel=cancel, **run_options))
 

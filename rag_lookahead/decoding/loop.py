@@ -11,20 +11,27 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
-from .budget import Trust, allocate, step_costs
-from .config import LookaheadConfig
-from .draft import DraftTree, propose
-from .errors import ConfigError, InputError
-from .inputs import as_batch, check_ids, check_references, vocab_size
-from .trie import ContextPool, OutputPool
-from .packed_cache import PackedCache
-from .sampling import Accepted, SamplingParams, TokenChooser, longest_path, per_row, resolve_sampling
-from .verify import check_cache, forward_tree, input_device, keep_accepted, supports_tree_mask
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.costs import Trust, allocate, step_costs
+from rag_lookahead.decoding.draft import DraftTree, propose
+from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, vocab_size
+from rag_lookahead.decoding.packed_cache import PackedCache
+from rag_lookahead.decoding.sampling import (
+    Accepted,
+    SamplingParams,
+    TokenChooser,
+    longest_path,
+    per_row,
+    resolve_sampling,
+)
+from rag_lookahead.decoding.trie import ContextPool, OutputPool
+from rag_lookahead.decoding.verify import check_cache, forward_tree, input_device, keep_accepted, supports_tree_mask
+from rag_lookahead.errors import ConfigError, InputError
 
 
 @dataclass
@@ -98,7 +105,7 @@ class _Row:
         return self.generated[-1]
 
 
-_OUTPUT_POOLS: "weakref.WeakKeyDictionary[torch.nn.Module, OutputPool]" = weakref.WeakKeyDictionary()
+_OUTPUT_POOLS: weakref.WeakKeyDictionary[torch.nn.Module, OutputPool] = weakref.WeakKeyDictionary()
 
 
 def default_output_pool(model, config: LookaheadConfig) -> OutputPool:
@@ -197,7 +204,9 @@ class DecodeBatch:
             context = ContextPool(depth, references[r] if references else ())
             context.extend(prompt)
             chooser = TokenChooser(sampling[r], device)
-            row = _Row(keys[r], context, Trust(), max_new_tokens[r], chooser, prompt_length=lengths[r], position=lengths[r])
+            row = _Row(
+                keys[r], context, Trust(), max_new_tokens[r], chooser, prompt_length=lengths[r], position=lengths[r]
+            )
             first = greedy[r] if chooser.plain else chooser.choose(prompt, logits[r, -1])
             self._take(row, [first])
             rows.append(row)
@@ -274,7 +283,9 @@ class DecodeBatch:
             if row.chooser.plain:
                 accepted.append(longest_path(draft, greedy[start:end]))
             else:
-                accepted.append(row.chooser.walk(draft, logits[start:end], row.context.stream, self._room(row), self.eos))
+                accepted.append(
+                    row.chooser.walk(draft, logits[start:end], row.context.stream, self._room(row), self.eos)
+                )
         return accepted
 
     def finish(self, keep: Callable[[_Row], bool] | None = None) -> list[_Row]:
@@ -377,7 +388,9 @@ def generate(
         output_pool = default_output_pool(model, config)
 
     if ids.shape[0] > 1 and not supports_tree_mask(model):  # packed rows are kept apart by the mask
-        return _row_by_row(model, ids, mask, max_new_tokens, config, references, eos, pad, output_pool, on_tokens, sampling)
+        return _row_by_row(
+            model, ids, mask, max_new_tokens, config, references, eos, pad, output_pool, on_tokens, sampling
+        )
 
     stats = GenerationStats(rows=ids.shape[0], trace=[] if config.debug else None)
     batch = DecodeBatch(model, config, eos, output_pool)
@@ -461,7 +474,14 @@ def _row_by_row(model, ids, mask, max_new_tokens, config, references, eos, pad, 
             **_as_options(sampling[r]),
         )
         outputs.append(result.sequences[0, length:].tolist())
-        for name in ("forward_passes", "new_tokens", "prefill_seconds", "decode_seconds", "lookup_seconds", "draft_tokens"):
+        for name in (
+            "forward_passes",
+            "new_tokens",
+            "prefill_seconds",
+            "decode_seconds",
+            "lookup_seconds",
+            "draft_tokens",
+        ):
             setattr(total, name, getattr(total, name) + getattr(result.stats, name))
         for k, n in result.stats.accepted_histogram.items():
             total.accepted_histogram[k] = total.accepted_histogram.get(k, 0) + n

@@ -8,7 +8,7 @@ model quotes them the trie already holds the words and drafts whole phrases.
 Three shapes:
 
 * :func:`build_chat_rag_chain` - current LangChain style: LCEL with a ``ChatPromptTemplate`` and
-  :class:`rag_lookahead.chat_model.ChatLookahead`; question -> ``{"question", "answer", "sources",
+  :class:`rag_lookahead.langchain.chat_model.ChatLookahead`; question -> ``{"question", "answer", "sources",
   "stats"}``, and ``.stream()`` yields the sources first, then the answer block by block.
 * :func:`build_rag_chain` - an LCEL ``Runnable`` over :class:`LookaheadLLM`: question (str or
   ``{"question": ...}``) -> ``{"answer", "sources", "stats"}``.
@@ -23,7 +23,8 @@ Three shapes:
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
@@ -34,7 +35,7 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableGenerator
 from langchain_core.runnables.config import run_in_executor
 from langchain_core.runnables.utils import AddableDict
 
-from .errors import ConfigError, InputError
+from rag_lookahead.errors import ConfigError, InputError
 
 __all__ = [
     "RAG_TEMPLATE",
@@ -75,7 +76,7 @@ SNIPPET_CHARS = 160
 
 
 class DocumentIndexRetriever(BaseRetriever):
-    """Retrieves passages from a rag_lookahead :class:`~rag_lookahead.index.DocumentIndex`.
+    """Retrieves passages from a rag_lookahead :class:`~rag_lookahead.rag.index.DocumentIndex`.
 
     ``k`` and ``mode`` are defaults; ``retriever.invoke(query, k=2, mode="lexical")`` overrides
     them for one call (LangChain's standard retriever contract). Documents carry ``source``,
@@ -115,7 +116,7 @@ class DocumentIndexRetriever(BaseRetriever):
 
 
 def as_retriever(retriever_or_index: Any, k: int) -> BaseRetriever:
-    """A ``BaseRetriever`` for a :class:`rag_lookahead.index.DocumentIndex`, a folder holding one, or a retriever."""
+    """A ``BaseRetriever`` for a :class:`rag_lookahead.rag.index.DocumentIndex`, a folder holding one, or a retriever."""
     from pathlib import Path
 
     if isinstance(retriever_or_index, BaseRetriever):
@@ -130,10 +131,10 @@ def as_retriever(retriever_or_index: Any, k: int) -> BaseRetriever:
             return retriever_or_index.model_copy(update={"search_kwargs": kwargs})
         return retriever_or_index
     if isinstance(retriever_or_index, (str, Path)):
-        from .index import load_index
+        from rag_lookahead.rag.index import load_index
 
         retriever_or_index = load_index(retriever_or_index)
-    from .index import DocumentIndex
+    from rag_lookahead.rag.index import DocumentIndex
 
     if isinstance(retriever_or_index, DocumentIndex):
         return DocumentIndexRetriever(index=retriever_or_index, k=k)
@@ -149,7 +150,9 @@ def _check_k(k_prompt: int, k_seed: int) -> None:
         raise ConfigError(f"k_seed must be an integer >= k_prompt ({k_prompt}), got {k_seed!r}")
 
 
-def retrieve(retriever: BaseRetriever, question: str, k_seed: int, config: RunnableConfig | None = None) -> list[Document]:
+def retrieve(
+    retriever: BaseRetriever, question: str, k_seed: int, config: RunnableConfig | None = None
+) -> list[Document]:
     if not isinstance(question, str) or not question.strip():
         raise InputError("the question is empty")
     return list(retriever.invoke(question, config=config))[:k_seed]
@@ -183,10 +186,21 @@ def source_info(doc: Document, in_prompt: bool) -> dict:
 
 
 #: per-call options of LookaheadLLM that the RAG chain passes on from its input dict
-_CALL_OPTIONS = ("enable_lookahead", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+_CALL_OPTIONS = (
+    "enable_lookahead",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+)
 
 
-def build_rag_chain(llm, retriever_or_index: Any, k_prompt: int = 3, k_seed: int = 8, prompt: PromptTemplate = RAG_PROMPT):
+def build_rag_chain(
+    llm, retriever_or_index: Any, k_prompt: int = 3, k_seed: int = 8, prompt: PromptTemplate = RAG_PROMPT
+):
     """LCEL chain: question -> ``{"answer": str, "sources": [dict], "stats": dict}``.
 
     ``sources`` lists all ``k_seed`` passages (``in_prompt`` tells which the model saw).
@@ -285,9 +299,9 @@ def build_chat_rag_chain(
         }
 
     answer = RunnablePassthrough.assign(message=prompt | chat_model)
-    return (RunnableLambda(fetch, name="retrieve") | answer | RunnableGenerator(_answer_and_stats, name="answer")).with_config(
-        run_name="rag_lookahead_chat_chain"
-    )
+    return (
+        RunnableLambda(fetch, name="retrieve") | answer | RunnableGenerator(_answer_and_stats, name="answer")
+    ).with_config(run_name="rag_lookahead_chat_chain")
 
 
 def _answer_and_stats(chunks: Iterator[dict]) -> Iterator[AddableDict]:
@@ -317,7 +331,7 @@ def _message_parts(message: BaseMessage, retrieval: dict) -> Iterator[AddableDic
 
 
 def _is_lookahead(llm) -> bool:
-    from .llm import LookaheadLLM
+    from rag_lookahead.langchain.llm import LookaheadLLM
 
     return isinstance(llm, LookaheadLLM)
 

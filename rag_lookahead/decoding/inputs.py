@@ -8,12 +8,12 @@ character. Every front end (``generate``, ``DecodeBatch``, the server) funnels t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from numbers import Integral
-from typing import Sequence
 
 import torch
 
-from .errors import InputError
+from rag_lookahead.errors import InputError
 
 
 def vocab_size(model) -> int:
@@ -100,9 +100,7 @@ def _row_references(r: int, row, vocab: int) -> list[list[int]]:
         if isinstance(sequence, torch.Tensor):
             sequence = sequence.tolist()
         if not isinstance(sequence, Sequence):
-            raise InputError(
-                f"{where} must be a list of token ids (references are nested: rows -> passages -> ids)"
-            )
+            raise InputError(f"{where} must be a list of token ids (references are nested: rows -> passages -> ids)")
         tokens = []
         for token in sequence:
             if isinstance(token, bool) or not isinstance(token, Integral):

@@ -8,7 +8,7 @@ For each question of the set the chain runs four ways, one after the other in on
 and reports decode tokens/s, mean accepted tokens per forward, and whether each answer is
 identical to the "off" answer.
 
-    python -m rag_lookahead.bench_rag --json rag.json
+    python -m rag_lookahead.bench.rag --json rag.json
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from .atomic import write_json_atomic
-from .bench import _print_rows, add_model_arguments, load_bench_model
+from rag_lookahead.atomic import write_json_atomic
+from rag_lookahead.bench.single import _print_rows, add_model_arguments, load_bench_model
 
 QUESTIONS = [
     "decoding_length 应该怎么设置？",
@@ -34,19 +34,22 @@ MODES = ("off", "prompt", "seeded", "session")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m rag_lookahead.bench_rag", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m rag_lookahead.bench.rag", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
-    parser.add_argument("--index-dir", default=None, help="an index to use (default: the bundled corpus, indexed into a temp dir)")
+    parser.add_argument(
+        "--index-dir", default=None, help="an index to use (default: the bundled corpus, indexed into a temp dir)"
+    )
     parser.add_argument("--k-prompt", type=int, default=2)
     parser.add_argument("--k-seed", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
 
-    from .ask import bundled_corpus
-    from .chains import build_rag_chain
-    from .index import build_index, load_index
-    from .llm import LookaheadLLM
+    from rag_lookahead.ask import bundled_corpus
+    from rag_lookahead.langchain.llm import LookaheadLLM
+    from rag_lookahead.rag.chains import build_rag_chain
+    from rag_lookahead.rag.index import build_index, load_index
+
     model, tokenizer = load_bench_model(args)
     if args.index_dir:
         index = load_index(Path(args.index_dir))
@@ -97,7 +100,14 @@ def main(argv: list[str] | None = None) -> dict:
             }
         )
     _print_rows(f"RAG chain, {args.model} {args.dtype}, k_prompt={args.k_prompt}, k_seed={args.k_seed}", summary)
-    report = {"model": args.model, "dtype": args.dtype, "k_prompt": args.k_prompt, "k_seed": args.k_seed, "summary": summary, "questions": rows}
+    report = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "k_prompt": args.k_prompt,
+        "k_seed": args.k_seed,
+        "summary": summary,
+        "questions": rows,
+    }
     if args.json_path:
         write_json_atomic(args.json_path, report)
     return report

@@ -17,14 +17,14 @@ drafted): the step emits ``A D``. Had it drawn ``C``, the walk would continue at
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from numbers import Integral, Real
-from typing import Sequence
 
 import torch
 
-from .draft import DraftTree
-from .errors import ConfigError
+from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.errors import ConfigError
 
 #: generation options that change the output and that we do not implement, with their neutral
 #: values; a value other than these raises instead of being silently ignored
@@ -89,9 +89,13 @@ class SamplingParams:
         _number("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, open_low=True)
         if self.min_p is not None:
             _number("min_p", self.min_p, low=0.0, high=1.0)
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) or self.top_k < 0):
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) or self.top_k < 0
+        ):
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, Integral) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, Integral) or not 0 <= self.seed < 2**63
+        ):
             raise ConfigError(f"seed must be an integer from 0 to 2**63-1, got {self.seed!r}")
 
     @property
@@ -101,7 +105,12 @@ class SamplingParams:
 
 
 def _number(name: str, value, *, low: float, high: float, open_low: bool = False) -> None:
-    ok = isinstance(value, Real) and not isinstance(value, bool) and value <= high and (value > low if open_low else value >= low)
+    ok = (
+        isinstance(value, Real)
+        and not isinstance(value, bool)
+        and value <= high
+        and (value > low if open_low else value >= low)
+    )
     if not ok:
         bound = f"> {low}" if open_low else f">= {low}"
         raise ConfigError(f"{name} must be a number {bound} and <= {high}, got {value!r}")
@@ -118,7 +127,9 @@ def resolve_sampling(model, generation_config=None, **options) -> SamplingParams
     from transformers import GenerationConfig
 
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-        raise ConfigError(f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}")
+        raise ConfigError(
+            f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}"
+        )
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     own = getattr(model, "generation_config", None)
     if own is not None:
@@ -221,7 +232,9 @@ class TokenChooser:
             return int(torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0])
         return int(scores.argmax(dim=-1)[0])
 
-    def walk(self, draft: DraftTree, logits: torch.Tensor, history: Sequence[int], limit: int, eos: frozenset[int]) -> Accepted:
+    def walk(
+        self, draft: DraftTree, logits: torch.Tensor, history: Sequence[int], limit: int, eos: frozenset[int]
+    ) -> Accepted:
         """Choose down the tree; ``logits[i]`` is node i-1's (0: the root). At most ``limit`` tokens,
         and none after EOS, so no draw is spent on a token that would be cut."""
         children = draft.children()
@@ -255,4 +268,3 @@ def longest_path(draft: DraftTree, greedy: list[int]) -> Accepted:
             return Accepted(nodes, tokens)
         nodes.append(nxt)
         current = nxt
-
