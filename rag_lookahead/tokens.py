@@ -189,3 +189,8 @@ def encode_messages(
     except Exception as err:  # jinja's TemplateError and friends: say what the template refused
         raise InputError(f"the chat template refused these messages: {err}") from None
     return list(tokenizer(text + answer_prefix, add_special_tokens=False)["input_ids"])
+
+
+def accepted_per_step(tokens: int, decode_steps: int) -> float:
+    """Mean tokens accepted per decode step; the first token comes from the prefill, not a step."""
+    return round((tokens - 1) / decode_steps, 4) if decode_steps else 0.0
