@@ -3,7 +3,8 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rag_lookahead.bench.single import MethodTotals, Run, copied_fraction, cut_at_eos, summarize
+from rag_lookahead.bench.common import copied_fraction, cut_at_eos
+from rag_lookahead.bench.methods import MethodTotals, Run, summarize
 
 tokens = st.lists(st.integers(0, 20), min_size=0, max_size=60)
 
@@ -58,13 +59,13 @@ def test_summary_ratios_are_decode_speeds_over_greedy_and_over_prompt_lookup():
 
 
 def test_sampling_methods_are_compared_with_transformers_sampling_at_their_temperature():
-    from rag_lookahead.bench.single import _baselines, sampling_method
+    from rag_lookahead.bench.methods import baselines, sampling_method
 
     assert sampling_method("lookahead_sample_t0.7") == ("lookahead_sample", 0.7)
     assert sampling_method("prompt_lookup_sample_t1") == ("prompt_lookup_sample", 1.0)
     assert sampling_method("lookahead") is None
-    assert _baselines("lookahead_sample_t0.3") == ("sample_t0.3", "prompt_lookup_sample_t0.3")
-    assert _baselines("lookahead") == ("greedy", "prompt_lookup")
+    assert baselines("lookahead_sample_t0.3") == ("sample_t0.3", "prompt_lookup_sample_t0.3")
+    assert baselines("lookahead") == ("greedy", "prompt_lookup")
     fast, slow = MethodTotals(), MethodTotals()
     fast.add(Run(list(range(11)), 1.0, 0.0), True)
     slow.add(Run(list(range(11)), 2.0, 0.0), True)

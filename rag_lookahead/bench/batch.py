@@ -6,32 +6,48 @@ on, both keeping ``concurrency`` requests in flight (a finished request's slot i
 once, as in the server). Reports requests/s, tokens/s, p50/p95 latency (from a request's start
 to its last token) and whether every output equals the single-request greedy output.
 
-    python -m rag_lookahead.bench.batch --concurrency 1,4,16 --requests 16 --json batch.json
+    python -m rag_lookahead.bench.batch --concurrency 1,4,16 --requests 16 --json batch.json --plot
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+import typer
 
 from rag_lookahead.atomic import write_json_atomic
-from rag_lookahead.bench.single import (
-    _print_rows,
-    add_depth_arguments,
-    add_model_arguments,
+from rag_lookahead.bench.common import (
+    DEFAULT_BRANCH_LENGTH,
+    BranchLengthOption,
+    DeviceMapOption,
+    DeviceOption,
+    DtypeOption,
+    ExtraBranchLengthOption,
+    IdsOption,
+    JsonOption,
+    ModelOption,
+    PlotOption,
     chat_ids,
+    check_plot,
     copied_fraction,
-    cut_at_eos,
+    eos_pad,
     extra_depth_methods,
+    hf_batched,
     load_bench_model,
     load_prompts,
+    print_rows,
+    run_command,
 )
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
-from rag_lookahead.decoding.verify import input_device
+
+PROG = "python -m rag_lookahead.bench.batch"
+BASE_METHODS = ("hf_greedy", "plain", "lookahead")
 
 
 def run_hf_waves(model, requests, level, max_new_tokens, eos, pad):
@@ -39,20 +55,9 @@ def run_hf_waves(model, requests, level, max_new_tokens, eos, pad):
     outputs, latencies = [], []
     for first in range(0, len(requests), level):
         rows = requests[first : first + level]
-        ids, mask = left_pad(rows, pad, input_device(model))
         start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=sorted(eos),
-                pad_token_id=pad,
-            )
-        seconds = time.perf_counter() - start
-        outputs += [cut_at_eos(out[r, ids.shape[1] :].tolist(), eos) for r in range(len(rows))]
-        latencies += [seconds] * len(rows)
+        outputs += hf_batched(model, rows, max_new_tokens, eos, pad)
+        latencies += [time.perf_counter() - start] * len(rows)
     return outputs, latencies, None
 
 
@@ -85,60 +90,37 @@ def run_continuous(model, requests, level, max_new_tokens, eos, pad, config):
     return ordered, [latencies[i] for i in range(len(requests))], gained / row_steps if row_steps else None
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m rag_lookahead.bench.batch", description=__doc__.splitlines()[0])
-    add_model_arguments(parser)
-    parser.add_argument("--prompts", default=None)
-    parser.add_argument("--ids", default=None, help="use only these prompt ids (comma-separated)")
-    parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level (prompts cycled)")
-    parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--methods", default="hf_greedy,plain,lookahead")
-    add_depth_arguments(parser)
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="passes over all levels and methods (timing drifts: compare within a pass)",
-    )
-    parser.add_argument("--json", dest="json_path", default=None)
-    args = parser.parse_args(argv)
+@dataclass
+class Workload:
+    """What every (level, method) run shares: the model, its EOS/pad, the requests and the config."""
 
-    model, tokenizer = load_bench_model(args)
-    eos = model.generation_config.eos_token_id
-    eos = {eos} if isinstance(eos, int) else set(eos or [])
-    pad = model.generation_config.pad_token_id
-    pad = min(eos) if pad is None else pad
-    config = LookaheadConfig(branch_length=args.branch_length).with_tokenizer(tokenizer)
-    prompts = load_prompts(args.prompts, args.ids)
-    requests = [chat_ids(tokenizer, prompts[i % len(prompts)]) for i in range(args.requests)]
-    contexts = [
-        tokenizer.encode(prompts[i % len(prompts)]["context"], add_special_tokens=False) for i in range(args.requests)
-    ]
-    methods = [m for m in args.methods.split(",") if m]
-    depths = extra_depth_methods(parser, args)
-    unknown = set(methods) - {"hf_greedy", "plain", "lookahead"}
-    if unknown:
-        parser.error(f"unknown methods: {', '.join(sorted(unknown))} (choose from hf_greedy, plain, lookahead)")
-    methods += list(depths)
-    levels = [int(c) for c in args.concurrency.split(",")]
+    model: object
+    eos: list[int]
+    pad: int
+    requests: list[list[int]]
+    config: LookaheadConfig
+    depths: dict[str, int]  # lookahead_bN -> N
+    max_new_tokens: int
 
-    run_continuous(model, requests[:2], 2, 8, eos, pad, config)  # warm-up and cost curve
-    run_hf_waves(model, requests[:2], 2, 8, eos, pad)
-    single = {}
+    def run(self, method: str, level: int):
+        """``(outputs, latencies, mean accepted)`` of one method at one concurrency."""
+        if method == "hf_greedy":
+            return run_hf_waves(self.model, self.requests, level, self.max_new_tokens, self.eos, self.pad)
+        config = self.config.replace(
+            enabled=method != "plain", branch_length=self.depths.get(method, self.config.branch_length)
+        )
+        return run_continuous(self.model, self.requests, level, self.max_new_tokens, self.eos, self.pad, config)
+
+
+def measure(work: Workload, methods: list[str], levels: list[int], repeats: int) -> tuple[list[dict], dict]:
+    """One row per (pass, level, method); and the single-request outputs the others are compared with
+    (the first method's at concurrency 1)."""
+    single: dict[int, list[int]] = {}
     results = []
-    for repeat, level in ((r, c) for r in range(args.repeats) for c in levels):
+    for repeat, level in ((r, c) for r in range(repeats) for c in levels):
         for method in methods:
             start = time.perf_counter()
-            if method == "hf_greedy":
-                outputs, latencies, accepted = run_hf_waves(model, requests, level, args.max_new_tokens, eos, pad)
-            else:
-                method_config = config.replace(
-                    enabled=method != "plain", branch_length=depths.get(method, config.branch_length)
-                )
-                outputs, latencies, accepted = run_continuous(
-                    model, requests, level, args.max_new_tokens, eos, pad, method_config
-                )
+            outputs, latencies, accepted = work.run(method, level)
             tokens = sum(len(o) for o in outputs)
             seconds = time.perf_counter() - start
             if level == 1 and method == methods[0] and not single:
@@ -149,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "pass": repeat,
                 "concurrency": level,
                 "method": method,
-                "requests_per_second": round(len(requests) / seconds, 4),
+                "requests_per_second": round(len(work.requests) / seconds, 4),
                 "tokens_per_second": round(tokens / seconds, 3),
                 "p50_latency_s": round(statistics.median(lat), 3),
                 "p95_latency_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
@@ -158,33 +140,96 @@ def main(argv: list[str] | None = None) -> dict:
             }
             results.append(row)
             print(row, flush=True)
+    return results, single
+
+
+def add_speedups(results: list[dict]) -> None:
+    """``speedup_vs_hf``: tokens/s over transformers' at the same pass and concurrency, where it ran."""
+    hf: dict[tuple[int, int], dict] = {}
     for r in results:
-        base = next(
-            (
-                b
-                for b in results
-                if (b["pass"], b["concurrency"], b["method"]) == (r["pass"], r["concurrency"], "hf_greedy")
-            ),
-            None,
-        )
+        if r["method"] == "hf_greedy":
+            hf.setdefault((r["pass"], r["concurrency"]), r)
+    for r in results:
+        base = hf.get((r["pass"], r["concurrency"]))
         if base:
             r["speedup_vs_hf"] = round(r["tokens_per_second"] / base["tokens_per_second"], 3)
+
+
+def parse_methods(methods: str, extra_branch_length: str) -> tuple[list[str], dict[str, int]]:
+    chosen = [m for m in methods.split(",") if m]
+    depths = extra_depth_methods(extra_branch_length)
+    unknown = set(chosen) - set(BASE_METHODS)
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown methods: {', '.join(sorted(unknown))} (choose from {', '.join(BASE_METHODS)})",
+            param_hint="--methods",
+        )
+    return chosen + list(depths), depths
+
+
+def batch(
+    model: ModelOption = "default",
+    dtype: DtypeOption = "bf16",
+    device: DeviceOption = None,
+    device_map: DeviceMapOption = None,
+    prompts: Annotated[
+        str | None, typer.Option(help="JSONL with context/question per line (default: bundled set)")
+    ] = None,
+    ids: IdsOption = None,
+    requests: Annotated[int, typer.Option(help="requests per concurrency level (prompts cycled)")] = 16,
+    concurrency: str = "1,4,16",
+    max_new_tokens: int = 96,
+    methods: str = ",".join(BASE_METHODS),
+    branch_length: BranchLengthOption = DEFAULT_BRANCH_LENGTH,
+    extra_branch_length: ExtraBranchLengthOption = "",
+    repeats: Annotated[
+        int, typer.Option(help="passes over all levels and methods (timing drifts: compare within a pass)")
+    ] = 1,
+    json_path: JsonOption = None,
+    plot: PlotOption = False,
+) -> dict:
+    """Throughput benchmark: many requests at once, batched."""
+    check_plot(plot, json_path)
+    chosen, depths = parse_methods(methods, extra_branch_length)
+    loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+    eos, pad = eos_pad(loaded, tokenizer)
+    config = LookaheadConfig(branch_length=branch_length).with_tokenizer(tokenizer)
+    prompt_set = load_prompts(prompts, ids)
+    cycled = [prompt_set[i % len(prompt_set)] for i in range(requests)]
+    work = Workload(loaded, eos, pad, [chat_ids(tokenizer, p) for p in cycled], config, depths, max_new_tokens)
+    levels = [int(c) for c in concurrency.split(",")]
+
+    run_continuous(loaded, work.requests[:2], 2, 8, eos, pad, config)  # warm-up and cost curve
+    run_hf_waves(loaded, work.requests[:2], 2, 8, eos, pad)
+    results, single = measure(work, chosen, levels, repeats)
+    add_speedups(results)
+    contexts = [tokenizer.encode(p["context"], add_special_tokens=False) for p in cycled]
     copied = [copied_fraction(single[i], contexts[i]) for i in single]
     report = {
-        "model": args.model,
-        "dtype": args.dtype,
+        "model": model,
+        "dtype": dtype,
         "threads": torch.get_num_threads(),
-        "requests": len(requests),
-        "prompt_ids": sorted({p.get("id") for p in prompts}),
+        "requests": len(work.requests),
+        "prompt_ids": sorted({p.get("id") for p in prompt_set}),
         "mean_copied_from_context": round(statistics.mean(copied), 3) if copied else None,
-        "max_new_tokens": args.max_new_tokens,
+        "max_new_tokens": max_new_tokens,
         "results": results,
     }
     share = f", {report['mean_copied_from_context']:.0%} of answer tokens copied from the context" if copied else ""
-    _print_rows(f"{args.model} {args.dtype}, {len(requests)} requests at each concurrency{share}", results)
-    if args.json_path:
-        write_json_atomic(args.json_path, report)
+    print_rows(f"{model} {dtype}, {len(work.requests)} requests at each concurrency{share}", results)
+    if json_path:
+        write_json_atomic(json_path, report)
+        if plot:
+            from rag_lookahead.bench.plots import plot_batch
+
+            for path in plot_batch(report, json_path):
+                print(f"wrote {path}")
     return report
+
+
+def main(argv: Sequence[str] | None = None) -> dict | int:
+    """``python -m rag_lookahead.bench.batch [options]``: the report (an exit code for --help)."""
+    return run_command(batch, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,27 @@ identical to the "off" answer.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 from rag_lookahead.atomic import write_json_atomic
-from rag_lookahead.bench.single import _print_rows, add_model_arguments, load_bench_model
+from rag_lookahead.bench.common import (
+    DeviceMapOption,
+    DeviceOption,
+    DtypeOption,
+    JsonOption,
+    ModelOption,
+    load_bench_model,
+    print_rows,
+    run_command,
+)
 
+PROG = "python -m rag_lookahead.bench.rag"
 QUESTIONS = [
     "decoding_length 应该怎么设置？",
     "branch_length 是什么意思，对速度有什么影响？",
@@ -33,59 +46,57 @@ QUESTIONS = [
 MODES = ("off", "prompt", "seeded", "session")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m rag_lookahead.bench.rag", description=__doc__.splitlines()[0])
-    add_model_arguments(parser)
-    parser.add_argument(
-        "--index-dir", default=None, help="an index to use (default: the bundled corpus, indexed into a temp dir)"
-    )
-    parser.add_argument("--k-prompt", type=int, default=2)
-    parser.add_argument("--k-seed", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=192)
-    parser.add_argument("--json", dest="json_path", default=None)
-    args = parser.parse_args(argv)
-
+def open_index(index_dir: str | None):
+    """The index to ask: ``index_dir``, or the bundled corpus indexed into a temporary folder."""
     from rag_lookahead.ask import bundled_corpus
-    from rag_lookahead.langchain.llm import LookaheadLLM
-    from rag_lookahead.rag.chains import build_rag_chain
     from rag_lookahead.rag.index import build_index, load_index
 
-    model, tokenizer = load_bench_model(args)
-    if args.index_dir:
-        index = load_index(Path(args.index_dir))
-    else:
-        folder = Path(tempfile.mkdtemp(prefix="rag-bench-index-"))
-        build_index(bundled_corpus(), folder, progress=False)
-        index = load_index(folder)
+    if index_dir:
+        return load_index(Path(index_dir))
+    folder = Path(tempfile.mkdtemp(prefix="rag-bench-index-"))
+    build_index(bundled_corpus(), folder, progress=False)
+    return load_index(folder)
+
+
+def ask_every_way(model, tokenizer, index, model_name: str, k_prompt: int, k_seed: int, max_new_tokens: int):
+    """Each question in the four modes; the rows printed as they come, and per mode ``(stats, same)``
+    pairs (``same``: the answer equals the "off" answer)."""
+    from rag_lookahead.langchain.llm import LookaheadLLM
+    from rag_lookahead.rag.chains import build_rag_chain
 
     def llm() -> LookaheadLLM:  # a fresh output pool
-        return LookaheadLLM(model=model, tokenizer=tokenizer, model_name=args.model, max_new_tokens=args.max_new_tokens)
+        return LookaheadLLM(model=model, tokenizer=tokenizer, model_name=model_name, max_new_tokens=max_new_tokens)
+
+    def chain(language_model, seed_k):
+        return build_rag_chain(language_model, index, k_prompt=k_prompt, k_seed=seed_k)
 
     session = llm()
-    build_rag_chain(llm(), index, k_prompt=args.k_prompt, k_seed=args.k_seed).invoke(QUESTIONS[0])  # warm-up
+    chain(llm(), k_seed).invoke(QUESTIONS[0])  # warm-up
     rows, per_mode = [], {m: [] for m in MODES}
     for question in QUESTIONS:
         runs = {
-            "off": build_rag_chain(llm(), index, k_prompt=args.k_prompt, k_seed=args.k_prompt).invoke(
-                {"question": question, "enable_lookahead": False}
-            ),
-            "prompt": build_rag_chain(llm(), index, k_prompt=args.k_prompt, k_seed=args.k_prompt).invoke(question),
-            "seeded": build_rag_chain(llm(), index, k_prompt=args.k_prompt, k_seed=args.k_seed).invoke(question),
-            "session": build_rag_chain(session, index, k_prompt=args.k_prompt, k_seed=args.k_seed).invoke(question),
+            "off": chain(llm(), k_prompt).invoke({"question": question, "enable_lookahead": False}),
+            "prompt": chain(llm(), k_prompt).invoke(question),
+            "seeded": chain(llm(), k_seed).invoke(question),
+            "session": chain(session, k_seed).invoke(question),
         }
         row = {"question": question}
         for mode, result in runs.items():
             stats = result["stats"]
-            per_mode[mode].append((stats, result["answer"] == runs["off"]["answer"]))
+            same = result["answer"] == runs["off"]["answer"]
+            per_mode[mode].append((stats, same))
             row[mode] = {
                 "new_tokens": stats.get("new_tokens"),
                 "mean_accepted": stats.get("mean_accepted"),
                 "decode_seconds": stats.get("decode_seconds"),
-                "identical_to_off": result["answer"] == runs["off"]["answer"],
+                "identical_to_off": same,
             }
         rows.append(row)
         print(row, flush=True)
+    return rows, per_mode
 
+
+def summarize_modes(per_mode: dict[str, list]) -> list[dict]:
     summary = []
     for mode in MODES:
         items = per_mode[mode]
@@ -99,18 +110,44 @@ def main(argv: list[str] | None = None) -> dict:
                 "identical to off": f"{sum(same for _, same in items)}/{len(items)}",
             }
         )
-    _print_rows(f"RAG chain, {args.model} {args.dtype}, k_prompt={args.k_prompt}, k_seed={args.k_seed}", summary)
+    return summary
+
+
+def rag(
+    model: ModelOption = "default",
+    dtype: DtypeOption = "bf16",
+    device: DeviceOption = None,
+    device_map: DeviceMapOption = None,
+    index_dir: Annotated[
+        str | None, typer.Option(help="an index to use (default: the bundled corpus, indexed into a temp dir)")
+    ] = None,
+    k_prompt: int = 2,
+    k_seed: int = 8,
+    max_new_tokens: int = 192,
+    json_path: JsonOption = None,
+) -> dict:
+    """RAG benchmark: the retrieval chain over an index, with and without trie seeding."""
+    loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+    index = open_index(index_dir)
+    rows, per_mode = ask_every_way(loaded, tokenizer, index, model, k_prompt, k_seed, max_new_tokens)
+    summary = summarize_modes(per_mode)
+    print_rows(f"RAG chain, {model} {dtype}, k_prompt={k_prompt}, k_seed={k_seed}", summary)
     report = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "k_prompt": args.k_prompt,
-        "k_seed": args.k_seed,
+        "model": model,
+        "dtype": dtype,
+        "k_prompt": k_prompt,
+        "k_seed": k_seed,
         "summary": summary,
         "questions": rows,
     }
-    if args.json_path:
-        write_json_atomic(args.json_path, report)
+    if json_path:
+        write_json_atomic(json_path, report)
     return report
+
+
+def main(argv: Sequence[str] | None = None) -> dict | int:
+    """``python -m rag_lookahead.bench.rag [options]``: the report (an exit code for --help)."""
+    return run_command(rag, argv, PROG)
 
 
 if __name__ == "__main__":

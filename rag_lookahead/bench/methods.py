@@ -1,0 +1,176 @@
+"""How each batch-1 method is run and timed, and how its runs add up to tokens/s and speedups.
+
+The side-by-side benchmark (:mod:`.single`) and the GPU check's speed section both time
+methods this way, so their figures mean the same.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rag_lookahead.decoding.loop import generate
+from rag_lookahead.decoding.trie import OutputPool
+
+METHODS = ("greedy", "prompt_lookup", "lookahead", "lookahead_warm", "lookahead_unseeded")
+#: sampling methods, run once per --temperatures value as ``<method>_t<T>``; each run starts from
+#: the same ``torch.manual_seed``, so in fp32 all three give the same tokens
+SAMPLING_METHODS = ("sample", "prompt_lookup_sample", "lookahead_sample")
+#: transformers' prompt lookup: draft tokens per step (its max_matching_ngram_size stays at its default)
+PROMPT_LOOKUP_TOKENS = 10
+
+
+def sampling_method(method: str) -> tuple[str, float] | None:
+    """``("lookahead_sample", 0.7)`` for ``lookahead_sample_t0.7``; None for a greedy method."""
+    base, _, temperature = method.rpartition("_t")
+    if base in SAMPLING_METHODS:
+        return base, float(temperature)
+    return None
+
+
+def baselines(method: str) -> tuple[str, str]:
+    """What a method's speed is compared with: transformers' plain decoding and its prompt lookup,
+    greedy for greedy methods, sampling at the same temperature for sampling methods."""
+    sampled = sampling_method(method)
+    if sampled is None:
+        return "greedy", "prompt_lookup"
+    return f"sample_t{sampled[1]:g}", f"prompt_lookup_sample_t{sampled[1]:g}"
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    seconds: float  # end to end, prefill included
+    first_token_seconds: float  # until the first new token exists
+    forwards: int | None = None
+    mean_accepted: float | None = None
+    accepted_histogram: dict[int, int] | None = None  # tokens gained in one decode step -> steps (our loop only)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.seconds - self.first_token_seconds
+
+
+@dataclass
+class MethodTotals:
+    tokens: int = 0
+    seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    identical: int = 0
+    runs: int = 0
+    accepted: list[float] = field(default_factory=list)
+
+    def add(self, run: Run, identical: bool) -> None:
+        self.tokens += len(run.tokens)
+        self.seconds += run.seconds
+        self.decode_tokens += max(len(run.tokens) - 1, 0)
+        self.decode_seconds += run.decode_seconds
+        self.identical += identical
+        self.runs += 1
+        if run.mean_accepted is not None:
+            self.accepted.append(run.mean_accepted)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class FirstTokenClock:
+    """A transformers streamer that notes when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # the first call carries the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def run_hf(
+    model, ids: list[int], max_new_tokens: int, eos, pad, prompt_lookup: int | None, sampling: dict | None = None
+) -> Run:
+    """transformers' greedy (or, with ``sampling``, its sampling) generate, prompt lookup optional."""
+    x = torch.tensor([ids], device=model.device)
+    clock = FirstTokenClock()
+    kwargs = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+    kwargs.update(sampling or {"do_sample": False})
+    start = time.perf_counter()
+    out = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        streamer=clock,
+        **kwargs,
+    )
+    seconds = time.perf_counter() - start
+    first = (clock.first or time.perf_counter()) - start
+    return Run(out[0, len(ids) :].tolist(), seconds, first)
+
+
+def run_lookahead(
+    model, ids, max_new_tokens, eos, pad, config, references=None, pool=None, sampling: dict | None = None
+) -> Run:
+    """Our loop on one prompt. ``pool``: the output pool to draft from; None gives a fresh one (no
+    earlier answers). ``references``: one passage's ids that seed the trie besides the prompt."""
+    pool = pool or OutputPool(config.branch_length + config.max_key_length)
+    start = time.perf_counter()
+    result = generate(
+        model,
+        ids,
+        max_new_tokens=max_new_tokens,
+        config=config,
+        references=[[references]] if references else None,  # one row, one passage
+        eos_token_id=eos,
+        pad_token_id=pad,
+        output_pool=pool,
+        **(sampling or {"do_sample": False}),
+    )
+    seconds = time.perf_counter() - start
+    s = result.stats
+    tokens = result.sequences[0, len(ids) :].tolist()
+    return Run(tokens, seconds, s.prefill_seconds, s.forward_passes, s.mean_accepted, dict(s.accepted_histogram))
+
+
+def summarize(totals: dict[str, MethodTotals]) -> dict[str, dict]:
+    """Per method: tokens/s, and decode speedups over transformers' plain decoding and its prompt
+    lookup (greedy, or sampling at the method's temperature) where they ran."""
+
+    def ratio(t: MethodTotals, base: MethodTotals | None, decode: bool) -> float | None:
+        if base is None or not base.runs:
+            return None
+        if decode:
+            ours, theirs = t.decode_tokens_per_second, base.decode_tokens_per_second
+        else:
+            ours, theirs = t.tokens_per_second, base.tokens_per_second
+        return round(ours / theirs, 3) if theirs else None
+
+    return {
+        m: {
+            "tokens_per_second": round(t.tokens_per_second, 3),
+            "decode_tokens_per_second": round(t.decode_tokens_per_second, 3),
+            "speedup_e2e": ratio(t, totals.get(baselines(m)[0]), decode=False),
+            "speedup_decode": ratio(t, totals.get(baselines(m)[0]), decode=True),
+            "vs_prompt_lookup_decode": ratio(t, totals.get(baselines(m)[1]), decode=True),
+            "mean_accepted": round(statistics.mean(t.accepted), 3) if t.accepted else None,
+            "identical_to_greedy": f"{t.identical}/{t.runs}",
+            "new_tokens": t.tokens,
+        }
+        for m, t in totals.items()
+        if t.runs
+    }

@@ -1,0 +1,180 @@
+"""PNG charts of a benchmark report, written next to its JSON (``--plot``).
+
+They read the report dict exactly as the benchmark writes it (or as ``json.load`` gives it back),
+so charts can also be drawn later from a saved JSON::
+
+    plot_single(json.load(open("bench.json")), "bench.json")   # bench.decode_speed.png, ...
+
+matplotlib draws on its Agg canvas directly (no pyplot, no display, no global backend switch).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from rag_lookahead.bench.methods import baselines
+
+__all__ = ["chart_path", "plot_batch", "plot_single"]
+
+
+def chart_path(json_path: str | Path, name: str) -> Path:
+    """``bench.json`` -> ``bench.<name>.png`` in the same folder."""
+    path = Path(json_path)
+    return path.with_name(f"{path.stem}.{name}.png")
+
+
+def _figure(panels: int = 1):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6.4 * panels, 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure, [figure.add_subplot(1, panels, i + 1) for i in range(panels)]
+
+
+def _save(figure, path: Path) -> Path:
+    figure.savefig(path, format="png", dpi=110)
+    return path
+
+
+def _method_names(rows: Iterable[dict]) -> list[str]:
+    """The methods of per-prompt rows, in report order (every key that holds a method's figures)."""
+    names: dict[str, None] = {}
+    for row in rows:
+        names.update((key, None) for key, value in row.items() if isinstance(value, dict))
+    return list(names)
+
+
+# ---------------------------------------------------------------- the batch-1 benchmark
+
+
+def plot_single(report: dict[str, Any], json_path: str | Path) -> list[Path]:
+    """Decode speed per method and prompt, accepted tokens per step, speedup against copying.
+
+    The histogram is left out when no method ran our loop (only our loop counts accepted tokens
+    per step); the speedup chart when greedy (or sampling's baseline) did not run.
+    """
+    rows = report["per_prompt"]
+    methods = _method_names(rows)
+    written = [_decode_speed_chart(report, rows, methods, chart_path(json_path, "decode_speed"))]
+    histograms = _accepted_histograms(rows, methods)
+    if histograms:
+        written.append(_accepted_chart(histograms, chart_path(json_path, "accepted_per_step")))
+    points = _speedup_points(rows, methods)
+    if points:
+        written.append(_speedup_chart(report, points, chart_path(json_path, "speedup_vs_copied")))
+    return written
+
+
+def _decode_speed_chart(report: dict, rows: list[dict], methods: list[str], path: Path) -> Path:
+    """Grouped bars: decode tokens/s per prompt (mean over the repeats), one bar per method."""
+    prompts = list(dict.fromkeys(str(r["id"]) for r in rows))
+    speeds: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for row in rows:
+        for m in methods:
+            value = (row.get(m) or {}).get("decode_tokens_per_second")
+            if value is not None:
+                speeds[str(row["id"]), m].append(value)
+    figure, (axes,) = _figure()
+    width = 0.8 / max(len(methods), 1)
+    for k, m in enumerate(methods):
+        heights = [statistics.mean(speeds[p, m]) if speeds[p, m] else 0.0 for p in prompts]
+        axes.bar([i + (k - (len(methods) - 1) / 2) * width for i in range(len(prompts))], heights, width, label=m)
+    axes.set_xticks(range(len(prompts)), prompts, rotation=30, ha="right")
+    axes.set_ylabel("decode tokens/s")
+    axes.set_title(f"{report.get('model', '')} {report.get('dtype', '')}, batch 1: decode speed per prompt")
+    axes.legend(fontsize="small")
+    return _save(figure, path)
+
+
+def _accepted_histograms(rows: list[dict], methods: list[str]) -> dict[str, dict[int, int]]:
+    """Per method that ran our loop: tokens gained in one step -> steps, over every prompt run."""
+    summed: dict[str, dict[int, int]] = {}
+    for m in methods:
+        for row in rows:
+            histogram = (row.get(m) or {}).get("accepted_histogram")
+            for tokens, steps in (histogram or {}).items():  # JSON keys come back as strings
+                counts = summed.setdefault(m, {})
+                counts[int(tokens)] = counts.get(int(tokens), 0) + int(steps)
+    return summed
+
+
+def _accepted_chart(histograms: dict[str, dict[int, int]], path: Path) -> Path:
+    """Share of decode steps that gained k tokens, one bar group per k."""
+    figure, (axes,) = _figure()
+    top = max(max(h) for h in histograms.values())
+    width = 0.8 / len(histograms)
+    for j, (m, counts) in enumerate(histograms.items()):
+        steps = sum(counts.values()) or 1
+        xs = [k + (j - (len(histograms) - 1) / 2) * width for k in range(1, top + 1)]
+        axes.bar(xs, [counts.get(k, 0) / steps for k in range(1, top + 1)], width, label=m)
+    axes.set_xlabel("tokens accepted in one decode step")
+    axes.set_ylabel("share of steps")
+    axes.set_title("accepted tokens per step")
+    axes.legend(fontsize="small")
+    return _save(figure, path)
+
+
+def _speedup_points(rows: list[dict], methods: list[str]) -> dict[str, list[tuple[float, float]]]:
+    """Per method: (share of greedy's answer copied from the passage, decode speedup over its baseline)."""
+    points: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for row in rows:
+        for m in methods:
+            base = baselines(m)[0]
+            ours, theirs = (row.get(m) or {}), (row.get(base) or {})
+            if m == base or not ours.get("decode_tokens_per_second") or not theirs.get("decode_tokens_per_second"):
+                continue
+            points[m].append(
+                (row["copied_from_context"], ours["decode_tokens_per_second"] / theirs["decode_tokens_per_second"])
+            )
+    return dict(points)
+
+
+def _speedup_chart(report: dict, points: dict[str, list[tuple[float, float]]], path: Path) -> Path:
+    figure, (axes,) = _figure()
+    for m, xy in points.items():
+        axes.scatter([x for x, _ in xy], [y for _, y in xy], label=m, alpha=0.8)
+    axes.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    axes.set_xlabel("share of greedy's answer copied from the passage")
+    axes.set_ylabel("decode speedup over greedy (sampling: over sampling)")
+    axes.set_title(f"speedup against copying ({report.get('seed_mode', 'prompt')} context)")
+    axes.legend(fontsize="small")
+    return _save(figure, path)
+
+
+# ---------------------------------------------------------------- the throughput benchmark
+
+
+def plot_batch(report: dict[str, Any], json_path: str | Path) -> list[Path]:
+    """Throughput, and p50/p95 latency, against concurrency, one line per method (mean over passes)."""
+    by_method: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for row in report["results"]:
+        by_method[row["method"]][int(row["concurrency"])].append(row)
+    figure, (throughput, latency) = _figure(panels=2)
+    for method, levels in by_method.items():
+        xs = sorted(levels)
+
+        def mean(key: str, levels=levels, xs=xs) -> list[float]:
+            return [statistics.mean(r[key] for r in levels[x]) for x in xs]
+
+        (line,) = throughput.plot(xs, mean("tokens_per_second"), marker="o", label=method)
+        latency.plot(xs, mean("p50_latency_s"), marker="o", color=line.get_color(), label=f"{method} p50")
+        latency.plot(
+            xs, mean("p95_latency_s"), marker="^", linestyle="--", color=line.get_color(), label=f"{method} p95"
+        )
+    levels = sorted({level for by_level in by_method.values() for level in by_level})
+    for axes in (throughput, latency):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(levels, [str(level) for level in levels])
+        axes.minorticks_off()
+        axes.set_xlabel("concurrency (requests in flight)")
+        axes.legend(fontsize="small")
+    throughput.set_ylabel("tokens/s")
+    throughput.set_title(f"{report.get('model', '')} {report.get('dtype', '')}: throughput")
+    latency.set_ylabel("latency, s (request start to last token)")
+    latency.set_title("p50 / p95 latency")
+    return [_save(figure, chart_path(json_path, "concurrency"))]

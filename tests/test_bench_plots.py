@@ -1,0 +1,108 @@
+"""``--plot``: the chart functions draw valid PNG files from a report shaped like the ones the
+benchmarks write (tiny fake figures; no benchmark runs here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from rag_lookahead.bench.plots import chart_path, plot_batch, plot_single
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _method(tps, mean_accepted=None, histogram=None, new_tokens=40):
+    figures = {
+        "new_tokens": new_tokens,
+        "seconds": 1.0,
+        "decode_tokens_per_second": tps,
+        "identical_to_greedy": True,
+        "mean_accepted": mean_accepted,
+    }
+    if histogram is not None:
+        figures["accepted_histogram"] = histogram
+    return figures
+
+
+def single_report() -> dict:
+    rows = []
+    for repeat in range(2):
+        for i, (pid, copied) in enumerate((("zh-law", 0.9), ("en-wiki", 0.4), ("zh-medical", 0.0))):
+            rows.append(
+                {
+                    "id": pid,
+                    "repeat": repeat,
+                    "copied_from_context": copied,
+                    "greedy": _method(10.0 + i),
+                    "prompt_lookup": _method(14.0 + i),
+                    "lookahead": _method(20.0 + 5 * copied, 2.5, {1: 5, 2: 3, 7: 1 + i}),
+                    "sample_t0.7": _method(9.0),
+                    "lookahead_sample_t0.7": _method(12.0, 1.4, {1: 8, 3: 2}),
+                }
+            )
+    return {"model": "default", "dtype": "bf16", "seed_mode": "prompt", "per_prompt": rows}
+
+
+def batch_report() -> dict:
+    results = [
+        {
+            "pass": p,
+            "concurrency": level,
+            "method": method,
+            "requests_per_second": 0.5 * level,
+            "tokens_per_second": base * level**0.7 + p,
+            "p50_latency_s": 2.0 + level / base,
+            "p95_latency_s": 3.0 + level / base,
+            "identical_to_single": "4/4",
+            "mean_accepted": "-" if method == "hf_greedy" else 1.8,
+        }
+        for p in range(2)
+        for level in (1, 4, 16)
+        for method, base in (("hf_greedy", 8.0), ("plain", 9.0), ("lookahead", 15.0))
+    ]
+    return {"model": "default", "dtype": "bf16", "requests": 4, "results": results}
+
+
+def _assert_png(path):
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > len(PNG_SIGNATURE)
+
+
+def test_single_charts_are_pngs_next_to_the_json(tmp_path):
+    json_path = tmp_path / "bench.json"
+    written = plot_single(single_report(), json_path)
+    assert written == [
+        chart_path(json_path, "decode_speed"),
+        chart_path(json_path, "accepted_per_step"),
+        chart_path(json_path, "speedup_vs_copied"),
+    ]
+    assert [p.name for p in written] == [
+        "bench.decode_speed.png",
+        "bench.accepted_per_step.png",
+        "bench.speedup_vs_copied.png",
+    ]
+    for path in written:
+        _assert_png(path)
+
+
+def test_single_charts_read_a_report_back_from_json(tmp_path):
+    """A saved report has string keys in its histograms and may lack our loop's methods."""
+    report = json.loads(json.dumps(single_report()))
+    assert plot_single(report, tmp_path / "again.json")
+    hf_only = {
+        **report,
+        "per_prompt": [{k: v for k, v in r.items() if "lookahead" not in k} for r in report["per_prompt"]],
+    }
+    written = plot_single(hf_only, tmp_path / "hf.json")
+    assert [p.name for p in written] == ["hf.decode_speed.png", "hf.speedup_vs_copied.png"]  # no per-step counts
+    for path in written:
+        _assert_png(path)
+
+
+def test_batch_chart_is_a_png_next_to_the_json(tmp_path):
+    written = plot_batch(batch_report(), tmp_path / "batch.json")
+    assert [p.name for p in written] == ["batch.concurrency.png"]
+    _assert_png(written[0])
