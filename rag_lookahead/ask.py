@@ -8,16 +8,13 @@ stats. ``--json`` prints one JSON object instead. Same options as ``rag_lookahea
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import typer
+from rag_lookahead.errors import InputError
 
-from rag_lookahead.errors import InputError, RagLookaheadError
-
-__all__ = ["bundled_corpus", "ensure_index", "answer", "ask_command", "main"]
+__all__ = ["bundled_corpus", "ensure_index", "answer", "print_result", "token_printer", "main"]
 
 
 def bundled_corpus() -> Path:
@@ -34,7 +31,8 @@ def bundled_corpus() -> Path:
 def ensure_index(index_dir: Path, *, quiet: bool = False):
     """Load the index at ``index_dir``; build it from the bundled corpus first if there is none
     (``build_index`` refuses a non-empty folder that is not an index, so nothing of the user's is touched)."""
-    from rag_lookahead.rag.index import MANIFEST, build_index, load_index
+    from rag_lookahead.rag.index import build_index, load_index
+    from rag_lookahead.rag.store import MANIFEST
 
     if not (index_dir / MANIFEST).is_file():
         corpus = bundled_corpus()
@@ -99,7 +97,8 @@ def answer(
     return {"question": question.strip(), **result}
 
 
-def _stream_handler():
+def token_printer():
+    """A callback handler that prints each accepted block of the answer as it is decoded."""
     from langchain_core.callbacks import BaseCallbackHandler
 
     class _Print(BaseCallbackHandler):
@@ -110,7 +109,8 @@ def _stream_handler():
     return _Print()
 
 
-def _print_result(result: dict, streamed: bool) -> None:
+def print_result(result: dict, streamed: bool) -> None:
+    """The answer (unless it was ``streamed``), its sources and the decoding stats, for a terminal."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -128,85 +128,18 @@ def _print_result(result: dict, streamed: bool) -> None:
     console.print()
     console.print(
         f"[bold]Stats[/bold] {st.get('new_tokens', 0)} tokens, {st.get('tokens_per_second', 0.0):.2f} tok/s,"
-        f" mean accepted {st.get('mean_accepted', 0.0):.2f} tokens/forward, {st.get('forward_passes', 0)} forward passes,"
+        f" mean accepted {st.get('mean_accepted', 0.0):.2f} tokens/forward,"
+        f" {st.get('forward_passes', 0)} forward passes,"
         f" lookahead {'on' if st.get('lookahead') else 'off'}"
     )
 
 
-def ask_command(
-    question: str = typer.Argument(..., help="The question (any language the model speaks)."),
-    index_dir: Path | None = typer.Option(None, "--index-dir", help="Index folder (default: default_index_dir())."),
-    model: str = typer.Option("default", "--model", help='"default", a hub id or a local model folder.'),
-    k: int = typer.Option(3, "--k", min=1, help="Passages put into the prompt."),
-    k_seed: int = typer.Option(8, "--k-seed", min=1, help="Passages retrieved to seed the draft trie (>= --k)."),
-    stream: bool = typer.Option(False, "--stream", help="Print the answer as it is decoded."),
-    no_lookahead: bool = typer.Option(
-        False, "--no-lookahead", help="Plain decoding, one token a forward (same text, slower)."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: question, answer, sources, stats."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Most tokens in the answer."),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0: greedy; above 0: sample (lossless)."),
-    top_p: float | None = typer.Option(
-        None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (with --temperature)."
-    ),
-    seed: int | None = typer.Option(None, "--seed", min=0, help="Make a sampled answer reproducible."),
-    trust_remote_code: bool = typer.Option(
-        False,
-        "--trust-remote-code",
-        help="Run the modeling code a model repo ships (ChatGLM3, Qwen-1); only for sources you trust.",
-    ),
-    dtype: str | None = typer.Option(
-        None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 where fast, fp16 on older GPUs)."
-    ),
-    device: str | None = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)."),
-    device_map: str | None = typer.Option(
-        None, "--device-map", help='accelerate device map, e.g. "auto" for several GPUs.'
-    ),
-) -> None:
-    """Answer a question from the indexed documents (indexes the bundled corpus on first use)."""
-    try:
-        streaming = stream and not as_json
-        result = answer(
-            question,
-            index_dir=index_dir,
-            model=model,
-            k=k,
-            k_seed=k_seed,
-            lookahead=not no_lookahead,
-            max_new_tokens=max_new_tokens,
-            callbacks=[_stream_handler()] if streaming else None,
-            quiet=as_json,
-            temperature=temperature or None,
-            top_p=top_p,
-            seed=seed,
-            trust_remote_code=trust_remote_code,
-            dtype=dtype,
-            device=device,
-            device_map=device_map,
-        )
-    except RagLookaheadError as e:
-        fail(e)
-    if as_json:
-        out = dict(result)
-        out["sources"] = [{k: v for k, v in s.items() if k != "text"} for s in result["sources"]]
-        sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
-    else:
-        _print_result(result, streaming)
-
-
-def fail(error: BaseException) -> None:
-    """Print ``error`` as one red line on stderr and exit 1."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    Console(stderr=True).print(
-        f"[red]error: {escape(str(error).splitlines()[0] if str(error) else type(error).__name__)}[/red]",
-        soft_wrap=True,
-    )
-    raise typer.Exit(1)
-
-
 def main(argv: list[str] | None = None) -> None:
+    """``python -m rag_lookahead.ask QUESTION [options]``: the ``rag_lookahead ask`` command on its own."""
+    import typer
+
+    from rag_lookahead.cli import ask_command
+
     app = typer.Typer(add_completion=False)
     app.command()(ask_command)
     app(args=argv, prog_name="python -m rag_lookahead.ask")

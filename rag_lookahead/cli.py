@@ -1,18 +1,26 @@
-"""``rag_lookahead index | ask | bench | serve``.
+"""``rag_lookahead index | ask | serve | bench | bench-batch | bench-rag | bench-retrieval | gpu-check``.
 
-Errors the user can fix (``RagLookaheadError``) print as one red line and exit 1.
+The one command-line entry (the ``rag_lookahead`` console script and ``python -m rag_lookahead``).
+Errors the user can fix (``RagLookaheadError``) print as one red line on stderr and exit 1
+(:func:`fail`). ``serve`` and the benchmarks hand their arguments to their modules' own parsers.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
-from rag_lookahead.ask import ask_command, fail
 from rag_lookahead.errors import RagLookaheadError
-from rag_lookahead.rag.index import LOCK_TIMEOUT_S, MAX_FILE_MB
+from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE
+from rag_lookahead.rag.corpus import MAX_FILE_MB
+from rag_lookahead.rag.store import LOCK_TIMEOUT_S
+
+__all__ = ["app", "ask_command", "fail", "index_command"]
 
 app = typer.Typer(
     name="rag_lookahead",
@@ -21,9 +29,20 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-app.command("ask")(ask_command)
 
-_FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+def fail(error: BaseException) -> NoReturn:
+    """Print ``error`` as one red line on stderr and exit 1."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True).print(
+        f"[red]error: {escape(str(error).splitlines()[0] if str(error) else type(error).__name__)}[/red]",
+        soft_wrap=True,
+    )
+    raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------- index
 
 
 @app.command("index")
@@ -35,6 +54,10 @@ def index_command(
     embedder: str | None = typer.Option(
         None, "--embedder", help="e5-small (default), use, or a sentence-transformers name."
     ),
+    chunk_size: int = typer.Option(CHUNK_SIZE, "--chunk-size", help="Characters per chunk."),
+    chunk_overlap: int = typer.Option(
+        CHUNK_OVERLAP, "--chunk-overlap", help="Characters shared by neighbouring chunks."
+    ),
     follow_symlinks: bool = typer.Option(
         False, "--follow-symlinks", help="Index the targets of symbolic links (off: links are skipped and reported)."
     ),
@@ -45,13 +68,15 @@ def index_command(
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
 ) -> None:
     """Build or incrementally update the document index."""
-    from rag_lookahead.rag.index import build_index
+    from rag_lookahead.rag.build import build_index
 
     try:
         report = build_index(
             corpus_dir,
             index_dir,
             embedder,
+            chunk_size=chunk_size,
+            chunk_overlap=chunk_overlap,
             progress=not no_progress,
             follow_symlinks=follow_symlinks,
             max_file_mb=max_file_mb,
@@ -62,7 +87,81 @@ def index_command(
     typer.echo(report.summary())
 
 
+# ---------------------------------------------------------------- ask
+
+
+@app.command("ask")
+def ask_command(
+    question: str = typer.Argument(..., help="The question (any language the model speaks)."),
+    index_dir: Path | None = typer.Option(None, "--index-dir", help="Index folder (default: default_index_dir())."),
+    model: str = typer.Option("default", "--model", help='"default", a hub id or a local model folder.'),
+    k: int = typer.Option(3, "--k", min=1, help="Passages put into the prompt."),
+    k_seed: int = typer.Option(8, "--k-seed", min=1, help="Passages retrieved to seed the draft trie (>= --k)."),
+    stream: bool = typer.Option(False, "--stream", help="Print the answer as it is decoded."),
+    no_lookahead: bool = typer.Option(
+        False, "--no-lookahead", help="Plain decoding, one token a forward (same text, slower)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: question, answer, sources, stats."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="Most tokens in the answer."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0: greedy; above 0: sample (lossless)."),
+    top_p: float | None = typer.Option(
+        None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (with --temperature)."
+    ),
+    seed: int | None = typer.Option(None, "--seed", min=0, help="Make a sampled answer reproducible."),
+    trust_remote_code: bool = typer.Option(
+        False,
+        "--trust-remote-code",
+        help="Run the modeling code a model repo ships (ChatGLM3, Qwen-1); only for sources you trust.",
+    ),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 where fast, fp16 on older GPUs)."
+    ),
+    device: str | None = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)."),
+    device_map: str | None = typer.Option(
+        None, "--device-map", help='accelerate device map, e.g. "auto" for several GPUs.'
+    ),
+) -> None:
+    """Answer a question from the indexed documents (indexes the bundled corpus on first use)."""
+    # over 60 lines only because typer declares every option in the signature; the work is ask.answer
+    from rag_lookahead.ask import answer, print_result, token_printer
+
+    streaming = stream and not as_json
+    try:
+        result = answer(
+            question,
+            index_dir=index_dir,
+            model=model,
+            k=k,
+            k_seed=k_seed,
+            lookahead=not no_lookahead,
+            max_new_tokens=max_new_tokens,
+            callbacks=[token_printer()] if streaming else None,
+            quiet=as_json,
+            temperature=temperature or None,
+            top_p=top_p,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+            dtype=dtype,
+            device=device,
+            device_map=device_map,
+        )
+    except RagLookaheadError as e:
+        fail(e)
+    if as_json:
+        out = dict(result)
+        out["sources"] = [{k: v for k, v in s.items() if k != "text"} for s in result["sources"]]
+        sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
+    else:
+        print_result(result, streaming)
+
+
+# ---------------------------------------------------------------- serve and the benchmarks (their own parsers)
+
+_FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
 def _forward(module: str, ctx: typer.Context, what: str) -> None:
+    """Run ``module.main(arguments)``; its integer return value is the exit code."""
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -78,22 +177,24 @@ def _forward(module: str, ctx: typer.Context, what: str) -> None:
     raise typer.Exit(rc if isinstance(rc, int) and not isinstance(rc, bool) else 0)
 
 
-@app.command("bench", context_settings=_FORWARD, add_help_option=False)
-def bench_command(ctx: typer.Context) -> None:
-    """Side-by-side benchmark (arguments go to rag_lookahead.bench.single; try `bench --help`)."""
-    _forward("rag_lookahead.bench.single", ctx, "bench")
+def _forwarding(name: str, module: str, summary: str) -> None:
+    """Register ``rag_lookahead NAME ...`` as ``module.main([...])``."""
+
+    def command(ctx: typer.Context) -> None:
+        _forward(module, ctx, name)
+
+    command.__doc__ = f"{summary} (arguments go to {module}; try `{name} --help`)."
+    app.command(name, context_settings=_FORWARD, add_help_option=False)(command)
 
 
-@app.command("gpu-check", context_settings=_FORWARD, add_help_option=False)
-def gpu_check_command(ctx: typer.Context) -> None:
-    """Exactness, speed and stress check of this machine's accelerator (arguments go to rag_lookahead.bench.gpu_check)."""
-    _forward("rag_lookahead.bench.gpu_check", ctx, "gpu-check")
-
-
-@app.command("serve", context_settings=_FORWARD, add_help_option=False)
-def serve_command(ctx: typer.Context) -> None:
-    """OpenAI-compatible server (arguments go to rag_lookahead.serve.server; try `serve --help`)."""
-    _forward("rag_lookahead.serve.server", ctx, "serve")
+_forwarding("serve", "rag_lookahead.serve.server", "OpenAI-compatible server")
+_forwarding("bench", "rag_lookahead.bench.single", "Side-by-side benchmark")
+_forwarding("bench-batch", "rag_lookahead.bench.batch", "Throughput benchmark: many requests at once, batched")
+_forwarding("bench-rag", "rag_lookahead.bench.rag", "RAG benchmark: the retrieval chain, with and without trie seeding")
+_forwarding("bench-retrieval", "rag_lookahead.bench.retrieval", "Question -> passage retrieval check")
+_forwarding(
+    "gpu-check", "rag_lookahead.bench.gpu_check", "Exactness, speed and stress check of this machine's accelerator"
+)
 
 
 if __name__ == "__main__":

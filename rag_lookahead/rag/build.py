@@ -1,0 +1,262 @@
+"""Building the document index: split each file into chunks, embed the new ones, publish a version.
+
+Rebuilding is incremental: files are keyed by the sha256 of their bytes, and unchanged files keep
+their stored vectors (read back with ``reconstruct_n``); a changed embedding model or chunking
+re-embeds everything. Reading the corpus is :mod:`.corpus`; the folder on disk, the lock and the
+atomic publish are :mod:`.store`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rag_lookahead.errors import ConfigError, IndexLoadError
+from rag_lookahead.rag import store
+from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, load_corpus
+from rag_lookahead.rag.store import FORMAT_VERSION, LOCK_TIMEOUT_S, default_index_dir
+
+if TYPE_CHECKING:  # the embedders pull in torch: imported where used, so the CLI starts fast
+    from rag_lookahead.rag.embedders import Embedder
+
+__all__ = ["CHUNK_OVERLAP", "CHUNK_SIZE", "SEPARATORS", "IndexReport", "build_index", "make_splitter"]
+
+log = logging.getLogger(__name__)
+
+
+# 400 characters is ~250-400 e5 tokens of Chinese (well inside its 512-token window) or ~100 English
+# words: one focused paragraph. Four such chunks (the default k) keep a RAG prompt near 1.5k tokens,
+# cheap to prefill on a CPU, and give the lookahead trie whole sentences to draft from.
+# 50 characters of overlap carries about one short sentence across a boundary.
+CHUNK_SIZE = 400
+CHUNK_OVERLAP = 50
+SEPARATORS = ["\n\n", "\n", "。", "！", "？", "；", ". ", "! ", "? ", " ", ""]
+
+
+@dataclass
+class IndexReport:
+    """What a :func:`build_index` run did; counts are files unless they say chunks."""
+
+    index_dir: Path
+    embedding_model: str
+    added: int = 0
+    updated: int = 0
+    removed: int = 0
+    unchanged: int = 0
+    chunks: int = 0  # chunks in the new index
+    embedded_chunks: int = 0  # chunks embedded by this run (the rest were reused)
+    skipped: list[str] = field(default_factory=list)  # "path: reason" for files not indexed
+    notes: list[str] = field(default_factory=list)  # "path: what" for files indexed with a caveat (encoding)
+    rebuilt: bool = False  # True when the previous index could not be reused at all
+    seconds: float = 0.0
+
+    @property
+    def files(self) -> int:
+        return self.added + self.updated + self.unchanged
+
+    def summary(self) -> str:
+        """One line of counts, then one indented line per skipped file and per note."""
+        lines = [
+            f"indexed {self.files} files ({self.added} added, {self.updated} updated, {self.unchanged} unchanged,"
+            f" {self.removed} removed), {self.chunks} chunks ({self.embedded_chunks} embedded)"
+            f" with {self.embedding_model} in {self.seconds:.1f}s -> {self.index_dir}"
+        ]
+        lines += [f"  skipped {s}" for s in self.skipped]
+        lines += [f"  note {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- splitting
+
+
+def make_splitter(chunk_size: int = CHUNK_SIZE, chunk_overlap: int = CHUNK_OVERLAP):
+    """A Chinese-aware ``RecursiveCharacterTextSplitter``: paragraphs, lines, then sentence ends
+    (``。！？；`` and ``. ! ?``), words, characters. Sentence punctuation stays at the END of a chunk."""
+    from langchain_text_splitters import RecursiveCharacterTextSplitter
+
+    if chunk_size < 1:
+        raise ConfigError(f"chunk_size must be positive, got {chunk_size}")
+    if not 0 <= chunk_overlap < chunk_size:
+        raise ConfigError(f"chunk_overlap must be in [0, chunk_size), got {chunk_overlap}")
+    return RecursiveCharacterTextSplitter(
+        separators=SEPARATORS,
+        keep_separator="end",
+        chunk_size=chunk_size,
+        chunk_overlap=chunk_overlap,
+        length_function=len,
+        strip_whitespace=True,
+    )
+
+
+# ---------------------------------------------------------------- building
+
+
+def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int]):
+    """The reusable part of an existing index: ``({source: (sha, [records], vectors)}, reason_if_not)``."""
+    if not (index_dir / store.MANIFEST).exists():
+        return {}, None
+    try:
+        manifest = store.read_manifest(index_dir)
+        if manifest["embedding_model"] != embedder.name:
+            return {}, f"it was built with {manifest['embedding_model']!r}, now {embedder.name!r}"
+        if any(manifest.get(key) != value for key, value in chunking.items()):
+            return {}, "the chunk size or overlap changed"
+        fidx, records = store.read_verified(index_dir, manifest)
+    except IndexLoadError as e:
+        return {}, str(e)
+    vectors = fidx.reconstruct_n(0, fidx.ntotal) if fidx.ntotal else np.zeros((0, fidx.d), np.float32)
+    by_source: dict[str, tuple[str, list[dict], list[np.ndarray]]] = {}
+    for r, v in zip(records, vectors):
+        sha, recs, vecs = by_source.setdefault(r["source"], (r.get("file_sha256", ""), [], []))
+        recs.append(r)
+        vecs.append(v)
+    return {s: (sha, recs, np.stack(vecs)) for s, (sha, recs, vecs) in by_source.items()}, None
+
+
+def _plan(docs, previous, splitter, report: IndexReport):
+    """Per file: reuse the stored chunks and vectors when its sha256 is unchanged, else split it anew.
+    Returns ``(plan, texts_to_embed)``; ``plan`` rows are ``(source, records, vectors_or_None)``."""
+    plan: list[tuple[str, list[dict], np.ndarray | None]] = []
+    to_embed: list[str] = []
+    for source, (sha, text) in docs.items():
+        old = previous.get(source)
+        if old is not None and old[0] == sha:
+            report.unchanged += 1
+            plan.append((source, old[1], old[2]))
+            continue
+        if old is None:
+            report.added += 1
+        else:
+            report.updated += 1
+        chunks = [c for c in splitter.split_text(text) if c.strip()]
+        recs = [
+            {"chunk_id": f"{source}#{i}", "source": source, "file_sha256": sha, "text": c} for i, c in enumerate(chunks)
+        ]
+        plan.append((source, recs, None))
+        to_embed.extend(chunks)
+    report.removed = sum(1 for s in previous if s not in docs)
+    return plan, to_embed
+
+
+def _assemble(plan, new_vecs, dimension: int):
+    """Rows in plan order: ``(records with ids, FAISS IndexFlatIP)``."""
+    import faiss
+
+    records: list[dict] = []
+    blocks: list[np.ndarray] = []
+    offset = 0
+    for _source, recs, vecs in plan:
+        if vecs is None:
+            vecs = new_vecs[offset : offset + len(recs)] if recs else np.zeros((0, dimension), np.float32)
+            offset += len(recs)
+        records.extend(recs)
+        blocks.append(np.asarray(vecs, dtype=np.float32).reshape(len(recs), dimension))
+    matrix = np.concatenate(blocks, axis=0) if blocks else np.zeros((0, dimension), np.float32)
+    for i, r in enumerate(records):
+        r["id"] = i
+    fidx = faiss.IndexFlatIP(int(dimension))
+    if len(matrix):
+        fidx.add(np.ascontiguousarray(matrix))
+    return records, fidx
+
+
+def build_index(
+    corpus_dir: str | Path,
+    index_dir: str | Path | None = None,
+    embedder: Embedder | str | None = None,
+    *,
+    chunk_size: int = CHUNK_SIZE,
+    chunk_overlap: int = CHUNK_OVERLAP,
+    progress: bool = True,
+    follow_symlinks: bool = False,
+    max_file_mb: float = MAX_FILE_MB,
+    lock_timeout: float = LOCK_TIMEOUT_S,
+) -> IndexReport:
+    """Index ``corpus_dir`` into ``index_dir`` (default :func:`default_index_dir`), reusing the vectors of
+    files whose sha256 did not change, then atomically publish the new version.
+
+    Refuses (:class:`ConfigError`) a non-empty ``index_dir`` that is not an index of ours. Waits up to
+    ``lock_timeout`` seconds for another build of the same folder, then raises :class:`IndexBusyError`.
+    """
+    t0 = time.perf_counter()
+    index_dir = Path(index_dir).expanduser() if index_dir is not None else default_index_dir()
+    if not lock_timeout >= 0:
+        raise ConfigError(f"lock_timeout must be >= 0 seconds, got {lock_timeout}")
+    splitter = make_splitter(chunk_size, chunk_overlap)
+    chunking = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap}
+    store.check_target(index_dir)  # before any slow work, and before anything is created
+    corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb)
+    if embedder is None or isinstance(embedder, str):
+        from rag_lookahead.rag.embedders import get_embedder
+
+        embedder = get_embedder(embedder)
+    report = IndexReport(index_dir=index_dir, embedding_model=embedder.name, skipped=corpus.skipped, notes=corpus.notes)
+
+    index_dir.mkdir(parents=True, exist_ok=True)
+    with store.writer_lock(index_dir, lock_timeout):
+        store.check_target(index_dir)  # again: the folder may have changed while we waited
+        records, faiss_index = _embed_changes(index_dir, corpus, embedder, (splitter, chunking), progress, report)
+
+        def manifest_for(data_name: str, artifacts: dict[str, str]) -> dict:
+            settings = chunking | {"corpus_dir": corpus_dir}
+            return _manifest(corpus, records, embedder, settings, data_name, artifacts)
+
+        store.publish_version(index_dir, faiss_index, records, manifest_for)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _embed_changes(index_dir: Path, corpus: Corpus, embedder: Embedder, splitting, progress, report: IndexReport):
+    """The new version's ``(records, FAISS index)``: stored vectors for unchanged files, new ones for the rest.
+
+    ``splitting``: the splitter and its ``{"chunk_size", "chunk_overlap"}`` (stored vectors are
+    reused only under the same settings)."""
+    splitter, chunking = splitting
+    previous, why_not = _previous(index_dir, embedder, chunking)
+    if why_not:
+        report.rebuilt = True
+        warnings.warn(f"re-embedding everything: the index at {index_dir} cannot be reused ({why_not})", stacklevel=3)
+        log.warning("rebuilding %s: %s", index_dir, why_not)
+    plan, to_embed = _plan(corpus.docs, previous, splitter, report)
+    if report.rebuilt:  # counts describe what happened to files relative to the previous file list
+        old_files = set(store.manifest_files(index_dir))
+        report.added = sum(1 for s in corpus.docs if s not in old_files)
+        report.updated = len(corpus.docs) - report.added
+        report.removed = sum(1 for s in old_files if s not in corpus.docs)
+    new_vecs = embedder.embed_documents(to_embed, progress=progress) if to_embed else None
+    report.embedded_chunks = len(to_embed)
+    records, faiss_index = _assemble(plan, new_vecs, int(embedder.dimension))
+    report.chunks = len(records)
+    return records, faiss_index
+
+
+def _manifest(corpus: Corpus, records: list[dict], embedder: Embedder, settings: dict, data_name, artifacts) -> dict:
+    """The manifest of a new version (see :mod:`.store`): settings, counts, per-file hashes, data name."""
+    per_file: dict[str, dict] = {}
+    for r in records:
+        per_file.setdefault(r["source"], {"sha256": r["file_sha256"], "chunks": 0})["chunks"] += 1
+    for source, (sha, _) in corpus.docs.items():
+        per_file.setdefault(source, {"sha256": sha, "chunks": 0})
+    return {
+        "format": store.FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "data": data_name,
+        "embedding_model": embedder.name,
+        "dimension": int(embedder.dimension),
+        "metric": "inner_product (vectors L2-normalized)",
+        "chunk_size": settings["chunk_size"],
+        "chunk_overlap": settings["chunk_overlap"],
+        "separators": SEPARATORS,
+        "num_files": len(corpus.docs),
+        "num_chunks": len(records),
+        "corpus_dir": str(Path(settings["corpus_dir"]).expanduser().resolve()),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": dict(sorted(per_file.items())),
+        "artifacts": artifacts,
+    }

@@ -1,0 +1,272 @@
+"""Reading a corpus folder: which files, how much of each, and in which text encoding.
+
+:func:`load_corpus` walks a folder for .txt/.md/.pdf files (hidden entries skipped, symbolic links
+only when asked), reads each file once with a size cap and without blocking on FIFOs or devices,
+and decodes it (:func:`decode_text`: byte order mark, UTF-8, damaged UTF-8, else the legacy
+encoding charset-normalizer finds most likely). Files that cannot be used are reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import codecs
+import errno
+import hashlib
+import io
+import os
+import re
+import stat
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from rag_lookahead.errors import ConfigError, InputError
+
+__all__ = ["MAX_FILE_MB", "SUFFIXES", "Corpus", "DecodedText", "decode_text", "load_corpus", "read_text_file"]
+
+SUFFIXES = (".txt", ".md", ".pdf")
+MAX_FILE_MB = 20.0  # larger corpus files are skipped with a report line (--max-file-mb; README "Security and limits")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _looks_binary(data: bytes) -> bool:
+    head = data[:8192]
+    if b"\x00" in head:
+        return True
+    controls = sum(b < 32 and b not in (9, 10, 12, 13, 27) for b in head)
+    return controls > max(8, len(head) // 100)
+
+
+@dataclass(frozen=True)
+class DecodedText:
+    """A decoded file: ``replaced`` counts undecodable bytes that became U+FFFD."""
+
+    text: str
+    encoding: str
+    replaced: int = 0
+
+
+# UTF-32 before UTF-16: the UTF-32-LE mark starts with the UTF-16-LE one.
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a bad byte
+
+
+def _decode_utf8_replacing(data: bytes) -> DecodedText:
+    """UTF-8 with every invalid byte replaced by U+FFFD, counted (one per byte)."""
+    text, replaced = _ESCAPED_BYTE.subn("\ufffd", data.decode("utf-8", errors="surrogateescape"))
+    return DecodedText(text, "utf-8", replaced)
+
+
+def _mostly_utf8(data: bytes, replaced: int) -> bool:
+    """True when valid multi-byte UTF-8 dominates the invalid bytes (>= 10x): a damaged UTF-8 file,
+    not one in a legacy encoding, where most non-ASCII bytes do not form valid UTF-8."""
+    non_ascii = int(np.count_nonzero(np.frombuffer(data, dtype=np.uint8) >= 0x80))
+    return non_ascii - replaced >= 10 * replaced
+
+
+def _detect(data: bytes) -> DecodedText | None:
+    """The most likely legacy encoding (Big5, Shift-JIS, EUC-KR, GBK, cp125x, ...) by charset-normalizer."""
+    from charset_normalizer import from_bytes
+
+    for match in from_bytes(data):
+        # UTF-16/32 without a byte order mark is what it guesses for short texts it cannot place
+        if match.encoding.startswith(("utf_16", "utf_32")):
+            continue
+        return DecodedText(str(match), match.encoding)
+    return None
+
+
+def decode_text(data: bytes) -> DecodedText | None:
+    """Decode a text file's bytes; ``None`` if they look binary or fit no encoding.
+
+    Order: a byte order mark; strict UTF-8; UTF-8 with a few bad bytes replaced (U+FFFD, counted);
+    else the encoding charset-normalizer finds most likely.
+    """
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            if encoding == "utf-8-sig":
+                decoded = _decode_utf8_replacing(data[len(bom) :])
+                return DecodedText(decoded.text, encoding, decoded.replaced)
+            try:  # UTF-16/32: strict, so a binary file that happens to start with FF FE is not "text"
+                text = data.decode(encoding).lstrip("\ufeff")
+            except UnicodeDecodeError:
+                return None
+            return None if _looks_binary(text[:8192].encode("utf-8")) else DecodedText(text, encoding)
+    if _looks_binary(data):
+        return None
+    try:
+        return DecodedText(data.decode("utf-8"), "utf-8")
+    except UnicodeDecodeError:
+        pass
+    damaged = _decode_utf8_replacing(data)
+    if _mostly_utf8(data, damaged.replaced):
+        return damaged
+    return _detect(data)
+
+
+def read_text_file(data: bytes) -> str | None:
+    """The text of a file's bytes (see :func:`decode_text`); ``None`` if binary or undecodable."""
+    decoded = decode_text(data)
+    return decoded.text if decoded is not None else None
+
+
+# ---------------------------------------------------------------- loading files
+
+
+@dataclass
+class Corpus:
+    """The files :func:`load_corpus` read: ``docs`` maps a relative path to ``(sha256, text)``."""
+
+    docs: dict[str, tuple[str, str]]
+    skipped: list[str] = field(default_factory=list)  # "path: reason"
+    notes: list[str] = field(default_factory=list)  # "path: caveat"
+
+
+def _read_pdf(data: bytes) -> str:
+    from pypdf import PdfReader
+
+    reader = PdfReader(io.BytesIO(data))  # from the bytes already read: the file is read once
+    pages = [(page.extract_text() or "").strip() for page in reader.pages]
+    return "\n\n".join(p for p in pages if p)
+
+
+def _walk(root: Path, follow_symlinks: bool, skip) -> Iterator[tuple[str, Path]]:
+    """``(relative path, path)`` of the candidate files under ``root``: supported suffix, no hidden part.
+
+    Symbolic links are reported and left out unless ``follow_symlinks``; when following, each real
+    folder is visited once, so a link loop ends.
+    """
+    seen: set[tuple[int, int]] = set()
+
+    def unreadable(err: OSError) -> None:
+        skip(
+            os.path.relpath(err.filename, root) if err.filename else str(root),
+            f"unreadable folder ({err.strerror or err})",
+        )
+
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_symlinks, onerror=unreadable):
+        here = Path(dirpath)
+        if follow_symlinks:
+            st = os.stat(here)
+            if (st.st_dev, st.st_ino) in seen:
+                dirnames[:] = []
+                continue
+            seen.add((st.st_dev, st.st_ino))
+        rel_dir = here.relative_to(root).parts
+        kept = []
+        for name in sorted(dirnames):
+            if name.startswith("."):
+                continue
+            if not follow_symlinks and (here / name).is_symlink():
+                skip("/".join(rel_dir + (name,)), "symbolic link to a folder, not followed (--follow-symlinks)")
+                continue
+            kept.append(name)
+        dirnames[:] = kept
+        for name in sorted(filenames):
+            if not name.startswith(".") and Path(name).suffix.lower() in SUFFIXES:
+                yield "/".join(rel_dir + (name,)), here / name
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} KB"
+
+
+def _read_capped(path: Path, follow_symlinks: bool, max_file_mb: float) -> bytes | str:
+    """The file's bytes, read once; or why not (a string). Never blocks on a FIFO or device, never
+    follows a link unless asked (``O_NOFOLLOW`` also closes the gap between the check and the open)."""
+    if not follow_symlinks and path.is_symlink():
+        return "symbolic link, not followed (--follow-symlinks)"
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0))
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow_symlinks:
+            return "symbolic link, not followed (--follow-symlinks)"
+        return f"unreadable ({e.strerror or e})"
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        max_bytes = int(max_file_mb * 2**20)
+        too_big = f"{_size(st.st_size)} is over the {max_file_mb:g} MB limit (--max-file-mb)"
+        if st.st_size > max_bytes:
+            return too_big
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as e:
+            return f"unreadable ({e.strerror or e})"
+    if len(data) > max_bytes:  # it grew after the size check
+        return too_big
+    return data
+
+
+def _file_text(rel: str, data: bytes, notes: list[str]) -> str:
+    """The text of one file (PDF or text); raises ValueError with the reason it cannot be used."""
+    if rel.lower().endswith(".pdf"):
+        try:
+            text = _read_pdf(data)
+        except Exception as e:  # pypdf raises many types on damaged files
+            raise ValueError(f"unreadable PDF ({type(e).__name__}: {e})".splitlines()[0]) from None
+        if not text.strip():
+            raise ValueError("PDF has no extractable text")
+        return text
+    decoded = decode_text(data)
+    if decoded is None:
+        raise ValueError("binary or in no text encoding we could detect")
+    if not decoded.text.strip():
+        raise ValueError("empty")
+    if decoded.replaced:
+        note = f"{rel}: {decoded.replaced} undecodable byte(s) replaced with U+FFFD (read as {decoded.encoding})"
+        notes.append(note)
+        warnings.warn(note, stacklevel=4)
+    elif decoded.encoding not in ("utf-8", "utf-8-sig"):
+        notes.append(f"{rel}: read as {decoded.encoding} (detected)")
+    return decoded.text
+
+
+def load_corpus(corpus_dir: str | Path, *, follow_symlinks: bool = False, max_file_mb: float = MAX_FILE_MB) -> Corpus:
+    """Read every .txt/.md/.pdf under ``corpus_dir`` (recursively, hidden entries skipped).
+
+    Symbolic links are not followed unless ``follow_symlinks``; files over ``max_file_mb`` are not read.
+    Each file that cannot be used gets a ``"path: reason"`` in ``skipped`` (also a warning).
+    Raises :class:`InputError` when the folder is missing or holds no loadable file.
+    """
+    root = Path(corpus_dir).expanduser()
+    if not root.exists():
+        raise InputError(f"corpus folder not found: {root}")
+    if not root.is_dir():
+        raise InputError(f"corpus path is not a folder: {root}")
+    if not 0 < max_file_mb < float("inf"):
+        raise ConfigError(f"max_file_mb must be a positive number of megabytes, got {max_file_mb}")
+    corpus = Corpus(docs={})
+
+    def skip(rel: str, why: str) -> None:
+        corpus.skipped.append(f"{rel}: {why}")
+        warnings.warn(f"skipping {rel}: {why}", stacklevel=4)
+
+    for rel, path in sorted(_walk(root, follow_symlinks, skip)):
+        data = _read_capped(path, follow_symlinks, max_file_mb)
+        if isinstance(data, str):
+            skip(rel, data)
+            continue
+        try:
+            text = _file_text(rel, data, corpus.notes)
+        except ValueError as e:
+            skip(rel, str(e))
+            continue
+        corpus.docs[rel] = (_sha256(data), text)
+    if not corpus.docs:
+        extra = f" (skipped: {'; '.join(corpus.skipped)})" if corpus.skipped else ""
+        raise InputError(f"no loadable .txt/.md/.pdf files in {root}{extra}")
+    return corpus

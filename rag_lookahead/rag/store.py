@@ -1,0 +1,377 @@
+"""The index folder on disk: its manifest, its immutable data versions, the build lock, and publishing.
+
+One folder that only ``build_index`` writes::
+
+    manifest.json          the marker and the pointer: format name + version, embedding model and
+                           dimension, splitter settings, counts, sha256 of every source file, and the
+                           name and sha256 of the data below
+    data-XXXXXXXX/         one immutable version of the data, named by ``tempfile.mkdtemp``
+        index.faiss        faiss.write_index of an IndexFlatIP over L2-normalized vectors (row i = chunk i)
+        docstore.jsonl     one JSON object per chunk, in row order: id, chunk_id, source, file_sha256, text
+    .rag_lookahead.lock    held by the one build that may write here (``filelock``)
+
+Loading reads JSON and a FAISS index only; nothing is ever unpickled.
+
+A build writes a new data folder, then publishes it by replacing ``manifest.json`` with one
+``os.replace``, then removes the old data. A reader therefore sees the old index or the new one; one
+that read the old manifest just before the old data was removed notices the manifest changed and
+reads again. Readers never change anything on disk.
+
+A build only writes into a folder that is new, empty, or holds one of our manifests; it never
+deletes a file it did not write (old data folders are emptied file by known file name, then removed
+with ``rmdir``, which fails on anything else). Format version 1 (the data files directly in the
+folder) is still read, and upgraded by the next build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rag_lookahead.atomic import fsync_dir, fsync_file, write_json_atomic
+from rag_lookahead.errors import ConfigError, IndexLoadError
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "LOCK_FILE",
+    "LOCK_TIMEOUT_S",
+    "MANIFEST",
+    "IndexBusyError",
+    "check_target",
+    "default_index_dir",
+    "manifest_files",
+    "publish_version",
+    "read_manifest",
+    "read_snapshot",
+    "read_verified",
+    "writer_lock",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: index.faiss and docstore.jsonl directly in the index folder
+FORMAT_NAME = "rag_lookahead.index"
+MANIFEST, FAISS_FILE, DOCSTORE = "manifest.json", "index.faiss", "docstore.jsonl"
+DATA_FILES = (FAISS_FILE, DOCSTORE)
+DATA_PREFIX = "data-"
+DATA_NAME = re.compile(r"data-[a-z0-9_]{1,32}")  # what tempfile.mkdtemp(prefix=DATA_PREFIX) makes
+LOCK_FILE = ".rag_lookahead.lock"
+MANIFEST_TMP_PREFIX = f".{MANIFEST}."  # write_json_atomic's temp files
+LOCK_TIMEOUT_S = 600.0  # how long a build waits for another build of the same folder (--lock-timeout)
+READ_ATTEMPTS = 5  # a reader re-reads at most this often while builds keep publishing new versions
+
+
+class IndexBusyError(IndexLoadError):
+    """Another build held the index folder's lock for longer than the lock timeout."""
+
+
+def default_index_dir() -> Path:
+    """``$RAG_LOOKAHEAD_HOME/index``, else ``$XDG_DATA_HOME/rag_lookahead/index``, else ``~/.local/share/...``."""
+    home = os.environ.get("RAG_LOOKAHEAD_HOME")
+    if home:
+        return Path(home).expanduser() / "index"
+    xdg = os.environ.get("XDG_DATA_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
+    return base / "rag_lookahead" / "index"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- reading and verifying an index
+
+
+def _parse_manifest(index_dir: Path, raw: bytes) -> dict:
+    """Check a manifest's marker, version and keys; :class:`IndexLoadError` says what is wrong."""
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IndexLoadError(f"index at {index_dir} is corrupt: {MANIFEST} is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise IndexLoadError(f"{index_dir / MANIFEST} is not a rag_lookahead index manifest")
+    if manifest.get("format_version") not in READABLE_VERSIONS:
+        raise IndexLoadError(
+            f"index at {index_dir} has format version {manifest.get('format_version')!r}; this version reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: rebuild it with `rag_lookahead index`"
+        )
+    for key in ("embedding_model", "dimension", "num_chunks", "files", "artifacts"):
+        if key not in manifest:
+            raise IndexLoadError(f"index at {index_dir} is corrupt: {MANIFEST} lacks {key!r}")
+    _data_dir(index_dir, manifest)  # a bad data name is corruption too
+    return manifest
+
+
+def _manifest_bytes(index_dir: Path) -> bytes:
+    try:
+        return (index_dir / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        raise IndexLoadError(f"index at {index_dir} is incomplete: {MANIFEST} is missing") from None
+    except OSError as e:
+        raise IndexLoadError(f"cannot read {index_dir / MANIFEST}: {e.strerror or e}") from None
+
+
+def read_manifest(index_dir: Path) -> dict:
+    return _parse_manifest(index_dir, _manifest_bytes(index_dir))
+
+
+def _data_dir(index_dir: Path, manifest: dict) -> Path:
+    """Where the manifest's data lives: a ``data-*`` folder inside the index (version 1: the index itself)."""
+    if manifest["format_version"] == 1:
+        return index_dir
+    name = manifest.get("data")
+    if not isinstance(name, str) or not DATA_NAME.fullmatch(name):
+        raise IndexLoadError(f"index at {index_dir} is corrupt: {MANIFEST} names no valid data folder ({name!r})")
+    return index_dir / name
+
+
+def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
+    """The FAISS index and docstore the manifest names, checked against its sha256s and counts."""
+    import faiss
+
+    data_dir = _data_dir(index_dir, manifest)
+    for name in DATA_FILES:
+        path = data_dir / name
+        if not path.is_file():
+            raise IndexLoadError(f"index at {index_dir} is incomplete: {name} is missing")
+        expected = manifest["artifacts"].get(name)
+        try:
+            actual = file_sha256(path)
+        except FileNotFoundError:  # a build removed it after the is_file check: the caller reads again
+            raise IndexLoadError(f"index at {index_dir} is incomplete: {name} is missing") from None
+        if actual != expected:
+            raise IndexLoadError(
+                f"index at {index_dir} is corrupt: {name} does not match the sha256 in {MANIFEST}; rebuild it"
+            )
+    try:
+        fidx = faiss.read_index(str(data_dir / FAISS_FILE))
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "unreadable"
+        raise IndexLoadError(f"index at {index_dir} is corrupt: cannot read {FAISS_FILE} ({first})") from None
+    records = []
+    try:
+        with open(data_dir / DOCSTORE, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                try:
+                    r = json.loads(line)
+                    if not all(isinstance(r.get(key), str) for key in ("text", "source", "chunk_id")):
+                        raise ValueError("missing text/source/chunk_id")
+                except ValueError as e:  # JSONDecodeError is a ValueError
+                    raise IndexLoadError(f"index at {index_dir} is corrupt: {DOCSTORE} line {lineno}: {e}") from None
+                records.append(r)
+    except FileNotFoundError:  # removed by a build after the hash check
+        raise IndexLoadError(f"index at {index_dir} is incomplete: {DOCSTORE} is missing") from None
+    n, d = int(manifest["num_chunks"]), int(manifest["dimension"])
+    if fidx.ntotal != n or len(records) != n:
+        raise IndexLoadError(
+            f"index at {index_dir} is corrupt: {FAISS_FILE} has {fidx.ntotal} vectors, {DOCSTORE} has "
+            f"{len(records)} chunks, {MANIFEST} says {n}"
+        )
+    if fidx.d != d:
+        raise IndexLoadError(f"index at {index_dir} is corrupt: vectors have dimension {fidx.d}, {MANIFEST} says {d}")
+    return fidx, records
+
+
+def read_snapshot(index_dir: Path) -> tuple[dict, Any, list[dict]]:
+    """One published version: the manifest and the data it names, read without changing anything.
+
+    A build publishes a new manifest, then removes the old data. A reader that read the old manifest
+    and then found its data gone (or different) sees that the manifest changed and reads again.
+    """
+    for attempt in range(READ_ATTEMPTS):
+        raw = _manifest_bytes(index_dir)
+        manifest = _parse_manifest(index_dir, raw)
+        try:
+            fidx, records = read_verified(index_dir, manifest)
+        except IndexLoadError:
+            if attempt + 1 < READ_ATTEMPTS and _manifest_changed(index_dir, raw):
+                continue
+            raise
+        return manifest, fidx, records
+    raise AssertionError("unreachable")
+
+
+def _manifest_changed(index_dir: Path, raw: bytes) -> bool:
+    try:
+        return (index_dir / MANIFEST).read_bytes() != raw
+    except OSError:
+        return True
+
+
+# ---------------------------------------------------------------- ownership of the index folder
+
+
+def _is_our_manifest(path: Path) -> bool:
+    """The file carries our marker (``"format": "rag_lookahead.index"``): only a build of ours wrote it."""
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME
+
+
+def _is_our_data_dir(path: Path) -> bool:
+    """A ``data-*`` folder (not a link) holding nothing but our data file names."""
+    if not DATA_NAME.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
+        return False
+    return all(c.name in DATA_FILES and not c.is_symlink() and c.is_file() for c in path.iterdir())
+
+
+def _is_our_leftover(path: Path) -> bool:
+    """What an interrupted first build can leave in a folder that has no manifest yet."""
+    if path.name == LOCK_FILE or path.name.startswith(MANIFEST_TMP_PREFIX):
+        return path.is_file() and not path.is_symlink()
+    return _is_our_data_dir(path)
+
+
+def check_target(index_dir: Path) -> None:
+    """Refuse (:class:`ConfigError`) to write into anything but a new folder, an empty one, or an index of ours."""
+    if not index_dir.exists():
+        if index_dir.is_symlink():
+            raise ConfigError(f"index path is a broken symbolic link: {index_dir}")
+        return
+    if not index_dir.is_dir():
+        raise ConfigError(f"index path exists and is not a folder: {index_dir}")
+    if _is_our_manifest(index_dir / MANIFEST):
+        return
+    foreign = sorted(c.name for c in index_dir.iterdir() if not _is_our_leftover(c))
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise ConfigError(
+            f"refusing to write an index into {index_dir}: it is not empty ({foreign[0]!r}{more}) and is not a"
+            f" rag_lookahead index (no {MANIFEST} of ours); choose a new or empty folder with --index-dir"
+        )
+
+
+@contextlib.contextmanager
+def writer_lock(index_dir: Path, timeout: float) -> Iterator[None]:
+    """Hold the index folder's lock: one build at a time writes here; others wait up to ``timeout`` s."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(index_dir / LOCK_FILE))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.warning("another `rag_lookahead index` run is writing %s; waiting up to %g s", index_dir, timeout)
+        try:
+            lock.acquire(timeout=timeout)
+        except Timeout:
+            raise IndexBusyError(
+                f"another `rag_lookahead index` run is still writing {index_dir} after {timeout:g} s;"
+                f" try again when it ends, or wait longer with --lock-timeout"
+            ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _empty_our_data_dir(path: Path) -> None:
+    """Remove a data folder of ours: our files by name, then ``rmdir``, which leaves anything else alone."""
+    for name in DATA_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            (path / name).unlink()
+    try:
+        path.rmdir()
+    except OSError as e:
+        log.warning("left %s in place: %s", path, e.strerror or e)
+
+
+def _published_data(index_dir: Path) -> str | None:
+    """The data folder the current manifest names (ours by that manifest), if any."""
+    try:
+        name = json.loads((index_dir / MANIFEST).read_bytes().decode("utf-8")).get("data")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and DATA_NAME.fullmatch(name) else None
+
+
+def _remove_old_versions(index_dir: Path, current: str, replaced: str | None) -> None:
+    """After publishing ``current``: drop the data it ``replaced`` (our files in it, by name), data
+    folders that hold nothing but our files (unpublished leftovers), version-1 data files and temp
+    manifests. Call with the lock held, in a folder whose manifest is ours."""
+    for child in index_dir.iterdir():
+        if child.name == current:
+            continue
+        if child.name in DATA_FILES or child.name.startswith(MANIFEST_TMP_PREFIX):
+            if child.is_file() and not child.is_symlink():
+                child.unlink()
+        elif (child.name == replaced and child.is_dir() and not child.is_symlink()) or _is_our_data_dir(child):
+            _empty_our_data_dir(child)
+    fsync_dir(index_dir)
+
+
+def _write_docstore(path: Path, records: list[dict]) -> str:
+    """Stream the docstore to disk (never the whole file in memory) and return its sha256."""
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for r in records:
+            line = (
+                json.dumps({k: r[k] for k in ("id", "chunk_id", "source", "file_sha256", "text")}, ensure_ascii=False)
+                + "\n"
+            ).encode("utf-8")
+            h.update(line)
+            f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def write_data(data_dir: Path, fidx: Any, records: list[dict]) -> dict[str, str]:
+    """Write one data version, durably; returns the artifacts' sha256s for the manifest."""
+    import faiss
+
+    faiss.write_index(fidx, str(data_dir / FAISS_FILE))
+    fsync_file(data_dir / FAISS_FILE)
+    artifacts = {
+        FAISS_FILE: file_sha256(data_dir / FAISS_FILE),
+        DOCSTORE: _write_docstore(data_dir / DOCSTORE, records),
+    }
+    fsync_dir(data_dir)
+    return artifacts
+
+
+def publish(index_dir: Path, manifest: dict) -> None:
+    """The one step that switches readers to the new version: an atomic replace of ``manifest.json``."""
+    write_json_atomic(index_dir / MANIFEST, manifest)
+
+
+def publish_version(
+    index_dir: Path, faiss_index: Any, records: list[dict], manifest_for: Callable[[str, dict[str, str]], dict]
+) -> None:
+    """Write a new data version, publish it, then remove the versions it replaced. Call with the lock held.
+
+    ``manifest_for(data_name, artifacts)`` gives the manifest that names the new data. A failure
+    before publishing removes the new data folder (made by this call, never published)."""
+    replaced = _published_data(index_dir)
+    data_dir = Path(tempfile.mkdtemp(prefix=DATA_PREFIX, dir=index_dir))
+    try:
+        artifacts = write_data(data_dir, faiss_index, records)
+        publish(index_dir, manifest_for(data_dir.name, artifacts))
+    except BaseException:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        raise
+    _remove_old_versions(index_dir, data_dir.name, replaced)
+
+
+def manifest_files(index_dir: Path) -> list[str]:
+    try:
+        files = json.loads((index_dir / MANIFEST).read_text(encoding="utf-8")).get("files", {})
+        return list(files) if isinstance(files, dict) else []
+    except (OSError, ValueError, AttributeError):
+        return []
