@@ -294,6 +294,6 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
 
 
 def test_serve_takes_a_device_map():
-    from rag_lookahead.serve.server import build_parser, config_from_args
+    from rag_lookahead.serve.command import config_from_args, parse_args
 
-    assert config_from_args(build_parser().parse_args(["--device-map", "auto"]), {}).device_map == "auto"
+    assert config_from_args(parse_args(["--device-map", "auto"]), {}).device_map == "auto"
