@@ -34,7 +34,7 @@ from tiny_models import VOCAB, tiny_model
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import generate
 from rag_lookahead.langchain.llm import LookaheadLLM
-from rag_lookahead.serve.server import Engine, ServerConfig, create_app, make_server
+from rag_lookahead.serve import Engine, ServerConfig, create_app, make_server
 
 LOOKAHEAD = LookaheadConfig(budget="fixed", decoding_length=16)
 

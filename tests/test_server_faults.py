@@ -35,7 +35,7 @@ from test_server import (  # noqa: F401 - tokenizer is a fixture
 
 from rag_lookahead.decoding.loop import DecodeBatch
 from rag_lookahead.decoding.packed_cache import PackedCache
-from rag_lookahead.serve.server import POLL_SECONDS
+from rag_lookahead.serve.streaming import POLL_SECONDS
 
 SECRET = "/home/alice/.cache/weights.bin"  # in every injected exception: must never reach a client
 
@@ -298,10 +298,10 @@ def test_non_stream_client_that_leaves_is_cancelled_while_tokens_flow(tokenizer,
     """A non-streaming client gives up while its tokens keep coming: it is cancelled within
     CLIENT_CHECK_SECONDS (the disconnect used to be looked at only after a pause in the events, so
     a request whose steps came quickly enough was decoded to the end for nobody)."""
-    import rag_lookahead.serve.server as server
+    import rag_lookahead.serve.streaming as streaming
 
     monkeypatch.setattr(
-        server, "POLL_SECONDS", 30.0
+        streaming, "POLL_SECONDS", 30.0
     )  # no pause in the events this long: only the check finds the leave
     engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
     slow_steps(monkeypatch, 0.02)  # 200 tokens take >= 4 s

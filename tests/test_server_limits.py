@@ -27,7 +27,7 @@ from test_server import (  # noqa: F401 - tokenizer is a fixture
 )
 
 from rag_lookahead.errors import ConfigError
-from rag_lookahead.serve.server import ServerConfig
+from rag_lookahead.serve import ServerConfig
 
 MiB = 1 << 20
 

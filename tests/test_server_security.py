@@ -15,7 +15,8 @@ pytest.importorskip("uvicorn")
 from test_server import patch_engine, serving, single_text, tiny_engine, tiny_prompts, tokenizer  # noqa: F401
 
 from rag_lookahead.decoding.loop import DecodeBatch
-from rag_lookahead.serve.server import API_KEY_ENV, build_parser, config_from_args
+from rag_lookahead.serve.command import config_from_args, parse_args
+from rag_lookahead.serve.config import API_KEY_ENV
 
 KEY1 = "sk-test-0123456789abcdef"
 KEY2 = "sk-test-fedcba9876543210"
@@ -64,7 +65,7 @@ def test_api_key_is_required_everywhere_but_health(tokenizer):
 
 
 def test_api_keys_from_flags_or_environment():
-    parse = build_parser().parse_args
+    parse = parse_args
     env = {API_KEY_ENV: f"{KEY1}, {KEY2}"}
     assert config_from_args(parse([]), env).api_keys == (KEY1, KEY2)
     assert config_from_args(parse(["--api-key", "sk-flag-key-123"]), env).api_keys == ("sk-flag-key-123",)
@@ -150,7 +151,7 @@ def test_errors_tell_clients_nothing_internal(tokenizer, monkeypatch, caplog):
         raise OSError(f"[Errno 13] Permission denied: '{SECRET}'")
 
     monkeypatch.setattr(engine, "encode_text", broken)
-    with caplog.at_level(logging.ERROR, logger="rag_lookahead.serve.server"), serving(engine) as base:
+    with caplog.at_level(logging.ERROR, logger="rag_lookahead.serve"), serving(engine) as base:
         r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=30)
     assert r.status_code == 500 and SECRET not in r.text and "OSError" not in r.text and "Errno" not in r.text
     message = r.json()["error"]["message"]

@@ -110,7 +110,7 @@ sys.path.insert(0, sys.argv[1])
 from transformers import AutoTokenizer
 from rag_lookahead.decoding.loop import DecodeBatch
 from rag_lookahead.models import default_model_dir
-from rag_lookahead.serve.server import create_app, make_server
+from rag_lookahead.serve import create_app, make_server
 from test_server import tiny_engine
 
 step = DecodeBatch.verify_and_accept

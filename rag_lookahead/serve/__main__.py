@@ -1,5 +1,5 @@
 """``python -m rag_lookahead.serve``: the OpenAI-compatible server (same as ``rag_lookahead serve``)."""
 
-from rag_lookahead.serve.server import run
+from rag_lookahead.serve.command import main
 
-run()
+raise SystemExit(main())

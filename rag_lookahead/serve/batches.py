@@ -1,0 +1,257 @@
+"""The running decode batches of the engine thread: admit, step, retire, and fail what must fail.
+
+One :class:`~rag_lookahead.decoding.loop.DecodeBatch` per output pool key (``--output-pool
+per-key`` keeps rows of different API keys in separate forwards). Failures are contained: a
+prefill that fails fails the jobs it admitted (retried one by one to find the one at fault), a
+failed step or retire fails the batch it ran on, a failure while turning one row's tokens into
+text fails that job only. Clients get a short message with an error id; details go to the log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.serve.api_error import ApiError, internal_error
+from rag_lookahead.serve.config import ServerConfig
+from rag_lookahead.serve.jobs import Answer, Job
+from rag_lookahead.serve.metrics import Metrics
+from rag_lookahead.tokens import accepted_per_step
+
+__all__ = ["Batches"]
+
+
+class Batches:
+    """The batches and the jobs in them (``active``). Only the engine thread changes them;
+    handlers read ``size`` and ``len(active)``."""
+
+    def __init__(
+        self,
+        model,
+        lookahead: LookaheadConfig,
+        eos: frozenset[int],
+        pad_id: int,
+        config: ServerConfig,
+        metrics: Metrics,
+    ) -> None:
+        self.model, self.lookahead, self.eos, self.pad_id = model, lookahead, eos, pad_id
+        self.config, self.metrics = config, metrics
+        self.active: dict[str, Job] = {}  # job id -> job, from its prefill to its last event
+        self._batches: dict[str, Any] = {}  # output pool key -> DecodeBatch
+        self._pools: dict[str, Any] = {}  # output pool key -> OutputPool
+
+    @property
+    def size(self) -> int:
+        """Rows in all batches."""
+        return sum(len(batch.rows) for batch in list(self._batches.values()))
+
+    def new_batch(self, key: str = ""):
+        from rag_lookahead.decoding.loop import DecodeBatch
+
+        return DecodeBatch(self.model, self.lookahead, self.eos, self._pool(key))
+
+    def _pool(self, key: str):
+        """The output pool of ``key`` (created on first use), or None when pools are off."""
+        from rag_lookahead.decoding.trie import OutputPool
+
+        if self.config.output_pool == "off":
+            return None
+        pool = self._pools.get(key)
+        if pool is None:
+            nodes = self.lookahead.output_pool_nodes
+            if self.config.output_pool == "per-key":  # the pools together stay within the one bound
+                nodes = max(nodes // max(len(self.config.api_keys), 1), 1)
+            pool = self._pools[key] = OutputPool(self.lookahead.branch_length + self.lookahead.max_key_length, nodes)
+        return pool
+
+    # ------------------------------------------------------------ admit
+
+    def admit(self, jobs: list[Job]) -> None:
+        """One prefill per output pool for the admitted jobs, merged into its running batch."""
+        dropped = [job for job in jobs if job.cancelled]
+        if dropped:  # cancelled between leaving the queue and the prefill
+            self.metrics.cancelled.inc(len(dropped))
+        groups: dict[str, list[Job]] = {}
+        for job in jobs:
+            if job.live:
+                groups.setdefault(job.pool_key, []).append(job)
+        for key, group in groups.items():
+            self._admit_group(key, group)
+
+    def _admit_group(self, key: str, group: list[Job]) -> None:
+        """Prefill ``group``; on failure retry one by one so only the job at fault fails."""
+        try:
+            batch = self._batches.get(key)
+            if batch is None:
+                batch = self.new_batch(key)
+        except Exception as e:  # noqa: BLE001
+            self.fail(group, self.failure(e))
+            return
+        rows_before = len(batch.rows)
+        for job in group:  # active from here on: a drain or a test waiting for idle sees the prefill
+            self.active[job.id] = job
+        try:
+            self._prefill(batch, group)
+        except Exception as e:  # noqa: BLE001
+            if len(batch.rows) != rows_before:  # it failed half-way through the merge: the batch is unsafe
+                self._fail_batch(key, e, also=group)
+                return
+            for job in group:
+                self.active.pop(job.id, None)
+            if len(group) > 1:
+                for job in group:
+                    self._admit_group(key, [job])
+            else:
+                self.fail(group, self.failure(e))
+            return
+        self._batches[key] = batch
+
+    def _prefill(self, batch, jobs: list[Job]) -> None:
+        from rag_lookahead.decoding.loop import left_pad
+        from rag_lookahead.decoding.verify import input_device
+
+        ids, mask = left_pad([job.prompt_ids for job in jobs], self.pad_id, input_device(self.model))
+        references = [job.references for job in jobs] if any(job.references for job in jobs) else None
+        start = time.perf_counter()
+        rows = batch.add(
+            ids,
+            mask,
+            references,
+            [job.max_tokens for job in jobs],
+            keys=[job.id for job in jobs],
+            sampling=[job.sampling for job in jobs],
+        )
+        self.metrics.prefill(time.perf_counter() - start)
+        for job, row in zip(jobs, rows):
+            self._deliver(job, row.generated)
+
+    # ------------------------------------------------------------ step
+
+    def step_all(self) -> None:
+        """One propose -> verify -> accept step for every batch; each row's new text to its client."""
+        for key, batch in list(self._batches.items()):
+            if not batch.rows:
+                continue
+            try:
+                start = time.perf_counter()
+                gained = batch.verify_and_accept(batch.propose())
+                self.metrics.step(len(gained), sum(len(g) for g in gained), time.perf_counter() - start)
+            except Exception as e:  # noqa: BLE001 - which row is at fault is unknown: the batch fails
+                self._fail_batch(key, e)
+                continue
+            for row, new in zip(list(batch.rows), gained):
+                job = self.active.get(row.index)
+                if job is not None:
+                    self._deliver(job, new)
+
+    def _deliver(self, job: Job, tokens: list[int]) -> None:
+        """Turn a row's new tokens into text for its client; a failure here fails that job only."""
+        if not tokens or not job.live:
+            return
+        job.steps += 1
+        self.metrics.tokens_generated.inc(len(tokens))
+        try:
+            piece = job.tracker.add(tokens)
+        except Exception as e:  # noqa: BLE001
+            self.fail([job], self.failure(e))
+            return
+        if piece:
+            job.emit(("piece", piece))
+
+    # ------------------------------------------------------------ retire
+
+    def retire_all(self) -> None:
+        """Remove finished, stopped, cancelled and failed rows from every batch; answer them."""
+        for key, batch in list(self._batches.items()):
+            if batch.rows:
+                try:
+                    left = batch.finish(self._keep)
+                except Exception as e:  # noqa: BLE001 - the batch's bookkeeping is unknown now
+                    self._fail_batch(key, e)
+                    continue
+                for row in left:
+                    self._answer(row)
+            if not batch.rows:
+                self._batches.pop(key, None)  # frees the KV cache; the next admission starts afresh
+
+    def _keep(self, row) -> bool:
+        job = self.active.get(row.index)
+        return job is not None and job.live and not job.tracker.stopped
+
+    def _answer(self, row) -> None:
+        """Send a retired row's last event (or count it cancelled)."""
+        job = self.active.pop(row.index, None)
+        if job is None or job.ended:
+            return
+        if job.cancelled:
+            job.ended = True
+            self.metrics.cancelled.inc()
+            return
+        try:
+            answer = self._final_answer(job, row)
+        except Exception as e:  # noqa: BLE001
+            self.fail([job], self.failure(e))
+            return
+        self.metrics.completed.inc()
+        self.metrics.request_seconds.observe(answer.seconds)
+        job.end(("done", answer))
+
+    def _final_answer(self, job: Job, row) -> Answer:
+        tracker = job.tracker
+        rest = tracker.rest()
+        stopped = tracker.stopped or bool(row.generated and row.generated[-1] in self.eos)
+        decode_steps = max(job.steps - 1, 0)
+        return Answer(
+            text=tracker.final_text(),
+            rest=rest,
+            finish_reason="stop" if stopped else "length",
+            prompt_tokens=len(job.prompt_ids),
+            completion_tokens=len(row.generated),
+            forward_passes=decode_steps,
+            mean_accepted=accepted_per_step(len(row.generated), decode_steps),
+            seconds=round(time.perf_counter() - job.submitted, 4),
+            lookahead=self.lookahead.enabled,
+        )
+
+    # ------------------------------------------------------------ failing jobs
+
+    def failure(self, cause: BaseException) -> ApiError:
+        """Count and log an engine failure; the error its jobs get (no internals in it)."""
+        self.metrics.engine_errors.inc()
+        return internal_error(500, "generation failed", cause)
+
+    def fail(self, jobs: Sequence[Job], error: ApiError) -> None:
+        """End each job with ``error``; their rows (if any) are dropped at the next retire.
+
+        A job whose client already left ends silently (counted as cancelled: nothing counted it
+        yet, since only jobs still in the queue are counted when they are cancelled)."""
+        for job in jobs:
+            if job.ended:
+                continue
+            if job.cancelled:
+                job.ended = True
+                self.metrics.cancelled.inc()
+            else:
+                self.metrics.failed.inc()
+                job.end(("error", error))
+
+    def _fail_batch(self, key: str, cause: BaseException, also: Sequence[Job] = ()) -> None:
+        """A failure that cannot be pinned on one row: every job of the batch gets the error.
+
+        The batch's jobs are the active ones of its pool key, not ``batch.rows``: a failure
+        half-way through ``finish`` may have taken rows out already."""
+        self._batches.pop(key, None)
+        jobs = {job.id: job for job in also}
+        jobs.update((job.id, job) for job in self.active.values() if job.pool_key == key)
+        for job_id in jobs:
+            self.active.pop(job_id, None)
+        self.fail(list(jobs.values()), self.failure(cause))
+
+    def drop_all(self) -> list[Job]:
+        """Forget every batch; return the jobs that were in them (for the caller to fail)."""
+        running = list(self.active.values())
+        self.active.clear()
+        self._batches.clear()
+        return running

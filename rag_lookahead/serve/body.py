@@ -1,0 +1,95 @@
+"""Reading a POST body before FastAPI validates it against the endpoint's request model.
+
+:class:`JsonBodyRoute` first asks the engine whether it can take the request at all (429/503
+before any work), then reads the body counting bytes as they stream in (413 past
+``max_body_bytes``; a declared Content-Length was already checked by the gate) and parses it
+strictly (NaN, lone surrogates, deep nesting: 400). FastAPI then validates the parsed object.
+The body is JSON whatever its Content-Type says (``curl -d`` sends form-urlencoded).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from rag_lookahead.serve.api_error import ApiError, too_large
+from rag_lookahead.serve.streaming import ClientGone
+
+__all__ = ["JsonBodyRoute", "parse_json", "read_json"]
+
+#: Bodies larger than this are parsed in a worker thread, off the event loop.
+PARSE_IN_THREAD_BYTES = 65536
+
+
+class JsonBodyRoute(APIRoute):
+    """A route whose body is read and parsed by :func:`read_json`; see the module docstring."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        validate_and_run = super().get_route_handler()
+
+        async def read_then_validate(request: Request) -> Response:
+            engine = request.app.state.engine
+            engine.check_capacity()  # 429/503 before reading, parsing or tokenizing anything
+            raw, data = await read_json(request, engine.config.max_body_bytes)
+            return await validate_and_run(ParsedRequest(request, raw, data))
+
+        return read_then_validate
+
+
+class ParsedRequest(Request):
+    """``request`` with its body already read: FastAPI gets the parsed object as JSON."""
+
+    def __init__(self, request: Request, raw: bytes, parsed: Any) -> None:
+        headers = [(name, value) for name, value in request.scope["headers"] if name != b"content-type"]
+        scope = {**request.scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        super().__init__(scope, request.receive)
+        self._raw_body, self._parsed_body = raw, parsed
+
+    async def body(self) -> bytes:
+        return self._raw_body
+
+    async def json(self) -> Any:
+        return self._parsed_body
+
+
+async def read_json(request: Request, limit: int) -> tuple[bytes, dict]:
+    """The body and the JSON object in it, counted as it streams in (413 past ``limit``)."""
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    raw = b"".join(chunks)
+    parsed = await run_in_threadpool(parse_json, raw) if len(raw) > PARSE_IN_THREAD_BYTES else parse_json(raw)
+    return raw, parsed
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object; a clear 400 for anything else (NaN, lone surrogates, deep nesting)."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:  # strings with lone surrogates (\\ud800) cannot be tokenized or sent back
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body holds invalid Unicode (a lone surrogate escape)") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    return body

@@ -1,0 +1,185 @@
+"""``rag_lookahead serve`` (and ``python -m rag_lookahead.serve``): the server's command line.
+
+Every option but the lookahead switches has the name of a :class:`ServerConfig` field
+(``--max-body-bytes`` is ``max_body_bytes``). A bad setting prints one line: exit 1 under the
+``rag_lookahead`` command, as its other errors do, and 2 under ``python -m rag_lookahead.serve``,
+as its argparse command did.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
+from typing import Any, Literal, NoReturn
+
+import typer
+
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.errors import ConfigError, RagLookaheadError
+from rag_lookahead.serve.config import (
+    API_KEY_ENV,
+    LOOPBACK,
+    WILDCARD_BINDS,
+    LogLevel,
+    OutputPool,
+    ServerConfig,
+)
+
+__all__ = ["config_from_args", "main", "parse_args", "run_server", "serve"]
+
+log = logging.getLogger(__name__)
+
+_D = ServerConfig()  # the defaults the options show
+#: ``ctx.obj`` key: the exit code of a bad setting (``python -m rag_lookahead.serve`` sets 2).
+CONFIG_ERROR_EXIT = "config_error_exit"
+
+
+def serve(
+    ctx: typer.Context,
+    host: str = typer.Option(_D.host, help="address to bind (default 127.0.0.1, loopback only)"),
+    port: int = typer.Option(_D.port),
+    model: str = typer.Option(_D.model, help='"default" (embedded), a hub id or a local folder'),
+    served_model_name: str | None = typer.Option(None, help="model name reported in responses"),
+    dtype: str | None = typer.Option(None, help="bf16, fp32, fp16 or auto (default: bf16 where fast)"),
+    device: str | None = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"),
+    device_map: str | None = typer.Option(
+        None, help='accelerate device map, e.g. "auto" to spread the model over GPUs'
+    ),
+    index_dir: str | None = typer.Option(
+        None, help="document index for /v1/rag (default: the default index, if built)"
+    ),
+    max_batch_size: int = typer.Option(_D.max_batch_size),
+    max_queue: int = typer.Option(_D.max_queue, help="waiting requests beyond the batch; more get 429"),
+    max_prompt_tokens: int = typer.Option(_D.max_prompt_tokens),
+    max_tokens_limit: int = typer.Option(_D.max_tokens_limit),
+    default_max_tokens: int = typer.Option(_D.default_max_tokens),
+    k_prompt: int = typer.Option(_D.k_prompt, help="RAG passages shown to the model"),
+    k_seed: int = typer.Option(_D.k_seed, help="RAG passages retrieved (the rest seed the trie)"),
+    max_stop: int = typer.Option(_D.max_stop, help="most stop strings in a request"),
+    max_stop_chars: int = typer.Option(_D.max_stop_chars, help="longest stop string"),
+    max_messages: int = typer.Option(_D.max_messages, help="most chat messages in a request"),
+    max_body_bytes: int = typer.Option(_D.max_body_bytes, help="largest request body (413 beyond)"),
+    drain_seconds: float = typer.Option(
+        _D.drain_seconds, help="on SIGTERM, time for accepted requests to finish while new ones get 503"
+    ),
+    api_keys: list[str] | None = typer.Option(
+        None,
+        "--api-key",
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' (repeat for several keys; default ${API_KEY_ENV}, "
+        "comma-separated; prefer the variable: flags are visible to other local users)",
+    ),
+    allowed_hosts: list[str] | None = typer.Option(
+        None,
+        "--allowed-hosts",
+        metavar="HOST[,HOST]",
+        help="Host names accepted besides the bound host and loopback ('*': any; needed behind a proxy or a DNS name)",
+    ),
+    output_pool: OutputPool = typer.Option(
+        _D.output_pool,
+        help="shared: earlier answers speed up everyone (and stats can reveal them); "
+        "per-key: one pool per API key; off",
+    ),
+    no_lookahead: bool = typer.Option(False, "--no-lookahead", help="decode one token a forward (same text)"),
+    decoding_length: int | None = typer.Option(None, help="most draft nodes per forward"),
+    branch_length: int | None = typer.Option(None, help="deepest draft path"),
+    budget: Literal["auto", "fixed"] | None = typer.Option(None),
+    log_level: LogLevel = typer.Option(_D.log_level, case_sensitive=False),
+) -> None:
+    """OpenAI-compatible server with continuous batching and lossless lookahead decoding.
+    \f
+    Long only by its option list; the options are read back from ``ctx.params``.
+    """
+    try:
+        config = config_from_args(ctx.params)
+    except ConfigError as e:
+        _refuse(e, _config_error_exit(ctx))
+    try:
+        run_server(config)
+    except RagLookaheadError as e:  # the model or the index would not load
+        _refuse(e, 1)
+
+
+def config_from_args(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """The ``serve`` options (by parameter name, as :func:`parse_args` gives them) as a config: the
+    options that share a field's name, the lookahead switches, and the API keys (``--api-key``,
+    else ``$RAG_LOOKAHEAD_API_KEY``)."""
+    environ = os.environ if environ is None else environ
+    flags = dict(args)
+    flags["api_keys"] = _split_commas(flags.get("api_keys") or [environ.get(API_KEY_ENV, "")])
+    flags["allowed_hosts"] = _split_commas(flags.get("allowed_hosts"))
+    same = {f.name: flags[f.name] for f in fields(ServerConfig) if f.name in flags}
+    changes = {k: flags[k] for k in ("decoding_length", "branch_length", "budget") if flags.get(k) is not None}
+    return ServerConfig(
+        **same,
+        lookahead=not flags.get("no_lookahead", False),
+        lookahead_config=LookaheadConfig(**changes) if changes else None,
+    )
+
+
+def parse_args(argv: Sequence[str]) -> dict[str, Any]:
+    """The options ``serve`` takes from ``argv``, by parameter name (for :func:`config_from_args`)."""
+    command = typer.main.get_command(_standalone_app())
+    with command.make_context("serve", list(argv)) as ctx:
+        return dict(ctx.params)
+
+
+def run_server(config: ServerConfig) -> None:
+    """Load the model, serve until SIGTERM or SIGINT (then drain; see :func:`make_server`)."""
+    from rag_lookahead.serve.app import create_app, make_server
+
+    logging.basicConfig(
+        level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    _warn_about_exposure(config)
+    app = create_app(config)
+    make_server(app, app.state.engine).run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m rag_lookahead.serve``: a bad setting is one line and exit 2."""
+    command = typer.main.get_command(_standalone_app())
+    try:
+        command.main(args=argv, prog_name="python -m rag_lookahead.serve", obj={CONFIG_ERROR_EXIT: 2})
+    except SystemExit as done:  # typer prints usage errors itself (exit 2), as argparse did
+        return done.code if isinstance(done.code, int) else int(done.code is not None)
+    return 0
+
+
+def _standalone_app() -> typer.Typer:
+    app = typer.Typer(add_completion=False)
+    app.command()(serve)
+    return app
+
+
+def _config_error_exit(ctx: typer.Context) -> int:
+    obj = ctx.find_root().obj
+    return obj.get(CONFIG_ERROR_EXIT, 1) if isinstance(obj, dict) else 1
+
+
+def _refuse(error: BaseException, exit_code: int) -> NoReturn:
+    """One line on stderr, no traceback."""
+    typer.echo(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}", err=True)
+    raise typer.Exit(exit_code)
+
+
+def _split_commas(values: Sequence[str] | None) -> tuple[str, ...]:
+    return tuple(v.strip() for value in values or () for v in value.split(",") if v.strip())
+
+
+def _warn_about_exposure(config: ServerConfig) -> None:
+    if config.host in LOOPBACK:
+        return
+    if not config.api_keys:
+        log.warning(
+            "binding to %s without --api-key: anyone who can reach this address can use the server", config.host
+        )
+    if config.host in WILDCARD_BINDS and not config.allowed_hosts:
+        log.warning(
+            "binding to %s: only requests addressed to a loopback name are answered; "
+            "pass --allowed-hosts with the names clients use",
+            config.host,
+        )

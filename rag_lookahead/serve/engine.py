@@ -1,0 +1,313 @@
+"""The engine: one thread that owns the model and decodes every request in continuous batches.
+
+HTTP handlers (asyncio) tokenize a request in a worker thread, :meth:`Engine.submit` it into a
+bounded waiting queue (full -> 429) and read its events (:mod:`rag_lookahead.serve.jobs`).
+Between decode steps the engine thread
+
+1. retires finished rows (EOS, max_tokens, a stop string seen, the client gone) at once,
+2. admits waiting jobs up to the batch size (one prefill per output pool, merged into the
+   running batch),
+3. runs one propose -> verify -> accept step for every batch and pushes each row's new text.
+
+The batches themselves are :class:`~rag_lookahead.serve.batches.Batches`. If the thread dies,
+every waiting client gets an error at once and ``/health`` says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.serve.api_error import ApiError, engine_stopped, internal_error, shutting_down
+from rag_lookahead.serve.batches import Batches
+from rag_lookahead.serve.config import ServerConfig
+from rag_lookahead.serve.jobs import Job
+from rag_lookahead.serve.metrics import Metrics
+from rag_lookahead.tokens import TextTracker, encode_messages, eos_ids, pad_id
+
+__all__ = ["Engine"]
+
+log = logging.getLogger(__name__)
+
+ENGINE_THREAD = "rag-lookahead-engine"
+
+
+class Engine:
+    """Owns the model, the waiting queue and the engine thread."""
+
+    def __init__(self, model, tokenizer, config: ServerConfig | None = None, index=None) -> None:
+        self.config = config or ServerConfig()
+        self.model = model
+        self.tokenizer = tokenizer  # read only: its pad_token is left as the caller set it
+        self.index = index
+        self.lookahead = _lookahead_config(self.config, tokenizer)
+        self.eos = frozenset(eos_ids(model, tokenizer))
+        self.vocab_size = int(getattr(model.config, "vocab_size", 0) or 0)
+        self.pad_id = pad_id(model, tokenizer, self.eos)
+        if self.vocab_size and self.pad_id >= self.vocab_size:  # padding is masked, but must still embed
+            self.pad_id = 0
+        self.context_limit = getattr(model.config, "max_position_embeddings", None)
+        self.max_batch_size = self.config.max_batch_size
+        self.ready = threading.Event()
+        self.metrics = Metrics(
+            queue_depth=lambda: self.queue_depth,
+            batch_size=lambda: self.batch_size,
+            active=lambda: self.active,
+            ready=self.ready.is_set,
+        )
+        self.batches = Batches(model, self.lookahead, self.eos, self.pad_id, self.config, self.metrics)
+        # Encoding runs in handler threads, decoding in the engine thread. Plain encode and decode
+        # only read the Rust tokenizer (no padding or truncation is ever set), so they may overlap;
+        # encodes are serialised among themselves, decodes never wait for a long encode.
+        self.tokenizer_lock = threading.Lock()
+        self.retrieval_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._draining = False
+        self._drain_deadline = math.inf
+        self.error: BaseException | None = None  # why the engine stopped (warm-up failed, the thread died)
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> Engine:
+        """Load the model (and the index, when there is one) named by ``config``."""
+        from rag_lookahead.models import load_model
+        from rag_lookahead.rag.index import default_index_dir, load_index
+
+        model, tokenizer = load_model(
+            config.model, dtype=config.dtype, device=config.device, device_map=config.device_map
+        )
+        index = None
+        if config.index_dir is not None:
+            index = load_index(config.index_dir)  # asked for explicitly: fail loudly
+        elif default_index_dir().is_dir():
+            try:
+                index = load_index(default_index_dir())
+            except Exception as e:  # the default is optional: serve without RAG
+                log.warning("default index at %s not loaded (%s); /v1/rag will answer 503", default_index_dir(), e)
+        return cls(model, tokenizer, config, index)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._stopping = self._draining = False
+            self._drain_deadline = math.inf
+            self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD, daemon=True)
+            self._thread.start()
+        return self
+
+    def begin_drain(self, seconds: float) -> None:
+        """Stop admitting new requests (503); those already accepted may finish within ``seconds``,
+        then whatever is left gets an error."""
+        with self._cond:
+            deadline = time.monotonic() + max(float(seconds), 0.0)
+            self._drain_deadline = min(self._drain_deadline, deadline)
+            self._draining = True
+            self._cond.notify_all()
+
+    def stop(self, drain_seconds: float = 0.0, timeout: float = 60.0) -> None:
+        """Drain for up to ``drain_seconds``, then end the engine thread (what is left gets 503)."""
+        self.begin_drain(drain_seconds)
+        deadline = time.monotonic() + drain_seconds + timeout
+        while self.alive and not self.idle and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self.batches.active
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def batch_size(self) -> int:
+        return self.batches.size
+
+    @property
+    def active(self) -> int:
+        return len(self.batches.active)
+
+    # ------------------------------------------------------------ tokenizing, retrieval (handler side, worker threads)
+
+    def encode_text(self, text: str) -> list[int]:
+        with self.tokenizer_lock:
+            return list(self.tokenizer(text)["input_ids"])
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Messages through the chat template, as :class:`LookaheadLLM` encodes its prompts."""
+        with self.tokenizer_lock:
+            return encode_messages(self.tokenizer, messages)
+
+    def encode_passages(self, passages: Sequence[str]) -> list[list[int]]:
+        with self.tokenizer_lock:
+            return [self.tokenizer.encode(p, add_special_tokens=False) for p in passages if p]
+
+    def retrieve(self, question: str, k: int):
+        """The ``k`` passages nearest ``question`` in the index, as LangChain documents."""
+        with self.retrieval_lock:
+            passages = self.index.search(question, k)
+        return [p.to_document() for p in passages]
+
+    # ------------------------------------------------------------ the queue (handler side)
+
+    def new_request(
+        self, prompt_ids: list[int], max_tokens: int, stop: list[str], references=(), pool_key: str = "", sampling=None
+    ) -> Job:
+        """``sampling``: a :class:`rag_lookahead.decoding.sampling.SamplingParams` (default greedy); rows with
+        different settings share one batch, and a seeded row's text does not depend on the batch."""
+        tracker = TextTracker(self.tokenizer, stop, self.eos)
+        key = pool_key if self.config.output_pool == "per-key" else ""
+        return Job(list(prompt_ids), max_tokens, list(stop), [list(r) for r in references], tracker, key, sampling)
+
+    def _refusal(self) -> ApiError | None:
+        """Why a new request cannot be taken now (call with ``_cond`` held)."""
+        if self.error is not None or (self._thread is not None and not self._thread.is_alive()):
+            return engine_stopped()
+        if self._stopping or self._draining:
+            return shutting_down()
+        if len(self._waiting) >= self.config.max_queue:
+            return ApiError(
+                429,
+                f"the server is busy: {len(self._waiting)} requests are already waiting "
+                f"(max_queue={self.config.max_queue}); retry later",
+                "rate_limit_error",
+            )
+        return None
+
+    def check_capacity(self) -> None:
+        """Raise the 429/503 that ``submit`` would, before a handler spends work on a request."""
+        with self._cond:
+            refusal = self._refusal()
+        if refusal is not None:
+            raise refusal
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            refusal = self._refusal()
+            if refusal is not None:
+                raise refusal
+            self._waiting.append(job)
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """The client left: drop the job from the queue, or from its batch at the next step."""
+        with self._cond:
+            if job.cancelled or job.finished or job.ended:
+                return
+            job.cancelled = True
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                return  # in a batch (or being admitted): the engine retires it and counts it
+        self.metrics.cancelled.inc()
+
+    # ------------------------------------------------------------ the engine thread
+
+    def _run(self) -> None:
+        """The engine thread. Whatever ends it, every job still waiting gets an error at once."""
+        import torch
+
+        clean = False
+        try:
+            if self._warm_up():
+                with torch.inference_mode():
+                    while self._serve_once():
+                        pass
+            clean = True
+        except BaseException as e:  # noqa: BLE001 - the thread dies: tell every client and /health
+            self.error = e
+            internal_error(503, "the generation engine stopped", e)
+        finally:
+            with self._cond:
+                self._stopping = True
+            self._fail_everything(shutting_down() if clean and self.error is None else engine_stopped())
+
+    def _warm_up(self) -> bool:
+        """Measure the tree-mask probe and the cost curve once, not inside a request's latency."""
+        try:
+            self.batches.new_batch()
+            from rag_lookahead.decoding.verify import supports_tree_mask
+
+            # rows share one packed cache kept apart by the mask, drafting or not
+            if self.max_batch_size > 1 and not supports_tree_mask(self.model):
+                log.warning("this model ignores custom attention masks: decoding one request at a time")
+                self.max_batch_size = 1
+        except Exception as e:  # noqa: BLE001 - reported by /health and to every request
+            self.error = e
+            internal_error(503, "engine warm-up failed", e)
+            return False
+        self.ready.set()
+        return True
+
+    def _serve_once(self) -> bool:
+        """One round: retire, admit, step. False once the engine is stopping."""
+        admitted: list[Job] | None = []
+        try:
+            self.batches.retire_all()
+            admitted = self._take_waiting()
+            if admitted is None:
+                return False
+            if admitted:
+                self.batches.admit(admitted)
+                self.batches.retire_all()
+            self.batches.step_all()
+        except Exception as e:  # noqa: BLE001 - a bug between the guarded parts: fail what runs, carry on
+            running = self.batches.drop_all()
+            self.batches.fail(running + list(admitted or ()), self.batches.failure(e))
+        return True
+
+    def _take_waiting(self) -> list[Job] | None:
+        """Wait for work; return the jobs to admit ([] when only stepping), None when stopping."""
+        with self._cond:
+            while not self._stopping:
+                expired = self._draining and time.monotonic() >= self._drain_deadline
+                if expired and not self.idle:
+                    break
+                if not expired and (self._waiting or self.batch_size):
+                    room = self.max_batch_size - self.batch_size
+                    return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                until_deadline = self._drain_deadline - time.monotonic()
+                self._cond.wait(timeout=min(1.0, until_deadline) if until_deadline > 0 else 1.0)
+            else:
+                return None
+        self._fail_everything(shutting_down())  # the drain time is over: what is left gets an error
+        return []
+
+    def _fail_everything(self, error: ApiError) -> None:
+        """Every running and waiting job gets ``error`` (shutdown, drain over, the engine died)."""
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        self.batches.fail(self.batches.drop_all() + waiting, error)
+
+
+def _lookahead_config(config: ServerConfig, tokenizer) -> LookaheadConfig:
+    """The drafter settings: the config's (or the defaults), stop words from the tokenizer, off
+    with ``lookahead=False``."""
+    lookahead = config.lookahead_config or LookaheadConfig()
+    if not lookahead.stop_words:
+        lookahead = lookahead.with_tokenizer(tokenizer)
+    if not config.lookahead:
+        lookahead = lookahead.replace(enabled=False)
+    return lookahead

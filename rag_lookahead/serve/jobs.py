@@ -1,0 +1,82 @@
+"""One generation request as the engine sees it: prompt ids in, text events out.
+
+A handler (asyncio) makes a :class:`Job`, submits it and reads its ``channel``; the engine
+thread feeds the channel with ``loop.call_soon_threadsafe``. Events, in order:
+``("piece", text)`` any number of times, then exactly one ``("done", Answer)`` or
+``("error", ApiError)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from rag_lookahead.tokens import TextTracker
+
+__all__ = ["Answer", "Job"]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a finished job sends last (the text, why it ended, the counts for usage and stats)."""
+
+    text: str
+    rest: str  # the text not streamed yet (held back in case it began a stop string)
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    forward_passes: int  # decode steps after the prefill
+    mean_accepted: float
+    seconds: float
+    lookahead: bool
+
+
+class Job:
+    """One generation request inside the engine; ``pool_key`` picks its output pool and batch."""
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        stop: list[str],
+        references: list[list[int]],
+        tracker: TextTracker,
+        pool_key: str = "",
+        sampling=None,
+    ) -> None:
+        from rag_lookahead.decoding.sampling import SamplingParams
+
+        self.id = uuid.uuid4().hex
+        self.sampling = sampling or SamplingParams()  # greedy unless the request samples
+        self.prompt_ids = prompt_ids
+        self.max_tokens = max_tokens
+        self.stop = stop
+        self.references = references
+        self.tracker = tracker
+        self.pool_key = pool_key  # requests with the same key share an output pool and a batch
+        self.loop = asyncio.get_running_loop()
+        self.channel: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False  # the client left
+        self.ended = False  # the engine sent the last event (done or error)
+        self.finished = False  # the handler saw the last event
+        self.steps = 0  # blocks accepted (the prefill's first token is one)
+        self.submitted = time.perf_counter()
+
+    def emit(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.channel.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def end(self, event: tuple) -> None:
+        """Send the last event (once)."""
+        if not self.ended:
+            self.ended = True
+            self.emit(event)
+
+    @property
+    def live(self) -> bool:
+        """Still worth decoding: nobody cancelled or ended it."""
+        return not (self.cancelled or self.ended)

@@ -1,0 +1,84 @@
+"""The server's own limits on a request that its model already accepted.
+
+These depend on the :class:`~rag_lookahead.serve.config.ServerConfig` (and, for prompts, on the
+model), which the request models of :mod:`rag_lookahead.serve.protocol` cannot know. Each
+refusal is a 400 that names the setting, so the client knows which flag the operator set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from rag_lookahead.serve.api_error import ApiError, quote
+from rag_lookahead.serve.config import ServerConfig
+
+if TYPE_CHECKING:
+    from rag_lookahead.serve.engine import Engine
+    from rag_lookahead.serve.protocol import ChatMessage
+
+__all__ = ["answer_length", "checked_messages", "checked_prompt", "checked_stop"]
+
+
+def answer_length(name: str, value: int | None, config: ServerConfig) -> int:
+    """``max_tokens`` (or the field named ``name``) within 1..max_tokens_limit; the default when None."""
+    if value is None:
+        return config.default_tokens
+    limit = config.max_tokens_limit
+    if not 1 <= value <= limit:
+        raise ApiError(
+            400,
+            f"'{name}' must be between 1 and {limit} (the server's max_tokens limit is {limit}), got {quote(value)}",
+            param=name,
+        )
+    return value
+
+
+def checked_stop(stop: Sequence[str], config: ServerConfig) -> list[str]:
+    """The non-empty stop strings, at most ``max_stop`` of at most ``max_stop_chars`` each."""
+    if len(stop) > config.max_stop:
+        raise ApiError(
+            400, f"'stop' has {len(stop)} strings; at most {config.max_stop} are allowed (max_stop)", param="stop"
+        )
+    if any(len(s) > config.max_stop_chars for s in stop):
+        raise ApiError(
+            400, f"a 'stop' string is longer than {config.max_stop_chars} characters (max_stop_chars)", param="stop"
+        )
+    return [s for s in stop if s]
+
+
+def checked_messages(messages: Sequence[ChatMessage], config: ServerConfig) -> list[dict[str, str]]:
+    """At most ``max_messages`` messages, as the chat template takes them."""
+    if len(messages) > config.max_messages:
+        raise ApiError(
+            400,
+            f"'messages' has {len(messages)} entries; at most {config.max_messages} are allowed (max_messages)",
+            param="messages",
+        )
+    return [m.for_template() for m in messages]
+
+
+def checked_prompt(ids: list[int], engine: Engine) -> list[int]:
+    """Prompt ids that are not empty, fit ``max_prompt_tokens`` and the model's context, and are in
+    its vocabulary."""
+    config = engine.config
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    if len(ids) > config.max_prompt_tokens:
+        raise ApiError(
+            400,
+            f"the prompt has {len(ids)} tokens; this server accepts at most {config.max_prompt_tokens} "
+            "(max_prompt_tokens)",
+            param="prompt",
+        )
+    if engine.context_limit is not None and len(ids) >= engine.context_limit:
+        raise ApiError(
+            400,
+            f"the prompt has {len(ids)} tokens but the model's context holds {engine.context_limit}",
+            param="prompt",
+        )
+    if engine.vocab_size and any(t >= engine.vocab_size for t in ids):
+        raise ApiError(
+            400, f"the prompt holds token ids outside the model's vocabulary (size {engine.vocab_size})", param="prompt"
+        )
+    return ids

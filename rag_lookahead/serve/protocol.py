@@ -1,0 +1,336 @@
+"""The request bodies of the OpenAI-compatible endpoints, as pydantic models.
+
+FastAPI validates each body against its model, and the OpenAPI schema at ``/docs`` is drawn
+from them. What a model cannot know, the server's own limits (``max_tokens_limit``,
+``max_stop``, ``max_messages``, the prompt's length in tokens), is checked afterwards by
+:mod:`rag_lookahead.serve.limits`.
+
+A refused request gets one message naming the first bad field, in the server's words
+(``'n' must be between 1 and 8 (at most 8 choices a request), got 9``), not pydantic's list:
+each model turns its validation errors into one ``invalid_request`` error (:func:`explain`),
+which the app answers with 400. Unknown fields are ignored (clients send many); options the
+server does not implement are refused, never ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from rag_lookahead.serve.api_error import quote
+
+__all__ = [
+    "INVALID_REQUEST",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "GenerationRequest",
+    "RagRequest",
+    "explain",
+]
+
+Integer = Annotated[int, Strict()]  # a JSON integer: not 1.0, "1" or true
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an integer is a number too
+Flag = Annotated[bool, Strict()]
+Text = Annotated[str, Strict()]
+TokenIds = list[Integer]
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]  # developer: OpenAI's newer name for system
+
+MAX_CHOICES = 8
+ROLES = get_args(Role)
+INVALID_REQUEST = "invalid_request"
+PROMPT_REQUIRED = "'prompt' is required: a string or a list of token ids"
+QUESTION_REQUIRED = "'question' is required: a non-empty string"
+MESSAGES_REQUIRED = "'messages' is required: a non-empty list of {role, content} objects"
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How a refused field is worded; pydantic keeps this ``Annotated`` metadata and ignores it.
+
+    ``message``: the whole message, whatever is wrong with the value. Without it the message is
+    built from the field's type and bounds in the JSON schema, with ``hint`` after the bounds.
+    """
+
+    message: str = ""
+    hint: str = ""
+
+
+def invalid_request(message: str, param: str | None) -> PydanticCustomError:
+    """The one error a refused body raises; the app answers it with 400 and this message."""
+    return PydanticCustomError(INVALID_REQUEST, "{message}", {"message": message, "param": param})
+
+
+class OpenAIRequest(BaseModel):
+    """A request body: unknown fields are ignored, the first bad field is refused in our words."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _one_message(cls, data: Any, handler: Any) -> Any:
+        try:
+            return handler(data)
+        except ValidationError as error:
+            raise invalid_request(*explain(cls, error.errors(include_url=False)[0])) from None
+
+
+class StreamOptions(BaseModel):
+    include_usage: Flag | None = Field(None, description="send a last chunk with the token usage")
+
+
+class GenerationRequest(OpenAIRequest):
+    """What ``/v1/completions`` and ``/v1/chat/completions`` share: OpenAI's options, plus vLLM's
+    ``top_k``, ``min_p`` and ``repetition_penalty``. ``temperature`` 0 or absent is greedy;
+    sampling is lossless too (each row draws exactly from the model's distribution)."""
+
+    model: Annotated[Text | None, Wording("'model' must be a string of at most 256 characters")] = Field(
+        None, max_length=256, description="reported back; the server serves one model"
+    )
+    n: Annotated[Integer | None, Wording(hint=f" (at most {MAX_CHOICES} choices a request)")] = Field(
+        1, ge=1, le=MAX_CHOICES, description="independent choices; choice i of a seeded request draws with seed + i"
+    )
+    best_of: Annotated[Integer | None, Wording(hint=" (best_of is not supported)")] = Field(1, ge=1, le=1)
+    temperature: Number | None = Field(None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(None, gt=0.0, le=1.0)
+    top_k: Integer | None = Field(None, ge=-1, le=1 << 31, description="0 and -1: off, as in vLLM")
+    min_p: Number | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Number | None = Field(None, gt=0.0, le=10.0, description="as transformers applies it")
+    seed: Integer | None = Field(None, ge=-(1 << 63), le=(1 << 64) - 1, description="same seed, same text")
+    max_tokens: Integer | None = Field(
+        None, json_schema_extra={"minimum": 1}, description="at most the server's --max-tokens-limit"
+    )
+    stop: Annotated[Text | list[Text] | None, Wording("'stop' must be a string or a list of strings")] = Field(
+        None, description="at most --max-stop strings of at most --max-stop-chars characters"
+    )
+    stream: Flag | None = Field(None, description="server-sent events in OpenAI's chunk shapes")
+    stream_options: Annotated[StreamOptions | None, Wording("'stream_options' must be an object")] = None
+    presence_penalty: Any = Field(None, description="not supported: leave it out (or 0)")
+    frequency_penalty: Any = Field(None, description="not supported: leave it out (or 0)")
+    logit_bias: Any = Field(None, description="not supported")
+    logprobs: Any = Field(None, description="not supported")
+    top_logprobs: Any = Field(None, description="not supported")
+    echo: Any = Field(None, description="not supported")
+    suffix: Any = Field(None, description="not supported")
+
+    @model_validator(mode="after")
+    def _refuse_what_is_not_implemented(self) -> GenerationRequest:
+        if self.choices > 1 and self.stream:
+            raise invalid_request("'n' > 1 is not supported with 'stream': send n requests instead", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and value != 0:
+                raise invalid_request(
+                    f"'{name}' is not supported (use repetition_penalty, as transformers applies it): leave it out",
+                    name,
+                )
+        for name, what in (
+            ("logit_bias", "'logit_bias'"),
+            ("logprobs", "'logprobs'"),
+            ("top_logprobs", "'logprobs'"),
+            ("echo", "'echo'"),
+            ("suffix", "'suffix'"),
+        ):
+            if getattr(self, name):
+                raise invalid_request(f"{what} is not supported by this server", name)
+        return self
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def answer_length(self) -> tuple[str, int | None]:
+        """The field that sets the answer's length and its value (None: not given)."""
+        return "max_tokens", self.max_tokens
+
+    def sampling_params(self, choice: int = 0):
+        """The core's :class:`~rag_lookahead.decoding.sampling.SamplingParams` for choice ``choice``
+        of ``n``; a seeded request's choice i draws with ``seed + i``."""
+        from rag_lookahead.decoding.sampling import SamplingParams
+
+        penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
+        if not self.temperature:  # 0 or absent: greedy
+            return SamplingParams(repetition_penalty=penalty)
+        return SamplingParams(
+            do_sample=True,
+            temperature=self.temperature,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else None,  # 0 and -1: off, as in vLLM
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p or None,
+            repetition_penalty=penalty,
+            seed=None if self.seed is None else (self.seed + choice) % (1 << 63),
+        )
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``: a raw prompt, no chat template."""
+
+    prompt: Annotated[Text | TokenIds | list[Text | TokenIds], Wording(PROMPT_REQUIRED)] = Field(
+        description="a string or a list of token ids (a list holding one of them is taken too)"
+    )
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise invalid_request("'prompt' is empty", "prompt")
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            if any(t < 0 for t in prompt):
+                raise invalid_request("token ids in 'prompt' must be >= 0", "prompt")
+        elif len(prompt) > 1:
+            raise invalid_request("'prompt' holds several prompts: send one prompt per request", "prompt")
+        else:
+            raise invalid_request(PROMPT_REQUIRED, "prompt")
+        self.prompt = prompt
+        return self
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(BaseModel):
+    role: Role
+    content: Text | list[TextPart] | None = Field(None, description="a string or text parts (text only)")
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template takes it (``developer`` is a system message)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``: messages through the tokenizer's chat template."""
+
+    max_completion_tokens: Integer | None = Field(
+        None, json_schema_extra={"minimum": 1}, description="OpenAI's newer name for max_tokens (wins over it)"
+    )
+    tools: Any = Field(None, description="not supported")
+    functions: Any = Field(None, description="not supported")
+    messages: list[ChatMessage] = Field(min_length=1, description="at most the server's --max-messages")
+
+    @model_validator(mode="after")
+    def _something_to_answer(self) -> ChatCompletionRequest:
+        if self.tools or self.functions:
+            raise invalid_request("tool and function calling are not supported by this server", "tools")
+        if not any(m.text().strip() for m in self.messages):
+            raise invalid_request("every message is empty", "messages")
+        return self
+
+    def answer_length(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+
+class RagRequest(OpenAIRequest):
+    """``POST /v1/rag``: retrieve from the loaded index, answer from the passages."""
+
+    question: Annotated[Text, Wording(QUESTION_REQUIRED)]
+    k: Annotated[Integer | None, Wording(hint=" (passages shown to the model)")] = Field(
+        None, ge=1, le=32, description="passages shown to the model (default --k-prompt; the rest seed the drafter)"
+    )
+    max_tokens: Integer | None = Field(
+        None, json_schema_extra={"minimum": 1}, description="at most the server's --max-tokens-limit"
+    )
+    stream: Flag | None = Field(None, description="server-sent events: sources, deltas, done")
+
+    @model_validator(mode="after")
+    def _a_question(self) -> RagRequest:
+        if not self.question.strip():
+            raise invalid_request(QUESTION_REQUIRED, "question")
+        return self
+
+
+# ---------------------------------------------------------------- one message from pydantic's errors
+
+
+def explain(model: type[BaseModel], error: dict) -> tuple[str, str | None]:
+    """The message and the field name of the first validation error of ``model``."""
+    if error["type"] == INVALID_REQUEST:
+        return error["ctx"]["message"], error["ctx"]["param"]
+    loc = error["loc"]
+    if not loc:
+        return "the request body must be a JSON object", None
+    name = str(loc[0])
+    if name == "messages":
+        return _explain_message(loc, error), name
+    field = model.model_fields[name]
+    nested = _nested_model(field.annotation)
+    if len(loc) > 1 and nested is not None:
+        return explain(nested, {**error, "loc": loc[1:]})
+    wording = next((m for m in field.metadata if isinstance(m, Wording)), Wording())
+    if wording.message:
+        return wording.message, name
+    return _from_schema(_schema_of(model, name), name, error["input"], wording.hint), name
+
+
+def _explain_message(loc: tuple, error: dict) -> str:
+    if len(loc) < 2 or not isinstance(loc[1], int):
+        return MESSAGES_REQUIRED
+    i = loc[1]
+    if len(loc) == 2:
+        return f"messages[{i}] must be an object with 'role' and 'content'"
+    if loc[2] == "role":
+        role = None if error["type"] == "missing" else error["input"]
+        return f"messages[{i}].role must be one of {sorted(ROLES)}, got {quote(role)}"
+    if len(loc) > 4 or isinstance(error["input"], list):  # inside the list of content parts
+        return f'messages[{i}].content parts must be {{"type": "text", "text": ...}} (text only)'
+    return f"messages[{i}].content must be a string or a list of text parts"
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+@functools.cache
+def _properties(model: type[BaseModel]) -> dict[str, Any]:
+    return model.model_json_schema()["properties"]
+
+
+def _schema_of(model: type[BaseModel], name: str) -> dict[str, Any]:
+    """The JSON schema of field ``name``, its non-null branch."""
+    schema = _properties(model)[name]
+    branches = [s for s in schema.get("anyOf", [schema]) if s.get("type") != "null"]
+    return branches[0] if branches else {}
+
+
+def _from_schema(schema: dict[str, Any], name: str, value: Any, hint: str) -> str:
+    got = quote(value)
+    kind = schema.get("type")
+    if kind == "boolean":
+        return f"'{name}' must be true or false, got {got}"
+    low, high = schema.get("minimum", schema.get("exclusiveMinimum")), schema.get("maximum")
+    if kind == "number":
+        opening = "(" if "exclusiveMinimum" in schema else "["
+        return f"'{name}' must be a number in {opening}{low}, {high}], got {got}"
+    if kind == "integer" and isinstance(value, int) and not isinstance(value, bool):
+        span = f"between {low} and {high}" if high is not None else f">= {low}"
+        return f"'{name}' must be {span}{hint}, got {got}"
+    if kind == "integer":
+        return f"'{name}' must be an integer, got {got}"
+    return f"'{name}' is not valid here, got {got}"

@@ -1,0 +1,302 @@
+"""The response bodies, as pydantic models in OpenAI's shapes, and how each endpoint fills them.
+
+The models document the answers at ``/docs``; every body is built through them, so what is
+documented is what is sent. Each endpoint has a *shape* that turns an
+:class:`~rag_lookahead.serve.jobs.Answer` (and, when streaming, each new piece of text) into
+bodies: ``opening()`` (sent before any text), ``piece(text)``, ``closing(answer, include_usage)``
+and ``whole(answers)`` for a non-streamed answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel
+
+from rag_lookahead.serve.jobs import Answer
+
+__all__ = ["ChatShape", "CompletionShape", "RagShape"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Stats(BaseModel):
+    """What lookahead did for the (first) answer; an extension of OpenAI's shapes."""
+
+    forward_passes: int
+    mean_accepted: float
+    seconds: float
+    lookahead: bool
+
+
+def usage_of(answers: list[Answer]) -> Usage:
+    """Usage of all choices: the prompt counted once, completions added up (as OpenAI reports n > 1)."""
+    prompt, completion = answers[0].prompt_tokens, sum(a.completion_tokens for a in answers)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def stats_of(answer: Answer) -> Stats:
+    return Stats(
+        forward_passes=answer.forward_passes,
+        mean_accepted=answer.mean_accepted,
+        seconds=answer.seconds,
+        lookahead=answer.lookahead,
+    )
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int = 0
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+
+
+class CompletionUsageChunk(CompletionChunk):
+    """The last chunk of a stream with ``stream_options.include_usage`` (no choices)."""
+
+    usage: Usage
+
+
+class Completion(CompletionUsageChunk):
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class _OpenAIShape:
+    """What the two OpenAI endpoints share: a stream ends with the held-back rest, a finish chunk
+    and (asked for) a usage chunk; the whole body holds every choice, the usage and the stats."""
+
+    id: str
+    created: int
+    model: str
+    usage_chunk: ClassVar[type[BaseModel]]
+    body: ClassVar[type[BaseModel]]
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "created": self.created, "model": self.model}
+
+    def piece(self, text: str) -> dict:
+        raise NotImplementedError
+
+    def _finish(self, finish_reason: str) -> dict:
+        raise NotImplementedError
+
+    def _choice(self, index: int, answer: Answer) -> BaseModel:
+        raise NotImplementedError
+
+    def closing(self, answer: Answer, include_usage: bool) -> list[dict]:
+        chunks = [self.piece(answer.rest)] if answer.rest else []
+        chunks.append(self._finish(answer.finish_reason))
+        if include_usage:
+            chunks.append(self.usage_chunk(**self._head(), choices=[], usage=usage_of([answer])).model_dump())
+        return chunks
+
+    def whole(self, answers: list[Answer]) -> dict:
+        choices = [self._choice(i, answer) for i, answer in enumerate(answers)]
+        body = self.body(**self._head(), choices=choices, usage=usage_of(answers), stats=stats_of(answers[0]))
+        return body.model_dump()
+
+
+@dataclass(frozen=True)
+class CompletionShape(_OpenAIShape):
+    usage_chunk = CompletionUsageChunk
+    body = Completion
+
+    def _chunk(self, text: str, finish_reason: str | None = None) -> dict:
+        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        return CompletionChunk(**self._head(), choices=[choice]).model_dump()
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def piece(self, text: str) -> dict:
+        return self._chunk(text)
+
+    def _finish(self, finish_reason: str) -> dict:
+        return self._chunk("", finish_reason)
+
+    def _choice(self, index: int, answer: Answer) -> BaseModel:
+        return CompletionChoice(text=answer.text, index=index, finish_reason=answer.finish_reason)
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+
+
+class ChatDeltaChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, {} at the end
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: None = None
+    choices: list[ChatDeltaChoice]
+
+
+class ChatUsageChunk(ChatCompletionChunk):
+    """The last chunk of a stream with ``stream_options.include_usage`` (no choices)."""
+
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: None = None
+    choices: list[ChatChoice]
+    usage: Usage
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class ChatShape(_OpenAIShape):
+    usage_chunk = ChatUsageChunk
+    body = ChatCompletion
+
+    def _chunk(self, delta: dict[str, str], finish_reason: str | None = None) -> dict:
+        choice = ChatDeltaChoice(delta=delta, finish_reason=finish_reason)
+        return ChatCompletionChunk(**self._head(), choices=[choice]).model_dump()
+
+    def opening(self) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def piece(self, text: str) -> dict:
+        return self._chunk({"content": text})
+
+    def _finish(self, finish_reason: str) -> dict:
+        return self._chunk({}, finish_reason)
+
+    def _choice(self, index: int, answer: Answer) -> BaseModel:
+        message = AssistantMessage(content=answer.text)
+        return ChatChoice(index=index, message=message, finish_reason=answer.finish_reason)
+
+
+# ---------------------------------------------------------------- /v1/rag
+
+
+class RagStats(Stats):
+    retrieval_seconds: float
+    seed_passages: int  # retrieved passages left out of the prompt that seeded the drafter
+    finish_reason: str
+    usage: Usage
+
+
+class RagAnswer(BaseModel):
+    answer: str
+    sources: list[dict[str, Any]]  # rag.chains.source_info: source, chunk_id, score, in_prompt, snippet, text
+    stats: RagStats
+    model: str
+
+
+class RagSourcesEvent(BaseModel):
+    type: Literal["sources"] = "sources"
+    sources: list[dict[str, Any]]
+
+
+class RagDeltaEvent(BaseModel):
+    type: Literal["delta"] = "delta"
+    text: str
+
+
+class RagDoneEvent(BaseModel):
+    type: Literal["done"] = "done"
+    answer: str
+    stats: RagStats
+
+
+@dataclass(frozen=True)
+class RagShape:
+    """``/v1/rag`` streams a sources event, text deltas, then a done event with the whole answer."""
+
+    sources: list[dict[str, Any]]
+    model: str
+    retrieval_seconds: float
+    seed_passages: int
+
+    def _stats(self, answer: Answer) -> RagStats:
+        return RagStats(
+            **stats_of(answer).model_dump(),
+            retrieval_seconds=round(self.retrieval_seconds, 4),
+            seed_passages=self.seed_passages,
+            finish_reason=answer.finish_reason,
+            usage=usage_of([answer]),
+        )
+
+    def opening(self) -> list[dict]:
+        return [RagSourcesEvent(sources=self.sources).model_dump()]
+
+    def piece(self, text: str) -> dict:
+        return RagDeltaEvent(text=text).model_dump()
+
+    def closing(self, answer: Answer, include_usage: bool) -> list[dict]:
+        chunks = [self.piece(answer.rest)] if answer.rest else []
+        return chunks + [RagDoneEvent(answer=answer.text.strip(), stats=self._stats(answer)).model_dump()]
+
+    def whole(self, answers: list[Answer]) -> dict:
+        answer = answers[0]
+        body = RagAnswer(answer=answer.text.strip(), sources=self.sources, stats=self._stats(answer), model=self.model)
+        return body.model_dump()
+
+
+# ---------------------------------------------------------------- /v1/models, /health
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "rag_lookahead"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    """``status``: ok | starting | draining | error (the engine failed to start or its thread died);
+    200 only when ok, else 503."""
+
+    status: Literal["ok", "starting", "draining", "error"]
+    model: str
+    lookahead: bool
+    index: bool
+    queue_depth: int
+    batch_size: int
+    max_batch_size: int
+    error: str | None = None

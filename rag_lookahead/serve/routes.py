@@ -1,0 +1,241 @@
+"""The endpoints. Each handler validates (its request model, then the server's limits), tokenizes
+off the event loop, submits one job per choice and answers whole or as server-sent events.
+
+``POST /v1/completions`` (raw prompt, no chat template; a string or a list of token ids),
+``POST /v1/chat/completions`` (messages through the tokenizer's chat template), ``POST /v1/rag``
+(retrieve from the loaded index, seed the drafter with the passages left out of the prompt);
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import JSONResponse, Response
+
+from rag_lookahead.errors import InputError
+from rag_lookahead.serve.api_error import ApiError, ErrorResponse
+from rag_lookahead.serve.body import JsonBodyRoute
+from rag_lookahead.serve.config import ServerConfig
+from rag_lookahead.serve.engine import Engine
+from rag_lookahead.serve.jobs import Answer, Job
+from rag_lookahead.serve.limits import answer_length, checked_messages, checked_prompt, checked_stop
+from rag_lookahead.serve.metrics import CONTENT_TYPE
+from rag_lookahead.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, RagRequest
+from rag_lookahead.serve.responses import (
+    ChatCompletion,
+    ChatShape,
+    Completion,
+    CompletionShape,
+    Health,
+    ModelCard,
+    ModelList,
+    RagAnswer,
+    RagShape,
+)
+from rag_lookahead.serve.streaming import ClientGone, EngineStream, collect, stream
+
+__all__ = ["generation", "health_status", "status"]
+
+log = logging.getLogger(__name__)
+
+#: The POST endpoints: the body is read by JsonBodyRoute, then validated by FastAPI.
+generation = APIRouter(route_class=JsonBodyRoute)
+#: The GET endpoints.
+status = APIRouter()
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 500, 503)}
+_ids = itertools.count()
+
+
+def _documented(model: type) -> dict:
+    """OpenAPI ``responses`` of a generation endpoint: the model, or events when streaming."""
+    streamed = {"text/event-stream": {"schema": {"type": "string"}}}
+    return {
+        200: {"model": model, "description": "the answer; with stream: true, events", "content": streamed},
+        **_ERRORS,
+    }
+
+
+def _engine(http_request: Request) -> Engine:
+    return http_request.app.state.engine
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}{next(_ids)}"
+
+
+def _length_and_stop(body: GenerationRequest, config: ServerConfig) -> tuple[int, list[str]]:
+    return answer_length(*body.answer_length(), config), checked_stop(body.stop_strings, config)
+
+
+def _submit(
+    engine: Engine, prompt: list[int], max_tokens: int, stop: list[str], body: GenerationRequest, http_request: Request
+) -> list[Job]:
+    """One job per choice (``n``); choice i of a seeded request draws with seed + i."""
+    key = getattr(http_request.state, "key_id", "")
+    jobs = [
+        engine.new_request(prompt, max_tokens, stop, pool_key=key, sampling=body.sampling_params(i))
+        for i in range(body.choices)
+    ]
+    for job in jobs:
+        engine.submit(job)
+    return jobs
+
+
+async def _collect_all(jobs: list[Job], http_request: Request, engine: Engine) -> list[Answer] | None:
+    """Every choice's answer; None (all of them cancelled) once the client has left."""
+
+    async def one(job: Job) -> Answer | None:
+        try:
+            return await collect(job, http_request, engine)
+        except ClientGone:
+            return None
+
+    answers = await asyncio.gather(*(one(job) for job in jobs))
+    if any(answer is None for answer in answers):
+        for job in jobs:
+            engine.cancel(job)
+        return None
+    return list(answers)
+
+
+async def _respond(
+    jobs: list[Job],
+    shape: CompletionShape | ChatShape | RagShape,
+    streamed: bool,
+    include_usage: bool,
+    http_request: Request,
+    engine: Engine,
+) -> dict | Response:
+    """The answer in ``shape``: events as they come, or the whole body (499 if the client left)."""
+    if streamed:
+        return EngineStream(stream(jobs[0], http_request, engine, shape, include_usage), engine, jobs[0])
+    answers = await _collect_all(jobs, http_request, engine)
+    return Response(status_code=499) if answers is None else shape.whole(answers)
+
+
+@generation.post("/v1/completions", response_model=None, responses=_documented(Completion))
+async def completions(body: CompletionRequest, http_request: Request) -> dict | Response:
+    engine = _engine(http_request)
+    max_tokens, stop = _length_and_stop(body, engine.config)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompt = await run_in_threadpool(engine.encode_text, prompt)
+    jobs = _submit(engine, checked_prompt(list(prompt), engine), max_tokens, stop, body, http_request)
+    shape = CompletionShape(_new_id("cmpl"), int(time.time()), body.model or engine.config.model_name)
+    return await _respond(jobs, shape, bool(body.stream), body.include_usage, http_request, engine)
+
+
+@generation.post("/v1/chat/completions", response_model=None, responses=_documented(ChatCompletion))
+async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> dict | Response:
+    engine = _engine(http_request)
+    max_tokens, stop = _length_and_stop(body, engine.config)
+    messages = checked_messages(body.messages, engine.config)
+    try:
+        prompt = await run_in_threadpool(engine.encode_chat, messages)
+    except Exception as e:  # a template that refuses this conversation (e.g. role order)
+        raise _template_refusal(e) from None
+    jobs = _submit(engine, checked_prompt(prompt, engine), max_tokens, stop, body, http_request)
+    shape = ChatShape(_new_id("chatcmpl"), int(time.time()), body.model or engine.config.model_name)
+    return await _respond(jobs, shape, bool(body.stream), body.include_usage, http_request, engine)
+
+
+def _template_refusal(error: Exception) -> ApiError:
+    """The chat template refused the messages: its own message when it raised one on purpose."""
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:  # pragma: no cover - transformers needs jinja2 for templates
+        TemplateError = ()  # type: ignore[assignment]
+    if isinstance(error, InputError) and error.__context__ is not None:
+        error = error.__context__  # tokens.encode_messages words it for people; judge the template's own error
+    if isinstance(error, TemplateError) and str(error) and len(str(error)) <= 300:
+        return ApiError(400, f"the chat template rejected these messages: {error}", param="messages")
+    log.info("chat template failed", exc_info=(type(error), error, error.__traceback__))
+    return ApiError(400, "the chat template rejected these messages", param="messages")
+
+
+@generation.post("/v1/rag", response_model=None, responses=_documented(RagAnswer))
+async def rag(body: RagRequest, http_request: Request) -> dict | Response:
+    """Retrieve ``k_seed`` passages, show ``k`` in the prompt, seed the drafter with the rest."""
+    from rag_lookahead.rag.chains import make_prompt, source_info
+
+    engine = _engine(http_request)
+    cfg = engine.config
+    k = cfg.k_prompt if body.k is None else body.k
+    max_tokens = answer_length("max_tokens", body.max_tokens, cfg)
+    if engine.index is None:
+        raise ApiError(
+            503,
+            "no document index is loaded: build one with `rag_lookahead index CORPUS_DIR --index-dir DIR` "
+            "and start the server with `--index-dir DIR`",
+            "server_error",
+        )
+    if len(await run_in_threadpool(engine.encode_text, body.question)) > cfg.max_prompt_tokens:  # before retrieving
+        raise ApiError(
+            400,
+            f"'question' is longer than this server's prompt limit ({cfg.max_prompt_tokens} tokens)",
+            param="question",
+        )
+    engine.check_capacity()  # again: the tokenizing may have taken a while
+    start = time.perf_counter()
+    try:
+        docs = await run_in_threadpool(engine.retrieve, body.question, max(cfg.k_seed, k))
+    except InputError as e:
+        raise ApiError(400, str(e)[:300], param="question") from None
+    retrieval_seconds = time.perf_counter() - start
+    shown, seeds = docs[:k], docs[k:]
+    message = {"role": "user", "content": make_prompt(body.question, shown)}
+    prompt = await run_in_threadpool(engine.encode_chat, [message])
+    seeded = engine.lookahead.enabled and seeds
+    references = await run_in_threadpool(engine.encode_passages, [d.page_content for d in seeds]) if seeded else []
+    key = getattr(http_request.state, "key_id", "")
+    job = engine.new_request(checked_prompt(prompt, engine), max_tokens, [], references, pool_key=key)
+    engine.submit(job)
+    sources = [source_info(d, i < k) for i, d in enumerate(docs)]
+    shape = RagShape(sources, cfg.model_name, retrieval_seconds, len(seeds))
+    return await _respond([job], shape, bool(body.stream), False, http_request, engine)
+
+
+@status.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+async def models(http_request: Request) -> dict:
+    return ModelList(data=[ModelCard(id=_engine(http_request).config.model_name)]).model_dump()
+
+
+@status.get("/health", response_model=Health, responses={503: {"model": Health}})
+async def health(http_request: Request) -> JSONResponse:
+    engine = _engine(http_request)
+    state = health_status(engine)
+    body = Health(
+        status=state,
+        model=engine.config.model_name,
+        lookahead=engine.lookahead.enabled,
+        index=engine.index is not None,
+        queue_depth=engine.queue_depth,
+        batch_size=engine.batch_size,
+        max_batch_size=engine.max_batch_size,
+        error="the generation engine is not running; the server log has the details" if state == "error" else None,
+    )
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if state == "ok" else 503)
+
+
+@status.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+async def metrics(http_request: Request) -> Response:
+    return Response(_engine(http_request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def health_status(engine: Engine) -> str:
+    """ok | starting | draining | error (the engine failed to start or its thread died)."""
+    if engine.error is not None or (engine.ready.is_set() and not engine.alive and not engine.draining):
+        return "error"
+    if engine.draining:
+        return "draining"
+    if not (engine.alive and engine.ready.is_set()):
+        return "starting"
+    return "ok"
