@@ -155,7 +155,7 @@ def test_rows_joining_a_running_batch_match_single_rows(arch, first, later, join
             key, prompt = pending.pop(0)
             budget = max_new + extra[key]
             batch.add(torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long), None, budget, keys=[key])
-        for row in batch.finish():
+        for row in batch.retire():
             outputs[row.index] = row.generated
         if batch.rows:
             batch.verify_and_accept(batch.propose())

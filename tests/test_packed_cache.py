@@ -18,7 +18,7 @@ def _prefill(rows: list[list[int]]):
 def _row_columns(packed: PackedCache, row: int) -> list[int]:
     keys = packed.cache.layers[1].keys[0, 0, :, 0]
     assert torch.equal(packed.cache.layers[1].values[0, 0, :, 0], keys * 10)
-    return [int(v) for v in keys[packed.valid[row]]]
+    return [int(v) for v in keys[packed.owned[row]]]
 
 
 def test_rows_keep_their_own_columns_through_join_accept_and_leave():
@@ -40,7 +40,7 @@ def test_rows_keep_their_own_columns_through_join_accept_and_leave():
     packed.drop_rows([0, 2])  # row 1 leaves: 2 of 10 columns are dead, below a quarter: kept
     assert packed.length == 10 and [_row_columns(packed, r) for r in range(2)] == [[1, 2, 3, 7, 70], [6, 9, 91]]
     packed.drop_rows([1])  # one row left: its cache is made hole-free
-    assert packed.length == 3 and bool(packed.valid.all()) and _row_columns(packed, 0) == [6, 9, 91]
+    assert packed.length == 3 and bool(packed.owned.all()) and _row_columns(packed, 0) == [6, 9, 91]
     packed.drop_rows([])
     assert packed.cache is None and packed.rows == 0
 

@@ -341,13 +341,11 @@ def test_a_hot_row_learns_low_acceptance_and_yields_its_nodes():
     for _ in range(6):
         batch.verify_and_accept(batch.propose())
     rows = {row.index: row for row in batch.rows}
-    assert rows["cold"].trust.first > 0.8
-    assert rows["hot"].trust.first < 0.3
+    assert rows["cold"].acceptance.first > 0.8
+    assert rows["hot"].acceptance.first < 0.3
     # priced with the forward costs measured on this CPU (DESIGN.md: 1 token 120 ms ... 64 tokens 520 ms)
     costs = StepCosts(CostCurve([1, 8, 16, 32, 64], [0.12, 0.19, 0.24, 0.34, 0.52]))
     costs.observe(2, 2, 0.13)
-    from rag_lookahead.decoding.draft import propose
-
-    drafts = [row.trust.weigh(propose(row.context, None, config)) for row in batch.rows]
+    drafts = [row.acceptance.weigh(batch.drafter.propose(row)) for row in batch.rows]
     counts = dict(zip((row.index for row in batch.rows), allocate(drafts, costs)))
     assert counts["cold"] > counts["hot"]

@@ -14,14 +14,14 @@ import json
 import os
 import platform
 import time
-import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from rag_lookahead.atomic import write_json_atomic
 from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.profile import profile_of
 
 
 @dataclass
@@ -41,9 +41,6 @@ class CostCurve:
                 return secs[i - 1] + t * (secs[i] - secs[i - 1])
         slope = (secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2])
         return secs[-1] + max(slope, 0.0) * (n - sizes[-1])
-
-
-_CURVES: weakref.WeakKeyDictionary[torch.nn.Module, CostCurve] = weakref.WeakKeyDictionary()
 
 
 def _curve_key(model) -> str | None:
@@ -159,14 +156,14 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
 
 
 def cost_curve(model) -> CostCurve:
-    """The model's cost curve: measured on first use, then remembered in memory and on disk.
+    """The model's cost curve: measured on first use, then kept in its profile and on disk.
 
     The file lets a one-shot CLI call skip the measurement; delete it (or set
     RAG_LOOKAHEAD_RECALIBRATE=1) after changing hardware or when it was measured under load.
     """
-    curve = _CURVES.get(model)
-    if curve is not None:
-        return curve
+    profile = profile_of(model)
+    if profile.cost_curve is not None:
+        return profile.cost_curve
     key = _curve_key(model)
     path = _curve_file() if key else None
     stored = {}
@@ -182,65 +179,8 @@ def cost_curve(model) -> CostCurve:
         if path is not None:
             stored[key] = {"sizes": curve.sizes, "seconds": curve.seconds}
             write_json_atomic(path, stored)
-    _CURVES[model] = curve
+    profile.cost_curve = curve
     return curve
-
-
-class Trust:
-    """How far one row's drafts have held up, as two acceptance rates learned step by step.
-
-    The drafter's counts say which continuation is likeliest, not whether the model will
-    follow the passage at all: a phrase seen once in the prompt gets probability 1 at every
-    depth, whether the answer quotes it or paraphrases it. So each row learns ``first``, the
-    chance that a drafted first token is accepted, and ``onward``, the chance that an accepted
-    node's drafted child is accepted too. A node at depth d is then worth
-    ``p * first * onward ** (d - 1)``: deep nodes pay only while the row keeps copying long
-    runs, and the rates recover as soon as it does again (a fully accepted draft counts no
-    failure, so the next one may go deeper). Counts decay so the estimate follows the text.
-    """
-
-    DECAY = 0.8
-    PROBE = 0.1  # a step without a draft drifts both rates back toward 1, so no row is written off for good
-
-    def __init__(self) -> None:
-        self._first = [1.0, 1.0]  # decayed (accepted, drafted) at depth 1; starts trusting
-        self._onward = [1.0, 1.0]  # the same below an accepted node
-
-    @property
-    def first(self) -> float:
-        return _rate(self._first)
-
-    @property
-    def onward(self) -> float:
-        return _rate(self._onward)
-
-    def observe(self, draft: DraftTree, accepted: list[int]) -> None:
-        """Update with one step's verified draft and its accepted nodes (root to leaf)."""
-        if not draft.tokens:
-            for counts in (self._first, self._onward):
-                counts[0] = self.DECAY * counts[0] + self.PROBE
-                counts[1] = self.DECAY * counts[1] + self.PROBE
-            return
-        onward_hits = max(len(accepted) - 1, 0)  # accepted nodes below an accepted node
-        failed_below = bool(accepted) and accepted[-1] in draft.parents  # the last one had a drafted child that failed
-        for counts, hits, tries in (
-            (self._first, min(len(accepted), 1), 1),
-            (self._onward, onward_hits, onward_hits + failed_below),
-        ):
-            counts[0] = self.DECAY * counts[0] + hits
-            counts[1] = self.DECAY * counts[1] + tries
-
-    def weigh(self, draft: DraftTree) -> DraftTree:
-        """The draft with each node's trusted chance of acceptance (still never above its parent's)."""
-        scale = [0.0, self.first]  # by depth; built so that it never grows with depth, even by rounding
-        for _ in range(max(draft.depths, default=0) - 1):
-            scale.append(min(scale[-1], scale[-1] * self.onward))
-        return replace(draft, probs=[p * scale[d] for p, d in zip(draft.probs, draft.depths)])
-
-
-def _rate(counts: list[float]) -> float:
-    """accepted / drafted; 1 once the decayed counts have faded to nothing (no evidence left)."""
-    return counts[0] / counts[1] if counts[1] > 1e-9 else 1.0
 
 
 class StepCosts:
@@ -256,6 +196,9 @@ class StepCosts:
     def __init__(self, curve: CostCurve) -> None:
         self.curve = curve
         self.seen: dict[tuple[int, int], float] = {}
+
+    def __repr__(self) -> str:
+        return f"StepCosts({len(self.seen)} (rows, tokens) sizes seen, over {self.curve!r})"
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         old = self.seen.get((rows, tokens))
@@ -275,26 +218,23 @@ class StepCosts:
         return predicted * self.seen[(rows, nearest)] / self.curve(nearest)
 
 
-_STEP_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, StepCosts] = weakref.WeakKeyDictionary()
-
-
 def step_costs(model) -> StepCosts:
     """The model's measured step costs, shared by every call on it (calibrated once per batch size)."""
-    costs = _STEP_COSTS.get(model)
-    if costs is None:
-        costs = _STEP_COSTS[model] = StepCosts(cost_curve(model))
-    return costs
+    profile = profile_of(model)
+    if profile.step_costs is None:
+        profile.step_costs = StepCosts(cost_curve(model))
+    return profile.step_costs
 
 
 def allocate(drafts: list[DraftTree], costs: StepCosts | None) -> list[int]:
     """Draft nodes per row for one forward over all rows, best expected tokens per second.
 
     Rows are packed side by side, so a node costs the same wherever it sits: one more token in
-    the forward. The nodes of all rows are therefore ranked together by their trusted chance of
-    acceptance, and the best prefix of that ranking wins: with k nodes a step costs
-    ``costs(rows, rows + k)`` and gains the rows' bonus tokens plus the k chances. A row's share
-    is its k_r likeliest nodes, still a tree. As the batch grows each step costs more and
-    fewer nodes pay; where none does, the step is plain decoding.
+    the forward. The nodes of all rows are therefore ranked together by their chance of
+    acceptance (weighed by each row's ``AcceptanceRates``), and the best prefix of that ranking
+    wins: with k nodes a step costs ``costs(rows, rows + k)`` and gains the rows' bonus tokens
+    plus the k chances. A row's share is its k_r likeliest nodes, still a tree. As the batch
+    grows each step costs more and fewer nodes pay; where none does, the step is plain decoding.
     """
     if costs is None:
         return [len(d) for d in drafts]  # fixed budget: every candidate

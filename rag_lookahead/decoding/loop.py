@@ -1,26 +1,34 @@
-"""The decode loop: prefill, then (propose -> verify -> accept) until every row is done.
+"""The decode loop: prefill, then propose -> verify -> accept until every row is done.
 
-``generate`` is greedy and lossless: each row's tokens are exactly what
-``model.generate(do_sample=False)`` gives for it, but a step may accept several tokens when
-the drafted tree guessed them. ``DecodeBatch`` holds the state of the rows being decoded
-(KV cache, which cache columns each row may see, each row's trie) so that a server can drive
-the same loop step by step.
+``generate`` is lossless: each row's tokens are exactly what ``model.generate`` gives for it
+(greedy, or sampled under the same seed), but a step may accept several tokens when the draft
+guessed them. ``DecodeBatch`` holds the state of the rows being decoded (one packed KV cache,
+each row's tokens and drafter state) so that a server can drive the same loop step by step:
+
+* ``propose``: the drafter's tree per row, weighed by the row's acceptance rates and cut to
+  the nodes that pay for their cost in this forward (``costs.allocate``);
+* ``verify_and_accept``: one forward over all trees (``verify``), each row's accepted path
+  (``sampling``), its KV entries kept (``packed_cache``) and its tokens taken (``rows``);
+* ``retire``: rows that are done leave the batch.
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
-from rag_lookahead.decoding.costs import Trust, allocate, step_costs
-from rag_lookahead.decoding.draft import DraftTree, propose
+from rag_lookahead.decoding.costs import allocate, step_costs
+from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.drafter import Drafter, TrieDrafter
 from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, vocab_size
-from rag_lookahead.decoding.packed_cache import PackedCache
+from rag_lookahead.decoding.packed_cache import PackedCache, check_cache
+from rag_lookahead.decoding.profile import profile_of
+from rag_lookahead.decoding.results import GenerationResult, GenerationStats, assemble
+from rag_lookahead.decoding.rows import Row
 from rag_lookahead.decoding.sampling import (
     Accepted,
     SamplingParams,
@@ -29,120 +37,39 @@ from rag_lookahead.decoding.sampling import (
     per_row,
     resolve_sampling,
 )
-from rag_lookahead.decoding.trie import ContextPool, OutputPool
-from rag_lookahead.decoding.verify import check_cache, forward_tree, input_device, keep_accepted, supports_tree_mask
+from rag_lookahead.decoding.trie import OutputPool
+from rag_lookahead.decoding.verify import forward_tree, input_device, keep_accepted, supports_tree_mask
 from rag_lookahead.errors import ConfigError, InputError
 
-
-@dataclass
-class GenerationStats:
-    rows: int = 0
-    forward_passes: int = 0  # decode forwards after the prefill
-    new_tokens: int = 0  # over all rows, the prefill's token included
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    lookup_seconds: float = 0.0  # trie lookups, draft building and sizing
-    draft_tokens: int = 0  # draft nodes verified, over all rows and steps
-    accepted_histogram: dict[int, int] = field(default_factory=dict)  # tokens gained by a row in one step -> count
-    trace: list[dict] | None = None
-
-    @property
-    def row_steps(self) -> int:
-        return sum(self.accepted_histogram.values())
-
-    @property
-    def mean_accepted(self) -> float:
-        """New tokens per decode forward and row (1.0 for plain decoding)."""
-        steps = self.row_steps
-        return sum(k * n for k, n in self.accepted_histogram.items()) / steps if steps else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """Tokens after each row's first, per second of decoding."""
-        tokens = self.new_tokens - self.rows
-        return tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "rows": self.rows,
-            "forward_passes": self.forward_passes,
-            "new_tokens": self.new_tokens,
-            "mean_accepted": round(self.mean_accepted, 4),
-            "accepted_histogram": dict(sorted(self.accepted_histogram.items())),
-            "draft_tokens": self.draft_tokens,
-            "prefill_seconds": round(self.prefill_seconds, 4),
-            "decode_seconds": round(self.decode_seconds, 4),
-            "lookup_seconds": round(self.lookup_seconds, 4),
-            "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
-        }
-
-
-@dataclass
-class GenerationResult:
-    sequences: torch.LongTensor  # the prompt as given + new tokens, right-padded with the pad id
-    stats: GenerationStats
-
-
-@dataclass
-class _Row:
-    index: object  # the row's key: its row in generate's batch, a request id in a server
-    context: ContextPool  # its stream is the row's text so far: prompt + generated
-    trust: Trust
-    max_new_tokens: int
-    chooser: TokenChooser
-    prompt_length: int = 0
-    generated: list[int] = field(default_factory=list)
-    position: int = 0  # cache entries this row owns = position id of its pending token
-    done: bool = False
-
-    @property
-    def length(self) -> int:
-        """Tokens of the row's text so far: prompt + generated."""
-        return self.prompt_length + len(self.generated)
-
-    @property
-    def pending(self) -> int:
-        return self.generated[-1]
-
-
-_OUTPUT_POOLS: weakref.WeakKeyDictionary[torch.nn.Module, OutputPool] = weakref.WeakKeyDictionary()
-
-
-def default_output_pool(model, config: LookaheadConfig) -> OutputPool:
-    """The output pool shared by every call on this model that does not bring its own."""
-    pool = _OUTPUT_POOLS.get(model)
-    if pool is None:
-        pool = _OUTPUT_POOLS[model] = OutputPool(config.branch_length + config.max_key_length, config.output_pool_nodes)
-    return pool
-
-
-def _eos_set(model, eos_token_id) -> frozenset[int]:
-    if eos_token_id is None:
-        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos_token_id is None:
-        return frozenset()
-    if isinstance(eos_token_id, int):
-        return frozenset([eos_token_id])
-    return frozenset(int(t) for t in eos_token_id)
-
-
-def _context_limit(model) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
+__all__ = ["DecodeBatch", "GenerationResult", "GenerationStats", "Row", "generate", "left_pad"]
 
 
 class DecodeBatch:
-    """Rows decoded together: one KV cache, a validity mask over its columns, a trie per row."""
+    """Rows decoded together: one packed KV cache, the columns each row owns, one drafter for all rows.
 
-    def __init__(self, model, config: LookaheadConfig, eos: frozenset[int], output_pool: OutputPool | None) -> None:
+    ``output_pool`` is the trie drafter's pool of earlier answers; pass ``drafter`` instead to
+    draft otherwise (see ``drafter.Drafter``). ``config.enabled=False`` decodes plainly.
+    """
+
+    def __init__(
+        self,
+        model,
+        config: LookaheadConfig,
+        eos: frozenset[int],
+        output_pool: OutputPool | None,
+        drafter: Drafter | None = None,
+    ) -> None:
+        if drafter is not None and output_pool is not None:
+            raise ConfigError("output_pool is the trie drafter's: pass TrieDrafter(config, output_pool) as the drafter")
         self.model = model
         self.config = config
         self.eos = eos
-        self.output_pool = output_pool if config.use_output_pool else None
+        self.drafter = drafter if drafter is not None else TrieDrafter(config, output_pool)
         self.tree_mask = supports_tree_mask(model)  # also what keeps packed rows apart
         self.costs = step_costs(model) if config.enabled and config.budget == "auto" else None
         self.context_limit = _context_limit(model)
         self.vocab = vocab_size(model)
-        self.rows: list[_Row] = []
+        self.rows: list[Row] = []
         self._arrivals = 0
         self.packed = PackedCache()  # every row's KV entries, side by side
 
@@ -155,16 +82,13 @@ class DecodeBatch:
         max_new_tokens: int | Sequence[int] = 1,
         keys: Sequence | None = None,
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[_Row]:
+    ) -> list[Row]:
         """Prefill new left-padded rows and merge them into the running batch.
 
         ``keys`` name the rows (default: their order of arrival); rows joining a running
         batch are how a server batches continuously. ``sampling``: one setting for all rows
         or one per row (default greedy); rows with different settings share the batch.
         """
-        from transformers import DynamicCache
-
-        depth = self.config.branch_length + self.config.max_key_length
         input_ids, attention_mask = as_batch(input_ids, attention_mask)
         check_ids(input_ids, attention_mask, self.vocab)
         count = input_ids.shape[0]
@@ -173,7 +97,7 @@ class DecodeBatch:
                 f"{type(self.model).__name__}'s attention ignores custom masks, so rows cannot share a batch: "
                 "decode one row at a time (generate() does this by itself)"
             )
-        references = check_references(references, count, self.vocab)
+        references = check_references(references, count, self.vocab) or [()] * count
         device = input_device(self.model)  # callers may build ids on the CPU
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         if isinstance(max_new_tokens, int):
@@ -185,6 +109,25 @@ class DecodeBatch:
         if keys is None:
             keys = list(range(self._arrivals, self._arrivals + count))
         self._arrivals += count
+        cache, logits = self._prefill(input_ids, attention_mask)
+        greedy = logits[:, -1].float().argmax(-1).tolist()  # as transformers does: fp32 logits, first maximum on ties
+        lengths = attention_mask.sum(-1).tolist()
+        rows = []
+        for r in range(count):
+            prompt = input_ids[r, input_ids.shape[1] - lengths[r] :].tolist()
+            chooser = TokenChooser(sampling[r], device)
+            row = Row(keys[r], prompt, max_new_tokens[r], chooser, self.context_limit, position=lengths[r])
+            row.take([greedy[r] if chooser.plain else chooser.choose(prompt, logits[r, -1])], self.eos)
+            self.drafter.start(row, references[r])
+            rows.append(row)
+        self.packed.append_rows(cache, lengths)
+        self.rows = self.rows + rows
+        return rows
+
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """One forward over the left-padded prompts: their cache and the logits of each row's last token."""
+        from transformers import DynamicCache
+
         cache = DynamicCache(config=self.model.config)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         logits = self.model(
@@ -196,63 +139,22 @@ class DecodeBatch:
             logits_to_keep=1,
         ).logits
         check_cache(cache)
-        greedy = logits[:, -1].float().argmax(-1).tolist()  # as transformers does: fp32 logits, first maximum on ties
-        lengths = attention_mask.sum(-1).tolist()
-        rows = []
-        for r in range(count):
-            prompt = input_ids[r, input_ids.shape[1] - lengths[r] :].tolist()
-            context = ContextPool(depth, references[r] if references else ())
-            context.extend(prompt)
-            chooser = TokenChooser(sampling[r], device)
-            row = _Row(
-                keys[r], context, Trust(), max_new_tokens[r], chooser, prompt_length=lengths[r], position=lengths[r]
-            )
-            first = greedy[r] if chooser.plain else chooser.choose(prompt, logits[r, -1])
-            self._take(row, [first])
-            rows.append(row)
-        self.packed.append_rows(cache, lengths)
-        self.rows = self.rows + rows
-        return rows
-
-    def _room(self, row: _Row) -> int:
-        """Tokens the row may still gain: its token budget, and the context window, which holds
-        ``context_limit`` tokens (prompt + generated) in all."""
-        room = row.max_new_tokens - len(row.generated)
-        if self.context_limit is not None:
-            room = min(room, self.context_limit - row.length)
-        return max(room, 0)
-
-    def _take(self, row: _Row, tokens: list[int]) -> list[int]:
-        """Append accepted tokens, cut at EOS, the token budget or the context end.
-
-        The room is counted before the tokens are added; a block cut short always ends the row,
-        so a running row's KV cache and ``generated`` stay in step.
-        """
-        room = self._room(row)
-        tokens = tokens[:room]
-        for i, token in enumerate(tokens):
-            if token in self.eos:
-                tokens = tokens[: i + 1]
-                break
-        row.generated.extend(tokens)
-        row.context.extend(tokens)
-        if not tokens or tokens[-1] in self.eos or self._room(row) == 0:
-            row.done = True
-        return tokens
+        return cache, logits
 
     def propose(self) -> list[DraftTree]:
         """Each row's draft tree, cut to the nodes that pay for themselves in this step."""
-        drafts = [row.trust.weigh(self._candidates(row)) for row in self.rows]
+        drafts = [row.acceptance.weigh(self._candidates(row)) for row in self.rows]
         counts = allocate(drafts, self.costs)
         return [draft.top(count) for draft, count in zip(drafts, counts)]
 
-    def _candidates(self, row: _Row) -> DraftTree:
+    def _candidates(self, row: Row) -> DraftTree:
+        """The drafter's tree, cut to what the row may still accept (and to a chain without a tree mask)."""
         if not self.config.enabled:
             return DraftTree()
-        room = self._room(row) - 1  # the bonus token needs no draft
+        room = row.room - 1  # the bonus token needs no draft
         if room < 1:
             return DraftTree()
-        draft = propose(row.context, self.output_pool, self.config).limit_depth(room)
+        draft = self.drafter.propose(row).limit_depth(room)
         return draft if self.tree_mask else draft.best_chain()
 
     @torch.inference_mode()
@@ -267,8 +169,9 @@ class DecodeBatch:
         gained = []
         for row, draft, result in zip(self.rows, drafts, accepted):
             row.position += 1 + len(result.nodes)
-            row.trust.observe(draft, result.nodes)
-            gained.append(self._take(row, result.tokens))
+            row.acceptance.observe(draft, result.nodes)
+            gained.append(row.take(result.tokens, self.eos))
+            self.drafter.observe(row, draft, result.nodes)
         if self.costs is not None:
             self.costs.observe(len(drafts), step.ids.shape[1], time.perf_counter() - tick)
         return gained
@@ -283,13 +186,11 @@ class DecodeBatch:
             if row.chooser.plain:
                 accepted.append(longest_path(draft, greedy[start:end]))
             else:
-                accepted.append(
-                    row.chooser.walk(draft, logits[start:end], row.context.stream, self._room(row), self.eos)
-                )
+                accepted.append(row.chooser.walk(draft, logits[start:end], row.tokens, row.room, self.eos))
         return accepted
 
-    def finish(self, keep: Callable[[_Row], bool] | None = None) -> list[_Row]:
-        """Drop the finished rows (and any that ``keep`` rejects) from the batch; return them."""
+    def retire(self, keep: Callable[[Row], bool] | None = None) -> list[Row]:
+        """Take the finished rows (and any that ``keep`` rejects) out of the batch; return them."""
         keep = keep or (lambda row: True)
         stay = [i for i, row in enumerate(self.rows) if not row.done and keep(row)]
         if len(stay) == len(self.rows):
@@ -298,11 +199,13 @@ class DecodeBatch:
         left = [row for i, row in enumerate(self.rows) if i not in staying]
         for row in left:
             row.done = True
-            if self.output_pool is not None:
-                self.output_pool.add(row.generated)
+            self.drafter.retire(row)
         self.rows = [self.rows[i] for i in stay]
         self.packed.drop_rows(stay)
         return left
+
+    #: Deprecated name of ``retire``, kept only until serve/ and bench/ call ``retire``.
+    finish = retire
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,7 +216,23 @@ def left_pad(rows: Sequence[Sequence[int]], pad: int, device=None) -> tuple[torc
     return ids, mask
 
 
+def _context_limit(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def _eos_set(model, eos_token_id) -> frozenset[int]:
+    """The ids that end a row: the argument, else the model's generation config (no tokenizer here)."""
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset([eos_token_id])
+    return frozenset(int(t) for t in eos_token_id)
+
+
 def _pad_id(model, pad_token_id, eos: frozenset[int]) -> int:
+    """The id that right-pads the output: the argument, else the model's, else an EOS id, else 0."""
     if pad_token_id is None:
         pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
     if pad_token_id is None:
@@ -332,6 +251,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     output_pool: OutputPool | None = None,
+    drafter: Drafter | None = None,
     on_tokens: Callable[[int, list[int]], bool | None] | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
@@ -342,7 +262,7 @@ def generate(
     seed: int | Sequence[int] | None = None,
     generation_config=None,
 ) -> GenerationResult:
-    """Lossless decoding, several tokens a forward where the trie guesses right.
+    """Lossless decoding, several tokens a forward where the drafts guess right.
 
     Greedy or sampled exactly as ``model.generate`` would for the same arguments: the sampling
     options (``do_sample`` ... ``repetition_penalty``, or a ``transformers.GenerationConfig``)
@@ -355,22 +275,16 @@ def generate(
     input_ids: a list of ids, or a (batch, length) tensor left-padded per ``attention_mask``.
     references: per row, token-id sequences seeding that row's context pool (passages that
         are not in the prompt).
-    output_pool: n-grams of earlier answers to draft from; defaults to one shared per model.
+    output_pool: n-grams of earlier answers to draft from; defaults to one shared per model
+        (and trie depth), kept in the model's ``ModelProfile``.
+    drafter: what proposes the drafts (see ``drafter.Drafter``), e.g. ``PromptLookupDrafter()``;
+        default: the trie drafter of ``config`` with ``output_pool``.
     on_tokens(row, tokens): called as each row's tokens are accepted; return True to end that
         row there (a stop string was seen, the client left).
     """
     config = config or LookaheadConfig()
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    device = input_device(model)
-    ids, mask = as_batch(input_ids, attention_mask)
-    check_ids(ids, mask, vocab_size(model))
-    references = check_references(references, ids.shape[0], vocab_size(model))
-    ids, mask = ids.to(device), mask.to(device)
-    limit = _context_limit(model)
-    longest = int(mask.sum(-1).max())
-    if limit is not None and longest >= limit:
-        raise InputError(f"the input has {longest} tokens but the model's context holds {limit}")
+    positive_int("max_new_tokens", max_new_tokens)
+    ids, mask, references = _checked_inputs(model, input_ids, attention_mask, references)
     params = resolve_sampling(
         model,
         generation_config,
@@ -384,28 +298,53 @@ def generate(
     sampling = per_row(params, seed, ids.shape[0])
     eos = _eos_set(model, eos_token_id)
     pad = _pad_id(model, pad_token_id, eos)
-    if output_pool is None and config.enabled and config.use_output_pool:
-        output_pool = default_output_pool(model, config)
-
+    if drafter is None and output_pool is None and config.enabled and config.use_output_pool:
+        output_pool = profile_of(model).output_pool(
+            config.branch_length + config.max_key_length, config.output_pool_nodes
+        )
     if ids.shape[0] > 1 and not supports_tree_mask(model):  # packed rows are kept apart by the mask
+        settings = dict(config=config, eos_token_id=sorted(eos), pad_token_id=pad, output_pool=output_pool)
         return _row_by_row(
-            model, ids, mask, max_new_tokens, config, references, eos, pad, output_pool, on_tokens, sampling
+            model, ids, mask, references, on_tokens, sampling, max_new_tokens, drafter=drafter, **settings
         )
 
     stats = GenerationStats(rows=ids.shape[0], trace=[] if config.debug else None)
-    batch = DecodeBatch(model, config, eos, output_pool)
+    batch = DecodeBatch(model, config, eos, output_pool, drafter)
     start = time.perf_counter()
     batch.add(ids, mask, references, max_new_tokens, sampling=sampling)
     stats.prefill_seconds = time.perf_counter() - start
+    outputs = _decode(batch, stats, on_tokens)
+    return GenerationResult(assemble(ids, [outputs[r] for r in range(ids.shape[0])], pad), stats)
+
+
+def _checked_inputs(model, input_ids, attention_mask, references):
+    """``(ids, mask, references)`` checked and on the model's input device; the longest row must
+    leave room in the context window for at least one new token."""
+    ids, mask = as_batch(input_ids, attention_mask)
+    check_ids(ids, mask, vocab_size(model))
+    references = check_references(references, ids.shape[0], vocab_size(model))
+    device = input_device(model)
+    ids, mask = ids.to(device), mask.to(device)
+    limit = _context_limit(model)
+    longest = int(mask.sum(-1).max())
+    if limit is not None and longest >= limit:
+        raise InputError(f"the input has {longest} tokens but the model's context holds {limit}")
+    return ids, mask, references
+
+
+def _decode(
+    batch: DecodeBatch, stats: GenerationStats, on_tokens: Callable[[int, list[int]], bool | None] | None
+) -> dict[int, list[int]]:
+    """Step the batch until every row is done or stopped; each row's new tokens by its index."""
     outputs: dict[int, list[int]] = {}
 
-    def notify(row: _Row, tokens: list[int]) -> bool:
+    def notify(row: Row, tokens: list[int]) -> bool:
         return bool(on_tokens(row.index, tokens)) if on_tokens is not None and tokens else False
 
     stopped = {row.index for row in batch.rows if notify(row, row.generated)}
     start = time.perf_counter()
     while True:
-        for row in batch.finish(lambda row: row.index not in stopped):
+        for row in batch.retire(lambda row: row.index not in stopped):
             outputs[row.index] = row.generated
         if not batch.rows:
             break
@@ -413,26 +352,13 @@ def generate(
         drafts = batch.propose()
         lookup = time.perf_counter() - tick
         gained = batch.verify_and_accept(drafts)
-        stats.forward_passes += 1
-        stats.lookup_seconds += lookup
-        for row, draft, tokens in zip(batch.rows, drafts, gained):
-            stats.draft_tokens += len(draft)
-            stats.accepted_histogram[len(tokens)] = stats.accepted_histogram.get(len(tokens), 0) + 1
+        for row, tokens in zip(batch.rows, gained):
             if notify(row, tokens):
                 stopped.add(row.index)
-        if stats.trace is not None:
-            stats.trace.append(
-                {
-                    "step": stats.forward_passes,
-                    "draft": [len(d) for d in drafts],
-                    "gained": [len(t) for t in gained],
-                    "lookup_ms": round(lookup * 1e3, 3),
-                    "step_ms": round((time.perf_counter() - tick) * 1e3, 3),
-                }
-            )
+        stats.record_step(drafts, gained, lookup, time.perf_counter() - tick)
     stats.decode_seconds = time.perf_counter() - start
     stats.new_tokens = sum(len(t) for t in outputs.values())
-    return GenerationResult(_assemble(ids, [outputs[r] for r in range(ids.shape[0])], pad), stats)
+    return outputs
 
 
 def _as_options(params: SamplingParams) -> dict:
@@ -448,16 +374,9 @@ def _as_options(params: SamplingParams) -> dict:
     }
 
 
-def _assemble(ids: torch.Tensor, outputs: list[list[int]], pad: int) -> torch.LongTensor:
-    width = max(len(o) for o in outputs)
-    new = torch.full((ids.shape[0], width), pad, dtype=torch.long, device=ids.device)
-    for r, tokens in enumerate(outputs):
-        new[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    return torch.cat([ids, new], dim=1)
-
-
-def _row_by_row(model, ids, mask, max_new_tokens, config, references, eos, pad, output_pool, on_tokens, sampling):
-    """Models without tree masks cannot batch ragged rows; decode each row alone."""
+def _row_by_row(model, ids, mask, references, on_tokens, sampling, max_new_tokens, **settings) -> GenerationResult:
+    """Models without tree masks cannot batch ragged rows; decode each row alone (``settings``:
+    the batch's other ``generate`` keywords)."""
     outputs, total = [], GenerationStats(rows=ids.shape[0])
     for r in range(ids.shape[0]):
         length = int(mask[r].sum())
@@ -465,24 +384,11 @@ def _row_by_row(model, ids, mask, max_new_tokens, config, references, eos, pad, 
             model,
             ids[r : r + 1, ids.shape[1] - length :],
             max_new_tokens=max_new_tokens,
-            config=config,
             references=[references[r]] if references else None,
-            eos_token_id=sorted(eos),
-            pad_token_id=pad,
-            output_pool=output_pool,
             on_tokens=(lambda _row, tokens, r=r: on_tokens(r, tokens)) if on_tokens else None,
+            **settings,
             **_as_options(sampling[r]),
         )
         outputs.append(result.sequences[0, length:].tolist())
-        for name in (
-            "forward_passes",
-            "new_tokens",
-            "prefill_seconds",
-            "decode_seconds",
-            "lookup_seconds",
-            "draft_tokens",
-        ):
-            setattr(total, name, getattr(total, name) + getattr(result.stats, name))
-        for k, n in result.stats.accepted_histogram.items():
-            total.accepted_histogram[k] = total.accepted_histogram.get(k, 0) + n
-    return GenerationResult(_assemble(ids, outputs, pad), total)
+        total.add(result.stats)
+    return GenerationResult(assemble(ids, outputs, pad=settings["pad_token_id"]), total)

@@ -27,11 +27,6 @@ class PackedCache:
         self._row_columns: list[int] = []  # per row: how many columns it owns (host copy of owned.sum(1))
 
     @property
-    def valid(self) -> torch.Tensor:
-        """The ownership matrix under its former name."""
-        return self.owned
-
-    @property
     def length(self) -> int:
         return self.owned.shape[1]
 
@@ -104,3 +99,12 @@ class PackedCache:
                 layer.keys = layer.keys.index_select(2, cols)
                 layer.values = layer.values.index_select(2, cols)
             self.owned = self.owned[:, index]
+
+
+def check_cache(cache) -> None:
+    """Only the plain dynamic cache can be compacted by slicing; say so clearly otherwise."""
+    for layer in cache.layers:
+        if type(layer).__name__ != "DynamicLayer":
+            raise NotImplementedError(
+                f"rag_lookahead supports full-attention dynamic caches only; this model uses {type(layer).__name__}"
+            )

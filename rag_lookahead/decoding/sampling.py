@@ -1,10 +1,12 @@
 """How each token is chosen: greedy or sampled, at the root and at every node of a verified tree.
 
-Trie drafts are deterministic, so sampling needs no rejection correction. Walk the verified
-tree from the root: at each node turn its logits into the target distribution with
-transformers' own logits processors (the ones ``model.generate`` would build: repetition
-penalty, then temperature, top-k, top-p, min-p), draw one token, and descend into the child
-drafted with that token if there is one; otherwise the draw is the step's bonus token. Every
+Drafts are proposals, not samples from a draft model: a draft only decides which draws one
+forward can check, so sampling needs no rejection correction (a drafter must only leave torch's
+generators alone, see ``drafter``). Walk the verified tree from the root: at each node turn its
+logits into the target distribution with transformers' own logits processors (the ones
+``model.generate`` would build: repetition penalty, then temperature, top-k, top-p, min-p),
+draw one token, and descend into the child drafted with that token if there is one;
+otherwise the draw is the step's bonus token. Every
 emitted token costs exactly one draw, in order, from the same distribution plain sampling
 uses, so the output is an ancestral sample of the model, and with the same generator state
 it is the same sample token for token.

@@ -94,6 +94,9 @@ class OutputPool:
         self.max_nodes = max_nodes
         self.lock = threading.Lock()
 
+    def __repr__(self) -> str:
+        return f"OutputPool(depth={self.depth}, nodes={self.nodes:,}, max_nodes={self.max_nodes:,})"
+
     @property
     def depth(self) -> int:
         return self.trie.depth

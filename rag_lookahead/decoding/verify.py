@@ -1,19 +1,20 @@
-"""Verify draft trees in one forward of the stock model and keep the accepted KV entries.
+"""Verify draft trees in one forward of the stock model.
 
 Each row feeds ``[last accepted token] + its draft nodes``; the rows' tokens sit side by side
-in one sequence over a packed cache (see ``packed_cache``). A 4-D attention mask lets every
+in one sequence over the packed cache (see ``packed_cache``). A 4-D attention mask lets every
 node see its row's cache columns, its ancestors and itself; position ids are the row's length
-plus the node's depth. The token chosen at each node (greedy, or drawn: see ``sampling``) then
-tells which path of the tree plain decoding would have produced: we walk it from the root,
-keep the KV entries of that path (``packed_cache`` gathers them, nothing is recomputed) and take
-the bonus token from the last node of the path. Rows accept different numbers of tokens and
-nothing is padded.
+plus the node's depth, so each node's logits are exactly those plain decoding would compute
+after its path. Rows verify different numbers of nodes and nothing is padded.
+
+What happens to the logits is elsewhere: ``sampling`` chooses the token at each node and so
+the accepted path, and ``packed_cache`` keeps that path's KV entries (gathered, never
+recomputed); ``keep_accepted`` here only hands it the columns. ``supports_tree_mask`` probes
+once per model whether its attention honours the mask at all.
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.packed_cache import PackedCache
+from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.sampling import Accepted
 
 
@@ -119,17 +121,6 @@ def keep_accepted(packed: PackedCache, start: int, step: StepInputs, accepted: l
     packed.keep_new(start, keep, owners)
 
 
-def check_cache(cache) -> None:
-    """Only the plain dynamic cache can be compacted by slicing; say so clearly otherwise."""
-    for layer in cache.layers:
-        if type(layer).__name__ != "DynamicLayer":
-            raise NotImplementedError(
-                f"rag_lookahead supports full-attention dynamic caches only; this model uses {type(layer).__name__}"
-            )
-
-
-_TREE_MASK_OK: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
-
 #: Relative logit error the probe allows: exact fp32 differs only by summation order; bf16, fp16
 #: and fp32 with TF32 (or other reduced-precision) matmuls round at ~1e-3..1e-2 of the largest logit.
 EXACT_TOLERANCE = 1e-3
@@ -172,16 +163,17 @@ def probe_tolerance(dtype: torch.dtype, device: torch.device) -> float:
 
 
 def supports_tree_mask(model) -> bool:
-    """Probe once per model: do tree-masked logits equal each branch run on its own?
+    """Probe once per model: do tree-masked logits equal each branch run on its own? (The verdict is
+    kept in the model's ``ModelProfile``.)
 
     A model whose attention ignores a custom 4-D mask would let one branch see another; such
     models fall back to single-chain drafts, which need no mask, with one warning. Attention
     known to choke on 4-D masks is refused without a forward; a probe that raises, or logits
     that are not finite (fp16 overflow), also mean chains, never a dead ``generate``.
     """
-    known = _TREE_MASK_OK.get(model)
-    if known is not None:
-        return known
+    profile = profile_of(model)
+    if profile.tree_mask is not None:
+        return profile.tree_mask
     reason = mask_blind_reason(model)
     if reason is None:
         try:
@@ -194,7 +186,7 @@ def supports_tree_mask(model) -> bool:
             "(still lossless, fewer tokens accepted per step)",
             stacklevel=2,
         )
-    _TREE_MASK_OK[model] = reason is None
+    profile.tree_mask, profile.tree_mask_reason = reason is None, reason
     return reason is None
 
 

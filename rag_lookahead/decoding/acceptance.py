@@ -1,0 +1,73 @@
+"""How well one row's drafts have been accepted so far: the correction the draft budget applies.
+
+The decode loop weighs every row's draft with these rates before ``costs.allocate`` ranks the
+nodes of all rows together, so a row whose drafts keep failing yields its nodes to rows whose
+drafts are being accepted. They learn from any drafter's trees (``accepted`` is the path of
+node indices), so every drafter behind the same loop is budgeted the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rag_lookahead.decoding.draft import DraftTree
+
+
+class AcceptanceRates:
+    """How far one row's drafts have held up, as two acceptance rates learned step by step.
+
+    A drafter's estimates say which continuation is likeliest, not whether the model will
+    follow the passage at all (the trie's counts, for one): a phrase seen once in the prompt gets probability 1 at every
+    depth, whether the answer quotes it or paraphrases it. So each row learns ``first``, the
+    chance that a drafted first token is accepted, and ``onward``, the chance that an accepted
+    node's drafted child is accepted too. A node at depth d is then worth
+    ``p * first * onward ** (d - 1)``: deep nodes pay only while the row keeps copying long
+    runs, and the rates recover as soon as it does again (a fully accepted draft counts no
+    failure, so the next one may go deeper). Counts decay so the estimate follows the text.
+    """
+
+    DECAY = 0.8
+    PROBE = 0.1  # a step without a draft drifts both rates back toward 1, so no row is written off for good
+
+    def __init__(self) -> None:
+        self._first = [1.0, 1.0]  # decayed (accepted, drafted) at depth 1; starts trusting
+        self._onward = [1.0, 1.0]  # the same below an accepted node
+
+    def __repr__(self) -> str:
+        return f"AcceptanceRates(first={self.first:.3f}, onward={self.onward:.3f})"
+
+    @property
+    def first(self) -> float:
+        return _rate(self._first)
+
+    @property
+    def onward(self) -> float:
+        return _rate(self._onward)
+
+    def observe(self, draft: DraftTree, accepted: list[int]) -> None:
+        """Update with one step's verified draft and its accepted nodes (root to leaf)."""
+        if not draft.tokens:
+            for counts in (self._first, self._onward):
+                counts[0] = self.DECAY * counts[0] + self.PROBE
+                counts[1] = self.DECAY * counts[1] + self.PROBE
+            return
+        onward_hits = max(len(accepted) - 1, 0)  # accepted nodes below an accepted node
+        failed_below = bool(accepted) and accepted[-1] in draft.parents  # the last one had a drafted child that failed
+        for counts, hits, tries in (
+            (self._first, min(len(accepted), 1), 1),
+            (self._onward, onward_hits, onward_hits + failed_below),
+        ):
+            counts[0] = self.DECAY * counts[0] + hits
+            counts[1] = self.DECAY * counts[1] + tries
+
+    def weigh(self, draft: DraftTree) -> DraftTree:
+        """The draft with each node's chance of acceptance corrected by these rates (never above its parent's)."""
+        scale = [0.0, self.first]  # by depth; built so that it never grows with depth, even by rounding
+        for _ in range(max(draft.depths, default=0) - 1):
+            scale.append(min(scale[-1], scale[-1] * self.onward))
+        return replace(draft, probs=[p * scale[d] for p, d in zip(draft.probs, draft.depths)])
+
+
+def _rate(counts: list[float]) -> float:
+    """accepted / drafted; 1 once the decayed counts have faded to nothing (no evidence left)."""
+    return counts[0] / counts[1] if counts[1] > 1e-9 else 1.0

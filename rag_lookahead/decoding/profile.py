@@ -1,0 +1,98 @@
+"""What the decode loop learns about one model and reuses on every call: one object per model.
+
+Some facts cost forwards to find out and stay true for every call on a model: whether its
+attention honours a tree mask (``verify.supports_tree_mask`` probes it), what a forward of n
+tokens costs (``costs.cost_curve`` times it, and keeps it on disk too), what real verify steps
+cost at each batch size (``costs.step_costs`` learns it), and the pool of earlier answers that
+calls bringing none of their own share (``loop.generate``). They all live in the model's
+``ModelProfile``, held weakly (dropping the model drops its profile), so one place shows what
+is known about a model (``as_dict``) and one call forgets it (``reset``): after moving the
+model to another device or changing its attention kernel, or between tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from rag_lookahead.decoding.costs import CostCurve, StepCosts
+    from rag_lookahead.decoding.trie import OutputPool
+
+__all__ = ["ModelProfile", "profile_of", "reset_profiles"]
+
+
+@dataclass(eq=False)
+class ModelProfile:
+    """Everything measured or accumulated for one model; None (or empty) until first needed.
+
+    tree_mask: the mask probe's verdict (True: rows and tree branches can share a forward).
+    tree_mask_reason: why not, when the verdict is False.
+    cost_curve: seconds of a batch-1 forward by token count.
+    step_costs: measured verify-step seconds by (rows, tokens), correcting the curve.
+    output_pools: the shared pools of earlier answers, one per trie depth, so a call with a
+        deeper config never reads a shallower pool (or the reverse).
+    """
+
+    tree_mask: bool | None = None
+    tree_mask_reason: str | None = None
+    cost_curve: CostCurve | None = None
+    step_costs: StepCosts | None = None
+    output_pools: dict[int, OutputPool] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def output_pool(self, depth: int, max_nodes: int) -> OutputPool:
+        """The pool of earlier answers shared by calls at this trie depth (made on first use with
+        ``max_nodes`` as its bound)."""
+        from rag_lookahead.decoding.trie import OutputPool
+
+        with self._lock:
+            pool = self.output_pools.get(depth)
+            if pool is None:
+                pool = self.output_pools[depth] = OutputPool(depth, max_nodes)
+            return pool
+
+    def reset(self) -> None:
+        """Forget everything: the next call probes, measures and pools afresh (the cost file on disk stays)."""
+        with self._lock:
+            self.tree_mask = None
+            self.tree_mask_reason = None
+            self.cost_curve = None
+            self.step_costs = None
+            self.output_pools = {}
+
+    def as_dict(self) -> dict:
+        """A plain summary for logs and debugging."""
+        curve = self.cost_curve
+        return {
+            "tree_mask": self.tree_mask,
+            "tree_mask_reason": self.tree_mask_reason,
+            "cost_curve": None if curve is None else dict(zip(curve.sizes, curve.seconds)),
+            "step_costs_seen": None if self.step_costs is None else len(self.step_costs.seen),
+            "output_pools": {depth: pool.nodes for depth, pool in sorted(self.output_pools.items())},
+        }
+
+
+_PROFILES: weakref.WeakKeyDictionary[torch.nn.Module, ModelProfile] = weakref.WeakKeyDictionary()
+_PROFILES_LOCK = threading.Lock()
+
+
+def profile_of(model) -> ModelProfile:
+    """The model's profile, made empty on first use."""
+    with _PROFILES_LOCK:
+        profile = _PROFILES.get(model)
+        if profile is None:
+            profile = _PROFILES[model] = ModelProfile()
+        return profile
+
+
+def reset_profiles() -> None:
+    """Forget what is known about every model (``profile_of(model).reset()`` forgets one)."""
+    with _PROFILES_LOCK:
+        profiles = list(_PROFILES.values())
+    for profile in profiles:
+        profile.reset()

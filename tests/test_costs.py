@@ -1,0 +1,86 @@
+"""Sizing drafts: the cost budget (``costs.allocate``, ``StepCosts``) and each row's acceptance rates
+(pure Python, no model)."""
+
+from __future__ import annotations
+
+from rag_lookahead.decoding.acceptance import AcceptanceRates
+from rag_lookahead.decoding.costs import CostCurve, StepCosts, allocate
+from rag_lookahead.decoding.draft import DraftTree
+
+
+def _costs(curve, rows_seen):
+    costs = StepCosts(curve)
+    for rows in rows_seen:
+        costs.observe(rows, rows, curve(rows))
+    return costs
+
+
+def _chain(probs):
+    n = len(probs)
+    return DraftTree(
+        tokens=list(range(n)), parents=list(range(-1, n - 1)), depths=list(range(1, n + 1)), probs=list(probs)
+    )
+
+
+# cost per forward: nearly flat for a few tokens, then linear (a CPU)
+CPU_CURVE = CostCurve([1, 8, 16, 64, 256, 1024], [0.050, 0.057, 0.066, 0.14, 0.55, 2.2])
+
+
+def test_draft_nodes_per_row_shrink_as_the_batch_grows():
+    costs = _costs(CPU_CURVE, (1, 4, 16, 64))
+    draft = _chain([0.6**d for d in range(1, 9)])
+    per_row = []
+    for rows in (1, 4, 16, 64):
+        counts = allocate([draft] * rows, costs)
+        assert len(counts) == rows and all(0 <= c <= len(draft) for c in counts)
+        per_row.append(sum(counts) / rows)
+    assert per_row[0] >= 3
+    assert per_row == sorted(per_row, reverse=True)
+    assert per_row[-1] == 0
+    assert allocate([draft, draft], None) == [len(draft)] * 2  # fixed budget: every candidate
+
+
+def test_nodes_go_to_the_rows_likely_to_accept_them():
+    costs = _costs(CPU_CURVE, (3,))
+    sure, unsure, empty = _chain([0.95] * 10), _chain([0.05] * 10), DraftTree()
+    counts = allocate([sure, unsure, empty], costs)
+    assert counts[0] >= 5 and counts[1] == 0 and counts[2] == 0
+    distrusted = AcceptanceRates()
+    for _ in range(10):
+        distrusted.observe(sure, [])  # this row's drafts keep failing at the first token
+    assert allocate([distrusted.weigh(sure), unsure, empty], costs)[0] == 0
+
+
+def test_acceptance_rates_learn_how_deep_a_row_keeps_copying():
+    costs = _costs(CPU_CURVE, (1,))
+    chain = _chain([1.0] * 24)  # a phrase seen once: the counts alone say every node is sure
+    paraphrasing, copying = AcceptanceRates(), AcceptanceRates()
+    for _ in range(12):
+        paraphrasing.observe(chain, [0, 1])  # two tokens accepted, then the answer departs
+        copying.observe(chain, list(range(24)))  # the whole draft accepted
+    short = paraphrasing.weigh(chain)
+    assert short.probs == sorted(short.probs, reverse=True) and short.probs[0] > 0.9 and short.probs[3] < 0.3
+    assert allocate([short], costs)[0] <= 8
+    assert allocate([copying.weigh(chain)], costs)[0] == 24
+    for _ in range(8):  # the paraphrasing row starts quoting: every draft it verifies is accepted
+        k = allocate([paraphrasing.weigh(chain)], costs)[0]
+        paraphrasing.observe(chain.top(k), list(range(k)))
+    assert allocate([paraphrasing.weigh(chain)], costs)[0] == 24
+    written_off = AcceptanceRates()
+    for _ in range(20):
+        written_off.observe(chain, [])
+    assert allocate([written_off.weigh(chain)], costs)[0] == 0
+    for _ in range(10):  # steps without drafts: the row gets probed again
+        written_off.observe(DraftTree(), [])
+    assert allocate([written_off.weigh(chain)], costs)[0] >= 1
+
+
+def test_measured_step_costs_override_the_curve():
+    draft = _chain([0.9, 0.8, 0.7, 0.6])
+    costs = StepCosts(CPU_CURVE)
+    assert allocate([draft] * 4, costs) == [0] * 4  # a new batch size: measure plain first
+    costs.observe(4, 4, CPU_CURVE(4))
+    assert allocate([draft] * 4, costs) == [4] * 4  # the curve says drafting pays
+    for tokens in range(5, 21):  # but drafting steps turned out 5x dearer than the curve said
+        costs.observe(4, tokens, 5 * CPU_CURVE(tokens))
+    assert allocate([draft] * 4, costs) == [0] * 4

@@ -1,0 +1,175 @@
+"""Drafters behind the same loop: prompt lookup proposes what transformers proposes, and any
+drafter stays lossless (greedy equals ``model.generate(do_sample=False)``, sampling equals it under
+the same seed) in fp32 on every tiny architecture."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_models import ARCHITECTURES, reference_generate, tiny_model
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.drafter import Drafter, PromptLookupDrafter
+from rag_lookahead.decoding.loop import DecodeBatch
+from rag_lookahead.decoding.rows import Row
+from rag_lookahead.decoding.trie import OutputPool
+from rag_lookahead.errors import ConfigError
+
+tokens = st.integers(min_value=1, max_value=12)
+
+
+def transformers_candidates(sequence: list[int], max_ngram: int, num_pred: int) -> list[int]:
+    """What transformers' own prompt lookup proposes after ``sequence`` (no length cap, no EOS)."""
+    generator = PromptLookupCandidateGenerator(
+        num_output_tokens=num_pred, max_matching_ngram_size=max_ngram, max_length=len(sequence) + 10_000
+    )
+    candidates, _ = generator.get_candidates(torch.tensor([sequence]))
+    return candidates[0, len(sequence) :].tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sequence=st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=60),
+    max_ngram=st.integers(min_value=1, max_value=5),
+    num_pred=st.integers(min_value=1, max_value=12),
+    cuts=st.lists(st.integers(min_value=1, max_value=60), max_size=4),
+)
+def test_prompt_lookup_proposes_what_transformers_proposes(sequence, max_ngram, num_pred, cuts):
+    """At every point of a row's life (its index grows as tokens arrive), the same chain as transformers."""
+    drafter = PromptLookupDrafter(max_ngram=max_ngram, num_pred_tokens=num_pred)
+    points = sorted({min(c, len(sequence)) for c in cuts} | {len(sequence)})
+    row = Row(0, sequence[: points[0]], max_new_tokens=10_000, chooser=None, context_limit=None)
+    drafter.start(row, [])
+    for end in points:
+        row.generated.extend(sequence[row.length : end])
+        drafter.observe(row, DraftTree(), [])
+        draft = drafter.propose(row)
+        assert draft.tokens == transformers_candidates(sequence[:end], max_ngram, num_pred)
+        assert draft.parents == list(range(-1, len(draft) - 1))  # one chain
+        assert draft.depths == list(range(1, len(draft) + 1)) and draft.probs == [1.0] * len(draft)
+
+
+@st.composite
+def cases(draw):
+    motif = draw(st.lists(tokens, min_size=2, max_size=8))
+    prompt = (motif * 6)[: draw(st.integers(min_value=1, max_value=40))] + draw(st.lists(tokens, max_size=5))
+    config = LookaheadConfig(budget=draw(st.sampled_from(["fixed", "auto"])), use_output_pool=False)
+    drafter = PromptLookupDrafter(
+        max_ngram=draw(st.integers(min_value=1, max_value=4)), num_pred_tokens=draw(st.integers(1, 12))
+    )
+    return prompt, draw(st.integers(1, 40)), config, drafter, draw(st.booleans())
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_prompt_lookup_through_our_loop_equals_greedy(arch, case):
+    prompt, max_new, config, drafter, eos_inside = case
+    model = tiny_model(arch)
+    expected = reference_generate(model, prompt, max_new, None)
+    eos = expected[len(expected) // 2] if eos_inside else None
+    if eos is not None:
+        expected = reference_generate(model, prompt, max_new, eos)
+    result = generate(
+        model, prompt, max_new_tokens=max_new, config=config, drafter=drafter, eos_token_id=eos, pad_token_id=0
+    )
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+    assert result.stats.new_tokens == len(expected)
+
+
+def test_prompt_lookup_accepts_blocks_where_the_text_repeats():
+    model = tiny_model("qwen2")
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10]
+    truth = reference_generate(model, prompt, 30, None)
+    prompt = prompt + truth + prompt  # the answer to the prompt's last words is in the prompt
+    expected = reference_generate(model, prompt, 30, None)
+    config = LookaheadConfig(budget="fixed")
+    result = generate(model, prompt, max_new_tokens=30, config=config, drafter=PromptLookupDrafter(3, 10))
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+    assert result.stats.mean_accepted > 2
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "glm4"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompts=st.lists(st.lists(tokens, min_size=1, max_size=30), min_size=2, max_size=4),
+    max_new=st.integers(min_value=1, max_value=30),
+    eos=st.one_of(st.none(), tokens),
+)
+def test_prompt_lookup_batch_rows_match_single_rows(arch, prompts, max_new, eos):
+    model = tiny_model(arch)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = LookaheadConfig(budget="fixed")
+    result = generate(
+        model, ids, mask, max_new_tokens=max_new, config=config, drafter=PromptLookupDrafter(), eos_token_id=eos
+    )
+    expected = [reference_generate(model, p, max_new, eos) for p in prompts]
+    for row, want in enumerate(expected):
+        assert result.sequences[row, width : width + len(want)].tolist() == want
+
+
+def hf_sample(model, prompt, max_new, seed, **options):
+    ids = torch.tensor([prompt])
+    torch.manual_seed(seed)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, pad_token_id=0, **options)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    case=cases(),
+    temperature=st.floats(min_value=0.3, max_value=1.5),
+    top_p=st.floats(min_value=0.5, max_value=1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_prompt_lookup_sampling_equals_hf_sampling_under_the_same_seed(arch, case, temperature, top_p, seed):
+    prompt, max_new, config, drafter, _ = case
+    model = tiny_model(arch)
+    options = {"do_sample": True, "temperature": temperature, "top_p": top_p}
+    expected = hf_sample(model, prompt, max_new, seed, **options)
+    torch.manual_seed(seed)
+    result = generate(model, prompt, max_new_tokens=max_new, config=config, drafter=drafter, pad_token_id=0, **options)
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+
+
+class NoiseDrafter(Drafter):
+    """Proposes random trees from its own generator: wrong nearly always, and still harmless."""
+
+    def __init__(self, seed: int) -> None:
+        self.random = random.Random(seed)
+
+    def propose(self, row: Row) -> DraftTree:
+        draft = DraftTree()
+        for i in range(self.random.randint(0, 12)):
+            draft.tokens.append(self.random.randint(1, 12))
+            draft.parents.append(self.random.randint(-1, i - 1))
+            draft.depths.append(1 if draft.parents[-1] < 0 else draft.depths[draft.parents[-1]] + 1)
+            draft.probs.append(0.5 ** draft.depths[-1])
+        return draft
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "glm"])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(tokens, min_size=1, max_size=30), max_new=st.integers(1, 30), seed=st.integers(0, 2**16))
+def test_any_drafter_is_lossless(arch, prompt, max_new, seed):
+    model = tiny_model(arch)
+    config = LookaheadConfig(budget="fixed")
+    result = generate(model, prompt, max_new_tokens=max_new, config=config, drafter=NoiseDrafter(seed))
+    assert result.sequences[0, len(prompt) :].tolist() == reference_generate(model, prompt, max_new, None)
+
+
+def test_the_output_pool_belongs_to_the_trie_drafter():
+    model = tiny_model("qwen2")
+    with pytest.raises(ConfigError, match="output_pool"):
+        DecodeBatch(model, LookaheadConfig(), frozenset(), OutputPool(8), drafter=PromptLookupDrafter())
+    with pytest.raises(ConfigError, match="max_ngram"):
+        PromptLookupDrafter(max_ngram=0)
