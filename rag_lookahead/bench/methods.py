@@ -12,15 +12,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rag_lookahead.decoding.drafter import Drafter, PromptLookupDrafter
 from rag_lookahead.decoding.loop import generate
 from rag_lookahead.decoding.trie import OutputPool
 
-METHODS = ("greedy", "prompt_lookup", "lookahead", "lookahead_warm", "lookahead_unseeded")
+METHODS = ("greedy", "prompt_lookup", "prompt_lookup_ours", "lookahead", "lookahead_warm", "lookahead_unseeded")
 #: sampling methods, run once per --temperatures value as ``<method>_t<T>``; each run starts from
 #: the same ``torch.manual_seed``, so in fp32 all three give the same tokens
 SAMPLING_METHODS = ("sample", "prompt_lookup_sample", "lookahead_sample")
 #: transformers' prompt lookup: draft tokens per step (its max_matching_ngram_size stays at its default)
 PROMPT_LOOKUP_TOKENS = 10
+
+
+def prompt_lookup_drafter() -> PromptLookupDrafter:
+    """transformers' prompt lookup (its default n-gram size, our token count) as a drafter of our loop."""
+    return PromptLookupDrafter(num_pred_tokens=PROMPT_LOOKUP_TOKENS)
 
 
 def sampling_method(method: str) -> tuple[str, float] | None:
@@ -124,11 +130,22 @@ def run_hf(
 
 
 def run_lookahead(
-    model, ids, max_new_tokens, eos, pad, config, references=None, pool=None, sampling: dict | None = None
+    model,
+    ids,
+    max_new_tokens,
+    eos,
+    pad,
+    config,
+    references=None,
+    pool=None,
+    sampling: dict | None = None,
+    drafter: Drafter | None = None,
 ) -> Run:
     """Our loop on one prompt. ``pool``: the output pool to draft from; None gives a fresh one (no
-    earlier answers). ``references``: one passage's ids that seed the trie besides the prompt."""
-    pool = pool or OutputPool(config.branch_length + config.max_key_length)
+    earlier answers). ``references``: one passage's ids that seed the trie besides the prompt.
+    ``drafter``: another drafter than lookahead's tries (``prompt_lookup_ours``)."""
+    if drafter is None:
+        pool = pool or OutputPool(config.branch_length + config.max_key_length)
     start = time.perf_counter()
     result = generate(
         model,
@@ -139,6 +156,7 @@ def run_lookahead(
         eos_token_id=eos,
         pad_token_id=pad,
         output_pool=pool,
+        drafter=drafter,
         **(sampling or {"do_sample": False}),
     )
     seconds = time.perf_counter() - start

@@ -51,6 +51,7 @@ from rag_lookahead.bench.methods import (
     MethodTotals,
     Run,
     baselines,
+    prompt_lookup_drafter,
     run_hf,
     run_lookahead,
     sampling_method,
@@ -76,7 +77,8 @@ class SeedMode(Enum):
 METHODS_HELP = (
     "lookahead starts each prompt with an empty output pool; lookahead_warm keeps one pool across "
     "the prompts of a pass (earlier answers, never the same prompt's), as a RAG session would; "
-    "lookahead_unseeded ignores the context passage given with --seed-mode references (drafts from the prompt only)"
+    "lookahead_unseeded ignores the context passage given with --seed-mode references (drafts from the prompt only); "
+    "prompt_lookup_ours is transformers' prompt lookup (same n-gram and draft sizes) run through our loop"
 )
 TEMPERATURES_HELP = (
     "temperatures for the sampling methods (sample, prompt_lookup_sample, lookahead_sample), comma-separated"
@@ -167,6 +169,8 @@ class MethodRunner:
             return run_hf(*hf_args, None)
         if method == "prompt_lookup":
             return run_hf(*hf_args, PROMPT_LOOKUP_TOKENS)
+        if method == "prompt_lookup_ours":
+            return run_lookahead(*hf_args, self.config, drafter=prompt_lookup_drafter())
         seeded = s.seed_mode == "references" and method != "lookahead_unseeded"
         references = self.context_ids(prompt) if seeded else None
         pool = self.warm_pool if method == "lookahead_warm" else None
