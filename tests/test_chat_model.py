@@ -16,8 +16,10 @@ from langchain_core.tools import tool
 
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError, InputError
-from rag_lookahead.langchain.chat_model import ChatLookahead, _forced_opening, parse_tool_calls, template_messages
+from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.langchain.llm import LookaheadLLM
+from rag_lookahead.langchain.messages import template_messages
+from rag_lookahead.langchain.tools import forced_opening, parse_tool_calls
 from rag_lookahead.tokens import TextTracker
 
 FIXED = LookaheadConfig(budget="fixed", decoding_length=16)
@@ -78,18 +80,18 @@ def test_forced_opening_per_tool_choice():
     tools = [
         {"type": "function", "function": {"name": n, "parameters": takes_x}} for n in ("magic_function", "get_weather")
     ]
-    assert _forced_opening(None, tools) == _forced_opening("auto", tools) == _forced_opening("none", tools) == ""
-    assert _forced_opening("any", tools) == '<tool_call>\n{"name": "'
+    assert forced_opening(None, tools) == forced_opening("auto", tools) == forced_opening("none", tools) == ""
+    assert forced_opening("any", tools) == '<tool_call>\n{"name": "'
     named = '<tool_call>\n{"name": "get_weather", "arguments":'
-    assert _forced_opening("get_weather", tools) == named
-    assert _forced_opening({"type": "function", "function": {"name": "get_weather"}}, tools) == named
-    assert _forced_opening("required", tools[1:]) == named  # one tool: its name is known
+    assert forced_opening("get_weather", tools) == named
+    assert forced_opening({"type": "function", "function": {"name": "get_weather"}}, tools) == named
+    assert forced_opening("required", tools[1:]) == named  # one tool: its name is known
     bare = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
-    assert _forced_opening("any", bare) == '<tool_call>\n{"name": "now", "arguments": {}}'  # the only possible call
+    assert forced_opening("any", bare) == '<tool_call>\n{"name": "now", "arguments": {}}'  # the only possible call
     with pytest.raises(ConfigError, match="not among the bound tools"):
-        _forced_opening("nope", tools)
+        forced_opening("nope", tools)
     with pytest.raises(ConfigError, match="tool_choice must be"):
-        _forced_opening(3, tools)
+        forced_opening(3, tools)
 
 
 def test_template_messages_convert_history():

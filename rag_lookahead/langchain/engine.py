@@ -1,13 +1,12 @@
 """The decoding engine shared by the LangChain wrappers (:class:`LookaheadLLM`, :class:`ChatLookahead`).
 
-Everything between "text in" and "text out" that both need lives here once: EOS and pad ids
-(read from the model and tokenizer, never written into the caller's tokenizer), prompt encoding
-through the chat template (with tools where the template takes them), passages registered
-ahead as draft seeds, sampling and draft settings per call, stop strings over accepted token
-blocks (:class:`TextTracker`), one batched :func:`rag_lookahead.decoding.loop.generate` call with
-per-block callbacks, streaming from a worker thread, and the per-row stats. An
-:class:`Engine` owns the output pool, so wrappers that share an engine share what earlier
-answers taught the drafter.
+Everything between "token ids in" and "text out" that both need lives here once: EOS and pad ids
+(read from the model and tokenizer, never written into the caller's tokenizer), passages registered
+ahead as draft seeds, stop strings over accepted token blocks (:class:`TextTracker`), one batched
+:func:`rag_lookahead.decoding.loop.generate` call with per-block callbacks, streaming from a worker
+thread, and the per-row stats. An :class:`Engine` owns the output pool, so wrappers that share an
+engine share what earlier answers taught the drafter. The settings of a call (sampling fields,
+draft settings) are read in :mod:`.sampling_fields`.
 """
 
 from __future__ import annotations
@@ -22,82 +21,12 @@ from typing import Any
 
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.trie import OutputPool
-from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.errors import ConfigError
 from rag_lookahead.tokens import TextTracker, eos_ids, pad_id
 
-__all__ = [
-    "SAMPLING_FIELDS",
-    "Block",
-    "BlockStream",
-    "Engine",
-    "EngineRun",
-    "RowRequest",
-    "resolve_config",
-    "sampling_options",
-    "settings_error",
-]
+__all__ = ["Block", "BlockStream", "Engine", "EngineRun", "RowRequest", "SeedRegistry"]
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 SEED_SLOTS = 256
-
-
-# ---------------------------------------------------------------- per-call settings
-
-
-def resolve_config(default: LookaheadConfig, kwargs: dict) -> LookaheadConfig:
-    """The draft settings of one call: ``lookahead=`` and ``enable_lookahead=`` (popped) over ``default``."""
-    enable = kwargs.pop("enable_lookahead", None)
-    config = kwargs.pop("lookahead", None) or default
-    if not isinstance(config, LookaheadConfig):
-        raise ConfigError("lookahead must be a LookaheadConfig")
-    if enable is not None:
-        config = config.replace(enabled=bool(enable))
-    return config
-
-
-def sampling_options(model, values: Mapping[str, Any]) -> dict:
-    """``generate``'s sampling keywords from our fields (temperature None or 0: greedy).
-
-    Bad values raise :class:`ConfigError` here, before any decoding.
-    """
-    from rag_lookahead.decoding.sampling import resolve_sampling
-
-    values = dict(values)
-    temperature = values.pop("temperature", None)
-    if temperature is not None and (
-        isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0
-    ):
-        raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
-    sample = bool(temperature)
-    seed = values.pop("seed", None)
-    options = {"do_sample": sample, "temperature": temperature if sample else None, **values}
-    resolve_sampling(model, **options)  # raises ConfigError on a bad value
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
-    return options | {"seed": seed}
-
-
-def settings_error(owner: str, err: Exception) -> Exception:
-    """Our own error back out of pydantic's wrapping, or a one-line :class:`ConfigError`.
-
-    Pydantic wraps a ``ValueError`` raised while a model is built (our ``ConfigError`` is one)
-    into a multi-line ``ValidationError``; callers should get the error we raised.
-    """
-    details = err.errors() if hasattr(err, "errors") else []
-    for detail in details:
-        original = (detail.get("ctx") or {}).get("error")
-        if isinstance(original, (ConfigError, InputError)):
-            return original
-    if details:
-        where = ".".join(str(part) for part in details[0].get("loc", ())) or "settings"
-        return ConfigError(f"invalid {owner} setting {where}: {details[0].get('msg', err)}")
-    return err
-
-
-def check_max_tokens(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
 
 
 # ---------------------------------------------------------------- seeds registered ahead
@@ -176,7 +105,7 @@ class EngineRun:
             return "stop"
         if self.timed_out[row]:
             return "timeout"
-        return "eos" if tracker.ids and tracker.ids[-1] in self.eos else "length"
+        return "eos" if _ended(tracker, self.eos) else "length"
 
     def info(self, row: int) -> dict:
         """The row's stats, as LookaheadLLM's ``generation_info`` has always given them."""

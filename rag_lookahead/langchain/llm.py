@@ -33,33 +33,25 @@ from typing import Any
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import ConfigDict, Field
 
+from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError, InputError
-from rag_lookahead.langchain.engine import (
-    SAMPLING_FIELDS,
-    BlockStream,
-    Engine,
-    EngineRun,
-    RowRequest,
-    check_max_tokens,
-    resolve_config,
-    sampling_options,
-    settings_error,
-)
-from rag_lookahead.tokens import TextTracker, encode_messages, eos_ids
+from rag_lookahead.langchain.engine import BlockStream, Engine, EngineRun, RowRequest
+from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
+from rag_lookahead.models import DEFAULT_MODEL_NAME
+from rag_lookahead.tokens import encode_messages
 
 __all__ = ["LookaheadLLM"]
 
-# the server imports these two names from here
-_TextTracker = TextTracker
-_eos_ids = eos_ids
 
+class LookaheadLLM(SamplingFields, BaseLLM):
+    """A local causal LM decoded with trie-drafted, tree-verified lookahead (output unchanged).
 
-class LookaheadLLM(BaseLLM):
-    """A local causal LM decoded greedily with trie-drafted, tree-verified lookahead."""
+    The sampling fields (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
+    ``seed``) come from :class:`~rag_lookahead.langchain.sampling_fields.SamplingFields`."""
 
     model: Any = Field(default=None, exclude=True, repr=False)
     tokenizer: Any = Field(default=None, exclude=True, repr=False)
@@ -67,37 +59,17 @@ class LookaheadLLM(BaseLLM):
     lookahead: LookaheadConfig = Field(default_factory=LookaheadConfig)
     max_new_tokens: int = 256
     system_prompt: str | None = None
-    temperature: float | None = None
-    """None or 0: greedy. Above 0: sample (lossless: the model's own sampling distribution)."""
-    top_k: int | None = None
-    """Sampling: keep the k likeliest tokens (None: the model's generation config, else 50; 0: off)."""
-    top_p: float | None = None
-    """Sampling: nucleus mass (None: the model's generation config, else 1.0)."""
-    min_p: float | None = None
-    """Sampling: drop tokens below min_p times the top probability."""
-    repetition_penalty: float | None = None
-    """Applied at every tree node, greedy or sampled (None: the model's generation config, else 1.0)."""
-    seed: int | None = None
-    """Sampling: a fixed seed makes each answer reproducible, whatever else is in the batch."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
-
-    _engine: Any = PrivateAttr(default=None)
-
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as err:  # pydantic wraps our ConfigError: hand it over as raised
-            raise settings_error(type(self).__name__, err) from None
 
     def model_post_init(self, __context: Any) -> None:
         if self.model is None or self.tokenizer is None:
             raise ConfigError("LookaheadLLM needs a model and a tokenizer (or use LookaheadLLM.from_model_id)")
-        check_max_tokens("max_new_tokens", self.max_new_tokens)
+        positive_int("max_new_tokens", self.max_new_tokens)
         if not self.lookahead.stop_words:
             self.lookahead = self.lookahead.with_tokenizer(self.tokenizer)
-        self._sampling({})  # refuse bad sampling settings at construction
         self._engine = Engine(self.model, self.tokenizer, self.lookahead)
+        self._sampling({})  # refuse bad sampling settings at construction
 
     # ------------------------------------------------------------ construction
 
@@ -118,7 +90,7 @@ class LookaheadLLM(BaseLLM):
         from rag_lookahead.models import load_model
 
         model, tokenizer = load_model(model_id, dtype=dtype, device=device, device_map=device_map)
-        name = "qwen2.5-coder-0.5b-instruct" if model_id == "default" else str(model_id)
+        name = DEFAULT_MODEL_NAME if model_id == "default" else str(model_id)
         return cls(
             model=model,
             tokenizer=tokenizer,
@@ -143,7 +115,7 @@ class LookaheadLLM(BaseLLM):
             "max_new_tokens": self.max_new_tokens,
             "system_prompt": self.system_prompt,
         }
-        return params | {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+        return params | self._sampling_params()
 
     @property
     def engine(self) -> Engine:
@@ -185,7 +157,8 @@ class LookaheadLLM(BaseLLM):
             if references and all(isinstance(r, str) for r in references):
                 if len(prompts) != 1:
                     raise InputError(
-                        f"references is one list of passages but there are {len(prompts)} prompts: give one list per prompt"
+                        f"references is one list of passages but there are {len(prompts)} prompts:"
+                        " give one list per prompt"
                     )
                 references = [references]
             if len(references) != len(prompts):
@@ -202,17 +175,13 @@ class LookaheadLLM(BaseLLM):
             for prompt, passages in zip(prompts, rows)
         ]
 
-    def _sampling(self, kwargs: dict) -> dict:
-        """``generate``'s sampling keywords: the fields, overridden per call; pops what it uses."""
-        return sampling_options(self.model, {name: kwargs.pop(name, getattr(self, name)) for name in SAMPLING_FIELDS})
-
     def _run(
         self, prompts: Sequence[str], stop, kwargs: dict, on_block=None, cancel: threading.Event | None = None
     ) -> EngineRun:
         """One batched ``generate`` over ``prompts``; ``on_block(row, tokens, piece)`` sees each accepted block."""
         kwargs = dict(kwargs)
         config = resolve_config(self.lookahead, kwargs)
-        max_new = check_max_tokens("max_new_tokens", kwargs.pop("max_new_tokens", None) or self.max_new_tokens)
+        max_new = positive_int("max_new_tokens", kwargs.pop("max_new_tokens", None) or self.max_new_tokens)
         references = self._references(prompts, kwargs.pop("references", None))
         sampling = self._sampling(kwargs)
         if kwargs:

@@ -37,6 +37,7 @@ from langchain_core.runnables.utils import AddableDict
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS
 
 __all__ = [
     "RAG_TEMPLATE",
@@ -187,16 +188,7 @@ def source_info(doc: Document, in_prompt: bool) -> dict:
 
 
 #: per-call options of LookaheadLLM that the RAG chain passes on from its input dict
-_CALL_OPTIONS = (
-    "enable_lookahead",
-    "max_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "seed",
-)
+_CALL_OPTIONS = ("enable_lookahead", "max_new_tokens", *SAMPLING_FIELDS)
 
 
 def build_rag_chain(

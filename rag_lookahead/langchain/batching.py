@@ -1,0 +1,161 @@
+"""``ChatLookahead.batch``: every input through ``invoke`` in its own thread, all decoded in one ``generate``.
+
+LangChain's ``batch`` runs ``invoke`` per input in a thread pool, which would decode the inputs one
+by one. Here each worker thread holds a :class:`Seat` at one :class:`Gather`; its ``_generate``
+hands its row over (:meth:`Gather.submit`) and waits, and the last row to arrive decodes them all
+together, one ``generate`` per group of identical settings (:func:`settings_key`). Callbacks,
+tracing and caching still run per input, as LangChain does them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from rag_lookahead.langchain.engine import Engine, EngineRun, RowRequest
+
+__all__ = ["BatchCall", "Gather", "Seat", "decode_together", "gather_of_this_thread", "run_wave", "settings_key"]
+
+
+@dataclass
+class BatchCall:
+    """One row's request inside a batch: what to decode and how, and where its result goes."""
+
+    request: RowRequest
+    settings: dict
+    key: tuple
+    on_block: Callable[[list[int], str], None] | None
+    done: threading.Event = field(default_factory=threading.Event)
+    run: EngineRun | None = None
+    row: int = 0
+    error: BaseException | None = None
+
+
+class Gather:
+    """The rows of one ``batch()`` call, met from their worker threads and decoded together.
+
+    Each worker either hands its row over (:meth:`submit`, from ``_generate``) or says it has
+    none (:meth:`leave`: a cache hit, an error, a streamed row). When every worker has done one
+    or the other, the last to arrive decodes all the rows in one ``generate`` per group of
+    identical settings, and the others wake up with their results.
+    """
+
+    def __init__(self, engine: Engine, size: int) -> None:
+        self.engine = engine
+        self.size = size
+        self.calls: list[BatchCall] = []
+        self.left = 0
+        self.fired = False
+        self.lock = threading.Lock()
+
+    def submit(self, call: BatchCall) -> None:
+        with self.lock:
+            late = self.fired
+            if not late:
+                self.calls.append(call)
+            leader = not late and self._ready()
+        if late:
+            decode_together(self.engine, [call])
+        elif leader:
+            self._decode_all()
+        call.done.wait()
+
+    def leave(self) -> None:
+        with self.lock:
+            self.left += 1
+            leader = self._ready()
+        if leader:
+            self._decode_all()
+
+    def _ready(self) -> bool:
+        if self.fired or len(self.calls) + self.left < self.size:
+            return False
+        self.fired = True
+        return True
+
+    def _decode_all(self) -> None:
+        groups: dict[tuple, list[BatchCall]] = {}
+        for call in self.calls:
+            groups.setdefault(call.key, []).append(call)
+        for calls in groups.values():
+            decode_together(self.engine, calls)
+
+
+def decode_together(engine: Engine, calls: list[BatchCall]) -> None:
+    """One ``generate`` for ``calls`` (same settings); each gets its run and row, or the error."""
+
+    def on_block(row: int, tokens: list[int], piece: str) -> None:
+        callback = calls[row].on_block
+        if callback is not None:
+            callback(tokens, piece)
+
+    deadlines = [c.settings["deadline"] for c in calls if c.settings["deadline"] is not None]
+    settings = calls[0].settings | {"deadline": min(deadlines) if deadlines else None}
+    try:
+        run = engine.run([c.request for c in calls], on_block=on_block, **settings)
+        for row, call in enumerate(calls):
+            call.run, call.row = run, row
+    except BaseException as err:  # every waiting row gets it
+        for call in calls:
+            call.error = err
+    finally:
+        for call in calls:
+            call.done.set()
+
+
+@dataclass
+class Seat:
+    """A batch worker's ticket: used once, to submit a row or to leave."""
+
+    gather: Gather
+    used: bool = False
+
+    def take(self) -> Gather | None:
+        if self.used:
+            return None
+        self.used = True
+        return self.gather
+
+
+_SEAT: contextvars.ContextVar[Seat | None] = contextvars.ContextVar("rag_lookahead_batch_seat", default=None)
+
+
+def gather_of_this_thread() -> Gather | None:
+    """The :class:`Gather` this worker thread may use, once (``None`` outside a batch or once used)."""
+    seat = _SEAT.get()
+    return seat.take() if seat is not None else None
+
+
+def settings_key(settings: dict) -> tuple:
+    """Rows decode together only under identical settings (generate takes one of each); rows
+    with a deadline go apart from rows without one."""
+    sampling = tuple(sorted(settings["sampling"].items()))
+    return (settings["max_new_tokens"], repr(settings["config"]), sampling, settings["deadline"] is None)
+
+
+def run_wave(
+    engine: Engine, invoke: Callable[..., Any], inputs: Sequence, configs: Sequence, return_exceptions: bool, kwargs
+) -> list:
+    """``invoke(input, config, **kwargs)`` for every input, each in its own thread with a seat at one gather."""
+    gather = Gather(engine, len(inputs))
+
+    def one(i: int) -> Any:
+        seat = Seat(gather)
+        _SEAT.set(seat)
+        try:
+            return invoke(inputs[i], configs[i], **kwargs)
+        except Exception as err:
+            if return_exceptions:
+                return err
+            raise
+        finally:
+            if seat.take() is not None:
+                gather.leave()
+
+    with ThreadPoolExecutor(max_workers=len(inputs), thread_name_prefix="lookahead-batch") as pool:
+        futures = [pool.submit(contextvars.copy_context().run, one, i) for i in range(len(inputs))]
+        return [f.result() for f in futures]

@@ -1,0 +1,155 @@
+"""LangChain messages in and out of the chat model.
+
+In: LangChain messages as the dicts a chat template takes (text only; tool calls and tool results
+in OpenAI's shape). Out: one decoded row of an :class:`~rag_lookahead.langchain.engine.EngineRun`
+as an ``AIMessage`` (or the closing ``AIMessageChunk`` of a stream) with its tool calls, usage
+and the decode stats in ``response_metadata``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk
+
+from rag_lookahead.errors import InputError
+from rag_lookahead.langchain.engine import EngineRun
+from rag_lookahead.langchain.tools import ParsedCall, split_calls
+
+__all__ = ["chat_generation", "last_chunk", "template_messages", "unsent_text"]
+
+#: content blocks an assistant turn may carry besides text; its tool_calls hold the same calls
+_AI_CALL_BLOCKS = frozenset({"tool_use", "tool_call", "tool_call_chunk", "function_call", "server_tool_call"})
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "timeout"}
+
+
+def _text_of(message: BaseMessage) -> str:
+    """A message's text; non-text content is refused (these models read text only)."""
+    content = message.content
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif block.get("type") == "text":
+            parts.append(str(block.get("text", "")))
+        elif isinstance(message, AIMessage) and block.get("type") in _AI_CALL_BLOCKS | {"reasoning", "thinking"}:
+            continue  # the call is in message.tool_calls; reasoning is not replayed
+        else:
+            raise InputError(
+                f"a {message.type} message holds a {block.get('type')!r} block: this model reads text only"
+            )
+    return "".join(parts)
+
+
+def _template_message(message: BaseMessage) -> dict:
+    """A LangChain message as a chat-template dict (role, content, tool_calls, tool_call_id)."""
+    text = _text_of(message)
+    if isinstance(message, SystemMessage):
+        return {"role": "system", "content": text}
+    if isinstance(message, HumanMessage):
+        return {"role": "user", "content": text}
+    if isinstance(message, AIMessage):
+        out: dict[str, Any] = {"role": "assistant", "content": text}
+        if message.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.get("id"), "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
+                for c in message.tool_calls
+            ]
+        return out
+    if isinstance(message, ToolMessage):
+        return {"role": "tool", "content": text, "tool_call_id": message.tool_call_id, "name": message.name}
+    if isinstance(message, FunctionMessage):
+        return {"role": "tool", "content": text, "name": message.name}
+    if isinstance(message, ChatMessage):
+        return {"role": message.role, "content": text}
+    raise InputError(f"unsupported message type {type(message).__name__}")
+
+
+def template_messages(messages: Sequence[BaseMessage]) -> list[dict]:
+    """Messages for ``apply_chat_template``; consecutive system messages become one (templates take one)."""
+    out: list[dict] = []
+    for message in messages:
+        item = _template_message(message)
+        if item["role"] == "system" and out and out[-1]["role"] == "system":
+            out[-1]["content"] += "\n\n" + item["content"]
+        else:
+            out.append(item)
+    if not out or not any(m["content"] or m.get("tool_calls") for m in out):
+        raise InputError("the messages are empty: give the model a question or an instruction")
+    return out
+
+
+# ---------------------------------------------------------------- out: a decoded row as a message
+
+
+def _usage(run: EngineRun, row: int) -> UsageMetadata:
+    prompt, answer = run.prompt_tokens[row], len(run.trackers[row].ids)
+    return UsageMetadata(input_tokens=prompt, output_tokens=answer, total_tokens=prompt + answer)
+
+
+def _info(run: EngineRun, row: int, calls: list[ParsedCall], model_name: str | None) -> dict:
+    finish = "tool_calls" if any(c.args is not None for c in calls) else _FINISH[run.stopped_by(row)]
+    return {"model_name": model_name, "finish_reason": finish, **run.info(row)}
+
+
+def chat_generation(
+    run: EngineRun, row: int, tool_options: Mapping[str, bool], model_name: str | None
+) -> ChatGeneration:
+    """The row's whole answer: an ``AIMessage`` with its tool calls (valid and invalid) and usage."""
+    content, calls = split_calls(run.trackers[row].final_text(), tool_options)
+    message = AIMessage(
+        content=content,
+        tool_calls=[
+            {"name": c.name, "args": c.args, "id": c.id, "type": "tool_call"} for c in calls if c.args is not None
+        ],
+        invalid_tool_calls=[
+            {"name": c.name, "args": c.raw, "id": c.id, "error": c.error, "type": "invalid_tool_call"}
+            for c in calls
+            if c.args is None
+        ],
+        usage_metadata=_usage(run, row),
+    )
+    return ChatGeneration(message=message, generation_info=_info(run, row, calls, model_name))
+
+
+def last_chunk(run: EngineRun, tool_options: Mapping[str, bool], model_name: str | None) -> ChatGenerationChunk:
+    """The closing chunk of a stream: the rest of the text, the tool calls whole, usage and stats."""
+    content, calls = split_calls(run.trackers[0].final_text(), tool_options)
+    chunks = [
+        {
+            "name": c.name,
+            "args": json.dumps(c.args, ensure_ascii=False) if c.args is not None else c.raw,
+            "id": c.id,
+            "index": i,
+            "type": "tool_call_chunk",
+        }
+        for i, c in enumerate(calls)
+    ]
+    message = AIMessageChunk(
+        content=unsent_text(run, 0, content),
+        tool_call_chunks=chunks,
+        usage_metadata=_usage(run, 0),
+        chunk_position="last",
+    )
+    return ChatGenerationChunk(message=message, generation_info=_info(run, 0, calls, model_name))
+
+
+def unsent_text(run: EngineRun, row: int, content: str) -> str:
+    """What the row's answer text still lacks after the pieces emitted block by block."""
+    emitted = run.trackers[row].emitted
+    return content[len(emitted) :] if content.startswith(emitted) else ""

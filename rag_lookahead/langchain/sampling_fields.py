@@ -1,0 +1,105 @@
+"""The settings :class:`LookaheadLLM` and :class:`ChatLookahead` share, declared and checked once.
+
+Both models take the same sampling fields (as fields, or per call), turn them into ``generate``'s
+keywords the same way, and hand our own :class:`ConfigError` back to the caller instead of the
+``ValidationError`` pydantic wraps it in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, PrivateAttr, ValidationError
+
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.errors import ConfigError, InputError
+
+__all__ = ["SAMPLING_FIELDS", "SamplingFields", "resolve_config", "sampling_options", "settings_error"]
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+
+
+class SamplingFields(BaseModel):
+    """Sampling fields (greedy unless ``temperature > 0``), each overridable per call by a keyword
+    of the same name, and the construction that refuses bad settings with our own errors."""
+
+    temperature: float | None = None
+    """None or 0: greedy. Above 0: sample (lossless: the model's own sampling distribution)."""
+    top_k: int | None = None
+    """Sampling: keep the k likeliest tokens (None: the model's generation config, else 50; 0: off)."""
+    top_p: float | None = None
+    """Sampling: nucleus mass (None: the model's generation config, else 1.0)."""
+    min_p: float | None = None
+    """Sampling: drop tokens below min_p times the top probability."""
+    repetition_penalty: float | None = None
+    """Applied at every tree node, greedy or sampled (None: the model's generation config, else 1.0)."""
+    seed: int | None = None
+    """Sampling: a fixed seed makes each answer reproducible, whatever else is in the batch."""
+
+    _engine: Any = PrivateAttr(default=None)  # the Engine the model decodes with (set in model_post_init)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:  # pydantic wraps our ConfigError: hand it over as raised
+            raise settings_error(type(self).__name__, err) from None
+
+    def _sampling(self, kwargs: dict) -> dict:
+        """``generate``'s sampling keywords: the fields, overridden per call; pops what it uses."""
+        values = {name: kwargs.pop(name, getattr(self, name)) for name in SAMPLING_FIELDS}
+        return sampling_options(self._engine.model, values)
+
+    def _sampling_params(self) -> dict[str, Any]:
+        """The sampling fields that are set, for ``_identifying_params`` (they change the text)."""
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+
+
+def resolve_config(default: LookaheadConfig, kwargs: dict) -> LookaheadConfig:
+    """The draft settings of one call: ``lookahead=`` and ``enable_lookahead=`` (popped) over ``default``."""
+    enable = kwargs.pop("enable_lookahead", None)
+    config = kwargs.pop("lookahead", None) or default
+    if not isinstance(config, LookaheadConfig):
+        raise ConfigError("lookahead must be a LookaheadConfig")
+    if enable is not None:
+        config = config.replace(enabled=bool(enable))
+    return config
+
+
+def sampling_options(model, values: Mapping[str, Any]) -> dict:
+    """``generate``'s sampling keywords from our fields (temperature None or 0: greedy).
+
+    Bad values raise :class:`ConfigError` here, before any decoding.
+    """
+    from rag_lookahead.decoding.sampling import resolve_sampling
+
+    values = dict(values)
+    temperature = values.pop("temperature", None)
+    if temperature is not None and (
+        isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0
+    ):
+        raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
+    sample = bool(temperature)
+    seed = values.pop("seed", None)
+    options = {"do_sample": sample, "temperature": temperature if sample else None, **values}
+    resolve_sampling(model, **options)  # raises ConfigError on a bad value
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
+    return options | {"seed": seed}
+
+
+def settings_error(owner: str, err: Exception) -> Exception:
+    """Our own error back out of pydantic's wrapping, or a one-line :class:`ConfigError`.
+
+    Pydantic wraps a ``ValueError`` raised while a model is built (our ``ConfigError`` is one)
+    into a multi-line ``ValidationError``; callers should get the error we raised.
+    """
+    details = err.errors() if hasattr(err, "errors") else []
+    for detail in details:
+        original = (detail.get("ctx") or {}).get("error")
+        if isinstance(original, (ConfigError, InputError)):
+            return original
+    if details:
+        where = ".".join(str(part) for part in details[0].get("loc", ())) or "settings"
+        return ConfigError(f"invalid {owner} setting {where}: {details[0].get('msg', err)}")
+    return err

@@ -1,0 +1,125 @@
+"""Tool calls in Qwen's format: parsing them out of the answer, and forcing one when ``tool_choice`` asks.
+
+The model writes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; :func:`parse_tool_calls`
+turns that back into calls. A ``tool_choice`` other than "auto" is honoured by opening the
+assistant's turn with ``<tool_call>`` (and the tool's name when it is known), so the model writes
+the call from there (:func:`forced_opening`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rag_lookahead.errors import ConfigError
+from rag_lookahead.tokens import chat_template_text
+
+__all__ = ["TOOL_CALL_OPEN", "ParsedCall", "check_tools", "forced_opening", "parse_tool_calls", "split_calls"]
+
+TOOL_CALL_OPEN = "<tool_call>"
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
+
+
+@dataclass
+class ParsedCall:
+    name: str | None
+    args: dict | None
+    raw: str
+    error: str | None = None
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ParsedCall]]:
+    """Split Qwen-style output into (text outside the calls, the calls).
+
+    Each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` becomes a :class:`ParsedCall`;
+    one whose JSON does not parse (cut short by ``max_tokens``, say) keeps its raw text and error.
+    """
+    parts, calls, pos = [], [], 0
+    for match in _TOOL_CALL.finditer(text):
+        parts.append(text[pos : match.start()])
+        pos = match.end()
+        calls.append(_parse_call(match.group(1).strip()))
+    parts.append(text[pos:])
+    return "".join(parts), calls
+
+
+def _parse_call(raw: str) -> ParsedCall:
+    try:  # the first JSON value; text after it (before a missing </tool_call>) is not part of the call
+        data = json.JSONDecoder().raw_decode(raw)[0]
+    except json.JSONDecodeError as err:
+        name = re.search(r'"name"\s*:\s*"([^"]*)"', raw)
+        return ParsedCall(name.group(1) if name else None, None, raw, f"the tool call is not valid JSON: {err}")
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return ParsedCall(None, None, raw, 'a tool call needs a JSON object with a "name"')
+    args = data.get("arguments", data.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as err:
+            return ParsedCall(data["name"], None, raw, f"the tool call's arguments are not valid JSON: {err}")
+    if not isinstance(args, dict):
+        return ParsedCall(data["name"], None, raw, "the tool call's arguments are not a JSON object")
+    return ParsedCall(data["name"], args, raw)
+
+
+def _tool_name(tool: Mapping[str, Any]) -> str:
+    return tool["function"]["name"]
+
+
+def _takes_no_arguments(tool: Mapping[str, Any]) -> bool:
+    parameters = tool["function"].get("parameters") or {}
+    return not parameters.get("properties") and not parameters.get("additionalProperties")
+
+
+def forced_opening(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
+    """The text the assistant's turn opens with so that it calls a tool (see module docstring).
+
+    Ends where the template's own call format continues with a fresh token: after ``"name": "``
+    when the model picks the tool, after ``"arguments":`` when the tool is known, after the
+    whole call when the known tool takes no arguments.
+    """
+    if tool_choice in (None, "auto", "none"):
+        return ""
+    names = [_tool_name(t) for t in tools]
+    if tool_choice in ("any", "required", True):
+        name = names[0] if len(names) == 1 else None
+    elif isinstance(tool_choice, str):
+        name = tool_choice
+    elif isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    else:
+        raise ConfigError(f"tool_choice must be 'auto', 'none', 'any', 'required' or a tool name, got {tool_choice!r}")
+    if name is not None and name not in names:
+        raise ConfigError(f"tool_choice names {name!r}, which is not among the bound tools ({', '.join(names)})")
+    opening = TOOL_CALL_OPEN + '\n{"name": "'
+    if name is None:
+        return opening
+    opening += f'{name}", "arguments":'
+    # a tool without parameters has one possible call: write it whole (left open, the model
+    # fills an argument-less call with its schema)
+    return opening + " {}}" if _takes_no_arguments(tools[names.index(name)]) else opening
+
+
+def check_tools(tokenizer: Any, model_name: str | None, tools: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse tools a model's chat template cannot show it, or whose calls we could not parse back."""
+    template = chat_template_text(tokenizer)
+    if tools and "tools" not in template:
+        raise ConfigError(f"{model_name}'s chat template does not take tools")
+    if tools and TOOL_CALL_OPEN not in template:
+        raise ConfigError(
+            f"{model_name}'s chat template does not call tools with <tool_call> (Qwen2.5/Qwen3 style), "
+            "the only tool-call output ChatLookahead parses"
+        )
+
+
+def split_calls(text: str, tool_options: Mapping[str, bool]) -> tuple[str, list[ParsedCall]]:
+    """An answer as (its text outside tool calls, the calls); with ``parallel`` off, the first call only."""
+    if not tool_options["tools"]:
+        return text, []
+    content, calls = parse_tool_calls(text)
+    return content, calls if tool_options["parallel"] else calls[:1]
