@@ -10,17 +10,16 @@ place, so an interrupted run never leaves a half-written file.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from rag_lookahead.ask import ensure_index
+from rag_args import open_index, rag_parser
+
 from rag_lookahead.atomic import write_jsonl_atomic
 from rag_lookahead.errors import InputError
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.rag.chains import as_retriever, make_prompt, retrieve, source_info
-from rag_lookahead.rag.index import default_index_dir
 
 
 def read_questions(path: Path) -> list[str]:
@@ -40,20 +39,16 @@ def read_questions(path: Path) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = rag_parser(__doc__.splitlines()[0])
     ap.add_argument("questions", type=Path)
     ap.add_argument("answers", type=Path)
-    ap.add_argument("--index-dir", type=Path, default=None)
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--k-seed", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--no-lookahead", action="store_true")
     args = ap.parse_args()
 
     questions = read_questions(args.questions)
-    retriever = as_retriever(ensure_index(args.index_dir or default_index_dir()), args.k_seed)
+    retriever = as_retriever(open_index(args), args.k_seed)
     llm = LookaheadLLM.from_model_id(args.model, max_new_tokens=args.max_new_tokens)
     rows: list[dict] = []
     for start in range(0, len(questions), args.batch_size):

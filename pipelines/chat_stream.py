@@ -11,13 +11,10 @@ Builds the index from the bundled corpora/ on first use.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+from rag_args import open_index, rag_parser
 
-from rag_lookahead.ask import ensure_index
 from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.rag.chains import build_chat_rag_chain
-from rag_lookahead.rag.index import default_index_dir
 
 QUESTIONS = ["What does the budget option do?", "branch_length 的默认值是多少？"]
 
@@ -42,17 +39,13 @@ def show(chain, question: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = rag_parser(__doc__.splitlines()[0])
     ap.add_argument("questions", nargs="*", default=QUESTIONS)
-    ap.add_argument("--index-dir", type=Path, default=None)
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--k-seed", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--no-lookahead", action="store_true")
     args = ap.parse_args()
 
-    index = ensure_index(args.index_dir or default_index_dir())
+    index = open_index(args)
     chat = ChatLookahead(model=args.model, max_tokens=args.max_tokens)
     model = chat.bind(enable_lookahead=False) if args.no_lookahead else chat  # per-call options go through bind
     chain = build_chat_rag_chain(model, index, k_prompt=args.k, k_seed=args.k_seed)

@@ -8,34 +8,27 @@ The chain is the one from LangChain's RAG tutorial, with our retriever and chat 
 
 ``build_chat_rag_chain`` (see pipelines/chat_stream.py) is the same chain plus sources, stats and
 the retrieved passages that did not fit the prompt handed to the drafter as seeds.
-Builds the index from the bundled corpora/ on first use (see rag_lookahead.ask.ensure_index).
+Builds the index from the bundled corpora/ on first use (see pipelines/rag_args.py).
 """
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.runnables import RunnablePassthrough
+from rag_args import open_index, rag_parser
 
-from rag_lookahead.ask import ensure_index
 from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.rag.chains import RAG_CHAT_PROMPT, as_retriever, format_context
-from rag_lookahead.rag.index import default_index_dir
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = rag_parser(__doc__.splitlines()[0], k_seed=False)
     ap.add_argument("question")
-    ap.add_argument("--index-dir", type=Path, default=None)
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--no-lookahead", action="store_true")
     args = ap.parse_args()
 
-    retriever = as_retriever(ensure_index(args.index_dir or default_index_dir()), args.k)
+    retriever = as_retriever(open_index(args), args.k)
     chat = ChatLookahead(model=args.model, max_tokens=args.max_tokens)
     chain = (
         {"context": retriever | format_context, "question": RunnablePassthrough()}

@@ -2,31 +2,24 @@
 
     python pipelines/retrieval_qa.py "decoding_length 应该怎么设置？" [--index-dir DIR] [--k 3] [--k-seed 8]
 
-Builds the index from the bundled corpora/ on first use (see rag_lookahead.ask.ensure_index).
+Builds the index from the bundled corpora/ on first use (see pipelines/rag_args.py).
 """
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+from rag_args import open_index, rag_parser
 
-from rag_lookahead.ask import ensure_index
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.rag.chains import build_retrieval_qa
-from rag_lookahead.rag.index import default_index_dir
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = rag_parser(__doc__.splitlines()[0])
     ap.add_argument("question")
-    ap.add_argument("--index-dir", type=Path, default=None)
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--k-seed", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     args = ap.parse_args()
 
-    index = ensure_index(args.index_dir or default_index_dir())
+    index = open_index(args)
     llm = LookaheadLLM.from_model_id(args.model, max_new_tokens=args.max_new_tokens)
     qa = build_retrieval_qa(llm, index, k_prompt=args.k, k_seed=args.k_seed)
     # the same, spelled out:

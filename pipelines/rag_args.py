@@ -1,0 +1,29 @@
+"""What the example pipelines share: the flags that pick the index, the model and ``k``, and opening the index.
+
+The index is built from the bundled corpora/ on first use (see ``rag_lookahead.ask.ensure_index``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rag_lookahead.ask import ensure_index
+from rag_lookahead.rag.index import DocumentIndex, default_index_dir
+
+
+def rag_parser(description: str, *, k_seed: bool = True) -> argparse.ArgumentParser:
+    """A parser with ``--index-dir``, ``--model``, ``--k`` (passages in the prompt) and, unless
+    ``k_seed`` is off, ``--k-seed`` (passages retrieved, the rest seed the draft trie)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--index-dir", type=Path, default=None)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--k", type=int, default=3)
+    if k_seed:
+        ap.add_argument("--k-seed", type=int, default=8)
+    return ap
+
+
+def open_index(args: argparse.Namespace) -> DocumentIndex:
+    """The index at ``--index-dir`` (default: ``default_index_dir()``), built first if there is none."""
+    return ensure_index(args.index_dir or default_index_dir())
