@@ -36,7 +36,8 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rag_lookahead.decoding.config import LookaheadConfig, stop_word_ids
-from rag_lookahead.decoding.loop import GenerationStats, generate
+from rag_lookahead.decoding.loop import generate
+from rag_lookahead.decoding.results import GenerationStats
 from rag_lookahead.decoding.sampling import build_processors, resolve_sampling
 from rag_lookahead.errors import ConfigError, InputError
 
@@ -82,11 +83,7 @@ def hf_generate(
     if generation_config is None or logits_processor is None or stopping_criteria is None:
         raise ConfigError("hf_generate is called by transformers: use model.generate(..., custom_generate=hf_generate)")
     streamer = streamer if streamer is not None else _streamer_of_caller(sys._getframe(1))
-    if synced_gpus:
-        raise ConfigError("synced_gpus is not supported by lookahead decoding")
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ConfigError("lookahead decoding supports decoder-only models only")
-    _check_outputs(generation_config)
+    _check_call(model, generation_config, synced_gpus)
     mask = _attention_mask(input_ids, model_kwargs)
     rows = input_ids.shape[0]
     if streamer is not None and rows > 1:
@@ -190,7 +187,8 @@ def _encode_references(references, tokenizer):
             if isinstance(passage, str):
                 if tokenizer is None:
                     raise InputError(
-                        f"references[{r}] holds text: pass lookahead_tokenizer=tokenizer to model.generate, or token ids"
+                        f"references[{r}] holds text: pass lookahead_tokenizer=tokenizer to model.generate, "
+                        "or token ids"
                     )
                 passage = tokenizer.encode(passage, add_special_tokens=False)
             passages.append(passage)
@@ -210,6 +208,15 @@ def _streamer_of_caller(frame) -> Any:
     if code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
         return frame.f_locals.get("streamer")
     return None
+
+
+def _check_call(model, generation_config, synced_gpus: bool) -> None:
+    """Refuse what the loop cannot do: several processes in step, encoder-decoder models, per-step outputs."""
+    if synced_gpus:
+        raise ConfigError("synced_gpus is not supported by lookahead decoding")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ConfigError("lookahead decoding supports decoder-only models only")
+    _check_outputs(generation_config)
 
 
 def _check_outputs(generation_config) -> None:

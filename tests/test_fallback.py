@@ -78,3 +78,16 @@ def test_decode_batch_refuses_a_second_row_on_a_mask_blind_model(maskless_model,
     batch.add([[1, 2, 3]], None, None, 4)
     with pytest.raises(ConfigError, match="ignores custom masks"):
         batch.add([[4, 5, 6]], None, None, 4)
+
+
+def test_prompt_lookup_batches_fall_back_to_row_by_row(maskless_model):
+    """Another drafter takes the same row-by-row path, with its chains verified unmasked."""
+    from rag_lookahead.decoding.drafter import PromptLookupDrafter
+
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [9, 8, 9, 8]]
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1], [0, 0, 0, 9, 8, 9, 8]])
+    config = LookaheadConfig(budget="fixed")
+    drafter = PromptLookupDrafter(max_ngram=3)
+    result = generate(maskless_model, ids, (ids != 0).long(), max_new_tokens=12, config=config, drafter=drafter)
+    for row, prompt in enumerate(prompts):
+        assert result.sequences[row, 7:].tolist() == reference_generate(maskless_model, prompt, 12, None)

@@ -264,6 +264,9 @@ def generate(
 ) -> GenerationResult:
     """Lossless decoding, several tokens a forward where the drafts guess right.
 
+    (Long only in its keywords, named as ``model.generate`` names them, and their description;
+    the work is in ``_checked_inputs``, ``DecodeBatch`` and ``_decode``.)
+
     Greedy or sampled exactly as ``model.generate`` would for the same arguments: the sampling
     options (``do_sample`` ... ``repetition_penalty``, or a ``transformers.GenerationConfig``)
     default to the model's generation config, then transformers' defaults. Without ``seed`` a

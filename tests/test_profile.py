@@ -1,0 +1,50 @@
+"""One profile per model holds what the loop measured about it: readable, and forgotten on reset."""
+
+from __future__ import annotations
+
+from tiny_models import build_tiny_model
+
+from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.decoding.profile import ModelProfile, profile_of, reset_profiles
+
+
+def test_a_model_profile_fills_as_the_loop_learns_and_empties_on_reset():
+    model = build_tiny_model("qwen2", seed=7)
+    profile = profile_of(model)
+    assert isinstance(profile, ModelProfile) and profile_of(model) is profile
+    assert profile.as_dict() == {
+        "tree_mask": None,
+        "tree_mask_reason": None,
+        "cost_curve": None,
+        "step_costs_seen": None,
+        "output_pools": {},
+    }
+    generate(model, [1, 2, 3, 1, 2], max_new_tokens=4, config=LookaheadConfig(budget="fixed"))
+    assert profile.tree_mask is True and profile.cost_curve is None  # a fixed budget measures nothing
+    generate(model, [1, 2, 3, 1, 2], max_new_tokens=4)  # the auto budget measures the curve once
+    summary = profile.as_dict()
+    assert summary["tree_mask"] is True and sorted(summary["cost_curve"]) == profile.cost_curve.sizes
+    assert summary["step_costs_seen"] >= 1 and summary["output_pools"][28] > 0  # depth 24 + 4
+    assert "OutputPool(depth=28" in repr(profile)
+    profile.reset()
+    assert profile.as_dict()["tree_mask"] is None and profile.output_pools == {} and profile.step_costs is None
+
+
+def test_output_pools_are_shared_per_trie_depth():
+    model = build_tiny_model("qwen2", seed=8)
+    shallow, deep = LookaheadConfig(budget="fixed", branch_length=4), LookaheadConfig(budget="fixed")
+    generate(model, [5, 6, 7], max_new_tokens=6, config=shallow)
+    generate(model, [5, 6, 7], max_new_tokens=6, config=deep)
+    generate(model, [5, 6, 8], max_new_tokens=6, config=deep)
+    pools = profile_of(model).output_pools
+    assert sorted(pools) == [8, 28] and pools[8].depth == 8 and pools[28].depth == 28
+    assert profile_of(model).output_pool(28, 10) is pools[28]  # the first call's pool, whatever bound is asked
+
+
+def test_reset_profiles_forgets_every_model():
+    models = [build_tiny_model("llama", seed=s) for s in (1, 2)]
+    for model in models:
+        generate(model, [1, 2, 3], max_new_tokens=2, config=LookaheadConfig(budget="fixed"))
+    assert all(profile_of(m).tree_mask for m in models)
+    reset_profiles()
+    assert all(profile_of(m).tree_mask is None for m in models)
