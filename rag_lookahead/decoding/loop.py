@@ -276,8 +276,8 @@ def generate(
     depend on the batch or on the drafts.
 
     input_ids: a list of ids, or a (batch, length) tensor left-padded per ``attention_mask``.
-    references: per row, token-id sequences seeding that row's context pool (passages that
-        are not in the prompt).
+    references: per row, token-id sequences to draft from (passages that are not in the prompt;
+        the trie drafter puts them in the row's context pool).
     output_pool: n-grams of earlier answers to draft from; defaults to one shared per model
         (and trie depth), kept in the model's ``ModelProfile``.
     drafter: what proposes the drafts (see ``drafter.Drafter``), e.g. ``PromptLookupDrafter()``;
