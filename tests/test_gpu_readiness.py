@@ -163,7 +163,6 @@ def test_host_side_column_counts_match_the_ownership_matrix():
     assert consistent() and packed.hole_free
     packed.drop_rows([1])  # one row left: compacted, no holes
     assert consistent() and packed.hole_free and packed.length == 3
-    assert packed.valid is packed.owned  # the former name still reads the matrix
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -315,7 +315,8 @@ def test_tiny_load_200_requests_32_clients(tokenizer):
     assert grown < 200 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB over the load"
     assert health.status_code == 200 and health.json()["status"] == "ok"
     print(
-        f"\n200 requests / 32 clients on the tiny model: {seconds:.1f} s, {dropped:.0f} cancelled, RSS {grown / 2**20:+.1f} MiB"
+        f"\n200 requests / 32 clients on the tiny model: {seconds:.1f} s, {dropped:.0f} cancelled, "
+        f"RSS {grown / 2**20:+.1f} MiB"
     )
 
 
@@ -399,7 +400,9 @@ def test_tiny_validation_health_metrics(tokenizer):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
     sample = re.compile(
-        r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? -?[0-9.e+-]+$'
+        r"^[a-zA-Z_:][a-zA-Z0-9_:]*"  # metric name
+        r'(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})?'  # labels
+        r" -?[0-9.e+-]+$"  # value
     )
     for line in text.strip().splitlines():
         assert line.startswith("# HELP ") or line.startswith("# TYPE ") or sample.match(line), line

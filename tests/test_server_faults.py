@@ -120,7 +120,7 @@ async def fill(client, engine, gate, first: dict, then: list[dict]) -> list[asyn
     await until(lambda: gate.blocked == 1)
     for queued, body in enumerate(then, 1):
         tasks.append(asyncio.create_task(client.post("/v1/completions", json=body)))
-        await until(lambda: engine.queue_depth == queued)
+        await until(lambda depth=queued: engine.queue_depth == depth)
     gate.set()
     return tasks
 
@@ -265,7 +265,10 @@ def post_and_leave(base: str, path: str, body: dict, stay: float) -> None:
     """Send a whole request on a raw socket, wait ``stay`` seconds, hang up (nothing was read)."""
     host, port = base.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
-    head = f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
     with socket.create_connection((host, int(port))) as s:
         s.sendall(head.encode() + data)
         time.sleep(stay)

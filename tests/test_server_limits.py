@@ -86,11 +86,17 @@ def test_huge_body_gets_413_at_once_and_health_stays_prompt(tokenizer):
         watcher.start()
         try:
             asyncio.run(until(lambda: len(latencies) >= 2))
-            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {60 * MiB}\r\n\r\n"
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {60 * MiB}\r\n\r\n"
+            )
             status, body, seconds = raw_request(base, head, [b'{"prompt": "' + b"a" * MiB])
             assert status == 413 and body["error"]["code"] == "body_too_large" and seconds < 2, (status, body, seconds)
 
-            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                f"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
             chunk = b"a" * (256 * 1024)
             parts = [b'{"prompt": "'] + [f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" for _ in range(24)]  # 6 MiB
             parts[0] = f"{len(parts[0]):x}\r\n".encode() + parts[0] + b"\r\n"

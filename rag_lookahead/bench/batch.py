@@ -71,7 +71,7 @@ def run_continuous(model, requests, level, max_new_tokens, eos, pad, config):
     latencies: dict[int, float] = {}
     row_steps = gained = 0
     while waiting or batch.rows:
-        for row in batch.finish():
+        for row in batch.retire():
             outputs[row.index] = row.generated
             latencies[row.index] = time.perf_counter() - admitted[row.index]
         free = level - len(batch.rows)

@@ -288,7 +288,7 @@ def decode_steps(
     steps, tokens = [], 0
     start = time.perf_counter()
     while True:
-        batch.finish()
+        batch.retire()
         if not batch.rows:
             break
         tick = time.perf_counter()

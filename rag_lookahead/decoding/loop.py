@@ -204,9 +204,6 @@ class DecodeBatch:
         self.packed.drop_rows(stay)
         return left
 
-    #: Deprecated name of ``retire``, kept only until serve/ and bench/ call ``retire``.
-    finish = retire
-
 
 def left_pad(rows: Sequence[Sequence[int]], pad: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows of different lengths as a left-padded (ids, attention_mask) pair."""

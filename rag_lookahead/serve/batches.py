@@ -167,7 +167,7 @@ class Batches:
         for key, batch in list(self._batches.items()):
             if batch.rows:
                 try:
-                    left = batch.finish(self._keep)
+                    left = batch.retire(self._keep)
                 except Exception as e:  # noqa: BLE001 - the batch's bookkeeping is unknown now
                     self._fail_batch(key, e)
                     continue
@@ -241,7 +241,7 @@ class Batches:
         """A failure that cannot be pinned on one row: every job of the batch gets the error.
 
         The batch's jobs are the active ones of its pool key, not ``batch.rows``: a failure
-        half-way through ``finish`` may have taken rows out already."""
+        half-way through ``retire`` may have taken rows out already."""
         self._batches.pop(key, None)
         jobs = {job.id: job for job in also}
         jobs.update((job.id, job) for job in self.active.values() if job.pool_key == key)
