@@ -1,24 +1,33 @@
 """``rag_lookahead index | ask | serve | bench | bench-batch | bench-rag | bench-retrieval | gpu-check``.
 
 The one command-line entry (the ``rag_lookahead`` console script and ``python -m rag_lookahead``).
-Errors the user can fix (``RagLookaheadError``) print as one red line on stderr and exit 1
-(:func:`fail`). ``serve`` and the benchmarks hand their arguments to their modules' own parsers.
+``index`` and ``ask`` are defined here; ``serve`` (:mod:`rag_lookahead.serve.command`) and the
+benchmarks (:mod:`rag_lookahead.bench`) are typer command functions of their own packages,
+registered here. Errors the user can fix (``RagLookaheadError``) print as one red line on stderr
+and exit 1 (:func:`fail`).
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 
+from rag_lookahead.bench.batch import batch as bench_batch
+from rag_lookahead.bench.gpu_check import gpu_check
+from rag_lookahead.bench.rag import rag as bench_rag
+from rag_lookahead.bench.retrieval import retrieval as bench_retrieval
+from rag_lookahead.bench.single import bench
 from rag_lookahead.errors import RagLookaheadError
 from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE
 from rag_lookahead.rag.corpus import MAX_FILE_MB
 from rag_lookahead.rag.store import LOCK_TIMEOUT_S
+from rag_lookahead.serve.command import serve
 
 __all__ = ["app", "ask_command", "fail", "index_command"]
 
@@ -155,46 +164,29 @@ def ask_command(
         print_result(result, streaming)
 
 
-# ---------------------------------------------------------------- serve and the benchmarks (their own parsers)
-
-_FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+# ---------------------------------------------------------------- serve and the benchmarks
 
 
-def _forward(module: str, ctx: typer.Context, what: str) -> None:
-    """Run ``module.main(arguments)``; its integer return value is the exit code."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name == module:
-            fail(
-                RagLookaheadError(f"`rag_lookahead {what}` is not available in this installation ({module} is missing)")
-            )
-        raise
-    try:
-        rc = mod.main(list(ctx.args))
-    except RagLookaheadError as e:
-        fail(e)
-    raise typer.Exit(rc if isinstance(rc, int) and not isinstance(rc, bool) else 0)
+def _register(name: str, command: Callable[..., Any]) -> None:
+    """Register a typer command function defined elsewhere; our errors in it print as one line (:func:`fail`)."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except RagLookaheadError as e:
+            fail(e)
+
+    summary = (command.__doc__ or name).strip().splitlines()[0]  # the command list shows the first line only
+    app.command(name, short_help=summary)(run)
 
 
-def _forwarding(name: str, module: str, summary: str) -> None:
-    """Register ``rag_lookahead NAME ...`` as ``module.main([...])``."""
-
-    def command(ctx: typer.Context) -> None:
-        _forward(module, ctx, name)
-
-    command.__doc__ = f"{summary} (arguments go to {module}; try `{name} --help`)."
-    app.command(name, context_settings=_FORWARD, add_help_option=False)(command)
-
-
-_forwarding("serve", "rag_lookahead.serve.server", "OpenAI-compatible server")
-_forwarding("bench", "rag_lookahead.bench.single", "Side-by-side benchmark")
-_forwarding("bench-batch", "rag_lookahead.bench.batch", "Throughput benchmark: many requests at once, batched")
-_forwarding("bench-rag", "rag_lookahead.bench.rag", "RAG benchmark: the retrieval chain, with and without trie seeding")
-_forwarding("bench-retrieval", "rag_lookahead.bench.retrieval", "Question -> passage retrieval check")
-_forwarding(
-    "gpu-check", "rag_lookahead.bench.gpu_check", "Exactness, speed and stress check of this machine's accelerator"
-)
+_register("serve", serve)
+_register("bench", bench)
+_register("bench-batch", bench_batch)
+_register("bench-rag", bench_rag)
+_register("bench-retrieval", bench_retrieval)
+_register("gpu-check", gpu_check)
 
 
 if __name__ == "__main__":
