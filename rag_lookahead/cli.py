@@ -23,7 +23,7 @@ from rag_lookahead.bench.gpu_check import gpu_check
 from rag_lookahead.bench.rag import rag as bench_rag
 from rag_lookahead.bench.retrieval import retrieval as bench_retrieval
 from rag_lookahead.bench.single import bench
-from rag_lookahead.errors import RagLookaheadError
+from rag_lookahead.errors import RagLookaheadError, first_line
 from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE
 from rag_lookahead.rag.corpus import MAX_FILE_MB
 from rag_lookahead.rag.store import LOCK_TIMEOUT_S
@@ -45,7 +45,7 @@ def fail(error: BaseException) -> NoReturn:
     from rich.markup import escape
 
     Console(stderr=True).print(
-        f"[red]error: {escape(str(error).splitlines()[0] if str(error) else type(error).__name__)}[/red]",
+        f"[red]error: {escape(first_line(error))}[/red]",
         soft_wrap=True,
     )
     raise typer.Exit(1)

@@ -21,3 +21,9 @@ class ModelLoadError(RagLookaheadError, OSError):
 
 class IndexLoadError(RagLookaheadError, OSError):
     """A document index is missing, corrupt, or was built with another embedding model."""
+
+
+def first_line(error: BaseException) -> str:
+    """What a command prints for ``error``: its message's first line, or its type's name."""
+    text = str(error)
+    return text.splitlines()[0] if text.strip() else type(error).__name__

@@ -38,8 +38,9 @@ import numpy as np
 import typer
 
 from rag_lookahead.bench.common import run_command
-from rag_lookahead.errors import InputError, RagLookaheadError
-from rag_lookahead.rag.embedders import HYBRID_WEIGHTS, RRF_K, BM25Index, Embedder, get_embedder, reciprocal_rank_fusion
+from rag_lookahead.errors import InputError, RagLookaheadError, first_line
+from rag_lookahead.rag.embedders import Embedder, get_embedder
+from rag_lookahead.rag.lexical import HYBRID_WEIGHTS, RRF_K, BM25Index, reciprocal_rank_fusion
 
 CANDIDATES = 50  # how deep each ranking goes into the fusion (as in the index)
 DATASETS = {
@@ -148,7 +149,7 @@ def split_halves(n: int, seed: int = SPLIT_SEED) -> tuple[np.ndarray, np.ndarray
 
 def generic_questions(ds: Dataset) -> np.ndarray:
     """True where no BM25 word the question shares with its passage is in at most 5% of passages."""
-    from rag_lookahead.rag.embedders import tokenize
+    from rag_lookahead.rag.lexical import tokenize
 
     words = [set(tokenize(it.passage)) for it in ds.items]
     df: dict[str, int] = {}
@@ -345,7 +346,7 @@ def retrieval(
             recall_too=not speed_only,
         )
     except RagLookaheadError as e:
-        raise SystemExit(f"error: {str(e).splitlines()[0]}") from None
+        raise SystemExit(f"error: {first_line(e)}") from None
     if as_json:
         print(json.dumps(out, ensure_ascii=False, indent=2))
     else:

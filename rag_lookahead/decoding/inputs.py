@@ -24,6 +24,11 @@ def vocab_size(model) -> int:
     return int(model.config.vocab_size)
 
 
+def context_limit(model) -> int | None:
+    """The longest sequence (prompt + answer) the model's positions cover; None: no stated limit."""
+    return getattr(model.config, "max_position_embeddings", None)
+
+
 def as_batch(input_ids, attention_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, mask)`` as (batch, length) long tensors, each row left-padded and non-empty."""
     if isinstance(input_ids, str) or (

@@ -24,7 +24,7 @@ from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import allocate, step_costs
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.drafter import Drafter, TrieDrafter
-from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, vocab_size
+from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, context_limit, vocab_size
 from rag_lookahead.decoding.packed_cache import PackedCache, check_cache
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.results import GenerationResult, GenerationStats, assemble
@@ -67,7 +67,7 @@ class DecodeBatch:
         self.drafter = drafter if drafter is not None else TrieDrafter(config, output_pool)
         self.tree_mask = supports_tree_mask(model)  # also what keeps packed rows apart
         self.costs = step_costs(model) if config.enabled and config.budget == "auto" else None
-        self.context_limit = _context_limit(model)
+        self.context_limit = context_limit(model)
         self.vocab = vocab_size(model)
         self.rows: list[Row] = []
         self._arrivals = 0
@@ -213,10 +213,6 @@ def left_pad(rows: Sequence[Sequence[int]], pad: int, device=None) -> tuple[torc
     return ids, mask
 
 
-def _context_limit(model) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
-
-
 def _eos_set(model, eos_token_id) -> frozenset[int]:
     """The ids that end a row: the argument, else the model's generation config (no tokenizer here)."""
     if eos_token_id is None:
@@ -325,7 +321,7 @@ def _checked_inputs(model, input_ids, attention_mask, references):
     references = check_references(references, ids.shape[0], vocab_size(model))
     device = input_device(model)
     ids, mask = ids.to(device), mask.to(device)
-    limit = _context_limit(model)
+    limit = context_limit(model)
     longest = int(mask.sum(-1).max())
     if limit is not None and longest >= limit:
         raise InputError(f"the input has {longest} tokens but the model's context holds {limit}")

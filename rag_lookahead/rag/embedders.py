@@ -29,14 +29,6 @@ from rag_lookahead.rag.e5 import (
     token_batches,
 )
 
-# Lexical search and fusion live in .lexical; bench/retrieval.py still imports them from here (the
-# lead moves that import, then these five lines go).
-from rag_lookahead.rag.lexical import HYBRID_WEIGHTS as HYBRID_WEIGHTS
-from rag_lookahead.rag.lexical import RRF_K as RRF_K
-from rag_lookahead.rag.lexical import BM25Index as BM25Index
-from rag_lookahead.rag.lexical import reciprocal_rank_fusion as reciprocal_rank_fusion
-from rag_lookahead.rag.lexical import tokenize as tokenize
-
 __all__ = [
     "Embedder",
     "E5SmallEmbedder",

@@ -17,7 +17,7 @@ from typing import Any, Literal, NoReturn
 import typer
 
 from rag_lookahead.decoding.config import LookaheadConfig
-from rag_lookahead.errors import ConfigError, RagLookaheadError
+from rag_lookahead.errors import ConfigError, RagLookaheadError, first_line
 from rag_lookahead.serve.config import (
     API_KEY_ENV,
     LOOPBACK,
@@ -162,7 +162,7 @@ def _config_error_exit(ctx: typer.Context) -> int:
 
 def _refuse(error: BaseException, exit_code: int) -> NoReturn:
     """One line on stderr, no traceback."""
-    typer.echo(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}", err=True)
+    typer.echo(f"error: {first_line(error)}", err=True)
     raise typer.Exit(exit_code)
 
 

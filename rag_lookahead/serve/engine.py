@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.serve.api_error import ApiError, engine_stopped, internal_error, shutting_down
 from rag_lookahead.serve.batches import Batches
 from rag_lookahead.serve.config import ServerConfig
@@ -51,7 +52,7 @@ class Engine:
         self.pad_id = pad_id(model, tokenizer, self.eos)
         if self.vocab_size and self.pad_id >= self.vocab_size:  # padding is masked, but must still embed
             self.pad_id = 0
-        self.context_limit = getattr(model.config, "max_position_embeddings", None)
+        self.context_limit = context_limit(model)
         self.max_batch_size = self.config.max_batch_size
         self.ready = threading.Event()
         self.metrics = Metrics(
