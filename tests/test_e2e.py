@@ -80,11 +80,9 @@ def test_retrieval_qa_matches_lcel(index, llm32):
     assert len(seeded) == 5 and not set(seeded) & set(prompt_docs)
 
 
-def test_cli_ask_json(tmp_path, monkeypatch, default_model):
-    from typer.testing import CliRunner
-
-    from rag_lookahead.cli import app
-
+@pytest.fixture
+def cli_home(tmp_path, monkeypatch, default_model):
+    """A fresh RAG_LOOKAHEAD_HOME, and `ask` loading the already loaded default model."""
     model, tokenizer = default_model
     monkeypatch.setenv("RAG_LOOKAHEAD_HOME", str(tmp_path))
     monkeypatch.setattr(
@@ -96,6 +94,15 @@ def test_cli_ask_json(tmp_path, monkeypatch, default_model):
             )
         ),
     )
+    return tmp_path
+
+
+def test_cli_ask_json(cli_home):
+    from typer.testing import CliRunner
+
+    from rag_lookahead.cli import app
+
+    tmp_path = cli_home
     runner = CliRunner()
     result = runner.invoke(app, ["ask", QUESTIONS["en"][0], "--json", "--max-new-tokens", "32", "--k", "3"])
     assert result.exit_code == 0, result.output
@@ -109,3 +116,27 @@ def test_cli_ask_json(tmp_path, monkeypatch, default_model):
     bad = runner.invoke(app, ["ask", "   "])
     assert bad.exit_code == 1
     assert "question is empty" in bad.stderr and "Traceback" not in bad.output
+
+
+def test_cli_ask_stream_prints_blocks_then_sources_then_a_speed_line(cli_home, monkeypatch):
+    from typer.testing import CliRunner
+
+    from rag_lookahead import ask
+    from rag_lookahead.cli import app
+
+    blocks: list[str] = []
+    printer = ask.token_printer
+
+    def counting_printer():
+        handler = printer()
+        write = handler.on_llm_new_token
+        handler.on_llm_new_token = lambda token, **kw: (blocks.append(token), write(token, **kw))
+        return handler
+
+    monkeypatch.setattr(ask, "token_printer", counting_printer)
+    result = CliRunner().invoke(app, ["ask", QUESTIONS["en"][0], "--stream", "--max-new-tokens", "32", "--k", "3"])
+    assert result.exit_code == 0, result.output
+    answer, _, rest = result.stdout.partition("\nSources")
+    assert len(blocks) > 1 and answer.strip() == "".join(blocks).strip()  # printed as accepted, not at the end
+    last = [line for line in rest.splitlines() if line.strip()][-1]
+    assert last.startswith("Stats") and "tok/s" in last and "mean accepted" in last
