@@ -41,7 +41,8 @@ class ErrorResponse(BaseModel):
 
 
 class ApiError(Exception):
-    """An error answered as :class:`ErrorResponse` JSON with an HTTP status."""
+    """An error answered as :class:`ErrorResponse` JSON with an HTTP status (and ``headers``, e.g.
+    ``Retry-After`` on a 429)."""
 
     def __init__(
         self,
@@ -50,9 +51,11 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)

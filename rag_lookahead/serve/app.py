@@ -100,8 +100,8 @@ async def _lifespan(app: FastAPI):
 
 async def _api_error(request: Request, err: ApiError) -> Response:
     # a streamed (chunked) body past the limit has no declared end to discard up to: close
-    headers = {"Connection": "close"} if err.status == 413 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    headers = {**err.headers, "Connection": "close"} if err.status == 413 else err.headers
+    return JSONResponse(err.body(), status_code=err.status, headers=headers or None)
 
 
 async def _client_gone(request: Request, err: ClientGone) -> Response:

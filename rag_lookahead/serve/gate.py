@@ -128,6 +128,7 @@ class CountResponses:
 async def _send_error(send, error: ApiError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps(error.body()).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    head += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status, "headers": head})
     await send({"type": "http.response.body", "body": body})
 
