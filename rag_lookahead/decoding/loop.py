@@ -25,9 +25,10 @@ from rag_lookahead.decoding.costs import allocate, step_costs
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.drafter import Drafter, TrieDrafter
 from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, context_limit, vocab_size
-from rag_lookahead.decoding.packed_cache import PackedCache, check_cache
+from rag_lookahead.decoding.packed_cache import PackedCache
+from rag_lookahead.decoding.prefill import ChunkedPrefill, forward_feed, prefill_padded, step_feed
 from rag_lookahead.decoding.profile import profile_of
-from rag_lookahead.decoding.results import GenerationResult, GenerationStats, assemble
+from rag_lookahead.decoding.results import GenerationResult, GenerationStats, LogprobRecorder, assemble
 from rag_lookahead.decoding.rows import Row
 from rag_lookahead.decoding.sampling import (
     Accepted,
@@ -38,7 +39,7 @@ from rag_lookahead.decoding.sampling import (
     resolve_sampling,
 )
 from rag_lookahead.decoding.trie import OutputPool
-from rag_lookahead.decoding.verify import forward_tree, input_device, keep_accepted, supports_tree_mask
+from rag_lookahead.decoding.verify import input_device, keep_accepted, supports_tree_mask
 from rag_lookahead.errors import ConfigError, InputError
 
 __all__ = ["DecodeBatch", "GenerationResult", "GenerationStats", "Row", "generate", "left_pad"]
@@ -49,6 +50,10 @@ class DecodeBatch:
 
     ``output_pool`` is the trie drafter's pool of earlier answers; pass ``drafter`` instead to
     draft otherwise (see ``drafter.Drafter``). ``config.enabled=False`` decodes plainly.
+    ``prefill_chunk``: prompt tokens per step, all new rows together (chunked prefill, see
+    ``prefill``); 0 prefills each ``add`` in one forward. ``max_draft_rows``: above this many
+    rows no row drafts (every token's attention spans every row's columns, so a tree costs more
+    the more rows share the cache); None: no limit.
     """
 
     def __init__(
@@ -58,6 +63,9 @@ class DecodeBatch:
         eos: frozenset[int],
         output_pool: OutputPool | None,
         drafter: Drafter | None = None,
+        *,
+        prefill_chunk: int = 0,
+        max_draft_rows: int | None = None,
     ) -> None:
         if drafter is not None and output_pool is not None:
             raise ConfigError("output_pool is the trie drafter's: pass TrieDrafter(config, output_pool) as the drafter")
@@ -70,8 +78,16 @@ class DecodeBatch:
         self.context_limit = context_limit(model)
         self.vocab = vocab_size(model)
         self.rows: list[Row] = []
+        self.logprobs: dict[Row, LogprobRecorder] = {}  # the rows that asked for log-probabilities
         self._arrivals = 0
         self.packed = PackedCache()  # every row's KV entries, side by side
+        self.prefill = ChunkedPrefill(positive_int("prefill_chunk", prefill_chunk)) if prefill_chunk else None
+        self.max_draft_rows = None if max_draft_rows is None else positive_int("max_draft_rows", max_draft_rows)
+
+    @property
+    def size(self) -> int:
+        """Rows in the batch, with those still waiting for their first prompt chunk."""
+        return len(self.rows) + (len(self.prefill) if self.prefill is not None else 0)
 
     @torch.inference_mode()
     def add(
@@ -82,17 +98,21 @@ class DecodeBatch:
         max_new_tokens: int | Sequence[int] = 1,
         keys: Sequence | None = None,
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        logprobs: Sequence[LogprobRecorder | None] | None = None,
     ) -> list[Row]:
         """Prefill new left-padded rows and merge them into the running batch.
 
         ``keys`` name the rows (default: their order of arrival); rows joining a running
         batch are how a server batches continuously. ``sampling``: one setting for all rows
         or one per row (default greedy); rows with different settings share the batch.
+        ``logprobs``: per row, a recorder for its tokens' log-probabilities (None: not recorded).
+        With ``prefill_chunk`` the rows only queue here: their prompts go through the next steps
+        a chunk at a time, and each row's first token comes from the step that ends its prompt.
         """
         input_ids, attention_mask = as_batch(input_ids, attention_mask)
         check_ids(input_ids, attention_mask, self.vocab)
         count = input_ids.shape[0]
-        if not self.tree_mask and len(self.rows) + count > 1:
+        if not self.tree_mask and self.size + count > 1:
             raise ConfigError(
                 f"{type(self.model).__name__}'s attention ignores custom masks, so rows cannot share a batch: "
                 "decode one row at a time (generate() does this by itself)"
@@ -100,6 +120,25 @@ class DecodeBatch:
         references = check_references(references, count, self.vocab) or [()] * count
         device = input_device(self.model)  # callers may build ids on the CPU
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        rows = self._new_rows(input_ids, attention_mask, max_new_tokens, keys, sampling, device)
+        for row, recorder in zip(rows, logprobs or [None] * count):
+            if recorder is not None:
+                self.logprobs[row] = recorder
+        if self.prefill is not None:
+            for row, row_references in zip(rows, references):
+                self.prefill.queue(row, row_references)
+            return rows
+        cache, logits = prefill_padded(self.model, input_ids, attention_mask)
+        for r, row in enumerate(rows):
+            row.position = row.prompt_length
+            self._first_token(row, logits[r, -1], references[r])
+        self.packed.append_rows(cache, [row.prompt_length for row in rows])
+        self.rows = self.rows + rows
+        return rows
+
+    def _new_rows(self, input_ids, attention_mask, max_new_tokens, keys, sampling, device) -> list[Row]:
+        """The rows of left-padded prompts, with their budgets, keys and choosers; nothing in the cache yet."""
+        count = input_ids.shape[0]
         if isinstance(max_new_tokens, int):
             max_new_tokens = [max_new_tokens] * count
         if sampling is None or isinstance(sampling, SamplingParams):
@@ -109,47 +148,42 @@ class DecodeBatch:
         if keys is None:
             keys = list(range(self._arrivals, self._arrivals + count))
         self._arrivals += count
-        cache, logits = self._prefill(input_ids, attention_mask)
-        greedy = logits[:, -1].float().argmax(-1).tolist()  # as transformers does: fp32 logits, first maximum on ties
         lengths = attention_mask.sum(-1).tolist()
-        rows = []
-        for r in range(count):
-            prompt = input_ids[r, input_ids.shape[1] - lengths[r] :].tolist()
-            chooser = TokenChooser(sampling[r], device)
-            row = Row(keys[r], prompt, max_new_tokens[r], chooser, self.context_limit, position=lengths[r])
-            row.take([greedy[r] if chooser.plain else chooser.choose(prompt, logits[r, -1])], self.eos)
-            self.drafter.start(row, references[r])
-            rows.append(row)
-        self.packed.append_rows(cache, lengths)
-        self.rows = self.rows + rows
-        return rows
+        width = input_ids.shape[1]
+        return [
+            Row(
+                keys[r],
+                input_ids[r, width - lengths[r] :].tolist(),
+                max_new_tokens[r],
+                TokenChooser(sampling[r], device),
+                self.context_limit,
+            )
+            for r in range(count)
+        ]
 
-    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """One forward over the left-padded prompts: their cache and the logits of each row's last token."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits
-        check_cache(cache)
-        return cache, logits
+    def _first_token(self, row: Row, logits: torch.Tensor, references) -> list[int]:
+        """The row's prompt is all in the cache: its first token, from the logits (V,) of its last
+        prompt token (greedy as transformers does: fp32, the first maximum on ties); it starts drafting."""
+        token = int(logits.float().argmax()) if row.chooser.plain else row.chooser.choose(row.prompt, logits)
+        first = row.take([token], self.eos)
+        recorder = self.logprobs.get(row)
+        if recorder is not None:
+            recorder.record(logits[None], first)
+        self.drafter.start(row, references)
+        return first
 
     def propose(self) -> list[DraftTree]:
-        """Each row's draft tree, cut to the nodes that pay for themselves in this step."""
+        """Each row's draft tree, cut to the nodes that pay for themselves in this step; none at
+        all above ``max_draft_rows`` rows."""
+        if self.max_draft_rows is not None and len(self.rows) > self.max_draft_rows:
+            return [DraftTree() for _ in self.rows]
         drafts = [row.acceptance.weigh(self._candidates(row)) for row in self.rows]
         counts = allocate(drafts, self.costs)
         return [draft.top(count) for draft, count in zip(drafts, counts)]
 
     def _candidates(self, row: Row) -> DraftTree:
         """The drafter's tree, cut to what the row may still accept (and to a chain without a tree mask)."""
-        if not self.config.enabled:
+        if not self.config.enabled or row.prefilling:
             return DraftTree()
         room = row.room - 1  # the bonus token needs no draft
         if room < 1:
@@ -159,30 +193,72 @@ class DecodeBatch:
 
     @torch.inference_mode()
     def verify_and_accept(self, drafts: list[DraftTree]) -> list[list[int]]:
-        """One forward over all trees; returns the tokens each row gained."""
+        """One forward over all trees and this step's prompt chunks; returns the tokens each row
+        gained, by ``rows`` after the step (rows whose first prompt chunk came in this step join
+        last; a row gains its first token with its prompt's last chunk, nothing before)."""
         tick = time.perf_counter()
+        chunks = self._take_chunks()
+        drafts = list(drafts) + [DraftTree() for _ in range(len(self.rows) - len(drafts))]
         start = self.packed.length
-        pending = [row.pending for row in self.rows]
-        logits, step = forward_tree(self.model, self.packed, pending, drafts, [row.position for row in self.rows])
-        accepted = self._accept(logits, step.offsets, drafts)
-        keep_accepted(self.packed, start, step, accepted)
+        feed = step_feed(self.rows, drafts, chunks)
+        logits, step = forward_feed(self.model, self.packed, feed)
+        decoding = [r for r, row in enumerate(self.rows) if row not in chunks]
+        found = self._accept(
+            [self.rows[r] for r in decoding],
+            logits[: feed.decoded],
+            [feed.starts[r] for r in decoding],
+            [drafts[r] for r in decoding],
+        )
+        accepted = dict(zip(decoding, found))
+        for r, row in enumerate(self.rows):
+            if row in chunks:  # a prompt chunk is kept whole: its root and every node of its chain
+                accepted[r] = Accepted(list(range(len(chunks[row]) - 1)), [])
+        keep_accepted(self.packed, start, step, [accepted[r] for r in range(len(self.rows))])
         gained = []
-        for row, draft, result in zip(self.rows, drafts, accepted):
+        for r, (row, draft) in enumerate(zip(self.rows, drafts)):
+            if row in chunks:
+                gained.append(self._prefilled(row, len(chunks[row]), logits, feed.starts[r]))
+                continue
+            result, offset = accepted[r], feed.starts[r]
             row.position += 1 + len(result.nodes)
             row.acceptance.observe(draft, result.nodes)
             gained.append(row.take(result.tokens, self.eos))
+            recorder = self.logprobs.get(row)
+            if recorder is not None:  # the logits that chose each token: the root's, then each accepted node's
+                recorder.record(logits[[offset] + [offset + 1 + node for node in result.nodes]], gained[-1])
             self.drafter.observe(row, draft, result.nodes)
-        if self.costs is not None:
+        if self.costs is not None and not chunks:  # the cost curve is of draft trees, not prompt chunks
             self.costs.observe(len(drafts), step.ids.shape[1], time.perf_counter() - tick)
         return gained
 
-    def _accept(self, logits: torch.Tensor, offsets: list[int], drafts: list[DraftTree]) -> list[Accepted]:
-        """Each row's accepted path: greedy rows from one argmax over all logits, the others by a
-        walk that draws (or applies the repetition penalty) node by node."""
+    def _take_chunks(self) -> dict[Row, list[int]]:
+        """This step's prompt chunks by row; rows whose first chunk comes now join ``rows`` (and the cache)."""
+        if self.prefill is None:
+            return {}
+        joining, chunks = self.prefill.plan(self.rows)
+        if joining:
+            self.packed.add_rows(len(joining))
+            self.rows = self.rows + joining
+        return chunks
+
+    def _prefilled(self, row: Row, size: int, logits: torch.Tensor, start: int) -> list[int]:
+        """``size`` more prompt tokens of ``row`` are in the cache; if they ended its prompt, its first
+        token (from ``logits[start]``, its last prompt token's)."""
+        row.position += size
+        if row.prefilling:
+            return []
+        return self._first_token(row, logits[start], self.prefill.references.pop(row, ()))
+
+    def _accept(
+        self, rows: list[Row], logits: torch.Tensor, offsets: list[int], drafts: list[DraftTree]
+    ) -> list[Accepted]:
+        """Each decoding row's accepted path (``logits``: theirs only, rows side by side): greedy rows
+        from one argmax over all logits, the others by a walk that draws (or applies the repetition
+        penalty) node by node."""
         ends = offsets[1:] + [logits.shape[0]]
-        greedy = logits.float().argmax(dim=-1).tolist() if any(row.chooser.plain for row in self.rows) else []
+        greedy = logits.float().argmax(dim=-1).tolist() if any(row.chooser.plain for row in rows) else []
         accepted = []
-        for row, draft, start, end in zip(self.rows, drafts, offsets, ends):
+        for row, draft, start, end in zip(rows, drafts, offsets, ends):
             if row.chooser.plain:
                 accepted.append(longest_path(draft, greedy[start:end]))
             else:
@@ -190,18 +266,23 @@ class DecodeBatch:
         return accepted
 
     def retire(self, keep: Callable[[Row], bool] | None = None) -> list[Row]:
-        """Take the finished rows (and any that ``keep`` rejects) out of the batch; return them."""
+        """Take the finished rows (and any that ``keep`` rejects, also among those waiting for their
+        prompt's first chunk) out of the batch; return them."""
         keep = keep or (lambda row: True)
+        left = self.prefill.drop(keep) if self.prefill is not None else []
         stay = [i for i, row in enumerate(self.rows) if not row.done and keep(row)]
-        if len(stay) == len(self.rows):
-            return []
         staying = set(stay)
-        left = [row for i, row in enumerate(self.rows) if i not in staying]
+        left += [row for i, row in enumerate(self.rows) if i not in staying]
         for row in left:
             row.done = True
-            self.drafter.retire(row)
-        self.rows = [self.rows[i] for i in stay]
-        self.packed.drop_rows(stay)
+            if self.prefill is not None:
+                self.prefill.references.pop(row, None)
+            if not row.prefilling:  # the drafter never saw a row that had no token yet
+                self.drafter.retire(row)
+            self.logprobs.pop(row, None)
+        if len(stay) != len(self.rows):
+            self.rows = [self.rows[i] for i in stay]
+            self.packed.drop_rows(stay)
         return left
 
 
@@ -254,6 +335,8 @@ def generate(
     repetition_penalty: float | None = None,
     seed: int | Sequence[int] | None = None,
     generation_config=None,
+    logprobs: int | None = None,
+    prefill_chunk: int = 0,
 ) -> GenerationResult:
     """Lossless decoding, several tokens a forward where the drafts guess right.
 
@@ -277,6 +360,10 @@ def generate(
         default: the trie drafter of ``config`` with ``output_pool``.
     on_tokens(row, tokens): called as each row's tokens are accepted; return True to end that
         row there (a stop string was seen, the client left).
+    logprobs: record each new token's log-probability under the model (``results``) with the
+        ``logprobs`` most likely tokens at its place (0: none); in ``result.logprobs``.
+    prefill_chunk: prompt tokens per forward (chunked prefill, see ``prefill``; the same tokens);
+        0: each prompt in one forward.
     """
     config = config or LookaheadConfig()
     positive_int("max_new_tokens", max_new_tokens)
@@ -299,18 +386,27 @@ def generate(
             config.branch_length + config.max_key_length, config.output_pool_nodes
         )
     if ids.shape[0] > 1 and not supports_tree_mask(model):  # packed rows are kept apart by the mask
-        settings = dict(config=config, eos_token_id=sorted(eos), pad_token_id=pad, output_pool=output_pool)
+        settings = dict(
+            config=config,
+            eos_token_id=sorted(eos),
+            pad_token_id=pad,
+            output_pool=output_pool,
+            logprobs=logprobs,
+            prefill_chunk=prefill_chunk,
+        )
         return _row_by_row(
             model, ids, mask, references, on_tokens, sampling, max_new_tokens, drafter=drafter, **settings
         )
 
     stats = GenerationStats(rows=ids.shape[0], trace=[] if config.debug else None)
-    batch = DecodeBatch(model, config, eos, output_pool, drafter)
+    batch = DecodeBatch(model, config, eos, output_pool, drafter, prefill_chunk=prefill_chunk)
     start = time.perf_counter()
-    batch.add(ids, mask, references, max_new_tokens, sampling=sampling)
+    recorders = None if logprobs is None else [LogprobRecorder(logprobs) for _ in range(ids.shape[0])]
+    batch.add(ids, mask, references, max_new_tokens, sampling=sampling, logprobs=recorders)
     stats.prefill_seconds = time.perf_counter() - start
     outputs = _decode(batch, stats, on_tokens)
-    return GenerationResult(assemble(ids, [outputs[r] for r in range(ids.shape[0])], pad), stats)
+    sequences = assemble(ids, [outputs[r] for r in range(ids.shape[0])], pad)
+    return GenerationResult(sequences, stats, None if recorders is None else [r.entries for r in recorders])
 
 
 def _checked_inputs(model, input_ids, attention_mask, references):
@@ -342,7 +438,7 @@ def _decode(
     while True:
         for row in batch.retire(lambda row: row.index not in stopped):
             outputs[row.index] = row.generated
-        if not batch.rows:
+        if not batch.size:
             break
         tick = time.perf_counter()
         drafts = batch.propose()
@@ -373,7 +469,7 @@ def _as_options(params: SamplingParams) -> dict:
 def _row_by_row(model, ids, mask, references, on_tokens, sampling, max_new_tokens, **settings) -> GenerationResult:
     """Models without tree masks cannot batch ragged rows; decode each row alone (``settings``:
     the batch's other ``generate`` keywords)."""
-    outputs, total = [], GenerationStats(rows=ids.shape[0])
+    outputs, total, logprobs = [], GenerationStats(rows=ids.shape[0]), []
     for r in range(ids.shape[0]):
         length = int(mask[r].sum())
         result = generate(
@@ -387,4 +483,6 @@ def _row_by_row(model, ids, mask, references, on_tokens, sampling, max_new_token
         )
         outputs.append(result.sequences[0, length:].tolist())
         total.add(result.stats)
-    return GenerationResult(assemble(ids, outputs, pad=settings["pad_token_id"]), total)
+        logprobs.extend(result.logprobs or [])
+    sequences = assemble(ids, outputs, pad=settings["pad_token_id"])
+    return GenerationResult(sequences, total, logprobs if settings["logprobs"] is not None else None)

@@ -1,7 +1,16 @@
-"""What ``generate`` returns: the sequences and the counts and timings of the decoding."""
+"""What ``generate`` returns: the sequences, the counts and timings of the decoding and, when asked,
+each new token's log-probability.
+
+Log-probabilities are those of the model's own distribution: ``log_softmax`` of the raw logits
+that chose the token (what transformers returns as ``output_logits``), before any repetition
+penalty, temperature, top-k, top-p or min-p, so a sampled token may be unlikely under them;
+this is what OpenAI's ``logprobs`` and vLLM (by default) report. They come from the verify
+forward at the tree node where the token was accepted, so they are exact, not re-scored.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -80,10 +89,52 @@ class GenerationStats:
         }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One new token's log-probability, and the ``top`` most likely tokens at its place (most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class LogprobRecorder:
+    """Collects one row's :class:`TokenLogprob` as its tokens are accepted (the decode loop records into it).
+
+    ``top``: how many most likely tokens to keep per place (0: the chosen token's only).
+    """
+
+    def __init__(self, top: int = 0) -> None:
+        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+            raise ValueError(f"top must be an integer >= 0, got {top!r}")
+        self.top = top
+        self.entries: list[TokenLogprob] = []
+
+    def record(self, logits: torch.Tensor, tokens: Sequence[int]) -> None:
+        """``logits[i]``: the raw logits (V,) that chose ``tokens[i]``."""
+        if tokens:
+            self.entries.extend(token_logprobs(logits[: len(tokens)], tokens, self.top))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int = 0) -> list[TokenLogprob]:
+    """Each token's log-probability under ``log_softmax(logits[i])`` (in fp32, as transformers keeps
+    its logits), with the ``top`` most likely tokens there."""
+    scores = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.tensor(list(tokens), dtype=torch.long, device=scores.device)
+    values = scores.gather(-1, chosen[:, None])[:, 0].tolist()
+    if top:
+        best, ids = scores.topk(min(top, scores.shape[-1]), dim=-1)
+        tops = [tuple(zip(row_ids, row_best)) for row_ids, row_best in zip(ids.tolist(), best.tolist())]
+    else:
+        tops = [()] * len(values)
+    return [TokenLogprob(int(t), v, alternatives) for t, v, alternatives in zip(tokens, values, tops)]
+
+
 @dataclass
 class GenerationResult:
     sequences: torch.LongTensor  # the prompt as given + new tokens, right-padded with the pad id
     stats: GenerationStats
+    logprobs: list[list[TokenLogprob]] | None = None  # per row, one per new token (asked with logprobs=)
 
 
 def assemble(ids: torch.Tensor, outputs: list[list[int]], pad: int) -> torch.LongTensor:
