@@ -64,6 +64,19 @@ class PackedCache:
         self.owned = torch.block_diag(self.owned.to(device), block.to(device))
         self._row_columns += [int(n) for n in lengths]
 
+    def add_rows(self, count: int) -> None:
+        """Rows that own no columns yet: under chunked prefill a prompt arrives a chunk per step,
+        each chunk's columns kept by ``keep_new`` like a fully accepted draft."""
+        empty = torch.zeros((count, self.length), dtype=torch.bool, device=self.owned.device)
+        self.owned = torch.cat([self.owned, empty], dim=0)
+        self._row_columns += [0] * count
+
+    def ensure_cache(self, new_cache, device: torch.device) -> None:
+        """Start an empty cache (``new_cache()``) for a forward that fills it; ``owned`` moves to ``device``."""
+        if self.cache is None:
+            self.cache = new_cache()
+            self.owned = self.owned.to(device)
+
     def keep_new(self, start: int, keep: list[int], owners: list[int]) -> None:
         """After a verify step: of the columns from ``start`` on, keep ``keep`` (owned by ``owners``)."""
         count = len(keep)

@@ -3,6 +3,9 @@
 A row stops at EOS, at its token budget (``max_new_tokens``) or at the end of the model's
 context window, whichever comes first; ``take`` enforces all three as tokens arrive, so a
 running row's KV cache and its ``generated`` tokens always stay in step.
+
+Under chunked prefill a row joins the batch before its prompt is in the cache: it is
+``prefilling`` until its last prompt chunk has been through a step, which also gives its first token.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class Row:
     context_limit: int | None  # tokens (prompt + generated) the model's context holds; None: no limit
     acceptance: AcceptanceRates = field(default_factory=AcceptanceRates)
     generated: list[int] = field(default_factory=list)
-    position: int = 0  # cache entries this row owns = position id of its pending token
+    position: int = 0  # cache entries this row owns = position id of its pending token (or next prompt chunk)
     done: bool = False
     draft_state: Any = None  # what the batch's drafter keeps for this row (the trie drafter: its context pool)
 
@@ -48,6 +51,15 @@ class Row:
         if start >= len(self.prompt):
             return self.generated[start - len(self.prompt) :]
         return self.prompt[start:] + self.generated
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is not in the cache yet (chunked prefill), so the row has no token yet."""
+        return self.position < len(self.prompt)
+
+    def next_chunk(self, most: int) -> list[int]:
+        """The next ``most`` (at least one) prompt tokens that are not in the cache yet."""
+        return self.prompt[self.position : self.position + max(most, 1)]
 
     @property
     def pending(self) -> int:

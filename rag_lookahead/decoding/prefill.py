@@ -1,0 +1,191 @@
+"""Prefill: new rows' prompts into the packed cache, in one forward or a chunk per decode step.
+
+Unchunked, ``prefill_padded`` runs the new (left-padded) prompts in one forward, and a long prompt
+stalls every running row for as long as it takes. Chunked (as vLLM schedules it), a new row waits
+in ``ChunkedPrefill`` and its prompt goes through the decode steps a chunk at a time, under one
+token budget per step: each chunk rides in the same forward as the running rows' draft trees,
+as a chain the 4-D mask keeps to its own row (it is a draft that is accepted whole), so a
+running stream waits for at most one chunk between its tokens. The step that carries a prompt's
+last chunk also gives the row its first token, and from the next step on it decodes.
+
+Lossless: every chunk token sees exactly its row's earlier columns at its own position, so the
+KV entries and the first token's logits are those of the one-forward prefill (up to summation
+order).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.packed_cache import PackedCache, check_cache
+from rag_lookahead.decoding.rows import Row
+from rag_lookahead.decoding.verify import (
+    StepInputs,
+    boolean_mask,
+    input_device,
+    is_plain_causal,
+    step_inputs,
+    step_mask,
+)
+
+__all__ = ["ChunkedPrefill", "StepFeed", "chain", "forward_feed", "prefill_padded", "step_feed"]
+
+
+def prefill_padded(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """One forward over left-padded prompts: their cache and the logits of each row's last token."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits
+    check_cache(cache)
+    return cache, logits
+
+
+class ChunkedPrefill:
+    """Rows waiting for their prompt to enter the cache, and each step's budget of prompt tokens.
+
+    At most one row is part-way through its prompt at a time: a row joins only while the budget
+    lasts, so the one that uses it up is the first served in the next step.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget  # prompt tokens per step, all rows together
+        self.waiting: collections.deque[Row] = collections.deque()
+        self.references: dict[Row, Sequence[Sequence[int]]] = {}  # for the drafter, once the row decodes
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def queue(self, row: Row, references: Sequence[Sequence[int]]) -> None:
+        self.waiting.append(row)
+        self.references[row] = references
+
+    def plan(self, rows: Sequence[Row]) -> tuple[list[Row], dict[Row, list[int]]]:
+        """This step's chunks: rows part-way through their prompt first, then waiting rows while
+        the budget lasts. Returns the rows that join the batch now and every chunk by row."""
+        budget = self.budget
+        chunks: dict[Row, list[int]] = {}
+        for row in rows:
+            if row.prefilling:  # always served, even past the budget, so no row in the cache idles
+                chunks[row] = row.next_chunk(budget)
+                budget -= len(chunks[row])
+        joining = []
+        while budget > 0 and self.waiting:
+            row = self.waiting.popleft()
+            chunks[row] = row.next_chunk(budget)
+            budget -= len(chunks[row])
+            joining.append(row)
+        return joining, chunks
+
+    def drop(self, keep: Callable[[Row], bool]) -> list[Row]:
+        """Take the waiting rows that ``keep`` rejects out of the queue; return them."""
+        left = [row for row in self.waiting if not keep(row)]
+        if left:
+            self.waiting = collections.deque(row for row in self.waiting if keep(row))
+            for row in left:
+                self.references.pop(row, None)
+        return left
+
+
+def chain(tokens: Sequence[int]) -> DraftTree:
+    """A prompt chunk after its first token, as a draft chain (the first token is the root)."""
+    count = len(tokens)
+    return DraftTree(list(tokens), list(range(-1, count - 1)), list(range(1, count + 1)), [1.0] * count)
+
+
+@dataclass
+class StepFeed:
+    """What each row feeds one forward: a decoding row its pending token and draft tree, a row
+    being prefilled its chunk (root + chain). Only some tokens need logits: the decoding rows'
+    first (``decoded`` of them, rows side by side), then the last token of each prompt that ends."""
+
+    roots: list[int] = field(default_factory=list)
+    trees: list[DraftTree] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    logits_at: list[int] = field(default_factory=list)  # the step's tokens whose logits are computed
+    starts: list[int] = field(default_factory=list)  # per row: where its logits start among those (-1: none)
+    decoded: int = 0  # how many of the logits are the decoding rows'
+
+
+def step_feed(rows: Sequence[Row], drafts: Sequence[DraftTree], chunks: dict[Row, list[int]]) -> StepFeed:
+    """Every row's tokens for one forward; logits for all of a decoding row's tokens, and for the
+    last token of a prompt that ends in this step (its first token is chosen from them)."""
+    feed = StepFeed()
+    prompt_ends: dict[int, int] = {}  # row -> its prompt's last token in the step
+    offset = 0
+    for r, (row, draft) in enumerate(zip(rows, drafts)):
+        chunk = chunks.get(row)
+        feed.positions.append(row.position)
+        if chunk is None:
+            feed.starts.append(len(feed.logits_at))
+            feed.roots.append(row.pending)
+            feed.trees.append(draft)
+            size = 1 + len(draft)
+            feed.logits_at.extend(range(offset, offset + size))
+        else:
+            feed.starts.append(-1)
+            feed.roots.append(chunk[0])
+            feed.trees.append(chain(chunk[1:]))
+            size = len(chunk)
+            if row.position + size == row.prompt_length:
+                prompt_ends[r] = offset + size - 1
+        offset += size
+    feed.decoded = len(feed.logits_at)
+    for r, end in prompt_ends.items():
+        feed.starts[r] = len(feed.logits_at)
+        feed.logits_at.append(end)
+    return feed
+
+
+def forward_feed(model, packed: PackedCache, feed: StepFeed) -> tuple[torch.Tensor, StepInputs]:
+    """One forward over every row's feed; the logits (len(logits_at), vocab) of the tokens that need them."""
+    from transformers import DynamicCache
+
+    device = input_device(model)
+    step = step_inputs(feed.roots, feed.trees, feed.positions, device)
+    packed.ensure_cache(lambda: DynamicCache(config=model.config), device)
+    keep, pick = _logits_to_keep(model, feed.logits_at, step.ids.shape[1], device)
+    if is_plain_causal(packed, feed.trees, feed.positions):
+        logits = model(input_ids=step.ids, cache=packed.cache, use_cache=True, logits_to_keep=keep).logits
+    else:
+        mask = step_mask(packed.owned, step, model.dtype, boolean_mask(model))
+        logits = model(
+            input_ids=step.ids,
+            attention_mask=mask,
+            position_ids=step.positions,
+            cache=packed.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        ).logits
+    check_cache(packed.cache)
+    logits = logits[0]
+    return (logits if pick is None else logits[pick]), step
+
+
+def _logits_to_keep(model, wanted: list[int], total: int, device) -> tuple[int | torch.Tensor, torch.Tensor | None]:
+    """``logits_to_keep`` for the forward, and which of its rows are ``wanted`` (None: all of them).
+
+    transformers' own models take the positions themselves; other code only the int form (the
+    last n positions), so it computes the logits from the first wanted token on.
+    """
+    if not wanted:
+        return 1, torch.zeros(0, dtype=torch.long, device=device)
+    if wanted == list(range(total - len(wanted), total)):
+        return len(wanted), None
+    if type(model).__module__.startswith("transformers."):
+        return torch.tensor(wanted, device=device), None
+    first = wanted[0]
+    return total - first, torch.tensor([i - first for i in wanted], device=device)
