@@ -1,0 +1,278 @@
+"""``DecodeBatch``: the rows being decoded together, stepped by ``generate`` and by the server.
+
+It holds one packed KV cache (``packed_cache``), each row's tokens (``rows``) and the drafter's
+state, and runs the loop's steps:
+
+* ``add``: new rows; their prompts are prefilled at once, or queued and fed a chunk per step
+  (``prefill``) so that a long prompt never stalls the rows already decoding;
+* ``propose``: the drafter's tree per row, weighed by the row's acceptance rates and cut to
+  the nodes that pay for their cost in this forward (``costs.allocate``);
+* ``verify_and_accept``: one forward over all trees and prompt chunks (``verify``), each row's
+  accepted path (``sampling``), its KV entries kept (``packed_cache``) and its tokens taken;
+* ``retire``: rows that are done leave the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from rag_lookahead.checks import positive_int
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.costs import allocate, step_costs
+from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.drafter import Drafter, TrieDrafter
+from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, context_limit, vocab_size
+from rag_lookahead.decoding.packed_cache import PackedCache
+from rag_lookahead.decoding.prefill import ChunkedPrefill, forward_feed, prefill_padded, step_feed
+from rag_lookahead.decoding.results import LogprobRecorder
+from rag_lookahead.decoding.rows import Row
+from rag_lookahead.decoding.sampling import Accepted, SamplingParams, TokenChooser, longest_path
+from rag_lookahead.decoding.trie import OutputPool
+from rag_lookahead.decoding.verify import input_device, keep_accepted, supports_tree_mask
+from rag_lookahead.errors import ConfigError
+
+__all__ = ["DecodeBatch"]
+
+
+class DecodeBatch:
+    """Rows decoded together: one packed KV cache, the columns each row owns, one drafter for all rows.
+
+    ``output_pool`` is the trie drafter's pool of earlier answers; pass ``drafter`` instead to
+    draft otherwise (see ``drafter.Drafter``). ``config.enabled=False`` decodes plainly.
+    ``prefill_chunk``: prompt tokens per step, all new rows together (chunked prefill, see
+    ``prefill``); 0 prefills each ``add`` in one forward. ``max_draft_rows``: above this many
+    rows no row drafts (every token's attention spans every row's columns, so a tree costs more
+    the more rows share the cache); None: no limit.
+    """
+
+    def __init__(
+        self,
+        model,
+        config: LookaheadConfig,
+        eos: frozenset[int],
+        output_pool: OutputPool | None,
+        drafter: Drafter | None = None,
+        *,
+        prefill_chunk: int = 0,
+        max_draft_rows: int | None = None,
+    ) -> None:
+        if drafter is not None and output_pool is not None:
+            raise ConfigError("output_pool is the trie drafter's: pass TrieDrafter(config, output_pool) as the drafter")
+        self.model = model
+        self.config = config
+        self.eos = eos
+        self.drafter = drafter if drafter is not None else TrieDrafter(config, output_pool)
+        self.tree_mask = supports_tree_mask(model)  # also what keeps packed rows apart
+        self.costs = step_costs(model) if config.enabled and config.budget == "auto" else None
+        self.context_limit = context_limit(model)
+        self.vocab = vocab_size(model)
+        self.rows: list[Row] = []
+        self.logprobs: dict[Row, LogprobRecorder] = {}  # the rows that asked for log-probabilities
+        self._arrivals = 0
+        self.packed = PackedCache()  # every row's KV entries, side by side
+        self.prefill = ChunkedPrefill(positive_int("prefill_chunk", prefill_chunk)) if prefill_chunk else None
+        self.max_draft_rows = None if max_draft_rows is None else positive_int("max_draft_rows", max_draft_rows)
+
+    @property
+    def size(self) -> int:
+        """Rows in the batch, with those still waiting for their first prompt chunk."""
+        return len(self.rows) + (len(self.prefill) if self.prefill is not None else 0)
+
+    @torch.inference_mode()
+    def add(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        references=None,
+        max_new_tokens: int | Sequence[int] = 1,
+        keys: Sequence | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        logprobs: Sequence[LogprobRecorder | None] | None = None,
+    ) -> list[Row]:
+        """Prefill new left-padded rows and merge them into the running batch.
+
+        ``keys`` name the rows (default: their order of arrival); rows joining a running
+        batch are how a server batches continuously. ``sampling``: one setting for all rows
+        or one per row (default greedy); rows with different settings share the batch.
+        ``logprobs``: per row, a recorder for its tokens' log-probabilities (None: not recorded).
+        With ``prefill_chunk`` the rows only queue here: their prompts go through the next steps
+        a chunk at a time, and each row's first token comes from the step that ends its prompt.
+        """
+        input_ids, attention_mask = as_batch(input_ids, attention_mask)
+        check_ids(input_ids, attention_mask, self.vocab)
+        count = input_ids.shape[0]
+        if not self.tree_mask and self.size + count > 1:
+            raise ConfigError(
+                f"{type(self.model).__name__}'s attention ignores custom masks, so rows cannot share a batch: "
+                "decode one row at a time (generate() does this by itself)"
+            )
+        references = check_references(references, count, self.vocab) or [()] * count
+        device = input_device(self.model)  # callers may build ids on the CPU
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        rows = self._new_rows(input_ids, attention_mask, max_new_tokens, keys, sampling, device)
+        for row, recorder in zip(rows, logprobs or [None] * count):
+            if recorder is not None:
+                self.logprobs[row] = recorder
+        if self.prefill is not None:
+            for row, row_references in zip(rows, references):
+                self.prefill.queue(row, row_references)
+            return rows
+        cache, logits = prefill_padded(self.model, input_ids, attention_mask)
+        for r, row in enumerate(rows):
+            row.position = row.prompt_length
+            self._first_token(row, logits[r, -1], references[r])
+        self.packed.append_rows(cache, [row.prompt_length for row in rows])
+        self.rows = self.rows + rows
+        return rows
+
+    def _new_rows(self, input_ids, attention_mask, max_new_tokens, keys, sampling, device) -> list[Row]:
+        """The rows of left-padded prompts, with their budgets, keys and choosers; nothing in the cache yet."""
+        count = input_ids.shape[0]
+        if isinstance(max_new_tokens, int):
+            max_new_tokens = [max_new_tokens] * count
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * count
+        if len(sampling) != count:
+            raise ConfigError(f"sampling has {len(sampling)} entries for {count} rows")
+        if keys is None:
+            keys = list(range(self._arrivals, self._arrivals + count))
+        self._arrivals += count
+        lengths = attention_mask.sum(-1).tolist()
+        width = input_ids.shape[1]
+        return [
+            Row(
+                keys[r],
+                input_ids[r, width - lengths[r] :].tolist(),
+                max_new_tokens[r],
+                TokenChooser(sampling[r], device),
+                self.context_limit,
+            )
+            for r in range(count)
+        ]
+
+    def _first_token(self, row: Row, logits: torch.Tensor, references) -> list[int]:
+        """The row's prompt is all in the cache: its first token, from the logits (V,) of its last
+        prompt token (greedy as transformers does: fp32, the first maximum on ties); it starts drafting."""
+        token = int(logits.float().argmax()) if row.chooser.plain else row.chooser.choose(row.prompt, logits)
+        first = row.take([token], self.eos)
+        recorder = self.logprobs.get(row)
+        if recorder is not None:
+            recorder.record(logits[None], first)
+        self.drafter.start(row, references)
+        return first
+
+    def propose(self) -> list[DraftTree]:
+        """Each row's draft tree, cut to the nodes that pay for themselves in this step; none at
+        all above ``max_draft_rows`` rows."""
+        if self.max_draft_rows is not None and len(self.rows) > self.max_draft_rows:
+            return [DraftTree() for _ in self.rows]
+        drafts = [row.acceptance.weigh(self._candidates(row)) for row in self.rows]
+        counts = allocate(drafts, self.costs)
+        return [draft.top(count) for draft, count in zip(drafts, counts)]
+
+    def _candidates(self, row: Row) -> DraftTree:
+        """The drafter's tree, cut to what the row may still accept (and to a chain without a tree mask)."""
+        if not self.config.enabled or row.prefilling:
+            return DraftTree()
+        room = row.room - 1  # the bonus token needs no draft
+        if room < 1:
+            return DraftTree()
+        draft = self.drafter.propose(row).limit_depth(room)
+        return draft if self.tree_mask else draft.best_chain()
+
+    @torch.inference_mode()
+    def verify_and_accept(self, drafts: list[DraftTree]) -> list[list[int]]:
+        """One forward over all trees and this step's prompt chunks; returns the tokens each row
+        gained, by ``rows`` after the step (rows whose first prompt chunk came in this step join
+        last; a row gains its first token with its prompt's last chunk, nothing before)."""
+        tick = time.perf_counter()
+        chunks = self._take_chunks()
+        drafts = list(drafts) + [DraftTree() for _ in range(len(self.rows) - len(drafts))]
+        start = self.packed.length
+        feed = step_feed(self.rows, drafts, chunks)
+        logits, step = forward_feed(self.model, self.packed, feed)
+        decoding = [r for r, row in enumerate(self.rows) if row not in chunks]
+        found = self._accept(
+            [self.rows[r] for r in decoding],
+            logits[: feed.decoded],
+            [feed.starts[r] for r in decoding],
+            [drafts[r] for r in decoding],
+        )
+        accepted = dict(zip(decoding, found))
+        for r, row in enumerate(self.rows):
+            if row in chunks:  # a prompt chunk is kept whole: its root and every node of its chain
+                accepted[r] = Accepted(list(range(len(chunks[row]) - 1)), [])
+        keep_accepted(self.packed, start, step, [accepted[r] for r in range(len(self.rows))])
+        gained = []
+        for r, (row, draft) in enumerate(zip(self.rows, drafts)):
+            if row in chunks:
+                gained.append(self._prefilled(row, len(chunks[row]), logits, feed.starts[r]))
+                continue
+            result, offset = accepted[r], feed.starts[r]
+            row.position += 1 + len(result.nodes)
+            row.acceptance.observe(draft, result.nodes)
+            gained.append(row.take(result.tokens, self.eos))
+            recorder = self.logprobs.get(row)
+            if recorder is not None:  # the logits that chose each token: the root's, then each accepted node's
+                recorder.record(logits[[offset] + [offset + 1 + node for node in result.nodes]], gained[-1])
+            self.drafter.observe(row, draft, result.nodes)
+        if self.costs is not None and not chunks:  # the cost curve is of draft trees, not prompt chunks
+            self.costs.observe(len(drafts), step.ids.shape[1], time.perf_counter() - tick)
+        return gained
+
+    def _take_chunks(self) -> dict[Row, list[int]]:
+        """This step's prompt chunks by row; rows whose first chunk comes now join ``rows`` (and the cache)."""
+        if self.prefill is None:
+            return {}
+        joining, chunks = self.prefill.plan(self.rows)
+        if joining:
+            self.packed.add_rows(len(joining))
+            self.rows = self.rows + joining
+        return chunks
+
+    def _prefilled(self, row: Row, size: int, logits: torch.Tensor, start: int) -> list[int]:
+        """``size`` more prompt tokens of ``row`` are in the cache; if they ended its prompt, its first
+        token (from ``logits[start]``, its last prompt token's)."""
+        row.position += size
+        if row.prefilling:
+            return []
+        return self._first_token(row, logits[start], self.prefill.references.pop(row, ()))
+
+    def _accept(
+        self, rows: list[Row], logits: torch.Tensor, offsets: list[int], drafts: list[DraftTree]
+    ) -> list[Accepted]:
+        """Each decoding row's accepted path (``logits``: theirs only, rows side by side): greedy rows
+        from one argmax over all logits, the others by a walk that draws (or applies the repetition
+        penalty) node by node."""
+        ends = offsets[1:] + [logits.shape[0]]
+        greedy = logits.float().argmax(dim=-1).tolist() if any(row.chooser.plain for row in rows) else []
+        accepted = []
+        for row, draft, start, end in zip(rows, drafts, offsets, ends):
+            if row.chooser.plain:
+                accepted.append(longest_path(draft, greedy[start:end]))
+            else:
+                accepted.append(row.chooser.walk(draft, logits[start:end], row.tokens, row.room, self.eos))
+        return accepted
+
+    def retire(self, keep: Callable[[Row], bool] | None = None) -> list[Row]:
+        """Take the finished rows (and any that ``keep`` rejects, also among those waiting for their
+        prompt's first chunk) out of the batch; return them."""
+        keep = keep or (lambda row: True)
+        left = self.prefill.drop(keep) if self.prefill is not None else []
+        stay = [i for i, row in enumerate(self.rows) if not row.done and keep(row)]
+        staying = set(stay)
+        left += [row for i, row in enumerate(self.rows) if i not in staying]
+        for row in left:
+            row.done = True
+            if self.prefill is not None:
+                self.prefill.references.pop(row, None)
+            if not row.prefilling:  # the drafter never saw a row that had no token yet
+                self.drafter.retire(row)
+            self.logprobs.pop(row, None)
+        if len(stay) != len(self.rows):
+            self.rows = [self.rows[i] for i in stay]
+            self.packed.drop_rows(stay)
+        return left
