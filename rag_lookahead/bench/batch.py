@@ -169,7 +169,7 @@ def parse_methods(methods: str, extra_branch_length: str) -> tuple[list[str], di
 
 def batch(
     model: ModelOption = "default",
-    dtype: DtypeOption = "bf16",
+    dtype: DtypeOption = "auto",
     device: DeviceOption = None,
     device_map: DeviceMapOption = None,
     prompts: Annotated[

@@ -51,7 +51,11 @@ __all__ = [
 
 ModelOption = Annotated[str, typer.Option("--model", help='"default", a hub id or a local model folder')]
 DtypeOption = Annotated[
-    str, typer.Option("--dtype", help="bf16, fp16, fp32 or auto (GPU: bf16 where native, else fp16)")
+    str,
+    typer.Option(
+        "--dtype",
+        help="bf16, fp16, fp32 or auto (GPU: bf16 where native, else fp16; CPU: bf16 only where fast)",
+    ),
 ]
 DeviceOption = Annotated[
     str | None, typer.Option("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")

@@ -115,7 +115,7 @@ def summarize_modes(per_mode: dict[str, list]) -> list[dict]:
 
 def rag(
     model: ModelOption = "default",
-    dtype: DtypeOption = "bf16",
+    dtype: DtypeOption = "auto",
     device: DeviceOption = None,
     device_map: DeviceMapOption = None,
     index_dir: Annotated[

@@ -322,7 +322,7 @@ def run_bench(s: BenchSettings) -> dict:
 
 def bench(
     model: ModelOption = "default",
-    dtype: DtypeOption = "bf16",
+    dtype: DtypeOption = "auto",
     device: DeviceOption = None,
     device_map: DeviceMapOption = None,
     prompts: PromptsOption = None,
