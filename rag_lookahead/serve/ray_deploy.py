@@ -1,0 +1,255 @@
+"""``rag_lookahead serve --replicas N``: the same FastAPI app on Ray Serve, N replicas behind one endpoint.
+
+    pip install 'rag-lookahead[ray]'
+    rag_lookahead serve --replicas 2 --index-dir ~/my_index              # one machine
+    RAY_ADDRESS=auto rag_lookahead serve --replicas 8 --max-replicas 16 --host 0.0.0.0 --allowed-hosts llm.internal
+
+Each replica is a Ray actor that builds the app with ``create_app`` from the one ServerConfig
+(:mod:`rag_lookahead.serve.ray_replica`): its own model, engine, output pool, and index loaded from
+``index_dir`` (a folder every node can read). A replica takes one GPU when the device is CUDA (or
+unset on a cluster with GPUs), else ``num_cpus`` CPUs and as many torch threads. Ray's HTTP proxy
+listens on ``host:port`` on every node.
+
+Routing (:mod:`rag_lookahead.serve.ray_router`): requests with the same ``X-Session-Id`` header,
+else the same API key, go to the same replica (consistent hashing) while it holds fewer than
+``max_ongoing_requests``; past that they go to the next replica on the ring. Requests with neither
+spread over the replicas.
+
+``/metrics`` is per replica: each answer holds the counters of the replica named in its
+``X-Replica-Id`` header (send an ``X-Session-Id`` to come back to the same one). Ray's own
+metrics (``ray_serve_*``, on each node's Ray metrics port) count the whole deployment.
+
+Differences from one process: past a replica's capacity requests wait in Ray's router, and
+beyond ``max_queue`` waiting there Ray answers 503 (one process answers 429). A replica that dies
+fails its running requests with an error at once (Ray's proxy answers 500, or a started stream
+ends early) and Ray starts another; the other replicas keep answering.
+
+This module imports Ray only when a deployment starts, so the default install never does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rag_lookahead.checks import positive_int
+from rag_lookahead.errors import ConfigError, ModelLoadError, first_line
+from rag_lookahead.serve.config import ServerConfig
+
+__all__ = [
+    "APP_NAME",
+    "INSTALL_HINT",
+    "REPLICA_HEADER",
+    "RaySettings",
+    "deploy",
+    "deployment_options",
+    "gpus_per_replica",
+    "import_ray",
+    "replica_config",
+    "run_on_ray",
+    "settings_from_args",
+    "undeploy",
+]
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "rag_lookahead"
+INSTALL_HINT = "pip install 'rag-lookahead[ray]'"
+#: The response header naming the replica that answered (added by each replica).
+REPLICA_HEADER = "x-replica-id"
+#: Ray versions this module was written and tested against (the router reads Ray 2.60 internals).
+SUPPORTED_RAY = "2.60."
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    """How the app is spread over Ray Serve replicas.
+
+    replicas: replicas to run (with ``max_replicas``: the count to start with).
+    max_replicas / min_replicas: autoscale between ``min_replicas`` (default ``replicas``) and
+        ``max_replicas``, aiming at ``target_ongoing_requests`` per replica (default: one full batch).
+    num_cpus: CPUs (and torch threads) per CPU replica.
+    num_gpus: GPUs per replica; None: 1 when the device is CUDA (or unset and the cluster has GPUs), else 0.
+    max_ongoing_requests: a replica's capacity: past it, a session's request goes to the next
+        replica; default two batches (``2 * max_batch_size``), at most ``max_batch_size + max_queue``.
+    """
+
+    replicas: int = 1
+    max_replicas: int | None = None
+    min_replicas: int | None = None
+    num_cpus: float = 1.0
+    num_gpus: float | None = None
+    max_ongoing_requests: int | None = None
+    target_ongoing_requests: float | None = None
+
+    def __post_init__(self) -> None:
+        positive_int("replicas", self.replicas)
+        for name in ("max_replicas", "min_replicas", "max_ongoing_requests"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        if self.max_replicas is None and self.min_replicas is not None:
+            raise ConfigError("min_replicas needs max_replicas (autoscaling)")
+        if self.max_replicas is not None and not self.lowest <= self.replicas <= self.max_replicas:
+            raise ConfigError(
+                f"replicas must lie within min_replicas..max_replicas ({self.lowest}..{self.max_replicas}), "
+                f"got {self.replicas}"
+            )
+        for name in ("num_cpus", "num_gpus", "target_ongoing_requests"):
+            value = getattr(self, name)
+            if value is None and name != "num_cpus":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1024:
+                raise ConfigError(f"{name} must be a number in 0..1024, got {value!r}")
+        if self.num_cpus == 0 and not self.num_gpus:
+            raise ConfigError("num_cpus must be > 0 for CPU replicas")
+
+    @property
+    def lowest(self) -> int:
+        """The fewest replicas running (what must fit in the cluster)."""
+        if self.max_replicas is None:
+            return self.replicas
+        return self.min_replicas if self.min_replicas is not None else self.replicas
+
+
+def settings_from_args(args: Mapping[str, Any]) -> RaySettings | None:
+    """The ``serve`` options ``--replicas``, ``--max-replicas`` and ``--replica-cpus`` as settings;
+    None without ``--replicas`` (one process, no Ray)."""
+    if not args.get("replicas"):
+        if args.get("max_replicas"):
+            raise ConfigError("--max-replicas needs --replicas")
+        return None
+    cpus = args.get("replica_cpus")
+    return RaySettings(
+        replicas=args["replicas"], max_replicas=args.get("max_replicas"), num_cpus=1.0 if cpus is None else cpus
+    )
+
+
+def import_ray():
+    """``(ray, ray.serve)``, or a ConfigError saying how to install them."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError as err:
+        raise ConfigError(f"--replicas needs Ray Serve, which is not installed: {INSTALL_HINT}") from err
+    if not ray.__version__.startswith(SUPPORTED_RAY):
+        log.warning("Ray %s: rag_lookahead's replicas are tested with Ray %sx only", ray.__version__, SUPPORTED_RAY)
+    return ray, serve
+
+
+def gpus_per_replica(config: ServerConfig, settings: RaySettings, cluster_gpus: float) -> float:
+    """``settings.num_gpus``, else 1 for a CUDA device (or no device on a cluster with GPUs), else 0."""
+    if settings.num_gpus is not None:
+        return float(settings.num_gpus)
+    device = (config.device or "").lower()
+    if device.startswith("cuda") or (not device and config.device_map is None and cluster_gpus > 0):
+        return 1.0
+    return 0.0
+
+
+def replica_config(config: ServerConfig, gpus: float) -> ServerConfig:
+    """The config each replica builds its app from: Ray shows a replica only its own GPU (``cuda``
+    is that one), and a replica without a GPU runs on the CPU."""
+    device = (config.device or "").lower()
+    if gpus >= 1 and device.startswith("cuda:"):
+        return dataclasses.replace(config, device="cuda")
+    if gpus == 0 and not device and config.device_map is None:
+        return dataclasses.replace(config, device="cpu")
+    return config
+
+
+def deployment_options(config: ServerConfig, settings: RaySettings, gpus: float) -> dict[str, Any]:
+    """The ``serve.deployment`` options: resources, capacity, routing, draining and scaling."""
+    from rag_lookahead.serve.app import CLOSE_GRACE_SECONDS
+    from rag_lookahead.serve.ray_router import ROUTER_PATH
+
+    capacity = settings.max_ongoing_requests or min(2 * config.max_batch_size, config.max_batch_size + config.max_queue)
+    options: dict[str, Any] = dict(
+        name="LookaheadReplica",
+        ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": gpus},
+        max_ongoing_requests=capacity,
+        max_queued_requests=config.max_queue,
+        graceful_shutdown_timeout_s=config.drain_seconds + CLOSE_GRACE_SECONDS,
+        request_router_config={"request_router_class": ROUTER_PATH},
+        max_constructor_retry_count=3,  # a model that will not load fails the deploy, not 20 reloads
+    )
+    if settings.max_replicas is None:
+        options["num_replicas"] = settings.replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": settings.lowest,
+            "initial_replicas": settings.replicas,
+            "max_replicas": settings.max_replicas,
+            "target_ongoing_requests": settings.target_ongoing_requests or config.max_batch_size,
+        }
+    return options
+
+
+def deploy(config: ServerConfig, settings: RaySettings, ray_init: Mapping[str, Any] | None = None) -> str:
+    """Start the replicas on Ray Serve (connecting to Ray, or starting it locally with ``ray_init``)
+    and return the endpoint's base URL once every replica answers."""
+    ray, serve = import_ray()
+    if not ray.is_initialized():
+        ray.init(**dict(ray_init or {}))
+    resources = ray.cluster_resources()
+    gpus = gpus_per_replica(config, settings, resources.get("GPU", 0.0))
+    _check_fits(settings, gpus, resources)
+    from rag_lookahead.serve.ray_replica import LookaheadReplica
+
+    threads = 0 if gpus else max(1, int(settings.num_cpus))
+    deployment = serve.deployment(LookaheadReplica, **deployment_options(config, settings, gpus))
+    application = deployment.bind(replica_config(config, gpus), threads)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    try:
+        serve.run(application, name=APP_NAME, route_prefix="/")
+    except Exception as err:  # a replica's constructor failed (the model or the index did not load)
+        raise ModelLoadError(f"the Ray Serve replicas did not start: {first_line(err)}") from err
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    return f"http://{host}:{config.port}"
+
+
+def undeploy() -> None:
+    """Stop this app's replicas (each drains for ``drain_seconds``); other Serve apps keep running."""
+    _, serve = import_ray()
+    serve.delete(APP_NAME)
+
+
+def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
+    """Deploy, serve until SIGTERM or SIGINT, then drain the replicas and disconnect from Ray."""
+    ray, _ = import_ray()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        base = deploy(config, settings)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+            signal.signal(sig, lambda *_: stop.set())
+        log.info("serving %s at %s on Ray Serve (%s)", config.model_name, base, _describe(settings))
+        while not stop.wait(1.0):
+            pass
+        log.info("shutting down: draining the replicas for up to %.0f s", config.drain_seconds)
+        undeploy()
+    finally:
+        ray.shutdown()
+
+
+def _describe(settings: RaySettings) -> str:
+    if settings.max_replicas is None:
+        return f"{settings.replicas} replicas"
+    return f"{settings.replicas} replicas, autoscaling {settings.lowest}..{settings.max_replicas}"
+
+
+def _check_fits(settings: RaySettings, gpus: float, resources: Mapping[str, float]) -> None:
+    """Ray would wait forever for replicas the cluster cannot hold: say so instead."""
+    need = {"CPU": settings.lowest * settings.num_cpus, "GPU": settings.lowest * gpus}
+    for kind, amount in need.items():
+        have = resources.get(kind, 0.0)
+        if amount > have:
+            per = settings.num_cpus if kind == "CPU" else gpus
+            raise ConfigError(
+                f"{settings.lowest} replicas x {per:g} {kind} need {amount:g} {kind}s; the Ray cluster has {have:g}"
+                + (" (lower --replica-cpus or --replicas)" if kind == "CPU" else " (lower --replicas)")
+            )

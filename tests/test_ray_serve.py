@@ -1,0 +1,408 @@
+"""``rag_lookahead serve --replicas N``: two CPU replicas of the tiny Qwen2 on Ray Serve, behind Ray's proxy.
+
+Ray is the optional extra ``rag-lookahead[ray]``: without it the tests that start Ray are skipped
+(the settings, the routing key and the missing-Ray error are checked either way). One local Ray
+(2 CPUs, no dashboard, an 80 MiB object store) serves every Ray test here; each replica loads the
+tiny model from a folder, as ``serve --model FOLDER`` would. The single-process server runs the
+same config first: its texts are the expected ones, and its time for the 200-request load is
+the baseline the two replicas are compared with (printed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+try:
+    import ray
+    from ray import serve
+except ImportError:
+    ray = serve = None
+
+from test_server import LOOKAHEAD, metric, parse_sse, running, stream_text, tiny_prompts, tokenizer
+from tiny_models import tiny_model
+
+from rag_lookahead.errors import ConfigError
+from rag_lookahead.serve import Engine, ServerConfig
+from rag_lookahead.serve.ray_deploy import (
+    APP_NAME,
+    REPLICA_HEADER,
+    RaySettings,
+    deploy,
+    deployment_options,
+    gpus_per_replica,
+    import_ray,
+    replica_config,
+    settings_from_args,
+    undeploy,
+)
+
+needs_ray = pytest.mark.skipif(ray is None, reason="Ray Serve is the optional extra: pip install 'rag-lookahead[ray]'")
+
+PROMPTS = tiny_prompts(6)
+BUDGETS = [8, 12, 16, 24, 32, 20]
+KINDS = ("plain", "stream", "drop", "plain", "stream")
+COMPLETED = "rag_lookahead_requests_completed_total"
+CANCELLED = "rag_lookahead_requests_cancelled_total"
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def complete(client: httpx.AsyncClient, i: int, kind: str = "plain", headers: dict | None = None) -> dict:
+    """One completion of ``PROMPTS[i]``: its status, text, id and replica; a stream dropped after its
+    first event ("drop") or cut short by the server ("truncated") has no text."""
+    body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": BUDGETS[i], "stream": kind != "plain"}
+    out = {"i": i, "kind": kind}
+    if kind == "plain":
+        r = await client.post("/v1/completions", json=body, headers=headers)
+        out.update(status=r.status_code, replica=r.headers.get(REPLICA_HEADER))
+        if r.status_code == 200:
+            out.update(text=r.json()["choices"][0]["text"], id=r.json()["id"])
+        return out
+    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+        out.update(status=r.status_code, replica=r.headers.get(REPLICA_HEADER))
+        raw = ""
+        async for chunk in r.aiter_text():
+            raw += chunk
+            if kind == "drop" and "\n\n" in raw:
+                return out  # leave after the first event
+    if r.status_code == 200 and not raw.rstrip().endswith("data: [DONE]"):
+        return {**out, "status": "truncated"}
+    if r.status_code == 200:
+        events = parse_sse(raw)
+        out.update(text=stream_text(events, chat=False)[0], id=events[0]["id"])
+    return out
+
+
+async def load(base: str, count: int, clients: int) -> tuple[list[dict], float]:
+    """``count`` requests (plain, streamed, dropped streams) from ``clients`` concurrent clients; the seconds taken."""
+    gate = asyncio.Semaphore(clients)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
+
+        async def one(n: int) -> dict:
+            async with gate:
+                return {"n": n, **await complete(client, n % len(PROMPTS), KINDS[n % len(KINDS)])}
+
+        start = time.perf_counter()
+        results = await asyncio.wait_for(asyncio.gather(*(one(n) for n in range(count))), 300)
+        return results, time.perf_counter() - start
+
+
+def check_load(results: list[dict], expected: dict[int, str]) -> None:
+    """Nothing lost or duplicated; every finished text is the single-process one."""
+    assert sorted(r["n"] for r in results) == list(range(len(results)))
+    assert all(r["status"] == 200 for r in results), [r for r in results if r["status"] != 200][:3]
+    finished = [r for r in results if r["kind"] != "drop"]
+    assert len({r["id"] for r in finished}) == len(finished), "a response id was reused"
+    for r in finished:
+        assert r["text"] == expected[r["i"]], (r["n"], r["kind"], r.get("replica"))
+
+
+def tokens_per_second(results: list[dict], seconds: float) -> float:
+    return sum(BUDGETS[r["i"]] for r in results if r["kind"] != "drop") / seconds
+
+
+def probe_replicas(base: str, want: int = 2, tries: int = 64) -> dict[str, str]:
+    """A session id leading to each replica: replica id -> session id (sessions hash to replicas)."""
+    found: dict[str, str] = {}
+    with httpx.Client(base_url=base, timeout=30) as client:
+        for k in range(tries):
+            r = client.get("/health", headers={"X-Session-Id": f"probe-{k}"})
+            if r.status_code == 200:
+                found.setdefault(r.headers[REPLICA_HEADER], f"probe-{k}")
+            if len(found) >= want:
+                break
+    return found
+
+
+def replica_metrics(base: str, sessions: dict[str, str]) -> dict[str, str]:
+    """Each replica's /metrics text, reached through its session id."""
+    out = {}
+    with httpx.Client(base_url=base, timeout=30) as client:
+        for replica, session in sessions.items():
+            r = client.get("/metrics", headers={"X-Session-Id": session})
+            assert r.status_code == 200 and r.headers[REPLICA_HEADER] == replica
+            out[replica] = r.text
+    return out
+
+
+def running_replicas() -> int:
+    deployment = serve.status().applications[APP_NAME].deployments["LookaheadReplica"]
+    return deployment.replica_states.get("RUNNING", 0)
+
+
+# ---------------------------------------------------------------- without starting Ray
+
+
+def test_settings_and_deployment_options():
+    for bad, words in [
+        (dict(replicas=0), "replicas must be an integer >= 1"),
+        (dict(min_replicas=1), "min_replicas needs max_replicas"),
+        (dict(replicas=5, max_replicas=4), "within min_replicas..max_replicas"),
+        (dict(num_cpus=-1), "num_cpus must be a number"),
+        (dict(num_gpus=True), "num_gpus must be a number"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            RaySettings(**bad)
+    assert settings_from_args({"replicas": 0, "port": 8000}) is None
+    with pytest.raises(ConfigError, match="--max-replicas needs --replicas"):
+        settings_from_args({"replicas": 0, "max_replicas": 3})
+    config = ServerConfig(max_batch_size=8, max_queue=4, drain_seconds=10)
+    fixed = deployment_options(config, RaySettings(replicas=2), 0.0)
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    assert fixed["max_ongoing_requests"] == 12  # two batches, but no more than a batch and the queue
+    assert fixed["max_queued_requests"] == 4 and fixed["graceful_shutdown_timeout_s"] > 10
+    assert fixed["request_router_config"] == {"request_router_class": "rag_lookahead.serve.ray_router.SessionRouter"}
+    scaling = deployment_options(config, settings_from_args({"replicas": 2, "max_replicas": 4, "replica_cpus": 0.5}), 0)
+    assert "num_replicas" not in scaling and scaling["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
+    assert scaling["autoscaling_config"] == {
+        "min_replicas": 2,
+        "initial_replicas": 2,
+        "max_replicas": 4,
+        "target_ongoing_requests": 8,
+    }
+
+
+def test_gpu_per_replica_when_the_device_is_cuda():
+    cpu, cuda1, unset = ServerConfig(device="cpu"), ServerConfig(device="cuda:1"), ServerConfig()
+    default = RaySettings()
+    assert gpus_per_replica(cpu, default, cluster_gpus=8) == 0
+    assert gpus_per_replica(cuda1, default, cluster_gpus=8) == 1
+    assert gpus_per_replica(unset, default, cluster_gpus=8) == 1 and gpus_per_replica(unset, default, 0) == 0
+    assert gpus_per_replica(cpu, RaySettings(num_gpus=0.5), cluster_gpus=8) == 0.5
+    assert replica_config(cuda1, 1).device == "cuda"  # Ray shows a replica only its own GPU
+    assert replica_config(unset, 0).device == "cpu" and replica_config(cpu, 0) is cpu
+
+
+def test_the_default_install_does_not_import_ray(monkeypatch):
+    code = (
+        "import sys\n"
+        "from rag_lookahead.serve import command, ray_deploy\n"
+        "ray_deploy.settings_from_args({'replicas': 2})\n"
+        "print('ray' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(ConfigError, match=r"pip install 'rag-lookahead\[ray\]'"):
+        import_ray()
+
+
+@needs_ray
+def test_routing_key_is_the_session_else_the_api_key():
+    import pickle
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import StreamingHTTPRequest
+
+    from rag_lookahead.serve.ray_router import key_from_headers, routing_key
+
+    def pending(session: str, headers: list, http: bool = True) -> SimpleNamespace:
+        request = StreamingHTTPRequest({"type": "http", "headers": headers}, proxy_actor_name="proxy")
+        metadata = SimpleNamespace(session_id=session, is_http_request=http)
+        return SimpleNamespace(metadata=metadata, args=[pickle.dumps(request)])
+
+    bearer = [(b"authorization", b"Bearer secret-key-1")]
+    key = key_from_headers(bearer)
+    assert key.startswith("key:") and "secret" not in key
+    assert key_from_headers([(b"Authorization", b"bearer   secret-key-1")]) == key
+    assert key_from_headers([(b"authorization", b"Basic eHl6")]) is None and key_from_headers([]) is None
+    assert routing_key(pending("s1", bearer)) == "session:s1"
+    assert routing_key(pending("", bearer)) == key
+    assert routing_key(pending("", [])) is None
+    assert routing_key(pending("", bearer, http=False)) is None  # a handle's bytes are never unpickled
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory, tokenizer) -> ServerConfig:
+    """Every replica's config: the tiny Qwen2 saved to a folder, fp32 on the CPU."""
+    folder = tmp_path_factory.mktemp("tiny_qwen2")
+    tiny_model("qwen2").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return ServerConfig(
+        model=str(folder),
+        dtype="fp32",
+        device="cpu",
+        port=free_port(),
+        max_batch_size=8,
+        max_queue=256,
+        max_tokens_limit=64,
+        default_max_tokens=16,
+        lookahead_config=LOOKAHEAD,
+        drain_seconds=2.0,
+        log_level="warning",
+    )
+
+
+@pytest.fixture(scope="module")
+def one_process(config) -> dict:
+    """The single-process server on the same config (before Ray starts): its text for each prompt
+    and its time for the 200-request / 32-client load."""
+    engine = Engine.from_config(config)
+
+    async def measure(base: str) -> dict:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            texts = {i: (await complete(client, i))["text"] for i in range(len(PROMPTS))}
+        await load(base, 32, 32)  # warm-up
+        results, seconds = await load(base, 200, 32)
+        check_load(results, texts)
+        return {"texts": texts, "seconds": seconds, "tokens_per_second": tokens_per_second(results, seconds)}
+
+    with running(engine) as (base, _):
+        return asyncio.run(measure(base))
+
+
+@pytest.fixture(scope="module")
+def endpoint(config, one_process):
+    """Two CPU replicas on a local Ray; the proxy's base URL."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    start = time.monotonic()
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False)
+    try:
+        base = deploy(config, RaySettings(replicas=2, num_cpus=1))
+        print(f"\nRay and 2 replicas up in {time.monotonic() - start:.0f} s")
+        yield base
+    finally:
+        with contextlib.suppress(Exception):
+            undeploy()
+        serve.shutdown()
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------- tests
+
+
+@needs_ray
+def test_both_replicas_answer_as_one_process(endpoint, one_process):
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(base_url=endpoint, timeout=60) as client:
+            return [
+                await complete(client, k % len(PROMPTS), ("plain", "stream")[k % 2], {"X-Session-Id": f"s{k}"})
+                for k in range(16)
+            ]
+
+    results = asyncio.run(run())
+    for r in results:
+        assert r["status"] == 200 and r["text"] == one_process["texts"][r["i"]], r
+    assert len({r["replica"] for r in results}) == 2, "16 sessions all went to one replica"
+
+
+@needs_ray
+def test_session_and_api_key_stick_to_one_replica(endpoint):
+    async def replicas_of(headers: dict, count: int) -> set[str]:
+        async with httpx.AsyncClient(base_url=endpoint, timeout=60) as client:
+            results = await asyncio.gather(*(complete(client, n % 3, headers=headers) for n in range(count)))
+        assert all(r["status"] == 200 for r in results)
+        return {r["replica"] for r in results}
+
+    for session in ("alpha", "beta", "gamma"):
+        assert len(asyncio.run(replicas_of({"X-Session-Id": session}, 6))) == 1, session
+    for key in ("key-one-1234", "key-two-5678"):  # no session header: the API key is the session
+        assert len(asyncio.run(replicas_of({"Authorization": f"Bearer {key}"}, 6))) == 1, key
+    keys = {next(iter(asyncio.run(replicas_of({"Authorization": f"Bearer key-{k:04d}"}, 1)))) for k in range(16)}
+    assert len(keys) == 2, "16 API keys all went to one replica"
+
+
+@needs_ray
+def test_a_full_replica_passes_its_session_on(endpoint, one_process):
+    """Past ``max_ongoing_requests`` (16 here) one session's requests go to the next replica."""
+
+    async def run() -> list[dict]:
+        limits = httpx.Limits(max_connections=48)
+        async with httpx.AsyncClient(base_url=endpoint, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(complete(client, 4, headers={"X-Session-Id": "busy"}) for _ in range(48)))
+
+    results = asyncio.run(run())
+    assert all(r["status"] == 200 and r["text"] == one_process["texts"][4] for r in results)
+    assert len({r["replica"] for r in results}) == 2
+
+
+@needs_ray
+def test_load_200_requests_32_clients_on_two_replicas(endpoint, one_process):
+    sessions = probe_replicas(endpoint)
+    assert len(sessions) == 2
+    asyncio.run(load(endpoint, 32, 32))  # warm-up
+    before = replica_metrics(endpoint, sessions)
+    results, seconds = asyncio.run(load(endpoint, 200, 32))
+    time.sleep(1.0)  # a dropped stream's cancellation reaches its replica's engine
+    after = replica_metrics(endpoint, sessions)
+    check_load(results, one_process["texts"])
+    served = {r: sum(x["replica"] == r for x in results) for r in sessions}
+    assert all(served.values()) and sum(served.values()) == 200, served
+    done = sum(metric(after[r], COMPLETED) - metric(before[r], COMPLETED) for r in sessions)
+    dropped = sum(metric(after[r], CANCELLED) - metric(before[r], CANCELLED) for r in sessions)
+    assert done + dropped == 200 and done >= 160, (done, dropped)
+    rate = tokens_per_second(results, seconds)
+    print(
+        f"\n200 requests / 32 clients, tiny model, this machine ({os.cpu_count()} cores): "
+        f"1 process {one_process['seconds']:.1f} s ({one_process['tokens_per_second']:.0f} tokens/s), "
+        f"2 Ray replicas {seconds:.1f} s ({rate:.0f} tokens/s; per replica {served})"
+    )
+
+
+@needs_ray
+def test_a_killed_replica_fails_its_requests_and_is_replaced(endpoint, one_process):
+    """Killing a replica mid-load: each of its requests finishes, or fails with an error (5xx, a
+    stream cut short, a closed connection) within seconds; none hangs. The session then moves to
+    a live replica and Ray starts a replacement."""
+    victim, session = next(iter(probe_replicas(endpoint).items()))
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("#" + victim))
+    actor = ray.get_actor(name, namespace="serve")
+    headers = {"X-Session-Id": session}
+
+    async def run() -> list:
+        async with httpx.AsyncClient(base_url=endpoint, timeout=60, limits=httpx.Limits(max_connections=24)) as client:
+            tasks = [asyncio.ensure_future(complete(client, 4, ("plain", "stream")[n % 2], headers)) for n in range(24)]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED, timeout=30)
+            ray.kill(actor, no_restart=True)
+            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 90)
+
+    start = time.monotonic()
+    outcomes = asyncio.run(run())
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            assert isinstance(outcome, httpx.TransportError), repr(outcome)  # the connection closed: an error
+        elif outcome["status"] == 200:
+            assert outcome["text"] == one_process["texts"][4]
+        else:
+            assert outcome["status"] == "truncated" or outcome["status"] >= 500, outcome
+    failed = sum(isinstance(o, BaseException) or o["status"] != 200 for o in outcomes)
+    print(f"\nkilled replica: {len(outcomes) - failed} of {len(outcomes)} requests finished, {failed} failed clearly")
+
+    deadline = time.monotonic() + 60
+    while True:  # the session's next request is answered by a live replica
+        r = httpx.post(
+            endpoint + "/v1/completions", json={"prompt": PROMPTS[4], "max_tokens": BUDGETS[4]}, headers=headers
+        )
+        if r.status_code == 200:
+            break
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.5)
+    assert r.json()["choices"][0]["text"] == one_process["texts"][4] and r.headers[REPLICA_HEADER] != victim
+    deadline = time.monotonic() + 180
+    while running_replicas() < 2:
+        assert time.monotonic() < deadline, "Ray did not replace the killed replica"
+        time.sleep(1.0)
+    replicas = probe_replicas(endpoint)
+    assert len(replicas) == 2 and victim not in replicas
+    print(f"replacement running after {time.monotonic() - start:.0f} s")
