@@ -157,7 +157,7 @@ def forward_feed(model, packed: PackedCache, feed: StepFeed) -> tuple[torch.Tens
     device = input_device(model)
     step = step_inputs(feed.roots, feed.trees, feed.positions, device)
     packed.ensure_cache(lambda: DynamicCache(config=model.config), device)
-    keep, pick = _logits_to_keep(model, feed.logits_at, step.ids.shape[1], device)
+    keep, pick = _logits_to_keep(model, feed.logits_at, step.ids.shape[1])
     if is_plain_causal(packed, feed.trees, feed.positions):
         logits = model(input_ids=step.ids, cache=packed.cache, use_cache=True, logits_to_keep=keep).logits
     else:
@@ -175,17 +175,18 @@ def forward_feed(model, packed: PackedCache, feed: StepFeed) -> tuple[torch.Tens
     return (logits if pick is None else logits[pick]), step
 
 
-def _logits_to_keep(model, wanted: list[int], total: int, device) -> tuple[int | torch.Tensor, torch.Tensor | None]:
+def _logits_to_keep(model, wanted: list[int], total: int) -> tuple[int | torch.Tensor, torch.Tensor | None]:
     """``logits_to_keep`` for the forward, and which of its rows are ``wanted`` (None: all of them).
 
-    transformers' own models take the positions themselves; other code only the int form (the
-    last n positions), so it computes the logits from the first wanted token on.
+    transformers' own models take the positions themselves (in any order); other code only the
+    int form (the last n positions), so it computes the logits from the earliest wanted token on.
+    The indices stay on the host: the last layers may sit on another device than the inputs.
     """
     if not wanted:
-        return 1, torch.zeros(0, dtype=torch.long, device=device)
+        return 1, torch.zeros(0, dtype=torch.long)
     if wanted == list(range(total - len(wanted), total)):
         return len(wanted), None
     if type(model).__module__.startswith("transformers."):
-        return torch.tensor(wanted, device=device), None
-    first = wanted[0]
-    return total - first, torch.tensor([i - first for i in wanted], device=device)
+        return torch.tensor(wanted), None
+    first = min(wanted)
+    return total - first, torch.tensor([i - first for i in wanted])

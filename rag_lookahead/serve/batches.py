@@ -1,10 +1,14 @@
 """The running decode batches of the engine thread: admit, step, retire, and fail what must fail.
 
-One :class:`~rag_lookahead.decoding.loop.DecodeBatch` per output pool key (``--output-pool
-per-key`` keeps rows of different API keys in separate forwards). Failures are contained: a
-prefill that fails fails the jobs it admitted (retried one by one to find the one at fault), a
-failed step or retire fails the batch it ran on, a failure while turning one row's tokens into
-text fails that job only. Clients get a short message with an error id; details go to the log.
+One :class:`~rag_lookahead.decoding.decode_batch.DecodeBatch` per output pool key (``--output-pool
+per-key`` keeps rows of different API keys in separate forwards). With ``prefill_chunk`` the
+admitted prompts enter their batch a chunk per step, inside the running rows' decode steps
+(``decoding.prefill``), and their first tokens arrive with the step that ends each prompt.
+
+Failures are contained: an admission that fails fails the jobs it admitted (retried one by one
+to find the one at fault), a failed step (prompt chunks included) or retire fails the batch it
+ran on, a failure while turning one row's tokens into text fails that job only. Clients get a
+short message with an error id; details go to the log.
 """
 
 from __future__ import annotations
@@ -41,16 +45,24 @@ class Batches:
         self.active: dict[str, Job] = {}  # job id -> job, from its prefill to its last event
         self._batches: dict[str, Any] = {}  # output pool key -> DecodeBatch
         self._pools: dict[str, Any] = {}  # output pool key -> OutputPool
+        self.tokens_per_second = 0.0  # decode rate, all rows together (a moving average over steps)
 
     @property
     def size(self) -> int:
-        """Rows in all batches."""
-        return sum(len(batch.rows) for batch in list(self._batches.values()))
+        """Rows in all batches, with those waiting for their first prompt chunk."""
+        return sum(batch.size for batch in list(self._batches.values()))
 
     def new_batch(self, key: str = ""):
         from rag_lookahead.decoding.loop import DecodeBatch
 
-        return DecodeBatch(self.model, self.lookahead, self.eos, self._pool(key))
+        return DecodeBatch(
+            self.model,
+            self.lookahead,
+            self.eos,
+            self._pool(key),
+            prefill_chunk=self.config.prefill_chunk,
+            max_draft_rows=self.config.max_draft_rows,
+        )
 
     def _pool(self, key: str):
         """The output pool of ``key`` (created on first use), or None when pools are off."""
@@ -89,13 +101,13 @@ class Batches:
         except Exception as e:  # noqa: BLE001
             self.fail(group, self.failure(e))
             return
-        rows_before = len(batch.rows)
+        rows_before = batch.size
         for job in group:  # active from here on: a drain or a test waiting for idle sees the prefill
             self.active[job.id] = job
         try:
             self._prefill(batch, group)
         except Exception as e:  # noqa: BLE001
-            if len(batch.rows) != rows_before:  # it failed half-way through the merge: the batch is unsafe
+            if batch.size != rows_before:  # it failed half-way through the merge: the batch is unsafe
                 self._fail_batch(key, e, also=group)
                 return
             for job in group:
@@ -123,7 +135,8 @@ class Batches:
             keys=[job.id for job in jobs],
             sampling=[job.sampling for job in jobs],
         )
-        self.metrics.prefill(time.perf_counter() - start)
+        if batch.prefill is None:  # chunked, the prompts are prefilled inside the next steps
+            self.metrics.prefill(time.perf_counter() - start)
         for job, row in zip(jobs, rows):
             self._deliver(job, row.generated)
 
@@ -132,12 +145,15 @@ class Batches:
     def step_all(self) -> None:
         """One propose -> verify -> accept step for every batch; each row's new text to its client."""
         for key, batch in list(self._batches.items()):
-            if not batch.rows:
+            if not batch.size:
                 continue
             try:
                 start = time.perf_counter()
                 gained = batch.verify_and_accept(batch.propose())
-                self.metrics.step(len(gained), sum(len(g) for g in gained), time.perf_counter() - start)
+                seconds, tokens = time.perf_counter() - start, sum(len(g) for g in gained)
+                self.metrics.step(len(gained), tokens, seconds)
+                rate = tokens / max(seconds, 1e-6)
+                self.tokens_per_second = 0.8 * self.tokens_per_second + 0.2 * rate if self.tokens_per_second else rate
             except Exception as e:  # noqa: BLE001 - which row is at fault is unknown: the batch fails
                 self._fail_batch(key, e)
                 continue
@@ -165,7 +181,7 @@ class Batches:
     def retire_all(self) -> None:
         """Remove finished, stopped, cancelled and failed rows from every batch; answer them."""
         for key, batch in list(self._batches.items()):
-            if batch.rows:
+            if batch.size:
                 try:
                     left = batch.retire(self._keep)
                 except Exception as e:  # noqa: BLE001 - the batch's bookkeeping is unknown now
@@ -173,7 +189,7 @@ class Batches:
                     continue
                 for row in left:
                     self._answer(row)
-            if not batch.rows:
+            if not batch.size:
                 self._batches.pop(key, None)  # frees the KV cache; the next admission starts afresh
 
     def _keep(self, row) -> bool:

@@ -52,6 +52,17 @@ def serve(
     ),
     max_batch_size: int = typer.Option(_D.max_batch_size),
     max_queue: int = typer.Option(_D.max_queue, help="waiting requests beyond the batch; more get 429"),
+    max_batch_tokens: int | None = typer.Option(
+        None,
+        help="KV token budget: each request holds prompt + max_tokens while waiting or running; past it 429 "
+        "with Retry-After (default: a quarter of the free RAM, or half the free GPU memory, as KV cache)",
+    ),
+    prefill_chunk: int = typer.Option(
+        _D.prefill_chunk, help="prompt tokens prefilled per step between decode steps (chunked prefill); 0: off"
+    ),
+    max_draft_rows: int | None = typer.Option(
+        None, help="above this many rows in a batch, decode without drafting (default: always draft)"
+    ),
     max_prompt_tokens: int = typer.Option(_D.max_prompt_tokens),
     max_tokens_limit: int = typer.Option(_D.max_tokens_limit),
     default_max_tokens: int = typer.Option(_D.default_max_tokens),

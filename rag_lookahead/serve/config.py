@@ -48,6 +48,13 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "max_stop_chars": (1, 4096),
     "max_messages": (1, 100_000),
     "max_body_bytes": (1024, 1 << 30),
+    "prefill_chunk": (0, 1_000_000),
+}
+
+#: (low, high) of the integer settings that may be None (None: worked out at start, or no limit).
+OPTIONAL_INT_RANGES: dict[str, tuple[int, int]] = {
+    "max_batch_tokens": (1, 1_000_000_000),
+    "max_draft_rows": (1, 1024),
 }
 
 
@@ -61,6 +68,17 @@ class ServerConfig:
     index_dir: document index for ``/v1/rag`` (None: the default index if it exists).
     max_batch_size: most rows decoded together.
     max_queue: most requests waiting for a batch slot; more are refused with 429.
+    max_batch_tokens: the KV token budget: each request holds prompt + max_tokens tokens from
+        submission to its end, and one that would take the running and waiting requests past
+        the budget is refused with 429 and a Retry-After header (400 if it alone exceeds it).
+        None: worked out at start from the memory free for the KV cache
+        (:func:`rag_lookahead.serve.admission.default_token_budget`).
+    prefill_chunk: prompt tokens prefilled per engine step, between the running requests'
+        decode steps (chunked prefill: a long prompt no longer stalls every stream); 0: each
+        admitted prompt in one forward.
+    max_draft_rows: above this many rows in a batch nobody drafts (the packed cache's attention
+        grows with rows x columns, so at high concurrency trees cost more than they save);
+        None: always draft.
     max_prompt_tokens: longest prompt accepted (400 beyond).
     max_tokens_limit: largest ``max_tokens`` accepted (400 beyond).
     default_max_tokens: ``max_tokens`` when a request gives none (capped by the limit).
@@ -90,6 +108,9 @@ class ServerConfig:
     index_dir: str | None = None
     max_batch_size: int = 8
     max_queue: int = 64
+    max_batch_tokens: int | None = None
+    prefill_chunk: int = 512
+    max_draft_rows: int | None = None
     max_prompt_tokens: int = 4096
     max_tokens_limit: int = 1024
     default_max_tokens: int = 256
@@ -122,6 +143,12 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ConfigError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+        for name, (low, high) in OPTIONAL_INT_RANGES.items():
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high
+            ):
+                raise ConfigError(f"{name} must be an integer in {low}..{high} or None, got {value!r}")
         if self.k_seed < self.k_prompt:
             raise ConfigError(f"k_seed must be >= k_prompt ({self.k_prompt}), got {self.k_seed}")
         seconds = self.drain_seconds

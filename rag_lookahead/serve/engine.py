@@ -5,9 +5,14 @@ bounded waiting queue (full -> 429) and read its events (:mod:`rag_lookahead.ser
 Between decode steps the engine thread
 
 1. retires finished rows (EOS, max_tokens, a stop string seen, the client gone) at once,
-2. admits waiting jobs up to the batch size (one prefill per output pool, merged into the
-   running batch),
-3. runs one propose -> verify -> accept step for every batch and pushes each row's new text.
+2. admits waiting jobs up to the batch size (merged into the running batch of their output
+   pool; with ``prefill_chunk`` their prompts are prefilled a chunk per step, else at once),
+3. runs one propose -> verify -> accept step for every batch (carrying this step's prompt
+   chunks) and pushes each row's new text.
+
+A request is accepted only while the waiting queue has room (``max_queue``) and the tokens it
+may hold fit the KV token budget (``max_batch_tokens``, :mod:`rag_lookahead.serve.admission`);
+otherwise it gets 429 with a ``Retry-After`` header at once.
 
 The batches themselves are :class:`~rag_lookahead.serve.batches.Batches`. If the thread dies,
 every waiting client gets an error at once and ``/health`` says so.
@@ -24,6 +29,7 @@ from collections.abc import Mapping, Sequence
 
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.inputs import context_limit
+from rag_lookahead.serve.admission import TokenBudget, busy, default_token_budget
 from rag_lookahead.serve.api_error import ApiError, engine_stopped, internal_error, shutting_down
 from rag_lookahead.serve.batches import Batches
 from rag_lookahead.serve.config import ServerConfig
@@ -62,6 +68,7 @@ class Engine:
             ready=self.ready.is_set,
         )
         self.batches = Batches(model, self.lookahead, self.eos, self.pad_id, self.config, self.metrics)
+        self.token_budget = TokenBudget(self.config.max_batch_tokens or default_token_budget(model, self.config))
         # Encoding runs in handler threads, decoding in the engine thread. Plain encode and decode
         # only read the Rust tokenizer (no padding or truncation is ever set), so they may overlap;
         # encodes are serialised among themselves, decodes never wait for a long encode.
@@ -182,20 +189,21 @@ class Engine:
         key = pool_key if self.config.output_pool == "per-key" else ""
         return Job(list(prompt_ids), max_tokens, list(stop), [list(r) for r in references], tracker, key, sampling)
 
-    def _refusal(self) -> ApiError | None:
-        """Why a new request cannot be taken now (call with ``_cond`` held)."""
+    def _refusal(self, job: Job | None = None) -> ApiError | None:
+        """Why a new request (``job``, or any when None) cannot be taken now (call with ``_cond`` held)."""
         if self.error is not None or (self._thread is not None and not self._thread.is_alive()):
             return engine_stopped()
         if self._stopping or self._draining:
             return shutting_down()
+        rate = self.batches.tokens_per_second
         if len(self._waiting) >= self.config.max_queue:
-            return ApiError(
-                429,
+            wait = self.token_budget.retry_after(self.token_budget.need(job) if job else 1, rate)
+            return busy(
                 f"the server is busy: {len(self._waiting)} requests are already waiting "
-                f"(max_queue={self.config.max_queue}); retry later",
-                "rate_limit_error",
+                f"(max_queue={self.config.max_queue}); retry after {wait} s",
+                wait,
             )
-        return None
+        return self.token_budget.refusal(job, rate)
 
     def check_capacity(self) -> None:
         """Raise the 429/503 that ``submit`` would, before a handler spends work on a request."""
@@ -205,10 +213,13 @@ class Engine:
             raise refusal
 
     def submit(self, job: Job) -> None:
+        """Queue ``job``, or raise why not: 503 (stopping), 429 with ``Retry-After`` (the queue or the
+        KV token budget is full), 400 (it alone needs more tokens than the whole budget)."""
         with self._cond:
-            refusal = self._refusal()
+            refusal = self._refusal(job)
             if refusal is not None:
                 raise refusal
+            self.token_budget.hold(job)
             self._waiting.append(job)
             self._cond.notify_all()
 

@@ -1,0 +1,149 @@
+"""Admission by tokens and chunked prefill in the real tiny-model server: a request that would take
+the running and waiting requests past the KV token budget gets 429 with a ``Retry-After`` header
+at once (streamed or not), one larger than the whole budget gets 400, the queue-full 429 carries
+the header too; long prompts prefilled in chunks give the texts of a single-request ``generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from test_server import (  # noqa: F401 - tokenizer is a fixture
+    hold_steps,
+    serving,
+    single_text,
+    tiny_engine,
+    tiny_prompts,
+    tokenizer,
+    until,
+)
+from tiny_models import tiny_model
+
+from rag_lookahead.errors import ConfigError
+from rag_lookahead.serve import ServerConfig
+from rag_lookahead.serve.admission import default_token_budget, kv_bytes_per_token
+from rag_lookahead.serve.command import config_from_args, parse_args
+
+
+def completion(prompt, max_tokens: int, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, **extra}
+
+
+def assert_busy(response: httpx.Response) -> None:
+    assert response.status_code == 429, response.text
+    error = response.json()["error"]
+    assert error["type"] == "rate_limit_error" and "retry" in error["message"]
+    assert response.headers["retry-after"].isdigit() and 1 <= int(response.headers["retry-after"]) <= 60
+
+
+def test_token_budget_refuses_with_429_and_retry_after(tokenizer, monkeypatch):
+    """Budget 200: a running request (20 + 60) and a waiting one (20 + 60) hold 160; a third of 80
+    tokens is refused at once, streamed or not, while a small one (20 + 10) still fits; once the
+    first two are done the third is served."""
+    engine = tiny_engine(tokenizer, max_batch_size=1, max_batch_tokens=200)
+    a, b, c = (p[:20] + [5] * (20 - len(p[:20])) for p in tiny_prompts(3, seed=31))
+    want_a, want_c = single_text(engine, a, 60), single_text(engine, c, 60)
+    gate = hold_steps(monkeypatch)
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            first = asyncio.create_task(client.post("/v1/completions", json=completion(a, 60)))
+            await until(lambda: engine.active == 1)
+            second = asyncio.create_task(client.post("/v1/completions", json=completion(b, 60)))
+            await until(lambda: engine.queue_depth == 1)
+            refused = await asyncio.wait_for(client.post("/v1/completions", json=completion(c, 60)), 10)
+            streamed = await asyncio.wait_for(client.post("/v1/completions", json=completion(c, 60, stream=True)), 10)
+            small = asyncio.create_task(client.post("/v1/completions", json=completion(c[:10], 10)))
+            await until(lambda: engine.queue_depth == 2)
+            gate.set()
+            done = await asyncio.wait_for(asyncio.gather(first, second, small), 60)
+            again = await client.post("/v1/completions", json=completion(c, 60))
+            return refused, streamed, done, again
+
+    with serving(engine) as base:
+        refused, streamed, (ra, rb, rsmall), again = asyncio.run(run(base))
+    assert_busy(refused)
+    assert "max_batch_tokens" in refused.json()["error"]["message"]
+    assert_busy(streamed)
+    assert ra.status_code == rb.status_code == rsmall.status_code == 200
+    assert ra.json()["choices"][0]["text"] == want_a
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == want_c
+
+
+def test_request_larger_than_the_whole_budget_gets_400(tokenizer):
+    engine = tiny_engine(tokenizer, max_batch_tokens=50)
+    prompt = tiny_prompts(1, seed=32)[0][:10]
+    with serving(engine) as base:
+        too_big = httpx.post(base + "/v1/completions", json=completion(prompt, 45), timeout=10)
+        fits = httpx.post(base + "/v1/completions", json=completion(prompt, 8), timeout=60)
+    assert too_big.status_code == 400, too_big.text
+    error = too_big.json()["error"]
+    assert error["code"] == "request_too_large" and "max_batch_tokens" in error["message"] and "50" in error["message"]
+    assert fits.status_code == 200 and fits.json()["choices"][0]["text"] == single_text(engine, prompt, 8)
+
+
+def test_queue_full_429_carries_retry_after(tokenizer, monkeypatch):
+    engine = tiny_engine(tokenizer, max_batch_size=1, max_queue=1)
+    a, b, c = tiny_prompts(3, seed=33)
+    gate = hold_steps(monkeypatch)
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            tasks = [asyncio.create_task(client.post("/v1/completions", json=completion(a, 8)))]
+            await until(lambda: engine.active == 1)
+            tasks.append(asyncio.create_task(client.post("/v1/completions", json=completion(b, 8))))
+            await until(lambda: engine.queue_depth == 1)
+            refused = await asyncio.wait_for(client.post("/v1/completions", json=completion(c, 8)), 10)
+            gate.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            return refused
+
+    with serving(engine) as base:
+        refused = asyncio.run(run(base))
+    assert_busy(refused)
+    assert "max_queue" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_long_prompts_in_chunks_give_single_request_texts(tokenizer, chunk):
+    """Short and long (180-token) prompts at once, prefilled in chunks of 16 (or whole): every text
+    equals a single-request ``generate``'s."""
+    engine = tiny_engine(tokenizer, max_batch_size=4, prefill_chunk=chunk, max_tokens_limit=64)
+    short = tiny_prompts(3, seed=34)
+    long_prompts = [(p * 20)[:180] for p in tiny_prompts(2, seed=35)]
+    prompts = short + long_prompts
+    want = [single_text(engine, p, 24) for p in prompts]
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+            posts = [client.post("/v1/completions", json=completion(p, 24)) for p in prompts]
+            return await asyncio.wait_for(asyncio.gather(*posts), 120)
+
+    with serving(engine) as base:
+        responses = asyncio.run(run(base))
+    assert [r.json()["choices"][0]["text"] for r in responses] == want
+
+
+def test_settings_and_their_command_line():
+    config = config_from_args(parse_args(["--prefill-chunk", "256", "--max-batch-tokens", "9000"]), environ={})
+    assert (config.prefill_chunk, config.max_batch_tokens, config.max_draft_rows) == (256, 9000, None)
+    config = config_from_args(parse_args(["--prefill-chunk", "0", "--max-draft-rows", "16"]), environ={})
+    assert (config.prefill_chunk, config.max_batch_tokens, config.max_draft_rows) == (0, None, 16)
+    assert ServerConfig().prefill_chunk == 512
+    for bad in (dict(prefill_chunk=-1), dict(max_batch_tokens=0), dict(max_draft_rows=True)):
+        with pytest.raises(ConfigError):
+            ServerConfig(**bad)
+
+
+def test_default_budget_is_between_one_request_and_what_the_limits_allow():
+    model = tiny_model("qwen2")
+    assert kv_bytes_per_token(model) == 2 * 2 * 2 * 16 * 4  # k and v, 2 layers, 2 KV heads of 16, fp32
+    config = ServerConfig()
+    budget = default_token_budget(model, config)
+    largest = config.max_prompt_tokens + config.max_tokens_limit
+    assert largest <= budget <= (config.max_batch_size + config.max_queue) * largest
