@@ -367,7 +367,7 @@ def test_tiny_validation_health_metrics(tokenizer):
         (json.dumps({"prompt": [1] * 51}), "at most 50"),
         (json.dumps({"prompt": [1, VOCAB + 5]}), "vocabulary"),
         (json.dumps({"prompt": ["a", "b"]}), "one prompt per request"),
-        (json.dumps({"prompt": [1, 2], "logprobs": 3}), "logprobs"),
+        (json.dumps({"prompt": [1, 2], "logprobs": 21}), "'logprobs' must be between 0 and 20"),
     ]
     with serving(engine) as base:
         with httpx.Client(base_url=base, timeout=60) as client:

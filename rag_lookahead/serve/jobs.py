@@ -2,8 +2,9 @@
 
 A handler (asyncio) makes a :class:`Job`, submits it and reads its ``channel``; the engine
 thread feeds the channel with ``loop.call_soon_threadsafe``. Events, in order:
-``("piece", text)`` any number of times, then exactly one ``("done", Answer)`` or
-``("error", ApiError)``.
+``("piece", Piece)`` any number of times, then exactly one ``("done", Answer)`` or
+``("error", ApiError)``. A request that asks for log-probabilities gets them with its pieces
+and its answer (the job attaches them as it sends its events, see :mod:`.logprobs`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,24 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rag_lookahead.tokens import TextTracker
 
-__all__ = ["Answer", "Job"]
+if TYPE_CHECKING:
+    from rag_lookahead.decoding.results import TokenLogprob
+    from rag_lookahead.serve.logprobs import AnswerLogprobs
+
+__all__ = ["Answer", "Job", "Piece"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """New answer text, with the log-probabilities of the tokens accepted since the last piece
+    (empty unless the request asked for them)."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -31,6 +46,8 @@ class Answer:
     mean_accepted: float
     seconds: float
     lookahead: bool
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per answer token, when asked (no EOS, none past a stop)
+    unsent_logprobs: tuple[TokenLogprob, ...] = ()  # those of ``logprobs`` that no piece carried
 
 
 class Job:
@@ -63,8 +80,12 @@ class Job:
         self.finished = False  # the handler saw the last event
         self.steps = 0  # blocks accepted (the prefill's first token is one)
         self.submitted = time.perf_counter()
+        self.logprobs: AnswerLogprobs | None = None  # the decode loop's recorder, when the request asks
 
     def emit(self, event: tuple) -> None:
+        """Send ``event`` to the handler; a piece's text goes as a :class:`Piece`."""
+        if event[0] == "piece" and isinstance(event[1], str):
+            event = ("piece", Piece(event[1], self.logprobs.for_piece(self.tracker) if self.logprobs else ()))
         try:
             self.loop.call_soon_threadsafe(self.channel.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -74,6 +95,8 @@ class Job:
         """Send the last event (once)."""
         if not self.ended:
             self.ended = True
+            if event[0] == "done" and self.logprobs is not None:
+                event = ("done", self.logprobs.complete(event[1], self.tracker))
             self.emit(event)
 
     @property

@@ -1,21 +1,22 @@
 """The server's own limits on a request that its model already accepted.
 
 These depend on the :class:`~rag_lookahead.serve.config.ServerConfig` (and, for prompts, on the
-model), which the request models of :mod:`rag_lookahead.serve.protocol` cannot know. Each
+model), which the request models of :mod:`rag_lookahead.serve.protocol` (and
+:mod:`~rag_lookahead.serve.chat_protocol`) cannot know. Each
 refusal is a 400 that names the setting, so the client knows which flag the operator set.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rag_lookahead.serve.api_error import ApiError, quote
 from rag_lookahead.serve.config import ServerConfig
 
 if TYPE_CHECKING:
+    from rag_lookahead.serve.chat_protocol import ChatMessage
     from rag_lookahead.serve.engine import Engine
-    from rag_lookahead.serve.protocol import ChatMessage
 
 __all__ = ["answer_length", "checked_messages", "checked_prompt", "checked_stop"]
 
@@ -47,7 +48,7 @@ def checked_stop(stop: Sequence[str], config: ServerConfig) -> list[str]:
     return [s for s in stop if s]
 
 
-def checked_messages(messages: Sequence[ChatMessage], config: ServerConfig) -> list[dict[str, str]]:
+def checked_messages(messages: Sequence[ChatMessage], config: ServerConfig) -> list[dict[str, Any]]:
     """At most ``max_messages`` messages, as the chat template takes them."""
     if len(messages) > config.max_messages:
         raise ApiError(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -25,8 +25,6 @@ from rag_lookahead.serve.api_error import quote
 
 __all__ = [
     "INVALID_REQUEST",
-    "ChatCompletionRequest",
-    "ChatMessage",
     "CompletionRequest",
     "GenerationRequest",
     "RagRequest",
@@ -39,14 +37,11 @@ Flag = Annotated[bool, Strict()]
 Text = Annotated[str, Strict()]
 TokenIds = list[Integer]
 
-Role = Literal["system", "user", "assistant", "tool", "developer"]  # developer: OpenAI's newer name for system
-
 MAX_CHOICES = 8
-ROLES = get_args(Role)
+MAX_LOGPROBS = 20  # most likely tokens reported per place, as vLLM's default max_logprobs
 INVALID_REQUEST = "invalid_request"
 PROMPT_REQUIRED = "'prompt' is required: a string or a list of token ids"
 QUESTION_REQUIRED = "'question' is required: a non-empty string"
-MESSAGES_REQUIRED = "'messages' is required: a non-empty list of {role, content} objects"
 
 
 @dataclass(frozen=True)
@@ -70,6 +65,11 @@ class OpenAIRequest(BaseModel):
     """A request body: unknown fields are ignored, the first bad field is refused in our words."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @classmethod
+    def explain_field(cls, loc: tuple, error: dict) -> str | None:
+        """A request's own wording for an error at ``loc`` (None: worded from the field's schema)."""
+        return None
 
     @model_validator(mode="wrap")
     @classmethod
@@ -113,8 +113,6 @@ class GenerationRequest(OpenAIRequest):
     presence_penalty: Any = Field(None, description="not supported: leave it out (or 0)")
     frequency_penalty: Any = Field(None, description="not supported: leave it out (or 0)")
     logit_bias: Any = Field(None, description="not supported")
-    logprobs: Any = Field(None, description="not supported")
-    top_logprobs: Any = Field(None, description="not supported")
     echo: Any = Field(None, description="not supported")
     suffix: Any = Field(None, description="not supported")
 
@@ -129,16 +127,15 @@ class GenerationRequest(OpenAIRequest):
                     f"'{name}' is not supported (use repetition_penalty, as transformers applies it): leave it out",
                     name,
                 )
-        for name, what in (
-            ("logit_bias", "'logit_bias'"),
-            ("logprobs", "'logprobs'"),
-            ("top_logprobs", "'logprobs'"),
-            ("echo", "'echo'"),
-            ("suffix", "'suffix'"),
-        ):
+        for name in ("logit_bias", "echo", "suffix"):
             if getattr(self, name):
-                raise invalid_request(f"{what} is not supported by this server", name)
+                raise invalid_request(f"'{name}' is not supported by this server", name)
         return self
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """The most likely tokens to report per answer token; None: no log-probabilities asked."""
+        return None
 
     @property
     def choices(self) -> int:
@@ -181,6 +178,13 @@ class CompletionRequest(GenerationRequest):
     prompt: Annotated[Text | TokenIds | list[Text | TokenIds], Wording(PROMPT_REQUIRED)] = Field(
         description="a string or a list of token ids (a list holding one of them is taken too)"
     )
+    logprobs: Annotated[Integer | None, Wording(hint=" (the most likely tokens reported per answer token)")] = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="report each answer token's log-probability and this many most likely tokens at its place",
+    )
+    top_logprobs: Any = Field(None, description="chat completions only: here 'logprobs' is the count")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -198,50 +202,17 @@ class CompletionRequest(GenerationRequest):
         else:
             raise invalid_request(PROMPT_REQUIRED, "prompt")
         self.prompt = prompt
+        if self.top_logprobs is not None:
+            raise invalid_request(
+                "'top_logprobs' is a chat completions field: on /v1/completions, 'logprobs' is the number of "
+                "most likely tokens to report",
+                "top_logprobs",
+            )
         return self
 
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: Text
-
-
-class ChatMessage(BaseModel):
-    role: Role
-    content: Text | list[TextPart] | None = Field(None, description="a string or text parts (text only)")
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
-
-    def for_template(self) -> dict[str, str]:
-        """The message as the chat template takes it (``developer`` is a system message)."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-
-
-class ChatCompletionRequest(GenerationRequest):
-    """``POST /v1/chat/completions``: messages through the tokenizer's chat template."""
-
-    max_completion_tokens: Integer | None = Field(
-        None, json_schema_extra={"minimum": 1}, description="OpenAI's newer name for max_tokens (wins over it)"
-    )
-    tools: Any = Field(None, description="not supported")
-    functions: Any = Field(None, description="not supported")
-    messages: list[ChatMessage] = Field(min_length=1, description="at most the server's --max-messages")
-
-    @model_validator(mode="after")
-    def _something_to_answer(self) -> ChatCompletionRequest:
-        if self.tools or self.functions:
-            raise invalid_request("tool and function calling are not supported by this server", "tools")
-        if not any(m.text().strip() for m in self.messages):
-            raise invalid_request("every message is empty", "messages")
-        return self
-
-    def answer_length(self) -> tuple[str, int | None]:
-        if self.max_completion_tokens is not None:
-            return "max_completion_tokens", self.max_completion_tokens
-        return "max_tokens", self.max_tokens
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class RagRequest(OpenAIRequest):
@@ -274,8 +245,9 @@ def explain(model: type[BaseModel], error: dict) -> tuple[str, str | None]:
     if not loc:
         return "the request body must be a JSON object", None
     name = str(loc[0])
-    if name == "messages":
-        return _explain_message(loc, error), name
+    own = model.explain_field(loc, error) if issubclass(model, OpenAIRequest) else None
+    if own is not None:
+        return own, name
     field = model.model_fields[name]
     nested = _nested_model(field.annotation)
     if len(loc) > 1 and nested is not None:
@@ -284,20 +256,6 @@ def explain(model: type[BaseModel], error: dict) -> tuple[str, str | None]:
     if wording.message:
         return wording.message, name
     return _from_schema(_schema_of(model, name), name, error["input"], wording.hint), name
-
-
-def _explain_message(loc: tuple, error: dict) -> str:
-    if len(loc) < 2 or not isinstance(loc[1], int):
-        return MESSAGES_REQUIRED
-    i = loc[1]
-    if len(loc) == 2:
-        return f"messages[{i}] must be an object with 'role' and 'content'"
-    if loc[2] == "role":
-        role = None if error["type"] == "missing" else error["input"]
-        return f"messages[{i}].role must be one of {sorted(ROLES)}, got {quote(role)}"
-    if len(loc) > 4 or isinstance(error["input"], list):  # inside the list of content parts
-        return f'messages[{i}].content parts must be {{"type": "text", "text": ...}} (text only)'
-    return f"messages[{i}].content must be a string or a list of text parts"
 
 
 def _nested_model(annotation: Any) -> type[BaseModel] | None:

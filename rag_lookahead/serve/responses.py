@@ -3,18 +3,21 @@
 The models document the answers at ``/docs``; every body is built through them, so what is
 documented is what is sent. Each endpoint has a *shape* that turns an
 :class:`~rag_lookahead.serve.jobs.Answer` (and, when streaming, each new piece of text) into
-bodies: ``opening()`` (sent before any text), ``piece(text)``, ``closing(answer, include_usage)``
-and ``whole(answers)`` for a non-streamed answer.
+bodies: ``opening()`` (sent before any text), ``piece(piece)`` (a :class:`~rag_lookahead.serve.jobs.Piece`:
+new text and its tokens' log-probabilities), ``closing(answer, include_usage)`` and
+``whole(answers)`` for a non-streamed answer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel
 
-from rag_lookahead.serve.jobs import Answer
+from rag_lookahead.serve.jobs import Answer, Piece
+from rag_lookahead.serve.logprobs import ChatLogprobs, CompletionLogprobs, LogprobFormat
+from rag_lookahead.serve.tool_calls import ToolSetup
 
 __all__ = ["ChatShape", "CompletionShape", "RagShape"]
 
@@ -55,7 +58,7 @@ def stats_of(answer: Answer) -> Stats:
 class CompletionChoice(BaseModel):
     text: str
     index: int = 0
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -80,18 +83,20 @@ class Completion(CompletionUsageChunk):
 @dataclass(frozen=True)
 class _OpenAIShape:
     """What the two OpenAI endpoints share: a stream ends with the held-back rest, a finish chunk
-    and (asked for) a usage chunk; the whole body holds every choice, the usage and the stats."""
+    and (asked for) a usage chunk; the whole body holds every choice, the usage and the stats.
+    ``logprobs``: set when the request asked for log-probabilities."""
 
     id: str
     created: int
     model: str
+    logprobs: LogprobFormat | None = None
     usage_chunk: ClassVar[type[BaseModel]]
     body: ClassVar[type[BaseModel]]
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.id, "created": self.created, "model": self.model}
 
-    def piece(self, text: str) -> dict:
+    def piece(self, piece: Piece) -> dict:
         raise NotImplementedError
 
     def _finish(self, finish_reason: str) -> dict:
@@ -100,12 +105,17 @@ class _OpenAIShape:
     def _choice(self, index: int, answer: Answer) -> BaseModel:
         raise NotImplementedError
 
+    def _usage_chunks(self, answer: Answer, include_usage: bool) -> list[dict]:
+        if not include_usage:
+            return []
+        return [self.usage_chunk(**self._head(), choices=[], usage=usage_of([answer])).model_dump()]
+
     def closing(self, answer: Answer, include_usage: bool) -> list[dict]:
-        chunks = [self.piece(answer.rest)] if answer.rest else []
+        chunks = (
+            [self.piece(Piece(answer.rest, answer.unsent_logprobs))] if answer.rest or answer.unsent_logprobs else []
+        )
         chunks.append(self._finish(answer.finish_reason))
-        if include_usage:
-            chunks.append(self.usage_chunk(**self._head(), choices=[], usage=usage_of([answer])).model_dump())
-        return chunks
+        return chunks + self._usage_chunks(answer, include_usage)
 
     def whole(self, answers: list[Answer]) -> dict:
         choices = [self._choice(i, answer) for i, answer in enumerate(answers)]
@@ -118,30 +128,48 @@ class CompletionShape(_OpenAIShape):
     usage_chunk = CompletionUsageChunk
     body = Completion
 
-    def _chunk(self, text: str, finish_reason: str | None = None) -> dict:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+    def _chunk(self, text: str, finish_reason: str | None = None, logprobs: CompletionLogprobs | None = None) -> dict:
+        choice = CompletionChoice(text=text, finish_reason=finish_reason, logprobs=logprobs)
         return CompletionChunk(**self._head(), choices=[choice]).model_dump()
 
     def opening(self) -> list[dict]:
         return []
 
-    def piece(self, text: str) -> dict:
-        return self._chunk(text)
+    def piece(self, piece: Piece) -> dict:
+        logprobs = None if self.logprobs is None else self.logprobs.completion(piece.logprobs, streamed=True)
+        return self._chunk(piece.text, logprobs=logprobs)
 
     def _finish(self, finish_reason: str) -> dict:
         return self._chunk("", finish_reason)
 
     def _choice(self, index: int, answer: Answer) -> BaseModel:
-        return CompletionChoice(text=answer.text, index=index, finish_reason=answer.finish_reason)
+        logprobs = None if self.logprobs is None else self.logprobs.completion(answer.logprobs or ())
+        return CompletionChoice(text=answer.text, index=index, finish_reason=answer.finish_reason, logprobs=logprobs)
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class ChatDeltaChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, {} at the end
-    logprobs: None = None
+    # {"role": "assistant", "content": ""} first, then {"content": ...} or {"tool_calls": [...]}, {} at the end
+    delta: dict[str, Any]
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -162,13 +190,14 @@ class ChatUsageChunk(ChatCompletionChunk):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -185,25 +214,48 @@ class ChatCompletion(BaseModel):
 
 @dataclass(frozen=True)
 class ChatShape(_OpenAIShape):
+    """``tools``: how the request uses tools (the answer's calls come back as ``tool_calls``)."""
+
+    tools: ToolSetup = field(default_factory=ToolSetup)
     usage_chunk = ChatUsageChunk
     body = ChatCompletion
 
-    def _chunk(self, delta: dict[str, str], finish_reason: str | None = None) -> dict:
-        choice = ChatDeltaChoice(delta=delta, finish_reason=finish_reason)
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None, logprobs=None) -> dict:
+        """``logprobs``: the chunk's tokens' entries (None: the chunk carries none, as the first and last)."""
+        entries = None if self.logprobs is None or logprobs is None else self.logprobs.chat(logprobs)
+        choice = ChatDeltaChoice(delta=delta, finish_reason=finish_reason, logprobs=entries)
         return ChatCompletionChunk(**self._head(), choices=[choice]).model_dump()
 
     def opening(self) -> list[dict]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
-    def piece(self, text: str) -> dict:
-        return self._chunk({"content": text})
+    def piece(self, piece: Piece) -> dict:
+        return self._chunk({"content": piece.text}, logprobs=piece.logprobs)
 
     def _finish(self, finish_reason: str) -> dict:
         return self._chunk({}, finish_reason)
 
+    def closing(self, answer: Answer, include_usage: bool) -> list[dict]:
+        """With tool calls: the text not sent yet, then the calls whole in one chunk."""
+        reply = self.tools.reply(answer.text)
+        if reply is None:
+            return super().closing(answer, include_usage)
+        emitted = answer.text[: len(answer.text) - len(answer.rest)]
+        unsent = reply.content[len(emitted) :] if reply.content.startswith(emitted) else ""
+        chunks = [self._chunk({"content": unsent})] if unsent.strip() else []
+        calls = [ToolCallDelta(index=i, **call).model_dump() for i, call in enumerate(reply.calls)]
+        chunks.append(self._chunk({"tool_calls": calls}, logprobs=answer.unsent_logprobs))
+        chunks.append(self._finish("tool_calls"))
+        return chunks + self._usage_chunks(answer, include_usage)
+
     def _choice(self, index: int, answer: Answer) -> BaseModel:
-        message = AssistantMessage(content=answer.text)
-        return ChatChoice(index=index, message=message, finish_reason=answer.finish_reason)
+        logprobs = None if self.logprobs is None else self.logprobs.chat(answer.logprobs or ())
+        reply = self.tools.reply(answer.text)
+        if reply is None:
+            message = AssistantMessage(content=answer.text)
+            return ChatChoice(index=index, message=message, finish_reason=answer.finish_reason, logprobs=logprobs)
+        message = AssistantMessage(content=reply.content.strip() or None, tool_calls=reply.calls)
+        return ChatChoice(index=index, message=message, finish_reason="tool_calls", logprobs=logprobs)
 
 
 # ---------------------------------------------------------------- /v1/rag
@@ -260,11 +312,11 @@ class RagShape:
     def opening(self) -> list[dict]:
         return [RagSourcesEvent(sources=self.sources).model_dump()]
 
-    def piece(self, text: str) -> dict:
-        return RagDeltaEvent(text=text).model_dump()
+    def piece(self, piece: Piece) -> dict:
+        return RagDeltaEvent(text=piece.text).model_dump()
 
     def closing(self, answer: Answer, include_usage: bool) -> list[dict]:
-        chunks = [self.piece(answer.rest)] if answer.rest else []
+        chunks = [self.piece(Piece(answer.rest))] if answer.rest else []
         return chunks + [RagDoneEvent(answer=answer.text.strip(), stats=self._stats(answer)).model_dump()]
 
     def whole(self, answers: list[Answer]) -> dict:

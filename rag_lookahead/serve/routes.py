@@ -2,7 +2,7 @@
 off the event loop, submits one job per choice and answers whole or as server-sent events.
 
 ``POST /v1/completions`` (raw prompt, no chat template; a string or a list of token ids),
-``POST /v1/chat/completions`` (messages through the tokenizer's chat template), ``POST /v1/rag``
+``POST /v1/chat/completions`` (messages, and tools, through the tokenizer's chat template), ``POST /v1/rag``
 (retrieve from the loaded index, seed the drafter with the passages left out of the prompt);
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
 """
@@ -22,12 +22,14 @@ from starlette.responses import JSONResponse, Response
 from rag_lookahead.errors import InputError
 from rag_lookahead.serve.api_error import ApiError, ErrorResponse
 from rag_lookahead.serve.body import JsonBodyRoute
+from rag_lookahead.serve.chat_protocol import ChatCompletionRequest
 from rag_lookahead.serve.config import ServerConfig
 from rag_lookahead.serve.engine import Engine
 from rag_lookahead.serve.jobs import Answer, Job
 from rag_lookahead.serve.limits import answer_length, checked_messages, checked_prompt, checked_stop
+from rag_lookahead.serve.logprobs import AnswerLogprobs, LogprobFormat
 from rag_lookahead.serve.metrics import CONTENT_TYPE
-from rag_lookahead.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, RagRequest
+from rag_lookahead.serve.protocol import CompletionRequest, GenerationRequest, RagRequest
 from rag_lookahead.serve.responses import (
     ChatCompletion,
     ChatShape,
@@ -40,6 +42,8 @@ from rag_lookahead.serve.responses import (
     RagShape,
 )
 from rag_lookahead.serve.streaming import ClientGone, EngineStream, collect, stream
+from rag_lookahead.serve.tool_calls import ToolSetup, tool_setup
+from rag_lookahead.tokens import TextTracker, encode_messages
 
 __all__ = ["generation", "health_status", "status"]
 
@@ -76,17 +80,32 @@ def _length_and_stop(body: GenerationRequest, config: ServerConfig) -> tuple[int
 
 
 def _submit(
-    engine: Engine, prompt: list[int], max_tokens: int, stop: list[str], body: GenerationRequest, http_request: Request
+    engine: Engine,
+    prompt: list[int],
+    max_tokens: int,
+    stop: list[str],
+    body: GenerationRequest,
+    http_request: Request,
+    tools: ToolSetup | None = None,
 ) -> list[Job]:
-    """One job per choice (``n``); choice i of a seeded request draws with seed + i."""
+    """One job per choice (``n``); choice i of a seeded request draws with seed + i. A job records
+    log-probabilities when asked; with tools its text opens with a forced call and holds calls back."""
     key = getattr(http_request.state, "key_id", "")
     jobs = [
         engine.new_request(prompt, max_tokens, stop, pool_key=key, sampling=body.sampling_params(i))
         for i in range(body.choices)
     ]
     for job in jobs:
+        if body.top_logprobs_asked is not None:
+            job.logprobs = AnswerLogprobs(body.top_logprobs_asked)
+        if tools is not None and tools.tools:
+            job.tracker = TextTracker(engine.tokenizer, stop, engine.eos, prefix=tools.opening, hold=tools.hold)
         engine.submit(job)
     return jobs
+
+
+def _logprob_format(body: GenerationRequest, engine: Engine) -> LogprobFormat | None:
+    return None if body.top_logprobs_asked is None else LogprobFormat(engine.tokenizer)
 
 
 async def _collect_all(jobs: list[Job], http_request: Request, engine: Engine) -> list[Answer] | None:
@@ -129,7 +148,8 @@ async def completions(body: CompletionRequest, http_request: Request) -> dict | 
     if isinstance(prompt, str):
         prompt = await run_in_threadpool(engine.encode_text, prompt)
     jobs = _submit(engine, checked_prompt(list(prompt), engine), max_tokens, stop, body, http_request)
-    shape = CompletionShape(_new_id("cmpl"), int(time.time()), body.model or engine.config.model_name)
+    model = body.model or engine.config.model_name
+    shape = CompletionShape(_new_id("cmpl"), int(time.time()), model, _logprob_format(body, engine))
     return await _respond(jobs, shape, bool(body.stream), body.include_usage, http_request, engine)
 
 
@@ -138,13 +158,29 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request) -
     engine = _engine(http_request)
     max_tokens, stop = _length_and_stop(body, engine.config)
     messages = checked_messages(body.messages, engine.config)
+    tools = tool_setup(
+        body.template_tools(),
+        body.plain_tool_choice(),
+        body.parallel_tool_calls,
+        engine.tokenizer,
+        engine.config.model_name,
+    )
     try:
-        prompt = await run_in_threadpool(engine.encode_chat, messages)
+        prompt = await run_in_threadpool(_encode_chat, engine, messages, tools)
     except Exception as e:  # a template that refuses this conversation (e.g. role order)
         raise _template_refusal(e) from None
-    jobs = _submit(engine, checked_prompt(prompt, engine), max_tokens, stop, body, http_request)
-    shape = ChatShape(_new_id("chatcmpl"), int(time.time()), body.model or engine.config.model_name)
+    jobs = _submit(engine, checked_prompt(prompt, engine), max_tokens, stop, body, http_request, tools)
+    model = body.model or engine.config.model_name
+    shape = ChatShape(_new_id("chatcmpl"), int(time.time()), model, _logprob_format(body, engine), tools)
     return await _respond(jobs, shape, bool(body.stream), body.include_usage, http_request, engine)
+
+
+def _encode_chat(engine: Engine, messages: list[dict], tools: ToolSetup) -> list[int]:
+    """The prompt ids; with tools, they go to the template and the answer opens with ``tools.opening``."""
+    if not tools.tools:
+        return engine.encode_chat(messages)
+    with engine.tokenizer_lock:
+        return encode_messages(engine.tokenizer, messages, tools=tools.tools, answer_prefix=tools.opening)
 
 
 def _template_refusal(error: Exception) -> ApiError:

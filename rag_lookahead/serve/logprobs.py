@@ -1,0 +1,192 @@
+"""Log-probabilities for ``/v1/completions`` (``logprobs: N``) and ``/v1/chat/completions``
+(``logprobs: true``, ``top_logprobs: N``), in OpenAI's shapes.
+
+The decode loop records them, exactly, from the verify forward that accepted each token (see
+:mod:`rag_lookahead.decoding.results`: the model's own distribution, the raw logits' softmax,
+before repetition penalty and the sampling warpers). A job's :class:`AnswerLogprobs` is that
+recorder; it hands the entries on with the job's pieces and its answer, keeping only the
+tokens of the answer's text: no EOS, nothing past a stop string. Streamed, a chunk carries the
+tokens accepted since the previous chunk (its text may lag behind while text is held back);
+the chunks' entries together are the non-streamed list.
+
+Tokens are named as OpenAI names them: the token's text and its UTF-8 ``bytes`` (exact for
+byte-level BPE tokenizers such as Qwen's and Llama 3's, where one token may hold part of a
+character); log-probabilities below -9999 are reported as -9999.0, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
+
+from rag_lookahead.decoding.results import LogprobRecorder, TokenLogprob
+from rag_lookahead.tokens import TextTracker
+
+if TYPE_CHECKING:
+    from rag_lookahead.serve.jobs import Answer
+
+__all__ = ["AnswerLogprobs", "ChatLogprobs", "CompletionLogprobs", "LogprobFormat"]
+
+LOWEST = -9999.0
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback
+
+
+class AnswerLogprobs(LogprobRecorder):
+    """A job's recorder (the decode loop records into it), handing its entries on to the client."""
+
+    def __init__(self, top: int) -> None:
+        super().__init__(top)
+        self.sent = 0  # entries the pieces carried so far
+        self._after_stop: int | None = None  # the answer's token count, once a stop string ended it
+
+    def for_piece(self, tracker: TextTracker) -> tuple[TokenLogprob, ...]:
+        """The entries not sent yet, up to the answer's end (called in the engine thread, with a piece)."""
+        end = self._answer_tokens(tracker)
+        piece = tuple(self.entries[self.sent : end])
+        self.sent = max(self.sent, end)
+        return piece
+
+    def complete(self, answer: Answer, tracker: TextTracker) -> Answer:
+        """``answer`` with its tokens' entries, and those no piece carried."""
+        end = self._answer_tokens(tracker)
+        entries = tuple(self.entries[:end])
+        return dataclasses.replace(answer, logprobs=entries, unsent_logprobs=entries[self.sent :])
+
+    def _answer_tokens(self, tracker: TextTracker) -> int:
+        """How many tokens the answer's text is made of (the tracker's, less a closing EOS, cut at a stop)."""
+        count = min(len(self.entries), len(tracker.ids))
+        if count and tracker.ids[count - 1] in tracker.eos:
+            count -= 1
+        if not tracker.stopped:
+            return count
+        if self._after_stop is None:
+            self._after_stop = _tokens_for_text(tracker, count)
+        return min(count, self._after_stop)
+
+
+def _tokens_for_text(tracker: TextTracker, count: int) -> int:
+    """The fewest of the first ``count`` tokens whose text holds the answer cut at its stop string."""
+    answer = len(tracker.final_text()) - len(tracker.prefix)
+    ids = tracker.ids[:count]
+
+    def length(k: int) -> int:
+        return len(tracker.tokenizer.decode([t for t in ids[:k] if t not in tracker.eos], skip_special_tokens=True))
+
+    low, high = 0, count
+    while low < high:  # the smallest k whose text reaches the answer's length
+        middle = (low + high) // 2
+        if length(middle) >= answer:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+# ---------------------------------------------------------------- OpenAI's shapes
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """``choices[i].logprobs`` of a chat completion (and of each streamed chunk)."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """``choices[i].logprobs`` of a completion: OpenAI's legacy shape (offsets count from the answer's start)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (byte-level BPE vocabularies are written in it)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+class LogprobFormat:
+    """Entries in OpenAI's shapes for one request: tokens named through ``tokenizer``, a stream's
+    running text offset (for completions)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.stream_offset = 0
+        self._names: dict[int, tuple[str, list[int]]] = {}
+
+    def name(self, token: int) -> tuple[str, list[int]]:
+        """The token's text and its bytes."""
+        named = self._names.get(token)
+        if named is None:
+            named = self._names[token] = self._name(token)
+        return named
+
+    def _name(self, token: int) -> tuple[str, list[int]]:
+        text = self.tokenizer.decode([token])
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        added = token in getattr(self.tokenizer, "added_tokens_decoder", {})
+        if isinstance(piece, str) and not added:
+            byte = _BYTE_TOKEN.fullmatch(piece)
+            if byte:
+                return text, [int(byte.group(1), 16)]
+            decoder = _byte_decoder()
+            if piece and all(c in decoder for c in piece):
+                raw = bytes(decoder[c] for c in piece)
+                if raw.decode("utf-8", errors="replace") == text:  # byte-level indeed
+                    return text, list(raw)
+        return text, list(text.encode("utf-8"))
+
+    def _top(self, entry: TokenLogprob) -> list[TopLogprob]:
+        return [TopLogprob(token=t, logprob=max(lp, LOWEST), bytes=b) for t, b, lp in self._named_top(entry)]
+
+    def _named_top(self, entry: TokenLogprob):
+        return [(*self.name(token), logprob) for token, logprob in entry.top]
+
+    def chat(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs:
+        content = []
+        for entry in entries:
+            text, raw = self.name(entry.token)
+            logprob = max(entry.logprob, LOWEST)
+            content.append(ChatTokenLogprob(token=text, logprob=logprob, bytes=raw, top_logprobs=self._top(entry)))
+        return ChatLogprobs(content=content)
+
+    def completion(self, entries: Sequence[TokenLogprob], streamed: bool = False) -> CompletionLogprobs:
+        """Offsets from the answer's start: a whole answer's from 0, a stream's carried over its chunks."""
+        offset = self.stream_offset if streamed else 0
+        tokens, offsets = [], []
+        for entry in entries:
+            text = self.name(entry.token)[0]
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        if streamed:
+            self.stream_offset = offset
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[max(e.logprob, LOWEST) for e in entries],
+            top_logprobs=[{t: max(lp, LOWEST) for t, _, lp in self._named_top(e)} for e in entries],
+            text_offset=offsets,
+        )

@@ -1,0 +1,100 @@
+"""``tools`` and ``tool_choice`` on ``/v1/chat/completions``, through the chat template.
+
+The tools go to the tokenizer's chat template (a template that does not take them, or does not
+call them with Qwen's ``<tool_call>``, the only output we parse back, is refused with 400). The
+model's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks come back as OpenAI
+``tool_calls`` with ``finish_reason: "tool_calls"``; the parsing is LangChain's
+(:mod:`rag_lookahead.langchain.tools`), shared rather than copied. If a call does not parse (cut
+short by ``max_tokens``, say), the whole answer comes back as plain ``content``, as vLLM's
+Hermes parser does.
+
+``tool_choice``: "auto" (default), "none" (the tools are left out of the prompt), "required" or
+a named function: the assistant's turn is opened with ``<tool_call>`` (and the name, when known),
+so the model writes the call from there. Streamed, the text before the first ``<tool_call>``
+streams as it comes; the calls come whole in one chunk at the end (arguments are not streamed).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rag_lookahead.errors import ConfigError
+from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening, parse_tool_calls
+from rag_lookahead.serve.api_error import ApiError
+
+__all__ = ["ToolReply", "ToolSetup", "tool_setup"]
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """How one chat request uses tools: what the template gets, how the answer opens and is read."""
+
+    tools: list[dict[str, Any]] = field(default_factory=list)  # for the template ([]: no tools)
+    opening: str = ""  # text the assistant's turn starts with (a forced call)
+    parallel: bool = True  # False: the first call only
+
+    @property
+    def hold(self) -> tuple[str, ...]:
+        """Markers from which on nothing streams (a call is sent whole, at the end)."""
+        return (TOOL_CALL_OPEN,) if self.tools else ()
+
+    def reply(self, text: str) -> ToolReply | None:
+        """The answer as content and calls; None when it holds no call, or one that does not parse."""
+        if not self.tools:
+            return None
+        content, calls = parse_tool_calls(text)
+        if not calls or any(call.args is None for call in calls):
+            return None
+        calls = calls if self.parallel else calls[:1]
+        return ToolReply(
+            content=content,
+            calls=[
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": json.dumps(call.args, ensure_ascii=False)},
+                }
+                for call in calls
+            ],
+        )
+
+
+@dataclass(frozen=True)
+class ToolReply:
+    content: str  # the text outside the calls
+    calls: list[dict[str, Any]]  # OpenAI's tool_calls
+
+
+def tool_setup(
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: Any,
+    parallel: bool | None,
+    tokenizer: Any,
+    model_name: str,
+) -> ToolSetup:
+    """The request's tools checked against the model's chat template (400 when it cannot take them)."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise ApiError(
+                400, "'tool_choice' asks for a tool call but the request has no 'tools'", param="tool_choice"
+            )
+        return ToolSetup()
+    tools = [dict(tool) for tool in tools]
+    names = [tool["function"]["name"] for tool in tools]
+    if isinstance(tool_choice, Mapping) and tool_choice["function"]["name"] not in names:
+        raise ApiError(
+            400,
+            f"'tool_choice' names {tool_choice['function']['name']!r}, which is not among the request's tools "
+            f"({', '.join(names)})",
+            param="tool_choice",
+        )
+    if tool_choice == "none":  # the model is not shown them
+        return ToolSetup()
+    try:
+        check_tools(tokenizer, model_name, tools)
+    except ConfigError as error:
+        raise ApiError(400, str(error), param="tools") from None
+    return ToolSetup(tools, forced_opening(tool_choice, tools), parallel is not False)

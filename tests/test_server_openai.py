@@ -1,0 +1,392 @@
+"""The OpenAI surface through the official ``openai`` client, against the real server on tiny fp32
+models: log-probabilities (exact: transformers' ``output_logits`` at each step, streamed or not),
+tools and ``tool_choice`` through Qwen's chat template (calls back as ``tool_calls``), and what we
+refuse rather than ignore (``response_format`` beyond text, strict tools, the older ``functions``).
+
+Two engines: the vocab-96 tiny Qwen2 fed token-id prompts (completions), and a tiny random Qwen2
+over the whole Qwen vocabulary, so chat prompts (template, tools) are in its vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from test_logprobs import hf_logits
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from test_server import LOOKAHEAD, cut_at_stop, serving, tiny_engine, tiny_prompts, tokenizer  # noqa: F401
+
+from rag_lookahead.decoding.loop import generate
+from rag_lookahead.serve import Engine, ServerConfig
+from rag_lookahead.serve.jobs import Answer
+from rag_lookahead.serve.responses import ChatShape
+from rag_lookahead.serve.tool_calls import ToolSetup
+from rag_lookahead.tokens import encode_messages
+
+TOP = 3
+NOW = {"type": "function", "function": {"name": "now", "description": "The current time.", "parameters": {}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+QUESTION = [{"role": "user", "content": "What time is it, and what is the weather in Paris?"}]
+
+
+def client_for(base: str):
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def model_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """``log_softmax`` of the model's logits at each answer token (a teacher-forced forward)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(tokens) - 1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy tokens and ``log_softmax(output_logits)`` per step."""
+    tokens, logits = hf_logits(model, prompt, max_new, do_sample=False)
+    return tokens, [torch.log_softmax(step.float(), dim=-1) for step in logits]
+
+
+def check_top(top: dict | list, step: torch.Tensor, tokenizer) -> None:
+    """The reported most likely tokens (by name) and their log-probabilities are the model's."""
+    values, ids = step.topk(TOP)
+    names = [tokenizer.decode([i]) for i in ids.tolist()]
+    if isinstance(top, dict):  # completions: {token text: logprob}
+        assert top == pytest.approx(dict(zip(names, values.tolist())), abs=1e-5)
+    else:
+        assert [t.token for t in top] == names
+        assert [t.logprob for t in top] == pytest.approx(values.tolist(), abs=1e-5)
+
+
+# ---------------------------------------------------------------- log-probabilities, completions
+
+
+def test_completion_logprobs_equal_output_logits(tokenizer):
+    engine = tiny_engine(tokenizer)
+    with serving(engine) as base:
+        client = client_for(base)
+        accepted = []
+        for prompt in tiny_prompts(3, seed=21):
+            tokens, steps = hf_greedy(engine.model, prompt, 16)
+            reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, logprobs=TOP)
+            choice = reply.choices[0]
+            accepted.append(reply.model_extra["stats"]["mean_accepted"])
+            assert choice.text == tokenizer.decode(tokens)
+            lp = choice.logprobs
+            assert lp.tokens == [tokenizer.decode([t]) for t in tokens]
+            assert lp.token_logprobs == pytest.approx([s[t].item() for s, t in zip(steps, tokens)], abs=1e-5)
+            for top, step in zip(lp.top_logprobs, steps):
+                check_top(top, step, tokenizer)
+            assert lp.text_offset == [len(tokenizer.decode(tokens[:i])) for i in range(len(tokens))]
+            chunks = list(client.completions.create(prompt=prompt, max_tokens=16, logprobs=TOP, model="t", stream=True))
+            streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+            assert sum((s.tokens for s in streamed), []) == lp.tokens
+            # the same values, from another forward (the drafts differ once the output pool holds the answer)
+            assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-5)
+            assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+        assert max(accepted) > 1  # drafts were accepted: several tokens (and entries) a forward
+        zero = client.completions.create(model="t", prompt=tiny_prompts(1)[0], max_tokens=4, logprobs=0)
+        assert zero.choices[0].logprobs.top_logprobs == [{}] * 4
+        assert client.completions.create(model="t", prompt=[5, 6, 7], max_tokens=4).choices[0].logprobs is None
+
+
+def test_sampled_logprobs_are_the_models_distribution(tokenizer):
+    """A seeded sample reports the raw distribution at each place, whatever the warpers kept."""
+    engine = tiny_engine(tokenizer)
+    prompt = tiny_prompts(1, seed=4)[0]
+    sampling = dict(temperature=0.8, seed=3)
+    with serving(engine) as base:
+        reply = client_for(base).completions.create(
+            model="t", prompt=prompt, max_tokens=12, logprobs=TOP, extra_body={"top_k": 20}, **sampling
+        )
+    lp = reply.choices[0].logprobs
+    # the sample's tokens: generate()'s under the same seed (the server draws losslessly, test_server_sampling)
+    out = generate(
+        engine.model, prompt, max_new_tokens=12, config=engine.lookahead, do_sample=True, top_k=20, **sampling
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    assert lp.tokens == [tokenizer.decode([t]) for t in tokens]
+    expected = model_logprobs(engine.model, prompt, tokens)
+    assert lp.token_logprobs == pytest.approx([expected[i, t].item() for i, t in enumerate(tokens)], abs=1e-5)
+    for top, step in zip(lp.top_logprobs, expected):
+        check_top(top, step, tokenizer)
+    assert any(lp.token_logprobs[i] < max(top.values()) for i, top in enumerate(lp.top_logprobs))  # not the argmax
+
+
+def test_logprobs_stop_at_a_stop_string(tokenizer):
+    engine = tiny_engine(tokenizer)
+    prompt = tiny_prompts(1, seed=8)[0]
+    tokens, _ = hf_greedy(engine.model, prompt, 16)
+    full = tokenizer.decode(tokens)
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    text = cut_at_stop(full, [stop])
+    needed = next(k for k in range(len(tokens) + 1) if len(tokenizer.decode(tokens[:k])) >= len(text))
+    with serving(engine) as base:
+        client = client_for(base)
+        reply = client.completions.create(model="t", prompt=prompt, max_tokens=16, logprobs=1, stop=[stop])
+        chunks = list(
+            client.completions.create(model="t", prompt=prompt, max_tokens=16, logprobs=1, stop=[stop], stream=True)
+        )
+    choice = reply.choices[0]
+    assert choice.text == text and choice.finish_reason == "stop"
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in tokens[:needed]]
+    streamed = sum((c.choices[0].logprobs.tokens for c in chunks if c.choices and c.choices[0].logprobs), [])
+    assert streamed == choice.logprobs.tokens
+
+
+# ---------------------------------------------------------------- the whole-vocabulary tiny model
+
+
+@pytest.fixture(scope="module")
+def chat_engine(tokenizer) -> Engine:
+    """A tiny random Qwen2 over the tokenizer's whole vocabulary (chat template ids included)."""
+    import transformers
+
+    from rag_lookahead.tiny import _COMMON
+
+    config = transformers.Qwen2Config(
+        **{**_COMMON, "vocab_size": len(tokenizer), "max_position_embeddings": 2048},
+        initializer_range=0.2,  # logits far apart: no greedy near-ties between forward shapes
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).to(torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    settings = dict(max_batch_size=4, max_tokens_limit=64, default_max_tokens=16, lookahead_config=LOOKAHEAD)
+    return Engine(model, tokenizer, ServerConfig(**settings))
+
+
+@pytest.fixture(scope="module")
+def chat_server(chat_engine):
+    with serving(chat_engine) as base:
+        yield chat_engine, client_for(base), base
+
+
+def test_chat_logprobs_stream_and_not(chat_server):
+    engine, client, _ = chat_server
+    prompt = engine.encode_chat(QUESTION)
+    tokens, steps = hf_greedy(engine.model, prompt, 12)
+    reply = client.chat.completions.create(
+        model="tiny", messages=QUESTION, max_tokens=12, temperature=0, logprobs=True, top_logprobs=TOP
+    )
+    content = reply.choices[0].logprobs.content
+    assert [c.token for c in content] == [engine.tokenizer.decode([t]) for t in tokens]
+    assert [c.logprob for c in content] == pytest.approx([s[t].item() for s, t in zip(steps, tokens)], abs=1e-5)
+    for entry, step in zip(content, steps):
+        check_top(entry.top_logprobs, step, engine.tokenizer)
+    # the tokens' bytes make the answer (random tokens may cut characters: both sides replace the same bytes)
+    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8", "replace") == reply.choices[0].message.content
+    streamed = []
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=QUESTION, max_tokens=12, logprobs=True, top_logprobs=TOP, stream=True
+    ):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed.extend(chunk.choices[0].logprobs.content)
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
+    plain = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
+# ---------------------------------------------------------------- tools
+
+
+def test_forced_call_comes_back_as_tool_calls(chat_server):
+    """A named function without parameters: the forced opening writes the whole call."""
+    engine, client, _ = chat_server
+    choice = {"type": "function", "function": {"name": "now"}}
+    reply = client.chat.completions.create(
+        model="tiny", messages=QUESTION, tools=[NOW, WEATHER], tool_choice=choice, max_tokens=8
+    )
+    answer = reply.choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None
+    (call,) = answer.message.tool_calls
+    assert call.type == "function" and call.function.name == "now" and json.loads(call.function.arguments) == {}
+    assert call.id.startswith("call_")
+    expected = encode_messages(engine.tokenizer, QUESTION, tools=[NOW, WEATHER], answer_prefix=_opening("now"))
+    assert reply.usage.prompt_tokens == len(expected)
+    calls, reasons, content = [], [], ""
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=QUESTION, tools=[NOW, WEATHER], tool_choice=choice, max_tokens=8, stream=True
+    ):
+        for c in chunk.choices:
+            calls.extend(c.delta.tool_calls or [])
+            content += c.delta.content or ""
+            reasons.append(c.finish_reason)
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [(0, "now", "{}")]
+    assert content == "" and reasons[-1] == "tool_calls"
+
+
+def _opening(name: str) -> str:
+    return '<tool_call>\n{"name": "' + name + '", "arguments": {}}'
+
+
+def test_tools_reach_the_template(chat_server):
+    engine, client, _ = chat_server
+    tok = engine.tokenizer
+    plain = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=2)
+    auto = client.chat.completions.create(model="tiny", messages=QUESTION, tools=[NOW, WEATHER], max_tokens=2)
+    assert auto.usage.prompt_tokens == len(encode_messages(tok, QUESTION, tools=[NOW, WEATHER]))
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 40  # the tools' schemas
+    none = client.chat.completions.create(
+        model="tiny", messages=QUESTION, tools=[NOW, WEATHER], tool_choice="none", max_tokens=2
+    )
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    required = client.chat.completions.create(
+        model="tiny", messages=QUESTION, tools=[NOW, WEATHER], tool_choice="required", max_tokens=6
+    )
+    opened = encode_messages(tok, QUESTION, tools=[NOW, WEATHER], answer_prefix='<tool_call>\n{"name": "')
+    assert required.usage.prompt_tokens == len(opened)
+    message = required.choices[0].message
+    if not message.tool_calls:  # the random model wrote no valid call: the text comes back whole
+        assert message.content.startswith('<tool_call>\n{"name": "')
+    # a tool call and its result in the history go through the template
+    history = QUESTION + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+    ]
+    replayed = client.chat.completions.create(model="tiny", messages=history, tools=[NOW, WEATHER], max_tokens=2)
+    template_history = copy.deepcopy(history)
+    template_history[1]["content"] = ""
+    template_history[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    ids = encode_messages(tok, template_history, tools=[NOW, WEATHER])
+    assert replayed.usage.prompt_tokens == len(ids)
+    text = tok.decode(ids)
+    assert '"arguments": {"city": "Paris"}' in text and "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+
+
+def test_tool_calls_parsed_from_the_answer():
+    """The answer's ``<tool_call>`` blocks as OpenAI tool_calls, whole and as the stream's closing chunks."""
+    text = (
+        'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    )
+    answer = Answer(text, text[len("Let me check.") :], "stop", 10, 30, 5, 2.0, 0.1, True)
+    shape = ChatShape("id", 0, "m", tools=ToolSetup([NOW, WEATHER]))
+    message = shape.whole([answer])["choices"][0]
+    assert message["finish_reason"] == "tool_calls" and message["message"]["content"] == "Let me check."
+    calls = message["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("now", {}),
+    ]
+    closing = shape.closing(answer, include_usage=True)
+    assert [len(c["choices"][0]["delta"]["tool_calls"]) for c in closing[:1]] == [2]
+    assert closing[1]["choices"][0]["finish_reason"] == "tool_calls" and closing[2]["usage"]["completion_tokens"] == 30
+    single = ChatShape("id", 0, "m", tools=ToolSetup([NOW, WEATHER], parallel=False)).whole([answer])
+    assert len(single["choices"][0]["message"]["tool_calls"]) == 1
+    broken = Answer('<tool_call>\n{"name": "now", "argu', "", "length", 10, 8, 5, 1.0, 0.1, True)
+    reply = shape.whole([broken])["choices"][0]
+    assert reply["message"] == {"role": "assistant", "content": broken.text, "tool_calls": None}
+    assert reply["finish_reason"] == "length"
+    plain = ChatShape("id", 0, "m").whole([answer])["choices"][0]  # no tools asked: the text as it is
+    assert plain["message"]["content"] == text and plain["finish_reason"] == "stop"
+
+
+# ---------------------------------------------------------------- refused, never ignored
+
+
+def test_refusals(chat_server, tokenizer):
+    _, client, base = chat_server
+    refused = [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+        ({"tools": [NOW], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools"),
+        ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+    ]
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for extra, param in refused:
+            r = http.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            assert r.json()["error"]["param"] == param, (extra, r.json())
+        bad_arguments = QUESTION + [
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}],
+            }
+        ]
+        r = http.post("/v1/chat/completions", json={"messages": bad_arguments, "max_tokens": 2})
+        assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "top_logprobs": 2})
+        assert r.status_code == 400 and "'logprobs' is the number" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "logprobs": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError, match="does not constrain decoding"):
+        client.chat.completions.create(model="t", messages=QUESTION, response_format={"type": "json_object"})
+    text = client.chat.completions.create(model="t", messages=QUESTION, max_tokens=2, response_format={"type": "text"})
+    assert text.choices[0].message.content is not None
+
+
+def test_template_without_tools_is_refused(tokenizer):
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    engine = tiny_engine(plain)
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json={"messages": QUESTION, "tools": [NOW], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "chat template does not take tools" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- the real default model (slow)
+
+MAGIC = {
+    "type": "function",
+    "function": {
+        "name": "magic_function",
+        "description": "Applies a magic function to an input.",
+        "parameters": {"type": "object", "properties": {"input": {"type": "integer"}}, "required": ["input"]},
+    },
+}
+
+
+@pytest.mark.slow
+def test_real_model_calls_the_tool(default_model_fp32):
+    model, tok = default_model_fp32
+    settings = dict(max_batch_size=2, max_tokens_limit=64, default_max_tokens=32, lookahead_config=LOOKAHEAD)
+    question = [{"role": "user", "content": "What is the value of magic_function(3)? Use the tool."}]
+    with serving(Engine(model, tok, ServerConfig(**settings))) as base:
+        client = client_for(base)
+        for choice in ({"type": "function", "function": {"name": "magic_function"}}, "auto"):
+            reply = client.chat.completions.create(
+                model="default", messages=question, tools=[MAGIC, WEATHER], tool_choice=choice, max_tokens=40
+            )
+            assert reply.choices[0].finish_reason == "tool_calls", reply
+            (call,) = reply.choices[0].message.tool_calls
+            assert call.function.name == "magic_function" and json.loads(call.function.arguments) == {"input": 3}
+        calls = []
+        for chunk in client.chat.completions.create(
+            model="default", messages=question, tools=[MAGIC, WEATHER], max_tokens=40, stream=True
+        ):
+            calls.extend(tc.function.name for c in chunk.choices for tc in c.delta.tool_calls or [])
+        assert calls == ["magic_function"]
