@@ -3,9 +3,9 @@
 Ray is the optional extra ``rag-lookahead[ray]``: without it the tests that start Ray are skipped
 (the settings, the routing key and the missing-Ray error are checked either way). One local Ray
 (2 CPUs, no dashboard, an 80 MiB object store) serves every Ray test here; each replica loads the
-tiny model from a folder, as ``serve --model FOLDER`` would. The single-process server runs the
-same config first: its texts are the expected ones, and its time for the 200-request load is
-the baseline the two replicas are compared with (printed).
+tiny model from a folder, as ``serve --model FOLDER`` would. ``python -m rag_lookahead.serve``
+with the same settings runs first, in its own process: its texts are the expected ones, and its
+time for the 200-request load is the baseline the two replicas are compared with (printed).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ try:
 except ImportError:
     ray = serve = None
 
-from test_server import LOOKAHEAD, metric, parse_sse, running, stream_text, tiny_prompts, tokenizer
+from test_server import LOOKAHEAD, metric, parse_sse, stream_text, tiny_prompts, tokenizer
 from tiny_models import tiny_model
 
 from rag_lookahead.errors import ConfigError
-from rag_lookahead.serve import Engine, ServerConfig
+from rag_lookahead.serve import ServerConfig
 from rag_lookahead.serve.ray_deploy import (
     APP_NAME,
     REPLICA_HEADER,
@@ -233,34 +233,41 @@ def test_routing_key_is_the_session_else_the_api_key():
 # ---------------------------------------------------------------- fixtures
 
 
+#: The settings of both servers, as ``serve`` options and as ServerConfig fields (with LOOKAHEAD).
+SETTINGS = dict(
+    dtype="fp32",
+    device="cpu",
+    max_batch_size=8,
+    max_queue=256,
+    max_tokens_limit=64,
+    default_max_tokens=16,
+    drain_seconds=2.0,
+    log_level="warning",
+)
+LOOKAHEAD_FLAGS = ["--budget", "fixed", "--decoding-length", "16"]
+
+
 @pytest.fixture(scope="module")
 def config(tmp_path_factory, tokenizer) -> ServerConfig:
     """Every replica's config: the tiny Qwen2 saved to a folder, fp32 on the CPU."""
     folder = tmp_path_factory.mktemp("tiny_qwen2")
     tiny_model("qwen2").save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return ServerConfig(
-        model=str(folder),
-        dtype="fp32",
-        device="cpu",
-        port=free_port(),
-        max_batch_size=8,
-        max_queue=256,
-        max_tokens_limit=64,
-        default_max_tokens=16,
-        lookahead_config=LOOKAHEAD,
-        drain_seconds=2.0,
-        log_level="warning",
-    )
+    return ServerConfig(model=str(folder), port=free_port(), lookahead_config=LOOKAHEAD, **SETTINGS)
 
 
 @pytest.fixture(scope="module")
 def one_process(config) -> dict:
-    """The single-process server on the same config (before Ray starts): its text for each prompt
-    and its time for the 200-request / 32-client load."""
-    engine = Engine.from_config(config)
+    """``python -m rag_lookahead.serve`` with the same settings in its own process, before Ray starts
+    (so neither it nor the load's client shares a process or the cores with the other): its text for
+    each prompt and its time for the 200-request / 32-client load."""
+    port = free_port()
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in SETTINGS.items()]
+    command = [sys.executable, "-m", "rag_lookahead.serve", f"--model={config.model}", f"--port={port}"]
+    server = subprocess.Popen([*command, *flags, *LOOKAHEAD_FLAGS])
+    base = f"http://127.0.0.1:{port}"
 
-    async def measure(base: str) -> dict:
+    async def measure() -> dict:
         async with httpx.AsyncClient(base_url=base, timeout=60) as client:
             texts = {i: (await complete(client, i))["text"] for i in range(len(PROMPTS))}
         await load(base, 32, 32)  # warm-up
@@ -268,8 +275,22 @@ def one_process(config) -> dict:
         check_load(results, texts)
         return {"texts": texts, "seconds": seconds, "tokens_per_second": tokens_per_second(results, seconds)}
 
-    with running(engine) as (base, _):
-        return asyncio.run(measure(base))
+    try:
+        deadline = time.monotonic() + 120
+        while not ok(base + "/health"):
+            assert server.poll() is None and time.monotonic() < deadline, "the single-process server did not start"
+            time.sleep(0.2)
+        return asyncio.run(measure())
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -403,6 +424,8 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(endpoint, one_proce
     while running_replicas() < 2:
         assert time.monotonic() < deadline, "Ray did not replace the killed replica"
         time.sleep(1.0)
-    replicas = probe_replicas(endpoint)
-    assert len(replicas) == 2 and victim not in replicas
+    while len(replicas := probe_replicas(endpoint)) < 2:  # until the proxy's router hears of it
+        assert time.monotonic() < deadline, "the replacement replica was never routed to"
+        time.sleep(1.0)
+    assert victim not in replicas
     print(f"replacement running after {time.monotonic() - start:.0f} s")
