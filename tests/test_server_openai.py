@@ -41,8 +41,8 @@ WEATHER = {
 QUESTION = [{"role": "user", "content": "What time is it, and what is the weather in Paris?"}]
 
 
-def client_for(base: str):
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
+def client_for(base: str, timeout: float = 120):
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=timeout, max_retries=0)
 
 
 def model_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -372,21 +372,25 @@ MAGIC = {
 
 @pytest.mark.slow
 def test_real_model_calls_the_tool(default_model_fp32):
+    """The default model writes the call's arguments (named function) and picks the tool ("required")."""
     model, tok = default_model_fp32
     settings = dict(max_batch_size=2, max_tokens_limit=64, default_max_tokens=32, lookahead_config=LOOKAHEAD)
     question = [{"role": "user", "content": "What is the value of magic_function(3)? Use the tool."}]
+    named = {"type": "function", "function": {"name": "magic_function"}}
     with serving(Engine(model, tok, ServerConfig(**settings))) as base:
-        client = client_for(base)
-        for choice in ({"type": "function", "function": {"name": "magic_function"}}, "auto"):
+        client = client_for(base, timeout=900)  # a 0.5B model on a CPU, a prompt of some 300 tokens
+        for choice in (named, "required"):
             reply = client.chat.completions.create(
                 model="default", messages=question, tools=[MAGIC, WEATHER], tool_choice=choice, max_tokens=40
             )
-            assert reply.choices[0].finish_reason == "tool_calls", reply
+            assert reply.choices[0].finish_reason == "tool_calls", (choice, reply.choices[0].message)
             (call,) = reply.choices[0].message.tool_calls
             assert call.function.name == "magic_function" and json.loads(call.function.arguments) == {"input": 3}
         calls = []
         for chunk in client.chat.completions.create(
-            model="default", messages=question, tools=[MAGIC, WEATHER], max_tokens=40, stream=True
+            model="default", messages=question, tools=[MAGIC, WEATHER], tool_choice=named, max_tokens=40, stream=True
         ):
-            calls.extend(tc.function.name for c in chunk.choices for tc in c.delta.tool_calls or [])
-        assert calls == ["magic_function"]
+            calls.extend(
+                (tc.function.name, tc.function.arguments) for c in chunk.choices for tc in c.delta.tool_calls or []
+            )
+        assert [(name, json.loads(arguments)) for name, arguments in calls] == [("magic_function", {"input": 3})]
