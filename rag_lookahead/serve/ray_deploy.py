@@ -219,21 +219,35 @@ def undeploy() -> None:
 
 
 def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
-    """Deploy, serve until SIGTERM or SIGINT, then drain the replicas and disconnect from Ray."""
+    """Deploy, serve until SIGTERM or SIGINT, then drain the replicas and disconnect from Ray. A
+    signal while the replicas start abandons them (they are deleted) rather than wait."""
     ray, _ = import_ray()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not ray.is_initialized():
+        ray.init()
+    stop, serving = threading.Event(), threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+        if not serving.is_set():
+            raise KeyboardInterrupt  # out of serve.run, which may wait minutes for the models
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+        signal.signal(sig, on_signal)
     try:
         base = deploy(config, settings)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
-            signal.signal(sig, lambda *_: stop.set())
+        serving.set()
         log.info("serving %s at %s on Ray Serve (%s)", config.model_name, base, _describe(settings))
         while not stop.wait(1.0):
             pass
         log.info("shutting down: draining the replicas for up to %.0f s", config.drain_seconds)
-        undeploy()
+    except KeyboardInterrupt:
+        log.info("interrupted while the replicas started: deleting them")
     finally:
-        ray.shutdown()
+        try:
+            undeploy()
+        finally:
+            ray.shutdown()
 
 
 def _describe(settings: RaySettings) -> str:
