@@ -192,15 +192,21 @@ def test_gpu_per_replica_when_the_device_is_cuda():
 
 
 def test_the_default_install_does_not_import_ray(monkeypatch):
+    """``serve`` imports no Ray; ``--replicas`` without Ray is one line naming the extra (exit 1);
+    ``--max-replicas`` alone is a bad setting (exit 2 under ``python -m rag_lookahead.serve``)."""
     code = (
         "import sys\n"
         "from rag_lookahead.serve import command, ray_deploy\n"
         "ray_deploy.settings_from_args({'replicas': 2})\n"
         "print('ray' in sys.modules)\n"
+        "sys.modules['ray'] = None  # as if Ray were not installed\n"
+        "print(command.main(['--replicas', '2']), command.main(['--max-replicas', '3']))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
-    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    assert out.returncode == 0 and out.stdout.split() == ["False", "1", "2"], (out.stdout, out.stderr)
+    assert "error: --replicas needs Ray Serve, which is not installed: pip install 'rag-lookahead[ray]'" in out.stderr
+    assert "error: --max-replicas needs --replicas" in out.stderr
+    monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ConfigError, match=r"pip install 'rag-lookahead\[ray\]'"):
         import_ray()
 

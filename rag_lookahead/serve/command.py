@@ -98,17 +98,27 @@ def serve(
     branch_length: int | None = typer.Option(None, help="deepest draft path"),
     budget: Literal["auto", "fixed"] | None = typer.Option(None),
     log_level: LogLevel = typer.Option(_D.log_level, case_sensitive=False),
+    replicas: int = typer.Option(0, help="serve N replicas on Ray Serve (needs rag-lookahead[ray]); 0: one process"),
+    max_replicas: int | None = typer.Option(None, help="with --replicas: autoscale from --replicas up to this many"),
+    replica_cpus: float = typer.Option(1.0, help="with --replicas: CPUs (torch threads) per CPU replica"),
 ) -> None:
     """OpenAI-compatible server with continuous batching and lossless lookahead decoding.
     \f
     Long only by its option list; the options are read back from ``ctx.params``.
     """
+    from rag_lookahead.serve.ray_deploy import run_on_ray, settings_from_args
+
     try:
         config = config_from_args(ctx.params)
+        ray_settings = settings_from_args(ctx.params)  # None without --replicas: one process, no Ray
     except ConfigError as e:
         _refuse(e, _config_error_exit(ctx))
     try:
-        run_server(config)
+        if ray_settings is None:
+            run_server(config)
+        else:
+            _warn_about_exposure(config)
+            run_on_ray(config, ray_settings)
     except RagLookaheadError as e:  # the model or the index would not load
         _refuse(e, 1)
 
