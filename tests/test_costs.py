@@ -84,3 +84,30 @@ def test_measured_step_costs_override_the_curve():
     for tokens in range(5, 21):  # but drafting steps turned out 5x dearer than the curve said
         costs.observe(4, tokens, 5 * CPU_CURVE(tokens))
     assert allocate([draft] * 4, costs) == [0] * 4
+
+
+def test_a_forward_slowed_by_another_process_does_not_enter_the_curve():
+    """The curve is kept on disk, so one contended run must not set it: each size takes its
+    fastest run. Here the second of two timed 4-token forwards is made 2 s slower, as a busy CPU would."""
+    import time
+
+    from rag_lookahead.decoding.costs import measure_cost
+    from rag_lookahead.tiny import build_tiny_model
+
+    model = build_tiny_model("qwen2")
+    forward = model.forward
+    calls = {"n": 0}
+
+    def sometimes_slow(*args, **kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[-1] == 4:
+            calls["n"] += 1
+            if calls["n"] == 3:  # the first call is the warm-up
+                time.sleep(2.0)
+        return forward(*args, **kwargs)
+
+    model.forward = sometimes_slow
+    curve = measure_cost(model, context=16, sizes=(1, 4, 8), repeats=2)
+    assert calls["n"] == 3
+    assert curve.seconds[1] < 1.0, curve.seconds  # not the slowed run (> 2 s)
+    assert curve.seconds == sorted(curve.seconds)  # more tokens never cost less
