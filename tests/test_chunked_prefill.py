@@ -194,3 +194,19 @@ def test_interference_benchmark_smoke_run(tmp_path):
     done, total = off["identical"].split("/")
     assert done == total and int(total) >= 4
     assert (tmp_path / "interference.json").exists()
+
+
+def test_logprobs_are_the_same_chunked():
+    """The first token's log-probability comes from the step that ends the prompt; every entry
+    equals the one-forward prefill's (fp32: to summation order)."""
+    model = tiny_model("qwen2")
+    rows = prompts(2, seed=23)
+    ids, mask = left_pad(rows, 0)
+    plain = generate(model, ids, mask, max_new_tokens=10, config=CONFIG, pad_token_id=0, logprobs=3)
+    chunked = generate(model, ids, mask, max_new_tokens=10, config=CONFIG, pad_token_id=0, logprobs=3, prefill_chunk=8)
+    assert new_tokens(chunked, rows) == new_tokens(plain, rows)
+    for want_row, got_row in zip(plain.logprobs, chunked.logprobs):
+        assert [e.token for e in got_row] == [e.token for e in want_row] and len(got_row) == 10
+        for want, got in zip(want_row, got_row):
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in got.top] == [t for t, _ in want.top]
