@@ -134,6 +134,7 @@ class Batches:
             [job.max_tokens for job in jobs],
             keys=[job.id for job in jobs],
             sampling=[job.sampling for job in jobs],
+            logprobs=[job.logprobs for job in jobs],
         )
         if batch.prefill is None:  # chunked, the prompts are prefilled inside the next steps
             self.metrics.prefill(time.perf_counter() - start)

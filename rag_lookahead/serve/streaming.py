@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from rag_lookahead.serve.api_error import engine_stopped
-from rag_lookahead.serve.jobs import Answer, Job
+from rag_lookahead.serve.jobs import Answer, Job, Piece
 
 if TYPE_CHECKING:
     from rag_lookahead.serve.engine import Engine
@@ -43,7 +43,7 @@ class StreamShape(Protocol):
 
     def opening(self) -> list[dict]: ...
 
-    def piece(self, text: str) -> dict: ...
+    def piece(self, piece: Piece) -> dict: ...
 
     def closing(self, answer: Answer, include_usage: bool) -> list[dict]: ...
 
