@@ -147,3 +147,10 @@ def test_default_budget_is_between_one_request_and_what_the_limits_allow():
     budget = default_token_budget(model, config)
     largest = config.max_prompt_tokens + config.max_tokens_limit
     assert largest <= budget <= (config.max_batch_size + config.max_queue) * largest
+
+
+def test_engine_batches_take_the_settings(tokenizer):
+    engine = tiny_engine(tokenizer, prefill_chunk=64, max_draft_rows=2)
+    batch = engine.batches.new_batch()
+    assert batch.prefill.budget == 64 and batch.max_draft_rows == 2
+    assert tiny_engine(tokenizer, prefill_chunk=0).batches.new_batch().prefill is None
