@@ -1,4 +1,4 @@
-"""``rag_lookahead index | ask | serve | bench | bench-batch | bench-rag | bench-retrieval | gpu-check``.
+"""``rag_lookahead index | ask | serve | bench | bench-batch | bench-rag | bench-retrieval | ...``.
 
 The one command-line entry (the ``rag_lookahead`` console script and ``python -m rag_lookahead``).
 ``index`` and ``ask`` are defined here; ``serve`` (:mod:`rag_lookahead.serve.command`) and the
@@ -20,6 +20,7 @@ import typer
 
 from rag_lookahead.bench.batch import batch as bench_batch
 from rag_lookahead.bench.gpu_check import gpu_check
+from rag_lookahead.bench.interference import interference as bench_interference
 from rag_lookahead.bench.rag import rag as bench_rag
 from rag_lookahead.bench.retrieval import retrieval as bench_retrieval
 from rag_lookahead.bench.single import bench
@@ -186,6 +187,7 @@ _register("bench", bench)
 _register("bench-batch", bench_batch)
 _register("bench-rag", bench_rag)
 _register("bench-retrieval", bench_retrieval)
+_register("bench-interference", bench_interference)
 _register("gpu-check", gpu_check)
 
 

@@ -1,6 +1,6 @@
 """Drafters: what proposes the tokens each verify step checks.
 
-The decode loop (``loop.DecodeBatch``) asks its drafter for every row's draft tree, verifies all
+The decode loop (``decode_batch.DecodeBatch``) asks its drafter for every row's draft tree, verifies all
 the trees in one forward, and then tells the drafter what each row accepted. No draft can make
 the output wrong: verification keeps exactly the tokens plain decoding chooses, so a drafter
 only decides how many tokens a step gains. Two drafters come with the package:

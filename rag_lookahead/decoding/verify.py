@@ -86,21 +86,6 @@ def input_device(model) -> torch.device:
     return weight.device if isinstance(weight, torch.Tensor) else next(model.parameters()).device
 
 
-@torch.inference_mode()
-def forward_tree(model, packed: PackedCache, pending, drafts, positions) -> tuple[torch.Tensor, StepInputs]:
-    """One forward over every row's tree; returns the logits (Q, vocab) of every token, rows side by side."""
-    step = step_inputs(pending, drafts, positions, input_device(model))
-    if is_plain_causal(packed, drafts, positions):
-        # what transformers itself runs for one row: same kernels, so bf16 rounds as greedy does
-        logits = model(input_ids=step.ids, cache=packed.cache, use_cache=True).logits
-    else:
-        mask = step_mask(packed.owned, step, model.dtype, boolean_mask(model))
-        logits = model(
-            input_ids=step.ids, attention_mask=mask, position_ids=step.positions, cache=packed.cache, use_cache=True
-        ).logits
-    return logits[0], step
-
-
 def is_plain_causal(packed: PackedCache, drafts: list[DraftTree], positions: list[int]) -> bool:
     """One row, no holes in its cache, a chain (or no) draft: the causal mask is the tree mask.
 
