@@ -138,5 +138,6 @@ def test_cli_ask_stream_prints_blocks_then_sources_then_a_speed_line(cli_home, m
     assert result.exit_code == 0, result.output
     answer, _, rest = result.stdout.partition("\nSources")
     assert len(blocks) > 1 and answer.strip() == "".join(blocks).strip()  # printed as accepted, not at the end
-    last = [line for line in rest.splitlines() if line.strip()][-1]
-    assert last.startswith("Stats") and "tok/s" in last and "mean accepted" in last
+    stats = " ".join(rest[rest.rindex("\nStats") :].split())  # the last block (the terminal may wrap it)
+    assert stats.startswith("Stats") and "tok/s" in stats and "mean accepted" in stats, stats
+    assert stats.endswith(("lookahead on", "lookahead off")), stats
