@@ -34,7 +34,7 @@ from rag_lookahead.langchain.chat_model import ChatLookahead  # noqa: E402
 from rag_lookahead.rag.chains import DocumentIndexRetriever  # noqa: E402
 from rag_lookahead.rag.embedders import LangChainEmbeddings  # noqa: E402
 
-CORPUS_EN = Path(__file__).resolve().parent.parent / "corpora" / "en"
+CORPUS_EN = Path(__file__).resolve().parents[2] / "corpora" / "en"
 _LOADED: dict[str, Any] = {}
 
 

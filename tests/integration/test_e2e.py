@@ -20,7 +20,7 @@ from rag_lookahead.rag.index import build_index, load_index
 
 pytestmark = pytest.mark.slow
 
-CORPUS = Path(__file__).resolve().parent.parent / "corpora"
+CORPUS = Path(__file__).resolve().parents[2] / "corpora"
 QUESTIONS = {
     # the tuning guide answers both; for the Chinese question its English twin may rank first
     "zh": ("decoding_length 应该怎么设置？", ("zh/参数调优.md", "en/tuning.md")),

@@ -22,7 +22,7 @@ from rag_lookahead.decoding.verify import supports_tree_mask
 from rag_lookahead.errors import ConfigError, ModelLoadError
 from rag_lookahead.models import load_model
 
-MODELING = Path(__file__).parent / "remote_code" / "modeling_tiny_remote.py"
+MODELING = Path(__file__).resolve().parents[1] / "remote_code" / "modeling_tiny_remote.py"
 
 
 def remote_folder(root: Path, model_class: str) -> Path:

@@ -106,7 +106,7 @@ def test_drain_time_over_ends_the_rest_with_an_error(tokenizer, monkeypatch):
 
 CHILD = """
 import socket, sys, time
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1:]  # this folder (test_server) and tests/ (tiny_models)
 from transformers import AutoTokenizer
 from rag_lookahead.decoding.loop import DecodeBatch
 from rag_lookahead.models import default_model_dir
@@ -130,9 +130,9 @@ def test_real_sigterm_lets_the_running_stream_finish(tokenizer):
     prompt = tiny_prompts(1, seed=53)[0]
     want = single_text(engine, prompt, 100)
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(Path(__file__).parent)],
+        [sys.executable, "-c", CHILD, str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])],
         stdout=subprocess.PIPE,
-        cwd=Path(__file__).parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
         text=True,
     )
     try:
