@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from rag_lookahead.decoding.config import LookaheadConfig
-from rag_lookahead.decoding.inputs import context_limit
+from rag_lookahead.decoding.inputs import context_limit, vocab_size
 from rag_lookahead.serve.admission import TokenBudget, busy, default_token_budget
 from rag_lookahead.serve.api_error import ApiError, engine_stopped, internal_error, shutting_down
 from rag_lookahead.serve.batches import Batches
@@ -54,7 +54,7 @@ class Engine:
         self.index = index
         self.lookahead = _lookahead_config(self.config, tokenizer)
         self.eos = frozenset(eos_ids(model, tokenizer))
-        self.vocab_size = int(getattr(model.config, "vocab_size", 0) or 0)
+        self.vocab_size = vocab_size(model)  # the ids DecodeBatch accepts: rows of the input embedding
         self.pad_id = pad_id(model, tokenizer, self.eos)
         if self.vocab_size and self.pad_id >= self.vocab_size:  # padding is masked, but must still embed
             self.pad_id = 0
