@@ -11,10 +11,13 @@ columns and its own tree.
 The ownership matrix lives on the cache's device, so a step's mask is built there and no
 (rows, columns) matrix crosses to a GPU per step; how many columns each row owns is also
 counted on the host, so deciding whether a step needs a mask never waits for the device.
+The owner of each column is kept on the host too (``row_columns``): row-local attention
+(``row_attention``) gathers each row's columns with it, without a device round trip per step.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -25,6 +28,7 @@ class PackedCache:
         self.cache = None  # transformers DynamicCache, batch 1
         self.owned = torch.zeros((0, 0), dtype=torch.bool)  # (rows, columns), on the cache's device
         self._row_columns: list[int] = []  # per row: how many columns it owns (host copy of owned.sum(1))
+        self._owner = np.zeros(0, dtype=np.int64)  # per column: the row that owns it, -1 none (host copy of owned)
 
     @property
     def length(self) -> int:
@@ -62,7 +66,16 @@ class PackedCache:
         device = self.cache.layers[0].keys.device
         block = torch.block_diag(*(torch.ones((1, n), dtype=torch.bool) for n in lengths))
         self.owned = torch.block_diag(self.owned.to(device), block.to(device))
+        self._owner = np.concatenate([self._owner, np.repeat(np.arange(self.rows - len(lengths), self.rows), lengths)])
         self._row_columns += [int(n) for n in lengths]
+
+    def row_columns(self) -> list[np.ndarray]:
+        """Per row, the columns it owns in ascending order (host-side, from ``owned``'s host copy)."""
+        order = np.argsort(self._owner, kind="stable")
+        ends = np.cumsum(self._row_columns)
+        starts = ends - np.asarray(self._row_columns, dtype=np.int64)
+        dead = self.length - int(ends[-1]) if len(ends) else 0
+        return [order[dead + start : dead + end] for start, end in zip(starts, ends)]
 
     def add_rows(self, count: int) -> None:
         """Rows that own no columns yet: under chunked prefill a prompt arrives a chunk per step,
@@ -93,6 +106,7 @@ class PackedCache:
         block = torch.zeros((self.rows, count), dtype=torch.bool)
         block[torch.tensor(owners, dtype=torch.long), torch.arange(count)] = True
         self.owned = torch.cat([self.owned[:, :start], block.to(self.owned.device)], dim=1)
+        self._owner = np.concatenate([self._owner[:start], np.asarray(owners, dtype=np.int64)])
         for owner in owners:
             self._row_columns[owner] += 1
 
@@ -101,17 +115,22 @@ class PackedCache:
         cache, or when one row is left (its cache then has no holes and runs unmasked)."""
         if not stay:
             self.cache, self.owned, self._row_columns = None, torch.zeros((0, 0), dtype=torch.bool), []
+            self._owner = np.zeros(0, dtype=np.int64)
             return
+        renumber = np.full(self.rows + 1, -1, dtype=np.int64)  # old row + 1 -> new row (-1: left or none)
+        renumber[np.asarray(stay, dtype=np.int64) + 1] = np.arange(len(stay))
+        self._owner = renumber[self._owner + 1]
         self.owned = self.owned[torch.tensor(stay, dtype=torch.long, device=self.owned.device)]
         self._row_columns = [self._row_columns[r] for r in stay]
         dead = self.length - sum(self._row_columns)
         if dead and (4 * dead >= self.length or len(stay) == 1):
-            index = self.owned.any(dim=0).nonzero().flatten()
+            index = torch.from_numpy(np.flatnonzero(self._owner >= 0)).to(self.owned.device)
             for layer in self.cache.layers:
                 cols = index.to(layer.keys.device)
                 layer.keys = layer.keys.index_select(2, cols)
                 layer.values = layer.values.index_select(2, cols)
             self.owned = self.owned[:, index]
+            self._owner = self._owner[self._owner >= 0]
 
 
 def check_cache(cache) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.packed_cache import PackedCache, check_cache
+from rag_lookahead.decoding.row_attention import ROW_LAYOUT, row_layout, row_local_applies
 from rag_lookahead.decoding.rows import Row
 from rag_lookahead.decoding.verify import (
     StepInputs,
@@ -162,6 +163,10 @@ def forward_feed(model, packed: PackedCache, feed: StepFeed) -> tuple[torch.Tens
         logits = model(input_ids=step.ids, cache=packed.cache, use_cache=True, logits_to_keep=keep).logits
     else:
         mask = step_mask(packed.owned, step, model.dtype, boolean_mask(model))
+        rows = {}  # the full mask still goes in: a model whose attention ignores the layout stays exact
+        if row_local_applies(model, len(feed.trees), device):
+            sizes = [1 + len(tree) for tree in feed.trees]
+            rows[ROW_LAYOUT] = row_layout(packed.row_columns(), sizes, packed.length, device)
         logits = model(
             input_ids=step.ids,
             attention_mask=mask,
@@ -169,6 +174,7 @@ def forward_feed(model, packed: PackedCache, feed: StepFeed) -> tuple[torch.Tens
             cache=packed.cache,
             use_cache=True,
             logits_to_keep=keep,
+            **rows,
         ).logits
     check_cache(packed.cache)
     logits = logits[0]

@@ -50,3 +50,34 @@ def test_dead_columns_are_reclaimed_once_they_are_a_quarter():
     packed.append_rows(_prefill([[1], [2], [3, 4, 5]]), [1, 1, 3])
     packed.drop_rows([0, 1])  # 3 of 5 columns dead
     assert packed.length == 2 and [_row_columns(packed, r) for r in range(2)] == [[1], [2]]
+
+
+def _host_columns_agree(packed: PackedCache) -> bool:
+    """The host-side ``row_columns`` are the columns ``owned`` gives each row."""
+    return [cols.tolist() for cols in packed.row_columns()] == [
+        packed.owned[r].nonzero().flatten().tolist() for r in range(packed.rows)
+    ]
+
+
+def test_row_columns_follow_joins_chunks_accepts_and_leaves():
+    packed = PackedCache()
+    packed.append_rows(_prefill([[1, 2, 3], [4]]), [3, 1])
+    packed.add_rows(1)  # a chunked-prefill row: no columns yet
+    assert _host_columns_agree(packed) and packed.row_columns()[2].tolist() == []
+    step = torch.arange(6, dtype=torch.float32)[None, None, :, None]
+    for layer in packed.cache.layers:
+        layer.keys = torch.cat([layer.keys, step], dim=2)
+        layer.values = torch.cat([layer.values, step * 10], dim=2)
+    packed.keep_new(4, [0, 2, 3, 4, 5], [0, 1, 2, 2, 2])  # row 2's chunk of 3 and one token each for rows 0, 1
+    assert _host_columns_agree(packed) and [c.tolist() for c in packed.row_columns()] == [
+        [0, 1, 2, 4],
+        [3, 5],
+        [6, 7, 8],
+    ]
+    packed.drop_rows([0, 2])  # 2 of 9 dead: kept as holes
+    assert packed.length == 9 and _host_columns_agree(packed)
+    packed.append_rows(_prefill([[9, 9]]), [2])
+    assert _host_columns_agree(packed)
+    packed.drop_rows([1, 2])  # 6 of 11 dead: reclaimed
+    assert packed.length == 5 and _host_columns_agree(packed) and packed.hole_free
+    assert [c.tolist() for c in packed.row_columns()] == [[0, 1, 2], [3, 4]]
