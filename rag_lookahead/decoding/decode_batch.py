@@ -44,8 +44,9 @@ class DecodeBatch:
     draft otherwise (see ``drafter.Drafter``). ``config.enabled=False`` decodes plainly.
     ``prefill_chunk``: prompt tokens per step, all new rows together (chunked prefill, see
     ``prefill``); 0 prefills each ``add`` in one forward. ``max_draft_rows``: above this many
-    rows no row drafts (every token's attention spans every row's columns, so a tree costs more
-    the more rows share the cache); None: no limit.
+    rows no row drafts (where row-local attention does not apply, e.g. eager or remote-code
+    models, every token's attention spans every row's columns, so a tree costs more the more rows
+    share the cache; see ``row_attention``); None: no limit.
     """
 
     def __init__(
