@@ -190,3 +190,20 @@ def test_reported_names():
 def test_conversion_is_one_function_for_every_spec():
     # the quality model goes through the same join/verify/convert code, only its spec differs
     assert not any(name.startswith("convert_") and name != "convert_gguf" for name in dir(embedded_model))
+
+
+# ---------------------------------------------------------------- bench.quality's grounded check
+
+
+def test_grounded_check_needs_a_key_term_of_the_gold_passage():
+    from rag_lookahead.bench.quality import QUESTIONS, grounded, terms_found
+
+    budget = next(q for q in QUESTIONS if q.text == "What does the budget option do?")
+    assert not grounded("The budget option does not do anything.", budget)  # the 0.5B's answer in issue 14
+    assert not grounded("It sets the maximum depth of the draft; with a fixed budget lower it.", budget)
+    assert grounded("It measures the cost of a forward pass and sizes each draft.", budget)
+    files = next(q for q in QUESTIONS if q.gold == "索引格式说明.txt")
+    assert terms_found("有 `manifest.json`、index.faiss 和 docstore.jsonl", files) == 3
+    for question in QUESTIONS:  # a key term the question already holds would pass any echo of it
+        assert not any(term.lower() in question.text.lower() for term in question.key_terms), question.text
+    assert len(QUESTIONS) == 12 and {q.text.isascii() for q in QUESTIONS} == {True, False}
