@@ -49,7 +49,7 @@ __all__ = [
 
 # ---------------------------------------------------------------- options several benchmarks take
 
-ModelOption = Annotated[str, typer.Option("--model", help='"default", a hub id or a local model folder')]
+ModelOption = Annotated[str, typer.Option("--model", help='"default", "quality", a hub id or a local model folder')]
 DtypeOption = Annotated[
     str,
     typer.Option(

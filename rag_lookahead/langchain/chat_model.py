@@ -51,7 +51,7 @@ from rag_lookahead.langchain.messages import chat_generation, last_chunk, templa
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening
 from rag_lookahead.langchain.tools import parse_tool_calls as parse_tool_calls
-from rag_lookahead.models import DEFAULT_MODEL_NAME
+from rag_lookahead.models import reported_name
 from rag_lookahead.tokens import encode_messages
 
 __all__ = ["ChatLookahead", "parse_tool_calls"]
@@ -160,10 +160,8 @@ class ChatLookahead(SamplingFields, BaseChatModel):
         return _shared_engine(model, tokenizer, self.lookahead)
 
     def _derived_name(self) -> str:
-        if self.model == "default" and self.engine is None:
-            return DEFAULT_MODEL_NAME
         if isinstance(self.model, str):
-            return self.model
+            return reported_name(self.model) if self.engine is None else self.model
         path = getattr(getattr(self._engine.model, "config", None), "_name_or_path", "") or ""
         return str(path).rstrip("/").rsplit("/", 1)[-1] or "custom"
 

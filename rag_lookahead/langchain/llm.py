@@ -41,7 +41,6 @@ from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.engine import BlockStream, Engine, EngineRun, RowRequest
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
-from rag_lookahead.models import DEFAULT_MODEL_NAME
 from rag_lookahead.tokens import encode_messages
 
 __all__ = ["LookaheadLLM"]
@@ -87,10 +86,10 @@ class LookaheadLLM(SamplingFields, BaseLLM):
         **kwargs: Any,
     ) -> LookaheadLLM:
         """Load ``model_id`` ("default", a hub id or a local path) with :func:`rag_lookahead.models.load_model`."""
-        from rag_lookahead.models import load_model
+        from rag_lookahead.models import load_model, reported_name
 
         model, tokenizer = load_model(model_id, dtype=dtype, device=device, device_map=device_map)
-        name = DEFAULT_MODEL_NAME if model_id == "default" else str(model_id)
+        name = reported_name(model_id)
         return cls(
             model=model,
             tokenizer=tokenizer,

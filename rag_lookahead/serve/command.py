@@ -40,7 +40,7 @@ def serve(
     ctx: typer.Context,
     host: str = typer.Option(_D.host, help="address to bind (default 127.0.0.1, loopback only)"),
     port: int = typer.Option(_D.port),
-    model: str = typer.Option(_D.model, help='"default" (embedded), a hub id or a local folder'),
+    model: str = typer.Option(_D.model, help='"default" or "quality" (embedded), a hub id or a local folder'),
     served_model_name: str | None = typer.Option(None, help="model name reported in responses"),
     dtype: str | None = typer.Option(None, help="bf16, fp32, fp16 or auto (default: bf16 where fast)"),
     device: str | None = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"),

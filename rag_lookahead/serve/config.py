@@ -180,11 +180,9 @@ class ServerConfig:
         """The model name responses report when a request names none."""
         if self.served_model_name:
             return self.served_model_name
-        if self.model == "default":
-            from rag_lookahead.models import DEFAULT_MODEL_NAME
+        from rag_lookahead.models import reported_name
 
-            return DEFAULT_MODEL_NAME
-        return str(self.model)
+        return reported_name(self.model)
 
     @property
     def default_tokens(self) -> int:
