@@ -24,14 +24,25 @@ class AcceptanceRates:
     ``p * first * onward ** (d - 1)``: deep nodes pay only while the row keeps copying long
     runs, and the rates recover as soon as it does again (a fully accepted draft counts no
     failure, so the next one may go deeper). Counts decay so the estimate follows the text.
+
+    ``prior``: where a new row starts. Alone it starts trusting (rates 1); in a batch it starts
+    from what the batch's earlier drafts met (``DecodeBatch.workload``, the same rates over all
+    rows, decaying slowly), as one observation's worth, so its own first steps soon outweigh
+    it. Without that, every row joining a busy server would draft its deepest trees once,
+    and 32 rows doing so at once cost a step several times a plain one.
     """
 
     DECAY = 0.8
     PROBE = 0.1  # a step without a draft drifts both rates back toward 1, so no row is written off for good
+    PRIOR_WEIGHT = 1.0  # a prior counts as one observed step
 
-    def __init__(self) -> None:
-        self._first = [1.0, 1.0]  # decayed (accepted, drafted) at depth 1; starts trusting
-        self._onward = [1.0, 1.0]  # the same below an accepted node
+    def __init__(self, prior: AcceptanceRates | None = None, decay: float = DECAY) -> None:
+        self.decay = decay
+        if prior is None:  # decayed (accepted, drafted) at depth 1, and below an accepted node; trusting
+            self._first, self._onward = [1.0, 1.0], [1.0, 1.0]
+        else:
+            w = self.PRIOR_WEIGHT
+            self._first, self._onward = [prior.first * w, w], [prior.onward * w, w]
 
     def __repr__(self) -> str:
         return f"AcceptanceRates(first={self.first:.3f}, onward={self.onward:.3f})"
@@ -48,8 +59,8 @@ class AcceptanceRates:
         """Update with one step's verified draft and its accepted nodes (root to leaf)."""
         if not draft.tokens:
             for counts in (self._first, self._onward):
-                counts[0] = self.DECAY * counts[0] + self.PROBE
-                counts[1] = self.DECAY * counts[1] + self.PROBE
+                counts[0] = self.decay * counts[0] + self.PROBE
+                counts[1] = self.decay * counts[1] + self.PROBE
             return
         onward_hits = max(len(accepted) - 1, 0)  # accepted nodes below an accepted node
         failed_below = bool(accepted) and accepted[-1] in draft.parents  # the last one had a drafted child that failed
@@ -57,8 +68,8 @@ class AcceptanceRates:
             (self._first, min(len(accepted), 1), 1),
             (self._onward, onward_hits, onward_hits + failed_below),
         ):
-            counts[0] = self.DECAY * counts[0] + hits
-            counts[1] = self.DECAY * counts[1] + tries
+            counts[0] = self.decay * counts[0] + hits
+            counts[1] = self.decay * counts[1] + tries
 
     def weigh(self, draft: DraftTree) -> DraftTree:
         """The draft with each node's chance of acceptance corrected by these rates (never above its parent's)."""

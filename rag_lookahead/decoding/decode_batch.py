@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from rag_lookahead.checks import positive_int
+from rag_lookahead.decoding.acceptance import AcceptanceRates
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import allocate, step_costs
 from rag_lookahead.decoding.draft import DraftTree
@@ -33,6 +34,8 @@ from rag_lookahead.decoding.sampling import Accepted, SamplingParams, TokenChoos
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.decoding.verify import input_device, keep_accepted, supports_tree_mask
 from rag_lookahead.errors import ConfigError
+
+WORKLOAD_DECAY = 0.97  # the batch's rates follow the last few dozen row-steps
 
 __all__ = ["DecodeBatch"]
 
@@ -74,6 +77,8 @@ class DecodeBatch:
         self.logprobs: dict[Row, LogprobRecorder] = {}  # the rows that asked for log-probabilities
         self._arrivals = 0
         self.packed = PackedCache()  # every row's KV entries, side by side
+        # what this batch's drafts have met so far, over all rows: where a joining row's rates start
+        self.workload = AcceptanceRates(decay=WORKLOAD_DECAY)
         self.prefill = ChunkedPrefill(positive_int("prefill_chunk", prefill_chunk)) if prefill_chunk else None
         self.max_draft_rows = None if max_draft_rows is None else positive_int("max_draft_rows", max_draft_rows)
 
@@ -150,6 +155,7 @@ class DecodeBatch:
                 max_new_tokens[r],
                 TokenChooser(sampling[r], device),
                 self.context_limit,
+                acceptance=AcceptanceRates(prior=self.workload),
             )
             for r in range(count)
         ]
@@ -215,6 +221,8 @@ class DecodeBatch:
             result, offset = accepted[r], feed.starts[r]
             row.position += 1 + len(result.nodes)
             row.acceptance.observe(draft, result.nodes)
+            if draft.tokens:
+                self.workload.observe(draft, result.nodes)
             gained.append(row.take(result.tokens, self.eos))
             recorder = self.logprobs.get(row)
             if recorder is not None:  # the logits that chose each token: the root's, then each accepted node's

@@ -75,6 +75,22 @@ def test_acceptance_rates_learn_how_deep_a_row_keeps_copying():
     assert allocate([written_off.weigh(chain)], costs)[0] >= 1
 
 
+def test_a_joining_row_starts_from_what_the_batch_has_met():
+    costs = _costs(CPU_CURVE, (16,))
+    chain = _chain([1.0] * 24)
+    workload = AcceptanceRates(decay=0.97)
+    for _ in range(40):  # the batch's rows keep paraphrasing after one or two tokens
+        workload.observe(chain, [0])
+    fresh, informed = AcceptanceRates(), AcceptanceRates(prior=workload)
+    assert abs(informed.onward - workload.onward) < 1e-9 and informed.onward < 0.1
+    many_fresh = allocate([fresh.weigh(chain)] * 16, costs)
+    many_informed = allocate([informed.weigh(chain)] * 16, costs)
+    assert sum(many_informed) * 4 <= sum(many_fresh)  # no deep trees on trust alone
+    for _ in range(3):  # its own copying soon outweighs the prior
+        informed.observe(chain, list(range(24)))
+    assert informed.onward > 0.9 and allocate([informed.weigh(chain)], _costs(CPU_CURVE, (1,)))[0] == 24
+
+
 def test_measured_step_costs_override_the_curve():
     draft = _chain([0.9, 0.8, 0.7, 0.6])
     costs = StepCosts(CPU_CURVE)
