@@ -220,6 +220,17 @@ def tiny_engine(tokenizer, **changes) -> Engine:
     return Engine(tiny_model("qwen2"), tokenizer, ServerConfig(**settings))
 
 
+def small_index(root, files: dict[str, str]):
+    """A real index (real embedder, real FAISS) of ``files`` (name -> text), built under ``root``."""
+    from rag_lookahead.rag.index import build_index, load_index
+
+    (root / "corpus").mkdir()
+    for name, text in files.items():
+        (root / "corpus" / name).write_text(text, encoding="utf-8")
+    build_index(root / "corpus", root / "index", progress=False)
+    return load_index(root / "index")
+
+
 def tiny_prompts(count: int, seed: int = 7) -> list[list[int]]:
     """Token-id prompts with repeated spans (so drafts get accepted) of varied lengths."""
     rng = random.Random(seed)
@@ -637,19 +648,17 @@ def test_real_non_stream_disconnect_cancels(real):
 @pytest.mark.slow
 def test_real_rag_endpoint(real, llm, tmp_path):
     from rag_lookahead.rag.chains import make_prompt
-    from rag_lookahead.rag.index import build_index, load_index
 
     engine, base = real
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "tea.md").write_text(
-        "龙井茶产自杭州西湖一带，是中国十大名茶之一。龙井茶的采摘时间通常在清明节前后。", encoding="utf-8"
+    engine.index = small_index(
+        tmp_path,
+        {
+            "tea.md": "龙井茶产自杭州西湖一带，是中国十大名茶之一。龙井茶的采摘时间通常在清明节前后。",
+            "volcano.md": (
+                "Mount Etna is an active volcano on the east coast of Sicily, Italy. It is 3,357 metres tall."
+            ),
+        },
     )
-    (corpus / "volcano.md").write_text(
-        "Mount Etna is an active volcano on the east coast of Sicily, Italy. It is 3,357 metres tall.", encoding="utf-8"
-    )
-    build_index(corpus, tmp_path / "index", progress=False)
-    engine.index = load_index(tmp_path / "index")
     try:
         question = "How tall is Mount Etna?"
         r = httpx.post(base + "/v1/rag", json={"question": question, "k": 1, "max_tokens": 16}, timeout=300)

@@ -26,6 +26,7 @@ from test_server import (  # noqa: F401 - tokenizer is a fixture
     serving,
     single_text,
     slow_steps,
+    small_index,
     tiny_engine,
     tiny_prompts,
     tokenizer,
@@ -320,16 +321,13 @@ def test_non_stream_client_that_leaves_is_cancelled_while_tokens_flow(tokenizer,
 @pytest.fixture(scope="module")
 def tiny_index(tmp_path_factory):
     """A real two-passage index (real embedder, real FAISS)."""
-    from rag_lookahead.rag.index import build_index, load_index
-
-    root = tmp_path_factory.mktemp("rag")
-    (root / "corpus").mkdir()
-    (root / "corpus" / "tea.md").write_text("Longjing tea grows near West Lake in Hangzhou.", encoding="utf-8")
-    (root / "corpus" / "etna.md").write_text(
-        "Mount Etna is an active volcano on the east coast of Sicily.", encoding="utf-8"
+    return small_index(
+        tmp_path_factory.mktemp("rag"),
+        {
+            "tea.md": "Longjing tea grows near West Lake in Hangzhou.",
+            "etna.md": "Mount Etna is an active volcano on the east coast of Sicily.",
+        },
     )
-    build_index(root / "corpus", root / "index", progress=False)
-    return load_index(root / "index")
 
 
 def test_rag_refuses_a_full_queue_before_retrieving(tokenizer, monkeypatch, tiny_index):

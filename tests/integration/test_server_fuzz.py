@@ -16,7 +16,7 @@ hypothesis = pytest.importorskip("hypothesis")
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server import parse_sse, serving, single_text, tiny_engine, tiny_prompts, tokenizer  # noqa: F401
+from test_server import parse_sse, serving, single_text, small_index, tiny_engine, tiny_prompts, tokenizer  # noqa: F401
 
 KEY = "sk-fuzz-0123456789abcdef"
 MAX_BODY = 64 * 1024
@@ -161,15 +161,13 @@ def check_answer(response: httpx.Response) -> None:
 
 @pytest.fixture(scope="module")
 def fuzz_server(tokenizer, tmp_path_factory):
-    from rag_lookahead.rag.index import build_index, load_index
-
-    root = tmp_path_factory.mktemp("fuzz")
-    (root / "corpus").mkdir()
-    (root / "corpus" / "digits.md").write_text("3141592653589793 are the first digits of pi.", encoding="utf-8")
-    (root / "corpus" / "etna.md").write_text(
-        "Mount Etna is an active volcano on the east coast of Sicily.", encoding="utf-8"
+    index = small_index(
+        tmp_path_factory.mktemp("fuzz"),
+        {
+            "digits.md": "3141592653589793 are the first digits of pi.",
+            "etna.md": "Mount Etna is an active volcano on the east coast of Sicily.",
+        },
     )
-    build_index(root / "corpus", root / "index", progress=False)
     engine = tiny_engine(
         tokenizer,
         api_keys=(KEY,),
@@ -178,7 +176,7 @@ def fuzz_server(tokenizer, tmp_path_factory):
         max_body_bytes=MAX_BODY,
         max_prompt_tokens=200,
     )
-    engine.index = load_index(root / "index")
+    engine.index = index
     with serving(engine) as base, httpx.Client(base_url=base, timeout=30) as client:
         yield engine, client
 
