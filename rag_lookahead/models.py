@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rag_lookahead import embedded_model
+from rag_lookahead.cpu_linear import speed_up_cpu_linears
 from rag_lookahead.embedded_model import DEFAULT_MODEL_NAME, EMBEDDED, EmbeddedModel
 from rag_lookahead.errors import ConfigError, ModelLoadError
 
@@ -52,6 +53,7 @@ def load_model(
     device_map: str | dict[str, Any] | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    few_token_linears: bool = True,
 ) -> tuple[Any, Any]:
     """Return ``(model, tokenizer)`` in eval mode, ready for ``generate``.
 
@@ -71,6 +73,9 @@ def load_model(
     ``trust_remote_code``: run the modeling code a hub repo or folder ships (ChatGLM3, Qwen-1);
     off by default, since that code runs with your rights. The tree-mask probe then decides
     whether its attention takes tree drafts or single chains.
+    ``few_token_linears``: an fp32 model on a CPU gets :mod:`rag_lookahead.cpu_linear`'s layout of
+    its large linear layers, so forwards of 2-64 tokens (draft verification) cost far less; one
+    token and long prompts are untouched. False keeps the stock layers.
     """
     torch_dtype = _resolve_dtype(dtype, device, device_map)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation or "sdpa"}
@@ -91,6 +96,8 @@ def load_model(
         model, tokenizer = _load_named(name, {**kwargs, "trust_remote_code": trust_remote_code})
 
     model.eval()
+    if few_token_linears:
+        speed_up_cpu_linears(model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     gen = getattr(model, "generation_config", None)

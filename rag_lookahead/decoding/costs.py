@@ -45,7 +45,8 @@ class CostCurve:
 
 def _curve_key(model) -> str | None:
     """What the cost depends on: the model, dtype, hardware (by name), attention kernel and
-    device map, threads and torch version; a shared cache file never hands one GPU's curve to another."""
+    device map, threads, torch version and the linear layers' layout (``cpu_linear``); a shared
+    cache file never hands one GPU's curve to another."""
     name = getattr(model.config, "_name_or_path", "") or ""
     if not name:
         return None  # an in-memory model (tests): nothing stable to key a file on
@@ -64,6 +65,7 @@ def _curve_key(model) -> str | None:
             device_map_digest(model),
             torch.get_num_threads(),
             torch.__version__,
+            f"few-token linears {getattr(model, '_rag_lookahead_few_token_linears', 0)}",
         )
     )
 
