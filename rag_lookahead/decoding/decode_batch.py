@@ -28,6 +28,7 @@ from rag_lookahead.decoding.drafter import Drafter, TrieDrafter
 from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, context_limit, vocab_size
 from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.prefill import ChunkedPrefill, forward_feed, prefill_padded, step_feed
+from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.results import LogprobRecorder
 from rag_lookahead.decoding.rows import Row
 from rag_lookahead.decoding.sampling import Accepted, SamplingParams, TokenChooser, longest_path
@@ -35,7 +36,7 @@ from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.decoding.verify import input_device, keep_accepted, supports_tree_mask
 from rag_lookahead.errors import ConfigError
 
-WORKLOAD_DECAY = 0.97  # the batch's rates follow the last few dozen row-steps
+WORKLOAD_DECAY = 0.97  # the model's rates follow the last few dozen row-steps
 
 __all__ = ["DecodeBatch"]
 
@@ -77,8 +78,10 @@ class DecodeBatch:
         self.logprobs: dict[Row, LogprobRecorder] = {}  # the rows that asked for log-probabilities
         self._arrivals = 0
         self.packed = PackedCache()  # every row's KV entries, side by side
-        # what this batch's drafts have met so far, over all rows: where a joining row's rates start
-        self.workload = AcceptanceRates(decay=WORKLOAD_DECAY)
+        # what this drafter's drafts met lately on this model, over all rows and calls: where new rows start
+        self.workload = profile_of(model).acceptance(
+            type(self.drafter).__name__, lambda: AcceptanceRates(decay=WORKLOAD_DECAY)
+        )
         self.prefill = ChunkedPrefill(positive_int("prefill_chunk", prefill_chunk)) if prefill_chunk else None
         self.max_draft_rows = None if max_draft_rows is None else positive_int("max_draft_rows", max_draft_rows)
 

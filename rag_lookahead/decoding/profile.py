@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
+    from rag_lookahead.decoding.acceptance import AcceptanceRates
     from rag_lookahead.decoding.costs import CostCurve, StepCosts
     from rag_lookahead.decoding.trie import OutputPool
 
@@ -36,6 +38,9 @@ class ModelProfile:
     step_costs: measured verify-step seconds by (rows, tokens), correcting the curve.
     output_pools: the shared pools of earlier answers, one per trie depth, so a call with a
         deeper config never reads a shallower pool (or the reverse).
+    drafts_met: per kind of drafter, how its drafts have been accepted lately over every call
+        on the model: where a new row's acceptance rates start, so a call's first step does
+        not verify its deepest trees on trust alone.
     """
 
     tree_mask: bool | None = None
@@ -43,6 +48,7 @@ class ModelProfile:
     cost_curve: CostCurve | None = None
     step_costs: StepCosts | None = None
     output_pools: dict[int, OutputPool] = field(default_factory=dict)
+    drafts_met: dict[str, AcceptanceRates] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def output_pool(self, depth: int, max_nodes: int) -> OutputPool:
@@ -56,6 +62,14 @@ class ModelProfile:
                 pool = self.output_pools[depth] = OutputPool(depth, max_nodes)
             return pool
 
+    def acceptance(self, drafter: str, new: Callable[[], AcceptanceRates]) -> AcceptanceRates:
+        """The rates ``drafter``'s drafts have met on this model (made by ``new`` on first use)."""
+        with self._lock:
+            rates = self.drafts_met.get(drafter)
+            if rates is None:
+                rates = self.drafts_met[drafter] = new()
+            return rates
+
     def reset(self) -> None:
         """Forget everything: the next call probes, measures and pools afresh (the cost file on disk stays)."""
         with self._lock:
@@ -64,6 +78,7 @@ class ModelProfile:
             self.cost_curve = None
             self.step_costs = None
             self.output_pools = {}
+            self.drafts_met = {}
 
     def as_dict(self) -> dict:
         """A plain summary for logs and debugging."""
@@ -74,6 +89,7 @@ class ModelProfile:
             "cost_curve": None if curve is None else dict(zip(curve.sizes, curve.seconds)),
             "step_costs_seen": None if self.step_costs is None else len(self.step_costs.seen),
             "output_pools": {depth: pool.nodes for depth, pool in sorted(self.output_pools.items())},
+            "drafts_met": {name: repr(rates) for name, rates in sorted(self.drafts_met.items())},
         }
 
 

@@ -18,6 +18,7 @@ def test_a_model_profile_fills_as_the_loop_learns_and_empties_on_reset():
         "cost_curve": None,
         "step_costs_seen": None,
         "output_pools": {},
+        "drafts_met": {},
     }
     generate(model, [1, 2, 3, 1, 2], max_new_tokens=4, config=LookaheadConfig(budget="fixed"))
     assert profile.tree_mask is True and profile.cost_curve is None  # a fixed budget measures nothing
@@ -26,8 +27,26 @@ def test_a_model_profile_fills_as_the_loop_learns_and_empties_on_reset():
     assert summary["tree_mask"] is True and sorted(summary["cost_curve"]) == profile.cost_curve.sizes
     assert summary["step_costs_seen"] >= 1 and summary["output_pools"][28] > 0  # depth 24 + 4
     assert "OutputPool(depth=28" in repr(profile)
+    assert summary["drafts_met"]["TrieDrafter"].startswith("AcceptanceRates(")
     profile.reset()
     assert profile.as_dict()["tree_mask"] is None and profile.output_pools == {} and profile.step_costs is None
+    assert profile.drafts_met == {}
+
+
+def test_a_new_call_starts_from_what_earlier_calls_drafts_met():
+    from rag_lookahead.decoding.decode_batch import DecodeBatch
+    from rag_lookahead.decoding.drafter import PromptLookupDrafter
+
+    model = build_tiny_model("qwen2", seed=9)
+    config = LookaheadConfig(budget="fixed")
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    assert generate(model, prompt, max_new_tokens=12, config=config).stats.draft_tokens > 0
+    met = profile_of(model).drafts_met["TrieDrafter"]
+    assert met._first[1] > 1.0  # more drafted first tokens counted than the trusting start's one
+    batch = DecodeBatch(model, config, frozenset(), None)
+    assert batch.workload is met  # the next call's rows start from it
+    other = DecodeBatch(model, config, frozenset(), None, drafter=PromptLookupDrafter())
+    assert other.workload is not met and set(profile_of(model).drafts_met) == {"TrieDrafter", "PromptLookupDrafter"}
 
 
 def test_output_pools_are_shared_per_trie_depth():
