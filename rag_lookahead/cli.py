@@ -1,4 +1,4 @@
-"""``rag_lookahead index | ask | serve | bench | bench-batch | bench-rag | bench-retrieval | bench-quality | ...``.
+"""``rag_lookahead index | ask | serve | bench | bench-batch | bench-rag | bench-quality | bench-session | ...``.
 
 The one command-line entry (the ``rag_lookahead`` console script and ``python -m rag_lookahead``).
 ``index`` and ``ask`` are defined here; ``serve`` (:mod:`rag_lookahead.serve.command`) and the
@@ -24,6 +24,7 @@ from rag_lookahead.bench.interference import interference as bench_interference
 from rag_lookahead.bench.quality import quality as bench_quality
 from rag_lookahead.bench.rag import rag as bench_rag
 from rag_lookahead.bench.retrieval import retrieval as bench_retrieval
+from rag_lookahead.bench.session import session as bench_session
 from rag_lookahead.bench.single import bench
 from rag_lookahead.errors import RagLookaheadError, first_line
 from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE
@@ -195,6 +196,7 @@ _register("bench-rag", bench_rag)
 _register("bench-retrieval", bench_retrieval)
 _register("bench-interference", bench_interference)
 _register("bench-quality", bench_quality)
+_register("bench-session", bench_session)
 _register("gpu-check", gpu_check)
 
 
