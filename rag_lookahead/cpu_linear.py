@@ -53,14 +53,15 @@ def speed_up_cpu_linears(model: nn.Module, min_elements: int = MIN_WEIGHT_ELEMEN
     product; returns how many layers have it (calling again changes nothing)."""
     count = 0
     for module in model.modules():
-        if type(module) is not nn.Linear or getattr(module, _MARK, False):
-            count += bool(getattr(module, _MARK, False))
+        if type(module) is not nn.Linear:
             continue
-        weight = module.weight
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= min_elements:
+        if not getattr(module, _MARK, False):
+            weight = module.weight
+            if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < min_elements:
+                continue
             module.forward = types.MethodType(_forward, module)
             setattr(module, _MARK, True)
-            count += 1
+        count += 1
     _layout_changed(model, count)
     return count
 
