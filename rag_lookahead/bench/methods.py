@@ -16,7 +16,15 @@ from rag_lookahead.decoding.drafter import Drafter, PromptLookupDrafter
 from rag_lookahead.decoding.loop import generate
 from rag_lookahead.decoding.trie import OutputPool
 
-METHODS = ("greedy", "prompt_lookup", "prompt_lookup_ours", "lookahead", "lookahead_warm", "lookahead_unseeded")
+METHODS = (
+    "greedy",
+    "prompt_lookup",
+    "prompt_lookup_ours",
+    "lookahead",
+    "lookahead_full_head",
+    "lookahead_warm",
+    "lookahead_unseeded",
+)
 #: sampling methods, run once per --temperatures value as ``<method>_t<T>``; each run starts from
 #: the same ``torch.manual_seed``, so in fp32 all three give the same tokens
 SAMPLING_METHODS = ("sample", "prompt_lookup_sample", "lookahead_sample")

@@ -59,6 +59,7 @@ from rag_lookahead.bench.methods import (
 )
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.trie import OutputPool
+from rag_lookahead.greedy_head import restore_greedy_head, screen_greedy_head
 
 PROG = "rag_lookahead bench"
 
@@ -78,7 +79,8 @@ METHODS_HELP = (
     "lookahead starts each prompt with an empty output pool; lookahead_warm keeps one pool across "
     "the prompts of a pass (earlier answers, never the same prompt's), as a RAG session would; "
     "lookahead_unseeded ignores the context passage given with --seed-mode references (drafts from the prompt only); "
-    "prompt_lookup_ours is transformers' prompt lookup (same n-gram and draft sizes) run through our loop"
+    "prompt_lookup_ours is transformers' prompt lookup (same n-gram and draft sizes) run through our loop; "
+    "lookahead_full_head is lookahead with the model's full output layer (no greedy_head screen) for that run"
 )
 TEMPERATURES_HELP = (
     "temperatures for the sampling methods (sample, prompt_lookup_sample, lookahead_sample), comma-separated"
@@ -146,7 +148,7 @@ class MethodRunner:
             prompts,
         )
         self.eos, self.pad = eos_pad(model, tokenizer)
-        self.configs = {"lookahead": config, "lookahead_warm": config, "lookahead_unseeded": config}
+        self.configs = {m: config for m in ("lookahead", "lookahead_full_head", "lookahead_warm", "lookahead_unseeded")}
         for method, branch_length in settings.extra_depths.items():
             self.configs[method] = config.replace(branch_length=branch_length)
         self.warm_pool: OutputPool | None = None  # none during the warm-up: a fresh pool there
@@ -174,6 +176,11 @@ class MethodRunner:
         seeded = s.seed_mode == "references" and method != "lookahead_unseeded"
         references = self.context_ids(prompt) if seeded else None
         pool = self.warm_pool if method == "lookahead_warm" else None
+        if method == "lookahead_full_head" and restore_greedy_head(self.model):
+            try:
+                return run_lookahead(*hf_args, self.configs[method], references, pool)
+            finally:
+                screen_greedy_head(self.model)
         return run_lookahead(*hf_args, self.configs[method], references, pool)
 
     def _sample(self, base: str, temperature: float, prompt: dict, ids: list[int], repeat: int) -> Run:

@@ -22,6 +22,7 @@ import torch
 from rag_lookahead.atomic import write_json_atomic
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.profile import profile_of
+from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
 
 
 @dataclass
@@ -66,6 +67,7 @@ def _curve_key(model) -> str | None:
             torch.get_num_threads(),
             torch.__version__,
             f"few-token linears {getattr(model, '_rag_lookahead_few_token_linears', 0)}",
+            f"greedy head {'screened' if greedy_head_of(model) is not None else 'full'}",
         )
     )
 
@@ -137,6 +139,7 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
     from rag_lookahead.decoding.verify import input_device
 
     device = input_device(model)
+    head = greedy_head_of(model)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
@@ -150,7 +153,10 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
         runs = []
         for _ in range(repeats + 1):  # the first run warms up
             start = time.perf_counter()
-            model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+            with capture_hidden() as captured:  # greedy steps skip a screened output layer (greedy_head)
+                model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+            if captured:
+                head.argmax(captured[-1][0])
             synchronize(model)
             runs.append(time.perf_counter() - start)
             cache.crop(-n)

@@ -163,10 +163,14 @@ class DecodeBatch:
             for r in range(count)
         ]
 
-    def _first_token(self, row: Row, logits: torch.Tensor, references) -> list[int]:
+    def _first_token(self, row: Row, logits: torch.Tensor | int, references) -> list[int]:
         """The row's prompt is all in the cache: its first token, from the logits (V,) of its last
-        prompt token (greedy as transformers does: fp32, the first maximum on ties); it starts drafting."""
-        token = int(logits.float().argmax()) if row.chooser.plain else row.chooser.choose(row.prompt, logits)
+        prompt token (greedy as transformers does: fp32, the first maximum on ties; or that token
+        itself, from a greedy-only step); it starts drafting."""
+        if isinstance(logits, int):
+            token = logits
+        else:
+            token = int(logits.float().argmax()) if row.chooser.plain else row.chooser.choose(row.prompt, logits)
         first = row.take([token], self.eos)
         recorder = self.logprobs.get(row)
         if recorder is not None:
@@ -203,7 +207,8 @@ class DecodeBatch:
         drafts = list(drafts) + [DraftTree() for _ in range(len(self.rows) - len(drafts))]
         start = self.packed.length
         feed = step_feed(self.rows, drafts, chunks)
-        logits, step = forward_feed(self.model, self.packed, feed)
+        greedy_only = not self.logprobs and all(row.chooser.plain for row in self.rows)
+        logits, step = forward_feed(self.model, self.packed, feed, greedy_only=greedy_only)
         decoding = [r for r, row in enumerate(self.rows) if row not in chunks]
         found = self._accept(
             [self.rows[r] for r in decoding],
@@ -256,11 +261,14 @@ class DecodeBatch:
     def _accept(
         self, rows: list[Row], logits: torch.Tensor, offsets: list[int], drafts: list[DraftTree]
     ) -> list[Accepted]:
-        """Each decoding row's accepted path (``logits``: theirs only, rows side by side): greedy rows
-        from one argmax over all logits, the others by a walk that draws (or applies the repetition
-        penalty) node by node."""
-        ends = offsets[1:] + [logits.shape[0]]
-        greedy = logits.float().argmax(dim=-1).tolist() if any(row.chooser.plain for row in rows) else []
+        """Each decoding row's accepted path (``logits``: theirs only, rows side by side; or, when
+        every row is greedy, just their argmax tokens): greedy rows from one argmax over all
+        logits, the others by a walk that draws (or applies the repetition penalty) node by node."""
+        ends = offsets[1:] + [len(logits)]
+        if not isinstance(logits, torch.Tensor):
+            greedy = logits
+        else:
+            greedy = logits.float().argmax(dim=-1).tolist() if any(row.chooser.plain for row in rows) else []
         accepted = []
         for row, draft, start, end in zip(rows, drafts, offsets, ends):
             if row.chooser.plain:

@@ -16,6 +16,7 @@ order).
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from rag_lookahead.decoding.verify import (
     step_inputs,
     step_mask,
 )
+from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
 
 __all__ = ["ChunkedPrefill", "StepFeed", "chain", "forward_feed", "prefill_padded", "step_feed"]
 
@@ -151,34 +153,39 @@ def step_feed(rows: Sequence[Row], drafts: Sequence[DraftTree], chunks: dict[Row
     return feed
 
 
-def forward_feed(model, packed: PackedCache, feed: StepFeed) -> tuple[torch.Tensor, StepInputs]:
-    """One forward over every row's feed; the logits (len(logits_at), vocab) of the tokens that need them."""
+def forward_feed(
+    model, packed: PackedCache, feed: StepFeed, *, greedy_only: bool = False
+) -> tuple[torch.Tensor | Sequence[int], StepInputs]:
+    """One forward over every row's feed; the logits (len(logits_at), vocab) of the tokens that need them.
+
+    ``greedy_only``: the caller needs only each position's greedy token, so a sequence of
+    len(logits_at) token ids comes back instead of the logits. Where the model has
+    ``greedy_head``'s screen, the output layer is skipped (the tokens are resolved lazily);
+    without one, they are the logits' argmax.
+    """
     from transformers import DynamicCache
 
     device = input_device(model)
     step = step_inputs(feed.roots, feed.trees, feed.positions, device)
     packed.ensure_cache(lambda: DynamicCache(config=model.config), device)
     keep, pick = _logits_to_keep(model, feed.logits_at, step.ids.shape[1])
-    if is_plain_causal(packed, feed.trees, feed.positions):
-        logits = model(input_ids=step.ids, cache=packed.cache, use_cache=True, logits_to_keep=keep).logits
-    else:
-        mask = step_mask(packed.owned, step, model.dtype, boolean_mask(model))
-        rows = {}  # the full mask still goes in: a model whose attention ignores the layout stays exact
-        if row_local_applies(model, len(feed.trees), device):
+    kwargs = {"cache": packed.cache, "use_cache": True, "logits_to_keep": keep}
+    if not is_plain_causal(packed, feed.trees, feed.positions):
+        kwargs["attention_mask"] = step_mask(packed.owned, step, model.dtype, boolean_mask(model))
+        kwargs["position_ids"] = step.positions
+        if row_local_applies(model, len(feed.trees), device):  # the full mask still goes in: see row_attention
             sizes = [1 + len(tree) for tree in feed.trees]
-            rows[ROW_LAYOUT] = row_layout(packed.row_columns(), sizes, packed.length, device)
-        logits = model(
-            input_ids=step.ids,
-            attention_mask=mask,
-            position_ids=step.positions,
-            cache=packed.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-            **rows,
-        ).logits
+            kwargs[ROW_LAYOUT] = row_layout(packed.row_columns(), sizes, packed.length, device)
+    head = greedy_head_of(model) if greedy_only else None
+    with capture_hidden() if head is not None else contextlib.nullcontext() as captured:
+        logits = model(input_ids=step.ids, **kwargs).logits
     check_cache(packed.cache)
+    if captured:  # the screened layer computed nothing: its input gives the tokens
+        hidden = captured[-1][0]
+        return head.argmax(hidden if pick is None else hidden[pick]), step
     logits = logits[0]
-    return (logits if pick is None else logits[pick]), step
+    logits = logits if pick is None else logits[pick]
+    return (logits.float().argmax(dim=-1).tolist() if greedy_only else logits), step
 
 
 def _logits_to_keep(model, wanted: list[int], total: int) -> tuple[int | torch.Tensor, torch.Tensor | None]:

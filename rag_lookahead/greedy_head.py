@@ -1,0 +1,275 @@
+"""Greedy tokens without most of the output layer: an int8 screen with a proven error bound.
+
+Why: a greedy step needs one number per position, the argmax of ``lm_head(hidden)``, but the
+output layer computes all of the vocabulary's logits to find it. On the default model (fp32,
+151,936 x 896 weights) that product is a quarter of a one-token forward on a CPU (43-54 ms of
+~210) and more of a draft verification (66-106 ms for 9-17 tokens, with ``cpu_linear``).
+
+How, and why the token stays exactly the model's: the weights are also kept as int8 (one scale
+per vocabulary row), and each hidden vector is written as two signed 7-bit digits. fbgemm's
+int8 product then gives every logit up to an error we bound from the quantities themselves:
+``|W - Ŵ|`` per weight (measured once, at build) times ``|x̂|`` summed, plus ``|W|`` summed times
+the digits' leftover ``|x - x̂|`` (measured per call), plus fp32 rounding of both our estimate
+and the model's own logit. Every token whose estimate lies within twice that bound of the best
+is a candidate, and the candidates' logits are computed exactly in fp32 from the original
+weights; any other token is provably below the winner. Usually one token is left, so nothing
+is recomputed. As with any other kernel, two logits closer than fp32 rounding may order
+differently than in the model's own product; nothing else can change.
+
+Only where it is sound and measured to pay: fp32 weights on a CPU with a quantized engine,
+an ``nn.Linear`` output layer without bias, a transformers model whose logits are that layer's
+output unchanged (no soft-capping or logit scale). A build-time self-test checks fbgemm's sums
+against exact arithmetic; if they differ, the model keeps its full output layer. Only greedy
+rows without logprobs use it (sampling needs every probability). ``load_model`` applies it to
+fp32 CPU models; :func:`screen_greedy_head` for your own model, :func:`restore_greedy_head` undoes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = [
+    "GreedyHead",
+    "GreedyTokens",
+    "capture_hidden",
+    "greedy_head_of",
+    "restore_greedy_head",
+    "screen_greedy_head",
+]
+
+_ATTR = "_rag_lookahead_greedy_head"
+#: fp32 rounding of a dot product of n terms, relative to the sum of the terms' magnitudes (n * 2^-24, doubled)
+_ROUNDING = 2 * 2.0**-24
+#: more candidates than this in a row: compute that row's logits in full instead
+_MAX_CANDIDATES = 4096
+_capturing: contextvars.ContextVar[list | None] = contextvars.ContextVar("rag_lookahead_capture", default=None)
+
+
+@dataclass(eq=False)
+class GreedyHead:
+    """The int8 screen of one output layer, and the fp32 weights it answers for."""
+
+    weight: torch.Tensor  # (vocab, hidden) fp32, the layer's own
+    packed: object  # fbgemm's packed int8 weights
+    weight_error: float  # max over all weights of |W - Ŵ|
+    row_l1: float  # max over vocabulary rows of sum |W|
+    hook: object  # the forward pre-hook on the layer
+
+    @torch.inference_mode()
+    def argmax(self, hidden: torch.Tensor) -> GreedyTokens:
+        """``(hidden @ weight.T).argmax(-1)`` for ``hidden`` of shape (n, hidden size), as a sequence
+        of n ints; a position whose screen leaves several candidates is resolved on first access."""
+        x = hidden.reshape(-1, hidden.shape[-1]).float()
+        n = x.shape[0]
+        if n == 0:
+            return GreedyTokens(self, x, [], torch.zeros(0), torch.zeros(0, 0))
+        biggest = x.abs().amax(1, keepdim=True)
+        step1 = torch.where(biggest > 0, biggest / 63, torch.ones_like(biggest))
+        digit1 = torch.round(x / step1).clamp_(-64, 63)
+        step2 = step1 / 126
+        digit2 = torch.round((x - digit1 * step1) / step2).clamp_(-64, 63)
+        span = torch.zeros(1, x.shape[1])  # -64 and 63 present: fbgemm's scale is exactly 1, zero point 64
+        span[0, 0], span[0, -1] = -64, 63
+        sums = torch.ops.quantized.linear_dynamic(torch.cat([digit1, digit2, span]), self.packed, True)
+        estimate = sums[:n].mul_(step1).add_(sums[n : 2 * n].mul_(step2))
+
+        exact_x = digit1.double() * step1.double() + digit2.double() * step2.double()
+        leftover = (x.double() - exact_x).abs().amax(1)
+        bound = (
+            self.row_l1 * leftover
+            + self.weight_error * exact_x.abs().sum(1)
+            + _ROUNDING * x.shape[1] * self.row_l1 * biggest[:, 0].double()  # the model's own fp32 logit
+            + 4 * 2.0**-24 * estimate.abs().amax(1).double()  # our estimate's rounding
+        )
+        bound = (bound * (1 + 1e-6) + 1e-6).float()
+        top = estimate.topk(2, dim=1)
+        threshold = top.values[:, 0] - 2 * bound
+        tokens = top.indices[:, 0].tolist()
+        uncertain = (top.values[:, 1] >= threshold).tolist()
+        return GreedyTokens(self, x, [None if u else t for t, u in zip(tokens, uncertain)], threshold, estimate)
+
+
+class GreedyTokens(Sequence):
+    """The greedy token of each screened position; ``None`` entries are resolved when first read.
+
+    Lazy because a verify step reads only the positions along the accepted path: a rejected
+    branch's positions, often uncertain (its context went wrong), never pay for exact logits.
+    Slicing gives a view that shares the resolutions.
+    """
+
+    def __init__(self, head: GreedyHead, x, tokens: list, threshold, estimate, start: int = 0, stop: int | None = None):
+        self._head, self._x, self._tokens, self._threshold, self._estimate = head, x, tokens, threshold, estimate
+        self._start = start
+        self._stop = len(tokens) if stop is None else stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            begin, end, stride = index.indices(len(self))
+            if stride != 1:
+                return [self[i] for i in range(begin, end, stride)]
+            return GreedyTokens(
+                self._head,
+                self._x,
+                self._tokens,
+                self._threshold,
+                self._estimate,
+                self._start + begin,
+                self._start + end,
+            )
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        r = self._start + index
+        if self._tokens[r] is None:
+            self._tokens[r] = self._resolve(r)
+        return self._tokens[r]
+
+    @torch.inference_mode()
+    def _resolve(self, r: int) -> int:
+        """The exact fp32 logits of the candidates the screen left at position ``r``; their argmax."""
+        weight, x = self._head.weight, self._x[r]
+        candidates = (self._estimate[r] >= self._threshold[r]).nonzero()[:, 0]
+        if len(candidates) > _MAX_CANDIDATES:
+            return int((weight @ x).argmax())
+        return int(candidates[(weight[candidates] @ x).argmax()])
+
+
+def greedy_head_of(model) -> GreedyHead | None:
+    """The model's screen, if :func:`screen_greedy_head` gave it one."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return getattr(head, _ATTR, None) if head is not None else None
+
+
+def screen_greedy_head(model) -> bool:
+    """Give the model's output layer the int8 screen where it is sound (see the module); returns
+    whether the model has one now (calling again changes nothing)."""
+    if greedy_head_of(model) is not None:
+        return True
+    reason = unsupported_reason(model)
+    if reason is not None:
+        return False
+    layer = model.get_output_embeddings()
+    built = _build(layer.weight.detach())
+    if built is None:
+        return False
+    packed, weight_error, row_l1 = built
+    hook = layer.register_forward_pre_hook(_capture_input)
+    setattr(layer, _ATTR, GreedyHead(layer.weight.detach(), packed, weight_error, row_l1, hook))
+    _head_changed(model)
+    return True
+
+
+def restore_greedy_head(model) -> bool:
+    """Undo :func:`screen_greedy_head`: the full output layer for every step again; returns
+    whether the model had a screen."""
+    head = greedy_head_of(model)
+    if head is None:
+        return False
+    head.hook.remove()
+    delattr(model.get_output_embeddings(), _ATTR)
+    _head_changed(model)
+    return True
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the screen does not apply to this model (None: it does)."""
+    if not type(model).__module__.startswith("transformers."):
+        return "only transformers' own model classes (remote code may change the logits after the layer)"
+    config = getattr(model, "config", None)
+    for name in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            return f"the model changes its logits after the output layer ({name})"
+    layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(layer) is not nn.Linear or layer.bias is not None:
+        return "the output layer is not a plain nn.Linear without bias"
+    weight = layer.weight
+    if weight.shape[0] < 2:
+        return "a vocabulary of one token needs no screen"
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return "only fp32 weights on a CPU (fbgemm's int8 kernels)"
+    if not set(torch.backends.quantized.supported_engines) & {"fbgemm", "x86"}:
+        return "this torch build has no fbgemm/x86 quantized engine"
+    return None
+
+
+@contextlib.contextmanager
+def capture_hidden() -> Iterator[list]:
+    """Within: a screened output layer records its input in the yielded list and computes nothing
+    (its output has no vocabulary columns). The caller owns the model's logits then."""
+    captured: list = []
+    token = _capturing.set(captured)
+    try:
+        yield captured
+    finally:
+        _capturing.reset(token)
+
+
+def _capture_input(module: nn.Module, args: tuple) -> tuple | None:
+    captured = _capturing.get()
+    if captured is None or not hasattr(module, _ATTR):
+        return None
+    hidden = args[0]
+    captured.append(hidden)
+    return (hidden[..., :0, :],) + tuple(args[1:])
+
+
+def _build(weight: torch.Tensor) -> tuple[object, float, float] | None:
+    """Quantize and pack the weights, and prove on them that fbgemm sums exactly (None: it does not)."""
+    scales = (weight.abs().amax(1) / 127).clamp_min(1e-30).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notices that its eager int8 API is deprecated
+        quantized = torch.quantize_per_channel(
+            weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8
+        )
+        packed = torch.ops.quantized.linear_prepack(quantized, None)
+    ints = quantized.int_repr()
+    used_scales = quantized.q_per_channel_scales().double()
+    scales32 = used_scales.float()
+    weight_error = 0.0
+    for rows in torch.split(torch.arange(weight.shape[0]), 16384):  # bounded memory
+        restored = scales32[rows, None] * ints[rows].float()
+        weight_error = max(weight_error, float((weight[rows] - restored).abs().max()))
+    weight_error += 2.0**-22 * float(weight.abs().max())  # the fp32 rounding of that difference itself
+    row_l1 = float(weight.abs().sum(1).max())
+    if not _sums_exactly(packed, ints, used_scales):
+        return None
+    return packed, weight_error, row_l1
+
+
+def _sums_exactly(packed, ints: torch.Tensor, scales: torch.Tensor) -> bool:
+    """fbgemm on extreme and random digits (and the span row) against exact integer sums."""
+    generator = torch.Generator().manual_seed(0)
+    width = ints.shape[1]
+    digits = torch.randint(-64, 64, (4, width), generator=generator).float()
+    digits[0], digits[1] = 63, -64  # the largest products: any int16 saturation would show here
+    digits[2, ::2] = 63
+    digits[2, 1::2] = -64
+    digits[3, 0], digits[3, -1] = -64, 63
+    rows = torch.randperm(ints.shape[0], generator=generator)[:2048]
+    rows = torch.cat(
+        [rows, ints.abs().sum(1).topk(min(64, ints.shape[0])).indices]
+    )  # and the rows with the largest sums
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.ops.quantized.linear_dynamic(digits, packed, True)[:, rows].double()
+    want = (digits.double() @ ints[rows].double().T) * scales[rows]
+    return bool(((got - want).abs() <= 4 * 2.0**-24 * want.abs() + 1e-30).all())
+
+
+def _head_changed(model) -> None:
+    """Forget forward costs timed with the other output layer (the screen is in the cost file's key)."""
+    from rag_lookahead.decoding.profile import profile_of
+
+    profile = profile_of(model)
+    profile.cost_curve = profile.step_costs = None

@@ -1,0 +1,164 @@
+"""The int8-screened output layer (``greedy_head``): the same greedy tokens as the full layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_models import ARCHITECTURES, build_tiny_model, reference_generate
+
+from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.decoding.costs import CostCurve
+from rag_lookahead.decoding.profile import profile_of
+from rag_lookahead.greedy_head import (
+    capture_hidden,
+    greedy_head_of,
+    restore_greedy_head,
+    screen_greedy_head,
+    unsupported_reason,
+)
+
+
+class _Head(torch.nn.Module):
+    """The smallest transformers-like model: an output layer and the accessor the screen reads."""
+
+    __module__ = "transformers.tests_stand_in"  # the screen accepts transformers' classes only
+
+    def __init__(self, weight: torch.Tensor, bias: bool = False) -> None:
+        super().__init__()
+        self.config = type("Config", (), {})()
+        self.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
+        self.lm_head.weight.data = weight
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+def _screened(weight: torch.Tensor):
+    model = _Head(weight)
+    assert screen_greedy_head(model)
+    return greedy_head_of(model)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    vocab=st.integers(min_value=2, max_value=3000),
+    width=st.integers(min_value=2, max_value=96),
+    rows=st.integers(min_value=1, max_value=12),
+    outliers=st.integers(min_value=0, max_value=3),
+    seed=st.integers(min_value=0, max_value=2**16),
+)
+def test_screened_argmax_equals_the_full_argmax(vocab, width, rows, outliers, seed):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, width, generator=generator) * 0.05
+    hidden = torch.randn(rows, width, generator=generator) * 3
+    hidden[:, :outliers] *= 40  # a few huge dimensions, as real hidden states have
+    head = _screened(weight)
+    assert list(head.argmax(hidden)) == (hidden @ weight.T).argmax(-1).tolist()
+
+
+def test_exact_ties_resolve_to_the_first_index_like_argmax():
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(400, 32, generator=generator) * 0.05
+    weight[250] = weight[17] = weight[300]  # three identical rows: equal logits
+    hidden = weight[300:301] * 50  # ... and the largest ones
+    tokens = _screened(weight).argmax(hidden)
+    assert tokens[0] == 17 == int((hidden @ weight.T).argmax())
+
+
+def test_a_row_left_with_too_many_candidates_is_computed_in_full():
+    generator = torch.Generator().manual_seed(2)
+    base = torch.randn(1, 16, generator=generator)
+    weight = base + 1e-3 * torch.randn(5000, 16, generator=generator)  # logits apart, yet all within the bound
+    hidden = torch.randn(3, 16, generator=generator)
+    head = _screened(weight)
+    tokens = head.argmax(hidden)
+    assert tokens._tokens == [None, None, None]  # nothing certain before it is read
+    assert list(tokens) == (hidden @ weight.T).argmax(-1).tolist()
+
+
+def test_reads_resolve_lazily_and_slices_share_them():
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(2000, 24, generator=generator) * 0.05
+    hidden = torch.randn(6, 24, generator=generator)
+    tokens = _screened(weight).argmax(hidden)
+    full = (hidden @ weight.T).argmax(-1).tolist()
+    part = tokens[2:5]
+    assert len(part) == 3 and part[0] == full[2] and part[-1] == full[4]
+    assert tokens[2] == full[2] and list(tokens[::2]) == full[::2]
+    with pytest.raises(IndexError):
+        part[3]
+
+
+def test_applies_only_where_sound_and_undoes():
+    weight = torch.randn(300, 16) * 0.05
+    assert unsupported_reason(_Head(weight)) is None
+    assert "bias" in unsupported_reason(_Head(weight, bias=True))
+    assert "fp32" in unsupported_reason(_Head(weight.to(torch.bfloat16)))
+    capped = _Head(weight)
+    capped.config.final_logit_softcapping = 30.0
+    assert "softcapping" in unsupported_reason(capped)
+    assert not screen_greedy_head(_Head(weight, bias=True))
+
+    model = _Head(weight)
+    profile_of(model).cost_curve = CostCurve([1, 2], [0.1, 0.2])
+    assert screen_greedy_head(model) and screen_greedy_head(model)  # again: no change
+    assert profile_of(model).cost_curve is None  # costs timed with the full layer are forgotten
+    hidden = torch.randn(1, 2, 16)
+    with capture_hidden() as captured:
+        out = model.lm_head(hidden)
+    assert out.shape == (1, 0, 300) and captured[0] is hidden
+    restore_greedy_head(model)
+    assert greedy_head_of(model) is None
+    with capture_hidden() as captured:
+        out = model.lm_head(hidden)
+    assert out.shape == (1, 2, 300) and not captured  # the full layer again
+
+
+def test_code_outside_transformers_keeps_the_full_layer():
+    class Remote(_Head):
+        __module__ = "transformers_modules.some_repo.modeling"
+
+    assert "transformers" in unsupported_reason(Remote(torch.randn(10, 4)))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt=st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=40),
+    max_new=st.integers(min_value=1, max_value=40),
+    budget=st.sampled_from(["fixed", "auto"]),
+)
+def test_lookahead_with_the_screened_head_matches_generate(arch, prompt, max_new, budget):
+    model = build_tiny_model(arch, "sdpa", 0)  # its own instance: the shared tiny models stay unscreened
+    stock = reference_generate(model, prompt, max_new, None)
+    assert screen_greedy_head(model)
+    try:
+        result = generate(model, prompt, max_new_tokens=max_new, config=LookaheadConfig(budget=budget), pad_token_id=0)
+        assert result.sequences[0, len(prompt) :].tolist() == stock
+    finally:
+        restore_greedy_head(model)
+
+
+def test_batched_rows_and_sampled_rows_with_the_screened_head():
+    model = build_tiny_model("qwen2", "sdpa", 1)
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 9, 10, 7, 8, 9], [1, 2, 1, 2, 1, 2, 1, 2, 1]]
+    greedy = [reference_generate(model, p, 24, None) for p in prompts]
+    torch.manual_seed(5)
+    ids = torch.tensor([prompts[0]])
+    sampled = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=16, pad_token_id=0
+    )
+    assert screen_greedy_head(model)
+    try:
+        width = max(map(len, prompts))
+        padded = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = (padded != 0).long()
+        result = generate(model, padded, mask, max_new_tokens=24, pad_token_id=0)
+        assert [row[width:].tolist() for row in result.sequences] == greedy
+        torch.manual_seed(5)
+        ours = generate(model, ids, max_new_tokens=16, do_sample=True, pad_token_id=0)
+        assert ours.sequences[0].tolist() == sampled[0].tolist()  # sampling rows keep the full layer
+    finally:
+        restore_greedy_head(model)
