@@ -9,6 +9,7 @@ predicted so far, give the expected gain; the size with the best gain per second
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -153,7 +154,8 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
         runs = []
         for _ in range(repeats + 1):  # the first run warms up
             start = time.perf_counter()
-            with capture_hidden() as captured:  # greedy steps skip a screened output layer (greedy_head)
+            screened = head is not None and greedy_head_of(model, n) is not None
+            with capture_hidden() if screened else contextlib.nullcontext() as captured:  # as greedy steps run
                 model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
             if captured:
                 head.argmax(captured[-1][0])

@@ -12,6 +12,7 @@ from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding.costs import CostCurve
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.greedy_head import (
+    MOST_POSITIONS,
     capture_hidden,
     greedy_head_of,
     restore_greedy_head,
@@ -104,6 +105,8 @@ def test_applies_only_where_sound_and_undoes():
     model = _Head(weight)
     profile_of(model).cost_curve = CostCurve([1, 2], [0.1, 0.2])
     assert screen_greedy_head(model) and screen_greedy_head(model)  # again: no change
+    assert greedy_head_of(model, MOST_POSITIONS) is not None
+    assert greedy_head_of(model, MOST_POSITIONS + 1) is None  # big steps: the full layer costs as little
     assert profile_of(model).cost_curve is None  # costs timed with the full layer are forgotten
     hidden = torch.randn(1, 2, 16)
     with capture_hidden() as captured:
