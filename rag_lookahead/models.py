@@ -80,7 +80,7 @@ def load_model(
     token and long prompts are untouched. False keeps the stock layers.
     ``greedy_head``: an fp32 model on a CPU gets :mod:`rag_lookahead.greedy_head`'s int8 screen of
     its output layer, so greedy steps find their tokens without computing most logits (the same
-    tokens, proven by an error bound; ~270 MB more memory for the default model). False keeps
+    tokens, proven by an error bound; ~280 MB more memory for the default model). False keeps
     the full output layer for every step.
     """
     torch_dtype = _resolve_dtype(dtype, device, device_map)
