@@ -5,10 +5,18 @@ from __future__ import annotations
 import functools
 
 import torch
+from hypothesis import strategies as st
 
 from rag_lookahead.tiny import ARCHITECTURES, VOCAB, build_tiny_model
 
-__all__ = ["ARCHITECTURES", "VOCAB", "build_tiny_model", "reference_generate", "tiny_model"]
+__all__ = ["ARCHITECTURES", "DECODE_CASES", "VOCAB", "build_tiny_model", "reference_generate", "tiny_model"]
+
+#: one decode on a tiny model: a short prompt over a small alphabet (repeats give drafts), a budget
+DECODE_CASES = dict(
+    prompt=st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=40),
+    max_new=st.integers(min_value=1, max_value=40),
+    budget=st.sampled_from(["fixed", "auto"]),
+)
 
 
 @functools.cache

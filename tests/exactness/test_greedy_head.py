@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import ARCHITECTURES, build_tiny_model, reference_generate
+from tiny_models import ARCHITECTURES, DECODE_CASES, build_tiny_model, reference_generate
 
 from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding.costs import CostCurve
@@ -128,11 +128,7 @@ def test_code_outside_transformers_keeps_the_full_layer():
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    prompt=st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=40),
-    max_new=st.integers(min_value=1, max_value=40),
-    budget=st.sampled_from(["fixed", "auto"]),
-)
+@given(**DECODE_CASES)
 def test_lookahead_with_the_screened_head_matches_generate(arch, prompt, max_new, budget):
     model = build_tiny_model(arch, "sdpa", 0)  # its own instance: the shared tiny models stay unscreened
     stock = reference_generate(model, prompt, max_new, None)
