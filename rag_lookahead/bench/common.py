@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
@@ -172,6 +172,15 @@ def chat_ids(tokenizer, prompt: dict, *, with_context: bool = True) -> list[int]
     """The prompt (passage, blank line, question; or the question alone) as the chat's user turn."""
     content = f"{prompt['context']}\n\n{prompt['question']}" if with_context else prompt["question"]
     return encode_messages(tokenizer, [{"role": "user", "content": content}])
+
+
+def decode_speed(stats: Iterable[dict]) -> float:
+    """Decode tokens/s over runs' stats (``new_tokens``, ``decode_seconds``): the tokens after each
+    answer's first, which comes with the prefill, over the time after it."""
+    stats = list(stats)
+    tokens = sum(max(s.get("new_tokens", 0) - 1, 0) for s in stats)
+    seconds = sum(s.get("decode_seconds", 0.0) for s in stats)
+    return tokens / seconds if seconds else 0.0
 
 
 def cut_at_eos(tokens: list[int], eos: Collection[int]) -> list[int]:

@@ -28,6 +28,7 @@ from rag_lookahead.bench.common import (
     DtypeOption,
     JsonOption,
     ModelOption,
+    decode_speed,
     load_bench_model,
     print_rows,
     run_command,
@@ -100,12 +101,10 @@ def summarize_modes(per_mode: dict[str, list]) -> list[dict]:
     summary = []
     for mode in MODES:
         items = per_mode[mode]
-        tokens = sum(s.get("new_tokens", 0) - 1 for s, _ in items)
-        seconds = sum(s.get("decode_seconds", 0.0) for s, _ in items)
         summary.append(
             {
                 "mode": mode,
-                "decode tok/s": round(tokens / seconds, 2) if seconds else 0.0,
+                "decode tok/s": round(decode_speed(s for s, _ in items), 2),
                 "mean accepted": round(statistics.mean(s.get("mean_accepted", 0.0) for s, _ in items), 3),
                 "identical to off": f"{sum(same for _, same in items)}/{len(items)}",
             }

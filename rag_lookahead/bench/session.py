@@ -32,6 +32,7 @@ from rag_lookahead.bench.common import (
     DtypeOption,
     JsonOption,
     ModelOption,
+    decode_speed,
     load_bench_model,
     print_rows,
     run_command,
@@ -73,12 +74,6 @@ def run_record(result: dict) -> dict:
     }
 
 
-def speed(records: Sequence[dict]) -> float:
-    tokens = sum(max(r["new_tokens"] - 1, 0) for r in records)
-    seconds = sum(r["decode_seconds"] for r in records)
-    return tokens / seconds if seconds else 0.0
-
-
 def accepted(records: Sequence[dict]) -> float:
     """Tokens after each answer's first (which comes with the prefill) per decode forward."""
     steps = sum(r["steps"] for r in records)
@@ -93,13 +88,15 @@ def summarize_blocks(records: list[dict], block: int) -> list[dict]:
         controls = [r for r in part if "fresh" in r]
         row = {
             "questions": f"{start + 1}-{start + len(part)}",
-            "decode tok/s": round(speed(part), 2),
+            "decode tok/s": round(decode_speed(part), 2),
             "mean accepted": round(accepted(part), 3),
             "mean new tokens": round(statistics.mean(r["new_tokens"] for r in part), 1),
             "pool nodes": part[-1]["pool_nodes"],
         }
         if controls:
-            row["controls: pool / empty tok/s"] = f"{speed(controls):.2f} / {speed([r['fresh'] for r in controls]):.2f}"
+            row["controls: pool / empty tok/s"] = (
+                f"{decode_speed(controls):.2f} / {decode_speed(r['fresh'] for r in controls):.2f}"
+            )
             row["identical"] = f"{sum(r['identical'] for r in controls)}/{len(controls)}"
         rows.append(row)
     return rows
