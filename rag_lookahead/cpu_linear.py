@@ -80,6 +80,5 @@ def _layout_changed(model: nn.Module, count: int) -> None:
     from rag_lookahead.decoding.profile import profile_of
 
     if getattr(model, "_rag_lookahead_few_token_linears", 0) != count:
-        profile = profile_of(model)
-        profile.cost_curve = profile.step_costs = None
+        profile_of(model).forget_costs()
     model._rag_lookahead_few_token_linears = count

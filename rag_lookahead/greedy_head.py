@@ -276,5 +276,4 @@ def _head_changed(model) -> None:
     """Forget forward costs timed with the other output layer (the screen is in the cost file's key)."""
     from rag_lookahead.decoding.profile import profile_of
 
-    profile = profile_of(model)
-    profile.cost_curve = profile.step_costs = None
+    profile_of(model).forget_costs()

@@ -140,7 +140,6 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
     from rag_lookahead.decoding.verify import input_device
 
     device = input_device(model)
-    head = greedy_head_of(model)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
@@ -151,11 +150,11 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
     for n in sizes:
         ids = torch.randint(0, vocab, (1, n), generator=generator).to(device)
         positions = torch.arange(context, context + n, device=device)[None]
+        head = greedy_head_of(model, n)  # screened as greedy steps of n positions run
         runs = []
         for _ in range(repeats + 1):  # the first run warms up
             start = time.perf_counter()
-            screened = head is not None and greedy_head_of(model, n) is not None
-            with capture_hidden() if screened else contextlib.nullcontext() as captured:  # as greedy steps run
+            with capture_hidden() if head is not None else contextlib.nullcontext() as captured:
                 model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
             if captured:
                 head.argmax(captured[-1][0])

@@ -70,6 +70,13 @@ class ModelProfile:
                 rates = self.drafts_met[drafter] = new()
             return rates
 
+    def forget_costs(self) -> None:
+        """Forget the forward costs (curve and step costs): the layers' kernels changed
+        (``cpu_linear``, ``greedy_head``), so the next call measures or reloads them under its own key."""
+        with self._lock:
+            self.cost_curve = None
+            self.step_costs = None
+
     def reset(self) -> None:
         """Forget everything: the next call probes, measures and pools afresh (the cost file on disk stays)."""
         with self._lock:
