@@ -21,13 +21,15 @@ an ``nn.Linear`` output layer without bias, a transformers model whose logits ar
 output unchanged (no soft-capping or logit scale). A build-time self-test checks fbgemm's sums
 against exact arithmetic; if they differ, the model keeps its full output layer. Only greedy
 rows without logprobs use it (sampling needs every probability). ``load_model`` applies it to
-fp32 CPU models; :func:`screen_greedy_head` for your own model, :func:`restore_greedy_head` undoes it.
+fp32 CPU models, built on the first greedy step; :func:`screen_greedy_head` for your own model,
+:func:`restore_greedy_head` undoes it, :func:`full_output_layer` sets it aside for a while.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,12 +41,15 @@ __all__ = [
     "GreedyHead",
     "GreedyTokens",
     "capture_hidden",
+    "full_output_layer",
     "greedy_head_of",
     "restore_greedy_head",
     "screen_greedy_head",
 ]
 
 _ATTR = "_rag_lookahead_greedy_head"
+_PENDING = "_rag_lookahead_greedy_head_pending"  # screened lazily: built on the first greedy step
+_BUILDING = threading.Lock()
 #: fp32 rounding of a dot product of n terms, relative to the sum of the terms' magnitudes (n * 2^-24, doubled)
 _ROUNDING = 2 * 2.0**-24
 #: more candidates than this in a row: compute that row's logits in full instead
@@ -149,42 +154,100 @@ class GreedyTokens(Sequence):
 
 def greedy_head_of(model, positions: int = 1) -> GreedyHead | None:
     """The model's screen, if :func:`screen_greedy_head` gave it one and a step of ``positions``
-    greedy positions should use it (at most ``MOST_POSITIONS``)."""
+    greedy positions should use it (at most ``MOST_POSITIONS``); a lazy screen is built here, on
+    first use."""
     if positions > MOST_POSITIONS:
         return None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return getattr(head, _ATTR, None) if head is not None else None
+    layer = _output_layer(model)
+    if layer is None:
+        return None
+    head = getattr(layer, _ATTR, None)
+    if head is None and getattr(layer, _PENDING, False):
+        with _BUILDING:
+            if getattr(layer, _PENDING, False):
+                delattr(layer, _PENDING)
+                _attach(model, layer)
+        head = getattr(layer, _ATTR, None)
+    return head
 
 
-def screen_greedy_head(model) -> bool:
+def screen_greedy_head(model, *, lazy: bool = False) -> bool:
     """Give the model's output layer the int8 screen where it is sound (see the module); returns
-    whether the model has one now (calling again changes nothing)."""
+    whether the model has one now (calling again changes nothing).
+
+    ``lazy``: only check here that the screen applies, and build it (quantize, pack, self-test:
+    ~3.5 s and ~280 MB for the default model) on the first greedy step that asks for it, so a
+    load that never decodes greedily never pays; True then means "will have one", unless the
+    build's self-test fails on this CPU."""
+    layer = _output_layer(model)
+    if lazy and layer is not None and getattr(layer, _PENDING, False):
+        return True
     if greedy_head_of(model) is not None:
         return True
-    reason = unsupported_reason(model)
-    if reason is not None:
+    if unsupported_reason(model) is not None:
         return False
-    layer = model.get_output_embeddings()
+    if lazy:
+        setattr(layer, _PENDING, True)
+        return True
+    return _attach(model, layer)
+
+
+def _output_layer(model) -> nn.Module | None:
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
+def _attach(model, layer: nn.Linear) -> bool:
+    """Build the screen of ``layer`` and hook it in (False: fbgemm failed the self-test)."""
     built = _build(layer.weight.detach())
     if built is None:
         return False
-    packed, weight_error, row_l1 = built
-    hook = layer.register_forward_pre_hook(_capture_input)
-    setattr(layer, _ATTR, GreedyHead(layer.weight.detach(), packed, weight_error, row_l1, hook))
-    _head_changed(model)
+    _hook_in(model, layer, GreedyHead(layer.weight.detach(), *built, hook=None))
     return True
+
+
+def _hook_in(model, layer: nn.Module, head: GreedyHead) -> None:
+    head.hook = layer.register_forward_pre_hook(_capture_input)
+    setattr(layer, _ATTR, head)
+    _head_changed(model)
+
+
+def _detach(model, layer: nn.Module, head: GreedyHead) -> None:
+    head.hook.remove()
+    delattr(layer, _ATTR)
+    _head_changed(model)
 
 
 def restore_greedy_head(model) -> bool:
     """Undo :func:`screen_greedy_head`: the full output layer for every step again; returns
-    whether the model had a screen."""
+    whether the model had a screen (built or still to be built)."""
+    layer = _output_layer(model)
+    if layer is None:
+        return False
+    with _BUILDING:
+        if getattr(layer, _PENDING, False):
+            delattr(layer, _PENDING)
+            return True
+    head = getattr(layer, _ATTR, None)
+    if head is not None:
+        _detach(model, layer, head)
+    return head is not None
+
+
+@contextlib.contextmanager
+def full_output_layer(model) -> Iterator[bool]:
+    """Within: the model's full output layer for every step, its screen (if any) set aside, not
+    dropped, and hooked in again on leaving (benchmarks compare both without rebuilding it).
+    Yields whether a screen was set aside; costs are forgotten on each switch."""
     head = greedy_head_of(model)
     if head is None:
-        return False
-    head.hook.remove()
-    delattr(model.get_output_embeddings(), _ATTR)
-    _head_changed(model)
-    return True
+        yield False
+        return
+    layer = _output_layer(model)
+    _detach(model, layer, head)
+    try:
+        yield True
+    finally:
+        _hook_in(model, layer, head)
 
 
 def unsupported_reason(model) -> str | None:
@@ -195,7 +258,7 @@ def unsupported_reason(model) -> str | None:
     for name in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
         if getattr(config, name, None) not in (None, 1, 1.0):
             return f"the model changes its logits after the output layer ({name})"
-    layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    layer = _output_layer(model)
     if type(layer) is not nn.Linear or layer.bias is not None:
         return "the output layer is not a plain nn.Linear without bias"
     weight = layer.weight

@@ -59,7 +59,7 @@ from rag_lookahead.bench.methods import (
 )
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.trie import OutputPool
-from rag_lookahead.greedy_head import restore_greedy_head, screen_greedy_head
+from rag_lookahead.greedy_head import full_output_layer
 
 PROG = "rag_lookahead bench"
 
@@ -176,11 +176,9 @@ class MethodRunner:
         seeded = s.seed_mode == "references" and method != "lookahead_unseeded"
         references = self.context_ids(prompt) if seeded else None
         pool = self.warm_pool if method == "lookahead_warm" else None
-        if method == "lookahead_full_head" and restore_greedy_head(self.model):
-            try:
+        if method == "lookahead_full_head":
+            with full_output_layer(self.model):
                 return run_lookahead(*hf_args, self.configs[method], references, pool)
-            finally:
-                screen_greedy_head(self.model)
         return run_lookahead(*hf_args, self.configs[method], references, pool)
 
     def _sample(self, base: str, temperature: float, prompt: dict, ids: list[int], repeat: int) -> Run:

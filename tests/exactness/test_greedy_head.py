@@ -14,6 +14,7 @@ from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.greedy_head import (
     MOST_POSITIONS,
     capture_hidden,
+    full_output_layer,
     greedy_head_of,
     restore_greedy_head,
     screen_greedy_head,
@@ -117,6 +118,34 @@ def test_applies_only_where_sound_and_undoes():
     with capture_hidden() as captured:
         out = model.lm_head(hidden)
     assert out.shape == (1, 2, 300) and not captured  # the full layer again
+
+
+def test_a_lazy_screen_is_built_on_first_use_and_can_be_undone_before():
+    weight = torch.randn(300, 16) * 0.05
+    model = _Head(weight)
+    assert screen_greedy_head(model, lazy=True) and screen_greedy_head(model, lazy=True)
+    hidden = torch.randn(1, 2, 16)
+    with capture_hidden() as captured:
+        out = model.lm_head(hidden)
+    assert out.shape == (1, 2, 300) and not captured  # nothing built or hooked yet
+    profile_of(model).cost_curve = CostCurve([1, 2], [0.1, 0.2])
+    head = greedy_head_of(model)  # the first greedy step builds it
+    assert head is not None and greedy_head_of(model) is head
+    assert profile_of(model).cost_curve is None  # and forgets costs timed with the full layer
+    assert list(head.argmax(hidden[0])) == (hidden[0] @ weight.T).argmax(-1).tolist()
+    with full_output_layer(model) as set_aside:  # benchmarks: the full layer, the screen kept
+        assert set_aside and greedy_head_of(model) is None
+        with capture_hidden() as captured:
+            assert model.lm_head(hidden).shape == (1, 2, 300) and not captured
+    assert greedy_head_of(model) is head  # hooked in again, not rebuilt
+    with capture_hidden() as captured:
+        assert model.lm_head(hidden).shape == (1, 0, 300) and captured
+
+    pending = _Head(weight)
+    assert screen_greedy_head(pending, lazy=True)
+    assert restore_greedy_head(pending)  # undone before it was ever built
+    assert greedy_head_of(pending) is None and not restore_greedy_head(pending)
+    assert not screen_greedy_head(_Head(weight, bias=True), lazy=True)  # unsound: refused at once
 
 
 def test_code_outside_transformers_keeps_the_full_layer():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 from tiny_models import ARCHITECTURES, reference_generate, tiny_model
 
 from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.decoding import decode_batch
 from rag_lookahead.decoding.trie import OutputPool
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -85,8 +88,9 @@ def test_single_row_matches_generate(arch, case):
     eos=st.one_of(st.none(), st.integers(min_value=1, max_value=12)),
     budget=st.sampled_from(["fixed", "auto"]),
     with_refs=st.booleans(),
+    group_tokens=st.sampled_from([1, 24, 1024]),  # rows prefilled one by one, in small groups, together
 )
-def test_batch_rows_match_single_rows(arch, prompts, max_new, eos, budget, with_refs):
+def test_batch_rows_match_single_rows(arch, prompts, max_new, eos, budget, with_refs, group_tokens):
     model = tiny_model(arch)
     config = LookaheadConfig(decoding_length=16, branch_length=6, budget=budget, use_output_pool=False)
     width = max(len(p) for p in prompts)
@@ -94,9 +98,17 @@ def test_batch_rows_match_single_rows(arch, prompts, max_new, eos, budget, with_
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     expected = [reference_generate(model, p, max_new, eos) for p in prompts]
     references = [[p[-2:] + e] for p, e in zip(prompts, expected)] if with_refs else None
-    result = generate(
-        model, ids, mask, max_new_tokens=max_new, config=config, references=references, eos_token_id=eos, pad_token_id=0
-    )
+    with mock.patch.object(decode_batch, "PREFILL_FORWARD_TOKENS", group_tokens):
+        result = generate(
+            model,
+            ids,
+            mask,
+            max_new_tokens=max_new,
+            config=config,
+            references=references,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
     longest = max(len(e) for e in expected)
     assert result.sequences.shape == (len(prompts), width + longest)
     for row, want in enumerate(expected):
