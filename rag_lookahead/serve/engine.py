@@ -257,10 +257,14 @@ class Engine:
             self._fail_everything(shutting_down() if clean and self.error is None else engine_stopped())
 
     def _warm_up(self) -> bool:
-        """Measure the tree-mask probe and the cost curve once, not inside a request's latency."""
+        """Measure the tree-mask probe and the cost curve, and build a lazy output-layer screen,
+        once, not inside a request's latency."""
         try:
             self.batches.new_batch()
             from rag_lookahead.decoding.verify import supports_tree_mask
+            from rag_lookahead.greedy_head import greedy_head_of
+
+            greedy_head_of(self.model)
 
             # rows share one packed cache kept apart by the mask, drafting or not
             if self.max_batch_size > 1 and not supports_tree_mask(self.model):
