@@ -310,11 +310,10 @@ def prefill_groups(lengths: Sequence[int], most_tokens: int) -> list[slice]:
     ``most_tokens``; a longer prompt forms a group of its own."""
     groups, start, longest = [], 0, 0
     for r, length in enumerate(lengths):
-        widest = max(longest, length)
-        if r > start and widest * (r + 1 - start) > most_tokens:
+        longest = max(longest, length)
+        if r > start and longest * (r + 1 - start) > most_tokens:
             groups.append(slice(start, r))
-            start, widest = r, length
-        longest = widest
+            start, longest = r, length
     if lengths:
         groups.append(slice(start, len(lengths)))
     return groups
