@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from rag_lookahead.atomic import write_json_atomic
+from rag_lookahead.cpu_linear import onednn_linear_works
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
@@ -67,7 +68,8 @@ def _curve_key(model) -> str | None:
             device_map_digest(model),
             torch.get_num_threads(),
             torch.__version__,
-            f"few-token linears {getattr(model, '_rag_lookahead_few_token_linears', 0)}",
+            f"few-token linears {getattr(model, '_rag_lookahead_few_token_linears', 0)}"
+            f"{' onednn' if onednn_linear_works() else ''}",
             f"greedy head {'screened' if greedy_head_of(model) is not None else 'full'}",
         )
     )

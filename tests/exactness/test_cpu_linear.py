@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 from tiny_models import ARCHITECTURES, DECODE_CASES, build_tiny_model, reference_generate
 
 from rag_lookahead import LookaheadConfig, generate
-from rag_lookahead.cpu_linear import FEW_TOKENS, few_token_linear, restore_linears, speed_up_cpu_linears
+from rag_lookahead.cpu_linear import (
+    FEW_TOKENS,
+    ONEDNN_TOKENS,
+    few_token_linear,
+    onednn_linear_works,
+    restore_linears,
+    speed_up_cpu_linears,
+)
 from rag_lookahead.decoding.costs import CostCurve
 from rag_lookahead.decoding.profile import profile_of
 
@@ -21,15 +28,35 @@ from rag_lookahead.decoding.profile import profile_of
     outputs=st.integers(min_value=1, max_value=48),
     bias=st.booleans(),
     seed=st.integers(min_value=0, max_value=2**16),
+    autograd=st.booleans(),
 )
-def test_equals_functional_linear_for_any_shape(lead, features, outputs, bias, seed):
+def test_equals_functional_linear_for_any_shape(lead, features, outputs, bias, seed, autograd):
+    """Every path (oneDNN without autograd, the swapped product, stock) computes the same product."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, features, generator=gen)
     weight = torch.randn(outputs, features, generator=gen)
     b = torch.randn(outputs, generator=gen) if bias else None
-    got, want = few_token_linear(x, weight, b), torch.nn.functional.linear(x, weight, b)
+    with torch.set_grad_enabled(autograd):
+        got = few_token_linear(x, weight, b)
+    want = torch.nn.functional.linear(x, weight, b)
     assert got.shape == want.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_linear_works(), reason="this torch has no working oneDNN linear")
+def test_onednn_takes_its_token_counts_only_without_autograd():
+    """Without autograd, ONEDNN_TOKENS rows go through oneDNN (its own rounding); with autograd
+    the product keeps a gradient (oneDNN's op has none)."""
+    weight = torch.randn(64, 48)
+    for rows in sorted(ONEDNN_TOKENS):
+        x = torch.randn(rows, 48)
+        with torch.no_grad():
+            got = few_token_linear(x, weight)
+        onednn = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        assert torch.equal(got, onednn)
+    trained = weight.clone().requires_grad_()
+    few_token_linear(torch.randn(12, 48), trained).sum().backward()
+    assert trained.grad is not None and trained.grad.abs().sum() > 0
 
 
 def test_the_swapped_product_runs_only_for_few_rows():
