@@ -15,7 +15,7 @@ long prompts (``FEW_TOKENS`` outside) run the stock kernel untouched.
 
 Where torch has oneDNN, one token and 6-28 tokens go through oneDNN's linear instead (under
 ``no_grad``/``inference_mode``, where decoding runs; with autograd on, the products above):
-MKL's kernels are uneven there (8-14 tokens cost more than 16), oneDNN's are not. Per MLP
+MKL's kernels are uneven there (12-14 tokens cost more than 16), oneDNN's are not. Per MLP
 (896->4864 twice, 4864->896), best of 5 here: 1 token 3.13 -> 2.09 ms, 12 tokens 7.4 -> 5.1 ms,
 14 tokens 8.3 -> 5.5 ms; a whole forward over a 256-token cache (default model, last position's
 logits): 1 token 145 -> 99 ms, 12 tokens 264 -> 197 ms, 20 tokens 289 -> 239 ms; 4 and 32+
@@ -39,6 +39,7 @@ __all__ = [
     "MIN_WEIGHT_ELEMENTS",
     "ONEDNN_TOKENS",
     "few_token_linear",
+    "onednn_linear",
     "onednn_linear_works",
     "restore_linears",
     "speed_up_cpu_linears",
@@ -58,8 +59,7 @@ def few_token_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     (without autograd, where it works), as ``(weight @ x.T).T`` for other few rows, else stock."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows in ONEDNN_TOKENS and not torch.is_grad_enabled() and onednn_linear_works():
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, bias, "none", [], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return onednn_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if rows not in FEW_TOKENS:
         return functional.linear(x, weight, bias)
     out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
@@ -68,17 +68,21 @@ def few_token_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear of a 2-D ``x`` (torch's private op: its call convention lives here only)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 @functools.cache
 def onednn_linear_works() -> bool:
     """Whether this torch has oneDNN's linear op and it computes ``functional.linear`` (checked once)."""
-    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-    if op is None:
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     generator = torch.Generator().manual_seed(0)
     x, weight, bias = (torch.randn(shape, generator=generator) for shape in ((3, 40), (24, 40), (24,)))
     try:
         with torch.no_grad():
-            out = op(x, weight, bias, "none", [], "")
+            out = onednn_linear(x, weight, bias)
     except (RuntimeError, TypeError, NotImplementedError):
         return False
     return out.shape == (3, 24) and torch.allclose(out, functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4)

@@ -68,11 +68,16 @@ def _curve_key(model) -> str | None:
             device_map_digest(model),
             torch.get_num_threads(),
             torch.__version__,
-            f"few-token linears {getattr(model, '_rag_lookahead_few_token_linears', 0)}"
-            f"{' onednn' if onednn_linear_works() else ''}",
+            _linears_key(model),
             f"greedy head {'screened' if greedy_head_of(model) is not None else 'full'}",
         )
     )
+
+
+def _linears_key(model) -> str:
+    """How many linears ``cpu_linear`` patched, and whether they take oneDNN's kernel (only then)."""
+    count = getattr(model, "_rag_lookahead_few_token_linears", 0)
+    return f"few-token linears {count}{' onednn' if count and onednn_linear_works() else ''}"
 
 
 def model_devices(model) -> list[torch.device]:
