@@ -16,6 +16,11 @@ weights; any other token is provably below the winner. Usually one token is left
 is recomputed. As with any other kernel, two logits closer than fp32 rounding may order
 differently than in the model's own product; nothing else can change.
 
+What is computed at all: only the positions a verify step reads, which are those along each
+row's accepted path; the walk asks for one tree level of every row at once (``GreedyTokens``),
+so a wide step of 32 rows and 200 draft nodes screens ~4 levels of at most 32 positions
+instead of computing 232 positions' logits.
+
 Only where it is sound and measured to pay: fp32 weights on a CPU with a quantized engine,
 an ``nn.Linear`` output layer without bias, a transformers model whose logits are that layer's
 output unchanged (no soft-capping or logit scale). A build-time self-test checks fbgemm's sums
@@ -40,6 +45,7 @@ from torch import nn
 __all__ = [
     "GreedyHead",
     "GreedyTokens",
+    "SCREEN_WIDTH",
     "capture_hidden",
     "full_output_layer",
     "greedy_head_of",
@@ -54,8 +60,12 @@ _BUILDING = threading.Lock()
 _ROUNDING = 2 * 2.0**-24
 #: more candidates than this in a row: compute that row's logits in full instead
 _MAX_CANDIDATES = 4096
-#: most positions a step screens; above, the full layer costs as little (64 positions: 180 vs 188 ms here)
+#: most positions screened in one product; above, the full layer costs as little (64 positions: 180 vs 188 ms here)
 MOST_POSITIONS = 48
+#: positions a screen takes together for little more than one (default model, this EPYC: 1
+#: position 10.8 ms, 4: 15.6 ms, 8: 23.8 ms, 16: 48.5 ms); a walk fills a level up with guesses
+SCREEN_WIDTH = 8
+_UNSCREENED = object()  # a position nobody has read yet
 _capturing: contextvars.ContextVar[list | None] = contextvars.ContextVar("rag_lookahead_capture", default=None)
 
 
@@ -69,14 +79,17 @@ class GreedyHead:
     row_l1: float  # max over vocabulary rows of sum |W|
     hook: object  # the forward pre-hook on the layer
 
-    @torch.inference_mode()
     def argmax(self, hidden: torch.Tensor) -> GreedyTokens:
         """``(hidden @ weight.T).argmax(-1)`` for ``hidden`` of shape (n, hidden size), as a sequence
-        of n ints; a position whose screen leaves several candidates is resolved on first access."""
+        of n ints computed when read: see :class:`GreedyTokens`."""
         x = hidden.reshape(-1, hidden.shape[-1]).float()
+        return GreedyTokens(self, x, [_UNSCREENED] * x.shape[0], {})
+
+    @torch.inference_mode()
+    def screen(self, x: torch.Tensor) -> tuple[list[int | None], torch.Tensor, torch.Tensor]:
+        """Screen the rows of ``x`` in one int8 product: each row's token (None where several
+        candidates are left), the candidates' threshold and the estimates."""
         n = x.shape[0]
-        if n == 0:
-            return GreedyTokens(self, x, [], torch.zeros(0), torch.zeros(0, 0))
         biggest = x.abs().amax(1, keepdim=True)
         step1 = torch.where(biggest > 0, biggest / 63, torch.ones_like(biggest))
         digit1 = torch.round(x / step1).clamp_(-64, 63)
@@ -100,24 +113,30 @@ class GreedyHead:
         threshold = top.values[:, 0] - 2 * bound
         tokens = top.indices[:, 0].tolist()
         uncertain = ((top.values[:, 1] >= threshold) | ~torch.isfinite(threshold)).tolist()
-        return GreedyTokens(self, x, [None if u else t for t, u in zip(tokens, uncertain)], threshold, estimate)
+        return [None if u else t for t, u in zip(tokens, uncertain)], threshold, estimate
 
 
 class GreedyTokens(Sequence):
-    """The greedy token of each screened position; ``None`` entries are resolved when first read.
+    """The greedy token of each position, computed when first read.
 
-    Lazy because a verify step reads only the positions along the accepted path: a rejected
-    branch's positions, often uncertain (its context went wrong), never pay for exact logits.
-    Slicing gives a view that shares the resolutions.
+    Lazy because a verify step reads only the positions along each row's accepted path: a wide
+    step (many rows, big trees) has hundreds of positions, of which a few per row are read.
+    :meth:`prefetch` screens the positions a walk needs next (one tree level of every row) in
+    one int8 product; a position the screen leaves uncertain gets its candidates' exact logits
+    when read. Slicing gives a view that shares all of it.
     """
 
-    def __init__(self, head: GreedyHead, x, tokens: list, threshold, estimate, start: int = 0, stop: int | None = None):
-        self._head, self._x, self._tokens, self._threshold, self._estimate = head, x, tokens, threshold, estimate
+    def __init__(self, head: GreedyHead, x, tokens: list, uncertain: dict, start: int = 0, stop: int | None = None):
+        self._head, self._x, self._tokens, self._uncertain = head, x, tokens, uncertain
         self._start = start
         self._stop = len(tokens) if stop is None else stop
 
     def __len__(self) -> int:
         return self._stop - self._start
+
+    def __iter__(self) -> Iterator[int]:
+        self.prefetch(range(len(self)))
+        return (self[i] for i in range(len(self)))
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -125,39 +144,51 @@ class GreedyTokens(Sequence):
             if stride != 1:
                 return [self[i] for i in range(begin, end, stride)]
             return GreedyTokens(
-                self._head,
-                self._x,
-                self._tokens,
-                self._threshold,
-                self._estimate,
-                self._start + begin,
-                self._start + end,
+                self._head, self._x, self._tokens, self._uncertain, self._start + begin, self._start + end
             )
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(index)
         r = self._start + index
+        if self._tokens[r] is _UNSCREENED:
+            self.prefetch([index])
         if self._tokens[r] is None:
             self._tokens[r] = self._resolve(r)
         return self._tokens[r]
 
     @torch.inference_mode()
+    def prefetch(self, indices) -> None:
+        """Screen these positions (of this view) together, those not screened yet; more than
+        ``MOST_POSITIONS`` at once take the full layer's argmax instead (it costs as little then)."""
+        todo = [self._start + i for i in indices if self._tokens[self._start + i] is _UNSCREENED]
+        if not todo:
+            return
+        x = self._x[todo]
+        if len(todo) > MOST_POSITIONS:
+            for r, token in zip(todo, torch.nn.functional.linear(x, self._head.weight).argmax(-1).tolist()):
+                self._tokens[r] = token
+            return
+        tokens, threshold, estimate = self._head.screen(x)
+        for i, (r, token) in enumerate(zip(todo, tokens)):
+            self._tokens[r] = token
+            if token is None:
+                self._uncertain[r] = (estimate[i], threshold[i])
+
+    @torch.inference_mode()
     def _resolve(self, r: int) -> int:
         """The exact fp32 logits of the candidates the screen left at position ``r``; their argmax."""
         weight, x = self._head.weight, self._x[r]
-        candidates = (self._estimate[r] >= self._threshold[r]).nonzero()[:, 0]
-        if len(candidates) > _MAX_CANDIDATES or not torch.isfinite(self._threshold[r]):  # also inf/NaN hidden states
+        estimate, threshold = self._uncertain.pop(r)
+        candidates = (estimate >= threshold).nonzero()[:, 0]
+        if len(candidates) > _MAX_CANDIDATES or not torch.isfinite(threshold):  # also inf/NaN hidden states
             return int((weight @ x).argmax())
         return int(candidates[(weight[candidates] @ x).argmax()])
 
 
-def greedy_head_of(model, positions: int = 1) -> GreedyHead | None:
-    """The model's screen, if :func:`screen_greedy_head` gave it one and a step of ``positions``
-    greedy positions should use it (at most ``MOST_POSITIONS``); a lazy screen is built here, on
-    first use."""
-    if positions > MOST_POSITIONS:
-        return None
+def greedy_head_of(model) -> GreedyHead | None:
+    """The model's screen, if :func:`screen_greedy_head` gave it one; a lazy screen is built here,
+    on first use."""
     layer = _output_layer(model)
     if layer is None:
         return None

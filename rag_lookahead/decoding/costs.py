@@ -24,7 +24,7 @@ from rag_lookahead.atomic import write_json_atomic
 from rag_lookahead.cpu_linear import onednn_linear_works
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.profile import profile_of
-from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
+from rag_lookahead.greedy_head import SCREEN_WIDTH, capture_hidden, greedy_head_of
 
 
 @dataclass
@@ -69,7 +69,7 @@ def _curve_key(model) -> str | None:
             torch.get_num_threads(),
             torch.__version__,
             _linears_key(model),
-            f"greedy head {'screened' if greedy_head_of(model) is not None else 'full'}",
+            f"greedy head {f'screened, {SCREEN_WIDTH} at once' if greedy_head_of(model) is not None else 'full'}",
         )
     )
 
@@ -157,14 +157,14 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
     for n in sizes:
         ids = torch.randint(0, vocab, (1, n), generator=generator).to(device)
         positions = torch.arange(context, context + n, device=device)[None]
-        head = greedy_head_of(model, n)  # screened as greedy steps of n positions run
+        head = greedy_head_of(model)
         runs = []
         for _ in range(repeats + 1):  # the first run warms up
             start = time.perf_counter()
             with capture_hidden() if head is not None else contextlib.nullcontext() as captured:
                 model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
-            if captured:
-                head.argmax(captured[-1][0])
+            if captured:  # a walk at batch 1 screens its root and the likeliest nodes below it at once
+                head.argmax(captured[-1][0]).prefetch(range(min(n, SCREEN_WIDTH)))
             synchronize(model)
             runs.append(time.perf_counter() - start)
             cache.crop(-n)

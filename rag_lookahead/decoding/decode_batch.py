@@ -31,7 +31,7 @@ from rag_lookahead.decoding.prefill import ChunkedPrefill, forward_feed, prefill
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.results import LogprobRecorder
 from rag_lookahead.decoding.rows import Row
-from rag_lookahead.decoding.sampling import Accepted, SamplingParams, TokenChooser, longest_path
+from rag_lookahead.decoding.sampling import Accepted, SamplingParams, TokenChooser, longest_paths
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.decoding.verify import input_device, keep_accepted, supports_tree_mask
 from rag_lookahead.errors import ConfigError
@@ -276,13 +276,12 @@ class DecodeBatch:
             greedy = logits
         else:
             greedy = logits.float().argmax(dim=-1).tolist() if any(row.chooser.plain for row in rows) else []
-        accepted = []
-        for row, draft, start, end in zip(rows, drafts, offsets, ends):
-            if row.chooser.plain:
-                accepted.append(longest_path(draft, greedy[start:end]))
-            else:
-                accepted.append(row.chooser.walk(draft, logits[start:end], row.tokens, row.room, self.eos))
-        return accepted
+        plain = [r for r, row in enumerate(rows) if row.chooser.plain]
+        accepted = dict(zip(plain, longest_paths([drafts[r] for r in plain], greedy, [offsets[r] for r in plain])))
+        for r, (row, draft, start, end) in enumerate(zip(rows, drafts, offsets, ends)):
+            if r not in accepted:
+                accepted[r] = row.chooser.walk(draft, logits[start:end], row.tokens, row.room, self.eos)
+        return [accepted[r] for r in range(len(rows))]
 
     def retire(self, keep: Callable[[Row], bool] | None = None) -> list[Row]:
         """Take the finished rows (and any that ``keep`` rejects, also among those waiting for their

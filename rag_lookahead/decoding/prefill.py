@@ -176,7 +176,7 @@ def forward_feed(
         if row_local_applies(model, len(feed.trees), device):  # the full mask still goes in: see row_attention
             sizes = [1 + len(tree) for tree in feed.trees]
             kwargs[ROW_LAYOUT] = row_layout(packed.row_columns(), sizes, packed.length, device)
-    head = greedy_head_of(model, len(feed.logits_at)) if greedy_only else None
+    head = greedy_head_of(model) if greedy_only else None
     with capture_hidden() if head is not None else contextlib.nullcontext() as captured:
         logits = model(input_ids=step.ids, **kwargs).logits
     check_cache(packed.cache)

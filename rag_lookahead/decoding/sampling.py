@@ -27,6 +27,7 @@ import torch
 
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.errors import ConfigError
+from rag_lookahead.greedy_head import SCREEN_WIDTH
 
 #: generation options that change the output and that we do not implement, with their neutral
 #: values; a value other than these raises instead of being silently ignored
@@ -256,17 +257,59 @@ class TokenChooser:
         return Accepted(nodes, tokens)
 
 
-def longest_path(draft: DraftTree, greedy: list[int]) -> Accepted:
-    """Follow precomputed greedy choices down the tree; ``greedy[i]`` is for node i-1 (0: root)."""
-    children = draft.children()
-    nodes: list[int] = []
-    tokens: list[int] = []
-    current = -1
-    while True:
-        choice = greedy[current + 1]
-        tokens.append(choice)
-        nxt = children.get((current, choice))
-        if nxt is None:
-            return Accepted(nodes, tokens)
-        nodes.append(nxt)
-        current = nxt
+def longest_paths(drafts: Sequence[DraftTree], greedy: Sequence[int], starts: Sequence[int]) -> list[Accepted]:
+    """Follow greedy choices down each row's tree: row r's ``greedy[starts[r] + i]`` is for its
+    node i-1 (0: its root); each row's accepted nodes and tokens (the bonus token last).
+
+    Walked level by level, all rows together: where ``greedy`` computes tokens when read (the
+    screened output layer's ``GreedyTokens``), each level's positions are asked for at once, so
+    they cost one product, and positions off the accepted paths are never computed.
+    """
+    children = [draft.children() for draft in drafts]
+    paths = [Accepted([], []) for _ in drafts]
+    current = [-1] * len(drafts)
+    walking = list(range(len(drafts)))
+    prefetch = getattr(greedy, "prefetch", None)
+    likeliest = [_likeliest_children(draft) for draft in drafts] if prefetch is not None else []
+    while walking:
+        wanted = [starts[r] + current[r] + 1 for r in walking]
+        if prefetch is not None:  # with a few rows left, also guess their next levels: nearly free
+            prefetch(wanted + _guesses(walking, current, likeliest, starts, SCREEN_WIDTH - len(wanted)))
+        still = []
+        for r, position in zip(walking, wanted):
+            choice = greedy[position]
+            paths[r].tokens.append(choice)
+            nxt = children[r].get((current[r], choice))
+            if nxt is not None:
+                paths[r].nodes.append(nxt)
+                current[r] = nxt
+                still.append(r)
+        walking = still
+    return paths
+
+
+def _likeliest_children(draft: DraftTree) -> dict[int, int]:
+    """Each node's likeliest child (-1: the root's), by the drafter's estimate."""
+    best: dict[int, int] = {}
+    for node, (parent, prob) in enumerate(zip(draft.parents, draft.probs)):
+        if parent not in best or prob > draft.probs[best[parent]]:
+            best[parent] = node
+    return best
+
+
+def _guesses(walking: list[int], current: list[int], likeliest: list[dict[int, int]], starts, room: int) -> list[int]:
+    """Up to ``room`` positions below the walking rows' current nodes, along their likeliest
+    children, a level of every row at a time."""
+    guesses: list[int] = []
+    frontier = {r: current[r] for r in walking}
+    while frontier and len(guesses) < room:
+        for r in list(frontier):
+            child = likeliest[r].get(frontier[r])
+            if child is None:
+                del frontier[r]
+                continue
+            guesses.append(starts[r] + child + 1)
+            frontier[r] = child
+            if len(guesses) == room:
+                break
+    return guesses

@@ -10,7 +10,9 @@ from tiny_models import ARCHITECTURES, DECODE_CASES, build_tiny_model, reference
 
 from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding.costs import CostCurve
+from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.profile import profile_of
+from rag_lookahead.decoding.sampling import longest_paths
 from rag_lookahead.greedy_head import (
     MOST_POSITIONS,
     capture_hidden,
@@ -60,6 +62,50 @@ def test_screened_argmax_equals_the_full_argmax(vocab, width, rows, outliers, se
     assert list(head.argmax(hidden)) == (hidden @ weight.T).argmax(-1).tolist()
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(min_value=1, max_value=MOST_POSITIONS + 20), data=st.data())
+def test_positions_read_in_any_groups_and_order_equal_the_full_argmax(rows, data):
+    """A walk screens some positions together (one level), reads others alone, in any order;
+    groups above ``MOST_POSITIONS`` take the full layer's argmax."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(500, 32, generator=generator) * 0.05
+    hidden = torch.randn(rows, 32, generator=generator) * 3
+    tokens = _screened(weight).argmax(hidden)
+    full = (hidden @ weight.T).argmax(-1).tolist()
+    order = data.draw(st.permutations(range(rows)))
+    cut = data.draw(st.integers(min_value=0, max_value=rows))
+    tokens.prefetch(order[:cut])
+    assert [tokens[i] for i in order] == [full[i] for i in order]
+
+
+def test_a_walk_screens_a_level_of_all_rows_at_once_with_guesses_and_nothing_else():
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(400, 24, generator=generator) * 0.05
+    hidden = torch.randn(9, 24, generator=generator)
+    head = _screened(weight)
+    full = (hidden @ weight.T).argmax(-1).tolist()
+    # row 0 (positions 0-3): the root's likelier child is wrong, the other one is the greedy
+    # token and has a child; row 1 (positions 5-6): one wrong child; 4, 7 and 8 belong to no path
+    first = DraftTree(
+        tokens=[(full[0] + 1) % 400, full[0], full[2]], parents=[-1, -1, 1], depths=[1, 1, 2], probs=[0.9, 0.5, 0.4]
+    )
+    second = DraftTree(tokens=[(full[5] + 1) % 400], parents=[-1], depths=[1], probs=[1.0])
+    screened = []
+    real_screen = head.screen
+
+    def screen(x):
+        screened.append(sorted(int((hidden - row).abs().sum(1).argmin()) for row in x))
+        return real_screen(x)
+
+    head.screen = screen
+    lazy = longest_paths([first, second], head.argmax(hidden), [0, 5])
+    assert lazy == longest_paths([first, second], full, [0, 5])
+    assert lazy[0].nodes == [1, 2] and lazy[1].nodes == []
+    # both roots and their likeliest children together; then row 0's level 1 and its guess,
+    # which covers level 2; positions off the paths (4, 7, 8) never screened
+    assert screened == [[0, 1, 5, 6], [2, 3]]
+
+
 def test_exact_ties_resolve_to_the_first_index_like_argmax():
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(400, 32, generator=generator) * 0.05
@@ -75,9 +121,9 @@ def test_a_row_left_with_too_many_candidates_is_computed_in_full():
     weight = base + 1e-3 * torch.randn(5000, 16, generator=generator)  # logits apart, yet all within the bound
     hidden = torch.randn(3, 16, generator=generator)
     head = _screened(weight)
-    tokens = head.argmax(hidden)
-    assert tokens._tokens == [None, None, None]  # nothing certain before it is read
-    assert list(tokens) == (hidden @ weight.T).argmax(-1).tolist()
+    tokens, _, _ = head.screen(hidden)
+    assert tokens == [None, None, None]  # the screen decides none of them
+    assert list(head.argmax(hidden)) == (hidden @ weight.T).argmax(-1).tolist()
 
 
 def test_reads_resolve_lazily_and_slices_share_them():
@@ -106,8 +152,7 @@ def test_applies_only_where_sound_and_undoes():
     model = _Head(weight)
     profile_of(model).cost_curve = CostCurve([1, 2], [0.1, 0.2])
     assert screen_greedy_head(model) and screen_greedy_head(model)  # again: no change
-    assert greedy_head_of(model, MOST_POSITIONS) is not None
-    assert greedy_head_of(model, MOST_POSITIONS + 1) is None  # big steps: the full layer costs as little
+    assert greedy_head_of(model) is not None
     assert profile_of(model).cost_curve is None  # costs timed with the full layer are forgotten
     hidden = torch.randn(1, 2, 16)
     with capture_hidden() as captured:
