@@ -78,16 +78,19 @@ def test_positions_read_in_any_groups_and_order_equal_the_full_argmax(rows, data
     assert [tokens[i] for i in order] == [full[i] for i in order]
 
 
-def test_a_walk_screens_a_level_of_all_rows_at_once_with_guesses_and_nothing_else():
+def test_a_walk_screens_a_level_with_its_guesses_and_rows_together_at_once():
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(400, 24, generator=generator) * 0.05
-    hidden = torch.randn(9, 24, generator=generator)
+    hidden = torch.randn(8, 24, generator=generator)
     head = _screened(weight)
     full = (hidden @ weight.T).argmax(-1).tolist()
-    # row 0 (positions 0-3): the root's likelier child is wrong, the other one is the greedy
-    # token and has a child; row 1 (positions 5-6): one wrong child; 4, 7 and 8 belong to no path
+    # row 0 (positions 0-4): the root's likelier child is wrong (with a child of its own), the other
+    # one is the greedy token and has a child; row 1 (positions 5-6): one wrong child
     first = DraftTree(
-        tokens=[(full[0] + 1) % 400, full[0], full[2]], parents=[-1, -1, 1], depths=[1, 1, 2], probs=[0.9, 0.5, 0.4]
+        tokens=[(full[0] + 1) % 400, full[0], full[2], 7],
+        parents=[-1, -1, 1, 0],
+        depths=[1, 1, 2, 2],
+        probs=[0.9, 0.5, 0.4, 0.3],
     )
     second = DraftTree(tokens=[(full[5] + 1) % 400], parents=[-1], depths=[1], probs=[1.0])
     screened = []
@@ -98,12 +101,14 @@ def test_a_walk_screens_a_level_of_all_rows_at_once_with_guesses_and_nothing_els
         return real_screen(x)
 
     head.screen = screen
-    lazy = longest_paths([first, second], head.argmax(hidden), [0, 5])
-    assert lazy == longest_paths([first, second], full, [0, 5])
-    assert lazy[0].nodes == [1, 2] and lazy[1].nodes == []
-    # both roots and their likeliest children together; then row 0's level 1 and its guess,
-    # which covers level 2; positions off the paths (4, 7, 8) never screened
-    assert screened == [[0, 1, 5, 6], [2, 3]]
+    alone = longest_paths([first], head.argmax(hidden[:5]), [0])
+    assert alone == longest_paths([first], full[:5], [0]) and alone[0].nodes == [1, 2]
+    # the root with its likeliest line (wrong); then level 1 with its guess, which covers level 2
+    assert screened == [[0, 1, 4], [2, 3]]
+    screened.clear()
+    both = longest_paths([first, second], head.argmax(hidden), [0, 5])
+    assert both == longest_paths([first, second], full, [0, 5]) and both[1].nodes == []
+    assert screened == [list(range(8))]  # several rows: one product
 
 
 def test_exact_ties_resolve_to_the_first_index_like_argmax():
