@@ -16,10 +16,10 @@ weights; any other token is provably below the winner. Usually one token is left
 is recomputed. As with any other kernel, two logits closer than fp32 rounding may order
 differently than in the model's own product; nothing else can change.
 
-What is computed at all: only the positions a verify step reads, which are those along each
-row's accepted path; the walk asks for one tree level of every row at once (``GreedyTokens``),
-so a wide step of 32 rows and 200 draft nodes screens ~4 levels of at most 32 positions
-instead of computing 232 positions' logits.
+What is computed at all: positions are screened when read (``GreedyTokens``). A single row's
+walk down its tree asks for one level at a time, with the likeliest nodes below it (see
+``sampling.longest_paths``), so a 40-node tree costs one or two products of up to 8 positions;
+steps of several rows ask for every position at once (walked by level, they paid more).
 
 Only where it is sound and measured to pay: fp32 weights on a CPU with a quantized engine,
 an ``nn.Linear`` output layer without bias, a transformers model whose logits are that layer's
@@ -119,10 +119,10 @@ class GreedyHead:
 class GreedyTokens(Sequence):
     """The greedy token of each position, computed when first read.
 
-    Lazy because a verify step reads only the positions along each row's accepted path: a wide
-    step (many rows, big trees) has hundreds of positions, of which a few per row are read.
-    :meth:`prefetch` screens the positions a walk needs next (one tree level of every row) in
-    one int8 product; a position the screen leaves uncertain gets its candidates' exact logits
+    Lazy because a verify step reads only the positions along each row's accepted path: a
+    40-node tree has 41 positions, of which ~4 are read.
+    :meth:`prefetch` screens the positions a walk needs next (a level and its likeliest
+    continuation) in one int8 product; a position the screen leaves uncertain gets its candidates' exact logits
     when read. Slicing gives a view that shares all of it.
     """
 

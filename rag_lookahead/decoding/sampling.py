@@ -305,7 +305,7 @@ def _likeliest_children(draft: DraftTree) -> dict[int, int]:
 
 def _guesses(walking: list[int], current: list[int], likeliest: list[dict[int, int]], starts, room: int) -> list[int]:
     """Up to ``room`` positions below the walking rows' current nodes, along their likeliest
-    children, a level of every row at a time."""
+    children, a level of every row at a time (one row, as ``longest_paths`` calls it now)."""
     guesses: list[int] = []
     frontier = {r: current[r] for r in walking}
     while frontier and len(guesses) < room:
