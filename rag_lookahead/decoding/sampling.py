@@ -273,14 +273,14 @@ def longest_paths(drafts: Sequence[DraftTree], greedy: Sequence[int], starts: Se
     current = [-1] * len(drafts)
     walking = list(range(len(drafts)))
     prefetch = getattr(greedy, "prefetch", None)
-    if prefetch is not None and len(drafts) > 1:  # many rows: every position in one product, then read
+    if prefetch is not None and len(drafts) > 1:  # several rows: every position in one product, then read
         prefetch(range(len(greedy)))
-        prefetch = None
-    likeliest = [_likeliest_children(draft) for draft in drafts] if prefetch is not None else []
+    single = prefetch is not None and len(drafts) == 1
+    likeliest = _likeliest_children(drafts[0]) if single else {}
     while walking:
         wanted = [starts[r] + current[r] + 1 for r in walking]
-        if prefetch is not None:  # with a few rows left, also guess their next levels: nearly free
-            prefetch(wanted + _guesses(walking, current, likeliest, starts, SCREEN_WIDTH - len(wanted)))
+        if single:  # the row's next position and the likeliest line below it: nearly free together
+            prefetch(wanted + _likeliest_line(likeliest, current[0], starts[0], SCREEN_WIDTH - 1))
         still = []
         for r, position in zip(walking, wanted):
             choice = greedy[position]
@@ -303,19 +303,9 @@ def _likeliest_children(draft: DraftTree) -> dict[int, int]:
     return best
 
 
-def _guesses(walking: list[int], current: list[int], likeliest: list[dict[int, int]], starts, room: int) -> list[int]:
-    """Up to ``room`` positions below the walking rows' current nodes, along their likeliest
-    children, a level of every row at a time (one row, as ``longest_paths`` calls it now)."""
-    guesses: list[int] = []
-    frontier = {r: current[r] for r in walking}
-    while frontier and len(guesses) < room:
-        for r in list(frontier):
-            child = likeliest[r].get(frontier[r])
-            if child is None:
-                del frontier[r]
-                continue
-            guesses.append(starts[r] + child + 1)
-            frontier[r] = child
-            if len(guesses) == room:
-                break
-    return guesses
+def _likeliest_line(likeliest: dict[int, int], node: int, start: int, room: int) -> list[int]:
+    """Up to ``room`` positions below ``node``, each the likeliest child of the one before."""
+    line: list[int] = []
+    while len(line) < room and (node := likeliest.get(node)) is not None:
+        line.append(start + node + 1)
+    return line
