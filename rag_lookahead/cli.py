@@ -131,7 +131,7 @@ def ask_command(
         help="Run the modeling code a model repo ships (ChatGLM3, Qwen-1); only for sources you trust.",
     ),
     dtype: str | None = typer.Option(
-        None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 where fast, fp16 on older GPUs)."
+        None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 on GPUs and AMX CPUs, fp16 on older GPUs, else fp32)."
     ),
     device: str | None = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)."),
     device_map: str | None = typer.Option(

@@ -54,7 +54,7 @@ DtypeOption = Annotated[
     str,
     typer.Option(
         "--dtype",
-        help="bf16, fp16, fp32 or auto (GPU: bf16 where native, else fp16; CPU: bf16 only where fast)",
+        help="bf16, fp16, fp32 or auto (GPU: bf16 where native, else fp16; CPU: bf16 only with AMX)",
     ),
 ]
 DeviceOption = Annotated[

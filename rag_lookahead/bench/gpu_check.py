@@ -290,7 +290,7 @@ def gpu_check(
         str | None,
         typer.Option(
             help="speed, concurrency and stress: bf16, fp16, fp32 "
-            "(default: bf16 where native, else fp16; CPU: bf16 where fast)"
+            "(default: bf16 where native, else fp16; CPU: bf16 only with AMX)"
         ),
     ] = None,
     attn: Annotated[

@@ -42,7 +42,9 @@ def serve(
     port: int = typer.Option(_D.port),
     model: str = typer.Option(_D.model, help='"default" or "quality" (embedded), a hub id or a local folder'),
     served_model_name: str | None = typer.Option(None, help="model name reported in responses"),
-    dtype: str | None = typer.Option(None, help="bf16, fp32, fp16 or auto (default: bf16 where fast)"),
+    dtype: str | None = typer.Option(
+        None, help="bf16, fp32, fp16 or auto (default: bf16 on GPUs and AMX CPUs, else fp32)"
+    ),
     device: str | None = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"),
     device_map: str | None = typer.Option(
         None, help='accelerate device map, e.g. "auto" to spread the model over GPUs'

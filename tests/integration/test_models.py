@@ -335,8 +335,7 @@ def test_dtype_names(given, expected):
     assert _resolve_dtype(given, "cpu", None) == expected
 
 
-def test_default_dtype_is_bf16_off_cpu_and_on_fast_cpus():
+def test_default_dtype_is_bf16_off_cpu_and_on_cpus_with_amx():
     assert _resolve_dtype(None, "cuda", None) == torch.bfloat16
-    assert _resolve_dtype(None, "cpu", None) in (torch.bfloat16, torch.float32)
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        assert _resolve_dtype(None, "cpu", None) == torch.bfloat16
+    amx = torch.ops.mkldnn._is_mkldnn_bf16_supported() and torch.cpu._is_amx_tile_supported()
+    assert _resolve_dtype(None, "cpu", None) == (torch.bfloat16 if amx else torch.float32)
