@@ -335,7 +335,21 @@ def test_dtype_names(given, expected):
     assert _resolve_dtype(given, "cpu", None) == expected
 
 
-def test_default_dtype_is_bf16_off_cpu_and_on_cpus_with_amx():
+@pytest.mark.parametrize(
+    ("bf16_kernels", "amx", "expected"),
+    [(True, True, torch.bfloat16), (True, False, torch.float32), (False, False, torch.float32)],
+)
+def test_default_dtype_is_bf16_off_cpu_and_on_cpus_with_amx(monkeypatch, bf16_kernels, amx, expected):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16_kernels)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     assert _resolve_dtype(None, "cuda", None) == torch.bfloat16
-    amx = torch.ops.mkldnn._is_mkldnn_bf16_supported() and torch.cpu._is_amx_tile_supported()
-    assert _resolve_dtype(None, "cpu", None) == (torch.bfloat16 if amx else torch.float32)
+    assert _resolve_dtype(None, "cpu", None) == expected
+
+
+def test_default_cpu_dtype_is_fp32_when_the_private_probe_fails(monkeypatch):
+    def broken():
+        raise RuntimeError("no such op")
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", broken)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert _resolve_dtype(None, "cpu", None) == torch.float32
