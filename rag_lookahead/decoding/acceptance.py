@@ -24,6 +24,11 @@ class AcceptanceRates:
     ``p * first * onward ** (d - 1)``: deep nodes pay only while the row keeps copying long
     runs, and the rates recover as soon as it does again (a fully accepted draft counts no
     failure, so the next one may go deeper). Counts decay so the estimate follows the text.
+    A step that says nothing of a rate (no draft; or, for ``onward``, a draft of single first
+    tokens) drifts it back toward 1: where one-token drafts are cheap the budget would
+    otherwise keep drafting them forever on an old low ``onward`` and never see a long copy
+    again (measured: a Chinese answer took 20 one-node steps where prompt lookup's 10-token
+    chains took 8).
 
     ``prior``: where a new row starts: from what earlier drafts of the same kind of drafter met
     on the same model, over every row and call (``DecodeBatch.workload``, kept in the model's
@@ -57,21 +62,27 @@ class AcceptanceRates:
     def onward(self) -> float:
         return _rate(self._onward)
 
-    def observe(self, draft: DraftTree, accepted: list[int]) -> None:
-        """Update with one step's verified draft and its accepted nodes (root to leaf)."""
+    def observe(self, draft: DraftTree, accepted: list[int], *, open_end: bool = False) -> None:
+        """Update with one step's draft and its accepted nodes (root to leaf); ``open_end``: the
+        children of the last accepted node were not verified (no failure below it is known)."""
         if not draft.tokens:
             for counts in (self._first, self._onward):
                 counts[0] = self.decay * counts[0] + self.PROBE
                 counts[1] = self.decay * counts[1] + self.PROBE
             return
         onward_hits = max(len(accepted) - 1, 0)  # accepted nodes below an accepted node
-        failed_below = bool(accepted) and accepted[-1] in draft.parents  # the last one had a drafted child that failed
+        # the last one had a drafted child that was verified and failed
+        failed_below = not open_end and bool(accepted) and accepted[-1] in draft.parents
         for counts, hits, tries in (
             (self._first, min(len(accepted), 1), 1),
             (self._onward, onward_hits, onward_hits + failed_below),
         ):
-            counts[0] = self.decay * counts[0] + hits
-            counts[1] = self.decay * counts[1] + tries
+            if tries:
+                counts[0] = self.decay * counts[0] + hits
+                counts[1] = self.decay * counts[1] + tries
+            else:  # no evidence (a one-node draft tells nothing of depth): drift back as a plain step does
+                counts[0] = self.decay * counts[0] + self.PROBE
+                counts[1] = self.decay * counts[1] + self.PROBE
 
     def weigh(self, draft: DraftTree) -> DraftTree:
         """The draft with each node's chance of acceptance corrected by these rates (never above its parent's)."""

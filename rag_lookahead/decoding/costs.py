@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from rag_lookahead.atomic import write_json_atomic
-from rag_lookahead.cpu_linear import onednn_linear_works
+from rag_lookahead.cpu_linear import mkl_packed_works, onednn_linear_works
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
@@ -75,9 +75,10 @@ def _curve_key(model) -> str | None:
 
 
 def _linears_key(model) -> str:
-    """How many linears ``cpu_linear`` patched, and whether they take oneDNN's kernel (only then)."""
+    """How many linears ``cpu_linear`` patched, and which kernels they take (only then)."""
     count = getattr(model, "_rag_lookahead_few_token_linears", 0)
-    return f"few-token linears {count}{' onednn' if count and onednn_linear_works() else ''}"
+    kernels = [name for name, works in (("mkl-packed", mkl_packed_works), ("onednn", onednn_linear_works)) if works()]
+    return f"few-token linears {count}{''.join(' ' + k for k in kernels) if count else ''}"
 
 
 def model_devices(model) -> list[torch.device]:

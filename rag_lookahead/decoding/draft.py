@@ -37,6 +37,17 @@ class DraftTree:
         """``(parent, token) -> node``: where a chosen token leads (parent -1 is the root)."""
         return {(parent, token): i for i, (parent, token) in enumerate(zip(self.parents, self.tokens))}
 
+    def path_of(self, tokens: list[int]) -> list[int]:
+        """The nodes that spell the longest prefix of ``tokens`` from the root (root to leaf)."""
+        children, path, parent = self.children(), [], -1
+        for token in tokens:
+            node = children.get((parent, token))
+            if node is None:
+                break
+            path.append(node)
+            parent = node
+        return path
+
     def top(self, k: int) -> DraftTree:
         """The k likeliest nodes; still a tree because no child is likelier than its parent."""
         if k >= len(self):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rag_lookahead.decoding.acceptance import AcceptanceRates
+from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.sampling import TokenChooser
 
 
@@ -31,6 +32,7 @@ class Row:
     position: int = 0  # cache entries this row owns = position id of its pending token (or next prompt chunk)
     done: bool = False
     draft_state: Any = None  # what the batch's drafter keeps for this row (the trie drafter: its context pool)
+    candidates: DraftTree | None = None  # the weighed tree this step's draft was cut from (judges what was cut)
 
     @property
     def prompt_length(self) -> int:

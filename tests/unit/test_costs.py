@@ -75,6 +75,46 @@ def test_acceptance_rates_learn_how_deep_a_row_keeps_copying():
     assert allocate([written_off.weigh(chain)], costs)[0] >= 1
 
 
+def test_one_node_drafts_do_not_keep_a_row_shallow_for_good():
+    """Accepted single-token drafts say nothing about depth: onward drifts back up, so the row
+    tries deeper drafts again instead of one-node drafts for the rest of its answer."""
+    chain = _chain([1.0] * 24)
+    rates = AcceptanceRates()
+    for _ in range(6):
+        rates.observe(chain, [0])  # the answer departs after one token, every time
+    low = rates.onward
+    assert low < 0.2
+    for _ in range(10):
+        rates.observe(chain.top(1), [0])  # cheap one-node drafts, each accepted
+    assert rates.onward > 2 * low and rates.first > 0.9
+
+
+def test_a_draft_tree_finds_the_path_its_tokens_spell():
+    tree = DraftTree(tokens=[5, 6, 7, 8], parents=[-1, 0, 0, 2], depths=[1, 2, 2, 3], probs=[1.0, 0.5, 0.5, 0.5])
+    assert tree.path_of([5, 7, 8, 9]) == [0, 2, 3]
+    assert tree.path_of([5, 6, 8]) == [0, 1]
+    assert tree.path_of([6]) == [] and tree.path_of([]) == []
+
+
+def test_nodes_the_budget_cut_are_judged_by_the_bonus_token():
+    """open_end: the bonus token matched the first cut node, so nothing below it is known to
+    fail. A row kept to one-node drafts then learns onward from each step (and recovers fast),
+    and a verified failure below still counts as one."""
+    chain = _chain([1.0] * 24)
+    judged, blind = AcceptanceRates(), AcceptanceRates()
+    for rates in (judged, blind):
+        for _ in range(6):
+            rates.observe(chain, [0])  # the answer departs after one token
+    for _ in range(3):
+        judged.observe(chain, [0, 1], open_end=True)  # verified [0]; the bonus equals the cut node 1
+        blind.observe(chain.top(1), [0])  # the same step judged on the verified node alone
+    assert judged.onward > 0.5 > blind.onward
+    failing, open_below = AcceptanceRates(), AcceptanceRates()
+    failing.observe(chain, [0, 1])  # node 1's child was verified and failed
+    open_below.observe(chain, [0, 1], open_end=True)  # node 1's child was never verified
+    assert failing.onward < open_below.onward == 1.0
+
+
 def test_a_joining_row_starts_from_what_the_batch_has_met():
     costs = _costs(CPU_CURVE, (16,))
     chain = _chain([1.0] * 24)

@@ -25,8 +25,9 @@ def test_a_model_profile_fills_as_the_loop_learns_and_empties_on_reset():
     generate(model, [1, 2, 3, 1, 2], max_new_tokens=4)  # the auto budget measures the curve once
     summary = profile.as_dict()
     assert summary["tree_mask"] is True and sorted(summary["cost_curve"]) == profile.cost_curve.sizes
-    assert summary["step_costs_seen"] >= 1 and summary["output_pools"][28] > 0  # depth 24 + 4
-    assert "OutputPool(depth=28" in repr(profile)
+    depth = LookaheadConfig().branch_length + LookaheadConfig().max_key_length  # the default pool's depth
+    assert summary["step_costs_seen"] >= 1 and summary["output_pools"][depth] > 0
+    assert f"OutputPool(depth={depth}" in repr(profile)
     assert summary["drafts_met"]["TrieDrafter"].startswith("AcceptanceRates(")
     profile.reset()
     assert profile.as_dict()["tree_mask"] is None and profile.output_pools == {} and profile.step_costs is None
@@ -56,8 +57,9 @@ def test_output_pools_are_shared_per_trie_depth():
     generate(model, [5, 6, 7], max_new_tokens=6, config=deep)
     generate(model, [5, 6, 8], max_new_tokens=6, config=deep)
     pools = profile_of(model).output_pools
-    assert sorted(pools) == [8, 28] and pools[8].depth == 8 and pools[28].depth == 28
-    assert profile_of(model).output_pool(28, 10) is pools[28]  # the first call's pool, whatever bound is asked
+    d = deep.branch_length + deep.max_key_length
+    assert sorted(pools) == [8, d] and pools[8].depth == 8 and pools[d].depth == d
+    assert profile_of(model).output_pool(d, 10) is pools[d]  # the first call's pool, whatever bound is asked
 
 
 def test_reset_profiles_forgets_every_model():
