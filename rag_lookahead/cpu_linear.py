@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 
 import torch
 from torch import nn
@@ -80,8 +81,15 @@ def few_token_linear(
     few rows, else stock."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     fast = rows and not torch.is_grad_enabled()
-    if fast and packed is not None and rows in PACKED_TOKENS and not weight.is_inference() and mkl_packed_works():
-        flat = x.reshape(rows, x.shape[-1])
+    if (
+        fast
+        and packed is not None
+        and rows in PACKED_TOKENS
+        and x.dtype == weight.dtype
+        and not weight.is_inference()
+        and mkl_packed_works()
+    ):
+        flat = x.reshape(rows, x.shape[-1]).contiguous()
         return packed.linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
     if fast and rows in ONEDNN_TOKENS and onednn_linear_works():
         return onednn_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
@@ -98,19 +106,20 @@ class PackedWeight:
 
     Why the check: the copy is the weight's values at packing time; a weight edited in place
     (``load_state_dict``, fine-tuning steps) or replaced would otherwise keep computing with
-    the old values. The weight's storage and version counter say whether it is still the same
+    the old values. The weight's identity and version counter say whether it is still the same
     (inference tensors have no version counter: ``few_token_linear`` does not pack them).
     """
 
     def __init__(self) -> None:
-        self._key: tuple[int, int] | None = None
+        self._source: weakref.ref | None = None  # the tensor packed (a weak reference: a freed one never matches)
+        self._version = -1
         self._packed: torch.Tensor | None = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version)
-        if key != self._key or self._packed is None:
+        source = self._source() if self._source is not None else None
+        if source is not weight or weight._version != self._version or self._packed is None:
             self._packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_HINT)
-            self._key = key
+            self._source, self._version = weakref.ref(weight), weight._version
         # the row count must be x's own: MKL computes garbage for any other
         return torch.ops.mkl._mkl_linear(x, self._packed, weight, bias, x.shape[0])
 

@@ -79,6 +79,14 @@ def test_packed_weights_take_their_token_counts_only_without_autograd():
             got = few_token_linear(x, weight, bias, packed)
             assert torch.equal(got, PackedWeight().linear(x, weight, bias))
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(48, 3).t()  # a non-contiguous input (a transposed view)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            few_token_linear(strided, weight, bias, packed),
+            torch.nn.functional.linear(strided, weight, bias),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     trained = weight.clone().requires_grad_()
     few_token_linear(torch.randn(5, 48), trained, None, PackedWeight()).sum().backward()
     assert trained.grad is not None and trained.grad.abs().sum() > 0
