@@ -134,14 +134,7 @@ def mkl_packed_works() -> bool:
     """Whether this torch has MKL's packed linear and it computes ``functional.linear`` (checked once)."""
     if not torch.backends.mkl.is_available() or not hasattr(torch.ops.mkl, "_mkl_linear"):
         return False
-    try:
-        with torch.inference_mode(False), torch.no_grad():  # plain tensors, wherever the first call comes from
-            generator = torch.Generator().manual_seed(0)
-            x, weight, bias = (torch.randn(shape, generator=generator) for shape in ((3, 40), (24, 40), (24,)))
-            out = PackedWeight().linear(x, weight, bias)
-    except (RuntimeError, TypeError, NotImplementedError, AttributeError):
-        return False
-    return out.shape == (3, 24) and torch.allclose(out, functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+    return _computes_linear(lambda x, weight, bias: PackedWeight().linear(x, weight, bias))
 
 
 @functools.cache
@@ -149,12 +142,17 @@ def onednn_linear_works() -> bool:
     """Whether this torch has oneDNN's linear op and it computes ``functional.linear`` (checked once)."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
-    generator = torch.Generator().manual_seed(0)
-    x, weight, bias = (torch.randn(shape, generator=generator) for shape in ((3, 40), (24, 40), (24,)))
+    return _computes_linear(onednn_linear)
+
+
+def _computes_linear(kernel) -> bool:
+    """Whether ``kernel(x, weight, bias)`` runs here and equals ``functional.linear`` on a small case."""
     try:
-        with torch.no_grad():
-            out = onednn_linear(x, weight, bias)
-    except (RuntimeError, TypeError, NotImplementedError):
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, wherever the first call comes from
+            generator = torch.Generator().manual_seed(0)
+            x, weight, bias = (torch.randn(shape, generator=generator) for shape in ((3, 40), (24, 40), (24,)))
+            out = kernel(x, weight, bias)
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError):
         return False
     return out.shape == (3, 24) and torch.allclose(out, functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
 

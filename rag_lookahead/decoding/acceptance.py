@@ -65,22 +65,17 @@ class AcceptanceRates:
     def observe(self, draft: DraftTree, accepted: list[int], *, open_end: bool = False) -> None:
         """Update with one step's draft and its accepted nodes (root to leaf); ``open_end``: the
         children of the last accepted node were not verified (no failure below it is known)."""
-        if not draft.tokens:
-            for counts in (self._first, self._onward):
-                counts[0] = self.decay * counts[0] + self.PROBE
-                counts[1] = self.decay * counts[1] + self.PROBE
-            return
         onward_hits = max(len(accepted) - 1, 0)  # accepted nodes below an accepted node
         # the last one had a drafted child that was verified and failed
         failed_below = not open_end and bool(accepted) and accepted[-1] in draft.parents
         for counts, hits, tries in (
-            (self._first, min(len(accepted), 1), 1),
+            (self._first, min(len(accepted), 1), 1 if draft.tokens else 0),
             (self._onward, onward_hits, onward_hits + failed_below),
         ):
             if tries:
                 counts[0] = self.decay * counts[0] + hits
                 counts[1] = self.decay * counts[1] + tries
-            else:  # no evidence (a one-node draft tells nothing of depth): drift back as a plain step does
+            else:  # no evidence (no draft; for onward, single first tokens): drift back toward 1
                 counts[0] = self.decay * counts[0] + self.PROBE
                 counts[1] = self.decay * counts[1] + self.PROBE
 
