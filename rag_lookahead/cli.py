@@ -64,7 +64,9 @@ def index_command(
         None, "--index-dir", help="Index folder: new, empty, or an index built before (default: default_index_dir())."
     ),
     embedder: str | None = typer.Option(
-        None, "--embedder", help="e5-small (default), use, or a sentence-transformers name."
+        None,
+        "--embedder",
+        help="e5-small (default; int8 where it matches float32), e5-small-fp32, use, or a sentence-transformers name.",
     ),
     chunk_size: int = typer.Option(CHUNK_SIZE, "--chunk-size", help="Characters per chunk."),
     chunk_overlap: int = typer.Option(

