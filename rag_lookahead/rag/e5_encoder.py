@@ -145,15 +145,15 @@ class E5Encoder:
 
     def _attention(self, qkv: torch.Tensor, spans: Spans) -> torch.Tensor:
         """Self-attention of each text over its own tokens (no padding, no mask)."""
-        h, heads = self.hidden, self.heads
-        out = []
-        for start, end in spans:
-            q, k, v = (
-                qkv[start:end].view(end - start, 3, heads, h // heads).permute(1, 2, 0, 3).contiguous().unsqueeze(1)
-            )
-            ctx = F.scaled_dot_product_attention(q, k, v)  # [1, heads, tokens, head_dim]
-            out.append(ctx[0].transpose(0, 1).reshape(end - start, h))
-        return out[0] if len(out) == 1 else torch.cat(out)
+        if len(spans) == 1:
+            return self._attend(qkv)
+        return torch.cat([self._attend(qkv[start:end]) for start, end in spans])
+
+    def _attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        n, h, heads = qkv.shape[0], self.hidden, self.heads
+        q, k, v = qkv.view(n, 3, heads, h // heads).permute(1, 2, 0, 3).contiguous().unsqueeze(1)
+        context = F.scaled_dot_product_attention(q, k, v)  # [1, heads, tokens, head_dim]
+        return context[0].transpose(0, 1).reshape(n, h)
 
     def _norm(self, x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return F.layer_norm(x, (self.hidden,), *weight_bias, self.eps)
