@@ -6,8 +6,9 @@ output layer computes all of the vocabulary's logits to find it. On the default 
 ~210) and more of a draft verification (66-106 ms for 9-17 tokens, with ``cpu_linear``).
 
 How, and why the token stays exactly the model's: the weights are also kept as int8 (one scale
-per vocabulary row), and each hidden vector is written as two signed 7-bit digits. fbgemm's
-int8 product then gives every logit up to an error we bound from the quantities themselves:
+per vocabulary row), and each hidden vector is written as two signed 7-bit digits. torch's
+int8 product (oneDNN where torch has it, else fbgemm) then gives every logit up to an error we
+bound from the quantities themselves:
 ``|W - Ŵ|`` per weight (measured once, at build) times ``|x̂|`` summed, plus ``|W|`` summed times
 the digits' leftover ``|x - x̂|`` (measured per call), plus fp32 rounding of both our estimate
 and the model's own logit. Every token whose estimate lies within twice that bound of the best
@@ -23,7 +24,7 @@ steps of several rows ask for every position at once (walked by level, they paid
 
 Only where it is sound and measured to pay: fp32 weights on a CPU with a quantized engine,
 an ``nn.Linear`` output layer without bias, a transformers model whose logits are that layer's
-output unchanged (no soft-capping or logit scale). A build-time self-test checks fbgemm's sums
+output unchanged (no soft-capping or logit scale). A build-time self-test checks the kernel's sums
 against exact arithmetic; if they differ, the model keeps its full output layer. Only greedy
 rows without logprobs use it (sampling needs every probability). ``load_model`` applies it to
 fp32 CPU models, built on the first greedy step; :func:`screen_greedy_head` for your own model,
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from rag_lookahead.int8_linear import prepack
 
 __all__ = [
     "GreedyHead",
@@ -74,7 +77,7 @@ class GreedyHead:
     """The int8 screen of one output layer, and the fp32 weights it answers for."""
 
     weight: torch.Tensor  # (vocab, hidden) fp32, the layer's own
-    packed: object  # fbgemm's packed int8 weights
+    packed: object  # the int8 kernel's packed weights
     weight_error: float  # max over all weights of |W - Ŵ|
     row_l1: float  # max over vocabulary rows of sum |W|
     hook: object  # the forward pre-hook on the layer
@@ -95,7 +98,7 @@ class GreedyHead:
         digit1 = torch.round(x / step1).clamp_(-64, 63)
         step2 = step1 / 126
         digit2 = torch.round((x - digit1 * step1) / step2).clamp_(-64, 63)
-        span = torch.zeros(1, x.shape[1])  # -64 and 63 present: fbgemm's scale is exactly 1, zero point 64
+        span = torch.zeros(1, x.shape[1])  # -64 and 63 present: the input's scale is exactly 1, zero point 64
         span[0, 0], span[0, -1] = -64, 63
         sums = torch.ops.quantized.linear_dynamic(torch.cat([digit1, digit2, span]), self.packed, True)
         estimate = sums[:n].mul_(step1).add_(sums[n : 2 * n].mul_(step2))
@@ -156,6 +159,10 @@ class GreedyTokens(Sequence):
         if self._tokens[r] is None:
             self._tokens[r] = self._resolve(r)
         return self._tokens[r]
+
+    def screened(self, index: int) -> bool:
+        """Whether position ``index`` (of this view) has been screened (read or prefetched)."""
+        return self._tokens[self._start + index] is not _UNSCREENED
 
     @torch.inference_mode()
     def prefetch(self, indices) -> None:
@@ -228,7 +235,7 @@ def _output_layer(model) -> nn.Module | None:
 
 
 def _attach(model, layer: nn.Linear) -> bool:
-    """Build the screen of ``layer`` and hook it in (False: fbgemm failed the self-test)."""
+    """Build the screen of ``layer`` and hook it in (False: the int8 kernel failed the self-test)."""
     built = _build(layer.weight.detach())
     if built is None:
         return False
@@ -296,7 +303,7 @@ def unsupported_reason(model) -> str | None:
     if weight.shape[0] < 2:
         return "a vocabulary of one token needs no screen"
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return "only fp32 weights on a CPU (fbgemm's int8 kernels)"
+        return "only fp32 weights on a CPU (torch's int8 kernels)"
     if not set(torch.backends.quantized.supported_engines) & {"fbgemm", "x86"}:
         return "this torch build has no fbgemm/x86 quantized engine"
     return None
@@ -324,14 +331,14 @@ def _capture_input(module: nn.Module, args: tuple) -> tuple | None:
 
 
 def _build(weight: torch.Tensor) -> tuple[object, float, float] | None:
-    """Quantize and pack the weights, and prove on them that fbgemm sums exactly (None: it does not)."""
+    """Quantize and pack the weights, and prove on them that the int8 kernel sums exactly (None: it does not)."""
     scales = (weight.abs().amax(1) / 127).clamp_min(1e-30).double()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notices that its eager int8 API is deprecated
         quantized = torch.quantize_per_channel(
             weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8
         )
-        packed = torch.ops.quantized.linear_prepack(quantized, None)
+        packed = prepack(quantized, None)
     ints = quantized.int_repr()
     used_scales = quantized.q_per_channel_scales().double()
     scales32 = used_scales.float()
@@ -347,7 +354,7 @@ def _build(weight: torch.Tensor) -> tuple[object, float, float] | None:
 
 
 def _sums_exactly(packed, ints: torch.Tensor, scales: torch.Tensor) -> bool:
-    """fbgemm on extreme and random digits (and the span row) against exact integer sums."""
+    """The int8 kernel on extreme and random digits (and the span row) against exact integer sums."""
     generator = torch.Generator().manual_seed(0)
     width = ints.shape[1]
     digits = torch.randint(-64, 64, (4, width), generator=generator).float()

@@ -1,7 +1,7 @@
 """The e5-small encoder (BERT, post-norm) in plain torch over packed sequences.
 
 Why not ``transformers.BertModel``: a padded batch makes every token pay for the longest text and
-mixes texts in each linear's input, and per-sequence int8 quantization (:mod:`.int8_linear`) needs
+mixes texts in each linear's input, and per-sequence int8 quantization (:mod:`rag_lookahead.int8_linear`) needs
 each text's rows on their own. Here a batch is the texts' tokens laid end to end (no padding);
 linears, norms and GELU run over all rows at once, attention runs per text. A text's vector is the
 same whichever texts share its batch.
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from rag_lookahead.errors import ConfigError, ModelLoadError
+from rag_lookahead.int8_linear import DenseLinear, Int8Linear, Spans, quantized_linear
 from rag_lookahead.rag.e5 import PASSAGE_PREFIX, Q4_BLOCK, E5File, E5Tokenizer, dequantize_q4
-from rag_lookahead.rag.int8_linear import DenseLinear, Int8Linear, Spans, quantized_linear
 
 __all__ = ["PRECISIONS", "E5Encoder"]
 

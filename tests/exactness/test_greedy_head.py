@@ -111,6 +111,31 @@ def test_a_walk_screens_a_level_with_its_guesses_and_rows_together_at_once():
     assert screened == [list(range(8))]  # several rows: one product
 
 
+def test_a_walk_down_a_long_accepted_chain_screens_it_in_blocks():
+    """A 20-node chain the model accepts whole: the walk screens the root's position with the next
+    7 down the line, and again only where it reaches a position not screened yet, so 21 positions
+    take 3 products (refilling the line at every level took 14: 8 positions, then one a level)."""
+    from rag_lookahead.greedy_head import SCREEN_WIDTH
+
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(300, 24, generator=generator) * 0.05
+    hidden = torch.randn(21, 24, generator=generator)
+    head = _screened(weight)
+    full = (hidden @ weight.T).argmax(-1).tolist()
+    chain = DraftTree(tokens=full[:20], parents=[-1, *range(19)], depths=list(range(1, 21)), probs=[0.9] * 20)
+    sizes = []
+    real_screen = head.screen
+
+    def screen(x):
+        sizes.append(x.shape[0])
+        return real_screen(x)
+
+    head.screen = screen
+    walked = longest_paths([chain], head.argmax(hidden), [0])
+    assert walked == longest_paths([chain], full, [0]) and walked[0].nodes == list(range(20))
+    assert sizes == [SCREEN_WIDTH, SCREEN_WIDTH, 21 - 2 * SCREEN_WIDTH]
+
+
 def test_exact_ties_resolve_to_the_first_index_like_argmax():
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(400, 32, generator=generator) * 0.05

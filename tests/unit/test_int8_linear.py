@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rag_lookahead.rag.int8_linear import DenseLinear, quantized_linear
+from rag_lookahead.int8_linear import DenseLinear, quantized_linear
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

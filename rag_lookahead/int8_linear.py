@@ -1,10 +1,13 @@
-"""Linear layers for the embedding encoder: float32, or int8 with each sequence quantized on its own.
+"""int8 linears on the CPU: packing on the faster engine, and the embedding encoder's layers.
 
-Why int8: embedding a chunk is compute-bound (~10 GFLOP for a 240-token chunk through e5-small),
-and on CPUs with int8 dot-product instructions (AVX512-VNNI, AVX-VNNI) torch's dynamic int8 linear
-runs 2-2.5x the float32 GEMM's rate. Weights are quantized once per output channel; activations are
-quantized at each call with one scale for the whole input, so :class:`Int8Linear` calls it once per
-sequence: a text's vector never depends on which other texts shared its batch.
+:func:`prepack` packs a quantized weight on oneDNN where torch has it (the LLM's output-layer
+screen, :mod:`rag_lookahead.greedy_head`, and the encoder below use it). The encoder's layers are
+float32 or int8 with each sequence quantized on its own. Why int8 there: embedding a chunk is
+compute-bound (~10 GFLOP for a 240-token chunk through e5-small), and on CPUs with int8
+dot-product instructions (AVX512-VNNI, AVX-VNNI) torch's dynamic int8 linear runs 2-2.5x the
+float32 GEMM's rate. Weights are quantized once per output channel; activations are quantized at
+each call with one scale for the whole input, so :class:`Int8Linear` calls it once per sequence:
+a text's vector never depends on which other texts shared its batch.
 
 torch marks its quantized-tensor API deprecated; it is used only behind :func:`quantized_linear`,
 which returns ``None`` where the kernel is missing, and the encoder checks the int8 model against
@@ -19,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DenseLinear", "Int8Linear", "Spans", "quantized_linear"]
+__all__ = ["DenseLinear", "Int8Linear", "Spans", "prepack", "quantized_linear"]
 
 Spans = Sequence[tuple[int, int]]  # [start, end) rows of each sequence in a packed batch
 
@@ -54,9 +57,22 @@ class Int8Linear:
         return torch.cat([run(x[start:end], self.packed, False) for start, end in spans])
 
 
-#: oneDNN's kernel ran e5-small's four linear shapes in 1.06 ms against fbgemm's 1.18 (240 rows,
-#: AVX512-VNNI Xeon); a packed weight keeps the engine it was packed with
+#: oneDNN's kernel ran e5-small's four linear shapes in 1.06 ms against fbgemm's 1.18 (240 rows),
+#: and the default LLM's int8 output-layer screen (151,936 x 896) in 7.6/11.7/18.6 ms against
+#: 12.3/15.4/23.8 for 1/8/16 positions (AVX512-VNNI Xeon); a packed weight keeps its engine
 PREFERRED_ENGINE = "onednn"
+
+
+def prepack(qweight: torch.Tensor, bias: torch.Tensor | None):
+    """``torch.ops.quantized.linear_prepack`` on :data:`PREFERRED_ENGINE` where torch has it (the
+    process-wide engine setting is restored)."""
+    engine = torch.backends.quantized.engine
+    try:
+        if PREFERRED_ENGINE in torch.backends.quantized.supported_engines:
+            torch.backends.quantized.engine = PREFERRED_ENGINE
+        return torch.ops.quantized.linear_prepack(qweight, bias)
+    finally:
+        torch.backends.quantized.engine = engine
 
 
 def quantized_linear(
@@ -69,18 +85,13 @@ def quantized_linear(
         weight = weight * input_scale
     scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
     zero = torch.zeros(weight.shape[0], dtype=torch.long)
-    engine = torch.backends.quantized.engine
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch's deprecation notice for quantized tensors
             qweight = torch.quantize_per_channel(weight.float(), scales, zero, 0, torch.qint8)
-            if PREFERRED_ENGINE in torch.backends.quantized.supported_engines:
-                torch.backends.quantized.engine = PREFERRED_ENGINE
-            return Int8Linear(torch.ops.quantized.linear_prepack(qweight, bias.float()), input_scale)
+            return Int8Linear(prepack(qweight, bias.float()), input_scale)
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
-    finally:
-        torch.backends.quantized.engine = engine
 
 
 try:
