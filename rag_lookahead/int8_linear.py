@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DenseLinear", "Int8Linear", "Spans", "prepack", "quantized_linear"]
+__all__ = ["DenseLinear", "Int8Linear", "Spans", "packing_engine", "prepack", "quantized_linear"]
 
 Spans = Sequence[tuple[int, int]]  # [start, end) rows of each sequence in a packed batch
 
@@ -63,13 +63,19 @@ class Int8Linear:
 PREFERRED_ENGINE = "onednn"
 
 
+def packing_engine() -> str:
+    """The quantized engine :func:`prepack` packs on."""
+    if PREFERRED_ENGINE in torch.backends.quantized.supported_engines:
+        return PREFERRED_ENGINE
+    return torch.backends.quantized.engine
+
+
 def prepack(qweight: torch.Tensor, bias: torch.Tensor | None):
-    """``torch.ops.quantized.linear_prepack`` on :data:`PREFERRED_ENGINE` where torch has it (the
-    process-wide engine setting is restored)."""
+    """``torch.ops.quantized.linear_prepack`` on :func:`packing_engine` (the process-wide engine
+    setting is restored)."""
     engine = torch.backends.quantized.engine
     try:
-        if PREFERRED_ENGINE in torch.backends.quantized.supported_engines:
-            torch.backends.quantized.engine = PREFERRED_ENGINE
+        torch.backends.quantized.engine = packing_engine()
         return torch.ops.quantized.linear_prepack(qweight, bias)
     finally:
         torch.backends.quantized.engine = engine

@@ -25,6 +25,7 @@ from rag_lookahead.cpu_linear import mkl_packed_works, onednn_linear_works
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
+from rag_lookahead.int8_linear import packing_engine
 
 
 @dataclass
@@ -69,9 +70,15 @@ def _curve_key(model) -> str | None:
             torch.get_num_threads(),
             torch.__version__,
             _linears_key(model),
-            f"greedy head {'screened, every position timed' if greedy_head_of(model) is not None else 'full'}",
+            _greedy_head_key(model),
         )
     )
+
+
+def _greedy_head_key(model) -> str:
+    if greedy_head_of(model) is None:
+        return "greedy head full"
+    return f"greedy head screened on {packing_engine()}, every position timed"
 
 
 def _linears_key(model) -> str:
