@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rag_lookahead.int8_linear import prepack
+from rag_lookahead.int8_linear import quantize_and_pack
 
 __all__ = [
     "GreedyHead",
@@ -332,13 +332,7 @@ def _capture_input(module: nn.Module, args: tuple) -> tuple | None:
 
 def _build(weight: torch.Tensor) -> tuple[object, float, float] | None:
     """Quantize and pack the weights, and prove on them that the int8 kernel sums exactly (None: it does not)."""
-    scales = (weight.abs().amax(1) / 127).clamp_min(1e-30).double()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's notices that its eager int8 API is deprecated
-        quantized = torch.quantize_per_channel(
-            weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8
-        )
-        packed = prepack(quantized, None)
+    quantized, packed = quantize_and_pack(weight, None, 1e-30)
     ints = quantized.int_repr()
     used_scales = quantized.q_per_channel_scales().double()
     scales32 = used_scales.float()

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DenseLinear", "Int8Linear", "Spans", "packing_engine", "prepack", "quantized_linear"]
+__all__ = ["DenseLinear", "Int8Linear", "Spans", "packing_engine", "prepack", "quantize_and_pack", "quantized_linear"]
 
 Spans = Sequence[tuple[int, int]]  # [start, end) rows of each sequence in a packed batch
 
@@ -81,6 +81,17 @@ def prepack(qweight: torch.Tensor, bias: torch.Tensor | None):
         torch.backends.quantized.engine = engine
 
 
+def quantize_and_pack(weight: torch.Tensor, bias: torch.Tensor | None, smallest_scale: float):
+    """``(int8 weight, packed weight)``: ``weight`` [out, in] quantized symmetrically per output row
+    (scale = the row's largest magnitude / 127, at least ``smallest_scale``), packed by :func:`prepack`."""
+    scales = (weight.abs().amax(dim=1) / 127).clamp_min(smallest_scale).double()
+    zero = torch.zeros(weight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notices that its quantized-tensor API is deprecated
+        quantized = torch.quantize_per_channel(weight, scales, zero, 0, torch.qint8)
+        return quantized, prepack(quantized, bias)
+
+
 def quantized_linear(
     weight: torch.Tensor, bias: torch.Tensor, input_scale: torch.Tensor | None = None
 ) -> Int8Linear | None:
@@ -89,13 +100,8 @@ def quantized_linear(
         return None
     if input_scale is not None:
         weight = weight * input_scale
-    scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
-    zero = torch.zeros(weight.shape[0], dtype=torch.long)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # torch's deprecation notice for quantized tensors
-            qweight = torch.quantize_per_channel(weight.float(), scales, zero, 0, torch.qint8)
-            return Int8Linear(prepack(qweight, bias.float()), input_scale)
+        return Int8Linear(quantize_and_pack(weight.float(), bias.float(), 1e-12)[1], input_scale)
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
 

@@ -24,8 +24,9 @@ from rag_lookahead.rag.e5 import PASSAGE_PREFIX, Q4_BLOCK, E5File, E5Tokenizer, 
 __all__ = ["PRECISIONS", "E5Encoder"]
 
 PRECISIONS = ("auto", "int8", "fp32")
-#: "auto" uses int8 only if its vectors for two calibration texts are this close to float32's
+#: "auto" uses int8 only if its vectors for the first PROBE_TEXTS calibration texts are this close to float32's
 PROBE_MIN_COSINE = 0.99
+PROBE_TEXTS = 2
 #: SmoothQuant's migration strength per linear (none for the attention output: no gain measured).
 #: The FFN's second linear reads GELU outputs with a few channels far above the rest. Mean cosine
 #: to float32 on 96 realistic Chinese chunks: 0.9980 unsmoothed, 0.9989 with ffn_out 0.75, 0.9993 with
@@ -75,7 +76,7 @@ class E5Encoder:
         self.precision = "fp32"
         if precision != "fp32":
             first_window = [self.windows(tokenizer.encode(PASSAGE_PREFIX + text))[0] for text in calibration_texts()]
-            self._use_int8(first_window[:2], first_window, precision)
+            self._use_int8(first_window, precision)
 
     # ------------------------------------------------------------------ construction
 
@@ -95,13 +96,13 @@ class E5Encoder:
             output_norm=(t[f"{prefix}oln.w"], t[f"{prefix}oln.b"]),
         )
 
-    def _use_int8(self, probe: list[list[int]], calibration: list[list[int]], precision: str) -> None:
+    def _use_int8(self, calibration: list[list[int]], precision: str) -> None:
         peaks = _InputPeaks()
         self.layers = [
             replace(layer, **{n: peaks.watch(i, n, getattr(layer, n)) for n in SMOOTHING})
             for i, layer in enumerate(self._dense)
         ]
-        self.forward(calibration)
+        exact = self.forward(calibration)[:PROBE_TEXTS]
         self.layers = self._dense
         try:
             quantized = [
@@ -112,9 +113,8 @@ class E5Encoder:
             if precision == "int8":
                 raise ModelLoadError("this torch build has no dynamic int8 linear; use precision='fp32'") from None
             return
-        exact = self.forward(probe)
         self.layers = quantized
-        if precision == "auto" and _cosines(self.forward(probe), exact).min() < PROBE_MIN_COSINE:
+        if precision == "auto" and _cosines(self.forward(calibration[:PROBE_TEXTS]), exact).min() < PROBE_MIN_COSINE:
             self.layers = self._dense  # e.g. a CPU whose int8 kernel saturates: keep float32
             return
         self.precision = "int8"

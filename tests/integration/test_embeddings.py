@@ -156,7 +156,7 @@ def test_int8_is_used_where_it_matches_and_keeps_the_vectors(e5, e5_fp32):
     chunks = br.chunk_dataset("realistic-zh", br.load_dataset("realistic-zh")[:16]).chunks
     if e5._encoder.precision != "int8":
         forced = E5SmallEmbedder(precision="int8")
-        texts = e5_encoder.calibration_texts()[:2]  # the texts "auto" checks
+        texts = e5_encoder.calibration_texts()[: e5_encoder.PROBE_TEXTS]  # the texts "auto" checks
         probe = [e5_fp32._encoder.windows(e5_fp32._tokenizer.encode("passage: " + t))[0] for t in texts]
         got, want = forced._encoder.forward(probe), e5_fp32._encoder.forward(probe)
         assert e5_encoder._cosines(got, want).min() < e5_encoder.PROBE_MIN_COSINE
