@@ -25,6 +25,20 @@ Three kernels, best first where this torch has them:
   forward over a 400-token cache took 214 ms for 1 token, 443/521/511 ms for 2/4/8 tokens the
   stock way and 221/236/266 ms this way; 16/32/64 tokens 481/819/1276 ms against 417/610/940.
 
+**bf16 weights** (on a CPU with AVX512-BF16 but no AMX tiles, the only kind measured): bf16
+GEMMs of a few dozen rows there run at ~130 GFLOP/s, below fp32's ~260, so a draft of 32-64
+tokens cost 290-500 ms a forward against ~85 ms for one token. Two packed copies, made on
+first use: oneDNN's reordered bf16 weight for 1-``BF16_ONEDNN_TOKENS`` rows, and MKL's packed
+fp32 copy of the same values for the rest of ``PACKED_TOKENS`` rows, whose sums are rounded to
+bf16 once at the end. That is what a bf16 GEMM computes (products of bf16 values are exact in
+fp32, summed in fp32, rounded once) in another order, so the output differs from stock only in
+the last bit now and then, as any other bf16 kernel's would (bf16 answers were never
+bit-stable across batch shapes; see the README). The default model's forward over a 256-token
+cache, stock -> this layout (output layer included), 2 threads: 1/8/16/32/48/64 tokens
+83-98/133-145/185/287-294/389-391/493-497 ms -> 66-68/111/153-154/219-222/272-282/327-337 ms.
+Cost: 6 bytes more per weight (the default model: ~2.7 GB), so :func:`speed_up_cpu_linears`
+applies it only while that stays under half the memory available.
+
 Packed and oneDNN kernels run only without autograd (``no_grad``/``inference_mode``, where
 decoding runs); with autograd on, the swapped product. Only the layout of one matrix product
 changes: the same weights, the same sums (the rounding may differ in the last bits, as any
@@ -45,11 +59,15 @@ from torch import nn
 from torch.nn import functional
 
 __all__ = [
+    "BF16_ONEDNN_TOKENS",
     "FEW_TOKENS",
     "MIN_WEIGHT_ELEMENTS",
     "ONEDNN_TOKENS",
     "PACKED_TOKENS",
     "PackedWeight",
+    "bf16_layout_applies",
+    "bf16_packed_works",
+    "cpu_bf16",
     "few_token_linear",
     "mkl_packed_works",
     "onednn_linear",
@@ -66,6 +84,8 @@ ONEDNN_TOKENS = frozenset({1, *range(6, 29)})
 PACKED_TOKENS = range(1, 65)
 #: the row count MKL packs the weight for; 64 measured within noise of 32 for 1-32 rows, faster for 48-64
 PACK_HINT = 64
+#: bf16 row counts that take oneDNN's reordered bf16 weight; more (up to 64) take the packed fp32 copy
+BF16_ONEDNN_TOKENS = range(1, 17)
 #: smaller weights gained nothing measurable (896x896: within +-20% either way), so they keep the stock kernel
 MIN_WEIGHT_ELEMENTS = 1 << 20
 _MARK = "_rag_lookahead_few_token"
@@ -87,10 +107,12 @@ def few_token_linear(
         and rows in PACKED_TOKENS
         and x.dtype == weight.dtype
         and not weight.is_inference()
-        and mkl_packed_works()
+        and (mkl_packed_works() if weight.dtype == torch.float32 else bf16_packed_works())
     ):
         flat = x.reshape(rows, x.shape[-1]).contiguous()
         return packed.linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if weight.dtype != torch.float32:  # the kernels below were measured for fp32 only
+        return functional.linear(x, weight, bias)
     if fast and rows in ONEDNN_TOKENS and onednn_linear_works():
         return onednn_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if rows not in FEW_TOKENS:
@@ -102,9 +124,11 @@ def few_token_linear(
 
 
 class PackedWeight:
-    """A weight reordered for MKL's packed GEMM, redone when the weight changes.
+    """A weight's copies reordered for the packed kernels, made on first use, redone when the
+    weight changes: MKL's packed fp32 GEMM (of an fp32 weight, or of a bf16 weight's values),
+    and for bf16 weights also oneDNN's reordered bf16 weight.
 
-    Why the check: the copy is the weight's values at packing time; a weight edited in place
+    Why the check: a copy is the weight's values at packing time; a weight edited in place
     (``load_state_dict``, fine-tuning steps) or replaced would otherwise keep computing with
     the old values. The weight's identity and version counter say whether it is still the same
     (inference tensors have no version counter: ``few_token_linear`` does not pack them).
@@ -113,15 +137,34 @@ class PackedWeight:
     def __init__(self) -> None:
         self._source: weakref.ref | None = None  # the tensor packed (a weak reference: a freed one never matches)
         self._version = -1
-        self._packed: torch.Tensor | None = None
+        self._copies: dict[str, torch.Tensor] = {}
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``functional.linear`` of a 2-D ``x`` with the weight's dtype."""
+        rows = x.shape[0]  # the row count must be x's own: MKL computes garbage for any other
+        if weight.dtype == torch.float32:
+            return torch.ops.mkl._mkl_linear(x, self._copy(weight, "mkl"), weight, bias, rows)
+        if rows in BF16_ONEDNN_TOKENS:
+            return onednn_linear(x, self._copy(weight, "onednn"), bias)
+        # MKL checks the original weight's dtype and shape only: a stride-0 fp32 stand-in
+        stand_in = torch.zeros((), dtype=torch.float32).expand(weight.shape)
+        sums = torch.ops.mkl._mkl_linear(x.float(), self._copy(weight, "mkl"), stand_in, None, rows)
+        if bias is not None:
+            sums += bias
+        return sums.to(weight.dtype)
+
+    def _copy(self, weight: torch.Tensor, kind: str) -> torch.Tensor:
         source = self._source() if self._source is not None else None
-        if source is not weight or weight._version != self._version or self._packed is None:
-            self._packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_HINT)
+        if source is not weight or weight._version != self._version:
+            self._copies = {}
             self._source, self._version = weakref.ref(weight), weight._version
-        # the row count must be x's own: MKL computes garbage for any other
-        return torch.ops.mkl._mkl_linear(x, self._packed, weight, bias, x.shape[0])
+        if kind not in self._copies:
+            values = weight.detach()
+            if kind == "mkl":
+                self._copies[kind] = torch.ops.mkl._mkl_reorder_linear_weight(values.float(), PACK_HINT)
+            else:
+                self._copies[kind] = torch.ops.mkldnn._reorder_linear_weight(values, PACK_HINT)
+        return self._copies[kind]
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -145,16 +188,51 @@ def onednn_linear_works() -> bool:
     return _computes_linear(onednn_linear)
 
 
-def _computes_linear(kernel) -> bool:
-    """Whether ``kernel(x, weight, bias)`` runs here and equals ``functional.linear`` on a small case."""
+@functools.cache
+def bf16_packed_works() -> bool:
+    """Whether both of a bf16 weight's packed kernels run here and compute ``functional.linear``
+    to bf16 rounding, for rows on either side of ``BF16_ONEDNN_TOKENS`` (checked once)."""
+    if not (mkl_packed_works() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return all(
+        _computes_linear(lambda x, weight, bias: PackedWeight().linear(x, weight, bias), torch.bfloat16, rows)
+        for rows in (3, max(BF16_ONEDNN_TOKENS) + 3)
+    )
+
+
+def cpu_bf16() -> tuple[bool, bool]:
+    """Whether this CPU has native bf16 instructions (oneDNN's view), and AMX tiles."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), bool(torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):  # private API: say neither, the safe answer
+        return False, False
+
+
+def bf16_layout_applies() -> bool:
+    """Whether bf16 linears get the packed layout on this CPU: where it has AVX512-BF16 but no AMX
+    tiles (measured there; with AMX, oneDNN's stock bf16 kernels are another story, unmeasured)."""
+    native, amx = cpu_bf16()
+    return native and not amx and bf16_packed_works()
+
+
+def _computes_linear(kernel, dtype: torch.dtype = torch.float32, rows: int = 3) -> bool:
+    """Whether ``kernel(x, weight, bias)`` runs here and equals ``functional.linear`` on a small
+    case (fp32: to 1e-4; bf16: to its rounding, against the exact product)."""
     try:
         with torch.inference_mode(False), torch.no_grad():  # plain tensors, wherever the first call comes from
             generator = torch.Generator().manual_seed(0)
-            x, weight, bias = (torch.randn(shape, generator=generator) for shape in ((3, 40), (24, 40), (24,)))
+            x, weight, bias = (
+                torch.randn(shape, generator=generator).to(dtype) for shape in ((rows, 40), (24, 40), (24,))
+            )
             out = kernel(x, weight, bias)
     except (RuntimeError, TypeError, NotImplementedError, AttributeError):
         return False
-    return out.shape == (3, 24) and torch.allclose(out, functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+    if out.shape != (rows, 24) or out.dtype != dtype:
+        return False
+    if dtype == torch.float32:
+        return torch.allclose(out, functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+    exact = functional.linear(x.double(), weight.double(), bias.double())
+    return torch.allclose(out.double(), exact, rtol=2.0**-7, atol=1e-3)
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -163,24 +241,48 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def speed_up_cpu_linears(model: nn.Module, min_elements: int = MIN_WEIGHT_ELEMENTS) -> int:
     """Give every fp32 ``nn.Linear`` on the CPU with at least ``min_elements`` weights the few-token
-    product; returns how many layers have it (calling again changes nothing)."""
-    count = 0
+    product, and bf16 ones the packed bf16 layout where :func:`bf16_layout_applies` and its copies
+    fit in half the available memory; returns how many layers have it (calling again changes nothing)."""
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    chosen = []
     for module in model.modules():
         if type(module) is not nn.Linear:
             continue
+        weight = module.weight
+        if getattr(module, _MARK, False) or (
+            weight.device.type == "cpu" and weight.numel() >= min_elements and weight.dtype in _LAYOUT_DTYPES
+        ):
+            chosen.append(module)
+    bf16 = [m for m in chosen if m.weight.dtype == torch.bfloat16 and not getattr(m, _MARK, False)]
+    if bf16 and not (bf16_layout_applies() and _fits(sum(m.weight.numel() for m in bf16) * _BF16_EXTRA_BYTES)):
+        chosen = [m for m in chosen if m not in bf16]
+    for module in chosen:
         if not getattr(module, _MARK, False):
-            weight = module.weight
-            if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < min_elements:
-                continue
             module.forward = types.MethodType(_forward, module)
-            # packed on first use, so loading stays as fast; not the output layer (a vocabulary
-            # of rows: ~1 GB and 1.2 s more for the default model, and greedy steps screen it)
-            setattr(module, _PACKED, None if module is output else PackedWeight())
+            # packed on first use, so loading stays as fast. Not an fp32 output layer: a vocabulary
+            # of rows (~1 GB and 1.2 s more for the default model), and greedy steps screen it.
+            fp32_output = module is output and module.weight.dtype == torch.float32
+            setattr(module, _PACKED, None if fp32_output else PackedWeight())
             setattr(module, _MARK, True)
-        count += 1
-    _layout_changed(model, count)
-    return count
+    _layout_changed(model, len(chosen))
+    return len(chosen)
+
+
+_LAYOUT_DTYPES = (torch.float32, torch.bfloat16)
+#: a bf16 weight's packed copies: 2 bytes (oneDNN's bf16) + 4 (MKL's fp32) per weight
+_BF16_EXTRA_BYTES = 6
+
+
+def _fits(extra_bytes: int) -> bool:
+    """Whether ``extra_bytes`` stay under half of the memory available now (Linux; elsewhere: no)."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return extra_bytes < int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    return False
 
 
 def restore_linears(model: nn.Module) -> None:

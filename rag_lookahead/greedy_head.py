@@ -76,11 +76,17 @@ _capturing: contextvars.ContextVar[list | None] = contextvars.ContextVar("rag_lo
 class GreedyHead:
     """The int8 screen of one output layer, and the fp32 weights it answers for."""
 
-    weight: torch.Tensor  # (vocab, hidden) fp32, the layer's own
+    weight: torch.Tensor  # (vocab, hidden) fp32 or bf16, the layer's own
     packed: object  # the int8 kernel's packed weights
     weight_error: float  # max over all weights of |W - Ŵ|
     row_l1: float  # max over vocabulary rows of sum |W|
     hook: object  # the forward pre-hook on the layer
+
+    @property
+    def output_rounding(self) -> float:
+        """The model's logits' own rounding, relative: none beyond fp32 sums' (counted apart);
+        bf16 logits are fp32 sums rounded once more to bf16 (half of its 2^-7 spacing)."""
+        return 0.0 if self.weight.dtype == torch.float32 else torch.finfo(self.weight.dtype).eps / 2
 
     def argmax(self, hidden: torch.Tensor) -> GreedyTokens:
         """``(hidden @ weight.T).argmax(-1)`` for ``hidden`` of shape (n, hidden size), as a sequence
@@ -111,8 +117,10 @@ class GreedyHead:
             + _ROUNDING * x.shape[1] * self.row_l1 * biggest[:, 0].double()  # the model's own fp32 logit
             + 8 * 2.0**-24 * estimate.abs().amax(1).double()  # our estimate's rounding
         )
-        bound = (bound * (1 + 1e-6) + 1e-6).float()
         top = estimate.topk(2, dim=1)
+        if self.output_rounding:  # logits within the model's output rounding of the best can tie with it
+            bound = bound + self.output_rounding * 1.01 * (top.values[:, 0].abs().double() + bound)
+        bound = (bound * (1 + 1e-6) + 1e-6).float()
         threshold = top.values[:, 0] - 2 * bound
         tokens = top.indices[:, 0].tolist()
         uncertain = ((top.values[:, 1] >= threshold) | ~torch.isfinite(threshold)).tolist()
@@ -173,7 +181,9 @@ class GreedyTokens(Sequence):
             return
         x = self._x[todo]
         if len(todo) > MOST_POSITIONS:
-            for r, token in zip(todo, torch.nn.functional.linear(x, self._head.weight).argmax(-1).tolist()):
+            weight = self._head.weight
+            logits = torch.nn.functional.linear(x.to(weight.dtype), weight).float()
+            for r, token in zip(todo, logits.argmax(-1).tolist()):
                 self._tokens[r] = token
             return
         tokens, threshold, estimate = self._head.screen(x)
@@ -184,13 +194,15 @@ class GreedyTokens(Sequence):
 
     @torch.inference_mode()
     def _resolve(self, r: int) -> int:
-        """The exact fp32 logits of the candidates the screen left at position ``r``; their argmax."""
-        weight, x = self._head.weight, self._x[r]
+        """The candidates' logits at position ``r`` as the model computes them (fp32, or bf16 from
+        fp32 sums), and the first of their maxima, as the full layer's argmax takes."""
+        weight = self._head.weight
+        x = self._x[r].to(weight.dtype)  # exact: the hidden state came in the weights' dtype
         estimate, threshold = self._uncertain.pop(r)
         candidates = (estimate >= threshold).nonzero()[:, 0]
         if len(candidates) > _MAX_CANDIDATES or not torch.isfinite(threshold):  # also inf/NaN hidden states
-            return int((weight @ x).argmax())
-        return int(candidates[(weight[candidates] @ x).argmax()])
+            return int((weight @ x).float().argmax())
+        return int(candidates[(weight[candidates] @ x).float().argmax()])
 
 
 def greedy_head_of(model) -> GreedyHead | None:
@@ -236,7 +248,7 @@ def _output_layer(model) -> nn.Module | None:
 
 def _attach(model, layer: nn.Linear) -> bool:
     """Build the screen of ``layer`` and hook it in (False: the int8 kernel failed the self-test)."""
-    built = _build(layer.weight.detach())
+    built = _build(layer.weight.detach().float())  # bf16 weights: their exact fp32 values
     if built is None:
         return False
     _hook_in(model, layer, GreedyHead(layer.weight.detach(), *built, hook=None))
@@ -302,8 +314,8 @@ def unsupported_reason(model) -> str | None:
     weight = layer.weight
     if weight.shape[0] < 2:
         return "a vocabulary of one token needs no screen"
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return "only fp32 weights on a CPU (torch's int8 kernels)"
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return "only fp32 or bf16 weights on a CPU (torch's int8 kernels)"
     if not set(torch.backends.quantized.supported_engines) & {"fbgemm", "x86"}:
         return "this torch build has no fbgemm/x86 quantized engine"
     return None

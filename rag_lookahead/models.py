@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from rag_lookahead import embedded_model
-from rag_lookahead.cpu_linear import speed_up_cpu_linears
+from rag_lookahead.cpu_linear import cpu_bf16, speed_up_cpu_linears
 from rag_lookahead.embedded_model import DEFAULT_MODEL_NAME, EMBEDDED, EmbeddedModel
 from rag_lookahead.errors import ConfigError, ModelLoadError
 from rag_lookahead.greedy_head import screen_greedy_head
@@ -76,8 +76,9 @@ def load_model(
     off by default, since that code runs with your rights. The tree-mask probe then decides
     whether its attention takes tree drafts or single chains.
     ``few_token_linears``: an fp32 model on a CPU gets :mod:`rag_lookahead.cpu_linear`'s layout of
-    its large linear layers, so forwards of 2-64 tokens (draft verification) cost far less; one
-    token and long prompts are untouched. False keeps the stock layers.
+    its large linear layers, so forwards of 2-64 tokens (draft verification) cost far less; long
+    prompts are untouched. A bf16 model gets its packed bf16 layout on CPUs with AVX512-BF16 and
+    no AMX, where its copies fit (the default model: ~2.7 GB more). False keeps the stock layers.
     ``greedy_head``: an fp32 model on a CPU gets :mod:`rag_lookahead.greedy_head`'s int8 screen of
     its output layer, so greedy steps find their tokens without computing most logits (the same
     tokens, proven by an error bound; ~280 MB more memory for the default model), built on the
@@ -298,10 +299,8 @@ def _cpu_has_fast_bf16() -> bool:
     against 80/135/155/209 ms in fp32 (with ``cpu_linear`` and the screened output layer, which
     are fp32's); on 12+12 realistic RAG prompts lookahead ran 1.19-1.44x faster end to end in
     fp32, which is also exact. Without AVX512-BF16 bf16 is emulated and several times slower."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and bool(torch.cpu._is_amx_tile_supported())
-    except Exception:  # private API: fp32 is always correct and never far behind
-        return False
+    native, amx = cpu_bf16()
+    return native and amx
 
 
 def _cuda_has_native_bf16(device: torch.device) -> bool:

@@ -10,10 +10,13 @@ from tiny_models import ARCHITECTURES, DECODE_CASES, build_tiny_model, reference
 
 from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.cpu_linear import (
+    BF16_ONEDNN_TOKENS,
     FEW_TOKENS,
     ONEDNN_TOKENS,
     PACKED_TOKENS,
     PackedWeight,
+    bf16_layout_applies,
+    bf16_packed_works,
     few_token_linear,
     mkl_packed_works,
     onednn_linear,
@@ -119,7 +122,7 @@ def test_inference_tensors_are_not_packed():
         x = torch.randn(3, 48)
         packed = PackedWeight()
         got = few_token_linear(x, weight, None, packed)
-    assert packed._packed is None
+    assert not packed._copies
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
@@ -132,23 +135,85 @@ def test_the_swapped_product_runs_only_for_few_rows():
             assert same  # the stock kernel itself: bit for bit
 
 
-def test_patches_large_fp32_cpu_linears_only_and_undoes():
+def test_patches_large_cpu_linears_only_and_undoes():
+    """Large fp32 linears always; large bf16 ones where this CPU takes the bf16 layout; small ones never."""
     model = torch.nn.Sequential(
         torch.nn.Linear(1024, 1024),  # 1M weights: patched
         torch.nn.Linear(1024, 8),  # small: stock
-        torch.nn.Linear(1024, 1024).to(torch.bfloat16),  # not fp32: stock
+        torch.nn.Linear(1024, 1024).to(torch.bfloat16),  # bf16: patched where the layout applies
+        torch.nn.Linear(1024, 1024).to(torch.float16),  # fp16: stock
     )
+    bf16 = bf16_layout_applies()
     profile_of(model).cost_curve = CostCurve([1, 2], [0.1, 0.2])
-    assert speed_up_cpu_linears(model) == 1
-    assert "forward" in vars(model[0]) and "forward" not in vars(model[1]) and "forward" not in vars(model[2])
+    assert speed_up_cpu_linears(model) == 1 + bf16
+    patched = ["forward" in vars(m) for m in model]
+    assert patched == [True, False, bf16, False]
     assert isinstance(model[0]._rag_lookahead_packed, PackedWeight)
     assert profile_of(model).cost_curve is None  # costs measured under the old layout are forgotten
-    assert speed_up_cpu_linears(model) == 1  # again: no change
+    assert speed_up_cpu_linears(model) == 1 + bf16  # again: no change
     x = torch.randn(3, 1024)
     torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias))
     restore_linears(model)
     assert not any("forward" in vars(m) or "_rag_lookahead_packed" in vars(m) for m in model)
     assert model._rag_lookahead_few_token_linears == 0
+
+
+needs_bf16_packed = pytest.mark.skipif(not bf16_packed_works(), reason="this torch has no working bf16 packed kernels")
+
+
+@needs_bf16_packed
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(min_value=1, max_value=70),
+    features=st.integers(min_value=8, max_value=96),
+    outputs=st.integers(min_value=1, max_value=64),
+    bias=st.booleans(),
+    seed=st.integers(min_value=0, max_value=2**16),
+)
+def test_bf16_packed_kernels_compute_the_bf16_product(rows, features, outputs, bias, seed):
+    """A bf16 weight's packed kernels give bf16 outputs within bf16 rounding of the exact product,
+    as the stock kernel's are, and equal to it in nearly every element (the sums' order differs)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, features, generator=gen).bfloat16()
+    weight = torch.randn(outputs, features, generator=gen).bfloat16()
+    b = torch.randn(outputs, generator=gen).bfloat16() if bias else None
+    packed = PackedWeight()
+    with torch.no_grad():
+        got = few_token_linear(x, weight, b, packed)
+    stock = torch.nn.functional.linear(x, weight, b)
+    exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert got.dtype == torch.bfloat16 and got.shape == stock.shape
+    scale = x.double().abs() @ weight.double().abs().t() + (0 if b is None else b.double().abs())
+    assert ((got.double() - exact).abs() <= 2.0**-8 * exact.abs() + 2 * (features + 2) * 2.0**-24 * scale).all()
+    assert (got != stock).float().mean() <= 0.02
+    kinds = set(packed._copies)
+    if rows in BF16_ONEDNN_TOKENS:
+        assert kinds == {"onednn"}
+    elif rows <= 64:
+        assert kinds == {"mkl"}
+    else:
+        assert not kinds and torch.equal(got, stock)  # many rows: the stock kernel itself
+
+
+@needs_bf16_packed
+def test_a_bf16_packed_weight_follows_changes_to_the_weight():
+    weight = torch.randn(64, 48).bfloat16()
+    packed = PackedWeight()
+    with torch.no_grad():
+        for rows in (4, 40):  # one of each kernel
+            x = torch.randn(rows, 48).bfloat16()
+            first = few_token_linear(x, weight, None, packed)
+            weight.mul_(2.0)
+            again = few_token_linear(x, weight, None, packed)
+            torch.testing.assert_close(again, torch.nn.functional.linear(x, weight), rtol=2**-7, atol=1e-2)
+            assert not torch.allclose(again, first)
+
+
+def test_the_bf16_layout_needs_room_for_its_copies():
+    """Its copies (6 bytes a weight) are made only where they fit in half the available memory."""
+    from rag_lookahead.cpu_linear import _fits
+
+    assert _fits(1) and not _fits(1 << 60)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

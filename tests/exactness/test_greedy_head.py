@@ -136,6 +136,24 @@ def test_a_walk_down_a_long_accepted_chain_screens_it_in_blocks():
     assert sizes == [SCREEN_WIDTH, SCREEN_WIDTH, 21 - 2 * SCREEN_WIDTH]
 
 
+def test_bf16_logits_that_round_together_resolve_like_the_bf16_layer():
+    """A bf16 layer's logits are fp32 sums rounded to bf16, so tokens apart in fp32 can tie; the
+    screen must then give the first of them, as the bf16 layer's argmax does, not the fp32 best.
+    Weights on the int8 grid and integer hidden states make the screen's own bound tiny, so only
+    the output-rounding term keeps such ties open (without it this test fails)."""
+    generator = torch.Generator().manual_seed(5)
+    base = torch.randint(-100, 101, (1, 16), generator=generator)
+    weight = (base + torch.randint(-3, 4, (2000, 16), generator=generator)).float() / 64  # logits close together
+    weight[:, 0] = 127 / 64  # every row's scale exactly 1/64: int8 holds the weights exactly
+    hidden = torch.randint(-63, 64, (MOST_POSITIONS, 16), generator=generator).float()  # screened, not the full layer
+    hidden[:, 0] = 63  # the two digits hold it exactly
+    weight, hidden = weight.bfloat16(), hidden.bfloat16()  # all exact in bf16
+    layer = torch.nn.functional.linear(hidden, weight).float().argmax(-1).tolist()
+    in_fp32 = (hidden.float() @ weight.float().T).argmax(-1).tolist()
+    assert layer != in_fp32  # ties at bf16's spacing happen in this set
+    assert list(_screened(weight).argmax(hidden)) == layer
+
+
 def test_exact_ties_resolve_to_the_first_index_like_argmax():
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(400, 32, generator=generator) * 0.05
@@ -173,7 +191,8 @@ def test_applies_only_where_sound_and_undoes():
     weight = torch.randn(300, 16) * 0.05
     assert unsupported_reason(_Head(weight)) is None
     assert "bias" in unsupported_reason(_Head(weight, bias=True))
-    assert "fp32" in unsupported_reason(_Head(weight.to(torch.bfloat16)))
+    assert unsupported_reason(_Head(weight.to(torch.bfloat16))) is None
+    assert "fp32 or bf16" in unsupported_reason(_Head(weight.to(torch.float16)))
     capped = _Head(weight)
     capped.config.final_logit_softcapping = 30.0
     assert "softcapping" in unsupported_reason(capped)
