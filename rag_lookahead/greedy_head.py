@@ -22,12 +22,18 @@ walk down its tree asks for one level at a time, with the likeliest nodes below 
 ``sampling.longest_paths``), so a 40-node tree costs one or two products of up to 8 positions;
 steps of several rows ask for every position at once (walked by level, they paid more).
 
-Only where it is sound and measured to pay: fp32 weights on a CPU with a quantized engine,
+bf16 output layers (on a CPU) are screened the same way on their exact fp32 values: their logits
+are fp32 sums rounded once more to bf16, so tokens apart by less than that rounding can tie in
+the model's own logits; the bound is widened by it and the candidates' logits are computed in
+bf16, so the first of tied tokens wins as in the full layer. (As with any bf16 kernel, sums
+taken in another order can round differently; bf16 answers were never bit-stable.)
+
+Only where it is sound and measured to pay: fp32 or bf16 weights on a CPU with a quantized engine,
 an ``nn.Linear`` output layer without bias, a transformers model whose logits are that layer's
 output unchanged (no soft-capping or logit scale). A build-time self-test checks the kernel's sums
 against exact arithmetic; if they differ, the model keeps its full output layer. Only greedy
 rows without logprobs use it (sampling needs every probability). ``load_model`` applies it to
-fp32 CPU models, built on the first greedy step; :func:`screen_greedy_head` for your own model,
+fp32 and bf16 CPU models, built on the first greedy step; :func:`screen_greedy_head` for your own model,
 :func:`restore_greedy_head` undoes it, :func:`full_output_layer` sets it aside for a while.
 """
 
@@ -81,6 +87,7 @@ class GreedyHead:
     weight_error: float  # max over all weights of |W - Ŵ|
     row_l1: float  # max over vocabulary rows of sum |W|
     hook: object  # the forward pre-hook on the layer
+    layer: nn.Module | None = None  # the output layer itself: its forward computes the full logits
 
     @property
     def output_rounding(self) -> float:
@@ -93,6 +100,14 @@ class GreedyHead:
         of n ints computed when read: see :class:`GreedyTokens`."""
         x = hidden.reshape(-1, hidden.shape[-1]).float()
         return GreedyTokens(self, x, [_UNSCREENED] * x.shape[0], {})
+
+    def full(self, x: torch.Tensor) -> torch.Tensor:
+        """Every logit of the fp32 rows of ``x`` (exact in the weights' dtype), as the model computes
+        them: through the layer's own forward (``cpu_linear``'s layout where it has one), which
+        bypasses the capturing hook."""
+        x = x.to(self.weight.dtype)
+        out = self.layer.forward(x) if self.layer is not None else torch.nn.functional.linear(x, self.weight)
+        return out.float()
 
     @torch.inference_mode()
     def screen(self, x: torch.Tensor) -> tuple[list[int | None], torch.Tensor, torch.Tensor]:
@@ -181,9 +196,7 @@ class GreedyTokens(Sequence):
             return
         x = self._x[todo]
         if len(todo) > MOST_POSITIONS:
-            weight = self._head.weight
-            logits = torch.nn.functional.linear(x.to(weight.dtype), weight).float()
-            for r, token in zip(todo, logits.argmax(-1).tolist()):
+            for r, token in zip(todo, self._head.full(x).argmax(-1).tolist()):
                 self._tokens[r] = token
             return
         tokens, threshold, estimate = self._head.screen(x)
@@ -201,7 +214,7 @@ class GreedyTokens(Sequence):
         estimate, threshold = self._uncertain.pop(r)
         candidates = (estimate >= threshold).nonzero()[:, 0]
         if len(candidates) > _MAX_CANDIDATES or not torch.isfinite(threshold):  # also inf/NaN hidden states
-            return int((weight @ x).float().argmax())
+            return int(self._head.full(self._x[r : r + 1]).argmax())
         return int(candidates[(weight[candidates] @ x).float().argmax()])
 
 
@@ -251,7 +264,7 @@ def _attach(model, layer: nn.Linear) -> bool:
     built = _build(layer.weight.detach().float())  # bf16 weights: their exact fp32 values
     if built is None:
         return False
-    _hook_in(model, layer, GreedyHead(layer.weight.detach(), *built, hook=None))
+    _hook_in(model, layer, GreedyHead(layer.weight.detach(), *built, hook=None, layer=layer))
     return True
 
 

@@ -13,7 +13,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from rag_lookahead.decoding.config import LookaheadConfig
-from rag_lookahead.decoding.trie import ContextPool, NGramTrie, Node, OutputPool
+from rag_lookahead.decoding.trie import ContextPool, NGramTrie, OutputPool
 
 
 @dataclass
@@ -94,22 +94,23 @@ class _TreeBuilder:
     def full(self) -> bool:
         return len(self.tree) >= self.limit
 
-    def grow(self, start: Node, depth_cap: int) -> None:
-        """Add the likeliest continuations below ``start`` (best-first), merging shared prefixes."""
+    def grow(self, trie: NGramTrie, start: int, depth_cap: int) -> None:
+        """Add the likeliest continuations below ``trie``'s node ``start`` (best-first), merging shared prefixes."""
         depth_cap = min(depth_cap, self.max_depth)
         if depth_cap < 1:
             return
         tree = self.tree
-        heap: list[tuple[float, int, Node, int, int, int]] = []
+        heap: list[tuple[float, int, int, int, int, int]] = []
         tick = 0
 
-        def push(node: Node, parent: int, depth: int, prob: float) -> None:
+        def push(node: int, parent: int, depth: int, prob: float) -> None:
             nonlocal tick
-            total = sum(child.count for child in node.children.values())
-            for token, child in node.children.items():
+            children = trie.children(node)
+            total = sum(trie.count(child) for _, child in children)
+            for token, child in children:
                 tick += 1
                 heapq.heappush(
-                    heap, (-prob * (child.count / total), tick, child, parent, depth, token)
+                    heap, (-prob * (trie.count(child) / total), tick, child, parent, depth, token)
                 )  # share <= 1: a child never outranks its parent, even by rounding
 
         push(start, -1, 1, 1.0)
@@ -128,18 +129,18 @@ class _TreeBuilder:
                 tree.probs.append(prob)
             elif prob > tree.probs[index]:
                 tree.probs[index] = prob
-            if depth < depth_cap and node.children:
+            if depth < depth_cap and trie.has_children(node):
                 push(node, index, depth + 1, prob)
 
 
-def _longest_key(trie: NGramTrie, stream: list[int], config: LookaheadConfig) -> tuple[Node | None, int]:
+def _longest_key(trie: NGramTrie, stream: list[int], config: LookaheadConfig) -> tuple[int | None, int]:
     """The deepest node reached by a suffix of ``stream`` that has continuations."""
     longest = min(config.max_key_length, len(stream), trie.depth - 1)
     for length in range(longest, config.min_key_length - 1, -1):
         if length == 1 and stream[-1] in config.stop_words:
             break
         node = trie.find(stream[-length:])
-        if node is not None and node.children:
+        if node is not None and trie.has_children(node):
             return node, length
     return None, 0
 
@@ -149,10 +150,10 @@ def propose(context: ContextPool, output: OutputPool | None, config: LookaheadCo
     builder = _TreeBuilder(config.decoding_length, config.branch_length)
     node, key_length = _longest_key(context, context.stream, config)
     if node is not None:
-        builder.grow(node, context.depth - key_length)
+        builder.grow(context, node, context.depth - key_length)
     if output is not None and not builder.full:
         with output.lock:
             node, key_length = _longest_key(output.trie, context.stream, config)
             if node is not None:
-                builder.grow(node, output.depth - key_length)
+                builder.grow(output.trie, node, output.depth - key_length)
     return builder.tree

@@ -24,11 +24,11 @@ def _ngram_counts(tokens, depth):
 
 
 def _trie_counts(trie):
-    counts, stack = {}, [((), trie.root)]
+    counts, stack = {}, [((), trie.ROOT)]
     while stack:
         path, node = stack.pop()
-        for token, child in node.children.items():
-            counts[path + (token,)] = child.count
+        for token, child in trie.children(node):
+            counts[path + (token,)] = trie.count(child)
             stack.append((path + (token,), child))
     return counts
 
@@ -56,7 +56,7 @@ def test_references_do_not_join_across_sequences():
     trie.insert([1, 2])
     trie.insert([3, 4])
     assert trie.find([2, 3]) is None
-    assert trie.find([1, 2]).count == 1
+    assert trie.count(trie.find([1, 2])) == 1
 
 
 def test_output_pool_stays_bounded_and_keeps_frequent_ngrams():
@@ -68,6 +68,30 @@ def test_output_pool_stays_bounded_and_keeps_frequent_ngrams():
         assert pool.nodes <= 200
     assert pool.trie.find(frequent) is not None
     assert pool.trie.find([100, 200]) is None  # an old rare n-gram was forgotten
+
+
+def test_decay_halves_counts_and_keeps_children_in_order():
+    pool = OutputPool(depth=3, max_nodes=10**6)
+    for _ in range(4):
+        pool.add([1, 2, 3])
+    pool.add([1, 5])
+    pool.add([1, 4])
+    pool._decay()
+    trie = pool.trie
+    assert _trie_counts(trie) == {(1,): 3, (1, 2): 2, (1, 2, 3): 2, (2,): 2, (2, 3): 2, (3,): 2}
+    assert [token for token, _ in trie.children(trie.find([1]))] == [2]
+    assert pool.nodes == 6
+
+
+def test_the_trie_holds_no_objects_the_garbage_collector_walks():
+    import gc
+
+    pool = ContextPool(depth=8)
+    pool.extend(list(range(3000)))
+    before = len(gc.get_objects())
+    pool.extend(list(range(3000, 6000)))  # 24,000 more nodes
+    assert pool.nodes == 6000 * 8 - 28
+    assert len(gc.get_objects()) - before < 100
 
 
 def test_output_pool_is_safe_under_concurrent_writers():
@@ -162,7 +186,7 @@ def test_a_child_never_outranks_its_parent_by_rounding():
         for _ in range(3):
             trie.insert([100, i, 50 + i])
     builder = _TreeBuilder(limit=20, max_depth=2)
-    builder.grow(trie.find([100]), 2)
+    builder.grow(trie, trie.find([100]), 2)
     draft = builder.tree
     assert len(draft) == 20
     assert _is_tree(draft)
