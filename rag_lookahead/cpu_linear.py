@@ -89,6 +89,9 @@ PACK_HINT = 64
 BF16_ONEDNN_TOKENS = range(1, 17)
 #: rows of a bf16 input widened to fp32 at a time (their temporaries: 4 bytes x rows x (in + out))
 _WIDE_BLOCK = 1024
+#: a bf16 weight's packed copies: 2 bytes (oneDNN's bf16) + 4 (MKL's fp32) per weight
+_BF16_EXTRA_BYTES = 6
+_LAYOUT_DTYPES = (torch.float32, torch.bfloat16)
 #: smaller weights gained nothing measurable (896x896: within +-20% either way), so they keep the stock kernel
 MIN_WEIGHT_ELEMENTS = 1 << 20
 _MARK = "_rag_lookahead_few_token"
@@ -109,7 +112,10 @@ def few_token_linear(
         and packed is not None
         and x.dtype == weight.dtype
         and not weight.is_inference()
-        and (rows in PACKED_TOKENS and mkl_packed_works() if weight.dtype == torch.float32 else bf16_packed_works())
+        and (
+            (weight.dtype == torch.float32 and rows in PACKED_TOKENS and mkl_packed_works())
+            or (weight.dtype == torch.bfloat16 and bf16_packed_works())
+        )
     ):
         flat = x.reshape(rows, x.shape[-1]).contiguous()
         return packed.linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
@@ -270,11 +276,6 @@ def speed_up_cpu_linears(model: nn.Module, min_elements: int = MIN_WEIGHT_ELEMEN
             setattr(module, _MARK, True)
     _layout_changed(model, len(chosen))
     return len(chosen)
-
-
-_LAYOUT_DTYPES = (torch.float32, torch.bfloat16)
-#: a bf16 weight's packed copies: 2 bytes (oneDNN's bf16) + 4 (MKL's fp32) per weight
-_BF16_EXTRA_BYTES = 6
 
 
 def _fits(extra_bytes: int) -> bool:

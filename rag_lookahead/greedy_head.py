@@ -87,7 +87,7 @@ class GreedyHead:
     weight_error: float  # max over all weights of |W - Ŵ|
     row_l1: float  # max over vocabulary rows of sum |W|
     hook: object  # the forward pre-hook on the layer
-    layer: nn.Module | None = None  # the output layer itself: its forward computes the full logits
+    layer: nn.Module  # the output layer itself: its forward computes the full logits
 
     @property
     def output_rounding(self) -> float:
@@ -105,9 +105,7 @@ class GreedyHead:
         """Every logit of the fp32 rows of ``x`` (exact in the weights' dtype), as the model computes
         them: through the layer's own forward (``cpu_linear``'s layout where it has one), which
         bypasses the capturing hook."""
-        x = x.to(self.weight.dtype)
-        out = self.layer.forward(x) if self.layer is not None else torch.nn.functional.linear(x, self.weight)
-        return out.float()
+        return self.layer.forward(x.to(self.weight.dtype)).float()
 
     @torch.inference_mode()
     def screen(self, x: torch.Tensor) -> tuple[list[int | None], torch.Tensor, torch.Tensor]:

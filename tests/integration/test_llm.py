@@ -31,9 +31,8 @@ class Collect(BaseCallbackHandler):
         self.tokens.append(token)
 
 
-@pytest.fixture(scope="module")
-def llm(default_model):
-    model, tokenizer = default_model
+def _default_llm(weights) -> LookaheadLLM:
+    model, tokenizer = weights
     return LookaheadLLM(
         model=model,
         tokenizer=tokenizer,
@@ -41,6 +40,11 @@ def llm(default_model):
         max_new_tokens=24,
         lookahead=LookaheadConfig(budget="fixed", decoding_length=16),
     )
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    return _default_llm(default_model)
 
 
 @pytest.fixture(scope="module")
@@ -143,14 +147,7 @@ def test_identifying_params_and_serialization(llm):
 def test_sampling_with_a_seed_is_reproducible_and_lossless(default_model_fp32):
     # fp32, where lossless is promised: in bf16 a verify forward's shape may change the rounding
     # (on CPUs with AVX512-BF16 and no AMX, bf16 rows above 16 are summed by another kernel)
-    model, tokenizer = default_model_fp32
-    llm = LookaheadLLM(
-        model=model,
-        tokenizer=tokenizer,
-        model_name="default",
-        max_new_tokens=24,
-        lookahead=LookaheadConfig(budget="fixed", decoding_length=16),
-    )
+    llm = _default_llm(default_model_fp32)
     prompt = PROMPTS[2]
     first = llm.invoke(prompt, temperature=0.8, top_p=0.9, seed=7)
     assert llm.invoke(prompt, temperature=0.8, top_p=0.9, seed=7) == first
