@@ -60,6 +60,7 @@ class RowLayout:
     queries: int  # the step's tokens (Q)
     _moved: dict = field(default_factory=dict)  # (device, group) -> its indices, validity and targets there
     _masks: dict = field(default_factory=dict)  # (id of the layer's mask, device) -> (mask, group masks)
+    _flat: dict = field(default_factory=dict)  # (device, group, heads, columns) -> key columns as rows of all heads
 
     def on(self, device: torch.device, index: int) -> tuple[torch.Tensor, ...]:
         """Group ``index``'s clamped indices, validity and scatter targets on ``device`` (cached)."""
@@ -70,6 +71,21 @@ class RowLayout:
             targets = queries.flatten()[picks]
             self._moved[key] = (queries.clamp_min(0), keys.clamp_min(0), queries >= 0, keys >= 0, picks, targets)
         return self._moved[key]
+
+    def gather_columns(self, states: torch.Tensor, index: int) -> torch.Tensor:
+        """Group ``index``'s key columns of one layer's (heads, columns, dim) keys or values:
+        (heads, members x most columns, dim). Selected as whole rows of the (heads x columns, dim)
+        view, which ran ~2x faster on a CPU than selecting along dim 1 (0.09 against 0.18 ms for
+        8,640 bf16 columns of 2 heads)."""
+        heads, length, dim = states.shape
+        _, keys, *_ = self.on(states.device, index)
+        if not states.is_contiguous():
+            return states.index_select(1, keys.flatten())
+        cached = (states.device, index, heads, length)
+        if cached not in self._flat:
+            offsets = torch.arange(heads, device=states.device)[:, None] * length
+            self._flat[cached] = (offsets + keys.flatten()[None]).flatten()
+        return states.reshape(heads * length, dim).index_select(0, self._flat[cached]).view(heads, -1, dim)
 
     def group_masks(self, mask: torch.Tensor) -> list[torch.Tensor]:
         """Each group's slice of the layer's (1, 1, Q, keys) mask: (members, 1, most queries, most columns).
@@ -160,8 +176,8 @@ def _row_local(inner: Callable, module, query, key, value, attention_mask, layou
         queries, keys, _, _, picks, targets = layout.on(query.device, index)
         members, most_queries = queries.shape
         group_query = query[0].index_select(1, queries.flatten()).view(heads, members, most_queries, -1)
-        group_keys = key[0].index_select(1, keys.flatten()).view(key.shape[1], members, keys.shape[1], -1)
-        group_values = value[0].index_select(1, keys.flatten()).view(value.shape[1], members, keys.shape[1], -1)
+        group_keys = layout.gather_columns(key[0], index).view(key.shape[1], members, keys.shape[1], -1)
+        group_values = layout.gather_columns(value[0], index).view(value.shape[1], members, keys.shape[1], -1)
         out, _ = inner(
             module,
             group_query.transpose(0, 1),

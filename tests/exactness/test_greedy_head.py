@@ -51,11 +51,14 @@ def _screened(weight: torch.Tensor):
     width=st.integers(min_value=2, max_value=96),
     rows=st.integers(min_value=1, max_value=12),
     outliers=st.integers(min_value=0, max_value=3),
+    spread=st.floats(min_value=0.0, max_value=3.0),
     seed=st.integers(min_value=0, max_value=2**16),
 )
-def test_screened_argmax_equals_the_full_argmax(vocab, width, rows, outliers, seed):
+def test_screened_argmax_equals_the_full_argmax(vocab, width, rows, outliers, spread, seed):
+    """``spread``: rows' scales differ by up to e^±spread, so rows' own error bounds differ (``narrow``)."""
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(vocab, width, generator=generator) * 0.05
+    scales = torch.exp(spread * (2 * torch.rand(vocab, 1, generator=generator) - 1))
+    weight = torch.randn(vocab, width, generator=generator) * 0.05 * scales
     hidden = torch.randn(rows, width, generator=generator) * 3
     hidden[:, :outliers] *= 40  # a few huge dimensions, as real hidden states have
     head = _screened(weight)
@@ -154,6 +157,28 @@ def test_bf16_logits_that_round_together_resolve_like_the_bf16_layer():
     assert list(_screened(weight).argmax(hidden)) == layer
 
 
+def test_rows_own_bounds_narrow_the_candidates_without_losing_the_best():
+    """One row with 50x larger weights sets the screen's shared bound; each row's own bound then
+    rules out most of the candidates the shared one left, and never the true argmax."""
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.randn(3000, 32, generator=generator) * 0.05
+    weight[0] *= 50
+    hidden = torch.randn(16, 32, generator=generator) * 3
+    head = _screened(weight)
+    tokens, threshold, estimate, terms = head.screen(hidden)
+    full = (hidden @ weight.T).argmax(-1)
+    narrowed = 0
+    for p, token in enumerate(tokens):
+        if token is not None:
+            continue
+        candidates = (estimate[p] >= threshold[p]).nonzero()[:, 0]
+        kept = head.narrow(candidates, estimate[p, candidates], terms[p])
+        assert int(full[p]) in kept.tolist() and set(kept.tolist()) <= set(candidates.tolist())
+        narrowed += len(kept) < len(candidates)
+    assert narrowed >= 4
+    assert list(head.argmax(hidden)) == full.tolist()
+
+
 def test_exact_ties_resolve_to_the_first_index_like_argmax():
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(400, 32, generator=generator) * 0.05
@@ -169,7 +194,7 @@ def test_a_row_left_with_too_many_candidates_is_computed_in_full():
     weight = base + 1e-3 * torch.randn(5000, 16, generator=generator)  # logits apart, yet all within the bound
     hidden = torch.randn(3, 16, generator=generator)
     head = _screened(weight)
-    tokens, _, _ = head.screen(hidden)
+    tokens, *_ = head.screen(hidden)
     assert tokens == [None, None, None]  # the screen decides none of them
     assert list(head.argmax(hidden)) == (hidden @ weight.T).argmax(-1).tolist()
 

@@ -40,6 +40,15 @@ def test_draft_nodes_per_row_shrink_as_the_batch_grows():
     assert allocate([draft, draft], None) == [len(draft)] * 2  # fixed budget: every candidate
 
 
+def test_several_rows_draft_only_for_a_clear_gain():
+    steep = CostCurve([1, 2, 4, 8], [0.100, 0.190, 0.360, 0.700])  # compute-bound: a token costs almost a step
+    sure = _chain([0.95])
+    assert allocate([sure], _costs(steep, (1,))) == [1]  # one row: any gain pays (3% here)
+    assert allocate([sure, sure], _costs(steep, (2,))) == [0, 0]  # 3% for two rows: not worth finishing apart
+    flat = CostCurve([1, 64], [0.100, 0.110])
+    assert allocate([_chain([0.9] * 8)] * 2, _costs(flat, (2,))) == [8, 8]  # a clear gain still drafts
+
+
 def test_nodes_go_to_the_rows_likely_to_accept_them():
     costs = _costs(CPU_CURVE, (3,))
     sure, unsure, empty = _chain([0.95] * 10), _chain([0.05] * 10), DraftTree()
