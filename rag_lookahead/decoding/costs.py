@@ -78,7 +78,7 @@ def _curve_key(model) -> str | None:
 def _greedy_head_key(model) -> str:
     if greedy_head_of(model) is None:
         return "greedy head full"
-    return f"greedy head screened on {packing_engine()}, every position timed"
+    return f"greedy head screened on {packing_engine()}, every position timed, rows narrowed by their own bounds"
 
 
 def _linears_key(model) -> str:
