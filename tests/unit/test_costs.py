@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from rag_lookahead.decoding.acceptance import AcceptanceRates
-from rag_lookahead.decoding.costs import CostCurve, StepCosts, allocate
+from rag_lookahead.decoding.costs import CostCurve, StepCosts, allocate, lower_hull
 from rag_lookahead.decoding.draft import DraftTree
 
 
@@ -47,6 +47,18 @@ def test_several_rows_draft_only_for_a_clear_gain():
     assert allocate([sure, sure], _costs(steep, (2,))) == [0, 0]  # 3% for two rows: not worth finishing apart
     flat = CostCurve([1, 64], [0.100, 0.110])
     assert allocate([_chain([0.9] * 8)] * 2, _costs(flat, (2,))) == [8, 8]  # a clear gain still drafts
+
+
+def test_a_point_timed_slow_is_lowered_to_the_chord_of_its_neighbours():
+    timed = CostCurve([1, 4, 8, 16, 32, 64, 128], [0.077, 0.092, 0.118, 0.154, 0.289, 0.383, 0.751])
+    hull = lower_hull(timed)
+    assert hull.sizes == timed.sizes
+    assert hull(32) <= 0.154 + (0.383 - 0.154) * 16 / 48  # 32 was timed slow: at most its neighbours' chord
+    assert all(h <= t for h, t in zip(hull.seconds, timed.seconds))  # never raised
+    assert hull(1) == 0.077 and hull(64) == 0.383 and hull(128) == 0.751
+    slopes = [(b - a) / (y - x) for x, y, a, b in zip(hull.sizes, hull.sizes[1:], hull.seconds, hull.seconds[1:])]
+    assert all(b >= a - 1e-12 for a, b in zip(slopes, slopes[1:]))  # no extra token costs less than the one before
+    assert lower_hull(CPU_CURVE).seconds == CPU_CURVE.seconds  # already convex: unchanged
 
 
 def test_nodes_go_to_the_rows_likely_to_accept_them():
