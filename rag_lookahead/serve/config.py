@@ -76,9 +76,9 @@ class ServerConfig:
     prefill_chunk: prompt tokens prefilled per engine step, between the running requests'
         decode steps (chunked prefill: a long prompt no longer stalls every stream); 0: each
         admitted prompt in one forward.
-    max_draft_rows: above this many rows in a batch nobody drafts (the packed cache's attention
-        grows with rows x columns, so at high concurrency trees cost more than they save);
-        None: always draft.
+    max_draft_rows: above this many rows in a batch nobody drafts (at high concurrency trees
+        cost more than they save); None: the device's measured default
+        (``decode_batch.MAX_DRAFT_ROWS``: 24 on a CPU, no limit on a GPU).
     max_prompt_tokens: longest prompt accepted (400 beyond).
     max_tokens_limit: largest ``max_tokens`` accepted (400 beyond).
     default_max_tokens: ``max_tokens`` when a request gives none (capped by the limit).
