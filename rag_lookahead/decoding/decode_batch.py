@@ -59,7 +59,8 @@ class DecodeBatch:
     draft otherwise (see ``drafter.Drafter``). ``config.enabled=False`` decodes plainly.
     ``prefill_chunk``: prompt tokens per step, all new rows together (chunked prefill, see
     ``prefill``); 0 prefills each ``add`` in one forward. ``max_draft_rows``: above this many
-    rows no row drafts (None: ``MAX_DRAFT_ROWS`` for the model's device; where row-local
+    rows no row drafts (None: ``MAX_DRAFT_ROWS`` for the model's device under the cost budget,
+    no limit under ``budget="fixed"``; where row-local
     attention does not apply, e.g. eager or remote-code models, every token's attention spans
     every row's columns, so a tree costs more the more rows share the cache; see ``row_attention``).
     """
@@ -94,8 +95,8 @@ class DecodeBatch:
             type(self.drafter).__name__, lambda: AcceptanceRates(decay=WORKLOAD_DECAY)
         )
         self.prefill = ChunkedPrefill(positive_int("prefill_chunk", prefill_chunk)) if prefill_chunk else None
-        if max_draft_rows is None:
-            self.max_draft_rows = MAX_DRAFT_ROWS.get(input_device(model).type)
+        if max_draft_rows is None:  # the measured cap belongs to the cost budget; a fixed budget drafts always
+            self.max_draft_rows = MAX_DRAFT_ROWS.get(input_device(model).type) if self.costs is not None else None
         else:
             self.max_draft_rows = positive_int("max_draft_rows", max_draft_rows)
 

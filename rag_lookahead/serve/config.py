@@ -78,7 +78,7 @@ class ServerConfig:
         admitted prompt in one forward.
     max_draft_rows: above this many rows in a batch nobody drafts (at high concurrency trees
         cost more than they save); None: the device's measured default
-        (``decode_batch.MAX_DRAFT_ROWS``: 24 on a CPU, no limit on a GPU).
+        (``decode_batch.MAX_DRAFT_ROWS``: 24 on a CPU, no limit on a GPU; none with a fixed budget).
     max_prompt_tokens: longest prompt accepted (400 beyond).
     max_tokens_limit: largest ``max_tokens`` accepted (400 beyond).
     default_max_tokens: ``max_tokens`` when a request gives none (capped by the limit).

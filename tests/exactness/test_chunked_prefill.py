@@ -165,14 +165,18 @@ def test_max_draft_rows_turns_drafting_off_above_the_row_count():
     assert [outputs[r] for r in range(3)] == truths
 
 
-def test_on_a_cpu_drafting_stops_above_the_measured_row_count_unless_told_otherwise():
+def test_on_a_cpu_the_cost_budget_stops_drafting_above_the_measured_row_count():
     from rag_lookahead.decoding.decode_batch import MAX_DRAFT_ROWS
 
     model = tiny_model("qwen2")
+    auto = CONFIG.replace(budget="auto")
+    assert DecodeBatch(model, auto, frozenset(), None).max_draft_rows == MAX_DRAFT_ROWS["cpu"]
+    assert DecodeBatch(model, auto, frozenset(), None, max_draft_rows=100).max_draft_rows == 100
+    assert DecodeBatch(model, CONFIG, frozenset(), None).max_draft_rows is None  # a fixed budget drafts always
     many = MAX_DRAFT_ROWS["cpu"] + 1
     rows = prompts(many, seed=23)
     references = [[prompt[-4:] * 3] for prompt in rows]  # something to draft from for every row
-    for limit, drafting in ((None, False), (many, True)):
+    for limit, drafting in ((MAX_DRAFT_ROWS["cpu"], False), (many, True)):
         batch = DecodeBatch(model, CONFIG, frozenset(), None, max_draft_rows=limit)
         batch.add(*left_pad(rows, 0), references, 4)
         assert any(len(d) for d in batch.propose()) is drafting
