@@ -44,7 +44,7 @@ import contextvars
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -84,12 +84,15 @@ class GreedyHead:
 
     weight: torch.Tensor  # (vocab, hidden) fp32 or bf16, the layer's own
     packed: object  # the int8 kernel's packed weights
-    weight_error: float  # max over all weights of |W - Ŵ|
-    row_l1: float  # max over vocabulary rows of sum |W|
     row_errors: torch.Tensor  # (vocab,) float64: per vocabulary row, max |W - Ŵ|
     row_l1s: torch.Tensor  # (vocab,) float64: per vocabulary row, sum |W|
     hook: object  # the forward pre-hook on the layer
     layer: nn.Module  # the output layer itself: its forward computes the full logits
+    weight_error: float = field(init=False)  # the largest row error: the shared bound's
+    row_l1: float = field(init=False)  # the largest row sum |W|: the shared bound's
+
+    def __post_init__(self) -> None:
+        self.weight_error, self.row_l1 = float(self.row_errors.max()), float(self.row_l1s.max())
 
     @property
     def output_rounding(self) -> float:
@@ -110,9 +113,10 @@ class GreedyHead:
         return self.layer.forward(x.to(self.weight.dtype)).float()
 
     @torch.inference_mode()
-    def screen(self, x: torch.Tensor) -> tuple[list[int | None], torch.Tensor, torch.Tensor]:
+    def screen(self, x: torch.Tensor) -> tuple[list[int | None], torch.Tensor, torch.Tensor, torch.Tensor]:
         """Screen the rows of ``x`` in one int8 product: each row's token (None where several
-        candidates are left), the candidates' threshold and the estimates."""
+        candidates are left), the candidates' threshold, the estimates, and the terms of each
+        row's error bound (see ``_bound``)."""
         n = x.shape[0]
         biggest = x.abs().amax(1, keepdim=True)
         step1 = torch.where(biggest > 0, biggest / 63, torch.ones_like(biggest))
@@ -125,28 +129,20 @@ class GreedyHead:
         estimate = sums[:n].mul_(step1).add_(sums[n : 2 * n].mul_(step2))
 
         exact_x = digit1.double() * step1.double() + digit2.double() * step2.double()
-        leftover = (x.double() - exact_x).abs().amax(1)
-        bound = (
-            self.row_l1 * leftover
-            + self.weight_error * exact_x.abs().sum(1)
-            + _ROUNDING * x.shape[1] * self.row_l1 * biggest[:, 0].double()  # the model's own fp32 logit
-            + 8 * 2.0**-24 * estimate.abs().amax(1).double()  # our estimate's rounding
-        )
-        top = estimate.topk(2, dim=1)
-        if self.output_rounding:  # logits within the model's output rounding of the best can tie with it
-            bound = bound + self.output_rounding * 1.01 * (top.values[:, 0].abs().double() + bound)
-        bound = (bound * (1 + 1e-6) + 1e-6).float()
-        threshold = top.values[:, 0] - 2 * bound
-        tokens = top.indices[:, 0].tolist()
-        uncertain = ((top.values[:, 1] >= threshold) | ~torch.isfinite(threshold)).tolist()
         terms = torch.stack(
             [
-                leftover + _ROUNDING * x.shape[1] * biggest[:, 0].double(),  # times a row's sum |W|
-                exact_x.abs().sum(1),  # times a row's max |W - Ŵ|
-                8 * 2.0**-24 * estimate.abs().amax(1).double(),
+                (x.double() - exact_x).abs().amax(1)  # the digits' leftover ...
+                + _ROUNDING * x.shape[1] * biggest[:, 0].double(),  # ... and the model's own fp32 logit: x sum |W|
+                exact_x.abs().sum(1),  # x max |W - Ŵ|
+                8 * 2.0**-24 * estimate.abs().amax(1).double(),  # our estimate's rounding
             ],
             1,
         )
+        top = estimate.topk(2, dim=1)
+        bound = self._bound(self.row_l1, self.weight_error, terms, top.values[:, 0]).float()
+        threshold = top.values[:, 0] - 2 * bound
+        tokens = top.indices[:, 0].tolist()
+        uncertain = ((top.values[:, 1] >= threshold) | ~torch.isfinite(threshold)).tolist()
         return [None if u else t for t, u in zip(tokens, uncertain)], threshold, estimate, terms
 
     def narrow(self, candidates: torch.Tensor, estimate: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
@@ -156,11 +152,18 @@ class GreedyHead:
         largest 0.00098), so most candidates it leaves are provably below another one.
         ``estimate``: the candidates' estimates; ``terms``: the position's ``screen`` terms."""
         ours = estimate.double()
-        bound = self.row_l1s[candidates] * terms[0] + self.row_errors[candidates] * terms[1] + terms[2]
-        if self.output_rounding:
-            bound = bound + self.output_rounding * 1.01 * (ours.abs() + bound)
-        bound = bound * (1 + 1e-6) + 1e-6
+        bound = self._bound(self.row_l1s[candidates], self.row_errors[candidates], terms, ours)
         return candidates[ours + bound >= (ours - bound).max()]
+
+    def _bound(self, l1, error, terms: torch.Tensor, estimate: torch.Tensor) -> torch.Tensor:
+        """How far the model's logit can lie from our ``estimate`` of it (float64), for rows of sum
+        |W| ``l1`` and rounding error ``error`` (the largest of any row, or each row's own), given
+        the position's ``screen`` terms. In bf16, logits within the model's output rounding of
+        each other can tie, so that rounding of the logit itself is added."""
+        bound = l1 * terms[..., 0] + error * terms[..., 1] + terms[..., 2]
+        if self.output_rounding:
+            bound = bound + self.output_rounding * 1.01 * (estimate.abs().double() + bound)
+        return bound * (1 + 1e-6) + 1e-6
 
 
 class GreedyTokens(Sequence):
@@ -381,7 +384,7 @@ def _capture_input(module: nn.Module, args: tuple) -> tuple | None:
 
 def _build(weight: torch.Tensor) -> tuple | None:
     """Quantize and pack the weights, and prove on them that the int8 kernel sums exactly (None: it
-    does not). Returns the packed weights, the largest error and sum |W| of any row, and both per row."""
+    does not). Returns the packed weights and each row's largest error and sum |W|."""
     quantized, packed = quantize_and_pack(weight, None, 1e-30)
     ints = quantized.int_repr()
     used_scales = quantized.q_per_channel_scales().double()
@@ -395,7 +398,7 @@ def _build(weight: torch.Tensor) -> tuple | None:
         row_l1s[rows] = weight[rows].double().abs().sum(1)
     if not _sums_exactly(packed, ints, used_scales):
         return None
-    return packed, float(row_errors.max()), float(row_l1s.max()), row_errors, row_l1s
+    return packed, row_errors, row_l1s
 
 
 def _sums_exactly(packed, ints: torch.Tensor, scales: torch.Tensor) -> bool:

@@ -305,13 +305,14 @@ def allocate(drafts: list[DraftTree], costs: StepCosts | None) -> list[int]:
     if not any(len(d) for d in drafts) or not costs.known(rows):
         return counts  # nothing to draft, or a new batch size: measure its plain step first
     ranked = sorted(((p, r) for r, d in enumerate(drafts) for p in d.probs), reverse=True)
-    gain, best_k, best_rate = float(rows), 0, rows / costs(rows, rows)
+    plain_rate = rows / costs(rows, rows)
+    gain, best_k, best_rate = float(rows), 0, plain_rate
     for k, (value, _) in enumerate(ranked, start=1):
         gain += value
         rate = gain / costs(rows, rows + k)
         if rate > best_rate:
             best_k, best_rate = k, rate
-    if rows > 1 and best_rate < BATCH_DRAFT_MARGIN * rows / costs(rows, rows):
+    if rows > 1 and best_rate < BATCH_DRAFT_MARGIN * plain_rate:
         return counts
     for _, r in ranked[:best_k]:
         counts[r] += 1
