@@ -35,6 +35,10 @@ against exact arithmetic; if they differ, the model keeps its full output layer.
 rows without logprobs use it (sampling needs every probability). ``load_model`` applies it to
 fp32 and bf16 CPU models, built on the first greedy step; :func:`screen_greedy_head` for your own model,
 :func:`restore_greedy_head` undoes it, :func:`full_output_layer` sets it aside for a while.
+
+A screen answers for the weights it was built from: if the layer's weight is changed afterwards
+(in place, by ``load_state_dict``, a new ``Parameter``, a move to another device or dtype), the
+next step that asks for it builds it afresh, or drops it where it no longer applies.
 """
 
 from __future__ import annotations
@@ -88,11 +92,18 @@ class GreedyHead:
     row_l1s: torch.Tensor  # (vocab,) float64: per vocabulary row, sum |W|
     hook: object  # the forward pre-hook on the layer
     layer: nn.Module  # the output layer itself: its forward computes the full logits
+    built_from: tuple = field(init=False)  # the layer's weight object, version and storage at build
     weight_error: float = field(init=False)  # the largest row error: the shared bound's
     row_l1: float = field(init=False)  # the largest row sum |W|: the shared bound's
 
     def __post_init__(self) -> None:
         self.weight_error, self.row_l1 = float(self.row_errors.max()), float(self.row_l1s.max())
+        self.built_from = _weight_state(self.layer)
+
+    @property
+    def current(self) -> bool:
+        """Whether the layer still holds the weights this screen was built from."""
+        return _weight_state(self.layer) == self.built_from
 
     @property
     def output_rounding(self) -> float:
@@ -258,6 +269,14 @@ def greedy_head_of(model) -> GreedyHead | None:
                 delattr(layer, _PENDING)
                 _attach(model, layer)
         head = getattr(layer, _ATTR, None)
+    elif head is not None and not head.current:
+        with _BUILDING:
+            head = getattr(layer, _ATTR, None)
+            if head is not None and not head.current:  # the weights changed: screen them afresh
+                _detach(model, layer, head)
+                if unsupported_reason(model) is None:
+                    _attach(model, layer)
+            head = getattr(layer, _ATTR, None)
     return head
 
 
@@ -293,6 +312,12 @@ def _attach(model, layer: nn.Linear) -> bool:
         return False
     _hook_in(model, layer, GreedyHead(layer.weight.detach(), *built, hook=None, layer=layer))
     return True
+
+
+def _weight_state(layer: nn.Module) -> tuple:
+    """What identifies the layer's weights: the object, its in-place version and its storage."""
+    weight = layer.weight
+    return id(weight), weight._version, weight.data_ptr(), weight.dtype, weight.device
 
 
 def _hook_in(model, layer: nn.Module, head: GreedyHead) -> None:

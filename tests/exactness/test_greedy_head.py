@@ -309,3 +309,33 @@ def test_batched_rows_and_sampled_rows_with_the_screened_head():
         assert ours.sequences[0].tolist() == sampled[0].tolist()  # sampling rows keep the full layer
     finally:
         restore_greedy_head(model)
+
+
+@pytest.mark.parametrize("change", ["in_place", "replaced", "load_state_dict"])
+def test_a_changed_output_layer_is_screened_afresh(change):
+    """Weights changed after the screen was built (fine-tuning, a loaded checkpoint, a new
+    Parameter): the next greedy tokens are the changed model's, never the stale screen's."""
+    model = build_tiny_model("qwen2", "sdpa", 2)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    assert screen_greedy_head(model)
+    try:
+        generate(model, prompt, max_new_tokens=4, pad_token_id=0)  # the screen is built and used
+        layer = model.get_output_embeddings()
+        generator = torch.Generator().manual_seed(3)
+        new = torch.randn(layer.weight.shape, generator=generator) * 3
+        with torch.no_grad():
+            if change == "in_place":
+                layer.weight.copy_(new)
+            elif change == "replaced":
+                layer.weight = torch.nn.Parameter(new)
+            else:
+                state = {k: v.clone() for k, v in model.state_dict().items()}
+                for key in [k for k in state if state[k].shape == new.shape]:
+                    state[key] = new
+                model.load_state_dict(state)
+        with full_output_layer(model):
+            stock = reference_generate(model, prompt, 24, None)
+        result = generate(model, prompt, max_new_tokens=24, pad_token_id=0)
+        assert result.sequences[0, len(prompt) :].tolist() == stock
+    finally:
+        restore_greedy_head(model)
