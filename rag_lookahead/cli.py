@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -26,7 +27,7 @@ from rag_lookahead.bench.rag import rag as bench_rag
 from rag_lookahead.bench.retrieval import retrieval as bench_retrieval
 from rag_lookahead.bench.session import session as bench_session
 from rag_lookahead.bench.single import bench
-from rag_lookahead.errors import RagLookaheadError, first_line
+from rag_lookahead.errors import CorpusWarning, RagLookaheadError, first_line
 from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE
 from rag_lookahead.rag.corpus import MAX_FILE_MB
 from rag_lookahead.rag.store import LOCK_TIMEOUT_S
@@ -85,17 +86,19 @@ def index_command(
     from rag_lookahead.rag.build import build_index
 
     try:
-        report = build_index(
-            corpus_dir,
-            index_dir,
-            embedder,
-            chunk_size=chunk_size,
-            chunk_overlap=chunk_overlap,
-            progress=not no_progress,
-            follow_symlinks=follow_symlinks,
-            max_file_mb=max_file_mb,
-            lock_timeout=lock_timeout,
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CorpusWarning)  # the report below lists each skipped file once
+            report = build_index(
+                corpus_dir,
+                index_dir,
+                embedder,
+                chunk_size=chunk_size,
+                chunk_overlap=chunk_overlap,
+                progress=not no_progress,
+                follow_symlinks=follow_symlinks,
+                max_file_mb=max_file_mb,
+                lock_timeout=lock_timeout,
+            )
     except RagLookaheadError as e:
         fail(e)
     typer.echo(report.summary())

@@ -23,6 +23,10 @@ class IndexLoadError(RagLookaheadError, OSError):
     """A document index is missing, corrupt, or was built with another embedding model."""
 
 
+class CorpusWarning(UserWarning):
+    """A corpus file skipped or read with a caveat; the index report lists each one as well."""
+
+
 def first_line(error: BaseException) -> str:
     """What a command prints for ``error``: its message's first line, or its type's name."""
     text = str(error)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.errors import ConfigError, CorpusWarning, InputError
 
 __all__ = ["MAX_FILE_MB", "SUFFIXES", "Corpus", "DecodedText", "decode_text", "load_corpus", "read_text_file"]
 
@@ -229,7 +229,7 @@ def _file_text(rel: str, data: bytes, notes: list[str]) -> str:
     if decoded.replaced:
         note = f"{rel}: {decoded.replaced} undecodable byte(s) replaced with U+FFFD (read as {decoded.encoding})"
         notes.append(note)
-        warnings.warn(note, stacklevel=4)
+        warnings.warn(note, CorpusWarning, stacklevel=4)
     elif decoded.encoding not in ("utf-8", "utf-8-sig"):
         notes.append(f"{rel}: read as {decoded.encoding} (detected)")
     return decoded.text
@@ -253,7 +253,7 @@ def load_corpus(corpus_dir: str | Path, *, follow_symlinks: bool = False, max_fi
 
     def skip(rel: str, why: str) -> None:
         corpus.skipped.append(f"{rel}: {why}")
-        warnings.warn(f"skipping {rel}: {why}", stacklevel=4)
+        warnings.warn(f"skipping {rel}: {why}", CorpusWarning, stacklevel=4)
 
     for rel, path in sorted(_walk(root, follow_symlinks, skip)):
         data = _read_capped(path, follow_symlinks, max_file_mb)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -362,6 +364,30 @@ def test_cli_builds_into_an_empty_folder_and_rebuilds_its_own_index(tmp_path, bu
     again = run_cli("index", str(built[0]), "--index-dir", str(target), "--no-progress")
     assert again.exit_code == 0, again.output
     assert "3 unchanged" in again.stdout and "0 embedded" in again.stdout
+
+
+def test_the_command_reports_each_skipped_file_once(tmp_path, built):
+    """In the report, not again as a Python warning with a source line (a real process: pytest
+    would capture the warnings)."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rag_lookahead",
+            "index",
+            str(built[0]),
+            "--index-dir",
+            str(tmp_path / "ix"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    output = result.stdout + result.stderr
+    assert output.count("blob.txt") == 1, output
+    assert "skipped blob.txt" in result.stdout and "UserWarning" not in output
 
 
 def test_rebuild_deletes_only_what_it_wrote(tmp_path, built, embedder):
