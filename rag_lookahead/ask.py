@@ -1,7 +1,8 @@
 """Ask a question over the local index: ``python -m rag_lookahead.ask "decoding_length 应该怎么设置？"``.
 
-The first run indexes the bundled ``corpora/`` into the index folder (default
-``$RAG_LOOKAHEAD_HOME/index`` or ``~/.local/share/rag_lookahead/index``), then every run retrieves
+The first run indexes the bundled ``corpora/`` into the default index folder
+(``$RAG_LOOKAHEAD_HOME/index`` or ``~/.local/share/rag_lookahead/index``; a folder named with
+``--index-dir`` must hold an index already), then every run retrieves
 passages, answers with the lookahead LLM, and prints the answer, its sources and the decoding
 stats. ``--json`` prints one JSON object instead. Same options as ``rag_lookahead ask``.
 """
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rag_lookahead.errors import InputError
+from rag_lookahead.errors import IndexLoadError, InputError
 
 __all__ = ["bundled_corpus", "ensure_index", "answer", "print_result", "token_printer", "main"]
 
@@ -28,13 +29,21 @@ def bundled_corpus() -> Path:
     )
 
 
-def ensure_index(index_dir: Path, *, quiet: bool = False):
-    """Load the index at ``index_dir``; build it from the bundled corpus first if there is none
-    (``build_index`` refuses a non-empty folder that is not an index, so nothing of the user's is touched)."""
+def ensure_index(index_dir: Path, *, quiet: bool = False, build_bundled: bool = True):
+    """Load the index at ``index_dir``; build it from the bundled corpus first if there is none and
+    ``build_bundled`` (``build_index`` refuses a non-empty folder that is not an index, so nothing
+    of the user's is touched). Without ``build_bundled`` a missing index is an
+    :class:`~rag_lookahead.errors.IndexLoadError`: a folder the user named (perhaps mistyped)
+    must not quietly answer from the sample corpus."""
     from rag_lookahead.rag.index import build_index, load_index
     from rag_lookahead.rag.store import MANIFEST
 
     if not (index_dir / MANIFEST).is_file():
+        if not build_bundled:
+            raise IndexLoadError(
+                f"no index at {index_dir}: build one with `rag_lookahead index YOUR_DOCS --index-dir {index_dir}`"
+                " (without --index-dir, ask indexes the bundled sample corpus into the default folder)"
+            )
         corpus = bundled_corpus()
         if not quiet:
             print(f"rag_lookahead: no index at {index_dir}; indexing the bundled corpus {corpus}", file=sys.stderr)
@@ -75,7 +84,10 @@ def answer(
         raise InputError(
             'the question is empty: ask something, e.g. rag_lookahead ask "decoding_length 应该怎么设置？"'
         )
-    index = ensure_index(Path(index_dir).expanduser() if index_dir else default_index_dir(), quiet=quiet)
+    if index_dir:
+        index = ensure_index(Path(index_dir).expanduser(), quiet=quiet, build_bundled=False)
+    else:
+        index = ensure_index(default_index_dir(), quiet=quiet)
     if llm is None:
         from rag_lookahead.langchain.llm import LookaheadLLM
 

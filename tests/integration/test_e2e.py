@@ -117,6 +117,12 @@ def test_cli_ask_json(cli_home):
     assert bad.exit_code == 1
     assert "question is empty" in bad.stderr and "Traceback" not in bad.output
 
+    typo = tmp_path / "my-idx"  # a folder the user named: no sample index is built there
+    missing = runner.invoke(app, ["ask", QUESTIONS["en"][0], "--index-dir", str(typo)])
+    assert missing.exit_code == 1 and "Traceback" not in missing.output
+    assert f"no index at {typo}" in missing.stderr and "rag_lookahead index" in missing.stderr
+    assert not typo.exists()
+
 
 def test_cli_ask_stream_prints_blocks_then_sources_then_a_speed_line(cli_home, monkeypatch):
     from typer.testing import CliRunner
