@@ -51,9 +51,11 @@ model of your own, :func:`restore_linears` to undo it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -62,6 +64,7 @@ from torch.nn import functional
 __all__ = [
     "BF16_ONEDNN_TOKENS",
     "FEW_TOKENS",
+    "MIN_BF16_WEIGHT_ELEMENTS",
     "MIN_WEIGHT_ELEMENTS",
     "ONEDNN_TOKENS",
     "PACKED_TOKENS",
@@ -75,6 +78,7 @@ __all__ = [
     "onednn_linear_works",
     "restore_linears",
     "speed_up_cpu_linears",
+    "stock_linears",
 ]
 
 #: token counts (rows of the input) that take the swapped product; measured faster up to 64
@@ -92,8 +96,14 @@ _WIDE_BLOCK = 1024
 #: a bf16 weight's packed copies: 2 bytes (oneDNN's bf16) + 4 (MKL's fp32) per weight
 _BF16_EXTRA_BYTES = 6
 _LAYOUT_DTYPES = (torch.float32, torch.bfloat16)
-#: smaller weights gained nothing measurable (896x896: within +-20% either way), so they keep the stock kernel
+#: smaller fp32 weights gained nothing measurable (896x896: within +-20% either way on an EPYC; 0-5%
+#: on the AVX-512 Xeon, 9% slower at 64 tokens), so they keep the stock kernel
 MIN_WEIGHT_ELEMENTS = 1 << 20
+#: bf16 weights from this size (the default model's attention projections, 896x896 and 128x896):
+#: stock bf16 GEMMs run at about half the packed kernels' rate there too. A whole forward of the
+#: default model over a 256-token cache, 1..64 tokens, stock -> packed, alternated forward by
+#: forward (12 each, medians; AVX-512 Xeon, 2 threads): 0.90-0.97x
+MIN_BF16_WEIGHT_ELEMENTS = 1 << 16
 _MARK = "_rag_lookahead_few_token"
 _PACKED = "_rag_lookahead_packed"
 
@@ -249,18 +259,22 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return few_token_linear(x, self.weight, self.bias, getattr(self, _PACKED))
 
 
-def speed_up_cpu_linears(model: nn.Module, min_elements: int = MIN_WEIGHT_ELEMENTS) -> int:
+def speed_up_cpu_linears(model: nn.Module, min_elements: int | None = None) -> int:
     """Give every fp32 ``nn.Linear`` on the CPU with at least ``min_elements`` weights the few-token
     product, and bf16 ones the packed bf16 layout where :func:`bf16_layout_applies` and its copies
-    fit in half the available memory; returns how many layers have it (calling again changes nothing)."""
+    fit in half the available memory; returns how many layers have it (calling again changes nothing).
+    ``min_elements`` None: ``MIN_WEIGHT_ELEMENTS`` for fp32 weights, ``MIN_BF16_WEIGHT_ELEMENTS`` for bf16."""
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     chosen = []
     for module in model.modules():
         if type(module) is not nn.Linear:
             continue
         weight = module.weight
+        least = min_elements
+        if least is None:
+            least = MIN_BF16_WEIGHT_ELEMENTS if weight.dtype == torch.bfloat16 else MIN_WEIGHT_ELEMENTS
         if getattr(module, _MARK, False) or (
-            weight.device.type == "cpu" and weight.numel() >= min_elements and weight.dtype in _LAYOUT_DTYPES
+            weight.device.type == "cpu" and weight.numel() >= least and weight.dtype in _LAYOUT_DTYPES
         ):
             chosen.append(module)
     bf16 = [m for m in chosen if m.weight.dtype == torch.bfloat16 and not getattr(m, _MARK, False)]
@@ -276,6 +290,21 @@ def speed_up_cpu_linears(model: nn.Module, min_elements: int = MIN_WEIGHT_ELEMEN
             setattr(module, _MARK, True)
     _layout_changed(model, len(chosen))
     return len(chosen)
+
+
+@contextlib.contextmanager
+def stock_linears(model: nn.Module) -> Iterator[int]:
+    """Within: the layers :func:`speed_up_cpu_linears` gave the packed layout run torch's stock
+    kernels again, their packed copies kept for after (benchmarks time what a plain transformers
+    user runs beside the same model with the layout). Yields how many layers were set aside."""
+    marked = [m for m in model.modules() if getattr(m, _MARK, False) and "forward" in vars(m)]
+    for module in marked:
+        del module.forward
+    try:
+        yield len(marked)
+    finally:
+        for module in marked:
+            module.forward = types.MethodType(_forward, module)
 
 
 def _fits(extra_bytes: int) -> bool:

@@ -43,11 +43,15 @@ from rag_lookahead.bench.common import (
     print_rows,
     run_command,
 )
+from rag_lookahead.cpu_linear import stock_linears
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
 
 PROG = "python -m rag_lookahead.bench.batch"
 BASE_METHODS = ("hf_greedy", "plain", "lookahead")
+#: also: transformers greedy on torch's stock linear kernels (the model as transformers runs it;
+#: "hf_greedy" runs on the layout ``load_model`` gives the model, as ours does)
+STOCK_METHOD = "hf_greedy_stock"
 
 
 def run_hf_waves(model, requests, level, max_new_tokens, eos, pad):
@@ -106,6 +110,9 @@ class Workload:
         """``(outputs, latencies, mean accepted)`` of one method at one concurrency."""
         if method == "hf_greedy":
             return run_hf_waves(self.model, self.requests, level, self.max_new_tokens, self.eos, self.pad)
+        if method == STOCK_METHOD:
+            with stock_linears(self.model):
+                return run_hf_waves(self.model, self.requests, level, self.max_new_tokens, self.eos, self.pad)
         config = self.config.replace(
             enabled=method != "plain", branch_length=self.depths.get(method, self.config.branch_length)
         )
@@ -144,24 +151,26 @@ def measure(work: Workload, methods: list[str], levels: list[int], repeats: int)
 
 
 def add_speedups(results: list[dict]) -> None:
-    """``speedup_vs_hf``: tokens/s over transformers' at the same pass and concurrency, where it ran."""
-    hf: dict[tuple[int, int], dict] = {}
-    for r in results:
-        if r["method"] == "hf_greedy":
-            hf.setdefault((r["pass"], r["concurrency"]), r)
-    for r in results:
-        base = hf.get((r["pass"], r["concurrency"]))
-        if base:
-            r["speedup_vs_hf"] = round(r["tokens_per_second"] / base["tokens_per_second"], 3)
+    """``speedup_vs_hf`` (``_vs_hf_stock``): tokens/s over transformers' on the model's layout (on
+    stock kernels) at the same pass and concurrency, where it ran."""
+    for baseline, key in (("hf_greedy", "speedup_vs_hf"), (STOCK_METHOD, "speedup_vs_hf_stock")):
+        hf: dict[tuple[int, int], dict] = {}
+        for r in results:
+            if r["method"] == baseline:
+                hf.setdefault((r["pass"], r["concurrency"]), r)
+        for r in results:
+            base = hf.get((r["pass"], r["concurrency"]))
+            if base:
+                r[key] = round(r["tokens_per_second"] / base["tokens_per_second"], 3)
 
 
 def parse_methods(methods: str, extra_branch_length: str) -> tuple[list[str], dict[str, int]]:
     chosen = [m for m in methods.split(",") if m]
     depths = extra_depth_methods(extra_branch_length)
-    unknown = set(chosen) - set(BASE_METHODS)
+    unknown = set(chosen) - {*BASE_METHODS, STOCK_METHOD}
     if unknown:
         raise typer.BadParameter(
-            f"unknown methods: {', '.join(sorted(unknown))} (choose from {', '.join(BASE_METHODS)})",
+            f"unknown methods: {', '.join(sorted(unknown))} (choose from {', '.join((*BASE_METHODS, STOCK_METHOD))})",
             param_hint="--methods",
         )
     return chosen + list(depths), depths
@@ -201,6 +210,9 @@ def batch(
 
     run_continuous(loaded, work.requests[:2], 2, 8, eos, pad, config)  # warm-up and cost curve
     run_hf_waves(loaded, work.requests[:2], 2, 8, eos, pad)
+    if STOCK_METHOD in chosen:
+        with stock_linears(loaded):
+            run_hf_waves(loaded, work.requests[:2], 2, 8, eos, pad)
     results, single = measure(work, chosen, levels, repeats)
     add_speedups(results)
     contexts = [tokenizer.encode(p["context"], add_special_tokens=False) for p in cycled]

@@ -48,6 +48,7 @@ from rag_lookahead.bench.methods import (
     METHODS,
     PROMPT_LOOKUP_TOKENS,
     SAMPLING_METHODS,
+    STOCK_METHODS,
     MethodTotals,
     Run,
     baselines,
@@ -57,6 +58,7 @@ from rag_lookahead.bench.methods import (
     sampling_method,
     summarize,
 )
+from rag_lookahead.cpu_linear import stock_linears
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.greedy_head import full_output_layer
@@ -80,7 +82,9 @@ METHODS_HELP = (
     "the prompts of a pass (earlier answers, never the same prompt's), as a RAG session would; "
     "lookahead_unseeded ignores the context passage given with --seed-mode references (drafts from the prompt only); "
     "prompt_lookup_ours is transformers' prompt lookup (same n-gram and draft sizes) run through our loop; "
-    "lookahead_full_head is lookahead with the model's full output layer (no greedy_head screen) for that run"
+    "lookahead_full_head is lookahead with the model's full output layer (no greedy_head screen) for that run; "
+    "greedy_stock and prompt_lookup_stock are transformers' on torch's stock linear kernels (greedy and "
+    "prompt_lookup run on the CPU layout load_model gives the model, as lookahead does)"
 )
 TEMPERATURES_HELP = (
     "temperatures for the sampling methods (sample, prompt_lookup_sample, lookahead_sample), comma-separated"
@@ -171,6 +175,9 @@ class MethodRunner:
             return run_hf(*hf_args, None)
         if method == "prompt_lookup":
             return run_hf(*hf_args, PROMPT_LOOKUP_TOKENS)
+        if method in STOCK_METHODS:
+            with stock_linears(self.model):
+                return run_hf(*hf_args, STOCK_METHODS[method])
         if method == "prompt_lookup_ours":
             return run_lookahead(*hf_args, self.config, drafter=prompt_lookup_drafter())
         seeded = s.seed_mode == "references" and method != "lookahead_unseeded"
@@ -285,6 +292,7 @@ def print_summary(report: dict) -> None:
     for key, which in (("summary", f"{report['prompts']} prompts x {report['repeats']}"), ("summary_copying", copying)):
         if not report[key] or (key == "summary_copying" and report["copying_runs"] == len(report["per_prompt"])):
             continue  # nothing to sum up, or the same prompts as the table above
+        has_stock = any(s.get("vs_prompt_lookup_stock_decode") for s in report[key].values())
         rows = [
             {
                 "method": method,
@@ -293,6 +301,7 @@ def print_summary(report: dict) -> None:
                 "speedup e2e": times(s["speedup_e2e"]),
                 "speedup decode": times(s["speedup_decode"]),
                 "vs prompt lookup": times(s["vs_prompt_lookup_decode"]),
+                **({"vs PL stock": times(s["vs_prompt_lookup_stock_decode"])} if has_stock else {}),
                 "mean accepted": f"{s['mean_accepted']:.2f}" if s["mean_accepted"] else "-",
                 "identical": s["identical_to_greedy"],
             }

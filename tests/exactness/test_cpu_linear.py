@@ -23,6 +23,7 @@ from rag_lookahead.cpu_linear import (
     onednn_linear_works,
     restore_linears,
     speed_up_cpu_linears,
+    stock_linears,
 )
 from rag_lookahead.decoding.costs import CostCurve
 from rag_lookahead.decoding.profile import profile_of
@@ -136,26 +137,46 @@ def test_the_swapped_product_runs_only_for_few_rows():
 
 
 def test_patches_large_cpu_linears_only_and_undoes():
-    """Large fp32 linears always; large bf16 ones where this CPU takes the bf16 layout; small ones never."""
+    """Large fp32 linears always; bf16 ones from a smaller size where this CPU takes the bf16
+    layout; small ones never."""
     model = torch.nn.Sequential(
         torch.nn.Linear(1024, 1024),  # 1M weights: patched
         torch.nn.Linear(1024, 8),  # small: stock
         torch.nn.Linear(1024, 1024).to(torch.bfloat16),  # bf16: patched where the layout applies
         torch.nn.Linear(1024, 1024).to(torch.float16),  # fp16: stock
+        torch.nn.Linear(1024, 128),  # fp32 below MIN_WEIGHT_ELEMENTS: stock
+        torch.nn.Linear(1024, 128).to(torch.bfloat16),  # bf16 of that size: patched where the layout applies
+        torch.nn.Linear(1024, 32).to(torch.bfloat16),  # below MIN_BF16_WEIGHT_ELEMENTS: stock
     )
     bf16 = bf16_layout_applies()
     profile_of(model).cost_curve = CostCurve([1, 2], [0.1, 0.2])
-    assert speed_up_cpu_linears(model) == 1 + bf16
+    assert speed_up_cpu_linears(model) == 1 + 2 * bf16
     patched = ["forward" in vars(m) for m in model]
-    assert patched == [True, False, bf16, False]
+    assert patched == [True, False, bf16, False, False, bf16, False]
     assert isinstance(model[0]._rag_lookahead_packed, PackedWeight)
     assert profile_of(model).cost_curve is None  # costs measured under the old layout are forgotten
-    assert speed_up_cpu_linears(model) == 1 + bf16  # again: no change
+    assert speed_up_cpu_linears(model) == 1 + 2 * bf16  # again: no change
     x = torch.randn(3, 1024)
     torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias))
     restore_linears(model)
     assert not any("forward" in vars(m) or "_rag_lookahead_packed" in vars(m) for m in model)
     assert model._rag_lookahead_few_token_linears == 0
+
+
+def test_stock_linears_sets_the_layout_aside_for_a_while():
+    """Benchmarks time transformers on torch's stock kernels beside the layout, on one model."""
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 8))
+    assert speed_up_cpu_linears(model) == 1
+    packed = model[0]._rag_lookahead_packed
+    x = torch.randn(5, 1024)
+    with torch.no_grad():
+        model[0](x)  # packs the copy
+        with stock_linears(model) as count:
+            assert count == 1 and "forward" not in vars(model[0])
+            torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias))
+        assert "forward" in vars(model[0]) and model[0]._rag_lookahead_packed is packed  # the copy is kept
+        torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias))
+    restore_linears(model)
 
 
 needs_bf16_packed = pytest.mark.skipif(not bf16_packed_works(), reason="this torch has no working bf16 packed kernels")

@@ -1,5 +1,7 @@
 """The benchmarks' pure helpers (the benchmarks themselves are run by hand, not timed in tests)."""
 
+import pytest
+import typer
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -47,11 +49,13 @@ def test_summary_ratios_are_decode_speeds_over_greedy_and_over_prompt_lookup():
         {
             "greedy": totals((101, 11.0, 1.0)),
             "prompt_lookup": totals((101, 5.0, 1.0)),
+            "prompt_lookup_stock": totals((101, 6.0, 1.0)),  # transformers on stock kernels: 5 s
             "lookahead": totals((51, 2.0, 1.0), (51, 2.0, 1.0)),
         }
     )
     assert summary["lookahead"]["speedup_decode"] == 5.0
     assert summary["lookahead"]["vs_prompt_lookup_decode"] == 2.0
+    assert summary["lookahead"]["vs_prompt_lookup_stock_decode"] == 2.5
     assert summary["prompt_lookup"]["speedup_decode"] == 2.5
     assert summary["greedy"]["vs_prompt_lookup_decode"] == 0.4
     alone = summarize({"lookahead": totals((11, 2.0, 1.0)), "greedy": MethodTotals()})  # greedy never ran
@@ -71,3 +75,18 @@ def test_sampling_methods_are_compared_with_transformers_sampling_at_their_tempe
     slow.add(Run(list(range(11)), 2.0, 0.0), True)
     summary = summarize({"sample_t0.7": slow, "lookahead_sample_t0.7": fast})
     assert summary["lookahead_sample_t0.7"]["speedup_decode"] == 2.0
+
+
+def test_batch_speedups_over_transformers_on_the_layout_and_on_stock_kernels():
+    from rag_lookahead.bench.batch import STOCK_METHOD, add_speedups, parse_methods
+
+    rows = [
+        {"pass": 0, "concurrency": 4, "method": method, "tokens_per_second": tps}
+        for method, tps in ((STOCK_METHOD, 10.0), ("hf_greedy", 20.0), ("lookahead", 30.0))
+    ]
+    add_speedups(rows)
+    ours = rows[-1]
+    assert ours["speedup_vs_hf"] == 1.5 and ours["speedup_vs_hf_stock"] == 3.0
+    assert parse_methods(f"{STOCK_METHOD},lookahead", "")[0] == [STOCK_METHOD, "lookahead"]
+    with pytest.raises(typer.BadParameter, match=STOCK_METHOD):  # named among the choices
+        parse_methods("nonsense", "")
