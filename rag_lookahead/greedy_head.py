@@ -315,9 +315,12 @@ def _attach(model, layer: nn.Linear) -> bool:
 
 
 def _weight_state(layer: nn.Module) -> tuple:
-    """What identifies the layer's weights: the object, its in-place version and its storage."""
+    """What identifies the layer's weights: the object, its in-place version and its storage.
+    Inference tensors (made under ``torch.inference_mode``) have no version counter: for them an
+    in-place change inside inference mode goes unseen; a new tensor or storage is still seen."""
     weight = layer.weight
-    return id(weight), weight._version, weight.data_ptr(), weight.dtype, weight.device
+    version = None if weight.is_inference() else weight._version
+    return id(weight), version, weight.data_ptr(), weight.dtype, weight.device
 
 
 def _hook_in(model, layer: nn.Module, head: GreedyHead) -> None:

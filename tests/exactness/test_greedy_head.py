@@ -339,3 +339,20 @@ def test_a_changed_output_layer_is_screened_afresh(change):
         assert result.sequences[0, len(prompt) :].tolist() == stock
     finally:
         restore_greedy_head(model)
+
+
+def test_weights_made_in_inference_mode_are_screened():
+    """Inference tensors have no version counter: the screen's change check must not need one."""
+    with torch.inference_mode():
+        model = build_tiny_model("qwen2", "sdpa", 2)
+    assert model.get_output_embeddings().weight.is_inference()
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    with torch.inference_mode():
+        stock = reference_generate(model, prompt, 16, None)
+    assert screen_greedy_head(model)
+    try:
+        result = generate(model, prompt, max_new_tokens=16, pad_token_id=0)
+        assert greedy_head_of(model) is not None
+        assert result.sequences[0, len(prompt) :].tolist() == stock
+    finally:
+        restore_greedy_head(model)
