@@ -38,7 +38,9 @@ fp32 and bf16 CPU models, built on the first greedy step; :func:`screen_greedy_h
 
 A screen answers for the weights it was built from: if the layer's weight is changed afterwards
 (in place, by ``load_state_dict``, a new ``Parameter``, a move to another device or dtype), the
-next step that asks for it builds it afresh, or drops it where it no longer applies.
+next step that asks for it builds it afresh, or drops it where it no longer applies (weights
+made under ``torch.inference_mode`` have no version counter: an in-place edit of those, inside
+inference mode, is not seen; call :func:`restore_greedy_head` after one).
 """
 
 from __future__ import annotations
