@@ -79,6 +79,7 @@ __all__ = [
     "restore_linears",
     "speed_up_cpu_linears",
     "stock_linears",
+    "weight_stamp",
 ]
 
 #: token counts (rows of the input) that take the swapped product; measured faster up to 64
@@ -148,13 +149,13 @@ class PackedWeight:
 
     Why the check: a copy is the weight's values at packing time; a weight edited in place
     (``load_state_dict``, fine-tuning steps) or replaced would otherwise keep computing with
-    the old values. The weight's identity and version counter say whether it is still the same
-    (inference tensors have no version counter: ``few_token_linear`` does not pack them).
+    the old values. The weight's identity and :func:`weight_stamp` say whether it is still the
+    same (inference tensors have no version counter: ``few_token_linear`` does not pack them).
     """
 
     def __init__(self) -> None:
         self._source: weakref.ref | None = None  # the tensor packed (a weak reference: a freed one never matches)
-        self._version = -1
+        self._stamp: tuple | None = None
         self._copies: dict[str, torch.Tensor] = {}
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -175,9 +176,10 @@ class PackedWeight:
 
     def _copy(self, weight: torch.Tensor, kind: str) -> torch.Tensor:
         source = self._source() if self._source is not None else None
-        if source is not weight or weight._version != self._version:
+        stamp = weight_stamp(weight)
+        if source is not weight or stamp != self._stamp:
             self._copies = {}
-            self._source, self._version = weakref.ref(weight), weight._version
+            self._source, self._stamp = weakref.ref(weight), stamp
         if kind not in self._copies:
             values = weight.detach()
             if kind == "mkl":
@@ -185,6 +187,15 @@ class PackedWeight:
             else:
                 self._copies[kind] = torch.ops.mkldnn._reorder_linear_weight(values, PACK_HINT)
         return self._copies[kind]
+
+
+def weight_stamp(weight: torch.Tensor) -> tuple:
+    """What says a weight object still holds the values a copy of it was made from: its in-place
+    version (``mul_``, ``copy_``, ``load_state_dict``), its storage (``weight.data = ...`` keeps
+    the version), dtype and device. Inference tensors have no version counter: for them an
+    in-place edit inside inference mode goes unseen."""
+    version = None if weight.is_inference() else weight._version
+    return version, weight.data_ptr(), weight.dtype, weight.device
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from rag_lookahead.cpu_linear import weight_stamp
 from rag_lookahead.int8_linear import quantize_and_pack
 
 __all__ = [
@@ -317,12 +318,9 @@ def _attach(model, layer: nn.Linear) -> bool:
 
 
 def _weight_state(layer: nn.Module) -> tuple:
-    """What identifies the layer's weights: the object, its in-place version and its storage.
-    Inference tensors (made under ``torch.inference_mode``) have no version counter: for them an
-    in-place change inside inference mode goes unseen; a new tensor or storage is still seen."""
-    weight = layer.weight
-    version = None if weight.is_inference() else weight._version
-    return id(weight), version, weight.data_ptr(), weight.dtype, weight.device
+    """What identifies the layer's weights: the object and its :func:`~rag_lookahead.cpu_linear.weight_stamp`
+    (the screen holds the built weights' storage, so a new object at a freed one's id has other storage)."""
+    return id(layer.weight), *weight_stamp(layer.weight)
 
 
 def _hook_in(model, layer: nn.Module, head: GreedyHead) -> None:

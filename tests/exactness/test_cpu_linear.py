@@ -112,6 +112,8 @@ def test_a_packed_weight_follows_changes_to_the_weight():
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
         layer.weight = torch.nn.Parameter(torch.randn(64, 48))  # replaced: new storage
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        layer.weight.data = torch.randn(64, 48)  # same object, same version, new storage
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
     restore_linears(layer)
 
 

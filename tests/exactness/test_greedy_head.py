@@ -311,7 +311,7 @@ def test_batched_rows_and_sampled_rows_with_the_screened_head():
         restore_greedy_head(model)
 
 
-@pytest.mark.parametrize("change", ["in_place", "replaced", "load_state_dict"])
+@pytest.mark.parametrize("change", ["in_place", "replaced", "load_state_dict", "data"])
 def test_a_changed_output_layer_is_screened_afresh(change):
     """Weights changed after the screen was built (fine-tuning, a loaded checkpoint, a new
     Parameter): the next greedy tokens are the changed model's, never the stale screen's."""
@@ -328,6 +328,8 @@ def test_a_changed_output_layer_is_screened_afresh(change):
                 layer.weight.copy_(new)
             elif change == "replaced":
                 layer.weight = torch.nn.Parameter(new)
+            elif change == "data":  # same object and version, new storage
+                layer.weight.data = new
             else:
                 state = {k: v.clone() for k, v in model.state_dict().items()}
                 for key in [k for k in state if state[k].shape == new.shape]:
