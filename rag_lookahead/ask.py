@@ -84,10 +84,8 @@ def answer(
         raise InputError(
             'the question is empty: ask something, e.g. rag_lookahead ask "decoding_length 应该怎么设置？"'
         )
-    if index_dir:
-        index = ensure_index(Path(index_dir).expanduser(), quiet=quiet, build_bundled=False)
-    else:
-        index = ensure_index(default_index_dir(), quiet=quiet)
+    folder = Path(index_dir).expanduser() if index_dir else default_index_dir()
+    index = ensure_index(folder, quiet=quiet, build_bundled=not index_dir)  # only the default folder gets the sample
     if llm is None:
         from rag_lookahead.langchain.llm import LookaheadLLM
 

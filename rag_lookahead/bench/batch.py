@@ -11,6 +11,7 @@ to its last token) and whether every output equals the single-request greedy out
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Sequence
@@ -108,10 +109,8 @@ class Workload:
 
     def run(self, method: str, level: int):
         """``(outputs, latencies, mean accepted)`` of one method at one concurrency."""
-        if method == "hf_greedy":
-            return run_hf_waves(self.model, self.requests, level, self.max_new_tokens, self.eos, self.pad)
-        if method == STOCK_METHOD:
-            with stock_linears(self.model):
+        if method in ("hf_greedy", STOCK_METHOD):
+            with stock_linears(self.model) if method == STOCK_METHOD else contextlib.nullcontext():
                 return run_hf_waves(self.model, self.requests, level, self.max_new_tokens, self.eos, self.pad)
         config = self.config.replace(
             enabled=method != "plain", branch_length=self.depths.get(method, self.config.branch_length)
