@@ -151,9 +151,9 @@ class E5Encoder:
 
     def _attend(self, qkv: torch.Tensor) -> torch.Tensor:
         n, h, heads = qkv.shape[0], self.hidden, self.heads
-        q, k, v = qkv.view(n, 3, heads, h // heads).permute(1, 2, 0, 3).contiguous().unsqueeze(1)
-        context = F.scaled_dot_product_attention(q, k, v)  # [1, heads, tokens, head_dim]
-        return context[0].transpose(0, 1).reshape(n, h)
+        # strided views, no copies: [1, heads, tokens, head_dim] each (same sums as contiguous copies)
+        q, k, v = (t.transpose(1, 2) for t in qkv.view(1, n, 3, heads, h // heads).unbind(2))
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, h)
 
     def _norm(self, x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return F.layer_norm(x, (self.hidden,), *weight_bias, self.eps)
