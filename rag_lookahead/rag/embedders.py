@@ -13,6 +13,8 @@ Any sentence-transformers model can replace it: ``SentenceTransformerEmbedder(na
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar, runtime_checkable
@@ -32,6 +34,7 @@ from rag_lookahead.rag.e5 import (
     token_batches,
 )
 from rag_lookahead.rag.e5_encoder import E5Encoder
+from rag_lookahead.torch_threads import one_thread_workers
 
 __all__ = [
     "Embedder",
@@ -128,6 +131,10 @@ class E5SmallEmbedder:
         self._tokenizer = E5Tokenizer(model)
         self._encoder = E5Encoder(model, self._tokenizer, precision)
         self.dimension = model.hidden
+        self._query_lock = threading.Lock()
+        self._query_worker: tuple[int, ThreadPoolExecutor] | None = (
+            None  # (process id, worker), made on the first query
+        )
 
     def embed_documents(self, texts: Sequence[str], *, progress: bool | ProgressCallback = False) -> np.ndarray:
         """Unit vectors for ``texts`` (``passage:`` prefix). ``progress``: a tqdm bar with an ETA
@@ -135,7 +142,18 @@ class E5SmallEmbedder:
         return self._embed(list(texts), PASSAGE_PREFIX, progress)
 
     def embed_query(self, text: str) -> np.ndarray:
-        return self._embed([text], QUERY_PREFIX, False)[0]
+        """A question's unit vector (``query:`` prefix), computed on a thread of this embedder's
+        that runs torch on one thread: a server embeds questions in request threads while its
+        engine thread decodes, and a second thread computing with a team of its own slowed every
+        forward of the engine by a third or more (:mod:`rag_lookahead.torch_threads`). One query
+        costs about the same either way (~10 ms with 2 threads, ~12 ms with 1, alone)."""
+        if self.engine != "torch":
+            return self._embed([text], QUERY_PREFIX, False)[0]
+        with self._query_lock:
+            if self._query_worker is None or self._query_worker[0] != os.getpid():  # none yet, or a forked copy's
+                self._query_worker = (os.getpid(), one_thread_workers(1, "e5-query"))
+            worker = self._query_worker[1]
+        return worker.submit(self._embed, [text], QUERY_PREFIX, False).result()[0]
 
     def _embed(self, texts: list[str], prefix: str, progress: bool | ProgressCallback) -> np.ndarray:
         _check_texts(texts)
@@ -176,29 +194,24 @@ _R = TypeVar("_R")
 
 @contextlib.contextmanager
 def _one_per_core(fn: Callable[[_T], _R], items: list[_T]) -> Iterator[Iterator[_R]]:
-    """``map(fn, items)`` (in order), one item per torch thread: as many worker threads as this
-    thread's ``torch.get_num_threads()``, each computing on one.
+    """``map(fn, items)`` (in order), one item per core: as many workers as this thread's
+    ``torch.get_num_threads()``, each on one torch thread (:mod:`rag_lookahead.torch_threads`).
 
     Why: one chunk (~240 tokens through e5-small) is too small a job for torch to split well over
     cores. 2-core Xeon, 2 threads: 120 Chinese chunks of 300 characters ran 22.7-23.1 chunks/s in
     turn (14.1-14.4 on one thread), 25.7-30.1 a chunk per core; ``rag_lookahead index`` of 300
     court judgments (700 chunks), seven alternating rounds each: 26.1-40.3 s, median 27.2, against
     29.6-38.9 s, median 33.1. The vectors are equal bit for bit (each chunk is its own forward
-    either way, and its kernels' sums do not depend on the thread count there).
-    The calling thread keeps its own thread count; threads that start meanwhile in this process take
-    one torch thread until the last worker is done (torch's default for new threads is process-wide)."""
-    workers = torch.get_num_threads()
-    if workers < 2 or len(items) < 2:
+    either way, and its kernels' sums do not depend on the thread count there)."""
+    workers = min(torch.get_num_threads(), len(items))
+    if workers < 2:
         yield map(fn, items)
         return
-    pool = ThreadPoolExecutor(
-        min(workers, len(items)), thread_name_prefix="embed", initializer=torch.set_num_threads, initargs=(1,)
-    )
+    pool = one_thread_workers(workers, "embed")
     try:
         yield pool.map(fn, items)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # on an error or interrupt, no batch left running
-        torch.set_num_threads(workers)  # what new threads start from again
 
 
 class _Progress:

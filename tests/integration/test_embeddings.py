@@ -211,6 +211,30 @@ def test_a_chunk_per_core_gives_the_vectors_of_one_thread(which, request):
     np.testing.assert_array_equal(side_by_side, in_turn)
 
 
+def test_questions_are_embedded_on_one_torch_thread(e5, monkeypatch):
+    """A question is computed on the embedder's own thread with one torch thread (so it does not
+    bring a thread team that competes with a decoding thread), to the same vector as computed in
+    the calling thread, which keeps its thread count."""
+    question = "原告与被告之间的借款合同纠纷是怎么判的？"
+    expected = e5._embed([question], "query: ", False)[0]
+    forward, seen = e5._encoder.forward, []
+
+    def watched(sequences):
+        seen.append((threading.current_thread() is threading.main_thread(), torch.get_num_threads()))
+        return forward(sequences)
+
+    monkeypatch.setattr(e5._encoder, "forward", watched)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        vector = e5.embed_query(question)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(vector, expected)
+    assert seen == [(False, 1)]
+
+
 def test_a_failing_batch_stops_the_workers_and_propagates(e5, monkeypatch):
     forward, calls = e5._encoder.forward, []
 

@@ -1,0 +1,47 @@
+"""Worker threads that each run torch on one thread of their own.
+
+Why: torch's thread count is per thread, but each thread that computes in parallel brings its own
+team of OpenMP threads, which keep spinning for a while after each parallel region. On a CPU
+with few cores, a second thread computing with a team (a query embedded in a request thread
+while the engine thread decodes) slows the first far beyond its own work: one-token forwards of
+the default model (bf16, 2-core Xeon) took 126-132 ms at the median with a question embedded on
+another thread every ~150 ms with 2 torch threads, 88-114 ms with 1, 89 ms alone. And small jobs
+(one ~230-token chunk through e5-small) scale poorly over cores anyway: one job per core, each on
+one thread, runs more of them per second (see ``rag.embedders``).
+
+``torch.set_num_threads`` sets the calling thread's count and torch's process-wide default for
+threads that have not computed yet. The workers here are started and set to one thread before
+this returns, and the default is then put back, so nothing else in the process changes.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+__all__ = ["one_thread_workers"]
+
+
+def one_thread_workers(count: int, name: str = "torch-1") -> ThreadPoolExecutor:
+    """An executor of ``count`` started threads, each running torch on one thread."""
+    default = torch.get_num_threads()
+    started = threading.Barrier(count + 1)
+
+    def start() -> None:
+        torch.get_num_threads()  # torch sets a thread's count from the default on first use: let it, then set ours
+        torch.set_num_threads(1)
+        started.wait()
+
+    pool = ThreadPoolExecutor(count, thread_name_prefix=name)
+    try:
+        for _ in range(count):  # each task holds its thread until all are up: ``count`` distinct threads
+            pool.submit(start)
+        started.wait()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        torch.set_num_threads(default)  # the process-wide default again; this thread's count unchanged
+    return pool
