@@ -3,6 +3,7 @@ hybrid fusion, with the real model and real data: no mocks."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 
 import numpy as np
@@ -233,6 +234,27 @@ def test_questions_are_embedded_on_one_torch_thread(e5, monkeypatch):
         torch.set_num_threads(threads)
     np.testing.assert_array_equal(vector, expected)
     assert seen == [(False, 1)]
+
+
+def _query_in_child(e5, queue) -> None:
+    queue.put(e5.embed_query("什么是绿茶？").tolist())
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork on this platform")
+def test_a_forked_process_embeds_questions_on_a_worker_of_its_own(e5):
+    """Threads do not survive a fork: the child must not wait on the parent's query worker."""
+    expected = e5.embed_query("什么是绿茶？")  # the parent's worker exists before the fork
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_query_in_child, args=(e5, queue))
+    child.start()
+    try:
+        vector = queue.get(timeout=120)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    np.testing.assert_array_equal(np.asarray(vector, dtype=np.float32), expected)
 
 
 def test_a_failing_batch_stops_the_workers_and_propagates(e5, monkeypatch):
