@@ -84,22 +84,14 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> Engine:
-        """Load the model (and the index, when there is one) named by ``config``."""
-        from rag_lookahead.models import load_model
-        from rag_lookahead.rag.index import default_index_dir, load_index
+        """Load the model (and the index, when there is one) named by ``config``.
 
-        model, tokenizer = load_model(
-            config.model, dtype=config.dtype, device=config.device, device_map=config.device_map
-        )
-        index = None
-        if config.index_dir is not None:
-            index = load_index(config.index_dir)  # asked for explicitly: fail loudly
-        elif default_index_dir().is_dir():
-            try:
-                index = load_index(default_index_dir())
-            except Exception as e:  # the default is optional: serve without RAG
-                log.warning("default index at %s not loaded (%s); /v1/rag will answer 503", default_index_dir(), e)
-        return cls(model, tokenizer, config, index)
+        On a thread that ends with the loading: the torch thread team of a thread that computed
+        (converting and packing the model, the embedder's calibration) lives as long as the
+        thread, and a second team slowed every forward of the engine thread (``torch_threads``)."""
+        from rag_lookahead.torch_threads import in_passing_thread
+
+        return cls(**in_passing_thread(_load, config), config=config)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -327,3 +319,20 @@ def _lookahead_config(config: ServerConfig, tokenizer) -> LookaheadConfig:
     if not config.lookahead:
         lookahead = lookahead.replace(enabled=False)
     return lookahead
+
+
+def _load(config: ServerConfig) -> dict:
+    """The model, its tokenizer and the index ``config`` names (the default index if it loads)."""
+    from rag_lookahead.models import load_model
+    from rag_lookahead.rag.index import default_index_dir, load_index
+
+    model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device, device_map=config.device_map)
+    index = None
+    if config.index_dir is not None:
+        index = load_index(config.index_dir)  # asked for explicitly: fail loudly
+    elif default_index_dir().is_dir():
+        try:
+            index = load_index(default_index_dir())
+        except Exception as e:  # the default is optional: serve without RAG
+            log.warning("default index at %s not loaded (%s); /v1/rag will answer 503", default_index_dir(), e)
+    return {"model": model, "tokenizer": tokenizer, "index": index}

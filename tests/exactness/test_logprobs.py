@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import hf_logits
 from tiny_models import tiny_model
 
 from rag_lookahead import LookaheadConfig, generate
@@ -15,23 +16,6 @@ from rag_lookahead.decoding.loop import left_pad
 CONFIG = LookaheadConfig(budget="fixed", decoding_length=16, branch_length=8, use_output_pool=False)
 PROMPTS = [[5, 9, 14, 3, 5, 9, 14, 3, 5, 9], [7, 1, 22, 40, 61, 7, 1, 22]]
 TOP = 5
-
-
-def hf_logits(model, prompt: list[int], max_new: int, seed: int | None = None, **options):
-    """transformers' tokens and raw logits per step (``output_logits``), for one unpadded prompt."""
-    ids = torch.tensor([prompt])
-    if seed is not None:
-        torch.manual_seed(seed)
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new,
-        pad_token_id=0,
-        output_logits=True,
-        return_dict_in_generate=True,
-        **options,
-    )
-    return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
 
 
 def assert_exact(entries, tokens: list[int], logits: list[torch.Tensor]) -> None:

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from test_logprobs import hf_logits
+from hf_reference import hf_logits
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
-from rag_lookahead.torch_threads import one_thread_workers
+from rag_lookahead.torch_threads import in_passing_thread, one_thread_workers
 
 
 def test_workers_compute_on_one_thread_and_the_process_default_is_kept():
@@ -33,3 +34,18 @@ def test_workers_compute_on_one_thread_and_the_process_default_is_kept():
             pool.shutdown()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_passing_thread_returns_the_value_or_raises_and_ends():
+    seen: list[threading.Thread] = []
+
+    def work(a, b=0):
+        seen.append(threading.current_thread())
+        if b < 0:
+            raise ValueError("negative")
+        return a + b
+
+    assert in_passing_thread(work, 2, b=3) == 5
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+    with pytest.raises(ValueError, match="negative"):
+        in_passing_thread(work, 1, b=-1)
