@@ -35,21 +35,9 @@ _T = TypeVar("_T")
 
 
 def in_passing_thread(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """``fn(*args, **kwargs)`` on a new thread that ends with it (its exception re-raised here)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name="torch-passing")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    """``fn(*args, **kwargs)`` on a new thread that has ended when this returns (or raises its exception)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="torch-passing") as pool:  # leaving joins the thread
+        return pool.submit(fn, *args, **kwargs).result()
 
 
 def one_thread_workers(count: int, name: str = "torch-1") -> ThreadPoolExecutor:

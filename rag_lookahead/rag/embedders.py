@@ -132,9 +132,7 @@ class E5SmallEmbedder:
         self._encoder = E5Encoder(model, self._tokenizer, precision)
         self.dimension = model.hidden
         self._query_lock = threading.Lock()
-        self._query_worker: tuple[int, ThreadPoolExecutor] | None = (
-            None  # (process id, worker), made on the first query
-        )
+        self._query_worker: tuple[int, ThreadPoolExecutor] | None = None  # (pid, worker): on first use
 
     def embed_documents(self, texts: Sequence[str], *, progress: bool | ProgressCallback = False) -> np.ndarray:
         """Unit vectors for ``texts`` (``passage:`` prefix). ``progress``: a tqdm bar with an ETA
@@ -144,8 +142,8 @@ class E5SmallEmbedder:
     def embed_query(self, text: str) -> np.ndarray:
         """A question's unit vector (``query:`` prefix), computed on a thread of this embedder's
         that runs torch on one thread: a server embeds questions in request threads while its
-        engine thread decodes, and a second thread computing with a team of its own slowed every
-        forward of the engine by a third or more (:mod:`rag_lookahead.torch_threads`). One query
+        engine thread decodes, and a second thread computing with a team of its own had doubled the
+        engine's forwards (:mod:`rag_lookahead.torch_threads`). One query
         costs about the same either way (~10 ms with 2 threads, ~12 ms with 1, alone)."""
         if self.engine != "torch":
             return self._embed([text], QUERY_PREFIX, False)[0]
