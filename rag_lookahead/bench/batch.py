@@ -199,10 +199,10 @@ def batch(
     """Throughput benchmark: many requests at once, batched."""
     check_plot(plot, json_path)
     chosen, depths = parse_methods(methods, extra_branch_length)
+    prompt_set = load_prompts(prompts, ids)  # a bad file fails before the model loads
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
     eos, pad = eos_pad(loaded, tokenizer)
     config = LookaheadConfig(branch_length=branch_length).with_tokenizer(tokenizer)
-    prompt_set = load_prompts(prompts, ids)
     cycled = [prompt_set[i % len(prompt_set)] for i in range(requests)]
     work = Workload(loaded, eos, pad, [chat_ids(tokenizer, p) for p in cycled], config, depths, max_new_tokens)
     levels = [int(c) for c in concurrency.split(",")]

@@ -21,6 +21,7 @@ import typer
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import left_pad
 from rag_lookahead.decoding.verify import input_device
+from rag_lookahead.errors import InputError, RagLookaheadError, first_line
 from rag_lookahead.tokens import encode_messages, eos_ids, pad_id
 
 __all__ = [
@@ -88,7 +89,8 @@ def run_command(command: Callable[..., Any], argv: Sequence[str] | None, prog_na
 
     Why not ``typer.run``: callers such as ``rag_lookahead bench`` and the tests want the report
     back. A ``typer.Exit`` the command raises gives its exit code; ``--help`` gives 0; a usage
-    error is printed the typer way and exits 2 (SystemExit).
+    error is printed the typer way and exits 2 (SystemExit); one of our errors (:class:`RagLookaheadError`)
+    prints as one line and exits 1.
     """
     returned: list[Any] = []
 
@@ -99,6 +101,8 @@ def run_command(command: Callable[..., Any], argv: Sequence[str] | None, prog_na
         except typer.Exit as done:
             returned.append(done.exit_code)
             raise
+        except RagLookaheadError as e:  # something the user can fix: one line, no traceback
+            raise SystemExit(f"error: {first_line(e)}") from None
 
     app = typer.Typer(add_completion=False)
     app.command()(keep_result)
@@ -153,19 +157,52 @@ def eos_pad(model, tokenizer) -> tuple[list[int], int]:
 
 
 def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
-    """The prompt set (default: the bundled one), optionally only the comma-separated ``ids``."""
+    """The prompt set (default: the bundled one), optionally only the comma-separated ``ids``.
+
+    Each line of a ``--prompts`` file is a JSON object with a ``question`` (a non-empty string)
+    and a ``context`` (the passage, a string; may be empty), optionally an ``id``, a ``reference``
+    answer and anything else. A line without an ``id`` gets ``line-N`` (reports and charts group
+    by id). A file that breaks these rules raises :class:`InputError` naming the first bad line,
+    so the benchmarks check it before loading a model.
+    """
     if path:
-        text = Path(path).read_text(encoding="utf-8")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"cannot read the prompts file {path!r}: {getattr(e, 'strerror', None) or e}") from None
     else:
         text = resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
-    prompts = [json.loads(line) for line in text.splitlines() if line.strip()]
+    name = path or "the bundled prompts"
+    prompts = [_prompt(line, n, name) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if not prompts:
+        raise InputError(f"{name}: no prompts (one JSON object with context and question per line)")
     if ids:
         wanted = [i.strip() for i in ids.split(",") if i.strip()]
-        unknown = sorted(set(wanted) - {p.get("id") for p in prompts})
+        unknown = sorted(set(wanted) - {p["id"] for p in prompts})
         if unknown:
-            raise SystemExit(f"unknown prompt ids: {', '.join(unknown)}")
-        prompts = [p for p in prompts if p.get("id") in wanted]
+            raise InputError(f"unknown prompt ids: {', '.join(unknown)}")
+        prompts = [p for p in prompts if p["id"] in wanted]
     return prompts
+
+
+def _prompt(line: str, lineno: int, name: str) -> dict:
+    """One ``--prompts`` line, checked (see :func:`load_prompts`)."""
+    try:
+        prompt = json.loads(line)
+    except ValueError as e:
+        raise InputError(f"{name}: line {lineno} is not JSON ({e})") from None
+    if not isinstance(prompt, dict):
+        raise InputError(f"{name}: line {lineno} is not a JSON object with context and question")
+    for key, may_be_empty in (("context", True), ("question", False)):
+        value = prompt.get(key)
+        if not isinstance(value, str) or not (may_be_empty or value.strip()):
+            keys = ", ".join(sorted(prompt)) or "none"
+            raise InputError(
+                f"{name}: line {lineno} needs {key!r} as a {'string' if may_be_empty else 'non-empty string'} "
+                f"(its keys: {keys})"
+            )
+    prompt["id"] = str(prompt["id"]) if prompt.get("id") is not None else f"line-{lineno}"
+    return prompt
 
 
 def chat_ids(tokenizer, prompt: dict, *, with_context: bool = True) -> list[int]:

@@ -163,9 +163,9 @@ def identical(a: dict[str, list[int]], b: dict[str, list[int]]) -> str:
 def real_mix(model: str, dtype: str, device: str | None, prompts: str | None, settings: dict):
     """The named model and a mix built from the prompt set: questions alone as the short requests,
     passages joined to about ``long_tokens`` tokens (then a question) as the long ones."""
+    prompt_set = load_prompts(prompts)  # a bad file fails before the model loads
     loaded, tokenizer = load_bench_model(model, dtype, device, None)
     eos, pad = eos_pad(loaded, tokenizer)
-    prompt_set = load_prompts(prompts)
     shorts = [chat_ids(tokenizer, p, with_context=False) for p in prompt_set]
     longs = []
     for i in range(settings["long_requests"]):

@@ -38,7 +38,7 @@ import numpy as np
 import typer
 
 from rag_lookahead.bench.common import run_command
-from rag_lookahead.errors import InputError, RagLookaheadError, first_line
+from rag_lookahead.errors import InputError, RagLookaheadError
 from rag_lookahead.rag.embedders import Embedder, get_embedder
 from rag_lookahead.rag.lexical import HYBRID_WEIGHTS, RRF_K, BM25Index, reciprocal_rank_fusion
 
@@ -339,17 +339,14 @@ def retrieval(
     as_json: Annotated[bool, typer.Option("--json", help="print the results as JSON")] = False,
 ) -> dict:
     """Question -> passage retrieval check (recall@1/@5 per method; --tune, --speed)."""
-    try:
-        out = run(
-            [n for n in embedders.split(",") if n],
-            dataset or None,
-            do_tune=tune_fusion,
-            speed_chunks=speed_chunks,
-            rounds=rounds,
-            recall_too=not speed_only,
-        )
-    except RagLookaheadError as e:
-        raise SystemExit(f"error: {first_line(e)}") from None
+    out = run(
+        [n for n in embedders.split(",") if n],
+        dataset or None,
+        do_tune=tune_fusion,
+        speed_chunks=speed_chunks,
+        rounds=rounds,
+        recall_too=not speed_only,
+    )
     if as_json:
         print(json.dumps(out, ensure_ascii=False, indent=2))
     else:

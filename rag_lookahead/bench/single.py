@@ -316,11 +316,11 @@ def print_summary(report: dict) -> None:
 
 def run_bench(s: BenchSettings) -> dict:
     """Load the model, run every method on every prompt, print the tables, write JSON and charts."""
+    prompts = load_prompts(s.prompts, s.ids)[: s.limit]  # a bad file fails before the model loads
     model, tokenizer = load_bench_model(s.model, s.dtype, s.device, s.device_map)
     config = LookaheadConfig(
         decoding_length=s.decoding_length, branch_length=s.branch_length, budget=s.budget
     ).with_tokenizer(tokenizer)
-    prompts = load_prompts(s.prompts, s.ids)[: s.limit]
     measured = measure(MethodRunner(model, tokenizer, s, config, prompts), s.methods)
     report = build_report(s, model, config, prompts, measured)
     print_summary(report)

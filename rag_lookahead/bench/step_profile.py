@@ -183,8 +183,8 @@ def step_profile(
     from rag_lookahead.decoding.trie import OutputPool
     from rag_lookahead.decoding.verify import input_device
 
+    chosen = load_prompts(prompts, ids)[:limit]  # a bad file fails before the model loads
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
-    chosen = load_prompts(prompts, ids)[:limit]
     eos, pad = eos_pad(loaded, tokenizer)
     config = LookaheadConfig()
 

@@ -90,3 +90,70 @@ def test_batch_speedups_over_transformers_on_the_layout_and_on_stock_kernels():
     assert parse_methods(f"{STOCK_METHOD},lookahead", "")[0] == [STOCK_METHOD, "lookahead"]
     with pytest.raises(typer.BadParameter, match=STOCK_METHOD):  # named among the choices
         parse_methods("nonsense", "")
+
+
+# ---------------------------------------------------------------- --prompts files
+
+
+def _write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_a_prompts_file_is_read_with_ids_for_lines_without_one(tmp_path):
+    from rag_lookahead.bench.common import load_prompts
+
+    text = '{"id": "a", "context": "p", "question": "q"}\n\n{"context": "", "question": "only a question", "x": 1}\n'
+    prompts = load_prompts(_write(tmp_path, "ok.jsonl", text))
+    assert [p["id"] for p in prompts] == ["a", "line-3"]
+    assert prompts[1]["question"] == "only a question" and prompts[1]["x"] == 1
+    assert [p["id"] for p in load_prompts(_write(tmp_path, "ok2.jsonl", text), "line-3")] == ["line-3"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"context": "p", "question": "q"}\n{broken\n', "line 2 is not JSON"),
+        ("[1, 2]\n", "line 1 is not a JSON object"),
+        ('{"passage": "p", "question": "q"}\n', "line 1 needs 'context' as a string (its keys: passage, question)"),
+        ('{"context": "p", "question": "  "}\n', "line 1 needs 'question' as a non-empty string"),
+        ('{"context": 3, "question": "q"}\n', "line 1 needs 'context'"),
+        ("\n \n", "no prompts"),
+    ],
+)
+def test_a_bad_prompts_file_names_its_first_bad_line(tmp_path, text, message):
+    from rag_lookahead.bench.common import load_prompts
+    from rag_lookahead.errors import InputError
+
+    with pytest.raises(InputError, match="bad.jsonl") as caught:
+        load_prompts(_write(tmp_path, "bad.jsonl", text))
+    assert message in str(caught.value)
+
+
+def test_unreadable_prompts_and_unknown_ids_are_input_errors(tmp_path):
+    from rag_lookahead.bench.common import load_prompts
+    from rag_lookahead.errors import InputError
+
+    with pytest.raises(InputError, match="cannot read the prompts file"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "latin1.jsonl").write_bytes('{"context": "caf\xe9", "question": "q"}\n'.encode("latin-1"))
+    with pytest.raises(InputError, match="cannot read the prompts file"):
+        load_prompts(str(tmp_path / "latin1.jsonl"))
+    with pytest.raises(InputError, match="unknown prompt ids: nope"):
+        load_prompts(None, "nope")
+
+
+@pytest.mark.parametrize("module", ["single", "batch", "step_profile"])
+def test_a_bad_prompts_file_stops_a_benchmark_with_one_line_before_the_model_loads(tmp_path, monkeypatch, module):
+    """The real entry points: the error is one line (exit 1), and no model was asked for."""
+    import importlib
+
+    bench = importlib.import_module(f"rag_lookahead.bench.{module}")
+    loads = []
+    monkeypatch.setattr(bench, "load_bench_model", lambda *a, **k: loads.append(a))
+    path = _write(tmp_path, "bad.jsonl", '{"context": "p"}\n')
+    with pytest.raises(SystemExit) as done:
+        bench.main(["--prompts", path])
+    assert done.value.code == f"error: {path}: line 1 needs 'question' as a non-empty string (its keys: context)"
+    assert loads == []  # the file was checked first
