@@ -76,25 +76,51 @@ class Dataset:
 
 
 def load_dataset(path: str | Path | None = None) -> list[Item]:
-    """Items from a JSONL file, a name in :data:`DATASETS`, or (``None``) the bundled set."""
+    """Items from a JSONL file, a name in :data:`DATASETS`, or (``None``) the bundled set.
+
+    A file's lines are passage records: ``id``, ``passage`` (a non-empty string), ``questions`` (a
+    non-empty list of non-empty strings, each asked of that passage among all the others) and
+    optionally ``lang`` (default ``zh``). The first line that breaks this raises :class:`InputError`."""
     name = str(path) if path is not None else "bundled"
     if name in DATASETS:
         text = resources.files("rag_lookahead").joinpath(DATASETS[name]).read_text(encoding="utf-8")
     else:
         try:
             text = Path(name).read_text(encoding="utf-8")
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:
             known = ", ".join(DATASETS)
-            raise InputError(f"cannot read dataset {name!r} ({e.strerror or e}); known names: {known}") from None
-    items = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                d = json.loads(line)
-                items.append(Item(d["id"], d.get("lang", "zh"), d["passage"], list(d["questions"])))
-            except (ValueError, KeyError, TypeError) as e:
-                raise InputError(f"dataset {name}: line {lineno} is not a passage record ({e})") from None
+            raise InputError(
+                f"cannot read dataset {name!r} ({getattr(e, 'strerror', None) or e}); known names: {known}"
+            ) from None
+    items = [_item(line, n, name) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if not items:
+        raise InputError(f"dataset {name}: no passage records")
     return items
+
+
+def _item(line: str, lineno: int, name: str) -> Item:
+    """One passage record, checked (see :func:`load_dataset`)."""
+    where = f"dataset {name}: line {lineno}"
+    try:
+        d = json.loads(line)
+    except ValueError as e:
+        raise InputError(f"{where} is not JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise InputError(f"{where} is not a JSON object (id, passage, questions)")
+    questions, passage = d.get("questions"), d.get("passage")
+    if (
+        d.get("id") is None
+        or not isinstance(passage, str)
+        or not passage.strip()
+        or not isinstance(questions, list)
+        or not questions
+        or not all(isinstance(q, str) and q.strip() for q in questions)
+    ):
+        keys = ", ".join(sorted(d)) or "none"
+        raise InputError(
+            f"{where} needs an id, a non-empty passage and a non-empty list of questions (its keys: {keys})"
+        )
+    return Item(str(d["id"]), str(d.get("lang") or "zh"), passage, questions)
 
 
 def chunk_dataset(name: str, items: list[Item]) -> Dataset:

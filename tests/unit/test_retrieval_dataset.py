@@ -1,0 +1,62 @@
+"""``bench.retrieval --dataset FILE``: passage records are checked line by line, with one-line errors."""
+
+import json
+
+import pytest
+
+from rag_lookahead.bench import retrieval as br
+from rag_lookahead.errors import InputError
+
+
+def _file(tmp_path, *lines: str) -> str:
+    path = tmp_path / "set.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def test_records_are_read_with_ids_as_text_and_chinese_by_default(tmp_path):
+    lines = [
+        json.dumps({"id": 7, "passage": "p1", "questions": ["q1", "q2"]}),
+        "",
+        json.dumps({"id": "b", "lang": "en", "passage": "p2", "questions": ["q3"], "extra": True}),
+    ]
+    items = br.load_dataset(_file(tmp_path, *lines))
+    assert items == [br.Item("7", "zh", "p1", ["q1", "q2"]), br.Item("b", "en", "p2", ["q3"])]
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ("{oops", "line 1 is not JSON"),
+        ("[1]", "line 1 is not a JSON object"),
+        (json.dumps({"passage": "p", "questions": ["q"]}), "(its keys: passage, questions)"),
+        (json.dumps({"id": 1, "passage": " ", "questions": ["q"]}), "non-empty passage"),
+        (json.dumps({"id": 1, "passage": "p", "questions": "one question"}), "list of questions"),
+        (json.dumps({"id": 1, "passage": "p", "questions": []}), "list of questions"),
+        (json.dumps({"id": 1, "passage": "p", "questions": ["q", ""]}), "list of questions"),
+    ],
+)
+def test_a_bad_record_is_named_by_its_line(tmp_path, record, message):
+    with pytest.raises(InputError, match="set.jsonl: line 1") as caught:
+        br.load_dataset(_file(tmp_path, record))
+    assert message in str(caught.value)
+
+
+def test_unreadable_and_empty_datasets_are_input_errors(tmp_path):
+    with pytest.raises(InputError, match="known names: bundled"):
+        br.load_dataset(tmp_path / "missing.jsonl")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"id": 1, "passage": "caf\xe9", "questions": ["q"]}\n')
+    with pytest.raises(InputError, match="cannot read dataset"):
+        br.load_dataset(tmp_path / "latin1.jsonl")
+    with pytest.raises(InputError, match="no passage records"):
+        br.load_dataset(_file(tmp_path, "", "  "))
+
+
+def test_the_command_prints_one_line_for_a_bad_dataset(tmp_path):
+    path = _file(tmp_path, json.dumps({"id": 1, "passage": "p"}))
+    with pytest.raises(SystemExit) as done:
+        br.main(["--dataset", path])
+    assert done.value.code == (
+        f"error: dataset {path}: line 1 needs an id, a non-empty passage and a non-empty list of questions "
+        "(its keys: id, passage)"
+    )
