@@ -15,6 +15,7 @@ from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.sampling import longest_paths
 from rag_lookahead.greedy_head import (
     MOST_POSITIONS,
+    _build,
     capture_hidden,
     full_output_layer,
     greedy_head_of,
@@ -63,6 +64,32 @@ def test_screened_argmax_equals_the_full_argmax(vocab, width, rows, outliers, sp
     hidden[:, :outliers] *= 40  # a few huge dimensions, as real hidden states have
     head = _screened(weight)
     assert list(head.argmax(hidden)) == (hidden @ weight.T).argmax(-1).tolist()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    vocab=st.integers(min_value=1, max_value=40000),
+    width=st.integers(min_value=1, max_value=24),
+    magnitude=st.sampled_from([1e-30, 1e-6, 1.0, 1e6]),
+    zero_rows=st.integers(min_value=0, max_value=3),
+    seed=st.integers(min_value=0, max_value=2**16),
+)
+def test_the_build_bounds_each_rows_error_and_size_on_the_digits_it_packed(vocab, width, magnitude, zero_rows, seed):
+    """What the screen's proof rests on, checked in float64 on the packed digits themselves (over
+    16,384 rows: more than one block), for rows of any size, all-zero rows too."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, width, generator=generator) * magnitude
+    weight[:zero_rows] = 0
+    built = _build(weight)
+    assert built is not None
+    packed, row_errors, row_l1s = built
+    quantized = torch.ops.quantized.linear_unpack(packed)[0]
+    digits, scales = quantized.int_repr().double(), quantized.q_per_channel_scales().double()
+    assert digits.abs().max() <= 127
+    exact = weight.double()
+    assert bool((row_errors >= (exact - digits * scales.float().double()[:, None]).abs().amax(1)).all())
+    assert bool((row_errors <= scales * 0.5 * (1 + 1e-5) + 2.0**-22 * exact.abs().amax(1)).all())  # and tight
+    assert torch.allclose(row_l1s, exact.abs().sum(1), rtol=1e-12, atol=0)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
