@@ -415,7 +415,7 @@ def _build(weight: torch.Tensor) -> tuple | None:
     does not). Returns the packed weights and each row's largest error and sum |W|.
 
     Rows are quantized symmetrically (scale = the row's largest magnitude / 127) a block at a time,
-    each block's temporaries reused in place: 3.1 s against 5.3 s with ``quantize_per_channel`` and
+    each block's temporaries reused in place: 2.7 s against 5.3 s with ``quantize_per_channel`` and
     separate passes for the errors (the default model's 151,936 x 896 layer, 2-core Xeon), paid by
     every process that decodes greedily. The errors are measured on the digits actually packed."""
     vocab = weight.shape[0]
@@ -427,7 +427,8 @@ def _build(weight: torch.Tensor) -> tuple | None:
         block = weight[rows]
         magnitudes = block.abs()
         largest = magnitudes.amax(1)
-        row_l1s[rows] = magnitudes.sum(1, dtype=torch.float64)
+        # an fp32 sum of n terms is within (n - 1) * 2^-24 of their size: widened, it bounds sum |W|
+        row_l1s[rows] = magnitudes.sum(1).double() * (1 + 2.0**-23 * block.shape[1])
         scale = (largest / 127).clamp_min(1e-30)
         scales32[rows] = scale
         digits = torch.div(block, scale[:, None], out=magnitudes).round_()

@@ -89,7 +89,8 @@ def test_the_build_bounds_each_rows_error_and_size_on_the_digits_it_packed(vocab
     exact = weight.double()
     assert bool((row_errors >= (exact - digits * scales.float().double()[:, None]).abs().amax(1)).all())
     assert bool((row_errors <= scales * 0.5 * (1 + 1e-5) + 2.0**-22 * exact.abs().amax(1)).all())  # and tight
-    assert torch.allclose(row_l1s, exact.abs().sum(1), rtol=1e-12, atol=0)
+    sizes = exact.abs().sum(1)
+    assert bool((row_l1s >= sizes).all()) and bool((row_l1s <= sizes * (1 + 1e-3)).all())
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
