@@ -8,7 +8,6 @@ The tests and ``gpu_check`` build them here, so both check the same five models.
 from __future__ import annotations
 
 import torch
-import transformers
 
 VOCAB = 96
 
@@ -42,6 +41,8 @@ def build_tiny_model(
 
     Weights are drawn on the CPU and then moved, so a GPU gets the very weights a CPU test sees.
     """
+    import transformers  # here, not at import: the CLI imports this module, and most commands never build one
+
     config_name, model_name, extra = ARCHITECTURES[arch]
     config = getattr(transformers, config_name)(**{**_COMMON, "max_position_embeddings": max_positions}, **extra)
     config._attn_implementation = attn
