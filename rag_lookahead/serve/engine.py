@@ -335,4 +335,4 @@ def _load(config: ServerConfig) -> dict:
             index = load_index(default_index_dir())
         except Exception as e:  # the default is optional: serve without RAG
             log.warning("default index at %s not loaded (%s); /v1/rag will answer 503", default_index_dir(), e)
-    return {"model": model, "tokenizer": tokenizer, "index": index}
+    return {"model": model, "tokenizer": tokenizer, "index": index.warm() if index is not None else None}

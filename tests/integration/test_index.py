@@ -118,6 +118,24 @@ def test_retriever_returns_documents_with_metadata(built, embedder):
     assert "杀青" in docs[0].page_content
 
 
+def test_a_warmed_index_has_its_bm25_and_searches_as_a_cold_one(built, embedder):
+    cold, warm = ix.load_index(built[1], embedder), ix.load_index(built[1], embedder).warm()
+    assert cold._bm25 is None and warm._bm25 is not None
+    for query in ("绿茶为什么是绿色的", "Shield volcanoes lava", "git branch"):
+        for mode in ("hybrid", "lexical"):
+            assert warm.search(query, k=3, mode=mode) == cold.search(query, k=3, mode=mode)
+    assert ix.load_index(built[1], embedder, mode="dense").warm()._bm25 is None  # never searched lexically
+
+
+def test_the_server_loads_its_index_warm(built):
+    """What ``Engine.from_config`` loads (the real default model): the first question finds BM25 built."""
+    from rag_lookahead.serve import ServerConfig
+    from rag_lookahead.serve.engine import _load
+
+    loaded = _load(ServerConfig(index_dir=str(built[1])))
+    assert loaded["index"]._bm25 is not None
+
+
 def test_load_uses_the_manifest_model_by_default(built):
     index = ix.load_index(built[1])
     assert index.embedder.name == E5SmallEmbedder.name
