@@ -42,6 +42,7 @@ __all__ = [
     "eos_pad",
     "extra_depth_methods",
     "hf_batched",
+    "jsonl_object",
     "load_bench_model",
     "load_prompts",
     "print_rows",
@@ -185,14 +186,21 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
     return prompts
 
 
+def jsonl_object(line: str, where: str, fields: str) -> dict:
+    """One line of a JSONL input file as a JSON object, else :class:`InputError` saying ``where``
+    (e.g. ``"prompts.jsonl: line 3"``) and which ``fields`` the object should have."""
+    try:
+        value = json.loads(line)
+    except ValueError as e:
+        raise InputError(f"{where} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{where} is not a JSON object ({fields})")
+    return value
+
+
 def _prompt(line: str, lineno: int, name: str) -> dict:
     """One ``--prompts`` line, checked (see :func:`load_prompts`)."""
-    try:
-        prompt = json.loads(line)
-    except ValueError as e:
-        raise InputError(f"{name}: line {lineno} is not JSON ({e})") from None
-    if not isinstance(prompt, dict):
-        raise InputError(f"{name}: line {lineno} is not a JSON object with context and question")
+    prompt = jsonl_object(line, f"{name}: line {lineno}", "context, question")
     for key, may_be_empty in (("context", True), ("question", False)):
         value = prompt.get(key)
         if not isinstance(value, str) or not (may_be_empty or value.strip()):

@@ -37,7 +37,7 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from rag_lookahead.bench.common import run_command
+from rag_lookahead.bench.common import jsonl_object, run_command
 from rag_lookahead.errors import InputError, RagLookaheadError
 from rag_lookahead.rag.embedders import Embedder, get_embedder
 from rag_lookahead.rag.lexical import HYBRID_WEIGHTS, RRF_K, BM25Index, reciprocal_rank_fusion
@@ -101,12 +101,7 @@ def load_dataset(path: str | Path | None = None) -> list[Item]:
 def _item(line: str, lineno: int, name: str) -> Item:
     """One passage record, checked (see :func:`load_dataset`)."""
     where = f"dataset {name}: line {lineno}"
-    try:
-        d = json.loads(line)
-    except ValueError as e:
-        raise InputError(f"{where} is not JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise InputError(f"{where} is not a JSON object (id, passage, questions)")
+    d = jsonl_object(line, where, "id, passage, questions")
     questions, passage = d.get("questions"), d.get("passage")
     if (
         d.get("id") is None
