@@ -78,9 +78,13 @@ class Dataset:
 def load_dataset(path: str | Path | None = None) -> list[Item]:
     """Items from a JSONL file, a name in :data:`DATASETS`, or (``None``) the bundled set.
 
-    A file's lines are passage records: ``id``, ``passage`` (a non-empty string), ``questions`` (a
-    non-empty list of non-empty strings, each asked of that passage among all the others) and
-    optionally ``lang`` (default ``zh``). The first line that breaks this raises :class:`InputError`."""
+    A file's lines are passage records: ``passage`` (a non-empty string; or ``context``), its
+    ``questions`` (a non-empty list of non-empty strings; or one ``question``), each asked of that
+    passage among all the others, and optionally ``id`` (default ``line-N``) and ``lang`` (default
+    ``zh``). So a flat question-answering file (one question and its passage a line, as SQuAD-style
+    sets come) is read as it is. Records with the same passage text are one passage with all their
+    questions (either copy would be a right answer). The first line that breaks this raises
+    :class:`InputError`."""
     name = str(path) if path is not None else "bundled"
     if name in DATASETS:
         text = resources.files("rag_lookahead").joinpath(DATASETS[name]).read_text(encoding="utf-8")
@@ -92,20 +96,27 @@ def load_dataset(path: str | Path | None = None) -> list[Item]:
             raise InputError(
                 f"cannot read dataset {name!r} ({getattr(e, 'strerror', None) or e}); known names: {known}"
             ) from None
-    items = [_item(line, n, name) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
-    if not items:
+    by_passage: dict[str, Item] = {}
+    for n, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            item = _item(line, n, name)
+            if item.passage in by_passage:
+                by_passage[item.passage].questions.extend(item.questions)
+            else:
+                by_passage[item.passage] = item
+    if not by_passage:
         raise InputError(f"dataset {name}: no passage records")
-    return items
+    return list(by_passage.values())
 
 
 def _item(line: str, lineno: int, name: str) -> Item:
     """One passage record, checked (see :func:`load_dataset`)."""
     where = f"dataset {name}: line {lineno}"
-    d = jsonl_object(line, where, "id, passage, questions")
-    questions, passage = d.get("questions"), d.get("passage")
+    d = jsonl_object(line, where, "passage, questions")
+    passage = d["passage"] if "passage" in d else d.get("context")
+    questions = d["questions"] if "questions" in d else [d.get("question")]
     if (
-        d.get("id") is None
-        or not isinstance(passage, str)
+        not isinstance(passage, str)
         or not passage.strip()
         or not isinstance(questions, list)
         or not questions
@@ -113,9 +124,16 @@ def _item(line: str, lineno: int, name: str) -> Item:
     ):
         keys = ", ".join(sorted(d)) or "none"
         raise InputError(
-            f"{where} needs an id, a non-empty passage and a non-empty list of questions (its keys: {keys})"
+            f"{where} needs a non-empty passage (or context) and a non-empty list of questions (or one question)"
+            f" (its keys: {keys})"
         )
-    return Item(str(d["id"]), str(d.get("lang") or "zh"), passage, questions)
+    identity = d.get("id")
+    return Item(
+        str(identity) if identity is not None else f"line-{lineno}",
+        str(d.get("lang") or "zh"),
+        passage,
+        list(questions),
+    )
 
 
 def chunk_dataset(name: str, items: list[Item]) -> Dataset:

@@ -24,16 +24,30 @@ def test_records_are_read_with_ids_as_text_and_chinese_by_default(tmp_path):
     assert items == [br.Item("7", "zh", "p1", ["q1", "q2"]), br.Item("b", "en", "p2", ["q3"])]
 
 
+def test_a_flat_question_file_is_grouped_by_passage(tmp_path):
+    """SQuAD-style lines (one question and its context each): the same passage is one item."""
+    lines = [
+        json.dumps({"context": "p1", "question": "q1"}),
+        json.dumps({"context": "p2", "question": "q2", "lang": "en"}),
+        json.dumps({"id": "x", "context": "p1", "question": "q3"}),
+        json.dumps({"id": "y", "passage": "p2", "questions": ["q4", "q5"]}),
+    ]
+    items = br.load_dataset(_file(tmp_path, *lines))
+    assert items == [br.Item("line-1", "zh", "p1", ["q1", "q3"]), br.Item("line-2", "en", "p2", ["q2", "q4", "q5"])]
+
+
 @pytest.mark.parametrize(
     ("record", "message"),
     [
         ("{oops", "line 1 is not JSON"),
         ("[1]", "line 1 is not a JSON object"),
-        (json.dumps({"passage": "p", "questions": ["q"]}), "(its keys: passage, questions)"),
+        (json.dumps({"text": "p", "questions": ["q"]}), "(its keys: questions, text)"),
         (json.dumps({"id": 1, "passage": " ", "questions": ["q"]}), "non-empty passage"),
         (json.dumps({"id": 1, "passage": "p", "questions": "one question"}), "list of questions"),
         (json.dumps({"id": 1, "passage": "p", "questions": []}), "list of questions"),
         (json.dumps({"id": 1, "passage": "p", "questions": ["q", ""]}), "list of questions"),
+        (json.dumps({"id": 1, "context": "p", "question": 3}), "list of questions (or one question)"),
+        (json.dumps({"id": 1, "context": "p"}), "(its keys: context, id)"),
     ],
 )
 def test_a_bad_record_is_named_by_its_line(tmp_path, record, message):
@@ -57,6 +71,6 @@ def test_the_command_prints_one_line_for_a_bad_dataset(tmp_path):
     with pytest.raises(SystemExit) as done:
         br.main(["--dataset", path])
     assert done.value.code == (
-        f"error: dataset {path}: line 1 needs an id, a non-empty passage and a non-empty list of questions "
-        "(its keys: id, passage)"
+        f"error: dataset {path}: line 1 needs a non-empty passage (or context) and a non-empty list of questions"
+        " (or one question) (its keys: id, passage)"
     )
