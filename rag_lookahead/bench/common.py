@@ -161,7 +161,7 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
     """The prompt set (default: the bundled one), optionally only the comma-separated ``ids``.
 
     Each line of a ``--prompts`` file is a JSON object with a ``question`` (a non-empty string)
-    and a ``context`` (the passage, a string; may be empty), optionally an ``id``, a ``reference``
+    and a ``context`` (the passage, a string; may be empty; or ``passage``), optionally an ``id``, a ``reference``
     answer and anything else. A line without an ``id`` gets ``line-N`` (reports and charts group
     by id). A file that breaks these rules raises :class:`InputError` naming the first bad line,
     so the benchmarks check it before loading a model.
@@ -201,6 +201,8 @@ def jsonl_object(line: str, where: str, fields: str) -> dict:
 def _prompt(line: str, lineno: int, name: str) -> dict:
     """One ``--prompts`` line, checked (see :func:`load_prompts`)."""
     prompt = jsonl_object(line, f"{name}: line {lineno}", "context, question")
+    if "context" not in prompt and "passage" in prompt:  # the retrieval sets' name for it
+        prompt["context"] = prompt["passage"]
     for key, may_be_empty in (("context", True), ("question", False)):
         value = prompt.get(key)
         if not isinstance(value, str) or not (may_be_empty or value.strip()):

@@ -104,9 +104,13 @@ def _write(tmp_path, name: str, text: str) -> str:
 def test_a_prompts_file_is_read_with_ids_for_lines_without_one(tmp_path):
     from rag_lookahead.bench.common import load_prompts
 
-    text = '{"id": "a", "context": "p", "question": "q"}\n\n{"context": "", "question": "only a question", "x": 1}\n'
+    text = (
+        '{"id": "a", "context": "p", "question": "q"}\n\n{"context": "", "question": "only a question", "x": 1}\n'
+        '{"passage": "from a retrieval set", "question": "q2"}\n'
+    )
     prompts = load_prompts(_write(tmp_path, "ok.jsonl", text))
-    assert [p["id"] for p in prompts] == ["a", "line-3"]
+    assert [p["id"] for p in prompts] == ["a", "line-3", "line-4"]
+    assert prompts[2]["context"] == "from a retrieval set"
     assert prompts[1]["question"] == "only a question" and prompts[1]["x"] == 1
     assert [p["id"] for p in load_prompts(_write(tmp_path, "ok2.jsonl", text), "line-3")] == ["line-3"]
 
@@ -116,7 +120,7 @@ def test_a_prompts_file_is_read_with_ids_for_lines_without_one(tmp_path):
     [
         ('{"context": "p", "question": "q"}\n{broken\n', "line 2 is not JSON"),
         ("[1, 2]\n", "line 1 is not a JSON object"),
-        ('{"passage": "p", "question": "q"}\n', "line 1 needs 'context' as a string (its keys: passage, question)"),
+        ('{"text": "p", "question": "q"}\n', "line 1 needs 'context' as a string (its keys: question, text)"),
         ('{"context": "p", "question": "  "}\n', "line 1 needs 'question' as a non-empty string"),
         ('{"context": 3, "question": "q"}\n', "line 1 needs 'context'"),
         ("\n \n", "no prompts"),
