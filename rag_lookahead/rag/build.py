@@ -62,10 +62,12 @@ class IndexReport:
 
     def summary(self) -> str:
         """One line of counts, then one indented line per skipped file and per note."""
+        # the rate counts the whole run (loading the embedder, reading, splitting, writing), as a user waits it
+        rate = f" ({self.embedded_chunks / self.seconds:.1f} chunks/s)" if self.embedded_chunks and self.seconds else ""
         lines = [
             f"indexed {self.files} files ({self.added} added, {self.updated} updated, {self.unchanged} unchanged,"
             f" {self.removed} removed), {self.chunks} chunks ({self.embedded_chunks} embedded)"
-            f" with {self.embedding_model} in {self.seconds:.1f}s -> {self.index_dir}"
+            f" with {self.embedding_model} in {self.seconds:.1f}s{rate} -> {self.index_dir}"
         ]
         lines += [f"  skipped {s}" for s in self.skipped]
         lines += [f"  note {n}" for n in self.notes]

@@ -185,6 +185,10 @@ def test_incremental_rebuild_only_embeds_changes(tmp_path, built, embedder):
     with pytest.warns(UserWarning, match="blob.txt"):
         again = build(corpus, index_dir, embedder)
     assert (again.added, again.updated, again.removed, again.unchanged, again.embedded_chunks) == (0, 0, 0, 3, 0)
+    # the summary gives the embedding rate over the whole run, and none when nothing was embedded
+    rate = f"({report.embedded_chunks / report.seconds:.1f} chunks/s)"
+    assert f"in {report.seconds:.1f}s {rate} -> " in report.summary()
+    assert "chunks/s" not in again.summary()
 
 
 def test_interrupted_build_leaves_old_index_loadable(tmp_path, built, embedder, monkeypatch):
