@@ -28,6 +28,7 @@ from rag_lookahead.cpu_linear import cpu_bf16, speed_up_cpu_linears
 from rag_lookahead.embedded_model import DEFAULT_MODEL_NAME, EMBEDDED, EmbeddedModel
 from rag_lookahead.errors import ConfigError, ModelLoadError
 from rag_lookahead.greedy_head import screen_greedy_head
+from rag_lookahead.paths import cache_dir
 
 __all__ = ["DEFAULT_MODEL_NAME", "cache_dir", "default_model_dir", "embedded_model_dir", "load_model", "reported_name"]
 
@@ -113,16 +114,6 @@ def load_model(
     if gen is not None and gen.pad_token_id is None:
         gen.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
-
-
-def cache_dir() -> Path:
-    """Root of our cache: ``$RAG_LOOKAHEAD_CACHE``, else ``$XDG_CACHE_HOME/rag_lookahead``,
-    else ``~/.cache/rag_lookahead``."""
-    if os.environ.get("RAG_LOOKAHEAD_CACHE"):
-        return Path(os.environ["RAG_LOOKAHEAD_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "rag_lookahead"
-    return Path.home() / ".cache" / "rag_lookahead"
 
 
 def reported_name(name: str) -> str:

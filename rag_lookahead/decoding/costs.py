@@ -26,6 +26,7 @@ from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
 from rag_lookahead.int8_linear import packing_engine
+from rag_lookahead.paths import cache_dir
 
 
 @dataclass
@@ -157,8 +158,6 @@ def synchronize(model) -> None:
 
 
 def _curve_file() -> Path:
-    from rag_lookahead.models import cache_dir
-
     return cache_dir() / "cost_curves.json"
 
 

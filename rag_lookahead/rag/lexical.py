@@ -2,7 +2,8 @@
 
 * :func:`tokenize`: lower-cased words for non-CJK scripts (identifiers kept whole, plus their ``_``
   parts), jieba search-mode words for Chinese; punctuation and English stop words dropped.
-* :class:`BM25Index`: Okapi BM25 over those tokens, rebuilt from the texts whenever an index loads.
+* :class:`BM25Index`: Okapi BM25 over those tokens, rebuilt whenever an index loads (the tokens of a
+  large corpus come from :mod:`.token_cache`).
 * :func:`reciprocal_rank_fusion`: merges the dense and BM25 rankings; :data:`HYBRID_WEIGHTS` and
   :data:`RRF_K` are tuned on realistic similar-passage sets (``python -m rag_lookahead.bench.retrieval --tune``).
 """
@@ -84,12 +85,13 @@ def _other_tokens(chunk: str) -> list[str]:
 
 
 class BM25Index:
-    """BM25 (Okapi) over :func:`tokenize` tokens. Cheap to rebuild from the texts, so it is never stored."""
+    """BM25 (Okapi) over :func:`tokenize` tokens, built from the texts or from their tokens (as
+    :mod:`.token_cache` keeps them). Never stored in an index: rebuilt by each process."""
 
-    def __init__(self, texts: Iterable[str]):
+    def __init__(self, texts: Iterable[str] = (), *, tokens: list[list[str]] | None = None):
         from rank_bm25 import BM25Okapi
 
-        self._docs = [tokenize(t) for t in texts]
+        self._docs = tokens if tokens is not None else [tokenize(t) for t in texts]
         self.size = len(self._docs)
         # BM25Okapi divides by the corpus size: keep an empty corpus searchable (no hits)
         self._bm25 = BM25Okapi(self._docs) if self._docs and any(self._docs) else None

@@ -127,6 +127,26 @@ def test_a_warmed_index_has_its_bm25_and_searches_as_a_cold_one(built, embedder)
     assert ix.load_index(built[1], embedder, mode="dense").warm()._bm25 is None  # never searched lexically
 
 
+def test_bm25_words_come_back_from_the_cache_with_the_same_hits(built, embedder, tmp_path, monkeypatch):
+    from rag_lookahead.rag import lexical, token_cache
+
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(token_cache, "MIN_CHUNKS", 1)
+    first = ix.load_index(built[1], embedder).warm()
+    (cached,) = (tmp_path / "bm25").iterdir()
+    real, calls = lexical.tokenize, []
+    monkeypatch.setattr(lexical, "tokenize", lambda t: calls.append(t) or real(t))
+    second = ix.load_index(built[1], embedder).warm()
+    assert calls == []  # every chunk's words read back
+    monkeypatch.setattr(token_cache, "MIN_CHUNKS", 10**9)
+    uncached = ix.load_index(built[1], embedder)
+    for query in ("绿茶为什么是绿色的", "Shield volcanoes lava", "git branch"):
+        for mode in ("hybrid", "lexical"):
+            assert second.search(query, k=3, mode=mode) == first.search(query, k=3, mode=mode)
+            assert second.search(query, k=3, mode=mode) == uncached.search(query, k=3, mode=mode)
+    assert [p.name for p in (tmp_path / "bm25").iterdir()] == [cached.name]
+
+
 def test_the_server_loads_its_index_warm(built):
     """What ``Engine.from_config`` loads (the real default model): the first question finds BM25 built."""
     from rag_lookahead.serve import ServerConfig

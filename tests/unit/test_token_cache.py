@@ -1,0 +1,105 @@
+"""The on-disk cache of BM25's words: it returns exactly what ``tokenize`` returns, and only saves time."""
+
+from __future__ import annotations
+
+import os
+import string
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rag_lookahead.rag import lexical, token_cache
+
+TEXTS = [
+    "原告与被告签订了房屋租赁合同，约定租金每月三千元。",
+    "The branch_length option bounds each draft branch.",
+    "",
+    "被告辩称：原告主张的利息过高。Interest 24%",
+]
+
+# scripts and separators a chunk may hold, including characters str.splitlines() would split on
+_ALPHABET = st.sampled_from(
+    list(string.ascii_letters + string.digits + "_ .,;:!?-\n\t")
+    + list("的了是在原告被告合同签订租金利息法院判决")
+    + ["\u2028", "\x1c", "\x85", "é", "ß", "Ж", "한", "ア", "🙂", "\u3000", "，", "。"]
+)
+
+
+def _cut(texts):
+    return [lexical.tokenize(t) for t in texts]
+
+
+def _files(folder):
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(_ALPHABET, max_size=60), min_size=1, max_size=6))
+def test_words_read_back_are_the_words_cut(tmp_path_factory, texts):
+    folder = tmp_path_factory.mktemp("bm25")
+    first = token_cache.cached_tokens(texts, folder, min_chunks=1)
+    assert first == _cut(texts)
+    assert len(_files(folder)) == 1
+    assert token_cache.cached_tokens(texts, folder, min_chunks=1) == first
+
+
+def test_a_second_read_does_not_cut_and_another_corpus_misses(tmp_path, monkeypatch):
+    first = token_cache.cached_tokens(TEXTS, tmp_path, min_chunks=1)
+    other = TEXTS[:-1] + ["被告辩称：原告主张的利息过高。Interest 25%"]
+    expected = _cut(other)
+    real = lexical.tokenize
+    calls = []
+    monkeypatch.setattr(lexical, "tokenize", lambda t: calls.append(t) or real(t))
+    assert token_cache.cached_tokens(TEXTS, tmp_path, min_chunks=1) == first
+    assert calls == []  # read back, not cut
+    assert token_cache.cached_tokens(other, tmp_path, min_chunks=1) == expected
+    assert len(calls) == len(other) and len(_files(tmp_path)) == 2
+
+
+def test_a_small_corpus_is_cut_without_a_file(tmp_path):
+    assert token_cache.cached_tokens(TEXTS, tmp_path, min_chunks=len(TEXTS) + 1) == _cut(TEXTS)
+    assert _files(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda s: s[: len(s) // 2],  # truncated
+        lambda s: s.replace("合同", "合约", 1),  # a word changed, the line count kept
+        lambda s: s + "extra\n",  # a chunk too many
+        lambda s: "",  # empty
+    ],
+)
+def test_a_damaged_file_is_cut_again_and_rewritten(tmp_path, damage):
+    token_cache.cached_tokens(TEXTS, tmp_path, min_chunks=1)
+    (path,) = tmp_path.iterdir()
+    path.write_text(damage(path.read_text(encoding="utf-8")), encoding="utf-8")
+    assert token_cache.cached_tokens(TEXTS, tmp_path, min_chunks=1) == _cut(TEXTS)
+    assert token_cache._read(path, len(TEXTS)) == _cut(TEXTS)  # rewritten whole
+
+
+def test_a_folder_that_cannot_be_written_only_costs_time(tmp_path):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a user's file\n")
+    assert token_cache.cached_tokens(TEXTS, blocked / "bm25", min_chunks=1) == _cut(TEXTS)
+    assert blocked.read_text() == "a user's file\n"
+
+
+def test_only_the_most_recent_of_our_files_are_kept_and_nothing_else_is_touched(tmp_path):
+    foreign = ["notes.txt", "abc.words", "0" * 40 + ".words.bak"]
+    for name in foreign:
+        (tmp_path / name).write_text("keep me")
+    (tmp_path / ("f" * 40 + ".words")).symlink_to(tmp_path / "notes.txt")
+    corpora = [[f"{i} {t}" for t in TEXTS] for i in range(4)]
+    names = [token_cache._key(c) + ".words" for c in corpora]
+    for i, texts in enumerate(corpora[:3]):
+        token_cache.cached_tokens(texts, tmp_path, min_chunks=1, keep=3)
+        os.utime(tmp_path / names[i], (100 * (i + 1), 100 * (i + 1)))
+    token_cache.cached_tokens(corpora[0], tmp_path, min_chunks=1, keep=3)  # a hit: now the most recent
+    token_cache.cached_tokens(corpora[3], tmp_path, min_chunks=1, keep=3)  # a fourth: the least recent goes
+    ours = {p.name for p in tmp_path.iterdir() if p.name not in foreign and not p.is_symlink()}
+    assert ours == {names[0], names[2], names[3]}
+    for name in foreign:
+        assert (tmp_path / name).read_text() == "keep me"
+    assert (tmp_path / ("f" * 40 + ".words")).is_symlink()
