@@ -20,7 +20,9 @@ and ``lookahead_config`` (a whole ``LookaheadConfig``; the config's keys overrid
 What would change the output and cannot be reproduced exactly is refused with
 ``ConfigError``, never ignored: logits processors other than the sampling ones transformers
 builds from the config, per-step scores/attentions in the output, custom stopping criteria
-on batches (a batch-level criterion sees other rows; per row we cannot know what it means).
+on batches (a batch-level criterion sees other rows; per row we cannot know what it means),
+and a ``max_length`` past the model's context window (transformers goes on past it with a
+warning; our loop stops at the window).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rag_lookahead.decoding.config import LookaheadConfig, stop_word_ids
+from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.decoding.loop import generate
 from rag_lookahead.decoding.results import GenerationStats
 from rag_lookahead.decoding.sampling import build_processors, resolve_sampling
@@ -92,6 +95,15 @@ def hf_generate(
     params = resolve_sampling(model, generation_config)
     _check_processors(logits_processor, build_processors(params), mask)
     max_length, eos, custom = _read_criteria(stopping_criteria, rows)
+    limit = context_limit(model)
+    if limit is not None and max_length > limit:
+        # transformers decodes on past the window (with a warning); our loop stops at it
+        raise ConfigError(
+            f"this call may run to {max_length} tokens (the prompt's padded width + max_new_tokens) but the "
+            f"model's context window is {limit} (max_position_embeddings); lookahead decoding stops at the "
+            f"window where model.generate would go on past it, so lower max_new_tokens to at most "
+            f"{max(limit - input_ids.shape[1], 0)}"
+        )
     config = lookahead_settings(generation_config, lookahead_config, lookahead_tokenizer)
     references = _encode_references(references, lookahead_tokenizer)
     pad = generation_config._pad_token_tensor

@@ -8,7 +8,7 @@ into the caller's tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rag_lookahead.errors import ConfigError, InputError
@@ -20,6 +20,7 @@ __all__ = [
     "cut_at_stop",
     "encode_messages",
     "eos_ids",
+    "first_true",
     "held_back",
     "pad_id",
 ]
@@ -51,6 +52,8 @@ class TextTracker:
         prefix: str = "",
         hold: Sequence[str] = (),
     ) -> None:
+        if isinstance(stop, str) or not all(isinstance(s, str) for s in stop or []):
+            raise ConfigError(f"stop must be a list of strings, got {stop!r}")
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
         self.eos = eos
@@ -60,8 +63,9 @@ class TextTracker:
         self.emitted = ""
         self.stopped = False
 
-    def text(self) -> str:
-        ids = [t for t in self.ids if t not in self.eos]
+    def text(self, count: int | None = None) -> str:
+        """The text of the first ``count`` ids (all of them when None)."""
+        ids = [t for t in self.ids[:count] if t not in self.eos]
         return self.prefix + self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def final_text(self) -> str:
@@ -72,12 +76,16 @@ class TextTracker:
         """Take a block of accepted tokens; return the newly stable text (may be "")."""
         if self.stopped:
             return ""
+        before = len(self.ids)
         self.ids.extend(int(t) for t in tokens)
         text = self.text()
         answer = text[len(self.prefix) :]
         cut = cut_at_stop(answer, self.stop)
         if len(cut) < len(answer):
             self.stopped = True
+            # keep the ids one-token-a-step decoding would have stopped at (the token that completes
+            # the stop string), so a token count never depends on how many tokens a step accepted
+            del self.ids[first_true(before + 1, len(self.ids), self._holds_stop) :]
             stable = self.prefix + cut
         else:
             stable = text.rstrip(REPLACEMENT)
@@ -89,12 +97,28 @@ class TextTracker:
         self.emitted = stable
         return piece
 
+    def _holds_stop(self, count: int) -> bool:
+        answer = self.text(count)[len(self.prefix) :]
+        return len(cut_at_stop(answer, self.stop)) < len(answer)
+
     def rest(self) -> str:
         """What is left to emit once the row is done: the final text minus what was emitted."""
         final = self.final_text()
         piece = final[len(self.emitted) :] if final.startswith(self.emitted) else ""
         self.emitted = final
         return piece
+
+
+def first_true(low: int, high: int, holds: Callable[[int], bool]) -> int:
+    """The smallest ``k`` in ``[low, high]`` for which ``holds(k)``, given that ``holds`` is false
+    up to some point and true from there on, and true at ``high``."""
+    while low < high:
+        middle = (low + high) // 2
+        if holds(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rag_lookahead.errors import ConfigError
+
 #: the summed fields of ``GenerationStats`` (the histogram is merged key by key)
 _ADDED = ("forward_passes", "new_tokens", "prefill_seconds", "decode_seconds", "lookup_seconds", "draft_tokens")
 
@@ -106,7 +108,7 @@ class LogprobRecorder:
 
     def __init__(self, top: int = 0) -> None:
         if isinstance(top, bool) or not isinstance(top, int) or top < 0:
-            raise ValueError(f"top must be an integer >= 0, got {top!r}")
+            raise ConfigError(f"logprobs (the most likely tokens kept per place) must be an integer >= 0, got {top!r}")
         self.top = top
         self.entries: list[TokenLogprob] = []
 

@@ -243,8 +243,10 @@ class ChatLookahead(SamplingFields, BaseChatModel):
         """(the row to decode, ``Engine.run``'s settings, the call's tool options) for one call."""
         kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # LangChain's own switch
         config = resolve_config(self.lookahead, kwargs)
-        max_tokens = positive_int("max_tokens", kwargs.pop("max_tokens", None) or self.max_tokens)
-        timeout = _check_timeout(kwargs.pop("timeout", None)) or self.timeout
+        max_tokens = kwargs.pop("max_tokens", None)
+        max_tokens = positive_int("max_tokens", self.max_tokens if max_tokens is None else max_tokens)
+        timeout = _check_timeout(kwargs.pop("timeout", None))
+        timeout = self.timeout if timeout is None else timeout
         tools = list(kwargs.pop("tools", None) or [])
         tool_choice = kwargs.pop("tool_choice", None)
         parallel = kwargs.pop("parallel_tool_calls", None)

@@ -180,7 +180,8 @@ class LookaheadLLM(SamplingFields, BaseLLM):
         """One batched ``generate`` over ``prompts``; ``on_block(row, tokens, piece)`` sees each accepted block."""
         kwargs = dict(kwargs)
         config = resolve_config(self.lookahead, kwargs)
-        max_new = positive_int("max_new_tokens", kwargs.pop("max_new_tokens", None) or self.max_new_tokens)
+        max_new = kwargs.pop("max_new_tokens", None)
+        max_new = positive_int("max_new_tokens", self.max_new_tokens if max_new is None else max_new)
         references = self._references(prompts, kwargs.pop("references", None))
         sampling = self._sampling(kwargs)
         if kwargs:

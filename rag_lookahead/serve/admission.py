@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rag_lookahead.serve.api_error import ApiError
@@ -90,6 +91,11 @@ class TokenBudget:
     def need(job: Job) -> int:
         return len(job.prompt_ids) + job.max_tokens
 
+    @classmethod
+    def need_of(cls, jobs: Sequence[Job]) -> int:
+        """What a request's choices hold together: they are accepted or refused as one."""
+        return sum(cls.need(job) for job in jobs)
+
     @property
     def held(self) -> int:
         self._holders = [job for job in self._holders if job.live]
@@ -98,14 +104,17 @@ class TokenBudget:
     def hold(self, job: Job) -> None:
         self._holders.append(job)
 
-    def refusal(self, job: Job | None, tokens_per_second: float) -> ApiError | None:
-        """Why ``job`` cannot be accepted now (None: it can); without a job, whether the budget is full."""
-        need = self.need(job) if job is not None else 1
+    def refusal(self, jobs: Sequence[Job], tokens_per_second: float) -> ApiError | None:
+        """Why a request's ``jobs`` (its ``n`` choices) cannot be accepted now (None: they can);
+        without jobs, whether the budget is full."""
+        need = self.need_of(jobs) if jobs else 1
         if need > self.limit:
+            each = f"{len(jobs)} choices x {self.need(jobs[0])} = " if len(jobs) > 1 else ""
             return ApiError(
                 400,
-                f"this request needs {need} tokens of KV cache (prompt + max_tokens) but the server's whole "
-                f"budget is {self.limit} (max_batch_tokens): shorten the prompt or lower max_tokens",
+                f"this request needs {each}{need} tokens of KV cache (prompt + max_tokens) but the server's "
+                f"whole budget is {self.limit} (max_batch_tokens): shorten the prompt or lower max_tokens"
+                + (" or n" if len(jobs) > 1 else ""),
                 param="max_tokens",
                 code="request_too_large",
             )

@@ -136,8 +136,8 @@ class Batches:
             sampling=[job.sampling for job in jobs],
             logprobs=[job.logprobs for job in jobs],
         )
-        if batch.prefill is None:  # chunked, the prompts are prefilled inside the next steps
-            self.metrics.prefill(time.perf_counter() - start)
+        # chunked (batch.prefill set): the prompts are prefilled inside the next steps, timed there
+        self.metrics.prefill(time.perf_counter() - start, sum(len(job.prompt_ids) for job in jobs))
         for job, row in zip(jobs, rows):
             self._deliver(job, row.generated)
 
@@ -225,7 +225,7 @@ class Batches:
             rest=rest,
             finish_reason="stop" if stopped else "length",
             prompt_tokens=len(job.prompt_ids),
-            completion_tokens=len(row.generated),
+            completion_tokens=len(tracker.ids),  # up to the token that completed a stop string, if one did
             forward_passes=decode_steps,
             mean_accepted=accepted_per_step(len(row.generated), decode_steps),
             seconds=round(time.perf_counter() - job.submitted, 4),

@@ -181,21 +181,21 @@ class Engine:
         key = pool_key if self.config.output_pool == "per-key" else ""
         return Job(list(prompt_ids), max_tokens, list(stop), [list(r) for r in references], tracker, key, sampling)
 
-    def _refusal(self, job: Job | None = None) -> ApiError | None:
-        """Why a new request (``job``, or any when None) cannot be taken now (call with ``_cond`` held)."""
+    def _refusal(self, jobs: Sequence[Job] = ()) -> ApiError | None:
+        """Why a new request (its ``jobs``, or any when empty) cannot be taken now (call with ``_cond`` held)."""
         if self.error is not None or (self._thread is not None and not self._thread.is_alive()):
             return engine_stopped()
         if self._stopping or self._draining:
             return shutting_down()
         rate = self.batches.tokens_per_second
         if len(self._waiting) >= self.config.max_queue:
-            wait = self.token_budget.retry_after(self.token_budget.need(job) if job else 1, rate)
+            wait = self.token_budget.retry_after(self.token_budget.need_of(jobs) if jobs else 1, rate)
             return busy(
                 f"the server is busy: {len(self._waiting)} requests are already waiting "
                 f"(max_queue={self.config.max_queue}); retry after {wait} s",
                 wait,
             )
-        return self.token_budget.refusal(job, rate)
+        return self.token_budget.refusal(jobs, rate)
 
     def check_capacity(self) -> None:
         """Raise the 429/503 that ``submit`` would, before a handler spends work on a request."""
@@ -204,15 +204,17 @@ class Engine:
         if refusal is not None:
             raise refusal
 
-    def submit(self, job: Job) -> None:
-        """Queue ``job``, or raise why not: 503 (stopping), 429 with ``Retry-After`` (the queue or the
-        KV token budget is full), 400 (it alone needs more tokens than the whole budget)."""
+    def submit(self, *jobs: Job) -> None:
+        """Queue a request's ``jobs`` (its ``n`` choices) all together, or none of them and raise why:
+        503 (stopping), 429 with ``Retry-After`` (the queue or the KV token budget is full), 400 (they
+        need more tokens than the whole budget). A choice never runs while its siblings were refused."""
         with self._cond:
-            refusal = self._refusal(job)
+            refusal = self._refusal(jobs)
             if refusal is not None:
                 raise refusal
-            self.token_budget.hold(job)
-            self._waiting.append(job)
+            for job in jobs:
+                self.token_budget.hold(job)
+                self._waiting.append(job)
             self._cond.notify_all()
 
     def cancel(self, job: Job) -> None:

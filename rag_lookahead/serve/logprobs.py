@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from rag_lookahead.decoding.results import LogprobRecorder, TokenLogprob
-from rag_lookahead.tokens import TextTracker
+from rag_lookahead.tokens import TextTracker, first_true
 
 if TYPE_CHECKING:
     from rag_lookahead.serve.jobs import Answer
@@ -71,20 +71,8 @@ class AnswerLogprobs(LogprobRecorder):
 
 def _tokens_for_text(tracker: TextTracker, count: int) -> int:
     """The fewest of the first ``count`` tokens whose text holds the answer cut at its stop string."""
-    answer = len(tracker.final_text()) - len(tracker.prefix)
-    ids = tracker.ids[:count]
-
-    def length(k: int) -> int:
-        return len(tracker.tokenizer.decode([t for t in ids[:k] if t not in tracker.eos], skip_special_tokens=True))
-
-    low, high = 0, count
-    while low < high:  # the smallest k whose text reaches the answer's length
-        middle = (low + high) // 2
-        if length(middle) >= answer:
-            high = middle
-        else:
-            low = middle + 1
-    return low
+    answer = len(tracker.final_text())
+    return first_true(0, count, lambda k: len(tracker.text(k)) >= answer)
 
 
 # ---------------------------------------------------------------- OpenAI's shapes

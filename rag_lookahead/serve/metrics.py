@@ -48,7 +48,12 @@ class Metrics:
         )
         self.tokens_generated = counter("rag_lookahead_tokens_generated_total", "Tokens generated over all requests.")
         self.forward_passes = counter("rag_lookahead_forward_passes_total", "Batched decode forwards (after prefills).")
-        self.prefills = counter("rag_lookahead_prefills_total", "Prefill forwards (each admits one or more requests).")
+        self.prefills = counter(
+            "rag_lookahead_prefills_total",
+            "Admissions of new prompts (each one or more requests; prefilled in one forward, or with"
+            " --prefill-chunk inside the following decode steps).",
+        )
+        self.prompt_tokens = counter("rag_lookahead_prompt_tokens_total", "Prompt tokens admitted for prefill.")
         self.row_steps = counter("rag_lookahead_row_steps_total", "Decode steps summed over rows.")
         gauge(
             "rag_lookahead_mean_accepted_tokens",
@@ -65,7 +70,11 @@ class Metrics:
         self.engine_errors = counter(
             "rag_lookahead_engine_errors_total", "Engine failures (prefill, step, retire); their requests got an error."
         )
-        self.prefill_seconds = counter("rag_lookahead_prefill_seconds_total", "Seconds spent in prefills.")
+        self.prefill_seconds = counter(
+            "rag_lookahead_prefill_seconds_total",
+            "Seconds spent admitting prompts; a prompt prefilled in chunks (--prefill-chunk) runs inside"
+            " the decode steps, and that time counts in rag_lookahead_decode_seconds_total.",
+        )
         self.decode_seconds = counter("rag_lookahead_decode_seconds_total", "Seconds spent in decode steps.")
         self.request_seconds = Histogram(
             "rag_lookahead_request_seconds",
@@ -91,8 +100,9 @@ class Metrics:
         """Count one HTTP response."""
         self.requests.labels(endpoint if endpoint in ENDPOINTS else "other", str(status)).inc()
 
-    def prefill(self, seconds: float) -> None:
+    def prefill(self, seconds: float, prompt_tokens: int) -> None:
         self.prefills.inc()
+        self.prompt_tokens.inc(prompt_tokens)
         self.prefill_seconds.inc(seconds)
 
     def step(self, rows: int, tokens: int, seconds: float) -> None:

@@ -100,7 +100,7 @@ def _submit(
             job.logprobs = AnswerLogprobs(body.top_logprobs_asked)
         if tools is not None and tools.tools:
             job.tracker = TextTracker(engine.tokenizer, stop, engine.eos, prefix=tools.opening, hold=tools.hold)
-        engine.submit(job)
+    engine.submit(*jobs)
     return jobs
 
 

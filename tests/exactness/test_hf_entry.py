@@ -330,6 +330,23 @@ def test_what_cannot_be_reproduced_is_refused(call, message):
         model.generate(input_ids=torch.tensor([[4, 5, 6]]), custom_generate=hf_generate, max_new_tokens=5, **call)
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_run_past_the_context_window_is_refused_and_one_up_to_it_is_exact(arch):
+    """model.generate decodes past max_position_embeddings with a warning; the decode loop stops at
+    the window. So a call whose max_length passes the window is refused (it returned fewer tokens,
+    and in a padded batch a pad where transformers has a token); one ending at the window is exact."""
+    model = tiny_model(arch)
+    window = model.config.max_position_embeddings
+    ids, mask = padded([[4 + i % 7 for i in range(window - 6)], [5, 6, 7]])
+    with pytest.raises(ConfigError, match="at most 6"):
+        model.generate(input_ids=ids, attention_mask=mask, custom_generate=hf_generate, max_new_tokens=7)
+    expected = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    got = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6, custom_generate=hf_generate
+    )
+    assert got.tolist() == expected.tolist()
+
+
 def test_batch_level_stopping_criteria_and_streamers_are_refused_on_batches():
     model = tiny_model("qwen2")
     ids, mask = padded([[4, 5, 6], [7, 8]])

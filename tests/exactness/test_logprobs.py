@@ -80,3 +80,11 @@ def test_zero_top_and_nothing_recorded_unless_asked(monkeypatch):
     plain = generate(model, PROMPTS[0], max_new_tokens=6, config=CONFIG)
     assert plain.logprobs is None
     assert plain.sequences.tolist() == result.sequences.tolist()
+
+
+@pytest.mark.parametrize("top", [-1, 2.5, True, "5"])
+def test_a_bad_logprobs_count_is_a_config_error(top):
+    from rag_lookahead.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="logprobs"):
+        generate(tiny_model("qwen2"), PROMPTS[0], max_new_tokens=2, config=CONFIG, logprobs=top)

@@ -324,6 +324,14 @@ def test_bad_settings_are_refused(chat, weights):
         ChatLookahead(model=model, tokenizer=tok, temperature=0.7, top_p=1.7)
     with pytest.raises(ConfigError, match="max_tokens"):
         ChatLookahead(model=model, tokenizer=tok, max_tokens=0)
+    with pytest.raises(ConfigError, match="max_tokens"):
+        chat.invoke(HELLO, max_tokens=0)  # per call as at construction (0 was read as "not given")
+    with pytest.raises(ConfigError, match="timeout"):
+        chat.invoke(HELLO, timeout=0)
+    with pytest.raises(ConfigError, match="stop must be a list of strings"):
+        chat.invoke(HELLO, stop="three")  # was split into characters
+    with pytest.raises(ConfigError, match="stop must be a list of strings"):
+        list(chat.stream(HELLO, stop="three"))
     with pytest.raises(ConfigError, match="tokenizer only with a loaded model"):
         ChatLookahead(model="default", tokenizer=tok)
     with pytest.raises(ConfigError, match="max_tokns"):

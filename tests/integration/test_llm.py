@@ -167,6 +167,12 @@ def test_sampling_fields_and_bad_values(default_model):
         LookaheadLLM(model=model, tokenizer=tokenizer, temperature=0.7, top_p=1.7)
     with pytest.raises(ConfigError, match="unknown option"):
         hot.invoke(PROMPTS[0], temprature=0.5)
+    # per call as at construction: 0 tokens is refused (it was read as "not given"), a bare string
+    # is not a list of stop strings (it was split into characters)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        hot.invoke(PROMPTS[0], max_new_tokens=0)
+    with pytest.raises(ConfigError, match="stop must be a list of strings"):
+        hot.invoke(PROMPTS[0], stop="three")
 
 
 def test_tokenizer_without_pad_is_left_untouched(default_model, llm):

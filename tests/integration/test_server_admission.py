@@ -15,6 +15,7 @@ pytest.importorskip("uvicorn")
 
 from test_server import (  # noqa: F401 - tokenizer is a fixture
     hold_steps,
+    metric,
     serving,
     single_text,
     tiny_engine,
@@ -87,6 +88,35 @@ def test_request_larger_than_the_whole_budget_gets_400(tokenizer):
     assert fits.status_code == 200 and fits.json()["choices"][0]["text"] == single_text(engine, prompt, 8)
 
 
+def test_a_requests_choices_are_admitted_together_or_not_at_all(tokenizer, monkeypatch):
+    """``n`` choices hold n x (prompt + max_tokens): more than the whole budget is 400, more than
+    what is free is 429, and in neither case does any choice run (before, the choices that still
+    fitted were queued one by one and decoded with nobody to read them)."""
+    engine = tiny_engine(tokenizer, max_batch_size=4, max_batch_tokens=200)
+    a, c = (p[:20] + [5] * (20 - len(p[:20])) for p in tiny_prompts(2, seed=36))
+    gate = hold_steps(monkeypatch)
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            first = asyncio.create_task(client.post("/v1/completions", json=completion(a, 60)))  # holds 80
+            await until(lambda: engine.active == 1)
+            never = await client.post("/v1/completions", json=completion(c, 30, n=5, temperature=1.0, seed=1))
+            not_now = await client.post("/v1/completions", json=completion(c, 20, n=4, temperature=1.0, seed=1))
+            counts = engine.active, engine.queue_depth
+            gate.set()
+            await asyncio.wait_for(first, 60)
+            fits = await client.post("/v1/completions", json=completion(c, 20, n=2, temperature=1.0, seed=1))
+            return never, not_now, counts, fits
+
+    with serving(engine) as base:
+        never, not_now, counts, fits = asyncio.run(run(base))
+    assert never.status_code == 400, never.text  # 5 x 50 > 200
+    assert never.json()["error"]["code"] == "request_too_large" and "5 choices" in never.json()["error"]["message"]
+    assert_busy(not_now)  # 4 x 40 + 80 > 200, though 3 of them would have fitted
+    assert counts == (1, 0)  # only the first request: no choice of the refused ones runs
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 2
+
+
 def test_queue_full_429_carries_retry_after(tokenizer, monkeypatch):
     engine = tiny_engine(tokenizer, max_batch_size=1, max_queue=1)
     a, b, c = tiny_prompts(3, seed=33)
@@ -126,7 +156,11 @@ def test_long_prompts_in_chunks_give_single_request_texts(tokenizer, chunk):
 
     with serving(engine) as base:
         responses = asyncio.run(run(base))
+        metrics = httpx.get(base + "/metrics").text
     assert [r.json()["choices"][0]["text"] for r in responses] == want
+    # admissions are counted whether a prompt is prefilled whole or in chunks inside the steps
+    assert 1 <= metric(metrics, "rag_lookahead_prefills_total") <= len(prompts)
+    assert metric(metrics, "rag_lookahead_prompt_tokens_total") == sum(len(p) for p in prompts)
 
 
 def test_settings_and_their_command_line():
