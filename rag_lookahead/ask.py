@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rag_lookahead.errors import IndexLoadError, InputError
+from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
 
 __all__ = ["bundled_corpus", "ensure_index", "answer", "print_result", "token_printer", "main"]
 
@@ -84,6 +84,7 @@ def answer(
         raise InputError(
             'the question is empty: ask something, e.g. rag_lookahead ask "decoding_length 应该怎么设置？"'
         )
+    _check_sampling(temperature, top_p, seed)  # before anything loads
     folder = Path(index_dir).expanduser() if index_dir else default_index_dir()
     index = ensure_index(folder, quiet=quiet, build_bundled=not index_dir)  # only the default folder gets the sample
     if llm is None:
@@ -107,6 +108,21 @@ def answer(
     return {"question": question.strip(), **result}
 
 
+def _check_sampling(temperature: float | None, top_p: float | None, seed: int | None) -> None:
+    """Refuse bad sampling settings, and ones greedy decoding would silently ignore."""
+    from rag_lookahead.decoding.sampling import SamplingParams
+
+    if not temperature:
+        ignored = [name for name, value in (("--top-p", top_p), ("--seed", seed)) if value is not None]
+        if ignored:
+            raise ConfigError(
+                f"{' and '.join(ignored)} apply only when sampling; greedy decoding (no --temperature) would"
+                " ignore them: add --temperature, e.g. 0.7"
+            )
+        return
+    SamplingParams(do_sample=True, temperature=temperature, top_p=1.0 if top_p is None else top_p, seed=seed)
+
+
 def token_printer():
     """A callback handler that prints each accepted block of the answer as it is decoded."""
     from langchain_core.callbacks import BaseCallbackHandler
@@ -124,11 +140,11 @@ def print_result(result: dict, streamed: bool) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    console = Console()
-    if streamed:
-        sys.stdout.write("\n")
-    else:
-        console.print(escape(result["answer"]))
+    # soft_wrap: lines are never broken at the console's width (80 when piped), so `ask ... > file`
+    # holds the answer as the model wrote it; a terminal wraps long lines itself
+    console = Console(soft_wrap=True)
+    sys.stdout.write(("" if streamed else result["answer"]) + "\n")
+    sys.stdout.flush()
     console.print()
     console.print("[bold]Sources[/bold]")
     for i, s in enumerate(result["sources"], start=1):

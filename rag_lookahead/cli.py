@@ -27,13 +27,16 @@ from rag_lookahead.bench.rag import rag as bench_rag
 from rag_lookahead.bench.retrieval import retrieval as bench_retrieval
 from rag_lookahead.bench.session import session as bench_session
 from rag_lookahead.bench.single import bench
-from rag_lookahead.errors import CorpusWarning, RagLookaheadError, first_line
+from rag_lookahead.errors import CorpusWarning, RagLookaheadError, RebuildWarning, first_line
 from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE
 from rag_lookahead.rag.corpus import MAX_FILE_MB
 from rag_lookahead.rag.store import LOCK_TIMEOUT_S
 from rag_lookahead.serve.command import serve
 
 __all__ = ["app", "ask_command", "fail", "index_command"]
+
+# the rule, not this machine's path: the help text is the same whatever the environment
+_DEFAULT_INDEX = "$RAG_LOOKAHEAD_HOME/index, else ~/.local/share/rag_lookahead/index"
 
 app = typer.Typer(
     name="rag_lookahead",
@@ -62,7 +65,9 @@ def fail(error: BaseException) -> NoReturn:
 def index_command(
     corpus_dir: Path = typer.Argument(..., help="Folder of .txt/.md/.pdf files (searched recursively)."),
     index_dir: Path | None = typer.Option(
-        None, "--index-dir", help="Index folder: new, empty, or an index built before (default: default_index_dir())."
+        None,
+        "--index-dir",
+        help="Index folder: new, empty, or an index built before (default: " + _DEFAULT_INDEX + ").",
     ),
     embedder: str | None = typer.Option(
         None,
@@ -87,7 +92,8 @@ def index_command(
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", CorpusWarning)  # the report below lists each skipped file once
+            for reported in (CorpusWarning, RebuildWarning):  # the report below lists each one once
+                warnings.simplefilter("ignore", reported)
             report = build_index(
                 corpus_dir,
                 index_dir,
@@ -110,7 +116,7 @@ def index_command(
 @app.command("ask")
 def ask_command(
     question: str = typer.Argument(..., help="The question (any language the model speaks)."),
-    index_dir: Path | None = typer.Option(None, "--index-dir", help="Index folder (default: default_index_dir())."),
+    index_dir: Path | None = typer.Option(None, "--index-dir", help="Index folder (default: " + _DEFAULT_INDEX + ")."),
     model: str = typer.Option(
         "default",
         "--model",

@@ -27,6 +27,10 @@ class CorpusWarning(UserWarning):
     """A corpus file skipped or read with a caveat; the index report lists each one as well."""
 
 
+class RebuildWarning(UserWarning):
+    """An index build re-embeds everything (the old index cannot be reused); the report notes it too."""
+
+
 def first_line(error: BaseException) -> str:
     """What a command prints for ``error``: its message's first line, or its type's name."""
     text = str(error)

@@ -8,7 +8,6 @@ atomic publish are :mod:`.store`.
 
 from __future__ import annotations
 
-import logging
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rag_lookahead.errors import ConfigError, IndexLoadError
+from rag_lookahead.errors import ConfigError, IndexLoadError, RebuildWarning
 from rag_lookahead.rag import store
 from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, load_corpus
 from rag_lookahead.rag.store import FORMAT_VERSION, LOCK_TIMEOUT_S, default_index_dir
@@ -26,8 +25,6 @@ if TYPE_CHECKING:  # the embedders pull in torch: imported where used, so the CL
     from rag_lookahead.rag.embedders import Embedder
 
 __all__ = ["CHUNK_OVERLAP", "CHUNK_SIZE", "SEPARATORS", "IndexReport", "build_index", "make_splitter"]
-
-log = logging.getLogger(__name__)
 
 
 # 400 characters is ~250-400 e5 tokens of Chinese (well inside its 512-token window) or ~100 English
@@ -223,8 +220,9 @@ def _embed_changes(index_dir: Path, corpus: Corpus, embedder: Embedder, splittin
     previous, why_not = _previous(index_dir, embedder, chunking)
     if why_not:
         report.rebuilt = True
-        warnings.warn(f"re-embedding everything: the index at {index_dir} cannot be reused ({why_not})", stacklevel=3)
-        log.warning("rebuilding %s: %s", index_dir, why_not)
+        why = f"re-embedded everything: the index at {index_dir} could not be reused ({why_not})"
+        report.notes.append(why)  # the command's report prints it once
+        warnings.warn(why, RebuildWarning, stacklevel=3)
     plan, to_embed = _plan(corpus.docs, previous, splitter, report)
     if report.rebuilt:  # counts describe what happened to files relative to the previous file list
         old_files = set(store.manifest_files(index_dir))

@@ -435,6 +435,12 @@ def test_the_command_reports_each_skipped_file_once(tmp_path, built):
     output = result.stdout + result.stderr
     assert output.count("blob.txt") == 1, output
     assert "skipped blob.txt" in result.stdout and "UserWarning" not in output
+    # a rebuild under other settings: its reason once, in the report (it came twice, once with a source line)
+    again = subprocess.run([*result.args, "--chunk-size", "300"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    output = again.stdout + again.stderr
+    assert output.count("re-embedded everything") == 1 and "note re-embedded everything" in again.stdout, output
+    assert "Warning" not in output and "build_index(" not in output
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,55 @@
+"""What ``ask`` prints when its output goes to a pipe or a file: the answer as the model wrote it."""
+
+from __future__ import annotations
+
+from rag_lookahead.ask import print_result
+
+LONG = "The budget option sizes each draft tree from the measured cost curve, " * 6 + "[bold]not markup[/bold]"
+
+
+def _result(answer: str) -> dict:
+    return {
+        "answer": answer,
+        "sources": [{"source": "en/tuning.md", "snippet": "budget: " + "x" * 150, "in_prompt": True}],
+        "stats": {"new_tokens": 120, "tokens_per_second": 9.5, "mean_accepted": 3.2, "forward_passes": 40},
+    }
+
+
+def test_a_long_answer_is_printed_unbroken_and_unstyled(capsys):
+    print_result(_result(LONG), streamed=False)
+    out = capsys.readouterr().out
+    assert out.startswith(LONG + "\n")  # not broken at 80 columns, markup-like text kept as text
+    assert "forward passes" in out and "forward \npasses" not in out
+    assert ("budget: " + "x" * 150) in out
+
+
+def test_a_streamed_answer_is_not_printed_twice(capsys):
+    print_result(_result(LONG), streamed=True)
+    out = capsys.readouterr().out
+    assert LONG not in out and out.startswith("\n")
+
+
+def test_sampling_settings_are_checked_before_anything_loads(tmp_path, monkeypatch):
+    """--top-p 0 passed the option parser and failed after the model had loaded (~25 s); --seed or
+    --top-p without --temperature were silently ignored by greedy decoding."""
+    from typer.testing import CliRunner
+
+    from rag_lookahead import ask
+    from rag_lookahead.cli import app
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("an index or a model was loaded before the settings were checked")
+
+    monkeypatch.setattr(ask, "ensure_index", no_loading)
+    base = ["ask", "what?", "--index-dir", str(tmp_path / "none")]
+    cases = {
+        ("--temperature", "0.7", "--top-p", "0"): "top_p must be a number > 0.0",
+        ("--temperature", "0.7", "--seed", str(2**63)): "seed must be an integer from 0 to 2**63-1",
+        ("--seed", "3"): "--seed apply only when sampling",
+        ("--top-p", "0.9", "--seed", "3"): "--top-p and --seed apply only when sampling",
+    }
+    for extra, message in cases.items():
+        result = CliRunner().invoke(app, base + list(extra))
+        assert result.exit_code == 1, (extra, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (extra, result.stderr)
