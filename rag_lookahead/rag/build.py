@@ -197,7 +197,7 @@ def build_index(
         embedder = get_embedder(embedder)
     report = IndexReport(index_dir=index_dir, embedding_model=embedder.name, skipped=corpus.skipped, notes=corpus.notes)
 
-    index_dir.mkdir(parents=True, exist_ok=True)
+    index_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # a folder we make is its owner's only
     with store.writer_lock(index_dir, lock_timeout):
         store.check_target(index_dir)  # again: the folder may have changed while we waited
         records, faiss_index = _embed_changes(index_dir, corpus, embedder, (splitter, chunking), progress, report)

@@ -101,7 +101,9 @@ class GenerationRequest(OpenAIRequest):
     top_k: Integer | None = Field(None, ge=-1, le=1 << 31, description="0 and -1: off, as in vLLM")
     min_p: Number | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: Number | None = Field(None, gt=0.0, le=10.0, description="as transformers applies it")
-    seed: Integer | None = Field(None, ge=-(1 << 63), le=(1 << 64) - 1, description="same seed, same text")
+    seed: Annotated[Integer | None, Wording(hint=" (choice i of a request draws with seed + i)")] = Field(
+        None, ge=0, le=(1 << 63) - MAX_CHOICES, description="same seed, same text"
+    )
     max_tokens: Integer | None = Field(
         None, json_schema_extra={"minimum": 1}, description="at most the server's --max-tokens-limit"
     )
@@ -168,7 +170,7 @@ class GenerationRequest(OpenAIRequest):
             top_p=1.0 if self.top_p is None else self.top_p,
             min_p=self.min_p or None,
             repetition_penalty=penalty,
-            seed=None if self.seed is None else (self.seed + choice) % (1 << 63),
+            seed=None if self.seed is None else self.seed + choice,  # distinct seeds, distinct draws
         )
 
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -401,6 +402,14 @@ def test_cli_refuses_a_folder_that_is_not_an_index(tmp_path, built, kind):
     assert "refusing" in message and str(notes) in message
     assert tree(notes) == before  # not even a lock file was added
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # and nothing beside it
+
+
+def test_the_text_of_an_index_is_its_owners_only(built):
+    index_dir = built[1]
+    data = artifact(index_dir, "docstore.jsonl").parent
+    assert stat.S_IMODE(index_dir.stat().st_mode) == 0o700  # made by the build
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert stat.S_IMODE((index_dir / "manifest.json").stat().st_mode) == 0o600
 
 
 def test_cli_builds_into_an_empty_folder_and_rebuilds_its_own_index(tmp_path, built):

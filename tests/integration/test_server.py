@@ -368,6 +368,9 @@ def test_tiny_validation_health_metrics(tokenizer):
         (json.dumps({"max_tokens": 4}), "'prompt' is required"),
         (json.dumps({"prompt": [1, 2], "temperature": 2.5}), "'temperature'"),
         (json.dumps({"prompt": [1, 2], "top_p": 0}), "'top_p'"),
+        # seeds were reduced mod 2**63, so -1, 2**63-1 and 2**64-1 drew the same text
+        (json.dumps({"prompt": [1, 2], "temperature": 1, "seed": -1}), "'seed'"),
+        (json.dumps({"prompt": [1, 2], "temperature": 1, "seed": 2**63 - 1}), "seed + i"),
         (json.dumps({"prompt": [1, 2], "n": 9}), "'n'"),
         (json.dumps({"prompt": [1, 2], "n": 2, "stream": True}), "'n'"),
         (json.dumps({"prompt": [1, 2], "max_tokens": 0}), "'max_tokens'"),
