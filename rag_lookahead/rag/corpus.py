@@ -12,6 +12,7 @@ import codecs
 import errno
 import hashlib
 import io
+import logging
 import os
 import re
 import stat
@@ -76,15 +77,11 @@ def _mostly_utf8(data: bytes, replaced: int) -> bool:
 
 
 def _detect(data: bytes) -> DecodedText | None:
-    """The most likely legacy encoding (Big5, Shift-JIS, EUC-KR, GBK, cp125x, ...) by charset-normalizer."""
-    from charset_normalizer import from_bytes
+    """The most likely legacy encoding (GBK, Big5, Shift-JIS, EUC-KR, cp125x, ...); see :mod:`.charset`."""
+    from rag_lookahead.rag.charset import detect_legacy
 
-    for match in from_bytes(data):
-        # UTF-16/32 without a byte order mark is what it guesses for short texts it cannot place
-        if match.encoding.startswith(("utf_16", "utf_32")):
-            continue
-        return DecodedText(str(match), match.encoding)
-    return None
+    guess = detect_legacy(data)
+    return DecodedText(guess.text, guess.encoding) if guess is not None else None
 
 
 def decode_text(data: bytes) -> DecodedText | None:
@@ -136,8 +133,15 @@ class Corpus:
 def _read_pdf(data: bytes) -> str:
     from pypdf import PdfReader
 
-    reader = PdfReader(io.BytesIO(data))  # from the bytes already read: the file is read once
-    pages = [(page.extract_text() or "").strip() for page in reader.pages]
+    # pypdf logs what it finds wrong ("EOF marker not found"): our report says it once, in a line
+    pypdf_log = logging.getLogger("pypdf")
+    level = pypdf_log.level
+    pypdf_log.setLevel(logging.CRITICAL)
+    try:
+        reader = PdfReader(io.BytesIO(data))  # from the bytes already read: the file is read once
+        pages = [(page.extract_text() or "").strip() for page in reader.pages]
+    finally:
+        pypdf_log.setLevel(level)
     return "\n\n".join(p for p in pages if p)
 
 
@@ -236,7 +240,8 @@ def _file_text(rel: str, data: bytes, notes: list[str]) -> str:
         notes.append(note)
         warnings.warn(note, CorpusWarning, stacklevel=4)
     elif decoded.encoding not in ("utf-8", "utf-8-sig"):
-        notes.append(f"{rel}: read as {decoded.encoding} (detected)")
+        how = "byte order mark" if decoded.encoding in ("utf-16", "utf-32") else "detected"
+        notes.append(f"{rel}: read as {decoded.encoding} ({how})")
     return decoded.text
 
 

@@ -749,6 +749,54 @@ def test_cli_skips_files_over_the_size_cap(tmp_path):
         assert sorted(ix.load_corpus(corpus, max_file_mb=huge_limit).docs) == ["huge.txt", "tea.md"]
 
 
+# ---------------------------------------------------------------- PDF
+
+
+def tiny_pdf(text: str) -> bytes:
+    """A one-page PDF showing ``text`` (ASCII) in Helvetica, with a correct cross-reference table."""
+    stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode("latin-1")
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R"
+        b" /Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return bytes(out)
+
+
+def test_pdf_text_is_indexed_and_a_damaged_pdf_is_one_report_line(tmp_path):
+    """The command's output: the good PDF's text in the index, one "skipped" line for the damaged
+    one, and none of pypdf's own log lines ("invalid pdf header", "EOF marker not found")."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "osprey.pdf").write_bytes(tiny_pdf("The osprey nests on the old lighthouse every spring."))
+    (corpus / "broken.pdf").write_bytes(b"not a pdf at all, just text with the wrong name")
+    (corpus / "cut.pdf").write_bytes(tiny_pdf("half of a file")[:120])
+    result = subprocess.run(
+        [sys.executable, "-m", "rag_lookahead", "index", str(corpus), "--index-dir", str(tmp_path / "ix")]
+        + ["--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "skipped broken.pdf: unreadable PDF" in result.stdout and "skipped cut.pdf" in result.stdout
+    assert "pdf header" not in result.stderr.lower() and "EOF marker" not in result.stderr, result.stderr
+    index = ix.load_index(tmp_path / "ix")
+    assert [r["text"] for r in index.records] == ["The osprey nests on the old lighthouse every spring."]
+
+
 # ---------------------------------------------------------------- text encodings
 
 
@@ -764,6 +812,39 @@ LEGACY = {
 def test_legacy_encodings_are_detected(encoding):
     decoded = ix.decode_text(LEGACY[encoding].encode(encoding))
     assert decoded is not None and decoded.text == LEGACY[encoding] and decoded.replaced == 0
+
+
+# short files and mostly-English ones, where charset-normalizer's first guess read as text in
+# another script (cp949 for GBK: "王小明" -> "珙鬼츠"; cp775 for Latin-1: "Résumé" -> "Rķsumķ")
+SHORT_OR_MOSTLY_ASCII = [
+    ("Meeting notes. The project lead is 王小明 and the office is in 北京. Bring the quarterly report.\n", "gbk"),
+    ("你好世界", "gbk"),
+    ("会议纪要：预算审查在周五。", "gbk"),
+    ("Résumé of the café meeting: the naïve façade was approved.\n", "latin-1"),
+    ("Привет мир", "cp1251"),
+    ("Zażółć gęślą jaźń — polski tekst próbny.", "cp1250"),
+    ("Καλημέρα κόσμε, αυτό είναι ένα δοκιμαστικό αρχείο.", "cp1253"),
+    ("繁體中文", "big5"),
+    ("日本語です", "shift_jis"),
+    ("안녕하세요", "euc_kr"),
+]
+
+
+@pytest.mark.parametrize("text, encoding", SHORT_OR_MOSTLY_ASCII)
+def test_short_and_mostly_ascii_legacy_files_read_as_written(text, encoding):
+    decoded = ix.decode_text(text.encode(encoding))
+    assert decoded is not None and decoded.text == text, (decoded, encoding)
+
+
+def test_real_text_reads_as_plausible_and_wrong_decodings_do_not():
+    from rag_lookahead.rag.charset import PLAUSIBLE, plausibility
+
+    # (Polish scores low, its letters being Latin Extended, rarer by design; it reads right as
+    # no other decoding scores high either)
+    for text in [*LEGACY.values(), *(t for t, e in SHORT_OR_MOSTLY_ASCII if e != "cp1250"), "plain ASCII"]:
+        assert plausibility(text) >= PLAUSIBLE, text
+    for wrong in ("珙鬼츠", "콱봤各썹", "Rķsumķ of the cafķ", "╧ЁштхҐ ьшЁ"):
+        assert plausibility(wrong) < PLAUSIBLE, wrong
 
 
 def test_encoded_corpus_is_indexed_without_mojibake(tmp_path, embedder):

@@ -1,0 +1,149 @@
+"""Which legacy encoding a text file is in, when it is not UTF-8.
+
+charset-normalizer ranks the encodings a file's bytes decode in; on long texts its first guess is
+right, but on short ones, or on mostly-English files with a few Chinese or accented words, it
+picks encodings whose decoded text no writer would produce: a GBK name read as cp949 gives Korean
+syllables mixed with Chinese characters ("王小明" -> "珙鬼츠"), Latin-1 read as cp775 gives Baltic
+letters in French words ("Résumé" -> "Rķsumķ").
+
+So its guess is checked by how *plausible* the decoded text is: real text keeps to one script
+(Chinese, Japanese kana with kanji, Korean Hangul, Cyrillic, Greek, Latin), mostly its common
+letters (for Chinese characters: the common ones of GB2312, Big5 and JIS). When the first
+guess scores low and another decoding (one charset-normalizer found, or
+GB18030 or cp1252, the legacy encodings of most of our users' files) scores high, that one is
+taken. Scores that cannot tell (a short string that is plausible in two encodings) keep
+charset-normalizer's order.
+"""
+
+from __future__ import annotations
+
+import functools
+import unicodedata
+from dataclasses import dataclass
+
+__all__ = ["Guess", "detect_legacy", "plausibility"]
+
+PLAUSIBLE = 0.9  # a decoding scoring at least this reads as real text in one script
+FALLBACKS = ("gb18030", "cp1252")  # tried besides charset-normalizer's candidates
+
+# (first, last, script, weight): weight < 1 for letters that are rarer in real text
+_RANGES = (
+    (0x00C0, 0x00FF, "latin", 1.0),
+    (0x0100, 0x024F, "latin", 0.6),
+    (0x1E00, 0x1EFF, "latin", 0.6),
+    (0x0386, 0x03CE, "greek", 1.0),
+    (0x0401, 0x045F, "cyrillic", 1.0),
+    (0x0460, 0x052F, "cyrillic", 0.6),
+    (0x0590, 0x05FF, "hebrew", 1.0),
+    (0x0600, 0x06FF, "arabic", 1.0),
+    (0x0E00, 0x0E7F, "thai", 1.0),
+    (0x3040, 0x30FF, "kana", 1.0),
+    (0xFF66, 0xFF9F, "kana", 0.6),
+    (0x3400, 0x4DBF, "han", 0.6),
+    (0x4E00, 0x9FFF, "han", 1.0),
+    (0xF900, 0xFAFF, "han", 0.6),
+    (0xAC00, 0xD7A3, "hangul", 1.0),
+    (0x1100, 0x11FF, "hangul", 0.6),
+    (0x3130, 0x318F, "hangul", 0.6),
+)
+# what a script's text is made of: Japanese mixes kana and kanji; Korean is Hangul
+_WRITING = {"japanese": ("kana", "han")}
+# punctuation and symbols any script's text may hold: neither for nor against a decoding
+_NEUTRAL = frozenset("\u00a0¡«»°·§©®±×÷¿–—‘’“”„…•€™")
+
+
+RARE_HAN = 0.3  # a Chinese character outside the common sets below
+
+
+@functools.cache
+def _common_han() -> frozenset[str]:
+    """The common characters of Chinese and Japanese: GB2312 level 1 (3,755 simplified), Big5
+    level 1 (5,401 traditional), JIS X 0208 level 1 (2,965 kanji). A wrong legacy decoding of
+    CJK bytes lands mostly outside them (GBK's 密码 read as Big5 gives 躇鎢)."""
+    common = set()
+    for codec, leads, trails in (
+        ("gb2312", range(0xB0, 0xD8), range(0xA1, 0xFF)),
+        ("big5", range(0xA4, 0xC6), [*range(0x40, 0x7F), *range(0xA1, 0xFF)]),
+        ("euc_jp", range(0xB0, 0xD0), range(0xA1, 0xFF)),
+    ):
+        for lead in leads:
+            for trail in trails:
+                try:
+                    common.add(bytes((lead, trail)).decode(codec))
+                except UnicodeDecodeError:
+                    pass
+    return frozenset(common)
+
+
+def _script(char: str) -> tuple[str, float] | None:
+    """(script, weight) of a non-ASCII letter; ("", 0) for anything odd; None for neutral marks."""
+    code = ord(char)
+    if char in _NEUTRAL or 0x2000 <= code <= 0x206F or 0x3000 <= code <= 0x303F or 0xFF01 <= code <= 0xFF65:
+        return None
+    for first, last, script, weight in _RANGES:
+        if first <= code <= last:
+            if script == "han" and char not in _common_han():
+                return script, RARE_HAN
+            return script, weight
+    if unicodedata.category(char) == "Zs":
+        return None
+    return "", 0.0
+
+
+def plausibility(text: str) -> float:
+    """How much of ``text``'s non-ASCII part reads as one writing system's common letters (0-1);
+    1.0 for pure ASCII."""
+    weights: dict[str, float] = {}
+    counted = 0
+    for char in text:
+        if char < "\x80":
+            continue
+        found = _script(char)
+        if found is None:
+            continue
+        counted += 1
+        script, weight = found
+        if script:
+            weights[script] = weights.get(script, 0.0) + weight
+    if not counted:
+        return 1.0
+    scores = dict(weights)
+    for writing, scripts in _WRITING.items():
+        scores[writing] = sum(weights.get(s, 0.0) for s in scripts)
+    return max(scores.values(), default=0.0) / counted
+
+
+@dataclass(frozen=True)
+class Guess:
+    text: str
+    encoding: str
+
+
+def _candidates(data: bytes) -> list[Guess]:
+    from charset_normalizer import from_bytes
+
+    guesses = []
+    for match in from_bytes(data):
+        # UTF-16/32 without a byte order mark is what it guesses for short texts it cannot place
+        if not match.encoding.startswith(("utf_16", "utf_32")):
+            guesses.append(Guess(str(match), match.encoding))
+    for encoding in FALLBACKS:
+        if all(g.encoding != encoding for g in guesses):
+            try:
+                guesses.append(Guess(data.decode(encoding), encoding))
+            except UnicodeDecodeError:
+                pass
+    return guesses
+
+
+def detect_legacy(data: bytes) -> Guess | None:
+    """The decoding of ``data`` (not UTF-8) most likely meant: charset-normalizer's first guess
+    unless it reads as implausible text and another decoding reads as plausible."""
+    guesses = _candidates(data)
+    if not guesses:
+        return None
+    scores = [plausibility(g.text) for g in guesses]
+    if scores[0] >= PLAUSIBLE:
+        return guesses[0]
+    best = max(range(len(guesses)), key=lambda i: (scores[i], -i))  # ties: charset-normalizer's order
+    return guesses[best] if scores[best] >= PLAUSIBLE else guesses[0]
