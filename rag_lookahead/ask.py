@@ -36,7 +36,7 @@ def ensure_index(index_dir: Path, *, quiet: bool = False, build_bundled: bool = 
     :class:`~rag_lookahead.errors.IndexLoadError`: a folder the user named (perhaps mistyped)
     must not quietly answer from the sample corpus."""
     from rag_lookahead.rag.index import build_index, load_index
-    from rag_lookahead.rag.store import MANIFEST
+    from rag_lookahead.rag.store import MANIFEST, check_target
 
     if not (index_dir / MANIFEST).is_file():
         if not build_bundled:
@@ -45,6 +45,13 @@ def ensure_index(index_dir: Path, *, quiet: bool = False, build_bundled: bool = 
                 " (without --index-dir, ask indexes the bundled sample corpus into the default folder)"
             )
         corpus = bundled_corpus()
+        # index's advice (another --index-dir) would not do here: ask --index-dir needs an index in it
+        check_target(
+            index_dir,
+            advice="ask puts its sample index there only when it is empty: build your own with"
+            " `rag_lookahead index YOUR_DOCS --index-dir DIR` and ask with --index-dir DIR,"
+            " or set RAG_LOOKAHEAD_HOME to another folder",
+        )
         if not quiet:
             print(f"rag_lookahead: no index at {index_dir}; indexing the bundled corpus {corpus}", file=sys.stderr)
         report = build_index(corpus, index_dir, progress=not quiet)
@@ -89,6 +96,11 @@ def answer(
     index = ensure_index(folder, quiet=quiet, build_bundled=not index_dir)  # only the default folder gets the sample
     if llm is None:
         from rag_lookahead.langchain.llm import LookaheadLLM
+
+        if quiet:  # --json: nothing but the answer's JSON, and no "Loading weights" bar beside it
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
 
         placement = {"dtype": dtype, "device": device, "device_map": device_map}
         if trust_remote_code:  # an explicit opt-in: the model repo's own code runs

@@ -191,15 +191,17 @@ def build_index(
     chunking = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap}
     store.check_target(index_dir)  # before any slow work, and before anything is created
     corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb)
-    if embedder is None or isinstance(embedder, str):
-        from rag_lookahead.rag.embedders import get_embedder
-
-        embedder = get_embedder(embedder)
-    report = IndexReport(index_dir=index_dir, embedding_model=embedder.name, skipped=corpus.skipped, notes=corpus.notes)
 
     index_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # a folder we make is its owner's only
-    with store.writer_lock(index_dir, lock_timeout):
+    with store.writer_lock(index_dir, lock_timeout):  # before the embedder loads: a busy folder fails fast
         store.check_target(index_dir)  # again: the folder may have changed while we waited
+        if embedder is None or isinstance(embedder, str):
+            from rag_lookahead.rag.embedders import get_embedder
+
+            embedder = get_embedder(embedder)
+        report = IndexReport(
+            index_dir=index_dir, embedding_model=embedder.name, skipped=corpus.skipped, notes=corpus.notes
+        )
         records, faiss_index = _embed_changes(index_dir, corpus, embedder, (splitter, chunking), progress, report)
 
         def manifest_for(data_name: str, artifacts: dict[str, str]) -> dict:

@@ -268,8 +268,9 @@ def _is_our_leftover(path: Path) -> bool:
     return _is_our_data_dir(path)
 
 
-def check_target(index_dir: Path) -> None:
-    """Refuse (:class:`ConfigError`) to write into anything but a new folder, an empty one, or an index of ours."""
+def check_target(index_dir: Path, advice: str = "choose a new or empty folder with --index-dir") -> None:
+    """Refuse (:class:`ConfigError`) to write into anything but a new folder, an empty one, or an
+    index of ours; ``advice`` ends the message of a folder that holds someone else's files."""
     if not index_dir.exists():
         if index_dir.is_symlink():
             raise ConfigError(f"index path is a broken symbolic link: {index_dir}")
@@ -283,7 +284,7 @@ def check_target(index_dir: Path) -> None:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise ConfigError(
             f"refusing to write an index into {index_dir}: it is not empty ({foreign[0]!r}{more}) and is not a"
-            f" rag_lookahead index (no {MANIFEST} of ours); choose a new or empty folder with --index-dir"
+            f" rag_lookahead index (no {MANIFEST} of ours); {advice}"
         )
 
 

@@ -640,6 +640,13 @@ def test_second_build_waits_for_the_first(tmp_path, embedder, monkeypatch, caplo
         with pytest.raises(ix.IndexBusyError, match="another `rag_lookahead index` run") as err:
             build(a, index_dir, embedder, lock_timeout=0.2)
         assert "\n" not in str(err.value)
+        # by name, the embedder would load first (2-15 s) and only then find the folder busy: now it never loads
+        from rag_lookahead.rag import embedders
+
+        with monkeypatch.context() as watch:
+            watch.setattr(embedders, "get_embedder", lambda name=None: pytest.fail("loaded before the lock"))
+            with pytest.raises(ix.IndexBusyError):
+                build(a, index_dir, "e5-small", lock_timeout=0.2)
         with caplog.at_level("WARNING", logger="rag_lookahead.rag.store"):
             second.start()
             deadline = time.monotonic() + 60

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def run_module(*args: str) -> subprocess.CompletedProcess:
@@ -26,3 +27,26 @@ def test_errors_are_one_line_with_exit_code_1(tmp_path):
     done = run_module("index", str(tmp_path / "missing"))
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [f"error: corpus folder not found: {tmp_path / 'missing'}"]
+
+
+def test_ask_json_prints_one_json_line_and_nothing_else(tmp_path):
+    """What a script piping ``ask --json`` gets, in a real process with the real default model:
+    the JSON on stdout, and on stderr none of transformers' "Loading weights" bar."""
+    import json
+
+    index = tmp_path / "index"
+    built = run_module("index", str(Path(__file__).resolve().parents[2] / "corpora"), "--index-dir", str(index))
+    assert built.returncode == 0, built.stderr
+    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "rag_lookahead.ask", "What does the budget option do?", "--json"]
+        + ["--index-dir", str(index), "--max-new-tokens", "8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["answer"]
+    assert "Loading weights" not in done.stderr, done.stderr

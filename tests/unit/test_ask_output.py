@@ -53,3 +53,23 @@ def test_sampling_settings_are_checked_before_anything_loads(tmp_path, monkeypat
         assert result.exit_code == 1, (extra, result.output)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (extra, result.stderr)
+
+
+def test_a_default_folder_holding_user_files_gets_asks_own_advice(tmp_path, monkeypatch):
+    """`index`'s advice ("choose a new or empty folder with --index-dir") sent the user to a flag
+    that, for `ask`, needs an index already built; the user's file stays as it was."""
+    from typer.testing import CliRunner
+
+    from rag_lookahead.cli import app
+
+    monkeypatch.setenv("RAG_LOOKAHEAD_HOME", str(tmp_path))
+    (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "notes.txt").write_text("mine", encoding="utf-8")
+    result = CliRunner().invoke(app, ["ask", "what?"])
+    assert result.exit_code == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert (
+        "refusing" in line and "rag_lookahead index YOUR_DOCS --index-dir DIR" in line and "RAG_LOOKAHEAD_HOME" in line
+    )
+    assert "choose a new or empty folder" not in line
+    assert sorted(p.name for p in (tmp_path / "index").iterdir()) == ["notes.txt"]
