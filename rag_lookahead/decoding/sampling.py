@@ -164,7 +164,9 @@ def check_supported(config) -> None:
     for name, neutral in _UNSUPPORTED_NEUTRAL.items():
         value = getattr(config, name, None)
         if value not in neutral:
-            raise ConfigError(f"generation option {name}={value!r} is not supported by lookahead decoding")
+            asked = getattr(config, "min_new_tokens", None) if name == "min_length" else None
+            origin = f" (what transformers makes of min_new_tokens={asked!r})" if asked not in (None, 0) else ""
+            raise ConfigError(f"generation option {name}={value!r}{origin} is not supported by lookahead decoding")
 
 
 def per_row(params: SamplingParams, seed: int | Sequence[int] | None, rows: int) -> list[SamplingParams]:

@@ -317,6 +317,7 @@ def test_lookahead_config_is_the_base_the_keys_override():
         (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
         (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
         (dict(num_beams=2), "num_beams"),
+        (dict(min_new_tokens=3), r"min_length=6 \(what transformers makes of min_new_tokens=3\)"),
         (dict(position_ids=torch.tensor([[0, 2, 4]])), "position_ids"),
         (dict(generation_config=GenerationConfig(decoding_mode="par")), "decoding_mode"),
         (dict(generation_config=GenerationConfig(use_lookahead="yes")), "use_lookahead"),
