@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.hf_entry import hf_generate
 from rag_lookahead.tokens import encode_messages
 
@@ -68,7 +69,7 @@ def chat(
     output = model.generate(
         **inputs,
         custom_generate=hf_generate,
-        generation_config=_answer_config(model, generation_config),
+        generation_config=_answer_config(model, generation_config, inputs["input_ids"].shape[1]),
         references=[list(references)] if references else None,
         lookahead_tokenizer=tokenizer,
         streamer=streamer,
@@ -114,8 +115,10 @@ def _encode(tokenizer, messages: list[dict]) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def _answer_config(model, generation_config):
-    """A copy of the caller's config that stops somewhere sensible."""
+def _answer_config(model, generation_config, prompt_length: int):
+    """A copy of the caller's config that stops somewhere sensible: at its length (the caller's
+    config first, then the model's, else ``DEFAULT_MAX_NEW_TOKENS``), and at the latest at the end
+    of the model's context window (``hf_generate`` refuses to be asked past it)."""
     from transformers import GenerationConfig
 
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
@@ -129,6 +132,15 @@ def _answer_config(model, generation_config):
     ]
     if all(length is None for length in lengths):
         config.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+    limit = context_limit(model)
+    if limit is not None:  # the length transformers would take: max_new_tokens before max_length, ours first
+        new, total = next(
+            (getattr(c, "max_new_tokens", None), getattr(c, "max_length", None))
+            for c in (config, own)
+            if c is not None and (getattr(c, "max_new_tokens", None), getattr(c, "max_length", None)) != (None, None)
+        )
+        wanted = prompt_length + new if new is not None else total
+        config.max_new_tokens = max(min(wanted, limit) - prompt_length, 1)
     return config
 
 
