@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.decoding.inputs import context_limit
+from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.hf_entry import hf_generate
 from rag_lookahead.tokens import encode_messages
 
