@@ -10,6 +10,12 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
     PY=.venv/bin/python
 else
     PY="$VIRTUAL_ENV/bin/python"
+    # the README's commands run .venv/bin/python: let .venv name the active environment
+    if [ ! -e .venv ]; then
+        ln -s "$VIRTUAL_ENV" .venv
+    elif [ "$(cd .venv && pwd -P)" != "$(cd "$VIRTUAL_ENV" && pwd -P)" ]; then
+        echo "note: installing into the active environment $VIRTUAL_ENV; ./.venv is another one" >&2
+    fi
 fi
 "$PY" -m pip install --quiet --upgrade pip
 if ! "$PY" -c "import torch" 2>/dev/null; then

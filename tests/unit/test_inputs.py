@@ -49,6 +49,21 @@ def test_text_instead_of_ids(model):
         generate(model, [1.5, 2.0], max_new_tokens=2)
 
 
+def test_what_a_tokenizer_returns_is_taken_as_its_ids_and_mask(model):
+    """transformers 5's apply_chat_template returns a BatchEncoding: the README's snippet passed it
+    on and failed deep in torch ("Could not infer dtype of tokenizers.Encoding")."""
+    from transformers import BatchEncoding
+
+    ids, mask = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    plain = generate(model, ids, mask, max_new_tokens=5).sequences
+    encoded = BatchEncoding({"input_ids": ids, "attention_mask": mask})
+    assert torch.equal(generate(model, encoded, max_new_tokens=5).sequences, plain)
+    single = generate(model, BatchEncoding({"input_ids": [8, 9, 10, 11]}), max_new_tokens=5).sequences
+    assert torch.equal(single, plain[1:])
+    with pytest.raises(InputError, match="without 'input_ids'"):
+        generate(model, {"ids": [1, 2]}, max_new_tokens=2)
+
+
 @pytest.mark.parametrize(
     ("references", "message"),
     [
