@@ -21,8 +21,9 @@ What would change the output and cannot be reproduced exactly is refused with
 ``ConfigError``, never ignored: logits processors other than the sampling ones transformers
 builds from the config, per-step scores/attentions in the output, custom stopping criteria
 on batches (a batch-level criterion sees other rows; per row we cannot know what it means),
-and a ``max_length`` past the model's context window (transformers goes on past it with a
-warning; our loop stops at the window).
+a ``max_length`` past the model's context window (transformers goes on past it with a
+warning; our loop stops at the window), and sampling a batch of more than one row (transformers'
+draws from the global generator interleave the rows a token a step).
 """
 
 from __future__ import annotations
@@ -93,6 +94,15 @@ def hf_generate(
         raise ConfigError("a streamer takes one row; stream batch size 1 (as transformers' TextStreamer does)")
 
     params = resolve_sampling(model, generation_config)
+    if params.do_sample and rows > 1:
+        # transformers draws one token for every row (finished ones too) from the global generator
+        # at each step; rows that accept different numbers of tokens per step cannot keep that order
+        raise ConfigError(
+            "sampling a batch through model.generate cannot give transformers' tokens for the same"
+            " torch.manual_seed (its draws interleave the rows one token a step): sample one row per call,"
+            " or use rag_lookahead.generate(..., do_sample=True, seed=[one seed per row]), where each row"
+            " draws from a generator of its own"
+        )
     _check_processors(logits_processor, build_processors(params), mask)
     max_length, eos, custom = _read_criteria(stopping_criteria, rows)
     limit = context_limit(model)
