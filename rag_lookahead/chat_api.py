@@ -127,18 +127,18 @@ def _answer_config(model, generation_config, prompt_length: int):
         )
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     own = getattr(model, "generation_config", None)
-    lengths = [
-        getattr(c, name, None) for c in (config, own) if c is not None for name in ("max_new_tokens", "max_length")
+    # (max_new_tokens, max_length) set in the caller's config, then in the model's: transformers takes
+    # the first, and max_new_tokens before max_length
+    pairs = [
+        (getattr(c, "max_new_tokens", None), getattr(c, "max_length", None)) for c in (config, own) if c is not None
     ]
-    if all(length is None for length in lengths):
+    lengths = [pair for pair in pairs if pair != (None, None)]
+    if not lengths:
         config.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+        lengths = [(DEFAULT_MAX_NEW_TOKENS, None)]
     limit = context_limit(model)
-    if limit is not None:  # the length transformers would take: max_new_tokens before max_length, ours first
-        new, total = next(
-            (getattr(c, "max_new_tokens", None), getattr(c, "max_length", None))
-            for c in (config, own)
-            if c is not None and (getattr(c, "max_new_tokens", None), getattr(c, "max_length", None)) != (None, None)
-        )
+    if limit is not None:
+        new, total = lengths[0]
         wanted = prompt_length + new if new is not None else total
         config.max_new_tokens = max(min(wanted, limit) - prompt_length, 1)
     return config

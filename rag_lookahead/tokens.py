@@ -8,6 +8,7 @@ into the caller's tokenizer.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -112,13 +113,7 @@ class TextTracker:
 def first_true(low: int, high: int, holds: Callable[[int], bool]) -> int:
     """The smallest ``k`` in ``[low, high]`` for which ``holds(k)``, given that ``holds`` is false
     up to some point and true from there on, and true at ``high``."""
-    while low < high:
-        middle = (low + high) // 2
-        if holds(middle):
-            high = middle
-        else:
-            low = middle + 1
-    return low
+    return low + bisect.bisect_left(range(low, high), True, key=holds)
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:

@@ -238,13 +238,14 @@ def _manifest_changed(index_dir: Path, raw: bytes) -> bool:
 # ---------------------------------------------------------------- ownership of the index folder
 
 
-def _is_our_manifest(path: Path) -> bool:
-    """The file carries our marker (``"format": "rag_lookahead.index"``): only a build of ours wrote it."""
+def _our_manifest(path: Path) -> dict | None:
+    """The manifest at ``path`` if it carries our marker (``"format": "rag_lookahead.index"``): only a
+    build of ours wrote it. None for a missing, unreadable or foreign file."""
     try:
         manifest = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME else None
 
 
 def _is_our_data_dir(path: Path) -> bool:
@@ -277,7 +278,7 @@ def check_target(index_dir: Path, advice: str = "choose a new or empty folder wi
         return
     if not index_dir.is_dir():
         raise ConfigError(f"index path exists and is not a folder: {index_dir}")
-    if _is_our_manifest(index_dir / MANIFEST):
+    if _our_manifest(index_dir / MANIFEST) is not None:
         return
     foreign = sorted(c.name for c in index_dir.iterdir() if not _is_our_leftover(c))
     if foreign:
@@ -332,11 +333,8 @@ class _Published:
 
 
 def _published(index_dir: Path) -> _Published:
-    try:
-        manifest = json.loads((index_dir / MANIFEST).read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return _Published()
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+    manifest = _our_manifest(index_dir / MANIFEST)
+    if manifest is None:
         return _Published()
     name, artifacts = manifest.get("data"), manifest.get("artifacts")
     if manifest.get("format_version") == 1 and isinstance(artifacts, dict):
