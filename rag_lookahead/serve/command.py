@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any, Literal, NoReturn
@@ -82,7 +83,7 @@ def serve(
         "--api-key",
         metavar="KEY",
         help=f"require 'Authorization: Bearer KEY' (repeat for several keys; default ${API_KEY_ENV}, "
-        "comma-separated; prefer the variable: flags are visible to other local users)",
+        "its keys comma-separated; prefer the variable: flags are visible to other local users)",
     ),
     allowed_hosts: list[str] | None = typer.Option(
         None,
@@ -131,7 +132,7 @@ def config_from_args(args: Mapping[str, Any], environ: Mapping[str, str] | None 
     else ``$RAG_LOOKAHEAD_API_KEY``)."""
     environ = os.environ if environ is None else environ
     flags = dict(args)
-    flags["api_keys"] = _split_commas(flags.get("api_keys") or [environ.get(API_KEY_ENV, "")])
+    flags["api_keys"] = _api_keys(flags.get("api_keys"), environ.get(API_KEY_ENV, ""))
     flags["allowed_hosts"] = _split_commas(flags.get("allowed_hosts"))
     same = {f.name: flags[f.name] for f in fields(ServerConfig) if f.name in flags}
     changes = {k: flags[k] for k in ("decoding_length", "branch_length", "budget") if flags.get(k) is not None}
@@ -150,7 +151,9 @@ def parse_args(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def run_server(config: ServerConfig) -> None:
-    """Load the model, serve until SIGTERM or SIGINT (then drain; see :func:`make_server`)."""
+    """Take the address, load the model, serve until SIGTERM or SIGINT (then drain; see
+    :func:`make_server`). The address is taken first so a port in use is said at once, not after
+    the model has loaded."""
     from rag_lookahead.serve.app import create_app, make_server
 
     logging.basicConfig(
@@ -158,8 +161,9 @@ def run_server(config: ServerConfig) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     _warn_about_exposure(config)
-    app = create_app(config)
-    make_server(app, app.state.engine).run()
+    with listening_socket(config.host, config.port) as sock:
+        app = create_app(config)
+        make_server(app, app.state.engine).run(sockets=[sock])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,6 +191,32 @@ def _refuse(error: BaseException, exit_code: int) -> NoReturn:
     """One line on stderr, no traceback."""
     typer.echo(f"error: {first_line(error)}", err=True)
     raise typer.Exit(exit_code)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv4 or IPv6, as the host resolves), or a ConfigError."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        dual = family == socket.AF_INET6 and host in WILDCARD_BINDS and socket.has_dualstack_ipv6()
+        return socket.create_server((host, port), family=family, backlog=2048, dualstack_ipv6=dual)
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
+
+
+def _api_keys(flags: Sequence[str] | None, environ_value: str) -> tuple[str, ...]:
+    """Keys from ``--api-key`` (each taken whole), else ``$RAG_LOOKAHEAD_API_KEY`` (comma-separated;
+    empty: no keys). A flag that is empty, or a variable of commas only, is refused: it would
+    otherwise run the server open while the caller meant to set a key."""
+    if flags:
+        if not all(key.strip() for key in flags):
+            raise ConfigError("--api-key is empty (an unset variable?): give the key, or leave the option out")
+        return tuple(key.strip() for key in flags)
+    keys = _split_commas([environ_value])
+    if environ_value.strip() and not keys:
+        raise ConfigError(
+            f"${API_KEY_ENV} holds no key ({environ_value!r}): give keys separated by commas, or unset it"
+        )
+    return keys
 
 
 def _split_commas(values: Sequence[str] | None) -> tuple[str, ...]:

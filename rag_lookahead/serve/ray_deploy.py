@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
 import signal
 import threading
 from collections.abc import Mapping
@@ -119,11 +121,14 @@ class RaySettings:
 def settings_from_args(args: Mapping[str, Any]) -> RaySettings | None:
     """The ``serve`` options ``--replicas``, ``--max-replicas`` and ``--replica-cpus`` as settings;
     None without ``--replicas`` (one process, no Ray)."""
-    if not args.get("replicas"):
-        if args.get("max_replicas"):
-            raise ConfigError("--max-replicas needs --replicas")
-        return None
     cpus = args.get("replica_cpus")
+    if not args.get("replicas"):
+        if args.get("max_replicas") is not None:
+            raise ConfigError("--max-replicas needs --replicas")
+        if cpus is not None and cpus != 1.0:
+            raise ConfigError("--replica-cpus needs --replicas")
+        return None
+    _check_port(args.get("port", 1))
     return RaySettings(
         replicas=args["replicas"], max_replicas=args.get("max_replicas"), num_cpus=1.0 if cpus is None else cpus
     )
@@ -191,23 +196,34 @@ def deployment_options(config: ServerConfig, settings: RaySettings, gpus: float)
 
 def deploy(config: ServerConfig, settings: RaySettings, ray_init: Mapping[str, Any] | None = None) -> str:
     """Start the replicas on Ray Serve (connecting to Ray, or starting it locally with ``ray_init``)
-    and return the endpoint's base URL once every replica answers."""
+    and return the endpoint's base URL once every replica answers. Refuses, before starting
+    anything, an address Ray Serve cannot take and a cluster that already runs this app."""
     ray, serve = import_ray()
-    if not ray.is_initialized():
-        ray.init(**dict(ray_init or {}))
+    _check_port(config.port)
+    _connect(ray, ray_init or {})
     resources = ray.cluster_resources()
     gpus = gpus_per_replica(config, settings, resources.get("GPU", 0.0))
     _check_fits(settings, gpus, resources)
+    _check_serve_free(serve, config)
     from rag_lookahead.serve.ray_replica import LookaheadReplica
 
     threads = 0 if gpus else max(1, int(settings.num_cpus))
     deployment = serve.deployment(LookaheadReplica, **deployment_options(config, settings, gpus))
     application = deployment.bind(replica_config(config, gpus), threads)
-    serve.start(http_options={"host": config.host, "port": config.port})
     try:
-        serve.run(application, name=APP_NAME, route_prefix="/")
-    except Exception as err:  # a replica's constructor failed (the model or the index did not load)
-        raise ModelLoadError(f"the Ray Serve replicas did not start: {first_line(err)}") from err
+        serve.start(
+            http_options={"host": config.host, "port": config.port}, logging_config={"log_level": _level(config)}
+        )
+    except Exception as err:  # the port is taken, or the host is not an address of this machine
+        raise ConfigError(f"Ray Serve could not listen on {config.host}:{config.port}: {_cause(err)}") from err
+    try:
+        serve.run(application, name=APP_NAME, route_prefix="/", logging_config={"log_level": _level(config)})
+    except BaseException as err:  # a replica's constructor failed (the model or the index did not load), or ^C
+        why = _cause(err, _replica_errors(serve)) if isinstance(err, Exception) else ""
+        _delete_quietly(serve)
+        if why:
+            raise ModelLoadError(f"the Ray Serve replicas did not start: {why}") from err
+        raise
     host = f"[{config.host}]" if ":" in config.host else config.host
     return f"http://{host}:{config.port}"
 
@@ -222,9 +238,11 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
     """Deploy, serve until SIGTERM or SIGINT, then drain the replicas and disconnect from Ray. A
     signal while the replicas start abandons them (they are deleted) rather than wait."""
     ray, _ = import_ray()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not ray.is_initialized():
-        ray.init()
+    logging.basicConfig(level=_level(config), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _check_port(config.port)
+    # at warning and above the replicas' logs stay in Ray's log folder (a failed start is pages of them)
+    _connect(ray, {"logging_level": _level(config), "log_to_driver": _level(config) in ("DEBUG", "INFO")})
+    logging.getLogger("ray.serve").setLevel(_level(config))  # Serve's driver-side logger keeps INFO otherwise
     stop, serving = threading.Event(), threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -235,19 +253,100 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
         signal.signal(sig, on_signal)
     try:
-        base = deploy(config, settings)
+        base = deploy(config, settings)  # deletes what it started if it fails or is interrupted
         serving.set()
         log.info("serving %s at %s on Ray Serve (%s)", config.model_name, base, _describe(settings))
         while not stop.wait(1.0):
             pass
         log.info("shutting down: draining the replicas for up to %.0f s", config.drain_seconds)
+        undeploy()
     except KeyboardInterrupt:
-        log.info("interrupted while the replicas started: deleting them")
+        log.info("interrupted while the replicas started: deleted them")
     finally:
-        try:
-            undeploy()
-        finally:
-            ray.shutdown()
+        ray.shutdown()
+
+
+def _level(config: ServerConfig) -> str:
+    """The ``logging`` level name of ``--log-level`` (uvicorn's "trace" is DEBUG here)."""
+    return "DEBUG" if config.log_level == "trace" else config.log_level.upper()
+
+
+def _check_port(port: int) -> None:
+    if port == 0:
+        raise ConfigError("--port 0 (any free port) does not work with --replicas: Ray's proxy would not say which")
+
+
+def _connect(ray, options: Mapping[str, Any]) -> None:
+    """``ray.init`` (a local Ray, or the cluster ``RAY_ADDRESS`` names), its failure as one line."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(**dict(options))
+    except Exception as err:
+        address = os.environ.get("RAY_ADDRESS")
+        where = f"reach the Ray cluster at RAY_ADDRESS={address}" if address else "start a local Ray"
+        raise ConfigError(f"could not {where}: {_cause(err)}") from err
+
+
+def _check_serve_free(serve, config: ServerConfig) -> None:
+    """On a cluster where Ray Serve already runs (another ``serve --replicas``, or one that has
+    exited: Serve's proxy outlives it), its app would be replaced and its address kept whatever
+    ``--host``/``--port`` say; refuse both instead of serving elsewhere than we report."""
+    if APP_NAME in serve.status().applications:
+        raise ConfigError(
+            f"this Ray cluster already runs a Serve app named {APP_NAME!r} (another `rag_lookahead serve "
+            "--replicas`): stop that one first"
+        )
+    running = _serve_address(serve)
+    if running is not None and running != (config.host, config.port):
+        host, port = running
+        raise ConfigError(
+            f"Ray Serve already runs on this Ray cluster and listens on {host}:{port}, which cannot change "
+            f"while it runs: pass --host {host} --port {port}, or stop it first (`serve shutdown`)"
+        )
+
+
+def _serve_address(serve) -> tuple[str, int] | None:
+    """``(host, port)`` Ray Serve's proxies listen on, None when Serve is not running (Ray 2.60)."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return None
+    options = client.get_serve_details().get("http_options") or {}
+    return str(options.get("host")), int(options.get("port"))
+
+
+def _replica_errors(serve) -> str:
+    """What Ray says of our app's deployments (a replica's traceback is there, not in the error)."""
+    try:
+        app = serve.status().applications.get(APP_NAME)
+    except Exception:  # noqa: BLE001 - only a better message is lost
+        return ""
+    return "" if app is None else "\n".join(d.message for d in app.deployments.values())
+
+
+def _delete_quietly(serve) -> None:
+    try:
+        serve.delete(APP_NAME)
+    except Exception as err:  # nothing was created yet, or Ray is going away
+        log.debug("could not delete the half-started app: %s", err)
+
+
+def _cause(err: BaseException, details: str = "") -> str:
+    """The line of a Ray error (and of ``details``, Ray's messages about it) that says why: the
+    replica's own error (ours, or the last ``SomethingError: ...`` line of a remote traceback Ray
+    wraps), else the error's first line."""
+    lines = [line.strip() for line in f"{err}\n{details}".splitlines() if line.strip()]
+    for pattern in (_OUR_ERROR, _ANY_ERROR):
+        found = [m.group(1) for line in lines if (m := pattern.match(line))]
+        if found:
+            return found[-1]
+    return first_line(err)
+
+
+_OUR_ERROR = re.compile(r"^(?:rag_lookahead\.errors\.)?(?:ConfigError|ModelLoadError|IndexLoadError|InputError): (.+)$")
+_ANY_ERROR = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): (.+)$")
 
 
 def _describe(settings: RaySettings) -> str:

@@ -162,8 +162,10 @@ def test_settings_and_deployment_options():
         with pytest.raises(ConfigError, match=words):
             RaySettings(**bad)
     assert settings_from_args({"replicas": 0, "port": 8000}) is None
-    with pytest.raises(ConfigError, match="--max-replicas needs --replicas"):
-        settings_from_args({"replicas": 0, "max_replicas": 3})
+    for alone in ({"max_replicas": 3}, {"max_replicas": 0}, {"replica_cpus": -5.0}, {"replica_cpus": 2.0}):
+        with pytest.raises(ConfigError, match="needs --replicas"):  # was silently ignored (0 and -5 too)
+            settings_from_args({"replicas": 0, **alone})
+    assert settings_from_args({"replicas": 0, "replica_cpus": 1.0}) is None  # the option's default
     config = ServerConfig(max_batch_size=8, max_queue=4, drain_seconds=10)
     fixed = deployment_options(config, RaySettings(replicas=2), 0.0)
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
@@ -189,6 +191,40 @@ def test_gpu_per_replica_when_the_device_is_cuda():
     assert gpus_per_replica(cpu, RaySettings(num_gpus=0.5), cluster_gpus=8) == 0.5
     assert replica_config(cuda1, 1).device == "cuda"  # Ray shows a replica only its own GPU
     assert replica_config(unset, 0).device == "cpu" and replica_config(cpu, 0) is cpu
+
+
+def test_ray_start_up_errors_are_one_line_with_their_cause():
+    """Ray wraps a replica's error in pages of traceback whose first line says only that the deploy
+    failed; the line printed is the replica's own error (the measured bug: "Failed to update the
+    deployments" for a model folder that does not exist)."""
+    from rag_lookahead.serve.ray_deploy import _cause
+
+    wrapped = (
+        "Deploying application rag_lookahead failed: Failed to update the deployments ['LookaheadReplica'].\n"
+        'Traceback (most recent call last):\n  File "replica.py", line 9, in __init__\n'
+        "    raise ModelLoadError(...)\n"
+        "rag_lookahead.errors.ModelLoadError: model folder /nowhere does not exist\n"
+    )
+    assert _cause(RuntimeError(wrapped)) == "model folder /nowhere does not exist"
+    bind = "Failed to start the proxy.\nTraceback ...\nOSError: [Errno 98] Address already in use"
+    assert _cause(RuntimeError(bind)) == "[Errno 98] Address already in use"
+    assert _cause(RuntimeError("no cause given")) == "no cause given"
+
+
+def test_replicas_refuse_port_zero_before_starting_ray():
+    """Ray's proxy takes a free port and never says which one (the measured bug: the log named port 0)."""
+    code = (
+        "import sys\n"
+        "from rag_lookahead.serve import command\n"
+        "code = command.main(['--replicas', '1', '--port', '0'])\n"
+        "print(code, 'ray' in sys.modules and __import__('ray').is_initialized())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if ray is None:
+        assert "needs Ray Serve" in out.stderr
+        return
+    assert out.stdout.split() == ["2", "False"], (out.stdout, out.stderr)
+    assert "error: --port 0 (any free port) does not work with --replicas" in out.stderr
 
 
 def test_the_default_install_does_not_import_ray(monkeypatch):
@@ -332,6 +368,21 @@ def test_both_replicas_answer_as_one_process(endpoint, one_process):
     for r in results:
         assert r["status"] == 200 and r["text"] == one_process["texts"][r["i"]], r
     assert len({r["replica"] for r in results}) == 2, "16 sessions all went to one replica"
+
+
+@needs_ray
+def test_a_second_deploy_on_the_cluster_is_refused_and_the_first_keeps_serving(endpoint, config):
+    """Serve keeps one app per name and one proxy address per cluster: a second ``serve --replicas``
+    used to replace the running app and serve on the old address while logging its own (measured:
+    asked for another port, answered on the first). It is refused now, and the first app keeps
+    answering."""
+    import dataclasses
+
+    with pytest.raises(ConfigError, match="already runs a Serve app named 'rag_lookahead'"):
+        deploy(dataclasses.replace(config, port=free_port()), RaySettings(replicas=1, num_cpus=1))
+    assert serve.status().applications[APP_NAME].status == "RUNNING"
+    r = httpx.post(endpoint + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
 @needs_ray

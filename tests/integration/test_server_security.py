@@ -15,6 +15,7 @@ pytest.importorskip("uvicorn")
 from test_server import patch_engine, serving, single_text, tiny_engine, tiny_prompts, tokenizer  # noqa: F401
 
 from rag_lookahead.decoding.loop import DecodeBatch
+from rag_lookahead.errors import ConfigError
 from rag_lookahead.serve.command import config_from_args, parse_args
 from rag_lookahead.serve.config import API_KEY_ENV
 
@@ -70,6 +71,14 @@ def test_api_keys_from_flags_or_environment():
     assert config_from_args(parse([]), env).api_keys == (KEY1, KEY2)
     assert config_from_args(parse(["--api-key", "sk-flag-key-123"]), env).api_keys == ("sk-flag-key-123",)
     assert config_from_args(parse([]), {}).api_keys == ()
+    assert config_from_args(parse([]), {API_KEY_ENV: " "}).api_keys == ()  # set empty: as unset
+    # a flag's key is taken whole: "a,b" was split, so each half opened the server and the whole key did not
+    assert config_from_args(parse(["--api-key", f"{KEY1},{KEY2}"]), {}).api_keys == (f"{KEY1},{KEY2}",)
+    # what would have run the server open while a key was meant: refused
+    with pytest.raises(ConfigError, match="--api-key is empty"):
+        config_from_args(parse(["--api-key", ""]), env)  # e.g. --api-key "$UNSET": the variable's keys were dropped
+    with pytest.raises(ConfigError, match="holds no key"):
+        config_from_args(parse([]), {API_KEY_ENV: " , "})
     config = config_from_args(
         parse(
             [
@@ -100,6 +109,23 @@ def test_serve_refuses_bad_settings_in_one_line():
     assert result.exit_code == 1 and "per-key" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(app, ["serve", "--api-key", "short"])
     assert result.exit_code == 1 and "API key" in result.output
+
+
+def test_a_port_in_use_is_said_before_the_model_loads():
+    """The measured bug: the model loaded (~40 s), then uvicorn failed to bind and exited 3 with its
+    own log line. The address is taken first now: one line, exit 1, and the model is never read
+    (the folder named here does not exist, and its error is not the one printed)."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from rag_lookahead.cli import app
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve", "--port", str(port), "--model", "/no/such/model/folder"], env={})
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert f"cannot listen on 127.0.0.1:{port}" in result.output and "model folder" not in result.output
 
 
 def test_host_and_origin_must_name_this_server(tokenizer):
