@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -35,11 +36,34 @@ def fsync_dir(path: Path | str) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: Path | str, text: str) -> None:
-    """Write to a temporary file beside ``path``, flush it to disk, rename it into place, flush the folder."""
+def _create_beside(path: Path, private: bool) -> tuple[int, Path]:
+    """A new, empty temporary file beside ``path`` (``.NAME.XXXXXXXX``), open for writing, with the
+    mode ``path`` has, or, for a new file, the usual one (0o666 less the umask, which the kernel
+    applies): a rename never changes who may read the file. ``private``: 0o600 whatever was there."""
+    try:
+        keep = 0o600 if private else stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        keep = None
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, flags, 0o666 if keep is None else keep)
+        except FileExistsError:
+            continue
+        if keep is not None:
+            os.fchmod(fd, keep)  # the umask may have cleared bits the old file had
+        return fd, tmp
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
+def write_text_atomic(path: Path | str, text: str, *, private: bool = False) -> None:
+    """Write to a temporary file beside ``path``, flush it to disk, rename it into place, flush the folder.
+    The file keeps the mode it had; a new one gets the usual mode (0o666 less the umask).
+    ``private``: readable by its owner only (0o600), for files that hold a user's document text."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = _create_beside(path, private)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -52,8 +76,8 @@ def write_text_atomic(path: Path | str, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def write_json_atomic(path: Path | str, data) -> None:
-    write_text_atomic(path, json.dumps(data, ensure_ascii=False, indent=2) + "\n")
+def write_json_atomic(path: Path | str, data, *, private: bool = False) -> None:
+    write_text_atomic(path, json.dumps(data, ensure_ascii=False, indent=2) + "\n", private=private)
 
 
 def write_jsonl_atomic(path: Path | str, rows: Iterable[dict]) -> None:

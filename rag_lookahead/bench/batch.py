@@ -34,7 +34,10 @@ from rag_lookahead.bench.common import (
     ModelOption,
     PlotOption,
     chat_ids,
+    check_output_path,
     check_plot,
+    check_positive,
+    checked_config,
     copied_fraction,
     eos_pad,
     extra_depth_methods,
@@ -44,9 +47,11 @@ from rag_lookahead.bench.common import (
     print_rows,
     run_command,
 )
+from rag_lookahead.checks import positive_int
 from rag_lookahead.cpu_linear import stock_linears
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
+from rag_lookahead.errors import ConfigError
 
 PROG = "python -m rag_lookahead.bench.batch"
 BASE_METHODS = ("hf_greedy", "plain", "lookahead")
@@ -119,19 +124,17 @@ class Workload:
 
 
 def measure(work: Workload, methods: list[str], levels: list[int], repeats: int) -> tuple[list[dict], dict]:
-    """One row per (pass, level, method); and the single-request outputs the others are compared with
-    (the first method's at concurrency 1)."""
-    single: dict[int, list[int]] = {}
-    results = []
+    """One row per (pass, level, method); and the single-request greedy outputs (transformers',
+    ``hf_greedy`` at concurrency 1, first pass) that every row is compared with once all have run.
+    Without that run there is nothing to compare with: ``identical_to_single`` is None, never a
+    method compared with itself."""
+    results, outputs = [], []
     for repeat, level in ((r, c) for r in range(repeats) for c in levels):
         for method in methods:
             start = time.perf_counter()
-            outputs, latencies, accepted = work.run(method, level)
-            tokens = sum(len(o) for o in outputs)
+            produced, latencies, accepted = work.run(method, level)
+            tokens = sum(len(o) for o in produced)
             seconds = time.perf_counter() - start
-            if level == 1 and method == methods[0] and not single:
-                single = {i: o for i, o in enumerate(outputs)}
-            identical = sum(o == single.get(i) for i, o in enumerate(outputs)) if single else None
             lat = sorted(latencies)
             row = {
                 "pass": repeat,
@@ -141,12 +144,26 @@ def measure(work: Workload, methods: list[str], levels: list[int], repeats: int)
                 "tokens_per_second": round(tokens / seconds, 3),
                 "p50_latency_s": round(statistics.median(lat), 3),
                 "p95_latency_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
-                "identical_to_single": f"{identical}/{len(outputs)}" if identical is not None else "-",
+                "identical_to_single": None,  # filled in once the single-request outputs exist
                 "mean_accepted": round(accepted, 3) if accepted else "-",
             }
             results.append(row)
+            outputs.append(produced)
             print(row, flush=True)
+    single = single_outputs(results, outputs)
+    for row, produced in zip(results, outputs):
+        same = sum(o == single[i] for i, o in enumerate(produced)) if single else None
+        row["identical_to_single"] = None if same is None else f"{same}/{len(produced)}"
     return results, single
+
+
+def single_outputs(results: list[dict], outputs: list[list[list[int]]]) -> dict[int, list[int]]:
+    """Request -> transformers' greedy output run alone (the first ``hf_greedy`` row at concurrency
+    1); empty when no such row ran."""
+    for row, produced in zip(results, outputs):
+        if row["method"] == "hf_greedy" and row["concurrency"] == 1:
+            return dict(enumerate(produced))
+    return {}
 
 
 def add_speedups(results: list[dict]) -> None:
@@ -164,7 +181,8 @@ def add_speedups(results: list[dict]) -> None:
 
 
 def parse_methods(methods: str, extra_branch_length: str) -> tuple[list[str], dict[str, int]]:
-    chosen = [m for m in methods.split(",") if m]
+    """The methods to run (the extra depths last) and the extra depths, ``lookahead_bN`` -> N."""
+    chosen = [m.strip() for m in methods.split(",") if m.strip()]
     depths = extra_depth_methods(extra_branch_length)
     unknown = set(chosen) - {*BASE_METHODS, STOCK_METHOD}
     if unknown:
@@ -172,7 +190,23 @@ def parse_methods(methods: str, extra_branch_length: str) -> tuple[list[str], di
             f"unknown methods: {', '.join(sorted(unknown))} (choose from {', '.join((*BASE_METHODS, STOCK_METHOD))})",
             param_hint="--methods",
         )
+    if not chosen and not depths:
+        raise typer.BadParameter(f"names no method: {methods!r}", param_hint="--methods")
+    if len(set(chosen)) < len(chosen):
+        raise typer.BadParameter(f"names a method twice: {methods!r}", param_hint="--methods")
     return chosen + list(depths), depths
+
+
+def concurrency_levels(concurrency: str) -> list[int]:
+    """The ``--concurrency`` levels, each an integer >= 1 (ConfigError naming the first bad one)."""
+    levels = []
+    for part in concurrency.split(","):
+        try:
+            level = int(part)
+        except ValueError:
+            raise ConfigError(f"--concurrency takes integers >= 1 separated by commas, not {concurrency!r}") from None
+        levels.append(positive_int("--concurrency", level))
+    return levels
 
 
 def batch(
@@ -198,14 +232,17 @@ def batch(
 ) -> dict:
     """Throughput benchmark: many requests at once, batched."""
     check_plot(plot, json_path)
+    check_output_path(json_path)
+    check_positive({"--requests": requests, "--max-new-tokens": max_new_tokens, "--repeats": repeats})
+    levels = concurrency_levels(concurrency)
     chosen, depths = parse_methods(methods, extra_branch_length)
-    prompt_set = load_prompts(prompts, ids)  # a bad file fails before the model loads
+    config = checked_config(depths, branch_length=branch_length)
+    prompt_set = load_prompts(prompts, ids)  # a bad file or setting fails before the model loads
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
     eos, pad = eos_pad(loaded, tokenizer)
-    config = LookaheadConfig(branch_length=branch_length).with_tokenizer(tokenizer)
+    config = config.with_tokenizer(tokenizer)
     cycled = [prompt_set[i % len(prompt_set)] for i in range(requests)]
     work = Workload(loaded, eos, pad, [chat_ids(tokenizer, p) for p in cycled], config, depths, max_new_tokens)
-    levels = [int(c) for c in concurrency.split(",")]
 
     run_continuous(loaded, work.requests[:2], 2, 8, eos, pad, config)  # warm-up and cost curve
     run_hf_waves(loaded, work.requests[:2], 2, 8, eos, pad)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,10 +18,11 @@ from typing import Annotated, Any
 import torch
 import typer
 
+from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import left_pad
 from rag_lookahead.decoding.verify import input_device
-from rag_lookahead.errors import InputError, RagLookaheadError, first_line
+from rag_lookahead.errors import ConfigError, InputError, RagLookaheadError, first_line
 from rag_lookahead.tokens import encode_messages, eos_ids, pad_id
 
 __all__ = [
@@ -36,12 +37,16 @@ __all__ = [
     "PlotOption",
     "PromptsOption",
     "chat_ids",
+    "check_output_path",
     "check_plot",
+    "check_positive",
+    "checked_config",
     "copied_fraction",
     "cut_at_eos",
     "eos_pad",
     "extra_depth_methods",
     "hf_batched",
+    "jsonl_lines",
     "jsonl_object",
     "load_bench_model",
     "load_prompts",
@@ -131,6 +136,27 @@ def check_plot(plot: bool, json_path: str | None) -> None:
         )
 
 
+def check_positive(options: Mapping[str, int | None]) -> None:
+    """Refuse any option (name -> value; None: not given) below 1, before any model is loaded."""
+    for name, value in options.items():
+        if value is not None:
+            positive_int(name, value)
+
+
+def check_output_path(path: str | None, option: str = "--json") -> None:
+    """Refuse an output file that could not be written, before the run rather than after it: its
+    folder must exist (and be a folder), and the path must not be a folder itself."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"{option} {path!r} is a folder; give a file path")
+    folder = target.parent
+    if not folder.is_dir():
+        reason = "is not a folder" if folder.exists() else "does not exist"
+        raise ConfigError(f"{option} {path!r}: its folder {str(folder)!r} {reason}")
+
+
 def extra_depth_methods(extra_branch_length: str) -> dict[str, int]:
     """The extra methods asked for with ``--extra-branch-length``, ``lookahead_bN`` -> N."""
     try:
@@ -139,6 +165,15 @@ def extra_depth_methods(extra_branch_length: str) -> dict[str, int]:
         raise typer.BadParameter(
             f"takes integers separated by commas, not {extra_branch_length!r}", param_hint="--extra-branch-length"
         ) from None
+
+
+def checked_config(extra_depths: Mapping[str, int], **settings: Any) -> LookaheadConfig:
+    """``LookaheadConfig(**settings)``, with each ``--extra-branch-length`` depth tried on it, so
+    that a bad value fails before the model loads (add the tokenizer's stop words after)."""
+    config = LookaheadConfig(**settings)
+    for depth in extra_depths.values():
+        config.replace(branch_length=depth)
+    return config
 
 
 # ---------------------------------------------------------------- model, prompts, tokens
@@ -174,16 +209,27 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
     else:
         text = resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
     name = path or "the bundled prompts"
-    prompts = [_prompt(line, n, name) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    prompts = [_prompt(line, n, name) for n, line in jsonl_lines(text)]
     if not prompts:
         raise InputError(f"{name}: no prompts (one JSON object with context and question per line)")
-    if ids:
+    if ids is not None:
         wanted = [i.strip() for i in ids.split(",") if i.strip()]
+        if not wanted:
+            raise InputError(f"--ids {ids!r} names no prompt id (give ids separated by commas)")
         unknown = sorted(set(wanted) - {p["id"] for p in prompts})
         if unknown:
             raise InputError(f"unknown prompt ids: {', '.join(unknown)}")
         prompts = [p for p in prompts if p["id"] in wanted]
     return prompts
+
+
+def jsonl_lines(text: str) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of a JSONL text with their numbers (from 1). Lines end at "\\n" only (a
+    trailing "\\r" is dropped): U+2028, U+0085 or a form feed inside a JSON string ends no line."""
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
+        if line.strip():
+            yield n, line
 
 
 def jsonl_object(line: str, where: str, fields: str) -> dict:
@@ -272,14 +318,25 @@ def hf_batched(model, requests: list[list[int]], max_new_tokens: int, eos: Seque
 # ---------------------------------------------------------------- output
 
 
+def table_columns(rows: Iterable[dict]) -> list:
+    """Every key of the rows, in the order they first appear (a later row may have more)."""
+    return list(dict.fromkeys(key for row in rows for key in row))
+
+
+def cell(value: Any) -> str:
+    """A table cell: "-" for a missing value (None), else the value as text."""
+    return "-" if value is None else str(value)
+
+
 def print_rows(title: str, rows: list[dict]) -> None:
-    """A rich table of dicts that share their keys."""
+    """A rich table of dicts; a column per key of any row, "-" where a row has no value."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title)
-    for column in rows[0]:
+    columns = table_columns(rows)
+    for column in columns:
         table.add_column(str(column), justify="right")
     for row in rows:
-        table.add_row(*(str(v) for v in row.values()))
+        table.add_row(*(cell(row.get(column)) for column in columns))
     Console(width=160).print(table)

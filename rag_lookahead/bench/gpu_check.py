@@ -30,7 +30,14 @@ import torch
 import typer
 
 from rag_lookahead.atomic import write_json_atomic
-from rag_lookahead.bench.common import chat_ids, eos_pad, load_bench_model, load_prompts, run_command
+from rag_lookahead.bench.common import (
+    chat_ids,
+    check_output_path,
+    eos_pad,
+    load_bench_model,
+    load_prompts,
+    run_command,
+)
 from rag_lookahead.bench.gpu_sections import (
     TINY_PAD,
     Sizes,
@@ -307,6 +314,7 @@ def gpu_check(
 
     Exits 1 when an output differs where it must not (fp32 exactness) or a section failed.
     """
+    check_output_path(json_path)
     report = run_check(CheckSettings(device, device_map, dtype, attn, model, small, tiny_only))
     print_table(report)
     if json_path:

@@ -33,6 +33,8 @@ from rag_lookahead.bench.common import (
     ModelOption,
     PromptsOption,
     chat_ids,
+    check_output_path,
+    check_positive,
     eos_pad,
     load_bench_model,
     load_prompts,
@@ -214,6 +216,17 @@ def interference(
     json_path: JsonOption = None,
 ) -> dict:
     """Short streams' inter-token latency while long prompts arrive, chunked prefill off and on."""
+    check_positive(
+        {
+            "--short-streams": short_streams,
+            "--short-max-new-tokens": short_max_new_tokens,
+            "--long-requests": long_requests,
+            "--long-tokens": long_tokens,
+            "--long-max-new-tokens": long_max_new_tokens,
+            "--prefill-chunk": prefill_chunk,
+        }
+    )
+    check_output_path(json_path)
     settings = {"long_requests": long_requests, "long_prompt_tokens": long_tokens}
     loaded, eos, pad, shorts, longs, config = (
         tiny_mix(settings) if tiny else real_mix(model, dtype, device, prompts, settings)

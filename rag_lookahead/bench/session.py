@@ -19,7 +19,8 @@ import json
 import random
 import statistics
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -32,6 +33,8 @@ from rag_lookahead.bench.common import (
     DtypeOption,
     JsonOption,
     ModelOption,
+    check_output_path,
+    check_positive,
     decode_speed,
     load_bench_model,
     print_rows,
@@ -51,17 +54,36 @@ def session_questions(items, count: int, seed: int = 0) -> list[str]:
     return [questions[i % len(questions)] for i in range(count)]
 
 
+def write_corpus(items, corpus: Path) -> list[Path]:
+    """Each passage as one file in ``corpus``, named by its position (``00000.txt``, ...), never by
+    its dataset id: an id may repeat, hold a "/" or climb out of the folder ("../x")."""
+    corpus.mkdir(parents=True, exist_ok=True)
+    paths = [corpus / f"{n:05d}.txt" for n in range(len(items))]
+    for path, item in zip(paths, items):
+        path.write_text(item.passage, encoding="utf-8")
+    return paths
+
+
 def index_items(items, folder: Path, progress: bool = True):
     """Each passage as one file of a corpus in ``folder``, indexed with the defaults, and opened."""
     from rag_lookahead.rag.build import build_index
     from rag_lookahead.rag.index import load_index
 
-    corpus = folder / "corpus"
-    corpus.mkdir(parents=True, exist_ok=True)
-    for item in items:
-        (corpus / f"{item.id}.txt").write_text(item.passage, encoding="utf-8")
-    build_index(corpus, folder / "index", progress=progress)
+    write_corpus(items, folder / "corpus")
+    build_index(folder / "corpus", folder / "index", progress=progress)
     return load_index(folder / "index")
+
+
+@contextmanager
+def session_index(items, index_dir: str | None) -> Iterator:
+    """The index ``index_dir``, or the items indexed into a temporary folder removed at the end."""
+    from rag_lookahead.rag.index import load_index
+
+    if index_dir:
+        yield load_index(index_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="rag-session-") as folder:
+        yield index_items(items, Path(folder))
 
 
 def run_record(result: dict) -> dict:
@@ -165,26 +187,24 @@ def session(
 ) -> dict:
     """A RAG session: many questions asked one after another through one LLM, so one output pool."""
     from rag_lookahead.bench.retrieval import load_dataset
-    from rag_lookahead.rag.index import load_index
 
+    check_positive({"--max-new-tokens": max_new_tokens})
+    check_output_path(json_path)
     items = load_dataset(dataset)
     asked = session_questions(items, questions, seed)
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
-    if index_dir:
-        index = load_index(index_dir)
-    else:
-        index = index_items(items, Path(tempfile.mkdtemp(prefix="rag-session-")))
-    records = ask_session(
-        loaded,
-        tokenizer,
-        index,
-        asked,
-        model_name=model,
-        k_prompt=k_prompt,
-        k_seed=k_seed,
-        max_new_tokens=max_new_tokens,
-        control_every=control_every,
-    )
+    with session_index(items, index_dir) as index:
+        records = ask_session(
+            loaded,
+            tokenizer,
+            index,
+            asked,
+            model_name=model,
+            k_prompt=k_prompt,
+            k_seed=k_seed,
+            max_new_tokens=max_new_tokens,
+            control_every=control_every,
+        )
     blocks = summarize_blocks(records, block)
     print_rows(f"session of {len(asked)} questions over {dataset}, {model} {dtype}, one output pool", blocks)
     report = {

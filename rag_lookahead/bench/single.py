@@ -11,6 +11,7 @@ output is token-identical to greedy.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +35,10 @@ from rag_lookahead.bench.common import (
     PlotOption,
     PromptsOption,
     chat_ids,
+    check_output_path,
     check_plot,
+    check_positive,
+    checked_config,
     copied_fraction,
     cut_at_eos,
     eos_pad,
@@ -130,10 +134,16 @@ def expand_methods(methods: str, temperatures: str, extra_depths: dict[str, int]
         raise typer.BadParameter(
             f"takes numbers separated by commas, not {temperatures!r}", param_hint="--temperatures"
         ) from None
-    if any(t <= 0 for t in values):
-        raise typer.BadParameter("must be > 0 (greedy is the method greedy)", param_hint="--temperatures")
+    if any(not math.isfinite(t) or t <= 0 for t in values):
+        raise typer.BadParameter(
+            "must be finite numbers > 0 (greedy is the method greedy)", param_hint="--temperatures"
+        )
     if unknown:
         raise typer.BadParameter(f"unknown methods: {', '.join(sorted(unknown))}", param_hint="--methods")
+    if not chosen and not extra_depths:
+        raise typer.BadParameter(f"names no method: {methods!r}", param_hint="--methods")
+    if len(set(chosen)) < len(chosen):
+        raise typer.BadParameter(f"names a method twice: {methods!r}", param_hint="--methods")
     expanded = [m for m in chosen if m not in SAMPLING_METHODS]
     expanded += [f"{m}_t{t:g}" for t in values for m in SAMPLING_METHODS if m in chosen]
     return expanded + list(extra_depths), values
@@ -219,29 +229,25 @@ def measure(runner: MethodRunner, methods: Sequence[str]) -> Measured:
         runner.new_pass()
         for prompt in runner.prompts:
             runs = {m: runner.run(m, prompt, repeat) for m in methods}
-            row = prompt_row(runner, prompt, repeat, runs, methods, measured)
+            row = prompt_row(runner, prompt, repeat, runs, measured)
             measured.per_prompt.append(row)
             print(json.dumps(row, ensure_ascii=False), flush=True)
     return measured
 
 
-def prompt_row(
-    runner: MethodRunner, prompt: dict, repeat: int, runs: dict[str, Run], methods: Sequence[str], measured: Measured
-) -> dict:
+def prompt_row(runner: MethodRunner, prompt: dict, repeat: int, runs: dict[str, Run], measured: Measured) -> dict:
     """One prompt's figures per method, added to the totals as they are made. Sampling methods are
-    compared with transformers' sampling at their temperature, the others with greedy."""
+    compared with transformers' sampling at their temperature, the others with greedy; where that
+    baseline did not run, ``identical_to_greedy`` (and, without greedy, ``copied_from_context``) is None."""
     eos = runner.eos
-    reference = cut_at_eos(runs["greedy" if "greedy" in runs else methods[0]].tokens, eos)
-    row = {
-        "id": prompt.get("id"),
-        "repeat": repeat,
-        "copied_from_context": round(copied_fraction(reference, runner.context_ids(prompt)), 3),
-    }
+    greedy = cut_at_eos(runs["greedy"].tokens, eos) if "greedy" in runs else None
+    copied = None if greedy is None else round(copied_fraction(greedy, runner.context_ids(prompt)), 3)
+    row = {"id": prompt.get("id"), "repeat": repeat, "copied_from_context": copied}
     for m, r in runs.items():
         baseline = baselines(m)[0]
-        same = cut_at_eos(r.tokens, eos) == (cut_at_eos(runs[baseline].tokens, eos) if baseline in runs else reference)
+        same = cut_at_eos(r.tokens, eos) == cut_at_eos(runs[baseline].tokens, eos) if baseline in runs else None
         measured.totals[m].add(r, same)
-        if row["copied_from_context"] >= runner.settings.copying_threshold:
+        if copied is not None and copied >= runner.settings.copying_threshold:
             measured.copying[m].add(r, same)
         decode = round(max(len(r.tokens) - 1, 0) / r.decode_seconds, 3) if r.decode_seconds else None
         row[m] = {
@@ -258,6 +264,7 @@ def prompt_row(
 
 def build_report(s: BenchSettings, model, config: LookaheadConfig, prompts: list[dict], measured: Measured) -> dict:
     per_prompt = measured.per_prompt
+    copied = [r["copied_from_context"] for r in per_prompt if r["copied_from_context"] is not None]
     return {
         "model": s.model,
         "dtype": s.dtype,
@@ -275,9 +282,9 @@ def build_report(s: BenchSettings, model, config: LookaheadConfig, prompts: list
         "sampling": {"temperatures": list(s.temperatures), "top_p": s.top_p, "seed": s.seed},
         "summary": summarize(measured.totals),
         "copying_threshold": s.copying_threshold,
-        "copying_runs": sum(r["copied_from_context"] >= s.copying_threshold for r in per_prompt),
+        "copying_runs": sum(c >= s.copying_threshold for c in copied),
         "summary_copying": summarize(measured.copying),
-        "mean_copied_from_context": round(statistics.mean(r["copied_from_context"] for r in per_prompt), 3),
+        "mean_copied_from_context": round(statistics.mean(copied), 3) if copied else None,  # None: no greedy
         "per_prompt": per_prompt,
     }
 
@@ -307,20 +314,21 @@ def print_summary(report: dict) -> None:
             }
             for method, s in report[key].items()
         ]
-        title = (
-            f"{report['model']} {report['dtype']} on {report['device']}, batch 1, {which}, "
-            f"context {report['seed_mode']}, {report['mean_copied_from_context']:.0%} of answer tokens copied from it"
-        )
+        copied = report["mean_copied_from_context"]
+        share = f", {copied:.0%} of answer tokens copied from it" if copied is not None else ""
+        where = f"{report['model']} {report['dtype']} on {report['device']}"
+        title = f"{where}, batch 1, {which}, context {report['seed_mode']}{share}"
         print_rows(title, rows)
 
 
 def run_bench(s: BenchSettings) -> dict:
     """Load the model, run every method on every prompt, print the tables, write JSON and charts."""
-    prompts = load_prompts(s.prompts, s.ids)[: s.limit]  # a bad file fails before the model loads
+    prompts = load_prompts(s.prompts, s.ids)[: s.limit]  # a bad file or setting fails before the model loads
+    config = checked_config(
+        s.extra_depths, decoding_length=s.decoding_length, branch_length=s.branch_length, budget=s.budget
+    )
     model, tokenizer = load_bench_model(s.model, s.dtype, s.device, s.device_map)
-    config = LookaheadConfig(
-        decoding_length=s.decoding_length, branch_length=s.branch_length, budget=s.budget
-    ).with_tokenizer(tokenizer)
+    config = config.with_tokenizer(tokenizer)
     measured = measure(MethodRunner(model, tokenizer, s, config, prompts), s.methods)
     report = build_report(s, model, config, prompts, measured)
     print_summary(report)
@@ -359,6 +367,8 @@ def bench(
 ) -> dict:
     """Side-by-side benchmark: transformers greedy, transformers prompt lookup, and lookahead."""
     check_plot(plot, json_path)
+    check_output_path(json_path)
+    check_positive({"--limit": limit, "--repeats": repeats, "--max-new-tokens": max_new_tokens})
     extra = extra_depth_methods(extra_branch_length)
     chosen, values = expand_methods(methods, temperatures, extra)
     settings = BenchSettings(

@@ -31,6 +31,8 @@ from rag_lookahead.bench.common import (
     ModelOption,
     PromptsOption,
     chat_ids,
+    check_output_path,
+    check_positive,
     eos_pad,
     load_bench_model,
     load_prompts,
@@ -183,6 +185,8 @@ def step_profile(
     from rag_lookahead.decoding.trie import OutputPool
     from rag_lookahead.decoding.verify import input_device
 
+    check_positive({"--limit": limit, "--max-new-tokens": max_new_tokens})
+    check_output_path(json_path)
     chosen = load_prompts(prompts, ids)[:limit]  # a bad file fails before the model loads
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
     eos, pad = eos_pad(loaded, tokenizer)

@@ -37,7 +37,8 @@ from pathlib import Path
 
 from rag_lookahead.atomic import write_text_atomic
 
-OUT_DIR = Path(__file__).resolve().parent / "realistic"
+DATA_DIR = Path(__file__).resolve().parent  # rag_lookahead/data: everything here ships with the package
+OUT_DIR = DATA_DIR / "realistic"
 
 #: What a RAG user appends to a question: answer from the passage, in full sentences (no "copy" order).
 ASK = {
@@ -234,6 +235,22 @@ def write_all(files: dict[str, list[dict]], out: Path) -> Iterator[str]:
         yield f"{out / name}: {len(rows)} rows"
 
 
+def check_holdout_out(holdout: Path | None, out: Path) -> None:
+    """Refuse (one line, before anything is built or written) a held-out folder that would put the
+    held-out rows where they must not be: the --out folder (over the files just written) or the
+    package's data folder (over the shipped files, and into the repository)."""
+    if holdout is None:
+        return
+    where = holdout.resolve()
+    if where == out.resolve():
+        raise SystemExit(f"error: --holdout-out {holdout} is the --out folder; choose a folder outside the repository")
+    if where == DATA_DIR or DATA_DIR in where.parents:
+        raise SystemExit(
+            f"error: --holdout-out {holdout} is inside {DATA_DIR}, which ships with the package;"
+            " choose a folder outside the repository"
+        )
+
+
 def stale(files: dict[str, list[dict]], out: Path) -> list[str]:
     """Names whose file on disk is missing or differs from what the sources give now."""
     return [
@@ -253,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         help="also write the held-out Chinese rows into this folder (keep it outside the repository)",
     )
     args = ap.parse_args(argv)
+    if not args.check:
+        check_holdout_out(args.holdout_out, args.out)
     files = build()
     if args.check:
         bad = stale(files, args.out)

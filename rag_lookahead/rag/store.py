@@ -393,7 +393,7 @@ def write_data(data_dir: Path, fidx: Any, records: list[dict]) -> dict[str, str]
 
 def publish(index_dir: Path, manifest: dict) -> None:
     """The one step that switches readers to the new version: an atomic replace of ``manifest.json``."""
-    write_json_atomic(index_dir / MANIFEST, manifest)
+    write_json_atomic(index_dir / MANIFEST, manifest, private=True)
 
 
 def publish_version(

@@ -74,7 +74,7 @@ def _read(path: Path, n: int) -> list[list[str]] | None:
 def _write(path: Path, docs: list[list[str]]) -> None:
     # tokens are \w+ runs (lexical.tokenize), so neither a space nor a newline can be inside one
     body = "".join(" ".join(d) + "\n" for d in docs)
-    write_text_atomic(path, _HEADER + hashlib.sha256(body.encode("utf-8")).hexdigest() + "\n" + body)
+    write_text_atomic(path, _HEADER + hashlib.sha256(body.encode("utf-8")).hexdigest() + "\n" + body, private=True)
 
 
 def _prune(folder: Path, keep: int) -> None:

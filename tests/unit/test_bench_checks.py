@@ -1,0 +1,307 @@
+"""The benchmarks' checks of their options and inputs (before any model loads), their file output,
+and the figures they report where a baseline did not run."""
+
+import importlib
+import importlib.util
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from rag_lookahead.bench.retrieval import Item
+from rag_lookahead.errors import ConfigError, ModelLoadError
+
+# ---------------------------------------------------------------- bad options stop before the model loads
+
+NO_METHOD = 2  # typer's usage error (the options' own checks: --methods, --temperatures)
+BELOW = "must be an integer >= 1, got"
+FOLDER = "error: --json '{dir}' is a folder; give a file path"
+BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a usage error's code)
+    ("single", ["--limit", "0"], f"error: --limit {BELOW} 0"),
+    ("single", ["--limit", "-2"], f"error: --limit {BELOW} -2"),
+    ("single", ["--repeats", "0"], f"error: --repeats {BELOW} 0"),
+    ("single", ["--max-new-tokens", "0"], f"error: --max-new-tokens {BELOW} 0"),
+    ("single", ["--ids", ","], "error: --ids ',' names no prompt id (give ids separated by commas)"),
+    ("single", ["--methods", ""], NO_METHOD),
+    ("single", ["--methods", "greedy,greedy"], NO_METHOD),
+    ("single", ["--temperatures", "nan"], NO_METHOD),
+    ("single", ["--branch-length", "0"], "error: branch_length must be an integer from 1 to 256, got 0"),
+    ("single", ["--extra-branch-length", "0"], "error: branch_length must be an integer from 1 to 256, got 0"),
+    ("single", ["--json", "{dir}"], FOLDER),
+    ("single", ["--json", "{file}/r.json"], "error: --json '{file}/r.json': its folder '{file}' is not a folder"),
+    ("batch", ["--concurrency", "0"], f"error: --concurrency {BELOW} 0"),
+    ("batch", ["--concurrency", "4,-1"], f"error: --concurrency {BELOW} -1"),
+    ("batch", ["--concurrency", "x"], "error: --concurrency takes integers >= 1 separated by commas, not 'x'"),
+    ("batch", ["--requests", "0"], f"error: --requests {BELOW} 0"),
+    ("batch", ["--methods", ""], NO_METHOD),
+    ("batch", ["--branch-length", "300"], "error: branch_length must be an integer from 1 to 256, got 300"),
+    ("batch", ["--json", "{dir}/no/b.json"], "error: --json '{dir}/no/b.json': its folder '{dir}/no' does not exist"),
+    ("step_profile", ["--limit", "0"], f"error: --limit {BELOW} 0"),
+    ("interference", ["--long-requests", "0"], f"error: --long-requests {BELOW} 0"),
+    ("interference", ["--short-max-new-tokens", "0"], f"error: --short-max-new-tokens {BELOW} 0"),
+    ("interference", ["--tiny", "--json", "{dir}"], FOLDER),
+    ("rag", ["--json", "{dir}"], FOLDER),
+    ("session", ["--json", "{dir}"], FOLDER),
+]
+
+
+@pytest.mark.parametrize(("module", "argv", "expected"), BAD_OPTIONS)
+def test_a_bad_option_stops_a_benchmark_before_the_model_loads(tmp_path, monkeypatch, module, argv, expected):
+    """The real entry points: one line (exit 1) or a usage error (exit 2), and no model was asked for."""
+    (tmp_path / "a_file").write_text("x", encoding="utf-8")
+    paths = {"dir": str(tmp_path), "file": str(tmp_path / "a_file")}
+    bench = importlib.import_module(f"rag_lookahead.bench.{module}")
+    loads = []
+    monkeypatch.setattr(bench, "load_bench_model", lambda *a, **k: loads.append(a))
+    if module == "interference":  # --tiny builds its model here
+        monkeypatch.setattr(bench, "tiny_mix", lambda *a, **k: loads.append(a))
+    with pytest.raises(SystemExit) as done:
+        bench.main([arg.format(**paths) for arg in argv])
+    assert done.value.code == (expected.format(**paths) if isinstance(expected, str) else expected)
+    assert loads == []
+
+
+def test_check_output_path_accepts_a_new_or_existing_file_in_an_existing_folder(tmp_path, monkeypatch):
+    from rag_lookahead.bench.common import check_output_path
+
+    check_output_path(None)
+    check_output_path(str(tmp_path / "new.json"))
+    (tmp_path / "old.json").write_text("{}", encoding="utf-8")
+    check_output_path(str(tmp_path / "old.json"))
+    monkeypatch.chdir(tmp_path)
+    check_output_path("here.json")  # the current folder
+    with pytest.raises(ConfigError, match="--plot 'sub' is a folder"):
+        (tmp_path / "sub").mkdir()
+        check_output_path("sub", "--plot")
+
+
+def test_concurrency_levels_are_integers_of_at_least_one():
+    from rag_lookahead.bench.batch import concurrency_levels
+
+    assert concurrency_levels("1,4, 16") == [1, 4, 16]
+    for bad in ("0", "-3", "", "1,,2", "2.5"):
+        with pytest.raises(ConfigError, match="--concurrency"):
+            concurrency_levels(bad)
+
+
+# ---------------------------------------------------------------- identical: only where the baseline ran
+
+
+def test_a_method_is_never_called_identical_to_a_greedy_that_did_not_run():
+    """Without greedy, lookahead's row says None for identical and for the share copied (it used to
+    be compared with itself: always identical)."""
+    from types import SimpleNamespace
+
+    from rag_lookahead.bench.methods import MethodTotals, Run, summarize
+    from rag_lookahead.bench.single import Measured, prompt_row
+
+    runner = SimpleNamespace(
+        eos=[2], context_ids=lambda prompt: [5, 6, 7, 8], settings=SimpleNamespace(copying_threshold=0.5)
+    )
+    measured = Measured({"lookahead": MethodTotals()}, {"lookahead": MethodTotals()}, [])
+    runs = {"lookahead": Run([5, 6, 7, 8, 2], 1.0, 0.5)}
+    row = prompt_row(runner, {"id": "p"}, 0, runs, measured)
+    assert row["copied_from_context"] is None
+    assert row["lookahead"]["identical_to_greedy"] is None
+    assert summarize(measured.totals)["lookahead"]["identical_to_greedy"] is None
+    runs["greedy"] = Run([5, 6, 7, 8, 2, 9], 1.0, 0.5)  # the same answer: cut after its EOS
+    measured.totals["greedy"] = measured.copying["greedy"] = MethodTotals()
+    row = prompt_row(runner, {"id": "p"}, 1, runs, measured)
+    assert row["copied_from_context"] == 0.8 and row["lookahead"]["identical_to_greedy"] is True
+    summary = summarize(measured.totals)
+    assert summary["lookahead"]["identical_to_greedy"] == "1/1"  # of its 2 runs, 1 had greedy beside it
+
+
+def test_batch_rows_are_compared_with_transformers_greedy_alone_or_not_at_all():
+    from rag_lookahead.bench.batch import Workload, measure
+    from rag_lookahead.decoding.config import LookaheadConfig
+    from tests.tiny_models import tiny_model
+
+    requests = [[3, 4, 5, 3, 4, 5, 3], [7, 8, 9, 10]]
+    work = Workload(tiny_model("qwen2"), [], 0, requests, LookaheadConfig(), {}, 6)
+    rows, single = measure(work, ["lookahead"], [1], 1)
+    assert rows[0]["identical_to_single"] is None and single == {}
+    rows, single = measure(work, ["lookahead", "hf_greedy"], [1], 1)  # the reference runs after lookahead
+    assert [r["identical_to_single"] for r in rows] == ["2/2", "2/2"]
+    assert len(single) == 2 and all(len(out) == 6 for out in single.values())
+
+
+# ---------------------------------------------------------------- JSONL lines end at "\n" only
+
+
+def test_jsonl_lines_keep_unicode_line_separators_inside_strings(tmp_path):
+    from rag_lookahead.bench.common import load_prompts
+    from rag_lookahead.bench.retrieval import load_dataset
+
+    odd = "a\u2028b\u0085c\fd\u2029e\x1cf"
+    rows = [{"id": "x", "context": odd, "question": "q?"}, {"id": "y", "context": "p", "question": odd}]
+    text = "\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n\n"
+    path = tmp_path / "odd.jsonl"
+    path.write_bytes(text.encode("utf-8"))  # no newline translation: the file keeps its \r\n
+    prompts = load_prompts(str(path))
+    assert [(p["id"], p["context"], p["question"]) for p in prompts] == [("x", odd, "q?"), ("y", "p", odd)]
+    items = load_dataset(path)
+    assert [(it.id, it.passage, it.questions) for it in items] == [("x", odd, ["q?"]), ("y", "p", [odd])]
+
+
+# ---------------------------------------------------------------- output files and folders
+
+
+def test_session_corpus_files_are_named_by_position_never_by_id(tmp_path):
+    from rag_lookahead.bench.session import write_corpus
+
+    ids = ["../../escaped", "same", "same", "a/b", ""]
+    items = [Item(i, "zh", f"passage {n}", ["q"]) for n, i in enumerate(ids)]
+    corpus = tmp_path / "run" / "corpus"
+    paths = write_corpus(items, corpus)
+    assert sorted(p.name for p in corpus.iterdir()) == [f"{n:05d}.txt" for n in range(5)]
+    assert [p.read_text(encoding="utf-8") for p in paths] == [f"passage {n}" for n in range(5)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing climbed out
+
+
+def test_the_temporary_index_folders_are_removed_when_the_run_ends(tmp_path, monkeypatch):
+    """Building a real index loads the embedder (seconds): here the build writes a file instead, and
+    the folder it wrote into must be gone after the block, as after a real run."""
+    import tempfile
+
+    from rag_lookahead.bench import rag, session
+    from rag_lookahead.rag import index
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(index, "build_index", lambda corpus, folder, **k: (Path(folder) / "manifest.json").touch())
+    monkeypatch.setattr(index, "load_index", lambda folder: sorted(p.name for p in Path(folder).iterdir()))
+    with rag.open_index(None) as opened:
+        assert opened == ["manifest.json"] and len(list(tmp_path.iterdir())) == 1
+    monkeypatch.setattr(session, "index_items", lambda items, folder: write_and_list(items, folder))
+    with session.session_index([Item("a", "zh", "p", ["q"])], None) as opened:
+        assert opened == ["00000.txt"] and len(list(tmp_path.iterdir())) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def write_and_list(items, folder: Path) -> list[str]:
+    from rag_lookahead.bench.session import write_corpus
+
+    return [p.name for p in write_corpus(items, folder / "corpus")]
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_an_atomic_write_gives_a_new_file_the_usual_mode_and_keeps_a_replaced_files(tmp_path, umask_022):
+    from rag_lookahead.atomic import write_json_atomic, write_text_atomic
+
+    new = tmp_path / "new.json"
+    write_json_atomic(new, {"a": 1})
+    assert stat.S_IMODE(new.stat().st_mode) == 0o644 and json.loads(new.read_text()) == {"a": 1}
+    shared = tmp_path / "shared.txt"
+    shared.write_text("old", encoding="utf-8")
+    shared.chmod(0o664)  # group-writable: more than the umask lets a new file have
+    write_text_atomic(shared, "new")
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o664 and shared.read_text() == "new"
+    private = tmp_path / "private.txt"
+    private.write_text("old", encoding="utf-8")
+    private.chmod(0o600)
+    write_text_atomic(private, "new")
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    write_text_atomic(shared, "document text", private=True)  # what holds a user's text: owner only
+    write_json_atomic(new, {"b": 2}, private=True)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o600 and stat.S_IMODE(new.stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.json", "private.txt", "shared.txt"]  # no temp left
+
+
+def test_build_realistic_refuses_a_holdout_folder_over_shipped_or_just_written_files(tmp_path):
+    from rag_lookahead.data import build_realistic
+
+    shipped = {p.name: p.read_bytes() for p in build_realistic.OUT_DIR.iterdir() if p.is_file()}
+    with pytest.raises(SystemExit, match=r"^error: --holdout-out .* ships with the package"):
+        build_realistic.main(["--out", str(tmp_path / "out"), "--holdout-out", str(build_realistic.OUT_DIR)])
+    with pytest.raises(SystemExit, match=r"^error: --holdout-out .* ships with the package"):
+        build_realistic.main(["--out", str(tmp_path / "out"), "--holdout-out", str(build_realistic.DATA_DIR)])
+    with pytest.raises(SystemExit, match=r"^error: --holdout-out .* is the --out folder"):
+        build_realistic.main(["--out", str(tmp_path / "o"), "--holdout-out", str(tmp_path / "x" / ".." / "o")])
+    assert list(tmp_path.iterdir()) == []  # nothing built or written
+    assert {p.name: p.read_bytes() for p in build_realistic.OUT_DIR.iterdir() if p.is_file()} == shipped
+
+
+# ---------------------------------------------------------------- retrieval
+
+
+def test_recall_of_no_questions_is_null_in_json_and_a_dash_in_the_table(capsys):
+    from rag_lookahead.bench.retrieval import print_results, recall
+
+    assert recall([[0, 1]], [1], 1) == 0.0 and recall([[0, 1]], [1], 5) == 1.0
+    empty = recall([], [], 5)
+    assert empty is None
+    out = {"datasets": {"d": {"passages": 1, "chunks": 1, "questions": 0, "generic_questions": 0}}}
+    out["datasets"]["d"]["methods"] = {"bm25": {"r@1": empty, "r@5": 0.5, "n": 0}}
+    assert '"r@1": null' in json.dumps(out)
+    print_results(out)
+    assert "bm25" in (line := capsys.readouterr().out.splitlines()[-1]) and line.split()[1:] == ["-", "0.500", "0"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rounds", "0"], "error: --rounds must be an integer >= 1, got 0"),
+        (["--speed", "-1"], "error: --speed must be an integer >= 0, got -1"),
+        (["--speed-only"], "error: --speed-only skips the recall runs to time embedding: give --speed N too"),
+        (["--embedders", "e5-smal"], "error: embedder 'e5-smal' is not one of ours"),
+    ],
+)
+def test_bad_retrieval_options_and_a_misspelled_embedder_are_errors(argv, message):
+    from rag_lookahead.bench.retrieval import main
+
+    if argv[0] == "--embedders" and importlib.util.find_spec("sentence_transformers") is not None:
+        pytest.skip("with sentence-transformers installed the name would be looked up on the hub")
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert str(done.value.code).startswith(message)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is not None, reason="the st extra is installed")
+def test_an_embedder_of_an_extra_not_installed_is_skipped_naming_the_extra(capsys):
+    from rag_lookahead.bench.retrieval import load_embedders
+
+    assert load_embedders(["st:some/model"]) == {}
+    assert "skipping st:some/model: needs the 'st' extra (pip install 'rag-lookahead[st]')" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- quality, tables
+
+
+def test_quality_checks_every_model_before_the_first_runs(monkeypatch):
+    from rag_lookahead.bench import quality
+
+    with pytest.raises(ConfigError, match="names a model twice"):
+        quality.model_names("default, default")
+    with pytest.raises(ConfigError, match="names no model"):
+        quality.model_names(" , ")
+    assert quality.model_names("default") == ["default"]
+    try:
+        quality.model_names("quality")
+        pytest.skip("the quality extra is installed")
+    except ModelLoadError:
+        pass
+    loads = []
+    monkeypatch.setattr(quality, "load_bench_model", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(quality, "open_index", lambda *a: loads.append(a))
+    with pytest.raises(SystemExit) as done:
+        quality.main(["--models", "default,quality"])
+    assert str(done.value.code).startswith("error: the embedded quality model is not installed")
+    assert loads == []
+
+
+def test_a_table_has_a_column_for_every_key_of_any_row(capsys):
+    from rag_lookahead.bench.common import print_rows
+
+    print_rows(
+        "t", [{"block": "1-5", "speed": 1.5}, {"block": "6-10", "speed": 2.0, "identical": "1/1"}, {"speed": None}]
+    )
+    header = next(line for line in capsys.readouterr().out.splitlines() if "block" in line)
+    assert "speed" in header and "identical" in header
