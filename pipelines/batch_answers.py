@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from rag_args import open_index, rag_parser
+from rag_args import open_index, rag_parser, run
 
 from rag_lookahead.atomic import write_jsonl_atomic
 from rag_lookahead.errors import InputError
@@ -74,4 +74,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

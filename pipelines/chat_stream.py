@@ -11,7 +11,7 @@ Builds the index from the bundled corpora/ on first use.
 
 from __future__ import annotations
 
-from rag_args import open_index, rag_parser
+from rag_args import open_index, rag_parser, run
 
 from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.rag.chains import build_chat_rag_chain
@@ -54,4 +54,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

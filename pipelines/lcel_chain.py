@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.runnables import RunnablePassthrough
-from rag_args import open_index, rag_parser
+from rag_args import open_index, rag_parser, run
 
 from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.rag.chains import RAG_CHAT_PROMPT, as_retriever, format_context
@@ -42,4 +42,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -1,14 +1,17 @@
 """What the example pipelines share: the flags that pick the index, the model and ``k``, and opening the index.
 
-The index is built from the bundled corpora/ on first use (see ``rag_lookahead.ask.ensure_index``).
+The default index is built from the bundled corpora/ on first use (see ``rag_lookahead.ask.ensure_index``).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rag_lookahead.ask import ensure_index
+from rag_lookahead.errors import RagLookaheadError, first_line
 from rag_lookahead.rag.index import DocumentIndex, default_index_dir
 
 
@@ -25,5 +28,17 @@ def rag_parser(description: str, *, k_seed: bool = True) -> argparse.ArgumentPar
 
 
 def open_index(args: argparse.Namespace) -> DocumentIndex:
-    """The index at ``--index-dir`` (default: ``default_index_dir()``), built first if there is none."""
-    return ensure_index(args.index_dir or default_index_dir())
+    """The index at ``--index-dir``, else ``default_index_dir()``, built from the bundled corpus
+    first if there is none there. A named ``--index-dir`` must hold an index (as ``ask`` has it): a
+    mistyped one was filled with the sample corpus, which then answered the question."""
+    return ensure_index(args.index_dir or default_index_dir(), build_bundled=args.index_dir is None)
+
+
+def run(main: Callable[[], None]) -> None:
+    """Run a pipeline's ``main``; our errors (no index, a model that will not load, a bad option)
+    print one line and exit 1, as the ``rag_lookahead`` commands do."""
+    try:
+        main()
+    except RagLookaheadError as err:
+        print(f"error: {first_line(err)}", file=sys.stderr)
+        raise SystemExit(1) from None

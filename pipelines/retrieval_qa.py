@@ -7,7 +7,7 @@ Builds the index from the bundled corpora/ on first use (see pipelines/rag_args.
 
 from __future__ import annotations
 
-from rag_args import open_index, rag_parser
+from rag_args import open_index, rag_parser, run
 
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.rag.chains import build_retrieval_qa
@@ -33,4 +33,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -197,7 +197,7 @@ def encode_messages(
         if tools:
             raise ConfigError("this tokenizer has no chat template, so it cannot be given tools")
         text = "\n\n".join(str(m.get("content") or "") for m in messages)
-        return list(tokenizer(text + answer_prefix)["input_ids"])
+        return list(tokenizer(_unicode(text + answer_prefix))["input_ids"])
     if tools and "tools" not in template:
         raise ConfigError(
             "this model's chat template does not take tools: bind tools only to a model whose template does"
@@ -207,7 +207,16 @@ def encode_messages(
         text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
     except Exception as err:  # jinja's TemplateError and friends: say what the template refused
         raise InputError(f"the chat template refused these messages: {err}") from None
-    return list(tokenizer(text + answer_prefix, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(_unicode(text + answer_prefix), add_special_tokens=False)["input_ids"])
+
+
+def _unicode(text: str) -> str:
+    """``text``, if it can be encoded (a lone surrogate such as "\\ud800" gave the tokenizer's TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InputError(f"the messages are not valid Unicode: {err.reason} at character {err.start}") from None
+    return text
 
 
 def accepted_per_step(tokens: int, decode_steps: int) -> float:

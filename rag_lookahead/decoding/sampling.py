@@ -152,7 +152,7 @@ def resolve_sampling(model, generation_config=None, **options) -> SamplingParams
     return SamplingParams(
         do_sample=bool(config.do_sample),
         temperature=float(config.temperature if config.temperature is not None else 1.0),
-        top_k=int(top_k) if top_k is not None else None,
+        top_k=top_k,  # checked as an integer there (int() cut a per-call 1.5 to 1)
         top_p=float(config.top_p if config.top_p is not None else 1.0),
         min_p=float(config.min_p) if config.min_p is not None else None,
         repetition_penalty=float(config.repetition_penalty if config.repetition_penalty is not None else 1.0),

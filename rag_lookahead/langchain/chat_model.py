@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing
 from typing import Any
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
@@ -40,13 +40,13 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import get_config_list, run_in_executor
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, StrictFloat, StrictInt
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.batching import BatchCall, decode_together, gather_of_this_thread, run_wave, settings_key
-from rag_lookahead.langchain.engine import Engine, RowRequest
+from rag_lookahead.langchain.engine import Engine, RowRequest, cancellable
 from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening
@@ -115,11 +115,11 @@ class ChatLookahead(SamplingFields, BaseChatModel):
     """An :class:`Engine` to decode with (``from_llm`` passes LookaheadLLM's); overrides model/tokenizer."""
     model_name: str | None = None
     lookahead: LookaheadConfig = Field(default_factory=LookaheadConfig)
-    max_tokens: int = 256
+    max_tokens: StrictInt = 256
     """Most new tokens per answer."""
     stop: list[str] | None = None
     """Stop strings used when a call gives none."""
-    timeout: float | None = None
+    timeout: StrictFloat | None = None
     """Seconds one call may decode; rows still running then end with ``finish_reason="timeout"``."""
     max_retries: int | None = None
     """Accepted for LangChain's standard parameters; a local decode has no transient failure to retry."""
@@ -189,8 +189,15 @@ class ChatLookahead(SamplingFields, BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         # only what changes the text: draft settings change speed, never output
+        # and what tells models and cut answers apart: the weights (two loaded models may share a
+        # name) and the timeout (an answer cut by it must not be served to a call without one)
         params = {"model_name": self.model_name, "max_tokens": self.max_tokens, "stop": self.stop}
+        params |= {"weights": self._engine.fingerprint, "timeout": self.timeout}
         return params | self._sampling_params()
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub)."""
+        return self._engine.token_ids(text)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         model = kwargs.get("model")  # LangChain's contract for tracing; a per-call model is refused at decode time
@@ -294,6 +301,28 @@ class ChatLookahead(SamplingFields, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
+        return self._decode(messages, stop, run_manager, kwargs)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """:meth:`_generate` in a worker thread; cancelling the awaiting task ends the decode (it ran
+        on to ``max_tokens`` holding the engine, as LangChain's default left it)."""
+        manager = run_manager.get_sync() if run_manager is not None else None
+        return await cancellable(lambda cancel: self._decode(messages, stop, manager, kwargs, cancel))
+
+    def _decode(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | None,
+        kwargs: dict[str, Any],
+        cancel: threading.Event | None = None,
+    ) -> ChatResult:
         request, settings, tool_options = self._prepare(messages, stop, kwargs)
         on_block = None
         if run_manager is not None:
@@ -309,6 +338,8 @@ class ChatLookahead(SamplingFields, BaseChatModel):
         if gather is not None:
             gather.submit(call)
         else:
+            if cancel is not None:
+                call.settings = settings | {"cancel": cancel}
             decode_together(self._engine, [call])
         if call.error is not None:
             raise call.error

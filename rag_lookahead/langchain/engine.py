@@ -11,20 +11,23 @@ draft settings) are read in :mod:`.sampling_fields`.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import hashlib
 import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError
 from rag_lookahead.tokens import TextTracker, eos_ids, pad_id
 
-__all__ = ["Block", "BlockStream", "Engine", "EngineRun", "RowRequest", "SeedRegistry"]
+__all__ = ["Block", "BlockStream", "Engine", "EngineRun", "RowRequest", "SeedRegistry", "cancellable", "weights_digest"]
 
 SEED_SLOTS = 256
 
@@ -149,7 +152,16 @@ class Engine:
         self._decoding = threading.Lock()
 
     def passages(self, passages: Sequence[str]) -> list[list[int]]:
-        return [self.tokenizer.encode(p, add_special_tokens=False) for p in passages if p]
+        return [self.token_ids(p) for p in passages if p]
+
+    def token_ids(self, text: str) -> list[int]:
+        """``text`` in this model's tokens (no special tokens added)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """:func:`weights_digest` of the model, once."""
+        return weights_digest(self.model)
 
     def run(
         self,
@@ -208,6 +220,39 @@ class Engine:
     def stream(self, rows: Sequence[RowRequest], **run_options: Any) -> BlockStream:
         """Like :meth:`run`, decoding in a worker thread while the caller iterates the blocks."""
         return BlockStream(lambda on_block, cancel: self.run(rows, on_block=on_block, cancel=cancel, **run_options))
+
+
+def weights_digest(model) -> str:
+    """A short digest of a model's config and a sample of its weights. LangChain's cache keys an
+    answer by the model's identifying params, and two loaded models may report the same name
+    ("custom", or two folders both called "final"): the digest tells them apart."""
+    digest = hashlib.sha256()
+    config = getattr(model, "config", None)
+    digest.update((config.to_json_string() if hasattr(config, "to_json_string") else repr(config)).encode())
+    params = list(model.parameters()) if hasattr(model, "parameters") else []
+    for param in {
+        id(p): p for p in params[:1] + params[len(params) // 2 : len(params) // 2 + 1] + params[-1:]
+    }.values():
+        sample = param.detach().reshape(-1)[:512].float().cpu()
+        digest.update(f"{tuple(param.shape)}:{param.dtype}".encode() + sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+T = TypeVar("T")
+
+
+async def cancellable(call: Callable[[threading.Event], T]) -> T:
+    """``call(cancel)`` in a worker thread. When the awaiting task is cancelled
+    (``asyncio.wait_for``, a client gone), ``cancel`` is set so the decode ends at its next block
+    instead of running to its token limit while holding the engine."""
+    from langchain_core.runnables.config import run_in_executor
+
+    cancel = threading.Event()
+    try:
+        return await run_in_executor(None, call, cancel)
+    except asyncio.CancelledError:
+        cancel.set()
+        raise
 
 
 def _ended(tracker: TextTracker, eos: frozenset[int]) -> bool:

@@ -30,16 +30,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing
 from typing import Any
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, StrictInt
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError, InputError
-from rag_lookahead.langchain.engine import BlockStream, Engine, EngineRun, RowRequest
+from rag_lookahead.langchain.engine import BlockStream, Engine, EngineRun, RowRequest, cancellable
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.tokens import encode_messages
 
@@ -56,7 +56,7 @@ class LookaheadLLM(SamplingFields, BaseLLM):
     tokenizer: Any = Field(default=None, exclude=True, repr=False)
     model_name: str = "custom"
     lookahead: LookaheadConfig = Field(default_factory=LookaheadConfig)
-    max_new_tokens: int = 256
+    max_new_tokens: StrictInt = 256
     system_prompt: str | None = None
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
@@ -113,8 +113,13 @@ class LookaheadLLM(SamplingFields, BaseLLM):
             "model_name": self.model_name,
             "max_new_tokens": self.max_new_tokens,
             "system_prompt": self.system_prompt,
+            "weights": self._engine.fingerprint,  # two loaded models may share a name ("custom")
         }
         return params | self._sampling_params()
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub)."""
+        return self._engine.token_ids(text)
 
     @property
     def engine(self) -> Engine:
@@ -152,7 +157,7 @@ class LookaheadLLM(SamplingFields, BaseLLM):
         elif isinstance(references, str):
             raise InputError("references must be a list of passages (strings), one list per prompt")
         else:
-            references = list(references)
+            references = list(references) or [[] for _ in prompts]  # [] (no passages) as ChatLookahead takes it
             if references and all(isinstance(r, str) for r in references):
                 if len(prompts) != 1:
                     raise InputError(
@@ -203,6 +208,27 @@ class LookaheadLLM(SamplingFields, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
+        return self._decode(prompts, stop, run_manager, kwargs)
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        """:meth:`_generate` in a worker thread; cancelling the awaiting task ends the decode."""
+        manager = run_manager.get_sync() if run_manager is not None else None
+        return await cancellable(lambda cancel: self._decode(prompts, stop, manager, kwargs, cancel))
+
+    def _decode(
+        self,
+        prompts: list[str],
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | None,
+        kwargs: dict[str, Any],
+        cancel: threading.Event | None = None,
+    ) -> LLMResult:
         if not prompts:
             return LLMResult(generations=[])
         on_block = None
@@ -212,7 +238,7 @@ class LookaheadLLM(SamplingFields, BaseLLM):
                 if piece:
                     run_manager.on_llm_new_token(piece)
 
-        run = self._run(prompts, stop, kwargs, on_block)
+        run = self._run(prompts, stop, kwargs, on_block, cancel)
         generations = []
         for row, tracker in enumerate(run.trackers):
             text = tracker.final_text()

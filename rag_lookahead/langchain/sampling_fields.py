@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, PrivateAttr, ValidationError
+from pydantic import BaseModel, PrivateAttr, StrictFloat, StrictInt, ValidationError
 
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError, InputError
@@ -22,19 +22,20 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 
 class SamplingFields(BaseModel):
     """Sampling fields (greedy unless ``temperature > 0``), each overridable per call by a keyword
-    of the same name, and the construction that refuses bad settings with our own errors."""
+    of the same name, and the construction that refuses bad settings with our own errors. The
+    numbers are strict (no ``True`` for 1, ``"0.5"`` for 0.5, ``1.5`` cut to 1), as per call."""
 
-    temperature: float | None = None
+    temperature: StrictFloat | None = None
     """None or 0: greedy. Above 0: sample (lossless: the model's own sampling distribution)."""
-    top_k: int | None = None
+    top_k: StrictInt | None = None
     """Sampling: keep the k likeliest tokens (None: the model's generation config, else 50; 0: off)."""
-    top_p: float | None = None
+    top_p: StrictFloat | None = None
     """Sampling: nucleus mass (None: the model's generation config, else 1.0)."""
-    min_p: float | None = None
+    min_p: StrictFloat | None = None
     """Sampling: drop tokens below min_p times the top probability."""
-    repetition_penalty: float | None = None
+    repetition_penalty: StrictFloat | None = None
     """Applied at every tree node, greedy or sampled (None: the model's generation config, else 1.0)."""
-    seed: int | None = None
+    seed: StrictInt | None = None
     """Sampling: a fixed seed makes each answer reproducible, whatever else is in the batch."""
 
     _engine: Any = PrivateAttr(default=None)  # the Engine the model decodes with (set in model_post_init)

@@ -92,6 +92,8 @@ def forced_opening(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
         name = tool_choice
     elif isinstance(tool_choice, Mapping):
         name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+        if name is None and tool_choice.get("type") in ("auto", "none"):  # {"type": "auto"} forced a call
+            return ""
     else:
         raise ConfigError(f"tool_choice must be 'auto', 'none', 'any', 'required' or a tool name, got {tool_choice!r}")
     if name is not None and name not in names:

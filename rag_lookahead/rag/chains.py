@@ -23,7 +23,7 @@ Three shapes:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
@@ -293,20 +293,41 @@ def build_chat_rag_chain(
 
     answer = RunnablePassthrough.assign(message=prompt | chat_model)
     return (
-        RunnableLambda(fetch, name="retrieve") | answer | RunnableGenerator(_answer_and_stats, name="answer")
+        RunnableLambda(fetch, name="retrieve")
+        | answer
+        | RunnableGenerator(_answer_and_stats, _aanswer_and_stats, name="answer")
     ).with_config(run_name="rag_lookahead_chat_chain")
 
 
 def _answer_and_stats(chunks: Iterator[dict]) -> Iterator[AddableDict]:
     """The chain's output stream: question and sources as they come, the message as answer text
     (piece by piece) and, with its last piece, the stats."""
-    retrieval: dict = {}
+    split = _AnswerSplit()
     for chunk in chunks:
+        yield from split(chunk)
+
+
+async def _aanswer_and_stats(chunks: AsyncIterator[dict]) -> AsyncIterator[AddableDict]:
+    """:func:`_answer_and_stats` for ``ainvoke``/``astream``/``abatch``."""
+    split = _AnswerSplit()
+    async for chunk in chunks:
+        for part in split(chunk):
+            yield part
+
+
+class _AnswerSplit:
+    """One chunk of ``{"question", "sources", "retrieval", "message", ...}`` as the chain's output
+    parts (the retrieval timing is held until the message's last piece carries the stats)."""
+
+    def __init__(self) -> None:
+        self.retrieval: dict = {}
+
+    def __call__(self, chunk: dict) -> Iterator[AddableDict]:
         for key, value in chunk.items():
             if key == "retrieval":
-                retrieval = value
+                self.retrieval = value
             elif key == "message":
-                yield from _message_parts(value, retrieval)
+                yield from _message_parts(value, self.retrieval)
             elif key != "context":
                 yield AddableDict({key: value})
 

@@ -92,6 +92,9 @@ def test_forced_opening_per_tool_choice():
         forced_opening("nope", tools)
     with pytest.raises(ConfigError, match="tool_choice must be"):
         forced_opening(3, tools)
+    # OpenAI's object forms: {"type": "auto"} lets the model choose (it forced a call)
+    assert forced_opening({"type": "auto"}, tools) == forced_opening({"type": "none"}, tools) == ""
+    assert forced_opening({"type": "required"}, tools) == '<tool_call>\n{"name": "'
 
 
 def test_template_messages_convert_history():
@@ -340,6 +343,96 @@ def test_bad_settings_are_refused(chat, weights):
         chat.bind_tools([magic_function], tool_choice="get_weather")
     with pytest.raises(InputError, match="image"):
         chat.invoke([HumanMessage([{"type": "image", "url": "https://example.com/cat.png"}])])
+    with pytest.raises(InputError, match="not valid Unicode"):
+        chat.invoke("hi \ud800")  # a lone surrogate: the tokenizer's TypeError before
+    with pytest.raises(ConfigError, match="top_k"):
+        chat.invoke(HELLO, temperature=0.7, top_k=1.5)  # per call: was cut to 1
+    # as fields, checked as strictly as per call (pydantic turned True into 1, "0.5" into 0.5, 2.0 into 2)
+    for field, value in [
+        ("timeout", True),
+        ("seed", True),
+        ("max_tokens", 2.0),
+        ("temperature", "0.5"),
+        ("top_k", 1.5),
+    ]:
+        with pytest.raises(ConfigError, match=field):
+            ChatLookahead(model=model, tokenizer=tok, **{field: value})
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        LookaheadLLM(model=model, tokenizer=tok, max_new_tokens=True)
+
+
+@slow
+def test_cache_keys_tell_models_and_timeouts_apart(weights, chat):
+    """LangChain's cache keys an answer by the model's identifying params. Measured bugs: an answer
+    cut by ``timeout`` was served to a model without one, and two different loaded models both
+    named "custom" shared answers. Token counting uses the model's own tokenizer (LangChain's
+    fallback fetched GPT-2's from the hub: minutes offline, then 0)."""
+    import torch
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import get_llm_cache, set_llm_cache
+    from tiny_models import tiny_model
+    from tiny_tokenizer import tiny_tokenizer
+
+    model, tok = weights
+    hurried = ChatLookahead(model=model, tokenizer=tok, max_tokens=24, lookahead=FIXED, timeout=1e-6)
+    previous = get_llm_cache()
+    set_llm_cache(InMemoryCache())
+    try:
+        cut = hurried.invoke(COUNT)
+        assert cut.response_metadata["finish_reason"] == "timeout"
+        full = chat.invoke(COUNT)
+        assert full.response_metadata["finish_reason"] != "timeout" and len(full.content) > len(cut.content)
+        # two tiny models of one architecture, different weights, both "custom"
+        tiny_tok = tiny_tokenizer()
+        a, b = tiny_model("qwen2", seed=1), tiny_model("qwen2", seed=2)
+        llm_a = LookaheadLLM(model=a, tokenizer=tiny_tok, max_new_tokens=8)
+        llm_b = LookaheadLLM(model=b, tokenizer=tiny_tok, max_new_tokens=8)
+        assert llm_a.model_name == llm_b.model_name == "custom"
+        with torch.no_grad():
+            prompt = "a b c d"
+            answer_a = llm_a.invoke(prompt)
+            set_llm_cache(None)
+            uncached_b = llm_b.invoke(prompt)
+            set_llm_cache(InMemoryCache())
+            llm_a.invoke(prompt)
+            assert llm_b.invoke(prompt) == uncached_b
+        assert answer_a != uncached_b  # else the check above could not tell
+    finally:
+        set_llm_cache(previous)
+    text = "Lookahead decoding keeps a trie."
+    assert chat.get_token_ids(text) == tok.encode(text, add_special_tokens=False)
+    assert chat.get_num_tokens(text) == len(tok.encode(text, add_special_tokens=False)) > 0
+    llm = LookaheadLLM(model=model, tokenizer=tok, max_new_tokens=8)
+    assert llm.get_num_tokens(text) == chat.get_num_tokens(text)
+    assert llm.invoke(COUNT, references=[]) == llm.invoke(COUNT)  # [] is no passages, as ChatLookahead takes it
+
+
+@slow
+def test_cancelling_ainvoke_ends_its_decode(weights):
+    """``asyncio.wait_for`` around ``ainvoke`` cancelled the caller only: the decode ran on to
+    max_tokens holding the engine, so the next call waited (measured 7.6 s against ~1 s)."""
+    import time
+
+    model, tok = weights
+    long = ChatLookahead(model=model, tokenizer=tok, max_tokens=400, lookahead=FIXED)
+    llm = LookaheadLLM(model=model, tokenizer=tok, max_new_tokens=400, lookahead=FIXED)
+
+    async def cancel_then_ask(runnable) -> tuple[float, str]:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(runnable.ainvoke("Count from 1 to 500, one number a line."), timeout=0.5)
+        start = time.monotonic()
+        short = (
+            await runnable.ainvoke(HELLO, max_tokens=2)
+            if runnable is long
+            else await runnable.ainvoke(HELLO, max_new_tokens=2)
+        )
+        return time.monotonic() - start, short
+
+    for runnable in (long, llm):
+        seconds, _ = asyncio.run(cancel_then_ask(runnable))
+        # the 400-token decode alone takes tens of seconds here; once cancelled, a 2-token call waits
+        # at most for the cancelled decode's current step
+        assert seconds < 8, (type(runnable).__name__, seconds)
 
 
 # ---------------------------------------------------------------- the chat RAG chain
@@ -393,6 +486,18 @@ def test_chat_rag_chain_streams_sources_then_answer(chat, corpus_index):
     assert any("sources" in p for p in parts[:first_answer])
     assert sum(1 for p in parts if p.get("answer")) > 1
     assert "".join(p.get("answer", "") for p in parts) == out["answer"]
+
+    # and asynchronously (every async call raised NotImplementedError: the split was sync only)
+    async def run_async() -> tuple[dict, list[dict], list[dict]]:
+        return (
+            await chain.ainvoke(QUESTION),
+            [p async for p in chain.astream(QUESTION)],
+            await chain.abatch([QUESTION]),
+        )
+
+    one, pieces, batch = asyncio.run(run_async())
+    assert one["answer"] == out["answer"] == batch[0]["answer"] and one["sources"] == sources
+    assert "".join(p.get("answer", "") for p in pieces) == out["answer"] and "stats" in pieces[-1]
     # the same answer as plain decoding on the same context: seeds and drafts change speed only
     docs = [s for s in sources[:2]]
     from langchain_core.documents import Document

@@ -130,7 +130,14 @@ def test_empty_prompt_is_an_input_error(llm):
 
 def test_identifying_params_and_serialization(llm):
     assert llm._llm_type == "rag_lookahead"
-    assert dict(llm._identifying_params) == {"model_name": "default", "max_new_tokens": 24, "system_prompt": None}
+    params = dict(llm._identifying_params)
+    assert params == {
+        "model_name": "default",
+        "max_new_tokens": 24,
+        "system_prompt": None,
+        "weights": params["weights"],
+    }
+    assert len(params["weights"]) == 16  # a digest of the weights: two models of one name stay apart
     dumped = llm.model_dump()
     assert "model" not in dumped and "tokenizer" not in dumped
     other = LookaheadLLM(
