@@ -87,6 +87,39 @@ def hf_generate(
     if generation_config is None or logits_processor is None or stopping_criteria is None:
         raise ConfigError("hf_generate is called by transformers: use model.generate(..., custom_generate=hf_generate)")
     streamer = streamer if streamer is not None else _streamer_of_caller(sys._getframe(1))
+    try:  # the streamer already holds the prompt: end it on a refusal too, or its reader waits forever
+        return _lookahead_generate(
+            model,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            synced_gpus,
+            streamer,
+            references,
+            lookahead_tokenizer,
+            lookahead_config,
+            model_kwargs,
+        )
+    finally:
+        if streamer is not None:
+            streamer.end()
+
+
+def _lookahead_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool,
+    streamer,
+    references,
+    lookahead_tokenizer,
+    lookahead_config: LookaheadConfig | None,
+    model_kwargs: dict[str, Any],
+) -> torch.LongTensor | LookaheadGenerateOutput:
+    """:func:`hf_generate` once the streamer is known (it ends the streamer, whatever happens here)."""
     _check_call(model, generation_config, synced_gpus)
     mask = _attention_mask(input_ids, model_kwargs)
     rows = input_ids.shape[0]
@@ -106,6 +139,11 @@ def hf_generate(
     _check_processors(logits_processor, build_processors(params), mask)
     max_length, eos, custom = _read_criteria(stopping_criteria, rows)
     limit = context_limit(model)
+    if limit is not None and input_ids.shape[1] >= limit:
+        raise InputError(
+            f"the prompt has {input_ids.shape[1]} tokens (padded width) and the model's context window is "
+            f"{limit}: shorten the prompt"
+        )
     if limit is not None and max_length > limit:
         # transformers decodes on past the window (with a warning); our loop stops at it
         raise ConfigError(
@@ -120,22 +158,18 @@ def hf_generate(
     pad_id = int(pad) if pad is not None else 0
 
     watcher = _RowWatcher(input_ids, custom, streamer)
-    try:
-        result = generate(
-            model,
-            input_ids,
-            mask,
-            max_new_tokens=max(1, max_length - input_ids.shape[1]),  # as transformers: max_length counts padding
-            config=config,
-            references=references,
-            eos_token_id=sorted(eos),
-            pad_token_id=pad_id,
-            on_tokens=watcher.on_tokens,
-            generation_config=generation_config,
-        )
-    finally:
-        if streamer is not None:
-            streamer.end()
+    result = generate(
+        model,
+        input_ids,
+        mask,
+        max_new_tokens=max(1, max_length - input_ids.shape[1]),  # as transformers: max_length counts padding
+        config=config,
+        references=references,
+        eos_token_id=sorted(eos),
+        pad_token_id=pad_id,
+        on_tokens=watcher.on_tokens,
+        generation_config=generation_config,
+    )
     sequences = watcher.sequences(pad_id)
     result.stats.new_tokens = sum(len(tokens) for tokens in watcher.generated)
     if generation_config.return_dict_in_generate:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import platform
 import time
@@ -27,6 +28,8 @@ from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
 from rag_lookahead.int8_linear import packing_engine
 from rag_lookahead.paths import cache_dir
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -217,21 +220,47 @@ def cost_curve(model) -> CostCurve:
         return profile.cost_curve
     key = _curve_key(model)
     path = _curve_file() if key else None
-    stored = {}
-    if path is not None and path.exists():
-        try:
-            stored = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            stored = {}
-    if key in stored and not os.environ.get("RAG_LOOKAHEAD_RECALIBRATE"):
-        curve = CostCurve(**stored[key])
-    else:
+    stored = _read_curves(path) if path is not None else {}
+    curve = None if os.environ.get("RAG_LOOKAHEAD_RECALIBRATE") else _curve_of(stored.get(key))
+    if curve is None:
         curve = measure_cost(model)
         if path is not None:
             stored[key] = {"sizes": curve.sizes, "seconds": curve.seconds}  # as timed
-            write_json_atomic(path, stored)
+            _keep_curves(path, stored)
     profile.cost_curve = lower_hull(curve)
     return profile.cost_curve
+
+
+def _read_curves(path: Path) -> dict:
+    """The stored curves by key; {} when the file is missing, unreadable or not a JSON object."""
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
+def _curve_of(entry) -> CostCurve | None:
+    """A stored entry as a curve; None when it is not one (measured again then)."""
+    if not isinstance(entry, dict) or set(entry) != {"sizes", "seconds"}:
+        return None
+    sizes, seconds = entry["sizes"], entry["seconds"]
+    numbers = all(
+        isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+        for v in (sizes, seconds)
+    )
+    if not numbers or len(sizes) != len(seconds) or len(sizes) < 2 or sizes != sorted(set(sizes)):
+        return None
+    return CostCurve([int(n) for n in sizes], [float(t) for t in seconds])
+
+
+def _keep_curves(path: Path, stored: dict) -> None:
+    """Write the curves file; only a later process's time is lost if it cannot be written (a
+    read-only cache, the name taken by a folder), so decoding goes on with a warning."""
+    try:
+        write_json_atomic(path, stored)
+    except OSError as err:
+        log.warning("could not keep the measured cost curve in %s (%s): it is measured again next run", path, err)
 
 
 class StepCosts:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from numbers import Integral
 
 import torch
 
@@ -41,21 +42,30 @@ def left_pad(rows: Sequence[Sequence[int]], pad: int, device=None) -> tuple[torc
     return ids, mask
 
 
-def _eos_set(model, eos_token_id) -> frozenset[int]:
-    """The ids that end a row: the argument, else the model's generation config (no tokenizer here)."""
-    if eos_token_id is None:
-        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos_token_id is None:
+def _eos_set(model, eos_token_id, generation_config=None) -> frozenset[int]:
+    """The ids that end a row: the argument, else ``generation_config``'s, else the model's (no
+    tokenizer here). An int, a list, a numpy integer or a tensor."""
+    value = _setting(model, "eos_token_id", eos_token_id, generation_config)
+    if value is None:
         return frozenset()
-    if isinstance(eos_token_id, int):
-        return frozenset([eos_token_id])
-    return frozenset(int(t) for t in eos_token_id)
+    if hasattr(value, "tolist"):  # a tensor or a numpy value
+        value = value.tolist()
+    return frozenset([int(value)] if isinstance(value, Integral) else (int(t) for t in value))
 
 
-def _pad_id(model, pad_token_id, eos: frozenset[int]) -> int:
-    """The id that right-pads the output: the argument, else the model's, else an EOS id, else 0."""
-    if pad_token_id is None:
-        pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+def _setting(model, name: str, value, generation_config):
+    """A token setting as ``model.generate`` resolves it: the argument, else the config passed in,
+    else the model's own generation config (a passed config's EOS was ignored: the measured bug)."""
+    for source in (generation_config, getattr(model, "generation_config", None)):
+        if value is None:
+            value = getattr(source, name, None)
+    return value
+
+
+def _pad_id(model, pad_token_id, eos: frozenset[int], generation_config=None) -> int:
+    """The id that right-pads the output: the argument, else the config passed in, else the
+    model's, else an EOS id, else 0."""
+    pad_token_id = _setting(model, "pad_token_id", pad_token_id, generation_config)
     if pad_token_id is None:
         pad_token_id = min(eos) if eos else 0
     return int(pad_token_id)
@@ -126,8 +136,8 @@ def generate(
         repetition_penalty=repetition_penalty,
     )
     sampling = per_row(params, seed, ids.shape[0])
-    eos = _eos_set(model, eos_token_id)
-    pad = _pad_id(model, pad_token_id, eos)
+    eos = _eos_set(model, eos_token_id, generation_config)
+    pad = _pad_id(model, pad_token_id, eos, generation_config)
     if drafter is None and output_pool is None and config.enabled and config.use_output_pool:
         output_pool = profile_of(model).output_pool(
             config.branch_length + config.max_key_length, config.output_pool_nodes

@@ -409,3 +409,45 @@ def test_default_model_fp32_equals_model_generate(default_model_fp32):
     )
     assert got.sequences.tolist() == expected.tolist()
     assert got.lookahead_stats.mean_accepted > 1.5  # the passage was drafted and accepted
+
+
+def test_a_refused_call_still_ends_its_streamer():
+    """transformers puts the prompt into the streamer before calling us; a refusal raised before
+    ``end()`` left a ``TextIteratorStreamer`` reader waiting forever (the measured hang)."""
+    import threading
+
+    from transformers import TextIteratorStreamer
+
+    model = tiny_model("qwen2")
+    streamer = TextIteratorStreamer(tiny_tokenizer(), timeout=30)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            model.generate(
+                input_ids=torch.tensor([[4, 5, 6]]),
+                custom_generate=hf_generate,
+                max_new_tokens=5,
+                output_scores=True,  # refused: we keep no scores
+                return_dict_in_generate=True,
+                streamer=streamer,
+            )
+        except ConfigError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    pieces = list(streamer)  # ends once end() is called; without it, queue.Empty after 30 s
+    assert all(isinstance(p, str) for p in pieces)
+    thread.join(30)
+    assert not thread.is_alive() and len(errors) == 1 and "output_scores" in str(errors[0])
+
+
+def test_a_prompt_as_long_as_the_window_is_an_input_error():
+    """It said "lower max_new_tokens to at most 0"; the prompt is what is too long."""
+    model = tiny_model("qwen2")
+    window = model.config.max_position_embeddings
+    with pytest.raises(InputError, match=f"the prompt has {window} tokens .* context window is {window}"):
+        model.generate(
+            input_ids=torch.tensor([[4 + i % 7 for i in range(window)]]), custom_generate=hf_generate, max_new_tokens=1
+        )

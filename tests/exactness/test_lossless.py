@@ -175,3 +175,25 @@ def test_rows_joining_a_running_batch_match_single_rows(arch, first, later, join
     assert outputs["first"] == reference_generate(model, first, max_new, None)
     for key, prompt in enumerate(later):
         assert outputs[key] == reference_generate(model, prompt, max_new + extra[key], None)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_eos_and_pad_of_a_generation_config_passed_in_are_honoured(arch):
+    """``generate(..., generation_config=GenerationConfig(eos_token_id=...))`` ignored that EOS
+    (and pad), so rows ran on where ``model.generate`` stopped. An EOS id as a numpy or tensor
+    value raised TypeError."""
+    import numpy as np
+    from transformers import GenerationConfig
+
+    model = tiny_model(arch)
+    prompt = torch.tensor([[5, 9, 3, 7, 2, 8]])
+    free = model.generate(input_ids=prompt, do_sample=False, max_new_tokens=16)[0, 6:].tolist()
+    eos = free[3]  # a token the model does produce, so the answer ends early
+    config = GenerationConfig(eos_token_id=eos, pad_token_id=1, do_sample=False, max_new_tokens=16)
+    expected = model.generate(input_ids=prompt, generation_config=config)[0, 6:].tolist()
+    assert expected[-1] == eos and len(expected) < 16
+    got = generate(model, prompt, max_new_tokens=16, generation_config=config).sequences[0, 6:].tolist()
+    assert got[: len(expected)] == expected and all(t == 1 for t in got[len(expected) :])
+    for value in (np.int64(eos), torch.tensor(eos), [np.int64(eos)]):
+        again = generate(model, prompt, max_new_tokens=16, eos_token_id=value).sequences[0, 6:].tolist()
+        assert again[: len(expected)] == expected

@@ -1,0 +1,53 @@
+"""The cost-curve file is a cache: whatever is at its path, decoding goes on.
+
+Measured bugs: a read-only cache folder (the converted model mounted read-only) made the first
+``generate()`` raise a raw OSError; ``cost_curves.json`` as a folder raised IsADirectoryError, a
+JSON list TypeError. The curve is measured, used, and kept when the file can be written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from tiny_models import tiny_model
+
+from rag_lookahead.decoding.costs import cost_curve
+from rag_lookahead.decoding.profile import profile_of
+
+
+def _model(name: str, monkeypatch):
+    model = tiny_model("qwen2")  # one object per architecture: forget what an earlier case measured
+    monkeypatch.setattr(model.config, "_name_or_path", name)  # a key for the file (in-memory models have none)
+    profile_of(model).reset()
+    return model
+
+
+@pytest.mark.parametrize("kind", ["folder", "list", "bad-entry", "text"])
+def test_a_broken_curve_file_is_measured_around(tmp_path, monkeypatch, caplog, kind):
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.delenv("RAG_LOOKAHEAD_RECALIBRATE", raising=False)
+    path = tmp_path / "cost_curves.json"
+    model = _model(f"tiny-{kind}", monkeypatch)
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "list":
+        path.write_text("[1, 2]", encoding="utf-8")
+    elif kind == "text":
+        path.write_text("not json", encoding="utf-8")
+    else:  # an entry for this very model that is not a curve
+        from rag_lookahead.decoding.costs import _curve_key
+
+        path.write_text(json.dumps({_curve_key(model): {"sizes": "x", "seconds": [1]}}), encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="rag_lookahead.decoding.costs"):
+        curve = cost_curve(model)
+    assert curve(1) > 0 and curve(64) >= curve(1)
+    if kind == "folder":  # not ours to replace: left as it is, and the user is told
+        assert path.is_dir() and "could not keep the measured cost curve" in caplog.text
+    else:  # rewritten with the measured curve, which the next process reads back
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        assert isinstance(stored, dict) and len(stored) == 1
+        again = _model(model.config._name_or_path, monkeypatch)  # as a new process would: from the file
+        assert cost_curve(again).seconds == curve.seconds
+    profile_of(model).reset()  # the shared tiny model leaves with no curve of this test
