@@ -51,6 +51,7 @@ __all__ = [
     "load_bench_model",
     "load_prompts",
     "print_rows",
+    "same_answer",
     "run_command",
 ]
 
@@ -274,6 +275,12 @@ def decode_speed(stats: Iterable[dict]) -> float:
     tokens = sum(max(s.get("new_tokens", 0) - 1, 0) for s in stats)
     seconds = sum(s.get("decode_seconds", 0.0) for s in stats)
     return tokens / seconds if seconds else 0.0
+
+
+def same_answer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Two RAG chain results hold the same answer: the same text from the same number of tokens
+    (a chain hands back text, not ids; two token sequences of one text would differ in count)."""
+    return a["answer"] == b["answer"] and a["stats"].get("new_tokens") == b["stats"].get("new_tokens")
 
 
 def cut_at_eos(tokens: list[int], eos: Collection[int]) -> list[int]:

@@ -35,6 +35,7 @@ from rag_lookahead.bench.common import (
     load_bench_model,
     print_rows,
     run_command,
+    same_answer,
 )
 
 PROG = "python -m rag_lookahead.bench.rag"
@@ -90,7 +91,7 @@ def ask_every_way(model, tokenizer, index, model_name: str, k_prompt: int, k_see
         row = {"question": question}
         for mode, result in runs.items():
             stats = result["stats"]
-            same = result["answer"] == runs["off"]["answer"]
+            same = same_answer(result, runs["off"])
             per_mode[mode].append((stats, same))
             row[mode] = {
                 "new_tokens": stats.get("new_tokens"),

@@ -39,6 +39,7 @@ from rag_lookahead.bench.common import (
     load_bench_model,
     print_rows,
     run_command,
+    same_answer,
 )
 from rag_lookahead.errors import InputError
 
@@ -157,7 +158,7 @@ def ask_session(
         if control_every and (i + 1) % control_every == 0:
             control = chain(fresh_llm()).invoke(question)
             record["fresh"] = run_record(control)
-            record["identical"] = control["answer"] == result["answer"]
+            record["identical"] = same_answer(control, result)
         records.append(record)
         tqdm.write(json.dumps(record, ensure_ascii=False))
     return records

@@ -305,3 +305,14 @@ def test_a_table_has_a_column_for_every_key_of_any_row(capsys):
     )
     header = next(line for line in capsys.readouterr().out.splitlines() if "block" in line)
     assert "speed" in header and "identical" in header
+
+
+def test_rag_benchmarks_call_answers_identical_by_text_and_token_count():
+    """A chain hands back text, not ids: the same text from another number of tokens is another
+    token sequence, so it is not called identical."""
+    from rag_lookahead.bench.common import same_answer
+
+    a = {"answer": "the budget", "stats": {"new_tokens": 3}}
+    assert same_answer(a, {"answer": "the budget", "stats": {"new_tokens": 3}})
+    assert not same_answer(a, {"answer": "the budget", "stats": {"new_tokens": 4}})
+    assert not same_answer(a, {"answer": "the budgets", "stats": {"new_tokens": 3}})
