@@ -151,7 +151,8 @@ def test_int8_is_used_where_it_matches_and_keeps_the_vectors(e5, e5_fp32):
     """torch still has the dynamic int8 kernel (if it drops it this fails instead of silently
     halving indexing speed). Where "auto" chose int8 (this project's CPUs with int8 dot products),
     its vectors on realistic court-judgment chunks stay within cosine 0.995 of float32's and rank
-    the same nearest chunk for each chunk; where it kept float32, int8 really did miss the check."""
+    the same nearest chunk for each chunk but near-ties; where it kept float32, int8 really did miss
+    the check."""
     from rag_lookahead.int8_linear import quantized_linear
     from rag_lookahead.rag import e5_encoder
 
@@ -166,9 +167,16 @@ def test_int8_is_used_where_it_matches_and_keeps_the_vectors(e5, e5_fp32):
         return
     fast, exact = e5.embed_documents(chunks), e5_fp32.embed_documents(chunks)
     assert np.min(np.sum(fast * exact, axis=1)) > 0.995
-    queries = [e5.embed_query(c[:40]) for c in chunks]
-    exact_queries = [e5_fp32.embed_query(c[:40]) for c in chunks]
-    assert [int(np.argmax(fast @ q)) for q in queries] == [int(np.argmax(exact @ q)) for q in exact_queries]
+    # each chunk's opening as a question: int8's best chunk is float32's best, or one float32 scores
+    # within 0.002 of it (a near-tie int8 may break either way: on an AMD EPYC, chunk 10's opening
+    # scored chunks 10 and 18 at 0.9042 and 0.9041 in float32, and int8 picked 18)
+    near_ties = 0
+    for c in chunks:
+        exact_scores = exact @ e5_fp32.embed_query(c[:40])
+        picked = int(np.argmax(fast @ e5.embed_query(c[:40])))
+        assert exact_scores[picked] >= exact_scores.max() - 0.002, (c[:40], picked, exact_scores.max())
+        near_ties += np.sort(exact_scores)[-2] > exact_scores.max() - 0.002
+    assert near_ties <= len(chunks) // 4  # the check still means something: most have a clear best
 
 
 def test_auto_keeps_float32_where_int8_does_not_match(monkeypatch):
