@@ -29,6 +29,10 @@ from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.errors import ConfigError
 from rag_lookahead.greedy_head import SCREEN_WIDTH
 
+#: the lowest sampling temperature: below it the scaled logits overflow to inf (1e-300 failed a
+#: whole server batch); 1e-5 keeps float32 logits of |100| finite, and samples like greedy anyway
+MIN_TEMPERATURE = 1e-5
+
 #: generation options that change the output and that we do not implement, with their neutral
 #: values; a value other than these raises instead of being silently ignored
 _UNSUPPORTED_NEUTRAL = {
@@ -88,6 +92,8 @@ class SamplingParams:
         if not isinstance(self.do_sample, bool):
             raise ConfigError(f"do_sample must be True or False, got {self.do_sample!r}")
         _number("temperature", self.temperature, low=0.0, high=100.0, open_low=True)
+        if self.do_sample and self.temperature < MIN_TEMPERATURE:  # logits / 1e-300 are inf: no distribution
+            raise ConfigError(f"temperature must be at least {MIN_TEMPERATURE:g} to sample, got {self.temperature!r}")
         _number("top_p", self.top_p, low=0.0, high=1.0, open_low=True)
         _number("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, open_low=True)
         if self.min_p is not None:

@@ -144,6 +144,10 @@ async def drain(engine: Engine, seconds: float) -> None:
         await asyncio.sleep(0.05)
 
 
+#: the largest request line + headers accepted (uvicorn answers 431-style errors beyond)
+MAX_HEAD_BYTES = 64 * 1024
+
+
 def make_server(app: FastAPI, engine: Engine, **uvicorn_options):
     """A ``uvicorn.Server`` for ``app`` whose shutdown (SIGTERM, SIGINT) first drains ``engine`` for
     its ``drain_seconds`` while new requests get 503, then closes the connections."""
@@ -158,7 +162,13 @@ def make_server(app: FastAPI, engine: Engine, **uvicorn_options):
             await super().shutdown(sockets)
 
     options = dict(
-        host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=CLOSE_GRACE_SECONDS
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=CLOSE_GRACE_SECONDS,
+        # h11 caps a request head (httptools read a 160 MiB header unbounded, stalling the loop for seconds)
+        http="h11",
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
     )
     options.update(uvicorn_options)
     return DrainingServer(uvicorn.Config(app, **options))

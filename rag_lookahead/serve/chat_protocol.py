@@ -62,7 +62,7 @@ class ToolCall(BaseModel):
     def _arguments_are_an_object(self) -> ToolCall:
         try:
             arguments = json.loads(self.function.arguments) if self.function.arguments.strip() else {}
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nested past the parser's depth: was a 500
             arguments = None
         if not isinstance(arguments, dict):
             raise invalid_request(

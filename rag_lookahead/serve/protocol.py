@@ -21,6 +21,7 @@ from typing import Annotated, Any, get_args
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from rag_lookahead.decoding.sampling import MIN_TEMPERATURE as SAMPLING_MIN_TEMPERATURE
 from rag_lookahead.serve.api_error import quote
 
 __all__ = [
@@ -38,6 +39,7 @@ Text = Annotated[str, Strict()]
 TokenIds = list[Integer]
 
 MAX_CHOICES = 8
+MIN_TEMPERATURE = SAMPLING_MIN_TEMPERATURE
 MAX_LOGPROBS = 20  # most likely tokens reported per place, as vLLM's default max_logprobs
 INVALID_REQUEST = "invalid_request"
 PROMPT_REQUIRED = "'prompt' is required: a string or a list of token ids"
@@ -120,6 +122,12 @@ class GenerationRequest(OpenAIRequest):
 
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self) -> GenerationRequest:
+        if self.temperature and self.temperature < MIN_TEMPERATURE:
+            # 1e-300 turned the logits into inf/nan and failed every request of the batch
+            raise invalid_request(
+                f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature!r}",
+                "temperature",
+            )
         if self.choices > 1 and self.stream:
             raise invalid_request("'n' > 1 is not supported with 'stream': send n requests instead", "n")
         for name in ("presence_penalty", "frequency_penalty"):

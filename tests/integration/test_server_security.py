@@ -250,3 +250,33 @@ def test_per_key_pools_batch_concurrent_keys_correctly(tokenizer):
     with serving(engine) as base:
         responses = asyncio.run(run(base))
     assert [r.json()["choices"][0]["text"] for r in responses] == want * 2
+
+
+def test_what_one_caller_sends_cannot_take_down_the_others(tokenizer):
+    """A security review's findings: ``temperature: 1e-300`` passed validation, turned the logits
+    into inf/nan and failed every request of its batch; a 160 MiB header was read whole (httptools
+    has no cap), stalling the event loop for seconds; tool-call arguments nested past the JSON
+    parser's depth answered 500. Now: 400 before admission, the head capped, 400."""
+    import socket
+
+    engine = tiny_engine(tokenizer)
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=30) as client:
+        for temperature in (1e-300, 5e-324, 1e-6):
+            r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "temperature": temperature})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+        r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 1e-5, "seed": 1})
+        assert r.status_code == 200  # the lowest temperature still samples
+        nested = "[" * 5000 + "]" * 5000
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": nested}}
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            try:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
+                reply = sock.recv(200)
+            except OSError:  # closed on us mid-send: refused too
+                reply = b""
+        assert not reply.startswith(b"HTTP/1.1 200"), reply  # refused (or the connection closed), never read whole
+        assert client.get("/health").status_code == 200
