@@ -26,7 +26,13 @@ from rag_lookahead.serve.chat_protocol import ChatCompletionRequest
 from rag_lookahead.serve.config import ServerConfig
 from rag_lookahead.serve.engine import Engine
 from rag_lookahead.serve.jobs import Answer, Job
-from rag_lookahead.serve.limits import answer_length, checked_messages, checked_prompt, checked_stop
+from rag_lookahead.serve.limits import (
+    answer_length,
+    checked_messages,
+    checked_prompt,
+    checked_stop,
+    checked_text_length,
+)
 from rag_lookahead.serve.logprobs import AnswerLogprobs, LogprobFormat
 from rag_lookahead.serve.metrics import CONTENT_TYPE
 from rag_lookahead.serve.protocol import CompletionRequest, GenerationRequest, RagRequest
@@ -146,6 +152,7 @@ async def completions(body: CompletionRequest, http_request: Request) -> dict | 
     max_tokens, stop = _length_and_stop(body, engine.config)
     prompt = body.prompt
     if isinstance(prompt, str):
+        checked_text_length(len(prompt), engine.config, "prompt")
         prompt = await run_in_threadpool(engine.encode_text, prompt)
     jobs = _submit(engine, checked_prompt(list(prompt), engine), max_tokens, stop, body, http_request)
     model = body.model or engine.config.model_name
@@ -214,6 +221,7 @@ async def rag(body: RagRequest, http_request: Request) -> dict | Response:
             "and start the server with `--index-dir DIR`",
             "server_error",
         )
+    checked_text_length(len(body.question), cfg, "question")
     if len(await run_in_threadpool(engine.encode_text, body.question)) > cfg.max_prompt_tokens:  # before retrieving
         raise ApiError(
             400,

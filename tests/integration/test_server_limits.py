@@ -118,7 +118,9 @@ def test_huge_body_gets_413_at_once_and_health_stays_prompt(tokenizer):
 def test_tokenizing_a_long_prompt_stalls_neither_health_nor_streams(tokenizer, monkeypatch):
     """A 3.8 MB text prompt (under the body cap) takes seconds to tokenize before it is refused as
     too long; meanwhile /health answers at once and a running stream keeps streaming."""
-    engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
+    engine = tiny_engine(
+        tokenizer, max_tokens_limit=200, max_prompt_tokens=200_000, lookahead=False, lookahead_config=None
+    )
     slow_steps(monkeypatch, 0.02)
     prompt = ("the quick brown fox jumps over the lazy dog " * 90_000)[:3_800_000]
 

@@ -280,3 +280,9 @@ def test_what_one_caller_sends_cannot_take_down_the_others(tokenizer):
                 reply = b""
         assert not reply.startswith(b"HTTP/1.1 200"), reply  # refused (or the connection closed), never read whole
         assert client.get("/health").status_code == 200
+        # a text too long for max_prompt_tokens at any tokenization is refused before it is tokenized
+        too_long = "a" * (engine.config.max_prompt_tokens * 32 + 1)
+        r = client.post("/v1/completions", json={"prompt": too_long, "max_tokens": 2})
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": too_long}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
