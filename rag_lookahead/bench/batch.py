@@ -34,6 +34,7 @@ from rag_lookahead.bench.common import (
     ModelOption,
     PlotOption,
     chat_ids,
+    check_method_list,
     check_output_path,
     check_plot,
     check_positive,
@@ -190,10 +191,7 @@ def parse_methods(methods: str, extra_branch_length: str) -> tuple[list[str], di
             f"unknown methods: {', '.join(sorted(unknown))} (choose from {', '.join((*BASE_METHODS, STOCK_METHOD))})",
             param_hint="--methods",
         )
-    if not chosen and not depths:
-        raise typer.BadParameter(f"names no method: {methods!r}", param_hint="--methods")
-    if len(set(chosen)) < len(chosen):
-        raise typer.BadParameter(f"names a method twice: {methods!r}", param_hint="--methods")
+    check_method_list(chosen, depths, methods)
     return chosen + list(depths), depths
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import tempfile
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,6 +39,7 @@ __all__ = [
     "PlotOption",
     "PromptsOption",
     "chat_ids",
+    "check_method_list",
     "check_output_path",
     "check_plot",
     "check_positive",
@@ -45,6 +48,7 @@ __all__ = [
     "cut_at_eos",
     "eos_pad",
     "extra_depth_methods",
+    "given_or_temporary_index",
     "hf_batched",
     "jsonl_lines",
     "jsonl_object",
@@ -142,6 +146,27 @@ def check_positive(options: Mapping[str, int | None]) -> None:
     for name, value in options.items():
         if value is not None:
             positive_int(name, value)
+
+
+def check_method_list(chosen: Sequence[str], extra_depths: Mapping[str, int], methods: str) -> None:
+    """``--methods`` (with ``--extra-branch-length``) must name a method, and none twice."""
+    if not chosen and not extra_depths:
+        raise typer.BadParameter(f"names no method: {methods!r}", param_hint="--methods")
+    if len(set(chosen)) < len(chosen):
+        raise typer.BadParameter(f"names a method twice: {methods!r}", param_hint="--methods")
+
+
+@contextmanager
+def given_or_temporary_index(index_dir: str | None, build: Callable[[Path], Any], prefix: str) -> Iterator:
+    """The index at ``index_dir``; without one, what ``build(folder)`` makes in a temporary folder
+    (named from ``prefix``) that is removed when the block ends."""
+    from rag_lookahead.rag.index import load_index
+
+    if index_dir:
+        yield load_index(Path(index_dir))
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        yield build(Path(folder))
 
 
 def check_output_path(path: str | None, option: str = "--json") -> None:

@@ -14,9 +14,8 @@ identical to the "off" answer.
 from __future__ import annotations
 
 import statistics
-import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Annotated
 
@@ -32,6 +31,7 @@ from rag_lookahead.bench.common import (
     check_output_path,
     check_positive,
     decode_speed,
+    given_or_temporary_index,
     load_bench_model,
     print_rows,
     run_command,
@@ -51,19 +51,18 @@ QUESTIONS = [
 MODES = ("off", "prompt", "seeded", "session")
 
 
-@contextmanager
-def open_index(index_dir: str | None) -> Iterator:
+def open_index(index_dir: str | None) -> AbstractContextManager:
     """The index to ask: ``index_dir``, or the bundled corpus indexed into a temporary folder that
     is removed when the block ends."""
+    return given_or_temporary_index(index_dir, _bundled_index, prefix="rag-bench-index-")
+
+
+def _bundled_index(folder: Path):
     from rag_lookahead.ask import bundled_corpus
     from rag_lookahead.rag.index import build_index, load_index
 
-    if index_dir:
-        yield load_index(Path(index_dir))
-        return
-    with tempfile.TemporaryDirectory(prefix="rag-bench-index-") as folder:
-        build_index(bundled_corpus(), folder, progress=False)
-        yield load_index(folder)
+    build_index(bundled_corpus(), folder, progress=False)
+    return load_index(folder)
 
 
 def ask_every_way(model, tokenizer, index, model_name: str, k_prompt: int, k_seed: int, max_new_tokens: int):

@@ -18,9 +18,8 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Annotated
 
@@ -36,6 +35,7 @@ from rag_lookahead.bench.common import (
     check_output_path,
     check_positive,
     decode_speed,
+    given_or_temporary_index,
     load_bench_model,
     print_rows,
     run_command,
@@ -75,16 +75,9 @@ def index_items(items, folder: Path, progress: bool = True):
     return load_index(folder / "index")
 
 
-@contextmanager
-def session_index(items, index_dir: str | None) -> Iterator:
+def session_index(items, index_dir: str | None) -> AbstractContextManager:
     """The index ``index_dir``, or the items indexed into a temporary folder removed at the end."""
-    from rag_lookahead.rag.index import load_index
-
-    if index_dir:
-        yield load_index(index_dir)
-        return
-    with tempfile.TemporaryDirectory(prefix="rag-session-") as folder:
-        yield index_items(items, Path(folder))
+    return given_or_temporary_index(index_dir, lambda folder: index_items(items, folder), prefix="rag-session-")
 
 
 def run_record(result: dict) -> dict:

@@ -35,6 +35,7 @@ from rag_lookahead.bench.common import (
     PlotOption,
     PromptsOption,
     chat_ids,
+    check_method_list,
     check_output_path,
     check_plot,
     check_positive,
@@ -140,10 +141,7 @@ def expand_methods(methods: str, temperatures: str, extra_depths: dict[str, int]
         )
     if unknown:
         raise typer.BadParameter(f"unknown methods: {', '.join(sorted(unknown))}", param_hint="--methods")
-    if not chosen and not extra_depths:
-        raise typer.BadParameter(f"names no method: {methods!r}", param_hint="--methods")
-    if len(set(chosen)) < len(chosen):
-        raise typer.BadParameter(f"names a method twice: {methods!r}", param_hint="--methods")
+    check_method_list(chosen, extra_depths, methods)
     expanded = [m for m in chosen if m not in SAMPLING_METHODS]
     expanded += [f"{m}_t{t:g}" for t in values for m in SAMPLING_METHODS if m in chosen]
     return expanded + list(extra_depths), values

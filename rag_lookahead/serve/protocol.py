@@ -21,7 +21,7 @@ from typing import Annotated, Any, get_args
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from rag_lookahead.decoding.sampling import MIN_TEMPERATURE as SAMPLING_MIN_TEMPERATURE
+from rag_lookahead.decoding.sampling import MIN_TEMPERATURE
 from rag_lookahead.serve.api_error import quote
 
 __all__ = [
@@ -39,7 +39,6 @@ Text = Annotated[str, Strict()]
 TokenIds = list[Integer]
 
 MAX_CHOICES = 8
-MIN_TEMPERATURE = SAMPLING_MIN_TEMPERATURE
 MAX_LOGPROBS = 20  # most likely tokens reported per place, as vLLM's default max_logprobs
 INVALID_REQUEST = "invalid_request"
 PROMPT_REQUIRED = "'prompt' is required: a string or a list of token ids"
