@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing
 from typing import Any
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
@@ -46,7 +46,7 @@ from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.batching import BatchCall, decode_together, gather_of_this_thread, run_wave, settings_key
-from rag_lookahead.langchain.engine import Engine, RowRequest, cancellable
+from rag_lookahead.langchain.engine import CancellableAsync, Engine, RowRequest
 from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening
@@ -101,7 +101,7 @@ def _shared_engine(model: Any, tokenizer: Any, config: LookaheadConfig) -> Engin
 # ---------------------------------------------------------------- the chat model
 
 
-class ChatLookahead(SamplingFields, BaseChatModel):
+class ChatLookahead(CancellableAsync, SamplingFields, BaseChatModel):
     """A local chat model decoded with trie-drafted, tree-verified lookahead (output unchanged).
 
     The sampling fields (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
@@ -302,18 +302,6 @@ class ChatLookahead(SamplingFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         return self._decode(messages, stop, run_manager, kwargs)
-
-    async def _agenerate(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        """:meth:`_generate` in a worker thread; cancelling the awaiting task ends the decode (it ran
-        on to ``max_tokens`` holding the engine, as LangChain's default left it)."""
-        manager = run_manager.get_sync() if run_manager is not None else None
-        return await cancellable(lambda cancel: self._decode(messages, stop, manager, kwargs, cancel))
 
     def _decode(
         self,

@@ -20,14 +20,23 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError
 from rag_lookahead.tokens import TextTracker, eos_ids, pad_id
 
-__all__ = ["Block", "BlockStream", "Engine", "EngineRun", "RowRequest", "SeedRegistry", "cancellable", "weights_digest"]
+__all__ = [
+    "Block",
+    "BlockStream",
+    "Engine",
+    "EngineRun",
+    "RowRequest",
+    "SeedRegistry",
+    "CancellableAsync",
+    "weights_digest",
+]
 
 SEED_SLOTS = 256
 
@@ -238,21 +247,22 @@ def weights_digest(model) -> str:
     return digest.hexdigest()[:16]
 
 
-T = TypeVar("T")
+class CancellableAsync:
+    """LangChain's ``_agenerate`` for both models: their ``_decode(inputs, stop, run_manager,
+    kwargs, cancel)`` in a worker thread. LangChain's default runs ``_generate`` there too, but a
+    cancelled caller (``asyncio.wait_for``, a client gone) left the decode running to its token
+    limit while it held the engine; here ``cancel`` is set and the decode ends at its next block."""
 
+    async def _agenerate(self, inputs: list, stop: list[str] | None = None, run_manager=None, **kwargs: Any):
+        from langchain_core.runnables.config import run_in_executor
 
-async def cancellable(call: Callable[[threading.Event], T]) -> T:
-    """``call(cancel)`` in a worker thread. When the awaiting task is cancelled
-    (``asyncio.wait_for``, a client gone), ``cancel`` is set so the decode ends at its next block
-    instead of running to its token limit while holding the engine."""
-    from langchain_core.runnables.config import run_in_executor
-
-    cancel = threading.Event()
-    try:
-        return await run_in_executor(None, call, cancel)
-    except asyncio.CancelledError:
-        cancel.set()
-        raise
+        manager = run_manager.get_sync() if run_manager is not None else None
+        cancel = threading.Event()
+        try:
+            return await run_in_executor(None, self._decode, inputs, stop, manager, kwargs, cancel)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
 
 
 def _ended(tracker: TextTracker, eos: frozenset[int]) -> bool:

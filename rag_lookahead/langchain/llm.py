@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing
 from typing import Any
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict, Field, StrictInt
@@ -39,14 +39,14 @@ from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError, InputError
-from rag_lookahead.langchain.engine import BlockStream, Engine, EngineRun, RowRequest, cancellable
+from rag_lookahead.langchain.engine import BlockStream, CancellableAsync, Engine, EngineRun, RowRequest
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.tokens import encode_messages
 
 __all__ = ["LookaheadLLM"]
 
 
-class LookaheadLLM(SamplingFields, BaseLLM):
+class LookaheadLLM(CancellableAsync, SamplingFields, BaseLLM):
     """A local causal LM decoded with trie-drafted, tree-verified lookahead (output unchanged).
 
     The sampling fields (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
@@ -209,17 +209,6 @@ class LookaheadLLM(SamplingFields, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         return self._decode(prompts, stop, run_manager, kwargs)
-
-    async def _agenerate(
-        self,
-        prompts: list[str],
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> LLMResult:
-        """:meth:`_generate` in a worker thread; cancelling the awaiting task ends the decode."""
-        manager = run_manager.get_sync() if run_manager is not None else None
-        return await cancellable(lambda cancel: self._decode(prompts, stop, manager, kwargs, cancel))
 
     def _decode(
         self,
