@@ -40,6 +40,17 @@ cache, stock -> this layout (output layer included), 2 threads: 1/8/16/32/48/64 
 Cost: 6 bytes more per weight (the default model: ~2.7 GB), so :func:`speed_up_cpu_linears`
 applies it only while that stays under half the memory available.
 
+**Which packed kernel, measured per machine.** MKL's GEMMs are tuned for Intel CPUs; on an AMD
+EPYC (AVX512-BF16, 2 vCPUs) they ran 3-6x slower than oneDNN's at every row count, cache-warm
+per MLP, in ms: fp32 1/16/64/512 rows MKL packed 3.06/8.50/14.5/78.8 against oneDNN on a
+reordered weight 1.00/1.73/5.71/32.4; bf16 17/32/64 rows MKL on the fp32 copy 8.92/11.2/16.8
+against oneDNN's bf16 1.37/2.80/3.90. There the default model's bf16 forward of 24/32/64 tokens
+over a 700-token cache took 348-366/399-436/617-703 ms with MKL and 79-80/95-100/159-168 ms with
+oneDNN, and a 700-token prompt 4.8-6.4 s against 1.3-1.9 s. So the first packed product of each
+dtype times both kernels on a 32-row product (:func:`packed_kernel`) and oneDNN takes every row
+count where it needs at most half MKL's time; elsewhere (the Xeon above: MKL the faster) the row
+bands above stay. ``RAG_LOOKAHEAD_CPU_GEMM=mkl`` or ``onednn`` fixes the choice.
+
 Packed and oneDNN kernels run only without autograd (``no_grad``/``inference_mode``, where
 decoding runs); with autograd on, the swapped product. Only the layout of one matrix product
 changes: the same weights, the same sums (the rounding may differ in the last bits, as any
@@ -53,6 +64,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import time
 import types
 import weakref
 from collections.abc import Iterator
@@ -76,6 +89,7 @@ __all__ = [
     "mkl_packed_works",
     "onednn_linear",
     "onednn_linear_works",
+    "packed_kernel",
     "restore_linears",
     "speed_up_cpu_linears",
     "stock_linears",
@@ -96,6 +110,12 @@ BF16_ONEDNN_TOKENS = range(1, 17)
 _WIDE_BLOCK = 1024
 #: a bf16 weight's packed copies: 2 bytes (oneDNN's bf16) + 4 (MKL's fp32) per weight
 _BF16_EXTRA_BYTES = 6
+#: where MKL is left out: oneDNN's bf16 copy only
+_BF16_ONEDNN_EXTRA_BYTES = 2
+#: what fixes :func:`packed_kernel`'s choice instead of timing it
+GEMM_ENV = "RAG_LOOKAHEAD_CPU_GEMM"
+#: oneDNN takes every row count where it needs at most this share of MKL's time
+_ONEDNN_SHARE = 0.5
 _LAYOUT_DTYPES = (torch.float32, torch.bfloat16)
 #: smaller fp32 weights gained nothing measurable (896x896: within +-20% either way on an EPYC; 0-5%
 #: on the AVX-512 Xeon, 9% slower at 64 tokens), so they keep the stock kernel
@@ -124,7 +144,7 @@ def few_token_linear(
         and x.dtype == weight.dtype
         and not weight.is_inference()
         and (
-            (weight.dtype == torch.float32 and rows in PACKED_TOKENS and mkl_packed_works())
+            (weight.dtype == torch.float32 and _fp32_packed_takes(rows))
             or (weight.dtype == torch.bfloat16 and bf16_packed_works())
         )
     ):
@@ -161,10 +181,10 @@ class PackedWeight:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``functional.linear`` of a 2-D ``x`` with the weight's dtype."""
         rows = x.shape[0]  # the row count must be x's own: MKL computes garbage for any other
+        if packed_kernel(weight.dtype) == "onednn" or (weight.dtype == torch.bfloat16 and rows in BF16_ONEDNN_TOKENS):
+            return onednn_linear(x, self._copy(weight, "onednn"), bias)
         if weight.dtype == torch.float32:
             return torch.ops.mkl._mkl_linear(x, self._copy(weight, "mkl"), weight, bias, rows)
-        if rows in BF16_ONEDNN_TOKENS:
-            return onednn_linear(x, self._copy(weight, "onednn"), bias)
         if rows > _WIDE_BLOCK:  # a long prompt: bounded fp32 temporaries
             return torch.cat([self.linear(part, weight, bias) for part in x.split(_WIDE_BLOCK)])
         # MKL checks the original weight's dtype and shape only: a stride-0 fp32 stand-in
@@ -208,7 +228,11 @@ def mkl_packed_works() -> bool:
     """Whether this torch has MKL's packed linear and it computes ``functional.linear`` (checked once)."""
     if not torch.backends.mkl.is_available() or not hasattr(torch.ops.mkl, "_mkl_linear"):
         return False
-    return _computes_linear(lambda x, weight, bias: PackedWeight().linear(x, weight, bias))
+    return _computes_linear(
+        lambda x, weight, bias: torch.ops.mkl._mkl_linear(
+            x, torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_HINT), weight, bias, x.shape[0]
+        )
+    )
 
 
 @functools.cache
@@ -219,11 +243,79 @@ def onednn_linear_works() -> bool:
     return _computes_linear(onednn_linear)
 
 
+def _fp32_packed_takes(rows: int) -> bool:
+    """Whether an fp32 product of ``rows`` rows goes through its packed weight: every row count
+    where oneDNN is the packed kernel, else ``PACKED_TOKENS`` where MKL's packed GEMM works."""
+    if packed_kernel(torch.float32) == "onednn":
+        return True
+    return rows in PACKED_TOKENS and mkl_packed_works()
+
+
+@functools.cache
+def packed_kernel(dtype: torch.dtype) -> str:
+    """``"onednn"`` or ``"mkl"``: the kernel a packed weight of ``dtype`` takes outside the row
+    counts that always take oneDNN (bf16's ``BF16_ONEDNN_TOKENS``). ``RAG_LOOKAHEAD_CPU_GEMM``
+    fixes it; else both are timed once on a 32 x 896 x 4864 product (about 50 ms), and oneDNN wins
+    where it needs at most half MKL's time (see the module's docstring: 4x faster on an AMD EPYC,
+    slower than MKL on a Xeon). The wide margin keeps the choice, and so the kernels' rounding,
+    the same from run to run on one machine. Without one of the two, the other."""
+    fixed = os.environ.get(GEMM_ENV, "").strip().lower()
+    if fixed not in ("", "auto", "mkl", "onednn"):
+        from rag_lookahead.errors import ConfigError
+
+        raise ConfigError(f"{GEMM_ENV} must be mkl, onednn or auto, got {os.environ[GEMM_ENV]!r}")
+    has_onednn = _reordered_onednn_works(dtype)
+    if not mkl_packed_works():
+        return "onednn" if has_onednn else "mkl"
+    if not has_onednn:
+        return "mkl"
+    if fixed in ("mkl", "onednn"):
+        return fixed
+    mkl, onednn = _time_packed_kernels(dtype)
+    return "onednn" if onednn <= _ONEDNN_SHARE * mkl else "mkl"
+
+
+@functools.cache
+def _reordered_onednn_works(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear on a weight it reordered runs here and computes ``functional.linear``."""
+    if not (onednn_linear_works() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return _computes_linear(
+        lambda x, weight, bias: onednn_linear(x, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT), bias),
+        dtype,
+    )
+
+
+def _time_packed_kernels(dtype: torch.dtype, rows: int = 32) -> tuple[float, float]:
+    """Best of 5 seconds of MKL's and oneDNN's packed products on one weight, alternated."""
+    with torch.inference_mode(False), torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(4864, 896, generator=generator).to(dtype)
+        x = torch.randn(rows, 896, generator=generator).to(dtype)
+        mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight.float(), PACK_HINT)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT)
+        stand_in = torch.zeros((), dtype=torch.float32).expand(weight.shape)
+        kernels = (
+            lambda: torch.ops.mkl._mkl_linear(x.float(), mkl, stand_in, None, rows).to(dtype),
+            lambda: onednn_linear(x, onednn, None),
+        )
+        best = [float("inf"), float("inf")]
+        for repeat in range(7):
+            for i, kernel in enumerate(kernels):
+                start = time.perf_counter()
+                kernel()
+                if repeat >= 2:  # two warm-up rounds
+                    best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
+
+
 @functools.cache
 def bf16_packed_works() -> bool:
-    """Whether both of a bf16 weight's packed kernels run here and compute ``functional.linear``
-    to bf16 rounding, for rows on either side of ``BF16_ONEDNN_TOKENS`` (checked once)."""
-    if not (mkl_packed_works() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+    """Whether a bf16 weight's packed kernels run here and compute ``functional.linear`` to bf16
+    rounding, for rows on either side of ``BF16_ONEDNN_TOKENS`` (checked once)."""
+    if not _reordered_onednn_works(torch.bfloat16):
+        return False
+    if packed_kernel(torch.bfloat16) == "mkl" and not mkl_packed_works():
         return False
     return all(
         _computes_linear(lambda x, weight, bias: PackedWeight().linear(x, weight, bias), torch.bfloat16, rows)
@@ -289,7 +381,7 @@ def speed_up_cpu_linears(model: nn.Module, min_elements: int | None = None) -> i
         ):
             chosen.append(module)
     bf16 = [m for m in chosen if m.weight.dtype == torch.bfloat16 and not getattr(m, _MARK, False)]
-    if bf16 and not (bf16_layout_applies() and _fits(sum(m.weight.numel() for m in bf16) * _BF16_EXTRA_BYTES)):
+    if bf16 and not (bf16_layout_applies() and _fits(sum(m.weight.numel() for m in bf16) * _bf16_extra_bytes())):
         chosen = [m for m in chosen if m not in bf16]
     for module in chosen:
         if not getattr(module, _MARK, False):
@@ -316,6 +408,11 @@ def stock_linears(model: nn.Module) -> Iterator[int]:
     finally:
         for module in marked:
             module.forward = types.MethodType(_forward, module)
+
+
+def _bf16_extra_bytes() -> int:
+    """Bytes a bf16 weight's packed copies take per weight: oneDNN's only, or MKL's fp32 copy too."""
+    return _BF16_ONEDNN_EXTRA_BYTES if packed_kernel(torch.bfloat16) == "onednn" else _BF16_EXTRA_BYTES
 
 
 def _fits(extra_bytes: int) -> bool:

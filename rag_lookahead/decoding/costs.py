@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from rag_lookahead.atomic import write_json_atomic
-from rag_lookahead.cpu_linear import mkl_packed_works, onednn_linear_works
+from rag_lookahead.cpu_linear import mkl_packed_works, onednn_linear_works, packed_kernel
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
@@ -108,6 +108,8 @@ def _linears_key(model) -> str:
     """How many linears ``cpu_linear`` patched, and which kernels they take (only then)."""
     count = getattr(model, "_rag_lookahead_few_token_linears", 0)
     kernels = [name for name, works in (("mkl-packed", mkl_packed_works), ("onednn", onednn_linear_works)) if works()]
+    if count and model.dtype in (torch.float32, torch.bfloat16):
+        kernels.append(f"packed by {packed_kernel(model.dtype)}")
     return f"few-token linears {count}{''.join(' ' + k for k in kernels) if count else ''}"
 
 

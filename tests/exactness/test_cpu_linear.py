@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,6 +15,7 @@ from rag_lookahead import LookaheadConfig, cpu_linear, generate
 from rag_lookahead.cpu_linear import (
     BF16_ONEDNN_TOKENS,
     FEW_TOKENS,
+    GEMM_ENV,
     ONEDNN_TOKENS,
     PACKED_TOKENS,
     PackedWeight,
@@ -21,12 +25,35 @@ from rag_lookahead.cpu_linear import (
     mkl_packed_works,
     onednn_linear,
     onednn_linear_works,
+    packed_kernel,
     restore_linears,
     speed_up_cpu_linears,
     stock_linears,
 )
 from rag_lookahead.decoding.costs import CostCurve
 from rag_lookahead.decoding.profile import profile_of
+from rag_lookahead.errors import ConfigError
+
+KERNELS = ("mkl", "onednn")
+
+
+@contextlib.contextmanager
+def packed_by(kernel: str):
+    """Within: packed weights take ``kernel`` as ``RAG_LOOKAHEAD_CPU_GEMM`` would make them; the
+    test is skipped where this torch lacks it (the choice then falls to the other)."""
+    before = os.environ.get(GEMM_ENV)
+    os.environ[GEMM_ENV] = kernel
+    packed_kernel.cache_clear()
+    try:
+        if packed_kernel(torch.float32) != kernel:
+            pytest.skip(f"this torch has no working {kernel} packed kernel")
+        yield
+    finally:
+        if before is None:
+            del os.environ[GEMM_ENV]
+        else:
+            os.environ[GEMM_ENV] = before
+        packed_kernel.cache_clear()
 
 
 @settings(max_examples=60, deadline=None)
@@ -39,13 +66,15 @@ from rag_lookahead.decoding.profile import profile_of
     autograd=st.booleans(),
     packed=st.booleans(),
 )
-def test_equals_functional_linear_for_any_shape(lead, features, outputs, bias, seed, autograd, packed):
-    """Every path (MKL packed or oneDNN without autograd, the swapped product, stock) computes the same product."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_equals_functional_linear_for_any_shape(kernel, lead, features, outputs, bias, seed, autograd, packed):
+    """Every path (MKL packed or oneDNN without autograd, the swapped product, stock) computes the
+    same product, whichever kernel packed weights take."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, features, generator=gen)
     weight = torch.randn(outputs, features, generator=gen)
     b = torch.randn(outputs, generator=gen) if bias else None
-    with torch.set_grad_enabled(autograd):
+    with packed_by(kernel), torch.set_grad_enabled(autograd):
         got = few_token_linear(x, weight, b, PackedWeight() if packed else None)
     want = torch.nn.functional.linear(x, weight, b)
     assert got.shape == want.shape and got.is_contiguous()
@@ -70,19 +99,23 @@ def test_onednn_takes_its_token_counts_only_without_autograd():
 needs_mkl_packed = pytest.mark.skipif(not mkl_packed_works(), reason="this torch has no working MKL packed linear")
 
 
-@needs_mkl_packed
-def test_packed_weights_take_their_token_counts_only_without_autograd():
-    """Given a packed weight and no autograd, PACKED_TOKENS rows go through MKL's packed GEMM
-    (its own rounding: bit for bit what a fresh packing computes); with autograd the product
-    keeps a gradient."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_packed_weights_take_their_token_counts_only_without_autograd(kernel):
+    """Given a packed weight and no autograd, PACKED_TOKENS rows go through MKL's packed GEMM, or
+    every row count through oneDNN where that is the packed kernel (their own rounding: bit for
+    bit what a fresh packing computes); with autograd the product keeps a gradient."""
     weight, bias = torch.randn(64, 48), torch.randn(64)
-    packed = PackedWeight()
-    for rows in (1, 2, 3, 7, 16, max(PACKED_TOKENS)):
-        x = torch.randn(rows, 48)
-        with torch.no_grad():
-            got = few_token_linear(x, weight, bias, packed)
-            assert torch.equal(got, PackedWeight().linear(x, weight, bias))
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    with packed_by(kernel):
+        for rows in (1, 2, 3, 7, 16, max(PACKED_TOKENS), 65, 300):
+            x = torch.randn(rows, 48)
+            packed = PackedWeight()
+            with torch.no_grad():
+                got = few_token_linear(x, weight, bias, packed)
+                takes_packed = rows in PACKED_TOKENS or kernel == "onednn"
+                assert set(packed._copies) == ({kernel} if takes_packed else set())
+                if takes_packed:
+                    assert torch.equal(got, PackedWeight().linear(x, weight, bias))
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     strided = torch.randn(48, 3).t()  # a non-contiguous input (a transposed view)
     with torch.no_grad():
         torch.testing.assert_close(
@@ -193,7 +226,8 @@ needs_bf16_packed = pytest.mark.skipif(not bf16_packed_works(), reason="this tor
     bias=st.booleans(),
     seed=st.integers(min_value=0, max_value=2**16),
 )
-def test_bf16_packed_kernels_compute_the_bf16_product(rows, features, outputs, bias, seed):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bf16_packed_kernels_compute_the_bf16_product(kernel, rows, features, outputs, bias, seed):
     """A bf16 weight's packed kernels give bf16 outputs within bf16 rounding of the exact product,
     as the stock kernel's are, and equal to it in nearly every element (the sums' order differs)."""
     gen = torch.Generator().manual_seed(seed)
@@ -201,7 +235,7 @@ def test_bf16_packed_kernels_compute_the_bf16_product(rows, features, outputs, b
     weight = torch.randn(outputs, features, generator=gen).bfloat16()
     b = torch.randn(outputs, generator=gen).bfloat16() if bias else None
     packed = PackedWeight()
-    with torch.no_grad():
+    with packed_by(kernel), torch.no_grad():
         got = few_token_linear(x, weight, b, packed)
     stock = torch.nn.functional.linear(x, weight, b)
     exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
@@ -209,16 +243,20 @@ def test_bf16_packed_kernels_compute_the_bf16_product(rows, features, outputs, b
     scale = x.double().abs() @ weight.double().abs().t() + (0 if b is None else b.double().abs())
     assert ((got.double() - exact).abs() <= 2.0**-8 * exact.abs() + 2 * (features + 2) * 2.0**-24 * scale).all()
     assert (got != stock).float().mean() <= 0.02
-    block = cpu_linear._WIDE_BLOCK  # a long input goes in blocks
+    if kernel == "onednn":
+        assert set(packed._copies) == {"onednn"}  # oneDNN's bf16 copy only, at every row count
+        return
+    block = cpu_linear._WIDE_BLOCK  # a long input goes to MKL in blocks
     parts = [rows] if rows <= block else [block] * (rows // block) + [rows % block]
     assert set(packed._copies) == {"onednn" if n in BF16_ONEDNN_TOKENS else "mkl" for n in parts if n}
 
 
 @needs_bf16_packed
-def test_a_bf16_packed_weight_follows_changes_to_the_weight():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_bf16_packed_weight_follows_changes_to_the_weight(kernel):
     weight = torch.randn(64, 48).bfloat16()
     packed = PackedWeight()
-    with torch.no_grad():
+    with packed_by(kernel), torch.no_grad():
         for rows in (4, 40):  # one of each kernel
             x = torch.randn(rows, 48).bfloat16()
             first = few_token_linear(x, weight, None, packed)
@@ -228,6 +266,44 @@ def test_a_bf16_packed_weight_follows_changes_to_the_weight():
             assert not torch.allclose(again, first)
 
 
+def test_the_packed_kernel_is_chosen_once_and_can_be_fixed(monkeypatch):
+    """Timed once per dtype (the same answer after), fixed by RAG_LOOKAHEAD_CPU_GEMM, and a
+    misspelled value is refused with the variable's name rather than silently timed."""
+    monkeypatch.delenv(GEMM_ENV, raising=False)
+    packed_kernel.cache_clear()
+    chosen = packed_kernel(torch.float32)
+    assert chosen in KERNELS and packed_kernel(torch.float32) == chosen
+    monkeypatch.setenv(GEMM_ENV, "openblas")
+    packed_kernel.cache_clear()
+    with pytest.raises(ConfigError, match=GEMM_ENV):
+        packed_kernel(torch.float32)
+    monkeypatch.setenv(GEMM_ENV, " oneDNN ")
+    packed_kernel.cache_clear()
+    assert packed_kernel(torch.bfloat16) == "onednn" or not onednn_linear_works()
+    monkeypatch.delenv(GEMM_ENV)
+    packed_kernel.cache_clear()
+
+
+def test_the_choice_keys_the_cost_curve(monkeypatch):
+    """A forward's cost curve measured under one packed kernel is not reused under the other."""
+    from rag_lookahead.decoding.costs import _linears_key
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024))
+    model.dtype = torch.float32
+    speed_up_cpu_linears(model)
+    keys = set()
+    try:
+        for kernel in KERNELS:
+            monkeypatch.setenv(GEMM_ENV, kernel)
+            packed_kernel.cache_clear()
+            keys.add(_linears_key(model))
+    finally:
+        monkeypatch.delenv(GEMM_ENV)
+        packed_kernel.cache_clear()
+        restore_linears(model)
+    assert len(keys) == 2 or not (mkl_packed_works() and onednn_linear_works())
+
+
 def test_the_bf16_layout_needs_room_for_its_copies():
     """Its copies (6 bytes a weight) are made only where they fit in half the available memory."""
     from rag_lookahead.cpu_linear import _fits
@@ -235,12 +311,18 @@ def test_the_bf16_layout_needs_room_for_its_copies():
     assert _fits(1) and not _fits(1 << 60)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**DECODE_CASES)
-def test_lookahead_on_the_few_token_layout_matches_generate(arch, prompt, max_new, budget):
+def test_lookahead_on_the_few_token_layout_matches_generate(arch, kernel, prompt, max_new, budget):
     model = build_tiny_model(arch, "sdpa", 0)  # its own instance: the shared tiny models stay stock
     stock = reference_generate(model, prompt, max_new, None)
+    with packed_by(kernel):
+        _lookahead_on_the_layout_matches(model, prompt, max_new, budget, stock)
+
+
+def _lookahead_on_the_layout_matches(model, prompt, max_new, budget, stock):
     speed_up_cpu_linears(model, min_elements=0)  # every layer, however small
     output = model.get_output_embeddings()
     packed = [m for m in model.modules() if getattr(m, "_rag_lookahead_packed", None) is not None]
