@@ -171,26 +171,32 @@ def test_the_swapped_product_runs_only_for_few_rows():
             assert same  # the stock kernel itself: bit for bit
 
 
-def test_patches_large_cpu_linears_only_and_undoes():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_patches_large_cpu_linears_only_and_undoes(kernel):
     """Large fp32 linears always; bf16 ones from a smaller size where this CPU takes the bf16
-    layout; small ones never."""
+    layout, and fp32 ones from that size where oneDNN packs them; small ones never."""
+    with packed_by(kernel):
+        _patches_large_linears_only(kernel == "onednn")
+
+
+def _patches_large_linears_only(onednn: bool):
     model = torch.nn.Sequential(
         torch.nn.Linear(1024, 1024),  # 1M weights: patched
         torch.nn.Linear(1024, 8),  # small: stock
         torch.nn.Linear(1024, 1024).to(torch.bfloat16),  # bf16: patched where the layout applies
         torch.nn.Linear(1024, 1024).to(torch.float16),  # fp16: stock
-        torch.nn.Linear(1024, 128),  # fp32 below MIN_WEIGHT_ELEMENTS: stock
+        torch.nn.Linear(1024, 128),  # fp32 below MIN_WEIGHT_ELEMENTS: stock, unless oneDNN packs fp32
         torch.nn.Linear(1024, 128).to(torch.bfloat16),  # bf16 of that size: patched where the layout applies
         torch.nn.Linear(1024, 32).to(torch.bfloat16),  # below MIN_BF16_WEIGHT_ELEMENTS: stock
     )
     bf16 = bf16_layout_applies()
     profile_of(model).cost_curve = CostCurve([1, 2], [0.1, 0.2])
-    assert speed_up_cpu_linears(model) == 1 + 2 * bf16
+    assert speed_up_cpu_linears(model) == 1 + 2 * bf16 + onednn
     patched = ["forward" in vars(m) for m in model]
-    assert patched == [True, False, bf16, False, False, bf16, False]
+    assert patched == [True, False, bf16, False, onednn, bf16, False]
     assert isinstance(model[0]._rag_lookahead_packed, PackedWeight)
     assert profile_of(model).cost_curve is None  # costs measured under the old layout are forgotten
-    assert speed_up_cpu_linears(model) == 1 + 2 * bf16  # again: no change
+    assert speed_up_cpu_linears(model) == 1 + 2 * bf16 + onednn  # again: no change
     x = torch.randn(3, 1024)
     torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias))
     restore_linears(model)
