@@ -95,6 +95,7 @@ def run_continuous(model, requests, level, max_new_tokens, eos, pad, config):
             continue  # a prefill's first token may already finish a row
         if batch.rows:
             new = batch.verify_and_accept(batch.propose())
+            batch.raise_row_failure()
             row_steps += len(new)
             gained += sum(len(t) for t in new)
     ordered = [outputs[i] for i in range(len(requests))]

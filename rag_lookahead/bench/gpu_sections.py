@@ -293,6 +293,7 @@ def decode_steps(
             break
         tick = time.perf_counter()
         gained = batch.verify_and_accept(batch.propose())
+        batch.raise_row_failure()
         synchronize(model)
         steps.append(time.perf_counter() - tick)
         tokens += sum(map(len, gained))

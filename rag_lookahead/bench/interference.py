@@ -118,6 +118,7 @@ class Runner:
 
     def _step(self) -> None:
         gained = self.batch.verify_and_accept(self.batch.propose())
+        self.batch.raise_row_failure()
         self.trace.steps += 1
         for row, tokens in zip(self.batch.rows, gained):
             self._delivered(row.index, tokens)

@@ -145,13 +145,21 @@ class DecodeBatch:
                 self.prefill.queue(row, row_references)
             return rows
         lengths = [row.prompt_length for row in rows]
-        for group in prefill_groups(lengths, PREFILL_FORWARD_TOKENS):
-            width = max(lengths[group])  # the group's own padding only
-            cache, logits = prefill_padded(self.model, input_ids[group, -width:], attention_mask[group, -width:])
-            for r, row in enumerate(rows[group]):
-                row.position = row.prompt_length
-                self._first_token(row, logits[r, -1], references[group][r])
-            self.packed.append_rows(cache, lengths[group])
+        prefilled = []
+        try:
+            for group in prefill_groups(lengths, PREFILL_FORWARD_TOKENS):
+                width = max(lengths[group])  # the group's own padding only
+                cache, logits = prefill_padded(self.model, input_ids[group, -width:], attention_mask[group, -width:])
+                for r, row in enumerate(rows[group]):
+                    row.position = row.prompt_length
+                    self._first_token(row, logits[r, -1], references[group][r])
+                prefilled.append((cache, lengths[group]))
+        except BaseException:
+            for row in rows:  # nothing of these rows is in the batch yet: the running rows go on as before
+                self.logprobs.pop(row, None)
+            raise
+        for cache, group_lengths in prefilled:  # every group's prefill succeeded: merge them
+            self.packed.append_rows(cache, group_lengths)
         self.rows = self.rows + rows
         return rows
 
@@ -246,6 +254,11 @@ class DecodeBatch:
             if row in chunks:
                 gained.append(self._prefilled(row, len(chunks[row]), logits, feed.starts[r]))
                 continue
+            if row.failure is not None:  # its walk failed this step: only its root column was kept
+                row.position += 1
+                row.done = True
+                gained.append([])
+                continue
             result, offset = accepted[r], feed.starts[r]
             row.position += 1 + len(result.nodes)
             self._learn(row, draft, result)
@@ -257,6 +270,13 @@ class DecodeBatch:
         if self.costs is not None and not chunks:  # the cost curve is of draft trees, not prompt chunks
             self.costs.observe(len(drafts), step.ids.shape[1], time.perf_counter() - tick)
         return gained
+
+    def raise_row_failure(self) -> None:
+        """Raise the first row's failure, for callers that own every row (``generate``, the
+        benchmarks); a server instead fails only that row's request (``Row.failure``)."""
+        failed = next((row.failure for row in self.rows if row.failure is not None), None)
+        if failed is not None:
+            raise failed
 
     def _learn(self, row: Row, draft: DraftTree, result: Accepted) -> None:
         """Update the row's acceptance rates (and the workload's) from this step.
@@ -290,7 +310,12 @@ class DecodeBatch:
         row.position += size
         if row.prefilling:
             return []
-        return self._first_token(row, logits[start], self.prefill.references.pop(row, ()))
+        references = self.prefill.references.pop(row, ())
+        try:
+            return self._first_token(row, logits[start], references)
+        except Exception as e:  # noqa: BLE001 - this row's choice failed (its sampling): it alone ends
+            row.failure, row.done = e, True
+            return []
 
     def _accept(
         self, rows: list[Row], logits: torch.Tensor, offsets: list[int], drafts: list[DraftTree]
@@ -307,7 +332,11 @@ class DecodeBatch:
         accepted = dict(zip(plain, longest_paths([drafts[r] for r in plain], greedy, [offsets[r] for r in plain])))
         for r, (row, draft, start, end) in enumerate(zip(rows, drafts, offsets, ends)):
             if r not in accepted:
-                accepted[r] = row.chooser.walk(draft, logits[start:end], row.tokens, row.room, self.eos)
+                try:
+                    accepted[r] = row.chooser.walk(draft, logits[start:end], row.tokens, row.room, self.eos)
+                except Exception as e:  # noqa: BLE001 - e.g. NaN logits in this row only: it alone ends
+                    row.failure = e
+                    accepted[r] = Accepted([], [])
         return [accepted[r] for r in range(len(rows))]
 
     def retire(self, keep: Callable[[Row], bool] | None = None) -> list[Row]:

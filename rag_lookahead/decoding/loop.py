@@ -201,6 +201,7 @@ def _decode(
         drafts = batch.propose()
         lookup = time.perf_counter() - tick
         gained = batch.verify_and_accept(drafts)
+        batch.raise_row_failure()  # one caller owns every row: the call fails as a whole
         for row, tokens in zip(batch.rows, gained):
             if notify(row, tokens):
                 stopped.add(row.index)

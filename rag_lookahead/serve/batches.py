@@ -156,7 +156,7 @@ class Batches:
                 rate = tokens / max(seconds, 1e-6)
                 self.tokens_per_second = 0.8 * self.tokens_per_second + 0.2 * rate if self.tokens_per_second else rate
             except Exception as e:  # noqa: BLE001 - which row is at fault is unknown: the batch fails
-                self._fail_batch(key, e)
+                self._fail_batch(key, e)  # (a row whose own sampling fails ends alone: Row.failure)
                 continue
             for row, new in zip(list(batch.rows), gained):
                 job = self.active.get(row.index)
@@ -205,6 +205,9 @@ class Batches:
         if job.cancelled:
             job.ended = True
             self.metrics.cancelled.inc()
+            return
+        if row.failure is not None:  # choosing its tokens failed (its own sampling): it alone fails
+            self.fail([job], self.failure(row.failure))
             return
         try:
             answer = self._final_answer(job, row)

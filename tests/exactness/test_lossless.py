@@ -177,6 +177,49 @@ def test_rows_joining_a_running_batch_match_single_rows(arch, first, later, join
         assert outputs[key] == reference_generate(model, prompt, max_new + extra[key], None)
 
 
+def test_a_failed_prefill_leaves_the_running_rows_as_they_were():
+    """Rows joining in several prefill groups: when a later group's forward fails (out of memory,
+    say), the groups before it must not stay in the shared cache without rows of their own. They
+    did: the running row then decoded against a cache of foreign columns, and the server, seeing
+    the batch's size unchanged, kept using it."""
+    from rag_lookahead.decoding.loop import DecodeBatch
+
+    model = tiny_model("qwen2")
+    config = LookaheadConfig(decoding_length=8, branch_length=4, budget="fixed", use_output_pool=False)
+    batch = DecodeBatch(model, config, frozenset(), None)
+    first, joining, later = [5, 9, 3, 7, 2, 8], [[4, 4, 6, 1, 9], [7, 3, 3, 8, 2, 6, 1]], [6, 2, 9, 9, 4]
+    batch.add(torch.tensor([first]), torch.ones(1, len(first), dtype=torch.long), None, 20, keys=["first"])
+    batch.verify_and_accept(batch.propose())
+    real = decode_batch.prefill_padded
+    calls = []
+
+    def second_group_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (injected)")
+        return real(*args, **kwargs)
+
+    ids = torch.tensor([[0, 0] + joining[0], joining[1]])
+    mask = (ids != 0).long()
+    mask[0, 2:] = 1
+    with (
+        mock.patch.object(decode_batch, "PREFILL_FORWARD_TOKENS", 8),  # one prompt a group
+        mock.patch.object(decode_batch, "prefill_padded", second_group_fails),
+        pytest.raises(RuntimeError, match="injected"),
+    ):
+        batch.add(ids, mask, None, 20, keys=["a", "b"])
+    assert len(calls) == 2
+    assert batch.packed.rows == len(batch.rows) == 1 and not batch.logprobs
+    batch.add(torch.tensor([later]), torch.ones(1, len(later), dtype=torch.long), None, 20, keys=["later"])
+    outputs = {}
+    while batch.rows:
+        batch.verify_and_accept(batch.propose())
+        for row in batch.retire():
+            outputs[row.index] = row.generated
+    assert outputs["first"] == reference_generate(model, first, 20, None)
+    assert outputs["later"] == reference_generate(model, later, 20, None)
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_eos_and_pad_of_a_generation_config_passed_in_are_honoured(arch):
     """``generate(..., generation_config=GenerationConfig(eos_token_id=...))`` ignored that EOS

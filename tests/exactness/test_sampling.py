@@ -349,3 +349,60 @@ def test_a_hot_row_learns_low_acceptance_and_yields_its_nodes():
     drafts = [row.acceptance.weigh(batch.drafter.propose(row)) for row in batch.rows]
     counts = dict(zip((row.index for row in batch.rows), allocate(drafts, costs)))
     assert counts["cold"] > counts["hot"]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_row_whose_sampling_fails_ends_alone(chunked):
+    """A sampled row whose draw fails (NaN logits in that row, say) ends with the error; the rows
+    beside it keep their own outputs, token for token. It used to fail the whole step, and with it
+    every request in the server's batch."""
+    from rag_lookahead.decoding.loop import DecodeBatch
+    from rag_lookahead.decoding.sampling import SamplingParams
+
+    model = tiny_model("qwen2")
+    greedy_prompt, sampled_prompt, failing_prompt = [5, 9, 3, 7, 2, 8], [4, 4, 6, 1, 9], [7, 3, 3, 8, 2, 6, 1]
+    config = LookaheadConfig(decoding_length=8, branch_length=4, budget="fixed", use_output_pool=False)
+    options = {"do_sample": True, "temperature": 0.8, "top_k": 0, "seed": 3}
+    want_greedy = generate(model, greedy_prompt, max_new_tokens=24, config=config).sequences[0, 6:].tolist()
+    want_sampled = (
+        generate(model, sampled_prompt, max_new_tokens=24, config=config, **options).sequences[0, 5:].tolist()
+    )
+    batch = DecodeBatch(model, config, frozenset(), None, prefill_chunk=4 if chunked else 0)
+    added = {}
+    for key, prompt, sampling in (
+        ("greedy", greedy_prompt, None),
+        ("sampled", sampled_prompt, SamplingParams(**options)),
+        ("failing", failing_prompt, SamplingParams(**{**options, "seed": 4})),
+    ):
+        (added[key],) = batch.add(torch.tensor([prompt]), None, None, 24, keys=[key], sampling=sampling)
+    failing = added["failing"]
+    calls = []
+
+    def nan_logits(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    if chunked:  # its first token, when its last prompt chunk arrives
+        failing.chooser.choose = nan_logits
+    else:  # its third step
+        real_walk = failing.chooser.walk
+        failing.chooser.walk = lambda *a, **k: nan_logits() if len(failing.generated) > 2 else real_walk(*a, **k)
+    outputs, ended = {}, []
+    while batch.size:
+        batch.verify_and_accept(batch.propose())
+        for row in batch.retire():
+            outputs[row.index] = row.generated
+            if row.failure is not None:
+                ended.append(row.index)
+    assert calls and ended == ["failing"]
+    assert "probability tensor" in str(failing.failure)
+    assert outputs["greedy"] == want_greedy and outputs["sampled"] == want_sampled
+    assert batch.packed.rows == 0
+
+
+def test_generate_raises_when_one_rows_sampling_fails(monkeypatch):
+    """One caller owns every row of ``generate``: a row's failed draw fails the call, as before."""
+    model = tiny_model("qwen2")
+    monkeypatch.setattr(TokenChooser, "walk", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("nan in row")))
+    with pytest.raises(RuntimeError, match="nan in row"):
+        generate(model, [5, 9, 3, 7, 2, 8], max_new_tokens=12, do_sample=True, seed=1, top_k=0)

@@ -159,6 +159,44 @@ def test_step_failure_fails_its_batch_and_the_engine_carries_on(tokenizer, monke
     assert metric(metrics, "rag_lookahead_requests_failed_total") == 2
 
 
+def test_a_rows_failed_draw_fails_only_its_request(tokenizer, monkeypatch):
+    """A sampled request's draw fails (NaN logits in its row, say) while a greedy request shares
+    the step: only the sampled request gets the error; the other's text is its own, token for token."""
+    from rag_lookahead.decoding.sampling import TokenChooser
+
+    engine = tiny_engine(tokenizer, max_batch_size=2)
+    a, b = tiny_prompts(2, seed=23)
+    want_b = single_text(engine, b, 24)
+    shared = {"rows": 0}
+    patch_engine(
+        monkeypatch, DecodeBatch, "verify_and_accept", lambda batch, drafts: shared.update(rows=len(batch.rows))
+    )
+    faults = fail_once(
+        monkeypatch,
+        TokenChooser,
+        "walk",
+        RuntimeError(f"probability tensor contains nan ({SECRET})"),
+        when=lambda *args, **kwargs: shared["rows"] == 2,
+    )
+    gate = hold_prefills(monkeypatch)
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            sampled = completion(a, 40, temperature=0.8, seed=5)
+            tasks = await fill(client, engine, gate, sampled, [completion(b, 24)])
+            return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    with serving(engine) as base:
+        ra, rb = asyncio.run(run(base))
+        assert not faults, "the fault was not injected"
+        assert_generic_error(ra)
+        assert text_of(rb) == want_b
+        assert_serves_normally(base, engine, a)
+        metrics = httpx.get(base + "/metrics").text
+    assert metric(metrics, "rag_lookahead_engine_errors_total") == 1
+    assert metric(metrics, "rag_lookahead_requests_failed_total") == 1
+
+
 def test_retire_failure_fails_its_batch_and_the_engine_carries_on(tokenizer, monkeypatch):
     """Dropping a finished row from the packed cache raises (drop_rows, inside retire): every request
     of that batch ends with an error instead of waiting forever, and the engine keeps serving."""
