@@ -32,6 +32,11 @@ from rag_lookahead.paths import cache_dir
 log = logging.getLogger(__name__)
 
 
+#: curves the cache file keeps (one per model, dtype, machine and layout): a cache must not grow
+#: without bound, and every model folder measured once (a test's temporary copy too) adds a key
+MAX_STORED_CURVES = 32
+
+
 @dataclass
 class CostCurve:
     """Seconds of one forward that appends ``n`` tokens (all rows together), interpolated."""
@@ -227,7 +232,10 @@ def cost_curve(model) -> CostCurve:
     if curve is None:
         curve = measure_cost(model)
         if path is not None:
+            stored.pop(key, None)  # the newest last: the oldest go first when the file is full
             stored[key] = {"sizes": curve.sizes, "seconds": curve.seconds}  # as timed
+            for old in list(stored)[: max(len(stored) - MAX_STORED_CURVES, 0)]:
+                del stored[old]
             _keep_curves(path, stored)
     profile.cost_curve = lower_hull(curve)
     return profile.cost_curve

@@ -51,3 +51,26 @@ def test_a_broken_curve_file_is_measured_around(tmp_path, monkeypatch, caplog, k
         again = _model(model.config._name_or_path, monkeypatch)  # as a new process would: from the file
         assert cost_curve(again).seconds == curve.seconds
     profile_of(model).reset()  # the shared tiny model leaves with no curve of this test
+
+
+def test_the_curve_file_keeps_the_newest_curves_only(tmp_path, monkeypatch):
+    """Every model folder measured once adds a key (a test's temporary copy of a model too): the file
+    keeps the newest MAX_STORED_CURVES and drops the oldest, so the cache never grows without bound."""
+    from rag_lookahead.decoding import costs
+
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.delenv("RAG_LOOKAHEAD_RECALIBRATE", raising=False)
+    monkeypatch.setattr(costs, "MAX_STORED_CURVES", 3)
+    path = tmp_path / "cost_curves.json"
+    keys = []
+    for i in range(5):
+        model = _model(f"tiny-{i}", monkeypatch)
+        cost_curve(model)
+        keys.append(costs._curve_key(model))
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        assert list(stored) == keys[-3:]  # oldest first, newest last
+    first = _model("tiny-2", monkeypatch)
+    monkeypatch.setenv("RAG_LOOKAHEAD_RECALIBRATE", "1")  # measured again: it moves to the newest place
+    cost_curve(first)
+    assert list(json.loads(path.read_text(encoding="utf-8"))) == [keys[3], keys[4], keys[2]]
+    profile_of(first).reset()
