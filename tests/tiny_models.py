@@ -7,9 +7,18 @@ import functools
 import torch
 from hypothesis import strategies as st
 
+from rag_lookahead.decoding.drafter import TrieDrafter
 from rag_lookahead.tiny import ARCHITECTURES, VOCAB, build_tiny_model
 
-__all__ = ["ARCHITECTURES", "DECODE_CASES", "VOCAB", "build_tiny_model", "reference_generate", "tiny_model"]
+__all__ = [
+    "ARCHITECTURES",
+    "DECODE_CASES",
+    "VOCAB",
+    "PairedDrafter",
+    "build_tiny_model",
+    "reference_generate",
+    "tiny_model",
+]
 
 #: one decode on a tiny model: a short prompt over a small alphabet (repeats give drafts), a budget
 DECODE_CASES = dict(
@@ -37,3 +46,19 @@ def reference_generate(model, prompt: list[int], max_new_tokens: int, eos: int |
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+class PairedDrafter(TrieDrafter):
+    """The trie drafter, checking that every row it retires is one it started, once."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.started: set = set()
+
+    def start(self, row, references) -> None:
+        self.started.add(row.index)
+        super().start(row, references)
+
+    def retire(self, row) -> None:
+        self.started.remove(row.index)  # KeyError: retired without a start, or twice
+        super().retire(row)

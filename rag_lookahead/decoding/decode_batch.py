@@ -145,8 +145,9 @@ class DecodeBatch:
                 self.prefill.queue(row, row_references)
             return rows
         lengths = [row.prompt_length for row in rows]
-        prefilled = []
+        recorded = {row: len(recorder.entries) for row, recorder in self.logprobs.items() if row in rows}
         try:
+            prefilled = []
             for group in prefill_groups(lengths, PREFILL_FORWARD_TOKENS):
                 width = max(lengths[group])  # the group's own padding only
                 cache, logits = prefill_padded(self.model, input_ids[group, -width:], attention_mask[group, -width:])
@@ -154,14 +155,26 @@ class DecodeBatch:
                     row.position = row.prompt_length
                     self._first_token(row, logits[r, -1], references[group][r])
                 prefilled.append((cache, lengths[group]))
+            with self.packed.all_or_nothing():  # every group's prefill succeeded: merge them all, or none
+                for cache, group_lengths in prefilled:
+                    self.packed.append_rows(cache, group_lengths)
         except BaseException:
-            for row in rows:  # nothing of these rows is in the batch yet: the running rows go on as before
-                self.logprobs.pop(row, None)
+            self._forget(rows, recorded)
             raise
-        for cache, group_lengths in prefilled:  # every group's prefill succeeded: merge them
-            self.packed.append_rows(cache, group_lengths)
         self.rows = self.rows + rows
         return rows
+
+    def _forget(self, rows: list[Row], recorded: dict[Row, int]) -> None:
+        """Undo what a failed ``add`` did for its rows (none of them is in the batch): the tokens
+        recorded into the callers' log-probability recorders (a server retries the same request
+        with the same recorder), and the drafter's state of the rows it started."""
+        for row in rows:
+            recorder = self.logprobs.pop(row, None)
+            if recorder is not None:
+                del recorder.entries[recorded.get(row, 0) :]
+            if row.drafting:
+                row.drafting = False
+                self.drafter.retire(row)
 
     def _new_rows(self, input_ids, attention_mask, max_new_tokens, keys, sampling, device) -> list[Row]:
         """The rows of left-padded prompts, with their budgets, keys and choosers; nothing in the cache yet."""
@@ -202,6 +215,7 @@ class DecodeBatch:
         if recorder is not None:
             recorder.record(logits[None], first)
         self.drafter.start(row, references)
+        row.drafting = True
         return first
 
     def propose(self) -> list[DraftTree]:
@@ -351,7 +365,8 @@ class DecodeBatch:
             row.done = True
             if self.prefill is not None:
                 self.prefill.references.pop(row, None)
-            if not row.prefilling:  # the drafter never saw a row that had no token yet
+            if row.drafting:  # the drafter never saw a row that had no token yet (or whose first failed)
+                row.drafting = False
                 self.drafter.retire(row)
             self.logprobs.pop(row, None)
         if len(stay) != len(self.rows):

@@ -17,6 +17,9 @@ The owner of each column is kept on the host too (``row_columns``): row-local at
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -68,6 +71,28 @@ class PackedCache:
         self.owned = torch.block_diag(self.owned.to(device), block.to(device))
         self._owner = np.concatenate([self._owner, np.repeat(np.arange(self.rows - len(lengths), self.rows), lengths)])
         self._row_columns += [int(n) for n in lengths]
+
+    @contextlib.contextmanager
+    def all_or_nothing(self) -> Iterator[None]:
+        """Within: appends that fail part-way (out of memory in a layer's concatenation, say) are
+        undone, so the rows and their columns never disagree. Grown layers are cut back to their
+        old length (a view, as ``DynamicCache.crop`` does) rather than kept whole beside the new
+        ones, which would double the cache's memory while rows join."""
+        cache, length = self.cache, self.length
+        bookkeeping = (self.owned, self._owner, list(self._row_columns))
+        try:
+            yield
+        except BaseException:
+            if cache is None:
+                self.cache = None
+            else:
+                for layer in cache.layers:
+                    if layer.keys.shape[2] > length:
+                        layer.keys = layer.keys[:, :, :length]
+                    if layer.values.shape[2] > length:
+                        layer.values = layer.values[:, :, :length]
+            self.owned, self._owner, self._row_columns = bookkeeping
+            raise
 
     def row_columns(self) -> list[np.ndarray]:
         """Per row, the columns it owns in ascending order (host-side, from ``owned``'s host copy)."""

@@ -34,6 +34,7 @@ class Row:
     draft_state: Any = None  # what the batch's drafter keeps for this row (the trie drafter: its context pool)
     candidates: DraftTree | None = None  # the weighed tree this step's draft was cut from (judges what was cut)
     failure: Exception | None = None  # why choosing this row's tokens failed (it ended there; the others went on)
+    drafting: bool = False  # the drafter started this row (and has not retired it)
 
     @property
     def prompt_length(self) -> int:

@@ -339,3 +339,17 @@ def _lookahead_on_the_layout_matches(model, prompt, max_new, budget, stock):
         assert result.sequences[0, len(prompt) :].tolist() == patched == stock
     finally:
         restore_linears(model)
+
+
+def test_layers_off_the_cpu_never_time_the_cpu_kernels(monkeypatch):
+    """A model whose weights are elsewhere (meta here, a GPU in use) gets no layout, and neither
+    times the CPU's kernels nor reads RAG_LOOKAHEAD_CPU_GEMM (a bad value used to fail its load)."""
+    monkeypatch.setenv(GEMM_ENV, "openblas")
+    packed_kernel.cache_clear()
+    try:
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 128))
+        assert speed_up_cpu_linears(model) == 0
+    finally:
+        monkeypatch.delenv(GEMM_ENV)
+        packed_kernel.cache_clear()

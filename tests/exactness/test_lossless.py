@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import ARCHITECTURES, reference_generate, tiny_model
+from tiny_models import ARCHITECTURES, PairedDrafter, reference_generate, tiny_model
 
 from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding import decode_batch
@@ -177,23 +177,30 @@ def test_rows_joining_a_running_batch_match_single_rows(arch, first, later, join
         assert outputs[key] == reference_generate(model, prompt, max_new + extra[key], None)
 
 
-def test_a_failed_prefill_leaves_the_running_rows_as_they_were():
+@pytest.mark.parametrize("fails", ["prefill", "merge"])
+def test_a_failed_add_leaves_the_running_rows_as_they_were(fails):
     """Rows joining in several prefill groups: when a later group's forward fails (out of memory,
-    say), the groups before it must not stay in the shared cache without rows of their own. They
-    did: the running row then decoded against a cache of foreign columns, and the server, seeing
-    the batch's size unchanged, kept using it."""
+    say), or the merge into the shared cache fails half-way, nothing of the joining rows may stay.
+    It did: the earlier groups' columns stayed in the cache without rows of their own, the running
+    row then decoded against foreign columns, and the server, seeing the batch's size unchanged,
+    kept using it. The callers' log-probability recorders kept the first tokens (a server retries
+    with the same recorder: shifted by one), and the drafter never retired the rows it started."""
     from rag_lookahead.decoding.loop import DecodeBatch
+    from rag_lookahead.decoding.packed_cache import PackedCache
+    from rag_lookahead.decoding.results import LogprobRecorder
 
     model = tiny_model("qwen2")
     config = LookaheadConfig(decoding_length=8, branch_length=4, budget="fixed", use_output_pool=False)
-    batch = DecodeBatch(model, config, frozenset(), None)
+    drafter = PairedDrafter(config)
+    batch = DecodeBatch(model, config, frozenset(), None, drafter)
     first, joining, later = [5, 9, 3, 7, 2, 8], [[4, 4, 6, 1, 9], [7, 3, 3, 8, 2, 6, 1]], [6, 2, 9, 9, 4]
     batch.add(torch.tensor([first]), torch.ones(1, len(first), dtype=torch.long), None, 20, keys=["first"])
     batch.verify_and_accept(batch.propose())
-    real = decode_batch.prefill_padded
+    where = (decode_batch, "prefill_padded") if fails == "prefill" else (PackedCache, "append_rows")
+    real = getattr(*where)
     calls = []
 
-    def second_group_fails(*args, **kwargs):
+    def second_call_fails(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("out of memory (injected)")
@@ -201,15 +208,17 @@ def test_a_failed_prefill_leaves_the_running_rows_as_they_were():
 
     ids = torch.tensor([[0, 0] + joining[0], joining[1]])
     mask = (ids != 0).long()
-    mask[0, 2:] = 1
+    recorders = [LogprobRecorder(), LogprobRecorder()]
     with (
         mock.patch.object(decode_batch, "PREFILL_FORWARD_TOKENS", 8),  # one prompt a group
-        mock.patch.object(decode_batch, "prefill_padded", second_group_fails),
+        mock.patch.object(*where, second_call_fails),
         pytest.raises(RuntimeError, match="injected"),
     ):
-        batch.add(ids, mask, None, 20, keys=["a", "b"])
+        batch.add(ids, mask, None, 20, keys=["a", "b"], logprobs=recorders)
     assert len(calls) == 2
     assert batch.packed.rows == len(batch.rows) == 1 and not batch.logprobs
+    assert all(not recorder.entries for recorder in recorders)
+    assert drafter.started == {"first"}
     batch.add(torch.tensor([later]), torch.ones(1, len(later), dtype=torch.long), None, 20, keys=["later"])
     outputs = {}
     while batch.rows:
@@ -218,6 +227,7 @@ def test_a_failed_prefill_leaves_the_running_rows_as_they_were():
             outputs[row.index] = row.generated
     assert outputs["first"] == reference_generate(model, first, 20, None)
     assert outputs["later"] == reference_generate(model, later, 20, None)
+    assert not drafter.started
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

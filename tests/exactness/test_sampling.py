@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import ARCHITECTURES, tiny_model
+from tiny_models import ARCHITECTURES, PairedDrafter, tiny_model
 from transformers import GenerationConfig
 
 from rag_lookahead import LookaheadConfig, generate
@@ -367,7 +367,8 @@ def test_a_row_whose_sampling_fails_ends_alone(chunked):
     want_sampled = (
         generate(model, sampled_prompt, max_new_tokens=24, config=config, **options).sequences[0, 5:].tolist()
     )
-    batch = DecodeBatch(model, config, frozenset(), None, prefill_chunk=4 if chunked else 0)
+    drafter = PairedDrafter(config)  # a row whose first token failed was never started: no retire
+    batch = DecodeBatch(model, config, frozenset(), None, drafter, prefill_chunk=4 if chunked else 0)
     added = {}
     for key, prompt, sampling in (
         ("greedy", greedy_prompt, None),
@@ -397,7 +398,7 @@ def test_a_row_whose_sampling_fails_ends_alone(chunked):
     assert calls and ended == ["failing"]
     assert "probability tensor" in str(failing.failure)
     assert outputs["greedy"] == want_greedy and outputs["sampled"] == want_sampled
-    assert batch.packed.rows == 0
+    assert batch.packed.rows == 0 and not drafter.started
 
 
 def test_generate_raises_when_one_rows_sampling_fails(monkeypatch):
