@@ -126,6 +126,25 @@ async def fill(client, engine, gate, first: dict, then: list[dict]) -> list[asyn
     return tasks
 
 
+def only_the_first_fails(engine, gate, faults: list, first: dict, second: dict, want_second: str) -> str:
+    """Serve ``first`` and ``second`` in one batch (``gate`` holds the first prefill until the second
+    queues); the injected fault must end ``first`` alone: it gets the generic error, ``second`` its
+    own text, and the server then serves normally. Returns /metrics."""
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            tasks = await fill(client, engine, gate, first, [second])
+            return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    with serving(engine) as base:
+        failed, served = asyncio.run(run(base))
+        assert not faults, "the fault was not injected"
+        assert_generic_error(failed)
+        assert text_of(served) == want_second
+        assert_serves_normally(base, engine, first["prompt"])
+        return httpx.get(base + "/metrics").text
+
+
 def test_step_failure_fails_its_batch_and_the_engine_carries_on(tokenizer, monkeypatch):
     """A decode step of two rows raises: which row is at fault is unknown, so both requests fail (at
     once, with a generic message); the queued request is then served, and so is the next one."""
@@ -179,20 +198,8 @@ def test_a_rows_failed_draw_fails_only_its_request(tokenizer, monkeypatch):
         when=lambda *args, **kwargs: shared["rows"] == 2,
     )
     gate = hold_prefills(monkeypatch)
-
-    async def run(base: str):
-        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-            sampled = completion(a, 40, temperature=0.8, seed=5)
-            tasks = await fill(client, engine, gate, sampled, [completion(b, 24)])
-            return await asyncio.wait_for(asyncio.gather(*tasks), 60)
-
-    with serving(engine) as base:
-        ra, rb = asyncio.run(run(base))
-        assert not faults, "the fault was not injected"
-        assert_generic_error(ra)
-        assert text_of(rb) == want_b
-        assert_serves_normally(base, engine, a)
-        metrics = httpx.get(base + "/metrics").text
+    sampled = completion(a, 40, temperature=0.8, seed=5)
+    metrics = only_the_first_fails(engine, gate, faults, sampled, completion(b, 24), want_b)
     assert metric(metrics, "rag_lookahead_engine_errors_total") == 1
     assert metric(metrics, "rag_lookahead_requests_failed_total") == 1
 
@@ -233,18 +240,7 @@ def test_text_failure_fails_only_that_request(tokenizer, monkeypatch):
         when=lambda tracker, tokens: "MARK" in tracker.stop and len(tracker.ids) == 2,
     )
     gate = hold_prefills(monkeypatch)
-
-    async def run(base: str):
-        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-            tasks = await fill(client, engine, gate, completion(a, 24, stop=["MARK"]), [completion(b, 24)])
-            return await asyncio.wait_for(asyncio.gather(*tasks), 60)
-
-    with serving(engine) as base:
-        marked, plain = asyncio.run(run(base))
-        assert not faults, "the fault was not injected"
-        assert_generic_error(marked)
-        assert text_of(plain) == want_b
-        assert_serves_normally(base, engine, a)
+    only_the_first_fails(engine, gate, faults, completion(a, 24, stop=["MARK"]), completion(b, 24), want_b)
 
 
 class EngineKilled(BaseException):
