@@ -37,24 +37,26 @@ the last bit now and then, as any other bf16 kernel's would (bf16 answers were n
 bit-stable across batch shapes; see the README). The default model's forward over a 256-token
 cache, stock -> this layout (output layer included), 2 threads: 1/8/16/32/48/64 tokens
 83-98/133-145/185/287-294/389-391/493-497 ms -> 66-68/111/153-154/219-222/272-282/327-337 ms.
-Cost: 6 bytes more per weight (the default model: ~2.7 GB), so :func:`speed_up_cpu_linears`
-applies it only while that stays under half the memory available.
+Cost: 6 bytes more per weight (the default model: ~2.7 GB; 2 bytes where oneDNN packs every row
+count, below, and MKL's copy is not made), so :func:`speed_up_cpu_linears` applies it only while
+that stays under half the memory available.
 
 **Which packed kernel, measured per machine.** MKL's GEMMs are tuned for Intel CPUs; on an AMD
-EPYC (AVX512-BF16, 2 vCPUs) they ran 3-6x slower than oneDNN's at every row count, cache-warm
+EPYC (AVX512-BF16, 2 vCPUs) they ran 2.4-6.5x slower than oneDNN's at every row count, cache-warm
 per MLP, in ms: fp32 1/16/64/512 rows MKL packed 3.06/8.50/14.5/78.8 against oneDNN on a
 reordered weight 1.00/1.73/5.71/32.4; bf16 17/32/64 rows MKL on the fp32 copy 8.92/11.2/16.8
 against oneDNN's bf16 1.37/2.80/3.90. There the default model's bf16 forward of 24/32/64 tokens
-over a 700-token cache took 348-366/399-436/617-703 ms with MKL and 79-80/95-100/159-168 ms with
-oneDNN, and a 700-token prompt 4.8-6.4 s against 1.3-1.9 s. So the first packed product of each
-dtype times both kernels on a 32-row product (:func:`packed_kernel`) and oneDNN takes every row
-count where it needs at most 3/4 of MKL's time (here: a quarter to a half); elsewhere (the Xeon
+over a 700-token cache took 348-366/399-436/617-703 ms with MKL and 74-85/94-97/151-157 ms with
+oneDNN, and a 700-token prompt 4.8-6.4 s against 1.3-1.9 s (two rounds each way). So the first
+packed product of each dtype times both kernels on a 32-row product (:func:`packed_kernel`) and
+oneDNN takes every row count where it needs at most 3/4 of MKL's time (here: 0.21-0.49); elsewhere (the Xeon
 above: MKL the faster) the row bands above stay. ``RAG_LOOKAHEAD_CPU_GEMM=mkl`` or ``onednn`` fixes the choice.
 
 Packed and oneDNN kernels run only without autograd (``no_grad``/``inference_mode``, where
 decoding runs); with autograd on, the swapped product. Only the layout of one matrix product
 changes: the same weights, the same sums (the rounding may differ in the last bits, as any
-other kernel's would), so a model's output stays its own; long prompts run the stock kernel.
+other kernel's would), so a model's output stays its own. Long prompts run the stock kernel,
+except where oneDNN is the packed kernel (every row count) or for bf16 (MKL's fp32 copy in blocks).
 
 ``load_model`` applies this to fp32 models on a CPU; call :func:`speed_up_cpu_linears` on a
 model of your own, :func:`restore_linears` to undo it.
@@ -258,7 +260,7 @@ def packed_kernel(dtype: torch.dtype) -> str:
     """``"onednn"`` or ``"mkl"``: the kernel a packed weight of ``dtype`` takes outside the row
     counts that always take oneDNN (bf16's ``BF16_ONEDNN_TOKENS``). ``RAG_LOOKAHEAD_CPU_GEMM``
     fixes it; else both are timed once on a 32 x 896 x 4864 product (about 50 ms), and oneDNN wins
-    where it needs at most 3/4 of MKL's time (see the module's docstring: 2-4x faster on an AMD
+    where it needs at most 3/4 of MKL's time (see the module's docstring: 2.4-6.5x faster on an AMD
     EPYC, slower than MKL on a Xeon). The margin keeps the choice, and so the kernels' rounding,
     the same from run to run on those machines; one whose two kernels run close may see it flip
     (fix it with the variable). Without one of the two, the other."""
@@ -368,7 +370,8 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def speed_up_cpu_linears(model: nn.Module, min_elements: int | None = None) -> int:
     """Give every fp32 ``nn.Linear`` on the CPU with at least ``min_elements`` weights the few-token
     product, and bf16 ones the packed bf16 layout where :func:`bf16_layout_applies` and its copies
-    fit in half the available memory; returns how many layers have it (calling again changes nothing).
+    fit in half the available memory; returns how many layers have it (calling again with the same
+    ``min_elements`` changes nothing).
     ``min_elements`` None: ``MIN_BF16_WEIGHT_ELEMENTS`` for bf16 weights and for fp32 ones where
     oneDNN is fp32's packed kernel, else ``MIN_WEIGHT_ELEMENTS``."""
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

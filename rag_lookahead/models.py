@@ -82,9 +82,10 @@ def load_model(
     off by default, since that code runs with your rights. The tree-mask probe then decides
     whether its attention takes tree drafts or single chains.
     ``few_token_linears``: an fp32 model on a CPU gets :mod:`rag_lookahead.cpu_linear`'s layout of
-    its large linear layers, so forwards of 2-64 tokens (draft verification) cost far less; long
-    prompts are untouched. A bf16 model gets its packed bf16 layout on CPUs with AVX512-BF16 and
-    no AMX, where its copies fit (the default model: ~2.7 GB more). False keeps the stock layers.
+    its large linear layers, so forwards of 2-64 tokens (draft verification) cost far less (long
+    prompts too where oneDNN is the faster packed kernel, e.g. AMD CPUs). A bf16 model gets its
+    packed bf16 layout on CPUs with AVX512-BF16 and no AMX, where its copies fit (the default
+    model: ~2.7 GB more, ~0.9 GB where oneDNN packs). False keeps the stock layers.
     ``greedy_head``: an fp32 or bf16 model on a CPU gets :mod:`rag_lookahead.greedy_head`'s int8 screen of
     its output layer, so greedy steps find their tokens without computing most logits (the same
     tokens, proven by an error bound; ~280 MB more memory for the default model), built on the

@@ -286,7 +286,7 @@ class DecodeBatch:
         return gained
 
     def raise_row_failure(self) -> None:
-        """Raise the first row's failure, for callers that own every row (``generate``, the
+        """Raise the first failed row's failure, for callers that own every row (``generate``, the
         benchmarks); a server instead fails only that row's request (``Row.failure``)."""
         failed = next((row.failure for row in self.rows if row.failure is not None), None)
         if failed is not None:
