@@ -65,6 +65,7 @@ from rag_lookahead.bench.methods import (
 )
 from rag_lookahead.cpu_linear import stock_linears
 from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.sampling import SamplingParams
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.greedy_head import full_output_layer
 
@@ -369,6 +370,7 @@ def bench(
     check_positive({"--limit": limit, "--repeats": repeats, "--max-new-tokens": max_new_tokens})
     extra = extra_depth_methods(extra_branch_length)
     chosen, values = expand_methods(methods, temperatures, extra)
+    SamplingParams(do_sample=True, top_p=top_p)  # a bad --top-p fails here, not after the model loads
     settings = BenchSettings(
         model, dtype, device, device_map, prompts, limit, ids, max_new_tokens, repeats, tuple(chosen), tuple(values),
         top_p, seed, decoding_length, Budget(budget).value, branch_length, extra, SeedMode(seed_mode).value,

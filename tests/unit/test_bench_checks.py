@@ -28,6 +28,7 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("single", ["--methods", "greedy,greedy"], NO_METHOD),
     ("single", ["--temperatures", "nan"], NO_METHOD),
     ("single", ["--branch-length", "0"], "error: branch_length must be an integer from 1 to 256, got 0"),
+    ("single", ["--top-p", "5"], "error: top_p must be a number > 0.0 and <= 1.0, got 5.0"),
     ("single", ["--extra-branch-length", "0"], "error: branch_length must be an integer from 1 to 256, got 0"),
     ("single", ["--json", "{dir}"], FOLDER),
     ("single", ["--json", "{file}/r.json"], "error: --json '{file}/r.json': its folder '{file}' is not a folder"),
