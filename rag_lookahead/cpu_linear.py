@@ -184,19 +184,12 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``functional.linear`` of a 2-D ``x`` with the weight's dtype."""
-        rows = x.shape[0]  # the row count must be x's own: MKL computes garbage for any other
+        rows = x.shape[0]
         if packed_kernel(weight.dtype) == "onednn" or (weight.dtype == torch.bfloat16 and rows in BF16_ONEDNN_TOKENS):
             return onednn_linear(x, self._copy(weight, "onednn"), bias)
-        if weight.dtype == torch.float32:
-            return torch.ops.mkl._mkl_linear(x, self._copy(weight, "mkl"), weight, bias, rows)
-        if rows > _WIDE_BLOCK:  # a long prompt: bounded fp32 temporaries
+        if weight.dtype == torch.bfloat16 and rows > _WIDE_BLOCK:  # a long prompt: bounded fp32 temporaries
             return torch.cat([self.linear(part, weight, bias) for part in x.split(_WIDE_BLOCK)])
-        # MKL checks the original weight's dtype and shape only: a stride-0 fp32 stand-in
-        stand_in = torch.zeros((), dtype=torch.float32).expand(weight.shape)
-        sums = torch.ops.mkl._mkl_linear(x.float(), self._copy(weight, "mkl"), stand_in, None, rows)
-        if bias is not None:
-            sums += bias
-        return sums.to(weight.dtype)
+        return _mkl_product(x, self._copy(weight, "mkl"), weight, bias)
 
     def _copy(self, weight: torch.Tensor, kind: str) -> torch.Tensor:
         source = self._source() if self._source is not None else None
@@ -205,12 +198,34 @@ class PackedWeight:
             self._copies = {}
             self._source, self._stamp = weakref.ref(weight), stamp
         if kind not in self._copies:
-            values = weight.detach()
-            if kind == "mkl":
-                self._copies[kind] = torch.ops.mkl._mkl_reorder_linear_weight(values.float(), PACK_HINT)
-            else:
-                self._copies[kind] = torch.ops.mkldnn._reorder_linear_weight(values, PACK_HINT)
+            self._copies[kind] = (_mkl_packed if kind == "mkl" else _onednn_packed)(weight.detach())
         return self._copies[kind]
+
+
+def _mkl_packed(weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed copy of a weight's values, in fp32 (a bf16 weight's too)."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.float(), PACK_HINT)
+
+
+def _onednn_packed(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's reordered copy of a weight, in its own dtype."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT)
+
+
+def _mkl_product(
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """MKL's packed product of a 2-D ``x`` with ``packed`` (:func:`_mkl_packed` of ``weight``): an
+    fp32 weight's directly; a bf16 weight's in fp32, the sums (and bias) rounded to bf16 once."""
+    rows = x.shape[0]  # the row count must be x's own: MKL computes garbage for any other
+    if weight.dtype == torch.float32:
+        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+    # MKL checks the original weight's dtype and shape only: a stride-0 fp32 stand-in
+    stand_in = torch.zeros((), dtype=torch.float32).expand(weight.shape)
+    sums = torch.ops.mkl._mkl_linear(x.float(), packed, stand_in, None, rows)
+    if bias is not None:
+        sums += bias
+    return sums.to(weight.dtype)
 
 
 def weight_stamp(weight: torch.Tensor) -> tuple:
@@ -232,11 +247,7 @@ def mkl_packed_works() -> bool:
     """Whether this torch has MKL's packed linear and it computes ``functional.linear`` (checked once)."""
     if not torch.backends.mkl.is_available() or not hasattr(torch.ops.mkl, "_mkl_linear"):
         return False
-    return _computes_linear(
-        lambda x, weight, bias: torch.ops.mkl._mkl_linear(
-            x, torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_HINT), weight, bias, x.shape[0]
-        )
-    )
+    return _computes_linear(lambda x, weight, bias: _mkl_product(x, _mkl_packed(weight), weight, bias))
 
 
 @functools.cache
@@ -285,10 +296,7 @@ def _reordered_onednn_works(dtype: torch.dtype) -> bool:
     """Whether oneDNN's linear on a weight it reordered runs here and computes ``functional.linear``."""
     if not (onednn_linear_works() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
-    return _computes_linear(
-        lambda x, weight, bias: onednn_linear(x, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT), bias),
-        dtype,
-    )
+    return _computes_linear(lambda x, weight, bias: onednn_linear(x, _onednn_packed(weight), bias), dtype)
 
 
 def _time_packed_kernels(dtype: torch.dtype, rows: int = 32) -> tuple[float, float]:
@@ -297,13 +305,8 @@ def _time_packed_kernels(dtype: torch.dtype, rows: int = 32) -> tuple[float, flo
         generator = torch.Generator().manual_seed(0)
         weight = torch.randn(4864, 896, generator=generator).to(dtype)
         x = torch.randn(rows, 896, generator=generator).to(dtype)
-        mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight.float(), PACK_HINT)
-        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT)
-        stand_in = torch.zeros((), dtype=torch.float32).expand(weight.shape)
-        kernels = (
-            lambda: torch.ops.mkl._mkl_linear(x.float(), mkl, stand_in, None, rows).to(dtype),
-            lambda: onednn_linear(x, onednn, None),
-        )
+        mkl, onednn = _mkl_packed(weight), _onednn_packed(weight)
+        kernels = (lambda: _mkl_product(x, mkl, weight, None), lambda: onednn_linear(x, onednn, None))
         best = [float("inf"), float("inf")]
         for repeat in range(9):
             for i, kernel in enumerate(kernels):
@@ -380,13 +383,12 @@ def speed_up_cpu_linears(model: nn.Module, min_elements: int | None = None) -> i
         if type(module) is not nn.Linear:
             continue
         weight = module.weight
-        least = min_elements
-        if least is None and weight.device.type == "cpu" and weight.dtype in _LAYOUT_DTYPES:
-            least = _least_elements(weight.dtype)  # times the CPU's kernels: CPU weights only
-        if getattr(module, _MARK, False) or (
-            weight.device.type == "cpu" and weight.dtype in _LAYOUT_DTYPES and weight.numel() >= least
-        ):
+        if getattr(module, _MARK, False):
             chosen.append(module)
+        elif weight.device.type == "cpu" and weight.dtype in _LAYOUT_DTYPES:  # only these time the CPU's kernels
+            least = _least_elements(weight.dtype) if min_elements is None else min_elements
+            if weight.numel() >= least:
+                chosen.append(module)
     bf16 = [m for m in chosen if m.weight.dtype == torch.bfloat16 and not getattr(m, _MARK, False)]
     if bf16 and not (bf16_layout_applies() and _fits(sum(m.weight.numel() for m in bf16) * _bf16_extra_bytes())):
         chosen = [m for m in chosen if m not in bf16]

@@ -145,7 +145,7 @@ class DecodeBatch:
                 self.prefill.queue(row, row_references)
             return rows
         lengths = [row.prompt_length for row in rows]
-        recorded = {row: len(recorder.entries) for row, recorder in self.logprobs.items() if row in rows}
+        recorded = {row: len(self.logprobs[row].entries) for row in rows if row in self.logprobs}
         try:
             prefilled = []
             for group in prefill_groups(lengths, PREFILL_FORWARD_TOKENS):
