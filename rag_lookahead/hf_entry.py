@@ -21,6 +21,7 @@ What would change the output and cannot be reproduced exactly is refused with
 ``ConfigError``, never ignored: logits processors other than the sampling ones transformers
 builds from the config, per-step scores/attentions in the output, custom stopping criteria
 on batches (a batch-level criterion sees other rows; per row we cannot know what it means),
+transformers' own row-wise criteria on a batch without EOS (transformers decodes a stopped row on),
 a ``max_length`` past the model's context window (transformers goes on past it with a
 warning; our loop stops at the window), and sampling a batch of more than one row (transformers'
 draws from the global generator interleave the rows a token a step).
@@ -35,7 +36,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+from transformers.generation.logits_process import (
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rag_lookahead.decoding.config import LookaheadConfig, stop_word_ids
@@ -126,7 +131,8 @@ def _lookahead_generate(
     if streamer is not None and rows > 1:
         raise ConfigError("a streamer takes one row; stream batch size 1 (as transformers' TextStreamer does)")
 
-    params = resolve_sampling(model, generation_config)
+    has_eos = getattr(generation_config, "_eos_token_tensor", None) is not None
+    params = resolve_sampling(model, generation_config, prompt_width=input_ids.shape[1], has_eos=has_eos)
     if params.do_sample and rows > 1:
         # transformers draws one token for every row (finished ones too) from the global generator
         # at each step; rows that accept different numbers of tokens per step cannot keep that order
@@ -168,6 +174,7 @@ def _lookahead_generate(
         eos_token_id=sorted(eos),
         pad_token_id=pad_id,
         on_tokens=watcher.on_tokens,
+        stop_check=watcher.stop_check if custom else None,
         generation_config=generation_config,
     )
     sequences = watcher.sequences(pad_id)
@@ -302,7 +309,9 @@ def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor
 
 
 def _check_processors(given, ours, mask: torch.Tensor) -> None:
-    """The prepared processors must be exactly those our sampling applies (same kinds, same settings)."""
+    """The prepared processors must be exactly those our sampling applies (same kinds, same settings),
+    less those that change nothing (a minimum length the prompt already has)."""
+    given = [p for p in given if not _holds_nothing_back(p, mask.shape[-1])]
     extra = [type(p).__name__ for p in given if type(p) not in {type(o) for o in ours}]
     if extra:
         raise ConfigError(f"logits processors not supported by lookahead decoding: {', '.join(extra)}")
@@ -310,6 +319,14 @@ def _check_processors(given, ours, mask: torch.Tensor) -> None:
     if [type(p) for p in given] != [type(p) for p in ours] or not all(_same(a, b, pads) for a, b in zip(given, ours)):
         names = ", ".join(type(p).__name__ for p in given)
         raise ConfigError(f"logits processors [{names}] differ from the sampling settings of the generation config")
+
+
+def _holds_nothing_back(processor, width: int) -> bool:
+    """A minimum-length processor that never masks EOS here: ``min_length`` at most the input's
+    (padded) width, which transformers compares with (as it makes of ``min_new_tokens=0``)."""
+    if isinstance(processor, MinLengthLogitsProcessor):
+        return processor.min_length <= width
+    return isinstance(processor, MinNewTokensLengthLogitsProcessor) and processor.min_new_tokens <= 0
 
 
 def _same(given, ours, pads: torch.Tensor) -> bool:
@@ -349,12 +366,23 @@ def _read_criteria(criteria, rows: int) -> tuple[int, frozenset[int], list]:
     if rows > 1 and any(not isinstance(c, row_wise) for c in custom):
         names = ", ".join(type(c).__name__ for c in custom if not isinstance(c, row_wise))
         raise ConfigError(f"custom stopping criteria ({names}) need batch size 1 with lookahead decoding")
+    if rows > 1 and custom and not eos:
+        # transformers pads a stopped row only where EOS is set; without it the row decodes on
+        names = ", ".join(type(c).__name__ for c in custom)
+        raise ConfigError(
+            f"stopping criteria ({names}) on a batch need an EOS token with lookahead decoding: without one,"
+            " model.generate keeps decoding a row they stop until every row has stopped; set eos_token_id,"
+            " or generate one row per call"
+        )
     return max_length, frozenset(eos), custom
 
 
 class _RowWatcher:
     """Follows each row token by token as blocks are accepted: streams them and applies the
-    stopping criteria transformers would call after each token, cutting a block where one says stop."""
+    stopping criteria transformers would call after each token, cutting a block where one says stop.
+
+    Rows that draw their tokens ask the criteria during the draws (``stop_check``), so nothing is
+    drawn past a stop; each verdict is kept, so every criterion is still called once a token."""
 
     def __init__(self, input_ids: torch.Tensor, criteria: list, streamer) -> None:
         self.input_ids = input_ids
@@ -362,6 +390,11 @@ class _RowWatcher:
         self.streamer = streamer
         self.generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
         self.stopped: set[int] = set()
+        self._verdicts: dict[tuple[int, int], bool] = {}  # (row, tokens generated) -> stop there
+
+    def stop_check(self, row: int, block: list[int]) -> bool:
+        """Whether the criteria stop ``row`` after the tokens of the step's ``block`` drawn so far."""
+        return bool(self.criteria) and self._should_stop(row, self.generated[row] + block)
 
     def on_tokens(self, row: int, tokens: list[int]) -> bool:
         if row in self.stopped:
@@ -370,18 +403,22 @@ class _RowWatcher:
             self.generated[row].append(token)
             if self.streamer is not None:
                 self.streamer.put(torch.tensor([token]))
-            if self.criteria and self._should_stop(row):
+            if self.criteria and self._should_stop(row, self.generated[row]):
                 self.stopped.add(row)
                 return True
         return False
 
-    def _should_stop(self, row: int) -> bool:
-        text = self.input_ids[row].tolist() + self.generated[row]
-        ids = torch.tensor([text], dtype=torch.long, device=self.input_ids.device)
-        verdicts = [
-            bool(criterion(ids, None).reshape(-1)[0]) for criterion in self.criteria
-        ]  # all, as transformers calls them
-        return any(verdicts)
+    def _should_stop(self, row: int, generated: list[int]) -> bool:
+        key = (row, len(generated))
+        if key not in self._verdicts:
+            ids = torch.tensor(
+                [self.input_ids[row].tolist() + generated], dtype=torch.long, device=self.input_ids.device
+            )
+            verdicts = [  # all, as transformers calls them; a plain bool counts as one for every row, as there
+                bool(torch.as_tensor(criterion(ids, None)).reshape(-1)[0]) for criterion in self.criteria
+            ]
+            self._verdicts[key] = any(verdicts)
+        return self._verdicts[key]
 
     def sequences(self, pad: int) -> torch.LongTensor:
         """The prompt as given plus each row's tokens, right-padded with ``pad`` as transformers pads finished rows."""

@@ -8,6 +8,7 @@ server drives step by step; ``generate`` fills one batch and steps it until ever
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from numbers import Integral
@@ -84,6 +85,7 @@ def generate(
     output_pool: OutputPool | None = None,
     drafter: Drafter | None = None,
     on_tokens: Callable[[int, list[int]], bool | None] | None = None,
+    stop_check: Callable[[int, list[int]], bool] | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -117,6 +119,10 @@ def generate(
         default: the trie drafter of ``config`` with ``output_pool``.
     on_tokens(row, tokens): called as each row's tokens are accepted; return True to end that
         row there (a stop string was seen, the client left).
+    stop_check(row, tokens): for rows that draw their tokens (sampling, a repetition penalty),
+        asked after each token a step draws, with the tokens drawn so far in that step; True ends
+        the row's block there, before the next draw (what ``on_tokens`` would cut must not have
+        been drawn: the random generator must stand where ``model.generate`` leaves it).
     logprobs: record each new token's log-probability under the model (``results``) with the
         ``logprobs`` most likely tokens at its place (0: none); in ``result.logprobs``.
     prefill_chunk: prompt tokens per forward (chunked prefill, see ``prefill``; the same tokens);
@@ -125,9 +131,12 @@ def generate(
     config = config or LookaheadConfig()
     positive_int("max_new_tokens", max_new_tokens)
     ids, mask, references = _checked_inputs(model, input_ids, attention_mask, references)
+    eos = _eos_set(model, eos_token_id, generation_config)
     params = resolve_sampling(
         model,
         generation_config,
+        prompt_width=ids.shape[1],
+        has_eos=bool(eos),
         do_sample=do_sample,
         temperature=temperature,
         top_k=top_k,
@@ -136,7 +145,6 @@ def generate(
         repetition_penalty=repetition_penalty,
     )
     sampling = per_row(params, seed, ids.shape[0])
-    eos = _eos_set(model, eos_token_id, generation_config)
     pad = _pad_id(model, pad_token_id, eos, generation_config)
     if drafter is None and output_pool is None and config.enabled and config.use_output_pool:
         output_pool = profile_of(model).output_pool(
@@ -152,14 +160,17 @@ def generate(
             prefill_chunk=prefill_chunk,
         )
         return _row_by_row(
-            model, ids, mask, references, on_tokens, sampling, max_new_tokens, drafter=drafter, **settings
+            model, ids, mask, references, (on_tokens, stop_check), sampling, max_new_tokens, drafter=drafter, **settings
         )
 
     stats = GenerationStats(rows=ids.shape[0], trace=[] if config.debug else None)
     batch = DecodeBatch(model, config, eos, output_pool, drafter, prefill_chunk=prefill_chunk)
     start = time.perf_counter()
     recorders = None if logprobs is None else [LogprobRecorder(logprobs) for _ in range(ids.shape[0])]
-    batch.add(ids, mask, references, max_new_tokens, sampling=sampling, logprobs=recorders)
+    rows = batch.add(ids, mask, references, max_new_tokens, sampling=sampling, logprobs=recorders)
+    if stop_check is not None:
+        for row in rows:
+            row.chooser.stop_after = functools.partial(stop_check, row.index)
     stats.prefill_seconds = time.perf_counter() - start
     outputs = _decode(batch, stats, on_tokens)
     sequences = assemble(ids, [outputs[r] for r in range(ids.shape[0])], pad)
@@ -224,9 +235,10 @@ def _as_options(params: SamplingParams) -> dict:
     }
 
 
-def _row_by_row(model, ids, mask, references, on_tokens, sampling, max_new_tokens, **settings) -> GenerationResult:
-    """Models without tree masks cannot batch ragged rows; decode each row alone (``settings``:
-    the batch's other ``generate`` keywords)."""
+def _row_by_row(model, ids, mask, references, callbacks, sampling, max_new_tokens, **settings) -> GenerationResult:
+    """Models without tree masks cannot batch ragged rows; decode each row alone (``callbacks``:
+    ``on_tokens`` and ``stop_check``; ``settings``: the batch's other ``generate`` keywords)."""
+    on_tokens, stop_check = callbacks
     outputs, total, logprobs = [], GenerationStats(rows=ids.shape[0]), []
     for r in range(ids.shape[0]):
         length = int(mask[r].sum())
@@ -236,6 +248,7 @@ def _row_by_row(model, ids, mask, references, on_tokens, sampling, max_new_token
             max_new_tokens=max_new_tokens,
             references=[references[r]] if references else None,
             on_tokens=(lambda _row, tokens, r=r: on_tokens(r, tokens)) if on_tokens else None,
+            stop_check=(lambda _row, tokens, r=r: stop_check(r, tokens)) if stop_check else None,
             **settings,
             **_as_options(sampling[r]),
         )

@@ -19,7 +19,7 @@ drafted): the step emits ``A D``. Had it drawn ``C``, the walk would continue at
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from numbers import Integral, Real
 
@@ -125,13 +125,15 @@ def _number(name: str, value, *, low: float, high: float, open_low: bool = False
         raise ConfigError(f"{name} must be a number {bound} and <= {high}, got {value!r}")
 
 
-def resolve_sampling(model, generation_config=None, **options) -> SamplingParams:
+def resolve_sampling(
+    model, generation_config=None, *, prompt_width: int | None = None, has_eos: bool = True, **options
+) -> SamplingParams:
     """The sampling settings ``model.generate`` would use for the same arguments.
 
     Precedence as in transformers: explicit options, then ``generation_config``, then the
     model's own ``generation_config``, then transformers' defaults (e.g. top_k 50 when
     sampling). Options left at None are not given. Settings we do not implement raise
-    ``ConfigError`` rather than being ignored.
+    ``ConfigError`` rather than being ignored (``prompt_width``, ``has_eos``: see ``check_supported``).
     """
     from transformers import GenerationConfig
 
@@ -153,7 +155,7 @@ def resolve_sampling(model, generation_config=None, **options) -> SamplingParams
         raise ConfigError(f"invalid generation options: {err}") from None
     if unknown:
         raise ConfigError(f"unknown generation options: {', '.join(sorted(unknown))}")
-    check_supported(config)
+    check_supported(config, prompt_width, has_eos)
     top_k = config.top_k if config.top_k else None
     return SamplingParams(
         do_sample=bool(config.do_sample),
@@ -165,14 +167,30 @@ def resolve_sampling(model, generation_config=None, **options) -> SamplingParams
     )
 
 
-def check_supported(config) -> None:
-    """Refuse generation options that would change the output and that we do not implement."""
+def check_supported(config, prompt_width: int | None = None, has_eos: bool = True) -> None:
+    """Refuse generation options that would change the output and that we do not implement.
+
+    ``min_length`` and ``min_new_tokens`` only hold EOS back, so they change nothing without EOS
+    ids (transformers then adds no processor for them), and ``min_length`` nothing at or below the
+    prompt's (padded) width, which is what transformers makes of ``min_new_tokens=0``."""
     for name, neutral in _UNSUPPORTED_NEUTRAL.items():
         value = getattr(config, name, None)
+        if name in ("min_length", "min_new_tokens") and _holds_nothing_back(name, value, prompt_width, has_eos):
+            continue
         if value not in neutral:
             asked = getattr(config, "min_new_tokens", None) if name == "min_length" else None
             origin = f" (what transformers makes of min_new_tokens={asked!r})" if asked not in (None, 0) else ""
             raise ConfigError(f"generation option {name}={value!r}{origin} is not supported by lookahead decoding")
+
+
+def _holds_nothing_back(name: str, value, prompt_width: int | None, has_eos: bool) -> bool:
+    if not has_eos:
+        return True
+    if not isinstance(value, Integral):
+        return False
+    if name == "min_new_tokens":
+        return value <= 0
+    return prompt_width is not None and value <= prompt_width
 
 
 def per_row(params: SamplingParams, seed: int | Sequence[int] | None, rows: int) -> list[SamplingParams]:
@@ -219,11 +237,17 @@ class Accepted:
 
 
 class TokenChooser:
-    """One row's rule for picking tokens from logits: its processors and its random generator."""
+    """One row's rule for picking tokens from logits: its processors and its random generator.
+
+    ``stop_after(tokens)``: optional; told the tokens a walk has chosen so far this step, True ends
+    the walk after the last of them. For a caller's own stopping rule (transformers' stopping
+    criteria): a sampled row must stop drawing where the rule stops it, or the draws spent on
+    tokens cut afterwards leave the random generator where ``model.generate`` would not."""
 
     def __init__(self, params: SamplingParams, device) -> None:
         self.params = params
         self.processors = build_processors(params)
+        self.stop_after: Callable[[list[int]], bool] | None = None
         self.generator = None
         if params.do_sample and params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -247,7 +271,8 @@ class TokenChooser:
         self, draft: DraftTree, logits: torch.Tensor, history: Sequence[int], limit: int, eos: frozenset[int]
     ) -> Accepted:
         """Choose down the tree; ``logits[i]`` is node i-1's (0: the root). At most ``limit`` tokens,
-        and none after EOS, so no draw is spent on a token that would be cut."""
+        and none after EOS or where ``stop_after`` says stop, so no draw is spent on a token that
+        would be cut."""
         children = draft.children()
         path = list(history)
         nodes: list[int] = []
@@ -257,7 +282,7 @@ class TokenChooser:
             token = self.choose(path, logits[current + 1])
             tokens.append(token)
             child = children.get((current, token))
-            if child is None or token in eos:
+            if child is None or token in eos or (self.stop_after is not None and self.stop_after(tokens)):
                 break
             nodes.append(child)
             path.append(token)

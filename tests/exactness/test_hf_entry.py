@@ -13,7 +13,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.logits_process import NoBadWordsLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from rag_lookahead import LookaheadConfig
+from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.hf_entry import LookaheadGenerateOutput, hf_generate
 
@@ -259,6 +259,90 @@ def test_custom_stopping_criteria_cut_inside_an_accepted_block():
     assert got.lookahead_stats.new_tokens == 7
 
 
+def test_a_criterion_returning_a_plain_bool_stops_as_in_model_generate():
+    """transformers ORs a criterion's verdict into a tensor, so a plain bool works there (it was an
+    AttributeError here)."""
+
+    class LastIs(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[0, -1].item() == stop_token
+
+    model, prompt, answer, _ = repeating_case()
+    stop_token = answer[5]
+    call = dict(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=24)
+    want = model.generate(**call, stopping_criteria=StoppingCriteriaList([LastIs()]))
+    got = model.generate(
+        **call,
+        custom_generate=hf_generate,
+        references=[[prompt[-2:] + answer]],
+        stopping_criteria=StoppingCriteriaList([LastIs()]),
+    )
+    assert got.tolist() == want.tolist() and want.shape[1] < len(prompt) + 24
+
+
+def test_a_criterion_that_cuts_a_sampled_block_leaves_the_generator_where_model_generate_does():
+    """Sampled blocks were drawn whole and cut by the criterion afterwards: the tokens matched, but
+    the draws past the cut moved torch's generator, so the next call under the same seed differed."""
+    model = tiny_model("qwen2")
+    ids = torch.tensor([[7, 3, 9, 4, 11, 2, 8] * 2])
+    cut = ids.shape[1] + 5
+    torch.manual_seed(123)  # references that hold what sampling will give, so long blocks are accepted
+    references = [[model.generate(input_ids=ids, max_new_tokens=20, do_sample=True)[0].tolist() for _ in range(3)]]
+
+    def session(**ours):
+        torch.manual_seed(123)
+        criteria = [StopAfter(cut) for _ in range(3)]
+        outputs = [
+            model.generate(
+                input_ids=ids, max_new_tokens=20, do_sample=True, stopping_criteria=StoppingCriteriaList([c]), **ours
+            ).tolist()
+            for c in criteria
+        ]
+        return outputs, torch.rand(1).item(), [c.calls for c in criteria]
+
+    ours = session(custom_generate=hf_generate, references=references, lookahead_config=ISOLATED)
+    assert ours == session()
+    assert all(len(o[0]) == cut for o in ours[0])
+
+
+def test_a_stopping_criterion_on_a_batch_without_eos_is_refused():
+    """Without EOS transformers does not pad a row a criterion stopped: it decodes on until every
+    row has stopped. The loop would have padded it (a silent difference), so that case is refused;
+    with EOS (where transformers pads too) the batch runs."""
+    from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+    model = tiny_model("qwen2")
+    ids, mask = padded([[4, 5, 6], [7, 8]])
+    call = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=5)
+    timed = StoppingCriteriaList([MaxTimeCriteria(600)])
+    with pytest.raises(ConfigError, match="need an EOS token"):
+        model.generate(**call, custom_generate=hf_generate, stopping_criteria=timed)
+    want = model.generate(**call, eos_token_id=3, stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(600)]))
+    got = model.generate(**call, eos_token_id=3, custom_generate=hf_generate, stopping_criteria=timed)
+    assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        dict(min_new_tokens=0),  # transformers makes it min_length = the prompt's width
+        dict(min_new_tokens=0, eos_token_id=3),
+        dict(min_length=2, eos_token_id=3),  # shorter than the prompt
+        dict(min_new_tokens=4),  # no EOS: transformers adds no processor
+    ],
+)
+def test_minimum_lengths_that_hold_nothing_back_are_exact(lengths):
+    """They were refused, naming a min_length the caller never set."""
+    model = tiny_model("qwen2")
+    call = dict(input_ids=torch.tensor([[7, 3, 9, 4, 11]]), do_sample=False, max_new_tokens=6, **lengths)
+    assert model.generate(**call, custom_generate=hf_generate).tolist() == model.generate(**call).tolist()
+    config = GenerationConfig(**lengths, do_sample=False)
+    ours = generate(model, [7, 3, 9, 4, 11], max_new_tokens=6, generation_config=config)
+    assert ours.sequences.tolist() == model.generate(**call).tolist()
+    with pytest.raises(ConfigError, match="min_length"):
+        generate(model, [7, 3], max_new_tokens=6, generation_config=GenerationConfig(min_length=4), eos_token_id=3)
+
+
 def test_text_references_and_stop_words_need_the_tokenizer():
     model, prompt, answer, expected = repeating_case()
     tokenizer = tiny_tokenizer()
@@ -317,7 +401,7 @@ def test_lookahead_config_is_the_base_the_keys_override():
         (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
         (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
         (dict(num_beams=2), "num_beams"),
-        (dict(min_new_tokens=3), r"min_length=6 \(what transformers makes of min_new_tokens=3\)"),
+        (dict(min_new_tokens=3, eos_token_id=3), r"min_length=6 \(what transformers makes of min_new_tokens=3\)"),
         (dict(position_ids=torch.tensor([[0, 2, 4]])), "position_ids"),
         (dict(generation_config=GenerationConfig(decoding_mode="par")), "decoding_mode"),
         (dict(generation_config=GenerationConfig(use_lookahead="yes")), "use_lookahead"),
