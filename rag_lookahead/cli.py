@@ -107,7 +107,7 @@ def index_command(
                 max_file_mb=max_file_mb,
                 lock_timeout=lock_timeout,
             )
-    except RagLookaheadError as e:
+    except (RagLookaheadError, OSError) as e:  # OSError: a folder we cannot create, read or lock
         fail(e)
     typer.echo(report.summary())
 
@@ -175,7 +175,7 @@ def ask_command(
             device=device,
             device_map=device_map,
         )
-    except RagLookaheadError as e:
+    except (RagLookaheadError, OSError) as e:
         fail(e)
     if as_json:
         out = dict(result)

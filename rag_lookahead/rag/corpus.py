@@ -172,6 +172,9 @@ def _walk(root: Path, follow_symlinks: bool, skip) -> Iterator[tuple[str, Path]]
         for name in sorted(dirnames):
             if name.startswith("."):
                 continue
+            if not _utf8_name(name):
+                skip("/".join(rel_dir + (_shown(name),)), "folder name is not valid UTF-8 (rename it)")
+                continue
             if not follow_symlinks and (here / name).is_symlink():
                 skip("/".join(rel_dir + (name,)), "symbolic link to a folder, not followed (--follow-symlinks)")
                 continue
@@ -179,7 +182,25 @@ def _walk(root: Path, follow_symlinks: bool, skip) -> Iterator[tuple[str, Path]]
         dirnames[:] = kept
         for name in sorted(filenames):
             if not name.startswith(".") and Path(name).suffix.lower() in SUFFIXES:
+                if not _utf8_name(name):
+                    skip("/".join(rel_dir + (_shown(name),)), "file name is not valid UTF-8 (rename it)")
+                    continue
                 yield "/".join(rel_dir + (name,)), here / name
+
+
+def _utf8_name(name: str) -> bool:
+    """Whether a name from the file system is valid UTF-8 (else it holds surrogate escapes, which
+    the docstore, the manifest and the report cannot write)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(name: str) -> str:
+    """A name as the report can print it: undecodable bytes as ``\\xNN``."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def _size(n: int) -> str:

@@ -71,9 +71,9 @@ MANIFEST, FAISS_FILE, DOCSTORE = "manifest.json", "index.faiss", "docstore.jsonl
 DATA_FILES = (FAISS_FILE, DOCSTORE)
 DATA_MARK = ".rag_lookahead-data"  # written into each data folder we make, before anything else
 DATA_PREFIX = "data-"
-DATA_NAME = re.compile(r"data-[a-z0-9_]{1,32}")  # what tempfile.mkdtemp(prefix=DATA_PREFIX) makes
+DATA_NAME = re.compile(r"data-[a-z0-9_]{8}")  # what tempfile.mkdtemp(prefix=DATA_PREFIX) makes
 LOCK_FILE = ".rag_lookahead.lock"
-MANIFEST_TMP_PREFIX = f".{MANIFEST}."  # write_json_atomic's temp files
+MANIFEST_TMP = re.compile(rf"\.{re.escape(MANIFEST)}\.[0-9a-f]{{8}}")  # write_json_atomic's temp files
 LOCK_TIMEOUT_S = 600.0  # how long a build waits for another build of the same folder (--lock-timeout)
 READ_ATTEMPTS = 5  # a reader re-reads at most this often while builds keep publishing new versions
 
@@ -174,6 +174,8 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
             actual = file_sha256(path)
         except FileNotFoundError:  # a build removed it after the is_file check: the caller reads again
             raise IndexLoadError(f"index at {index_dir} is incomplete: {name} is missing") from None
+        except OSError as e:
+            raise IndexLoadError(f"cannot read {path}: {e.strerror or e}") from None
         if actual != expected:
             raise IndexLoadError(
                 f"index at {index_dir} is corrupt: {name} does not match the sha256 in {MANIFEST}; rebuild it"
@@ -198,6 +200,8 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
                 records.append(r)
     except FileNotFoundError:  # removed by a build after the hash check
         raise IndexLoadError(f"index at {index_dir} is incomplete: {DOCSTORE} is missing") from None
+    except OSError as e:
+        raise IndexLoadError(f"cannot read {data_dir / DOCSTORE}: {e.strerror or e}") from None
     n, d = int(manifest["num_chunks"]), int(manifest["dimension"])
     if fidx.ntotal != n or len(records) != n:
         raise IndexLoadError(
@@ -249,8 +253,9 @@ def _our_manifest(path: Path) -> dict | None:
 
 
 def _is_our_data_dir(path: Path) -> bool:
-    """A ``data-*`` folder (not a link) that is empty (what an interrupted build leaves before its
-    mark) or carries our mark and holds nothing but our file names."""
+    """A folder (not a link) named as ``tempfile.mkdtemp`` names ours (``data-`` and 8 characters)
+    that is empty (what an interrupted build leaves before its mark) or carries our mark and holds
+    nothing but our file names."""
     if not DATA_NAME.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
         return False
     children = list(path.iterdir())
@@ -264,7 +269,7 @@ def _is_our_data_dir(path: Path) -> bool:
 
 def _is_our_leftover(path: Path) -> bool:
     """What an interrupted first build can leave in a folder that has no manifest yet."""
-    if path.name == LOCK_FILE or path.name.startswith(MANIFEST_TMP_PREFIX):
+    if path.name == LOCK_FILE or MANIFEST_TMP.fullmatch(path.name):
         return path.is_file() and not path.is_symlink()
     return _is_our_data_dir(path)
 
@@ -349,7 +354,7 @@ def _remove_old_versions(index_dir: Path, current: str, replaced: _Published) ->
     for child in index_dir.iterdir():
         if child.name == current or child.is_symlink():
             continue
-        if child.name.startswith(MANIFEST_TMP_PREFIX) and child.is_file():
+        if MANIFEST_TMP.fullmatch(child.name) and child.is_file():
             child.unlink()
         elif child.name in replaced.top_level and child.is_file():
             if file_sha256(child) == replaced.top_level[child.name]:

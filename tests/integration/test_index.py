@@ -380,7 +380,10 @@ def one_line(text: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("kind", ["user files", "foreign manifest", "subfolder", "data folder of the user's"])
+@pytest.mark.parametrize(
+    "kind",
+    ["user files", "foreign manifest", "subfolder", "data folder of the user's", "swap file", "empty data folder"],
+)
 def test_cli_refuses_a_folder_that_is_not_an_index(tmp_path, built, kind):
     notes = tmp_path / "notes"
     notes.mkdir()
@@ -391,6 +394,10 @@ def test_cli_refuses_a_folder_that_is_not_an_index(tmp_path, built, kind):
     elif kind == "subfolder":
         (notes / "drafts").mkdir()
         (notes / "drafts" / "chapter1.md").write_text("chapter one", encoding="utf-8")
+    elif kind == "swap file":  # any .manifest.json.* was taken for our temporary file, and deleted
+        (notes / ".manifest.json.swp").write_text("an editor's swap file", encoding="utf-8")
+    elif kind == "empty data folder":  # any empty data-* folder was taken for an interrupted build's
+        (notes / "data-old").mkdir()
     else:  # our folder name and file names, but not our mark: it was taken for a leftover and deleted
         (notes / "data-backup").mkdir()
         (notes / "data-backup" / "docstore.jsonl").write_text('{"my": "precious data"}\n', encoding="utf-8")
@@ -420,6 +427,39 @@ def test_cli_builds_into_an_empty_folder_and_rebuilds_its_own_index(tmp_path, bu
     again = run_cli("index", str(built[0]), "--index-dir", str(target), "--no-progress")
     assert again.exit_code == 0, again.output
     assert "3 unchanged" in again.stdout and "0 embedded" in again.stdout
+
+
+def test_a_name_that_is_not_utf8_is_skipped_and_the_rest_indexed(tmp_path, built):
+    """It failed the whole run with a UnicodeEncodeError traceback (the docstore could not write it)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "ok.txt").write_text(TEA, encoding="utf-8")
+    (corpus / os.fsdecode(b"caf\xe9.txt")).write_text(TRAIN, encoding="utf-8")
+    (corpus / os.fsdecode(b"d\xe9j\xe0")).mkdir()
+    (corpus / os.fsdecode(b"d\xe9j\xe0") / "inside.txt").write_text(PANDA, encoding="utf-8")
+    result = run_cli("index", str(corpus), "--index-dir", str(tmp_path / "idx"), "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "indexed 1 files" in result.stdout
+    assert "caf\\xe9.txt: file name is not valid UTF-8" in result.stdout
+    assert "d\\xe9j\\xe0: folder name is not valid UTF-8" in result.stdout
+
+
+def test_a_folder_the_system_refuses_is_one_line(tmp_path, built):
+    (tmp_path / "afile").write_text("a file", encoding="utf-8")
+    result = run_cli("index", str(built[0]), "--index-dir", str(tmp_path / "afile" / "sub"), "--no-progress")
+    assert result.exit_code == 1 and "Not a directory" in one_line(result.stderr)
+
+
+def test_an_unreadable_data_file_is_an_index_load_error(tmp_path, built, embedder, monkeypatch):
+    """(Root reads any file, so the refusal is injected where the hash reads it.)"""
+    index_dir = copy_index(built, tmp_path)
+
+    def refused(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(store, "file_sha256", refused)
+    with pytest.raises(IndexLoadError, match="cannot read .*Permission denied"):
+        ix.load_index(index_dir, embedder)
 
 
 def test_the_command_reports_each_skipped_file_once(tmp_path, built):
@@ -498,8 +538,13 @@ def test_rebuild_deletes_only_what_it_wrote(tmp_path, built, embedder):
     (index_dir / "data-userstuff" / "photo.jpg").write_bytes(b"\xff\xd8")
     (index_dir / "data-backup").mkdir()  # our name pattern and file names, not our mark
     (index_dir / "data-backup" / "docstore.jsonl").write_text("a backup\n", encoding="utf-8")
+    (index_dir / "data-old").mkdir()  # empty, but not named as mkdtemp names ours
+    (index_dir / ".manifest.json.bak").write_text("a copy", encoding="utf-8")  # not write_json_atomic's name
     with pytest.warns(UserWarning, match="blob.txt"):
         build(built[0], index_dir, embedder)
+    assert (index_dir / "data-old").is_dir() and (index_dir / ".manifest.json.bak").read_text(
+        encoding="utf-8"
+    ) == "a copy"
     assert (index_dir / "data-backup" / "docstore.jsonl").read_text(encoding="utf-8") == "a backup\n"
     assert (index_dir / "my-notes.txt").read_text(encoding="utf-8") == "mine"
     assert sorted(p.name for p in old_data.iterdir()) == ["keep.txt"]  # our two files gone, theirs kept
