@@ -44,6 +44,7 @@ from pydantic import ConfigDict, Field, StrictFloat, StrictInt
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.batching import BatchCall, decode_together, gather_of_this_thread, run_wave, settings_key
 from rag_lookahead.langchain.engine import CancellableAsync, Engine, RowRequest
@@ -172,6 +173,11 @@ class ChatLookahead(CancellableAsync, SamplingFields, BaseChatModel):
 
         if not isinstance(llm, LookaheadLLM):
             raise ConfigError(f"from_llm takes a LookaheadLLM, got {type(llm).__name__}")
+        if llm.system_prompt:  # a chat model takes it as a message: carrying it over silently was impossible
+            raise ConfigError(
+                "from_llm cannot carry llm.system_prompt over (a chat model takes it as a SystemMessage): "
+                "give it as the first message of each call, or build the LookaheadLLM without system_prompt"
+            )
         settings: dict[str, Any] = {
             "model_name": llm.model_name,
             "lookahead": llm.lookahead,
@@ -273,6 +279,9 @@ class ChatLookahead(CancellableAsync, SamplingFields, BaseChatModel):
             tools = []
         chat = template_messages(messages)
         ids = encode_messages(self._engine.tokenizer, chat, tools=tools or None, answer_prefix=opening)
+        limit = context_limit(self._engine.model)
+        if limit is not None and len(ids) >= limit:  # here, so a batch fails this input alone
+            raise InputError(f"the input has {len(ids)} tokens but the model's context holds {limit}")
         passages = self._references(references, chat)
         request = RowRequest(
             ids,

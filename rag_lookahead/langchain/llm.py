@@ -25,6 +25,8 @@ LLM's engine and output pool).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing
@@ -115,7 +117,23 @@ class LookaheadLLM(CancellableAsync, SamplingFields, BaseLLM):
             "system_prompt": self.system_prompt,
             "weights": self._engine.fingerprint,  # two loaded models may share a name ("custom")
         }
+        options = _CALL_OPTIONS.get()
+        if options:  # this call's own options: LangChain's LLM cache keys on these params and stop only
+            params["call_options"] = options
         return params | self._sampling_params()
+
+    def generate(self, prompts: list[str], stop: list[str] | None = None, callbacks=None, **kwargs: Any) -> LLMResult:
+        """LangChain's ``generate``, with this call's options (``max_new_tokens``, sampling, ...) in
+        the cache key: ``BaseLLM`` keys its cache on the model's fields and ``stop`` only, so a
+        cached 4-token answer came back for ``max_new_tokens=20``."""
+        with _call_options(kwargs):
+            return super().generate(prompts, stop, callbacks, **kwargs)
+
+    async def agenerate(
+        self, prompts: list[str], stop: list[str] | None = None, callbacks=None, **kwargs: Any
+    ) -> LLMResult:
+        with _call_options(kwargs):
+            return await super().agenerate(prompts, stop, callbacks, **kwargs)
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub)."""
@@ -265,3 +283,18 @@ class LookaheadLLM(CancellableAsync, SamplingFields, BaseLLM):
         if rest and run_manager is not None:
             run_manager.on_llm_new_token(rest, chunk=chunk)
         yield chunk
+
+
+_CALL_OPTIONS: contextvars.ContextVar[str | None] = contextvars.ContextVar("rag_lookahead_llm_call", default=None)
+_NOT_OPTIONS = frozenset({"tags", "metadata", "run_name", "run_id"})  # LangChain's own keywords of generate
+
+
+@contextlib.contextmanager
+def _call_options(kwargs: Mapping[str, Any]) -> Iterator[None]:
+    """Make this call's options part of ``_identifying_params`` while LangChain reads them."""
+    options = {k: v for k, v in kwargs.items() if k not in _NOT_OPTIONS and v is not None}
+    token = _CALL_OPTIONS.set(repr(sorted(options.items())) if options else None)
+    try:
+        yield
+    finally:
+        _CALL_OPTIONS.reset(token)

@@ -89,7 +89,7 @@ def template_messages(messages: Sequence[BaseMessage]) -> list[dict]:
             out[-1]["content"] += "\n\n" + item["content"]
         else:
             out.append(item)
-    if not out or not any(m["content"] or m.get("tool_calls") for m in out):
+    if not out or not any(_said(m["content"]) or m.get("tool_calls") for m in out):
         raise InputError("the messages are empty: give the model a question or an instruction")
     return out
 
@@ -153,3 +153,8 @@ def unsent_text(run: EngineRun, row: int, content: str) -> str:
     """What the row's answer text still lacks after the pieces emitted block by block."""
     emitted = run.trackers[row].emitted
     return content[len(emitted) :] if content.startswith(emitted) else ""
+
+
+def _said(content) -> bool:
+    """Whether a message's content holds anything but whitespace (as an empty prompt, a blank one is refused)."""
+    return bool(content.strip()) if isinstance(content, str) else bool(content)

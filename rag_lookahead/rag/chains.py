@@ -202,6 +202,13 @@ def build_rag_chain(
     given in the input dict: ``{"question": q, "enable_lookahead": False}``. Token callbacks
     (``config={"callbacks": [...]}``) receive each accepted block's text.
     """
+    from langchain_core.language_models import BaseChatModel
+
+    if isinstance(llm, BaseChatModel):  # its generate() takes message lists: it failed inside LangChain
+        raise ConfigError(
+            f"build_rag_chain takes a text LLM (LookaheadLLM), got the chat model {type(llm).__name__}: "
+            "use build_chat_rag_chain for chat models"
+        )
     _check_k(k_prompt, k_seed)
     retriever = as_retriever(retriever_or_index, k_seed)
 

@@ -286,6 +286,8 @@ def check_target(index_dir: Path, advice: str = "choose a new or empty folder wi
     if _our_manifest(index_dir / MANIFEST) is not None:
         return
     foreign = sorted(c.name for c in index_dir.iterdir() if not _is_our_leftover(c))
+    if foreign == [MANIFEST] and _our_manifest(index_dir / MANIFEST) is not None:
+        return  # a build (holding the lock, which we check before) published between the two looks
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise ConfigError(

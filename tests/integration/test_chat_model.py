@@ -122,6 +122,8 @@ def test_template_messages_convert_history():
         template_messages([HumanMessage([{"type": "image", "url": "https://example.com/cat.png"}])])
     with pytest.raises(InputError, match="empty"):
         template_messages([HumanMessage("")])
+    with pytest.raises(InputError, match="empty"):  # as LookaheadLLM refuses a blank prompt (it was answered)
+        template_messages([SystemMessage(" "), HumanMessage("  \n ")])
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +179,13 @@ def test_shares_engine_with_lookahead_llm_and_answers_alike(weights, chat, singl
     assert ChatLookahead(model=model, tokenizer=tok).get_engine() is chat.get_engine()  # one engine per model
     assert llm.invoke(QUOTE) == singles[QUOTE].content  # same template, same engine code, same text
     assert from_llm.invoke(QUOTE).content == singles[QUOTE].content
+    prompted = LookaheadLLM(model=model, tokenizer=tok, system_prompt="Always answer in French.")
+    with pytest.raises(ConfigError, match="system_prompt"):  # it was dropped without a word
+        ChatLookahead.from_llm(prompted)
+    from rag_lookahead.rag.chains import build_rag_chain
+
+    with pytest.raises(ConfigError, match="build_chat_rag_chain"):  # it failed inside LangChain
+        build_rag_chain(chat, None)
 
 
 @slow
@@ -192,6 +201,10 @@ def test_batch_is_one_decode_with_the_same_answers(chat, singles):
     assert isinstance(mixed[1], InputError)
     assert [mixed[0].response_metadata["batch_size"], mixed[2].response_metadata["batch_size"]] == [2, 2]
     assert mixed[2].content == singles[COUNT].content
+    # an input past the context window fails alone too (it failed every row of its batch)
+    long = chat.batch([HELLO, "hello " * 33_000, COUNT], return_exceptions=True)
+    assert isinstance(long[1], InputError) and "context holds" in str(long[1])
+    assert [long[0].content, long[2].content] == [singles[HELLO].content, singles[COUNT].content]
     async_answers = asyncio.run(chat.abatch(prompts))
     assert [a.content for a in async_answers] == [singles[p].content for p in prompts]
     assert async_answers[0].response_metadata["batch_size"] == 3

@@ -659,6 +659,23 @@ def test_readers_see_old_or_new_while_a_writer_rebuilds(tmp_path, embedder):
     assert [p.name for p in index_dir.iterdir() if p.is_dir()] == [artifact(index_dir, "x").parent.name]
 
 
+def test_a_manifest_published_between_the_two_looks_is_taken_as_ours(tmp_path, built, monkeypatch):
+    """A second build checks the folder before it waits for the lock; a first build publishing just
+    then made it see manifest.json among the files after having found no manifest (a refusal)."""
+    index_dir = tmp_path / "index"
+    index_dir.mkdir()
+    (index_dir / "manifest.json").write_bytes((built[1] / "manifest.json").read_bytes())
+    real, looks = store._our_manifest, []
+
+    def not_there_yet(path):
+        looks.append(path)
+        return None if len(looks) == 1 else real(path)
+
+    monkeypatch.setattr(store, "_our_manifest", not_there_yet)
+    store.check_target(index_dir)
+    assert len(looks) == 2
+
+
 def test_second_build_waits_for_the_first(tmp_path, embedder, monkeypatch, caplog):
     """Two builds of one folder: while the first holds the lock the second waits (and uses the first's
     result) or, past its timeout, fails clearly; neither destroys the other's work."""
@@ -693,11 +710,12 @@ def test_second_build_waits_for_the_first(tmp_path, embedder, monkeypatch, caplo
             with pytest.raises(ix.IndexBusyError):
                 build(a, index_dir, "e5-small", lock_timeout=0.2)
         with caplog.at_level("WARNING", logger="rag_lookahead.rag.store"):
+            waits = caplog.text.count("waiting up to")  # the refused builds above waited too
             second.start()
             deadline = time.monotonic() + 60
-            while "waiting up to" not in caplog.text and time.monotonic() < deadline:
+            while caplog.text.count("waiting up to") == waits and time.monotonic() < deadline:
                 time.sleep(0.02)
-            assert "waiting up to" in caplog.text
+            assert caplog.text.count("waiting up to") > waits
     finally:
         release.set()
         first.join()

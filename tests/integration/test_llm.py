@@ -128,6 +128,22 @@ def test_empty_prompt_is_an_input_error(llm):
             list(llm.stream(bad))
 
 
+def test_the_llm_cache_keys_on_each_calls_options(llm):
+    """LangChain's LLM cache keys on the model's fields and stop only: a cached 4-token answer came
+    back for max_new_tokens=8, and a greedy one for a seeded sample."""
+    from langchain_core.caches import InMemoryCache
+
+    cache = InMemoryCache()
+    cached = llm.model_copy(update={"cache": cache})
+    short = cached.invoke(PROMPTS[3], max_new_tokens=4)
+    longer = cached.invoke(PROMPTS[3], max_new_tokens=8)
+    assert longer == llm.invoke(PROMPTS[3], max_new_tokens=8) and longer != short
+    assert cached.invoke(PROMPTS[3], max_new_tokens=4) == short and len(cache._cache) == 2  # a hit, no new entry
+    cached.invoke(PROMPTS[3], max_new_tokens=4, temperature=0.9, seed=1)
+    assert len(cache._cache) == 3
+    assert "call_options" not in llm._identifying_params  # only while a call reads them
+
+
 def test_identifying_params_and_serialization(llm):
     assert llm._llm_type == "rag_lookahead"
     params = dict(llm._identifying_params)
