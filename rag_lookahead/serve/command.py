@@ -54,7 +54,9 @@ def serve(
         None, help="document index for /v1/rag (default: the default index, if built)"
     ),
     max_batch_size: int = typer.Option(_D.max_batch_size),
-    max_queue: int = typer.Option(_D.max_queue, help="waiting requests beyond the batch; more get 429"),
+    max_queue: int = typer.Option(
+        _D.max_queue, help="choices waiting beyond the batch (a request takes n); more get 429"
+    ),
     max_batch_tokens: int | None = typer.Option(
         None,
         help="KV token budget: each request holds prompt + max_tokens while waiting or running; past it 429 "

@@ -67,7 +67,8 @@ class ServerConfig:
     served_model_name: the name reported in responses when the request names none.
     index_dir: document index for ``/v1/rag`` (None: the default index if it exists).
     max_batch_size: most rows decoded together.
-    max_queue: most requests waiting for a batch slot; more are refused with 429.
+    max_queue: most choices waiting for a batch slot (a request with ``n`` choices takes ``n``
+        places); more are refused with 429, a request with more than ``max_queue`` choices with 400.
     max_batch_tokens: the KV token budget: each request holds prompt + max_tokens tokens from
         submission to its end, and one that would take the running and waiting requests past
         the budget is refused with 429 and a Retry-After header (400 if it alone exceeds it).

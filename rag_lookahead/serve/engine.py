@@ -187,12 +187,19 @@ class Engine:
             return engine_stopped()
         if self._stopping or self._draining:
             return shutting_down()
-        rate = self.batches.tokens_per_second
-        if len(self._waiting) >= self.config.max_queue:
+        rate, limit, choices = self.batches.tokens_per_second, self.config.max_queue, max(1, len(jobs))
+        if choices > limit:  # never fits: a 400, not a 429 to retry forever
+            return ApiError(
+                400,
+                f"this request's n={choices} choices can never all wait in the queue (max_queue={limit}); lower n",
+                param="n",
+                code="request_too_large",
+            )
+        if len(self._waiting) + choices > limit:  # the queue holds choices: an n-choice request takes n places
             wait = self.token_budget.retry_after(self.token_budget.need_of(jobs) if jobs else 1, rate)
             return busy(
-                f"the server is busy: {len(self._waiting)} requests are already waiting "
-                f"(max_queue={self.config.max_queue}); retry after {wait} s",
+                f"the server is busy: {len(self._waiting)} choices are already waiting and this request "
+                f"has {choices} (max_queue={limit}); retry after {wait} s",
                 wait,
             )
         return self.token_budget.refusal(jobs, rate)

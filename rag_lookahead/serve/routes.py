@@ -253,7 +253,7 @@ async def models(http_request: Request) -> dict:
     return ModelList(data=[ModelCard(id=_engine(http_request).config.model_name)]).model_dump()
 
 
-@status.get("/health", response_model=Health, responses={503: {"model": Health}})
+@status.api_route("/health", methods=["GET", "HEAD"], response_model=Health, responses={503: {"model": Health}})
 async def health(http_request: Request) -> JSONResponse:
     engine = _engine(http_request)
     state = health_status(engine)

@@ -409,6 +409,8 @@ def test_tiny_validation_health_metrics(tokenizer):
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
             health = client.get("/health")
             assert health.status_code == 200 and health.json()["status"] == "ok"
+            head = client.head("/health")  # load balancers probe with HEAD (it answered 405)
+            assert head.status_code == 200 and head.content == b""
             assert client.get("/v1/models").json()["data"][0]["object"] == "model"
             r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

@@ -139,6 +139,38 @@ def test_queue_full_429_carries_retry_after(tokenizer, monkeypatch):
     assert "max_queue" in refused.json()["error"]["message"]
 
 
+def test_queue_counts_each_choice(tokenizer, monkeypatch):
+    """max_queue=2, one waiting: a request of n=2 choices is refused (it was queued, leaving 3 waiting
+    and the next client told "3 requests are already waiting"); n=1 still fits; n above max_queue
+    can never fit, so it is a 400, not a 429 to retry forever."""
+    engine = tiny_engine(tokenizer, max_batch_size=1, max_queue=2)
+    a, b, c = tiny_prompts(3, seed=36)
+    gate = hold_steps(monkeypatch)
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            tasks = [asyncio.create_task(client.post("/v1/completions", json=completion(a, 8)))]
+            await until(lambda: engine.active == 1)
+            tasks.append(asyncio.create_task(client.post("/v1/completions", json=completion(b, 8))))
+            await until(lambda: engine.queue_depth == 1)
+            pair = await asyncio.wait_for(client.post("/v1/completions", json=completion(c, 8, n=2)), 10)
+            depth = engine.queue_depth
+            many = await asyncio.wait_for(client.post("/v1/completions", json=completion(c, 8, n=3)), 10)
+            tasks.append(asyncio.create_task(client.post("/v1/completions", json=completion(c, 8))))
+            await until(lambda: engine.queue_depth == 2)
+            gate.set()
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            return pair, depth, many, done
+
+    with serving(engine) as base:
+        pair, depth, many, done = asyncio.run(run(base))
+    assert_busy(pair)
+    assert depth == 1 and "has 2" in pair.json()["error"]["message"]
+    assert many.status_code == 400 and many.json()["error"]["param"] == "n"
+    assert "max_queue=2" in many.json()["error"]["message"]
+    assert [r.status_code for r in done] == [200, 200, 200]
+
+
 @pytest.mark.parametrize("chunk", [0, 16])
 def test_long_prompts_in_chunks_give_single_request_texts(tokenizer, chunk):
     """Short and long (180-token) prompts at once, prefilled in chunks of 16 (or whole): every text
