@@ -5,7 +5,8 @@
 Each output line: {"question", "answer", "sources": [{source, chunk_id, score, in_prompt, snippet}], "stats"}
 in input order. Questions are answered in batches through one batched generate call each
 (``LookaheadLLM.generate``, like ``.batch``); the output file is written to a temporary sibling and renamed into
-place, so an interrupted run never leaves a half-written file.
+place, so an interrupted run never leaves a half-written file; an existing file at that path is replaced only
+if it is an earlier answers file of this pipeline.
 """
 
 from __future__ import annotations
@@ -17,25 +18,40 @@ from pathlib import Path
 from rag_args import open_index, rag_parser, run
 
 from rag_lookahead.atomic import write_jsonl_atomic
+from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError
 from rag_lookahead.langchain.llm import LookaheadLLM
-from rag_lookahead.rag.chains import as_retriever, make_prompt, retrieve, source_info
+from rag_lookahead.output_files import check_output_file
+from rag_lookahead.rag.chains import as_retriever, check_k, make_prompt, retrieve, source_info
 
 
 def read_questions(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read the questions file {str(path)!r}: {e}") from None
     questions = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                q = json.loads(line)["question"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise InputError(f"{path}:{lineno}: expected a JSON object with a 'question' ({e})") from None
-            if not isinstance(q, str) or not q.strip():
-                raise InputError(f"{path}:{lineno}: the question is empty")
-            questions.append(q.strip())
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)["question"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise InputError(f"{path}:{lineno}: expected a JSON object with a 'question' ({e})") from None
+        if not isinstance(q, str) or not q.strip():
+            raise InputError(f"{path}:{lineno}: the question is empty")
+        questions.append(q.strip())
     return questions
+
+
+def is_answers_file(path: Path) -> bool:
+    """Whether ``path`` is an earlier output of this pipeline (every line an answer record), which
+    a rerun may replace; any other file at the output path is refused, never overwritten."""
+    try:
+        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return False
+    return all(isinstance(r, dict) and {"question", "answer", "sources"} <= r.keys() for r in records)
 
 
 def main() -> None:
@@ -46,6 +62,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--no-lookahead", action="store_true")
     args = ap.parse_args()
+    check_k(args.k, args.k_seed)
+    positive_int("--batch-size", args.batch_size)
+    positive_int("--max-new-tokens", args.max_new_tokens)
+    check_output_file(args.answers, "answers", ours=is_answers_file, inputs=[args.questions])
 
     questions = read_questions(args.questions)
     retriever = as_retriever(open_index(args), args.k_seed)

@@ -10,7 +10,14 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["fsync_dir", "fsync_file", "write_text_atomic", "write_json_atomic", "write_jsonl_atomic"]
+__all__ = [
+    "fsync_dir",
+    "fsync_file",
+    "write_bytes_atomic",
+    "write_text_atomic",
+    "write_json_atomic",
+    "write_jsonl_atomic",
+]
 
 
 def fsync_file(path: Path | str) -> None:
@@ -57,7 +64,7 @@ def _create_beside(path: Path, private: bool) -> tuple[int, Path]:
     raise FileExistsError(f"no free temporary name beside {path}")
 
 
-def write_text_atomic(path: Path | str, text: str, *, private: bool = False) -> None:
+def write_bytes_atomic(path: Path | str, data: bytes, *, private: bool = False) -> None:
     """Write to a temporary file beside ``path``, flush it to disk, rename it into place, flush the folder.
     The file keeps the mode it had; a new one gets the usual mode (0o666 less the umask).
     ``private``: readable by its owner only (0o600), for files that hold a user's document text."""
@@ -65,8 +72,8 @@ def write_text_atomic(path: Path | str, text: str, *, private: bool = False) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _create_beside(path, private)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -74,6 +81,11 @@ def write_text_atomic(path: Path | str, text: str, *, private: bool = False) -> 
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path | str, text: str, *, private: bool = False) -> None:
+    """``text`` in UTF-8 by :func:`write_bytes_atomic`."""
+    write_bytes_atomic(path, text.encode("utf-8"), private=private)
 
 
 def write_json_atomic(path: Path | str, data, *, private: bool = False) -> None:

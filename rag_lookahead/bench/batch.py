@@ -21,7 +21,7 @@ from typing import Annotated
 import torch
 import typer
 
-from rag_lookahead.atomic import write_json_atomic
+from rag_lookahead.bench import plots
 from rag_lookahead.bench.common import (
     DEFAULT_BRANCH_LENGTH,
     BranchLengthOption,
@@ -53,6 +53,7 @@ from rag_lookahead.cpu_linear import stock_linears
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
 from rag_lookahead.errors import ConfigError
+from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.batch"
 BASE_METHODS = ("hf_greedy", "plain", "lookahead")
@@ -230,8 +231,8 @@ def batch(
     plot: PlotOption = False,
 ) -> dict:
     """Throughput benchmark: many requests at once, batched."""
-    check_plot(plot, json_path)
-    check_output_path(json_path)
+    check_plot(plot, json_path, plots.BATCH_CHARTS)
+    check_output_path(json_path, inputs=[prompts])
     check_positive({"--requests": requests, "--max-new-tokens": max_new_tokens, "--repeats": repeats})
     levels = concurrency_levels(concurrency)
     chosen, depths = parse_methods(methods, extra_branch_length)
@@ -265,11 +266,9 @@ def batch(
     share = f", {report['mean_copied_from_context']:.0%} of answer tokens copied from the context" if copied else ""
     print_rows(f"{model} {dtype}, {len(work.requests)} requests at each concurrency{share}", results)
     if json_path:
-        write_json_atomic(json_path, report)
+        save_report(json_path, report)
         if plot:
-            from rag_lookahead.bench.plots import plot_batch
-
-            for path in plot_batch(report, json_path):
+            for path in plots.plot_batch(report, json_path):
                 print(f"wrote {path}")
     return report
 

@@ -20,11 +20,13 @@ from typing import Annotated, Any
 import torch
 import typer
 
+from rag_lookahead.bench import plots
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import left_pad
 from rag_lookahead.decoding.verify import input_device
-from rag_lookahead.errors import ConfigError, InputError, RagLookaheadError, first_line
+from rag_lookahead.errors import InputError, RagLookaheadError, first_line
+from rag_lookahead.output_files import check_output_file, is_chart, is_report
 from rag_lookahead.tokens import encode_messages, eos_ids, pad_id
 
 __all__ = [
@@ -128,9 +130,10 @@ def run_command(command: Callable[..., Any], argv: Sequence[str] | None, prog_na
     return returned[0] if returned else 0
 
 
-def check_plot(plot: bool, json_path: str | None) -> None:
-    """Refuse ``--plot`` without ``--json`` (the charts go next to it) or without matplotlib, before
-    any model is loaded rather than after a long run."""
+def check_plot(plot: bool, json_path: str | None, charts: Sequence[str] = ()) -> None:
+    """Refuse ``--plot`` without ``--json`` (the charts go next to it), without matplotlib, or where
+    one of its ``charts`` would replace a file we did not draw, before any model is loaded rather
+    than after a long run."""
     if not plot:
         return
     if not json_path:
@@ -139,6 +142,8 @@ def check_plot(plot: bool, json_path: str | None) -> None:
         raise typer.BadParameter(
             "needs matplotlib: pip install 'rag-lookahead[plot]' (or: pip install matplotlib)", param_hint="--plot"
         )
+    for name in charts:
+        check_output_file(plots.chart_path(json_path, name), "--plot", ours=is_chart)
 
 
 def check_positive(options: Mapping[str, int | None]) -> None:
@@ -169,18 +174,12 @@ def given_or_temporary_index(index_dir: str | None, build: Callable[[Path], Any]
         yield build(Path(folder))
 
 
-def check_output_path(path: str | None, option: str = "--json") -> None:
-    """Refuse an output file that could not be written, before the run rather than after it: its
-    folder must exist (and be a folder), and the path must not be a folder itself."""
-    if path is None:
-        return
-    target = Path(path)
-    if target.is_dir():
-        raise ConfigError(f"{option} {path!r} is a folder; give a file path")
-    folder = target.parent
-    if not folder.is_dir():
-        reason = "is not a folder" if folder.exists() else "does not exist"
-        raise ConfigError(f"{option} {path!r}: its folder {str(folder)!r} {reason}")
+def check_output_path(path: str | None, option: str = "--json", inputs: Sequence[str | None] = ()) -> None:
+    """Refuse a report path that could not be written or would replace a file the benchmarks did not
+    write (see ``output_files``; ``inputs``: the run's own input files), before the run rather than
+    after it."""
+    if path is not None:
+        check_output_file(path, option, ours=is_report, inputs=inputs)
 
 
 def extra_depth_methods(extra_branch_length: str) -> dict[str, int]:

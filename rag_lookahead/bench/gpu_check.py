@@ -29,7 +29,6 @@ from typing import Annotated, Any
 import torch
 import typer
 
-from rag_lookahead.atomic import write_json_atomic
 from rag_lookahead.bench.common import (
     chat_ids,
     check_output_path,
@@ -53,6 +52,7 @@ from rag_lookahead.bench.gpu_sections import (
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import model_devices
 from rag_lookahead.decoding.verify import supports_tree_mask
+from rag_lookahead.output_files import save_report
 from rag_lookahead.tiny import build_tiny_model
 
 PROG = "python -m rag_lookahead.bench.gpu_check"
@@ -315,11 +315,22 @@ def gpu_check(
     Exits 1 when an output differs where it must not (fp32 exactness) or a section failed.
     """
     check_output_path(json_path)
+    check_attention(attn)
     report = run_check(CheckSettings(device, device_map, dtype, attn, model, small, tiny_only))
     print_table(report)
     if json_path:
-        write_json_atomic(json_path, report)
+        save_report(json_path, report)
     raise typer.Exit(0 if report["ok"] else 1)
+
+
+def check_attention(attn: str) -> None:
+    """Refuse an ``--attn`` transformers does not know (each section failed with a traceback): eager,
+    its registered kernels, or a hub kernel (``org/name``)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if attn not in known and "/" not in attn:
+        raise typer.BadParameter(f"unknown attention {attn!r}; one of {', '.join(known)}", param_hint="--attn")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,7 +25,6 @@ from typing import Annotated
 import torch
 import typer
 
-from rag_lookahead.atomic import write_json_atomic
 from rag_lookahead.bench.common import (
     DeviceOption,
     DtypeOption,
@@ -43,6 +42,7 @@ from rag_lookahead.bench.common import (
 )
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
+from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.interference"
 DEFAULT_CHUNK = 512  # the server's default --prefill-chunk
@@ -227,7 +227,9 @@ def interference(
             "--prefill-chunk": prefill_chunk,
         }
     )
-    check_output_path(json_path)
+    if tiny and prompts is not None:  # the tiny model's prompts are random tokens of its own vocabulary
+        raise typer.BadParameter("does not apply with --tiny (its prompts are random tokens)", param_hint="--prompts")
+    check_output_path(json_path, inputs=[prompts])
     settings = {"long_requests": long_requests, "long_prompt_tokens": long_tokens}
     loaded, eos, pad, shorts, longs, config = (
         tiny_mix(settings) if tiny else real_mix(model, dtype, device, prompts, settings)
@@ -259,7 +261,7 @@ def interference(
     )
     print(f"p95 inter-token latency {off} ms -> {on} ms ({report['p95_itl_reduction']}x); texts identical: {same}")
     if json_path:
-        write_json_atomic(json_path, report)
+        save_report(json_path, report)
     return report
 
 

@@ -203,7 +203,9 @@ def summarize(totals: dict[str, MethodTotals]) -> dict[str, dict]:
             "speedup_e2e": ratio(t, totals.get(baselines(m)[0]), decode=False),
             "speedup_decode": ratio(t, totals.get(baselines(m)[0]), decode=True),
             "vs_prompt_lookup_decode": ratio(t, totals.get(baselines(m)[1]), decode=True),
-            "vs_prompt_lookup_stock_decode": ratio(t, totals.get("prompt_lookup_stock"), decode=True),
+            "vs_prompt_lookup_stock_decode": ratio(  # the stock baseline is greedy prompt lookup
+                t, totals.get("prompt_lookup_stock") if sampling_method(m) is None else None, decode=True
+            ),
             "mean_accepted": round(statistics.mean(t.accepted), 3) if t.accepted else None,
             "identical_to_greedy": f"{t.identical}/{t.compared}" if t.compared else None,
             "new_tokens": t.tokens,

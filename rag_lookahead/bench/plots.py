@@ -17,8 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from rag_lookahead.bench.methods import baselines
+from rag_lookahead.output_files import check_output_file, is_chart, save_chart
 
-__all__ = ["chart_path", "plot_batch", "plot_single"]
+__all__ = ["BATCH_CHARTS", "SINGLE_CHARTS", "chart_path", "plot_batch", "plot_single"]
+
+#: the charts each benchmark may draw, by name (``bench.<name>.png``)
+SINGLE_CHARTS = ("decode_speed", "accepted_per_step", "speedup_vs_copied")
+BATCH_CHARTS = ("concurrency",)
 
 
 def chart_path(json_path: str | Path, name: str) -> Path:
@@ -37,8 +42,9 @@ def _figure(panels: int = 1):
 
 
 def _save(figure, path: Path) -> Path:
-    figure.savefig(path, format="png", dpi=110)
-    return path
+    """Atomically, and never over a file we did not draw (a user's file, a symlink): ConfigError."""
+    check_output_file(path, "chart", ours=is_chart)
+    return save_chart(figure, path)
 
 
 def _method_names(rows: Iterable[dict]) -> list[str]:

@@ -35,7 +35,6 @@ from typing import Annotated
 
 import typer
 
-from rag_lookahead.atomic import write_json_atomic
 from rag_lookahead.bench.common import (
     DeviceOption,
     DtypeOption,
@@ -47,6 +46,7 @@ from rag_lookahead.bench.common import (
 )
 from rag_lookahead.bench.rag import open_index
 from rag_lookahead.errors import ConfigError
+from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.quality"
 
@@ -76,7 +76,7 @@ QUESTIONS: tuple[Question, ...] = (
     Question("Why is the first run slow?", "troubleshooting.md", ("convert", "GGUF", "cache")),
     Question("How does retrieval find the passages?", "quickstart.md", ("BM25", "e5", "rank fusion", "jieba")),
     Question("decoding_length 在 CPU 上应该设成多少？", "参数调优.md", ("8 到 16", "8-16", "8~16", "auto")),
-    Question("branch_length 的默认值是多少？", "参数调优.md", ("24",)),
+    Question("branch_length 的默认值是多少？", "参数调优.md", ("48",)),
     Question("索引文件夹里有哪些文件？", "索引格式说明.txt", ("manifest.json", "index.faiss", "docstore.jsonl")),
     Question("输出池有什么作用？", "参数调优.md", ("n-gram", "以往回答", "历次回答", "共享")),
     Question("为什么开启前瞻解码后输出和普通解码一样？", "常见问题.md", ("无损", "贪心", "验证")),
@@ -242,7 +242,7 @@ def quality(
         "markdown": table,
     }
     if json_path:
-        write_json_atomic(json_path, report)
+        save_report(json_path, report)
     return report
 
 

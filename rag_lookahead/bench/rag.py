@@ -21,7 +21,6 @@ from typing import Annotated
 
 import typer
 
-from rag_lookahead.atomic import write_json_atomic
 from rag_lookahead.bench.common import (
     DeviceMapOption,
     DeviceOption,
@@ -37,6 +36,7 @@ from rag_lookahead.bench.common import (
     run_command,
     same_answer,
 )
+from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.rag"
 QUESTIONS = [
@@ -148,7 +148,7 @@ def rag(
         "questions": rows,
     }
     if json_path:
-        write_json_atomic(json_path, report)
+        save_report(json_path, report)
     return report
 
 

@@ -25,7 +25,6 @@ from typing import Annotated
 
 import typer
 
-from rag_lookahead.atomic import write_json_atomic
 from rag_lookahead.bench.common import (
     DeviceMapOption,
     DeviceOption,
@@ -42,6 +41,7 @@ from rag_lookahead.bench.common import (
     same_answer,
 )
 from rag_lookahead.errors import InputError
+from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.session"
 
@@ -212,7 +212,7 @@ def session(
         "questions": records,
     }
     if json_path:
-        write_json_atomic(json_path, report)
+        save_report(json_path, report)
     return report
 
 

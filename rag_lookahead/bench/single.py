@@ -21,7 +21,7 @@ from typing import Annotated
 import torch
 import typer
 
-from rag_lookahead.atomic import write_json_atomic
+from rag_lookahead.bench import plots
 from rag_lookahead.bench.common import (
     DEFAULT_BRANCH_LENGTH,
     BranchLengthOption,
@@ -68,6 +68,7 @@ from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.sampling import SamplingParams
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.greedy_head import full_output_layer
+from rag_lookahead.output_files import save_report
 
 PROG = "rag_lookahead bench"
 
@@ -143,6 +144,8 @@ def expand_methods(methods: str, temperatures: str, extra_depths: dict[str, int]
     if unknown:
         raise typer.BadParameter(f"unknown methods: {', '.join(sorted(unknown))}", param_hint="--methods")
     check_method_list(chosen, extra_depths, methods)
+    if not values and any(m in SAMPLING_METHODS for m in chosen):
+        raise typer.BadParameter("names no temperature for the sampling methods", param_hint="--temperatures")
     expanded = [m for m in chosen if m not in SAMPLING_METHODS]
     expanded += [f"{m}_t{t:g}" for t in values for m in SAMPLING_METHODS if m in chosen]
     return expanded + list(extra_depths), values
@@ -332,11 +335,9 @@ def run_bench(s: BenchSettings) -> dict:
     report = build_report(s, model, config, prompts, measured)
     print_summary(report)
     if s.json_path:
-        write_json_atomic(s.json_path, report)
+        save_report(s.json_path, report)
         if s.plot:
-            from rag_lookahead.bench.plots import plot_single
-
-            for path in plot_single(report, s.json_path):
+            for path in plots.plot_single(report, s.json_path):
                 print(f"wrote {path}")
     return report
 
@@ -365,8 +366,8 @@ def bench(
     plot: PlotOption = False,
 ) -> dict:
     """Side-by-side benchmark: transformers greedy, transformers prompt lookup, and lookahead."""
-    check_plot(plot, json_path)
-    check_output_path(json_path)
+    check_plot(plot, json_path, plots.SINGLE_CHARTS)
+    check_output_path(json_path, inputs=[prompts])
     check_positive({"--limit": limit, "--repeats": repeats, "--max-new-tokens": max_new_tokens})
     extra = extra_depth_methods(extra_branch_length)
     chosen, values = expand_methods(methods, temperatures, extra)

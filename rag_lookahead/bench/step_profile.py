@@ -21,7 +21,6 @@ from contextlib import contextmanager
 
 import torch
 
-from rag_lookahead.atomic import write_json_atomic
 from rag_lookahead.bench.common import (
     DeviceMapOption,
     DeviceOption,
@@ -39,6 +38,7 @@ from rag_lookahead.bench.common import (
     print_rows,
     run_command,
 )
+from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.step_profile"
 #: the regions, in step order: (name, what it is)
@@ -186,7 +186,7 @@ def step_profile(
     from rag_lookahead.decoding.verify import input_device
 
     check_positive({"--limit": limit, "--max-new-tokens": max_new_tokens})
-    check_output_path(json_path)
+    check_output_path(json_path, inputs=[prompts])
     chosen = load_prompts(prompts, ids)[:limit]  # a bad file fails before the model loads
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
     eos, pad = eos_pad(loaded, tokenizer)
@@ -219,7 +219,7 @@ def step_profile(
     report = {"model": model, "dtype": dtype, "prompts": len(chosen), "steps": steps, "tokens": tokens}
     report |= {"regions": regions, "forward_sizes": sizes}
     if json_path:
-        write_json_atomic(json_path, report)
+        save_report(json_path, report)
     return report
 
 

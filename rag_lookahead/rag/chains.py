@@ -47,6 +47,7 @@ __all__ = [
     "DocumentIndexRetriever",
     "SeedingRetriever",
     "as_retriever",
+    "check_k",
     "retrieve",
     "format_context",
     "make_prompt",
@@ -146,7 +147,8 @@ def as_retriever(retriever_or_index: Any, k: int) -> BaseRetriever:
     raise ConfigError(f"expected a retriever or a DocumentIndex, got {type(retriever_or_index).__name__}")
 
 
-def _check_k(k_prompt: int, k_seed: int) -> None:
+def check_k(k_prompt: int, k_seed: int) -> None:
+    """Passages in the prompt (k_prompt >= 1) and retrieved (k_seed >= k_prompt; the rest seed the trie)."""
     positive_int("k_prompt", k_prompt)
     if not isinstance(k_seed, int) or k_seed < k_prompt:
         raise ConfigError(f"k_seed must be an integer >= k_prompt ({k_prompt}), got {k_seed!r}")
@@ -209,7 +211,7 @@ def build_rag_chain(
             f"build_rag_chain takes a text LLM (LookaheadLLM), got the chat model {type(llm).__name__}: "
             "use build_chat_rag_chain for chat models"
         )
-    _check_k(k_prompt, k_seed)
+    check_k(k_prompt, k_seed)
     retriever = as_retriever(retriever_or_index, k_seed)
 
     def run(inputs: Any, config: RunnableConfig) -> dict:
@@ -280,7 +282,7 @@ def build_chat_rag_chain(
     the model's blocks are accepted, then ``{"stats"}``. Any LangChain chat model works; pass
     ``chat_model.bind(max_tokens=..., temperature=...)`` for per-chain options.
     """
-    _check_k(k_prompt, k_seed)
+    check_k(k_prompt, k_seed)
     retriever = as_retriever(retriever_or_index, k_seed)
     seeding = _unbound(chat_model)
 
@@ -388,7 +390,7 @@ def build_retrieval_qa(
     """
     from langchain_classic.chains import RetrievalQA
 
-    _check_k(k_prompt, k_seed)
+    check_k(k_prompt, k_seed)
     base = as_retriever(retriever_or_index, k_seed)
     seeding = SeedingRetriever(retriever=base, llm=llm, k_prompt=k_prompt, k_seed=k_seed)
     return RetrievalQA.from_chain_type(

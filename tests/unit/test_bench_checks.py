@@ -18,6 +18,7 @@ from rag_lookahead.errors import ConfigError, ModelLoadError
 NO_METHOD = 2  # typer's usage error (the options' own checks: --methods, --temperatures)
 BELOW = "must be an integer >= 1, got"
 FOLDER = "error: --json '{dir}' is a folder; give a file path"
+KEPT = "remove it or give another path (nothing was changed)"
 BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a usage error's code)
     ("single", ["--limit", "0"], f"error: --limit {BELOW} 0"),
     ("single", ["--limit", "-2"], f"error: --limit {BELOW} -2"),
@@ -27,6 +28,8 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("single", ["--methods", ""], NO_METHOD),
     ("single", ["--methods", "greedy,greedy"], NO_METHOD),
     ("single", ["--temperatures", "nan"], NO_METHOD),
+    ("single", ["--methods", "greedy,sample", "--temperatures", " "], NO_METHOD),  # ran no sampling, exit 0
+    ("single", ["--json", "{file}"], "error: --json '{file}' exists and this command did not write it; " + KEPT),
     ("single", ["--branch-length", "0"], "error: branch_length must be an integer from 1 to 256, got 0"),
     ("single", ["--top-p", "5"], "error: top_p must be a number > 0.0 and <= 1.0, got 5.0"),
     ("single", ["--extra-branch-length", "0"], "error: branch_length must be an integer from 1 to 256, got 0"),
@@ -43,6 +46,8 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("interference", ["--long-requests", "0"], f"error: --long-requests {BELOW} 0"),
     ("interference", ["--short-max-new-tokens", "0"], f"error: --short-max-new-tokens {BELOW} 0"),
     ("interference", ["--tiny", "--json", "{dir}"], FOLDER),
+    ("interference", ["--tiny", "--prompts", "{file}"], NO_METHOD),  # ignored before
+    ("gpu_check", ["--device", "cpu", "--tiny-only", "--attn", "bogus"], NO_METHOD),  # every section failed
     ("rag", ["--json", "{dir}"], FOLDER),
     ("session", ["--json", "{dir}"], FOLDER),
 ]
@@ -58,19 +63,33 @@ def test_a_bad_option_stops_a_benchmark_before_the_model_loads(tmp_path, monkeyp
     monkeypatch.setattr(bench, "load_bench_model", lambda *a, **k: loads.append(a))
     if module == "interference":  # --tiny builds its model here
         monkeypatch.setattr(bench, "tiny_mix", lambda *a, **k: loads.append(a))
+    if module == "gpu_check":  # it builds its models section by section
+        monkeypatch.setattr(bench, "run_check", lambda *a, **k: loads.append(a))
     with pytest.raises(SystemExit) as done:
         bench.main([arg.format(**paths) for arg in argv])
     assert done.value.code == (expected.format(**paths) if isinstance(expected, str) else expected)
     assert loads == []
 
 
-def test_check_output_path_accepts_a_new_or_existing_file_in_an_existing_folder(tmp_path, monkeypatch):
+def test_check_output_path_accepts_a_new_file_or_a_report_of_ours_only(tmp_path, monkeypatch):
+    """The measured bug: ``--json`` replaced any file, the run's own ``--prompts`` file too."""
     from rag_lookahead.bench.common import check_output_path
+    from rag_lookahead.output_files import save_report
 
     check_output_path(None)
     check_output_path(str(tmp_path / "new.json"))
-    (tmp_path / "old.json").write_text("{}", encoding="utf-8")
-    check_output_path(str(tmp_path / "old.json"))
+    save_report(tmp_path / "old.json", {"summary": {}})
+    check_output_path(str(tmp_path / "old.json"))  # a rerun replaces its own report
+    for name, text in (("mine.json", "{}"), ("notes.txt", "user notes"), ("prompts.jsonl", '{"question": "q"}\n')):
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        with pytest.raises(ConfigError, match="this command did not write it"):
+            check_output_path(str(tmp_path / name))
+        assert (tmp_path / name).read_text(encoding="utf-8") == text
+    (tmp_path / "link.json").symlink_to(tmp_path / "old.json")  # even to a report of ours
+    with pytest.raises(ConfigError, match="did not write it"):
+        check_output_path(str(tmp_path / "link.json"))
+    with pytest.raises(ConfigError, match="is this run's input"):
+        check_output_path(str(tmp_path / "old.json"), inputs=[str(tmp_path / "old.json")])
     monkeypatch.chdir(tmp_path)
     check_output_path("here.json")  # the current folder
     with pytest.raises(ConfigError, match="--plot 'sub' is a folder"):
@@ -317,3 +336,20 @@ def test_rag_benchmarks_call_answers_identical_by_text_and_token_count():
     assert same_answer(a, {"answer": "the budget", "stats": {"new_tokens": 3}})
     assert not same_answer(a, {"answer": "the budget", "stats": {"new_tokens": 4}})
     assert not same_answer(a, {"answer": "the budgets", "stats": {"new_tokens": 3}})
+
+
+def test_quality_key_terms_are_in_their_gold_passage_and_defaults_match_the_code():
+    """The measured bug: the branch_length question's key term was still "24" (the old default), so
+    the right answer "48" was graded ungrounded."""
+    from rag_lookahead.bench.quality import QUESTIONS, terms_found
+    from rag_lookahead.decoding.config import LookaheadConfig
+    from rag_lookahead.rag.corpus import read_text_file
+
+    corpora = Path(__file__).resolve().parents[2] / "corpora"
+    for question in QUESTIONS:
+        (gold,) = list(corpora.rglob(question.gold))
+        assert terms_found(read_text_file(gold.read_bytes()), question) > 0, question
+    defaults = {"decoding_length": LookaheadConfig().decoding_length, "branch_length": LookaheadConfig().branch_length}
+    for name, value in defaults.items():
+        (question,) = [q for q in QUESTIONS if name in q.text and ("default" in q.text or "默认" in q.text)]
+        assert question.key_terms == (str(value),)

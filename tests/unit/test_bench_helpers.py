@@ -73,8 +73,10 @@ def test_sampling_methods_are_compared_with_transformers_sampling_at_their_tempe
     fast, slow = MethodTotals(), MethodTotals()
     fast.add(Run(list(range(11)), 1.0, 0.0), True)
     slow.add(Run(list(range(11)), 2.0, 0.0), True)
-    summary = summarize({"sample_t0.7": slow, "lookahead_sample_t0.7": fast})
+    summary = summarize({"sample_t0.7": slow, "lookahead_sample_t0.7": fast, "prompt_lookup_stock": slow})
     assert summary["lookahead_sample_t0.7"]["speedup_decode"] == 2.0
+    # the stock baseline is greedy prompt lookup: a sampling method was "2x" over it
+    assert summary["lookahead_sample_t0.7"]["vs_prompt_lookup_stock_decode"] is None
 
 
 def test_batch_speedups_over_transformers_on_the_layout_and_on_stock_kernels():

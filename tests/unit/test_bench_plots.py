@@ -106,3 +106,30 @@ def test_batch_chart_is_a_png_next_to_the_json(tmp_path):
     written = plot_batch(batch_report(), tmp_path / "batch.json")
     assert [p.name for p in written] == ["batch.concurrency.png"]
     _assert_png(written[0])
+
+
+def test_a_chart_never_replaces_a_file_we_did_not_draw(tmp_path):
+    """The measured bug: ``--plot`` wrote through a symlink into the user's notes and replaced a
+    user's PNG of the same name; now those are refused and left as they were, our own charts are
+    replaced, and each is written whole (atomically)."""
+    from rag_lookahead.errors import ConfigError
+    from rag_lookahead.output_files import is_chart
+
+    json_path = tmp_path / "bench.json"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes", encoding="utf-8")
+    chart_path(json_path, "decode_speed").symlink_to(notes)
+    with pytest.raises(ConfigError, match="did not write it"):
+        plot_single(single_report(), json_path)
+    assert notes.read_text(encoding="utf-8") == "my notes"
+    chart_path(json_path, "decode_speed").unlink()
+    theirs = chart_path(json_path, "accepted_per_step")
+    theirs.write_bytes(PNG_SIGNATURE + b"a user's own picture")
+    with pytest.raises(ConfigError, match="did not write it"):
+        plot_single(single_report(), json_path)
+    assert theirs.read_bytes() == PNG_SIGNATURE + b"a user's own picture"
+    theirs.unlink()
+    first = plot_single(single_report(), json_path)
+    assert all(is_chart(path) for path in first)
+    assert plot_single(single_report(), json_path) == first  # a rerun replaces its own charts
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in first) + ["notes.txt"]

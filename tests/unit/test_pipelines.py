@@ -7,6 +7,7 @@ with one line and exit 1, and creates nothing.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,40 @@ def test_a_named_index_folder_without_an_index_is_refused(tmp_path, script):
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "Traceback" not in out.stderr
     assert out.stderr.startswith(f"error: no index at {missing}")
     assert not missing.exists() and not (tmp_path / "answers.jsonl").exists()
+
+
+BAD_BATCH_ARGS = [  # (arguments after the script, the one error line's start); {d}: the test's folder
+    (["{d}/missing.jsonl", "{d}/out.jsonl"], "error: cannot read the questions file"),
+    (["{d}/utf16.jsonl", "{d}/out.jsonl"], "error: cannot read the questions file"),
+    (["{d}/q.jsonl", "{d}/out.jsonl", "--batch-size", "0"], "error: --batch-size must be an integer >= 1"),
+    (["{d}/q.jsonl", "{d}/out.jsonl", "--batch-size", "-1"], "error: --batch-size must be an integer >= 1"),
+    (["{d}/q.jsonl", "{d}/out.jsonl", "--k", "-1"], "error: k_prompt must be an integer >= 1"),
+    (["{d}/q.jsonl", "{d}/out.jsonl", "--k", "5", "--k-seed", "2"], "error: k_seed must be an integer >= k_prompt"),
+    (["{d}/q.jsonl", "{d}/no/such/out.jsonl"], "error: answers '{d}/no/such/out.jsonl': its folder"),
+    (["{d}/q.jsonl", "{d}/notes.txt"], "error: answers '{d}/notes.txt' exists and this command did not write it"),
+    (["{d}/q.jsonl", "{d}/q.jsonl"], "error: answers '{d}/q.jsonl' is this run's input"),
+    (["{d}/q.jsonl", "{d}"], "error: answers '{d}' is a folder"),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), BAD_BATCH_ARGS)
+def test_batch_answers_refuses_bad_arguments_in_one_line_and_changes_nothing(tmp_path, argv, expected):
+    """The measured bugs: tracebacks for a missing or non-UTF-8 questions file and --batch-size 0 (after
+    the model loaded), an empty answers file for --batch-size -1, unchecked --k, a missing output folder
+    created, and the user's file (or the questions file itself) overwritten by the answers."""
+    (tmp_path / "q.jsonl").write_text('{"question": "What does budget do?"}\n', encoding="utf-8")
+    (tmp_path / "utf16.jsonl").write_bytes('{"question": "q"}\n'.encode("utf-16"))
+    (tmp_path / "notes.txt").write_text("my notes", encoding="utf-8")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    out = subprocess.run(
+        [sys.executable, str(PIPELINES / "batch_answers.py"), *(a.format(d=tmp_path) for a in argv)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "RAG_LOOKAHEAD_HOME": str(tmp_path / "home")},  # no index is built anywhere
+    )
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "Traceback" not in out.stderr
+    assert out.stderr.startswith(expected.format(d=tmp_path)), out.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -1,0 +1,101 @@
+"""Output paths a user names (a benchmark's report and charts, a pipeline's answers): checked
+before the run, and never a file the run did not write.
+
+A rerun replaces its own earlier output, so each kind of output says how it knows its own files
+(``ours``): a benchmark report carries :data:`REPORT_MARK`, its charts name us as their PNG
+``Software``. Anything else already at the path (a user's notes, the run's own prompts file, a
+symlink to elsewhere) is refused in one line before any model loads, not overwritten after it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from rag_lookahead.atomic import write_bytes_atomic, write_json_atomic
+from rag_lookahead.errors import ConfigError
+
+__all__ = ["REPORT_MARK", "check_output_file", "is_report", "is_chart", "save_chart", "save_report"]
+
+#: the key and value every benchmark report carries, so a rerun may replace it
+REPORT_MARK = ("written_by", "rag_lookahead.bench")
+#: the PNG ``Software`` text of our charts
+CHART_SOFTWARE = "rag_lookahead.bench"
+#: an existing file above this size is never read to see whether it is ours (it is not)
+MOST_BYTES_READ = 64 * 1024 * 1024
+
+
+def check_output_file(
+    path: str | Path, option: str, *, ours: Callable[[Path], bool], inputs: Iterable[str | Path | None] = ()
+) -> None:
+    """Refuse ``path`` for an output unless it can be written and replaces nothing but our own file:
+    its folder must exist, it must not be a folder, not one of the run's ``inputs``, and a file
+    already there must be one that ``ours`` recognises (a symlink never is)."""
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"{option} {str(path)!r} is a folder; give a file path")
+    folder = target.parent
+    if not folder.is_dir():
+        reason = "is not a folder" if folder.exists() else "does not exist"
+        raise ConfigError(f"{option} {str(path)!r}: its folder {str(folder)!r} {reason}")
+    for source in inputs:
+        if source is not None and _same_file(target, Path(source)):
+            raise ConfigError(f"{option} {str(path)!r} is this run's input {str(source)!r}; give another path")
+    if target.is_symlink() or (target.exists() and not (target.is_file() and ours(target))):
+        raise ConfigError(
+            f"{option} {str(path)!r} exists and this command did not write it; "
+            "remove it or give another path (nothing was changed)"
+        )
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return a.absolute() == b.absolute()
+
+
+def _head(path: Path) -> bytes | None:
+    """The file's bytes, or None when it cannot be read or is larger than any output of ours."""
+    try:
+        if path.stat().st_size > MOST_BYTES_READ:
+            return None
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def is_report(path: Path) -> bool:
+    """Whether ``path`` is a benchmark report (a JSON object carrying :data:`REPORT_MARK`)."""
+    data = _head(path)
+    try:
+        report = json.loads(data) if data is not None else None
+    except ValueError:
+        return False
+    key, value = REPORT_MARK
+    return isinstance(report, dict) and report.get(key) == value
+
+
+def save_report(path: str | Path, report: dict[str, Any]) -> None:
+    """Write ``report`` atomically, marked as ours (the mark is added to ``report`` too)."""
+    key, value = REPORT_MARK
+    report[key] = value
+    write_json_atomic(path, report)
+
+
+def is_chart(path: Path) -> bool:
+    """Whether ``path`` is a PNG chart we drew (its ``Software`` text chunk names us)."""
+    data = _head(path)
+    return data is not None and data.startswith(b"\x89PNG") and b"Software\x00" + CHART_SOFTWARE.encode() in data
+
+
+def save_chart(figure, path: Path) -> Path:
+    """Draw a matplotlib ``figure`` as a PNG at ``path``, atomically, marked as ours."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, metadata={"Software": CHART_SOFTWARE})
+    write_bytes_atomic(path, buffer.getvalue())
+    return path
