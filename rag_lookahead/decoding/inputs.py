@@ -29,11 +29,13 @@ def context_limit(model) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
-def as_batch(input_ids, attention_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+def as_batch(input_ids, attention_mask=None, masked_pad: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, mask)`` as (batch, length) long tensors, each row left-padded and non-empty.
 
     ``input_ids`` may also be what a tokenizer returns (a ``BatchEncoding`` or a dict with
-    ``input_ids`` and perhaps ``attention_mask``), as ``apply_chat_template`` does in transformers 5."""
+    ``input_ids`` and perhaps ``attention_mask``), as ``apply_chat_template`` does in transformers 5.
+    Without a mask, ``masked_pad`` (a pad id that is no EOS id) is masked out wherever it stands,
+    as ``model.generate`` infers the mask; else every token counts."""
     if isinstance(input_ids, Mapping):  # BatchEncoding is a Mapping
         if "input_ids" not in input_ids:
             keys = ", ".join(map(str, input_ids))
@@ -57,7 +59,12 @@ def as_batch(input_ids, attention_mask=None) -> tuple[torch.Tensor, torch.Tensor
         raise InputError(f"input_ids must be integers, got {ids.dtype}")
     ids = ids.long()
     if attention_mask is None:
-        mask = torch.ones_like(ids)
+        mask = torch.ones_like(ids) if masked_pad is None else (ids != masked_pad).long()
+        if masked_pad is not None and not _left_padded(mask):
+            raise InputError(
+                f"the pad id {masked_pad} stands inside a row of input_ids, where transformers masks it out; "
+                "lookahead decoding takes left padding only: pass an attention_mask, or remove those tokens"
+            )
     else:
         mask = torch.as_tensor(attention_mask).long().to(ids.device)
         if mask.dim() == 1:
@@ -74,10 +81,15 @@ def check_mask(mask: torch.Tensor) -> None:
         raise InputError("attention_mask must hold only 0 and 1")
     if bool((mask.sum(-1) == 0).any()):
         raise InputError("a row of input_ids is empty (its attention_mask is all zeros)")
-    if mask.shape[1] > 1 and bool((mask[:, 1:] < mask[:, :-1]).any()):
+    if not _left_padded(mask):
         raise InputError(
             "attention_mask has zeros after the first token of a row: rows must be left-padded, with no holes"
         )
+
+
+def _left_padded(mask: torch.Tensor) -> bool:
+    """No row has a zero after a one."""
+    return not (mask.shape[1] > 1 and bool((mask[:, 1:] < mask[:, :-1]).any()))
 
 
 def check_ids(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> None:

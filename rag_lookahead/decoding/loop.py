@@ -24,6 +24,7 @@ from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.results import GenerationResult, GenerationStats, LogprobRecorder, assemble
 from rag_lookahead.decoding.rows import Row
 from rag_lookahead.decoding.sampling import (
+    UNSET,
     SamplingParams,
     per_row,
     resolve_sampling,
@@ -43,15 +44,16 @@ def left_pad(rows: Sequence[Sequence[int]], pad: int, device=None) -> tuple[torc
     return ids, mask
 
 
-def _eos_set(model, eos_token_id, generation_config=None) -> frozenset[int]:
-    """The ids that end a row: the argument, else ``generation_config``'s, else the model's (no
-    tokenizer here). An int, a list, a numpy integer or a tensor."""
+def _eos_ids(model, eos_token_id, generation_config=None) -> tuple[int, ...]:
+    """The ids that end a row, in the order given (the first pads, as in transformers): the
+    argument, else ``generation_config``'s, else the model's (no tokenizer here). An int, a list,
+    a numpy integer or a tensor."""
     value = _setting(model, "eos_token_id", eos_token_id, generation_config)
     if value is None:
-        return frozenset()
+        return ()
     if hasattr(value, "tolist"):  # a tensor or a numpy value
         value = value.tolist()
-    return frozenset([int(value)] if isinstance(value, Integral) else (int(t) for t in value))
+    return tuple(dict.fromkeys([int(value)] if isinstance(value, Integral) else (int(t) for t in value)))
 
 
 def _setting(model, name: str, value, generation_config):
@@ -63,12 +65,11 @@ def _setting(model, name: str, value, generation_config):
     return value
 
 
-def _pad_id(model, pad_token_id, eos: frozenset[int], generation_config=None) -> int:
-    """The id that right-pads the output: the argument, else the config passed in, else the
-    model's, else an EOS id, else 0."""
-    pad_token_id = _setting(model, "pad_token_id", pad_token_id, generation_config)
+def _pad_id(pad_token_id: int | None, eos: Sequence[int]) -> int:
+    """The id that right-pads the output: the pad id set (``_setting``), else the first EOS id (as
+    transformers has it: a list's smallest padded differently), else 0."""
     if pad_token_id is None:
-        pad_token_id = min(eos) if eos else 0
+        pad_token_id = eos[0] if eos else 0
     return int(pad_token_id)
 
 
@@ -86,12 +87,12 @@ def generate(
     drafter: Drafter | None = None,
     on_tokens: Callable[[int, list[int]], bool | None] | None = None,
     stop_check: Callable[[int, list[int]], bool] | None = None,
-    do_sample: bool | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
+    do_sample: bool | None = UNSET,
+    temperature: float | None = UNSET,
+    top_k: int | None = UNSET,
+    top_p: float | None = UNSET,
+    min_p: float | None = UNSET,
+    repetition_penalty: float | None = UNSET,
     seed: int | Sequence[int] | None = None,
     generation_config=None,
     logprobs: int | None = None,
@@ -104,7 +105,8 @@ def generate(
 
     Greedy or sampled exactly as ``model.generate`` would for the same arguments: the sampling
     options (``do_sample`` ... ``repetition_penalty``, or a ``transformers.GenerationConfig``)
-    default to the model's generation config, then transformers' defaults. Without ``seed`` a
+    default to the model's generation config, then transformers' defaults; an explicit None is
+    transformers' "off" (``top_k=None``: no top-k; ``do_sample=None``: greedy). Without ``seed`` a
     single row draws from torch's global generator in transformers' order, so after
     ``torch.manual_seed(s)`` the tokens equal ``model.generate``'s; with ``seed`` (an int for
     every row, or one per row) each row draws from its own generator and its tokens do not
@@ -130,8 +132,11 @@ def generate(
     """
     config = config or LookaheadConfig()
     positive_int("max_new_tokens", max_new_tokens)
-    ids, mask, references = _checked_inputs(model, input_ids, attention_mask, references)
-    eos = _eos_set(model, eos_token_id, generation_config)
+    eos_order = _eos_ids(model, eos_token_id, generation_config)
+    eos = frozenset(eos_order)
+    pad_set = _setting(model, "pad_token_id", pad_token_id, generation_config)
+    masked_pad = None if pad_set is None or int(pad_set) in eos else int(pad_set)  # as transformers infers a mask
+    ids, mask, references = _checked_inputs(model, input_ids, attention_mask, references, masked_pad)
     params = resolve_sampling(
         model,
         generation_config,
@@ -145,7 +150,7 @@ def generate(
         repetition_penalty=repetition_penalty,
     )
     sampling = per_row(params, seed, ids.shape[0])
-    pad = _pad_id(model, pad_token_id, eos, generation_config)
+    pad = _pad_id(pad_set, eos_order)
     if drafter is None and output_pool is None and config.enabled and config.use_output_pool:
         output_pool = profile_of(model).output_pool(
             config.branch_length + config.max_key_length, config.output_pool_nodes
@@ -153,7 +158,7 @@ def generate(
     if ids.shape[0] > 1 and not supports_tree_mask(model):  # packed rows are kept apart by the mask
         settings = dict(
             config=config,
-            eos_token_id=sorted(eos),
+            eos_token_id=list(eos_order),
             pad_token_id=pad,
             output_pool=output_pool,
             logprobs=logprobs,
@@ -177,10 +182,10 @@ def generate(
     return GenerationResult(sequences, stats, None if recorders is None else [r.entries for r in recorders])
 
 
-def _checked_inputs(model, input_ids, attention_mask, references):
+def _checked_inputs(model, input_ids, attention_mask, references, masked_pad: int | None = None):
     """``(ids, mask, references)`` checked and on the model's input device; the longest row must
-    leave room in the context window for at least one new token."""
-    ids, mask = as_batch(input_ids, attention_mask)
+    leave room in the context window for at least one new token (``masked_pad``: see ``as_batch``)."""
+    ids, mask = as_batch(input_ids, attention_mask, masked_pad)
     check_ids(ids, mask, vocab_size(model))
     references = check_references(references, ids.shape[0], vocab_size(model))
     device = input_device(model)
@@ -242,9 +247,11 @@ def _row_by_row(model, ids, mask, references, callbacks, sampling, max_new_token
     outputs, total, logprobs = [], GenerationStats(rows=ids.shape[0]), []
     for r in range(ids.shape[0]):
         length = int(mask[r].sum())
+        row = ids[r : r + 1, ids.shape[1] - length :]
         result = generate(
             model,
-            ids[r : r + 1, ids.shape[1] - length :],
+            row,
+            torch.ones_like(row),  # the row's own tokens, pad ids among them too (no mask to infer)
             max_new_tokens=max_new_tokens,
             references=[references[r]] if references else None,
             on_tokens=(lambda _row, tokens, r=r: on_tokens(r, tokens)) if on_tokens else None,

@@ -19,9 +19,11 @@ drafted): the step emits ``A D``. Had it drawn ``C``, the walk would continue at
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from numbers import Integral, Real
+from typing import Any
 
 import torch
 
@@ -32,6 +34,18 @@ from rag_lookahead.greedy_head import SCREEN_WIDTH
 #: the lowest sampling temperature: below it the scaled logits overflow to inf (1e-300 failed a
 #: whole server batch); 1e-5 keeps float32 logits of |100| finite, and samples like greedy anyway
 MIN_TEMPERATURE = 1e-5
+
+
+class _Unset:
+    """A keyword the caller did not give. None is a value: ``model.generate(top_k=None)`` turns
+    top-k off (and ``do_sample=None`` sampling), where leaving it out keeps the model's setting."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: the default of ``generate``'s sampling keywords: not given, so the model's setting holds
+UNSET: Any = _Unset()
 
 #: generation options that change the output and that we do not implement, with their neutral
 #: values; a value other than these raises instead of being silently ignored
@@ -91,11 +105,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.do_sample, bool):
             raise ConfigError(f"do_sample must be True or False, got {self.do_sample!r}")
-        _number("temperature", self.temperature, low=0.0, high=100.0, open_low=True)
+        _number("temperature", self.temperature, low=0.0, high=math.inf, open_low=True)
         if self.do_sample and self.temperature < MIN_TEMPERATURE:  # logits / 1e-300 are inf: no distribution
             raise ConfigError(f"temperature must be at least {MIN_TEMPERATURE:g} to sample, got {self.temperature!r}")
         _number("top_p", self.top_p, low=0.0, high=1.0, open_low=True)
-        _number("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, open_low=True)
+        _number("repetition_penalty", self.repetition_penalty, low=0.0, high=math.inf, open_low=True)
         if self.min_p is not None:
             _number("min_p", self.min_p, low=0.0, high=1.0)
         if self.top_k is not None and (
@@ -117,12 +131,14 @@ def _number(name: str, value, *, low: float, high: float, open_low: bool = False
     ok = (
         isinstance(value, Real)
         and not isinstance(value, bool)
+        and math.isfinite(value)
         and value <= high
         and (value > low if open_low else value >= low)
     )
     if not ok:
         bound = f"> {low}" if open_low else f">= {low}"
-        raise ConfigError(f"{name} must be a number {bound} and <= {high}, got {value!r}")
+        upper = f" and <= {high}" if math.isfinite(high) else " and finite"
+        raise ConfigError(f"{name} must be a number {bound}{upper}, got {value!r}")
 
 
 def resolve_sampling(
@@ -132,8 +148,11 @@ def resolve_sampling(
 
     Precedence as in transformers: explicit options, then ``generation_config``, then the
     model's own ``generation_config``, then transformers' defaults (e.g. top_k 50 when
-    sampling). Options left at None are not given. Settings we do not implement raise
-    ``ConfigError`` rather than being ignored (``prompt_width``, ``has_eos``: see ``check_supported``).
+    sampling). Options left at :data:`UNSET` are not given; an explicit None is transformers'
+    "off" (no top-k, no sampling). Greedy decoding ignores the sampling warpers' values, as
+    transformers does (``temperature=0.0`` with ``do_sample=False`` is greedy, not an error).
+    Settings we do not implement raise ``ConfigError`` rather than being ignored (``prompt_width``,
+    ``has_eos``: see ``check_supported``).
     """
     from transformers import GenerationConfig
 
@@ -148,7 +167,7 @@ def resolve_sampling(
     defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
     if defaults is not None:
         config.update(**defaults(), defaults_only=True)
-    given = {k: v for k, v in options.items() if v is not None}
+    given = {k: v for k, v in options.items() if v is not UNSET}
     try:
         unknown = config.update(**given)
     except ValueError as err:  # transformers' own validation
@@ -156,6 +175,9 @@ def resolve_sampling(
     if unknown:
         raise ConfigError(f"unknown generation options: {', '.join(sorted(unknown))}")
     check_supported(config, prompt_width, has_eos)
+    penalty = float(config.repetition_penalty if config.repetition_penalty is not None else 1.0)
+    if not config.do_sample:  # the warpers are not applied: their values are not ours to refuse
+        return SamplingParams(repetition_penalty=penalty)
     top_k = config.top_k if config.top_k else None
     return SamplingParams(
         do_sample=bool(config.do_sample),
@@ -163,7 +185,7 @@ def resolve_sampling(
         top_k=top_k,  # checked as an integer there (int() cut a per-call 1.5 to 1)
         top_p=float(config.top_p if config.top_p is not None else 1.0),
         min_p=float(config.min_p) if config.min_p is not None else None,
-        repetition_penalty=float(config.repetition_penalty if config.repetition_penalty is not None else 1.0),
+        repetition_penalty=penalty,
     )
 
 

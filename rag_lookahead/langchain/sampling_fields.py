@@ -82,7 +82,9 @@ def sampling_options(model, values: Mapping[str, Any]) -> dict:
         raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
     sample = bool(temperature)
     seed = values.pop("seed", None)
-    options = {"do_sample": sample, "temperature": temperature if sample else None, **values}
+    # a field left at None is not given (the model's own setting holds); to the core None means "off"
+    options = {"do_sample": sample, "temperature": temperature, **values} if sample else {"do_sample": False, **values}
+    options = {name: value for name, value in options.items() if value is not None}
     resolve_sampling(model, **options)  # raises ConfigError on a bad value
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")

@@ -1,0 +1,114 @@
+"""``generate`` reads its arguments as ``model.generate`` does, where they decide the output.
+
+Four measured differences: an explicit None for a sampling option (transformers: "off"; we kept
+the model's setting), a batch padded with the smallest EOS id (transformers: the first), a pad id
+inside a prompt passed without a mask (transformers masks it out), and greedy decoding refusing
+the sampling warpers' values that transformers ignores (``temperature=0.0``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from transformers import GenerationConfig
+
+from rag_lookahead import generate
+from rag_lookahead.decoding.loop import left_pad
+from rag_lookahead.errors import InputError
+
+MAX_NEW = 16
+
+
+def _hf(model, ids, mask=None, seed: int = 5, **options) -> list[list[int]]:
+    torch.manual_seed(seed)
+    kwargs = {} if mask is None else {"attention_mask": mask}
+    return model.generate(ids, max_new_tokens=MAX_NEW, **kwargs, **options).tolist()
+
+
+def _ours(model, ids, mask=None, seed: int = 5, **options) -> list[list[int]]:
+    torch.manual_seed(seed)
+    return generate(model, ids, mask, max_new_tokens=MAX_NEW, **options).sequences.tolist()
+
+
+@pytest.fixture
+def sampling_model():
+    """A model whose own generation config samples, as Qwen-Instruct's does."""
+    model = tiny_model("qwen2", seed=4)
+    saved = model.generation_config
+    model.generation_config = GenerationConfig(
+        do_sample=True, temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.05, pad_token_id=0
+    )
+    yield model
+    model.generation_config = saved
+
+
+@pytest.mark.parametrize("name", ["do_sample", "top_k", "top_p", "min_p", "temperature", "repetition_penalty"])
+def test_an_explicit_none_turns_the_option_off_as_in_transformers(sampling_model, name):
+    ids = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])
+    mask = torch.ones_like(ids)
+    assert _ours(sampling_model, ids, mask, **{name: None}) == _hf(sampling_model, ids, mask, **{name: None})
+    assert _ours(sampling_model, ids, mask) == _hf(sampling_model, ids, mask)  # left out: the model's setting
+
+
+def test_explicit_none_differs_from_left_out_where_it_matters(sampling_model):
+    """So the test above can fail: for these two options off and the model's setting part ways."""
+    ids = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])
+    mask = torch.ones_like(ids)
+    for name in ("do_sample", "top_k"):
+        assert _hf(sampling_model, ids, mask, **{name: None}) != _hf(sampling_model, ids, mask)
+
+
+def test_finished_rows_are_padded_with_the_first_eos_id():
+    """Two EOS ids, no pad id: transformers pads with the first; we padded with the smallest."""
+    model = tiny_model("qwen2", seed=4)
+    saved = model.generation_config.pad_token_id
+    model.generation_config.pad_token_id = None
+    try:
+        rows = [[5, 6, 7, 5, 6], [9, 9, 3, 4, 2, 8, 1]]
+        ids, mask = left_pad(rows, pad=1)
+        free = _hf(model, ids, mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+        first, second = (row[ids.shape[1] :] for row in free)
+        stop = next(t for t in first[:4] if t not in second)  # ends row 0 early, never row 1
+        other = max(t for t in range(model.config.vocab_size) if t not in first + second)
+        eos = [other, stop] if other > stop else [stop, other]  # the first is not the smallest
+        assert eos[0] != min(eos)
+        expected = _hf(model, ids, mask, do_sample=False, eos_token_id=eos)
+        assert expected[0][-1] == eos[0]  # row 0 was padded
+        assert _ours(model, ids, mask, do_sample=False, eos_token_id=eos) == expected
+    finally:
+        model.generation_config.pad_token_id = saved
+
+
+def test_a_pad_id_in_a_prompt_without_a_mask_is_masked_out_as_in_transformers():
+    model = tiny_model("qwen2", seed=4)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 5, 6]])
+    options = {"do_sample": False, "pad_token_id": 0, "eos_token_id": 95}
+    expected = _hf(model, ids, **options)
+    assert expected == _hf(model, ids, (ids != 0).long(), **options)  # the pads are masked out
+    assert expected != _hf(model, ids, torch.ones_like(ids), **options)  # (they would change the answer)
+    assert _ours(model, ids, **options) == expected
+    with pytest.raises(InputError, match="pad id 0 stands inside a row"):  # holes: transformers' own, not ours
+        generate(model, [5, 0, 6, 7], max_new_tokens=4, **options)
+    # a pad id that is also an EOS id is not masked (transformers cannot tell it from text either)
+    same = {"do_sample": False, "pad_token_id": 5, "eos_token_id": 5}
+    assert _ours(model, torch.tensor([[5, 6, 7, 5, 6]]), **same) == _hf(model, torch.tensor([[5, 6, 7, 5, 6]]), **same)
+
+
+@pytest.mark.parametrize("options", [{"temperature": 0.0}, {"top_p": 0.0}, {"top_k": -3}, {"min_p": 7.0}])
+def test_greedy_ignores_the_sampling_warpers_as_transformers_does(options):
+    model = tiny_model("llama", seed=2)
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
+    mask = torch.ones_like(ids)
+    expected = _hf(model, ids, mask, do_sample=False, pad_token_id=0, **options)
+    assert _ours(model, ids, mask, do_sample=False, pad_token_id=0, **options) == expected
+
+
+@pytest.mark.parametrize("options", [{"temperature": 150.0}, {"repetition_penalty": 200.0}])
+def test_large_temperatures_and_penalties_are_taken(options):
+    """Capped at 100 before, for no reason transformers has."""
+    model = tiny_model("llama", seed=2)
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
+    mask = torch.ones_like(ids)
+    expected = _hf(model, ids, mask, do_sample=True, pad_token_id=0, **options)
+    assert _ours(model, ids, mask, do_sample=True, pad_token_id=0, **options) == expected
