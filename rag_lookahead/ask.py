@@ -127,8 +127,9 @@ def _check_sampling(temperature: float | None, top_p: float | None, seed: int | 
     if not temperature:
         ignored = [name for name, value in (("--top-p", top_p), ("--seed", seed)) if value is not None]
         if ignored:
+            verb = "apply" if len(ignored) > 1 else "applies"
             raise ConfigError(
-                f"{' and '.join(ignored)} apply only when sampling; greedy decoding (no --temperature) would"
+                f"{' and '.join(ignored)} {verb} only when sampling; greedy decoding (no --temperature) would"
                 " ignore them: add --temperature, e.g. 0.7"
             )
         return

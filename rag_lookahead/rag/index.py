@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
 from rag_lookahead.rag import store
 from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE, SEPARATORS, IndexReport, build_index, make_splitter
@@ -72,14 +73,17 @@ class Passage:
     source: str
     chunk_id: str
     score: float
+    also_in: tuple[str, ...] = ()  # other files holding the same text (see DocumentIndex.search)
 
     def to_document(self) -> Document:
-        """The LangChain ``Document`` every retriever of ours returns (metadata: source, chunk_id, score)."""
+        """The LangChain ``Document`` every retriever of ours returns (metadata: source, chunk_id, score,
+        and ``also_in`` where the same text is in other files)."""
         from langchain_core.documents import Document
 
-        return Document(
-            page_content=self.text, metadata={"source": self.source, "chunk_id": self.chunk_id, "score": self.score}
-        )
+        metadata: dict[str, Any] = {"source": self.source, "chunk_id": self.chunk_id, "score": self.score}
+        if self.also_in:
+            metadata["also_in"] = list(self.also_in)
+        return Document(page_content=self.text, metadata=metadata)
 
 
 # ---------------------------------------------------------------- the index in memory
@@ -135,12 +139,15 @@ class DocumentIndex:
         return [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
 
     def search(self, query: str, k: int = 4, *, mode: str | None = None) -> list[Passage]:
-        """Top ``k`` passages. ``mode``: "hybrid" (default; score = RRF score), "dense" (score = cosine)
-        or "lexical" (score = BM25)."""
+        """Top ``k`` distinct passages. ``mode``: "hybrid" (default; score = RRF score), "dense"
+        (score = cosine) or "lexical" (score = BM25).
+
+        Chunks with the same text (a file copied into two folders, a boilerplate paragraph) are one
+        passage, at its best rank, with the other files it came from in ``also_in``: the prompt
+        then holds each text once and ``k`` distinct texts fill it."""
         if not isinstance(query, str) or not query.strip():
             raise InputError("query is empty")
-        if k < 1:
-            raise ConfigError(f"k must be at least 1, got {k}")
+        k = positive_int("k", k)
         mode = mode or self.mode
         if mode not in SEARCH_MODES:
             raise ConfigError(f"search mode must be one of {', '.join(SEARCH_MODES)}, got {mode!r}")
@@ -148,20 +155,29 @@ class DocumentIndex:
             return []
         depth = min(len(self.records), max(CANDIDATES, k))
         if mode == "dense":
-            hits = self._dense(query, k)
+            hits = self._dense(query, depth)
         elif mode == "lexical":
-            hits = self.bm25.search(query, k)
+            hits = self.bm25.search(query, depth)
         else:
             dense = [i for i, _ in self._dense(query, depth)]
             lexical = [i for i, _ in self.bm25.search(query, depth)]
             from rag_lookahead.rag.lexical import HYBRID_WEIGHTS, reciprocal_rank_fusion
 
-            hits = reciprocal_rank_fusion([dense, lexical], weights=HYBRID_WEIGHTS)[:k]
-        out = []
-        for i, score in hits[:k]:
+            hits = reciprocal_rank_fusion([dense, lexical], weights=HYBRID_WEIGHTS)
+        return self._distinct(hits, k)
+
+    def _distinct(self, hits: list[tuple[int, float]], k: int) -> list[Passage]:
+        """The first ``k`` hits of distinct text, best first; a repeated text adds its file to ``also_in``."""
+        by_text: dict[str, Passage] = {}
+        for i, score in hits:
             r = self.records[i]
-            out.append(Passage(text=r["text"], source=r["source"], chunk_id=r["chunk_id"], score=float(score)))
-        return out
+            seen = by_text.get(r["text"])
+            if seen is None:
+                if len(by_text) < k:
+                    by_text[r["text"]] = Passage(r["text"], r["source"], r["chunk_id"], float(score))
+            elif r["source"] != seen.source and r["source"] not in seen.also_in:
+                seen.also_in += (r["source"],)
+        return list(by_text.values())
 
     def as_retriever(self, k: int = 4, *, mode: str | None = None):
         """A LangChain ``BaseRetriever`` returning ``Document``s (metadata: source, chunk_id, score)."""

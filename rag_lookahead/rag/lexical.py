@@ -2,8 +2,8 @@
 
 * :func:`tokenize`: lower-cased words for non-CJK scripts (identifiers kept whole, plus their ``_``
   parts), jieba search-mode words for Chinese; punctuation and English stop words dropped.
-* :class:`BM25Index`: Okapi BM25 over those tokens, rebuilt whenever an index loads (the tokens of a
-  large corpus come from :mod:`.token_cache`).
+* :class:`BM25Index`: Okapi BM25 (every IDF above zero) over those tokens, rebuilt whenever an
+  index loads (the tokens of a large corpus come from :mod:`.token_cache`).
 * :func:`reciprocal_rank_fusion`: merges the dense and BM25 rankings; :data:`HYBRID_WEIGHTS` and
   :data:`RRF_K` are tuned on realistic similar-passage sets (``python -m rag_lookahead.bench.retrieval --tune``).
 """
@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterable, Sequence
 
@@ -84,17 +85,41 @@ def _other_tokens(chunk: str) -> list[str]:
     return [w for w in (t.strip() for t in _get_jieba().lcut_for_search(chunk)) if w and _WORD.fullmatch(w)]
 
 
+def _okapi_with_positive_idf(docs: list[list[str]]):
+    """rank_bm25's Okapi BM25, with every word's IDF kept above zero.
+
+    Okapi's IDF, log((N - n + 0.5) / (n + 0.5)), is zero or negative for a word in half the chunks
+    or more; rank_bm25 lifts a negative one to a quarter of the mean IDF, but left a zero one at zero,
+    and on a small index that mean is itself negative: an index of one chunk, or of two sharing
+    their words, scored every match at or below zero and BM25 found nothing (hybrid search then ran
+    dense alone). Here a word at or below zero gets the floor when the mean is positive (rank_bm25's
+    ranking, kept because it measured best on the realistic sets), and otherwise, on a tiny index,
+    every word takes Lucene's IDF, log(1 + (N - n + 0.5) / (n + 0.5)), which is always positive."""
+    from rank_bm25 import BM25Okapi
+
+    class _PositiveIdfOkapi(BM25Okapi):
+        def _calc_idf(self, nd):
+            n = self.corpus_size
+            okapi = {word: math.log((n - df + 0.5) / (df + 0.5)) for word, df in nd.items()}
+            self.average_idf = sum(okapi.values()) / max(len(okapi), 1)
+            if self.average_idf > 0:
+                floor = self.epsilon * self.average_idf
+                self.idf = {word: idf if idf > 0 else floor for word, idf in okapi.items()}
+            else:
+                self.idf = {word: math.log1p((n - df + 0.5) / (df + 0.5)) for word, df in nd.items()}
+
+    return _PositiveIdfOkapi(docs)
+
+
 class BM25Index:
-    """BM25 (Okapi) over :func:`tokenize` tokens, built from the texts or from their tokens (as
-    :mod:`.token_cache` keeps them). Never stored in an index: rebuilt by each process."""
+    """BM25 (Okapi, every IDF above zero) over :func:`tokenize` tokens, built from the texts or from
+    their tokens (as :mod:`.token_cache` keeps them). Never stored in an index: rebuilt by each process."""
 
     def __init__(self, texts: Iterable[str] = (), *, tokens: list[list[str]] | None = None):
-        from rank_bm25 import BM25Okapi
-
         self._docs = tokens if tokens is not None else [tokenize(t) for t in texts]
         self.size = len(self._docs)
-        # BM25Okapi divides by the corpus size: keep an empty corpus searchable (no hits)
-        self._bm25 = BM25Okapi(self._docs) if self._docs and any(self._docs) else None
+        # Okapi divides by the corpus size: keep an empty corpus searchable (no hits)
+        self._bm25 = _okapi_with_positive_idf(self._docs) if self._docs and any(self._docs) else None
 
     def scores(self, query: str) -> np.ndarray:
         if self._bm25 is None:

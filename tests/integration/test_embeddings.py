@@ -398,3 +398,26 @@ def test_default_hybrid_finds_wikipedia_paragraphs(e5):
 
 def test_bm25_index_of_nothing_finds_nothing():
     assert BM25Index([]).search("anything", 5) == []
+
+
+@pytest.mark.parametrize(
+    "texts, query, expected",
+    [
+        (["绿茶属于不发酵茶，采摘后要经过杀青。"], "绿茶", [0]),  # one chunk: Okapi's IDF was negative
+        (["shield volcanoes erupt lava", "shield volcanoes explode"], "volcanoes", [0, 1]),  # in every chunk
+        (["shield volcanoes erupt lava", "a git branch is a pointer"], "lava", [0]),  # in half of them
+        (["lava flows", "lava cools", "git branch", "git commit"], "lava branch", [0, 1, 2]),
+    ],
+)
+def test_bm25_finds_a_matching_chunk_in_a_small_index(texts, query, expected):
+    """Okapi's IDF is <= 0 for a word in half the chunks or more, and rank_bm25's floor is negative on
+    a small index: these searches found nothing, so hybrid search silently ran dense alone."""
+    hits = BM25Index(texts).search(query, 5)
+    assert sorted(i for i, _ in hits) == sorted(expected)
+    assert all(score > 0 for _, score in hits)
+
+
+def test_bm25_ranks_a_rarer_word_higher():
+    texts = ["lava " + "x" * i for i in range(1, 9)] + ["lava basalt"]
+    hits = BM25Index(texts).search("basalt lava", 3)
+    assert hits[0][0] == 8 and len(hits) == 3

@@ -943,3 +943,32 @@ def test_decode_text_edge_cases():
     assert ix.decode_text("中文".encode("utf-16")).text == "中文"  # with its byte order mark
     assert ix.decode_text(b"\xff\xfe" + b"\x00\xd8" * 10) is None  # an FF FE start that is not UTF-16
     assert ix.decode_text(bytes(range(256)) * 4) is None
+
+
+def test_a_text_in_two_files_is_one_passage_with_both_sources(tmp_path, embedder):
+    """A file copied into a second folder: the prompt held its text twice and lost a passage of k."""
+    corpus = tmp_path / "corpus"
+    (corpus / "copy").mkdir(parents=True)
+    for name in ("tea.md", "copy/tea.md"):
+        (corpus / name).write_text(TEA, encoding="utf-8")
+    (corpus / "panda.md").write_text(PANDA, encoding="utf-8")
+    (corpus / "volcano.md").write_text(VOLCANO, encoding="utf-8")
+    build(corpus, tmp_path / "index", embedder)
+    index = ix.load_index(tmp_path / "index", embedder)
+    for mode in ("hybrid", "dense", "lexical"):
+        hits = index.search("龙井茶 绿茶 杀青", k=2, mode=mode)
+        texts = [h.text for h in hits]
+        assert len(texts) == len(set(texts)), mode
+        assert hits[0].text == TEA and {hits[0].source, *hits[0].also_in} == {"tea.md", "copy/tea.md"}, mode
+        if mode != "lexical":  # BM25 finds no other chunk with these words
+            assert len(hits) == 2, mode
+    doc = index.as_retriever(k=1).invoke("龙井茶 绿茶 杀青")[0]
+    assert sorted([doc.metadata["source"], *doc.metadata["also_in"]]) == ["copy/tea.md", "tea.md"]
+
+
+@pytest.mark.parametrize("k", [0, -1, 2.0, "3", None, True])
+def test_search_refuses_a_k_that_is_not_a_positive_int(built, embedder, k):
+    from rag_lookahead.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="k must be an integer >= 1"):
+        ix.load_index(built[1], embedder).search("绿茶", k=k)
