@@ -8,6 +8,7 @@ atomic publish are :mod:`.store`.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -192,6 +193,11 @@ def build_index(
     store.check_target(index_dir)  # before any slow work, and before anything is created
     corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb)
 
+    if not index_dir.exists() and (embedder is None or isinstance(embedder, str)):
+        from rag_lookahead.rag.embedders import get_embedder
+
+        # a folder not made yet is no other build's: a bad --embedder fails before it is made
+        embedder = get_embedder(embedder)
     index_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # a folder we make is its owner's only
     with store.writer_lock(index_dir, lock_timeout):  # before the embedder loads: a busy folder fails fast
         store.check_target(index_dir)  # again: the folder may have changed while we waited
@@ -257,7 +263,10 @@ def _manifest(corpus: Corpus, records: list[dict], embedder: Embedder, settings:
         "separators": SEPARATORS,
         "num_files": len(corpus.docs),
         "num_chunks": len(records),
-        "corpus_dir": str(Path(settings["corpus_dir"]).expanduser().resolve()),
+        # a name that is not UTF-8 as \\xNN: JSON (and the UTF-8 manifest) cannot hold its surrogate escapes
+        "corpus_dir": os.fsencode(Path(settings["corpus_dir"]).expanduser().resolve()).decode(
+            "utf-8", "backslashreplace"
+        ),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": dict(sorted(per_file.items())),
         "artifacts": artifacts,

@@ -145,6 +145,19 @@ def _read_pdf(data: bytes) -> str:
     return "\n\n".join(p for p in pages if p)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _join_surrogates(text: str) -> tuple[str, int]:
+    """``text`` with UTF-16 surrogate pairs joined into their characters and unpaired surrogates
+    replaced by U+FFFD (counted). pypdf decodes /ToUnicode maps with ``surrogatepass``, so a PDF can
+    yield lone surrogates, which no tokenizer, JSON file or UTF-8 encoder accepts."""
+    if not _SURROGATE.search(text):
+        return text, 0
+    joined = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return joined, joined.count("\ufffd") - text.count("\ufffd")
+
+
 def _walk(root: Path, follow_symlinks: bool, skip) -> Iterator[tuple[str, Path]]:
     """``(relative path, path)`` of the candidate files under ``root``: supported suffix, no hidden part.
 
@@ -248,8 +261,11 @@ def _file_text(rel: str, data: bytes, notes: list[str]) -> str:
             text = _read_pdf(data)
         except Exception as e:  # pypdf raises many types on damaged files
             raise ValueError(f"unreadable PDF ({type(e).__name__}: {e})".splitlines()[0]) from None
+        text, lone = _join_surrogates(text)
         if not text.strip():
             raise ValueError("PDF has no extractable text")
+        if lone:
+            notes.append(f"{rel}: {lone} unpaired UTF-16 surrogate(s) in the PDF's text replaced with U+FFFD")
         return text
     decoded = decode_text(data)
     if decoded is None:

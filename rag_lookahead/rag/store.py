@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rag_lookahead.atomic import fsync_dir, fsync_file, write_json_atomic
+from rag_lookahead.atomic import fsync_dir, write_json_atomic
 from rag_lookahead.errors import ConfigError, IndexLoadError
 
 __all__ = [
@@ -163,6 +163,7 @@ def _data_dir(index_dir: Path, manifest: dict) -> Path:
 def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
     """The FAISS index and docstore the manifest names, checked against its sha256s and counts."""
     import faiss
+    import numpy as np
 
     data_dir = _data_dir(index_dir, manifest)
     for name in DATA_FILES:
@@ -180,8 +181,12 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
             raise IndexLoadError(
                 f"index at {index_dir} is corrupt: {name} does not match the sha256 in {MANIFEST}; rebuild it"
             )
-    try:
-        fidx = faiss.read_index(str(data_dir / FAISS_FILE))
+    try:  # read by Python, not by faiss: a path that is not UTF-8 is an ordinary path here
+        fidx = faiss.deserialize_index(np.fromfile(data_dir / FAISS_FILE, dtype=np.uint8))
+    except FileNotFoundError:  # removed by a build after the hash check
+        raise IndexLoadError(f"index at {index_dir} is incomplete: {FAISS_FILE} is missing") from None
+    except OSError as e:
+        raise IndexLoadError(f"cannot read {data_dir / FAISS_FILE}: {e.strerror or e}") from None
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "unreadable"
         raise IndexLoadError(f"index at {index_dir} is corrupt: cannot read {FAISS_FILE} ({first})") from None
@@ -388,10 +393,20 @@ def write_data(data_dir: Path, fidx: Any, records: list[dict]) -> dict[str, str]
     """Write one data version, durably; returns the artifacts' sha256s for the manifest."""
     import faiss
 
-    faiss.write_index(fidx, str(data_dir / FAISS_FILE))
-    fsync_file(data_dir / FAISS_FILE)
+    # serialized by faiss, written by Python. faiss.write_index only prints an error of its final
+    # fclose ("close error: No space left on device") and returns: a cut-off index.faiss was hashed and
+    # published, and the old version removed. It raised RuntimeError (a traceback) for an error of an
+    # earlier fwrite, and TypeError for a folder whose name is not UTF-8. Here each is an OSError.
+    data = faiss.serialize_index(fidx).tobytes()
+    try:
+        with open(data_dir / FAISS_FILE, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # name the file: a write error says only "No space left on device"
+        raise OSError(e.errno, f"cannot write {data_dir / FAISS_FILE}: {e.strerror or e}") from None
     artifacts = {
-        FAISS_FILE: file_sha256(data_dir / FAISS_FILE),
+        FAISS_FILE: hashlib.sha256(data).hexdigest(),
         DOCSTORE: _write_docstore(data_dir / DOCSTORE, records),
     }
     fsync_dir(data_dir)
@@ -417,7 +432,10 @@ def publish_version(
         artifacts = write_data(data_dir, faiss_index, records)
         publish(index_dir, manifest_for(data_dir.name, artifacts))
     except BaseException:
-        shutil.rmtree(data_dir, ignore_errors=True)
+        # an interrupt can land after the manifest's rename, in write_json_atomic's fsync of the folder:
+        # the new data is then the published index, and removing it left a manifest naming nothing
+        if (_our_manifest(index_dir / MANIFEST) or {}).get("data") != data_dir.name:
+            shutil.rmtree(data_dir, ignore_errors=True)
         raise
     _remove_old_versions(index_dir, data_dir.name, replaced)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import shutil
 import stat
 import subprocess
@@ -972,3 +973,172 @@ def test_search_refuses_a_k_that_is_not_a_positive_int(built, embedder, k):
 
     with pytest.raises(ConfigError, match="k must be an integer >= 1"):
         ix.load_index(built[1], embedder).search("绿茶", k=k)
+
+
+# ---------------------------------------------------------------- disk errors, odd names, odd PDFs (review 2026-12-03)
+
+VOLCANO_SHORT = "Shield volcanoes erupt runny lava gently, while stratovolcanoes build steep cones."
+
+
+def run_index(*args: str, preexec_fn=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rag_lookahead", "index", *args, "--no-progress"],
+        capture_output=True,
+        text=True,
+        errors="backslashreplace",  # the report names a folder that is not UTF-8 byte for byte
+        timeout=300,
+        preexec_fn=preexec_fn,
+    )
+
+
+# ---------------------------------------------------------------- a write error while the new version is written
+
+
+@pytest.mark.parametrize("new_chunks", [1, 3])
+def test_a_write_error_in_the_new_vectors_keeps_the_old_index(tmp_path, embedder, new_chunks):
+    """faiss.write_index only printed the error of its final fclose ("close error: File too large")
+    and returned: the cut-off index.faiss was hashed, published with exit status 0, and the old
+    version deleted, so the index no longer loaded (new_chunks=1: the whole file sat in stdio's
+    buffer). An error in an earlier fwrite (new_chunks=3) was a faiss RuntimeError traceback.
+    RLIMIT_FSIZE stands in for a full disk or a quota: a file may not grow past 2 KiB."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "git.txt").write_text(GIT, encoding="utf-8")
+    index_dir = tmp_path / "index"
+    build(corpus, index_dir, embedder)
+    for i in range(new_chunks):
+        (corpus / f"new{i}.txt").write_text(f"{VOLCANO_SHORT} ({i})", encoding="utf-8")
+    before = tree(index_dir)
+
+    def small_files():  # a 2-vector index.faiss is 3 KiB; the docstore and the manifest stay under 2 KiB
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+
+    result = run_index(str(corpus), "--index-dir", str(index_dir), preexec_fn=small_files)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "index.faiss" in lines[0], result.stderr
+    assert tree(index_dir) == before  # the unpublished version removed, the old one kept
+    old = ix.load_index(index_dir, embedder)
+    assert [r["source"] for r in old.records] == ["git.txt"]
+
+
+# ---------------------------------------------------------------- names that are not UTF-8
+
+
+def test_a_corpus_folder_whose_own_name_is_not_utf8_is_indexed(tmp_path, embedder):
+    """The manifest's corpus_dir held the name's surrogate escapes: after every file was embedded,
+    publishing died with a UnicodeEncodeError traceback, so such a folder could never be indexed."""
+    corpus = tmp_path / os.fsdecode(b"notes-caf\xe9")
+    corpus.mkdir()
+    (corpus / "git.txt").write_text(GIT, encoding="utf-8")
+    report = build(corpus, tmp_path / "index", embedder)
+    assert report.files == 1
+    manifest = json.loads((tmp_path / "index" / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["corpus_dir"].endswith("notes-caf\\xe9")
+    assert ix.load_index(tmp_path / "index", embedder).search("git branch", k=1)[0].source == "git.txt"
+
+
+def test_an_index_folder_whose_name_is_not_utf8_is_written_read_and_updated(tmp_path, embedder):
+    """faiss.write_index/read_index take the path as a C string: a name that is not UTF-8 was a
+    TypeError traceback ("Wrong number or type of arguments for overloaded function 'write_index'")."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "git.txt").write_text(GIT, encoding="utf-8")
+    index_dir = tmp_path / os.fsdecode(b"index-\xe9")
+    assert build(corpus, index_dir, embedder).added == 1
+    assert ix.load_index(index_dir, embedder).search("git branch", k=1)[0].source == "git.txt"
+    again = build(corpus, index_dir, embedder)  # reads the stored vectors back
+    assert (again.unchanged, again.embedded_chunks) == (1, 0)
+    result = run_index(str(corpus), "--index-dir", os.fsencode(index_dir).decode("utf-8", "surrogateescape"))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------- a PDF whose text has a lone surrogate
+
+
+def surrogate_pdf(text: str = "Shield volcanoes erupt lava gently Z") -> bytes:
+    """One page whose /ToUnicode map sends the glyph Z to <D835>, half a surrogate pair (PDFs of
+    mathematical letters split 𝐀 into two codes); pypdf decodes the map with surrogatepass."""
+    cmap = (
+        b"/CIDInit /ProcSet findresource begin\n12 dict begin\nbegincmap\n/CMapName /Custom def\n/CMapType 2 def\n"
+        b"1 begincodespacerange\n<00> <FF>\nendcodespacerange\n1 beginbfchar\n<5A> <D835>\nendbfchar\n"
+        b"endcmap\nCMapName currentdict /CMap defineresource pop\nend\nend\n"
+    )
+    content = b"BT /F1 24 Tf 72 700 Td (" + text.encode("latin-1") + b") Tj ET"
+    objs = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R"
+        b" /Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream",
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /ToUnicode 6 0 R >>",
+        b"<< /Length %d >>\nstream\n" % len(cmap) + cmap + b"endstream",
+    ]
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for i, body in enumerate(objs, start=1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
+    return bytes(out)
+
+
+def test_a_pdf_with_an_unpaired_surrogate_is_indexed_with_a_note(tmp_path):
+    """pypdf gave the text "... gently \\ud835": the tokenizer raised TypeError ("TextInputSequence
+    must be str") and the whole build was a traceback (the docstore could not have written it either)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "git.txt").write_text(GIT, encoding="utf-8")
+    (corpus / "math.pdf").write_bytes(surrogate_pdf())
+    result = run_index(str(corpus), "--index-dir", str(tmp_path / "index"))
+    assert result.returncode == 0, result.stderr
+    assert "indexed 2 files" in result.stdout
+    assert "math.pdf: 1 unpaired UTF-16 surrogate" in result.stdout
+    _, _, records = store.read_snapshot(tmp_path / "index")
+    pdf = [r["text"] for r in records if r["source"] == "math.pdf"]
+    assert pdf == ["Shield volcanoes erupt lava gently \ufffd"]
+
+
+# ---------------------------------------------------------------- bad input leaves no new folder
+
+
+def test_an_unknown_embedder_leaves_no_new_index_folder(tmp_path):
+    """The index folder (and its missing parents) were made, with a lock file in it, before the
+    embedder was found missing; the error is one line, but the folders stayed."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "git.txt").write_text(GIT, encoding="utf-8")
+    result = run_index(str(corpus), "--index-dir", str(tmp_path / "new" / "index"), "--embedder", "no-such-model-h38a")
+    assert result.returncode == 1 and result.stderr.startswith("error:"), result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+# ---------------------------------------------------------------- an interrupt just after the manifest's rename
+
+
+def test_an_interrupt_after_the_manifest_is_renamed_leaves_a_loadable_index(tmp_path, embedder, monkeypatch):
+    """Ctrl-C during write_json_atomic's fsync of the index folder (after os.replace published the new
+    manifest): publish_version's cleanup took the new version for unpublished and deleted it, so the
+    manifest named a missing folder, and the old version had been replaced: no index loaded."""
+    from rag_lookahead import atomic
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "git.txt").write_text(GIT, encoding="utf-8")
+    index_dir = tmp_path / "index"
+    build(corpus, index_dir, embedder)
+    (corpus / "volcano.txt").write_text(VOLCANO_SHORT, encoding="utf-8")
+
+    def interrupted(path):
+        if Path(path) == index_dir:  # the manifest's folder: the rename is done
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic, "fsync_dir", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build(corpus, index_dir, embedder)
+    monkeypatch.undo()
+    loaded = ix.load_index(index_dir, embedder)  # old or new, but whole
+    assert {r["source"] for r in loaded.records} in ({"git.txt"}, {"git.txt", "volcano.txt"})
