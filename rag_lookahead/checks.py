@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from rag_lookahead.errors import ConfigError
@@ -10,7 +11,16 @@ __all__ = ["positive_int"]
 
 
 def positive_int(name: str, value: Any, *, error: type[Exception] = ConfigError) -> int:
-    """``value`` if it is an ``int >= 1`` (a ``bool`` is not one), else ``error`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as an ``int`` if it is an integer >= 1, else ``error`` naming ``name``.
+
+    Integer numpy scalars and one-element integer tensors count, as ``model.generate`` takes them
+    (anything with ``__index__``); a ``bool``, a float or a string does not."""
+    number = None
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            pass
+    if number is None or number < 1:
         raise error(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    return number

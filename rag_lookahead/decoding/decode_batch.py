@@ -25,7 +25,7 @@ from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import allocate, step_costs
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.drafter import Drafter, TrieDrafter
-from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, context_limit, vocab_size
+from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, check_room, context_limit, vocab_size
 from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.prefill import ChunkedPrefill, forward_feed, prefill_padded, step_feed
 from rag_lookahead.decoding.profile import profile_of
@@ -127,6 +127,7 @@ class DecodeBatch:
         """
         input_ids, attention_mask = as_batch(input_ids, attention_mask)
         check_ids(input_ids, attention_mask, self.vocab)
+        check_room(self.model, attention_mask)
         count = input_ids.shape[0]
         if not self.tree_mask and self.size + count > 1:
             raise ConfigError(

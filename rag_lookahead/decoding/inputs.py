@@ -29,6 +29,15 @@ def context_limit(model) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
+def check_room(model, attention_mask: torch.Tensor) -> None:
+    """Refuse rows whose prompt leaves no room in the context window for a new token: such a row
+    would end with no tokens at all (and a sampled one would still spend a draw)."""
+    limit = context_limit(model)
+    longest = int(attention_mask.sum(-1).max())
+    if limit is not None and longest >= limit:
+        raise InputError(f"the input has {longest} tokens but the model's context holds {limit}")
+
+
 def as_batch(input_ids, attention_mask=None, masked_pad: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, mask)`` as (batch, length) long tensors, each row left-padded and non-empty.
 

@@ -19,7 +19,7 @@ from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.decode_batch import DecodeBatch
 from rag_lookahead.decoding.drafter import Drafter
-from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, context_limit, vocab_size
+from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, check_room, vocab_size
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.results import GenerationResult, GenerationStats, LogprobRecorder, assemble
 from rag_lookahead.decoding.rows import Row
@@ -31,7 +31,6 @@ from rag_lookahead.decoding.sampling import (
 )
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.decoding.verify import input_device, supports_tree_mask
-from rag_lookahead.errors import InputError
 
 __all__ = ["DecodeBatch", "GenerationResult", "GenerationStats", "Row", "generate", "left_pad"]
 
@@ -131,7 +130,7 @@ def generate(
         0: each prompt in one forward.
     """
     config = config or LookaheadConfig()
-    positive_int("max_new_tokens", max_new_tokens)
+    max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
     eos_order = _eos_ids(model, eos_token_id, generation_config)
     eos = frozenset(eos_order)
     pad_set = _setting(model, "pad_token_id", pad_token_id, generation_config)
@@ -190,10 +189,7 @@ def _checked_inputs(model, input_ids, attention_mask, references, masked_pad: in
     references = check_references(references, ids.shape[0], vocab_size(model))
     device = input_device(model)
     ids, mask = ids.to(device), mask.to(device)
-    limit = context_limit(model)
-    longest = int(mask.sum(-1).max())
-    if limit is not None and longest >= limit:
-        raise InputError(f"the input has {longest} tokens but the model's context holds {limit}")
+    check_room(model, mask)
     return ids, mask, references
 
 

@@ -25,6 +25,36 @@ def test_attention_mask_with_holes_is_refused(model):
         DecodeBatch(model, LookaheadConfig(), frozenset(), None).add(ids, mask, None, 4)
 
 
+def test_a_prompt_filling_the_context_is_refused_by_the_batch_too(model):
+    """generate() refused it; DecodeBatch.add returned a row of no tokens (a sampled row spent a draw)."""
+    limit = model.config.max_position_embeddings
+    ids = torch.full((2, limit), 5)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # the shorter row fits; the longest decides
+    for add in (
+        lambda: generate(model, ids, mask, max_new_tokens=4),
+        lambda: DecodeBatch(model, LookaheadConfig(), frozenset(), None).add(ids, mask, None, 4),
+    ):
+        with pytest.raises(InputError, match=f"the input has {limit} tokens but the model's context holds {limit}"):
+            add()
+    batch = DecodeBatch(model, LookaheadConfig(), frozenset(), None)
+    (row,) = batch.add(ids[1:, 1:], mask[1:, 1:], None, 4)  # limit - 2 tokens: room to decode
+    assert batch.size == 1
+
+
+def test_max_new_tokens_may_be_a_numpy_or_tensor_integer(model):
+    """model.generate takes them; we refused them with a ConfigError."""
+    import numpy as np
+
+    ids = torch.tensor([[5, 6, 7, 5, 6]])
+    expected = generate(model, ids, max_new_tokens=6).sequences.tolist()
+    for value in (np.int64(6), np.int32(6), torch.tensor(6)):
+        assert generate(model, ids, max_new_tokens=value).sequences.tolist() == expected
+    for value in (6.0, "6", True, np.float32(6), torch.tensor(6.0), 0):
+        with pytest.raises(ConfigError, match="max_new_tokens must be an integer >= 1"):
+            generate(model, ids, max_new_tokens=value)
+
+
 def test_attention_mask_values_are_checked(model):
     with pytest.raises(InputError, match="only 0 and 1"):
         generate(model, [[1, 2, 3]], [[1, 2, 1]], max_new_tokens=2)
