@@ -199,8 +199,10 @@ def build_index(
         # a folder not made yet is no other build's: a bad --embedder fails before it is made
         embedder = get_embedder(embedder)
     index_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # a folder we make is its owner's only
-    with store.writer_lock(index_dir, lock_timeout):  # before the embedder loads: a busy folder fails fast
+    with store.writer_lock(index_dir, lock_timeout) as waited:  # before the embedder loads: a busy folder fails fast
         store.check_target(index_dir)  # again: the folder may have changed while we waited
+        if waited:  # the files too: a build that read them earlier must not publish an older corpus last
+            corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb)
         if embedder is None or isinstance(embedder, str):
             from rag_lookahead.rag.embedders import get_embedder
 

@@ -302,14 +302,18 @@ def check_target(index_dir: Path, advice: str = "choose a new or empty folder wi
 
 
 @contextlib.contextmanager
-def writer_lock(index_dir: Path, timeout: float) -> Iterator[None]:
-    """Hold the index folder's lock: one build at a time writes here; others wait up to ``timeout`` s."""
+def writer_lock(index_dir: Path, timeout: float) -> Iterator[bool]:
+    """Hold the index folder's lock: one build at a time writes here; others wait up to ``timeout`` s.
+
+    Yields whether it had to wait (another build ran meanwhile, and the files may have changed)."""
     from filelock import FileLock, Timeout
 
     lock = FileLock(str(index_dir / LOCK_FILE))
+    waited = False
     try:
         lock.acquire(timeout=0)
     except Timeout:
+        waited = True
         log.warning("another `rag_lookahead index` run is writing %s; waiting up to %g s", index_dir, timeout)
         try:
             lock.acquire(timeout=timeout)
@@ -319,7 +323,7 @@ def writer_lock(index_dir: Path, timeout: float) -> Iterator[None]:
                 f" try again when it ends, or wait longer with --lock-timeout"
             ) from None
     try:
-        yield
+        yield waited
     finally:
         lock.release()
 

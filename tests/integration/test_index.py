@@ -729,6 +729,36 @@ def test_second_build_waits_for_the_first(tmp_path, embedder, monkeypatch, caplo
     assert [p.name for p in index_dir.iterdir() if p.is_dir()] == [artifact(index_dir, "x").parent.name]
 
 
+def test_a_build_that_waited_indexes_the_files_as_they_are_when_it_gets_the_lock(tmp_path, embedder, caplog):
+    """The corpus was read before the wait: a build that waited published the files as they were
+    when it started, over a newer build's (three overlapping builds could end on an older corpus)."""
+    import threading
+
+    from filelock import FileLock
+
+    a, _ = two_corpora(tmp_path)
+    index_dir = tmp_path / "index"
+    index_dir.mkdir()
+    holder = FileLock(str(index_dir / store.LOCK_FILE))
+    holder.acquire()
+    reports: dict[str, ix.IndexReport] = {}
+    waiting = threading.Thread(target=lambda: reports.setdefault("report", build(a, index_dir, embedder)))
+    try:
+        with caplog.at_level("WARNING", logger="rag_lookahead.rag.store"):
+            waiting.start()
+            deadline = time.monotonic() + 60
+            while "waiting up to" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert "waiting up to" in caplog.text
+        (a / "panda.md").unlink()  # changed while it waited
+        (a / "volcano.md").write_text(VOLCANO, encoding="utf-8")
+    finally:
+        holder.release()
+        waiting.join()
+    assert sources(ix.load_index(index_dir, embedder)) == {"tea.md", "volcano.md"}
+    assert reports["report"].files == 2
+
+
 def test_cli_fails_clearly_while_another_process_holds_the_lock(tmp_path, built):
     import subprocess
     import sys
