@@ -90,6 +90,10 @@ def too_large(limit: int) -> ApiError:
     )
 
 
+def body_timed_out(seconds: float) -> ApiError:
+    return ApiError(408, f"the request body did not arrive within {seconds:g} s (body_timeout)", code="body_timeout")
+
+
 def quote(value: Any, limit: int = 60) -> str:
     """A request value quoted back in an error message, cut short."""
     try:

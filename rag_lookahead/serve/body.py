@@ -3,12 +3,14 @@
 :class:`JsonBodyRoute` first asks the engine whether it can take the request at all (429/503
 before any work), then reads the body counting bytes as they stream in (413 past
 ``max_body_bytes``; a declared Content-Length was already checked by the gate) and parses it
-strictly (NaN, lone surrogates, deep nesting: 400). FastAPI then validates the parsed object.
+strictly (NaN, lone surrogates, deep nesting: 400); a body still incomplete after ``body_timeout``
+seconds gets 408. FastAPI then validates the parsed object.
 The body is JSON whatever its Content-Type says (``curl -d`` sends form-urlencoded).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -18,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from rag_lookahead.serve.api_error import ApiError, too_large
+from rag_lookahead.serve.api_error import ApiError, body_timed_out, too_large
 from rag_lookahead.serve.streaming import ClientGone
 
 __all__ = ["JsonBodyRoute", "parse_json", "read_json"]
@@ -36,7 +38,7 @@ class JsonBodyRoute(APIRoute):
         async def read_then_validate(request: Request) -> Response:
             engine = request.app.state.engine
             engine.check_capacity()  # 429/503 before reading, parsing or tokenizing anything
-            raw, data = await read_json(request, engine.config.max_body_bytes)
+            raw, data = await read_json(request, engine.config.max_body_bytes, engine.config.body_timeout)
             return await validate_and_run(ParsedRequest(request, raw, data))
 
         return read_then_validate
@@ -58,17 +60,21 @@ class ParsedRequest(Request):
         return self._parsed_body
 
 
-async def read_json(request: Request, limit: int) -> tuple[bytes, dict]:
-    """The body and the JSON object in it, counted as it streams in (413 past ``limit``)."""
+async def read_json(request: Request, limit: int, timeout: float | None = None) -> tuple[bytes, dict]:
+    """The body and the JSON object in it, counted as it streams in (413 past ``limit``, 408 if it
+    has not all arrived within ``timeout`` seconds)."""
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone() from None
+    except TimeoutError:
+        raise body_timed_out(timeout) from None
     raw = b"".join(chunks)
     parsed = await run_in_threadpool(parse_json, raw) if len(raw) > PARSE_IN_THREAD_BYTES else parse_json(raw)
     return raw, parsed

@@ -91,6 +91,8 @@ class ServerConfig:
     max_messages: most chat messages in a request (400 beyond).
     max_body_bytes: largest request body (413 at once from Content-Length, or as soon as a
         streamed body passes it; nothing is parsed before).
+    body_timeout: seconds a client may take to send a request's body (408 past it): a client
+        that stalls mid-upload would otherwise hold its connection and handler for good.
     drain_seconds: on shutdown (SIGTERM), how long running and queued requests may finish while
         new ones get 503; what is left then gets an error.
     api_keys: with any, every endpoint but /health needs ``Authorization: Bearer <one of them>``.
@@ -123,6 +125,7 @@ class ServerConfig:
     max_stop_chars: int = 256
     max_messages: int = 256
     max_body_bytes: int = 4 * MiB
+    body_timeout: float = 30.0
     drain_seconds: float = 30.0
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in logs
     allowed_hosts: tuple[str, ...] = ()
@@ -152,10 +155,11 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be an integer in {low}..{high} or None, got {value!r}")
         if self.k_seed < self.k_prompt:
             raise ConfigError(f"k_seed must be >= k_prompt ({self.k_prompt}), got {self.k_seed}")
-        seconds = self.drain_seconds
-        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds <= 86_400:
-            raise ConfigError(f"drain_seconds must be a number in 0..86400, got {seconds!r}")
-        self.drain_seconds = float(seconds)
+        for name, low in (("drain_seconds", 0), ("body_timeout", 0.001)):
+            seconds = getattr(self, name)
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not low <= seconds <= 86_400:
+                raise ConfigError(f"{name} must be a number in {low:g}..86400, got {seconds!r}")
+            setattr(self, name, float(seconds))
         if not isinstance(self.lookahead, bool):
             raise ConfigError(f"lookahead must be true or false, got {self.lookahead!r}")
         if self.lookahead_config is not None and not isinstance(self.lookahead_config, LookaheadConfig):

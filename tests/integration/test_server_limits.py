@@ -65,6 +65,23 @@ def _length(data: bytes) -> int:
     return 0
 
 
+def test_a_body_that_stalls_gets_408_after_the_body_timeout(tokenizer):
+    """A client that declared 200 bytes and sent 20 held its handler until the connection died."""
+    engine = tiny_engine(tokenizer, body_timeout=0.5)
+    with serving(engine) as base:
+        host = base.removeprefix("http://")
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: 200\r\n\r\n"
+        )
+        status, body, seconds = raw_request(base, head, [b'{"prompt": "abcdefgh'])
+        assert status == 408 and body["error"]["code"] == "body_timeout", (status, body)
+        assert 0.4 < seconds < 5, seconds
+        # a whole body in time is served as before
+        reply = httpx.post(f"{base}/v1/completions", json={"prompt": tiny_prompts(1)[0], "max_tokens": 2}, timeout=30)
+        assert reply.status_code == 200, reply.text
+
+
 def health_latencies(base: str, stop: threading.Event, out: list) -> None:
     """Ask /health again and again until ``stop``; record each answer's latency (None: not 200)."""
     with httpx.Client(base_url=base, timeout=30) as client:
@@ -203,6 +220,8 @@ def test_malformed_json_is_a_400(tokenizer):
         ({"max_queue": 0}, "max_queue"),
         ({"max_tokens_limit": True}, "max_tokens_limit"),
         ({"max_body_bytes": 2**40}, "max_body_bytes"),
+        ({"body_timeout": 0}, "body_timeout"),
+        ({"body_timeout": "30"}, "body_timeout"),
         ({"max_messages": "10"}, "max_messages"),
         ({"max_stop_chars": 10**6}, "max_stop_chars"),
         ({"k_prompt": 4, "k_seed": 2}, "k_seed"),
