@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
@@ -91,7 +92,9 @@ def hf_generate(
     """
     if generation_config is None or logits_processor is None or stopping_criteria is None:
         raise ConfigError("hf_generate is called by transformers: use model.generate(..., custom_generate=hf_generate)")
-    streamer = streamer if streamer is not None else _streamer_of_caller(sys._getframe(1))
+    caller = sys._getframe(1)
+    streamer = streamer if streamer is not None else _argument_of_caller(caller, "streamer")
+    assistant_model = _argument_of_caller(caller, "assistant_model")
     try:  # the streamer already holds the prompt: end it on a refusal too, or its reader waits forever
         return _lookahead_generate(
             model,
@@ -105,6 +108,7 @@ def hf_generate(
             lookahead_tokenizer,
             lookahead_config,
             model_kwargs,
+            assistant_model,
         )
     finally:
         if streamer is not None:
@@ -123,6 +127,7 @@ def _lookahead_generate(
     lookahead_tokenizer,
     lookahead_config: LookaheadConfig | None,
     model_kwargs: dict[str, Any],
+    assistant_model=None,
 ) -> torch.LongTensor | LookaheadGenerateOutput:
     """:func:`hf_generate` once the streamer is known (it ends the streamer, whatever happens here)."""
     _check_call(model, generation_config, synced_gpus)
@@ -133,6 +138,15 @@ def _lookahead_generate(
 
     has_eos = getattr(generation_config, "_eos_token_tensor", None) is not None
     params = resolve_sampling(model, generation_config, prompt_width=input_ids.shape[1], has_eos=has_eos)
+    assisted = generation_config.get_generation_mode(assistant_model) == GenerationMode.ASSISTED_GENERATION
+    if params.do_sample and assisted:
+        # transformers then samples through _assisted_decoding, whose draws differ from plain sampling's
+        raise ConfigError(
+            "assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit, use_mtp) with"
+            " do_sample=True draws other tokens than plain sampling under the same torch.manual_seed, and"
+            " lookahead decoding reproduces plain sampling only: drop the assisted-generation argument"
+            " (lookahead drafts on its own)"
+        )
     if params.do_sample and rows > 1:
         # transformers draws one token for every row (finished ones too) from the global generator
         # at each step; rows that accept different numbers of tokens per step cannot keep that order
@@ -259,8 +273,8 @@ def _encode_references(references, tokenizer):
     return out
 
 
-def _streamer_of_caller(frame) -> Any:
-    """The streamer given to ``model.generate``.
+def _argument_of_caller(frame, name: str) -> Any:
+    """An argument given to ``model.generate`` that it does not pass on (``streamer``, ``assistant_model``).
 
     transformers 5.2x does not pass ``streamer`` on to a callable ``custom_generate`` (it
     rebuilds the keywords from the callable's own parameters), although it has already put
@@ -269,7 +283,7 @@ def _streamer_of_caller(frame) -> Any:
     """
     code = frame.f_code
     if code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
-        return frame.f_locals.get("streamer")
+        return frame.f_locals.get(name)
     return None
 
 

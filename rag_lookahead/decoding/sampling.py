@@ -161,11 +161,15 @@ def resolve_sampling(
             f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}"
         )
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    # a config model.generate prepared (it set ``_eos_token_tensor``, as for a custom_generate) is final:
+    # transformers already applied the model's and its global defaults, and a None left in it is an
+    # explicit "off" (do_sample=None: greedy, top_k=None: no top-k) that must not be refilled
+    prepared = hasattr(config, "_eos_token_tensor")
     own = getattr(model, "generation_config", None)
-    if own is not None:
+    if own is not None and not prepared:
         config.update(**own.to_dict(), defaults_only=True)
     defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
-    if defaults is not None:
+    if defaults is not None and not prepared:
         config.update(**defaults(), defaults_only=True)
     given = {k: v for k, v in options.items() if v is not UNSET}
     try:

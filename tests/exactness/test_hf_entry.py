@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import ARCHITECTURES, tiny_model
+from tiny_models import ARCHITECTURES, build_tiny_model, tiny_model
 from tiny_tokenizer import tiny_tokenizer
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import NoBadWordsLogitsProcessor
@@ -535,3 +535,72 @@ def test_a_prompt_as_long_as_the_window_is_an_input_error():
         model.generate(
             input_ids=torch.tensor([[4 + i % 7 for i in range(window)]]), custom_generate=hf_generate, max_new_tokens=1
         )
+
+
+# ---------------------------------------------------------------- arguments transformers does not pass on
+
+PROMPT = torch.tensor([[7, 3, 9, 4, 11, 2, 8]])
+
+
+@pytest.fixture
+def fresh_model():
+    return build_tiny_model("qwen2")  # not the cached one: these tests change its generation_config
+
+
+def _both(model, seed=1, **kw):
+    """(model.generate's output, hf_generate's output or the ConfigError it raised)."""
+    torch.manual_seed(seed)
+    expected = model.generate(input_ids=PROMPT, **kw)
+    torch.manual_seed(seed)
+    try:
+        got = model.generate(input_ids=PROMPT, custom_generate=hf_generate, **kw)
+    except ConfigError as err:
+        got = err
+    return expected, got
+
+
+@pytest.mark.parametrize("assisted", ["prompt_lookup", "assistant_model"])
+def test_assisted_sampling_is_refused(fresh_model, assisted):
+    """transformers samples through its assisted decoding when prompt_lookup_num_tokens or an
+    assistant_model is given, with other draws than plain sampling; hf_generate never saw either
+    argument and returned plain sampling's tokens."""
+    extra = dict(prompt_lookup_num_tokens=3) if assisted == "prompt_lookup" else dict(assistant_model=fresh_model)
+    expected, got = _both(fresh_model, seed=3, max_new_tokens=12, do_sample=True, **extra)
+    assert isinstance(got, ConfigError) and "assisted generation" in str(got), got
+    torch.manual_seed(3)
+    plain = fresh_model.generate(input_ids=PROMPT, max_new_tokens=12, do_sample=True)
+    assert plain.tolist() != expected.tolist()  # (what the old code returned was not transformers' answer)
+
+
+def test_assisted_greedy_stays_exact(fresh_model):
+    expected, got = _both(fresh_model, max_new_tokens=12, prompt_lookup_num_tokens=3)
+    assert not isinstance(got, ConfigError) and got.tolist() == expected.tolist()
+
+
+def test_do_sample_none_is_greedy_as_in_model_generate(fresh_model):
+    """An explicit do_sample=None makes model.generate greedy; hf_generate refilled do_sample=True from
+    the model's generation config and sampled."""
+    fresh_model.generation_config.update(do_sample=True, top_k=0)
+    expected, got = _both(fresh_model, max_new_tokens=8, do_sample=None)
+    assert not isinstance(got, ConfigError), got
+    assert got.tolist() == expected.tolist()
+
+
+QWEN_INSTRUCT = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
+
+
+@pytest.mark.parametrize(
+    "model_config, call",
+    [
+        ({}, dict(do_sample=True, top_k=None)),
+        (QWEN_INSTRUCT, dict(temperature=None)),
+        (QWEN_INSTRUCT, dict(do_sample=False, repetition_penalty=None)),
+    ],
+)
+def test_an_explicit_none_turns_an_option_off_as_in_model_generate(fresh_model, model_config, call):
+    """Refused with "logits processors [...] differ from the sampling settings": the None was refilled
+    from the model's config or transformers' defaults."""
+    fresh_model.generation_config.update(**model_config)
+    expected, got = _both(fresh_model, max_new_tokens=8, **call)
+    assert not isinstance(got, ConfigError), got
+    assert got.tolist() == expected.tolist()
