@@ -15,7 +15,7 @@ from typing import Any
 
 from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
 
-__all__ = ["bundled_corpus", "ensure_index", "answer", "print_result", "token_printer", "main"]
+__all__ = ["StdoutClosed", "bundled_corpus", "ensure_index", "answer", "print_result", "token_printer", "main"]
 
 
 def bundled_corpus() -> Path:
@@ -91,7 +91,10 @@ def answer(
         raise InputError(
             'the question is empty: ask something, e.g. rag_lookahead ask "decoding_length 应该怎么设置？"'
         )
-    _check_sampling(temperature, top_p, seed)  # before anything loads
+    from rag_lookahead.rag.chains import check_question_text
+
+    check_question_text(question)  # before anything loads
+    _check_sampling(temperature, top_p, seed)
     folder = Path(index_dir).expanduser() if index_dir else default_index_dir()
     index = ensure_index(folder, quiet=quiet, build_bundled=not index_dir)  # only the default folder gets the sample
     if llm is None:
@@ -136,14 +139,23 @@ def _check_sampling(temperature: float | None, top_p: float | None, seed: int | 
     SamplingParams(do_sample=True, temperature=temperature, top_p=1.0 if top_p is None else top_p, seed=seed)
 
 
+class StdoutClosed(BaseException):
+    """stdout's reader went away while the answer streamed (``ask --stream | head``). Not an
+    ``Exception``: LangChain's callback manager logs and swallows those, once per block, and the
+    decode went on to --max-new-tokens with nobody reading."""
+
+
 def token_printer():
     """A callback handler that prints each accepted block of the answer as it is decoded."""
     from langchain_core.callbacks import BaseCallbackHandler
 
     class _Print(BaseCallbackHandler):
         def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
-            sys.stdout.write(token)
-            sys.stdout.flush()
+            try:
+                sys.stdout.write(token)
+                sys.stdout.flush()
+            except BrokenPipeError as e:
+                raise StdoutClosed() from e
 
     return _Print()
 
@@ -155,7 +167,7 @@ def print_result(result: dict, streamed: bool) -> None:
 
     # soft_wrap: lines are never broken at the console's width (80 when piped), so `ask ... > file`
     # holds the answer as the model wrote it; a terminal wraps long lines itself
-    console = Console(soft_wrap=True)
+    console = Console(soft_wrap=True, emoji=False)
     sys.stdout.write(("" if streamed else result["answer"]) + "\n")
     sys.stdout.flush()
     console.print()

@@ -53,7 +53,7 @@ def fail(error: BaseException) -> NoReturn:
     from rich.console import Console
     from rich.markup import escape
 
-    Console(stderr=True).print(
+    Console(stderr=True, emoji=False).print(
         f"[red]error: {escape(first_line(error))}[/red]",
         soft_wrap=True,
     )
@@ -153,9 +153,11 @@ def ask_command(
 ) -> None:
     """Answer a question from the indexed documents (indexes the bundled corpus on first use)."""
     # over 60 lines only because typer declares every option in the signature; the work is ask.answer
-    from rag_lookahead.ask import answer, print_result, token_printer
+    from rag_lookahead.ask import StdoutClosed, answer, print_result, token_printer
 
     streaming = stream and not as_json
+    if not as_json:  # a terminal encoding without CJK (PYTHONIOENCODING=ascii): '?' for what it cannot show
+        _lenient(sys.stdout)
     try:
         result = answer(
             question,
@@ -175,14 +177,47 @@ def ask_command(
             device=device,
             device_map=device_map,
         )
+    except (BrokenPipeError, StdoutClosed):  # `ask ... --stream | head`: the reader left, the decode stopped
+        _stdout_gone()
     except (RagLookaheadError, OSError) as e:
         fail(e)
-    if as_json:
-        out = dict(result)
-        out["sources"] = [{k: v for k, v in s.items() if k != "text"} for s in result["sources"]]
-        sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
-    else:
-        print_result(result, streaming)
+    try:
+        if as_json:
+            out = dict(result)
+            out["sources"] = [{k: v for k, v in s.items() if k != "text"} for s in result["sources"]]
+            # \\u escapes where stdout is not UTF-8: still valid JSON, and nothing lost
+            sys.stdout.write(json.dumps(out, ensure_ascii=not _utf8(sys.stdout)) + "\n")
+            sys.stdout.flush()
+        else:
+            print_result(result, streaming)
+    except BrokenPipeError:
+        _stdout_gone()
+
+
+def _utf8(stream: Any) -> bool:
+    import codecs
+
+    try:
+        return codecs.lookup(getattr(stream, "encoding", None) or "ascii").name == "utf-8"
+    except LookupError:
+        return False
+
+
+def _lenient(stream: Any) -> None:
+    if not _utf8(stream) and hasattr(stream, "reconfigure"):
+        stream.reconfigure(errors="replace")
+
+
+def _stdout_gone() -> NoReturn:
+    """stdout's reader went away: exit 1 quietly, and keep Python's final flush from complaining."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (lives until exit)
+    raise typer.Exit(1)
 
 
 # ---------------------------------------------------------------- serve and the benchmarks

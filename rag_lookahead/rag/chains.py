@@ -154,11 +154,23 @@ def check_k(k_prompt: int, k_seed: int) -> None:
         raise ConfigError(f"k_seed must be an integer >= k_prompt ({k_prompt}), got {k_seed!r}")
 
 
+def check_question_text(question: str) -> None:
+    """Refuse a question that is not text: bytes that were not UTF-8 reach Python's argv as lone
+    surrogates, which the tokenizers reject with a TypeError."""
+    try:
+        question.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(
+            "the question holds bytes that are not valid UTF-8 (is the terminal's encoding UTF-8?): retype it"
+        ) from None
+
+
 def retrieve(
     retriever: BaseRetriever, question: str, k_seed: int, config: RunnableConfig | None = None
 ) -> list[Document]:
     if not isinstance(question, str) or not question.strip():
         raise InputError("the question is empty")
+    check_question_text(question)
     return list(retriever.invoke(question, config=config))[:k_seed]
 
 

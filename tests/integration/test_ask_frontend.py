@@ -1,0 +1,133 @@
+"""What `rag_lookahead ask` prints when the terminal is not a plain UTF-8 one: argv bytes that are
+not UTF-8, an ASCII stdout, a pipe closed mid-stream, and text that rich would read as emoji codes.
+
+The answers come from a real LookaheadLLM over a tiny random-weight model (the failures are in
+reading the question and printing, not in decoding), with a real index and the real embedder.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from tiny_models import tiny_model
+from tiny_tokenizer import tiny_tokenizer
+from typer.testing import CliRunner
+
+from rag_lookahead.cli import app
+from rag_lookahead.langchain.llm import LookaheadLLM
+from rag_lookahead.rag.index import build_index
+
+PASSAGE = "branch_length 是草稿树的最大深度，默认值为 48。Redis keys look like user:id:42 and ratios a:b:c."
+
+
+@pytest.fixture(scope="module")
+def index_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ask_frontend")
+    (root / "docs").mkdir()
+    (root / "docs" / "tuning.md").write_text(PASSAGE + "\n", encoding="utf-8")
+    build_index(root / "docs", root / "index", progress=False)
+    return root / "index"
+
+
+@pytest.fixture
+def tiny_llm(monkeypatch):
+    """`ask` loads the model by name: here it gets a LookaheadLLM over the tiny qwen2 model."""
+    model, tokenizer = tiny_model("qwen2"), tiny_tokenizer()
+
+    def load(cls, name, max_new_tokens=16, **placement):
+        return LookaheadLLM(model=model, tokenizer=tokenizer, model_name="tiny", max_new_tokens=max_new_tokens)
+
+    monkeypatch.setattr(LookaheadLLM, "from_model_id", classmethod(load))
+    return model
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code == 1, (result.exit_code, result.output)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_a_question_with_argv_bytes_that_are_not_utf8_is_one_error_line(index_dir, tiny_llm):
+    """`ask $'branch \\xff'`: Python passes such argv bytes on as lone surrogates, and the e5
+    tokenizer died on them with a TypeError traceback, after the model had loaded."""
+    result = CliRunner().invoke(app, ["ask", "branch \udcff\udcfe", "--index-dir", str(index_dir)])
+    assert "not valid UTF-8" in one_error_line(result)
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_an_ascii_stdout_gets_the_answer_not_a_traceback(index_dir, tiny_llm, as_json):
+    """PYTHONIOENCODING=ascii: the Chinese question and sources raised UnicodeEncodeError after the
+    whole decode, and --json printed no JSON at all."""
+    question = "branch_length 默认是多少？"
+    args = ["ask", question, "--index-dir", str(index_dir), "--max-new-tokens", "4"] + (["--json"] if as_json else [])
+    result = CliRunner(charset="ascii").invoke(app, args)
+    assert result.exit_code == 0, (result.exception, result.stderr)
+    if as_json:
+        out = json.loads(result.stdout)  # \u escapes: valid JSON, and nothing lost
+        assert out["question"] == question and isinstance(out["answer"], str)
+    else:
+        assert "tuning.md" in result.stdout
+
+
+def test_sources_are_printed_as_the_passage_says_not_as_emoji(index_dir, tiny_llm):
+    """rich turned ':id:' into U+1F194 and ':b:' into U+1F171 in the printed snippet (and file
+    names), so the sources shown did not match the passage the model read."""
+    args = ["ask", "What do Redis keys look like?", "--index-dir", str(index_dir), "--max-new-tokens", "4"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "user:id:42" in result.stdout and "a:b:c" in result.stdout, result.stdout
+
+
+class ClosedPipe:
+    """A stdout whose reader went away (`ask ... --stream | head -c 10`)."""
+
+    encoding = "utf-8"
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        raise OSError("no fileno")
+
+
+def test_streaming_into_a_closed_pipe_stops_the_decode_quietly(index_dir, tiny_llm, monkeypatch, capsys):
+    """LangChain logs and swallows a callback's exception: the printer's BrokenPipeError left the
+    model decoding to --max-new-tokens with nobody reading, and logged an error for every block."""
+    import logging
+
+    forwards = []
+    hook = tiny_llm.register_forward_hook(lambda *args: forwards.append(1))
+    logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger().addHandler(keep)
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    from rag_lookahead.ask import main
+
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main(
+                ["What do Redis keys look like?", "--index-dir", str(index_dir), "--stream", "--max-new-tokens", "120"]
+            )
+    finally:
+        logging.getLogger().removeHandler(keep)
+        hook.remove()
+    assert exit_info.value.code == 1
+    assert len(forwards) <= 3, f"{len(forwards)} forwards: the decode went on after stdout closed"
+    assert not [m for m in logged if "BrokenPipe" in m], logged[:3]
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and not err.strip(), err
