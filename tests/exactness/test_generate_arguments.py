@@ -95,20 +95,19 @@ def test_a_pad_id_in_a_prompt_without_a_mask_is_masked_out_as_in_transformers():
     assert _ours(model, torch.tensor([[5, 6, 7, 5, 6]]), **same) == _hf(model, torch.tensor([[5, 6, 7, 5, 6]]), **same)
 
 
-@pytest.mark.parametrize("options", [{"temperature": 0.0}, {"top_p": 0.0}, {"top_k": -3}, {"min_p": 7.0}])
-def test_greedy_ignores_the_sampling_warpers_as_transformers_does(options):
+@pytest.mark.parametrize(
+    "do_sample, options",
+    [
+        # greedy ignores the sampling warpers, as transformers does
+        *((False, options) for options in ({"temperature": 0.0}, {"top_p": 0.0}, {"top_k": -3}, {"min_p": 7.0})),
+        # large temperatures and penalties are taken: capped at 100 before, for no reason transformers has
+        (True, {"temperature": 150.0}),
+        (True, {"repetition_penalty": 200.0}),
+    ],
+)
+def test_settings_transformers_takes_are_taken(do_sample, options):
     model = tiny_model("llama", seed=2)
     ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
     mask = torch.ones_like(ids)
-    expected = _hf(model, ids, mask, do_sample=False, pad_token_id=0, **options)
-    assert _ours(model, ids, mask, do_sample=False, pad_token_id=0, **options) == expected
-
-
-@pytest.mark.parametrize("options", [{"temperature": 150.0}, {"repetition_penalty": 200.0}])
-def test_large_temperatures_and_penalties_are_taken(options):
-    """Capped at 100 before, for no reason transformers has."""
-    model = tiny_model("llama", seed=2)
-    ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
-    mask = torch.ones_like(ids)
-    expected = _hf(model, ids, mask, do_sample=True, pad_token_id=0, **options)
-    assert _ours(model, ids, mask, do_sample=True, pad_token_id=0, **options) == expected
+    expected = _hf(model, ids, mask, do_sample=do_sample, pad_token_id=0, **options)
+    assert _ours(model, ids, mask, do_sample=do_sample, pad_token_id=0, **options) == expected

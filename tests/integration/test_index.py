@@ -853,17 +853,23 @@ def test_cli_skips_files_over_the_size_cap(tmp_path):
 # ---------------------------------------------------------------- PDF
 
 
-def tiny_pdf(text: str) -> bytes:
-    """A one-page PDF showing ``text`` (ASCII) in Helvetica, with a correct cross-reference table."""
+def tiny_pdf(text: str, to_unicode: bytes | None = None) -> bytes:
+    """A one-page PDF showing ``text`` (ASCII) in Helvetica, with a correct cross-reference table;
+    ``to_unicode``: a /ToUnicode CMap for the font (how its codes map to text)."""
     stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode("latin-1")
+    font = (
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica" + (b" /ToUnicode 6 0 R" if to_unicode else b"") + b" >>"
+    )
     objects = [
         b"<< /Type /Catalog /Pages 2 0 R >>",
         b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
         b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R"
         b" /Resources << /Font << /F1 5 0 R >> >> >>",
         b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
-        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+        font,
     ]
+    if to_unicode:
+        objects.append(b"<< /Length %d >>\nstream\n" % len(to_unicode) + to_unicode + b"endstream")
     out = bytearray(b"%PDF-1.4\n")
     offsets = []
     for number, body in enumerate(objects, start=1):
@@ -1094,26 +1100,7 @@ def surrogate_pdf(text: str = "Shield volcanoes erupt lava gently Z") -> bytes:
         b"1 begincodespacerange\n<00> <FF>\nendcodespacerange\n1 beginbfchar\n<5A> <D835>\nendbfchar\n"
         b"endcmap\nCMapName currentdict /CMap defineresource pop\nend\nend\n"
     )
-    content = b"BT /F1 24 Tf 72 700 Td (" + text.encode("latin-1") + b") Tj ET"
-    objs = [
-        b"<< /Type /Catalog /Pages 2 0 R >>",
-        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R"
-        b" /Resources << /Font << /F1 5 0 R >> >> >>",
-        b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream",
-        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /ToUnicode 6 0 R >>",
-        b"<< /Length %d >>\nstream\n" % len(cmap) + cmap + b"endstream",
-    ]
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for i, body in enumerate(objs, start=1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
-    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
-    return bytes(out)
+    return tiny_pdf(text, to_unicode=cmap)
 
 
 def test_a_pdf_with_an_unpaired_surrogate_is_indexed_with_a_note(tmp_path):

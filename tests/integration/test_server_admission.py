@@ -117,6 +117,15 @@ def test_a_requests_choices_are_admitted_together_or_not_at_all(tokenizer, monke
     assert fits.status_code == 200 and len(fits.json()["choices"]) == 2
 
 
+async def one_running_one_waiting(client, engine, a, b) -> list:
+    """Requests for prompts ``a`` (running) and ``b`` (waiting) of a one-row engine, once both are there."""
+    tasks = [asyncio.create_task(client.post("/v1/completions", json=completion(a, 8)))]
+    await until(lambda: engine.active == 1)
+    tasks.append(asyncio.create_task(client.post("/v1/completions", json=completion(b, 8))))
+    await until(lambda: engine.queue_depth == 1)
+    return tasks
+
+
 def test_queue_full_429_carries_retry_after(tokenizer, monkeypatch):
     engine = tiny_engine(tokenizer, max_batch_size=1, max_queue=1)
     a, b, c = tiny_prompts(3, seed=33)
@@ -124,10 +133,7 @@ def test_queue_full_429_carries_retry_after(tokenizer, monkeypatch):
 
     async def run(base: str):
         async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-            tasks = [asyncio.create_task(client.post("/v1/completions", json=completion(a, 8)))]
-            await until(lambda: engine.active == 1)
-            tasks.append(asyncio.create_task(client.post("/v1/completions", json=completion(b, 8))))
-            await until(lambda: engine.queue_depth == 1)
+            tasks = await one_running_one_waiting(client, engine, a, b)
             refused = await asyncio.wait_for(client.post("/v1/completions", json=completion(c, 8)), 10)
             gate.set()
             await asyncio.wait_for(asyncio.gather(*tasks), 60)
@@ -149,10 +155,7 @@ def test_queue_counts_each_choice(tokenizer, monkeypatch):
 
     async def run(base: str):
         async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-            tasks = [asyncio.create_task(client.post("/v1/completions", json=completion(a, 8)))]
-            await until(lambda: engine.active == 1)
-            tasks.append(asyncio.create_task(client.post("/v1/completions", json=completion(b, 8))))
-            await until(lambda: engine.queue_depth == 1)
+            tasks = await one_running_one_waiting(client, engine, a, b)
             pair = await asyncio.wait_for(client.post("/v1/completions", json=completion(c, 8, n=2)), 10)
             depth = engine.queue_depth
             many = await asyncio.wait_for(client.post("/v1/completions", json=completion(c, 8, n=3)), 10)
