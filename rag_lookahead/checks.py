@@ -5,9 +5,9 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from rag_lookahead.errors import ConfigError
+from rag_lookahead.errors import ConfigError, InputError
 
-__all__ = ["positive_int"]
+__all__ = ["positive_int", "unicode_text"]
 
 
 def positive_int(name: str, value: Any, *, error: type[Exception] = ConfigError) -> int:
@@ -24,3 +24,15 @@ def positive_int(name: str, value: Any, *, error: type[Exception] = ConfigError)
     if number is None or number < 1:
         raise error(f"{name} must be an integer >= 1, got {value!r}")
     return number
+
+
+def unicode_text(text: str, subject: str, hint: str = "") -> str:
+    """``text`` if UTF-8 can encode it, else :class:`InputError` ("``subject`` not valid Unicode ...").
+
+    A lone surrogate ("\\ud800" in JSON, or argv bytes that were not UTF-8) gave the tokenizers'
+    TypeError far from where the text came in."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InputError(f"{subject} not valid Unicode: {err.reason} at character {err.start}{hint}") from None
+    return text

@@ -12,6 +12,7 @@ import bisect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rag_lookahead.checks import unicode_text
 from rag_lookahead.errors import ConfigError, InputError
 
 __all__ = [
@@ -211,12 +212,7 @@ def encode_messages(
 
 
 def _unicode(text: str) -> str:
-    """``text``, if it can be encoded (a lone surrogate such as "\\ud800" gave the tokenizer's TypeError)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise InputError(f"the messages are not valid Unicode: {err.reason} at character {err.start}") from None
-    return text
+    return unicode_text(text, "the messages are")
 
 
 def accepted_per_step(tokens: int, decode_steps: int) -> float:

@@ -35,7 +35,7 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableGenerator
 from langchain_core.runnables.config import run_in_executor
 from langchain_core.runnables.utils import AddableDict
 
-from rag_lookahead.checks import positive_int
+from rag_lookahead.checks import positive_int, unicode_text
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS
 
@@ -155,14 +155,9 @@ def check_k(k_prompt: int, k_seed: int) -> None:
 
 
 def check_question_text(question: str) -> None:
-    """Refuse a question that is not text: bytes that were not UTF-8 reach Python's argv as lone
+    """Refuse a question UTF-8 cannot encode: argv bytes that were not UTF-8 reach Python as lone
     surrogates, which the tokenizers reject with a TypeError."""
-    try:
-        question.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InputError(
-            "the question holds bytes that are not valid UTF-8 (is the terminal's encoding UTF-8?): retype it"
-        ) from None
+    unicode_text(question, "the question is", " (its bytes were not valid UTF-8: is the terminal's encoding UTF-8?)")
 
 
 def retrieve(
