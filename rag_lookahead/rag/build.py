@@ -193,20 +193,14 @@ def build_index(
     store.check_target(index_dir)  # before any slow work, and before anything is created
     corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb)
 
-    if not index_dir.exists() and (embedder is None or isinstance(embedder, str)):
-        from rag_lookahead.rag.embedders import get_embedder
-
-        # a folder not made yet is no other build's: a bad --embedder fails before it is made
-        embedder = get_embedder(embedder)
+    if not index_dir.exists():  # no other build's yet: a bad --embedder fails before the folder is made
+        embedder = _loaded(embedder)
     index_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # a folder we make is its owner's only
     with store.writer_lock(index_dir, lock_timeout) as waited:  # before the embedder loads: a busy folder fails fast
         store.check_target(index_dir)  # again: the folder may have changed while we waited
         if waited:  # the files too: a build that read them earlier must not publish an older corpus last
             corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb)
-        if embedder is None or isinstance(embedder, str):
-            from rag_lookahead.rag.embedders import get_embedder
-
-            embedder = get_embedder(embedder)
+        embedder = _loaded(embedder)
         report = IndexReport(
             index_dir=index_dir, embedding_model=embedder.name, skipped=corpus.skipped, notes=corpus.notes
         )
@@ -219,6 +213,15 @@ def build_index(
         store.publish_version(index_dir, faiss_index, records, manifest_for)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _loaded(embedder: Embedder | str | None) -> Embedder:
+    """The embedder itself, loaded by name (None: the default) where a name is given."""
+    if embedder is None or isinstance(embedder, str):
+        from rag_lookahead.rag.embedders import get_embedder
+
+        return get_embedder(embedder)
+    return embedder
 
 
 def _embed_changes(index_dir: Path, corpus: Corpus, embedder: Embedder, splitting, progress, report: IndexReport):

@@ -166,13 +166,18 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
     import numpy as np
 
     data_dir = _data_dir(index_dir, manifest)
+    faiss_bytes = b""
     for name in DATA_FILES:
         path = data_dir / name
         if not path.is_file():
             raise IndexLoadError(f"index at {index_dir} is incomplete: {name} is missing")
         expected = manifest["artifacts"].get(name)
         try:
-            actual = file_sha256(path)
+            if name == FAISS_FILE:  # read once: the bytes hashed are the bytes loaded
+                faiss_bytes = path.read_bytes()
+                actual = hashlib.sha256(faiss_bytes).hexdigest()
+            else:
+                actual = file_sha256(path)
         except FileNotFoundError:  # a build removed it after the is_file check: the caller reads again
             raise IndexLoadError(f"index at {index_dir} is incomplete: {name} is missing") from None
         except OSError as e:
@@ -182,11 +187,7 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
                 f"index at {index_dir} is corrupt: {name} does not match the sha256 in {MANIFEST}; rebuild it"
             )
     try:  # read by Python, not by faiss: a path that is not UTF-8 is an ordinary path here
-        fidx = faiss.deserialize_index(np.fromfile(data_dir / FAISS_FILE, dtype=np.uint8))
-    except FileNotFoundError:  # removed by a build after the hash check
-        raise IndexLoadError(f"index at {index_dir} is incomplete: {FAISS_FILE} is missing") from None
-    except OSError as e:
-        raise IndexLoadError(f"cannot read {data_dir / FAISS_FILE}: {e.strerror or e}") from None
+        fidx = faiss.deserialize_index(np.frombuffer(faiss_bytes, dtype=np.uint8))
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "unreadable"
         raise IndexLoadError(f"index at {index_dir} is corrupt: cannot read {FAISS_FILE} ({first})") from None
