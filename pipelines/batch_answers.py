@@ -21,8 +21,10 @@ from rag_lookahead.atomic import write_jsonl_atomic
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError
 from rag_lookahead.langchain.llm import LookaheadLLM
-from rag_lookahead.output_files import check_output_file
+from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file
 from rag_lookahead.rag.chains import as_retriever, check_k, make_prompt, retrieve, source_info
+
+ANSWER_KEYS = {"question", "answer", "sources", "stats"}  # each output record's keys, as main() writes them
 
 
 def read_questions(path: Path) -> list[str]:
@@ -48,10 +50,14 @@ def is_answers_file(path: Path) -> bool:
     """Whether ``path`` is an earlier output of this pipeline (every line an answer record), which
     a rerun may replace; any other file at the output path is refused, never overwritten."""
     try:
+        if path.stat().st_size > MOST_BYTES_READ:
+            return False
         records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, ValueError):
         return False
-    return all(isinstance(r, dict) and {"question", "answer", "sources"} <= r.keys() for r in records)
+    # exactly the keys main() writes, and at least one record: a user's Q&A set (question, answer,
+    # sources) or an empty file is not ours
+    return bool(records) and all(isinstance(r, dict) and r.keys() == ANSWER_KEYS for r in records)
 
 
 def main() -> None:

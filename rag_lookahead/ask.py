@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
+from rag_lookahead.paths import expand_user
 
 __all__ = ["StdoutClosed", "bundled_corpus", "ensure_index", "answer", "print_result", "token_printer", "main"]
 
@@ -95,7 +96,7 @@ def answer(
 
     check_question_text(question)  # before anything loads
     _check_sampling(temperature, top_p, seed)
-    folder = Path(index_dir).expanduser() if index_dir else default_index_dir()
+    folder = expand_user(index_dir, "--index-dir") if index_dir else default_index_dir()
     index = ensure_index(folder, quiet=quiet, build_bundled=not index_dir)  # only the default folder gets the sample
     if llm is None:
         from rag_lookahead.langchain.llm import LookaheadLLM

@@ -21,7 +21,9 @@ import importlib.metadata
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -275,11 +277,36 @@ def remove_stale(target: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+#: how long a load waits for another process's conversion (the quality model's takes minutes on a small CPU)
+LOCK_TIMEOUT_S = 1800.0
+
+
 @contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock so two processes never convert into the same place at once."""
+def file_lock(path: Path, timeout: float = LOCK_TIMEOUT_S, waiting: str | None = None) -> Iterator[None]:
+    """Exclusive advisory lock so two processes never convert into the same place at once.
+
+    When another process holds it, ``waiting`` is printed (once) and the lock is retried for up to
+    ``timeout`` seconds, then a ModelLoadError names the lock: a holder that is stopped or stuck
+    never makes a load hang in silence. (The kernel drops the lock of a process that dies.)"""
     with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, file=sys.stderr, flush=True)
+            deadline = time.monotonic() + timeout
+            while True:
+                time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise ModelLoadError(
+                            f"another process has held {path} for over {timeout:.0f} s (a conversion stopped or"
+                            " stuck?): let it finish or end it, then load again; or set RAG_LOOKAHEAD_CACHE to"
+                            " another folder"
+                        ) from None
         try:
             yield
         finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import re
 import socket
 import struct
 import sys
@@ -30,7 +31,7 @@ from rag_lookahead.cpu_linear import cpu_bf16, speed_up_cpu_linears
 from rag_lookahead.embedded_model import DEFAULT_MODEL_NAME, EMBEDDED, EmbeddedModel
 from rag_lookahead.errors import ConfigError, ModelLoadError
 from rag_lookahead.greedy_head import screen_greedy_head
-from rag_lookahead.paths import cache_dir
+from rag_lookahead.paths import cache_dir, expand_user
 
 __all__ = ["DEFAULT_MODEL_NAME", "cache_dir", "default_model_dir", "embedded_model_dir", "load_model", "reported_name"]
 
@@ -153,7 +154,8 @@ def embedded_model_dir(name: str = "default", convert: bool = True) -> Path:
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with parts.file_lock(target.parent / f".{target.name}.lock"):
+        waiting = f"rag_lookahead: another process is converting the embedded {name} model into {target}; waiting"
+        with parts.file_lock(target.parent / f".{target.name}.lock", waiting=waiting):
             if parts.is_complete(target, spec):  # another process finished it while we waited
                 return target
             parts.remove_stale(target)
@@ -167,9 +169,26 @@ def embedded_model_dir(name: str = "default", convert: bool = True) -> Path:
             print(f"rag_lookahead: conversion done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     except ModelLoadError:
         raise
-    except OSError as err:  # disk full, read-only or unwritable cache: one line, nothing half-written left
-        raise ModelLoadError(_conversion_failure(err, target.parent, spec)) from err
+    except Exception as err:  # disk full, read-only or unwritable cache: one line, nothing half-written left
+        io_error = _as_os_error(err)
+        if io_error is None:
+            raise
+        raise ModelLoadError(_conversion_failure(io_error, target.parent, spec)) from err
     return target
+
+
+#: how safetensors (SafetensorError) and tokenizers (a bare Exception) end the message of a failed write
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _as_os_error(err: BaseException) -> OSError | None:
+    """``err`` if it is an OSError; else, for a write that failed inside safetensors' or tokenizers'
+    Rust code (``save_pretrained`` of the weights or of tokenizer.json: disk full, read-only), an
+    OSError with its errno; None for anything else."""
+    if isinstance(err, OSError):
+        return err
+    match = _RUST_OS_ERROR.search(str(err))
+    return OSError(int(match.group(1)), _one_line(err)) if match else None
 
 
 def _conversion_failure(err: OSError, where: Path, spec: EmbeddedModel) -> str:
@@ -222,7 +241,7 @@ def _load_named(name: str, kwargs: dict[str, Any], *, local: bool = False) -> tu
     """Local folder / .gguf file (always when ``local``), else hub id: local cache first, then online
     unless HF_HUB_OFFLINE is set."""
     if local or _looks_local(name):
-        path = Path(name).expanduser()
+        path = expand_user(name, "model")
         if path.is_file() and path.suffix == ".gguf":
             return _from_local(path.parent, {"gguf_file": path.name}, kwargs)
         if path.is_file():

@@ -8,14 +8,36 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir"]
+from rag_lookahead.errors import ConfigError
+
+__all__ = ["cache_dir", "expand_user", "home_dir"]
 
 
 def cache_dir() -> Path:
     """Root of our cache: ``$RAG_LOOKAHEAD_CACHE``, else ``$XDG_CACHE_HOME/rag_lookahead``,
     else ``~/.cache/rag_lookahead``."""
     if os.environ.get("RAG_LOOKAHEAD_CACHE"):
-        return Path(os.environ["RAG_LOOKAHEAD_CACHE"]).expanduser()
+        return expand_user(os.environ["RAG_LOOKAHEAD_CACHE"], "$RAG_LOOKAHEAD_CACHE")
     if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "rag_lookahead"
-    return Path.home() / ".cache" / "rag_lookahead"
+        return expand_user(os.environ["XDG_CACHE_HOME"], "$XDG_CACHE_HOME") / "rag_lookahead"
+    return home_dir("RAG_LOOKAHEAD_CACHE") / ".cache" / "rag_lookahead"
+
+
+def expand_user(path: str | os.PathLike[str], what: str) -> Path:
+    """``Path(path).expanduser()``, where a ``~user`` naming no user (or a ``~`` with no home to
+    find) is a ConfigError naming ``what``, not pathlib's RuntimeError (a traceback in the CLI)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        raise ConfigError(
+            f"{what} {os.fspath(path)!r}: its ~ names no home folder (no such user, or $HOME unset); give a full path"
+        ) from None
+
+
+def home_dir(setting: str) -> Path:
+    """The user's home folder; ConfigError (saying to set ``setting``) where there is none to find
+    ($HOME unset and no passwd entry, as for a container's arbitrary uid)."""
+    try:
+        return Path.home()
+    except RuntimeError:
+        raise ConfigError(f"no home folder to keep files in ($HOME unset, no passwd entry): set ${setting}") from None

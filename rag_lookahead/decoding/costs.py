@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -261,6 +262,8 @@ def _curve_of(entry) -> CostCurve | None:
     )
     if not numbers or len(sizes) != len(seconds) or len(sizes) < 2 or sizes != sorted(set(sizes)):
         return None
+    if sizes[0] < 1 or not all(math.isfinite(t) and t > 0 for t in seconds):
+        return None  # no forward is free (0 s divides the budget's scaling) or NaN (it would never draft)
     return CostCurve([int(n) for n in sizes], [float(t) for t in seconds])
 
 

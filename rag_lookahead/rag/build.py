@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rag_lookahead.errors import ConfigError, IndexLoadError, RebuildWarning
+from rag_lookahead.paths import expand_user
 from rag_lookahead.rag import store
 from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, load_corpus
 from rag_lookahead.rag.store import FORMAT_VERSION, LOCK_TIMEOUT_S, default_index_dir
@@ -185,7 +186,7 @@ def build_index(
     ``lock_timeout`` seconds for another build of the same folder, then raises :class:`IndexBusyError`.
     """
     t0 = time.perf_counter()
-    index_dir = Path(index_dir).expanduser() if index_dir is not None else default_index_dir()
+    index_dir = expand_user(index_dir, "index folder") if index_dir is not None else default_index_dir()
     if not lock_timeout >= 0:
         raise ConfigError(f"lock_timeout must be >= 0 seconds, got {lock_timeout}")
     splitter = make_splitter(chunk_size, chunk_overlap)

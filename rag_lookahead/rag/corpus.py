@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from rag_lookahead.errors import ConfigError, CorpusWarning, InputError
+from rag_lookahead.paths import expand_user
 
 __all__ = ["MAX_FILE_MB", "SUFFIXES", "Corpus", "DecodedText", "decode_text", "load_corpus", "read_text_file"]
 
@@ -289,7 +290,7 @@ def load_corpus(corpus_dir: str | Path, *, follow_symlinks: bool = False, max_fi
     Each file that cannot be used gets a ``"path: reason"`` in ``skipped`` (also a warning).
     Raises :class:`InputError` when the folder is missing or holds no loadable file.
     """
-    root = Path(corpus_dir).expanduser()
+    root = expand_user(corpus_dir, "corpus folder")
     if not root.exists():
         raise InputError(f"corpus folder not found: {root}")
     if not root.is_dir():

@@ -18,6 +18,7 @@ import numpy as np
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
+from rag_lookahead.paths import expand_user
 from rag_lookahead.rag import store
 from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE, SEPARATORS, IndexReport, build_index, make_splitter
 from rag_lookahead.rag.corpus import (
@@ -198,7 +199,7 @@ def load_index(
     """Open an index for search. ``embedder`` defaults to the model named in the manifest; a different
     one is refused (:class:`IndexLoadError`) because its vectors would not be comparable.
     Safe while a build publishes a new version: it returns the old index or the new one."""
-    index_dir = Path(index_dir).expanduser() if index_dir is not None else default_index_dir()
+    index_dir = expand_user(index_dir, "index folder") if index_dir is not None else default_index_dir()
     if not index_dir.is_dir():
         raise IndexLoadError(
             f"no index at {index_dir}: build one with `rag_lookahead index DIR --index-dir {index_dir}`"

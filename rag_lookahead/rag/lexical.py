@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from collections.abc import Iterable, Sequence
 
@@ -44,8 +45,26 @@ def _get_jieba():
         import jieba
 
         jieba.setLogLevel(logging.WARNING)
+        _keep_dictionary_cache_in_ours(jieba)
         _jieba = jieba
     return _jieba
+
+
+def _keep_dictionary_cache_in_ours(jieba) -> None:
+    """jieba keeps its parsed dictionary in ``$TMPDIR/jieba.cache``, shared by every user of the
+    machine: it loads whatever marshal file is there (another user's, planted first, changes our
+    words), and where that file is another user's it cannot replace it, so every process prints a
+    traceback ("Dump cache file failed.") and leaves a 9 MB temporary file in /tmp. Keep it in our
+    own cache folder instead; where that cannot be made, jieba keeps its default."""
+    from rag_lookahead.paths import cache_dir
+
+    folder = cache_dir() / "jieba"
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        return
+    if folder.is_dir() and os.access(folder, os.W_OK):
+        jieba.dt.tmp_dir = str(folder)
 
 
 # a run of word characters with no CJK in it (Latin with accents, Cyrillic, digits, identifiers)

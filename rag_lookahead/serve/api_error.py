@@ -18,6 +18,7 @@ __all__ = [
     "ErrorDetail",
     "ErrorResponse",
     "engine_stopped",
+    "head_timed_out",
     "internal_error",
     "quote",
     "shutting_down",
@@ -92,6 +93,12 @@ def too_large(limit: int) -> ApiError:
 
 def body_timed_out(seconds: float) -> ApiError:
     return ApiError(408, f"the request body did not arrive within {seconds:g} s (body_timeout)", code="body_timeout")
+
+
+def head_timed_out(seconds: float) -> ApiError:
+    return ApiError(
+        408, f"the request line and headers did not arrive within {seconds:g} s (head_timeout)", code="head_timeout"
+    )
 
 
 def quote(value: Any, limit: int = 60) -> str:

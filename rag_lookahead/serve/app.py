@@ -150,8 +150,11 @@ MAX_HEAD_BYTES = 64 * 1024
 
 def make_server(app: FastAPI, engine: Engine, **uvicorn_options):
     """A ``uvicorn.Server`` for ``app`` whose shutdown (SIGTERM, SIGINT) first drains ``engine`` for
-    its ``drain_seconds`` while new requests get 503, then closes the connections."""
+    its ``drain_seconds`` while new requests get 503, then closes the connections. A request head
+    gets ``head_timeout`` seconds (:mod:`rag_lookahead.serve.head`)."""
     import uvicorn
+
+    from rag_lookahead.serve.head import h11_with_head_timeout
 
     config = engine.config
 
@@ -166,8 +169,9 @@ def make_server(app: FastAPI, engine: Engine, **uvicorn_options):
         port=config.port,
         log_level=config.log_level,
         timeout_graceful_shutdown=CLOSE_GRACE_SECONDS,
-        # h11 caps a request head (httptools read a 160 MiB header unbounded, stalling the loop for seconds)
-        http="h11",
+        # h11 caps a request head (httptools read a 160 MiB header unbounded, stalling the loop for seconds);
+        # its protocol here also times a head out (uvicorn's never does: slowloris)
+        http=h11_with_head_timeout(config.head_timeout),
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
     )
     options.update(uvicorn_options)

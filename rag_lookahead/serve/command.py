@@ -78,6 +78,9 @@ def serve(
     max_messages: int = typer.Option(_D.max_messages, help="most chat messages in a request"),
     max_body_bytes: int = typer.Option(_D.max_body_bytes, help="largest request body (413 beyond)"),
     body_timeout: float = typer.Option(_D.body_timeout, help="seconds a client may take to send a body (408 beyond)"),
+    head_timeout: float = typer.Option(
+        _D.head_timeout, help="seconds a client may take to send a request line and headers (408 beyond)"
+    ),
     drain_seconds: float = typer.Option(
         _D.drain_seconds, help="on SIGTERM, time for accepted requests to finish while new ones get 503"
     ),

@@ -93,6 +93,11 @@ class ServerConfig:
         streamed body passes it; nothing is parsed before).
     body_timeout: seconds a client may take to send a request's body (408 past it): a client
         that stalls mid-upload would otherwise hold its connection and handler for good.
+    head_timeout: seconds a client may take to send a request's line and headers, counted from
+        the connection's opening or the head's first byte (408 past it, and the connection
+        closes), and to finish a body the server has already answered (then it closes): a
+        client that trickles a byte now and then (slowloris) would otherwise hold its
+        connection for good.
     drain_seconds: on shutdown (SIGTERM), how long running and queued requests may finish while
         new ones get 503; what is left then gets an error.
     api_keys: with any, every endpoint but /health needs ``Authorization: Bearer <one of them>``.
@@ -126,6 +131,7 @@ class ServerConfig:
     max_messages: int = 256
     max_body_bytes: int = 4 * MiB
     body_timeout: float = 30.0
+    head_timeout: float = 30.0
     drain_seconds: float = 30.0
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in logs
     allowed_hosts: tuple[str, ...] = ()
@@ -155,7 +161,7 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be an integer in {low}..{high} or None, got {value!r}")
         if self.k_seed < self.k_prompt:
             raise ConfigError(f"k_seed must be >= k_prompt ({self.k_prompt}), got {self.k_seed}")
-        for name, low in (("drain_seconds", 0), ("body_timeout", 0.001)):
+        for name, low in (("drain_seconds", 0), ("body_timeout", 0.001), ("head_timeout", 0.001)):
             seconds = getattr(self, name)
             if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not low <= seconds <= 86_400:
                 raise ConfigError(f"{name} must be a number in {low:g}..86400, got {seconds!r}")

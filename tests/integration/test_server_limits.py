@@ -82,6 +82,59 @@ def test_a_body_that_stalls_gets_408_after_the_body_timeout(tokenizer):
         assert reply.status_code == 200, reply.text
 
 
+def trickle(base: str, first: bytes, drip: bytes, limit: float = 10) -> tuple[bytes, float]:
+    """Send ``first``, then one byte of ``drip`` every 0.1 s until the server closes the connection;
+    return all it sent and the seconds from ``first`` to the close."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.settimeout(0.1)
+        start, data, i = time.monotonic(), b"", 0
+        s.sendall(first)
+        while time.monotonic() - start < limit:
+            try:
+                if drip:
+                    s.sendall(drip[i % len(drip) :][:1])
+                    i += 1
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            data += chunk
+        return data, time.monotonic() - start
+
+
+def test_a_head_that_trickles_in_is_cut_off_after_the_head_timeout(tokenizer):
+    """Slowloris: uvicorn times no request head out (its keep-alive timer stops at any byte), so a
+    client sending a header byte now and then, or nothing, or an answered body byte by byte, held
+    its connection for good."""
+    engine = tiny_engine(tokenizer, head_timeout=0.5)
+    with serving(engine) as base:
+        host = base.removeprefix("http://")
+        get = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+        partial = b"GET /health HTTP/1.1\r\n"
+        for first in (partial, get + partial):  # a fresh connection; a keep-alive one's second head
+            data, seconds = trickle(base, first, b"X-Slow: ab")
+            assert data.count(b"HTTP/1.1 200 ") == (first != partial) and data.count(b"HTTP/1.1 408 ") == 1, data
+            assert json.loads(data.rpartition(b"\r\n\r\n")[2])["error"]["code"] == "head_timeout", data
+            assert 0.4 < seconds < 5, seconds
+        # a connection that sends nothing, and a body the server answered without reading: closed
+        for first, drip in ((b"", b""), (get.replace(b"\r\n\r\n", b"\r\nContent-Length: 1000\r\n\r\n"), b"a")):
+            data, seconds = trickle(base, first, drip)
+            assert data.count(b"HTTP/1.1 ") == (first != b"") and 0.4 < seconds < 5, (data, seconds)
+        # an idle keep-alive connection is uvicorn's to close (after 5 s), and a head sent in time is served
+        with socket.create_connection(host.split(":")) as s:
+            s.settimeout(10)
+            for _ in range(2):
+                s.sendall(get)
+                assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+                time.sleep(1)
+        reply = httpx.post(f"{base}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=30)
+        assert reply.status_code == 200, reply.text
+
+
 def health_latencies(base: str, stop: threading.Event, out: list) -> None:
     """Ask /health again and again until ``stop``; record each answer's latency (None: not 200)."""
     with httpx.Client(base_url=base, timeout=30) as client:
@@ -222,6 +275,8 @@ def test_malformed_json_is_a_400(tokenizer):
         ({"max_body_bytes": 2**40}, "max_body_bytes"),
         ({"body_timeout": 0}, "body_timeout"),
         ({"body_timeout": "30"}, "body_timeout"),
+        ({"head_timeout": 0}, "head_timeout"),
+        ({"head_timeout": float("inf")}, "head_timeout"),
         ({"max_messages": "10"}, "max_messages"),
         ({"max_stop_chars": 10**6}, "max_stop_chars"),
         ({"k_prompt": 4, "k_seed": 2}, "k_seed"),

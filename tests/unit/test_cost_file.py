@@ -74,3 +74,21 @@ def test_the_curve_file_keeps_the_newest_curves_only(tmp_path, monkeypatch):
     cost_curve(first)
     assert list(json.loads(path.read_text(encoding="utf-8"))) == [keys[3], keys[4], keys[2]]
     profile_of(first).reset()
+
+
+@pytest.mark.parametrize("seconds", [0.0, -0.01, float("nan"), float("inf")])
+def test_a_stored_curve_of_impossible_times_is_measured_again(tmp_path, monkeypatch, seconds):
+    """A curve of 0 s passed the shape check, and the auto budget then divided by it
+    (ZeroDivisionError in ``StepCosts``); NaN never drafted again."""
+    import math
+
+    from rag_lookahead.decoding.costs import _curve_key
+
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.delenv("RAG_LOOKAHEAD_RECALIBRATE", raising=False)
+    model = _model(f"tiny-impossible-{seconds}", monkeypatch)
+    path = tmp_path / "cost_curves.json"
+    path.write_text(json.dumps({_curve_key(model): {"sizes": [1, 4, 8], "seconds": [seconds] * 3}}), encoding="utf-8")
+    curve = cost_curve(model)
+    assert all(math.isfinite(t) and t > 0 for t in curve.seconds)
+    profile_of(model).reset()

@@ -269,3 +269,66 @@ def test_grounded_check_needs_a_key_term_of_the_gold_passage():
     for question in QUESTIONS:  # a key term the question already holds would pass any echo of it
         assert not any(term.lower() in question.text.lower() for term in question.key_terms), question.text
     assert len(QUESTIONS) == 12 and {q.text.isascii() for q in QUESTIONS} == {True, False}
+
+
+# ---------------------------------------------------------------- review: writes that fail in Rust code, a held lock
+
+
+def _safetensors_disk_full(paths, out_dir, spec=None):
+    from safetensors import SafetensorError
+
+    (out_dir / "model.safetensors").write_bytes(b"half of the weights")
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def _tokenizers_read_only(paths, out_dir, spec=None):
+    (out_dir / "model.safetensors").write_bytes(b"the weights")
+    raise Exception("Read-only file system (os error 30)")  # what tokenizers' Tokenizer.save raises
+
+
+@pytest.mark.parametrize(
+    ("fail", "said"), [(_safetensors_disk_full, "not enough disk space"), (_tokenizers_read_only, "Read-only")]
+)
+def test_a_write_failing_in_safetensors_or_tokenizers_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, fail, said):
+    """save_pretrained writes the weights through safetensors (SafetensorError) and tokenizer.json
+    through tokenizers (a bare Exception), neither an OSError: a full disk was a traceback."""
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(embedded_model, "locate_parts", lambda spec: [])
+    monkeypatch.setattr(embedded_model, "convert_gguf", fail)
+    target = embedded_model_dir("default", convert=False)
+    with pytest.raises(ModelLoadError) as err:
+        embedded_model_dir("default")
+    msg = str(err.value)
+    assert said in msg and "RAG_LOOKAHEAD_CACHE" in msg and "\n" not in msg
+    assert [p.name for p in target.parent.iterdir()] == [f".{target.name}.lock"]
+
+
+def test_a_conversion_bug_is_not_dressed_as_a_disk_problem(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(embedded_model, "locate_parts", lambda spec: [])
+
+    def bug(paths, out_dir, spec=None):
+        raise KeyError("<|im_end|>")
+
+    monkeypatch.setattr(embedded_model, "convert_gguf", bug)
+    with pytest.raises(KeyError):
+        embedded_model_dir("default")
+
+
+def test_a_held_conversion_lock_is_waited_for_with_a_message_then_a_one_line_error(tmp_path, capsys):
+    import fcntl
+    import time
+
+    lock = tmp_path / "x.lock"
+    with open(lock, "a+") as holder:  # another process converting (stopped, stuck...)
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        start = time.monotonic()
+        with pytest.raises(ModelLoadError) as err:
+            with embedded_model.file_lock(lock, timeout=0.6, waiting="waiting for the other conversion"):
+                pass
+        assert time.monotonic() - start < 5
+    msg = str(err.value)
+    assert str(lock) in msg and "\n" not in msg
+    assert "waiting for the other conversion" in capsys.readouterr().err
+    with embedded_model.file_lock(lock, timeout=0.1):  # released: taken at once
+        pass

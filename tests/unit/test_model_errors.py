@@ -195,3 +195,24 @@ def test_a_device_map_gpu_past_the_last_one_is_a_config_error(monkeypatch):
         models._placement(None, {"": "cuda:1"})
     with pytest.raises(ConfigError, match="only 1 CUDA GPU"):
         models._placement(None, 1)
+
+
+_NO_USER = "~no_such_user_rag_lookahead_h37a"
+
+
+@pytest.mark.parametrize(
+    ("env", "call"),
+    [
+        ("RAG_LOOKAHEAD_CACHE", lambda: __import__("rag_lookahead.paths").paths.cache_dir()),
+        ("RAG_LOOKAHEAD_HOME", lambda: __import__("rag_lookahead.rag.store").rag.store.default_index_dir()),
+        (None, lambda: _load(f"{_NO_USER}/model")),
+        (None, lambda: __import__("rag_lookahead.rag.index").rag.index.load_index(f"{_NO_USER}/index")),
+    ],
+)
+def test_a_tilde_naming_no_user_is_one_config_error_not_a_runtime_error(monkeypatch, env, call):
+    """pathlib's expanduser raises RuntimeError for ~user with no such user: a traceback in the CLI."""
+    if env:
+        monkeypatch.setenv(env, f"{_NO_USER}/x")
+    with pytest.raises(ConfigError) as err:
+        call()
+    assert _NO_USER in _one_line(err)

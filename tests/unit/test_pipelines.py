@@ -72,3 +72,20 @@ def test_batch_answers_refuses_bad_arguments_in_one_line_and_changes_nothing(tmp
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "Traceback" not in out.stderr
     assert out.stderr.startswith(expected.format(d=tmp_path)), out.stderr
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize(
+    ("lines", "ours"),
+    [
+        (['{"question": "Q?", "answer": "A", "sources": [], "stats": {}}'], True),  # what batch_answers writes
+        (['{"question": "Q?", "answer": "the gold answer", "sources": ["doc1.md"]}'], False),  # a user's Q&A set
+        (["", "  "], False),  # an empty file: nothing says it is ours
+    ],
+)
+def test_only_our_own_answers_file_may_be_replaced(tmp_path, monkeypatch, lines, ours):
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    from batch_answers import is_answers_file
+
+    path = tmp_path / "answers.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert is_answers_file(path) is ours

@@ -103,3 +103,19 @@ def test_only_the_most_recent_of_our_files_are_kept_and_nothing_else_is_touched(
     for name in foreign:
         assert (tmp_path / name).read_text() == "keep me"
     assert (tmp_path / ("f" * 40 + ".words")).is_symlink()
+
+
+def test_jieba_keeps_its_dictionary_cache_in_our_cache_not_in_the_shared_tmp(tmp_path):
+    """jieba's default is $TMPDIR/jieba.cache, shared by all users: it loaded any marshal file
+    planted there, and where another user's was there it printed a traceback and left 9 MB behind."""
+    import subprocess
+    import sys
+
+    shared, ours = tmp_path / "tmp", tmp_path / "cache"
+    shared.mkdir()
+    env = dict(os.environ, TMPDIR=str(shared), RAG_LOOKAHEAD_CACHE=str(ours))
+    code = "from rag_lookahead.rag import lexical; print(lexical.tokenize('原告与被告签订了房屋租赁合同'))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "被告" in done.stdout, done.stderr
+    assert list(shared.iterdir()) == []
+    assert (ours / "jieba" / "jieba.cache").is_file()
