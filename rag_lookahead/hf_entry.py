@@ -45,7 +45,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rag_lookahead.decoding.config import LookaheadConfig, stop_word_ids
-from rag_lookahead.decoding.inputs import context_limit
+from rag_lookahead.decoding.inputs import context_limit, limit_words
 from rag_lookahead.decoding.loop import generate
 from rag_lookahead.decoding.results import GenerationStats
 from rag_lookahead.decoding.sampling import build_processors, resolve_sampling
@@ -162,13 +162,13 @@ def _lookahead_generate(
     if limit is not None and input_ids.shape[1] >= limit:
         raise InputError(
             f"the prompt has {input_ids.shape[1]} tokens (padded width) and the model's context window is "
-            f"{limit}: shorten the prompt"
+            f"{limit_words(model, limit)}: shorten the prompt"
         )
     if limit is not None and max_length > limit:
         # transformers decodes on past the window (with a warning); our loop stops at it
         raise ConfigError(
             f"this call may run to {max_length} tokens (the prompt's padded width + max_new_tokens) but the "
-            f"model's context window is {limit} (max_position_embeddings); lookahead decoding stops at the "
+            f"model's context window is {limit_words(model, limit)}; lookahead decoding stops at the "
             f"window where model.generate would go on past it, so lower max_new_tokens to at most "
             f"{max(limit - input_ids.shape[1], 0)}"
         )

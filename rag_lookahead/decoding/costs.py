@@ -25,6 +25,7 @@ import torch
 from rag_lookahead.atomic import write_json_atomic
 from rag_lookahead.cpu_linear import mkl_packed_works, onednn_linear_works, packed_kernel
 from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
 from rag_lookahead.int8_linear import packing_engine
@@ -191,6 +192,7 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
 
     device = input_device(model)
     vocab = model.config.vocab_size
+    context, sizes = _fit_window(context, sizes, context_limit(model))
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
@@ -215,6 +217,19 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
     for i in range(1, len(seconds)):  # more tokens never cost less; noise must not say otherwise
         seconds[i] = max(seconds[i], seconds[i - 1])
     return CostCurve(list(sizes), seconds)
+
+
+def _fit_window(context: int, sizes, limit: int | None) -> tuple[int, list[int]]:
+    """The timing context and sizes cut to fit a model's window: a learned-position model (GPT-2,
+    OPT) indexes past its position table otherwise (IndexError; on CUDA a device-side assert).
+    At least two sizes stay, as a curve needs them; a step never verifies more than fits anyway."""
+    sizes = list(sizes)
+    if limit is None or context + sizes[-1] <= limit:
+        return context, sizes
+    kept = [n for n in sizes if n <= limit // 2] or sizes[:1]
+    if len(kept) < 2:
+        kept = [1, 2]
+    return max(min(context, limit - kept[-1]), 1), kept
 
 
 def cost_curve(model) -> CostCurve:

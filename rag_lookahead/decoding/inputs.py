@@ -25,8 +25,41 @@ def vocab_size(model) -> int:
 
 
 def context_limit(model) -> int | None:
-    """The longest sequence (prompt + answer) the model's positions cover; None: no stated limit."""
-    return getattr(model.config, "max_position_embeddings", None)
+    """The longest sequence (prompt + answer) the model's positions cover; None: no stated limit.
+
+    For longrope (Phi-3-128k style) it is where the rope factors switch: transformers picks the
+    short or the long factors once per forward, from the forward's last position, and on crossing
+    re-encodes the whole sequence with the long ones. A verify step past the switch would rotate
+    its earlier positions with the long factors, and rows packed into one forward would share
+    the longest row's factors; up to the switch every forward uses the short ones, as in
+    ``model.generate``."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    switch = longrope_switch(model.config)
+    if switch is not None and (limit is None or switch < limit):
+        return switch
+    return limit
+
+
+def limit_words(model, limit: int) -> str:
+    """How an error names the context limit, saying why where it is a longrope switch."""
+    if longrope_switch(model.config) == limit:
+        return f"{limit} (where its longrope rope factors switch, which decoding cannot cross token for token)"
+    return str(limit)
+
+
+def longrope_switch(config) -> int | None:
+    """The length past which a longrope model changes its rope factors (None: not longrope)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, Mapping) or not params:
+        return None
+    per_layer_type = all(isinstance(v, Mapping) for v in params.values())
+    switches = [
+        p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+        for p in (params.values() if per_layer_type else [params])
+        if p.get("rope_type", p.get("type")) == "longrope"
+    ]
+    switches = [int(n) for n in switches if n]
+    return min(switches) if switches else None
 
 
 def check_room(model, attention_mask: torch.Tensor) -> None:
@@ -35,7 +68,7 @@ def check_room(model, attention_mask: torch.Tensor) -> None:
     limit = context_limit(model)
     longest = int(attention_mask.sum(-1).max())
     if limit is not None and longest >= limit:
-        raise InputError(f"the input has {longest} tokens but the model's context holds {limit}")
+        raise InputError(f"the input has {longest} tokens but the model's context holds {limit_words(model, limit)}")
 
 
 def as_batch(input_ids, attention_mask=None, masked_pad: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,13 +118,20 @@ def mask_blind_reason(model) -> str | None:
     Flash attention (2, 3, 4 and hub kernels) reads any mask as a padding mask: a 4-D one makes
     its index gather run out of range, a device-side assert that kills the process's CUDA
     context, so such a model must never see a tree-masked forward, not even the probe's.
-    Paged attention ignores the mask.
+    Paged attention ignores the mask; flex attention's CPU kernel corrupts the heap on one.
     """
     implementation = str(getattr(model.config, "_attn_implementation", None) or "")
     if "flash" in implementation:
         return f"attn_implementation={implementation!r} treats a 4-D mask as a padding mask"
     if "paged" in implementation:
         return f"attn_implementation={implementation!r} ignores custom masks"
+    if "flex" in implementation:  # its compiled CPU kernel reads a 4-D mask out of bounds (heap corruption)
+        return f"attn_implementation={implementation!r} does not take a 4-D mask"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
+        # Llama-4's NoPE layers scale queries by the cache's length, not by the positions: packed
+        # rows, or a tree's columns, would get another scale than a row decoded alone
+        return "its NoPE layers scale queries by the cache length (attn_temperature_tuning)"
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from rag_lookahead.decoding.inputs import limit_words
 from rag_lookahead.serve.api_error import ApiError, quote
 from rag_lookahead.serve.config import ServerConfig
 
@@ -95,7 +96,8 @@ def checked_prompt(ids: list[int], engine: Engine) -> list[int]:
     if engine.context_limit is not None and len(ids) >= engine.context_limit:
         raise ApiError(
             400,
-            f"the prompt has {len(ids)} tokens but the model's context holds {engine.context_limit}",
+            f"the prompt has {len(ids)} tokens but the model's context holds "
+            f"{limit_words(engine.model, engine.context_limit)}",
             param="prompt",
         )
     if engine.vocab_size and any(t >= engine.vocab_size for t in ids):

@@ -1,0 +1,146 @@
+"""Architectures whose forward depends on more than the positions and the mask: each is decoded
+exactly as ``model.generate`` decodes it (fp32, tiny random models), or kept off the path that
+would change its tokens."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+from tiny_models import reference_generate
+
+from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.decoding.costs import _fit_window, cost_curve
+from rag_lookahead.decoding.inputs import context_limit
+from rag_lookahead.decoding.profile import profile_of
+from rag_lookahead.decoding.verify import mask_blind_reason, supports_tree_mask
+from rag_lookahead.errors import InputError
+
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    eos_token_id=None,
+    bos_token_id=None,
+    initializer_range=0.3,
+)
+SWITCH = 32  # where the tiny longrope model changes its rope factors
+
+
+def _ready(model):
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.eos_token_id = None
+    return model.float().eval()
+
+
+def longrope_model():
+    """Phi-3-128k style: short factors up to ``SWITCH`` tokens, long ones past it."""
+    config = transformers.Phi3Config(
+        **SMALL,
+        original_max_position_embeddings=SWITCH,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * 8,
+            "long_factor": [float(4**i) for i in range(8)],
+        },
+    )
+    torch.manual_seed(0)
+    return _ready(transformers.Phi3ForCausalLM(config))
+
+
+def _left_padded(prompts):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    return ids, (torch.arange(width)[None] >= torch.tensor([[width - len(p)] for p in prompts])).long(), width
+
+
+def test_a_longrope_model_is_decoded_exactly_up_to_its_rope_switch():
+    """transformers picks the short or long factors once per forward from its last position, and
+    re-encodes everything on crossing: a verify step across the switch rotated its earlier
+    positions with the long factors, and packed rows took the longest row's factors."""
+    model = longrope_model()
+    assert context_limit(model) == SWITCH
+    prompts = [[10, 2, 5] * 7, [4, 8, 1] * 3, [6, 3] * 14]
+    expected = [reference_generate(model, p, SWITCH - len(p), None) for p in prompts]
+    ids, mask, width = _left_padded(prompts)
+    references = [[p[-3:] + e + [7, 7, 7]] for p, e in zip(prompts, expected)]  # drafts run past the switch
+    config = LookaheadConfig(budget="fixed", use_output_pool=False)
+    for batch in ([0], [1], [2], [0, 1, 2]):
+        sub_ids, sub_mask, sub_width = _left_padded([prompts[r] for r in batch])
+        result = generate(
+            model, sub_ids, sub_mask, max_new_tokens=40, config=config, references=[references[r] for r in batch]
+        )
+        for i, r in enumerate(batch):
+            got = [t for t in result.sequences[i, sub_width:].tolist()][: len(expected[r])]
+            assert got == expected[r], (batch, r)
+            assert int(result.sequences[i, sub_width + len(expected[r]) :].ne(0).sum()) == 0  # stops at the switch
+    with pytest.raises(InputError, match="longrope"):
+        generate(model, [5] * SWITCH, max_new_tokens=4)
+
+
+def test_llama4_nope_layers_with_temperature_tuning_decode_rows_apart():
+    """Llama-4's NoPE layers scale queries by the cache's length, not the positions: rows packed
+    into one cache (lookahead on or off) got another scale than each row alone; the 8-position
+    tree-mask probe does not see it at floor_scale 16."""
+    config = transformers.Llama4TextConfig(
+        **{**SMALL, "num_hidden_layers": 2},
+        head_dim=16,
+        intermediate_size_mlp=128,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        no_rope_layers=[0, 1],
+        attn_temperature_tuning=True,
+        floor_scale=16,
+        attn_scale=0.5,
+        layer_types=["full_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = _ready(transformers.Llama4ForCausalLM(config))
+    assert mask_blind_reason(model) is not None
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 9, 7, 8], [1, 2] * 6]
+    expected = [reference_generate(model, p, 12, None) for p in prompts]
+    ids, mask, width = _left_padded(prompts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the chains-only warning
+        for config in (LookaheadConfig(enabled=False), LookaheadConfig(budget="fixed", use_output_pool=False)):
+            result = generate(model, ids, mask, max_new_tokens=12, config=config, references=[[p] for p in prompts])
+            assert [result.sequences[r, width:].tolist() for r in range(3)] == expected
+
+
+def test_flex_attention_is_kept_from_tree_masks_without_a_forward():
+    """flex attention's compiled CPU kernel read the probe's 4-D mask out of bounds and the heap
+    corruption killed the process before the probe's ``try`` could catch anything."""
+    model = longrope_model()
+    model.config._attn_implementation = "flex_attention"
+    assert "flex_attention" in mask_blind_reason(model)
+    profile_of(model).reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert supports_tree_mask(model) is False
+
+
+def test_the_cost_curve_fits_a_short_learned_position_table(tmp_path, monkeypatch):
+    """The auto budget timed forwards at positions 256..383 whatever the window: GPT-2-style
+    models with fewer positions died with IndexError (a device-side assert on CUDA)."""
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
+    config = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=200, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.generation_config.eos_token_id = None
+    curve = cost_curve(model)
+    assert curve.sizes[-1] <= 100 and len(curve.sizes) >= 2
+    prompt = [5, 9, 3, 7, 2, 8] * 4
+    expected = reference_generate(model, prompt, 30, None)
+    assert generate(model, prompt, max_new_tokens=30).sequences[0, len(prompt) :].tolist() == expected
+    assert _fit_window(256, (1, 4, 8, 16, 32, 64, 128), None) == (256, [1, 4, 8, 16, 32, 64, 128])
+    assert _fit_window(256, (1, 4, 8, 16, 32, 64, 128), 4096) == (256, [1, 4, 8, 16, 32, 64, 128])
+    assert _fit_window(256, (1, 4, 8, 16, 32, 64, 128), 200) == (136, [1, 4, 8, 16, 32, 64])
+    assert _fit_window(256, (1, 4, 8), 3) == (1, [1, 2])
