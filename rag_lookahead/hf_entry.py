@@ -314,6 +314,13 @@ def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor
         raise ConfigError("a filled cache cannot be continued by lookahead decoding; pass the whole text as input_ids")
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
+    if mask.dim() == 2 and bool((mask[:, 1:].long() < mask[:, :-1].long()).any()):
+        # the mask may be one transformers inferred (every pad id masked out), so say where zeros come from
+        raise InputError(
+            "the attention mask has zeros after the first token of a row (without an attention_mask, "
+            "transformers masks out every pad_token_id, inside a row too): lookahead decoding takes "
+            "left padding only, so pass an all-ones attention_mask or remove those tokens"
+        )
     positions = model_kwargs.get("position_ids")
     if positions is not None:
         expected = (mask.long().cumsum(-1) - 1).clamp_min(0)

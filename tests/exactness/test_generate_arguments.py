@@ -90,6 +90,11 @@ def test_a_pad_id_in_a_prompt_without_a_mask_is_masked_out_as_in_transformers():
     assert _ours(model, ids, **options) == expected
     with pytest.raises(InputError, match="pad id 0 stands inside a row"):  # holes: transformers' own, not ours
         generate(model, [5, 0, 6, 7], max_new_tokens=4, **options)
+    # through model.generate, transformers infers the mask itself: the error says where its zeros came from
+    from rag_lookahead.hf_entry import hf_generate
+
+    with pytest.raises(InputError, match="without an attention_mask, transformers masks out every pad_token_id"):
+        model.generate(torch.tensor([[5, 0, 6, 7]]), max_new_tokens=4, custom_generate=hf_generate, **options)
     # a pad id that is also an EOS id is not masked (transformers cannot tell it from text either)
     same = {"do_sample": False, "pad_token_id": 5, "eos_token_id": 5}
     assert _ours(model, torch.tensor([[5, 6, 7, 5, 6]]), **same) == _hf(model, torch.tensor([[5, 6, 7, 5, 6]]), **same)
