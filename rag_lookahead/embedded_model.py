@@ -289,24 +289,24 @@ def file_lock(path: Path, timeout: float = LOCK_TIMEOUT_S, waiting: str | None =
     ``timeout`` seconds, then a ModelLoadError names the lock: a holder that is stopped or stuck
     never makes a load hang in silence. (The kernel drops the lock of a process that dies.)"""
     with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if waiting:
-                print(waiting, file=sys.stderr, flush=True)
-            deadline = time.monotonic() + timeout
-            while True:
-                time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise ModelLoadError(
-                            f"another process has held {path} for over {timeout:.0f} s (a conversion stopped or"
-                            " stuck?): let it finish or end it, then load again; or set RAG_LOOKAHEAD_CACHE to"
-                            " another folder"
-                        ) from None
+        deadline = None
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                now = time.monotonic()
+                if deadline is None:  # first refusal: say so once, then poll
+                    deadline = now + timeout
+                    if waiting:
+                        print(waiting, file=sys.stderr, flush=True)
+                elif now >= deadline:
+                    raise ModelLoadError(
+                        f"another process has held {path} for over {timeout:.0f} s (a conversion stopped or"
+                        " stuck?): let it finish or end it, then load again; or set RAG_LOOKAHEAD_CACHE to"
+                        " another folder"
+                    ) from None
+                time.sleep(min(0.5, max(deadline - now, 0.0)))
         try:
             yield
         finally:

@@ -45,7 +45,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rag_lookahead.decoding.config import LookaheadConfig, stop_word_ids
-from rag_lookahead.decoding.inputs import context_limit, limit_words
+from rag_lookahead.decoding.inputs import context_limit, left_padded, limit_words
 from rag_lookahead.decoding.loop import generate
 from rag_lookahead.decoding.results import GenerationStats
 from rag_lookahead.decoding.sampling import build_processors, resolve_sampling
@@ -314,7 +314,7 @@ def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor
         raise ConfigError("a filled cache cannot be continued by lookahead decoding; pass the whole text as input_ids")
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
-    if mask.dim() == 2 and bool((mask[:, 1:].long() < mask[:, :-1].long()).any()):
+    if mask.dim() == 2 and not left_padded(mask.long()):
         # the mask may be one transformers inferred (every pad id masked out), so say where zeros come from
         raise InputError(
             "the attention mask has zeros after the first token of a row (without an attention_mask, "

@@ -16,6 +16,7 @@ __all__ = [
     "VOCAB",
     "PairedDrafter",
     "build_tiny_model",
+    "padded",
     "reference_generate",
     "tiny_model",
 ]
@@ -46,6 +47,14 @@ def reference_generate(model, prompt: list[int], max_new_tokens: int, eos: int |
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` of the prompts left-padded with 0 to the longest."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
 
 
 class PairedDrafter(TrieDrafter):

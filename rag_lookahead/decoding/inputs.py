@@ -102,7 +102,7 @@ def as_batch(input_ids, attention_mask=None, masked_pad: int | None = None) -> t
     ids = ids.long()
     if attention_mask is None:
         mask = torch.ones_like(ids) if masked_pad is None else (ids != masked_pad).long()
-        if masked_pad is not None and not _left_padded(mask):
+        if masked_pad is not None and not left_padded(mask):
             raise InputError(
                 f"the pad id {masked_pad} stands inside a row of input_ids, where transformers masks it out; "
                 "lookahead decoding takes left padding only: pass an attention_mask, or remove those tokens"
@@ -123,13 +123,13 @@ def check_mask(mask: torch.Tensor) -> None:
         raise InputError("attention_mask must hold only 0 and 1")
     if bool((mask.sum(-1) == 0).any()):
         raise InputError("a row of input_ids is empty (its attention_mask is all zeros)")
-    if not _left_padded(mask):
+    if not left_padded(mask):
         raise InputError(
             "attention_mask has zeros after the first token of a row: rows must be left-padded, with no holes"
         )
 
 
-def _left_padded(mask: torch.Tensor) -> bool:
+def left_padded(mask: torch.Tensor) -> bool:
     """No row has a zero after a one."""
     return not (mask.shape[1] > 1 and bool((mask[:, 1:] < mask[:, :-1]).any()))
 

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from tiny_models import reference_generate
+from tiny_models import padded, reference_generate
 
 from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding.costs import _fit_window, cost_curve
@@ -17,20 +17,9 @@ from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.verify import mask_blind_reason, supports_tree_mask
 from rag_lookahead.errors import InputError
+from rag_lookahead.tiny import _COMMON
 
-SMALL = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    eos_token_id=None,
-    bos_token_id=None,
-    initializer_range=0.3,
-)
+SMALL = {**_COMMON, "initializer_range": 0.3}  # the tiny models' sizes, with weights large enough to matter
 SWITCH = 32  # where the tiny longrope model changes its rope factors
 
 
@@ -56,12 +45,6 @@ def longrope_model():
     return _ready(transformers.Phi3ForCausalLM(config))
 
 
-def _left_padded(prompts):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    return ids, (torch.arange(width)[None] >= torch.tensor([[width - len(p)] for p in prompts])).long(), width
-
-
 def test_a_longrope_model_is_decoded_exactly_up_to_its_rope_switch():
     """transformers picks the short or long factors once per forward from its last position, and
     re-encodes everything on crossing: a verify step across the switch rotated its earlier
@@ -70,16 +53,16 @@ def test_a_longrope_model_is_decoded_exactly_up_to_its_rope_switch():
     assert context_limit(model) == SWITCH
     prompts = [[10, 2, 5] * 7, [4, 8, 1] * 3, [6, 3] * 14]
     expected = [reference_generate(model, p, SWITCH - len(p), None) for p in prompts]
-    ids, mask, width = _left_padded(prompts)
     references = [[p[-3:] + e + [7, 7, 7]] for p, e in zip(prompts, expected)]  # drafts run past the switch
     config = LookaheadConfig(budget="fixed", use_output_pool=False)
     for batch in ([0], [1], [2], [0, 1, 2]):
-        sub_ids, sub_mask, sub_width = _left_padded([prompts[r] for r in batch])
+        sub_ids, sub_mask = padded([prompts[r] for r in batch])
+        sub_width = sub_ids.shape[1]
         result = generate(
             model, sub_ids, sub_mask, max_new_tokens=40, config=config, references=[references[r] for r in batch]
         )
         for i, r in enumerate(batch):
-            got = [t for t in result.sequences[i, sub_width:].tolist()][: len(expected[r])]
+            got = result.sequences[i, sub_width:].tolist()[: len(expected[r])]
             assert got == expected[r], (batch, r)
             assert int(result.sequences[i, sub_width + len(expected[r]) :].ne(0).sum()) == 0  # stops at the switch
     with pytest.raises(InputError, match="longrope"):
@@ -91,7 +74,7 @@ def test_llama4_nope_layers_with_temperature_tuning_decode_rows_apart():
     into one cache (lookahead on or off) got another scale than each row alone; the 8-position
     tree-mask probe does not see it at floor_scale 16."""
     config = transformers.Llama4TextConfig(
-        **{**SMALL, "num_hidden_layers": 2},
+        **SMALL,
         head_dim=16,
         intermediate_size_mlp=128,
         num_local_experts=2,
@@ -107,7 +90,8 @@ def test_llama4_nope_layers_with_temperature_tuning_decode_rows_apart():
     assert mask_blind_reason(model) is not None
     prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 9, 7, 8], [1, 2] * 6]
     expected = [reference_generate(model, p, 12, None) for p in prompts]
-    ids, mask, width = _left_padded(prompts)
+    ids, mask = padded(prompts)
+    width = ids.shape[1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the chains-only warning
         for config in (LookaheadConfig(enabled=False), LookaheadConfig(budget="fixed", use_output_pool=False)):

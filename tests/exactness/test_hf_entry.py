@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import ARCHITECTURES, build_tiny_model, tiny_model
+from tiny_models import ARCHITECTURES, build_tiny_model, padded, tiny_model
 from tiny_tokenizer import tiny_tokenizer
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import NoBadWordsLogitsProcessor
@@ -27,13 +27,6 @@ def lookahead(**keys) -> GenerationConfig:
 
 #: drafts from the references alone, every node verified: what a step accepts shows what was drafted
 ISOLATED = LookaheadConfig(budget="fixed", use_output_pool=False)
-
-
-def padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
