@@ -242,7 +242,8 @@ class ChatShape(_OpenAIShape):
             return super().closing(answer, include_usage)
         emitted = answer.text[: len(answer.text) - len(answer.rest)]
         unsent = reply.content[len(emitted) :] if reply.content.startswith(emitted) else ""
-        chunks = [self._chunk({"content": unsent})] if unsent.strip() else []
+        # the same content as whole() (whitespace and all) once the answer has any text outside its calls
+        chunks = [self._chunk({"content": unsent})] if unsent and reply.content.strip() else []
         calls = [ToolCallDelta(index=i, **call).model_dump() for i, call in enumerate(reply.calls)]
         chunks.append(self._chunk({"tool_calls": calls}, logprobs=answer.unsent_logprobs))
         chunks.append(self._finish("tool_calls"))
@@ -254,7 +255,8 @@ class ChatShape(_OpenAIShape):
         if reply is None:
             message = AssistantMessage(content=answer.text)
             return ChatChoice(index=index, message=message, finish_reason=answer.finish_reason, logprobs=logprobs)
-        message = AssistantMessage(content=reply.content.strip() or None, tool_calls=reply.calls)
+        # as streamed: the text outside the calls as it is (None when there is none but whitespace)
+        message = AssistantMessage(content=reply.content if reply.content.strip() else None, tool_calls=reply.calls)
         return ChatChoice(index=index, message=message, finish_reason="tool_calls", logprobs=logprobs)
 
 

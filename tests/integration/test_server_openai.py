@@ -284,15 +284,17 @@ def test_tool_calls_parsed_from_the_answer():
     answer = Answer(text, text[len("Let me check.") :], "stop", 10, 30, 5, 2.0, 0.1, True)
     shape = ChatShape("id", 0, "m", tools=ToolSetup([NOW, WEATHER]))
     message = shape.whole([answer])["choices"][0]
-    assert message["finish_reason"] == "tool_calls" and message["message"]["content"] == "Let me check."
+    assert message["finish_reason"] == "tool_calls" and message["message"]["content"] == "Let me check.\n"
     calls = message["message"]["tool_calls"]
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris"}),
         ("now", {}),
     ]
     closing = shape.closing(answer, include_usage=True)
-    assert [len(c["choices"][0]["delta"]["tool_calls"]) for c in closing[:1]] == [2]
-    assert closing[1]["choices"][0]["finish_reason"] == "tool_calls" and closing[2]["usage"]["completion_tokens"] == 30
+    # the text after "Let me check." not streamed yet (the newline between the calls), as whole() has it
+    assert closing[0]["choices"][0]["delta"] == {"content": "\n"}
+    assert [len(c["choices"][0]["delta"]["tool_calls"]) for c in closing[1:2]] == [2]
+    assert closing[2]["choices"][0]["finish_reason"] == "tool_calls" and closing[3]["usage"]["completion_tokens"] == 30
     single = ChatShape("id", 0, "m", tools=ToolSetup([NOW, WEATHER], parallel=False)).whole([answer])
     assert len(single["choices"][0]["message"]["tool_calls"]) == 1
     broken = Answer('<tool_call>\n{"name": "now", "argu', "", "length", 10, 8, 5, 1.0, 0.1, True)
@@ -301,6 +303,35 @@ def test_tool_calls_parsed_from_the_answer():
     assert reply["finish_reason"] == "length"
     plain = ChatShape("id", 0, "m").whole([answer])["choices"][0]  # no tools asked: the text as it is
     assert plain["message"]["content"] == text and plain["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\nDone.',
+        '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}',
+    ],
+)
+def test_tool_call_content_streamed_as_whole(tokenizer, text):
+    """The content around the calls is the same streamed (pieces, then closing) as in the whole answer."""
+    from rag_lookahead.serve.jobs import Piece
+    from rag_lookahead.tokens import TextTracker
+
+    tools = ToolSetup([NOW, WEATHER])
+    tracker = TextTracker(tokenizer, [], frozenset(), hold=tools.hold)
+    shape = ChatShape("id", 0, "m", tools=tools)
+    chunks = []
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        piece = tracker.add([token])
+        if piece:
+            chunks.append(shape.piece(Piece(piece)))
+    rest = tracker.rest()
+    answer = Answer(tracker.final_text(), rest, "stop", 5, 9, 1, 1.0, 0.1, True)
+    chunks += shape.closing(answer, include_usage=False)
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    whole = shape.whole([answer])["choices"][0]["message"]
+    assert streamed == (whole["content"] or "") and whole["tool_calls"]
 
 
 # ---------------------------------------------------------------- refused, never ignored
