@@ -186,11 +186,13 @@ def encode_messages(
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     answer_prefix: str = "",
+    template_variables: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Prompt ids for chat ``messages`` (role/content dicts) through the chat template.
 
     ``tools`` go to the template (a template that never reads them is refused, not ignored);
-    ``answer_prefix`` is text the assistant's turn starts with. A tokenizer without a chat
+    ``answer_prefix`` is text the assistant's turn starts with; ``template_variables`` are more
+    variables the template may read (Qwen3's ``enable_thinking``). A tokenizer without a chat
     template gets the contents joined by blank lines.
     """
     template = chat_template_text(tokenizer)
@@ -203,7 +205,7 @@ def encode_messages(
         raise ConfigError(
             "this model's chat template does not take tools: bind tools only to a model whose template does"
         )
-    extra = {"tools": list(tools)} if tools else {}
+    extra = {**(template_variables or {}), **({"tools": list(tools)} if tools else {})}
     try:
         text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
     except Exception as err:  # jinja's TemplateError and friends: say what the template refused

@@ -21,6 +21,7 @@ from rag_lookahead.serve.protocol import (
     Text,
     Wording,
     invalid_request,
+    refuse_changing_options,
 )
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "FunctionTool"]
@@ -39,6 +40,24 @@ REFUSED = {
     "reasoning_effort": "'reasoning_effort' is not supported by this server: leave it out",
     "verbosity": "'verbosity' is not supported by this server: leave it out",
 }
+
+#: vLLM's chat options, with the values under which they change nothing (see protocol.VLLM_NEUTRAL)
+VLLM_CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "add_special_tokens": (False,),
+    "chat_template": (),
+    "documents": (),
+    "mm_processor_kwargs": (),
+}
+#: apply_chat_template's own arguments: a template variable of one of these names is not passed
+TEMPLATE_ARGUMENTS = frozenset(
+    (
+        "conversation messages tools documents chat_template add_generation_prompt continue_final_message "
+        "tokenize padding truncation max_length return_tensors return_dict return_assistant_tokens_mask "
+        "tokenizer_kwargs"
+    ).split()
+)
 
 
 class TextPart(BaseModel):
@@ -154,6 +173,15 @@ class ChatCompletionRequest(GenerationRequest):
     web_search_options: Any = Field(None, description="not supported")
     reasoning_effort: Any = Field(None, description="not supported")
     verbosity: Any = Field(None, description="not supported")
+    chat_template_kwargs: Annotated[
+        dict[Text, Any] | None, Wording("'chat_template_kwargs' must be an object of template variables")
+    ] = Field(None, description='more variables for the chat template, as in vLLM (e.g. {"enable_thinking": false})')
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_vllm_chat_options(cls, data: Any) -> Any:
+        refuse_changing_options(data, VLLM_CHAT_NEUTRAL)
+        return data
 
     @model_validator(mode="after")
     def _something_to_answer(self) -> ChatCompletionRequest:
@@ -171,6 +199,13 @@ class ChatCompletionRequest(GenerationRequest):
             )
         if self.modalities is not None and self.modalities != ["text"]:
             raise invalid_request("'modalities' must be [\"text\"]: this server answers in text only", "modalities")
+        taken = sorted(TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs or ()))
+        if taken:
+            raise invalid_request(
+                f"'chat_template_kwargs' cannot set {quote(taken[0])}: the server sets it (send it as a field of "
+                "its own where the server takes one)",
+                "chat_template_kwargs",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         if any(tool.function.strict for tool in self.tools or ()):

@@ -26,6 +26,7 @@ import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.inputs import context_limit, vocab_size
@@ -155,10 +156,12 @@ class Engine:
         with self.tokenizer_lock:
             return list(self.tokenizer(text)["input_ids"])
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, str]], template_variables: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """Messages through the chat template, as :class:`LookaheadLLM` encodes its prompts."""
         with self.tokenizer_lock:
-            return encode_messages(self.tokenizer, messages)
+            return encode_messages(self.tokenizer, messages, template_variables=template_variables)
 
     def encode_passages(self, passages: Sequence[str]) -> list[list[int]]:
         with self.tokenizer_lock:

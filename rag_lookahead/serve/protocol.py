@@ -15,6 +15,7 @@ server does not implement are refused, never ignored.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, get_args
 
@@ -81,6 +82,46 @@ class OpenAIRequest(BaseModel):
             raise invalid_request(*explain(cls, error.errors(include_url=False)[0])) from None
 
 
+# vLLM's own sampling options, each with the values under which it changes nothing. Clients
+# written for vLLM send them; any other value would be answered as if it had not been asked.
+VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "logits_processors": ([],),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+}
+
+
+def neutral(value: Any, values: tuple[Any, ...]) -> bool:
+    """``value`` is absent (None) or one of ``values``, type and all (``True`` is not ``1``)."""
+    return value is None or any(type(value) is type(v) and value == v for v in values)
+
+
+def refuse_changing_options(data: Any, table: dict[str, tuple[Any, ...]]) -> None:
+    """Refuse the first option of ``table`` in the raw body ``data`` set to a value that changes
+    the answer: unknown fields are dropped before validation, so these are looked for here."""
+    if not isinstance(data, dict):
+        return
+    for name, values in table.items():
+        if not neutral(data.get(name), values):
+            default = f" (or send {json.dumps(values[0])})" if values else ""
+            raise invalid_request(f"'{name}' is not supported by this server: leave it out{default}", name)
+
+
 class StreamOptions(BaseModel):
     include_usage: Flag | None = Field(None, description="send a last chunk with the token usage")
 
@@ -119,6 +160,12 @@ class GenerationRequest(OpenAIRequest):
     echo: Any = Field(None, description="not supported")
     suffix: Any = Field(None, description="not supported")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_vllm_options(cls, data: Any) -> Any:
+        refuse_changing_options(data, VLLM_NEUTRAL)
+        return data
+
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self) -> GenerationRequest:
         if self.temperature and self.temperature < MIN_TEMPERATURE:
@@ -127,6 +174,8 @@ class GenerationRequest(OpenAIRequest):
                 f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature!r}",
                 "temperature",
             )
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
+            raise invalid_request("'stream_options' is only allowed with 'stream': true", "stream_options")
         if self.choices > 1 and self.stream:
             raise invalid_request("'n' > 1 is not supported with 'stream': send n requests instead", "n")
         for name in ("presence_penalty", "frequency_penalty"):

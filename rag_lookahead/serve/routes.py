@@ -173,7 +173,7 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request) -
         engine.config.model_name,
     )
     try:
-        prompt = await run_in_threadpool(_encode_chat, engine, messages, tools)
+        prompt = await run_in_threadpool(_encode_chat, engine, messages, tools, body.chat_template_kwargs)
     except Exception as e:  # a template that refuses this conversation (e.g. role order)
         raise _template_refusal(e) from None
     jobs = _submit(engine, checked_prompt(prompt, engine), max_tokens, stop, body, http_request, tools)
@@ -182,12 +182,14 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request) -
     return await _respond(jobs, shape, bool(body.stream), body.include_usage, http_request, engine)
 
 
-def _encode_chat(engine: Engine, messages: list[dict], tools: ToolSetup) -> list[int]:
+def _encode_chat(engine: Engine, messages: list[dict], tools: ToolSetup, variables: dict | None) -> list[int]:
     """The prompt ids; with tools, they go to the template and the answer opens with ``tools.opening``."""
     if not tools.tools:
-        return engine.encode_chat(messages)
+        return engine.encode_chat(messages, variables)
     with engine.tokenizer_lock:
-        return encode_messages(engine.tokenizer, messages, tools=tools.tools, answer_prefix=tools.opening)
+        return encode_messages(
+            engine.tokenizer, messages, tools=tools.tools, answer_prefix=tools.opening, template_variables=variables
+        )
 
 
 def _template_refusal(error: Exception) -> ApiError:

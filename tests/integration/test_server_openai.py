@@ -376,6 +376,82 @@ def test_refusals(chat_server, tokenizer):
     assert text.choices[0].message.content is not None
 
 
+VLLM_CHANGING = [
+    ("min_tokens", 2),
+    ("ignore_eos", True),
+    ("stop_token_ids", [5]),
+    ("include_stop_str_in_output", True),
+    ("skip_special_tokens", False),
+    ("use_beam_search", True),
+    ("length_penalty", 0.5),
+    ("guided_json", {"type": "object"}),
+    ("min_tokens", True),  # a flag is not the count 1, nor is it the default 0
+]
+VLLM_NEUTRAL_VALUES = {
+    "min_tokens": 0,
+    "ignore_eos": False,
+    "stop_token_ids": [],
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "length_penalty": 1,
+    "guided_json": None,
+}
+
+
+def test_vllm_options_that_change_the_answer_are_refused(chat_server):
+    """vLLM's options are refused unless they hold the value under which they change nothing."""
+    _, _, base = chat_server
+    chat = {"messages": QUESTION, "max_tokens": 2}
+    completion = {"prompt": [5, 6, 7], "max_tokens": 2}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for name, value in VLLM_CHANGING:
+            for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+                r = http.post(path, json={**body, name: value})
+                assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, name, r.text)
+                assert f"'{name}' is not supported" in r.json()["error"]["message"]
+        for name, value in [("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "x")]:
+            r = http.post("/v1/chat/completions", json={**chat, name: value})
+            assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+        neutral = http.post("/v1/chat/completions", json={**chat, **VLLM_NEUTRAL_VALUES, "add_generation_prompt": True})
+        assert neutral.status_code == 200, neutral.text
+        assert http.post("/v1/completions", json={**completion, **VLLM_NEUTRAL_VALUES}).status_code == 200
+        for stream in (False, None):  # OpenAI and vLLM answer stream_options without stream with 400
+            body = {**chat, "stream_options": {"include_usage": True}, **({} if stream is None else {"stream": stream})}
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+        assert http.post("/v1/chat/completions", json={**chat, "stream_options": None}).status_code == 200
+
+
+def test_chat_template_kwargs_reach_the_template(chat_engine, tokenizer):
+    """``chat_template_kwargs`` are the template's variables, as in vLLM; the server's own are not for it."""
+    engine = Engine(chat_engine.model, shouting_template(tokenizer), chat_engine.config)
+    body = {"messages": QUESTION, "max_tokens": 2}
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=60) as http:
+        quiet = http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+        loud = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"shout": True}})
+        assert loud.status_code == 200, loud.text
+        shout = len(engine.tokenizer.encode(" LOUDLY", add_special_tokens=False))
+        assert loud.json()["usage"]["prompt_tokens"] == quiet + shout
+        tooled = {**body, "tools": [NOW], "chat_template_kwargs": {"shout": True}}
+        r = http.post("/v1/chat/completions", json=tooled)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > quiet + shout
+        for bad in ({"add_generation_prompt": False}, {"tools": []}, [1], "shout"):
+            r = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", (bad, r.text)
+
+
+def shouting_template(tokenizer):
+    """A copy of ``tokenizer`` whose template adds " LOUDLY" to each message when ``shout`` is set."""
+    loud = copy.deepcopy(tokenizer)
+    loud.chat_template = (
+        "{% if tools %}<tools>{{ tools | tojson }}</tools> Call with <tool_call></tool_call>{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if shout %} LOUDLY{% endif %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return loud
+
+
 def test_template_without_tools_is_refused(tokenizer):
     plain = copy.deepcopy(tokenizer)
     plain.chat_template = (
