@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -23,13 +22,13 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from rag_lookahead.atomic import fsync_dir, fsync_file
 from rag_lookahead.errors import ModelLoadError
+from rag_lookahead.locks import exclusive
 
 __all__ = [
     "DEFAULT",
@@ -283,34 +282,22 @@ LOCK_TIMEOUT_S = 1800.0
 
 @contextlib.contextmanager
 def file_lock(path: Path, timeout: float = LOCK_TIMEOUT_S, waiting: str | None = None) -> Iterator[None]:
-    """Exclusive advisory lock so two processes never convert into the same place at once.
+    """Exclusive lock so two processes never convert into the same place at once.
 
-    When another process holds it, ``waiting`` is printed (once) and the lock is retried for up to
+    When another process holds it, ``waiting`` is printed (once) and the lock is waited for up to
     ``timeout`` seconds, then a ModelLoadError names the lock: a holder that is stopped or stuck
-    never makes a load hang in silence. (The kernel drops the lock of a process that dies.)"""
-    with open(path, "a+") as f:
-        deadline = None
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                now = time.monotonic()
-                if deadline is None:  # first refusal: say so once, then poll
-                    deadline = now + timeout
-                    if waiting:
-                        print(waiting, file=sys.stderr, flush=True)
-                elif now >= deadline:
-                    raise ModelLoadError(
-                        f"another process has held {path} for over {timeout:.0f} s (a conversion stopped or"
-                        " stuck?): let it finish or end it, then load again; or set RAG_LOOKAHEAD_CACHE to"
-                        " another folder"
-                    ) from None
-                time.sleep(min(0.5, max(deadline - now, 0.0)))
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    never makes a load hang in silence."""
+    with exclusive(
+        path,
+        timeout,
+        on_wait=(lambda: print(waiting, file=sys.stderr, flush=True)) if waiting else None,
+        on_timeout=lambda: ModelLoadError(
+            f"another process has held {path} for over {timeout:.0f} s (a conversion stopped or"
+            " stuck?): let it finish or end it, then load again; or set RAG_LOOKAHEAD_CACHE to"
+            " another folder"
+        ),
+    ):
+        yield
 
 
 def atomic_build(target: Path, build: Callable[[Path], None], marker: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
 from rag_lookahead.int8_linear import packing_engine
+from rag_lookahead.locks import exclusive
 from rag_lookahead.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 #: curves the cache file keeps (one per model, dtype, machine and layout): a cache must not grow
 #: without bound, and every model folder measured once (a test's temporary copy too) adds a key
 MAX_STORED_CURVES = 32
+CURVE_LOCK_TIMEOUT_S = 30.0  # another process writing the file takes milliseconds; past this, skip keeping ours
 
 
 @dataclass
@@ -248,11 +250,7 @@ def cost_curve(model) -> CostCurve:
     if curve is None:
         curve = measure_cost(model)
         if path is not None:
-            stored.pop(key, None)  # the newest last: the oldest go first when the file is full
-            stored[key] = {"sizes": curve.sizes, "seconds": curve.seconds}  # as timed
-            for old in list(stored)[: max(len(stored) - MAX_STORED_CURVES, 0)]:
-                del stored[old]
-            _keep_curves(path, stored)
+            _keep_curve(path, key, curve)
     profile.cost_curve = lower_hull(curve)
     return profile.cost_curve
 
@@ -282,12 +280,21 @@ def _curve_of(entry) -> CostCurve | None:
     return CostCurve([int(n) for n in sizes], [float(t) for t in seconds])
 
 
-def _keep_curves(path: Path, stored: dict) -> None:
-    """Write the curves file; only a later process's time is lost if it cannot be written (a
-    read-only cache, the name taken by a folder), so decoding goes on with a warning."""
+def _keep_curve(path: Path, key: str, curve: CostCurve) -> None:
+    """Add ``curve`` to the curves file, read again under its lock so that two processes that
+    measured at once both keep theirs. Only a later process's time is lost if it cannot be
+    written (a read-only cache, the name taken by a folder, a lock held too long), so decoding
+    goes on with a warning."""
+    lock = path.with_name(path.name + ".lock")
     try:
-        write_json_atomic(path, stored)
-    except OSError as err:
+        with exclusive(lock, CURVE_LOCK_TIMEOUT_S, on_timeout=lambda: TimeoutError(f"{lock} is held")):
+            stored = _read_curves(path)
+            stored.pop(key, None)  # the newest last: the oldest go first when the file is full
+            stored[key] = {"sizes": curve.sizes, "seconds": curve.seconds}  # as timed
+            for old in list(stored)[: max(len(stored) - MAX_STORED_CURVES, 0)]:
+                del stored[old]
+            write_json_atomic(path, stored)
+    except OSError as err:  # TimeoutError is one
         log.warning("could not keep the measured cost curve in %s (%s): it is measured again next run", path, err)
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 from rag_lookahead.atomic import fsync_dir, write_json_atomic
 from rag_lookahead.errors import ConfigError, IndexLoadError
+from rag_lookahead.locks import exclusive
 from rag_lookahead.paths import expand_user, home_dir
 
 __all__ = [
@@ -308,26 +309,18 @@ def writer_lock(index_dir: Path, timeout: float) -> Iterator[bool]:
     """Hold the index folder's lock: one build at a time writes here; others wait up to ``timeout`` s.
 
     Yields whether it had to wait (another build ran meanwhile, and the files may have changed)."""
-    from filelock import FileLock, Timeout
-
-    lock = FileLock(str(index_dir / LOCK_FILE))
-    waited = False
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        waited = True
-        log.warning("another `rag_lookahead index` run is writing %s; waiting up to %g s", index_dir, timeout)
-        try:
-            lock.acquire(timeout=timeout)
-        except Timeout:
-            raise IndexBusyError(
-                f"another `rag_lookahead index` run is still writing {index_dir} after {timeout:g} s;"
-                f" try again when it ends, or wait longer with --lock-timeout"
-            ) from None
-    try:
+    with exclusive(
+        index_dir / LOCK_FILE,
+        timeout,
+        on_wait=lambda: log.warning(
+            "another `rag_lookahead index` run is writing %s; waiting up to %g s", index_dir, timeout
+        ),
+        on_timeout=lambda: IndexBusyError(
+            f"another `rag_lookahead index` run is still writing {index_dir} after {timeout:g} s;"
+            f" try again when it ends, or wait longer with --lock-timeout"
+        ),
+    ) as waited:
         yield waited
-    finally:
-        lock.release()
 
 
 def _empty_our_data_dir(path: Path) -> None:

@@ -92,3 +92,47 @@ def test_a_stored_curve_of_impossible_times_is_measured_again(tmp_path, monkeypa
     curve = cost_curve(model)
     assert all(math.isfinite(t) and t > 0 for t in curve.seconds)
     profile_of(model).reset()
+
+
+def test_a_curve_another_process_kept_meanwhile_is_not_lost(tmp_path, monkeypatch):
+    """Two processes measuring at once: each read the file, measured, and wrote back what it had
+    read plus its own curve, so the one that wrote last dropped the other's. The file is now read
+    again under its lock before the write."""
+    from rag_lookahead.decoding import costs
+
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.delenv("RAG_LOOKAHEAD_RECALIBRATE", raising=False)
+    path = tmp_path / "cost_curves.json"
+    other = {"sizes": [1, 4], "seconds": [0.01, 0.02]}
+    measure = costs.measure_cost
+
+    def measured_while_another_process_kept_its_curve(model, **kwargs):
+        curve = measure(model, **kwargs)
+        path.write_text(json.dumps({"other-model": other}), encoding="utf-8")  # the other process's write
+        return curve
+
+    monkeypatch.setattr(costs, "measure_cost", measured_while_another_process_kept_its_curve)
+    model = _model("tiny-concurrent", monkeypatch)
+    cost_curve(model)
+    stored = json.loads(path.read_text(encoding="utf-8"))
+    assert stored["other-model"] == other and costs._curve_key(model) in stored
+    profile_of(model).reset()
+
+
+def test_a_held_curve_lock_costs_only_the_keeping(tmp_path, monkeypatch, caplog):
+    """A process stuck holding the file's lock never stops decoding: the curve is used, not kept."""
+    import fcntl
+
+    from rag_lookahead.decoding import costs
+
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.delenv("RAG_LOOKAHEAD_RECALIBRATE", raising=False)
+    monkeypatch.setattr(costs, "CURVE_LOCK_TIMEOUT_S", 0.3)
+    model = _model("tiny-held-lock", monkeypatch)
+    with open(tmp_path / "cost_curves.json.lock", "a+") as holder:  # another process's open file
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with caplog.at_level(logging.WARNING, logger="rag_lookahead.decoding.costs"):
+            curve = cost_curve(model)
+    assert curve(1) > 0 and "could not keep the measured cost curve" in caplog.text
+    assert not (tmp_path / "cost_curves.json").exists()
+    profile_of(model).reset()
