@@ -21,7 +21,7 @@ from rag_lookahead.atomic import write_jsonl_atomic
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError
 from rag_lookahead.langchain.llm import LookaheadLLM
-from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file
+from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file, output_target
 from rag_lookahead.rag.chains import as_retriever, check_k, make_prompt, retrieve, source_info
 
 ANSWER_KEYS = {"question", "answer", "sources", "stats"}  # each output record's keys, as main() writes them
@@ -95,8 +95,9 @@ def main() -> None:
                 }
             )
         print(f"answered {len(rows)}/{len(questions)}", file=sys.stderr)
-    write_jsonl_atomic(args.answers, rows)
-    print(f"wrote {len(rows)} answers to {args.answers}", file=sys.stderr)
+    target = output_target(args.answers, is_answers_file)  # checked again: the run may have been long
+    write_jsonl_atomic(target, rows)
+    print(f"wrote {len(rows)} answers to {target}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from rag_lookahead.atomic import write_bytes_atomic, write_json_atomic
 from rag_lookahead.errors import ConfigError
 
-__all__ = ["REPORT_MARK", "check_output_file", "is_report", "is_chart", "save_chart", "save_report"]
+__all__ = ["REPORT_MARK", "check_output_file", "is_chart", "is_report", "output_target", "save_chart", "save_report"]
 
 #: the key and value every benchmark report carries, so a rerun may replace it
 REPORT_MARK = ("written_by", "rag_lookahead.bench")
@@ -45,7 +46,7 @@ def check_output_file(
     for source in inputs:
         if source is not None and _same_file(target, Path(source)):
             raise ConfigError(f"{option} {str(path)!r} is this run's input {str(source)!r}; give another path")
-    if target.is_symlink() or (target.exists() and not (target.is_file() and ours(target))):
+    if not _replaceable(target, ours):
         raise ConfigError(
             f"{option} {str(path)!r} exists and this command did not write it; "
             "remove it or give another path (nothing was changed)"
@@ -80,11 +81,46 @@ def is_report(path: Path) -> bool:
     return isinstance(report, dict) and report.get(key) == value
 
 
-def save_report(path: str | Path, report: dict[str, Any]) -> None:
-    """Write ``report`` atomically, marked as ours (the mark is added to ``report`` too)."""
+def save_report(path: str | Path, report: dict[str, Any]) -> Path:
+    """Write ``report`` atomically, marked as ours (the mark is added to ``report`` too); returns
+    where it went.
+
+    The path was checked before the run, but a run lasts long enough for something else to take
+    it meanwhile (a user's file, a symlink): then the report goes beside it (:func:`output_target`)."""
     key, value = REPORT_MARK
     report[key] = value
-    write_json_atomic(path, report)
+    target = output_target(path, is_report)
+    write_json_atomic(target, report)
+    return target
+
+
+def output_target(path: str | Path, ours: Callable[[Path], bool]) -> Path:
+    """Where to write, at the end of a run, an output :func:`check_output_file` passed before it:
+    ``path`` while it holds nothing or a file ``ours`` recognises, else a free name beside it
+    (``run.json`` -> ``run.1.json``), said on stderr. Something that took the path during the run
+    is left as it is, and the run's results are kept too."""
+    target = Path(path)
+    if _replaceable(target, ours):
+        return target
+    free = _free_name(target)
+    print(
+        f"{target} appeared during the run and this command did not write it: writing {free} instead", file=sys.stderr
+    )
+    return free
+
+
+def _replaceable(path: Path, ours: Callable[[Path], bool]) -> bool:
+    return not path.is_symlink() and (not path.exists() or (path.is_file() and ours(path)))
+
+
+def _free_name(path: Path) -> Path:
+    """``bench.json`` -> the first of ``bench.1.json``, ``bench.2.json``, ... that nothing holds."""
+    n = 1
+    while True:
+        candidate = path.with_name(f"{path.stem}.{n}{path.suffix}")
+        if not candidate.is_symlink() and not candidate.exists():
+            return candidate
+        n += 1
 
 
 def is_chart(path: Path) -> bool:

@@ -266,9 +266,9 @@ def batch(
     share = f", {report['mean_copied_from_context']:.0%} of answer tokens copied from the context" if copied else ""
     print_rows(f"{model} {dtype}, {len(work.requests)} requests at each concurrency{share}", results)
     if json_path:
-        save_report(json_path, report)
+        written = save_report(json_path, report)
         if plot:
-            for path in plots.plot_batch(report, json_path):
+            for path in plots.plot_batch(report, written):
                 print(f"wrote {path}")
     return report
 

@@ -335,9 +335,9 @@ def run_bench(s: BenchSettings) -> dict:
     report = build_report(s, model, config, prompts, measured)
     print_summary(report)
     if s.json_path:
-        save_report(s.json_path, report)
+        written = save_report(s.json_path, report)
         if s.plot:
-            for path in plots.plot_single(report, s.json_path):
+            for path in plots.plot_single(report, written):
                 print(f"wrote {path}")
     return report
 

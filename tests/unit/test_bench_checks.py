@@ -97,6 +97,26 @@ def test_check_output_path_accepts_a_new_file_or_a_report_of_ours_only(tmp_path,
         check_output_path("sub", "--plot")
 
 
+def test_a_report_path_taken_during_the_run_is_kept_and_the_report_goes_beside_it(tmp_path, capsys):
+    """The path is checked before a run of many minutes; a file a user (or another tool) put there
+    meanwhile was replaced by the report at the end."""
+    from rag_lookahead.output_files import is_report, save_report
+
+    assert save_report(tmp_path / "run.json", {"summary": 1}) == tmp_path / "run.json"
+    assert save_report(tmp_path / "run.json", {"summary": 2}) == tmp_path / "run.json"  # a rerun: its own
+    (tmp_path / "taken.json").write_text("user notes", encoding="utf-8")
+    (tmp_path / "taken.1.json").write_text("more notes", encoding="utf-8")
+    written = save_report(tmp_path / "taken.json", {"summary": 3})
+    assert written == tmp_path / "taken.2.json" and is_report(written)
+    assert json.loads(written.read_text(encoding="utf-8"))["summary"] == 3
+    assert (tmp_path / "taken.json").read_text(encoding="utf-8") == "user notes"
+    assert (tmp_path / "taken.1.json").read_text(encoding="utf-8") == "more notes"
+    assert "taken.json appeared during the run and this command did not write it" in capsys.readouterr().err
+    (tmp_path / "link.json").symlink_to(tmp_path / "run.json")  # a symlink, even to a report of ours
+    assert save_report(tmp_path / "link.json", {"summary": 4}) == tmp_path / "link.1.json"
+    assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "run.json").read_text())["summary"] == 2
+
+
 def test_concurrency_levels_are_integers_of_at_least_one():
     from rag_lookahead.bench.batch import concurrency_levels
 
