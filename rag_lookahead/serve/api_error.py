@@ -101,6 +101,14 @@ def head_timed_out(seconds: float) -> ApiError:
     )
 
 
+def too_many_connections(limit: int) -> ApiError:
+    return ApiError(
+        503,
+        f"the server holds {limit} connections already (max_connections): try again shortly",
+        code="too_many_connections",
+    )
+
+
 def quote(value: Any, limit: int = 60) -> str:
     """A request value quoted back in an error message, cut short."""
     try:

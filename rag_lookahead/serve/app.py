@@ -151,10 +151,11 @@ MAX_HEAD_BYTES = 64 * 1024
 def make_server(app: FastAPI, engine: Engine, **uvicorn_options):
     """A ``uvicorn.Server`` for ``app`` whose shutdown (SIGTERM, SIGINT) first drains ``engine`` for
     its ``drain_seconds`` while new requests get 503, then closes the connections. A request head
-    gets ``head_timeout`` seconds (:mod:`rag_lookahead.serve.head`)."""
+    gets ``head_timeout`` seconds, and at most ``max_connections`` are open at once
+    (:mod:`rag_lookahead.serve.head`)."""
     import uvicorn
 
-    from rag_lookahead.serve.head import h11_with_head_timeout
+    from rag_lookahead.serve.head import h11_with_limits
 
     config = engine.config
 
@@ -171,7 +172,7 @@ def make_server(app: FastAPI, engine: Engine, **uvicorn_options):
         timeout_graceful_shutdown=CLOSE_GRACE_SECONDS,
         # h11 caps a request head (httptools read a 160 MiB header unbounded, stalling the loop for seconds);
         # its protocol here also times a head out (uvicorn's never does: slowloris)
-        http=h11_with_head_timeout(config.head_timeout),
+        http=h11_with_limits(config.head_timeout, config.max_connections),
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
     )
     options.update(uvicorn_options)

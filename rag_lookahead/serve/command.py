@@ -81,6 +81,9 @@ def serve(
     head_timeout: float = typer.Option(
         _D.head_timeout, help="seconds a client may take to send a request line and headers (408 beyond)"
     ),
+    max_connections: int = typer.Option(
+        _D.max_connections, help="most connections open at once (one more gets 503 and is closed)"
+    ),
     drain_seconds: float = typer.Option(
         _D.drain_seconds, help="on SIGTERM, time for accepted requests to finish while new ones get 503"
     ),

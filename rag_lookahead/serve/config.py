@@ -49,6 +49,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "max_messages": (1, 100_000),
     "max_body_bytes": (1024, 1 << 30),
     "prefill_chunk": (0, 1_000_000),
+    "max_connections": (1, 1_000_000),
 }
 
 #: (low, high) of the integer settings that may be None (None: worked out at start, or no limit).
@@ -98,6 +99,9 @@ class ServerConfig:
         closes), and to finish a body the server has already answered (then it closes): a
         client that trickles a byte now and then (slowloris) would otherwise hold its
         connection for good.
+    max_connections: most connections open at once; one more gets 503 and is closed as it opens
+        (each holds a file descriptor and a slot in the event loop: a flood of connections would
+        otherwise run the process out of descriptors, failing model and index reads too).
     drain_seconds: on shutdown (SIGTERM), how long running and queued requests may finish while
         new ones get 503; what is left then gets an error.
     api_keys: with any, every endpoint but /health needs ``Authorization: Bearer <one of them>``.
@@ -132,6 +136,7 @@ class ServerConfig:
     max_body_bytes: int = 4 * MiB
     body_timeout: float = 30.0
     head_timeout: float = 30.0
+    max_connections: int = 512
     drain_seconds: float = 30.0
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in logs
     allowed_hosts: tuple[str, ...] = ()

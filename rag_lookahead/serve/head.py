@@ -5,11 +5,15 @@ timer it arms after a response is cancelled by any byte received and not armed a
 that opens connections and sends nothing, or a request head one byte every few seconds, or a body
 the server has already answered, held each connection for good (slowloris).
 
-:func:`h11_with_head_timeout` is uvicorn's ``H11Protocol`` with a timer of ``head_timeout``
+:func:`h11_with_limits` is uvicorn's ``H11Protocol`` with a timer of ``head_timeout``
 seconds, armed when a connection opens, when the first byte of a later request head arrives,
 and when a response goes out while the client is still sending a body nobody reads; it is
 cancelled once the head is in (the body then has ``body_timeout``). On expiry a partly received
 head gets 408 and the connection closes; otherwise the connection just closes.
+
+The same protocol caps the connections open at once (``max_connections``): uvicorn's own
+``limit_concurrency`` looks only at complete request heads, so connections that send nothing
+were never counted; here one past the cap gets 503 and is closed as it opens.
 """
 
 from __future__ import annotations
@@ -21,24 +25,32 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from rag_lookahead.serve.api_error import head_timed_out
+from rag_lookahead.serve.api_error import ApiError, head_timed_out, too_many_connections
 
-__all__ = ["HeadTimeoutProtocol", "h11_with_head_timeout"]
+__all__ = ["HeadTimeoutProtocol", "h11_with_limits"]
 
 log = logging.getLogger(__name__)
 
 
 class HeadTimeoutProtocol(H11Protocol):
-    """``H11Protocol`` with the deadline of the module docstring; :func:`h11_with_head_timeout`
-    gives it its ``head_timeout``."""
+    """``H11Protocol`` with the deadline of the module docstring; :func:`h11_with_limits`
+    gives it its limits."""
 
     head_timeout: float = 30.0
+    max_connections: int | None = None
 
     _head_timer: asyncio.TimerHandle | None = None
     _watching: str | None = None  # "head" (a request head is due) or "leftover" (an answered body)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.max_connections is not None and len(self.connections) > self.max_connections:
+            log.warning(
+                "refused a connection from %s: %d open (max_connections)", self.client, len(self.connections) - 1
+            )
+            self._send_error(too_many_connections(self.max_connections), b"Service Unavailable")
+            self.transport.close()
+            return
         self._watch()
 
     def data_received(self, data: bytes) -> None:
@@ -82,15 +94,16 @@ class HeadTimeoutProtocol(H11Protocol):
             return
         log.debug("closing %s: no complete request within %g s (%s)", self.client, self.head_timeout, kind)
         if kind == "head" and self.conn.our_state is h11.IDLE and self.conn.trailing_data[0]:
-            self._send_408()
+            self._send_error(head_timed_out(self.head_timeout), b"Request Timeout")
         try:
             self.conn.send(h11.ConnectionClosed())
         except h11.LocalProtocolError:
             pass
         self.transport.close()
 
-    def _send_408(self) -> None:
-        body = json.dumps(head_timed_out(self.head_timeout).body()).encode()
+    def _send_error(self, error: ApiError, reason: bytes) -> None:
+        """Answer ``error`` with no handler, as the connection is about to close."""
+        body = json.dumps(error.body()).encode()
         headers = [
             *self.server_state.default_headers,
             (b"content-type", b"application/json"),
@@ -98,13 +111,14 @@ class HeadTimeoutProtocol(H11Protocol):
             (b"connection", b"close"),
         ]
         try:
-            for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"), h11.Data(body)):
+            for event in (h11.Response(status_code=error.status, headers=headers, reason=reason), h11.Data(body)):
                 self.transport.write(self.conn.send(event))
             self.transport.write(self.conn.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:  # h11 will not answer in its state: just close
             pass
 
 
-def h11_with_head_timeout(seconds: float) -> type[HeadTimeoutProtocol]:
-    """The protocol class for uvicorn's ``http=`` option, with a ``head_timeout`` of ``seconds``."""
-    return type("H11HeadTimeout", (HeadTimeoutProtocol,), {"head_timeout": float(seconds)})
+def h11_with_limits(head_timeout: float, max_connections: int | None) -> type[HeadTimeoutProtocol]:
+    """The protocol class for uvicorn's ``http=`` option, with these limits."""
+    limits = {"head_timeout": float(head_timeout), "max_connections": max_connections}
+    return type("H11WithLimits", (HeadTimeoutProtocol,), limits)

@@ -266,6 +266,33 @@ def test_malformed_json_is_a_400(tokenizer):
         assert parse_sse(r.text)[-1] == "[DONE]"
 
 
+def test_connections_past_max_connections_get_503_and_are_closed(tokenizer):
+    """Connections that send nothing were never counted (uvicorn's limit_concurrency looks only at
+    complete heads): a flood of them held a descriptor each until the process ran out."""
+    engine = tiny_engine(tokenizer, max_connections=2, head_timeout=30)
+    with serving(engine) as base:
+        host, port = base.removeprefix("http://").split(":")
+        get = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+        silent = [socket.create_connection((host, int(port))) for _ in range(2)]
+        try:
+            time.sleep(0.3)  # both accepted
+            with socket.create_connection((host, int(port))) as third:
+                third.settimeout(10)
+                data = b""
+                while chunk := third.recv(65536):  # answered at once, then closed (b"" ends it)
+                    data += chunk
+            assert data.startswith(b"HTTP/1.1 503 "), data
+            assert json.loads(data.rpartition(b"\r\n\r\n")[2])["error"]["code"] == "too_many_connections"
+            silent[0].sendall(get)  # the held ones are served as usual
+            silent[0].settimeout(10)
+            assert silent[0].recv(65536).startswith(b"HTTP/1.1 200 ")
+        finally:
+            for s in silent:
+                s.close()
+        time.sleep(0.3)  # closed: their places are free again
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -277,6 +304,8 @@ def test_malformed_json_is_a_400(tokenizer):
         ({"body_timeout": "30"}, "body_timeout"),
         ({"head_timeout": 0}, "head_timeout"),
         ({"head_timeout": float("inf")}, "head_timeout"),
+        ({"max_connections": 0}, "max_connections"),
+        ({"max_connections": 2.5}, "max_connections"),
         ({"max_messages": "10"}, "max_messages"),
         ({"max_stop_chars": 10**6}, "max_stop_chars"),
         ({"k_prompt": 4, "k_seed": 2}, "k_seed"),

@@ -94,12 +94,15 @@ def test_api_keys_from_flags_or_environment():
                 "65536",
                 "--head-timeout",
                 "7.5",
+                "--max-connections",
+                "64",
             ]
         ),
         env,
     )
     assert config.allowed_hosts == ("a.lan", "b.lan", "c.lan") and config.output_pool == "per-key"
     assert config.drain_seconds == 2.5 and config.max_body_bytes == 65536 and config.head_timeout == 7.5
+    assert config.max_connections == 64
 
 
 def test_serve_refuses_bad_settings_in_one_line():
