@@ -93,8 +93,8 @@ def decode_together(engine: Engine, calls: list[BatchCall]) -> None:
         if callback is not None:
             callback(tokens, piece)
 
-    deadlines = [c.settings["deadline"] for c in calls if c.settings["deadline"] is not None]
-    settings = calls[0].settings | {"deadline": min(deadlines) if deadlines else None}
+    timeouts = [c.settings["timeout"] for c in calls if c.settings["timeout"] is not None]
+    settings = calls[0].settings | {"timeout": min(timeouts) if timeouts else None}
     try:
         run = engine.run([c.request for c in calls], on_block=on_block, **settings)
         for row, call in enumerate(calls):
@@ -132,9 +132,9 @@ def gather_of_this_thread() -> Gather | None:
 
 def settings_key(settings: dict) -> tuple:
     """Rows decode together only under identical settings (generate takes one of each); rows
-    with a deadline go apart from rows without one."""
+    with a timeout go apart from rows without one."""
     sampling = tuple(sorted(settings["sampling"].items()))
-    return (settings["max_new_tokens"], repr(settings["config"]), sampling, settings["deadline"] is None)
+    return (settings["max_new_tokens"], repr(settings["config"]), sampling, settings["timeout"] is None)
 
 
 def run_wave(

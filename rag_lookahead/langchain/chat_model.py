@@ -25,7 +25,6 @@ draft trie without being in the prompt), ``enable_lookahead``, ``lookahead``, th
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing
@@ -48,6 +47,7 @@ from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.batching import BatchCall, decode_together, gather_of_this_thread, run_wave, settings_key
 from rag_lookahead.langchain.engine import CancellableAsync, Engine, RowRequest
+from rag_lookahead.langchain.llm import _NO_PICKLE
 from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening
@@ -186,6 +186,12 @@ class ChatLookahead(CancellableAsync, SamplingFields, BaseChatModel):
         }
         return cls(model=llm.model, tokenizer=llm.tokenizer, engine=llm.engine, **(settings | kwargs))
 
+    def __reduce__(self):  # pickle / copy.deepcopy / model_copy(deep=True): refuse before serialising the weights
+        raise TypeError(_NO_PICKLE.format(name=type(self).__name__))
+
+    def __deepcopy__(self, memo=None):
+        raise TypeError(_NO_PICKLE.format(name=type(self).__name__))
+
     # ------------------------------------------------------------ LangChain plumbing
 
     @property
@@ -290,8 +296,7 @@ class ChatLookahead(CancellableAsync, SamplingFields, BaseChatModel):
             answer_prefix=opening,
             hold=(TOOL_CALL_OPEN,) if tools else (),
         )
-        deadline = time.monotonic() + timeout if timeout else None
-        settings = {"max_new_tokens": max_tokens, "config": config, "sampling": sampling, "deadline": deadline}
+        settings = {"max_new_tokens": max_tokens, "config": config, "sampling": sampling, "timeout": timeout or None}
         return request, settings, {"tools": bool(tools), "parallel": parallel is not False}
 
     def _references(self, references: Any, chat: list[dict]) -> list[str]:

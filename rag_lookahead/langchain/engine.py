@@ -181,18 +181,20 @@ class Engine:
         sampling: Mapping[str, Any],
         on_block: OnBlock | None = None,
         cancel: threading.Event | None = None,
-        deadline: float | None = None,
+        timeout: float | None = None,
     ) -> EngineRun:
         """One batched ``generate`` over ``rows``; ``on_block(row, tokens, piece)`` sees each accepted block.
 
-        ``cancel`` ends every row at its next block; ``deadline`` (``time.monotonic()``) ends
-        the rows still running then, marked ``stopped_by="timeout"``.
+        ``cancel`` ends every row at its next block; ``timeout`` (seconds, counted from when this
+        run holds the engine, not while it waits for another decode) ends the rows still running
+        then, marked ``stopped_by="timeout"``.
         """
         from rag_lookahead.decoding.loop import generate, left_pad
 
         trackers = [TextTracker(self.tokenizer, r.stop, self.eos, prefix=r.answer_prefix, hold=r.hold) for r in rows]
         steps = [0] * len(rows)
         timed_out = [False] * len(rows)
+        deadline: float | None = None
 
         def on_tokens(row: int, tokens: list[int]) -> bool:
             steps[row] += 1
@@ -208,6 +210,8 @@ class Engine:
         ids, mask = left_pad([r.ids for r in rows], self.pad)
         references = [r.references for r in rows]
         with self._decoding:
+            if timeout is not None:
+                deadline = time.monotonic() + timeout
             result = generate(
                 self.model,
                 ids,

@@ -72,6 +72,12 @@ class LookaheadLLM(CancellableAsync, SamplingFields, BaseLLM):
         self._engine = Engine(self.model, self.tokenizer, self.lookahead)
         self._sampling({})  # refuse bad sampling settings at construction
 
+    def __reduce__(self):  # pickle / copy.deepcopy / model_copy(deep=True): refuse before serialising the weights
+        raise TypeError(_NO_PICKLE.format(name=type(self).__name__))
+
+    def __deepcopy__(self, memo=None):
+        raise TypeError(_NO_PICKLE.format(name=type(self).__name__))
+
     # ------------------------------------------------------------ construction
 
     @classmethod
@@ -284,6 +290,12 @@ class LookaheadLLM(CancellableAsync, SamplingFields, BaseLLM):
             run_manager.on_llm_new_token(rest, chunk=chunk)
         yield chunk
 
+
+_NO_PICKLE = (
+    "{name} does not pickle or deep-copy: it holds a loaded model and its decoding engine (locks, output pool). "
+    "Share the object (it is thread-safe), use model_copy() for a shallow copy with other settings, or build "
+    "another on the same loaded model in the other process"
+)
 
 _CALL_OPTIONS: contextvars.ContextVar[str | None] = contextvars.ContextVar("rag_lookahead_llm_call", default=None)
 _NOT_OPTIONS = frozenset({"tags", "metadata", "run_name", "run_id"})  # LangChain's own keywords of generate

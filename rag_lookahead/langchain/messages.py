@@ -112,41 +112,52 @@ def chat_generation(
 ) -> ChatGeneration:
     """The row's whole answer: an ``AIMessage`` with its tool calls (valid and invalid) and usage."""
     content, calls = split_calls(run.trackers[row].final_text(), tool_options)
-    message = AIMessage(
-        content=content,
-        tool_calls=[
-            {"name": c.name, "args": c.args, "id": c.id, "type": "tool_call"} for c in calls if c.args is not None
-        ],
-        invalid_tool_calls=[
-            {"name": c.name, "args": c.raw, "id": c.id, "error": c.error, "type": "invalid_tool_call"}
-            for c in calls
-            if c.args is None
-        ],
-        usage_metadata=_usage(run, row),
-    )
+    message = AIMessage(content=content, **message_calls(calls), usage_metadata=_usage(run, row))
     return ChatGeneration(message=message, generation_info=_info(run, row, calls, model_name))
 
 
 def last_chunk(run: EngineRun, tool_options: Mapping[str, bool], model_name: str | None) -> ChatGenerationChunk:
     """The closing chunk of a stream: the rest of the text, the tool calls whole, usage and stats."""
     content, calls = split_calls(run.trackers[0].final_text(), tool_options)
-    chunks = [
+    message = AIMessageChunk(
+        content=unsent_text(run, 0, content),
+        tool_call_chunks=call_chunks(calls),
+        usage_metadata=_usage(run, 0),
+        chunk_position="last",
+    )
+    return ChatGenerationChunk(message=message, generation_info=_info(run, 0, calls, model_name))
+
+
+def message_calls(calls: Sequence[ParsedCall]) -> dict[str, list[dict]]:
+    """An ``AIMessage``'s ``tool_calls`` and ``invalid_tool_calls`` for parsed ``calls``."""
+    return {
+        "tool_calls": [
+            {"name": c.name, "args": c.args, "id": c.id, "type": "tool_call"} for c in calls if c.args is not None
+        ],
+        "invalid_tool_calls": [
+            {"name": c.name, "args": c.raw, "id": c.id, "error": c.error, "type": "invalid_tool_call"}
+            for c in calls
+            if c.args is None
+        ],
+    }
+
+
+def call_chunks(calls: Sequence[ParsedCall]) -> list[dict]:
+    """The same calls as an ``AIMessageChunk``'s ``tool_call_chunks``.
+
+    LangChain parses each chunk's ``args`` again (``parse_partial_json``, which completes cut
+    JSON), so an invalid call's raw text goes as a JSON string: as the object it held, a cut call,
+    or one whose ``arguments`` were no object, came back as a valid call with the wrong args."""
+    return [
         {
             "name": c.name,
-            "args": json.dumps(c.args, ensure_ascii=False) if c.args is not None else c.raw,
+            "args": json.dumps(c.args if c.args is not None else c.raw, ensure_ascii=False),
             "id": c.id,
             "index": i,
             "type": "tool_call_chunk",
         }
         for i, c in enumerate(calls)
     ]
-    message = AIMessageChunk(
-        content=unsent_text(run, 0, content),
-        tool_call_chunks=chunks,
-        usage_metadata=_usage(run, 0),
-        chunk_position="last",
-    )
-    return ChatGenerationChunk(message=message, generation_info=_info(run, 0, calls, model_name))
 
 
 def unsent_text(run: EngineRun, row: int, content: str) -> str:

@@ -81,6 +81,16 @@ def sampling_options(model, values: Mapping[str, Any]) -> dict:
     ):
         raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
     sample = bool(temperature)
+    # as strict per call as the fields are (README: True, "0.5" or top_k=1.5 are refused), greedy or not:
+    # resolve_sampling float()s what it is given, so "0.9" or True passed for top_p / min_p /
+    # repetition_penalty, and greedy skipped the top_k check
+    for name in ("top_p", "min_p", "repetition_penalty"):
+        value = values.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
+    top_k = values.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+        raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
     seed = values.pop("seed", None)
     # a field left at None is not given (the model's own setting holds); to the core None means "off"
     options = {"do_sample": sample, "temperature": temperature, **values} if sample else {"do_sample": False, **values}

@@ -11,15 +11,15 @@ import json
 
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.langchain.llm import LookaheadLLM
-from rag_lookahead.langchain.messages import template_messages
-from rag_lookahead.langchain.tools import forced_opening, parse_tool_calls
+from rag_lookahead.langchain.messages import call_chunks, message_calls, template_messages
+from rag_lookahead.langchain.tools import forced_opening, parse_tool_calls, split_calls
 from rag_lookahead.tokens import TextTracker
 
 FIXED = LookaheadConfig(budget="fixed", decoding_length=16)
@@ -73,6 +73,31 @@ def test_parse_tool_calls_splits_text_and_calls():
     unclosed = parse_tool_calls('<tool_call>\n{"name": "now", "arguments": {}}\nThat is the call.')[1]
     assert (unclosed[0].name, unclosed[0].args) == ("now", {})  # text after the JSON is not part of it
     assert parse_tool_calls('<tool_call>["a"]</tool_call>')[1][0].error.startswith("a tool call needs")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut by max_tokens
+        '<tool_call>\n{"name": "get_weather", "arguments": "not json"}\n</tool_call>',
+        '<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>',
+        '<tool_call>\n{"city": "Paris"}\n</tool_call>',  # no name
+        '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>',
+        'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "now", "arguments": {}',
+    ],
+)
+def test_streamed_tool_calls_are_the_whole_answers(text):
+    """Streamed, LangChain parsed each chunk's args again (completing cut JSON), so a call that
+    invoke reported invalid came back valid, with the wrong args, for an agent to run."""
+    _, calls = split_calls(text, {"tools": True, "parallel": True})
+    whole = AIMessage("", **message_calls(calls))
+    streamed = AIMessageChunk(content="") + AIMessageChunk(content="", tool_call_chunks=call_chunks(calls))
+    assert whole.invalid_tool_calls  # each case holds a call that is not valid
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(c["name"], c["args"]) for c in whole.tool_calls]
+    assert [(c["name"], json.loads(c["args"])) for c in streamed.invalid_tool_calls] == [
+        (c["name"], c["args"]) for c in whole.invalid_tool_calls
+    ]
 
 
 def test_forced_opening_per_tool_choice():
@@ -330,6 +355,63 @@ def test_timeout_ends_the_decode(chat):
 
 
 @slow
+def test_timeout_counts_from_when_the_decode_starts(chat):
+    """A call waiting for another call's decode spent its timeout waiting, then answered one token
+    marked "timeout" (which LangChain's cache could keep)."""
+    import threading
+    import time
+
+    class Slow(BaseCallbackHandler):
+        def on_llm_new_token(self, token: str, **kwargs) -> None:
+            time.sleep(0.25)
+
+    busy = threading.Thread(target=lambda: chat.invoke(COUNT, max_tokens=24, config={"callbacks": [Slow()]}))
+    busy.start()
+    time.sleep(1.0)  # the other call holds the engine for 24 blocks of >= 0.25 s
+    start = time.monotonic()
+    answer = chat.invoke(HELLO, max_tokens=3, timeout=4.0)
+    waited = time.monotonic() - start
+    busy.join()
+    assert waited > 4.0, waited  # it did wait past its timeout for the engine...
+    assert answer.response_metadata["finish_reason"] != "timeout"  # ...and then had its 4 s to decode
+    assert answer.usage_metadata["output_tokens"] == 3
+
+
+@slow
+def test_a_cut_tool_call_stays_invalid_when_streamed(chat):
+    bound = chat.bind_tools([get_weather], tool_choice="get_weather")
+    whole = bound.invoke("What is the weather in Paris?", max_tokens=3)
+    streamed = None
+    for chunk in bound.stream("What is the weather in Paris?", max_tokens=3):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert not whole.tool_calls and [c["name"] for c in whole.invalid_tool_calls] == ["get_weather"]
+    assert not streamed.tool_calls and [c["name"] for c in streamed.invalid_tool_calls] == ["get_weather"]
+
+
+@slow
+def test_the_models_refuse_pickling_before_writing_the_weights(chat, weights):
+    """pickle wrote the whole model (1.27 GB) before failing on a lock, with no word of why."""
+    import copy
+    import io
+    import pickle
+
+    model, tok = weights
+    llm = LookaheadLLM(model=model, tokenizer=tok, max_new_tokens=4, lookahead=FIXED)
+    for obj in (chat, llm):
+        sink = io.BytesIO()
+        with pytest.raises(TypeError, match="does not pickle or deep-copy: it holds a loaded model"):
+            pickle.dump(obj, sink)
+        assert sink.tell() < 1024  # refused before any weight was written
+        with pytest.raises(TypeError, match="does not pickle"):
+            copy.deepcopy(obj)
+        with pytest.raises(TypeError, match="does not pickle"):
+            obj.model_copy(deep=True)
+        shallow = obj.model_copy(update={"lookahead": LookaheadConfig(budget="fixed", decoding_length=8)})
+        assert shallow.model is obj.model  # a shallow copy with other settings still works
+    assert copy.copy(chat).invoke(HELLO).content == chat.invoke(HELLO).content
+
+
+@slow
 def test_bad_settings_are_refused(chat, weights):
     model, tok = weights
     with pytest.raises(ConfigError, match="unknown option"):
@@ -360,6 +442,13 @@ def test_bad_settings_are_refused(chat, weights):
         chat.invoke("hi \ud800")  # a lone surrogate: the tokenizer's TypeError before
     with pytest.raises(ConfigError, match="top_k"):
         chat.invoke(HELLO, temperature=0.7, top_k=1.5)  # per call: was cut to 1
+    # per call as strictly as fields, greedy or not ("1.5" was float()ed and changed the answer)
+    for name, value in [("top_p", "0.9"), ("top_p", True), ("min_p", "0.1"), ("repetition_penalty", "1.5")]:
+        for temperature in (0.7, 0):
+            with pytest.raises(ConfigError, match=name):
+                chat.invoke(HELLO, temperature=temperature, **{name: value})
+    with pytest.raises(ConfigError, match="top_k"):
+        chat.invoke(HELLO, top_k=True)  # greedy skipped the check
     # as fields, checked as strictly as per call (pydantic turned True into 1, "0.5" into 0.5, 2.0 into 2)
     for field, value in [
         ("timeout", True),
