@@ -65,10 +65,15 @@ def longrope_switch(config) -> int | None:
 def check_room(model, attention_mask: torch.Tensor) -> None:
     """Refuse rows whose prompt leaves no room in the context window for a new token: such a row
     would end with no tokens at all (and a sampled one would still spend a draw)."""
+    check_prompt_room(model, int(attention_mask.sum(-1).max()))
+
+
+def check_prompt_room(model, length: int) -> None:
+    """:func:`check_room` for one prompt of ``length`` tokens (front ends check each input alone,
+    so that a batch fails a too-long input alone)."""
     limit = context_limit(model)
-    longest = int(attention_mask.sum(-1).max())
-    if limit is not None and longest >= limit:
-        raise InputError(f"the input has {longest} tokens but the model's context holds {limit_words(model, limit)}")
+    if limit is not None and length >= limit:
+        raise InputError(f"the input has {length} tokens but the model's context holds {limit_words(model, limit)}")
 
 
 def as_batch(input_ids, attention_mask=None, masked_pad: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ draft trie without being in the prompt), ``enable_lookahead``, ``lookahead``, th
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -43,10 +44,10 @@ from pydantic import ConfigDict, Field, StrictFloat, StrictInt
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
-from rag_lookahead.decoding.inputs import context_limit
+from rag_lookahead.decoding.inputs import check_prompt_room
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.batching import BatchCall, decode_together, gather_of_this_thread, run_wave, settings_key
-from rag_lookahead.langchain.engine import CancellableAsync, Engine, RowRequest
+from rag_lookahead.langchain.engine import CancellableAsync, Engine, RowRequest, pool_shape
 from rag_lookahead.langchain.llm import _NO_PICKLE
 from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
@@ -56,6 +57,8 @@ from rag_lookahead.models import reported_name
 from rag_lookahead.tokens import encode_messages
 
 __all__ = ["ChatLookahead", "parse_tool_calls"]
+
+log = logging.getLogger(__name__)
 
 #: per-call options besides the sampling fields
 _CALL_OPTIONS = (
@@ -90,12 +93,24 @@ def _load(model_id: str, dtype: Any, device: Any, device_map: Any) -> tuple[Any,
 
 
 def _shared_engine(model: Any, tokenizer: Any, config: LookaheadConfig) -> Engine:
-    """One engine (so one output pool) per loaded model and tokenizer."""
+    """One engine (so one output pool) per loaded model and tokenizer: one decode at a time on
+    the model. A later chat model's pool settings cannot resize the shared pool, so they are
+    said to be unused rather than dropped in silence."""
     with _LOAD_LOCK:
         engine = _ENGINES.get(model)
         if engine is None or engine.tokenizer is not tokenizer:
             engine = Engine(model, tokenizer, config)
             _ENGINES[model] = engine
+        elif (engine.output_pool.depth, engine.output_pool.max_nodes) != pool_shape(config):
+            log.warning(
+                "this ChatLookahead shares the engine of a model already in use, and its output pool "
+                "(depth %d, max_nodes %d); this one's output_pool_nodes / branch_length + max_key_length "
+                "(%d, %d) size no pool: build the first model with the settings you want",
+                engine.output_pool.depth,
+                engine.output_pool.max_nodes,
+                config.output_pool_nodes,
+                config.branch_length + config.max_key_length,
+            )
         return engine
 
 
@@ -285,9 +300,7 @@ class ChatLookahead(CancellableAsync, SamplingFields, BaseChatModel):
             tools = []
         chat = template_messages(messages)
         ids = encode_messages(self._engine.tokenizer, chat, tools=tools or None, answer_prefix=opening)
-        limit = context_limit(self._engine.model)
-        if limit is not None and len(ids) >= limit:  # here, so a batch fails this input alone
-            raise InputError(f"the input has {len(ids)} tokens but the model's context holds {limit}")
+        check_prompt_room(self._engine.model, len(ids))  # here, so a batch fails this input alone
         passages = self._references(references, chat)
         request = RowRequest(
             ids,

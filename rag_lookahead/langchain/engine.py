@@ -140,6 +140,11 @@ class EngineRun:
 OnBlock = Callable[[int, list[int], str], None]
 
 
+def pool_shape(config: LookaheadConfig) -> tuple[int, int]:
+    """The output pool's (depth, max_nodes) for ``config``."""
+    return config.branch_length + config.max_key_length, config.output_pool_nodes
+
+
 class Engine:
     """A model, its tokenizer and an output pool: what LookaheadLLM and ChatLookahead decode with.
 
@@ -156,7 +161,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_ids(model, tokenizer))
         self.pad = pad_id(model, tokenizer, self.eos)
-        self.output_pool = OutputPool(config.branch_length + config.max_key_length, config.output_pool_nodes)
+        self.output_pool = OutputPool(*pool_shape(config))
         self.seeds = SeedRegistry()
         self._decoding = threading.Lock()
 

@@ -39,6 +39,7 @@ from pydantic import ConfigDict, Field, StrictInt
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.inputs import check_prompt_room
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.engine import BlockStream, CancellableAsync, Engine, EngineRun, RowRequest
@@ -141,6 +142,41 @@ class LookaheadLLM(CancellableAsync, SamplingFields, BaseLLM):
         with _call_options(kwargs):
             return await super().agenerate(prompts, stop, callbacks, **kwargs)
 
+    def batch(self, inputs: list, config=None, *, return_exceptions: bool = False, **kwargs: Any) -> list:
+        """LangChain's ``batch``, except that with ``return_exceptions`` a bad input (blank, past the
+        context window) fails alone: ``BaseLLM`` decodes every input in one ``generate``, so one
+        bad prompt failed every row."""
+        bad, good, configs = self._split_bad(inputs, config, return_exceptions)
+        if not bad:
+            return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        answers = super().batch([inputs[i] for i in good], [configs[i] for i in good], return_exceptions=True, **kwargs)
+        return _merged(len(inputs), bad, good, answers)
+
+    async def abatch(self, inputs: list, config=None, *, return_exceptions: bool = False, **kwargs: Any) -> list:
+        bad, good, configs = self._split_bad(inputs, config, return_exceptions)
+        if not bad:
+            return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        answers = await super().abatch(
+            [inputs[i] for i in good], [configs[i] for i in good], return_exceptions=True, **kwargs
+        )
+        return _merged(len(inputs), bad, good, answers)
+
+    def _split_bad(self, inputs: list, config, return_exceptions: bool) -> tuple[dict[int, Exception], list[int], list]:
+        """The inputs that cannot decode, by position (only looked for with ``return_exceptions``
+        and several inputs), the others' positions, and a config for each input."""
+        from langchain_core.runnables.config import get_config_list
+
+        if not return_exceptions or len(inputs) < 2:
+            return {}, [], []
+        bad: dict[int, Exception] = {}
+        for i, value in enumerate(inputs):
+            try:
+                self._encode(self._convert_input(value).to_string())
+            except (InputError, ValueError) as err:  # ValueError: LangChain's for an input of no known type
+                bad[i] = err
+        good = [i for i in range(len(inputs)) if i not in bad]
+        return bad, good, get_config_list(config, len(inputs))
+
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub)."""
         return self._engine.token_ids(text)
@@ -173,7 +209,9 @@ class LookaheadLLM(CancellableAsync, SamplingFields, BaseLLM):
         if self.system_prompt:
             messages.append({"role": "system", "content": self.system_prompt})
         messages.append({"role": "user", "content": prompt})
-        return encode_messages(self.tokenizer, messages)
+        ids = encode_messages(self.tokenizer, messages)
+        check_prompt_room(self._engine.model, len(ids))  # here, so a batch can fail this prompt alone
+        return ids
 
     def _references(self, prompts: Sequence[str], references: Any) -> list[list[list[int]]]:
         if references is None:
@@ -296,6 +334,17 @@ _NO_PICKLE = (
     "Share the object (it is thread-safe), use model_copy() for a shallow copy with other settings, or build "
     "another on the same loaded model in the other process"
 )
+
+
+def _merged(size: int, bad: dict[int, Exception], good: list[int], answers: list) -> list:
+    """The batch's results in input order: each bad input's error, the good ones' answers."""
+    results: list = [None] * size
+    for i, err in bad.items():
+        results[i] = err
+    for i, answer in zip(good, answers):
+        results[i] = answer
+    return results
+
 
 _CALL_OPTIONS: contextvars.ContextVar[str | None] = contextvars.ContextVar("rag_lookahead_llm_call", default=None)
 _NOT_OPTIONS = frozenset({"tags", "metadata", "run_name", "run_id"})  # LangChain's own keywords of generate

@@ -412,6 +412,22 @@ def test_the_models_refuse_pickling_before_writing_the_weights(chat, weights):
 
 
 @slow
+def test_a_second_chat_models_pool_settings_are_said_unused(chat, weights, caplog):
+    """Chat models on one loaded model share its engine and output pool; a later one's pool size
+    was dropped in silence."""
+    import logging
+
+    model, tok = weights
+    with caplog.at_level(logging.WARNING, logger="rag_lookahead.langchain.chat_model"):
+        same = ChatLookahead(model=model, tokenizer=tok, lookahead=FIXED)
+        assert not caplog.records  # the same pool settings: nothing to say
+        other = ChatLookahead(model=model, tokenizer=tok, lookahead=LookaheadConfig(output_pool_nodes=123))
+    assert other._engine is chat._engine is same._engine
+    assert "size no pool" in caplog.text and "123" in caplog.text
+    assert chat._engine.output_pool.max_nodes == LookaheadConfig().output_pool_nodes
+
+
+@slow
 def test_bad_settings_are_refused(chat, weights):
     model, tok = weights
     with pytest.raises(ConfigError, match="unknown option"):

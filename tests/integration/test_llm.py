@@ -128,6 +128,26 @@ def test_empty_prompt_is_an_input_error(llm):
             list(llm.stream(bad))
 
 
+def test_a_bad_prompt_fails_alone_in_a_batch(llm, singles):
+    """BaseLLM decodes a batch in one generate: a blank prompt, or one past the context window,
+    failed every row even with return_exceptions=True."""
+    import asyncio
+
+    from rag_lookahead.decoding.inputs import context_limit
+
+    too_long = "word " * (context_limit(llm.model) + 10)
+    prompts = [PROMPTS[0], "  ", PROMPTS[2], too_long]
+    for answers in (
+        llm.batch(prompts, return_exceptions=True),
+        asyncio.run(llm.abatch(prompts, return_exceptions=True)),
+    ):
+        assert answers[0] == singles[0] and answers[2] == singles[2]
+        assert isinstance(answers[1], InputError) and "empty" in str(answers[1])
+        assert isinstance(answers[3], InputError) and "context holds" in str(answers[3])
+    with pytest.raises(InputError, match="empty"):  # without return_exceptions: raised, as LangChain does
+        llm.batch(prompts)
+
+
 def test_the_llm_cache_keys_on_each_calls_options(llm):
     """LangChain's LLM cache keys on the model's fields and stop only: a cached 4-token answer came
     back for max_new_tokens=8, and a greedy one for a seeded sample."""
