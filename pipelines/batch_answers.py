@@ -23,14 +23,15 @@ from rag_lookahead.errors import InputError
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file, output_target
 from rag_lookahead.rag.chains import as_retriever, check_k, make_prompt, retrieve, source_info
+from rag_lookahead.rag.corpus import read_input_text
 
 ANSWER_KEYS = {"question", "answer", "sources", "stats"}  # each output record's keys, as main() writes them
 
 
 def read_questions(path: Path) -> list[str]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+        lines = read_input_text(path).splitlines()
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         raise InputError(f"cannot read the questions file {str(path)!r}: {e}") from None
     questions = []
     for lineno, line in enumerate(lines, start=1):

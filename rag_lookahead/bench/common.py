@@ -27,6 +27,7 @@ from rag_lookahead.decoding.loop import left_pad
 from rag_lookahead.decoding.verify import input_device
 from rag_lookahead.errors import InputError, RagLookaheadError, first_line
 from rag_lookahead.output_files import check_output_file, is_chart, is_report
+from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.tokens import encode_messages, eos_ids, pad_id
 
 __all__ = [
@@ -228,8 +229,8 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
     """
     if path:
         try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
+            text = read_input_text(path)
+        except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
             raise InputError(f"cannot read the prompts file {path!r}: {getattr(e, 'strerror', None) or e}") from None
     else:
         text = resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")

@@ -41,6 +41,7 @@ import typer
 
 from rag_lookahead.bench.common import check_positive, jsonl_lines, jsonl_object, run_command
 from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.rag.embedders import Embedder, USEEmbedder, get_embedder
 from rag_lookahead.rag.lexical import HYBRID_WEIGHTS, RRF_K, BM25Index, reciprocal_rank_fusion
 
@@ -92,8 +93,8 @@ def load_dataset(path: str | Path | None = None) -> list[Item]:
         text = resources.files("rag_lookahead").joinpath(DATASETS[name]).read_text(encoding="utf-8")
     else:
         try:
-            text = Path(name).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
+            text = read_input_text(name)
+        except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
             known = ", ".join(DATASETS)
             raise InputError(
                 f"cannot read dataset {name!r} ({getattr(e, 'strerror', None) or e}); known names: {known}"

@@ -355,7 +355,10 @@ def bench(
     methods: Annotated[str, typer.Option(help=METHODS_HELP)] = ",".join(METHODS[:4]),
     temperatures: Annotated[str, typer.Option(help=TEMPERATURES_HELP)] = "0.7",
     top_p: Annotated[float, typer.Option(help="top_p of the sampling methods")] = 0.9,
-    seed: Annotated[int, typer.Option(help="base of each sampling run's torch.manual_seed")] = 0,
+    seed: Annotated[
+        int,  # each run seeds torch with seed + 1000 * (repeat + 1) + prompt index: it must stay an int64
+        typer.Option(min=0, max=2**62, help="base of each sampling run's torch.manual_seed (0 to 2**62)"),
+    ] = 0,
     decoding_length: int = LookaheadConfig.decoding_length,
     budget: Budget = Budget.auto,
     branch_length: BranchLengthOption = DEFAULT_BRANCH_LENGTH,

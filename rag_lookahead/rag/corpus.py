@@ -26,7 +26,17 @@ import numpy as np
 from rag_lookahead.errors import ConfigError, CorpusWarning, InputError
 from rag_lookahead.paths import expand_user
 
-__all__ = ["MAX_FILE_MB", "SUFFIXES", "Corpus", "DecodedText", "decode_text", "load_corpus", "read_text_file"]
+__all__ = [
+    "MAX_FILE_MB",
+    "SUFFIXES",
+    "Corpus",
+    "DecodedText",
+    "decode_text",
+    "load_corpus",
+    "read_capped",
+    "read_input_text",
+    "read_text_file",
+]
 
 SUFFIXES = (".txt", ".md", ".pdf")
 MAX_FILE_MB = 20.0  # larger corpus files are skipped with a report line (--max-file-mb; README "Security and limits")
@@ -221,9 +231,13 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} KB"
 
 
-def _read_capped(path: Path, follow_symlinks: bool, max_file_mb: float) -> bytes | str:
+def read_capped(
+    path: Path, follow_symlinks: bool, max_file_mb: float, limit_flag: str | None = "--max-file-mb"
+) -> bytes | str:
     """The file's bytes, read once; or why not (a string). Never blocks on a FIFO or device, never
-    follows a link unless asked (``O_NOFOLLOW`` also closes the gap between the check and the open)."""
+    reads past ``max_file_mb`` (``/dev/zero`` would grow the process until it was killed), never
+    follows a link unless asked (``O_NOFOLLOW`` also closes the gap between the check and the open).
+    ``limit_flag``: the option that sets the limit, named when a file is over it."""
     if not follow_symlinks and path.is_symlink():
         return "symbolic link, not followed (--follow-symlinks)"
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0))
@@ -233,12 +247,15 @@ def _read_capped(path: Path, follow_symlinks: bool, max_file_mb: float) -> bytes
         if e.errno == errno.ELOOP and not follow_symlinks:
             return "symbolic link, not followed (--follow-symlinks)"
         return f"unreadable ({e.strerror or e})"
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a folder with its own error
+        os.close(fd)
+        return "not a regular file"
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            return "not a regular file"
         max_bytes = int(max_file_mb * 2**20)
-        too_big = f"{_size(st.st_size)} is over the {max_file_mb:g} MB limit (--max-file-mb)"
+        too_big = f"{_size(st.st_size)} is over the {max_file_mb:g} MB limit" + (
+            f" ({limit_flag})" if limit_flag else ""
+        )
         if st.st_size > max_bytes:
             return too_big
         try:  # what the file holds plus a byte, to see it grow (read(n) reserves n bytes: never the limit)
@@ -253,6 +270,19 @@ def _read_capped(path: Path, follow_symlinks: bool, max_file_mb: float) -> bytes
     if len(data) > max_bytes:  # it grew after the size check
         return too_big
     return data
+
+
+#: the largest input file a command reads whole besides the corpus (prompt sets, datasets, questions)
+MAX_INPUT_MB = 256.0
+
+
+def read_input_text(path: str | Path, max_mb: float = MAX_INPUT_MB) -> str:
+    """A user-named input file's UTF-8 text, read as :func:`read_capped` reads (a FIFO never
+    blocks, a device is never read without end); ``OSError`` or ``ValueError`` saying why not."""
+    data = read_capped(Path(path), True, max_mb, limit_flag=None)
+    if isinstance(data, str):
+        raise ValueError(data)
+    return data.decode("utf-8")
 
 
 def _file_text(rel: str, data: bytes, notes: list[str]) -> str:
@@ -304,7 +334,7 @@ def load_corpus(corpus_dir: str | Path, *, follow_symlinks: bool = False, max_fi
         warnings.warn(f"skipping {rel}: {why}", CorpusWarning, stacklevel=4)
 
     for rel, path in sorted(_walk(root, follow_symlinks, skip)):
-        data = _read_capped(path, follow_symlinks, max_file_mb)
+        data = read_capped(path, follow_symlinks, max_file_mb)
         if isinstance(data, str):
             skip(rel, data)
             continue

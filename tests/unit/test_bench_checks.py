@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rag_lookahead.bench.retrieval import Item
-from rag_lookahead.errors import ConfigError, ModelLoadError
+from rag_lookahead.errors import ConfigError, InputError, ModelLoadError
 
 # ---------------------------------------------------------------- bad options stop before the model loads
 
@@ -31,6 +31,11 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("single", ["--methods", "greedy,sample", "--temperatures", " "], NO_METHOD),  # ran no sampling, exit 0
     ("single", ["--json", "{file}"], "error: --json '{file}' exists and this command did not write it; " + KEPT),
     ("single", ["--branch-length", "0"], "error: branch_length must be an integer from 1 to 256, got 0"),
+    ("single", ["--seed", str(2**64)], NO_METHOD),  # torch.manual_seed's overflow, after the model loaded
+    ("single", ["--seed", "-1"], NO_METHOD),
+    ("single", ["--prompts", "{fifo}"], "error: cannot read the prompts file '{fifo}': not a regular file"),
+    ("single", ["--prompts", "/dev/zero"], "error: cannot read the prompts file '/dev/zero': not a regular file"),
+    ("batch", ["--prompts", "{fifo}"], "error: cannot read the prompts file '{fifo}': not a regular file"),
     ("single", ["--top-p", "5"], "error: top_p must be a number > 0.0 and <= 1.0, got 5.0"),
     ("single", ["--extra-branch-length", "0"], "error: branch_length must be an integer from 1 to 256, got 0"),
     ("single", ["--json", "{dir}"], FOLDER),
@@ -57,7 +62,8 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
 def test_a_bad_option_stops_a_benchmark_before_the_model_loads(tmp_path, monkeypatch, module, argv, expected):
     """The real entry points: one line (exit 1) or a usage error (exit 2), and no model was asked for."""
     (tmp_path / "a_file").write_text("x", encoding="utf-8")
-    paths = {"dir": str(tmp_path), "file": str(tmp_path / "a_file")}
+    os.mkfifo(tmp_path / "a_fifo")  # no writer: a plain read waited for one for good
+    paths = {"dir": str(tmp_path), "file": str(tmp_path / "a_file"), "fifo": str(tmp_path / "a_fifo")}
     bench = importlib.import_module(f"rag_lookahead.bench.{module}")
     loads = []
     monkeypatch.setattr(bench, "load_bench_model", lambda *a, **k: loads.append(a))
@@ -69,6 +75,25 @@ def test_a_bad_option_stops_a_benchmark_before_the_model_loads(tmp_path, monkeyp
         bench.main([arg.format(**paths) for arg in argv])
     assert done.value.code == (expected.format(**paths) if isinstance(expected, str) else expected)
     assert loads == []
+
+
+def test_input_files_that_never_end_are_refused_at_once(tmp_path):
+    """A FIFO hung the benchmarks and batch_answers for good, /dev/zero grew them until killed."""
+    from rag_lookahead.bench.retrieval import load_dataset
+    from rag_lookahead.rag.corpus import read_input_text
+
+    os.mkfifo(tmp_path / "fifo")
+    for path in (tmp_path / "fifo", Path("/dev/zero"), tmp_path):
+        with pytest.raises(ValueError, match="not a regular file"):
+            read_input_text(path)
+        with pytest.raises(InputError, match="not a regular file"):
+            load_dataset(str(path))
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b"x" * (2 * 2**20 + 1))
+    with pytest.raises(ValueError, match="over the 2 MB limit$"):
+        read_input_text(big, max_mb=2)
+    (tmp_path / "ok.jsonl").write_text('{"q": "好"}\n', encoding="utf-8")
+    assert read_input_text(tmp_path / "ok.jsonl") == '{"q": "好"}\n'
 
 
 def test_check_output_path_accepts_a_new_file_or_a_report_of_ours_only(tmp_path, monkeypatch):
