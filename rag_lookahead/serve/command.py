@@ -57,6 +57,9 @@ def serve(
     max_queue: int = typer.Option(
         _D.max_queue, help="choices waiting beyond the batch (a request takes n); more get 429"
     ),
+    max_queue_per_key: int | None = typer.Option(
+        None, help="choices one API key may have waiting; more get 429 (default: only --max-queue)"
+    ),
     max_batch_tokens: int | None = typer.Option(
         None,
         help="KV token budget: each request holds prompt + max_tokens while waiting or running; past it 429 "

@@ -56,6 +56,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
 OPTIONAL_INT_RANGES: dict[str, tuple[int, int]] = {
     "max_batch_tokens": (1, 1_000_000_000),
     "max_draft_rows": (1, 1024),
+    "max_queue_per_key": (1, 1_000_000),
 }
 
 
@@ -70,6 +71,8 @@ class ServerConfig:
     max_batch_size: most rows decoded together.
     max_queue: most choices waiting for a batch slot (a request with ``n`` choices takes ``n``
         places); more are refused with 429, a request with more than ``max_queue`` choices with 400.
+    max_queue_per_key: most choices one API key may have waiting (429 beyond; None: only
+        ``max_queue``). Whatever this is, free batch slots go to the waiting keys by turns.
     max_batch_tokens: the KV token budget: each request holds prompt + max_tokens tokens from
         submission to its end, and one that would take the running and waiting requests past
         the budget is refused with 429 and a Retry-After header (400 if it alone exceeds it).
@@ -120,6 +123,7 @@ class ServerConfig:
     index_dir: str | None = None
     max_batch_size: int = 8
     max_queue: int = 64
+    max_queue_per_key: int | None = None
     max_batch_tokens: int | None = None
     prefill_chunk: int = 512
     max_draft_rows: int | None = None

@@ -20,7 +20,6 @@ every waiting client gets an error at once and ``/health`` says so.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import threading
@@ -34,6 +33,7 @@ from rag_lookahead.serve.admission import TokenBudget, busy, default_token_budge
 from rag_lookahead.serve.api_error import ApiError, engine_stopped, internal_error, shutting_down
 from rag_lookahead.serve.batches import Batches
 from rag_lookahead.serve.config import ServerConfig
+from rag_lookahead.serve.fair_queue import FairQueue
 from rag_lookahead.serve.jobs import Job
 from rag_lookahead.serve.metrics import Metrics
 from rag_lookahead.tokens import TextTracker, encode_messages, eos_ids, pad_id
@@ -76,7 +76,7 @@ class Engine:
         self.tokenizer_lock = threading.Lock()
         self.retrieval_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._waiting: collections.deque[Job] = collections.deque()
+        self._waiting = FairQueue()  # by API key: a free slot goes to the key admitted least
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
@@ -182,7 +182,9 @@ class Engine:
         different settings share one batch, and a seeded row's text does not depend on the batch."""
         tracker = TextTracker(self.tokenizer, stop, self.eos)
         key = pool_key if self.config.output_pool == "per-key" else ""
-        return Job(list(prompt_ids), max_tokens, list(stop), [list(r) for r in references], tracker, key, sampling)
+        job = Job(list(prompt_ids), max_tokens, list(stop), [list(r) for r in references], tracker, key, sampling)
+        job.owner = pool_key  # the API key's id ("" without keys): whose turn it is in the queue
+        return job
 
     def _refusal(self, jobs: Sequence[Job] = ()) -> ApiError | None:
         """Why a new request (its ``jobs``, or any when empty) cannot be taken now (call with ``_cond`` held)."""
@@ -205,6 +207,24 @@ class Engine:
                 f"has {choices} (max_queue={limit}); retry after {wait} s",
                 wait,
             )
+        per_key = self.config.max_queue_per_key
+        if per_key is not None and jobs:
+            waiting = self._waiting.waiting_of(jobs[0].owner)
+            if choices > per_key:
+                return ApiError(
+                    400,
+                    f"this request's n={choices} choices can never all wait in the queue "
+                    f"(max_queue_per_key={per_key}); lower n",
+                    param="n",
+                    code="request_too_large",
+                )
+            if waiting + choices > per_key:
+                wait = self.token_budget.retry_after(self.token_budget.need_of(jobs), rate)
+                return busy(
+                    f"this API key already has {waiting} choices waiting and this request has {choices} "
+                    f"(max_queue_per_key={per_key}); retry after {wait} s",
+                    wait,
+                )
         return self.token_budget.refusal(jobs, rate)
 
     def check_capacity(self) -> None:
@@ -307,7 +327,7 @@ class Engine:
                     break
                 if not expired and (self._waiting or self.batch_size):
                     room = self.max_batch_size - self.batch_size
-                    return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                    return self._waiting.take(room)
                 until_deadline = self._drain_deadline - time.monotonic()
                 self._cond.wait(timeout=min(1.0, until_deadline) if until_deadline > 0 else 1.0)
             else:
@@ -318,7 +338,7 @@ class Engine:
     def _fail_everything(self, error: ApiError) -> None:
         """Every running and waiting job gets ``error`` (shutdown, drain over, the engine died)."""
         with self._cond:
-            waiting, self._waiting = list(self._waiting), collections.deque()
+            waiting = self._waiting.clear()
         self.batches.fail(self.batches.drop_all() + waiting, error)
 
 

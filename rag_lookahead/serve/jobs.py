@@ -73,6 +73,7 @@ class Job:
         self.references = references
         self.tracker = tracker
         self.pool_key = pool_key  # requests with the same key share an output pool and a batch
+        self.owner = ""  # the API key's id: the queue's turns go by owner (serve.fair_queue)
         self.loop = asyncio.get_running_loop()
         self.channel: asyncio.Queue = asyncio.Queue()
         self.cancelled = False  # the client left

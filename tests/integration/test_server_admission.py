@@ -223,3 +223,80 @@ def test_engine_batches_take_the_settings(tokenizer):
     batch = engine.batches.new_batch()
     assert batch.prefill.budget == 64 and batch.max_draft_rows == 2
     assert tiny_engine(tokenizer, prefill_chunk=0).batches.new_batch().prefill is None
+
+
+# ---------------------------------------------------------------- fairness between API keys
+
+KEY_A, KEY_B = "sk-test-aaaaaaaaaaaaaaaa", "sk-test-bbbbbbbbbbbbbbbb"
+
+
+def _as(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_a_free_slot_goes_to_the_key_admitted_least(tokenizer, monkeypatch):
+    """One key's backlog no longer holds another key's request until all of it is served: with a
+    first-in-first-out queue B's request ran after all of A's, here it runs after one of them."""
+    engine = tiny_engine(tokenizer, max_batch_size=1, api_keys=(KEY_A, KEY_B))
+    prompts = tiny_prompts(4, seed=37)
+    gate = hold_steps(monkeypatch)
+    finished: list[str] = []
+
+    async def ask(client, name: str, key: str, prompt) -> httpx.Response:
+        response = await client.post("/v1/completions", json=completion(prompt, 4), headers=_as(key))
+        finished.append(name)
+        return response
+
+    async def run(base: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            tasks = [asyncio.create_task(ask(client, "A1", KEY_A, prompts[0]))]
+            await until(lambda: engine.active == 1)
+            for depth, (name, key, prompt) in enumerate(
+                [("A2", KEY_A, prompts[1]), ("A3", KEY_A, prompts[2]), ("B1", KEY_B, prompts[3])], start=1
+            ):
+                tasks.append(asyncio.create_task(ask(client, name, key, prompt)))
+                await until(lambda depth=depth: engine.queue_depth == depth)
+            gate.set()
+            return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    with serving(engine) as base:
+        responses = asyncio.run(run(base))
+    assert [r.status_code for r in responses] == [200] * 4
+    assert finished == ["A1", "A2", "B1", "A3"]  # one row at a time: finished in the order admitted
+
+
+def test_max_queue_per_key_refuses_one_keys_backlog_not_another_key(tokenizer, monkeypatch):
+    engine = tiny_engine(tokenizer, max_batch_size=1, max_queue_per_key=2, api_keys=(KEY_A, KEY_B))
+    prompts = tiny_prompts(5, seed=38)
+    gate = hold_steps(monkeypatch)
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+
+            def post(key: str, prompt, **extra):
+                return client.post("/v1/completions", json=completion(prompt, 4, **extra), headers=_as(key))
+
+            tasks = [asyncio.create_task(post(KEY_A, prompts[0]))]
+            await until(lambda: engine.active == 1)
+            for depth in (1, 2):
+                tasks.append(asyncio.create_task(post(KEY_A, prompts[depth])))
+                await until(lambda depth=depth: engine.queue_depth == depth)
+            refused = await asyncio.wait_for(post(KEY_A, prompts[3]), 10)
+            too_many = await asyncio.wait_for(post(KEY_B, prompts[3], n=3), 10)
+            tasks.append(asyncio.create_task(post(KEY_B, prompts[4])))
+            await until(lambda: engine.queue_depth == 3)
+            gate.set()
+            return refused, too_many, await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    with serving(engine) as base:
+        refused, too_many, done = asyncio.run(run(base))
+    assert_busy(refused)
+    assert "this API key already has 2 choices waiting" in refused.json()["error"]["message"]
+    assert too_many.status_code == 400 and "max_queue_per_key=2" in too_many.json()["error"]["message"]
+    assert [r.status_code for r in done] == [200] * 4
+
+
+def test_max_queue_per_key_is_checked():
+    with pytest.raises(ConfigError, match="max_queue_per_key"):
+        ServerConfig(max_queue_per_key=0)
+    assert config_from_args(parse_args(["--max-queue-per-key", "3"]), {}).max_queue_per_key == 3

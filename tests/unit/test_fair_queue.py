@@ -1,0 +1,86 @@
+"""The server's waiting queue: by turns between owners (API keys), first in first out within one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import count
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rag_lookahead.serve.fair_queue import FairQueue
+
+_clock = count()
+
+
+@dataclass(eq=False)
+class Waiting:
+    owner: str
+    name: str = ""
+    submitted: float = field(default_factory=lambda: float(next(_clock)))
+
+
+def names(jobs) -> list[str]:
+    return [j.name for j in jobs]
+
+
+def test_one_owner_is_first_in_first_out():
+    queue = FairQueue()
+    for i in range(5):
+        queue.append(Waiting("", f"j{i}"))
+    assert len(queue) == 5 and names(queue.take(2)) == ["j0", "j1"] and names(queue.take(9)) == ["j2", "j3", "j4"]
+    assert not queue and queue.take(1) == []
+
+
+def test_a_newcomer_takes_turns_and_does_not_jump_ahead_for_long():
+    queue = FairQueue()
+    for i in range(12):
+        queue.append(Waiting("a", f"a{i}"))
+    assert names(queue.take(5)) == ["a0", "a1", "a2", "a3", "a4"]  # alone: five admissions counted
+    for i in range(3):
+        queue.append(Waiting("b", f"b{i}"))
+    # b starts from a's count, not from 0: turns alternate (a's request is older on a tie)
+    assert names(queue.take(6)) == ["a5", "b0", "a6", "b1", "a7", "b2"]
+    assert queue.waiting_of("a") == 4 and queue.waiting_of("b") == 0
+
+
+def test_remove_and_clear():
+    queue = FairQueue()
+    jobs = [Waiting(o, f"{o}{i}") for i, o in enumerate("abab")]
+    for job in jobs:
+        queue.append(job)
+    queue.remove(jobs[1])  # one of b's two
+    assert queue.waiting_of("b") == 1 and len(queue) == 3
+    with pytest.raises(ValueError):
+        queue.remove(jobs[1])
+    queue.remove(jobs[3])
+    assert queue.waiting_of("b") == 0
+    assert sorted(names(queue.clear())) == ["a0", "a2"] and len(queue) == 0 and list(queue) == []
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 3)), max_size=40))
+def test_every_job_leaves_once_and_in_order_within_its_owner(ops):
+    """Appends interleaved with takes: nothing is lost or taken twice, and an owner's jobs leave in
+    the order they came."""
+    queue = FairQueue()
+    appended: list[Waiting] = []
+    taken: list[Waiting] = []
+    for i, (owner, take) in enumerate(ops):
+        job = Waiting(owner, f"{owner}{i}")
+        queue.append(job)
+        appended.append(job)
+        taken += queue.take(take)
+    taken += queue.take(len(queue))
+    assert sorted(map(id, taken)) == sorted(map(id, appended)) and len(taken) == len(appended)
+    for owner in "abc":
+        assert [j for j in taken if j.owner == owner] == [j for j in appended if j.owner == owner]
+
+
+def test_owners_waiting_together_alternate():
+    queue = FairQueue()
+    for i in range(4):
+        for owner in "xyz":
+            queue.append(Waiting(owner, f"{owner}{i}"))
+    order = [j.owner for j in queue.take(12)]
+    assert order == list("xyz") * 4
