@@ -105,7 +105,9 @@ def too_many_connections(limit: int) -> ApiError:
     return ApiError(
         503,
         f"the server holds {limit} connections already (max_connections): try again shortly",
+        "server_error",
         code="too_many_connections",
+        headers={"Retry-After": "1"},
     )
 
 

@@ -55,7 +55,7 @@ TEMPLATE_ARGUMENTS = frozenset(
     (
         "conversation messages tools documents chat_template add_generation_prompt continue_final_message "
         "tokenize padding truncation max_length return_tensors return_dict return_assistant_tokens_mask "
-        "tokenizer_kwargs"
+        "tokenizer_kwargs self"
     ).split()
 )
 
@@ -206,7 +206,7 @@ class ChatCompletionRequest(GenerationRequest):
                 "its own where the server takes one)",
                 "chat_template_kwargs",
             )
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 is vLLM's default: asks nothing
             raise invalid_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         if any(tool.function.strict for tool in self.tools or ()):
             raise invalid_request(

@@ -109,6 +109,7 @@ class HeadTimeoutProtocol(H11Protocol):
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
+            *[(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in error.headers.items()],
         ]
         try:
             for event in (h11.Response(status_code=error.status, headers=headers, reason=reason), h11.Data(body)):

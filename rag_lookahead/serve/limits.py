@@ -80,28 +80,28 @@ def checked_text_length(chars: int, config: ServerConfig, param: str) -> None:
         )
 
 
-def checked_prompt(ids: list[int], engine: Engine) -> list[int]:
+def checked_prompt(ids: list[int], engine: Engine, param: str = "prompt") -> list[int]:
     """Prompt ids that are not empty, fit ``max_prompt_tokens`` and the model's context, and are in
     its vocabulary."""
     config = engine.config
     if not ids:
-        raise ApiError(400, "the prompt is empty", param="prompt")
+        raise ApiError(400, "the prompt is empty", param=param)
     if len(ids) > config.max_prompt_tokens:
         raise ApiError(
             400,
             f"the prompt has {len(ids)} tokens; this server accepts at most {config.max_prompt_tokens} "
             "(max_prompt_tokens)",
-            param="prompt",
+            param=param,
         )
     if engine.context_limit is not None and len(ids) >= engine.context_limit:
         raise ApiError(
             400,
             f"the prompt has {len(ids)} tokens but the model's context holds "
             f"{limit_words(engine.model, engine.context_limit)}",
-            param="prompt",
+            param=param,
         )
     if engine.vocab_size and any(t >= engine.vocab_size for t in ids):
         raise ApiError(
-            400, f"the prompt holds token ids outside the model's vocabulary (size {engine.vocab_size})", param="prompt"
+            400, f"the prompt holds token ids outside the model's vocabulary (size {engine.vocab_size})", param=param
         )
     return ids

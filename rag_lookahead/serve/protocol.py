@@ -89,7 +89,6 @@ VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1, 1.0),
     "min_tokens": (0,),
     "ignore_eos": (False,),
-    "stop_token_ids": ([],),
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
@@ -103,7 +102,10 @@ VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
+    "return_tokens_as_token_ids": (False,),
 }
+#: vLLM's completion-only options (a raw prompt gets the special tokens unless told otherwise)
+VLLM_COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {"add_special_tokens": (True,)}
 
 
 def neutral(value: Any, values: tuple[Any, ...]) -> bool:
@@ -154,6 +156,9 @@ class GenerationRequest(OpenAIRequest):
     )
     stream: Flag | None = Field(None, description="server-sent events in OpenAI's chunk shapes")
     stream_options: Annotated[StreamOptions | None, Wording("'stream_options' must be an object")] = None
+    stop_token_ids: Annotated[TokenIds | None, Wording("'stop_token_ids' must be a list of token ids")] = Field(
+        None, description="vLLM's: only the model's own end-of-answer ids (the server stops at them anyway)"
+    )
     presence_penalty: Any = Field(None, description="not supported: leave it out (or 0)")
     frequency_penalty: Any = Field(None, description="not supported: leave it out (or 0)")
     logit_bias: Any = Field(None, description="not supported")
@@ -243,6 +248,13 @@ class CompletionRequest(GenerationRequest):
         description="report each answer token's log-probability and this many most likely tokens at its place",
     )
     top_logprobs: Any = Field(None, description="chat completions only: here 'logprobs' is the count")
+    response_format: Any = Field(None, description='only {"type": "text"}: decoding is not constrained')
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_vllm_completion_options(cls, data: Any) -> Any:
+        refuse_changing_options(data, VLLM_COMPLETION_NEUTRAL)
+        return data
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -260,6 +272,11 @@ class CompletionRequest(GenerationRequest):
         else:
             raise invalid_request(PROMPT_REQUIRED, "prompt")
         self.prompt = prompt
+        if self.response_format is not None and self.response_format != {"type": "text"}:  # vLLM takes it here
+            raise invalid_request(
+                "'response_format' is not supported: this server does not constrain decoding; leave it out",
+                "response_format",
+            )
         if self.top_logprobs is not None:
             raise invalid_request(
                 "'top_logprobs' is a chat completions field: on /v1/completions, 'logprobs' is the number of "
@@ -309,7 +326,7 @@ def explain(model: type[BaseModel], error: dict) -> tuple[str, str | None]:
     field = model.model_fields[name]
     nested = _nested_model(field.annotation)
     if len(loc) > 1 and nested is not None:
-        return explain(nested, {**error, "loc": loc[1:]})
+        return explain(nested, {**error, "loc": loc[1:]})[0], name  # param: the request's own field
     wording = next((m for m in field.metadata if isinstance(m, Wording)), Wording())
     if wording.message:
         return wording.message, name

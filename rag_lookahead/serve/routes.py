@@ -23,7 +23,6 @@ from rag_lookahead.errors import InputError
 from rag_lookahead.serve.api_error import ApiError, ErrorResponse
 from rag_lookahead.serve.body import JsonBodyRoute
 from rag_lookahead.serve.chat_protocol import ChatCompletionRequest
-from rag_lookahead.serve.config import ServerConfig
 from rag_lookahead.serve.engine import Engine
 from rag_lookahead.serve.jobs import Answer, Job
 from rag_lookahead.serve.limits import (
@@ -81,7 +80,15 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}{next(_ids)}"
 
 
-def _length_and_stop(body: GenerationRequest, config: ServerConfig) -> tuple[int, list[str]]:
+def _length_and_stop(body: GenerationRequest, engine: Engine) -> tuple[int, list[str]]:
+    if body.stop_token_ids and not set(body.stop_token_ids) <= engine.eos:  # the model's own EOS ids change nothing
+        raise ApiError(
+            400,
+            f"'stop_token_ids' is not supported by this server beyond the model's end-of-answer ids "
+            f"{sorted(engine.eos)}: leave it out",
+            param="stop_token_ids",
+        )
+    config = engine.config
     return answer_length(*body.answer_length(), config), checked_stop(body.stop_strings, config)
 
 
@@ -149,7 +156,7 @@ async def _respond(
 @generation.post("/v1/completions", response_model=None, responses=_documented(Completion))
 async def completions(body: CompletionRequest, http_request: Request) -> dict | Response:
     engine = _engine(http_request)
-    max_tokens, stop = _length_and_stop(body, engine.config)
+    max_tokens, stop = _length_and_stop(body, engine)
     prompt = body.prompt
     if isinstance(prompt, str):
         checked_text_length(len(prompt), engine.config, "prompt")
@@ -163,7 +170,7 @@ async def completions(body: CompletionRequest, http_request: Request) -> dict | 
 @generation.post("/v1/chat/completions", response_model=None, responses=_documented(ChatCompletion))
 async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> dict | Response:
     engine = _engine(http_request)
-    max_tokens, stop = _length_and_stop(body, engine.config)
+    max_tokens, stop = _length_and_stop(body, engine)
     messages = checked_messages(body.messages, engine.config)
     tools = tool_setup(
         body.template_tools(),
@@ -176,7 +183,7 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request) -
         prompt = await run_in_threadpool(_encode_chat, engine, messages, tools, body.chat_template_kwargs)
     except Exception as e:  # a template that refuses this conversation (e.g. role order)
         raise _template_refusal(e) from None
-    jobs = _submit(engine, checked_prompt(prompt, engine), max_tokens, stop, body, http_request, tools)
+    jobs = _submit(engine, checked_prompt(prompt, engine, "messages"), max_tokens, stop, body, http_request, tools)
     model = body.model or engine.config.model_name
     shape = ChatShape(_new_id("chatcmpl"), int(time.time()), model, _logprob_format(body, engine), tools)
     return await _respond(jobs, shape, bool(body.stream), body.include_usage, http_request, engine)

@@ -281,8 +281,9 @@ def test_connections_past_max_connections_get_503_and_are_closed(tokenizer):
                 data = b""
                 while chunk := third.recv(65536):  # answered at once, then closed (b"" ends it)
                     data += chunk
-            assert data.startswith(b"HTTP/1.1 503 "), data
-            assert json.loads(data.rpartition(b"\r\n\r\n")[2])["error"]["code"] == "too_many_connections"
+            assert data.startswith(b"HTTP/1.1 503 ") and b"\r\nretry-after: 1\r\n" in data.lower(), data
+            error = json.loads(data.rpartition(b"\r\n\r\n")[2])["error"]
+            assert error["code"] == "too_many_connections" and error["type"] == "server_error"
             silent[0].sendall(get)  # the held ones are served as usual
             silent[0].settimeout(10)
             assert silent[0].recv(65536).startswith(b"HTTP/1.1 200 ")

@@ -386,6 +386,7 @@ VLLM_CHANGING = [
     ("length_penalty", 0.5),
     ("guided_json", {"type": "object"}),
     ("min_tokens", True),  # a flag is not the count 1, nor is it the default 0
+    ("return_tokens_as_token_ids", True),
 ]
 VLLM_NEUTRAL_VALUES = {
     "min_tokens": 0,
@@ -400,7 +401,7 @@ VLLM_NEUTRAL_VALUES = {
 
 def test_vllm_options_that_change_the_answer_are_refused(chat_server):
     """vLLM's options are refused unless they hold the value under which they change nothing."""
-    _, _, base = chat_server
+    engine, _, base = chat_server
     chat = {"messages": QUESTION, "max_tokens": 2}
     completion = {"prompt": [5, 6, 7], "max_tokens": 2}
     with httpx.Client(base_url=base, timeout=60) as http:
@@ -420,6 +421,20 @@ def test_vllm_options_that_change_the_answer_are_refused(chat_server):
             r = http.post("/v1/chat/completions", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
         assert http.post("/v1/chat/completions", json={**chat, "stream_options": None}).status_code == 200
+        # vLLM's own defaults that ask nothing: top_logprobs 0 without logprobs; stop at the model's end ids
+        for extra in ({"top_logprobs": 0}, {"stop_token_ids": sorted(engine.eos)}):
+            r = http.post("/v1/chat/completions", json={**chat, **extra})
+            assert r.status_code == 200, (extra, r.text)
+        for path, body, name, value in [
+            ("/v1/completions", completion, "response_format", {"type": "json_object"}),  # vLLM takes it here too
+            ("/v1/completions", completion, "add_special_tokens", False),
+            ("/v1/chat/completions", chat, "stop_token_ids", [5, *sorted(engine.eos)]),
+            ("/v1/chat/completions", chat, "stream_options", {"include_usage": "yes"}),  # param: the request's field
+        ]:
+            r = http.post(path, json={**body, "stream": True, name: value})
+            assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, name, r.text)
+        r = http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": "x " * 3000}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text  # not "prompt"
 
 
 def test_chat_template_kwargs_reach_the_template(chat_engine, tokenizer):
@@ -436,7 +451,7 @@ def test_chat_template_kwargs_reach_the_template(chat_engine, tokenizer):
         r = http.post("/v1/chat/completions", json=tooled)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] > quiet + shout
-        for bad in ({"add_generation_prompt": False}, {"tools": []}, [1], "shout"):
+        for bad in ({"add_generation_prompt": False}, {"tools": []}, {"self": 1}, [1], "shout"):
             r = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", (bad, r.text)
 
