@@ -133,6 +133,7 @@ def serve(
             run_server(config)
         else:
             _warn_about_exposure(config)
+            _warn_about_proxy_limits(config)
             run_on_ray(config, ray_settings)
     except RagLookaheadError as e:  # the model or the index would not load
         _refuse(e, 1)
@@ -233,6 +234,20 @@ def _api_keys(flags: Sequence[str] | None, environ_value: str) -> tuple[str, ...
 
 def _split_commas(values: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(v.strip() for value in values or () for v in value.split(",") if v.strip())
+
+
+def _warn_about_proxy_limits(config: ServerConfig) -> None:
+    """Under Ray Serve its proxy owns the connections: say so for the connection limits set."""
+    unapplied = [
+        flag
+        for flag, name in (("--head-timeout", "head_timeout"), ("--max-connections", "max_connections"))
+        if getattr(config, name) != getattr(_D, name)
+    ]
+    if unapplied:
+        log.warning(
+            "%s: not applied with --replicas (Ray Serve's proxy owns the connections; put a reverse proxy in front)",
+            ", ".join(unapplied),
+        )
 
 
 def _warn_about_exposure(config: ServerConfig) -> None:

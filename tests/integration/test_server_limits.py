@@ -334,3 +334,16 @@ def test_server_config_keeps_keys_out_of_its_repr():
     config = ServerConfig(api_keys=["sk-0123456789abcdef"], allowed_hosts=["Example.COM."], output_pool="per-key")
     assert "sk-0123456789abcdef" not in repr(config)
     assert config.allowed_hosts == ("example.com",) and config.api_keys == ("sk-0123456789abcdef",)
+
+
+def test_connection_limits_set_with_replicas_are_said_unapplied(caplog):
+    """Under --replicas Ray's proxy owns the connections: limits set for them were accepted in silence."""
+    import logging
+
+    from rag_lookahead.serve.command import _warn_about_proxy_limits
+
+    with caplog.at_level(logging.WARNING, logger="rag_lookahead.serve.command"):
+        _warn_about_proxy_limits(ServerConfig())
+        assert not caplog.records  # the defaults: nothing was asked
+        _warn_about_proxy_limits(ServerConfig(max_connections=10, head_timeout=5))
+    assert "--head-timeout, --max-connections: not applied with --replicas" in caplog.text
