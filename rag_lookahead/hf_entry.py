@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
@@ -48,7 +47,7 @@ from rag_lookahead.decoding.config import LookaheadConfig, stop_word_ids
 from rag_lookahead.decoding.inputs import context_limit, left_padded, limit_words
 from rag_lookahead.decoding.loop import generate
 from rag_lookahead.decoding.results import GenerationStats
-from rag_lookahead.decoding.sampling import build_processors, resolve_sampling
+from rag_lookahead.decoding.sampling import build_processors, refuse_assisted_sampling, resolve_sampling
 from rag_lookahead.errors import ConfigError, InputError
 
 #: model inputs transformers prepares for every decoder-only call; anything else is refused
@@ -138,15 +137,7 @@ def _lookahead_generate(
 
     has_eos = getattr(generation_config, "_eos_token_tensor", None) is not None
     params = resolve_sampling(model, generation_config, prompt_width=input_ids.shape[1], has_eos=has_eos)
-    assisted = generation_config.get_generation_mode(assistant_model) == GenerationMode.ASSISTED_GENERATION
-    if params.do_sample and assisted:
-        # transformers then samples through _assisted_decoding, whose draws differ from plain sampling's
-        raise ConfigError(
-            "assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit, use_mtp) with"
-            " do_sample=True draws other tokens than plain sampling under the same torch.manual_seed, and"
-            " lookahead decoding reproduces plain sampling only: drop the assisted-generation argument"
-            " (lookahead drafts on its own)"
-        )
+    refuse_assisted_sampling(generation_config, assistant_model)  # resolve_sampling saw no assistant_model
     if params.do_sample and rows > 1:
         # transformers draws one token for every row (finished ones too) from the global generator
         # at each step; rows that accept different numbers of tokens per step cannot keep that order

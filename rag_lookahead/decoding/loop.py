@@ -43,7 +43,7 @@ def left_pad(rows: Sequence[Sequence[int]], pad: int, device=None) -> tuple[torc
     return ids, mask
 
 
-def _eos_ids(model, eos_token_id, generation_config=None) -> tuple[int, ...]:
+def _eos_ids(model, eos_token_id=UNSET, generation_config=None) -> tuple[int, ...]:
     """The ids that end a row, in the order given (the first pads, as in transformers): the
     argument, else ``generation_config``'s, else the model's (no tokenizer here). An int, a list,
     a numpy integer or a tensor."""
@@ -57,7 +57,12 @@ def _eos_ids(model, eos_token_id, generation_config=None) -> tuple[int, ...]:
 
 def _setting(model, name: str, value, generation_config):
     """A token setting as ``model.generate`` resolves it: the argument, else the config passed in,
-    else the model's own generation config (a passed config's EOS was ignored: the measured bug)."""
+    else the model's own generation config (a passed config's EOS was ignored: the measured bug).
+    An explicit None is transformers' "off" (``model.generate(eos_token_id=None)`` ignores the
+    model's EOS); :data:`UNSET` (left out) falls back as above."""
+    if value is not UNSET:
+        return value
+    value = None
     for source in (generation_config, getattr(model, "generation_config", None)):
         if value is None:
             value = getattr(source, name, None)
@@ -80,8 +85,8 @@ def generate(
     max_new_tokens: int,
     config: LookaheadConfig | None = None,
     references: Sequence[Sequence[Sequence[int]]] | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
-    pad_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = UNSET,
+    pad_token_id: int | None = UNSET,
     output_pool: OutputPool | None = None,
     drafter: Drafter | None = None,
     on_tokens: Callable[[int, list[int]], bool | None] | None = None,

@@ -207,6 +207,23 @@ def check_supported(config, prompt_width: int | None = None, has_eos: bool = Tru
             asked = getattr(config, "min_new_tokens", None) if name == "min_length" else None
             origin = f" (what transformers makes of min_new_tokens={asked!r})" if asked not in (None, 0) else ""
             raise ConfigError(f"generation option {name}={value!r}{origin} is not supported by lookahead decoding")
+    refuse_assisted_sampling(config)
+
+
+def refuse_assisted_sampling(config, assistant_model=None) -> None:
+    """Refuse sampling in transformers' assisted-generation mode (an ``assistant_model``, or
+    ``prompt_lookup_num_tokens``, ``assistant_early_exit``, ``use_mtp`` in the config, the
+    model's own included): ``model.generate`` then samples through its assisted decoding, whose
+    draws differ from plain sampling's; greedy assisted decoding gives greedy's tokens."""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    if config.do_sample and config.get_generation_mode(assistant_model) == GenerationMode.ASSISTED_GENERATION:
+        raise ConfigError(
+            "assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit, use_mtp) with"
+            " do_sample=True draws other tokens than plain sampling under the same torch.manual_seed, and"
+            " lookahead decoding reproduces plain sampling only: drop the assisted-generation argument"
+            " (lookahead drafts on its own)"
+        )
 
 
 def _holds_nothing_back(name: str, value, prompt_width: int | None, has_eos: bool) -> bool:

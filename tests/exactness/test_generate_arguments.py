@@ -116,3 +116,47 @@ def test_settings_transformers_takes_are_taken(do_sample, options):
     mask = torch.ones_like(ids)
     expected = _hf(model, ids, mask, do_sample=do_sample, pad_token_id=0, **options)
     assert _ours(model, ids, mask, do_sample=do_sample, pad_token_id=0, **options) == expected
+
+
+@pytest.fixture
+def eos_model():
+    """A model whose own generation config names an EOS and a pad id."""
+    model = tiny_model("llama", seed=0)
+    saved = (model.generation_config.eos_token_id, model.generation_config.pad_token_id)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 74, 7
+    yield model
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = saved
+
+
+@pytest.mark.parametrize("options", [{"eos_token_id": None}, {"eos_token_id": 74, "pad_token_id": None}])
+def test_an_explicit_none_eos_or_pad_is_off_as_in_transformers(eos_model, options):
+    """``eos_token_id=None`` decoded past the model's own EOS in transformers and stopped at it here;
+    ``pad_token_id=None`` padded finished rows with the first EOS there and with the model's pad here."""
+    ids, mask = left_pad([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [12, 3, 8]], pad=0)
+    want = _hf(eos_model, ids, mask, do_sample=False, **options)
+    assert _ours(eos_model, ids, mask, **options) == want
+    left_out = _ours(eos_model, ids, mask, **{k: v for k, v in options.items() if v is not None})
+    assert left_out != want  # the model's own id then applies: the case tells them apart
+
+
+@pytest.mark.parametrize("where", ["argument", "model"])
+def test_sampling_with_prompt_lookup_is_refused(where):
+    """transformers samples through its assisted decoding when prompt_lookup_num_tokens is set
+    (passed, or in the model's own config), drawing other tokens: ours drew plain sampling's."""
+    from rag_lookahead.errors import ConfigError
+
+    model = tiny_model("llama", seed=0)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6]])
+    config = GenerationConfig(do_sample=True, prompt_lookup_num_tokens=3)
+    saved = model.generation_config
+    try:
+        if where == "model":
+            model.generation_config = config
+        with pytest.raises(ConfigError, match="assisted generation"):
+            generate(
+                model, ids, max_new_tokens=MAX_NEW, **({"generation_config": config} if where == "argument" else {})
+            )
+        greedy = generate(model, ids, max_new_tokens=MAX_NEW, do_sample=False, generation_config=config)
+        assert greedy.sequences.tolist() == _hf(model, ids, generation_config=config, do_sample=False)
+    finally:
+        model.generation_config = saved
