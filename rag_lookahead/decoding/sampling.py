@@ -53,7 +53,7 @@ _UNSUPPORTED_NEUTRAL = {
     "num_beams": (None, 1),
     "num_beam_groups": (None, 1),
     "num_return_sequences": (None, 1),
-    "penalty_alpha": (None,),
+    "penalty_alpha": (None, 0, 0.0),  # contrastive search needs it above 0
     "no_repeat_ngram_size": (None, 0),
     "encoder_no_repeat_ngram_size": (None, 0),
     "encoder_repetition_penalty": (None, 1.0),
@@ -81,6 +81,9 @@ _UNSUPPORTED_NEUTRAL = {
     "stop_strings": (None,),
     "max_time": (None,),
 }
+#: warpers transformers applies only when sampling (and a renormalisation that keeps the argmax):
+#: greedy decoding ignores them there, so it does here
+_GREEDY_IGNORES = frozenset({"typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "renormalize_logits"})
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,8 @@ def check_supported(config, prompt_width: int | None = None, has_eos: bool = Tru
     for name, neutral in _UNSUPPORTED_NEUTRAL.items():
         value = getattr(config, name, None)
         if name in ("min_length", "min_new_tokens") and _holds_nothing_back(name, value, prompt_width, has_eos):
+            continue
+        if name in _GREEDY_IGNORES and not config.do_sample:
             continue
         if value not in neutral:
             asked = getattr(config, "min_new_tokens", None) if name == "min_length" else None

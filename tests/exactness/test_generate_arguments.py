@@ -118,6 +118,25 @@ def test_settings_transformers_takes_are_taken(do_sample, options):
     assert _ours(model, ids, mask, do_sample=do_sample, pad_token_id=0, **options) == expected
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"typical_p": 0.5},
+        {"epsilon_cutoff": 0.01},
+        {"eta_cutoff": 0.01},
+        {"renormalize_logits": True},
+        {"penalty_alpha": 0.0},
+    ],
+)
+def test_greedy_takes_the_sampling_only_settings_transformers_ignores(options):
+    """transformers applies these warpers only when sampling (a renormalisation keeps the argmax,
+    penalty_alpha 0 is no contrastive search): greedy refused them here."""
+    model = tiny_model("llama", seed=2)
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
+    config = GenerationConfig(do_sample=False, pad_token_id=0, **options)
+    assert _ours(model, ids, generation_config=config) == _hf(model, ids, generation_config=config)
+
+
 @pytest.fixture
 def eos_model():
     """A model whose own generation config names an EOS and a pad id."""

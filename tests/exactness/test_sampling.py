@@ -173,7 +173,7 @@ def test_model_generation_config_defaults_apply():
     [
         ({"num_beams": 4}, "num_beams"),
         ({"no_repeat_ngram_size": 3}, "no_repeat_ngram_size"),
-        ({"typical_p": 0.5}, "typical_p"),
+        ({"typical_p": 0.5, "do_sample": True}, "typical_p"),  # greedy ignores it, as transformers does
         ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
         ({"do_sample": True, "temperature": 0.0}, "temperature"),
         ({"do_sample": True, "top_p": 1.5}, "top_p"),
