@@ -154,6 +154,8 @@ class ServerConfig:
         self.allowed_hosts = _host_tuple(self.allowed_hosts)
         if self.output_pool not in OUTPUT_POOL_MODES:
             raise ConfigError(f"output_pool must be one of {', '.join(OUTPUT_POOL_MODES)}, got {self.output_pool!r}")
+        if self.max_queue_per_key is not None and not self.api_keys:  # else every request is one key's
+            raise ConfigError("max_queue_per_key needs API keys (--api-key or $RAG_LOOKAHEAD_API_KEY); use max_queue")
         if self.output_pool == "per-key" and not self.api_keys:
             raise ConfigError("output_pool='per-key' needs API keys (--api-key or $RAG_LOOKAHEAD_API_KEY)")
 

@@ -193,13 +193,16 @@ class Engine:
         if self._stopping or self._draining:
             return shutting_down()
         rate, limit, choices = self.batches.tokens_per_second, self.config.max_queue, max(1, len(jobs))
-        if choices > limit:  # never fits: a 400, not a 429 to retry forever
-            return ApiError(
-                400,
-                f"this request's n={choices} choices can never all wait in the queue (max_queue={limit}); lower n",
-                param="n",
-                code="request_too_large",
-            )
+        per_key = self.config.max_queue_per_key if jobs else None
+        # never fits: a 400, not a 429 to retry forever (checked before the queue's state)
+        for cap, name in ((limit, "max_queue"), (per_key, "max_queue_per_key")):
+            if cap is not None and choices > cap:
+                return ApiError(
+                    400,
+                    f"this request's n={choices} choices can never all wait in the queue ({name}={cap}); lower n",
+                    param="n",
+                    code="request_too_large",
+                )
         if len(self._waiting) + choices > limit:  # the queue holds choices: an n-choice request takes n places
             wait = self.token_budget.retry_after(self.token_budget.need_of(jobs) if jobs else 1, rate)
             return busy(
@@ -207,17 +210,8 @@ class Engine:
                 f"has {choices} (max_queue={limit}); retry after {wait} s",
                 wait,
             )
-        per_key = self.config.max_queue_per_key
-        if per_key is not None and jobs:
+        if per_key is not None:
             waiting = self._waiting.waiting_of(jobs[0].owner)
-            if choices > per_key:
-                return ApiError(
-                    400,
-                    f"this request's n={choices} choices can never all wait in the queue "
-                    f"(max_queue_per_key={per_key}); lower n",
-                    param="n",
-                    code="request_too_large",
-                )
             if waiting + choices > per_key:
                 wait = self.token_budget.retry_after(self.token_budget.need_of(jobs), rate)
                 return busy(

@@ -31,6 +31,12 @@ __all__ = ["HeadTimeoutProtocol", "h11_with_limits"]
 
 log = logging.getLogger(__name__)
 
+#: how long a refused connection stays open to read and drop its request (see ``_refuse``)
+REFUSED_LINGER_SECONDS = 1.0
+#: refused connections lingering at once, at most (beyond: closed at once; each holds a descriptor)
+MAX_LINGERING = 256
+_lingering = 0
+
 
 class HeadTimeoutProtocol(H11Protocol):
     """``H11Protocol`` with the deadline of the module docstring; :func:`h11_with_limits`
@@ -39,21 +45,43 @@ class HeadTimeoutProtocol(H11Protocol):
     head_timeout: float = 30.0
     max_connections: int | None = None
 
+    _refused = False
     _head_timer: asyncio.TimerHandle | None = None
     _watching: str | None = None  # "head" (a request head is due) or "leftover" (an answered body)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if self.max_connections is not None and len(self.connections) > self.max_connections:
-            log.warning(
-                "refused a connection from %s: %d open (max_connections)", self.client, len(self.connections) - 1
-            )
-            self._send_error(too_many_connections(self.max_connections), b"Service Unavailable")
-            self.transport.close()
+            self._refuse(transport)
             return
         self._watch()
 
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        """Answer 503 and close gently: clients send their request at once, and a close with it
+        unread turns into a TCP reset that loses the 503. So: the 503, end of our side, what the
+        client still sends read and dropped, the close after a short linger (uncounted meanwhile;
+        past ``MAX_LINGERING`` such connections, closed at once)."""
+        global _lingering
+        self._refused = True
+        self.connections.discard(self)
+        log.debug("refused a connection from %s: max_connections=%d", self.client, self.max_connections)
+        self._send_error(too_many_connections(self.max_connections), b"Service Unavailable")
+        if _lingering >= MAX_LINGERING or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        _lingering += 1
+
+        def close() -> None:
+            global _lingering
+            _lingering -= 1
+            transport.close()
+
+        self.loop.call_later(REFUSED_LINGER_SECONDS, close)
+
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # a refused connection's request: read and dropped while it lingers
         super().data_received(data)
         self._watch()
 

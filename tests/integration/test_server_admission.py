@@ -298,5 +298,8 @@ def test_max_queue_per_key_refuses_one_keys_backlog_not_another_key(tokenizer, m
 
 def test_max_queue_per_key_is_checked():
     with pytest.raises(ConfigError, match="max_queue_per_key"):
-        ServerConfig(max_queue_per_key=0)
-    assert config_from_args(parse_args(["--max-queue-per-key", "3"]), {}).max_queue_per_key == 3
+        ServerConfig(max_queue_per_key=0, api_keys=(KEY_A,))
+    with pytest.raises(ConfigError, match="max_queue_per_key needs API keys"):  # it capped the whole queue
+        ServerConfig(max_queue_per_key=2)
+    args = parse_args(["--max-queue-per-key", "3", "--api-key", KEY_A])
+    assert config_from_args(args, {}).max_queue_per_key == 3

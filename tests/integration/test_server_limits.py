@@ -278,12 +278,16 @@ def test_connections_past_max_connections_get_503_and_are_closed(tokenizer):
             time.sleep(0.3)  # both accepted
             with socket.create_connection((host, int(port))) as third:
                 third.settimeout(10)
+                third.sendall(get)  # at once, as clients do: a close with it unread was a reset, not the 503
                 data = b""
                 while chunk := third.recv(65536):  # answered at once, then closed (b"" ends it)
                     data += chunk
             assert data.startswith(b"HTTP/1.1 503 ") and b"\r\nretry-after: 1\r\n" in data.lower(), data
             error = json.loads(data.rpartition(b"\r\n\r\n")[2])["error"]
             assert error["code"] == "too_many_connections" and error["type"] == "server_error"
+            for _ in range(3):  # a real client posting a body gets the 503 too
+                refused = httpx.post(f"{base}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=10)
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
             silent[0].sendall(get)  # the held ones are served as usual
             silent[0].settimeout(10)
             assert silent[0].recv(65536).startswith(b"HTTP/1.1 200 ")
