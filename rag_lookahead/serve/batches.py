@@ -82,13 +82,13 @@ class Batches:
 
     def admit(self, jobs: list[Job]) -> None:
         """One prefill per output pool for the admitted jobs, merged into its running batch."""
-        dropped = [job for job in jobs if job.cancelled]
-        if dropped:  # cancelled between leaving the queue and the prefill
-            self.metrics.cancelled.inc(len(dropped))
+        live = [job for job in jobs if job.live]  # one look: a cancel between two looks was never counted
+        dropped = sum(1 for job in jobs if job.cancelled and job not in live)
+        if dropped:  # cancelled between leaving the queue and the prefill (later ones are retired and counted)
+            self.metrics.cancelled.inc(dropped)
         groups: dict[str, list[Job]] = {}
-        for job in jobs:
-            if job.live:
-                groups.setdefault(job.pool_key, []).append(job)
+        for job in live:
+            groups.setdefault(job.pool_key, []).append(job)
         for key, group in groups.items():
             self._admit_group(key, group)
 
