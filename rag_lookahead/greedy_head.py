@@ -355,17 +355,26 @@ def restore_greedy_head(model) -> bool:
 def full_output_layer(model) -> Iterator[bool]:
     """Within: the model's full output layer for every step, its screen (if any) set aside, not
     dropped, and hooked in again on leaving (benchmarks compare both without rebuilding it).
-    Yields whether a screen was set aside; costs are forgotten on each switch."""
+    Yields whether a screen was set aside; each layer's forward costs are kept for the next switch."""
     head = greedy_head_of(model)
     if head is None:
         yield False
         return
+    from rag_lookahead.decoding.profile import profile_of
+
+    # each layer keeps its own costs across switches: forgetting them forced every run's first step
+    # plain, dropped the step times learned so far, and re-timed the curve under RECALIBRATE
+    profile = profile_of(model)
+    screened = (profile.cost_curve, profile.step_costs)
     layer = _output_layer(model)
     _detach(model, layer, head)
+    profile.cost_curve, profile.step_costs = profile.costs_set_aside.pop("full output layer", (None, None))
     try:
         yield True
     finally:
+        profile.costs_set_aside["full output layer"] = (profile.cost_curve, profile.step_costs)
         _hook_in(model, layer, head)
+        profile.cost_curve, profile.step_costs = screened
 
 
 def unsupported_reason(model) -> str | None:

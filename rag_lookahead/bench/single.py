@@ -178,6 +178,11 @@ class MethodRunner:
 
     def run(self, method: str, prompt: dict, repeat: int = -1) -> Run:
         s = self.settings
+        # every lookahead variant starts from the same acceptance prior: otherwise each inherits what
+        # the variant run just before it (often on the same prompt) left in the model's profile
+        from rag_lookahead.decoding.profile import profile_of
+
+        profile_of(self.model).drafts_met.clear()
         ids = chat_ids(self.tokenizer, prompt, with_context=s.seed_mode == "prompt")
         hf_args = (self.model, ids, s.max_new_tokens, self.eos, self.pad)
         sampled = sampling_method(method)
@@ -190,8 +195,8 @@ class MethodRunner:
         if method in STOCK_METHODS:
             with stock_linears(self.model):
                 return run_hf(*hf_args, STOCK_METHODS[method])
-        if method == "prompt_lookup_ours":
-            return run_lookahead(*hf_args, self.config, drafter=prompt_lookup_drafter())
+        if method == "prompt_lookup_ours":  # every drafted token verified, as transformers does (no cost budget)
+            return run_lookahead(*hf_args, self.config.replace(budget="fixed"), drafter=prompt_lookup_drafter())
         seeded = s.seed_mode == "references" and method != "lookahead_unseeded"
         references = self.context_ids(prompt) if seeded else None
         pool = self.warm_pool if method == "lookahead_warm" else None
@@ -247,7 +252,9 @@ def prompt_row(runner: MethodRunner, prompt: dict, repeat: int, runs: dict[str, 
     row = {"id": prompt.get("id"), "repeat": repeat, "copied_from_context": copied}
     for m, r in runs.items():
         baseline = baselines(m)[0]
-        same = cut_at_eos(r.tokens, eos) == cut_at_eos(runs[baseline].tokens, eos) if baseline in runs else None
+        # a baseline is not compared with itself (it would count as identical by construction)
+        compared = baseline in runs and m != baseline
+        same = cut_at_eos(r.tokens, eos) == cut_at_eos(runs[baseline].tokens, eos) if compared else None
         measured.totals[m].add(r, same)
         if copied is not None and copied >= runner.settings.copying_threshold:
             measured.copying[m].add(r, same)

@@ -41,6 +41,8 @@ class ModelProfile:
     drafts_met: per kind of drafter, how its drafts have been accepted lately over every call
         on the model: where a new row's acceptance rates start, so a call's first step does
         not verify its deepest trees on trust alone.
+    costs_set_aside: the costs of a layout switched away from, by its name (benchmarks switch
+        the output layer back and forth: ``greedy_head.full_output_layer``).
     """
 
     tree_mask: bool | None = None
@@ -49,6 +51,7 @@ class ModelProfile:
     step_costs: StepCosts | None = None
     output_pools: dict[int, OutputPool] = field(default_factory=dict)
     drafts_met: dict[str, AcceptanceRates] = field(default_factory=dict)
+    costs_set_aside: dict[str, tuple[CostCurve | None, StepCosts | None]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def output_pool(self, depth: int, max_nodes: int) -> OutputPool:
@@ -86,6 +89,7 @@ class ModelProfile:
             self.step_costs = None
             self.output_pools = {}
             self.drafts_met = {}
+            self.costs_set_aside = {}
 
     def as_dict(self) -> dict:
         """A plain summary for logs and debugging."""

@@ -280,10 +280,16 @@ def test_a_lazy_screen_is_built_on_first_use_and_can_be_undone_before():
     assert head is not None and greedy_head_of(model) is head
     assert profile_of(model).cost_curve is None  # and forgets costs timed with the full layer
     assert list(head.argmax(hidden[0])) == (hidden[0] @ weight.T).argmax(-1).tolist()
-    with full_output_layer(model) as set_aside:  # benchmarks: the full layer, the screen kept
-        assert set_aside and greedy_head_of(model) is None
-        with capture_hidden() as captured:
-            assert model.lm_head(hidden).shape == (1, 2, 300) and not captured
+    screened, full = CostCurve([1, 2], [0.1, 0.3]), CostCurve([1, 2], [0.2, 0.4])
+    profile_of(model).cost_curve = screened
+    for switch in range(2):  # each layer keeps its own costs across switches (forgotten, every run's first
+        with full_output_layer(model) as set_aside:  # step went plain): benchmarks, the screen kept
+            assert set_aside and greedy_head_of(model) is None
+            assert profile_of(model).cost_curve is (full if switch else None)
+            profile_of(model).cost_curve = full
+            with capture_hidden() as captured:
+                assert model.lm_head(hidden).shape == (1, 2, 300) and not captured
+        assert profile_of(model).cost_curve is screened
     assert greedy_head_of(model) is head  # hooked in again, not rebuilt
     with capture_hidden() as captured:
         assert model.lm_head(hidden).shape == (1, 0, 300) and captured

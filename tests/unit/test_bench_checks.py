@@ -177,6 +177,21 @@ def test_a_method_is_never_called_identical_to_a_greedy_that_did_not_run():
     assert row["copied_from_context"] == 0.8 and row["lookahead"]["identical_to_greedy"] is True
     summary = summarize(measured.totals)
     assert summary["lookahead"]["identical_to_greedy"] == "1/1"  # of its 2 runs, 1 had greedy beside it
+    assert row["greedy"]["identical_to_greedy"] is None  # a baseline is not "identical" to itself
+    assert summary["greedy"]["identical_to_greedy"] is None
+
+
+def test_mean_accepted_is_tokens_per_decode_forward_over_all_runs():
+    """The column was the mean of each run's own ratio: a short copying answer weighed as much as a
+    long paraphrase (the README's 8-prompt table: 12.43 reported, ~3.8 tokens per forward pooled)."""
+    from rag_lookahead.bench.methods import MethodTotals, Run, summarize
+
+    totals = MethodTotals()
+    totals.add(Run(list(range(21)), 1.0, 0.1, forwards=1, mean_accepted=20.0), None)  # copied: 20 in one step
+    totals.add(Run(list(range(101)), 5.0, 0.1, forwards=50, mean_accepted=2.0), None)  # paraphrased
+    row = summarize({"lookahead": totals})["lookahead"]
+    assert row["mean_accepted"] == round(120 / 51, 3)
+    assert row["mean_accepted_per_run"] == 11.0
 
 
 def test_batch_rows_are_compared_with_transformers_greedy_alone_or_not_at_all():
