@@ -8,20 +8,20 @@ how a refused field is worded.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, Field, model_validator
 
 from rag_lookahead.serve.api_error import quote
 from rag_lookahead.serve.protocol import (
     MAX_LOGPROBS,
+    VLLM_NEUTRAL,
     Flag,
     GenerationRequest,
     Integer,
     Text,
     Wording,
     invalid_request,
-    refuse_changing_options,
 )
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "FunctionTool"]
@@ -177,11 +177,7 @@ class ChatCompletionRequest(GenerationRequest):
         dict[Text, Any] | None, Wording("'chat_template_kwargs' must be an object of template variables")
     ] = Field(None, description='more variables for the chat template, as in vLLM (e.g. {"enable_thinking": false})')
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_vllm_chat_options(cls, data: Any) -> Any:
-        refuse_changing_options(data, VLLM_CHAT_NEUTRAL)
-        return data
+    vllm_options: ClassVar[dict[str, tuple[Any, ...]]] = {**VLLM_NEUTRAL, **VLLM_CHAT_NEUTRAL}
 
     @model_validator(mode="after")
     def _something_to_answer(self) -> ChatCompletionRequest:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, ClassVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -165,10 +165,13 @@ class GenerationRequest(OpenAIRequest):
     echo: Any = Field(None, description="not supported")
     suffix: Any = Field(None, description="not supported")
 
+    #: vLLM's options this endpoint knows, with their neutral values (subclasses add their own)
+    vllm_options: ClassVar[dict[str, tuple[Any, ...]]] = VLLM_NEUTRAL
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_vllm_options(cls, data: Any) -> Any:
-        refuse_changing_options(data, VLLM_NEUTRAL)
+        refuse_changing_options(data, cls.vllm_options)
         return data
 
     @model_validator(mode="after")
@@ -250,11 +253,7 @@ class CompletionRequest(GenerationRequest):
     top_logprobs: Any = Field(None, description="chat completions only: here 'logprobs' is the count")
     response_format: Any = Field(None, description='only {"type": "text"}: decoding is not constrained')
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_vllm_completion_options(cls, data: Any) -> Any:
-        refuse_changing_options(data, VLLM_COMPLETION_NEUTRAL)
-        return data
+    vllm_options: ClassVar[dict[str, tuple[Any, ...]]] = {**VLLM_NEUTRAL, **VLLM_COMPLETION_NEUTRAL}
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
