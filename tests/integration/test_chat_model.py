@@ -365,7 +365,9 @@ def test_timeout_counts_from_when_the_decode_starts(chat):
         def on_llm_new_token(self, token: str, **kwargs) -> None:
             time.sleep(0.25)
 
-    busy = threading.Thread(target=lambda: chat.invoke(COUNT, max_tokens=24, config={"callbacks": [Slow()]}))
+    # one token a block (lookahead off: a warm pool made few, long blocks), so >= 24 x 0.25 s held
+    slow = {"max_tokens": 24, "enable_lookahead": False, "config": {"callbacks": [Slow()]}}
+    busy = threading.Thread(target=lambda: chat.invoke(COUNT, **slow))
     busy.start()
     time.sleep(1.0)  # the other call holds the engine for 24 blocks of >= 0.25 s
     start = time.monotonic()
