@@ -47,8 +47,7 @@ from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.inputs import check_prompt_room
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.batching import BatchCall, decode_together, gather_of_this_thread, run_wave, settings_key
-from rag_lookahead.langchain.engine import CancellableAsync, Engine, RowRequest, pool_shape
-from rag_lookahead.langchain.llm import _NO_PICKLE
+from rag_lookahead.langchain.engine import CancellableAsync, Engine, NotPickled, RowRequest, pool_shape
 from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening
@@ -117,7 +116,7 @@ def _shared_engine(model: Any, tokenizer: Any, config: LookaheadConfig) -> Engin
 # ---------------------------------------------------------------- the chat model
 
 
-class ChatLookahead(CancellableAsync, SamplingFields, BaseChatModel):
+class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel):
     """A local chat model decoded with trie-drafted, tree-verified lookahead (output unchanged).
 
     The sampling fields (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
@@ -200,12 +199,6 @@ class ChatLookahead(CancellableAsync, SamplingFields, BaseChatModel):
             **{name: getattr(llm, name) for name in SAMPLING_FIELDS},
         }
         return cls(model=llm.model, tokenizer=llm.tokenizer, engine=llm.engine, **(settings | kwargs))
-
-    def __reduce__(self):  # pickle / copy.deepcopy / model_copy(deep=True): refuse before serialising the weights
-        raise TypeError(_NO_PICKLE.format(name=type(self).__name__))
-
-    def __deepcopy__(self, memo=None):
-        raise TypeError(_NO_PICKLE.format(name=type(self).__name__))
 
     # ------------------------------------------------------------ LangChain plumbing
 

@@ -274,6 +274,22 @@ class CancellableAsync:
             raise
 
 
+class NotPickled:
+    """Both models refuse ``pickle``, ``copy.deepcopy`` and ``model_copy(deep=True)`` at once: they
+    hold a loaded model and its engine (locks, output pool), and pickle wrote every weight (1.27 GB
+    for the default model) before failing on a lock, with no word of why."""
+
+    def __reduce__(self):
+        raise TypeError(
+            f"{type(self).__name__} does not pickle or deep-copy: it holds a loaded model and its decoding engine "
+            "(locks, output pool). Share the object (it is thread-safe), use model_copy() for a shallow copy with "
+            "other settings, or build another on the same loaded model in the other process"
+        )
+
+    def __deepcopy__(self, memo=None):
+        self.__reduce__()
+
+
 def _ended(tracker: TextTracker, eos: frozenset[int]) -> bool:
     return bool(tracker.ids) and tracker.ids[-1] in eos
 

@@ -42,14 +42,14 @@ from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.inputs import check_prompt_room
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError, InputError
-from rag_lookahead.langchain.engine import BlockStream, CancellableAsync, Engine, EngineRun, RowRequest
+from rag_lookahead.langchain.engine import BlockStream, CancellableAsync, Engine, EngineRun, NotPickled, RowRequest
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.tokens import encode_messages
 
 __all__ = ["LookaheadLLM"]
 
 
-class LookaheadLLM(CancellableAsync, SamplingFields, BaseLLM):
+class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
     """A local causal LM decoded with trie-drafted, tree-verified lookahead (output unchanged).
 
     The sampling fields (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
@@ -72,12 +72,6 @@ class LookaheadLLM(CancellableAsync, SamplingFields, BaseLLM):
             self.lookahead = self.lookahead.with_tokenizer(self.tokenizer)
         self._engine = Engine(self.model, self.tokenizer, self.lookahead)
         self._sampling({})  # refuse bad sampling settings at construction
-
-    def __reduce__(self):  # pickle / copy.deepcopy / model_copy(deep=True): refuse before serialising the weights
-        raise TypeError(_NO_PICKLE.format(name=type(self).__name__))
-
-    def __deepcopy__(self, memo=None):
-        raise TypeError(_NO_PICKLE.format(name=type(self).__name__))
 
     # ------------------------------------------------------------ construction
 
@@ -327,13 +321,6 @@ class LookaheadLLM(CancellableAsync, SamplingFields, BaseLLM):
         if rest and run_manager is not None:
             run_manager.on_llm_new_token(rest, chunk=chunk)
         yield chunk
-
-
-_NO_PICKLE = (
-    "{name} does not pickle or deep-copy: it holds a loaded model and its decoding engine (locks, output pool). "
-    "Share the object (it is thread-safe), use model_copy() for a shallow copy with other settings, or build "
-    "another on the same loaded model in the other process"
-)
 
 
 def _merged(size: int, bad: dict[int, Exception], good: list[int], answers: list) -> list:
