@@ -165,7 +165,6 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: Annotated[Integer | None, Wording(hint=" (the most likely tokens reported per answer token)")] = (
         Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this many most likely tokens at each place")
     )
-    response_format: Any = Field(None, description='only {"type": "text"}: decoding is not constrained')
     modalities: Any = Field(None, description='only ["text"]')
     functions: Any = Field(None, description="not supported: send tools")
     function_call: Any = Field(None, description="not supported: send tool_choice")
@@ -186,13 +185,6 @@ class ChatCompletionRequest(GenerationRequest):
         for name, message in REFUSED.items():
             if getattr(self, name) is not None:
                 raise invalid_request(message, name)
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            kind = self.response_format.get("type") if isinstance(self.response_format, dict) else None
-            raise invalid_request(
-                f"'response_format' {quote(kind or self.response_format)} is not supported: this server does not "
-                'constrain decoding to a format or a schema; leave it out (or send {"type": "text"})',
-                "response_format",
-            )
         if self.modalities is not None and self.modalities != ["text"]:
             raise invalid_request("'modalities' must be [\"text\"]: this server answers in text only", "modalities")
         taken = sorted(TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs or ()))

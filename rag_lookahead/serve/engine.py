@@ -157,11 +157,23 @@ class Engine:
             return list(self.tokenizer(text)["input_ids"])
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, str]], template_variables: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] = (),
+        answer_prefix: str = "",
+        template_variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Messages through the chat template, as :class:`LookaheadLLM` encodes its prompts."""
+        """Messages through the chat template, as :class:`LookaheadLLM` encodes its prompts (see
+        :func:`rag_lookahead.tokens.encode_messages` for the options)."""
         with self.tokenizer_lock:
-            return encode_messages(self.tokenizer, messages, template_variables=template_variables)
+            return encode_messages(
+                self.tokenizer,
+                messages,
+                tools=tools or None,
+                answer_prefix=answer_prefix,
+                template_variables=template_variables,
+            )
 
     def encode_passages(self, passages: Sequence[str]) -> list[list[int]]:
         with self.tokenizer_lock:
@@ -182,9 +194,8 @@ class Engine:
         different settings share one batch, and a seeded row's text does not depend on the batch."""
         tracker = TextTracker(self.tokenizer, stop, self.eos)
         key = pool_key if self.config.output_pool == "per-key" else ""
-        job = Job(list(prompt_ids), max_tokens, list(stop), [list(r) for r in references], tracker, key, sampling)
-        job.owner = pool_key  # the API key's id ("" without keys): whose turn it is in the queue
-        return job
+        references = [list(r) for r in references]
+        return Job(list(prompt_ids), max_tokens, list(stop), references, tracker, key, sampling, owner=pool_key)
 
     def _refusal(self, jobs: Sequence[Job] = ()) -> ApiError | None:
         """Why a new request (its ``jobs``, or any when empty) cannot be taken now (call with ``_cond`` held)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from http import HTTPStatus
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -65,7 +66,7 @@ class HeadTimeoutProtocol(H11Protocol):
         self._refused = True
         self.connections.discard(self)
         log.debug("refused a connection from %s: max_connections=%d", self.client, self.max_connections)
-        self._send_error(too_many_connections(self.max_connections), b"Service Unavailable")
+        self._send_error(too_many_connections(self.max_connections))
         if _lingering >= MAX_LINGERING or not transport.can_write_eof():
             transport.close()
             return
@@ -122,14 +123,14 @@ class HeadTimeoutProtocol(H11Protocol):
             return
         log.debug("closing %s: no complete request within %g s (%s)", self.client, self.head_timeout, kind)
         if kind == "head" and self.conn.our_state is h11.IDLE and self.conn.trailing_data[0]:
-            self._send_error(head_timed_out(self.head_timeout), b"Request Timeout")
+            self._send_error(head_timed_out(self.head_timeout))
         try:
             self.conn.send(h11.ConnectionClosed())
         except h11.LocalProtocolError:
             pass
         self.transport.close()
 
-    def _send_error(self, error: ApiError, reason: bytes) -> None:
+    def _send_error(self, error: ApiError) -> None:
         """Answer ``error`` with no handler, as the connection is about to close."""
         body = json.dumps(error.body()).encode()
         headers = [
@@ -140,7 +141,12 @@ class HeadTimeoutProtocol(H11Protocol):
             *[(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in error.headers.items()],
         ]
         try:
-            for event in (h11.Response(status_code=error.status, headers=headers, reason=reason), h11.Data(body)):
+            for event in (
+                h11.Response(
+                    status_code=error.status, headers=headers, reason=HTTPStatus(error.status).phrase.encode()
+                ),
+                h11.Data(body),
+            ):
                 self.transport.write(self.conn.send(event))
             self.transport.write(self.conn.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:  # h11 will not answer in its state: just close

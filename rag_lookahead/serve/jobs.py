@@ -62,6 +62,7 @@ class Job:
         tracker: TextTracker,
         pool_key: str = "",
         sampling=None,
+        owner: str = "",
     ) -> None:
         from rag_lookahead.decoding.sampling import SamplingParams
 
@@ -73,7 +74,7 @@ class Job:
         self.references = references
         self.tracker = tracker
         self.pool_key = pool_key  # requests with the same key share an output pool and a batch
-        self.owner = ""  # the API key's id: the queue's turns go by owner (serve.fair_queue)
+        self.owner = owner  # the API key's id ("" without keys): the queue's turns go by owner (serve.fair_queue)
         self.loop = asyncio.get_running_loop()
         self.channel: asyncio.Queue = asyncio.Queue()
         self.cancelled = False  # the client left

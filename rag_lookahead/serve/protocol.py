@@ -156,6 +156,7 @@ class GenerationRequest(OpenAIRequest):
     )
     stream: Flag | None = Field(None, description="server-sent events in OpenAI's chunk shapes")
     stream_options: Annotated[StreamOptions | None, Wording("'stream_options' must be an object")] = None
+    response_format: Any = Field(None, description='only {"type": "text"}: decoding is not constrained')
     stop_token_ids: Annotated[TokenIds | None, Wording("'stop_token_ids' must be a list of token ids")] = Field(
         None, description="vLLM's: only the model's own end-of-answer ids (the server stops at them anyway)"
     )
@@ -181,6 +182,13 @@ class GenerationRequest(OpenAIRequest):
             raise invalid_request(
                 f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature!r}",
                 "temperature",
+            )
+        if self.response_format is not None and self.response_format != {"type": "text"}:  # chat; vLLM's completions
+            kind = self.response_format.get("type") if isinstance(self.response_format, dict) else None
+            raise invalid_request(
+                f"'response_format' {quote(kind or self.response_format)} is not supported: this server does not "
+                'constrain decoding to a format or a schema; leave it out (or send {"type": "text"})',
+                "response_format",
             )
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
             raise invalid_request("'stream_options' is only allowed with 'stream': true", "stream_options")
@@ -251,7 +259,6 @@ class CompletionRequest(GenerationRequest):
         description="report each answer token's log-probability and this many most likely tokens at its place",
     )
     top_logprobs: Any = Field(None, description="chat completions only: here 'logprobs' is the count")
-    response_format: Any = Field(None, description='only {"type": "text"}: decoding is not constrained')
 
     vllm_options: ClassVar[dict[str, tuple[Any, ...]]] = {**VLLM_NEUTRAL, **VLLM_COMPLETION_NEUTRAL}
 
@@ -271,11 +278,6 @@ class CompletionRequest(GenerationRequest):
         else:
             raise invalid_request(PROMPT_REQUIRED, "prompt")
         self.prompt = prompt
-        if self.response_format is not None and self.response_format != {"type": "text"}:  # vLLM takes it here
-            raise invalid_request(
-                "'response_format' is not supported: this server does not constrain decoding; leave it out",
-                "response_format",
-            )
         if self.top_logprobs is not None:
             raise invalid_request(
                 "'top_logprobs' is a chat completions field: on /v1/completions, 'logprobs' is the number of "

@@ -48,7 +48,7 @@ from rag_lookahead.serve.responses import (
 )
 from rag_lookahead.serve.streaming import ClientGone, EngineStream, collect, stream
 from rag_lookahead.serve.tool_calls import ToolSetup, tool_setup
-from rag_lookahead.tokens import TextTracker, encode_messages
+from rag_lookahead.tokens import TextTracker
 
 __all__ = ["generation", "health_status", "status"]
 
@@ -180,23 +180,19 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request) -
         engine.config.model_name,
     )
     try:
-        prompt = await run_in_threadpool(_encode_chat, engine, messages, tools, body.chat_template_kwargs)
+        prompt = await run_in_threadpool(  # with tools, they go to the template and the answer opens with a call
+            engine.encode_chat,
+            messages,
+            tools=tools.tools,
+            answer_prefix=tools.opening,
+            template_variables=body.chat_template_kwargs,
+        )
     except Exception as e:  # a template that refuses this conversation (e.g. role order)
         raise _template_refusal(e) from None
     jobs = _submit(engine, checked_prompt(prompt, engine, "messages"), max_tokens, stop, body, http_request, tools)
     model = body.model or engine.config.model_name
     shape = ChatShape(_new_id("chatcmpl"), int(time.time()), model, _logprob_format(body, engine), tools)
     return await _respond(jobs, shape, bool(body.stream), body.include_usage, http_request, engine)
-
-
-def _encode_chat(engine: Engine, messages: list[dict], tools: ToolSetup, variables: dict | None) -> list[int]:
-    """The prompt ids; with tools, they go to the template and the answer opens with ``tools.opening``."""
-    if not tools.tools:
-        return engine.encode_chat(messages, variables)
-    with engine.tokenizer_lock:
-        return encode_messages(
-            engine.tokenizer, messages, tools=tools.tools, answer_prefix=tools.opening, template_variables=variables
-        )
 
 
 def _template_refusal(error: Exception) -> ApiError:
