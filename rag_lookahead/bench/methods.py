@@ -68,9 +68,8 @@ class Run:
     forwards: int | None = None  # decode forwards after the prefill (our loop only)
     mean_accepted: float | None = None
     accepted_histogram: dict[int, int] | None = None  # tokens gained in one decode step -> steps (our loop only)
-    first_tokens: int = (
-        1  # tokens that came with the first forward (transformers' prompt lookup may verify drafts there)
-    )
+    # tokens that came with the first forward (transformers' prompt lookup may verify drafts there)
+    first_tokens: int = 1
 
     @property
     def decode_seconds(self) -> float:
@@ -128,9 +127,8 @@ class FirstTokenClock:
         self.calls += 1
         if self.calls == 2 and self.first is None:  # the first call carries the prompt
             self.first = time.perf_counter()
-            self.first_tokens = max(
-                int(value.numel()), 1
-            )  # assisted generation may accept drafts in its prefill forward
+            # assisted generation may accept drafts in its prefill forward
+            self.first_tokens = max(int(value.numel()), 1)
 
     def end(self) -> None:
         pass
