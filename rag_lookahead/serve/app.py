@@ -172,7 +172,7 @@ def make_server(app: FastAPI, engine: Engine, **uvicorn_options):
         timeout_graceful_shutdown=CLOSE_GRACE_SECONDS,
         # h11 caps a request head (httptools read a 160 MiB header unbounded, stalling the loop for seconds);
         # its protocol here also times a head out (uvicorn's never does: slowloris)
-        http=h11_with_limits(config.head_timeout, config.max_connections),
+        http=h11_with_limits(config.head_timeout, config.max_connections, engine.metrics.connection_closed),
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
     )
     options.update(uvicorn_options)

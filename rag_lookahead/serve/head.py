@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
 
 import h11
@@ -45,6 +46,8 @@ class HeadTimeoutProtocol(H11Protocol):
 
     head_timeout: float = 30.0
     max_connections: int | None = None
+    #: told the reason ("too_many_connections", "head_timeout") of each connection closed here
+    on_closed: Callable[[str], None] | None = None
 
     _refused = False
     _head_timer: asyncio.TimerHandle | None = None
@@ -65,6 +68,7 @@ class HeadTimeoutProtocol(H11Protocol):
         global _lingering
         self._refused = True
         self.connections.discard(self)
+        self._count("too_many_connections")
         log.debug("refused a connection from %s: max_connections=%d", self.client, self.max_connections)
         self._send_error(too_many_connections(self.max_connections))
         if _lingering >= MAX_LINGERING or not transport.can_write_eof():
@@ -122,6 +126,7 @@ class HeadTimeoutProtocol(H11Protocol):
         if self.transport.is_closing():
             return
         log.debug("closing %s: no complete request within %g s (%s)", self.client, self.head_timeout, kind)
+        self._count("head_timeout")
         if kind == "head" and self.conn.our_state is h11.IDLE and self.conn.trailing_data[0]:
             self._send_error(head_timed_out(self.head_timeout))
         try:
@@ -129,6 +134,10 @@ class HeadTimeoutProtocol(H11Protocol):
         except h11.LocalProtocolError:
             pass
         self.transport.close()
+
+    def _count(self, reason: str) -> None:
+        if self.on_closed is not None:
+            self.on_closed(reason)
 
     def _send_error(self, error: ApiError) -> None:
         """Answer ``error`` with no handler, as the connection is about to close."""
@@ -153,7 +162,14 @@ class HeadTimeoutProtocol(H11Protocol):
             pass
 
 
-def h11_with_limits(head_timeout: float, max_connections: int | None) -> type[HeadTimeoutProtocol]:
-    """The protocol class for uvicorn's ``http=`` option, with these limits."""
-    limits = {"head_timeout": float(head_timeout), "max_connections": max_connections}
+def h11_with_limits(
+    head_timeout: float, max_connections: int | None, on_closed: Callable[[str], None] | None = None
+) -> type[HeadTimeoutProtocol]:
+    """The protocol class for uvicorn's ``http=`` option, with these limits; ``on_closed`` counts
+    the connections it closes (the server's ``/metrics``)."""
+    limits = {
+        "head_timeout": float(head_timeout),
+        "max_connections": max_connections,
+        "on_closed": staticmethod(on_closed) if on_closed is not None else None,
+    }
     return type("H11WithLimits", (HeadTimeoutProtocol,), limits)

@@ -46,6 +46,12 @@ class Metrics:
             "HTTP requests by endpoint and status code (499: the client left before the answer).",
             ("endpoint", "status"),
         )
+        self.connections_closed = counter(
+            "rag_lookahead_connections_closed_total",
+            "Connections the server closed before any handler saw a request: too_many_connections"
+            " (--max-connections, answered 503) or head_timeout (--head-timeout; 408 when a head was begun).",
+            ("reason",),
+        )
         self.tokens_generated = counter("rag_lookahead_tokens_generated_total", "Tokens generated over all requests.")
         self.forward_passes = counter("rag_lookahead_forward_passes_total", "Batched decode forwards (after prefills).")
         self.prefills = counter(
@@ -99,6 +105,10 @@ class Metrics:
     def request(self, endpoint: str, status: int) -> None:
         """Count one HTTP response."""
         self.requests.labels(endpoint if endpoint in ENDPOINTS else "other", str(status)).inc()
+
+    def connection_closed(self, reason: str) -> None:
+        """Count one connection the protocol closed on its own (see :mod:`rag_lookahead.serve.head`)."""
+        self.connections_closed.labels(reason).inc()
 
     def prefill(self, seconds: float, prompt_tokens: int) -> None:
         self.prefills.inc()

@@ -133,6 +133,17 @@ def test_a_head_that_trickles_in_is_cut_off_after_the_head_timeout(tokenizer):
                 time.sleep(1)
         reply = httpx.post(f"{base}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=30)
         assert reply.status_code == 200, reply.text
+        assert closed_by_server(base) == {"head_timeout": 4.0}  # the two trickles, the silent one, the leftover body
+
+
+def closed_by_server(base: str) -> dict[str, float]:
+    """``/metrics``' count of connections the server closed before a handler saw them, by reason."""
+    counts = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("rag_lookahead_connections_closed_total{"):
+            labels, _, value = line.partition("} ")
+            counts[labels.split('reason="')[1].rstrip('"')] = float(value)
+    return counts
 
 
 def health_latencies(base: str, stop: threading.Event, out: list) -> None:
@@ -296,6 +307,7 @@ def test_connections_past_max_connections_get_503_and_are_closed(tokenizer):
                 s.close()
         time.sleep(0.3)  # closed: their places are free again
         assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        assert closed_by_server(base) == {"too_many_connections": 4.0}  # counted where no handler sees them
 
 
 @pytest.mark.parametrize(
