@@ -67,8 +67,17 @@ class TextTracker:
 
     def text(self, count: int | None = None) -> str:
         """The text of the first ``count`` ids (all of them when None)."""
-        ids = [t for t in self.ids[:count] if t not in self.eos]
-        return self.prefix + self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self._text_of(self.ids[:count])
+
+    def _text_of(self, ids: Sequence[int]) -> str:
+        kept = [t for t in ids if t not in self.eos]
+        return self.prefix + self.tokenizer.decode(kept, skip_special_tokens=True)
+
+    def would_stop(self, tokens: Sequence[int]) -> bool:
+        """Whether the ids taken so far plus ``tokens`` (drawn, not taken yet) hold a stop string:
+        a sampled row asks this after each draw, so that no draw is spent past the stop
+        (the generator must stand where one-token-a-step decoding leaves it)."""
+        return self.stopped or (bool(self.stop) and self._holds_stop_in([*self.ids, *(int(t) for t in tokens)]))
 
     def final_text(self) -> str:
         text = self.text()
@@ -100,7 +109,10 @@ class TextTracker:
         return piece
 
     def _holds_stop(self, count: int) -> bool:
-        answer = self.text(count)[len(self.prefix) :]
+        return self._holds_stop_in(self.ids[:count])
+
+    def _holds_stop_in(self, ids: Sequence[int]) -> bool:
+        answer = self._text_of(ids)[len(self.prefix) :]
         return len(cut_at_stop(answer, self.stop)) < len(answer)
 
     def rest(self) -> str:

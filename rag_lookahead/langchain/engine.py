@@ -212,6 +212,9 @@ class Engine:
                 return True
             return tracker.stopped or (cancel is not None and cancel.is_set())
 
+        def stop_check(row: int, drawn: list[int]) -> bool:  # sampled rows: no draw past a stop string
+            return trackers[row].would_stop(drawn)
+
         ids, mask = left_pad([r.ids for r in rows], self.pad)
         references = [r.references for r in rows]
         with self._decoding:
@@ -228,6 +231,7 @@ class Engine:
                 pad_token_id=self.pad,
                 output_pool=self.output_pool,
                 on_tokens=on_tokens,
+                stop_check=stop_check if any(t.stop for t in trackers) else None,
                 **sampling,
             )
         timed_out = [

@@ -199,6 +199,26 @@ def test_sampling_with_a_seed_is_reproducible_and_lossless(default_model_fp32):
     assert llm.batch([prompt, PROMPTS[0]], temperature=0.8, top_p=0.9, seed=7)[0] == first
 
 
+def test_a_seedless_sample_draws_nothing_past_its_stop_string(default_model_fp32):
+    """Without a seed a sampled row draws from torch's global generator, as transformers does; a
+    block was drawn whole and then cut at the stop string, so the draws past the cut moved the
+    generator and the caller's next sample differed from what one-token-a-step decoding leaves."""
+    import torch
+
+    llm = _default_llm(default_model_fp32)
+    prompt, options = PROMPTS[2], {"temperature": 0.3, "max_new_tokens": 32}
+    torch.manual_seed(11)
+    whole = llm.generate([prompt], **options).generations[0][0]
+    assert whole.generation_info["mean_accepted"] > 2  # blocks of several draws, so a cut can fall inside one
+    stop = whole.text[len(whole.text) // 3 :][:2]
+    after = {}
+    for lookahead in (False, True):  # off: one draw a step, the draws model.generate makes
+        torch.manual_seed(11)
+        text = llm.invoke(prompt, stop=[stop], enable_lookahead=lookahead, **options)
+        after[lookahead] = (text, torch.rand(4).tolist())
+    assert after[True] == after[False] and after[True][0] == whole.text[: whole.text.find(stop)]
+
+
 def test_sampling_fields_and_bad_values(default_model):
     model, tokenizer = default_model
     hot = LookaheadLLM(model=model, tokenizer=tokenizer, max_new_tokens=8, temperature=1.0, seed=3)
