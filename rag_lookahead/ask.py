@@ -97,6 +97,10 @@ def answer(
     check_question_text(question)  # before anything loads
     _check_sampling(temperature, top_p, seed)
     folder = expand_user(index_dir, "--index-dir") if index_dir else default_index_dir()
+    if llm is None:
+        from rag_lookahead.models import check_embedded_installed
+
+        check_embedded_installed(model)  # a missing optional model: said before the sample index is built
     index = ensure_index(folder, quiet=quiet, build_bundled=not index_dir)  # only the default folder gets the sample
     if llm is None:
         from rag_lookahead.langchain.llm import LookaheadLLM

