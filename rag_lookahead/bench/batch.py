@@ -52,6 +52,7 @@ from rag_lookahead.checks import positive_int
 from rag_lookahead.cpu_linear import stock_linears
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
+from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.errors import ConfigError
 from rag_lookahead.output_files import save_report
 
@@ -123,14 +124,17 @@ class Workload:
         config = self.config.replace(
             enabled=method != "plain", branch_length=self.depths.get(method, self.config.branch_length)
         )
+        # every run from the same acceptance prior, not the one the run before it (another level,
+        # depth or pass) left in the model's profile
+        profile_of(self.model).drafts_met.clear()
         return run_continuous(self.model, self.requests, level, self.max_new_tokens, self.eos, self.pad, config)
 
 
 def measure(work: Workload, methods: list[str], levels: list[int], repeats: int) -> tuple[list[dict], dict]:
     """One row per (pass, level, method); and the single-request greedy outputs (transformers',
     ``hf_greedy`` at concurrency 1, first pass) that every row is compared with once all have run.
-    Without that run there is nothing to compare with: ``identical_to_single`` is None, never a
-    method compared with itself."""
+    Without that run they are decoded after the timed ones, untimed, so every figure is checked;
+    the row that is the reference shows "-", never itself as identical."""
     results, outputs = [], []
     for repeat, level in ((r, c) for r in range(repeats) for c in levels):
         for method in methods:
@@ -153,20 +157,26 @@ def measure(work: Workload, methods: list[str], levels: list[int], repeats: int)
             results.append(row)
             outputs.append(produced)
             print(row, flush=True)
-    single = single_outputs(results, outputs)
-    for row, produced in zip(results, outputs):
-        same = sum(o == single[i] for i, o in enumerate(produced)) if single else None
-        row["identical_to_single"] = None if same is None else f"{same}/{len(produced)}"
+    reference = single_reference(results)
+    if reference is None:
+        print("decoding each request alone with transformers (untimed), to check every run against it", flush=True)
+        produced, _, _ = run_hf_waves(work.model, work.requests, 1, work.max_new_tokens, work.eos, work.pad)
+        single = dict(enumerate(produced))
+    else:
+        single = dict(enumerate(outputs[reference]))
+    for n, (row, produced) in enumerate(zip(results, outputs)):
+        same = sum(o == single[i] for i, o in enumerate(produced))
+        row["identical_to_single"] = "-" if n == reference else f"{same}/{len(produced)}"
     return results, single
 
 
-def single_outputs(results: list[dict], outputs: list[list[list[int]]]) -> dict[int, list[int]]:
-    """Request -> transformers' greedy output run alone (the first ``hf_greedy`` row at concurrency
-    1); empty when no such row ran."""
-    for row, produced in zip(results, outputs):
+def single_reference(results: list[dict]) -> int | None:
+    """The row whose outputs are transformers' greedy run alone (the first ``hf_greedy`` row at
+    concurrency 1), or None when no such row ran."""
+    for n, row in enumerate(results):
         if row["method"] == "hf_greedy" and row["concurrency"] == 1:
-            return dict(enumerate(produced))
-    return {}
+            return n
+    return None
 
 
 def add_speedups(results: list[dict]) -> None:

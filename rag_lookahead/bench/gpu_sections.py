@@ -159,6 +159,7 @@ def check_exact(
         "config": config,
         "eos_token_id": list(eos) or None,
         "pad_token_id": pad,
+        "repetition_penalty": 1.0,  # plain greedy, as hf_batched decodes
     }
     single = []
     accepted = []

@@ -13,7 +13,6 @@ identical to the "off" answer.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -36,6 +35,7 @@ from rag_lookahead.bench.common import (
     run_command,
     same_answer,
 )
+from rag_lookahead.bench.session import accepted, fresh_acceptance, run_record
 from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.rag"
@@ -80,17 +80,21 @@ def ask_every_way(model, tokenizer, index, model_name: str, k_prompt: int, k_see
     session = llm()
     chain(llm(), k_seed).invoke(QUESTIONS[0])  # warm-up
     rows, per_mode = [], {m: [] for m in MODES}
+    asked = {
+        "off": lambda q: chain(llm(), k_prompt).invoke({"question": q, "enable_lookahead": False}),
+        "prompt": lambda q: chain(llm(), k_prompt).invoke(q),
+        "seeded": lambda q: chain(llm(), k_seed).invoke(q),
+        "session": lambda q: chain(session, k_seed).invoke(q),
+    }
     for question in QUESTIONS:
-        runs = {
-            "off": chain(llm(), k_prompt).invoke({"question": question, "enable_lookahead": False}),
-            "prompt": chain(llm(), k_prompt).invoke(question),
-            "seeded": chain(llm(), k_seed).invoke(question),
-            "session": chain(session, k_seed).invoke(question),
-        }
+        runs = {}
+        for mode, ask in asked.items():
+            with fresh_acceptance(model):  # each mode from the same prior, not the one learned just before
+                runs[mode] = ask(question)
         row = {"question": question}
         for mode, result in runs.items():
             stats = result["stats"]
-            same = same_answer(result, runs["off"])
+            same = None if mode == "off" else same_answer(result, runs["off"])  # not "off" against itself
             per_mode[mode].append((stats, same))
             row[mode] = {
                 "new_tokens": stats.get("new_tokens"),
@@ -111,8 +115,8 @@ def summarize_modes(per_mode: dict[str, list]) -> list[dict]:
             {
                 "mode": mode,
                 "decode tok/s": round(decode_speed(s for s, _ in items), 2),
-                "mean accepted": round(statistics.mean(s.get("mean_accepted", 0.0) for s, _ in items), 3),
-                "identical to off": f"{sum(same for _, same in items)}/{len(items)}",
+                "mean accepted": round(accepted([run_record({"stats": s}) for s, _ in items]), 3),  # pooled
+                "identical to off": "-" if mode == "off" else f"{sum(same for _, same in items)}/{len(items)}",
             }
         )
     return summary

@@ -15,10 +15,13 @@ identical (the pool changes drafts, never tokens).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import random
 import statistics
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Annotated
@@ -47,10 +50,18 @@ PROG = "python -m rag_lookahead.bench.session"
 
 
 def session_questions(items, count: int, seed: int = 0) -> list[str]:
-    """``count`` of the dataset's questions in a fixed shuffled order, cycled when it has fewer."""
-    questions = [q for item in items for q in item.questions]
+    """``count`` of the dataset's distinct questions in a fixed shuffled order, cycled (with a
+    warning) when it has fewer: a repeated question drafts from its own earlier answer in the pool,
+    which no new user's question can."""
+    questions = list(dict.fromkeys(q for item in items for q in item.questions))
     if not questions:
         raise InputError("the dataset has no questions")
+    if count > len(questions):
+        print(
+            f"warning: the dataset has {len(questions)} distinct questions; past that they repeat, and a"
+            " repeat drafts from its own earlier answer",
+            file=sys.stderr,
+        )
     random.Random(seed).shuffle(questions)
     return [questions[i % len(questions)] for i in range(count)]
 
@@ -118,6 +129,22 @@ def summarize_blocks(records: list[dict], block: int) -> list[dict]:
     return rows
 
 
+@contextlib.contextmanager
+def fresh_acceptance(model) -> Iterator[None]:
+    """Run the block from the acceptance prior a new process starts with; the model's learned
+    rates (``ModelProfile.drafts_met``) are put back afterwards."""
+    from rag_lookahead.decoding.profile import profile_of
+
+    profile = profile_of(model)
+    learned = copy.deepcopy(profile.drafts_met)
+    profile.drafts_met.clear()
+    try:
+        yield
+    finally:
+        profile.drafts_met.clear()
+        profile.drafts_met.update(learned)
+
+
 def ask_session(
     model,
     tokenizer,
@@ -149,7 +176,8 @@ def ask_session(
         result = chain(session).invoke(question)
         record = run_record(result) | {"question": question, "pool_nodes": session.output_pool.nodes}
         if control_every and (i + 1) % control_every == 0:
-            control = chain(fresh_llm()).invoke(question)
+            with fresh_acceptance(model):  # a new process's prior, not the one the session just learned
+                control = chain(fresh_llm()).invoke(question)
             record["fresh"] = run_record(control)
             record["identical"] = same_answer(control, result)
         records.append(record)

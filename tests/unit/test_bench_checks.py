@@ -201,11 +201,56 @@ def test_batch_rows_are_compared_with_transformers_greedy_alone_or_not_at_all():
 
     requests = [[3, 4, 5, 3, 4, 5, 3], [7, 8, 9, 10]]
     work = Workload(tiny_model("qwen2"), [], 0, requests, LookaheadConfig(), {}, 6)
-    rows, single = measure(work, ["lookahead"], [1], 1)
-    assert rows[0]["identical_to_single"] is None and single == {}
+    # no transformers run alone among the timed ones (the README's --concurrency 4,16): decoded after, untimed
+    rows, single = measure(work, ["lookahead"], [2], 1)
+    assert rows[0]["identical_to_single"] == "2/2" and len(single) == 2
     rows, single = measure(work, ["lookahead", "hf_greedy"], [1], 1)  # the reference runs after lookahead
-    assert [r["identical_to_single"] for r in rows] == ["2/2", "2/2"]
+    assert [r["identical_to_single"] for r in rows] == ["2/2", "-"]  # the reference is not "identical" to itself
     assert len(single) == 2 and all(len(out) == 6 for out in single.values())
+
+
+def test_batch_runs_start_from_the_same_acceptance_prior():
+    """Each lookahead run inherited the rates the run before it (another level, depth or pass) had
+    learned in the model's profile, which favoured the later ones."""
+    from rag_lookahead.bench.batch import Workload
+    from rag_lookahead.decoding.config import LookaheadConfig
+    from rag_lookahead.decoding.draft import DraftTree
+    from rag_lookahead.decoding.profile import profile_of
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("qwen2")
+    work = Workload(model, [], 0, [[3, 4, 5, 3, 4, 5, 3]], LookaheadConfig(budget="fixed"), {}, 6)
+    work.run("lookahead", 1)
+    after_one = repr(profile_of(model).drafts_met)
+    rejected = DraftTree(tokens=[1], parents=[-1], depths=[1], probs=[1.0])
+    for _ in range(20):  # as if an earlier run had learned that drafts fail
+        profile_of(model).drafts_met["TrieDrafter"].observe(rejected, [])
+    assert repr(profile_of(model).drafts_met) != after_one
+    work.run("lookahead", 1)
+    assert repr(profile_of(model).drafts_met) == after_one
+
+
+def test_rag_bench_pools_mean_accepted_and_does_not_compare_off_with_itself():
+    """The summary averaged each answer's own ratio (a 1-token answer counted 0.0) and showed "off"
+    identical to itself."""
+    from rag_lookahead.bench.rag import MODES, summarize_modes
+
+    long, short = {"new_tokens": 101, "forward_passes": 20, "decode_seconds": 2.0}, {"new_tokens": 1}
+    per_mode = {
+        mode: [(long, None if mode == "off" else True), (short, None if mode == "off" else False)] for mode in MODES
+    }
+    rows = {row["mode"]: row for row in summarize_modes(per_mode)}
+    assert rows["seeded"]["mean accepted"] == 5.0  # 100 tokens after the first over 20 forwards
+    assert rows["off"]["identical to off"] == "-" and rows["seeded"]["identical to off"] == "1/2"
+
+
+def test_session_questions_are_distinct_and_a_repeat_is_warned_of(capsys):
+    from rag_lookahead.bench.retrieval import Item
+    from rag_lookahead.bench.session import session_questions
+
+    items = [Item("a", "zh", "p1", ["q1", "q2"]), Item("b", "zh", "p2", ["q1", "q3"])]  # q1 twice in the data
+    assert sorted(session_questions(items, 3)) == ["q1", "q2", "q3"] and capsys.readouterr().err == ""
+    assert len(set(session_questions(items, 4))) == 3 and "3 distinct questions" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- JSONL lines end at "\n" only
@@ -413,3 +458,18 @@ def test_quality_key_terms_are_in_their_gold_passage_and_defaults_match_the_code
     for name, value in defaults.items():
         (question,) = [q for q in QUESTIONS if name in q.text and ("default" in q.text or "默认" in q.text)]
         assert question.key_terms == (str(value),)
+
+
+def test_transformers_batched_greedy_is_plain_greedy_whatever_the_generation_config():
+    """A repetition penalty in the model's generation config (hub Qwen2.5 ships 1.05-1.1) stayed on
+    in transformers' side only: "greedy" that was not, against the engine's plain greedy rows."""
+    from rag_lookahead.bench.batch import run_continuous
+    from rag_lookahead.bench.common import hf_batched
+    from rag_lookahead.decoding.config import LookaheadConfig
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("qwen2")
+    model.generation_config.repetition_penalty = 1.5
+    requests = [[3, 4, 5, 3, 4, 5, 3], [7, 8, 9, 10]]
+    ours, _, _ = run_continuous(model, requests, 2, 12, [], 0, LookaheadConfig())
+    assert hf_batched(model, requests, 12, [], 0) == ours
