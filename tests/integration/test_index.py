@@ -1003,6 +1003,38 @@ def test_a_text_in_two_files_is_one_passage_with_both_sources(tmp_path, embedder
     assert sorted([doc.metadata["source"], *doc.metadata["also_in"]]) == ["copy/tea.md", "tea.md"]
 
 
+def test_a_paragraph_repeated_in_many_files_leaves_room_for_k_passages(tmp_path, embedder):
+    """Each ranking was cut to its 50 best chunks before copies were merged: a footer in 55 files
+    filled all 50, and a search for k=4 returned one passage, its also_in missing files."""
+    footer = (
+        "本合同一式两份，双方各执一份，具有同等法律效力。如有争议，双方应协商解决；"
+        + "协商不成的，提交当地仲裁委员会仲裁。"
+    )
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for n in range(55):
+        body = f"第{n}号采购合同：甲方向乙方采购钢材{n + 3}批，总金额{(n + 1) * 1000}元，交货地点为北京仓库。" * 12
+        (corpus / f"c{n:02d}.txt").write_text(body[:380] + "\n\n" + footer + "\n", encoding="utf-8")
+    build(corpus, tmp_path / "index", embedder)
+    index = ix.load_index(tmp_path / "index", embedder)
+    assert sum(r["text"] == footer for r in index.records) == 55
+    for mode in ("hybrid", "dense", "lexical"):
+        hits = index.search("合同争议如何解决，是否提交仲裁", k=4, mode=mode)
+        assert len({h.text for h in hits}) == len(hits) == 4, mode
+        (copied,) = [h for h in hits if h.text == footer]
+        assert sorted([copied.source, *copied.also_in]) == [f"c{n:02d}.txt" for n in range(55)], mode
+
+
+@pytest.mark.parametrize("query", ["…", "\u200b", "？！", "——"])
+def test_a_query_with_no_letters_or_digits_is_refused(built, embedder, query):
+    """Such a query passed the empty check, and dense search ranked passages by noise."""
+    from rag_lookahead.errors import InputError
+
+    index = ix.load_index(built[1], embedder)
+    with pytest.raises(InputError, match="no letters or digits"):
+        index.search(query)
+
+
 @pytest.mark.parametrize("k", [0, -1, 2.0, "3", None, True])
 def test_search_refuses_a_k_that_is_not_a_positive_int(built, embedder, k):
     from rag_lookahead.errors import ConfigError
