@@ -41,9 +41,13 @@ def read_questions(path: Path) -> list[str]:
             q = json.loads(line)["question"]
         except (ValueError, KeyError, TypeError) as e:
             raise InputError(f"{path}:{lineno}: expected a JSON object with a 'question' ({e})") from None
-        if not isinstance(q, str) or not q.strip():
+        if not isinstance(q, str):
+            raise InputError(f"{path}:{lineno}: the question must be a string, got {type(q).__name__}")
+        if not q.strip():
             raise InputError(f"{path}:{lineno}: the question is empty")
         questions.append(q.strip())
+    if not questions:  # before the model loads, and no empty answers file its own rerun would refuse
+        raise InputError(f"{path} holds no questions (one JSON object with a 'question' a line)")
     return questions
 
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rag_lookahead.ask import ensure_index
+from rag_lookahead.ask import StdoutClosed, ensure_index, silence_stdout
 from rag_lookahead.errors import RagLookaheadError, first_line
 from rag_lookahead.rag.index import DocumentIndex, default_index_dir
 
@@ -36,9 +36,19 @@ def open_index(args: argparse.Namespace) -> DocumentIndex:
 
 def run(main: Callable[[], None]) -> None:
     """Run a pipeline's ``main``; our errors (no index, a model that will not load, a bad option)
-    print one line and exit 1, as the ``rag_lookahead`` commands do."""
+    print one line and exit 1, as the ``rag_lookahead`` commands do; Ctrl-C says "interrupted"
+    (exit 130) and a reader that left the pipe (``| head``) ends it quietly (exit 1), no traceback."""
     try:
         main()
     except RagLookaheadError as err:
         print(f"error: {first_line(err)}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except (BrokenPipeError, StdoutClosed):
+        silence_stdout()
+        raise SystemExit(1) from None
+    except OSError as err:  # a disk that filled up, a folder that went away: one line, not a traceback
+        print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from None

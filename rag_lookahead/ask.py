@@ -9,6 +9,7 @@ stats. ``--json`` prints one JSON object instead. Same options as ``rag_lookahea
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,16 @@ from typing import Any
 from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
 from rag_lookahead.paths import expand_user
 
-__all__ = ["StdoutClosed", "bundled_corpus", "ensure_index", "answer", "print_result", "token_printer", "main"]
+__all__ = [
+    "StdoutClosed",
+    "bundled_corpus",
+    "ensure_index",
+    "answer",
+    "print_result",
+    "silence_stdout",
+    "token_printer",
+    "main",
+]
 
 
 def bundled_corpus() -> Path:
@@ -148,6 +158,16 @@ class StdoutClosed(BaseException):
     """stdout's reader went away while the answer streamed (``ask --stream | head``). Not an
     ``Exception``: LangChain's callback manager logs and swallows those, once per block, and the
     decode went on to --max-new-tokens with nobody reading."""
+
+
+def silence_stdout() -> None:
+    """stdout's reader went away: point stdout at /dev/null, so Python's final flush at exit does
+    not print a BrokenPipeError of its own."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (lives until exit)
 
 
 def token_printer():

@@ -210,13 +210,9 @@ def _lenient(stream: Any) -> None:
 
 def _stdout_gone() -> NoReturn:
     """stdout's reader went away: exit 1 quietly, and keep Python's final flush from complaining."""
-    import os
+    from rag_lookahead.ask import silence_stdout
 
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (lives until exit)
+    silence_stdout()
     raise typer.Exit(1)
 
 

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ def check_output_file(
     if not folder.is_dir():
         reason = "is not a folder" if folder.exists() else "does not exist"
         raise ConfigError(f"{option} {str(path)!r}: its folder {str(folder)!r} {reason}")
+    _check_writable(folder, option, path)
     for source in inputs:
         if source is not None and _same_file(target, Path(source)):
             raise ConfigError(f"{option} {str(path)!r} is this run's input {str(source)!r}; give another path")
@@ -51,6 +53,19 @@ def check_output_file(
             f"{option} {str(path)!r} exists and this command did not write it; "
             "remove it or give another path (nothing was changed)"
         )
+
+
+def _check_writable(folder: Path, option: str, path: str | Path) -> None:
+    """A file of our own made and removed in ``folder``: a folder the run cannot write (read-only,
+    /proc) is said now, not after the whole run when its results are to be saved."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".rag_lookahead-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(
+            f"{option} {str(path)!r}: cannot write in its folder {str(folder)!r} ({e.strerror or e})"
+        ) from None
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -48,6 +48,9 @@ BAD_BATCH_ARGS = [  # (arguments after the script, the one error line's start); 
     (["{d}/q.jsonl", "{d}/notes.txt"], "error: answers '{d}/notes.txt' exists and this command did not write it"),
     (["{d}/q.jsonl", "{d}/q.jsonl"], "error: answers '{d}/q.jsonl' is this run's input"),
     (["{d}/q.jsonl", "{d}"], "error: answers '{d}' is a folder"),
+    (["{d}/q.jsonl", "/proc/answers.jsonl"], "error: answers '/proc/answers.jsonl': cannot write in its folder"),
+    (["{d}/blank.jsonl", "{d}/out.jsonl"], "error: {d}/blank.jsonl holds no questions"),
+    (["{d}/number.jsonl", "{d}/out.jsonl"], "error: {d}/number.jsonl:1: the question must be a string, got int"),
 ]
 
 
@@ -59,6 +62,8 @@ def test_batch_answers_refuses_bad_arguments_in_one_line_and_changes_nothing(tmp
     (tmp_path / "q.jsonl").write_text('{"question": "What does budget do?"}\n', encoding="utf-8")
     (tmp_path / "utf16.jsonl").write_bytes('{"question": "q"}\n'.encode("utf-16"))
     (tmp_path / "notes.txt").write_text("my notes", encoding="utf-8")
+    (tmp_path / "blank.jsonl").write_text("\n  \n", encoding="utf-8")  # wrote an empty answers file its rerun refused
+    (tmp_path / "number.jsonl").write_text('{"question": 5}\n', encoding="utf-8")
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     out = subprocess.run(
         [sys.executable, str(PIPELINES / "batch_answers.py"), *(a.format(d=tmp_path) for a in argv)],
@@ -89,3 +94,33 @@ def test_only_our_own_answers_file_may_be_replaced(tmp_path, monkeypatch, lines,
     path = tmp_path / "answers.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     assert is_answers_file(path) is ours
+
+
+def test_a_pipeline_interrupted_or_cut_off_by_its_reader_ends_without_a_traceback(monkeypatch, capsys):
+    """Ctrl-C printed a 30-line KeyboardInterrupt traceback, `chat_stream.py | head` a BrokenPipeError."""
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    import rag_args
+
+    monkeypatch.setattr(rag_args, "silence_stdout", lambda: None)
+
+    def raising(error):
+        def main():
+            raise error
+
+        return main
+
+    for error, code, said in (
+        (KeyboardInterrupt(), 130, "interrupted"),
+        (BrokenPipeError(), 1, ""),
+        (OSError(28, "No space left on device"), 1, "error: [Errno 28] No space left on device"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            rag_args.run(raising(error))
+        assert exit_.value.code == code and capsys.readouterr().err.strip() == said
+
+
+def test_an_input_file_with_a_byte_order_mark_reads_as_its_text(tmp_path):
+    from rag_lookahead.rag.corpus import read_input_text
+
+    (tmp_path / "q.jsonl").write_bytes(b"\xef\xbb\xbf" + '{"question": "问题"}\n'.encode())
+    assert read_input_text(tmp_path / "q.jsonl") == '{"question": "问题"}\n'
