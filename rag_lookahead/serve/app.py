@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -134,13 +135,18 @@ async def _internal_error(request: Request, err: Exception) -> Response:
 # ---------------------------------------------------------------- running it
 
 
-async def drain(engine: Engine, seconds: float) -> None:
+async def drain(engine: Engine, seconds: float, cut_short: Callable[[], bool] = lambda: False) -> None:
     """Stop admitting; wait until the accepted requests are answered or ``seconds`` pass (then the
     engine fails the rest, and their handlers answer at once; uvicorn's own shutdown then waits
-    for those responses to go out)."""
+    for those responses to go out). Once ``cut_short()`` (a second Ctrl-C) the rest fail at once."""
     engine.begin_drain(seconds)
     deadline = time.monotonic() + seconds + CLOSE_GRACE_SECONDS
     while engine.alive and not engine.idle and time.monotonic() < deadline:
+        if cut_short():
+            log.info("second interrupt: ending the requests still running now")
+            engine.begin_drain(0)
+            deadline = min(deadline, time.monotonic() + CLOSE_GRACE_SECONDS)
+            cut_short = lambda: False  # noqa: E731 (once)
         await asyncio.sleep(0.05)
 
 
@@ -162,7 +168,10 @@ def make_server(app: FastAPI, engine: Engine, **uvicorn_options):
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
             log.info("shutting down: draining for up to %.0f s", config.drain_seconds)
-            await drain(engine, config.drain_seconds)
+            await drain(engine, config.drain_seconds, cut_short=lambda: self.force_exit)  # uvicorn: a second Ctrl-C
+            # what ran has ended: shut down in order (uvicorn's forced exit skips the app's shutdown
+            # and logs a CancelledError traceback)
+            self.force_exit = False
             await super().shutdown(sockets)
 
     options = dict(

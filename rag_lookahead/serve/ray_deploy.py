@@ -281,7 +281,9 @@ def _connect(ray, options: Mapping[str, Any]) -> None:
     if ray.is_initialized():
         return
     try:
-        ray.init(**dict(options))
+        # no dashboard for a local Ray: nobody reads it, and its 9 processes left a /tmp/pymp-* folder
+        # behind per run (ignored when joining a cluster)
+        ray.init(**{"include_dashboard": False, **dict(options)})
     except Exception as err:
         address = os.environ.get("RAY_ADDRESS")
         where = f"reach the Ray cluster at RAY_ADDRESS={address}" if address else "start a local Ray"
@@ -298,6 +300,12 @@ def _check_serve_free(serve, config: ServerConfig) -> None:
             "--replicas`): stop that one first"
         )
     running = _serve_address(serve)
+    if running is None:  # Serve starts its proxy here: anything already on the port is not ours
+        from rag_lookahead.serve.command import listening_socket
+
+        # Ray's proxy binds with SO_REUSEPORT, so a second local Ray's proxy would share the port with
+        # the first (another `serve --replicas`) and the two servers would split the traffic
+        listening_socket(config.host, config.port).close()
     if running is not None and running != (config.host, config.port):
         host, port = running
         raise ConfigError(

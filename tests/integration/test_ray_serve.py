@@ -227,6 +227,25 @@ def test_replicas_refuse_port_zero_before_starting_ray():
     assert "error: --port 0 (any free port) does not work with --replicas" in out.stderr
 
 
+@needs_ray
+def test_replicas_refuse_a_port_another_server_holds():
+    """Ray's proxy binds with SO_REUSEPORT: a second `serve --replicas` on the port of a first one
+    (each starting its own local Ray) started, and the two servers split the traffic between them."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code = (
+            "import os, sys\n"
+            "os.environ['RAY_USAGE_STATS_ENABLED'] = '0'\n"
+            "from rag_lookahead.serve import command\n"
+            f"code = command.main(['--replicas', '1', '--port', '{port}', '--replica-cpus', '1'])\n"
+            "print(code, __import__('ray').is_initialized())\n"
+        )
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert out.stdout.split()[-2:] == ["1", "False"], (out.stdout, out.stderr)
+    assert f"error: cannot listen on 127.0.0.1:{port}" in out.stderr
+
+
 def test_the_default_install_does_not_import_ray(monkeypatch):
     """``serve`` imports no Ray; ``--replicas`` without Ray is one line naming the extra (exit 1);
     ``--max-replicas`` alone is a bad setting (exit 2 under ``python -m rag_lookahead.serve``)."""

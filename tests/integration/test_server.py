@@ -411,6 +411,12 @@ def test_tiny_validation_health_metrics(tokenizer):
             assert health.status_code == 200 and health.json()["status"] == "ok"
             head = client.head("/health")  # load balancers probe with HEAD (it answered 405)
             assert head.status_code == 200 and head.content == b""
+            operations = [
+                op["operationId"]
+                for path in client.get("/openapi.json").json()["paths"].values()
+                for op in path.values()
+            ]
+            assert len(operations) == len(set(operations))  # GET and HEAD /health once had one id: clients refuse it
             assert client.get("/v1/models").json()["data"][0]["object"] == "model"
             r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

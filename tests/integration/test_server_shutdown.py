@@ -7,6 +7,7 @@ is left with an error and exits. Real tiny-model server: in a thread (uvicorn's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -113,8 +114,8 @@ from rag_lookahead.models import default_model_dir
 from rag_lookahead.serve import create_app, make_server
 from test_server import tiny_engine
 
-step = DecodeBatch.verify_and_accept
-DecodeBatch.verify_and_accept = lambda self, drafts: time.sleep(0.02) or step(self, drafts)
+step, pause = DecodeBatch.verify_and_accept, float(sys.argv.pop())  # seconds a step takes
+DecodeBatch.verify_and_accept = lambda self, drafts: time.sleep(pause) or step(self, drafts)
 engine = tiny_engine(AutoTokenizer.from_pretrained(str(default_model_dir())), max_tokens_limit=200, lookahead=False,
                      lookahead_config=None, drain_seconds=30)
 sock = socket.socket()
@@ -125,12 +126,17 @@ make_server(app, engine, log_level="warning").run(sockets=[sock])
 """
 
 
+def child_command(step_seconds: float) -> list[str]:
+    here = Path(__file__).resolve()
+    return [sys.executable, "-c", CHILD, str(here.parent), str(here.parents[1]), str(step_seconds)]
+
+
 def test_real_sigterm_lets_the_running_stream_finish(tokenizer):
     engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
     prompt = tiny_prompts(1, seed=53)[0]
     want = single_text(engine, prompt, 100)
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])],
+        child_command(step_seconds=0.02),
         stdout=subprocess.PIPE,
         cwd=Path(__file__).resolve().parents[2],
         text=True,
@@ -170,3 +176,45 @@ def _healthy(base: str) -> bool:
         return httpx.get(base + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_second_ctrl_c_ends_the_drain_at_once(tokenizer):
+    """A second SIGINT did not cut the 30 s drain short: the server waited for the running stream
+    (uvicorn's force-exit then skipped its own shutdown and logged a CancelledError traceback)."""
+    prompt = tiny_prompts(1, seed=53)[0]
+    child = subprocess.Popen(
+        child_command(step_seconds=0.2),  # 200 tokens: 40 s, longer than the test waits
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[2],
+        text=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{child.stdout.readline().strip()}"
+        asyncio.run(until(lambda: _healthy(base), timeout=120))
+
+        async def run() -> list:
+            events = []
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                body = {"prompt": prompt, "max_tokens": 200, "stream": True}
+                with contextlib.suppress(httpx.HTTPError):
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                events.append(line[6:])
+                                if len(events) == 2:
+                                    child.send_signal(signal.SIGINT)
+                                    await asyncio.sleep(0.5)
+                                    child.send_signal(signal.SIGINT)
+            return events
+
+        start = time.monotonic()
+        events = asyncio.run(run())
+        child.wait(15)
+        seconds = time.monotonic() - start
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait()
+    assert seconds < 15 and len(events) < 100, (seconds, len(events))
+    assert "CancelledError" not in child.stderr.read()  # the app's own shutdown ran
