@@ -22,7 +22,8 @@ metrics (``ray_serve_*``, on each node's Ray metrics port) count the whole deplo
 Differences from one process: past a replica's capacity requests wait in Ray's router, and
 beyond ``max_queue`` waiting there Ray answers 503 (one process answers 429). A replica that dies
 fails its running requests with an error at once (Ray's proxy answers 500, or a started stream
-ends early) and Ray starts another; the other replicas keep answering.
+ends early) and Ray starts another; the other replicas keep answering. On SIGTERM every replica
+drains as one process does (:func:`drain`) before the app is deleted.
 
 This module imports Ray only when a deployment starts, so the default install never does.
 """
@@ -35,6 +36,7 @@ import os
 import re
 import signal
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +57,7 @@ __all__ = [
     "replica_config",
     "run_on_ray",
     "settings_from_args",
+    "drain",
     "undeploy",
 ]
 
@@ -205,6 +208,7 @@ def deploy(config: ServerConfig, settings: RaySettings, ray_init: Mapping[str, A
     gpus = gpus_per_replica(config, settings, resources.get("GPU", 0.0))
     _check_fits(settings, gpus, resources)
     _check_serve_free(serve, config)
+    _forget_drain()
     from rag_lookahead.serve.ray_replica import LookaheadReplica
 
     threads = 0 if gpus else max(1, int(settings.num_cpus))
@@ -228,10 +232,57 @@ def deploy(config: ServerConfig, settings: RaySettings, ray_init: Mapping[str, A
     return f"http://{host}:{config.port}"
 
 
+#: Ray's key-value store (its GCS), namespace of the drain: the driver sets DRAIN_KEY to the drain's
+#: seconds, each replica's engine drains, and each writes DRAINED_PREFIX + its id once it is idle
+KV_NAMESPACE = "rag_lookahead"
+DRAIN_KEY = b"drain"
+DRAINED_PREFIX = b"drained:"
+
+
 def undeploy() -> None:
-    """Stop this app's replicas (each drains for ``drain_seconds``); other Serve apps keep running."""
+    """Stop this app's replicas at once (Ray lets each finish what it runs for ``drain_seconds``);
+    other Serve apps keep running. For a shutdown that keeps answering meanwhile, see :func:`drain`."""
     _, serve = import_ray()
     serve.delete(APP_NAME)
+    _forget_drain()
+
+
+def drain(seconds: float) -> None:
+    """Drain every replica, then stop them: each replica's engine stops admitting (new requests get
+    the one-process server's 503 ``shutting_down``, ``/health`` says "draining") and fails what is
+    still running after ``seconds``; once every replica is idle, or ``seconds`` and a grace have
+    passed, the app is deleted. (Deleting first removed the route, so clients got 404 "not found",
+    which they do not retry, and requests still running were cut off without an error.)"""
+    from ray.experimental.internal_kv import _internal_kv_list, _internal_kv_put
+
+    from rag_lookahead.serve.app import CLOSE_GRACE_SECONDS
+
+    _, serve = import_ray()
+    _internal_kv_put(DRAIN_KEY, str(float(seconds)).encode(), namespace=KV_NAMESPACE)
+    deadline = time.monotonic() + seconds + 2 * CLOSE_GRACE_SECONDS
+    while time.monotonic() < deadline:
+        drained = len(_internal_kv_list(DRAINED_PREFIX, namespace=KV_NAMESPACE))
+        if drained >= _running_replicas(serve):
+            break
+        time.sleep(0.1)
+    undeploy()
+
+
+def _running_replicas(serve) -> int:
+    try:
+        deployments = serve.status().applications[APP_NAME].deployments
+    except KeyError:
+        return 0
+    return sum(d.replica_states.get("RUNNING", 0) for d in deployments.values())
+
+
+def _forget_drain() -> None:
+    """Clear the drain's keys (a new deploy must not find an earlier one's and drain at once)."""
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_initialized
+
+    if _internal_kv_initialized():
+        for key in (DRAIN_KEY, DRAINED_PREFIX):
+            _internal_kv_del(key, del_by_prefix=True, namespace=KV_NAMESPACE)
 
 
 def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
@@ -259,7 +310,7 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         while not stop.wait(1.0):
             pass
         log.info("shutting down: draining the replicas for up to %.0f s", config.drain_seconds)
-        undeploy()
+        drain(config.drain_seconds)
     except KeyboardInterrupt:
         log.info("interrupted while the replicas started: deleted them")
     finally:

@@ -12,13 +12,18 @@ Ray imports this module in the replica processes (by its path); the default inst
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 from ray import serve
 
 from rag_lookahead.serve.config import ServerConfig
-from rag_lookahead.serve.ray_deploy import REPLICA_HEADER
+from rag_lookahead.serve.ray_deploy import DRAIN_KEY, DRAINED_PREFIX, KV_NAMESPACE, REPLICA_HEADER
 
 __all__ = ["LookaheadReplica", "ReplicaHeader"]
+
+#: how often a replica looks for the driver's drain in Ray's key-value store
+DRAIN_POLL_SECONDS = 0.25
 
 
 class ReplicaHeader:
@@ -58,8 +63,23 @@ class LookaheadReplica:
 
         app = await asyncio.to_thread(create_app, self.config)  # the model loads off the event loop
         self.engine = app.state.engine
-        app.add_middleware(ReplicaHeader, replica_id=serve.get_replica_context().replica_id.unique_id)
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        app.add_middleware(ReplicaHeader, replica_id=replica_id)
+        threading.Thread(target=self._drain_when_told, args=(replica_id,), name="drain-watch", daemon=True).start()
         return app
+
+    def _drain_when_told(self, replica_id: str) -> None:
+        """Wait for the driver's drain (:func:`rag_lookahead.serve.ray_deploy.drain`), drain the
+        engine as one process does on SIGTERM, and say so once it is idle."""
+        from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+
+        while (seconds := _internal_kv_get(DRAIN_KEY, namespace=KV_NAMESPACE)) is None:
+            time.sleep(DRAIN_POLL_SECONDS)
+        engine = self.engine
+        engine.begin_drain(float(seconds))
+        while engine.alive and not engine.idle:
+            time.sleep(0.05)
+        _internal_kv_put(DRAINED_PREFIX + replica_id.encode(), b"1", namespace=KV_NAMESPACE)
 
     def check_health(self) -> None:
         """Ray's health check: a replica whose engine thread died is replaced."""

@@ -505,3 +505,46 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(endpoint, one_proce
         time.sleep(1.0)
     assert victim not in replicas
     print(f"replacement running after {time.monotonic() - start:.0f} s")
+
+
+# ---------------------------------------------------------------- last: it stops the deployment
+
+
+@needs_ray
+def test_the_drain_answers_503_lets_running_requests_finish_then_stops(endpoint, one_process):
+    """The drain deleted the app first, which removed its route: every request during it got Ray's
+    plain-text 404 (clients do not retry a 404), and requests still running at its end were cut off
+    with no error. Now each replica's engine drains as one process does, and the app is deleted once
+    they are idle."""
+    from rag_lookahead.serve.ray_deploy import drain
+
+    outcome: dict = {}
+
+    async def run() -> None:
+        loaded = asyncio.ensure_future(load(endpoint, 96, 24))
+        await asyncio.sleep(0.5)  # the load is running on both replicas
+        start = time.monotonic()
+        stopping = asyncio.ensure_future(asyncio.to_thread(drain, 30.0))
+        late = []
+        async with httpx.AsyncClient(base_url=endpoint, timeout=30) as client:
+            while not loaded.done():
+                await asyncio.sleep(0.2)
+                r = await client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2})
+                if not loaded.done():  # the drain is running: the app is still there
+                    late.append((r.status_code, r.headers.get("content-type", ""), r.text))
+        outcome["results"], _ = await loaded
+        await stopping
+        outcome["late"], outcome["seconds"] = late, time.monotonic() - start
+
+    asyncio.run(run())
+    results = outcome["results"]
+    assert {r["status"] for r in results} == {200, 503}, [r for r in results if r["status"] not in (200, 503)][:3]
+    for r in results:  # admitted before the drain: finished, as alone (a 503 came after it began)
+        if r["status"] == 200 and r["kind"] != "drop":
+            assert r["text"] == one_process["texts"][r["i"]], r
+    late = [entry for entry in outcome["late"] if entry[0] != 200]  # some may have been admitted before
+    assert late and all(
+        status == 503 and kind.startswith("application/json") and "shutting_down" in text for status, kind, text in late
+    ), late[:3]
+    assert outcome["seconds"] < 25, outcome["seconds"]  # deleted once idle, not after the whole 30 s
+    assert APP_NAME not in serve.status().applications
