@@ -22,7 +22,7 @@ from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file, output_target
-from rag_lookahead.rag.chains import as_retriever, check_k, make_prompt, retrieve, source_info
+from rag_lookahead.rag.chains import as_retriever, make_prompt, retrieve, source_info
 from rag_lookahead.rag.corpus import read_input_text
 
 ANSWER_KEYS = {"question", "answer", "sources", "stats"}  # each output record's keys, as main() writes them
@@ -73,7 +73,6 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--no-lookahead", action="store_true")
     args = ap.parse_args()
-    check_k(args.k, args.k_seed)
     positive_int("--batch-size", args.batch_size)
     positive_int("--max-new-tokens", args.max_new_tokens)
     check_output_file(args.answers, "answers", ours=is_answers_file, inputs=[args.questions])

@@ -12,13 +12,23 @@ from pathlib import Path
 
 from rag_lookahead.ask import StdoutClosed, ensure_index, silence_stdout
 from rag_lookahead.errors import RagLookaheadError, first_line
+from rag_lookahead.rag.chains import check_k
 from rag_lookahead.rag.index import DocumentIndex, default_index_dir
+
+
+class RagArgumentParser(argparse.ArgumentParser):
+    """Checks ``--k`` and ``--k-seed`` as it parses, naming the flags (before any model loads)."""
+
+    def parse_args(self, *args, **kwargs):  # type: ignore[override]
+        parsed = super().parse_args(*args, **kwargs)
+        check_k(parsed.k, getattr(parsed, "k_seed", parsed.k), names=("--k", "--k-seed"))
+        return parsed
 
 
 def rag_parser(description: str, *, k_seed: bool = True) -> argparse.ArgumentParser:
     """A parser with ``--index-dir``, ``--model``, ``--k`` (passages in the prompt) and, unless
     ``k_seed`` is off, ``--k-seed`` (passages retrieved, the rest seed the draft trie)."""
-    ap = argparse.ArgumentParser(description=description)
+    ap = RagArgumentParser(description=description)
     ap.add_argument("--index-dir", type=Path, default=None)
     ap.add_argument("--model", default="default")
     ap.add_argument("--k", type=int, default=3)

@@ -147,11 +147,13 @@ def as_retriever(retriever_or_index: Any, k: int) -> BaseRetriever:
     raise ConfigError(f"expected a retriever or a DocumentIndex, got {type(retriever_or_index).__name__}")
 
 
-def check_k(k_prompt: int, k_seed: int) -> None:
-    """Passages in the prompt (k_prompt >= 1) and retrieved (k_seed >= k_prompt; the rest seed the trie)."""
-    positive_int("k_prompt", k_prompt)
+def check_k(k_prompt: int, k_seed: int, names: tuple[str, str] = ("k_prompt", "k_seed")) -> None:
+    """Passages in the prompt (k_prompt >= 1) and retrieved (k_seed >= k_prompt; the rest seed the
+    trie); ``names``: what the caller calls them (a command line's ``--k``, ``--k-seed``)."""
+    prompt_name, seed_name = names
+    positive_int(prompt_name, k_prompt)
     if not isinstance(k_seed, int) or k_seed < k_prompt:
-        raise ConfigError(f"k_seed must be an integer >= k_prompt ({k_prompt}), got {k_seed!r}")
+        raise ConfigError(f"{seed_name} must be an integer >= {prompt_name} ({k_prompt}), got {k_seed!r}")
 
 
 def check_question_text(question: str) -> None:
