@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rag_lookahead.ask import StdoutClosed, ensure_index, silence_stdout
-from rag_lookahead.errors import RagLookaheadError, first_line
+from rag_lookahead.checks import positive_int
+from rag_lookahead.errors import InputError, RagLookaheadError, first_line
 from rag_lookahead.rag.chains import check_k
 from rag_lookahead.rag.index import DocumentIndex, default_index_dir
 
@@ -22,6 +23,14 @@ class RagArgumentParser(argparse.ArgumentParser):
     def parse_args(self, *args, **kwargs):  # type: ignore[override]
         parsed = super().parse_args(*args, **kwargs)
         check_k(parsed.k, getattr(parsed, "k_seed", parsed.k), names=("--k", "--k-seed"))
+        questions = getattr(parsed, "questions", None)  # chat_stream's list (batch_answers': a file)
+        if not isinstance(questions, list):
+            questions = [getattr(parsed, "question", "?")]
+        if any(not q.strip() for q in questions):  # said now, not after the model has loaded
+            raise InputError('the question is empty: ask something, e.g. "What does budget do?"')
+        for name in ("max_new_tokens", "max_tokens"):
+            if hasattr(parsed, name):
+                positive_int(f"--{name.replace('_', '-')}", getattr(parsed, name))
         return parsed
 
 

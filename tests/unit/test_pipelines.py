@@ -124,3 +124,28 @@ def test_an_input_file_with_a_byte_order_mark_reads_as_its_text(tmp_path):
 
     (tmp_path / "q.jsonl").write_bytes(b"\xef\xbb\xbf" + '{"question": "问题"}\n'.encode())
     assert read_input_text(tmp_path / "q.jsonl") == '{"question": "问题"}\n'
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "expected"),
+    [
+        ("retrieval_qa.py", ["  "], "error: the question is empty"),
+        ("lcel_chain.py", [""], "error: the question is empty"),
+        ("chat_stream.py", ["first?", " "], "error: the question is empty"),
+        ("retrieval_qa.py", ["q", "--k", "0"], "error: --k must be an integer >= 1"),
+        ("chat_stream.py", ["q", "--k", "4", "--k-seed", "2"], "error: --k-seed must be an integer >= --k (4)"),
+        ("lcel_chain.py", ["q", "--max-tokens", "0"], "error: --max-tokens must be an integer >= 1"),
+    ],
+)
+def test_the_question_and_flags_are_checked_before_the_model_loads(tmp_path, script, argv, expected):
+    """These were refused after the model had loaded (~30 s), naming k_prompt for --k."""
+    out = subprocess.run(
+        [sys.executable, str(PIPELINES / script), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "RAG_LOOKAHEAD_HOME": str(tmp_path / "home")},
+    )
+    assert out.returncode == 1 and out.stderr.startswith(expected) and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "home").exists() and out.stdout == ""  # no index, no ">>> " before the error
