@@ -132,9 +132,17 @@ def settings_from_args(args: Mapping[str, Any]) -> RaySettings | None:
             raise ConfigError("--replica-cpus needs --replicas")
         return None
     _check_port(args.get("port", 1))
-    return RaySettings(
-        replicas=args["replicas"], max_replicas=args.get("max_replicas"), num_cpus=1.0 if cpus is None else cpus
-    )
+    try:
+        return RaySettings(
+            replicas=args["replicas"], max_replicas=args.get("max_replicas"), num_cpus=1.0 if cpus is None else cpus
+        )
+    except ConfigError as err:  # named as the command line names them
+        raise ConfigError(_FIELD.sub(lambda m: _FLAGS[m.group()], str(err))) from None
+
+
+#: RaySettings' fields as ``serve`` flags, for its errors
+_FLAGS = {"replicas": "--replicas", "max_replicas": "--max-replicas", "num_cpus": "--replica-cpus"}
+_FIELD = re.compile(r"(?<![\w-])(?:max_replicas|num_cpus|replicas)(?= must)")
 
 
 def import_ray():

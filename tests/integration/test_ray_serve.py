@@ -166,6 +166,13 @@ def test_settings_and_deployment_options():
         with pytest.raises(ConfigError, match="needs --replicas"):  # was silently ignored (0 and -5 too)
             settings_from_args({"replicas": 0, **alone})
     assert settings_from_args({"replicas": 0, "replica_cpus": 1.0}) is None  # the option's default
+    for flags, words in [  # named as the command line names them (they said replicas, num_cpus)
+        ({"replicas": -1}, "--replicas must be an integer >= 1"),
+        ({"replicas": 2, "replica_cpus": 0.0}, "--replica-cpus must be > 0 for CPU replicas"),
+        ({"replicas": 2, "replica_cpus": 2000.0}, "--replica-cpus must be a number in 0..1024"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            settings_from_args(flags)
     config = ServerConfig(max_batch_size=8, max_queue=4, drain_seconds=10)
     fixed = deployment_options(config, RaySettings(replicas=2), 0.0)
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
