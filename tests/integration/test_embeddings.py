@@ -428,15 +428,13 @@ def test_bm25_ranks_a_rarer_word_higher():
     [
         (
             "产品型号ＡＢＣ１２３，电话为４００－８８８－１２３４。",
-            "ABC123 的电话 400-888-1234",
+            "ABC123 电话 400-888-1234",
         ),  # full-width, as IMEs type
         ("The ﬁnancial report was late.", "financial report"),  # a ligature from PDF text
         ("Le cafe\u0301 ferme a 18h.", "café"),  # decomposed and composed accents
         ("借款合\n同约定月利率", "合同"),  # a Chinese line wrapped inside a word
         ("借款合\u200b同约定月利率", "合同"),  # a zero-width space inside a word
         ("借款金额为50,000元", "50000元"),  # thousands separators
-        ("该股票属于A股市场", "A股"),  # a capital letter beside Chinese is no English stop word
-        ("The WHO issued guidance.", "WHO guidance"),  # nor is a capital acronym
     ],
 )
 def test_bm25_reads_text_as_the_embedder_does(document, query):
@@ -447,10 +445,13 @@ def test_bm25_reads_text_as_the_embedder_does(document, query):
         "另一份文件：型号XYZ789，电话400-800-5678，金额为60000元，B股市场。",
         "Nothing related here at all.",
     ]
+    assert set(tokenize(query)) <= set(tokenize(document)), (tokenize(document), tokenize(query))
     hits = BM25Index(texts).search(query, 3)
-    assert hits and hits[0][0] == 0, (tokenize(document), tokenize(query))
+    assert hits and hits[0][0] == 0
 
 
 def test_english_stop_words_are_dropped_as_english_writes_them():
     assert tokenize("What is the plan? A plan.") == ["plan", "plan"]
     assert tokenize("IT部门和B股") == ["it", "部门", "和", "b", "股"]
+    assert tokenize("该股票属于A股市场") == ["该", "股票", "属于", "a", "股", "市场"]
+    assert tokenize("The WHO issued guidance") == ["who", "issued", "guidance"]
