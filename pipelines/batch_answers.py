@@ -24,6 +24,7 @@ from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file, output_target
 from rag_lookahead.rag.chains import as_retriever, make_prompt, retrieve, source_info
 from rag_lookahead.rag.corpus import read_input_text
+from rag_lookahead.rag.index import check_searchable
 
 ANSWER_KEYS = {"question", "answer", "sources", "stats"}  # each output record's keys, as main() writes them
 
@@ -45,6 +46,7 @@ def read_questions(path: Path) -> list[str]:
             raise InputError(f"{path}:{lineno}: the question must be a string, got {type(q).__name__}")
         if not q.strip():
             raise InputError(f"{path}:{lineno}: the question is empty")
+        check_searchable(q, f"{path}:{lineno}: the question")  # not in the middle of the run
         questions.append(q.strip())
     if not questions:  # before the model loads, and no empty answers file its own rerun would refuse
         raise InputError(f"{path} holds no questions (one JSON object with a 'question' a line)")

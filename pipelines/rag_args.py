@@ -14,7 +14,7 @@ from rag_lookahead.ask import StdoutClosed, ensure_index, silence_stdout
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError, RagLookaheadError, first_line
 from rag_lookahead.rag.chains import check_k
-from rag_lookahead.rag.index import DocumentIndex, default_index_dir
+from rag_lookahead.rag.index import DocumentIndex, check_searchable, default_index_dir
 
 
 class RagArgumentParser(argparse.ArgumentParser):
@@ -25,9 +25,11 @@ class RagArgumentParser(argparse.ArgumentParser):
         check_k(parsed.k, getattr(parsed, "k_seed", parsed.k), names=("--k", "--k-seed"))
         questions = getattr(parsed, "questions", None)  # chat_stream's list (batch_answers': a file)
         if not isinstance(questions, list):
-            questions = [getattr(parsed, "question", "?")]
+            questions = [parsed.question] if hasattr(parsed, "question") else []
         if any(not q.strip() for q in questions):  # said now, not after the model has loaded
             raise InputError('the question is empty: ask something, e.g. "What does budget do?"')
+        for question in questions:
+            check_searchable(question, "the question")
         for name in ("max_new_tokens", "max_tokens"):
             if hasattr(parsed, name):
                 positive_int(f"--{name.replace('_', '-')}", getattr(parsed, name))

@@ -105,6 +105,9 @@ def answer(
     from rag_lookahead.rag.chains import check_question_text
 
     check_question_text(question)  # before anything loads
+    from rag_lookahead.rag.index import check_searchable
+
+    check_searchable(question, "the question")
     _check_sampling(temperature, top_p, seed)
     folder = expand_user(index_dir, "--index-dir") if index_dir else default_index_dir()
     if llm is None:

@@ -67,17 +67,23 @@ class TextTracker:
 
     def text(self, count: int | None = None) -> str:
         """The text of the first ``count`` ids (all of them when None)."""
-        return self._text_of(self.ids[:count])
+        return self.prefix + self._decode(self.ids[:count])
 
-    def _text_of(self, ids: Sequence[int]) -> str:
-        kept = [t for t in ids if t not in self.eos]
-        return self.prefix + self.tokenizer.decode(kept, skip_special_tokens=True)
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=True)
 
     def would_stop(self, tokens: Sequence[int]) -> bool:
         """Whether the ids taken so far plus ``tokens`` (drawn, not taken yet) hold a stop string:
         a sampled row asks this after each draw, so that no draw is spent past the stop
         (the generator must stand where one-token-a-step decoding leaves it)."""
-        return self.stopped or (bool(self.stop) and self._holds_stop_in([*self.ids, *(int(t) for t in tokens)]))
+        if self.stopped or not self.stop:
+            return self.stopped
+        # a stop string this block completes ends in the block and starts within its length before it:
+        # decode that tail only (a character may take 4 byte tokens), not the whole answer each time
+        window = 4 * max(len(s) for s in self.stop) + 8
+        tail = [*self.ids[-window:], *(int(t) for t in tokens)]
+        text = self._decode(tail)
+        return len(cut_at_stop(text, self.stop)) < len(text)
 
     def final_text(self) -> str:
         text = self.text()
@@ -109,10 +115,7 @@ class TextTracker:
         return piece
 
     def _holds_stop(self, count: int) -> bool:
-        return self._holds_stop_in(self.ids[:count])
-
-    def _holds_stop_in(self, ids: Sequence[int]) -> bool:
-        answer = self._text_of(ids)[len(self.prefix) :]
+        answer = self.text(count)[len(self.prefix) :]
         return len(cut_at_stop(answer, self.stop)) < len(answer)
 
     def rest(self) -> str:

@@ -10,7 +10,6 @@ has always offered).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,7 +63,6 @@ __all__ = [
 ]
 
 SEARCH_MODES = ("hybrid", "dense", "lexical")
-_WORD_CHARACTER = re.compile(r"\w")
 CANDIDATES = 50  # depth of each ranking fed to reciprocal rank fusion
 
 
@@ -87,6 +85,15 @@ class Passage:
         if self.also_in:
             metadata["also_in"] = list(self.also_in)
         return Document(page_content=self.text, metadata=metadata)
+
+
+def check_searchable(query: str, what: str = "query") -> None:
+    """Refuse a query with no letter or digit ("…", "？！", a zero-width space): dense search would
+    rank passages by noise. Callers with a model to load check first, so the refusal comes at once."""
+    from rag_lookahead.rag.lexical import searchable
+
+    if not searchable(query):
+        raise InputError(f"{what} has no letters or digits to search for: {query[:40]!r}")
 
 
 # ---------------------------------------------------------------- the index in memory
@@ -152,10 +159,7 @@ class DocumentIndex:
         distinct texts, however many files repeat one."""
         if not isinstance(query, str) or not query.strip():
             raise InputError("query is empty")
-        from rag_lookahead.rag.lexical import normalized
-
-        if not _WORD_CHARACTER.search(normalized(query)):  # "…", a zero-width space: dense would rank noise
-            raise InputError(f"query has no letters or digits to search for: {query[:40]!r}")
+        check_searchable(query)
         k = positive_int("k", k)
         mode = mode or self.mode
         if mode not in SEARCH_MODES:

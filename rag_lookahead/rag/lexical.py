@@ -95,16 +95,42 @@ _INVISIBLE = dict.fromkeys(map(ord, "\u00ad\u200b\u200c\u200d\u2060\ufeff"))
 _CJK_LINE_BREAK = re.compile(
     r"(?<=[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff])[ \t]*\r?\n[ \t]*(?=[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff])"
 )
-# thousands separators: "50,000" is the number 50000
-_THOUSANDS = re.compile(r"(?<=\d)[,，](?=\d{3}(?!\d))")
+# a number written with thousands separators ("50,000", "1,234,567"; also a list "101,102,103")
+_GROUPED_NUMBER = re.compile(r"(?<![\d,])\d{1,3}(?:,\d{3})+(?![\d,])")
+_symbol_words: re.Pattern | None = None
+
+
+def _symbols_that_spell_words() -> re.Pattern:
+    """Symbols NFKC spells as letters or digits ("™" -> "TM", "㎏" -> "kg", "№" -> "No"): kept
+    apart from the word beside them, which NFKC would otherwise glue them to ("Acme™" -> "acmetm")."""
+    global _symbol_words
+    if _symbol_words is None:
+        chars = [
+            c
+            for c in map(chr, range(0x80, 0x10000))
+            if not c.isalnum()
+            and (folded := unicodedata.normalize("NFKC", c)) != c
+            and any(x.isalnum() for x in folded)
+        ]
+        _symbol_words = re.compile("[" + re.escape("".join(chars)) + "]")
+    return _symbol_words
 
 
 def normalized(text: str) -> str:
     """The text BM25 reads: NFKC (full-width "ＡＢＣ１２３" is "ABC123", the ligature "ﬁ" is "fi",
-    as the e5 tokenizer folds them), without invisible characters, Chinese lines joined, and
-    thousands separators dropped. Case is kept (see :func:`_word_tokens`)."""
+    as the e5 tokenizer folds them; a symbol such as "™" or "㎡" stays a word of its own), without
+    invisible characters, and Chinese lines joined. A number with thousands separators reads as
+    itself and as its parts ("50,000" -> "50000 50,000"), since "101,102,103" may be a list. Case is
+    kept (see :func:`_word_tokens`)."""
+    text = _symbols_that_spell_words().sub(lambda m: f" {m.group()} ", text)
     text = unicodedata.normalize("NFKC", text).translate(_INVISIBLE)
-    return _THOUSANDS.sub("", _CJK_LINE_BREAK.sub("", text))
+    text = _CJK_LINE_BREAK.sub("", text)
+    return _GROUPED_NUMBER.sub(lambda m: m.group().replace(",", "") + " " + m.group(), text)
+
+
+def searchable(query: str) -> bool:
+    """Whether ``query`` holds a letter or a digit to search for ("…", "？！" hold none)."""
+    return _WORD.search(normalized(query)) is not None
 
 
 def tokenize(text: str) -> list[str]:

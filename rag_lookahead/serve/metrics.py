@@ -48,8 +48,9 @@ class Metrics:
         )
         self.connections_closed = counter(
             "rag_lookahead_connections_closed_total",
-            "Connections the server closed before any handler saw a request: too_many_connections"
-            " (--max-connections, answered 503) or head_timeout (--head-timeout; 408 when a head was begun).",
+            "Connections the server's protocol closed on its own: too_many_connections (--max-connections,"
+            " answered 503) or head_timeout (--head-timeout: no complete request head in time, 408 when one"
+            " was begun; or a body still arriving after its answer).",
             ("reason",),
         )
         self.tokens_generated = counter("rag_lookahead_tokens_generated_total", "Tokens generated over all requests.")

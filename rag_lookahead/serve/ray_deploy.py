@@ -132,6 +132,9 @@ def settings_from_args(args: Mapping[str, Any]) -> RaySettings | None:
             raise ConfigError("--replica-cpus needs --replicas")
         return None
     _check_port(args.get("port", 1))
+    most = args.get("max_replicas")
+    if isinstance(most, int) and isinstance(args["replicas"], int) and 0 < most < args["replicas"]:
+        raise ConfigError(f"--max-replicas ({most}) is below --replicas ({args['replicas']}), the count to start with")
     try:
         return RaySettings(
             replicas=args["replicas"], max_replicas=args.get("max_replicas"), num_cpus=1.0 if cpus is None else cpus
@@ -255,12 +258,13 @@ def undeploy() -> None:
     _forget_drain()
 
 
-def drain(seconds: float) -> None:
+def drain(seconds: float, hurry: threading.Event | None = None) -> None:
     """Drain every replica, then stop them: each replica's engine stops admitting (new requests get
     the one-process server's 503 ``shutting_down``, ``/health`` says "draining") and fails what is
     still running after ``seconds``; once every replica is idle, or ``seconds`` and a grace have
     passed, the app is deleted. (Deleting first removed the route, so clients got 404 "not found",
-    which they do not retry, and requests still running were cut off without an error.)"""
+    which they do not retry, and requests still running were cut off without an error.) Once
+    ``hurry`` is set (a second Ctrl-C) the replicas end what still runs at once."""
     from ray.experimental.internal_kv import _internal_kv_list, _internal_kv_put
 
     from rag_lookahead.serve.app import CLOSE_GRACE_SECONDS
@@ -269,6 +273,10 @@ def drain(seconds: float) -> None:
     _internal_kv_put(DRAIN_KEY, str(float(seconds)).encode(), namespace=KV_NAMESPACE)
     deadline = time.monotonic() + seconds + 2 * CLOSE_GRACE_SECONDS
     while time.monotonic() < deadline:
+        if hurry is not None and hurry.is_set():
+            hurry = None
+            _internal_kv_put(DRAIN_KEY, b"0", namespace=KV_NAMESPACE)
+            deadline = min(deadline, time.monotonic() + 2 * CLOSE_GRACE_SECONDS)
         drained = len(_internal_kv_list(DRAINED_PREFIX, namespace=KV_NAMESPACE))
         if drained >= _running_replicas(serve):
             break
@@ -302,9 +310,11 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
     # at warning and above the replicas' logs stay in Ray's log folder (a failed start is pages of them)
     _connect(ray, {"logging_level": _level(config), "log_to_driver": _level(config) in ("DEBUG", "INFO")})
     logging.getLogger("ray.serve").setLevel(_level(config))  # Serve's driver-side logger keeps INFO otherwise
-    stop, serving = threading.Event(), threading.Event()
+    stop, serving, hurry = threading.Event(), threading.Event(), threading.Event()
 
     def on_signal(signum, frame) -> None:
+        if stop.is_set():
+            hurry.set()  # a second signal while draining: end what still runs
         stop.set()
         if not serving.is_set():
             raise KeyboardInterrupt  # out of serve.run, which may wait minutes for the models
@@ -318,7 +328,7 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         while not stop.wait(1.0):
             pass
         log.info("shutting down: draining the replicas for up to %.0f s", config.drain_seconds)
-        drain(config.drain_seconds)
+        drain(config.drain_seconds, hurry)
     except KeyboardInterrupt:
         log.info("interrupted while the replicas started: deleted them")
     finally:

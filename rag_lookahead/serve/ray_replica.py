@@ -23,7 +23,7 @@ from rag_lookahead.serve.ray_deploy import DRAIN_KEY, DRAINED_PREFIX, KV_NAMESPA
 __all__ = ["LookaheadReplica", "ReplicaHeader"]
 
 #: how often a replica looks for the driver's drain in Ray's key-value store
-DRAIN_POLL_SECONDS = 0.25
+DRAIN_POLL_SECONDS = 0.5
 
 
 class ReplicaHeader:
@@ -73,13 +73,28 @@ class LookaheadReplica:
         engine as one process does on SIGTERM, and say so once it is idle."""
         from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
-        while (seconds := _internal_kv_get(DRAIN_KEY, namespace=KV_NAMESPACE)) is None:
+        def drain_seconds() -> float | None:
+            try:
+                value = _internal_kv_get(DRAIN_KEY, namespace=KV_NAMESPACE)
+            except Exception:  # the key store unreachable for a moment (a GCS restart): look again
+                return None
+            return None if value is None else float(value)
+
+        while (seconds := drain_seconds()) is None:
             time.sleep(DRAIN_POLL_SECONDS)
         engine = self.engine
-        engine.begin_drain(float(seconds))
+        engine.begin_drain(seconds)
         while engine.alive and not engine.idle:
-            time.sleep(0.05)
-        _internal_kv_put(DRAINED_PREFIX + replica_id.encode(), b"1", namespace=KV_NAMESPACE)
+            if (sooner := drain_seconds()) is not None and sooner < seconds:  # the driver hurries (^C again)
+                seconds = sooner
+                engine.begin_drain(sooner)
+            time.sleep(DRAIN_POLL_SECONDS)
+        while True:
+            try:
+                _internal_kv_put(DRAINED_PREFIX + replica_id.encode(), b"1", namespace=KV_NAMESPACE)
+                return
+            except Exception:
+                time.sleep(DRAIN_POLL_SECONDS)
 
     def check_health(self) -> None:
         """Ray's health check: a replica whose engine thread died is replaced."""

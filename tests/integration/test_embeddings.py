@@ -455,3 +455,13 @@ def test_english_stop_words_are_dropped_as_english_writes_them():
     assert tokenize("IT部门和B股") == ["it", "部门", "和", "b", "股"]
     assert tokenize("该股票属于A股市场") == ["该", "股票", "属于", "a", "股", "市场"]
     assert tokenize("The WHO issued guidance") == ["who", "issued", "guidance"]
+
+
+def test_normalising_keeps_what_matched_before():
+    """The first version glued a list of numbers into one ("101,102,103" -> "101102103") and NFKC
+    glued symbols to their word ("Acme™" -> "acmetm"): searches that matched stopped matching."""
+    assert {"101", "102", "103", "101102103"} <= set(tokenize("Articles 101,102,103"))
+    hits = BM25Index(["Articles 101,102,103 apply.", "Article 7 applies."]).search("102", 2)
+    assert [i for i, _ in hits] == [0]
+    assert tokenize("Acme™ widgets") == ["acme", "tm", "widgets"]
+    assert tokenize("5㎏ 100㎡ 房屋") == ["5", "kg", "100", "m2", "房屋"]

@@ -170,6 +170,7 @@ def test_settings_and_deployment_options():
         ({"replicas": -1}, "--replicas must be an integer >= 1"),
         ({"replicas": 2, "replica_cpus": 0.0}, "--replica-cpus must be > 0 for CPU replicas"),
         ({"replicas": 2, "replica_cpus": 2000.0}, "--replica-cpus must be a number in 0..1024"),
+        ({"replicas": 4, "max_replicas": 2}, r"--max-replicas \(2\) is below --replicas \(4\)"),
     ]:
         with pytest.raises(ConfigError, match=words):
             settings_from_args(flags)
@@ -523,35 +524,34 @@ def test_the_drain_answers_503_lets_running_requests_finish_then_stops(endpoint,
     plain-text 404 (clients do not retry a 404), and requests still running at its end were cut off
     with no error. Now each replica's engine drains as one process does, and the app is deleted once
     they are idle."""
-    from rag_lookahead.serve.ray_deploy import drain
+    from ray.experimental.internal_kv import _internal_kv_list, _internal_kv_put
 
-    outcome: dict = {}
+    from rag_lookahead.serve.ray_deploy import DRAIN_KEY, DRAINED_PREFIX, KV_NAMESPACE, drain
 
-    async def run() -> None:
+    async def loaded_then_told() -> list[dict]:
         loaded = asyncio.ensure_future(load(endpoint, 96, 24))
         await asyncio.sleep(0.5)  # the load is running on both replicas
-        start = time.monotonic()
-        stopping = asyncio.ensure_future(asyncio.to_thread(drain, 30.0))
-        late = []
-        async with httpx.AsyncClient(base_url=endpoint, timeout=30) as client:
-            while not loaded.done():
-                await asyncio.sleep(0.2)
-                r = await client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2})
-                if not loaded.done():  # the drain is running: the app is still there
-                    late.append((r.status_code, r.headers.get("content-type", ""), r.text))
-        outcome["results"], _ = await loaded
-        await stopping
-        outcome["late"], outcome["seconds"] = late, time.monotonic() - start
+        _internal_kv_put(DRAIN_KEY, b"30", namespace=KV_NAMESPACE)  # drain()'s first step, the app kept
+        return (await loaded)[0]
 
-    asyncio.run(run())
-    results = outcome["results"]
-    assert {r["status"] for r in results} == {200, 503}, [r for r in results if r["status"] not in (200, 503)][:3]
-    for r in results:  # admitted before the drain: finished, as alone (a 503 came after it began)
+    results = asyncio.run(loaded_then_told())
+    assert {r["status"] for r in results} <= {200, 503}, [r for r in results if r["status"] not in (200, 503)][:3]
+    for r in results:  # admitted before the drain: finished, as alone (503: came after it began)
         if r["status"] == 200 and r["kind"] != "drop":
             assert r["text"] == one_process["texts"][r["i"]], r
-    late = [entry for entry in outcome["late"] if entry[0] != 200]  # some may have been admitted before
-    assert late and all(
-        status == 503 and kind.startswith("application/json") and "shutting_down" in text for status, kind, text in late
-    ), late[:3]
-    assert outcome["seconds"] < 25, outcome["seconds"]  # deleted once idle, not after the whole 30 s
+    deadline = time.monotonic() + 30
+    while len(_internal_kv_list(DRAINED_PREFIX, namespace=KV_NAMESPACE)) < 2:  # both replicas idle
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    with httpx.Client(base_url=endpoint, timeout=30) as client:  # draining, still deployed: one process's answers
+        for k in range(6):
+            r = client.post(
+                "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2}, headers={"X-Session-Id": f"d{k}"}
+            )
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+    start = time.monotonic()
+    drain(30.0)
+    assert time.monotonic() - start < 10  # deleted once idle, not after the whole 30 s
     assert APP_NAME not in serve.status().applications

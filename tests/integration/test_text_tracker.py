@@ -61,3 +61,24 @@ def test_blocks_give_the_text_and_token_count_of_one_token_a_step(tokenizer, tex
 
 def _stop_in(tracker, count, stops):
     return any(s in tracker.text(count) for s in stops)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    text=_TEXT,
+    stop=_TEXT.map(lambda s: s[:6]),
+    taken=st.integers(0, 60),
+    drawn=st.integers(1, 12),
+)
+def test_would_stop_reads_the_tail_as_the_whole_text_reads(tokenizer, text, stop, taken, drawn):
+    """``would_stop`` decodes only the tail a stop string can lie in (the whole answer at every draw
+    grew with its square); it must agree with the whole text, where a character spans tokens."""
+    ids = tokenizer.encode(text * 4, add_special_tokens=False)
+    taken = min(taken, len(ids) - 1)
+    before, block = ids[:taken], ids[taken : taken + drawn]
+    tracker = TextTracker(tokenizer, [stop], frozenset({tokenizer.eos_token_id}))
+    tracker.add(before)
+    if tracker.stopped:
+        return
+    whole = tokenizer.decode(before + block)
+    assert tracker.would_stop(block) == (stop in whole)

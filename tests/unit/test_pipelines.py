@@ -51,6 +51,7 @@ BAD_BATCH_ARGS = [  # (arguments after the script, the one error line's start); 
     (["{d}/q.jsonl", "/proc/answers.jsonl"], "error: answers '/proc/answers.jsonl': cannot write in its folder"),
     (["{d}/blank.jsonl", "{d}/out.jsonl"], "error: {d}/blank.jsonl holds no questions"),
     (["{d}/number.jsonl", "{d}/out.jsonl"], "error: {d}/number.jsonl:1: the question must be a string, got int"),
+    (["{d}/dots.jsonl", "{d}/out.jsonl"], "error: {d}/dots.jsonl:2: the question has no letters or digits"),
 ]
 
 
@@ -64,6 +65,7 @@ def test_batch_answers_refuses_bad_arguments_in_one_line_and_changes_nothing(tmp
     (tmp_path / "notes.txt").write_text("my notes", encoding="utf-8")
     (tmp_path / "blank.jsonl").write_text("\n  \n", encoding="utf-8")  # wrote an empty answers file its rerun refused
     (tmp_path / "number.jsonl").write_text('{"question": 5}\n', encoding="utf-8")
+    (tmp_path / "dots.jsonl").write_text('{"question": "ok?"}\n{"question": "…"}\n', encoding="utf-8")  # failed mid-run
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     out = subprocess.run(
         [sys.executable, str(PIPELINES / "batch_answers.py"), *(a.format(d=tmp_path) for a in argv)],
@@ -135,6 +137,7 @@ def test_an_input_file_with_a_byte_order_mark_reads_as_its_text(tmp_path):
         ("retrieval_qa.py", ["q", "--k", "0"], "error: --k must be an integer >= 1"),
         ("chat_stream.py", ["q", "--k", "4", "--k-seed", "2"], "error: --k-seed must be an integer >= --k (4)"),
         ("lcel_chain.py", ["q", "--max-tokens", "0"], "error: --max-tokens must be an integer >= 1"),
+        ("retrieval_qa.py", ["？！"], "error: the question has no letters or digits to search for"),
     ],
 )
 def test_the_question_and_flags_are_checked_before_the_model_loads(tmp_path, script, argv, expected):
