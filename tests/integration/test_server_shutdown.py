@@ -126,24 +126,28 @@ make_server(app, engine, log_level="warning").run(sockets=[sock])
 """
 
 
-def child_command(step_seconds: float) -> list[str]:
+@contextlib.contextmanager
+def child_server(step_seconds: float):
+    """The tiny server of CHILD in a process of its own (each decode step ``step_seconds`` long),
+    once healthy: ``(process, base URL)``; killed at the end if it is still running."""
     here = Path(__file__).resolve()
-    return [sys.executable, "-c", CHILD, str(here.parent), str(here.parents[1]), str(step_seconds)]
+    command = [sys.executable, "-c", CHILD, str(here.parent), str(here.parents[1]), str(step_seconds)]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=here.parents[2], text=True)
+    try:
+        base = f"http://127.0.0.1:{child.stdout.readline().strip()}"
+        asyncio.run(until(lambda: _healthy(base), timeout=120))
+        yield child, base
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait()
 
 
 def test_real_sigterm_lets_the_running_stream_finish(tokenizer):
     engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
     prompt = tiny_prompts(1, seed=53)[0]
     want = single_text(engine, prompt, 100)
-    child = subprocess.Popen(
-        child_command(step_seconds=0.02),
-        stdout=subprocess.PIPE,
-        cwd=Path(__file__).resolve().parents[2],
-        text=True,
-    )
-    try:
-        base = f"http://127.0.0.1:{child.stdout.readline().strip()}"
-        asyncio.run(until(lambda: _healthy(base), timeout=120))
+    with child_server(step_seconds=0.02) as (child, base):
 
         async def run() -> tuple:
             async with httpx.AsyncClient(base_url=base, timeout=60) as client:
@@ -161,10 +165,6 @@ def test_real_sigterm_lets_the_running_stream_finish(tokenizer):
 
         events, late = asyncio.run(run())
         child.wait(30)
-    finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait()
     parsed = [e if e == "[DONE]" else __import__("json").loads(e) for e in events]
     assert stream_text(parsed, chat=False) == (want, "length")
     assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
@@ -182,16 +182,7 @@ def test_a_second_ctrl_c_ends_the_drain_at_once(tokenizer):
     """A second SIGINT did not cut the 30 s drain short: the server waited for the running stream
     (uvicorn's force-exit then skipped its own shutdown and logged a CancelledError traceback)."""
     prompt = tiny_prompts(1, seed=53)[0]
-    child = subprocess.Popen(
-        child_command(step_seconds=0.2),  # 200 tokens: 40 s, longer than the test waits
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=Path(__file__).resolve().parents[2],
-        text=True,
-    )
-    try:
-        base = f"http://127.0.0.1:{child.stdout.readline().strip()}"
-        asyncio.run(until(lambda: _healthy(base), timeout=120))
+    with child_server(step_seconds=0.2) as (child, base):  # 200 tokens: 40 s, longer than the test waits
 
         async def run() -> list:
             events = []
@@ -212,9 +203,6 @@ def test_a_second_ctrl_c_ends_the_drain_at_once(tokenizer):
         events = asyncio.run(run())
         child.wait(15)
         seconds = time.monotonic() - start
-    finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait()
+        stderr = child.stderr.read()
     assert seconds < 15 and len(events) < 100, (seconds, len(events))
-    assert "CancelledError" not in child.stderr.read()  # the app's own shutdown ran
+    assert "CancelledError" not in stderr  # the app's own shutdown ran
