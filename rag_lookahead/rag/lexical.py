@@ -1,7 +1,8 @@
 """Lexical retrieval and rank fusion: the half of hybrid search that matches words, not meanings.
 
-* :func:`tokenize`: lower-cased words for non-CJK scripts (identifiers kept whole, plus their ``_``
-  parts), jieba search-mode words for Chinese; punctuation and English stop words dropped.
+* :func:`tokenize`: over :func:`normalized` text (NFKC, as the e5 tokenizer folds it), lower-cased
+  words for non-CJK scripts (identifiers kept whole, plus their ``_`` parts), jieba search-mode
+  words for Chinese; punctuation and English stop words (as English writes them) dropped.
 * :class:`BM25Index`: Okapi BM25 (every IDF above zero) over those tokens, rebuilt whenever an
   index loads (the tokens of a large corpus come from :mod:`.token_cache`).
 * :func:`reciprocal_rank_fusion`: merges the dense and BM25 rankings; :data:`HYBRID_WEIGHTS` and

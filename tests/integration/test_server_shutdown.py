@@ -126,6 +126,20 @@ make_server(app, engine, log_level="warning").run(sockets=[sock])
 """
 
 
+async def stream_events(client: httpx.AsyncClient, body: dict, after_two) -> list[str]:
+    """A completion streamed: its ``data:`` payloads; ``await after_two()`` once two have come. A
+    stream the server cuts off ends the list where it broke."""
+    events: list[str] = []
+    with contextlib.suppress(httpx.HTTPError):
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        await after_two()
+    return events
+
+
 @contextlib.contextmanager
 def child_server(step_seconds: float):
     """The tiny server of CHILD in a process of its own (each decode step ``step_seconds`` long),
@@ -151,17 +165,15 @@ def test_real_sigterm_lets_the_running_stream_finish(tokenizer):
 
         async def run() -> tuple:
             async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-                events = []
-                body = {"prompt": prompt, "max_tokens": 100, "stream": True}
-                async with client.stream("POST", "/v1/completions", json=body) as r:
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: "):
-                            events.append(line[6:])
-                            if len(events) == 2:
-                                child.send_signal(signal.SIGTERM)
-                                await asyncio.sleep(0.3)
-                                late = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
-                return events, late
+                late = []
+
+                async def signal_then_ask() -> None:
+                    child.send_signal(signal.SIGTERM)
+                    await asyncio.sleep(0.3)
+                    late.append(await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}))
+
+                events = await stream_events(client, {"prompt": prompt, "max_tokens": 100}, signal_then_ask)
+                return events, late[0]
 
         events, late = asyncio.run(run())
         child.wait(30)
@@ -185,19 +197,13 @@ def test_a_second_ctrl_c_ends_the_drain_at_once(tokenizer):
     with child_server(step_seconds=0.2) as (child, base):  # 200 tokens: 40 s, longer than the test waits
 
         async def run() -> list:
-            events = []
+            async def interrupt_twice() -> None:
+                child.send_signal(signal.SIGINT)
+                await asyncio.sleep(0.5)
+                child.send_signal(signal.SIGINT)
+
             async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-                body = {"prompt": prompt, "max_tokens": 200, "stream": True}
-                with contextlib.suppress(httpx.HTTPError):
-                    async with client.stream("POST", "/v1/completions", json=body) as r:
-                        async for line in r.aiter_lines():
-                            if line.startswith("data: "):
-                                events.append(line[6:])
-                                if len(events) == 2:
-                                    child.send_signal(signal.SIGINT)
-                                    await asyncio.sleep(0.5)
-                                    child.send_signal(signal.SIGINT)
-            return events
+                return await stream_events(client, {"prompt": prompt, "max_tokens": 200}, interrupt_twice)
 
         start = time.monotonic()
         events = asyncio.run(run())
