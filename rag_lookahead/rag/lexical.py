@@ -31,7 +31,9 @@ HYBRID_WEIGHTS = (1.0, 1.0)
 RRF_K = 5
 
 
-_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+#: the CJK ideograph blocks jieba cuts (a character class's inside)
+_CJK_CHARS = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_CJK = re.compile(rf"[{_CJK_CHARS}]")
 _WORD = re.compile(r"\w+", re.UNICODE)
 _jieba = None
 # English function words: in short English questions they otherwise dominate BM25 matches
@@ -70,7 +72,7 @@ def _keep_dictionary_cache_in_ours(jieba) -> None:
 
 
 # a run of word characters with no CJK in it (Latin with accents, Cyrillic, digits, identifiers)
-_ASCII_WORD = re.compile(r"[^\W\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
+_ASCII_WORD = re.compile(rf"[^\W{_CJK_CHARS}]+")
 
 
 def _word_tokens(word: str, beside_cjk: bool) -> list[str]:
@@ -93,9 +95,7 @@ def _written_as_stop_word(word: str, beside_cjk: bool) -> bool:
 # characters that only shape text (zero-width spaces and joiners, the soft hyphen, a BOM): dropped
 _INVISIBLE = dict.fromkeys(map(ord, "\u00ad\u200b\u200c\u200d\u2060\ufeff"))
 # a line break inside Chinese text (wrapped lines, PDF extraction) splits no word
-_CJK_LINE_BREAK = re.compile(
-    r"(?<=[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff])[ \t]*\r?\n[ \t]*(?=[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff])"
-)
+_CJK_LINE_BREAK = re.compile(rf"(?<=[{_CJK_CHARS}])[ \t]*\r?\n[ \t]*(?=[{_CJK_CHARS}])")
 # a number written with thousands separators ("50,000", "1,234,567"; also a list "101,102,103")
 _GROUPED_NUMBER = re.compile(r"(?<![\d,])\d{1,3}(?:,\d{3})+(?![\d,])")
 _symbol_words: re.Pattern | None = None
