@@ -7,6 +7,7 @@ and two of them carried their own ``cut_at_eos``. EOS, pad and chat encoding com
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import json
@@ -47,10 +48,12 @@ __all__ = [
     "check_plot",
     "check_positive",
     "checked_config",
+    "accepted",
     "copied_fraction",
     "cut_at_eos",
     "eos_pad",
     "extra_depth_methods",
+    "fresh_acceptance",
     "given_or_temporary_index",
     "hf_batched",
     "jsonl_lines",
@@ -58,6 +61,7 @@ __all__ = [
     "load_bench_model",
     "load_prompts",
     "print_rows",
+    "run_record",
     "same_answer",
     "run_command",
 ]
@@ -300,6 +304,38 @@ def decode_speed(stats: Iterable[dict]) -> float:
     tokens = sum(max(s.get("new_tokens", 0) - 1, 0) for s in stats)
     seconds = sum(s.get("decode_seconds", 0.0) for s in stats)
     return tokens / seconds if seconds else 0.0
+
+
+def run_record(result: dict) -> dict:
+    """What one answer contributes to a block: its tokens, decode time and decode forwards."""
+    stats = result["stats"]
+    return {
+        "new_tokens": stats.get("new_tokens", 0),
+        "decode_seconds": stats.get("decode_seconds", 0.0),
+        "steps": stats.get("forward_passes", 0),
+    }
+
+
+def accepted(records: Sequence[dict]) -> float:
+    """Tokens after each answer's first (which comes with the prefill) per decode forward."""
+    steps = sum(r["steps"] for r in records)
+    return sum(max(r["new_tokens"] - 1, 0) for r in records) / steps if steps else 0.0
+
+
+@contextmanager
+def fresh_acceptance(model) -> Iterator[None]:
+    """Run the block from the acceptance prior a new process starts with; the model's learned
+    rates (``ModelProfile.drafts_met``) are put back afterwards."""
+    from rag_lookahead.decoding.profile import profile_of
+
+    profile = profile_of(model)
+    learned = copy.deepcopy(profile.drafts_met)
+    profile.drafts_met.clear()
+    try:
+        yield
+    finally:
+        profile.drafts_met.clear()
+        profile.drafts_met.update(learned)
 
 
 def same_answer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

@@ -26,16 +26,18 @@ from rag_lookahead.bench.common import (
     DtypeOption,
     JsonOption,
     ModelOption,
+    accepted,
     check_output_path,
     check_positive,
     decode_speed,
+    fresh_acceptance,
     given_or_temporary_index,
     load_bench_model,
     print_rows,
     run_command,
+    run_record,
     same_answer,
 )
-from rag_lookahead.bench.session import accepted, fresh_acceptance, run_record
 from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.rag"

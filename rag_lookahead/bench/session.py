@@ -15,13 +15,11 @@ identical (the pool changes drafts, never tokens).
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
 import random
 import statistics
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Annotated
@@ -34,13 +32,16 @@ from rag_lookahead.bench.common import (
     DtypeOption,
     JsonOption,
     ModelOption,
+    accepted,
     check_output_path,
     check_positive,
     decode_speed,
+    fresh_acceptance,
     given_or_temporary_index,
     load_bench_model,
     print_rows,
     run_command,
+    run_record,
     same_answer,
 )
 from rag_lookahead.errors import InputError
@@ -91,22 +92,6 @@ def session_index(items, index_dir: str | None) -> AbstractContextManager:
     return given_or_temporary_index(index_dir, lambda folder: index_items(items, folder), prefix="rag-session-")
 
 
-def run_record(result: dict) -> dict:
-    """What one answer contributes to a block: its tokens, decode time and decode forwards."""
-    stats = result["stats"]
-    return {
-        "new_tokens": stats.get("new_tokens", 0),
-        "decode_seconds": stats.get("decode_seconds", 0.0),
-        "steps": stats.get("forward_passes", 0),
-    }
-
-
-def accepted(records: Sequence[dict]) -> float:
-    """Tokens after each answer's first (which comes with the prefill) per decode forward."""
-    steps = sum(r["steps"] for r in records)
-    return sum(max(r["new_tokens"] - 1, 0) for r in records) / steps if steps else 0.0
-
-
 def summarize_blocks(records: list[dict], block: int) -> list[dict]:
     """One row per block of ``block`` questions: speed, acceptance, pool size, and the controls in it."""
     rows = []
@@ -127,22 +112,6 @@ def summarize_blocks(records: list[dict], block: int) -> list[dict]:
             row["identical"] = f"{sum(r['identical'] for r in controls)}/{len(controls)}"
         rows.append(row)
     return rows
-
-
-@contextlib.contextmanager
-def fresh_acceptance(model) -> Iterator[None]:
-    """Run the block from the acceptance prior a new process starts with; the model's learned
-    rates (``ModelProfile.drafts_met``) are put back afterwards."""
-    from rag_lookahead.decoding.profile import profile_of
-
-    profile = profile_of(model)
-    learned = copy.deepcopy(profile.drafts_met)
-    profile.drafts_met.clear()
-    try:
-        yield
-    finally:
-        profile.drafts_met.clear()
-        profile.drafts_met.update(learned)
 
 
 def ask_session(
