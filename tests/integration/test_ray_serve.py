@@ -37,6 +37,7 @@ from rag_lookahead.serve.ray_deploy import (
     APP_NAME,
     REPLICA_HEADER,
     RaySettings,
+    _running_replicas,
     deploy,
     deployment_options,
     gpus_per_replica,
@@ -141,11 +142,6 @@ def replica_metrics(base: str, sessions: dict[str, str]) -> dict[str, str]:
             assert r.status_code == 200 and r.headers[REPLICA_HEADER] == replica
             out[replica] = r.text
     return out
-
-
-def running_replicas() -> int:
-    deployment = serve.status().applications[APP_NAME].deployments["LookaheadReplica"]
-    return deployment.replica_states.get("RUNNING", 0)
 
 
 # ---------------------------------------------------------------- without starting Ray
@@ -505,7 +501,7 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(endpoint, one_proce
         time.sleep(0.5)
     assert r.json()["choices"][0]["text"] == one_process["texts"][4] and r.headers[REPLICA_HEADER] != victim
     deadline = time.monotonic() + 180
-    while running_replicas() < 2:
+    while _running_replicas(serve) < 2:
         assert time.monotonic() < deadline, "Ray did not replace the killed replica"
         time.sleep(1.0)
     while len(replicas := probe_replicas(endpoint)) < 2:  # until the proxy's router hears of it
