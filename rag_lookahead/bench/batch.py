@@ -46,6 +46,7 @@ from rag_lookahead.bench.common import (
     load_bench_model,
     load_prompts,
     print_rows,
+    rotated,
     run_command,
 )
 from rag_lookahead.checks import positive_int
@@ -136,8 +137,8 @@ def measure(work: Workload, methods: list[str], levels: list[int], repeats: int)
     Without that run they are decoded after the timed ones, untimed, so every figure is checked;
     the row that is the reference shows "-", never itself as identical."""
     results, outputs = [], []
-    for repeat, level in ((r, c) for r in range(repeats) for c in levels):
-        for method in methods:
+    for turn, (repeat, level) in enumerate((r, c) for r in range(repeats) for c in levels):
+        for method in rotated(methods, turn):  # no method always first or last after a level change
             start = time.perf_counter()
             produced, latencies, accepted = work.run(method, level)
             tokens = sum(len(o) for o in produced)
@@ -157,6 +158,16 @@ def measure(work: Workload, methods: list[str], levels: list[int], repeats: int)
             results.append(row)
             outputs.append(produced)
             print(row, flush=True)
+    # the table lists each pass and level's methods in the order asked, whatever order they ran in
+    order = sorted(
+        range(len(results)),
+        key=lambda n: (
+            results[n]["pass"],
+            levels.index(results[n]["concurrency"]),
+            methods.index(results[n]["method"]),
+        ),
+    )
+    results, outputs = [results[n] for n in order], [outputs[n] for n in order]
     reference = single_reference(results)
     if reference is None:
         print("decoding each request alone with transformers (untimed), to check every run against it", flush=True)

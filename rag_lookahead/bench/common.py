@@ -297,6 +297,17 @@ def chat_ids(tokenizer, prompt: dict, *, with_context: bool = True) -> list[int]
     return encode_messages(tokenizer, [{"role": "user", "content": content}])
 
 
+def rotated(items: Sequence[Any], shift: int) -> list[Any]:
+    """``items`` starting at ``shift`` (modulo their count). The benchmarks turn their methods' order
+    from one prompt (or pass) to the next: on a machine whose speed drifts within minutes, and
+    where the run before leaves caches warm or cold, a method always run first or last is
+    favoured or penalised in every comparison."""
+    if not items:
+        return []
+    shift %= len(items)
+    return [*items[shift:], *items[:shift]]
+
+
 def decode_speed(stats: Iterable[dict]) -> float:
     """Decode tokens/s over runs' stats (``new_tokens``, ``decode_seconds``): the tokens after each
     answer's first, which comes with the prefill, over the time after it."""

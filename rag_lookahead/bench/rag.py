@@ -34,6 +34,7 @@ from rag_lookahead.bench.common import (
     given_or_temporary_index,
     load_bench_model,
     print_rows,
+    rotated,
     run_command,
     run_record,
     same_answer,
@@ -88,11 +89,12 @@ def ask_every_way(model, tokenizer, index, model_name: str, k_prompt: int, k_see
         "seeded": lambda q: chain(llm(), k_seed).invoke(q),
         "session": lambda q: chain(session, k_seed).invoke(q),
     }
-    for question in QUESTIONS:
-        runs = {}
-        for mode, ask in asked.items():
+    for n, question in enumerate(QUESTIONS):
+        ran = {}
+        for mode in rotated(list(asked), n):  # no mode always first or last
             with fresh_acceptance(model):  # each mode from the same prior, not the one learned just before
-                runs[mode] = ask(question)
+                ran[mode] = asked[mode](question)
+        runs = {mode: ran[mode] for mode in asked}
         row = {"question": question}
         for mode, result in runs.items():
             stats = result["stats"]

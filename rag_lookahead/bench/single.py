@@ -47,6 +47,7 @@ from rag_lookahead.bench.common import (
     load_bench_model,
     load_prompts,
     print_rows,
+    rotated,
     run_command,
 )
 from rag_lookahead.bench.methods import (
@@ -228,14 +229,16 @@ class Measured:
 
 def measure(runner: MethodRunner, methods: Sequence[str]) -> Measured:
     """Every method on every prompt, ``repeats`` passes, after a warm-up (kernels, and the one-time
-    measurement of the model's verify cost curve)."""
+    measurement of the model's verify cost curve). The methods' order turns by one from each
+    prompt to the next, so none always runs first or last."""
     for method in methods:
         runner.run(method, runner.prompts[0])
     measured = Measured({m: MethodTotals() for m in methods}, {m: MethodTotals() for m in methods}, [])
     for repeat in range(runner.settings.repeats):
         runner.new_pass()
-        for prompt in runner.prompts:
-            runs = {m: runner.run(m, prompt, repeat) for m in methods}
+        for n, prompt in enumerate(runner.prompts):
+            ran = {m: runner.run(m, prompt, repeat) for m in rotated(methods, n + repeat)}
+            runs = {m: ran[m] for m in methods}  # rows list the methods in the order asked
             row = prompt_row(runner, prompt, repeat, runs, measured)
             measured.per_prompt.append(row)
             print(json.dumps(row, ensure_ascii=False), flush=True)
