@@ -280,10 +280,33 @@ class USEEmbedder:
         return _normalize(self._model.encode(text))
 
 
+# Query/document prefixes of model families trained with them, for models whose own config names
+# none. Without them e5 and bge rank noticeably worse, and nothing says so.
+BGE_ZH_QUERY = "为这个句子生成表示以用于检索相关文章："
+BGE_EN_QUERY = "Represent this sentence for searching relevant passages: "
+
+
+def family_prefixes(name_or_path: str) -> tuple[str, str]:
+    """``(query prefix, document prefix)`` that the model family named by ``name_or_path`` was trained
+    with: e5 (``query: `` / ``passage: ``), bge v1/v1.5 (an instruction before queries, in Chinese for
+    the ``-zh`` models); ``("", "")`` for other models and for the instruct variants, whose query
+    instruction names a task only the user knows."""
+    base = name_or_path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].lower()
+    if "instruct" in base or "mistral" in base:
+        return "", ""
+    if base.startswith(("e5-", "multilingual-e5-")):
+        return "query: ", "passage: "
+    if base.startswith("bge-") and not base.startswith(("bge-m3", "bge-reranker", "bge-multilingual")):
+        return (BGE_ZH_QUERY if "-zh" in base else BGE_EN_QUERY), ""
+    return "", ""
+
+
 class SentenceTransformerEmbedder:
     """Any sentence-transformers model, by hub name or local folder (needs ``pip install rag-lookahead[st]``).
 
-    ``query_prefix``/``document_prefix`` are prepended for models trained with them (e5, bge).
+    ``query_prefix``/``document_prefix`` are prepended for models trained with them. Left as None,
+    they are the model's own ``query``/``document`` (or ``passage``) prompts where its config names
+    them, else those of its family (e5, bge; see :func:`family_prefixes`), else none.
     """
 
     def __init__(
@@ -291,8 +314,8 @@ class SentenceTransformerEmbedder:
         name_or_path: str,
         *,
         device: str = "cpu",
-        query_prefix: str = "",
-        document_prefix: str = "",
+        query_prefix: str | None = None,
+        document_prefix: str | None = None,
     ):
         try:
             from sentence_transformers import SentenceTransformer
@@ -310,7 +333,11 @@ class SentenceTransformerEmbedder:
         self.name = f"sentence-transformers:{name_or_path}"
         get_dim = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
         self.dimension = int(get_dim())
-        self.query_prefix = query_prefix
+        own = dict(getattr(self._model, "prompts", None) or {})
+        family = family_prefixes(name_or_path) if not own else ("", "")
+        self.query_prefix = query_prefix if query_prefix is not None else own.get("query", family[0])
+        if document_prefix is None:
+            document_prefix = own.get("document", own.get("passage", family[1]))
         self.document_prefix = document_prefix
 
     def _encode(self, texts: list[str]) -> np.ndarray:

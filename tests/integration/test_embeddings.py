@@ -465,3 +465,22 @@ def test_normalising_keeps_what_matched_before():
     assert [i for i, _ in hits] == [0]
     assert tokenize("Acme™ widgets") == ["acme", "tm", "widgets"]
     assert tokenize("5㎏ 100㎡ 房屋") == ["5", "kg", "100", "m2", "房屋"]
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("intfloat/multilingual-e5-base", ("query: ", "passage: ")),
+        ("/models/e5-small-v2/", ("query: ", "passage: ")),
+        ("BAAI/bge-small-zh-v1.5", ("为这个句子生成表示以用于检索相关文章：", "")),
+        ("BAAI/bge-base-en-v1.5", ("Represent this sentence for searching relevant passages: ", "")),
+        ("BAAI/bge-m3", ("", "")),  # no instruction
+        ("intfloat/multilingual-e5-large-instruct", ("", "")),  # the task instruction is the user's
+        ("sentence-transformers/all-MiniLM-L6-v2", ("", "")),
+        ("C:\\models\\bge-large-zh", ("为这个句子生成表示以用于检索相关文章：", "")),
+    ],
+)
+def test_sentence_transformers_models_of_prefix_trained_families_get_their_prefixes(name, expected):
+    from rag_lookahead.rag.embedders import family_prefixes
+
+    assert family_prefixes(name) == expected
