@@ -12,6 +12,7 @@ to its last token) and whether every output equals the single-request greedy out
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from collections.abc import Sequence
@@ -43,10 +44,10 @@ from rag_lookahead.bench.common import (
     eos_pad,
     extra_depth_methods,
     hf_batched,
+    in_turn,
     load_bench_model,
     load_prompts,
     print_rows,
-    rotated,
     run_command,
 )
 from rag_lookahead.checks import positive_int
@@ -131,6 +132,28 @@ class Workload:
         return run_continuous(self.model, self.requests, level, self.max_new_tokens, self.eos, self.pad, config)
 
 
+def timed_run(work: Workload, method: str, level: int, repeat: int) -> tuple[dict, list[list[int]]]:
+    """One method at one concurrency, timed: its row (printed as it is made) and its outputs."""
+    start = time.perf_counter()
+    produced, latencies, accepted = work.run(method, level)
+    tokens = sum(len(o) for o in produced)
+    seconds = time.perf_counter() - start
+    lat = sorted(latencies)
+    row = {
+        "pass": repeat,
+        "concurrency": level,
+        "method": method,
+        "requests_per_second": round(len(work.requests) / seconds, 4),
+        "tokens_per_second": round(tokens / seconds, 3),
+        "p50_latency_s": round(statistics.median(lat), 3),
+        "p95_latency_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
+        "identical_to_single": None,  # filled in once the single-request outputs exist
+        "mean_accepted": round(accepted, 3) if accepted else "-",
+    }
+    print(row, flush=True)
+    return row, produced
+
+
 def measure(work: Workload, methods: list[str], levels: list[int], repeats: int) -> tuple[list[dict], dict]:
     """One row per (pass, level, method); and the single-request greedy outputs (transformers',
     ``hf_greedy`` at concurrency 1, first pass) that every row is compared with once all have run.
@@ -138,36 +161,11 @@ def measure(work: Workload, methods: list[str], levels: list[int], repeats: int)
     the row that is the reference shows "-", never itself as identical."""
     results, outputs = [], []
     for turn, (repeat, level) in enumerate((r, c) for r in range(repeats) for c in levels):
-        for method in rotated(methods, turn):  # no method always first or last after a level change
-            start = time.perf_counter()
-            produced, latencies, accepted = work.run(method, level)
-            tokens = sum(len(o) for o in produced)
-            seconds = time.perf_counter() - start
-            lat = sorted(latencies)
-            row = {
-                "pass": repeat,
-                "concurrency": level,
-                "method": method,
-                "requests_per_second": round(len(work.requests) / seconds, 4),
-                "tokens_per_second": round(tokens / seconds, 3),
-                "p50_latency_s": round(statistics.median(lat), 3),
-                "p95_latency_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
-                "identical_to_single": None,  # filled in once the single-request outputs exist
-                "mean_accepted": round(accepted, 3) if accepted else "-",
-            }
+        # no method always first or last after a level change; rows listed in the order asked
+        runs = in_turn(methods, turn, functools.partial(timed_run, work), level, repeat)
+        for row, produced in runs.values():
             results.append(row)
             outputs.append(produced)
-            print(row, flush=True)
-    # the table lists each pass and level's methods in the order asked, whatever order they ran in
-    order = sorted(
-        range(len(results)),
-        key=lambda n: (
-            results[n]["pass"],
-            levels.index(results[n]["concurrency"]),
-            methods.index(results[n]["method"]),
-        ),
-    )
-    results, outputs = [results[n] for n in order], [outputs[n] for n in order]
     reference = single_reference(results)
     if reference is None:
         print("decoding each request alone with transformers (untimed), to check every run against it", flush=True)

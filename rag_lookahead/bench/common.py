@@ -308,6 +308,13 @@ def rotated(items: Sequence[Any], shift: int) -> list[Any]:
     return [*items[shift:], *items[:shift]]
 
 
+def in_turn(keys: Sequence[Any], shift: int, run: Callable[..., Any], *args: Any) -> dict[Any, Any]:
+    """``run(key, *args)`` for every key, in the order :func:`rotated` gives for ``shift``; the
+    results keyed in the order of ``keys``, so reports list them as asked whatever order they ran in."""
+    ran = {key: run(key, *args) for key in rotated(keys, shift)}
+    return {key: ran[key] for key in keys}
+
+
 def decode_speed(stats: Iterable[dict]) -> float:
     """Decode tokens/s over runs' stats (``new_tokens``, ``decode_seconds``): the tokens after each
     answer's first, which comes with the prefill, over the time after it."""

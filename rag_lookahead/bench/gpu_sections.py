@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rag_lookahead.bench.common import chat_ids, cut_at_eos, eos_pad, hf_batched, rotated
+from rag_lookahead.bench.common import chat_ids, cut_at_eos, eos_pad, hf_batched, in_turn
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import device_name, model_devices, synchronize
 from rag_lookahead.decoding.loop import DecodeBatch, generate, left_pad
@@ -229,8 +229,7 @@ def speed_batch1(
         run(prompts[0])
     totals = {method: MethodTotals() for method in runners}
     for n, ids in enumerate(prompts):
-        ran = {method: runners[method](ids) for method in rotated(list(runners), n)}  # none always first
-        runs = {method: ran[method] for method in runners}
+        runs = in_turn(list(runners), n, lambda method, prompt: runners[method](prompt), ids)  # none always first
         reference = cut_at_eos(runs["greedy"].tokens, eos)
         for method, result in runs.items():
             totals[method].add(result, cut_at_eos(result.tokens, eos) == reference)

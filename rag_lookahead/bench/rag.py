@@ -32,9 +32,9 @@ from rag_lookahead.bench.common import (
     decode_speed,
     fresh_acceptance,
     given_or_temporary_index,
+    in_turn,
     load_bench_model,
     print_rows,
-    rotated,
     run_command,
     run_record,
     same_answer,
@@ -89,12 +89,13 @@ def ask_every_way(model, tokenizer, index, model_name: str, k_prompt: int, k_see
         "seeded": lambda q: chain(llm(), k_seed).invoke(q),
         "session": lambda q: chain(session, k_seed).invoke(q),
     }
+
+    def ask_fresh(mode: str, question: str):
+        with fresh_acceptance(model):  # each mode from the same prior, not the one learned just before
+            return asked[mode](question)
+
     for n, question in enumerate(QUESTIONS):
-        ran = {}
-        for mode in rotated(list(asked), n):  # no mode always first or last
-            with fresh_acceptance(model):  # each mode from the same prior, not the one learned just before
-                ran[mode] = asked[mode](question)
-        runs = {mode: ran[mode] for mode in asked}
+        runs = in_turn(list(asked), n, ask_fresh, question)  # none always first
         row = {"question": question}
         for mode, result in runs.items():
             stats = result["stats"]

@@ -44,10 +44,10 @@ from rag_lookahead.bench.common import (
     cut_at_eos,
     eos_pad,
     extra_depth_methods,
+    in_turn,
     load_bench_model,
     load_prompts,
     print_rows,
-    rotated,
     run_command,
 )
 from rag_lookahead.bench.methods import (
@@ -237,8 +237,7 @@ def measure(runner: MethodRunner, methods: Sequence[str]) -> Measured:
     for repeat in range(runner.settings.repeats):
         runner.new_pass()
         for n, prompt in enumerate(runner.prompts):
-            ran = {m: runner.run(m, prompt, repeat) for m in rotated(methods, n + repeat)}
-            runs = {m: ran[m] for m in methods}  # rows list the methods in the order asked
+            runs = in_turn(methods, n + repeat, runner.run, prompt, repeat)
             row = prompt_row(runner, prompt, repeat, runs, measured)
             measured.per_prompt.append(row)
             print(json.dumps(row, ensure_ascii=False), flush=True)

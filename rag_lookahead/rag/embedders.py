@@ -334,11 +334,13 @@ class SentenceTransformerEmbedder:
         get_dim = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
         self.dimension = int(get_dim())
         own = dict(getattr(self._model, "prompts", None) or {})
-        family = family_prefixes(name_or_path) if not own else ("", "")
-        self.query_prefix = query_prefix if query_prefix is not None else own.get("query", family[0])
-        if document_prefix is None:
-            document_prefix = own.get("document", own.get("passage", family[1]))
-        self.document_prefix = document_prefix
+        query, document = (
+            (own.get("query", ""), own.get("document", own.get("passage", "")))
+            if own
+            else family_prefixes(name_or_path)
+        )
+        self.query_prefix = query if query_prefix is None else query_prefix
+        self.document_prefix = document if document_prefix is None else document_prefix
 
     def _encode(self, texts: list[str]) -> np.ndarray:
         return self._model.encode(texts, batch_size=BATCH_SIZE, normalize_embeddings=True, show_progress_bar=False)
