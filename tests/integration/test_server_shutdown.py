@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -143,10 +144,14 @@ async def stream_events(client: httpx.AsyncClient, body: dict, after_two) -> lis
 @contextlib.contextmanager
 def child_server(step_seconds: float):
     """The tiny server of CHILD in a process of its own (each decode step ``step_seconds`` long),
-    once healthy: ``(process, base URL)``; killed at the end if it is still running."""
+    once healthy: ``(process, base URL)``; killed at the end if it is still running. Its stderr
+    goes to a file (``process.stderr_file``), not a pipe nobody reads while it runs: a full pipe
+    would block the server mid-test."""
     here = Path(__file__).resolve()
     command = [sys.executable, "-c", CHILD, str(here.parent), str(here.parents[1]), str(step_seconds)]
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=here.parents[2], text=True)
+    stderr = tempfile.TemporaryFile("w+")
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, cwd=here.parents[2], text=True)
+    child.stderr_file = stderr
     try:
         base = f"http://127.0.0.1:{child.stdout.readline().strip()}"
         asyncio.run(until(lambda: _healthy(base), timeout=120))
@@ -155,6 +160,7 @@ def child_server(step_seconds: float):
         if child.poll() is None:
             os.kill(child.pid, signal.SIGKILL)
             child.wait()
+        stderr.close()
 
 
 def test_real_sigterm_lets_the_running_stream_finish(tokenizer):
@@ -209,6 +215,7 @@ def test_a_second_ctrl_c_ends_the_drain_at_once(tokenizer):
         events = asyncio.run(run())
         child.wait(15)
         seconds = time.monotonic() - start
-        stderr = child.stderr.read()
+        child.stderr_file.seek(0)
+        stderr = child.stderr_file.read()
     assert seconds < 15 and len(events) < 100, (seconds, len(events))
     assert "CancelledError" not in stderr  # the app's own shutdown ran

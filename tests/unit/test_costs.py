@@ -133,7 +133,8 @@ def test_nodes_the_budget_cut_are_judged_by_the_bonus_token():
     failing, open_below = AcceptanceRates(), AcceptanceRates()
     failing.observe(chain, [0, 1])  # node 1's child was verified and failed
     open_below.observe(chain, [0, 1], open_end=True)  # node 1's child was never verified
-    assert failing.onward < open_below.onward == 1.0
+    start = AcceptanceRates().onward
+    assert failing.onward < start < open_below.onward  # a failure below lowers it; an open end only adds a hit
 
 
 def test_a_joining_row_starts_from_what_the_batch_has_met():
@@ -142,11 +143,16 @@ def test_a_joining_row_starts_from_what_the_batch_has_met():
     workload = AcceptanceRates(decay=0.97)
     for _ in range(40):  # the batch's rows keep paraphrasing after one or two tokens
         workload.observe(chain, [0])
-    fresh, informed = AcceptanceRates(), AcceptanceRates(prior=workload)
+    copying_workload = AcceptanceRates(decay=0.97)
+    for _ in range(40):  # another batch's rows copy whole drafts
+        copying_workload.observe(chain, list(range(24)))
+    informed, trusting = AcceptanceRates(prior=workload), AcceptanceRates(prior=copying_workload)
     assert abs(informed.onward - workload.onward) < 1e-9 and informed.onward < 0.1
-    many_fresh = allocate([fresh.weigh(chain)] * 16, costs)
+    many_trusting = allocate([trusting.weigh(chain)] * 16, costs)
     many_informed = allocate([informed.weigh(chain)] * 16, costs)
-    assert sum(many_informed) * 4 <= sum(many_fresh)  # no deep trees on trust alone
+    many_fresh = allocate([AcceptanceRates().weigh(chain)] * 16, costs)
+    assert sum(many_informed) * 4 <= sum(many_trusting)  # no deep trees where the batch paraphrases
+    assert sum(many_informed) <= sum(many_fresh) < sum(many_trusting)  # nothing met yet: a cautious start
     for _ in range(3):  # its own copying soon outweighs the prior
         informed.observe(chain, list(range(24)))
     assert informed.onward > 0.9 and allocate([informed.weigh(chain)], _costs(CPU_CURVE, (1,)))[0] == 24
@@ -188,3 +194,19 @@ def test_a_forward_slowed_by_another_process_does_not_enter_the_curve():
     assert calls["n"] == 3
     assert curve.seconds[1] < 1.0, curve.seconds  # not the slowed run (> 2 s)
     assert curve.seconds == sorted(curve.seconds)  # more tokens never cost less
+
+
+def test_a_first_row_with_nothing_met_does_not_verify_its_deepest_tree():
+    """The model's first row (every ``ask``: a process per question) starts from ``START``, not
+    from trust: a phrase seen once is drafted, but not 24 deep on the counts alone; a row whose
+    drafts are then accepted whole goes deep within a few steps."""
+    costs = _costs(CPU_CURVE, (1,))
+    chain = _chain([1.0] * 24)
+    fresh = AcceptanceRates()
+    assert (fresh.first, fresh.onward) == AcceptanceRates.START
+    first = allocate([fresh.weigh(chain)], costs)[0]
+    assert 1 <= first < 24
+    for _ in range(4):
+        k = allocate([fresh.weigh(chain)], costs)[0]
+        fresh.observe(chain.top(k), list(range(k)))
+    assert allocate([fresh.weigh(chain)], costs)[0] == 24
