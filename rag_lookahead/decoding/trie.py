@@ -71,27 +71,56 @@ class NGramTrie:
         key = node * _SPAN + token
         child = self._edges.get(key)
         if child is None:
-            child = self._edges[key] = len(self._counts)
-            self._counts.append(0)
-            self._tokens.append(token)
-            self._first.append(-1)
-            self._last.append(-1)
-            self._sibling.append(-1)
-            if self._last[node] >= 0:
-                self._sibling[self._last[node]] = child
-            else:
-                self._first[node] = child
-            self._last[node] = child
+            return self._new_child(node, token, key, add)
         self._counts[child] += add
+        return child
+
+    def _new_child(self, node: int, token: int, key: int, count: int) -> int:
+        """Make ``node``'s child on ``token`` (``key``: its edge), last among its siblings."""
+        child = self._edges[key] = len(self._counts)
+        self._counts.append(count)
+        self._tokens.append(token)
+        self._first.append(-1)
+        self._last.append(-1)
+        self._sibling.append(-1)
+        last = self._last
+        if last[node] >= 0:
+            self._sibling[last[node]] = child
+        else:
+            self._first[node] = child
+        last[node] = child
         return child
 
     def insert(self, tokens: Sequence[int]) -> None:
         """Add all windows of one independent sequence (n-grams never cross sequences)."""
-        tokens = list(tokens)
-        for start in range(len(tokens)):
-            node = self.ROOT
-            for token in tokens[start : start + self.depth]:
-                node = self._child(node, token)
+        self._grow([], tokens)
+
+    def _grow(self, windows: list[int], tokens: Iterable[int], stream: list[int] | None = None) -> None:
+        """Extend every open window by each token in turn, starting a new window at each token.
+
+        ``windows``: the last node of each window still growing, longest first (the i-th holds
+        ``len(windows) - i`` tokens); updated in place. ``stream``: a list the tokens are
+        appended to, if any. Token by token rather than window by window, with the edge lookup
+        written out: seeding a prompt makes ~``depth`` nodes a token, and on a GPU that host
+        work takes about as long as the prefill forward itself (1,000 prompt tokens, depth 52: ~50k nodes,
+        32.5 ms against 38.7 ms window by window through ``_child``, medians of 12 here). Each
+        node's children still come in the order of their n-grams' first occurrence, so drafts
+        are the same."""
+        depth, edges, counts, new_child = self.depth, self._edges, self._counts, self._new_child
+        for token in tokens:
+            if stream is not None:
+                stream.append(token)
+            if len(windows) == depth:  # the longest window is full: it stops growing
+                del windows[0]
+            windows.append(self.ROOT)  # a window starts at this token
+            for i, node in enumerate(windows):
+                key = node * _SPAN + token
+                child = edges.get(key)
+                if child is None:
+                    child = new_child(node, token, key, 1)
+                else:
+                    counts[child] += 1
+                windows[i] = child
 
     def find(self, key: Sequence[int]) -> int | None:
         """The node reached by walking ``key`` from the root, or None."""
@@ -112,16 +141,12 @@ class ContextPool(NGramTrie):
         for reference in references:
             self.insert(reference)
         self.stream: list[int] = []
-        self._open: list[tuple[int, int]] = []  # windows of the stream still growing: (node, length)
+        # the last node of each window still growing, longest first: the i-th holds len - i tokens
+        self._open: list[int] = []
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Append tokens to the stream, inserting each window that they extend."""
-        depth = self.depth
-        for token in tokens:
-            self.stream.append(token)
-            grown = [(self._child(node, token), length + 1) for node, length in self._open if length < depth]
-            grown.append((self._child(self.ROOT, token), 1))
-            self._open = grown
+        self._grow(self._open, tokens, self.stream)
 
 
 class OutputPool:

@@ -44,6 +44,43 @@ def test_streamed_context_counts_every_ngram_once(tokens, depth, split):
     assert pool.stream == tokens
 
 
+def _shape(trie, node=NGramTrie.ROOT):
+    """The trie below ``node`` as nested ``(token, count, children)``, children in the trie's order."""
+    return [(token, trie.count(child), _shape(trie, child)) for token, child in trie.children(node)]
+
+
+def _window_by_window(depth, sequences):
+    """The trie as ``insert`` built it before streaming: each window walked whole, one after another."""
+    trie = NGramTrie(depth)
+    for tokens in sequences:
+        for start in range(len(tokens)):
+            node = trie.ROOT
+            for token in tokens[start : start + depth]:
+                node = trie._child(node, token)
+    return trie
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=sequences,
+    references=st.lists(sequences, max_size=2),
+    depth=st.integers(min_value=2, max_value=6),
+    split=st.integers(min_value=0, max_value=60),
+)
+def test_streaming_builds_the_trie_window_by_window_insertion_does(tokens, references, depth, split):
+    """``extend`` and ``insert`` grow all windows token by token, with the edge lookup written out
+    for speed; every node's count and its children's order (drafts read children oldest first)
+    must be what walking each window whole gives."""
+    pool = ContextPool(depth, references)
+    pool.extend(tokens[:split])
+    pool.extend(tokens[split:])
+    assert _shape(pool) == _shape(_window_by_window(depth, [*references, tokens]))
+    trie = NGramTrie(depth)
+    for sequence in references:
+        trie.insert(sequence)
+    assert _shape(trie) == _shape(_window_by_window(depth, references))
+
+
 def test_insertion_is_linear_in_tokens_times_depth():
     tokens = list(range(5000))  # all distinct: every window makes new nodes
     pool = ContextPool(depth=8)
