@@ -77,17 +77,17 @@ class NGramTrie:
 
     def _new_child(self, node: int, token: int, key: int, count: int) -> int:
         """Make ``node``'s child on ``token`` (``key``: its edge), last among its siblings."""
+        first, last, sibling = self._first, self._last, self._sibling
         child = self._edges[key] = len(self._counts)
         self._counts.append(count)
         self._tokens.append(token)
-        self._first.append(-1)
-        self._last.append(-1)
-        self._sibling.append(-1)
-        last = self._last
+        first.append(-1)
+        last.append(-1)
+        sibling.append(-1)
         if last[node] >= 0:
-            self._sibling[last[node]] = child
+            sibling[last[node]] = child
         else:
-            self._first[node] = child
+            first[node] = child
         last[node] = child
         return child
 
@@ -95,21 +95,18 @@ class NGramTrie:
         """Add all windows of one independent sequence (n-grams never cross sequences)."""
         self._grow([], tokens)
 
-    def _grow(self, windows: list[int], tokens: Iterable[int], stream: list[int] | None = None) -> None:
+    def _grow(self, windows: list[int], tokens: Iterable[int]) -> None:
         """Extend every open window by each token in turn, starting a new window at each token.
 
         ``windows``: the last node of each window still growing, longest first (the i-th holds
-        ``len(windows) - i`` tokens); updated in place. ``stream``: a list the tokens are
-        appended to, if any. Token by token rather than window by window, with the edge lookup
-        written out: seeding a prompt makes ~``depth`` nodes a token, and on a GPU that host
-        work takes about as long as the prefill forward itself (1,000 prompt tokens, depth 52: ~50k nodes,
-        32.5 ms against 38.7 ms window by window through ``_child``, medians of 12 here). Each
-        node's children still come in the order of their n-grams' first occurrence, so drafts
-        are the same."""
+        ``len(windows) - i`` tokens); updated in place. Token by token rather than window by
+        window, with the edge lookup written out: seeding a prompt makes ~``depth`` nodes a token,
+        and on a GPU that host work takes about as long as the prefill forward itself (1,000
+        prompt tokens, depth 52: ~50k nodes, 32.5 ms against 38.7 ms window by window through
+        ``_child``, medians of 12 here). Each node's children still come in the order of their
+        n-grams' first occurrence, so drafts are the same."""
         depth, edges, counts, new_child = self.depth, self._edges, self._counts, self._new_child
         for token in tokens:
-            if stream is not None:
-                stream.append(token)
             if len(windows) == depth:  # the longest window is full: it stops growing
                 del windows[0]
             windows.append(self.ROOT)  # a window starts at this token
@@ -146,7 +143,9 @@ class ContextPool(NGramTrie):
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Append tokens to the stream, inserting each window that they extend."""
-        self._grow(self._open, tokens, self.stream)
+        tokens = list(tokens)
+        self.stream.extend(tokens)
+        self._grow(self._open, tokens)
 
 
 class OutputPool:
