@@ -10,6 +10,7 @@ context pool is read first; the output pool then adds what the context did not a
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from rag_lookahead.decoding.config import LookaheadConfig
@@ -83,6 +84,9 @@ class DraftTree:
         return self._subset(path[::-1])
 
 
+Seed = tuple[int, int, float]  # a depth-1 candidate: (token, its trie node, its probability)
+
+
 class _TreeBuilder:
     def __init__(self, limit: int, max_depth: int) -> None:
         self.tree = DraftTree()
@@ -94,8 +98,9 @@ class _TreeBuilder:
     def full(self) -> bool:
         return len(self.tree) >= self.limit
 
-    def grow(self, trie: NGramTrie, start: int, depth_cap: int) -> None:
-        """Add the likeliest continuations below ``trie``'s node ``start`` (best-first), merging shared prefixes."""
+    def grow(self, trie: NGramTrie, seeds: list[Seed], depth_cap: int) -> None:
+        """Add the likeliest continuations from ``seeds`` (depth-1 candidates) down ``trie``
+        (best-first), merging shared prefixes."""
         depth_cap = min(depth_cap, self.max_depth)
         if depth_cap < 1:
             return
@@ -103,17 +108,13 @@ class _TreeBuilder:
         heap: list[tuple[float, int, int, int, int, int]] = []
         tick = 0
 
-        def push(node: int, parent: int, depth: int, prob: float) -> None:
+        def push(candidates: list[Seed], parent: int, depth: int) -> None:
             nonlocal tick
-            children = trie.children(node)
-            total = sum(trie.count(child) for _, child in children)
-            for token, child in children:
+            for token, child, prob in candidates:
                 tick += 1
-                heapq.heappush(
-                    heap, (-prob * (trie.count(child) / total), tick, child, parent, depth, token)
-                )  # share <= 1: a child never outranks its parent, even by rounding
+                heapq.heappush(heap, (-prob, tick, child, parent, depth, token))
 
-        push(start, -1, 1, 1.0)
+        push(seeds, -1, 1)
         while heap:
             neg_prob, _, node, parent, depth, token = heapq.heappop(heap)
             prob = -neg_prob
@@ -130,30 +131,78 @@ class _TreeBuilder:
             elif prob > tree.probs[index]:
                 tree.probs[index] = prob
             if depth < depth_cap and trie.has_children(node):
-                push(node, index, depth + 1, prob)
+                push(children_of(trie, node, prob), index, depth + 1)
 
 
-def _longest_key(trie: NGramTrie, stream: list[int], config: LookaheadConfig) -> tuple[int | None, int]:
-    """The deepest node reached by a suffix of ``stream`` that has continuations."""
+def children_of(trie: NGramTrie, node: int, prob: float = 1.0) -> list[Seed]:
+    """``node``'s children, each with ``prob`` times its share of their counts (a share is at most
+    1, so a child never outranks its parent, even by rounding)."""
+    children = trie.children(node)
+    total = sum(trie.count(child) for _, child in children)
+    return [(token, child, prob * (trie.count(child) / total)) for token, child in children]
+
+
+def _keys(trie: NGramTrie, stream: list[int], config: LookaheadConfig) -> Iterator[tuple[int, int]]:
+    """The trie nodes of ``stream``'s suffixes, longest first, with their lengths: at most
+    ``max_key_length`` tokens, at least ``min_key_length``, never a stop word alone."""
     longest = min(config.max_key_length, len(stream), trie.depth - 1)
     for length in range(longest, config.min_key_length - 1, -1):
         if length == 1 and stream[-1] in config.stop_words:
-            break
+            return
         node = trie.find(stream[-length:])
-        if node is not None and trie.has_children(node):
-            return node, length
-    return None, 0
+        if node is not None:
+            yield node, length
+
+
+def key_seeds(trie: NGramTrie, stream: list[int], config: LookaheadConfig) -> tuple[list[Seed], int]:
+    """The depth-1 candidates continuing ``stream``, and the length of the key that found them:
+    the children of the longest suffix that has any.
+
+    Where no suffix has continuations and the text ends in a stop word (punctuation mostly),
+    the key leaves that last token out: answers punctuate what they copy their own way
+    ("骨折，并行" where the passage reads "骨折并行", "证人证言、被告人供述" for "证人证言；被告人
+    供述"), and a key that ends in the answer's comma finds nothing where the words before it
+    do. What followed those words is then the draft, through any stop word that came next in
+    the source (the text already has its own). Replayed offline on the 60 realistic Chinese
+    answers with the cost budget, this cut the steps by 6% (English: 1%).
+    """
+    for node, length in _keys(trie, stream, config):
+        if trie.has_children(node):
+            return children_of(trie, node), length
+    if not stream or stream[-1] not in config.stop_words:
+        return [], 0
+    for node, length in _keys(trie, stream[:-1], config):
+        seeds = _past_punctuation(trie, node, stream[-1], config.stop_words)
+        if seeds:
+            return seeds, length + 1
+    return [], 0
+
+
+def _past_punctuation(trie: NGramTrie, node: int, typed: int, stop_words: frozenset[int]) -> list[Seed]:
+    """What followed ``node`` in the source, stepping over a stop word there, each by its share
+    of the counts. Skipped: ``typed`` (the text's own punctuation, which its own last
+    occurrence is followed by) and continuations that are stop words again."""
+    counted = []
+    for token, child in trie.children(node):
+        if token == typed:
+            continue
+        if token in stop_words:
+            counted += [(t, c, trie.count(c)) for t, c in trie.children(child) if t not in stop_words]
+        else:
+            counted.append((token, child, trie.count(child)))
+    total = sum(count for _, _, count in counted)
+    return [(token, child, count / total) for token, child, count in counted]
 
 
 def propose(context: ContextPool, output: OutputPool | None, config: LookaheadConfig) -> DraftTree:
     """Candidate draft tree (at most ``decoding_length`` nodes) continuing ``context.stream``."""
     builder = _TreeBuilder(config.decoding_length, config.branch_length)
-    node, key_length = _longest_key(context, context.stream, config)
-    if node is not None:
-        builder.grow(context, node, context.depth - key_length)
+    seeds, key_length = key_seeds(context, context.stream, config)
+    if seeds:
+        builder.grow(context, seeds, context.depth - key_length)
     if output is not None and not builder.full:
         with output.lock:
-            node, key_length = _longest_key(output.trie, context.stream, config)
-            if node is not None:
-                builder.grow(output.trie, node, output.depth - key_length)
+            seeds, key_length = key_seeds(output.trie, context.stream, config)
+            if seeds:
+                builder.grow(output.trie, seeds, output.depth - key_length)
     return builder.tree

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rag_lookahead import LookaheadConfig
-from rag_lookahead.decoding.draft import DraftTree, _TreeBuilder, propose
+from rag_lookahead.decoding.draft import DraftTree, _TreeBuilder, children_of, propose
 from rag_lookahead.decoding.trie import ContextPool, NGramTrie, OutputPool
 
 sequences = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=60)
@@ -203,6 +203,27 @@ def test_a_stop_word_alone_is_never_a_key():
     assert propose(context, None, config).tokens[:2] == [7, 8]
 
 
+def test_a_key_that_ends_in_punctuation_the_source_lacks_skips_it():
+    # the passage reads "5 6 7 8 9", the answer copies "5 6" and adds its own comma (0): no
+    # suffix ending in the comma has a continuation, the words before it do
+    config = LookaheadConfig(decoding_length=8, branch_length=3, stop_words=frozenset({0, 1}))
+    context = ContextPool(7)
+    context.extend([5, 6, 7, 8, 9, 2, 3, 5, 6, 0])
+    assert propose(context, None, config).tokens == [7, 8, 9]
+    # the source's own punctuation after the words (1, a semicolon) is skipped: the text has its comma
+    context = ContextPool(7)
+    context.extend([5, 6, 1, 7, 8, 2, 3, 5, 6, 0])
+    assert propose(context, None, config).tokens == [7, 8, 2]
+    # a key that ends in the comma and has a continuation still wins
+    context = ContextPool(7)
+    context.extend([5, 6, 0, 4, 4, 5, 6, 7, 8, 2, 5, 6, 0])
+    assert propose(context, None, config).tokens[0] == 4
+    # and a last token that is no stop word is never skipped
+    context = ContextPool(7)
+    context.extend([5, 6, 7, 8, 9, 2, 3, 5, 6, 11])
+    assert len(propose(context, None, config)) == 0
+
+
 def test_context_pool_is_preferred_over_output_pool():
     config = LookaheadConfig(decoding_length=2, branch_length=1, max_key_length=1)
     context = ContextPool(4)
@@ -223,7 +244,7 @@ def test_a_child_never_outranks_its_parent_by_rounding():
         for _ in range(3):
             trie.insert([100, i, 50 + i])
     builder = _TreeBuilder(limit=20, max_depth=2)
-    builder.grow(trie, trie.find([100]), 2)
+    builder.grow(trie, children_of(trie, trie.find([100])), 2)
     draft = builder.tree
     assert len(draft) == 20
     assert _is_tree(draft)
