@@ -91,6 +91,15 @@ class AcceptanceRates:
                 counts[0] = self.decay * counts[0] + self.PROBE
                 counts[1] = self.decay * counts[1] + self.PROBE
 
+    def learn(self, draft: DraftTree, tokens: list[int]) -> tuple[list[int], bool]:
+        """Update from the tokens a step gained (bonus token included) on ``draft``, the weighed
+        tree the step's draft was cut from; returns the nodes that spell them and whether even
+        the bonus token was drafted (then nothing is known below the last: ``open_end``)."""
+        nodes = draft.path_of(tokens)
+        open_end = len(nodes) == len(tokens)
+        self.observe(draft, nodes, open_end=open_end)
+        return nodes, open_end
+
     def weigh(self, draft: DraftTree) -> DraftTree:
         """The draft with each node's chance of acceptance corrected by these rates (never above its parent's)."""
         scale = [0.0, self.first]  # by depth; built so that it never grows with depth, even by rounding

@@ -303,9 +303,7 @@ class DecodeBatch:
         through a long copy (measured: 20 one-node steps where 10-token chains took 8)."""
         full = row.candidates if row.candidates is not None and len(row.candidates) >= len(draft) else draft
         row.candidates = None
-        nodes = full.path_of(result.tokens)
-        open_end = len(nodes) == len(result.tokens)  # even the bonus token was drafted: deeper is unknown
-        row.acceptance.observe(full, nodes, open_end=open_end)
+        nodes, open_end = row.acceptance.learn(full, result.tokens)
         if full.tokens:
             self.workload.observe(full, nodes, open_end=open_end)
 

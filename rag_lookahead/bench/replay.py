@@ -1,0 +1,196 @@
+"""Drafters compared without timing noise: each prompt's greedy answer replayed step by step on the host.
+
+Every lossless drafter yields the same tokens; they differ in how many steps an answer takes
+and how many tokens each step's forward carries. Both follow from the answer alone: at each
+step the drafter proposes from the text so far, the loop's own budget cuts the tree (the row's
+``AcceptanceRates`` and ``costs.allocate`` on the model's cost curve), and the row gains the
+longest path the answer spells plus the bonus token. So one greedy run per prompt gives every
+drafter's steps, and the cost curve prices them, with none of the run-to-run swings of timed
+runs on a shared machine (single items move 20-40% between passes on these CPUs). The
+predicted speed prices each forward by the curve only: the loop's own overhead and the
+machine's drift are left out, so confirm a change found here with ``bench`` before trusting it.
+
+    python -m rag_lookahead.bench.replay --prompts rag_lookahead/data/realistic/bench_zh.jsonl --dtype bf16
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rag_lookahead.bench.common import (
+    DeviceOption,
+    DtypeOption,
+    IdsOption,
+    JsonOption,
+    ModelOption,
+    PromptsOption,
+    chat_ids,
+    check_output_path,
+    check_positive,
+    eos_pad,
+    load_bench_model,
+    load_prompts,
+    print_rows,
+    run_command,
+)
+from rag_lookahead.decoding.acceptance import AcceptanceRates
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.costs import CostCurve, StepCosts, allocate
+from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.drafter import Drafter, PromptLookupDrafter, TrieDrafter
+from rag_lookahead.decoding.rows import Row
+from rag_lookahead.decoding.trie import OutputPool
+from rag_lookahead.output_files import save_report
+
+PROG = "python -m rag_lookahead.bench.replay"
+#: what each replayed drafter is: prompt lookup verifies its whole chain, as transformers does;
+#: lookahead is sized by the cost budget, with a fresh output pool per answer (``bench``'s
+#: ``lookahead``) or one pool kept over the answers in order (``bench``'s ``lookahead_warm``)
+DRAFTERS = ("prompt_lookup", "lookahead", "lookahead_warm")
+
+
+@dataclass
+class Replayed:
+    """One answer's replay: its decode steps, the tokens they gained and what the forwards cost."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: Replayed) -> None:
+        self.steps, self.tokens, self.seconds = (
+            self.steps + other.steps,
+            self.tokens + other.tokens,
+            self.seconds + other.seconds,
+        )
+
+
+def replay(
+    drafter: Drafter,
+    prompt: list[int],
+    answer: list[int],
+    eos: frozenset[int],
+    curve: CostCurve,
+    *,
+    budget: bool = True,
+    references: Sequence[Sequence[int]] = (),
+) -> Replayed:
+    """Replay ``answer`` (greedy, ending at EOS or at its token budget) after ``prompt``: the steps
+    our loop takes with ``drafter``, the tokens after the first (which comes with the prefill)
+    and the forwards' cost by ``curve``. ``budget``: cut each tree by the cost budget as the loop
+    does (else verify every node, as ``budget="fixed"`` does)."""
+    row = Row(0, list(prompt), len(answer), None, None, acceptance=AcceptanceRates())
+    row.take(answer[:1], eos)
+    drafter.start(row, references)
+    costs = StepCosts(curve)
+    costs.observe(1, 1, curve(1))  # a one-row batch's plain step is known, as after the loop's first
+    done = Replayed()
+    while not row.done:
+        candidates = drafter.propose(row).limit_depth(row.room - 1) if row.room > 1 else DraftTree()
+        weighed = row.acceptance.weigh(candidates) if budget else candidates
+        draft = weighed.top(allocate([weighed], costs)[0]) if budget else weighed
+        at = len(row.generated)
+        path = draft.path_of(answer[at:])
+        gained = row.take(answer[at : at + 1 + len(path)], eos)
+        if budget:
+            row.acceptance.learn(weighed, gained)
+        drafter.observe(row, draft, path)
+        done.steps += 1
+        done.tokens += len(gained)
+        done.seconds += curve(1 + len(draft))
+    drafter.retire(row)
+    return done
+
+
+def replay_all(
+    answers: Sequence[tuple[list[int], list[int]]], eos: frozenset[int], curve: CostCurve, config: LookaheadConfig
+) -> dict[str, Replayed]:
+    """Every drafter of ``DRAFTERS`` over the (prompt, answer) pairs, in order."""
+    depth = config.branch_length + config.max_key_length
+    totals = {name: Replayed() for name in DRAFTERS}
+    warm = OutputPool(depth)
+    for prompt, answer in answers:
+        totals["prompt_lookup"].add(replay(PromptLookupDrafter(), prompt, answer, eos, curve, budget=False))
+        fresh = TrieDrafter(config, OutputPool(depth))
+        totals["lookahead"].add(replay(fresh, prompt, answer, eos, curve))
+        totals["lookahead_warm"].add(replay(TrieDrafter(config, warm), prompt, answer, eos, curve))
+    return totals
+
+
+def rows_of(totals: dict[str, Replayed]) -> list[dict]:
+    """The report's table: steps, tokens a step, predicted decode tokens/s and the ratio to prompt lookup."""
+    base = totals["prompt_lookup"]
+    base_rate = base.tokens / base.seconds if base.seconds else 0.0
+    rows = []
+    for name, t in totals.items():
+        rate = t.tokens / t.seconds if t.seconds else 0.0
+        rows.append(
+            {
+                "drafter": name,
+                "steps": t.steps,
+                "tokens a step": round(t.tokens / t.steps, 2) if t.steps else 0.0,
+                "predicted decode tok/s": round(rate, 2),
+                "vs prompt lookup": f"{rate / base_rate:.3f}x" if base_rate else "-",
+            }
+        )
+    return rows
+
+
+def replay_bench(
+    model: ModelOption = "default",
+    dtype: DtypeOption = "auto",
+    device: DeviceOption = None,
+    prompts: PromptsOption = None,
+    ids: IdsOption = None,
+    limit: int | None = None,
+    max_new_tokens: int = 128,
+    json_path: JsonOption = None,
+) -> dict:
+    """Replay each prompt's greedy answer through prompt lookup and lookahead: steps and predicted speed."""
+    from rag_lookahead.decoding.costs import cost_curve
+    from rag_lookahead.decoding.loop import generate
+
+    check_positive({"--limit": limit, "--max-new-tokens": max_new_tokens})
+    check_output_path(json_path, inputs=[prompts])
+    chosen = load_prompts(prompts, ids)[:limit]  # a bad file fails before the model loads
+    loaded, tokenizer = load_bench_model(model, dtype, device, None)
+    eos_ids, pad = eos_pad(loaded, tokenizer)
+    config = LookaheadConfig().with_tokenizer(tokenizer)
+    answers = []
+    for prompt in chosen:  # greedy answers from our loop (lossless), each with a fresh output pool
+        ids_ = chat_ids(tokenizer, prompt)
+        result = generate(
+            loaded,
+            ids_,
+            max_new_tokens=max_new_tokens,
+            config=config,
+            eos_token_id=eos_ids,
+            pad_token_id=pad,
+            output_pool=OutputPool(config.branch_length + config.max_key_length),
+        )
+        answers.append((ids_, result.sequences[0, len(ids_) : len(ids_) + result.stats.new_tokens].tolist()))
+    curve = cost_curve(loaded)
+    rows = rows_of(replay_all(answers, frozenset(eos_ids), curve, config))
+    print_rows(
+        f"replayed greedy answers ({len(chosen)} prompts, {model} {dtype}, forwards priced by its cost curve)", rows
+    )
+    report = {
+        "model": model,
+        "dtype": dtype,
+        "prompts": len(chosen),
+        "max_new_tokens": max_new_tokens,
+        "drafters": rows,
+    }
+    if json_path:
+        save_report(json_path, report)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> dict | int:
+    """``python -m rag_lookahead.bench.replay [options]``: the report (an exit code for --help)."""
+    return run_command(replay_bench, argv, PROG)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The replay takes exactly the steps the real loop takes on the same answer (a tiny model's)."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import tiny_model
+
+from rag_lookahead.bench.replay import DRAFTERS, Replayed, replay, replay_all, rows_of
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.costs import CostCurve
+from rag_lookahead.decoding.drafter import PromptLookupDrafter, TrieDrafter
+from rag_lookahead.decoding.loop import generate
+from rag_lookahead.decoding.trie import OutputPool
+
+CURVE = CostCurve([1, 8, 16, 64], [0.07, 0.08, 0.10, 0.24])
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 4 + [5, 6], [3, 4, 3, 4, 12, 13, 14, 15, 3, 4, 12], [21, 22, 23, 24, 21, 22]]
+
+
+def _fixed(drafter_of):
+    """(prompt, answer, the loop's decode steps) with every candidate verified (fixed budget)."""
+    model = tiny_model("qwen2")
+    config = LookaheadConfig(budget="fixed", decoding_length=12, branch_length=6)
+    runs = []
+    for prompt in PROMPTS:
+        result = generate(
+            model, prompt, max_new_tokens=20, config=config, eos_token_id=None, drafter=drafter_of(config)
+        )
+        runs.append((prompt, result.sequences[0, len(prompt) :].tolist(), result.stats.forward_passes))
+    return config, runs
+
+
+@pytest.mark.parametrize("kind", ["trie", "prompt_lookup"])
+def test_a_fixed_budget_replay_takes_the_loops_own_steps(kind):
+    def drafter_of(config):
+        return (
+            TrieDrafter(config, OutputPool(config.branch_length + config.max_key_length))
+            if kind == "trie"
+            else PromptLookupDrafter()
+        )
+
+    config, runs = _fixed(drafter_of)
+    assert any(steps < len(answer) - 1 for _, answer, steps in runs)  # drafts were accepted somewhere
+    for prompt, answer, steps in runs:
+        replayed = replay(drafter_of(config), prompt, answer, frozenset(), CURVE, budget=False)
+        assert replayed.steps == steps
+        assert replayed.tokens == len(answer) - 1
+
+
+def test_an_answer_ending_at_eos_stops_there_and_a_one_token_answer_takes_no_step():
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    done = replay(PromptLookupDrafter(), prompt, [3, 4, 99], frozenset({99}), CURVE, budget=False)
+    assert (done.steps, done.tokens) == (1, 2)  # "3" came with the prefill; "4" drafted, EOS the bonus
+    assert replay(PromptLookupDrafter(), prompt, [99], frozenset({99}), CURVE) == Replayed()
+
+
+def test_the_budgeted_replay_gains_every_answer_token_and_prices_each_step():
+    config = LookaheadConfig(decoding_length=12, branch_length=6)
+    prompt = [5, 6, 7, 8, 9, 10, 11] * 4 + [5, 6]
+    answer = [7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6]
+    totals = replay_all([(prompt, answer)] * 2, frozenset(), CURVE, config)
+    assert set(totals) == set(DRAFTERS)
+    for t in totals.values():
+        assert t.tokens == 2 * (len(answer) - 1)
+        assert CURVE(1) * t.steps <= t.seconds <= CURVE(13) * t.steps
+        assert t.steps < t.tokens  # the answer copies the prompt: steps gain several tokens
+    rows = rows_of(totals)
+    assert [r["drafter"] for r in rows] == list(DRAFTERS) and rows[0]["vs prompt lookup"] == "1.000x"
