@@ -164,7 +164,7 @@ def key_seeds(trie: NGramTrie, stream: list[int], config: LookaheadConfig) -> tu
     供述"), and a key that ends in the answer's comma finds nothing where the words before it
     do. What followed those words is then the draft, through any stop word that came next in
     the source (the text already has its own). Replayed offline on the 60 realistic Chinese
-    answers with the cost budget, this cut the steps by 6% (English: 1%).
+    answers with the cost budget, this cut the steps by 6% (English: 2%; held-out Chinese: 4%).
     """
     for node, length in _keys(trie, stream, config):
         if trie.has_children(node):
