@@ -297,6 +297,47 @@ def chat_ids(tokenizer, prompt: dict, *, with_context: bool = True) -> list[int]
     return encode_messages(tokenizer, [{"role": "user", "content": content}])
 
 
+def prompts_then_model(
+    prompts: str | None,
+    ids: str | None,
+    limit: int | None,
+    max_new_tokens: int,
+    json_path: str | None,
+    model: str,
+    dtype: Any,
+    device: str | None,
+    device_map: str | None = None,
+) -> tuple[list[dict], Any, Any, LookaheadConfig]:
+    """The chosen prompts, then the model, its tokenizer and the drafter config ``bench`` runs (the
+    tokenizer's stop words too); bad options and files fail before the model loads."""
+    check_positive({"--limit": limit, "--max-new-tokens": max_new_tokens})
+    check_output_path(json_path, inputs=[prompts])
+    chosen = load_prompts(prompts, ids)[:limit]
+    loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+    return chosen, loaded, tokenizer, LookaheadConfig().with_tokenizer(tokenizer)
+
+
+def fresh_pool_answers(model, tokenizer, prompts: Sequence[dict], config: LookaheadConfig, max_new_tokens: int):
+    """Each prompt's chat ids and our loop's greedy result (lossless), each with a fresh output
+    pool, so that no answer drafts from another's; yielded one prompt at a time."""
+    from rag_lookahead.decoding.loop import generate
+    from rag_lookahead.decoding.trie import OutputPool
+
+    eos, pad = eos_pad(model, tokenizer)
+    for prompt in prompts:
+        ids = chat_ids(tokenizer, prompt)
+        result = generate(
+            model,
+            ids,
+            max_new_tokens=max_new_tokens,
+            config=config,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            output_pool=OutputPool(config.branch_length + config.max_key_length),
+        )
+        yield ids, result
+
+
 def rotated(items: Sequence[Any], shift: int) -> list[Any]:
     """``items`` starting at ``shift`` (modulo their count). The benchmarks turn their methods' order
     from one prompt (or pass) to the next: on a machine whose speed drifts within minutes, and

@@ -25,13 +25,10 @@ from rag_lookahead.bench.common import (
     JsonOption,
     ModelOption,
     PromptsOption,
-    chat_ids,
-    check_output_path,
-    check_positive,
     eos_pad,
-    load_bench_model,
-    load_prompts,
+    fresh_pool_answers,
     print_rows,
+    prompts_then_model,
     run_command,
 )
 from rag_lookahead.decoding.acceptance import AcceptanceRates
@@ -149,27 +146,15 @@ def replay_bench(
 ) -> dict:
     """Replay each prompt's greedy answer through prompt lookup and lookahead: steps and predicted speed."""
     from rag_lookahead.decoding.costs import cost_curve
-    from rag_lookahead.decoding.loop import generate
 
-    check_positive({"--limit": limit, "--max-new-tokens": max_new_tokens})
-    check_output_path(json_path, inputs=[prompts])
-    chosen = load_prompts(prompts, ids)[:limit]  # a bad file fails before the model loads
-    loaded, tokenizer = load_bench_model(model, dtype, device, None)
-    eos_ids, pad = eos_pad(loaded, tokenizer)
-    config = LookaheadConfig().with_tokenizer(tokenizer)
-    answers = []
-    for prompt in chosen:  # greedy answers from our loop (lossless), each with a fresh output pool
-        ids_ = chat_ids(tokenizer, prompt)
-        result = generate(
-            loaded,
-            ids_,
-            max_new_tokens=max_new_tokens,
-            config=config,
-            eos_token_id=eos_ids,
-            pad_token_id=pad,
-            output_pool=OutputPool(config.branch_length + config.max_key_length),
-        )
-        answers.append((ids_, result.sequences[0, len(ids_) : len(ids_) + result.stats.new_tokens].tolist()))
+    chosen, loaded, tokenizer, config = prompts_then_model(
+        prompts, ids, limit, max_new_tokens, json_path, model, dtype, device
+    )
+    answers = [
+        (prompt_ids, result.sequences[0, len(prompt_ids) : len(prompt_ids) + result.stats.new_tokens].tolist())
+        for prompt_ids, result in fresh_pool_answers(loaded, tokenizer, chosen, config, max_new_tokens)
+    ]
+    eos_ids, _ = eos_pad(loaded, tokenizer)
     curve = cost_curve(loaded)
     rows = rows_of(replay_all(answers, frozenset(eos_ids), curve, config))
     print_rows(

@@ -30,12 +30,9 @@ from rag_lookahead.bench.common import (
     ModelOption,
     PromptsOption,
     chat_ids,
-    check_output_path,
-    check_positive,
-    eos_pad,
-    load_bench_model,
-    load_prompts,
+    fresh_pool_answers,
     print_rows,
+    prompts_then_model,
     run_command,
 )
 from rag_lookahead.output_files import save_report
@@ -180,30 +177,16 @@ def step_profile(
     json_path: JsonOption = None,
 ) -> dict:
     """Where a lookahead decode step's time goes, region by region, on a prompt set."""
-    from rag_lookahead.decoding.config import LookaheadConfig
     from rag_lookahead.decoding.loop import generate
-    from rag_lookahead.decoding.trie import OutputPool
     from rag_lookahead.decoding.verify import input_device
 
-    check_positive({"--limit": limit, "--max-new-tokens": max_new_tokens})
-    check_output_path(json_path, inputs=[prompts])
-    chosen = load_prompts(prompts, ids)[:limit]  # a bad file fails before the model loads
-    loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
-    eos, pad = eos_pad(loaded, tokenizer)
-    config = LookaheadConfig()
+    chosen, loaded, tokenizer, config = prompts_then_model(
+        prompts, ids, limit, max_new_tokens, json_path, model, dtype, device, device_map
+    )
 
     def run_all() -> tuple[int, int]:
         tokens = steps = 0
-        for prompt in chosen:
-            result = generate(
-                loaded,
-                chat_ids(tokenizer, prompt),
-                max_new_tokens=max_new_tokens,
-                config=config,
-                eos_token_id=eos,
-                pad_token_id=pad,
-                output_pool=OutputPool(config.branch_length + config.max_key_length),
-            )
+        for _, result in fresh_pool_answers(loaded, tokenizer, chosen, config, max_new_tokens):
             tokens += result.stats.new_tokens - 1
             steps += result.stats.forward_passes
         return tokens, steps

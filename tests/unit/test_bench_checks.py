@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rag_lookahead.bench import common
 from rag_lookahead.bench.retrieval import Item
 from rag_lookahead.errors import ConfigError, InputError, ModelLoadError
 
@@ -48,6 +49,8 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("batch", ["--branch-length", "300"], "error: branch_length must be an integer from 1 to 256, got 300"),
     ("batch", ["--json", "{dir}/no/b.json"], "error: --json '{dir}/no/b.json': its folder '{dir}/no' does not exist"),
     ("step_profile", ["--limit", "0"], f"error: --limit {BELOW} 0"),
+    ("replay", ["--max-new-tokens", "0"], f"error: --max-new-tokens {BELOW} 0"),
+    ("replay", ["--json", "{dir}"], FOLDER),
     ("interference", ["--long-requests", "0"], f"error: --long-requests {BELOW} 0"),
     ("interference", ["--short-max-new-tokens", "0"], f"error: --short-max-new-tokens {BELOW} 0"),
     ("interference", ["--tiny", "--json", "{dir}"], FOLDER),
@@ -66,7 +69,8 @@ def test_a_bad_option_stops_a_benchmark_before_the_model_loads(tmp_path, monkeyp
     paths = {"dir": str(tmp_path), "file": str(tmp_path / "a_file"), "fifo": str(tmp_path / "a_fifo")}
     bench = importlib.import_module(f"rag_lookahead.bench.{module}")
     loads = []
-    monkeypatch.setattr(bench, "load_bench_model", lambda *a, **k: loads.append(a))
+    for owner in (bench, common):  # a benchmark loads the model itself or through common's helper
+        monkeypatch.setattr(owner, "load_bench_model", lambda *a, **k: loads.append(a), raising=False)
     if module == "interference":  # --tiny builds its model here
         monkeypatch.setattr(bench, "tiny_mix", lambda *a, **k: loads.append(a))
     if module == "gpu_check":  # it builds its models section by section

@@ -150,14 +150,17 @@ def test_unreadable_prompts_and_unknown_ids_are_input_errors(tmp_path):
         load_prompts(None, "nope")
 
 
-@pytest.mark.parametrize("module", ["single", "batch", "step_profile"])
+@pytest.mark.parametrize("module", ["single", "batch", "step_profile", "replay"])
 def test_a_bad_prompts_file_stops_a_benchmark_with_one_line_before_the_model_loads(tmp_path, monkeypatch, module):
     """The real entry points: the error is one line (exit 1), and no model was asked for."""
     import importlib
 
+    from rag_lookahead.bench import common
+
     bench = importlib.import_module(f"rag_lookahead.bench.{module}")
     loads = []
-    monkeypatch.setattr(bench, "load_bench_model", lambda *a, **k: loads.append(a))
+    for owner in (bench, common):  # a benchmark loads the model itself or through common's helper
+        monkeypatch.setattr(owner, "load_bench_model", lambda *a, **k: loads.append(a), raising=False)
     path = _write(tmp_path, "bad.jsonl", '{"context": "p"}\n')
     with pytest.raises(SystemExit) as done:
         bench.main(["--prompts", path])
