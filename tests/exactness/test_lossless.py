@@ -31,6 +31,8 @@ def cases(draw):
         max_key_length=draw(st.integers(min_value=1, max_value=4)),
         budget=draw(st.sampled_from(["fixed", "auto"])),
         use_output_pool=draw(st.booleans()),
+        # stop words: the key then also skips a last stop word the source lacks (``draft.key_seeds``)
+        stop_words=draw(st.sampled_from([frozenset(), frozenset({1, 2})])),
     )
     seed = draw(st.integers(min_value=0, max_value=2**16))
     return prompt, max_new, kind, config, seed
