@@ -77,6 +77,7 @@ def replay(
     our loop takes with ``drafter``, the tokens after the first (which comes with the prefill)
     and the forwards' cost by ``curve``. ``budget``: cut each tree by the cost budget as the loop
     does (else verify every node, as ``budget="fixed"`` does)."""
+    # no chooser (the answer gives every token) and no context limit (the answer already ends where it must)
     row = Row(0, list(prompt), len(answer), None, None, acceptance=AcceptanceRates())
     row.take(answer[:1], eos)
     drafter.start(row, references)
