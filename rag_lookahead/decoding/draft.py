@@ -171,7 +171,7 @@ def key_seeds(trie: NGramTrie, stream: list[int], config: LookaheadConfig) -> tu
             return children_of(trie, node), length
     if not stream or stream[-1] not in config.stop_words:
         return [], 0
-    for node, length in _keys(trie, stream[:-1], config):
+    for node, length in _keys(trie, stream[-config.max_key_length - 1 : -1], config):  # keys only: no copy of the text
         seeds = _past_punctuation(trie, node, stream[-1], config.stop_words)
         if seeds:
             return seeds, length + 1
