@@ -10,7 +10,7 @@ context pool is read first; the output pool then adds what the context did not a
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from rag_lookahead.decoding.config import LookaheadConfig
@@ -30,6 +30,12 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        """``tokens`` as one chain below the root (a prompt chunk after its first token, say)."""
+        count = len(tokens)
+        return cls(list(tokens), list(range(-1, count - 1)), list(range(1, count + 1)), [1.0] * count)
 
     def __len__(self) -> int:
         return len(self.tokens)

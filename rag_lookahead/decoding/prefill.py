@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.packed_cache import PackedCache, check_cache
 from rag_lookahead.decoding.row_attention import ROW_LAYOUT, row_layout, row_local_applies
@@ -36,7 +37,7 @@ from rag_lookahead.decoding.verify import (
 )
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
 
-__all__ = ["ChunkedPrefill", "StepFeed", "chain", "forward_feed", "prefill_padded", "step_feed"]
+__all__ = ["ChunkedPrefill", "StepFeed", "forward_feed", "prefill_padded", "step_feed"]
 
 
 def prefill_padded(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -45,14 +46,15 @@ def prefill_padded(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
 
     cache = DynamicCache(config=model.config)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits
+    with without_cudnn_attention(input_ids.device):
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
     check_cache(cache)
     return cache, logits
 
@@ -103,12 +105,6 @@ class ChunkedPrefill:
         return left
 
 
-def chain(tokens: Sequence[int]) -> DraftTree:
-    """A prompt chunk after its first token, as a draft chain (the first token is the root)."""
-    count = len(tokens)
-    return DraftTree(list(tokens), list(range(-1, count - 1)), list(range(1, count + 1)), [1.0] * count)
-
-
 @dataclass
 class StepFeed:
     """What each row feeds one forward: a decoding row its pending token and draft tree, a row
@@ -141,7 +137,7 @@ def step_feed(rows: Sequence[Row], drafts: Sequence[DraftTree], chunks: dict[Row
         else:
             feed.starts.append(-1)
             feed.roots.append(chunk[0])
-            feed.trees.append(chain(chunk[1:]))
+            feed.trees.append(DraftTree.chain(chunk[1:]))
             size = len(chunk)
             if row.position + size == row.prompt_length:
                 prompt_ends[r] = offset + size - 1
@@ -177,7 +173,10 @@ def forward_feed(
             sizes = [1 + len(tree) for tree in feed.trees]
             kwargs[ROW_LAYOUT] = row_layout(packed.row_columns(), sizes, packed.length, device)
     head = greedy_head_of(model) if greedy_only else None
-    with capture_hidden() if head is not None else contextlib.nullcontext() as captured:
+    with (
+        capture_hidden() if head is not None else contextlib.nullcontext() as captured,
+        without_cudnn_attention(device),
+    ):
         logits = model(input_ids=step.ids, **kwargs).logits
     check_cache(packed.cache)
     if captured:  # the screened layer computed nothing: its input gives the tokens

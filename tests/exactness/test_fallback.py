@@ -28,6 +28,25 @@ AttentionInterface.register("causal_only", causal_only_attention)
 AttentionMaskInterface.register("causal_only", sdpa_mask)
 
 
+def kernel_switching_attention(module, query, key, value, attention_mask, **kwargs):
+    """Like sdpa on a GPU, where an unmasked call takes another kernel (flash) than a masked one
+    (memory-efficient) and rounds differently: here its output is off by 2% without a mask."""
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return (out if attention_mask is not None else out * 1.02), weights
+
+
+AttentionInterface.register("kernel_switching", kernel_switching_attention)
+AttentionMaskInterface.register("kernel_switching", sdpa_mask)
+
+
+def test_probe_judges_the_mask_not_the_kernel():
+    """The probe's branch runs go through a 4-D mask like the tree step, so a kernel that only
+    unmasked calls take cannot fail a model whose attention honours the mask (it did on an H200)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert supports_tree_mask(tiny_model("qwen2", attn="kernel_switching", seed=4)) is True
+
+
 @pytest.fixture(scope="module")
 def maskless_model():
     return tiny_model("qwen2", attn="causal_only", seed=3)
