@@ -11,7 +11,6 @@ to its last token) and whether every output equals the single-request greedy out
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import statistics
 import time
@@ -51,7 +50,6 @@ from rag_lookahead.bench.common import (
     run_command,
 )
 from rag_lookahead.checks import positive_int
-from rag_lookahead.cpu_linear import stock_linears
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
 from rag_lookahead.decoding.profile import profile_of
@@ -60,18 +58,19 @@ from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.batch"
 BASE_METHODS = ("hf_greedy", "plain", "lookahead")
-#: also: transformers greedy on torch's stock linear kernels (the model as transformers runs it;
+#: also: transformers greedy on torch's stock kernels (``transformers_kernels``: the model as transformers runs it;
 #: "hf_greedy" runs on the layout ``load_model`` gives the model, as ours does)
 STOCK_METHOD = "hf_greedy_stock"
 
 
-def run_hf_waves(model, requests, level, max_new_tokens, eos, pad):
-    """transformers: padded static batches of ``level`` requests; a wave returns all rows together."""
+def run_hf_waves(model, requests, level, max_new_tokens, eos, pad, stock: bool = False):
+    """transformers: padded static batches of ``level`` requests; a wave returns all rows together
+    (``stock``: on torch's own kernels, see ``transformers_kernels``)."""
     outputs, latencies = [], []
     for first in range(0, len(requests), level):
         rows = requests[first : first + level]
         start = time.perf_counter()
-        outputs += hf_batched(model, rows, max_new_tokens, eos, pad)
+        outputs += hf_batched(model, rows, max_new_tokens, eos, pad, stock)
         latencies += [time.perf_counter() - start] * len(rows)
     return outputs, latencies, None
 
@@ -121,8 +120,8 @@ class Workload:
     def run(self, method: str, level: int):
         """``(outputs, latencies, mean accepted)`` of one method at one concurrency."""
         if method in ("hf_greedy", STOCK_METHOD):
-            with stock_linears(self.model) if method == STOCK_METHOD else contextlib.nullcontext():
-                return run_hf_waves(self.model, self.requests, level, self.max_new_tokens, self.eos, self.pad)
+            stock = method == STOCK_METHOD
+            return run_hf_waves(self.model, self.requests, level, self.max_new_tokens, self.eos, self.pad, stock)
         config = self.config.replace(
             enabled=method != "plain", branch_length=self.depths.get(method, self.config.branch_length)
         )
@@ -266,8 +265,7 @@ def batch(
     run_continuous(loaded, work.requests[:2], 2, 8, eos, pad, config)  # warm-up and cost curve
     run_hf_waves(loaded, work.requests[:2], 2, 8, eos, pad)
     if STOCK_METHOD in chosen:
-        with stock_linears(loaded):
-            run_hf_waves(loaded, work.requests[:2], 2, 8, eos, pad)
+        run_hf_waves(loaded, work.requests[:2], 2, 8, eos, pad, stock=True)
     results, single = measure(work, chosen, levels, repeats)
     add_speedups(results)
     contexts = [tokenizer.encode(p["context"], add_special_tokens=False) for p in cycled]

@@ -22,6 +22,7 @@ import torch
 import typer
 
 from rag_lookahead.bench import plots
+from rag_lookahead.bench.kernels import transformers_kernels
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import left_pad
@@ -427,21 +428,24 @@ def copied_fraction(answer: list[int], source: list[int], n: int = 4) -> float:
 
 
 @torch.inference_mode()
-def hf_batched(model, requests: list[list[int]], max_new_tokens: int, eos: Sequence[int], pad: int) -> list[list[int]]:
+def hf_batched(
+    model, requests: list[list[int]], max_new_tokens: int, eos: Sequence[int], pad: int, stock: bool = False
+) -> list[list[int]]:
     """transformers' plain greedy decoding of ``requests`` as one left-padded batch (one request:
     unpadded), built on the model's input device; each output cut after its first EOS. Plain: a
     repetition penalty in the model's generation config (hub Qwen2.5 ships 1.05-1.1) is turned off,
-    as in the engine's greedy rows it is compared with."""
+    as in the engine's greedy rows it is compared with. ``stock``: see ``transformers_kernels``."""
     ids, mask = left_pad(requests, pad, input_device(model))
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        do_sample=False,
-        repetition_penalty=1.0,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=sorted(eos) or None,
-        pad_token_id=pad,
-    )
+    with transformers_kernels(model, stock):
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            repetition_penalty=1.0,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(eos) or None,
+            pad_token_id=pad,
+        )
     return [cut_at_eos(out[r, ids.shape[1] :].tolist(), eos) for r in range(len(requests))]
 
 

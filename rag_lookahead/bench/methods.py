@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rag_lookahead.bench.kernels import transformers_kernels
 from rag_lookahead.decoding.drafter import Drafter, PromptLookupDrafter
 from rag_lookahead.decoding.loop import generate
 from rag_lookahead.decoding.trie import OutputPool
@@ -32,7 +33,7 @@ METHODS = (
 SAMPLING_METHODS = ("sample", "prompt_lookup_sample", "lookahead_sample")
 #: transformers' prompt lookup: draft tokens per step (its max_matching_ngram_size stays at its default)
 PROMPT_LOOKUP_TOKENS = 10
-#: transformers' greedy and prompt lookup on torch's stock linear kernels (the model as plain
+#: transformers' greedy and prompt lookup on torch's stock kernels (``transformers_kernels``; the model as plain
 #: transformers runs it); "greedy" and "prompt_lookup" run on the layout ``load_model`` gives the
 #: model, as our loop does (the conservative comparison, and the one the bars are judged by)
 STOCK_METHODS = {"greedy_stock": None, "prompt_lookup_stock": PROMPT_LOOKUP_TOKENS}
@@ -136,24 +137,33 @@ class FirstTokenClock:
 
 @torch.inference_mode()
 def run_hf(
-    model, ids: list[int], max_new_tokens: int, eos, pad, prompt_lookup: int | None, sampling: dict | None = None
+    model,
+    ids: list[int],
+    max_new_tokens: int,
+    eos,
+    pad,
+    prompt_lookup: int | None,
+    sampling: dict | None = None,
+    stock: bool = False,
 ) -> Run:
-    """transformers' greedy (or, with ``sampling``, its sampling) generate, prompt lookup optional."""
+    """transformers' greedy (or, with ``sampling``, its sampling) generate, prompt lookup optional;
+    ``stock``: on torch's own kernels (``transformers_kernels``)."""
     x = torch.tensor([ids], device=model.device)
     clock = FirstTokenClock()
     kwargs = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
     kwargs.update(sampling or {"do_sample": False})
-    start = time.perf_counter()
-    out = model.generate(
-        x,
-        attention_mask=torch.ones_like(x),
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        streamer=clock,
-        **kwargs,
-    )
-    seconds = time.perf_counter() - start
+    with transformers_kernels(model, stock):
+        start = time.perf_counter()
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            streamer=clock,
+            **kwargs,
+        )
+        seconds = time.perf_counter() - start
     first = (clock.first or time.perf_counter()) - start
     return Run(out[0, len(ids) :].tolist(), seconds, first, first_tokens=clock.first_tokens)
 

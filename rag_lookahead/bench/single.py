@@ -64,7 +64,6 @@ from rag_lookahead.bench.methods import (
     sampling_method,
     summarize,
 )
-from rag_lookahead.cpu_linear import stock_linears
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.sampling import SamplingParams
 from rag_lookahead.decoding.trie import OutputPool
@@ -91,8 +90,9 @@ METHODS_HELP = (
     "lookahead_unseeded ignores the context passage given with --seed-mode references (drafts from the prompt only); "
     "prompt_lookup_ours is transformers' prompt lookup (same n-gram and draft sizes) run through our loop; "
     "lookahead_full_head is lookahead with the model's full output layer (no greedy_head screen) for that run; "
-    "greedy_stock and prompt_lookup_stock are transformers' on torch's stock linear kernels (greedy and "
-    "prompt_lookup run on the CPU layout load_model gives the model, as lookahead does)"
+    "greedy_stock and prompt_lookup_stock are transformers' on torch's stock kernels: its linears, and on a GPU "
+    "sdpa's own choice, cuDNN included (greedy and prompt_lookup run on the kernels lookahead runs on: the CPU "
+    "layout load_model gives the model, sdpa without cuDNN on a GPU)"
 )
 TEMPERATURES_HELP = (
     "temperatures for the sampling methods (sample, prompt_lookup_sample, lookahead_sample), comma-separated"
@@ -194,8 +194,7 @@ class MethodRunner:
         if method == "prompt_lookup":
             return run_hf(*hf_args, PROMPT_LOOKUP_TOKENS)
         if method in STOCK_METHODS:
-            with stock_linears(self.model):
-                return run_hf(*hf_args, STOCK_METHODS[method])
+            return run_hf(*hf_args, STOCK_METHODS[method], stock=True)
         if method == "prompt_lookup_ours":  # every drafted token verified, as transformers does (no cost budget)
             return run_lookahead(*hf_args, self.config.replace(budget="fixed"), drafter=prompt_lookup_drafter())
         seeded = s.seed_mode == "references" and method != "lookahead_unseeded"
