@@ -11,12 +11,19 @@ predicted speed prices each forward by the curve only: the loop's own overhead a
 machine's drift are left out, so confirm a change found here with ``bench`` before trusting it.
 
     python -m rag_lookahead.bench.replay --prompts rag_lookahead/data/realistic/bench_zh.jsonl --dtype bf16
+
+``--cost-curve`` prices the forwards by another device's curve (``tokens:ms`` pairs, as
+``bench.step_profile`` reports a forward's cost by its size there), to predict that device's
+speed from answers decoded here; the answers are the same on any device in fp32.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
+
+import typer
 
 from rag_lookahead.bench.common import (
     DeviceOption,
@@ -33,18 +40,29 @@ from rag_lookahead.bench.common import (
 )
 from rag_lookahead.decoding.acceptance import AcceptanceRates
 from rag_lookahead.decoding.config import LookaheadConfig
-from rag_lookahead.decoding.costs import CostCurve, StepCosts, allocate
+from rag_lookahead.decoding.costs import CostCurve, StepCosts, allocate, lower_hull
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.drafter import Drafter, PromptLookupDrafter, TrieDrafter
 from rag_lookahead.decoding.rows import Row
 from rag_lookahead.decoding.trie import OutputPool
+from rag_lookahead.errors import InputError
 from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.replay"
 #: what each replayed drafter is: prompt lookup verifies its whole chain, as transformers does;
 #: lookahead is sized by the cost budget, with a fresh output pool per answer (``bench``'s
-#: ``lookahead``) or one pool kept over the answers in order (``bench``'s ``lookahead_warm``)
-DRAFTERS = ("prompt_lookup", "lookahead", "lookahead_warm")
+#: ``lookahead``) or one pool kept over the answers in order (``bench``'s ``lookahead_warm``);
+#: ``lookahead_chains`` drafts the likeliest chain of each tree, as the loop does for a model whose
+#: attention does not take a tree mask
+DRAFTERS = ("prompt_lookup", "lookahead", "lookahead_warm", "lookahead_chains")
+CostCurveOption = Annotated[
+    str | None,
+    typer.Option(
+        "--cost-curve",
+        help='price forwards by this curve, "TOKENS:MS,..." (e.g. a GPU\'s, from bench.step_profile), '
+        "not the model's own on this machine",
+    ),
+]
 
 
 @dataclass
@@ -71,12 +89,14 @@ def replay(
     curve: CostCurve,
     *,
     budget: bool = True,
+    chains: bool = False,
     references: Sequence[Sequence[int]] = (),
 ) -> Replayed:
     """Replay ``answer`` (greedy, ending at EOS or at its token budget) after ``prompt``: the steps
     our loop takes with ``drafter``, the tokens after the first (which comes with the prefill)
     and the forwards' cost by ``curve``. ``budget``: cut each tree by the cost budget as the loop
-    does (else verify every node, as ``budget="fixed"`` does)."""
+    does (else verify every node, as ``budget="fixed"`` does). ``chains``: draft each tree's likeliest
+    chain only, as the loop does without a tree mask."""
     # no chooser (the answer gives every token) and no context limit (the answer already ends where it must)
     row = Row(0, list(prompt), len(answer), None, None, acceptance=AcceptanceRates())
     row.take(answer[:1], eos)
@@ -86,6 +106,7 @@ def replay(
     done = Replayed()
     while not row.done:
         candidates = drafter.propose(row).limit_depth(row.room - 1) if row.room > 1 else DraftTree()
+        candidates = candidates.best_chain() if chains else candidates
         weighed = row.acceptance.weigh(candidates) if budget else candidates
         draft = weighed.top(allocate([weighed], costs)[0]) if budget else weighed
         at = len(row.generated)
@@ -113,7 +134,33 @@ def replay_all(
         fresh = TrieDrafter(config, OutputPool(depth))
         totals["lookahead"].add(replay(fresh, prompt, answer, eos, curve))
         totals["lookahead_warm"].add(replay(TrieDrafter(config, warm), prompt, answer, eos, curve))
+        chained = TrieDrafter(config, OutputPool(depth))
+        totals["lookahead_chains"].add(replay(chained, prompt, answer, eos, curve, chains=True))
     return totals
+
+
+def parse_curve(text: str) -> CostCurve:
+    """``"1:15.4,8:18.3,64:20.5"`` (tokens in a forward : its milliseconds) as a cost curve, put
+    through its lower hull as the loop's measured curves are; a clear error for anything else."""
+    points = {}
+    for part in text.split(","):
+        tokens, sep, ms = part.strip().partition(":")
+        try:
+            size, cost = int(tokens), float(ms)
+        except ValueError:
+            size = cost = None
+        if not sep or size is None or size < 1 or not cost > 0 or cost == float("inf"):
+            raise InputError(
+                f"--cost-curve {text!r}: each point is TOKENS:MS, a whole number of tokens >= 1 and a "
+                f"positive time in milliseconds (bad point: {part.strip()!r})"
+            )
+        if size in points:
+            raise InputError(f"--cost-curve {text!r}: {size} tokens are given twice")
+        points[size] = cost / 1e3
+    if len(points) < 2:
+        raise InputError(f"--cost-curve {text!r}: give at least two points, e.g. 1:15.4,64:20.5")
+    sizes = sorted(points)
+    return lower_hull(CostCurve(sizes, [points[s] for s in sizes]))
 
 
 def rows_of(totals: dict[str, Replayed]) -> list[dict]:
@@ -143,11 +190,13 @@ def replay_bench(
     ids: IdsOption = None,
     limit: int | None = None,
     max_new_tokens: int = 128,
+    cost_curve_points: CostCurveOption = None,
     json_path: JsonOption = None,
 ) -> dict:
     """Replay each prompt's greedy answer through prompt lookup and lookahead: steps and predicted speed."""
     from rag_lookahead.decoding.costs import cost_curve
 
+    given = parse_curve(cost_curve_points) if cost_curve_points is not None else None
     chosen, loaded, tokenizer, config = prompts_then_model(
         prompts, ids, limit, max_new_tokens, json_path, model, dtype, device
     )
@@ -156,16 +205,16 @@ def replay_bench(
         for prompt_ids, result in fresh_pool_answers(loaded, tokenizer, chosen, config, max_new_tokens)
     ]
     eos_ids, _ = eos_pad(loaded, tokenizer)
-    curve = cost_curve(loaded)
+    curve = given or cost_curve(loaded)
     rows = rows_of(replay_all(answers, frozenset(eos_ids), curve, config))
-    print_rows(
-        f"replayed greedy answers ({len(chosen)} prompts, {model} {dtype}, forwards priced by its cost curve)", rows
-    )
+    priced = f"the curve {cost_curve_points}" if given else "its cost curve"
+    print_rows(f"replayed greedy answers ({len(chosen)} prompts, {model} {dtype}, forwards priced by {priced})", rows)
     report = {
         "model": model,
         "dtype": dtype,
         "prompts": len(chosen),
         "max_new_tokens": max_new_tokens,
+        "cost_curve_ms": {n: round(1e3 * s, 3) for n, s in zip(curve.sizes, curve.seconds)},
         "drafters": rows,
     }
     if json_path:

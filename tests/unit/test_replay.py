@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import pytest
-from tiny_models import tiny_model
+from tiny_models import build_tiny_model, tiny_model
 
-from rag_lookahead.bench.replay import DRAFTERS, Replayed, replay, replay_all, rows_of
+from rag_lookahead.bench.replay import DRAFTERS, Replayed, parse_curve, replay, replay_all, rows_of
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import CostCurve
 from rag_lookahead.decoding.drafter import PromptLookupDrafter, TrieDrafter
 from rag_lookahead.decoding.loop import generate
+from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.trie import OutputPool
+from rag_lookahead.errors import InputError
 
 CURVE = CostCurve([1, 8, 16, 64], [0.07, 0.08, 0.10, 0.24])
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 4 + [5, 6], [3, 4, 3, 4, 12, 13, 14, 15, 3, 4, 12], [21, 22, 23, 24, 21, 22]]
 
 
-def _fixed(drafter_of):
-    """(prompt, answer, the loop's decode steps) with every candidate verified (fixed budget)."""
-    model = tiny_model("qwen2")
+def _fixed(drafter_of, tree_mask: bool = True):
+    """(prompt, answer, the loop's decode steps) with every candidate verified (fixed budget);
+    ``tree_mask`` False: the model counts as one whose attention takes no tree mask (chains)."""
+    model = build_tiny_model("qwen2", seed=0) if not tree_mask else tiny_model("qwen2")  # the cached one keeps its mask
+    profile_of(model).tree_mask = tree_mask
     config = LookaheadConfig(budget="fixed", decoding_length=12, branch_length=6)
     runs = []
     for prompt in PROMPTS:
@@ -65,3 +69,28 @@ def test_the_budgeted_replay_gains_every_answer_token_and_prices_each_step():
         assert t.steps < t.tokens  # the answer copies the prompt: steps gain several tokens
     rows = rows_of(totals)
     assert [r["drafter"] for r in rows] == list(DRAFTERS) and rows[0]["vs prompt lookup"] == "1.000x"
+
+
+def test_a_chains_replay_takes_the_steps_of_the_loop_without_a_tree_mask():
+    def drafter_of(config):
+        return TrieDrafter(config, OutputPool(config.branch_length + config.max_key_length))
+
+    config, runs = _fixed(drafter_of, tree_mask=False)
+    for prompt, answer, steps in runs:
+        replayed = replay(drafter_of(config), prompt, answer, frozenset(), CURVE, budget=False, chains=True)
+        assert replayed.steps == steps
+        assert replayed.tokens == len(answer) - 1
+
+
+def test_a_given_cost_curve_is_read_in_milliseconds_and_put_through_its_lower_hull():
+    curve = parse_curve(" 64:20.5, 1:15.4,8:30,16:18.3")
+    assert curve.sizes == [1, 8, 16, 64]
+    assert curve(1) == pytest.approx(0.0154) and curve(64) == pytest.approx(0.0205)
+    chord = lambda n: 0.0154 + (0.0205 - 0.0154) * (n - 1) / 63  # noqa: E731
+    assert curve(8) == pytest.approx(chord(8)) and curve(16) == pytest.approx(chord(16))  # both sat above it
+
+
+@pytest.mark.parametrize("text", ["", "1:15", "1:15,x", "0:3,8:4", "1:-2,8:4", "1:15,8", "1:15,1:16", "1:nan,8:4"])
+def test_a_bad_cost_curve_is_refused_with_the_point_named(text):
+    with pytest.raises(InputError, match="--cost-curve"):
+        parse_curve(text)
