@@ -24,6 +24,7 @@ import torch
 
 from rag_lookahead.atomic import write_json_atomic
 from rag_lookahead.cpu_linear import mkl_packed_works, onednn_linear_works, packed_kernel
+from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.decoding.profile import profile_of
@@ -90,6 +91,8 @@ def _curve_key(model) -> str | None:
     devices = model_devices(model)
     hardware = ",".join(f"{d}={device_name(d)}" for d in devices)
     attention = getattr(model.config, "_attn_implementation", None)
+    if any(d.type == "cuda" for d in devices):
+        attention = f"{attention} without cudnn"  # curves timed before attention_backends ran on cuDNN's
     return "|".join(
         str(part)
         for part in (
@@ -198,7 +201,8 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
-    model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+    with without_cudnn_attention(device):
+        model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
     synchronize(model)
     seconds = []
     for n in sizes:
@@ -208,7 +212,10 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
         runs = []
         for _ in range(repeats + 1):  # the first run warms up
             start = time.perf_counter()
-            with capture_hidden() if head is not None else contextlib.nullcontext() as captured:
+            with (
+                capture_hidden() if head is not None else contextlib.nullcontext() as captured,
+                without_cudnn_attention(device),  # the kernels the steps run on
+            ):
                 model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
             if captured:  # every position, though a walk reads fewer: see the note above
                 head.argmax(captured[-1][0]).prefetch(range(n))

@@ -190,6 +190,18 @@ def test_cost_curve_key_names_the_hardware_and_the_attention_kernel():
     assert _curve_key(model) not in (key, eager)
 
 
+def test_a_gpu_curve_key_says_its_attention_ran_without_cudnn(monkeypatch):
+    """Curves timed before our forwards kept sdpa off cuDNN (slow per-shape plans) must not be reused."""
+    from rag_lookahead.decoding import costs
+
+    model = build_tiny_model("qwen2", seed=17)
+    model.config._name_or_path = "tiny/qwen2"
+    assert "without cudnn" not in _curve_key(model)
+    monkeypatch.setattr(costs, "model_devices", lambda m: [torch.device("cuda", 0)])
+    monkeypatch.setattr(costs, "device_name", lambda d: "NVIDIA H200")
+    assert "sdpa without cudnn" in _curve_key(model)
+
+
 # ---------------------------------------------------------------- dtype and placement at load
 
 
