@@ -97,15 +97,22 @@ def cli_home(tmp_path, monkeypatch, default_model):
     return tmp_path
 
 
-def test_cli_ask_json(cli_home):
+def test_cli_ask_json(cli_home, monkeypatch):
     from typer.testing import CliRunner
 
+    from rag_lookahead import models
     from rag_lookahead.cli import app
+    from rag_lookahead.greedy_head import greedy_head_of
 
+    loaded = []
+    real_load = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: loaded.append(real_load(*a, **kw)) or loaded[-1])
     tmp_path = cli_home
     runner = CliRunner()
     result = runner.invoke(app, ["ask", QUESTIONS["en"][0], "--json", "--max-new-tokens", "32", "--k", "3"])
     assert result.exit_code == 0, result.output
+    # one question never pays back the output-layer screen's build: ask's own model has none
+    assert len(loaded) == 1 and greedy_head_of(loaded[0][0]) is None
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(out) == {"question", "answer", "sources", "stats"}
     assert out["question"] == QUESTIONS["en"][0] and out["answer"]
