@@ -33,6 +33,7 @@ from rag_lookahead.bench.common import (
     JsonOption,
     ModelOption,
     PlotOption,
+    chains_note,
     chat_ids,
     check_method_list,
     check_output_path,
@@ -40,6 +41,7 @@ from rag_lookahead.bench.common import (
     check_positive,
     checked_config,
     copied_fraction,
+    draft_shape,
     eos_pad,
     extra_depth_methods,
     hf_batched,
@@ -274,6 +276,7 @@ def batch(
         "model": model,
         "dtype": dtype,
         "threads": torch.get_num_threads(),
+        "drafts": draft_shape(loaded),
         "requests": len(work.requests),
         "prompt_ids": sorted({p.get("id") for p in prompt_set}),
         "mean_copied_from_context": round(statistics.mean(copied), 3) if copied else None,
@@ -281,7 +284,8 @@ def batch(
         "results": results,
     }
     share = f", {report['mean_copied_from_context']:.0%} of answer tokens copied from the context" if copied else ""
-    print_rows(f"{model} {dtype}, {len(work.requests)} requests at each concurrency{share}", results)
+    title = f"{model} {dtype}, {len(work.requests)} requests at each concurrency{share}{chains_note(report['drafts'])}"
+    print_rows(title, results)
     if json_path:
         written = save_report(json_path, report)
         if plot:

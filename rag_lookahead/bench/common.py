@@ -217,6 +217,23 @@ def load_bench_model(model: str, dtype: Any, device: str | None, device_map: str
     return load_model(model, dtype=None if dtype == "auto" else dtype, device=device, device_map=device_map, **extra)
 
 
+def draft_shape(model) -> str:
+    """What our loop drafted on ``model`` in this process: "trees", or "single chains" with the tree-mask
+    probe's reason (a mask-blind attention, or a probe that failed on this machine), "not probed"
+    if no lookahead run asked. Reports carry it, so a run that fell back to chains says so."""
+    from rag_lookahead.decoding.profile import profile_of
+
+    profile = profile_of(model)
+    if profile.tree_mask is None:
+        return "not probed"
+    return "trees" if profile.tree_mask else f"single chains ({profile.tree_mask_reason})"
+
+
+def chains_note(shape: str) -> str:
+    """A table title's warning when a run drafted single chains, else nothing."""
+    return f", drafts: {shape}" if shape.startswith("single chains") else ""
+
+
 def eos_pad(model, tokenizer) -> tuple[list[int], int]:
     """The ids that end an answer (sorted) and the pad id, read as every front end reads them."""
     eos = eos_ids(model, tokenizer)

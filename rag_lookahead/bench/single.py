@@ -34,6 +34,7 @@ from rag_lookahead.bench.common import (
     ModelOption,
     PlotOption,
     PromptsOption,
+    chains_note,
     chat_ids,
     check_method_list,
     check_output_path,
@@ -42,6 +43,7 @@ from rag_lookahead.bench.common import (
     checked_config,
     copied_fraction,
     cut_at_eos,
+    draft_shape,
     eos_pad,
     extra_depth_methods,
     in_turn,
@@ -280,6 +282,7 @@ def build_report(s: BenchSettings, model, config: LookaheadConfig, prompts: list
         "dtype": s.dtype,
         "device": str(model.device),
         "threads": torch.get_num_threads(),
+        "drafts": draft_shape(model),
         "prompts": len(prompts),
         "repeats": s.repeats,
         "max_new_tokens": s.max_new_tokens,
@@ -327,7 +330,7 @@ def print_summary(report: dict) -> None:
         copied = report["mean_copied_from_context"]
         share = f", {copied:.0%} of answer tokens copied from it" if copied is not None else ""
         where = f"{report['model']} {report['dtype']} on {report['device']}"
-        title = f"{where}, batch 1, {which}, context {report['seed_mode']}{share}"
+        title = f"{where}, batch 1, {which}, context {report['seed_mode']}{share}{chains_note(report['drafts'])}"
         print_rows(title, rows)
 
 

@@ -29,7 +29,9 @@ from rag_lookahead.bench.common import (
     JsonOption,
     ModelOption,
     PromptsOption,
+    chains_note,
     chat_ids,
+    draft_shape,
     fresh_pool_answers,
     print_rows,
     prompts_then_model,
@@ -196,10 +198,12 @@ def step_profile(
     with instrumented(timer, loaded):
         tokens, steps = run_all()
     regions, sizes = breakdown(timer)
+    shape = draft_shape(loaded)
     title = f"{len(chosen)} prompts, {model} {dtype}: {steps} steps, {tokens / max(steps, 1):.2f} tokens a step"
+    title += chains_note(shape)
     print_rows(f"where a step's time goes ({title})", regions)
     print_rows("forward by tokens verified", sizes)
-    report = {"model": model, "dtype": dtype, "prompts": len(chosen), "steps": steps, "tokens": tokens}
+    report = {"model": model, "dtype": dtype, "drafts": shape, "prompts": len(chosen), "steps": steps, "tokens": tokens}
     report |= {"regions": regions, "forward_sizes": sizes}
     if json_path:
         save_report(json_path, report)

@@ -166,3 +166,24 @@ def test_a_bad_prompts_file_stops_a_benchmark_with_one_line_before_the_model_loa
         bench.main(["--prompts", path])
     assert done.value.code == f"error: {path}: line 1 needs 'question' as a non-empty string (its keys: context)"
     assert loads == []  # the file was checked first
+
+
+def test_reports_say_whether_the_drafts_were_trees_or_single_chains():
+    """A GPU run whose probe failed drafted chains without a word in the tables (2026-12-04)."""
+    from tiny_models import build_tiny_model
+
+    from rag_lookahead.bench.common import chains_note, draft_shape
+    from rag_lookahead.decoding.profile import profile_of
+    from rag_lookahead.decoding.verify import supports_tree_mask
+
+    model = build_tiny_model("qwen2", seed=21)
+    assert draft_shape(model) == "not probed" and chains_note("not probed") == ""
+    assert supports_tree_mask(model) and draft_shape(model) == "trees" and chains_note("trees") == ""
+    profile = profile_of(model)
+    profile.tree_mask, profile.tree_mask_reason = (
+        False,
+        "attention ignores the tree mask (relative logit error 0.051 > 0.05)",
+    )
+    shape = draft_shape(model)
+    assert shape == "single chains (attention ignores the tree mask (relative logit error 0.051 > 0.05))"
+    assert chains_note(shape) == f", drafts: {shape}"
