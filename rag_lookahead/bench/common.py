@@ -26,6 +26,7 @@ from rag_lookahead.bench.kernels import transformers_kernels
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import left_pad
+from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.verify import input_device
 from rag_lookahead.errors import InputError, RagLookaheadError, first_line
 from rag_lookahead.output_files import check_output_file, is_chart, is_report
@@ -221,8 +222,6 @@ def draft_shape(model) -> str:
     """What our loop drafted on ``model`` in this process: "trees", or "single chains" with the tree-mask
     probe's reason (a mask-blind attention, or a probe that failed on this machine), "not probed"
     if no lookahead run asked. Reports carry it, so a run that fell back to chains says so."""
-    from rag_lookahead.decoding.profile import profile_of
-
     profile = profile_of(model)
     if profile.tree_mask is None:
         return "not probed"

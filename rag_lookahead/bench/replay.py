@@ -41,7 +41,7 @@ from rag_lookahead.bench.common import (
 from rag_lookahead.decoding.acceptance import AcceptanceRates
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import CostCurve, StepCosts, allocate, lower_hull
-from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.decode_batch import row_candidates
 from rag_lookahead.decoding.drafter import Drafter, PromptLookupDrafter, TrieDrafter
 from rag_lookahead.decoding.rows import Row
 from rag_lookahead.decoding.trie import OutputPool
@@ -105,8 +105,7 @@ def replay(
     costs.observe(1, 1, curve(1))  # a one-row batch's plain step is known, as after the loop's first
     done = Replayed()
     while not row.done:
-        candidates = drafter.propose(row).limit_depth(row.room - 1) if row.room > 1 else DraftTree()
-        candidates = candidates.best_chain() if chains else candidates
+        candidates = row_candidates(drafter, row, tree_mask=not chains)
         weighed = row.acceptance.weigh(candidates) if budget else candidates
         draft = weighed.top(allocate([weighed], costs)[0]) if budget else weighed
         at = len(row.generated)

@@ -191,18 +191,27 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
     positions), big forwards looked cheap, and the budget, which scales this curve to many rows
     by their plain step, drafted 32-row steps that cost more than they gained (copying set, 32
     rows: 22 draft nodes a step at 1.2 s for 53 tokens against 0.6 s for 32 plain)."""
-    from transformers import DynamicCache
-
     from rag_lookahead.decoding.verify import input_device
 
     device = input_device(model)
-    vocab = model.config.vocab_size
     context, sizes = _fit_window(context, sizes, context_limit(model))
+    with without_cudnn_attention(device):  # the kernels the steps run on
+        seconds = _fastest_forwards(model, device, context, sizes, repeats)
+    for i in range(1, len(seconds)):  # more tokens never cost less; noise must not say otherwise
+        seconds[i] = max(seconds[i], seconds[i - 1])
+    return CostCurve(list(sizes), seconds)
+
+
+def _fastest_forwards(model, device, context: int, sizes: list[int], repeats: int) -> list[float]:
+    """Per size, the fastest of ``repeats`` timed forwards (after one untimed) over a random
+    ``context``-token cache (see ``measure_cost``)."""
+    from transformers import DynamicCache
+
+    vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
-    with without_cudnn_attention(device):
-        model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
     synchronize(model)
     seconds = []
     for n in sizes:
@@ -212,10 +221,7 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
         runs = []
         for _ in range(repeats + 1):  # the first run warms up
             start = time.perf_counter()
-            with (
-                capture_hidden() if head is not None else contextlib.nullcontext() as captured,
-                without_cudnn_attention(device),  # the kernels the steps run on
-            ):
+            with capture_hidden() if head is not None else contextlib.nullcontext() as captured:
                 model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
             if captured:  # every position, though a walk reads fewer: see the note above
                 head.argmax(captured[-1][0]).prefetch(range(n))
@@ -223,9 +229,7 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
             runs.append(time.perf_counter() - start)
             cache.crop(-n)
         seconds.append(min(runs[1:]))
-    for i in range(1, len(seconds)):  # more tokens never cost less; noise must not say otherwise
-        seconds[i] = max(seconds[i], seconds[i - 1])
-    return CostCurve(list(sizes), seconds)
+    return seconds
 
 
 def _fit_window(context: int, sizes, limit: int | None) -> tuple[int, list[int]]:

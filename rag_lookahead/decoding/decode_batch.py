@@ -234,11 +234,7 @@ class DecodeBatch:
         """The drafter's tree, cut to what the row may still accept (and to a chain without a tree mask)."""
         if not self.config.enabled or row.prefilling:
             return DraftTree()
-        room = row.room - 1  # the bonus token needs no draft
-        if room < 1:
-            return DraftTree()
-        draft = self.drafter.propose(row).limit_depth(room)
-        return draft if self.tree_mask else draft.best_chain()
+        return row_candidates(self.drafter, row, self.tree_mask)
 
     @torch.inference_mode()
     def verify_and_accept(self, drafts: list[DraftTree]) -> list[list[int]]:
@@ -372,6 +368,16 @@ class DecodeBatch:
             self.rows = [self.rows[i] for i in stay]
             self.packed.drop_rows(stay)
         return left
+
+
+def row_candidates(drafter: Drafter, row: Row, tree_mask: bool) -> DraftTree:
+    """``drafter``'s tree for a decoding row, cut to what the row may still accept, and to its
+    likeliest chain without a tree mask (``bench.replay`` drafts through this too)."""
+    room = row.room - 1  # the bonus token needs no draft
+    if room < 1:
+        return DraftTree()
+    draft = drafter.propose(row).limit_depth(room)
+    return draft if tree_mask else draft.best_chain()
 
 
 def prefill_groups(lengths: Sequence[int], most_tokens: int) -> list[slice]:
