@@ -2,7 +2,7 @@
 
 They need no download, decode hundreds of prompts in seconds on a CPU, and random weights give
 no architecture a free pass: lossless decoding must match ``model.generate`` token for token.
-The tests and ``gpu_check`` build them here, so both check the same five models.
+The tests and ``gpu_check`` build them here, so both check the same models.
 """
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16, "partial_rotary_factor": 0.5}),
     "glm": ("GlmConfig", "GlmForCausalLM", {"head_dim": 16, "partial_rotary_factor": 0.5}),
+    # sliding-window attention, kept in a full cache and applied by the mask (``decoding/windows``);
+    # windows shorter than the tests' prompts plus answers, so most decodes run past them
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
 }
 
 

@@ -5,7 +5,7 @@
 
 Sections (each runs on its own: one that fails is reported and the others still run):
   environment  device name and memory, native bf16, TF32 switches, attention kernels installed
-  exactness    fp32 with TF32 off: tiny random models of five architectures (and the default
+  exactness    fp32 with TF32 off: tiny random models of seven architectures (and the default
                model unless --small/--tiny-only) at batch 1 and as a left-padded batch of 8,
                token-identical to transformers' greedy decoding of each prompt alone
   speed        batch 1 in --dtype: transformers greedy, its prompt lookup, lookahead

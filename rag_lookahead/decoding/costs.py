@@ -28,6 +28,7 @@ from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.decoding.profile import profile_of
+from rag_lookahead.decoding.windows import full_cache
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
 from rag_lookahead.int8_linear import packing_engine
 from rag_lookahead.locks import exclusive
@@ -205,12 +206,10 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
 def _fastest_forwards(model, device, context: int, sizes: list[int], repeats: int) -> list[float]:
     """Per size, the fastest of ``repeats`` timed forwards (after one untimed) over a random
     ``context``-token cache (see ``measure_cost``)."""
-    from transformers import DynamicCache
-
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
-    cache = DynamicCache(config=model.config)
+    cache = full_cache(model)
     model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
     synchronize(model)
     seconds = []

@@ -34,6 +34,7 @@ from rag_lookahead.decoding.rows import Row
 from rag_lookahead.decoding.sampling import Accepted, SamplingParams, TokenChooser, longest_paths
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.decoding.verify import input_device, keep_accepted, supports_tree_mask
+from rag_lookahead.decoding.windows import check_layers
 from rag_lookahead.errors import ConfigError
 
 WORKLOAD_DECAY = 0.97  # the model's rates follow the last few dozen row-steps
@@ -78,6 +79,7 @@ class DecodeBatch:
     ) -> None:
         if drafter is not None and output_pool is not None:
             raise ConfigError("output_pool is the trie drafter's: pass TrieDrafter(config, output_pool) as the drafter")
+        check_layers(model)
         self.model = model
         self.config = config
         self.eos = eos

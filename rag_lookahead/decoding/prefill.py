@@ -29,12 +29,12 @@ from rag_lookahead.decoding.row_attention import ROW_LAYOUT, row_layout, row_loc
 from rag_lookahead.decoding.rows import Row
 from rag_lookahead.decoding.verify import (
     StepInputs,
-    boolean_mask,
     input_device,
     is_plain_causal,
     step_inputs,
     step_mask,
 )
+from rag_lookahead.decoding.windows import full_cache
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
 
 __all__ = ["ChunkedPrefill", "StepFeed", "forward_feed", "prefill_padded", "step_feed"]
@@ -42,9 +42,7 @@ __all__ = ["ChunkedPrefill", "StepFeed", "forward_feed", "prefill_padded", "step
 
 def prefill_padded(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """One forward over left-padded prompts: their cache and the logits of each row's last token."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
+    cache = full_cache(model)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     with without_cudnn_attention(input_ids.device):
         logits = model(
@@ -159,15 +157,13 @@ def forward_feed(
     ``greedy_head``'s screen, the output layer is skipped (the tokens are resolved lazily);
     without one, they are the logits' argmax.
     """
-    from transformers import DynamicCache
-
     device = input_device(model)
     step = step_inputs(feed.roots, feed.trees, feed.positions, device)
-    packed.ensure_cache(lambda: DynamicCache(config=model.config), device)
+    packed.ensure_cache(lambda: full_cache(model), device)
     keep, pick = _logits_to_keep(model, feed.logits_at, step.ids.shape[1])
     kwargs = {"cache": packed.cache, "use_cache": True, "logits_to_keep": keep}
     if not is_plain_causal(packed, feed.trees, feed.positions):
-        kwargs["attention_mask"] = step_mask(packed.owned, step, model.dtype, boolean_mask(model))
+        kwargs["attention_mask"] = step_mask(model, packed.owned, step)
         kwargs["position_ids"] = step.positions
         if row_local_applies(model, len(feed.trees), device):  # the full mask still goes in: see row_attention
             sizes = [1 + len(tree) for tree in feed.trees]

@@ -25,6 +25,7 @@ from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.sampling import Accepted
+from rag_lookahead.decoding.windows import full_cache, sliding_window
 
 
 @dataclass
@@ -36,6 +37,7 @@ class StepInputs:
     owners: torch.Tensor  # (Q,): the row each token belongs to (all four tensors on the input device)
     tree: torch.Tensor  # (Q, Q) bool: token i may see token j (its ancestors and itself)
     offsets: list[int]  # where each row's tokens start
+    last_position: int = 0  # the furthest position among the tokens (known on the host)
 
 
 def step_inputs(pending: list[int], drafts: list[DraftTree], positions: list[int], device) -> StepInputs:
@@ -60,7 +62,8 @@ def step_inputs(pending: list[int], drafts: list[DraftTree], positions: list[int
             tree[i, i] = True
         o += n
     on_device = torch.from_numpy(columns).to(device)
-    return StepInputs(on_device[0:1], on_device[1:2], on_device[2], torch.from_numpy(tree).to(device), offsets)
+    tree_on_device = torch.from_numpy(tree).to(device)
+    return StepInputs(on_device[0:1], on_device[1:2], on_device[2], tree_on_device, offsets, int(pos.max()))
 
 
 def boolean_mask(model) -> bool:
@@ -69,14 +72,32 @@ def boolean_mask(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) == "sdpa"
 
 
-def step_mask(owned: torch.Tensor, step: StepInputs, dtype: torch.dtype, boolean: bool) -> torch.Tensor:
+def step_mask(model, owned: torch.Tensor, step: StepInputs) -> torch.Tensor | dict[str, torch.Tensor]:
     """(1, 1, Q, columns + Q) mask on the step's device: each token sees its row's columns and its
-    tree path. Boolean (True: attend) when ``boolean``, else additive (0 / the dtype's minimum)."""
+    tree path. Boolean (True: attend) for sdpa, else additive (0 / the dtype's minimum). Where the
+    model has sliding-window layers and the step reaches past the window, those layers' mask also
+    hides the keys outside each token's window (see ``windows``): a mask, or one per layer kind."""
     allowed = torch.cat([owned.to(step.tree.device)[step.owners], step.tree], dim=1)
-    if boolean:
+    window = sliding_window(model)
+    if window is None or not window.reaches(step.last_position):
+        return _mask_form(allowed, model)
+    column_positions = owned.to(allowed.device).cumsum(1)[step.owners] - 1  # each column's rank in the query's row
+    query_positions = step.positions[0]
+    near = torch.cat(
+        [window.near(column_positions, query_positions), window.near(query_positions[None], query_positions)], 1
+    )
+    masks = window.masks(allowed, near)
+    if isinstance(masks, dict):
+        return {kind: _mask_form(mask, model) for kind, mask in masks.items()}
+    return _mask_form(masks, model)
+
+
+def _mask_form(allowed: torch.Tensor, model) -> torch.Tensor:
+    """(Q, K) ``allowed`` as the forward takes it: (1, 1, Q, K), boolean or additive (see ``boolean_mask``)."""
+    if boolean_mask(model):
         return allowed[None, None]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    mask = torch.zeros(allowed.shape, dtype=model.dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)
     return mask[None, None]
 
 
@@ -191,15 +212,13 @@ def _probe_tree_mask(model) -> str | None:
     step does: on a GPU an unmasked forward takes another kernel (flash rather than memory-efficient
     attention), whose bf16 rounding alone came to the tolerance (a relative error of 0.051 on an
     H200), and the probe is to judge the mask, not the kernels."""
-    from transformers import DynamicCache
-
     device = input_device(model)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1234)
     prefix = torch.randint(0, vocab, (6,), generator=gen).tolist()
     a, b = torch.randint(0, vocab, (2, 2), generator=gen).tolist()
     draft = DraftTree(tokens=[a[0], a[1], b[0], b[1]], parents=[-1, 0, -1, 2], depths=[1, 2, 1, 2], probs=[1.0] * 4)
-    cache = DynamicCache(config=model.config)
+    cache = full_cache(model)
     _masked_forward(model, prefix[0], DraftTree.chain(prefix[1:-1]), 0, cache)
     tree_logits = _masked_forward(model, prefix[-1], draft, len(prefix) - 1, cache)
     tolerance = probe_tolerance(model.dtype, device)
@@ -220,7 +239,7 @@ def _masked_forward(model, root: int, draft: DraftTree, position: int, cache) ->
     device = input_device(model)
     step = step_inputs([root], [draft], [position], device)
     owned = torch.ones((1, position), dtype=torch.bool, device=device)
-    mask = step_mask(owned, step, model.dtype, boolean_mask(model))
+    mask = step_mask(model, owned, step)
     kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}
     with without_cudnn_attention(device):
         return model(input_ids=step.ids, attention_mask=mask, position_ids=step.positions, **kwargs).logits[0]

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import build_tiny_model, reference_generate
+from tiny_models import ARCHITECTURES, build_tiny_model, reference_generate
 
 from rag_lookahead import LookaheadConfig, generate, models
 from rag_lookahead.decoding.costs import _curve_key, cpu_name
@@ -293,9 +293,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert report["ok"] is True
     assert report["environment"]["device"] == "cpu"
     exact = report["exactness"]
-    assert {(r["model"], r["batch"]) for r in exact} == {
-        (a, b) for a in ("qwen2", "qwen3", "llama", "glm4", "glm") for b in (1, 8)
-    }
+    assert {(r["model"], r["batch"]) for r in exact} == {(a, b) for a in ARCHITECTURES for b in (1, 8)}
     assert all(r["identical"] == r["rows"] for r in exact)
     assert {"greedy", "prompt_lookup", "lookahead"} <= set(report["speed_batch1"]["summary"])
     assert report["concurrency"]["lookahead"]["identical"] == report["concurrency"]["requests"]

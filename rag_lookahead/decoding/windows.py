@@ -1,0 +1,92 @@
+"""Sliding-window attention (Mistral, Phi-3 with a window, Gemma 3, Qwen2 with ``use_sliding_window``):
+every column kept in the cache, the window applied by the mask.
+
+Why: transformers gives a sliding layer a cache that keeps only its last window of tokens, and
+once that window is full it cannot take back a step's columns (``crop`` fails: the older ones
+are gone). A verify step always writes columns that are then dropped: the rejected nodes. So
+here every layer gets a plain ``DynamicLayer`` that keeps every column, and the window becomes
+part of the step's mask: a query at position p sees the keys at positions above p - window, as
+transformers' own sliding mask says (``sliding_window_overlay``). The tokens are those of
+``generate``; the cache's memory grows with the context as a full-attention model's does.
+
+A model whose layers all slide takes the windowed mask itself (its forward passes a 4-D mask
+through as it is); a model with both kinds of layer (``config.layer_types``) takes one mask per
+kind, as ``generate`` hands it ``create_masks_for_generate``'s dict. Other layer kinds (Llama 4's
+chunked attention, linear attention) are refused before any forward (``check_layers``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SlidingWindow", "check_layers", "full_cache", "sliding_window"]
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """A model's sliding layers: each query sees ``size`` positions, itself included."""
+
+    size: int
+    by_layer_type: bool  # the forward takes {FULL: mask, SLIDING: mask}; else every layer slides
+
+    def reaches(self, last_position: int) -> bool:
+        """Whether a query at ``last_position`` (the step's furthest) has keys outside its window."""
+        return last_position >= self.size
+
+    def near(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+        """(Q, K) bool: key j is inside query i's window (by position, whoever owns it)."""
+        return key_positions > (query_positions - self.size)[:, None]
+
+    def masks(self, allowed: torch.Tensor, near: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """What the forward takes for the (Q, K) ``allowed`` mask: windowed, or one mask per layer kind."""
+        windowed = allowed & near
+        return {FULL: allowed, SLIDING: windowed} if self.by_layer_type else windowed
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _layer_types(model) -> list[str]:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    return list(get_layer_types_and_kwargs(_text_config(model))[0])
+
+
+def sliding_window(model) -> SlidingWindow | None:
+    """The model's sliding window; None if no layer slides."""
+    config = _text_config(model)
+    size = getattr(config, "sliding_window", None)
+    declared = getattr(config, "layer_types", None)
+    if size is None or (declared is not None and SLIDING not in declared):
+        return None
+    return SlidingWindow(int(size), by_layer_type=declared is not None and FULL in declared)
+
+
+def check_layers(model) -> None:
+    """Refuse, before any forward, a model with a layer kind the packed cache cannot crop or compact
+    by slicing: chunked attention (a chunk mask, not a window), linear attention, state-space layers."""
+    unsupported = sorted({kind for kind in _layer_types(model)} - {FULL, SLIDING})
+    if unsupported:
+        raise NotImplementedError(
+            f"rag_lookahead supports full-attention and sliding-window layers only; "
+            f"{type(model).__name__} has {', '.join(map(repr, unsupported))} layers"
+        )
+
+
+def full_cache(model):
+    """A ``DynamicCache`` for ``model`` whose sliding layers keep every column (see the module note)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    check_layers(model)
+    cache = DynamicCache(config=model.config)
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        kinds = _layer_types(model)
+        cache.layers = [DynamicLayer() if kind == SLIDING else layer for kind, layer in zip(kinds, cache.layers)]
+    return cache

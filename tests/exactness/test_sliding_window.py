@@ -1,0 +1,144 @@
+"""Sliding-window attention: decoded exactly as ``model.generate`` decodes it (fp32, tiny random
+models), past the window, with the window's mask built per layer kind; other cache layers refused
+before any forward. (The tiny ``mistral`` and ``gemma3`` of ``rag_lookahead.tiny`` also run every
+parametrized exactness test.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from tiny_models import padded, reference_generate, tiny_model
+
+from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.verify import step_inputs, step_mask, supports_tree_mask
+from rag_lookahead.decoding.windows import SLIDING, full_cache, sliding_window
+from rag_lookahead.tiny import _COMMON
+
+SMALL = {**_COMMON, "initializer_range": 0.3}
+
+#: configs beyond the tiny set: a sliding model with attention sinks and experts, Qwen2 with its
+#: windowed upper layers, Phi-3 and Cohere 2 with windows
+EXTRA = {
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {"head_dim": 16, "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
+        "eager",
+    ),
+    "qwen2_windowed": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+        "sdpa",
+    ),
+    "phi3_windowed": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 8}, "sdpa"),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"sliding_window": 8}, "sdpa"),
+    "mistral_eager": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}, "eager"),
+}
+
+PROMPTS = [
+    [3, 4, 5, 6, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 9, 10, 3, 4, 5, 6, 3, 4, 5],
+    [7, 8, 9, 7, 8, 9, 2] * 3,
+    [1, 2] * 12,
+]
+
+
+def _build(name: str):
+    config_name, model_name, extra, attn = EXTRA[name]
+    config = getattr(transformers, config_name)(**SMALL, **extra)
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).float().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", sorted(EXTRA))
+def test_windowed_models_decode_exactly_past_the_window(name):
+    model = _build(name)
+    assert sliding_window(model) is not None
+    expected = [reference_generate(model, p, 40, None) for p in PROMPTS]
+    references = [[p + e] for p, e in zip(PROMPTS, expected)]  # drafts that run far past the window
+    for config in (LookaheadConfig(enabled=False), LookaheadConfig(budget="fixed", use_output_pool=False)):
+        for batch in ([0], [1, 2], [0, 1, 2]):
+            ids, mask = padded([PROMPTS[r] for r in batch])
+            width = ids.shape[1]
+            result = generate(
+                model, ids, mask, max_new_tokens=40, config=config, references=[references[r] for r in batch]
+            )
+            for i, r in enumerate(batch):
+                assert result.sequences[i, width:].tolist() == expected[r], (config.enabled, batch, r)
+
+
+def test_the_window_changes_the_tokens_so_the_tests_can_see_it():
+    """Without it the model decodes other tokens: the exactness tests above would notice a lost window."""
+    windowed = tiny_model("mistral")
+    config = transformers.MistralConfig(**{**windowed.config.to_dict(), "sliding_window": None})
+    unwindowed = transformers.MistralForCausalLM(config).float().eval()
+    unwindowed.load_state_dict(windowed.state_dict())
+    unwindowed.generation_config.eos_token_id = None
+    assert reference_generate(windowed, PROMPTS[0], 40, None) != reference_generate(unwindowed, PROMPTS[0], 40, None)
+
+
+def test_step_mask_hides_keys_outside_the_window_per_layer_kind():
+    """Two rows packed in one cache; the step's last position is past the window of 8."""
+    model = tiny_model("gemma3")
+    window = sliding_window(model)
+    assert (window.size, window.by_layer_type) == (8, True)
+    owned = torch.zeros((2, 15), dtype=torch.bool)
+    owned[0, [0, 2, 4, 6, 8, 10, 12, 13, 14]] = True  # row 0: positions 0..8, interleaved with row 1
+    owned[1, [1, 3, 5, 7, 9, 11]] = True  # row 1: positions 0..5
+    draft = DraftTree(tokens=[5, 6, 7], parents=[-1, 0, -1], depths=[1, 2, 1], probs=[1.0] * 3)
+    step = step_inputs([1, 2], [draft, DraftTree.chain([])], [9, 6], torch.device("cpu"))
+    masks = step_mask(model, owned, step)
+    full, slid = masks["full_attention"][0, 0], masks[SLIDING][0, 0]
+    assert full.dtype == torch.bool and slid.dtype == torch.bool
+    # row 0's root at position 9 sees positions 2..9 under the window, 0..9 without it
+    assert full[0, :15].nonzero().flatten().tolist() == [0, 2, 4, 6, 8, 10, 12, 13, 14]
+    assert slid[0, :15].nonzero().flatten().tolist() == [4, 6, 8, 10, 12, 13, 14]
+    # its node at depth 2 (position 11) sees positions 4..11: the cache from position 4 on, then its path
+    assert slid[2, :15].nonzero().flatten().tolist() == [8, 10, 12, 13, 14]
+    assert slid[2, 15:].nonzero().flatten().tolist() == [0, 1, 2]
+    # row 1 (position 6) is inside its window: both masks agree, and it never sees row 0
+    assert torch.equal(full[4], slid[4])
+    assert full[4, :15].nonzero().flatten().tolist() == [1, 3, 5, 7, 9, 11]
+
+
+def test_a_step_inside_the_window_takes_one_mask():
+    model = tiny_model("gemma3")
+    owned = torch.ones((1, 3), dtype=torch.bool)
+    step = step_inputs([1], [DraftTree.chain([2, 3])], [3], torch.device("cpu"))
+    assert isinstance(step_mask(model, owned, step), torch.Tensor)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_the_probe_passes_and_the_cache_keeps_every_column(arch):
+    model = tiny_model(arch)
+    assert supports_tree_mask(model)
+    cache = full_cache(model)
+    assert {type(layer).__name__ for layer in cache.layers} == {"DynamicLayer"}
+
+
+def test_chunked_attention_is_refused_before_any_forward():
+    """Llama 4's chunked layers would need a chunk mask, not a window: a clear error, not a crash in crop."""
+    config = transformers.Llama4TextConfig(
+        **SMALL,
+        head_dim=16,
+        intermediate_size_mlp=128,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        attention_chunk_size=8,
+        layer_types=["chunked_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(config).float().eval()
+    model.config._attn_implementation = "sdpa"
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(NotImplementedError, match="Llama4ForCausalLM has .chunked_attention. layers"):
+        generate(model, PROMPTS[0], max_new_tokens=4, config=LookaheadConfig(budget="fixed"))
+    assert calls == []
