@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.trie import ContextPool, NGramTrie, OutputPool
 
+Pool = NGramTrie | ContextPool  # both answer find, children, count and has_children; nodes are opaque
+
 
 @dataclass
 class DraftTree:
@@ -104,7 +106,7 @@ class _TreeBuilder:
     def full(self) -> bool:
         return len(self.tree) >= self.limit
 
-    def grow(self, trie: NGramTrie, seeds: list[Seed], depth_cap: int) -> None:
+    def grow(self, trie: Pool, seeds: list[Seed], depth_cap: int) -> None:
         """Add the likeliest continuations from ``seeds`` (depth-1 candidates) down ``trie``
         (best-first), merging shared prefixes."""
         depth_cap = min(depth_cap, self.max_depth)
@@ -140,7 +142,7 @@ class _TreeBuilder:
                 push(children_of(trie, node, prob), index, depth + 1)
 
 
-def children_of(trie: NGramTrie, node: int, prob: float = 1.0) -> list[Seed]:
+def children_of(trie: Pool, node, prob: float = 1.0) -> list[Seed]:
     """``node``'s children, each with ``prob`` times its share of their counts (a share is at most
     1, so a child never outranks its parent, even by rounding)."""
     children = trie.children(node)
@@ -148,7 +150,7 @@ def children_of(trie: NGramTrie, node: int, prob: float = 1.0) -> list[Seed]:
     return [(token, child, prob * (trie.count(child) / total)) for token, child in children]
 
 
-def _keys(trie: NGramTrie, stream: list[int], config: LookaheadConfig) -> Iterator[tuple[int, int]]:
+def _keys(trie: Pool, stream: list[int], config: LookaheadConfig) -> Iterator[tuple[int, int]]:
     """The trie nodes of ``stream``'s suffixes, longest first, with their lengths: at most
     ``max_key_length`` tokens, at least ``min_key_length``, never a stop word alone."""
     longest = min(config.max_key_length, len(stream), trie.depth - 1)
@@ -160,7 +162,7 @@ def _keys(trie: NGramTrie, stream: list[int], config: LookaheadConfig) -> Iterat
             yield node, length
 
 
-def key_seeds(trie: NGramTrie, stream: list[int], config: LookaheadConfig) -> tuple[list[Seed], int]:
+def key_seeds(trie: Pool, stream: list[int], config: LookaheadConfig) -> tuple[list[Seed], int]:
     """The depth-1 candidates continuing ``stream``, and the length of the key that found them:
     the children of the longest suffix that has any.
 
@@ -184,7 +186,7 @@ def key_seeds(trie: NGramTrie, stream: list[int], config: LookaheadConfig) -> tu
     return [], 0
 
 
-def _past_punctuation(trie: NGramTrie, node: int, typed: int, stop_words: frozenset[int]) -> list[Seed]:
+def _past_punctuation(trie: Pool, node, typed: int, stop_words: frozenset[int]) -> list[Seed]:
     """What followed ``node`` in the source, stepping over a stop word there, each by its share
     of the counts. Skipped: ``typed`` (the text's own punctuation, which its own last
     occurrence is followed by) and continuations that are stop words again."""

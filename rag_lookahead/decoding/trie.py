@@ -130,22 +130,146 @@ class NGramTrie:
         return node
 
 
-class ContextPool(NGramTrie):
-    """The per-request pool: reference sequences plus one growing stream (prompt + answer)."""
+class _Occurrences:
+    """A context-pool node: an n-gram of ``length`` tokens, by the positions where its
+    occurrences end (ascending); its children are worked out once, when first asked for."""
 
-    def __init__(self, depth: int, references: Iterable[Sequence[int]] = ()) -> None:
-        super().__init__(depth)
+    __slots__ = ("length", "ends", "_children")
+
+    def __init__(self, length: int, ends: list[int]) -> None:
+        self.length = length
+        self.ends = ends
+        self._children: list[tuple[int, _Occurrences]] | None = None
+
+
+class ContextPool:
+    """The per-request pool: reference sequences plus one growing stream (prompt + answer).
+
+    It answers the trie's questions (``find``, ``children``, ``count``, ``has_children``) with
+    the same nodes, counts and children's order as an ``NGramTrie`` of the same sequences, but it
+    stores only the text and, for every n-gram of up to ``key_length`` tokens, where it occurs.
+    Why: a trie makes ~``depth`` nodes a token (50 here), so seeding a 1,000-token prompt cost
+    ~30 ms of host time before the first token, about a GPU's whole prefill, and ~7 KB a token
+    of memory per row. Here a token costs ``key_length`` dict and array updates; a node's
+    children are found when a draft reads them, by grouping the tokens that follow its
+    occurrences, oldest occurrence first (the order in which the trie would have made them).
+    The keys a draft starts from are at most ``key_length`` tokens; longer ones are walked. A key
+    with more than ``MOST_OCCURRENCES`` occurrences is read from its latest ones only. Integers
+    and arrays only, so the garbage collector has nothing to walk (see ``NGramTrie``).
+    """
+
+    _GAP = -1  # between sequences in ``_text``: n-grams never cross it
+    #: a key's latest occurrences a draft reads: where one key occurs thousands of times (a long run of
+    #: one token, an answer caught in a loop), a draft would group them all at every level it grows;
+    #: a trie counts them all. Drafts differ from a trie's only past this (never their tokens' exactness).
+    MOST_OCCURRENCES = 256
+
+    def __init__(self, depth: int, references: Iterable[Sequence[int]] = (), key_length: int = 4) -> None:
+        if depth < 2:
+            raise ValueError("trie depth must be >= 2")
+        if key_length < 1:
+            raise ValueError("key_length must be >= 1")
+        self.depth = depth
+        self.key_length = min(key_length, depth)
+        self.ROOT = _Occurrences(0, [])  # its children: every token's occurrences (for tests and debugging)
+        self._text = array("q")  # every sequence, a gap after each reference
+        # per n-gram length n (index n - 1): n-gram -> where it last ended (its first occurrence
+        # sets its place in the dict's order); per position, where the n-gram ending there ended before
+        self._last: list[dict[int, int]] = [{} for _ in range(self.key_length)]
+        self._previous = [array("q") for _ in range(self.key_length)]
+        self._suffixes: list[int] = []  # the n-grams ending at the last position, shortest first
         for reference in references:
-            self.insert(reference)
+            self._append(reference)
+            self._append_gap()
         self.stream: list[int] = []
-        # the last node of each window still growing, longest first: the i-th holds len - i tokens
-        self._open: list[int] = []
 
     def extend(self, tokens: Iterable[int]) -> None:
-        """Append tokens to the stream, inserting each window that they extend."""
+        """Append tokens to the stream."""
         tokens = list(tokens)
         self.stream.extend(tokens)
-        self._grow(self._open, tokens)
+        self._append(tokens)
+
+    def _append(self, tokens: Iterable[int]) -> None:
+        text, lasts, previous, most = self._text, self._last, self._previous, self.key_length - 1
+        suffixes = self._suffixes
+        for token in tokens:
+            end = len(text)
+            text.append(token)
+            suffixes = [token] + [key * _SPAN + token for key in suffixes[:most]]
+            for n, key in enumerate(suffixes):
+                last = lasts[n]
+                previous[n].append(last.get(key, -1))
+                last[key] = end
+            for n in range(len(suffixes), self.key_length):
+                previous[n].append(-1)
+        self._suffixes = suffixes
+
+    def _append_gap(self) -> None:
+        self._text.append(self._GAP)
+        for n in range(self.key_length):
+            self._previous[n].append(-1)
+        self._suffixes = []
+
+    def _indexed(self, key: Sequence[int]) -> _Occurrences | None:
+        """The node of ``key`` (at most ``key_length`` tokens) from the index."""
+        code = 0
+        for token in key:
+            code = code * _SPAN + token
+        n = len(key) - 1
+        end = self._last[n].get(code)
+        if end is None:
+            return None
+        ends, before = [], self._previous[n]
+        while end >= 0 and len(ends) < self.MOST_OCCURRENCES:
+            ends.append(end)
+            end = before[end]
+        ends.reverse()
+        return _Occurrences(len(key), ends)
+
+    def find(self, key: Sequence[int]) -> _Occurrences | None:
+        """The node of ``key`` (its occurrences), or None: as ``NGramTrie.find``."""
+        if not key:
+            return self.ROOT
+        if len(key) > self.depth:
+            return None
+        node = self._indexed(key[: self.key_length])
+        for token in key[self.key_length :]:
+            if node is None:
+                return None
+            node = next((child for t, child in self.children(node) if t == token), None)
+        return node
+
+    def count(self, node: _Occurrences) -> int:
+        return len(node.ends)
+
+    def has_children(self, node: _Occurrences) -> bool:
+        return bool(self.children(node))
+
+    def children(self, node: _Occurrences) -> list[tuple[int, _Occurrences]]:
+        """``(token, child)`` of each token that followed ``node``'s n-gram, by first occurrence."""
+        if node is self.ROOT:  # never kept: the stream grows
+            return [(token, self._indexed([token])) for token in self._last[0]]
+        if node._children is None:
+            node._children = self._children_of(node)
+        return node._children
+
+    def _children_of(self, node: _Occurrences) -> list[tuple[int, _Occurrences]]:
+        if node.length >= self.depth:
+            return []
+        text, gap, size = self._text, self._GAP, len(self._text)
+        groups: dict[int, list[int]] = {}
+        for end in node.ends:
+            following = end + 1
+            if following < size:
+                token = text[following]
+                if token != gap:
+                    group = groups.get(token)
+                    if group is None:
+                        groups[token] = [following]
+                    else:
+                        group.append(following)
+        length = node.length + 1
+        return [(token, _Occurrences(length, ends)) for token, ends in groups.items()]
 
 
 class OutputPool:

@@ -40,12 +40,12 @@ def test_streamed_context_counts_every_ngram_once(tokens, depth, split):
     pool.extend(tokens[:split])  # tokens arrive in two blocks, as prompt then answer
     pool.extend(tokens[split:])
     assert _trie_counts(pool) == _ngram_counts(tokens, depth)
-    assert pool.nodes == len(_ngram_counts(tokens, depth))
     assert pool.stream == tokens
 
 
-def _shape(trie, node=NGramTrie.ROOT):
-    """The trie below ``node`` as nested ``(token, count, children)``, children in the trie's order."""
+def _shape(trie, node=None):
+    """The trie below ``node`` (default: the root) as nested ``(token, count, children)``, in its order."""
+    node = trie.ROOT if node is None else node
     return [(token, trie.count(child), _shape(trie, child)) for token, child in trie.children(node)]
 
 
@@ -81,11 +81,19 @@ def test_streaming_builds_the_trie_window_by_window_insertion_does(tokens, refer
     assert _shape(trie) == _shape(_window_by_window(depth, references))
 
 
-def test_insertion_is_linear_in_tokens_times_depth():
-    tokens = list(range(5000))  # all distinct: every window makes new nodes
-    pool = ContextPool(depth=8)
+def test_the_context_pool_stores_a_few_entries_a_token_not_depth_nodes():
+    """A trie made ``depth`` nodes a token (~7 KB a token at depth 52); the pool keeps the text and
+    ``key_length`` index entries a token, whatever the depth."""
+    import tracemalloc
+
+    tokens = list(range(5000))  # all distinct: every n-gram is new
+    tracemalloc.start()
+    pool = ContextPool(depth=52, key_length=4)
     pool.extend(tokens)
-    assert pool.nodes <= len(tokens) * 8
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert sum(len(last) for last in pool._last) == 4 * len(tokens) - 6
+    assert size / len(tokens) < 1200  # bytes a token: text, stream, four n-grams with their first/last ends
 
 
 def test_references_do_not_join_across_sequences():
@@ -126,8 +134,7 @@ def test_the_trie_holds_no_objects_the_garbage_collector_walks():
     pool = ContextPool(depth=8)
     pool.extend(list(range(3000)))
     before = len(gc.get_objects())
-    pool.extend(list(range(3000, 6000)))  # 24,000 more nodes
-    assert pool.nodes == 6000 * 8 - 28
+    pool.extend(list(range(3000, 6000)))  # 12,000 more n-grams indexed
     assert len(gc.get_objects()) - before < 100
 
 
@@ -249,3 +256,66 @@ def test_a_child_never_outranks_its_parent_by_rounding():
     assert len(draft) == 20
     assert _is_tree(draft)
     assert all(_is_tree(draft.top(k)) for k in range(len(draft) + 1))
+
+
+class _TrieContext(NGramTrie):
+    """The context pool as it was: every n-gram of the references and the stream in a trie."""
+
+    def __init__(self, depth, references, stream):
+        super().__init__(depth)
+        for sequence in [*references, stream]:
+            self.insert(sequence)
+        self.stream = list(stream)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    references=st.lists(st.lists(st.integers(min_value=0, max_value=6), max_size=40), max_size=3),
+    stream=st.lists(st.integers(min_value=0, max_value=6), min_size=1, max_size=80),
+    chunks=st.lists(st.integers(min_value=1, max_value=20), max_size=6),
+    previous=st.lists(st.integers(min_value=0, max_value=6), max_size=30),
+    decoding_length=st.integers(min_value=1, max_value=40),
+    branch_length=st.integers(min_value=1, max_value=12),
+    max_key_length=st.integers(min_value=1, max_value=5),
+    key_length=st.integers(min_value=1, max_value=6),
+    stop_words=st.sampled_from([frozenset(), frozenset({0}), frozenset({0, 1})]),
+)
+def test_the_context_pool_drafts_the_trees_a_trie_of_the_same_text_drafts(
+    references, stream, chunks, previous, decoding_length, branch_length, max_key_length, key_length, stop_words
+):
+    """Same nodes, counts, children's order, hence the same draft trees to the last probability,
+    whether the pool indexes keys as long as the drafter's or shorter (longer keys are walked)."""
+    config = LookaheadConfig(
+        decoding_length=decoding_length,
+        branch_length=branch_length,
+        max_key_length=max_key_length,
+        stop_words=stop_words,
+    )
+    depth = branch_length + max_key_length
+    pool = ContextPool(depth, references, key_length=key_length)
+    output = OutputPool(depth)
+    output.add(previous)
+    done = 0
+    for size in [*chunks, len(stream)]:  # the prompt, then the answer a few tokens a step
+        pool.extend(stream[done : done + size])
+        done = min(len(stream), done + size)
+        trie = _TrieContext(depth, references, stream[:done])
+        assert propose(pool, output, config) == propose(trie, output, config)
+        assert propose(pool, None, config) == propose(trie, None, config)
+    assert pool.stream == stream
+
+
+def test_a_key_with_thousands_of_occurrences_drafts_from_its_latest_ones():
+    """A long run of one token: every level of the draft would group all its occurrences."""
+    import time
+
+    config = LookaheadConfig(decoding_length=64, branch_length=48)
+    pool = ContextPool(52, key_length=4)
+    pool.extend([7] * 50_000 + [8, 9] + [7] * 10)
+    node = pool.find([7, 7, 7, 7])
+    assert pool.count(node) == ContextPool.MOST_OCCURRENCES
+    assert node.ends[-1] == len(pool.stream) - 1  # the latest occurrences
+    start = time.perf_counter()
+    draft = propose(pool, None, config)
+    assert time.perf_counter() - start < 1.0  # all 50,000 at each of 48 levels took seconds
+    assert draft.tokens[0] == 7
