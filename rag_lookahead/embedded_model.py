@@ -6,8 +6,10 @@ of a 1.5B model. Each model is one :class:`EmbeddedModel` spec (the parts, their
 the whole file's sha256), and one set of functions serves them all: the parts are found through
 package metadata (never imported), checked part by part (size, then sha256, so a failure names the
 package to reinstall), joined, and converted once into an ordinary safetensors folder
-(:func:`convert_gguf`). :func:`atomic_build` makes that folder appear whole or not at all, and
-:func:`file_lock` keeps two processes from converting into the same place at once.
+(:func:`convert_gguf`). :func:`atomic_build` makes that folder appear whole or not at all and
+records each file's size and byte sum in its marker, so a later load notices a file that changed
+on disk (:func:`damaged`); :func:`file_lock` keeps two processes from converting into the same
+place at once.
 :func:`rag_lookahead.models.embedded_model_dir` runs these steps on first use.
 """
 
@@ -41,7 +43,9 @@ __all__ = [
     "EmbeddedModel",
     "atomic_build",
     "convert_gguf",
+    "damaged",
     "file_lock",
+    "file_sums",
     "is_complete",
     "locate_parts",
     "remove_stale",
@@ -257,6 +261,57 @@ def is_complete(folder: Path, spec: EmbeddedModel = DEFAULT) -> bool:
     return isinstance(marker, dict) and marker.get("sha256") == spec.sha256
 
 
+def file_sums(folder: Path) -> dict[str, list[int]]:
+    """Each file under ``folder`` but the marker: ``[size, its bytes summed as little-endian 64-bit
+    words, modulo 2**64]``.
+
+    Why a sum and not sha256: it is checked on every load, and over the default model's 1.26 GB
+    it took 0.11-0.14 s here against 0.82 s for sha256 (numpy over a memory map, which also warms
+    the page cache the load then reads). Any one flipped bit, or a run of changed bytes in one
+    word, changes the sum; it is a check against a disk's or a careless tool's damage, not against
+    someone forging a file (the parts themselves are checked with sha256 before conversion).
+    """
+    import numpy as np
+
+    sums = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink() or not path.is_file() or path.name == MARKER_FILE:
+            continue
+        size = path.stat().st_size
+        total = 0
+        if size:
+            data = np.memmap(path, dtype=np.uint8, mode="r")
+            whole = size // 8 * 8
+            total = int(np.add.reduce(data[:whole].view("<u8"), dtype=np.uint64)) if whole else 0
+            tail = bytes(data[whole:]) + bytes(8 - (size - whole)) if size > whole else b""
+            total = (total + (int.from_bytes(tail, "little") if tail else 0)) % (1 << 64)
+            del data
+        sums[path.relative_to(folder).as_posix()] = [size, total]
+    return sums
+
+
+def damaged(folder: Path) -> str | None:
+    """Which file of a converted folder differs from what :func:`atomic_build` wrote, else None.
+
+    A marker without sums (a folder converted before they were recorded) is trusted as it is.
+    """
+    try:
+        recorded = json.loads((folder / MARKER_FILE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return "its marker is unreadable"
+    if not isinstance(recorded, dict):
+        return None
+    found = file_sums(folder)
+    for name, (size, total) in recorded.items():
+        if name not in found:
+            return f"{name} is missing"
+        if found[name][0] != size:
+            return f"{name} is {found[name][0]:,} bytes, not the {size:,} written"
+        if found[name][1] != total:
+            return f"{name} has bytes that differ from those written"
+    return None
+
+
 def remove_stale(target: Path) -> None:
     """Remove an unmarked target folder and temp dirs left by interrupted runs (call under the lock).
 
@@ -301,7 +356,8 @@ def file_lock(path: Path, timeout: float = LOCK_TIMEOUT_S, waiting: str | None =
 
 
 def atomic_build(target: Path, build: Callable[[Path], None], marker: dict[str, Any]) -> None:
-    """Build a folder in a temp dir beside ``target``, write the marker last, then rename it into place.
+    """Build a folder in a temp dir beside ``target``, write the marker last (``marker`` plus each
+    file's size and byte sum, see :func:`file_sums`), then rename it into place.
 
     If ``build`` raises (or the process dies) ``target`` never appears; the temp dir is removed
     here or, after a hard kill, by the next ``remove_stale``.
@@ -313,7 +369,7 @@ def atomic_build(target: Path, build: Callable[[Path], None], marker: dict[str, 
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by the user's tools
         _sync_tree(tmp)  # the weights are on disk before the marker can say they are complete
         with open(tmp / MARKER_FILE, "w") as f:
-            json.dump(marker, f)
+            json.dump({**marker, "files": file_sums(tmp)}, f)
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)

@@ -148,7 +148,7 @@ def default_model_dir(convert: bool = True) -> Path:
 
 def embedded_model_dir(name: str = "default", convert: bool = True) -> Path:
     """Folder of a converted embedded model (``"default"``, ``"quality"``); converts it first (once)
-    when ``convert`` is true.
+    when ``convert`` is true, and again if a file in it changed on disk since it was written.
 
     With ``convert=False`` the path is returned whether or not it exists yet, so tests and
     benchmarks can check for it without paying for a conversion.
@@ -158,13 +158,22 @@ def embedded_model_dir(name: str = "default", convert: bool = True) -> Path:
     spec = EMBEDDED[name]
     target = cache_dir() / "models" / spec.folder_name
     parts = embedded_model  # module attributes, looked up at call time (tests replace some)
-    if not convert or parts.is_complete(target, spec):
+    if not convert:
         return target
+    if parts.is_complete(target, spec):
+        problem = parts.damaged(target)
+        if problem is None:
+            return target
+        print(
+            f"rag_lookahead: the converted {name} model in {target} changed on disk since it was written"
+            f" ({problem}); converting it again",
+            file=sys.stderr,
+        )
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         waiting = f"rag_lookahead: another process is converting the embedded {name} model into {target}; waiting"
         with parts.file_lock(target.parent / f".{target.name}.lock", waiting=waiting):
-            if parts.is_complete(target, spec):  # another process finished it while we waited
+            if parts.is_complete(target, spec) and parts.damaged(target) is None:  # done by another process
                 return target
             parts.remove_stale(target)
             paths = parts.locate_parts(spec)

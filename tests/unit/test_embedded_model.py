@@ -20,6 +20,8 @@ from rag_lookahead.embedded_model import (
     MARKER_FILE,
     QUALITY,
     EmbeddedModel,
+    damaged,
+    file_sums,
     is_complete,
     locate_parts,
     verify_parts,
@@ -250,6 +252,58 @@ def test_an_unmarked_folder_is_still_replaced(tmp_path, monkeypatch):
     (target / "junk").write_text("j")
     assert embedded_model_dir("default") == target
     assert len(calls) == 1 and is_complete(target) and not (target / "junk").exists()
+
+
+def _writing_conversion(monkeypatch, tmp_path) -> list[Path]:
+    """Like ``_no_real_conversion``, but each conversion writes a small weights file and a config."""
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    calls: list[Path] = []
+
+    def convert(paths, out, spec):
+        calls.append(out)
+        (out / "model.safetensors").write_bytes(bytes(range(256)) * 41 + b"tail!")  # not a whole number of words
+        (out / "config.json").write_text('{"a": 1}')
+
+    monkeypatch.setattr(embedded_model, "locate_parts", lambda spec: [])
+    monkeypatch.setattr(embedded_model, "convert_gguf", convert)
+    return calls
+
+
+@pytest.mark.parametrize("where", [0, 5000, 10_499])  # first word, middle, the short tail
+def test_a_flipped_bit_in_a_converted_file_is_noticed_and_converted_again(tmp_path, monkeypatch, capsys, where):
+    calls = _writing_conversion(monkeypatch, tmp_path)
+    target = embedded_model_dir("default")
+    assert len(calls) == 1 and damaged(target) is None
+    recorded = json.loads((target / MARKER_FILE).read_text())["files"]
+    assert recorded == file_sums(target) and set(recorded) == {"model.safetensors", "config.json"}
+    assert embedded_model_dir("default") == target and len(calls) == 1  # unchanged: no second conversion
+    weights = target / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[where] ^= 0x10
+    weights.write_bytes(bytes(data))
+    assert damaged(target) == "model.safetensors has bytes that differ from those written"
+    assert embedded_model_dir("default") == target
+    assert len(calls) == 2 and damaged(target) is None
+    assert "changed on disk since it was written (model.safetensors has bytes" in capsys.readouterr().err
+
+
+def test_a_truncated_or_missing_converted_file_is_named(tmp_path, monkeypatch):
+    _writing_conversion(monkeypatch, tmp_path)
+    target = embedded_model_dir("default")
+    (target / "model.safetensors").write_bytes(b"short")
+    assert damaged(target) == "model.safetensors is 5 bytes, not the 10,501 written"
+    (target / "model.safetensors").unlink()
+    assert damaged(target) == "model.safetensors is missing"
+
+
+def test_a_folder_converted_before_sums_were_recorded_is_trusted(tmp_path, monkeypatch):
+    calls = _writing_conversion(monkeypatch, tmp_path)
+    target = embedded_model_dir("default", convert=False)
+    target.mkdir(parents=True)
+    (target / "model.safetensors").write_bytes(b"old weights")
+    (target / MARKER_FILE).write_text(json.dumps({"sha256": DEFAULT.sha256}))
+    assert damaged(target) is None
+    assert embedded_model_dir("default") == target and calls == []
 
 
 def test_unknown_embedded_name_is_a_config_error():
