@@ -279,12 +279,11 @@ def file_sums(folder: Path) -> dict[str, list[int]]:
             continue
         size = path.stat().st_size
         total = 0
-        if size:
+        if size:  # numpy cannot map an empty file
             data = np.memmap(path, dtype=np.uint8, mode="r")
             whole = size // 8 * 8
-            total = int(np.add.reduce(data[:whole].view("<u8"), dtype=np.uint64)) if whole else 0
-            tail = bytes(data[whole:]) + bytes(8 - (size - whole)) if size > whole else b""
-            total = (total + (int.from_bytes(tail, "little") if tail else 0)) % (1 << 64)
+            words = int(np.add.reduce(data[:whole].view("<u8"), dtype=np.uint64))
+            total = (words + int.from_bytes(bytes(data[whole:]), "little")) % (1 << 64)  # the tail: one short word
             del data
         sums[path.relative_to(folder).as_posix()] = [size, total]
     return sums

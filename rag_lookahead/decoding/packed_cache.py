@@ -156,12 +156,3 @@ class PackedCache:
                 layer.values = layer.values.index_select(2, cols)
             self.owned = self.owned[:, index]
             self._owner = self._owner[self._owner >= 0]
-
-
-def check_cache(cache) -> None:
-    """Only the plain dynamic cache can be compacted by slicing; say so clearly otherwise."""
-    for layer in cache.layers:
-        if type(layer).__name__ != "DynamicLayer":
-            raise NotImplementedError(
-                f"rag_lookahead supports full-attention dynamic caches only; this model uses {type(layer).__name__}"
-            )

@@ -24,7 +24,7 @@ import torch
 
 from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
-from rag_lookahead.decoding.packed_cache import PackedCache, check_cache
+from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.row_attention import ROW_LAYOUT, row_layout, row_local_applies
 from rag_lookahead.decoding.rows import Row
 from rag_lookahead.decoding.verify import (
@@ -53,7 +53,6 @@ def prefill_padded(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
             use_cache=True,
             logits_to_keep=1,
         ).logits
-    check_cache(cache)
     return cache, logits
 
 
@@ -174,7 +173,6 @@ def forward_feed(
         without_cudnn_attention(device),
     ):
         logits = model(input_ids=step.ids, **kwargs).logits
-    check_cache(packed.cache)
     if captured:  # the screened layer computed nothing: its input gives the tokens
         hidden = captured[-1][0]
         return head.argmax(hidden if pick is None else hidden[pick]), step

@@ -77,11 +77,12 @@ def step_mask(model, owned: torch.Tensor, step: StepInputs) -> torch.Tensor | di
     tree path. Boolean (True: attend) for sdpa, else additive (0 / the dtype's minimum). Where the
     model has sliding-window layers and the step reaches past the window, those layers' mask also
     hides the keys outside each token's window (see ``windows``): a mask, or one per layer kind."""
-    allowed = torch.cat([owned.to(step.tree.device)[step.owners], step.tree], dim=1)
+    owned = owned.to(step.tree.device)
+    allowed = torch.cat([owned[step.owners], step.tree], dim=1)
     window = sliding_window(model)
     if window is None or not window.reaches(step.last_position):
         return _mask_form(allowed, model)
-    column_positions = owned.to(allowed.device).cumsum(1)[step.owners] - 1  # each column's rank in the query's row
+    column_positions = owned.cumsum(1)[step.owners] - 1  # each column's rank in the query's row
     query_positions = step.positions[0]
     near = torch.cat(
         [window.near(column_positions, query_positions), window.near(query_positions[None], query_positions)], 1

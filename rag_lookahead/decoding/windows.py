@@ -68,25 +68,32 @@ def sliding_window(model) -> SlidingWindow | None:
     return SlidingWindow(int(size), by_layer_type=declared is not None and FULL in declared)
 
 
-def check_layers(model) -> None:
+def check_layers(model) -> list[str]:
     """Refuse, before any forward, a model with a layer kind the packed cache cannot crop or compact
-    by slicing: chunked attention (a chunk mask, not a window), linear attention, state-space layers."""
-    unsupported = sorted({kind for kind in _layer_types(model)} - {FULL, SLIDING})
+    by slicing: chunked attention (a chunk mask, not a window), linear attention, state-space
+    layers. Returns each layer's kind."""
+    kinds = _layer_types(model)
+    unsupported = sorted(set(kinds) - {FULL, SLIDING})
     if unsupported:
         raise NotImplementedError(
             f"rag_lookahead supports full-attention and sliding-window layers only; "
             f"{type(model).__name__} has {', '.join(map(repr, unsupported))} layers"
         )
+    return kinds
 
 
 def full_cache(model):
-    """A ``DynamicCache`` for ``model`` whose sliding layers keep every column (see the module note)."""
+    """A ``DynamicCache`` for ``model`` whose sliding layers keep every column (see the module note):
+    plain ``DynamicLayer``s only, which the packed cache crops and compacts by slicing."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    check_layers(model)
+    kinds = check_layers(model)
     cache = DynamicCache(config=model.config)
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        kinds = _layer_types(model)
-        cache.layers = [DynamicLayer() if kind == SLIDING else layer for kind, layer in zip(kinds, cache.layers)]
+    cache.layers = [DynamicLayer() if kind == SLIDING else layer for kind, layer in zip(kinds, cache.layers)]
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise NotImplementedError(
+                f"rag_lookahead supports full-attention dynamic caches only; this model uses {type(layer).__name__}"
+            )
     return cache
