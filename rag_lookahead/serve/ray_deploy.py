@@ -235,7 +235,10 @@ def deploy(config: ServerConfig, settings: RaySettings, ray_init: Mapping[str, A
         serve.run(application, name=APP_NAME, route_prefix="/", logging_config={"log_level": _level(config)})
     except BaseException as err:  # a replica's constructor failed (the model or the index did not load), or ^C
         why = _cause(err, _replica_errors(serve)) if isinstance(err, Exception) else ""
-        _delete_quietly(serve)
+        try:
+            _delete_quietly(serve)
+        except KeyboardInterrupt:  # a second ^C while deleting: the app may be left on the cluster
+            raise StartAbandoned() from err
         if why:
             raise ModelLoadError(f"the Ray Serve replicas did not start: {why}") from err
         raise
@@ -329,6 +332,14 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
             pass
         log.info("shutting down: draining the replicas for up to %.0f s", config.drain_seconds)
         drain(config.drain_seconds, hurry)
+    except StartAbandoned:
+        log.warning(
+            "interrupted again while deleting the half-started replicas: on a Ray cluster that outlives this "
+            "command (RAY_ADDRESS, or one `ray start` began) the Serve app %r may be left; "
+            "`serve shutdown` or serve.delete(%r) removes it",
+            APP_NAME,
+            APP_NAME,
+        )
     except KeyboardInterrupt:
         log.info("interrupted while the replicas started: deleted them")
     finally:
@@ -366,7 +377,8 @@ def _check_serve_free(serve, config: ServerConfig) -> None:
     if APP_NAME in serve.status().applications:
         raise ConfigError(
             f"this Ray cluster already runs a Serve app named {APP_NAME!r} (another `rag_lookahead serve "
-            "--replicas`): stop that one first"
+            f"--replicas`, or one interrupted while it started): stop that one first (`serve shutdown`, or "
+            f"serve.delete({APP_NAME!r}) for this app alone)"
         )
     running = _serve_address(serve)
     if running is None:  # Serve starts its proxy here: anything already on the port is not ours
@@ -401,6 +413,10 @@ def _replica_errors(serve) -> str:
     except Exception:  # noqa: BLE001 - only a better message is lost
         return ""
     return "" if app is None else "\n".join(d.message for d in app.deployments.values())
+
+
+class StartAbandoned(KeyboardInterrupt):
+    """Interrupted while deleting replicas that an interrupt stopped starting: they may be left."""
 
 
 def _delete_quietly(serve) -> None:

@@ -409,6 +409,37 @@ def test_a_second_deploy_on_the_cluster_is_refused_and_the_first_keeps_serving(e
 
 
 @needs_ray
+@pytest.mark.parametrize("second_interrupt", [False, True])
+def test_an_interrupted_start_deletes_its_app_or_says_it_may_be_left(endpoint, config, monkeypatch, second_interrupt):
+    """^C while the replicas start deletes the half-started app; a second ^C during that delete
+    used to end in the same "deleted them" line although the delete was cut short, and on a
+    cluster that outlives the command the app was left (the next start refused). It is its own
+    exception now, which ``run_on_ray`` reports as possibly left. Our app keeps serving throughout."""
+    from rag_lookahead.serve import ray_deploy
+
+    monkeypatch.setattr(ray_deploy, "APP_NAME", "rag_lookahead_interrupted")  # beside the running app
+    deleted = []
+
+    def interrupted_run(*args, **kwargs):
+        raise KeyboardInterrupt  # the first ^C, while serve.run waits for the replicas
+
+    def delete(name, *args, **kwargs):
+        deleted.append(name)
+        if second_interrupt:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve, "run", interrupted_run)
+    monkeypatch.setattr(serve, "delete", delete)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        deploy(config, RaySettings(replicas=1, num_cpus=1))
+    assert deleted == ["rag_lookahead_interrupted"]
+    assert isinstance(raised.value, ray_deploy.StartAbandoned) == second_interrupt
+    monkeypatch.undo()
+    r = httpx.post(endpoint + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+@needs_ray
 def test_session_and_api_key_stick_to_one_replica(endpoint):
     async def replicas_of(headers: dict, count: int) -> set[str]:
         async with httpx.AsyncClient(base_url=endpoint, timeout=60) as client:
