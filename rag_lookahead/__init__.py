@@ -18,6 +18,7 @@ __all__ = [
     "RagLookaheadError",
     "SamplingParams",
     "chat",
+    "forget_weight_copies",
     "generate",
     "hf_generate",
     "load_model",
@@ -34,6 +35,10 @@ def __getattr__(name):  # these pull in transformers (or LangChain) lazily
         from rag_lookahead import hf_entry
 
         return getattr(hf_entry, name)
+    if name == "forget_weight_copies":
+        from rag_lookahead.weight_watch import forget_weight_copies
+
+        return forget_weight_copies
     if name == "chat":
         from rag_lookahead.chat_api import chat
 

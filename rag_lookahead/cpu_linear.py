@@ -76,6 +76,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from rag_lookahead.weight_watch import WeightWatch, watch_of
+
 __all__ = [
     "BF16_ONEDNN_TOKENS",
     "FEW_TOKENS",
@@ -174,13 +176,20 @@ class PackedWeight:
     Why the check: a copy is the weight's values at packing time; a weight edited in place
     (``load_state_dict``, fine-tuning steps) or replaced would otherwise keep computing with
     the old values. The weight's identity and :func:`weight_stamp` say whether it is still the
-    same (inference tensors have no version counter: ``few_token_linear`` does not pack them).
+    same (inference tensors have no version counter: ``few_token_linear`` does not pack them);
+    ``watch`` (the model's :class:`~rag_lookahead.weight_watch.WeightWatch`) sees edits through
+    ``weight.data``, which that stamp misses.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, watch: WeightWatch | None = None) -> None:
         self._source: weakref.ref | None = None  # the tensor packed (a weak reference: a freed one never matches)
         self._stamp: tuple | None = None
         self._copies: dict[str, torch.Tensor] = {}
+        self._watch = watch
+
+    def forget_copies(self) -> None:
+        """Drop the copies (the weight's values moved): made again on next use."""
+        self._copies, self._stamp = {}, None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``functional.linear`` of a 2-D ``x`` with the weight's dtype."""
@@ -197,6 +206,8 @@ class PackedWeight:
         if source is not weight or stamp != self._stamp:
             self._copies = {}
             self._source, self._stamp = weakref.ref(weight), stamp
+            if self._watch is not None:
+                self._watch.watch(self, weight)
         if kind not in self._copies:
             self._copies[kind] = (_mkl_packed if kind == "mkl" else _onednn_packed)(weight.detach())
         return self._copies[kind]
@@ -398,7 +409,7 @@ def speed_up_cpu_linears(model: nn.Module, min_elements: int | None = None) -> i
             # packed on first use, so loading stays as fast. Not an fp32 output layer: a vocabulary
             # of rows (~1 GB and 1.2 s more for the default model), and greedy steps screen it.
             fp32_output = module is output and module.weight.dtype == torch.float32
-            setattr(module, _PACKED, None if fp32_output else PackedWeight())
+            setattr(module, _PACKED, None if fp32_output else PackedWeight(watch_of(model)))
             setattr(module, _MARK, True)
     _layout_changed(model, len(chosen))
     return len(chosen)

@@ -57,12 +57,14 @@ from torch import nn
 
 from rag_lookahead.cpu_linear import weight_stamp
 from rag_lookahead.int8_linear import prepack
+from rag_lookahead.weight_watch import ValueSample
 
 __all__ = [
     "GreedyHead",
     "GreedyTokens",
     "SCREEN_WIDTH",
     "capture_hidden",
+    "forget_screen",
     "full_output_layer",
     "greedy_head_of",
     "restore_greedy_head",
@@ -81,6 +83,8 @@ MOST_POSITIONS = 48
 #: positions a screen takes together for little more than one (default model, this EPYC: 1
 #: position 10.8 ms, 4: 15.6 ms, 8: 23.8 ms, 16: 48.5 ms); a walk fills a level up with guesses
 SCREEN_WIDTH = 8
+#: the output layer's values compared before each greedy step (see ``weight_watch``): one layer, so more than a linear's
+SCREEN_SAMPLE = 1024
 _UNSCREENED = object()  # a position nobody has read yet
 _capturing: contextvars.ContextVar[list | None] = contextvars.ContextVar("rag_lookahead_capture", default=None)
 
@@ -96,17 +100,19 @@ class GreedyHead:
     hook: object  # the forward pre-hook on the layer
     layer: nn.Module  # the output layer itself: its forward computes the full logits
     built_from: tuple = field(init=False)  # the layer's weight object, version and storage at build
+    sample: ValueSample = field(init=False)  # some of its values at build (edits through .data)
     weight_error: float = field(init=False)  # the largest row error: the shared bound's
     row_l1: float = field(init=False)  # the largest row sum |W|: the shared bound's
 
     def __post_init__(self) -> None:
         self.weight_error, self.row_l1 = float(self.row_errors.max()), float(self.row_l1s.max())
         self.built_from = _weight_state(self.layer)
+        self.sample = ValueSample(self.layer.weight, SCREEN_SAMPLE)
 
     @property
     def current(self) -> bool:
         """Whether the layer still holds the weights this screen was built from."""
-        return _weight_state(self.layer) == self.built_from
+        return _weight_state(self.layer) == self.built_from and self.sample.unchanged()
 
     @property
     def output_rounding(self) -> float:
@@ -349,6 +355,16 @@ def restore_greedy_head(model) -> bool:
     if head is not None:
         _detach(model, layer, head)
     return head is not None
+
+
+def forget_screen(model) -> int:
+    """Have the screen (if built) made again from the layer's weights at the next greedy step."""
+    layer = _output_layer(model)
+    head = getattr(layer, _ATTR, None) if layer is not None else None
+    if head is None:
+        return 0
+    head.built_from = ()
+    return 1
 
 
 @contextlib.contextmanager

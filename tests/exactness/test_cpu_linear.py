@@ -148,7 +148,42 @@ def test_a_packed_weight_follows_changes_to_the_weight():
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
         layer.weight.data = torch.randn(64, 48)  # same object, same version, new storage
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        layer.weight.data += torch.randn(64, 48)  # peft's merge: same object, version and storage
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        layer.weight.data.copy_(torch.randn(64, 48))
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
     restore_linears(layer)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_weights_merged_through_data_are_used_by_every_forward(arch, kernel):
+    """peft's ``merge_and_unload`` adds each adapter's product to its layer through
+    ``weight.data`` (no version bump, same storage): the packed copies used to keep the weights
+    from before the merge, for ``model.generate`` and a plain forward as much as for ours. Every
+    forward now follows the merged weights, as the same model without the layout does."""
+    model, stock_model = build_tiny_model(arch, "sdpa", 0), build_tiny_model(arch, "sdpa", 0)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    with packed_by(kernel):
+        speed_up_cpu_linears(model, min_elements=0)
+        try:
+            reference_generate(model, prompt, 8, None)  # the copies are made
+            generator = torch.Generator().manual_seed(7)
+            merged = 0
+            for layer, stock in zip(model.modules(), stock_model.modules()):
+                if getattr(layer, "_rag_lookahead_packed", None) is not None:
+                    delta = torch.randn(layer.weight.shape, generator=generator) * 0.2
+                    layer.weight.data += delta
+                    stock.weight.data += delta
+                    merged += 1
+            assert merged
+            expected = reference_generate(stock_model, prompt, 24, None)
+            assert expected != reference_generate(build_tiny_model(arch, "sdpa", 0), prompt, 24, None)
+            assert reference_generate(model, prompt, 24, None) == expected
+            result = generate(model, prompt, max_new_tokens=24, pad_token_id=0)
+            assert result.sequences[0, len(prompt) :].tolist() == expected
+        finally:
+            restore_linears(model)
 
 
 @needs_mkl_packed

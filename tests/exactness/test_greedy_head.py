@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import ARCHITECTURES, DECODE_CASES, build_tiny_model, reference_generate
 
+import rag_lookahead
 from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding.costs import CostCurve
 from rag_lookahead.decoding.draft import DraftTree
@@ -345,10 +346,11 @@ def test_batched_rows_and_sampled_rows_with_the_screened_head():
         restore_greedy_head(model)
 
 
-@pytest.mark.parametrize("change", ["in_place", "replaced", "load_state_dict", "data"])
+@pytest.mark.parametrize("change", ["in_place", "replaced", "load_state_dict", "data", "data_add", "data_copy"])
 def test_a_changed_output_layer_is_screened_afresh(change):
     """Weights changed after the screen was built (fine-tuning, a loaded checkpoint, a new
-    Parameter): the next greedy tokens are the changed model's, never the stale screen's."""
+    Parameter, peft's merge of an adapter: ``weight.data += delta``, which bumps no version
+    counter): the next greedy tokens are the changed model's, never the stale screen's."""
     model = build_tiny_model("qwen2", "sdpa", 2)
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     assert screen_greedy_head(model)
@@ -364,6 +366,10 @@ def test_a_changed_output_layer_is_screened_afresh(change):
                 layer.weight = torch.nn.Parameter(new)
             elif change == "data":  # same object and version, new storage
                 layer.weight.data = new
+            elif change == "data_add":  # same object, version and storage: only the values move
+                layer.weight.data += new
+            elif change == "data_copy":
+                layer.weight.data.copy_(new)
             else:
                 state = {k: v.clone() for k, v in model.state_dict().items()}
                 for key in [k for k in state if state[k].shape == new.shape]:
@@ -378,7 +384,8 @@ def test_a_changed_output_layer_is_screened_afresh(change):
 
 
 def test_weights_made_in_inference_mode_are_screened():
-    """Inference tensors have no version counter: the screen's change check must not need one."""
+    """Inference tensors have no version counter: the screen's change check must not need one,
+    and an edit of them in inference mode is seen by the values it samples."""
     with torch.inference_mode():
         model = build_tiny_model("qwen2", "sdpa", 2)
     assert model.get_output_embeddings().weight.is_inference()
@@ -390,5 +397,37 @@ def test_weights_made_in_inference_mode_are_screened():
         result = generate(model, prompt, max_new_tokens=16, pad_token_id=0)
         assert greedy_head_of(model) is not None
         assert result.sequences[0, len(prompt) :].tolist() == stock
+        with torch.inference_mode():
+            model.get_output_embeddings().weight.mul_(-1)
+            stock = reference_generate(model, prompt, 16, None)
+        result = generate(model, prompt, max_new_tokens=16, pad_token_id=0)
+        assert result.sequences[0, len(prompt) :].tolist() == stock
+    finally:
+        restore_greedy_head(model)
+
+
+def test_forget_weight_copies_catches_an_edit_the_sample_misses():
+    """A few rows edited through ``.data`` may fall between the sampled ones: the screen then
+    answers for the old rows until ``forget_weight_copies`` drops it."""
+    model = build_tiny_model("qwen2", "sdpa", 2)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    assert screen_greedy_head(model)
+    try:
+        generate(model, prompt, max_new_tokens=4, pad_token_id=0)
+        layer = model.get_output_embeddings()
+        head = greedy_head_of(model)
+        view = head.sample.view
+        sampled = torch.arange(view.numel()) * view.stride(0) + view.storage_offset()
+        values = layer.weight.data.view(-1)
+        kept = values[sampled].clone()
+        values.mul_(-3)  # every value but the sampled ones
+        values[sampled] = kept
+        assert greedy_head_of(model) is head  # unseen
+        assert rag_lookahead.forget_weight_copies(model) >= 1
+        with full_output_layer(model):
+            stock = reference_generate(model, prompt, 24, None)
+        result = generate(model, prompt, max_new_tokens=24, pad_token_id=0)
+        assert result.sequences[0, len(prompt) :].tolist() == stock
+        assert greedy_head_of(model) is not head
     finally:
         restore_greedy_head(model)
