@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from transformers.generation.logits_process import (
+    LogitNormalization,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
@@ -147,7 +148,7 @@ def _lookahead_generate(
             " or use rag_lookahead.generate(..., do_sample=True, seed=[one seed per row]), where each row"
             " draws from a generator of its own"
         )
-    _check_processors(logits_processor, build_processors(params), mask)
+    _check_processors(logits_processor, build_processors(params), mask, params.do_sample)
     max_length, eos, custom = _read_criteria(stopping_criteria, rows)
     limit = context_limit(model)
     if limit is not None and input_ids.shape[1] >= limit:
@@ -310,7 +311,8 @@ def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor
         raise InputError(
             "the attention mask has zeros after the first token of a row (without an attention_mask, "
             "transformers masks out every pad_token_id, inside a row too): lookahead decoding takes "
-            "left padding only, so pass an all-ones attention_mask or remove those tokens"
+            "left padding only: pad on the left (tokenizer.padding_side = 'left'); if those zeros are "
+            "pad_token_id tokens that belong to the text, pass an all-ones attention_mask"
         )
     positions = model_kwargs.get("position_ids")
     if positions is not None:
@@ -320,10 +322,15 @@ def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor
     return mask
 
 
-def _check_processors(given, ours, mask: torch.Tensor) -> None:
+def _check_processors(given, ours, mask: torch.Tensor, do_sample: bool) -> None:
     """The prepared processors must be exactly those our sampling applies (same kinds, same settings),
-    less those that change nothing (a minimum length the prompt already has)."""
-    given = [p for p in given if not _holds_nothing_back(p, mask.shape[-1])]
+    less those that change nothing (a minimum length the prompt already has; in greedy decoding a
+    renormalisation, which keeps every argmax)."""
+    given = [
+        p
+        for p in given
+        if not _holds_nothing_back(p, mask.shape[-1]) and (do_sample or not isinstance(p, LogitNormalization))
+    ]
     extra = [type(p).__name__ for p in given if type(p) not in {type(o) for o in ours}]
     if extra:
         raise ConfigError(f"logits processors not supported by lookahead decoding: {', '.join(extra)}")

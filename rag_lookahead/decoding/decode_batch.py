@@ -236,7 +236,7 @@ class DecodeBatch:
         """The drafter's tree, cut to what the row may still accept (and to a chain without a tree mask)."""
         if not self.config.enabled or row.prefilling:
             return DraftTree()
-        return row_candidates(self.drafter, row, self.tree_mask)
+        return row_candidates(self.drafter, row, self.tree_mask, self.vocab)
 
     @torch.inference_mode()
     def verify_and_accept(self, drafts: list[DraftTree]) -> list[list[int]]:
@@ -372,13 +372,16 @@ class DecodeBatch:
         return left
 
 
-def row_candidates(drafter: Drafter, row: Row, tree_mask: bool) -> DraftTree:
-    """``drafter``'s tree for a decoding row, cut to what the row may still accept, and to its
-    likeliest chain without a tree mask (``bench.replay`` drafts through this too)."""
+def row_candidates(drafter: Drafter, row: Row, tree_mask: bool, vocab: int | None = None) -> DraftTree:
+    """``drafter``'s tree for a decoding row, cut to what the row may still accept (and to ids
+    below ``vocab``), and to its likeliest chain without a tree mask (``bench.replay`` drafts
+    through this too)."""
     room = row.room - 1  # the bonus token needs no draft
     if room < 1:
         return DraftTree()
     draft = drafter.propose(row).limit_depth(room)
+    if vocab is not None:
+        draft = draft.within_vocab(vocab)
     return draft if tree_mask else draft.best_chain()
 
 

@@ -70,6 +70,16 @@ class DraftTree:
             return self
         return self._subset([i for i in range(len(self)) if self.depths[i] <= max_depth])
 
+    def within_vocab(self, vocab: int) -> DraftTree:
+        """Drop nodes whose token the model cannot take (and their subtrees): an output pool
+        filled before ``resize_token_embeddings`` shrank the vocabulary, a user's drafter."""
+        if not self.tokens or (min(self.tokens) >= 0 and max(self.tokens) < vocab):
+            return self
+        valid: list[bool] = []
+        for token, parent in zip(self.tokens, self.parents):  # parents come first
+            valid.append(0 <= token < vocab and (parent < 0 or valid[parent]))
+        return self._subset([i for i, ok in enumerate(valid) if ok])
+
     def _subset(self, keep: list[int]) -> DraftTree:
         """The nodes ``keep`` (closed under parents, parents first), renumbered."""
         new_index = {old: new for new, old in enumerate(keep)}

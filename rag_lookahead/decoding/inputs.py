@@ -32,12 +32,17 @@ def context_limit(model) -> int | None:
     re-encodes the whole sequence with the long ones. A verify step past the switch would rotate
     its earlier positions with the long factors, and rows packed into one forward would share
     the longest row's factors; up to the switch every forward uses the short ones, as in
-    ``model.generate``."""
-    limit = getattr(model.config, "max_position_embeddings", None)
+    ``model.generate``. The window's name varies where a config maps no
+    ``max_position_embeddings`` to it (MPT's ``max_seq_len``, ChatGLM's ``seq_length``)."""
+    limit = next((getattr(model.config, name) for name in _WINDOW_NAMES if getattr(model.config, name, None)), None)
     switch = longrope_switch(model.config)
     if switch is not None and (limit is None or switch < limit):
         return switch
     return limit
+
+
+#: config fields that hold a model's context window, in the order they are read
+_WINDOW_NAMES = ("max_position_embeddings", "max_seq_len", "n_positions", "max_sequence_length", "seq_length")
 
 
 def limit_words(model, limit: int) -> str:

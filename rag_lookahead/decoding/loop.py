@@ -31,6 +31,7 @@ from rag_lookahead.decoding.sampling import (
 )
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.decoding.verify import input_device, supports_tree_mask
+from rag_lookahead.errors import ConfigError
 
 __all__ = ["DecodeBatch", "GenerationResult", "GenerationStats", "Row", "generate", "left_pad"]
 
@@ -52,7 +53,10 @@ def _eos_ids(model, eos_token_id=UNSET, generation_config=None) -> tuple[int, ..
         return ()
     if hasattr(value, "tolist"):  # a tensor or a numpy value
         value = value.tolist()
-    return tuple(dict.fromkeys([int(value)] if isinstance(value, Integral) else (int(t) for t in value)))
+    ids = [value] if isinstance(value, Integral) else value
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in ids):
+        raise ConfigError(f"eos_token_id must be a token id or a list of them, got {value!r}")
+    return tuple(dict.fromkeys(int(t) for t in ids))
 
 
 def _setting(model, name: str, value, generation_config):

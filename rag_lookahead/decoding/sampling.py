@@ -80,6 +80,7 @@ _UNSUPPORTED_NEUTRAL = {
     "dola_layers": (None,),
     "stop_strings": (None,),
     "max_time": (None,),
+    "token_healing": (None, False),
 }
 #: warpers transformers applies only when sampling (and a renormalisation that keeps the argmax):
 #: greedy decoding ignores them there, so it does here

@@ -128,3 +128,20 @@ def test_the_cost_curve_fits_a_short_learned_position_table(tmp_path, monkeypatc
     assert _fit_window(256, (1, 4, 8, 16, 32, 64, 128), 4096) == (256, [1, 4, 8, 16, 32, 64, 128])
     assert _fit_window(256, (1, 4, 8, 16, 32, 64, 128), 200) == (136, [1, 4, 8, 16, 32, 64])
     assert _fit_window(256, (1, 4, 8), 3) == (1, [1, 2])
+
+
+def test_a_window_under_another_name_is_the_context_limit():
+    """MPT names its window ``max_seq_len`` (ChatGLM ``seq_length``): read only as
+    ``max_position_embeddings``, it was no limit, and the cost curve's timing forwards ran past
+    MPT's ALiBi table (a raw size error on a 5-token prompt, where ``model.generate`` works)."""
+    config = transformers.MptConfig(
+        vocab_size=96, d_model=64, n_heads=4, n_layers=2, max_seq_len=64, pad_token_id=0, eos_token_id=None
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.MptForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    assert context_limit(model) == 64
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    result = generate(model, prompt, max_new_tokens=80)  # runs to the window's end, as generate may
+    assert result.sequences[0, len(prompt) :].tolist() == reference_generate(model, prompt, 64 - len(prompt), None)

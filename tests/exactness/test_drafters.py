@@ -142,7 +142,8 @@ def test_prompt_lookup_sampling_equals_hf_sampling_under_the_same_seed(arch, cas
 
 
 class NoiseDrafter(Drafter):
-    """Proposes random trees from its own generator: wrong nearly always, and still harmless."""
+    """Proposes random trees from its own generator: wrong nearly always, ids the model does not
+    have now and then (-1, 10**6), and still harmless."""
 
     def __init__(self, seed: int) -> None:
         self.random = random.Random(seed)
@@ -150,7 +151,7 @@ class NoiseDrafter(Drafter):
     def propose(self, row: Row) -> DraftTree:
         draft = DraftTree()
         for i in range(self.random.randint(0, 12)):
-            draft.tokens.append(self.random.randint(1, 12))
+            draft.tokens.append(self.random.choice([*range(1, 13), -1, 10**6]))
             draft.parents.append(self.random.randint(-1, i - 1))
             draft.depths.append(1 if draft.parents[-1] < 0 else draft.depths[draft.parents[-1]] + 1)
             draft.probs.append(0.5 ** draft.depths[-1])
@@ -165,6 +166,20 @@ def test_any_drafter_is_lossless(arch, prompt, max_new, seed):
     config = LookaheadConfig(budget="fixed")
     result = generate(model, prompt, max_new_tokens=max_new, config=config, drafter=NoiseDrafter(seed))
     assert result.sequences[0, len(prompt) :].tolist() == reference_generate(model, prompt, max_new, None)
+
+
+def test_a_pool_filled_before_the_vocabulary_shrank_drafts_only_ids_the_model_has():
+    """``resize_token_embeddings`` to fewer ids after a call: the model's output pool still held
+    the larger ids and drafted them (a raw IndexError in the embedding)."""
+    from rag_lookahead.tiny import build_tiny_model
+
+    model = build_tiny_model("qwen2")
+    first = generate(model, [5, 6, 7, 8, 9, 10, 11, 12], max_new_tokens=40).sequences[0, 8:].tolist()
+    assert max(first) >= 64  # the pool holds ids past the new vocabulary
+    model.resize_token_embeddings(64)
+    prompt = [5, 6, 7, 8, 9]
+    result = generate(model, prompt, max_new_tokens=30)
+    assert result.sequences[0, len(prompt) :].tolist() == reference_generate(model, prompt, 30, None)
 
 
 def test_the_output_pool_belongs_to_the_trie_drafter():

@@ -179,3 +179,24 @@ def test_sampling_with_prompt_lookup_is_refused(where):
         assert greedy.sequences.tolist() == _hf(model, ids, generation_config=config, do_sample=False)
     finally:
         model.generation_config = saved
+
+
+@pytest.mark.parametrize("eos", ["12", b"12", [3, "4"], 2.0, [True]])
+def test_an_eos_id_that_is_no_token_id_is_refused(eos):
+    """A string was read as its characters' digits (``"12"`` -> ids 1 and 2); transformers raises."""
+    from rag_lookahead.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="eos_token_id must be a token id"):
+        generate(tiny_model("llama", seed=0), [1, 2, 3], max_new_tokens=4, eos_token_id=eos)
+
+
+def test_token_healing_is_refused_not_ignored():
+    from rag_lookahead.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="token_healing"):
+        generate(
+            tiny_model("llama", seed=0),
+            [1, 2, 3],
+            max_new_tokens=4,
+            generation_config=GenerationConfig(token_healing=True),
+        )

@@ -597,3 +597,29 @@ def test_an_explicit_none_turns_an_option_off_as_in_model_generate(fresh_model, 
     expected, got = _both(fresh_model, max_new_tokens=8, **call)
     assert not isinstance(got, ConfigError), got
     assert got.tolist() == expected.tolist()
+
+
+def test_greedy_ignores_a_renormalisation_as_model_generate_does():
+    """transformers adds ``LogitNormalization`` to greedy's processors too; it keeps every argmax,
+    so greedy decoding ignores it (the README said so; ``hf_generate`` refused it)."""
+    model = tiny_model("qwen2")
+    ids = torch.tensor([[4, 5, 6, 4, 5, 6, 4]])
+    expected = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, renormalize_logits=True)
+    got = model.generate(
+        input_ids=ids, max_new_tokens=12, do_sample=False, renormalize_logits=True, custom_generate=hf_generate
+    )
+    assert got.tolist() == expected.tolist()
+    with pytest.raises(ConfigError, match="renormalize_logits"):  # sampling: not ours to apply
+        model.generate(
+            input_ids=ids, max_new_tokens=4, do_sample=True, renormalize_logits=True, custom_generate=hf_generate
+        )
+
+
+def test_right_padding_is_refused_with_advice_that_keeps_the_output():
+    """The advice was "pass an all-ones attention_mask", which makes the model attend the pads."""
+    model = tiny_model("qwen2")
+    ids, mask = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    with pytest.raises(InputError, match="padding_side = 'left'"):
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, custom_generate=hf_generate
+        )
