@@ -34,6 +34,10 @@ from rag_lookahead.greedy_head import SCREEN_WIDTH
 #: the lowest sampling temperature: below it the scaled logits overflow to inf (1e-300 failed a
 #: whole server batch); 1e-5 keeps float32 logits of |100| finite, and samples like greedy anyway
 MIN_TEMPERATURE = 1e-5
+#: the lowest repetition penalty to sample with: a seen token's positive logit is divided by it
+#: (then by the temperature), and 1e-300 made it inf and the draw NaN (a server 500); at 1e-6
+#: float32 logits of |1000| stay finite down to MIN_TEMPERATURE
+MIN_REPETITION_PENALTY = 1e-6
 
 
 class _Unset:
@@ -114,6 +118,9 @@ class SamplingParams:
             raise ConfigError(f"temperature must be at least {MIN_TEMPERATURE:g} to sample, got {self.temperature!r}")
         _number("top_p", self.top_p, low=0.0, high=1.0, open_low=True)
         _number("repetition_penalty", self.repetition_penalty, low=0.0, high=math.inf, open_low=True)
+        if self.do_sample and self.repetition_penalty < MIN_REPETITION_PENALTY:
+            least = f"{MIN_REPETITION_PENALTY:g}"
+            raise ConfigError(f"repetition_penalty must be at least {least} to sample, got {self.repetition_penalty!r}")
         if self.min_p is not None:
             _number("min_p", self.min_p, low=0.0, high=1.0)
         if self.top_k is not None and (

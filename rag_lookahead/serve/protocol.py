@@ -22,7 +22,7 @@ from typing import Annotated, Any, ClassVar, get_args
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from rag_lookahead.decoding.sampling import MIN_TEMPERATURE
+from rag_lookahead.decoding.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 from rag_lookahead.serve.api_error import quote
 
 __all__ = [
@@ -182,6 +182,16 @@ class GenerationRequest(OpenAIRequest):
             raise invalid_request(
                 f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature!r}",
                 "temperature",
+            )
+        if (
+            self.temperature
+            and self.repetition_penalty is not None
+            and self.repetition_penalty < MIN_REPETITION_PENALTY
+        ):
+            raise invalid_request(  # a seen token's logit / 1e-300 is inf: the draw failed with a 500
+                f"'repetition_penalty' must be at least {MIN_REPETITION_PENALTY:g} when sampling, "
+                f"got {self.repetition_penalty!r}",
+                "repetition_penalty",
             )
         if self.response_format is not None and self.response_format != {"type": "text"}:  # chat; vLLM's completions
             kind = self.response_format.get("type") if isinstance(self.response_format, dict) else None

@@ -200,3 +200,19 @@ def test_token_healing_is_refused_not_ignored():
             max_new_tokens=4,
             generation_config=GenerationConfig(token_healing=True),
         )
+
+
+def test_a_repetition_penalty_that_overflows_the_logits_is_refused_when_sampling():
+    """A seen token's logit divided by 1e-300 is inf and the draw NaN (a server 500); greedy
+    takes the argmax of the same values as transformers does, so only sampling refuses it."""
+    from rag_lookahead.errors import ConfigError
+
+    model, ids = tiny_model("llama", seed=0), torch.tensor([[5, 6, 5, 6, 5, 6]])
+    with pytest.raises(ConfigError, match="repetition_penalty must be at least 1e-06 to sample"):
+        _ours(model, ids, do_sample=True, repetition_penalty=1e-300)
+    assert _ours(model, ids, do_sample=False, repetition_penalty=1e-300) == _hf(
+        model, ids, do_sample=False, repetition_penalty=1e-300
+    )
+    assert _ours(model, ids, do_sample=True, repetition_penalty=1e-6) == _hf(
+        model, ids, do_sample=True, repetition_penalty=1e-6
+    )

@@ -271,6 +271,14 @@ def test_what_one_caller_sends_cannot_take_down_the_others(tokenizer):
             assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
         r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 1e-5, "seed": 1})
         assert r.status_code == 200  # the lowest temperature still samples
+        for penalty in (1e-300, 1e-7):  # a seen token's logit / 1e-300 was inf: the draw failed with a 500
+            sampled = {"prompt": [5, 6, 5, 6], "max_tokens": 3, "temperature": 1.0, "repetition_penalty": penalty}
+            r = client.post("/v1/completions", json=sampled)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+        lowest = {"prompt": [5, 6, 5, 6], "max_tokens": 3, "temperature": 1e-5, "repetition_penalty": 1e-6, "seed": 1}
+        assert client.post("/v1/completions", json=lowest).status_code == 200
+        greedy = {"prompt": [5, 6, 5, 6], "max_tokens": 3, "repetition_penalty": 1e-300}
+        assert client.post("/v1/completions", json=greedy).status_code == 200  # an argmax of inf is still one
         nested = "[" * 5000 + "]" * 5000
         call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": nested}}
         messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
