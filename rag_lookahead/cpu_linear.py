@@ -68,7 +68,6 @@ import contextlib
 import functools
 import os
 import time
-import types
 import weakref
 from collections.abc import Iterator
 
@@ -186,6 +185,9 @@ class PackedWeight:
         self._stamp: tuple | None = None
         self._copies: dict[str, torch.Tensor] = {}
         self._watch = watch
+
+    def __reduce__(self):  # a copied or pickled model packs its own weights again on first use
+        return PackedWeight, (self._watch,)
 
     def forget_copies(self) -> None:
         """Drop the copies (the weight's values moved): made again on next use."""
@@ -377,8 +379,16 @@ def _computes_linear(kernel, dtype: torch.dtype = torch.float32, rows: int = 3) 
     return torch.allclose(out.double(), exact, rtol=2.0**-7, atol=1e-3)
 
 
-def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return few_token_linear(x, self.weight, self.bias, getattr(self, _PACKED))
+class _FewTokenForward:
+    """A layer's ``forward`` through :func:`few_token_linear` (an object, not a bound function,
+    so that a copied or pickled model keeps it: pickle looks a bound function up by its name)."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        return few_token_linear(x, layer.weight, layer.bias, getattr(layer, _PACKED))
 
 
 def speed_up_cpu_linears(model: nn.Module, min_elements: int | None = None) -> int:
@@ -405,7 +415,7 @@ def speed_up_cpu_linears(model: nn.Module, min_elements: int | None = None) -> i
         chosen = [m for m in chosen if m not in bf16]
     for module in chosen:
         if not getattr(module, _MARK, False):
-            module.forward = types.MethodType(_forward, module)
+            module.forward = _FewTokenForward(module)
             # packed on first use, so loading stays as fast. Not an fp32 output layer: a vocabulary
             # of rows (~1 GB and 1.2 s more for the default model), and greedy steps screen it.
             fp32_output = module is output and module.weight.dtype == torch.float32
@@ -427,7 +437,7 @@ def stock_linears(model: nn.Module) -> Iterator[int]:
         yield len(marked)
     finally:
         for module in marked:
-            module.forward = types.MethodType(_forward, module)
+            module.forward = _FewTokenForward(module)
 
 
 def _least_elements(dtype: torch.dtype) -> int:

@@ -104,6 +104,11 @@ class GreedyHead:
     weight_error: float = field(init=False)  # the largest row error: the shared bound's
     row_l1: float = field(init=False)  # the largest row sum |W|: the shared bound's
 
+    def __reduce__(self):
+        # a copied or pickled model computes its full output layer (exact; its int8 kernel's packed
+        # weights cannot be copied); screen_greedy_head(copy) gives the copy a screen of its own
+        return _no_screen, ()
+
     def __post_init__(self) -> None:
         self.weight_error, self.row_l1 = float(self.row_errors.max()), float(self.row_l1s.max())
         self.built_from = _weight_state(self.layer)
@@ -265,6 +270,10 @@ class GreedyTokens(Sequence):
         return int(candidates[(weight[candidates] @ x).float().argmax()])
 
 
+def _no_screen() -> None:
+    return None
+
+
 def greedy_head_of(model) -> GreedyHead | None:
     """The model's screen, if :func:`screen_greedy_head` gave it one; a lazy screen is built here,
     on first use."""
@@ -330,6 +339,9 @@ def _weight_state(layer: nn.Module) -> tuple:
 
 
 def _hook_in(model, layer: nn.Module, head: GreedyHead) -> None:
+    for key, hook in list(layer._forward_pre_hooks.items()):  # one a copied model brought along
+        if hook is _capture_input:
+            del layer._forward_pre_hooks[key]
     head.hook = layer.register_forward_pre_hook(_capture_input)
     setattr(layer, _ATTR, head)
     _head_changed(model)
@@ -428,7 +440,7 @@ def capture_hidden() -> Iterator[list]:
 
 def _capture_input(module: nn.Module, args: tuple) -> tuple | None:
     captured = _capturing.get()
-    if captured is None or not hasattr(module, _ATTR):
+    if captured is None or getattr(module, _ATTR, None) is None:
         return None
     hidden = args[0]
     captured.append(hidden)

@@ -64,6 +64,9 @@ class WeightWatch:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __reduce__(self):  # a copied or pickled model starts with no copies to watch
+        return WeightWatch, ()
+
     def watch(self, owner: object, weight: torch.Tensor) -> None:
         """``owner`` made its copy from ``weight``'s values as they are now (again: replaces its entry)."""
         sample = ValueSample(weight)
