@@ -166,9 +166,14 @@ def _check_sampling(temperature: float | None, top_p: float | None, seed: int | 
 
 
 class StdoutClosed(BaseException):
-    """stdout's reader went away while the answer streamed (``ask --stream | head``). Not an
+    """stdout could not take the streamed answer: its reader went away (``ask --stream | head``),
+    or the write failed (a full disk: ``> /dev/full``); ``error`` says which. Not an
     ``Exception``: LangChain's callback manager logs and swallows those, once per block, and the
     decode went on to --max-new-tokens with nobody reading."""
+
+    def __init__(self, error: OSError | ValueError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def silence_stdout() -> None:
@@ -190,8 +195,8 @@ def token_printer():
             try:
                 sys.stdout.write(token)
                 sys.stdout.flush()
-            except BrokenPipeError as e:
-                raise StdoutClosed() from e
+            except (OSError, ValueError) as e:  # ValueError: a closed file
+                raise StdoutClosed(e) from e
 
     return _Print()
 

@@ -9,11 +9,12 @@ and exit 1 (:func:`fail`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -109,7 +110,8 @@ def index_command(
             )
     except (RagLookaheadError, OSError) as e:  # OSError: a folder we cannot create, read or lock
         fail(e)
-    typer.echo(report.summary())
+    with writing_stdout("the index's summary (the index itself is written)"):
+        typer.echo(report.summary())
 
 
 # ---------------------------------------------------------------- ask
@@ -155,6 +157,8 @@ def ask_command(
     # over 60 lines only because typer declares every option in the signature; the work is ask.answer
     from rag_lookahead.ask import StdoutClosed, answer, print_result, token_printer
 
+    if sys.stdout is None:  # started with stdout closed (`>&-`): nowhere to put the answer, so no work
+        fail(RagLookaheadError("stdout is closed: there is nowhere to write the answer"))
     streaming = stream and not as_json
     if not as_json:  # a terminal encoding without CJK (PYTHONIOENCODING=ascii): '?' for what it cannot show
         _lenient(sys.stdout)
@@ -177,11 +181,14 @@ def ask_command(
             device=device,
             device_map=device_map,
         )
-    except (BrokenPipeError, StdoutClosed):  # `ask ... --stream | head`: the reader left, the decode stopped
+    except BrokenPipeError:
         _stdout_gone()
+    except StdoutClosed as e:  # `ask ... --stream | head`: the reader left, the decode stopped
+        with writing_stdout("the answer"):
+            raise e.error from None
     except (RagLookaheadError, OSError) as e:
         fail(e)
-    try:
+    with writing_stdout("the answer"):
         if as_json:
             out = dict(result)
             out["sources"] = [{k: v for k, v in s.items() if k != "text"} for s in result["sources"]]
@@ -190,8 +197,23 @@ def ask_command(
             sys.stdout.flush()
         else:
             print_result(result, streaming)
+
+
+@contextlib.contextmanager
+def writing_stdout(what: str) -> Iterator[None]:
+    """Within: a failed write to stdout ends the command with one line, not a traceback: quietly
+    where the reader left (``| head``), else naming ``what`` could not be written and why (a
+    full disk, ``> /dev/full``; a closed file)."""
+    try:
+        yield
     except BrokenPipeError:
         _stdout_gone()
+    except (OSError, ValueError) as e:
+        from rag_lookahead.ask import silence_stdout
+
+        silence_stdout()  # Python's final flush would fail on the same stdout
+        reason = getattr(e, "strerror", None) or first_line(e)
+        fail(RagLookaheadError(f"cannot write {what} to stdout: {reason}"))
 
 
 def _utf8(stream: Any) -> bool:

@@ -131,3 +131,51 @@ def test_streaming_into_a_closed_pipe_stops_the_decode_quietly(index_dir, tiny_l
     assert not [m for m in logged if "BrokenPipe" in m], logged[:3]
     err = capsys.readouterr().err
     assert "Traceback" not in err and not err.strip(), err
+
+
+class FullDisk(ClosedPipe):
+    """A stdout on a full disk (`ask ... > /dev/full`)."""
+
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("mode", ["print", "json", "stream"])
+def test_a_stdout_that_cannot_be_written_is_one_error_line(index_dir, tiny_llm, monkeypatch, capsys, mode):
+    """`> /dev/full` ended in a traceback after the whole decode (streamed: LangChain logged the
+    callback's OSError for every block and the decode went on to --max-new-tokens)."""
+    forwards = []
+    hook = tiny_llm.register_forward_hook(lambda *args: forwards.append(1))
+    monkeypatch.setattr(sys, "stdout", FullDisk())
+    from rag_lookahead.ask import main
+
+    flags = {"print": [], "json": ["--json"], "stream": ["--stream"]}[mode]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["What do Redis keys look like?", "--index-dir", str(index_dir), "--max-new-tokens", "120", *flags])
+    finally:
+        hook.remove()
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: cannot write the answer to stdout: No space left on device"], err
+    if mode == "stream":
+        assert len(forwards) <= 3, f"{len(forwards)} forwards: the decode went on after stdout failed"
+
+
+def test_a_closed_stdout_is_refused_before_anything_loads(index_dir, tiny_llm, monkeypatch, capsys):
+    """`ask ... >&-`: Python's stdout is None, and the answer's print raised AttributeError."""
+    forwards = []
+    hook = tiny_llm.register_forward_hook(lambda *args: forwards.append(1))
+    monkeypatch.setattr(sys, "stdout", None)
+    from rag_lookahead.ask import main
+
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["What do Redis keys look like?", "--index-dir", str(index_dir)])
+    finally:
+        hook.remove()
+    assert exit_info.value.code == 1 and not forwards
+    assert capsys.readouterr().err.strip() == "error: stdout is closed: there is nowhere to write the answer"

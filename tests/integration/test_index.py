@@ -493,6 +493,21 @@ def test_the_command_reports_each_skipped_file_once(tmp_path, built):
     assert "Warning" not in output and "build_index(" not in output
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_summary_that_cannot_be_written_is_one_line_and_the_index_stands(tmp_path, built):
+    """`index ... > /dev/full` built the index, then printed a traceback from typer's echo."""
+    command = [sys.executable, "-m", "rag_lookahead", "index", str(built[0]), "--index-dir", str(tmp_path / "ix")]
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [*command, "--no-progress"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300
+        )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: cannot write the index's summary (the index itself is written) to stdout: No space left on device"
+    ], result.stderr
+    assert (tmp_path / "ix" / "manifest.json").exists()
+
+
 @pytest.mark.parametrize(
     "key, value",
     [
