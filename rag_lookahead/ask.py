@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
+from rag_lookahead.errors import ConfigError, IndexLoadError, InputError, one_line
 from rag_lookahead.paths import expand_user
 
 __all__ = [
@@ -215,7 +215,9 @@ def print_result(result: dict, streamed: bool) -> None:
     console.print("[bold]Sources[/bold]")
     for i, s in enumerate(result["sources"], start=1):
         mark = "" if s.get("in_prompt") else " [dim](seed only)[/dim]"
-        console.print(f"  [{i}] [cyan]{escape(str(s['source']))}[/cyan]{mark}: {escape(s['snippet'])}")
+        console.print(
+            f"  [{i}] [cyan]{escape(one_line(str(s['source'])))}[/cyan]{mark}: {escape(one_line(s['snippet']))}"
+        )
     st = result["stats"]
     console.print()
     console.print(

@@ -35,3 +35,13 @@ def first_line(error: BaseException) -> str:
     """What a command prints for ``error``: its message's first line, or its type's name."""
     text = str(error)
     return text.splitlines()[0] if text.strip() else type(error).__name__
+
+
+def one_line(text: str) -> str:
+    """``text`` for one line of a report: control characters and line breaks (a file named
+    ``"a\\nskipped b: empty"`` printed a fake report line) as escapes, ``\\n``, ``\\x1b``, ``\\u2028``."""
+    import unicodedata
+
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or unicodedata.category(ch) == "Zs" else ascii(ch)[1:-1] for ch in text)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rag_lookahead.errors import ConfigError, IndexLoadError, RebuildWarning
+from rag_lookahead.errors import ConfigError, IndexLoadError, RebuildWarning, one_line
 from rag_lookahead.paths import expand_user
 from rag_lookahead.rag import store
 from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, load_corpus
@@ -68,8 +68,8 @@ class IndexReport:
             f" {self.removed} removed), {self.chunks} chunks ({self.embedded_chunks} embedded)"
             f" with {self.embedding_model} in {self.seconds:.1f}s{rate} -> {self.index_dir}"
         ]
-        lines += [f"  skipped {s}" for s in self.skipped]
-        lines += [f"  note {n}" for n in self.notes]
+        lines += [f"  skipped {one_line(s)}" for s in self.skipped]
+        lines += [f"  note {one_line(n)}" for n in self.notes]
         return "\n".join(lines)
 
 

@@ -110,9 +110,11 @@ def _parse_manifest(index_dir: Path, raw: bytes) -> dict:
     try:
         manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IndexLoadError(f"index at {index_dir} is corrupt: {MANIFEST} is not valid JSON ({e})") from None
+        why = f"{MANIFEST} is not valid JSON ({e})"
+        raise IndexLoadError(f"index at {index_dir} is corrupt: {why}; rebuild it with `rag_lookahead index`") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise IndexLoadError(f"{index_dir / MANIFEST} is not a rag_lookahead index manifest")
+        where = "rebuild it with `rag_lookahead index`" if _holds_our_data(index_dir) else "is it the right folder?"
+        raise IndexLoadError(f"{index_dir / MANIFEST} is not a rag_lookahead index manifest; {where}")
     if manifest.get("format_version") not in READABLE_VERSIONS:
         raise IndexLoadError(
             f"index at {index_dir} has format version {manifest.get('format_version')!r}; this version reads "
@@ -275,6 +277,14 @@ def _is_our_data_dir(path: Path) -> bool:
     )
 
 
+def _holds_our_data(index_dir: Path) -> bool:
+    """Whether the folder holds a data folder a build of ours finished (marked, our files only)."""
+    try:
+        return any((c / DATA_MARK).is_file() and _is_our_data_dir(c) for c in index_dir.iterdir())
+    except OSError:
+        return False
+
+
 def _is_our_leftover(path: Path) -> bool:
     """What an interrupted first build can leave in a folder that has no manifest yet."""
     if path.name == LOCK_FILE or MANIFEST_TMP.fullmatch(path.name):
@@ -296,6 +306,8 @@ def check_target(index_dir: Path, advice: str = "choose a new or empty folder wi
     foreign = sorted(c.name for c in index_dir.iterdir() if not _is_our_leftover(c))
     if foreign == [MANIFEST] and _our_manifest(index_dir / MANIFEST) is not None:
         return  # a build (holding the lock, which we check before) published between the two looks
+    if foreign == [MANIFEST] and _holds_our_data(index_dir):
+        return  # our index, its manifest damaged (garbled, emptied): the build replaces it, re-embedding all
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise ConfigError(
@@ -397,24 +409,33 @@ def write_data(data_dir: Path, fidx: Any, records: list[dict]) -> dict[str, str]
     # published, and the old version removed. It raised RuntimeError (a traceback) for an error of an
     # earlier fwrite, and TypeError for a folder whose name is not UTF-8. Here each is an OSError.
     data = faiss.serialize_index(fidx).tobytes()
-    try:
-        with open(data_dir / FAISS_FILE, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:  # name the file: a write error says only "No space left on device"
-        raise OSError(e.errno, f"cannot write {data_dir / FAISS_FILE}: {e.strerror or e}") from None
-    artifacts = {
-        FAISS_FILE: hashlib.sha256(data).hexdigest(),
-        DOCSTORE: _write_docstore(data_dir / DOCSTORE, records),
-    }
+    with _naming(data_dir / FAISS_FILE), open(data_dir / FAISS_FILE, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    with _naming(data_dir / DOCSTORE):
+        artifacts = {
+            FAISS_FILE: hashlib.sha256(data).hexdigest(),
+            DOCSTORE: _write_docstore(data_dir / DOCSTORE, records),
+        }
     fsync_dir(data_dir)
     return artifacts
 
 
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Within: an OSError says which file it could not write (a write error says only "No space
+    left on device")."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from None
+
+
 def publish(index_dir: Path, manifest: dict) -> None:
     """The one step that switches readers to the new version: an atomic replace of ``manifest.json``."""
-    write_json_atomic(index_dir / MANIFEST, manifest, private=True)
+    with _naming(index_dir / MANIFEST):
+        write_json_atomic(index_dir / MANIFEST, manifest, private=True)
 
 
 def publish_version(

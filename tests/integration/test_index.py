@@ -430,6 +430,38 @@ def test_cli_builds_into_an_empty_folder_and_rebuilds_its_own_index(tmp_path, bu
     assert "3 unchanged" in again.stdout and "0 embedded" in again.stdout
 
 
+@pytest.mark.parametrize("damage", [b"{not json", b"", b"[1, 2]", b"\xff\xfe garbage"])
+def test_our_index_with_a_damaged_manifest_is_rebuilt_by_the_cli(tmp_path, built, embedder, damage):
+    """The README said so, but a manifest that was no longer ours by its marker made the folder
+    foreign: `index` refused it and `ask` said "corrupt" with no way out but deleting by hand.
+    Beside a finished data folder of ours it is our damaged manifest: rebuilt. (A folder with a
+    foreign manifest and no data of ours is still refused: see above.)"""
+    d = copy_index(built, tmp_path)
+    (d / "manifest.json").write_bytes(damage)
+    with pytest.raises(IndexLoadError, match="rebuild it with `rag_lookahead index`"):
+        ix.load_index(d, embedder)
+    result = run_cli("index", str(built[0]), "--index-dir", str(d), "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "re-embedded everything" in result.stdout
+    assert ix.load_index(d, embedder) is not None
+
+
+def test_control_characters_in_names_cannot_forge_report_lines(tmp_path, built):
+    """A file named ``"evil\nskipped fake.txt: empty"`` printed as two report lines, one of them a
+    fake; names now show their control characters as escapes."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "ok.txt").write_text(TEA, encoding="utf-8")
+    (corpus / "evil\nskipped fake.txt").write_text("", encoding="utf-8")
+    (corpus / "tab\tand\x1b[31mred.txt").write_text("", encoding="utf-8")
+    result = run_cli("index", str(corpus), "--index-dir", str(tmp_path / "idx"), "--no-progress")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3, lines  # the counts, and one line per skipped file
+    assert any(line.startswith("  skipped evil\\nskipped fake.txt") for line in lines), lines
+    assert any("tab\\tand\\x1b[31mred.txt" in line for line in lines) and "\x1b" not in result.stdout
+
+
 def test_a_name_that_is_not_utf8_is_skipped_and_the_rest_indexed(tmp_path, built):
     """It failed the whole run with a UnicodeEncodeError traceback (the docstore could not write it)."""
     corpus = tmp_path / "corpus"
@@ -1103,6 +1135,31 @@ def test_a_write_error_in_the_new_vectors_keeps_the_old_index(tmp_path, embedder
     assert tree(index_dir) == before  # the unpublished version removed, the old one kept
     old = ix.load_index(index_dir, embedder)
     assert [r["source"] for r in old.records] == ["git.txt"]
+
+
+@pytest.mark.parametrize("failing", ["docstore", "manifest"])
+def test_a_write_error_names_the_file_and_keeps_the_old_index(tmp_path, embedder, monkeypatch, failing):
+    """A full disk while the docstore or the manifest was written said only "[Errno 28] No space
+    left on device" (the vectors' file was named). The fault is injected where each is written."""
+    from rag_lookahead.rag import store
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "git.txt").write_text(GIT, encoding="utf-8")
+    index_dir = tmp_path / "index"
+    build(corpus, index_dir, embedder)
+    (corpus / "new.txt").write_text(VOLCANO_SHORT, encoding="utf-8")
+    before = tree(index_dir)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "_write_docstore" if failing == "docstore" else "write_json_atomic", full)
+    name = "docstore.jsonl" if failing == "docstore" else "manifest.json"
+    with pytest.raises(OSError, match=f"cannot write .*{name}: No space left on device"):
+        build(corpus, index_dir, embedder)
+    assert tree(index_dir) == before
+    assert [r["source"] for r in ix.load_index(index_dir, embedder).records] == ["git.txt"]
 
 
 # ---------------------------------------------------------------- names that are not UTF-8
