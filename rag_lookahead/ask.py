@@ -71,6 +71,25 @@ def ensure_index(index_dir: Path, *, quiet: bool = False, build_bundled: bool = 
     return load_index(index_dir)
 
 
+#: a question this long gets a note before the silent read of the prompt (a 51,000-character
+#: question, ~35,000 tokens, took 5.5 minutes here before its first token, and looked hung)
+LONG_QUESTION_TOKENS = 2048
+
+
+def _note_a_long_question(llm: Any, question: str) -> None:
+    tokenizer = getattr(llm, "tokenizer", None)
+    if tokenizer is None or len(question) < LONG_QUESTION_TOKENS:  # a token is at least one character
+        return
+    tokens = len(tokenizer.encode(question, add_special_tokens=False))
+    if tokens >= LONG_QUESTION_TOKENS:
+        print(
+            f"note: a {tokens:,}-token question; the model reads all of it before the first token of the"
+            " answer, which can take minutes on a CPU",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def answer(
     question: str,
     *,
@@ -139,6 +158,8 @@ def answer(
         llm = LookaheadLLM(
             model=loaded, tokenizer=tokenizer, model_name=reported_name(model), max_new_tokens=max_new_tokens
         )
+    if not quiet:
+        _note_a_long_question(llm, question)
     chain = build_rag_chain(llm, index, k_prompt=k, k_seed=max(k, k_seed))
     sampling = {"temperature": temperature, "top_p": top_p, "seed": seed}
     result = chain.invoke(

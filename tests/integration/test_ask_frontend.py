@@ -33,13 +33,13 @@ def index_dir(tmp_path_factory):
 
 @pytest.fixture
 def tiny_llm(monkeypatch):
-    """`ask` loads the model by name: here it gets a LookaheadLLM over the tiny qwen2 model."""
+    """`ask` loads the model by name (``models.load_model``): here it gets the tiny qwen2 model.
+    (It patched ``LookaheadLLM.from_model_id``, which `ask` no longer calls: the tests loaded the
+    default model, and the forward counts below counted a model nobody ran.)"""
+    from rag_lookahead import models
+
     model, tokenizer = tiny_model("qwen2"), tiny_tokenizer()
-
-    def load(cls, name, max_new_tokens=16, **placement):
-        return LookaheadLLM(model=model, tokenizer=tokenizer, model_name="tiny", max_new_tokens=max_new_tokens)
-
-    monkeypatch.setattr(LookaheadLLM, "from_model_id", classmethod(load))
+    monkeypatch.setattr(models, "load_model", lambda name, **options: (model, tokenizer))
     return model
 
 
@@ -179,3 +179,13 @@ def test_a_closed_stdout_is_refused_before_anything_loads(index_dir, tiny_llm, m
         hook.remove()
     assert exit_info.value.code == 1 and not forwards
     assert capsys.readouterr().err.strip() == "error: stdout is closed: there is nowhere to write the answer"
+
+
+def test_a_long_question_gets_a_note_before_the_silent_read(index_dir, tiny_llm):
+    """A 51,000-character question sat 5.5 minutes with nothing printed after the weights loaded."""
+    question = "branch_length " * 3000  # 3,000 tokens of the tiny tokenizer
+    result = CliRunner().invoke(app, ["ask", question, "--index-dir", str(index_dir), "--max-new-tokens", "2"])
+    first = result.stderr.strip().splitlines()[0]
+    assert first.startswith("note: a ") and "-token question" in first, result.stderr
+    short = CliRunner().invoke(app, ["ask", "branch_length?", "--index-dir", str(index_dir), "--max-new-tokens", "2"])
+    assert "note:" not in short.stderr

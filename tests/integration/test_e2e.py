@@ -81,19 +81,9 @@ def test_retrieval_qa_matches_lcel(index, llm32):
 
 
 @pytest.fixture
-def cli_home(tmp_path, monkeypatch, default_model):
-    """A fresh RAG_LOOKAHEAD_HOME, and `ask` loading the already loaded default model."""
-    model, tokenizer = default_model
+def cli_home(tmp_path, monkeypatch):
+    """A fresh RAG_LOOKAHEAD_HOME (`ask` indexes the bundled corpus there and loads the default model)."""
     monkeypatch.setenv("RAG_LOOKAHEAD_HOME", str(tmp_path))
-    monkeypatch.setattr(
-        LookaheadLLM,
-        "from_model_id",
-        classmethod(
-            lambda cls, name, max_new_tokens=256, **kw: cls(
-                model=model, tokenizer=tokenizer, model_name=name, max_new_tokens=max_new_tokens
-            )
-        ),
-    )
     return tmp_path
 
 
@@ -131,11 +121,13 @@ def test_cli_ask_json(cli_home, monkeypatch):
     assert not typo.exists()
 
 
-def test_cli_ask_stream_prints_blocks_then_sources_then_a_speed_line(cli_home, monkeypatch):
+def test_cli_ask_stream_prints_blocks_then_sources_then_a_speed_line(cli_home, monkeypatch, default_model):
     from typer.testing import CliRunner
 
-    from rag_lookahead import ask
+    from rag_lookahead import ask, models
     from rag_lookahead.cli import app
+
+    monkeypatch.setattr(models, "load_model", lambda name, **options: default_model)  # loaded once per session
 
     blocks: list[str] = []
     printer = ask.token_printer
