@@ -20,7 +20,7 @@ import numpy as np
 from rag_lookahead.errors import ConfigError, IndexLoadError, RebuildWarning, one_line
 from rag_lookahead.paths import expand_user
 from rag_lookahead.rag import store
-from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, load_corpus
+from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, load_corpus, stage_bar
 from rag_lookahead.rag.store import FORMAT_VERSION, LOCK_TIMEOUT_S, default_index_dir
 
 if TYPE_CHECKING:  # the embedders pull in torch: imported where used, so the CLI starts fast
@@ -120,11 +120,13 @@ def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int]):
     return {s: (sha, recs, np.stack(vecs)) for s, (sha, recs, vecs) in by_source.items()}, None
 
 
-def _plan(docs, previous, splitter, report: IndexReport):
+def _plan(docs, previous, splitter, report: IndexReport, progress: bool = False):
     """Per file: reuse the stored chunks and vectors when its sha256 is unchanged, else split it anew.
     Returns ``(plan, texts_to_embed)``; ``plan`` rows are ``(source, records, vectors_or_None)``."""
     plan: list[tuple[str, list[dict], np.ndarray | None]] = []
     to_embed: list[str] = []
+    changed = [text for source, (sha, text) in docs.items() if (previous.get(source) or ("",))[0] != sha]
+    bar = stage_bar(progress, "splitting", sum(map(len, changed)), "char")
     for source, (sha, text) in docs.items():
         old = previous.get(source)
         if old is not None and old[0] == sha:
@@ -135,12 +137,15 @@ def _plan(docs, previous, splitter, report: IndexReport):
             report.added += 1
         else:
             report.updated += 1
+        bar.set_postfix_str(one_line(source), refresh=False)
         chunks = [c for c in splitter.split_text(text) if c.strip()]
+        bar.update(len(text))
         recs = [
             {"chunk_id": f"{source}#{i}", "source": source, "file_sha256": sha, "text": c} for i, c in enumerate(chunks)
         ]
         plan.append((source, recs, None))
         to_embed.extend(chunks)
+    bar.close()
     report.removed = sum(1 for s in previous if s not in docs)
     return plan, to_embed
 
@@ -192,7 +197,7 @@ def build_index(
     splitter = make_splitter(chunk_size, chunk_overlap)
     chunking = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap}
     store.check_target(index_dir)  # before any slow work, and before anything is created
-    corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb)
+    corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb, progress=progress)
 
     if not index_dir.exists():  # no other build's yet: a bad --embedder fails before the folder is made
         embedder = _loaded(embedder)
@@ -200,7 +205,9 @@ def build_index(
     with store.writer_lock(index_dir, lock_timeout) as waited:  # before the embedder loads: a busy folder fails fast
         store.check_target(index_dir)  # again: the folder may have changed while we waited
         if waited:  # the files too: a build that read them earlier must not publish an older corpus last
-            corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb)
+            corpus = load_corpus(
+                corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb, progress=progress
+            )
         embedder = _loaded(embedder)
         report = IndexReport(
             index_dir=index_dir, embedding_model=embedder.name, skipped=corpus.skipped, notes=corpus.notes
@@ -237,7 +244,7 @@ def _embed_changes(index_dir: Path, corpus: Corpus, embedder: Embedder, splittin
         why = f"re-embedded everything: the index at {index_dir} could not be reused ({why_not})"
         report.notes.append(why)  # the command's report prints it once
         warnings.warn(why, RebuildWarning, stacklevel=3)
-    plan, to_embed = _plan(corpus.docs, previous, splitter, report)
+    plan, to_embed = _plan(corpus.docs, previous, splitter, report, progress)
     if report.rebuilt:  # counts describe what happened to files relative to the previous file list
         old_files = set(store.manifest_files(index_dir))
         report.added = sum(1 for s in corpus.docs if s not in old_files)

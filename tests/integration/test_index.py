@@ -1263,3 +1263,21 @@ def test_an_interrupt_after_the_manifest_is_renamed_leaves_a_loadable_index(tmp_
     monkeypatch.undo()
     loaded = ix.load_index(index_dir, embedder)  # old or new, but whole
     assert {r["source"] for r in loaded.records} in ({"git.txt"}, {"git.txt", "volcano.txt"})
+
+
+def test_reading_a_large_corpus_shows_a_bar_naming_the_file(tmp_path, capsys):
+    """An 18 MB file of another encoding took ~10 s to read (detection) with nothing shown; a
+    small corpus shows no bar."""
+    from rag_lookahead.rag.corpus import STAGE_BAR_LEAST, load_corpus
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "small.txt").write_text(TEA, encoding="utf-8")
+    load_corpus(corpus, progress=True)
+    assert "reading" not in capsys.readouterr().err
+    (corpus / "big.txt").write_text((GIT + "\n") * (STAGE_BAR_LEAST // len(GIT) + 1), encoding="utf-8")
+    load_corpus(corpus, progress=True)
+    err = capsys.readouterr().err
+    assert "reading" in err and "big.txt" in err, err
+    load_corpus(corpus, progress=False)
+    assert not capsys.readouterr().err
