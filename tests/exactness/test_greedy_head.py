@@ -346,6 +346,13 @@ def test_batched_rows_and_sampled_rows_with_the_screened_head():
         restore_greedy_head(model)
 
 
+def _decodes_as_the_full_layer(model, prompt: list[int]) -> None:
+    with full_output_layer(model):
+        stock = reference_generate(model, prompt, 24, None)
+    result = generate(model, prompt, max_new_tokens=24, pad_token_id=0)
+    assert result.sequences[0, len(prompt) :].tolist() == stock
+
+
 @pytest.mark.parametrize("change", ["in_place", "replaced", "load_state_dict", "data", "data_add", "data_copy"])
 def test_a_changed_output_layer_is_screened_afresh(change):
     """Weights changed after the screen was built (fine-tuning, a loaded checkpoint, a new
@@ -375,10 +382,7 @@ def test_a_changed_output_layer_is_screened_afresh(change):
                 for key in [k for k in state if state[k].shape == new.shape]:
                     state[key] = new
                 model.load_state_dict(state)
-        with full_output_layer(model):
-            stock = reference_generate(model, prompt, 24, None)
-        result = generate(model, prompt, max_new_tokens=24, pad_token_id=0)
-        assert result.sequences[0, len(prompt) :].tolist() == stock
+        _decodes_as_the_full_layer(model, prompt)
     finally:
         restore_greedy_head(model)
 
@@ -424,10 +428,7 @@ def test_forget_weight_copies_catches_an_edit_the_sample_misses():
         values[sampled] = kept
         assert greedy_head_of(model) is head  # unseen
         assert rag_lookahead.forget_weight_copies(model) >= 1
-        with full_output_layer(model):
-            stock = reference_generate(model, prompt, 24, None)
-        result = generate(model, prompt, max_new_tokens=24, pad_token_id=0)
-        assert result.sequences[0, len(prompt) :].tolist() == stock
+        _decodes_as_the_full_layer(model, prompt)
         assert greedy_head_of(model) is not head
     finally:
         restore_greedy_head(model)

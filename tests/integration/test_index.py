@@ -1137,18 +1137,24 @@ def test_a_write_error_in_the_new_vectors_keeps_the_old_index(tmp_path, embedder
     assert [r["source"] for r in old.records] == ["git.txt"]
 
 
+def _indexed_then_grown(tmp_path, embedder, new_name: str):
+    """A corpus of git.txt indexed, then one more file beside it: ``(corpus, index_dir)``."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "git.txt").write_text(GIT, encoding="utf-8")
+    index_dir = tmp_path / "index"
+    build(corpus, index_dir, embedder)
+    (corpus / new_name).write_text(VOLCANO_SHORT, encoding="utf-8")
+    return corpus, index_dir
+
+
 @pytest.mark.parametrize("failing", ["docstore", "manifest"])
 def test_a_write_error_names_the_file_and_keeps_the_old_index(tmp_path, embedder, monkeypatch, failing):
     """A full disk while the docstore or the manifest was written said only "[Errno 28] No space
     left on device" (the vectors' file was named). The fault is injected where each is written."""
     from rag_lookahead.rag import store
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "git.txt").write_text(GIT, encoding="utf-8")
-    index_dir = tmp_path / "index"
-    build(corpus, index_dir, embedder)
-    (corpus / "new.txt").write_text(VOLCANO_SHORT, encoding="utf-8")
+    corpus, index_dir = _indexed_then_grown(tmp_path, embedder, "new.txt")
     before = tree(index_dir)
 
     def full(*args, **kwargs):
@@ -1246,12 +1252,7 @@ def test_an_interrupt_after_the_manifest_is_renamed_leaves_a_loadable_index(tmp_
     manifest named a missing folder, and the old version had been replaced: no index loaded."""
     from rag_lookahead import atomic
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "git.txt").write_text(GIT, encoding="utf-8")
-    index_dir = tmp_path / "index"
-    build(corpus, index_dir, embedder)
-    (corpus / "volcano.txt").write_text(VOLCANO_SHORT, encoding="utf-8")
+    corpus, index_dir = _indexed_then_grown(tmp_path, embedder, "volcano.txt")
 
     def interrupted(path):
         if Path(path) == index_dir:  # the manifest's folder: the rename is done
