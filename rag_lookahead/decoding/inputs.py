@@ -78,7 +78,10 @@ def check_prompt_room(model, length: int) -> None:
     so that a batch fails a too-long input alone)."""
     limit = context_limit(model)
     if limit is not None and length >= limit:
-        raise InputError(f"the input has {length} tokens but the model's context holds {limit_words(model, limit)}")
+        raise InputError(
+            f"the input has {length} tokens but the model's context holds {limit_words(model, limit)}, prompt and"
+            " answer together: no room is left for an answer"
+        )
 
 
 def as_batch(input_ids, attention_mask=None, masked_pad: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,7 +97,8 @@ def checked_prompt(ids: list[int], engine: Engine, param: str = "prompt") -> lis
         raise ApiError(
             400,
             f"the prompt has {len(ids)} tokens but the model's context holds "
-            f"{limit_words(engine.model, engine.context_limit)}",
+            f"{limit_words(engine.model, engine.context_limit)}, prompt and answer together: no room is left "
+            "for an answer",
             param=param,
         )
     if engine.vocab_size and any(t >= engine.vocab_size for t in ids):
