@@ -53,6 +53,7 @@ class IndexReport:
     skipped: list[str] = field(default_factory=list)  # "path: reason" for files not indexed
     notes: list[str] = field(default_factory=list)  # "path: what" for files indexed with a caveat (encoding)
     rebuilt: bool = False  # True when the previous index could not be reused at all
+    kept: bool = False  # True when nothing changed, so the published version was left as it was
     seconds: float = 0.0
 
     @property
@@ -67,6 +68,7 @@ class IndexReport:
             f"indexed {self.files} files ({self.added} added, {self.updated} updated, {self.unchanged} unchanged,"
             f" {self.removed} removed), {self.chunks} chunks ({self.embedded_chunks} embedded)"
             f" with {self.embedding_model} in {self.seconds:.1f}s{rate} -> {self.index_dir}"
+            + (" (nothing changed: the index was left as it was)" if self.kept else "")
         ]
         lines += [f"  skipped {one_line(s)}" for s in self.skipped]
         lines += [f"  note {one_line(n)}" for n in self.notes]
@@ -218,9 +220,21 @@ def build_index(
             settings = chunking | {"corpus_dir": corpus_dir}
             return _manifest(corpus, records, embedder, settings, data_name, artifacts)
 
-        store.publish_version(index_dir, faiss_index, records, manifest_for)
+        current = store.our_manifest(index_dir)
+        if not report.rebuilt and current is not None and _same_version(current, manifest_for):
+            report.kept = True  # a new data folder would hold the same vectors and text under another name
+            store.remove_leftovers(index_dir, current["data"])
+        else:
+            store.publish_version(index_dir, faiss_index, records, manifest_for)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _same_version(current: dict, manifest_for) -> bool:
+    """Whether the published manifest already says all that a new one would (its time aside):
+    the same files and hashes, chunks, embedder and settings, so the same data."""
+    again = manifest_for(current.get("data"), current.get("artifacts"))
+    return {k: v for k, v in again.items() if k != "created"} == {k: v for k, v in current.items() if k != "created"}
 
 
 def _loaded(embedder: Embedder | str | None) -> Embedder:

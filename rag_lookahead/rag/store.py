@@ -262,6 +262,11 @@ def _our_manifest(path: Path) -> dict | None:
     return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME else None
 
 
+def our_manifest(index_dir: Path) -> dict | None:
+    """The folder's published manifest, if ours (see :func:`_our_manifest`)."""
+    return _our_manifest(index_dir / MANIFEST)
+
+
 def _is_our_data_dir(path: Path) -> bool:
     """A folder (not a link) named as ``tempfile.mkdtemp`` names ours (``data-`` and 8 characters)
     that is empty (what an interrupted build leaves before its mark) or carries our mark and holds
@@ -363,6 +368,12 @@ def _published(index_dir: Path) -> _Published:
     if manifest.get("format_version") == 1 and isinstance(artifacts, dict):
         return _Published(top_level={k: v for k, v in artifacts.items() if k in DATA_FILES and isinstance(v, str)})
     return _Published(data=name if isinstance(name, str) and DATA_NAME.fullmatch(name) else None)
+
+
+def remove_leftovers(index_dir: Path, current: str) -> None:
+    """Drop what interrupted builds left (their data folders of ours, temp manifests) beside the
+    published ``current``, which stays. Call with the lock held, in a folder whose manifest is ours."""
+    _remove_old_versions(index_dir, current, _Published())
 
 
 def _remove_old_versions(index_dir: Path, current: str, replaced: _Published) -> None:

@@ -588,8 +588,9 @@ def test_rebuild_deletes_only_what_it_wrote(tmp_path, built, embedder):
     (index_dir / "data-backup" / "docstore.jsonl").write_text("a backup\n", encoding="utf-8")
     (index_dir / "data-old").mkdir()  # empty, but not named as mkdtemp names ours
     (index_dir / ".manifest.json.bak").write_text("a copy", encoding="utf-8")  # not write_json_atomic's name
+    moved = shutil.copytree(built[0], tmp_path / "moved")  # the same files elsewhere: a new version is published
     with pytest.warns(UserWarning, match="blob.txt"):
-        build(built[0], index_dir, embedder)
+        build(moved, index_dir, embedder)
     assert (index_dir / "data-old").is_dir() and (index_dir / ".manifest.json.bak").read_text(
         encoding="utf-8"
     ) == "a copy"
@@ -598,6 +599,21 @@ def test_rebuild_deletes_only_what_it_wrote(tmp_path, built, embedder):
     assert sorted(p.name for p in old_data.iterdir()) == ["keep.txt"]  # our two files gone, theirs kept
     assert (index_dir / "data-userstuff" / "photo.jpg").read_bytes() == b"\xff\xd8"
     assert artifact(index_dir, "index.faiss").parent != old_data
+    assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
+
+
+def test_a_rebuild_with_nothing_changed_keeps_the_published_version(tmp_path, built, embedder):
+    """Every run wrote a whole new data folder (vectors and text) even when nothing had changed.
+    Now it keeps the published one, and still clears what an interrupted build left."""
+    index_dir = copy_index(built, tmp_path)
+    data = artifact(index_dir, "index.faiss").parent
+    manifest = (index_dir / "manifest.json").read_bytes()
+    (index_dir / "data-a1b2c3d4").mkdir()  # what an interrupted build leaves before its mark
+    with pytest.warns(UserWarning, match="blob.txt"):
+        report = build(built[0], index_dir, embedder)
+    assert report.kept and "nothing changed" in report.summary() and report.embedded_chunks == 0
+    assert artifact(index_dir, "index.faiss").parent == data and (index_dir / "manifest.json").read_bytes() == manifest
+    assert sorted(p.name for p in index_dir.iterdir() if p.is_dir()) == [data.name]
     assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
 
 
