@@ -127,11 +127,13 @@ def _plan(docs, previous, splitter, report: IndexReport, progress: bool = False)
     Returns ``(plan, texts_to_embed)``; ``plan`` rows are ``(source, records, vectors_or_None)``."""
     plan: list[tuple[str, list[dict], np.ndarray | None]] = []
     to_embed: list[str] = []
-    changed = [text for source, (sha, text) in docs.items() if (previous.get(source) or ("",))[0] != sha]
-    bar = stage_bar(progress, "splitting", sum(map(len, changed)), "char")
+    unchanged = {source for source, (sha, _) in docs.items() if (previous.get(source) or ("",))[0] == sha}
+    bar = stage_bar(
+        progress, "splitting", sum(len(text) for s, (_, text) in docs.items() if s not in unchanged), "char"
+    )
     for source, (sha, text) in docs.items():
         old = previous.get(source)
-        if old is not None and old[0] == sha:
+        if source in unchanged:
             report.unchanged += 1
             plan.append((source, old[1], old[2]))
             continue

@@ -360,11 +360,12 @@ def load_corpus(
         warnings.warn(f"skipping {rel}: {why}", CorpusWarning, stacklevel=4)
 
     files = sorted(_walk(root, follow_symlinks, skip))
-    with stage_bar(progress, "reading", sum(_size_of(path) for _, path in files), "B") as bar:
-        for rel, path in files:
+    sizes = [_size_of(path) for _, path in files]
+    with stage_bar(progress, "reading", sum(sizes), "B") as bar:
+        for (rel, path), size in zip(files, sizes):
             bar.set_postfix_str(one_line(rel))
             data = read_capped(path, follow_symlinks, max_file_mb)
-            bar.update(_size_of(path))
+            bar.update(size)
             if isinstance(data, str):
                 skip(rel, data)
                 continue
