@@ -311,7 +311,8 @@ def check_target(index_dir: Path, advice: str = "choose a new or empty folder wi
     foreign = sorted(c.name for c in index_dir.iterdir() if not _is_our_leftover(c))
     if foreign == [MANIFEST] and _our_manifest(index_dir / MANIFEST) is not None:
         return  # a build (holding the lock, which we check before) published between the two looks
-    if foreign == [MANIFEST] and _holds_our_data(index_dir):
+    manifest = index_dir / MANIFEST
+    if foreign == [MANIFEST] and manifest.is_file() and not manifest.is_symlink() and _holds_our_data(index_dir):
         return  # our index, its manifest damaged (garbled, emptied): the build replaces it, re-embedding all
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""

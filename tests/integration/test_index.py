@@ -446,6 +446,19 @@ def test_our_index_with_a_damaged_manifest_is_rebuilt_by_the_cli(tmp_path, built
     assert ix.load_index(d, embedder) is not None
 
 
+def test_a_manifest_that_is_a_link_is_not_taken_for_our_damaged_one(tmp_path, built):
+    """Beside our data, a ``manifest.json`` that links elsewhere is not a file our build wrote:
+    the folder is refused and the link and its target stay as they were."""
+    d = copy_index(built, tmp_path)
+    target = tmp_path / "someone-elses.json"
+    target.write_text("{not ours", encoding="utf-8")
+    (d / "manifest.json").unlink()
+    (d / "manifest.json").symlink_to(target)
+    result = run_cli("index", str(built[0]), "--index-dir", str(d), "--no-progress")
+    assert result.exit_code != 0 and "refusing" in one_line(result.stderr)
+    assert (d / "manifest.json").is_symlink() and target.read_text(encoding="utf-8") == "{not ours"
+
+
 def test_control_characters_in_names_cannot_forge_report_lines(tmp_path, built):
     """A file named ``"evil\nskipped fake.txt: empty"`` printed as two report lines, one of them a
     fake; names now show their control characters as escapes."""
