@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,26 +322,29 @@ class StepCosts:
     def __init__(self, curve: CostCurve) -> None:
         self.curve = curve
         self.seen: dict[tuple[int, int], float] = {}
+        self._lock = threading.Lock()  # calls on one model from several threads share these costs
 
     def __repr__(self) -> str:
         return f"StepCosts({len(self.seen)} (rows, tokens) sizes seen, over {self.curve!r})"
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
-        old = self.seen.get((rows, tokens))
-        self.seen[(rows, tokens)] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        with self._lock:
+            old = self.seen.get((rows, tokens))
+            self.seen[(rows, tokens)] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
     def known(self, rows: int) -> bool:
         return (rows, rows) in self.seen
 
     def __call__(self, rows: int, tokens: int) -> float:
-        exact = self.seen.get((rows, tokens))
-        if exact is not None:
-            return exact
-        predicted = self.curve(tokens)
-        if not self.known(rows):
-            return predicted
-        nearest = min((abs(t - tokens), t) for r, t in self.seen if r == rows)[1]
-        return predicted * self.seen[(rows, nearest)] / self.curve(nearest)
+        with self._lock:
+            exact = self.seen.get((rows, tokens))
+            if exact is not None:
+                return exact
+            predicted = self.curve(tokens)
+            if not self.known(rows):
+                return predicted
+            nearest = min((abs(t - tokens), t) for r, t in self.seen if r == rows)[1]
+            return predicted * self.seen[(rows, nearest)] / self.curve(nearest)
 
 
 def step_costs(model) -> StepCosts:

@@ -210,3 +210,38 @@ def test_a_first_row_with_nothing_met_does_not_verify_its_deepest_tree():
         k = allocate([fresh.weigh(chain)], costs)[0]
         fresh.observe(chain.top(k), list(range(k)))
     assert allocate([fresh.weigh(chain)], costs)[0] == 24
+
+
+def test_step_costs_are_safe_to_share_between_threads():
+    """Two calls on one model in two threads share its StepCosts: one thread's new (rows, tokens)
+    entry must not break the other's estimate (it raised "dictionary changed size")."""
+    import sys
+    import threading
+
+    costs = StepCosts(CostCurve([1, 64], [0.1, 0.4]))
+    costs.observe(1, 1, 0.1)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def estimate() -> None:
+        try:
+            while not stop.is_set():
+                costs(1, 33)
+        except BaseException as err:  # noqa: BLE001 - the test reports whatever broke
+            errors.append(err)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    reader = threading.Thread(target=estimate)
+    reader.start()
+    try:
+        for tokens in range(2, 40_000, 2):  # never 33: the estimate scans every entry for the nearest
+            costs.observe(1, tokens, 0.1 + tokens / 1e5)
+            if errors:
+                break
+    finally:
+        stop.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert len(costs.seen) == 20_000  # (1, 1) and the 19,999 even counts
