@@ -211,7 +211,7 @@ def _decode(
     def notify(row: Row, tokens: list[int]) -> bool:
         return bool(on_tokens(row.index, tokens)) if on_tokens is not None and tokens else False
 
-    stopped = {row.index for row in batch.rows if notify(row, row.generated)}
+    stopped = {row.index for row in batch.rows if notify(row, list(row.generated))}  # a copy: the row goes on
     start = time.perf_counter()
     while True:
         for row in batch.retire(lambda row: row.index not in stopped):

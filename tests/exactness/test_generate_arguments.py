@@ -216,3 +216,20 @@ def test_a_repetition_penalty_that_overflows_the_logits_is_refused_when_sampling
     assert _ours(model, ids, do_sample=True, repetition_penalty=1e-6) == _hf(
         model, ids, do_sample=True, repetition_penalty=1e-6
     )
+
+
+def test_on_tokens_gets_blocks_it_may_keep_or_change():
+    """Each block handed to ``on_tokens`` is the callback's own: kept blocks join up to the answer,
+    and a callback that empties its block changes nothing (the first block was the row's own list)."""
+    model = tiny_model("qwen2")
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 6, 7]
+    plain = generate(model, prompt, max_new_tokens=10).sequences[0, len(prompt) :].tolist()
+    kept: list[list[int]] = []
+    generate(model, prompt, max_new_tokens=10, on_tokens=lambda _row, tokens: kept.append(tokens))
+    assert sum(kept, []) == plain and len(kept) > 1
+
+    def consume(_row: int, tokens: list[int]) -> None:
+        tokens.clear()
+
+    emptied = generate(model, prompt, max_new_tokens=10, on_tokens=consume)
+    assert emptied.sequences[0, len(prompt) :].tolist() == plain
