@@ -36,8 +36,9 @@ class ModelProfile:
     tree_mask_reason: why not, when the verdict is False.
     cost_curve: seconds of a batch-1 forward by token count.
     step_costs: measured verify-step seconds by (rows, tokens), correcting the curve.
-    output_pools: the shared pools of earlier answers, one per trie depth, so a call with a
-        deeper config never reads a shallower pool (or the reverse).
+    output_pools: the shared pools of earlier answers, one per (trie depth, node cap): a call
+        with a deeper config never reads a shallower pool (or the reverse), and a call's
+        ``output_pool_nodes`` bounds the pool it writes to.
     drafts_met: per kind of drafter, how its drafts have been accepted lately over every call
         on the model: where a new row's acceptance rates start, so a call's first step does
         not verify its deepest trees on trust alone.
@@ -49,20 +50,19 @@ class ModelProfile:
     tree_mask_reason: str | None = None
     cost_curve: CostCurve | None = None
     step_costs: StepCosts | None = None
-    output_pools: dict[int, OutputPool] = field(default_factory=dict)
+    output_pools: dict[tuple[int, int], OutputPool] = field(default_factory=dict)
     drafts_met: dict[str, AcceptanceRates] = field(default_factory=dict)
     costs_set_aside: dict[str, tuple[CostCurve | None, StepCosts | None]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def output_pool(self, depth: int, max_nodes: int) -> OutputPool:
-        """The pool of earlier answers shared by calls at this trie depth (made on first use with
-        ``max_nodes`` as its bound)."""
+        """The pool of earlier answers shared by calls at this trie depth and node cap (made on first use)."""
         from rag_lookahead.decoding.trie import OutputPool
 
         with self._lock:
-            pool = self.output_pools.get(depth)
+            pool = self.output_pools.get((depth, max_nodes))
             if pool is None:
-                pool = self.output_pools[depth] = OutputPool(depth, max_nodes)
+                pool = self.output_pools[(depth, max_nodes)] = OutputPool(depth, max_nodes)
             return pool
 
     def acceptance(self, drafter: str, new: Callable[[], AcceptanceRates]) -> AcceptanceRates:
@@ -99,7 +99,10 @@ class ModelProfile:
             "tree_mask_reason": self.tree_mask_reason,
             "cost_curve": None if curve is None else dict(zip(curve.sizes, curve.seconds)),
             "step_costs_seen": None if self.step_costs is None else len(self.step_costs.seen),
-            "output_pools": {depth: pool.nodes for depth, pool in sorted(self.output_pools.items())},
+            "output_pools": [
+                {"depth": depth, "max_nodes": cap, "nodes": pool.nodes}
+                for (depth, cap), pool in sorted(self.output_pools.items())
+            ],
             "drafts_met": {name: repr(rates) for name, rates in sorted(self.drafts_met.items())},
         }
 

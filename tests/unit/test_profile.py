@@ -17,7 +17,7 @@ def test_a_model_profile_fills_as_the_loop_learns_and_empties_on_reset():
         "tree_mask_reason": None,
         "cost_curve": None,
         "step_costs_seen": None,
-        "output_pools": {},
+        "output_pools": [],
         "drafts_met": {},
     }
     generate(model, [1, 2, 3, 1, 2], max_new_tokens=4, config=LookaheadConfig(budget="fixed"))
@@ -26,7 +26,9 @@ def test_a_model_profile_fills_as_the_loop_learns_and_empties_on_reset():
     summary = profile.as_dict()
     assert summary["tree_mask"] is True and sorted(summary["cost_curve"]) == profile.cost_curve.sizes
     depth = LookaheadConfig().branch_length + LookaheadConfig().max_key_length  # the default pool's depth
-    assert summary["step_costs_seen"] >= 1 and summary["output_pools"][depth] > 0
+    nodes = LookaheadConfig().output_pool_nodes
+    assert summary["step_costs_seen"] >= 1 and summary["output_pools"][0]["depth"] == depth
+    assert summary["output_pools"][0]["max_nodes"] == nodes and summary["output_pools"][0]["nodes"] > 0
     assert f"OutputPool(depth={depth}" in repr(profile)
     assert summary["drafts_met"]["TrieDrafter"].startswith("AcceptanceRates(")
     profile.reset()
@@ -50,16 +52,20 @@ def test_a_new_call_starts_from_what_earlier_calls_drafts_met():
     assert other.workload is not met and set(profile_of(model).drafts_met) == {"TrieDrafter", "PromptLookupDrafter"}
 
 
-def test_output_pools_are_shared_per_trie_depth():
+def test_output_pools_are_shared_per_trie_depth_and_node_cap():
     model = build_tiny_model("qwen2", seed=8)
     shallow, deep = LookaheadConfig(budget="fixed", branch_length=4), LookaheadConfig(budget="fixed")
     generate(model, [5, 6, 7], max_new_tokens=6, config=shallow)
     generate(model, [5, 6, 7], max_new_tokens=6, config=deep)
     generate(model, [5, 6, 8], max_new_tokens=6, config=deep)
     pools = profile_of(model).output_pools
-    d = deep.branch_length + deep.max_key_length
-    assert sorted(pools) == [8, d] and pools[8].depth == 8 and pools[d].depth == d
-    assert profile_of(model).output_pool(d, 10) is pools[d]  # the first call's pool, whatever bound is asked
+    d, cap = deep.branch_length + deep.max_key_length, deep.output_pool_nodes
+    assert sorted(pools) == [(8, cap), (d, cap)] and pools[(8, cap)].depth == 8 and pools[(d, cap)].depth == d
+    assert profile_of(model).output_pool(d, cap) is pools[(d, cap)]
+    # a call with its own cap writes to a pool bounded by it, not to the default-capped one
+    small = LookaheadConfig(budget="fixed", output_pool_nodes=50)
+    generate(model, list(range(3, 60)), max_new_tokens=40, config=small)
+    assert pools[(d, 50)].max_nodes == 50 and pools[(d, 50)].nodes <= 50
 
 
 def test_reset_profiles_forgets_every_model():
