@@ -124,7 +124,7 @@ def generate(
     references: per row, token-id sequences to draft from (passages that are not in the prompt;
         the trie drafter puts them in the row's context pool).
     output_pool: n-grams of earlier answers to draft from; defaults to one shared per model
-        (and trie depth), kept in the model's ``ModelProfile``.
+        (per trie depth and ``output_pool_nodes``), kept in the model's ``ModelProfile``.
     drafter: what proposes the drafts (see ``drafter.Drafter``), e.g. ``PromptLookupDrafter()``;
         default: the trie drafter of ``config`` with ``output_pool``.
     on_tokens(row, tokens): called as each row's tokens are accepted; return True to end that
