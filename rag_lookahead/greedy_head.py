@@ -143,6 +143,9 @@ class GreedyHead:
         candidates are left), the candidates' threshold, the estimates, and the terms of each
         row's error bound (see ``_bound``)."""
         n = x.shape[0]
+        finite = torch.isfinite(x).all(1)
+        if not bool(finite.all()):  # an inf/NaN would break the int8 product's input range: such a
+            x = x.masked_fill(~finite[:, None], 0.0)  # row is screened as zeros, then left to the full layer
         biggest = x.abs().amax(1, keepdim=True)
         step1 = torch.where(biggest > 0, biggest / 63, torch.ones_like(biggest))
         digit1 = torch.round(x / step1).clamp_(-64, 63)
@@ -165,7 +168,7 @@ class GreedyHead:
         )
         top = estimate.topk(2, dim=1)
         bound = self._bound(self.row_l1, self.weight_error, terms, top.values[:, 0]).float()
-        threshold = top.values[:, 0] - 2 * bound
+        threshold = (top.values[:, 0] - 2 * bound).masked_fill(~finite, float("nan"))
         tokens = top.indices[:, 0].tolist()
         uncertain = ((top.values[:, 1] >= threshold) | ~torch.isfinite(threshold)).tolist()
         return [None if u else t for t, u in zip(tokens, uncertain)], threshold, estimate, terms

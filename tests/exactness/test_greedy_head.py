@@ -217,6 +217,23 @@ def test_exact_ties_resolve_to_the_first_index_like_argmax():
     assert tokens[0] == 17 == int((hidden @ weight.T).argmax())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("channel", [0, 5])
+def test_hidden_states_with_inf_or_nan_take_the_full_layers_argmax(bad, channel):
+    """A non-finite hidden state (a broken or overflowing model) must give what argmax over the
+    full layer's logits gives, and leave its batch-mates screened exactly: it broke the int8
+    product's input range ("min should be less than or equal to max") in channel 0."""
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(300, 16, generator=generator) * 0.05
+    hidden = torch.randn(4, 16, generator=generator) * 3
+    hidden[0, channel] = bad
+    hidden[3, channel] = bad
+    head = _screened(weight)
+    tokens, *_ = head.screen(hidden)
+    assert tokens[0] is None and tokens[3] is None and tokens[1] is not None and tokens[2] is not None
+    assert list(head.argmax(hidden)) == (hidden @ weight.T).argmax(-1).tolist()
+
+
 def test_a_row_left_with_too_many_candidates_is_computed_in_full():
     generator = torch.Generator().manual_seed(2)
     base = torch.randn(1, 16, generator=generator)
