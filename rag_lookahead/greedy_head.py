@@ -288,7 +288,8 @@ def greedy_head_of(model) -> GreedyHead | None:
         with _BUILDING:
             if getattr(layer, _PENDING, False):
                 delattr(layer, _PENDING)
-                _attach(model, layer)
+                if unsupported_reason(model) is None:  # the model may have moved or changed dtype since
+                    _attach(model, layer)
         head = getattr(layer, _ATTR, None)
     elif head is not None and not head.current:
         with _BUILDING:

@@ -318,6 +318,11 @@ def test_a_lazy_screen_is_built_on_first_use_and_can_be_undone_before():
     assert greedy_head_of(pending) is None and not restore_greedy_head(pending)
     assert not screen_greedy_head(_Head(weight, bias=True), lazy=True)  # unsound: refused at once
 
+    converted = _Head(weight)
+    assert screen_greedy_head(converted, lazy=True)
+    converted.half()  # after the lazy check and before the first step: fp16 is no dtype it screens
+    assert greedy_head_of(converted) is None and not restore_greedy_head(converted)
+
 
 def test_code_outside_transformers_keeps_the_full_layer():
     class Remote(_Head):
