@@ -141,6 +141,8 @@ def few_token_linear(
     rows of ``x`` (given ``packed``, without autograd, where it works), else oneDNN for
     ``ONEDNN_TOKENS`` rows (without autograd, where it works), as ``(weight @ x.T).T`` for other
     few rows, else stock."""
+    if weight.device.type != "cpu":  # a model moved off the CPU after its layers were laid out
+        return functional.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     fast = rows and not torch.is_grad_enabled()
     if (

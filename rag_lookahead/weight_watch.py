@@ -37,9 +37,14 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 class ValueSample:
     """Some of a 2-D weight's values as they are now, and a view that reads them as they will be.
 
-    Bit patterns, not values: a NaN equals itself, and -0.0 differs from 0.0, as in the copy."""
+    Bit patterns, not values: a NaN equals itself, and -0.0 differs from 0.0, as in the copy.
+    The view holds the weight's storage, so the weight is also held to that storage
+    (:meth:`moved`): a model turned to another dtype or device gets new storage for every weight,
+    and a sample of the old one would keep it in memory for nothing."""
 
     def __init__(self, weight: torch.Tensor, size: int = SAMPLE_SIZE) -> None:
+        self._weight = weakref.ref(weight)
+        self._storage = weight.data_ptr()
         rows, cols = weight.shape
         count = max(1, min(size, rows))
         col_step = (cols - 1) // (count - 1) if count > 1 else 0  # the last sampled column stays in its row
@@ -49,7 +54,12 @@ class ValueSample:
         self.kept = self.view.clone()
 
     def unchanged(self) -> bool:
-        return torch.equal(self.view, self.kept)
+        return not self.moved() and torch.equal(self.view, self.kept)
+
+    def moved(self) -> bool:
+        """Whether the weight is gone or holds other storage (``.to(dtype or device)``, ``.data = ...``)."""
+        weight = self._weight()
+        return weight is None or weight.data_ptr() != self._storage
 
 
 class WeightWatch:
@@ -59,7 +69,7 @@ class WeightWatch:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[int, tuple[weakref.ref, ValueSample]] = {}
-        self._joined: tuple[list[torch.Tensor], torch.Tensor] | None = None
+        self._joined: tuple[list[ValueSample], list[torch.Tensor], torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -81,8 +91,8 @@ class WeightWatch:
         """Drop every copy whose weight's sampled values moved; returns how many were dropped."""
         if not self._entries:
             return 0
-        views, kept = self._joined or self._join()
-        if torch.equal(torch.cat(views), kept):
+        samples, views, kept = self._joined or self._join()
+        if not any(sample.moved() for sample in samples) and torch.equal(torch.cat(views), kept):
             return 0
         with self._lock:
             stale = [key for key, (_, sample) in self._entries.items() if not sample.unchanged()]
@@ -111,11 +121,11 @@ class WeightWatch:
             if self._entries.pop(key, None) is not None:
                 self._joined = None
 
-    def _join(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _join(self) -> tuple[list[ValueSample], list[torch.Tensor], torch.Tensor]:
         with self._lock:
             samples = [sample for _, sample in self._entries.values()]
             # weights of several dtypes: torch.cat widens their bit patterns alike on both sides
-            self._joined = ([s.view for s in samples], torch.cat([s.kept for s in samples]))
+            self._joined = (samples, [s.view for s in samples], torch.cat([s.kept for s in samples]))
             return self._joined
 
 

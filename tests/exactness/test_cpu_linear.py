@@ -156,6 +156,32 @@ def test_a_packed_weight_follows_changes_to_the_weight():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+def test_a_converted_or_moved_model_lets_its_old_copies_go(kernel):
+    """After ``.half()`` (or a move to a GPU) no layer uses its packed copies again: the model's
+    watch drops them and its samples of the old storage before the next forward (they held the
+    old weights in memory for nothing), and a layer off the CPU computes stock."""
+    from rag_lookahead.weight_watch import watch_of
+
+    model = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.Linear(64, 32))
+    x = torch.randn(3, 48)
+    with packed_by(kernel), torch.no_grad():
+        speed_up_cpu_linears(model, min_elements=0)
+        model(x)
+        packs = [layer._rag_lookahead_packed for layer in model]
+        assert all(p._copies for p in packs) and len(watch_of(model)) == 2
+        model.half()
+        out = model(x.half())
+        assert not any(p._copies for p in packs) and len(watch_of(model)) == 0
+        torch.testing.assert_close(out, model[1](model[0](x.half())))
+        model.float()  # back: packed again from the weights as they are
+        torch.testing.assert_close(model(x), torch.nn.functional.linear(model[0](x), model[1].weight, model[1].bias))
+        assert all(p._copies for p in packs) and len(watch_of(model)) == 2
+        model.to("meta")  # stands in for a GPU here: the CPU kernels must not be called on it
+        assert model(x.to("meta")).device.type == "meta" and len(watch_of(model)) == 0
+    restore_linears(model)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_weights_merged_through_data_are_used_by_every_forward(arch, kernel):
     """peft's ``merge_and_unload`` adds each adapter's product to its layer through
