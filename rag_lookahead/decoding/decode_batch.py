@@ -24,7 +24,7 @@ from rag_lookahead.decoding.acceptance import AcceptanceRates
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import allocate, step_costs
 from rag_lookahead.decoding.draft import DraftTree
-from rag_lookahead.decoding.drafter import Drafter, TrieDrafter
+from rag_lookahead.decoding.drafter import Drafter, PromptLookupDrafter, TrieDrafter
 from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, check_room, context_limit, vocab_size
 from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.prefill import ChunkedPrefill, forward_feed, prefill_padded, step_feed
@@ -372,6 +372,9 @@ class DecodeBatch:
         return left
 
 
+_OWN_DRAFTERS = (TrieDrafter, PromptLookupDrafter)
+
+
 def row_candidates(drafter: Drafter, row: Row, tree_mask: bool, vocab: int | None = None) -> DraftTree:
     """``drafter``'s tree for a decoding row, cut to what the row may still accept (and to ids
     below ``vocab``), and to its likeliest chain without a tree mask (``bench.replay`` drafts
@@ -379,7 +382,10 @@ def row_candidates(drafter: Drafter, row: Row, tree_mask: bool, vocab: int | Non
     room = row.room - 1  # the bonus token needs no draft
     if room < 1:
         return DraftTree()
-    draft = drafter.propose(row).limit_depth(room)
+    draft = drafter.propose(row)
+    if type(drafter) not in _OWN_DRAFTERS:  # a user's tree is checked before its depths become positions
+        draft = draft.checked()
+    draft = draft.limit_depth(room)
     if vocab is not None:
         draft = draft.within_vocab(vocab)
     return draft if tree_mask else draft.best_chain()

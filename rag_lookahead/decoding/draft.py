@@ -10,6 +10,7 @@ context pool is read first; the output pool then adds what the context did not a
 from __future__ import annotations
 
 import heapq
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -79,6 +80,34 @@ class DraftTree:
         for token, parent in zip(self.tokens, self.parents):  # parents come first
             valid.append(0 <= token < vocab and (parent < 0 or valid[parent]))
         return self._subset([i for i, ok in enumerate(valid) if ok])
+
+    def checked(self) -> DraftTree:
+        """This tree made safe to verify, for a drafter we did not write: its depths taken from
+        its parents (they become the nodes' positions: a wrong one would change the output) and
+        each probability clamped to [0, its parent's] (the budget's cut relies on it). A tree
+        that cannot be read (lists of different lengths, a parent not before its child, a token
+        or parent that is no integer) raises ``ValueError``."""
+        count = len(self.tokens)
+        if not len(self.parents) == len(self.depths) == len(self.probs) == count:
+            raise ValueError(
+                f"a draft tree needs as many parents, depths and probs as tokens ({count}), got"
+                f" {len(self.parents)}, {len(self.depths)} and {len(self.probs)}"
+            )
+        tokens, parents, depths, probs = [], [], [], []
+        for i, (token, parent, prob) in enumerate(zip(self.tokens, self.parents, self.probs)):
+            try:
+                tokens.append(operator.index(token))  # numpy and torch ints too
+                parents.append(operator.index(parent))
+            except TypeError:
+                raise ValueError(f"draft node {i}: token {token!r} and parent {parent!r} must be ints") from None
+            if not -1 <= parents[i] < i:
+                raise ValueError(f"draft node {i}: parent {parent!r} must be -1 (the root) or an earlier node")
+            ceiling = 1.0 if parents[i] < 0 else probs[parents[i]]
+            depths.append(1 if parents[i] < 0 else depths[parents[i]] + 1)
+            probs.append(min(float(prob), ceiling) if float(prob) >= 0 else 0.0)  # NaN too: 0
+        if (tokens, parents, depths, probs) == (self.tokens, self.parents, self.depths, self.probs):
+            return self
+        return DraftTree(tokens, parents, depths, probs)
 
     def _subset(self, keep: list[int]) -> DraftTree:
         """The nodes ``keep`` (closed under parents, parents first), renumbered."""

@@ -19,6 +19,9 @@ What every drafter must keep to:
 * ``DraftTree.probs`` are its estimates that each node will be accepted, never higher for a
   child than for its parent (1.0 everywhere when it has none). The loop weighs them by the
   row's ``AcceptanceRates`` and the cost budget keeps the nodes that pay.
+* Its tree lists parents before children. The loop checks a tree from a drafter it does not
+  know (``DraftTree.checked``): depths are taken from the parents (they become positions),
+  probabilities are clamped to their parent's, and a tree it cannot read raises ``ValueError``.
 * It may propose more than fits: the loop cuts each draft to the row's remaining room, and to
   a single chain where the model's attention cannot take a tree mask.
 * It runs on the host between forwards, so it must stay cheap.

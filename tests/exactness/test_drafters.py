@@ -168,6 +168,56 @@ def test_any_drafter_is_lossless(arch, prompt, max_new, seed):
     assert result.sequences[0, len(prompt) :].tolist() == reference_generate(model, prompt, max_new, None)
 
 
+class MislabelledDrafter(Drafter):
+    """Proposes the right answer (and a decoy) with wrong depths and probabilities that grow down
+    the path or are NaN: the loop must take depths from the parents (they are positions) and
+    still cut the tree by its probabilities."""
+
+    def __init__(self, answer: list[int], seed: int) -> None:
+        self.answer, self.random = answer, random.Random(seed)
+
+    def propose(self, row: Row) -> DraftTree:
+        chain = self.answer[len(row.generated) : len(row.generated) + 6]
+        count = len(chain) + 1
+        return DraftTree(
+            tokens=[*chain, 95],
+            parents=[*range(-1, len(chain) - 1), -1],
+            depths=[self.random.choice([1, 3, 7]) for _ in range(count)],
+            probs=[self.random.choice([0.1, 0.9, 1.5, float("nan")]) for _ in range(count)],
+        )
+
+
+@pytest.mark.parametrize("budget", ["fixed", "auto"])
+def test_a_drafters_depths_and_probabilities_are_not_trusted(budget):
+    model = tiny_model("llama")
+    rng = random.Random(0)
+    for case in range(6):
+        prompt = [rng.randint(1, 95) for _ in range(rng.randint(3, 20))]
+        expected = reference_generate(model, prompt, 20, None)
+        drafter = MislabelledDrafter(expected, case)
+        result = generate(model, prompt, max_new_tokens=20, config=LookaheadConfig(budget=budget), drafter=drafter)
+        assert result.sequences[0, len(prompt) :].tolist() == expected
+        assert result.stats.forward_passes < 20  # the right answer was drafted and taken in blocks
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        (DraftTree([5, 6], [-1], [1], [1.0]), "as many parents"),
+        (DraftTree([5, 6], [-1, 1], [1, 2], [1.0, 1.0]), "earlier node"),
+        (DraftTree([5, 6], [-1, -2], [1, 1], [1.0, 1.0]), "earlier node"),
+        (DraftTree([5, 6.0], [-1, 0], [1, 2], [1.0, 1.0]), "must be ints"),
+    ],
+)
+def test_a_tree_that_cannot_be_read_is_refused(tree, message):
+    class Fixed(Drafter):
+        def propose(self, row: Row) -> DraftTree:
+            return tree
+
+    with pytest.raises(ValueError, match=message):
+        generate(tiny_model("llama"), [1, 2, 3], max_new_tokens=4, drafter=Fixed())
+
+
 def test_a_pool_filled_before_the_vocabulary_shrank_drafts_only_ids_the_model_has():
     """``resize_token_embeddings`` to fewer ids after a call: the model's output pool still held
     the larger ids and drafted them (a raw IndexError in the embedding)."""
