@@ -212,9 +212,10 @@ class PackedWeight:
             self._source, self._stamp = weakref.ref(weight), stamp
             if self._watch is not None:
                 self._watch.watch(self, weight)
-        if kind not in self._copies:
-            self._copies[kind] = (_mkl_packed if kind == "mkl" else _onednn_packed)(weight.detach())
-        return self._copies[kind]
+        copy = self._copies.get(kind)
+        if copy is None:  # (held here: another thread may forget the copies meanwhile)
+            copy = self._copies[kind] = (_mkl_packed if kind == "mkl" else _onednn_packed)(weight.detach())
+        return copy
 
 
 def _mkl_packed(weight: torch.Tensor) -> torch.Tensor:

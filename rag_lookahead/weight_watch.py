@@ -92,8 +92,8 @@ class WeightWatch:
         if not self._entries:
             return 0
         samples, views, kept = self._joined or self._join()
-        if not any(sample.moved() for sample in samples) and torch.equal(torch.cat(views), kept):
-            return 0
+        if not samples or (not any(sample.moved() for sample in samples) and torch.equal(torch.cat(views), kept)):
+            return 0  # (none: another thread dropped them all since the test above)
         with self._lock:
             stale = [key for key, (_, sample) in self._entries.items() if not sample.unchanged()]
         return self._drop(stale)
@@ -125,7 +125,8 @@ class WeightWatch:
         with self._lock:
             samples = [sample for _, sample in self._entries.values()]
             # weights of several dtypes: torch.cat widens their bit patterns alike on both sides
-            self._joined = (samples, [s.view for s in samples], torch.cat([s.kept for s in samples]))
+            kept = torch.cat([s.kept for s in samples]) if samples else torch.empty(0)
+            self._joined = (samples, [s.view for s in samples], kept)
             return self._joined
 
 
