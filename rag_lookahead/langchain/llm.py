@@ -61,8 +61,11 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
     lookahead: LookaheadConfig = Field(default_factory=LookaheadConfig)
     max_new_tokens: StrictInt = 256
     system_prompt: str | None = None
+    stop: list[str] | None = None
+    """Stop strings for every call that gives none of its own (as ``ChatLookahead.stop``)."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
+    # a misspelt or foreign setting (``temprature``, ``max_tokens``) is refused, not dropped
+    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=(), extra="forbid")
 
     def model_post_init(self, __context: Any) -> None:
         if self.model is None or self.tokenizer is None:
@@ -116,6 +119,7 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
             "model_name": self.model_name,
             "max_new_tokens": self.max_new_tokens,
             "system_prompt": self.system_prompt,
+            "stop": self.stop,
             "weights": self._engine.fingerprint,  # two loaded models may share a name ("custom")
         }
         options = _CALL_OPTIONS.get()
@@ -250,6 +254,7 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
                 f"unknown option(s) for LookaheadLLM: {', '.join(sorted(kwargs))} (known: max_new_tokens, references, "
                 f"enable_lookahead, lookahead, {', '.join(SAMPLING_FIELDS)})"
             )
+        stop = stop if stop is not None else self.stop
         rows = [RowRequest(self._encode(p), stop, refs) for p, refs in zip(prompts, references)]
         return self._engine.run(
             rows, max_new_tokens=max_new, config=config, sampling=sampling, on_block=on_block, cancel=cancel

@@ -77,6 +77,11 @@ def test_stop_honoured_and_excluded(llm, singles):
     assert streamed == out
     result = llm.generate([PROMPTS[3]], stop=[stop])
     assert result.generations[0][0].generation_info["stopped_by"] == "stop"
+    # the same as a field, as ChatLookahead takes it; a call's own stop list replaces it
+    fixed = LookaheadLLM(model=llm.model, tokenizer=llm.tokenizer, model_name="default", max_new_tokens=24, stop=[stop])
+    assert fixed.invoke(PROMPTS[3]) == out and "".join(fixed.stream(PROMPTS[3])) == out
+    assert fixed.invoke(PROMPTS[3], stop=["never-there"]) == text
+    assert fixed._identifying_params["stop"] == [stop]  # the LLM cache keeps the two apart
 
 
 def test_stream_concatenates_to_invoke(llm, singles):
@@ -171,6 +176,7 @@ def test_identifying_params_and_serialization(llm):
         "model_name": "default",
         "max_new_tokens": 24,
         "system_prompt": None,
+        "stop": None,
         "weights": params["weights"],
     }
     assert len(params["weights"]) == 16  # a digest of the weights: two models of one name stay apart
@@ -230,6 +236,12 @@ def test_sampling_fields_and_bad_values(default_model):
         LookaheadLLM(model=model, tokenizer=tokenizer, temperature=0.7, top_p=1.7)
     with pytest.raises(ConfigError, match="unknown option"):
         hot.invoke(PROMPTS[0], temprature=0.5)
+    # at construction too: a misspelt or foreign setting was dropped in silence (greedy text)
+    for extra in ({"temprature": 0.5}, {"max_tokens": 3}, {"model_kwargs": {"temperature": 1.5}}):
+        with pytest.raises(ConfigError, match=f"invalid LookaheadLLM setting {next(iter(extra))}"):
+            LookaheadLLM(model=model, tokenizer=tokenizer, **extra)
+    with pytest.raises(ConfigError, match="invalid LookaheadLLM setting stop"):
+        LookaheadLLM(model=model, tokenizer=tokenizer, stop="three")
     # per call as at construction: 0 tokens is refused (it was read as "not given"), a bare string
     # is not a list of stop strings (it was split into characters)
     with pytest.raises(ConfigError, match="max_new_tokens"):
