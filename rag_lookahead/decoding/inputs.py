@@ -13,6 +13,7 @@ from numbers import Integral
 
 import torch
 
+from rag_lookahead.decoding.windows import ignored_window
 from rag_lookahead.errors import InputError
 
 
@@ -32,12 +33,13 @@ def context_limit(model) -> int | None:
     re-encodes the whole sequence with the long ones. A verify step past the switch would rotate
     its earlier positions with the long factors, and rows packed into one forward would share
     the longest row's factors; up to the switch every forward uses the short ones, as in
-    ``model.generate``. The window's name varies where a config maps no
+    ``model.generate``. A ``sliding_window`` the model's attention ignores is a limit too
+    (``windows.ignored_window``). The window's name varies where a config maps no
     ``max_position_embeddings`` to it (MPT's ``max_seq_len``, ChatGLM's ``seq_length``)."""
     limit = next((getattr(model.config, name) for name in _WINDOW_NAMES if getattr(model.config, name, None)), None)
-    switch = longrope_switch(model.config)
-    if switch is not None and (limit is None or switch < limit):
-        return switch
+    for cut in (longrope_switch(model.config), ignored_window(model)):
+        if cut is not None and (limit is None or cut < limit):
+            limit = cut
     return limit
 
 
@@ -49,6 +51,11 @@ def limit_words(model, limit: int) -> str:
     """How an error names the context limit, saying why where it is a longrope switch."""
     if longrope_switch(model.config) == limit:
         return f"{limit} (where its longrope rope factors switch, which decoding cannot cross token for token)"
+    if ignored_window(model) == limit:
+        return (
+            f"{limit} (config.sliding_window, which {type(model).__name__}'s attention ignores but transformers' "
+            f"cache applies past it; set model.config.sliding_window = None to decode with full attention)"
+        )
     return str(limit)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SlidingWindow", "check_layers", "full_cache", "sliding_window"]
+__all__ = ["SlidingWindow", "check_layers", "full_cache", "ignored_window", "sliding_window"]
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -66,6 +66,27 @@ def sliding_window(model) -> SlidingWindow | None:
     if size is None or (declared is not None and SLIDING not in declared):
         return None
     return SlidingWindow(int(size), by_layer_type=declared is not None and FULL in declared)
+
+
+def ignored_window(model) -> int | None:
+    """A ``config.sliding_window`` that the model's attention never applies (a key left over in a
+    converted Llama config, say); None where there is none or the model honours it.
+
+    transformers still builds sliding cache layers from it (no ``layer_types`` declared), so
+    ``generate`` attends over the whole prompt and then, decoding, only over the last window:
+    past the window its tokens follow the cache, not the model. We decode up to the window (see
+    ``inputs.context_limit``), where both agree. A transformers model honours a window when its
+    module builds sliding masks; code from elsewhere is trusted to honour its config."""
+    import sys
+
+    config = _text_config(model)
+    size = getattr(config, "sliding_window", None)
+    if size is None or getattr(config, "layer_types", None) is not None:
+        return None
+    module = sys.modules.get(type(model).__module__)
+    if module is None or not module.__name__.startswith("transformers.models."):
+        return None
+    return None if hasattr(module, "create_sliding_window_causal_mask") else int(size)
 
 
 def check_layers(model) -> list[str]:

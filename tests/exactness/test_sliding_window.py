@@ -74,6 +74,33 @@ def test_windowed_models_decode_exactly_past_the_window(name):
                 assert result.sequences[i, width:].tolist() == expected[r], (config.enabled, batch, r)
 
 
+@pytest.mark.parametrize(("name", "window"), [("LlamaForCausalLM", 16), ("GemmaForCausalLM", 20)])
+def test_a_window_the_attention_ignores_is_where_decoding_stops(name, window):
+    """A ``sliding_window`` left in a config whose attention never reads it: transformers'
+    cache still drops keys past it, so ``generate``'s tokens past the window follow the cache,
+    and ours (on or off) differed from them and from each other. Decoding stops at the window,
+    where all agree; a prompt that fills it is refused, saying why."""
+    from rag_lookahead.decoding.inputs import context_limit
+    from rag_lookahead.decoding.windows import ignored_window
+    from rag_lookahead.errors import InputError
+
+    config = getattr(transformers, name.replace("ForCausalLM", "Config"))(**SMALL, sliding_window=window)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = getattr(transformers, name)(config).float().eval()
+    model.generation_config.eos_token_id = None
+    assert ignored_window(model) == window == context_limit(model)
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6]
+    room = window - len(prompt)
+    expected = reference_generate(model, prompt, room, None)
+    for config in (LookaheadConfig(enabled=False), LookaheadConfig(budget="fixed")):
+        result = generate(model, prompt, max_new_tokens=40, config=config, references=[[prompt + expected]])
+        assert result.sequences[0, len(prompt) :].tolist() == expected
+    with pytest.raises(InputError, match="sliding_window, which .* ignores"):
+        generate(model, list(range(1, window + 1)), max_new_tokens=4)
+    assert ignored_window(tiny_model("mistral")) is None and ignored_window(_build("qwen2_windowed")) is None
+
+
 def test_the_window_changes_the_tokens_so_the_tests_can_see_it():
     """Without it the model decodes other tokens: the exactness tests above would notice a lost window."""
     windowed = tiny_model("mistral")
