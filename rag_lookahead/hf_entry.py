@@ -335,6 +335,12 @@ def _check_processors(given, ours, mask: torch.Tensor, do_sample: bool) -> None:
     if extra:
         raise ConfigError(f"logits processors not supported by lookahead decoding: {', '.join(extra)}")
     pads = (mask == 0).sum(-1)
+    if bool(pads.any()) and any(_penalises_padding(p) for p in given):
+        raise ConfigError(
+            "a RepetitionPenaltyLogitsProcessor passed in logits_processor penalises the left padding of "
+            "a padded batch (transformers' own skips it; lookahead's rows hold no padding): pass "
+            "repetition_penalty= instead"
+        )
     if [type(p) for p in given] != [type(p) for p in ours] or not all(_same(a, b, pads) for a, b in zip(given, ours)):
         names = ", ".join(type(p).__name__ for p in given)
         raise ConfigError(f"logits processors [{names}] differ from the sampling settings of the generation config")
@@ -346,6 +352,15 @@ def _holds_nothing_back(processor, width: int) -> bool:
     if isinstance(processor, MinLengthLogitsProcessor):
         return processor.min_length <= width
     return isinstance(processor, MinNewTokensLengthLogitsProcessor) and processor.min_new_tokens <= 0
+
+
+def _penalises_padding(processor) -> bool:
+    """A repetition penalty made without ``prompt_ignore_length`` (a user's own: transformers then
+    uses it instead of its own), which counts the pad ids of each row's left padding."""
+    return (
+        isinstance(processor, RepetitionPenaltyLogitsProcessor)
+        and getattr(processor, "prompt_ignore_length", None) is None
+    )
 
 
 def _same(given, ours, pads: torch.Tensor) -> bool:

@@ -100,6 +100,30 @@ def test_repetition_penalty_on_a_padded_batch_equals_model_generate(arch):
     assert got.tolist() == expected.tolist()
 
 
+def test_a_users_own_repetition_penalty_processor_is_refused_on_a_padded_batch_only():
+    """transformers uses a processor passed in ``logits_processor`` instead of its own, and that
+    one penalises the pad ids of the left padding: on a padded batch model.generate's tokens
+    follow it (ours differed), so it is refused, saying what to pass; unpadded, it is exact."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from rag_lookahead.errors import ConfigError
+
+    model = tiny_model("qwen2")
+    keys = dict(
+        max_new_tokens=12,
+        do_sample=False,
+        repetition_penalty=2.0,
+        logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(2.0)]),
+    )
+    ids, mask = padded([[4, 9, 4, 9, 4, 9, 11, 5, 6, 7], [7, 2, 7]])
+    with pytest.raises(ConfigError, match="penalises the left padding.*pass repetition_penalty="):
+        model.generate(ids, attention_mask=mask, custom_generate=hf_generate, **keys)
+    ids, mask = padded([[4, 9, 4, 9, 4, 9, 11, 5, 6, 7]])
+    expected = model.generate(ids, attention_mask=mask, **keys)
+    assert model.generate(ids, attention_mask=mask, custom_generate=hf_generate, **keys).tolist() == expected.tolist()
+
+
 def repeating_case(arch="qwen2", max_new=24):
     """A prompt, its greedy continuation, and a reference holding that continuation."""
     model = tiny_model(arch)
