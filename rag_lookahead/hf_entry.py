@@ -294,9 +294,15 @@ def _check_outputs(generation_config) -> None:
             raise ConfigError(f"{name}=True is not supported by lookahead decoding (sequences and stats only)")
 
 
+def _empty(value) -> bool:
+    """An input that holds nothing: None, or an empty dict or list (a multimodal model's
+    ``generate`` passes ``mm_encoder_outputs={}`` with a text-only call)."""
+    return value is None or (isinstance(value, (dict, list, tuple)) and not value)
+
+
 def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
     """The 2-D mask transformers prepared (it drops an all-ones mask); other model inputs are refused."""
-    unknown = sorted(k for k, v in model_kwargs.items() if k not in _PREPARED_INPUTS and v is not None)
+    unknown = sorted(k for k, v in model_kwargs.items() if k not in _PREPARED_INPUTS and not _empty(v))
     if unknown:
         raise ConfigError(f"model inputs not supported by lookahead decoding: {', '.join(unknown)}")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:

@@ -27,7 +27,7 @@ from rag_lookahead.atomic import write_json_atomic
 from rag_lookahead.cpu_linear import mkl_packed_works, onednn_linear_works, packed_kernel
 from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
-from rag_lookahead.decoding.inputs import context_limit
+from rag_lookahead.decoding.inputs import context_limit, vocab_size
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.windows import full_cache
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
@@ -207,7 +207,7 @@ def measure_cost(model, *, context: int = 256, sizes=(1, 4, 8, 16, 32, 64, 128),
 def _fastest_forwards(model, device, context: int, sizes: list[int], repeats: int) -> list[float]:
     """Per size, the fastest of ``repeats`` timed forwards (after one untimed) over a random
     ``context``-token cache (see ``measure_cost``)."""
-    vocab = model.config.vocab_size
+    vocab = vocab_size(model)  # (a composite model's config may hold it in its text config only)
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
     cache = full_cache(model)

@@ -22,6 +22,7 @@ import torch
 
 from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.inputs import vocab_size
 from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.sampling import Accepted
@@ -214,7 +215,7 @@ def _probe_tree_mask(model) -> str | None:
     attention), whose bf16 rounding alone came to the tolerance (a relative error of 0.051 on an
     H200), and the probe is to judge the mask, not the kernels."""
     device = input_device(model)
-    vocab = model.config.vocab_size
+    vocab = vocab_size(model)  # (a composite model's config may hold it in its text config only)
     gen = torch.Generator().manual_seed(1234)
     prefix = torch.randint(0, vocab, (6,), generator=gen).tolist()
     a, b = torch.randint(0, vocab, (2, 2), generator=gen).tolist()

@@ -145,3 +145,34 @@ def test_a_window_under_another_name_is_the_context_limit():
     prompt = [5, 6, 7, 8, 9, 5, 6, 7]
     result = generate(model, prompt, max_new_tokens=80)  # runs to the window's end, as generate may
     assert result.sequences[0, len(prompt) :].tolist() == reference_generate(model, prompt, 64 - len(prompt), None)
+
+
+def test_a_multimodal_gemma3_decodes_text_exactly_with_the_default_budget():
+    """``AutoModelForCausalLM`` gives gemma-3-4b-it style checkpoints as
+    ``Gemma3ForConditionalGeneration``, whose top config holds no ``vocab_size``: the cost curve
+    raised AttributeError, the mask probe failed to chains, and ``hf_generate`` refused the
+    ``mm_encoder_outputs={}`` that transformers passes with every text-only call."""
+    from rag_lookahead import hf_generate
+
+    text = dict(_COMMON, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=95,
+        boi_token_index=93,
+        eoi_token_index=94,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    model.generation_config.eos_token_id = None
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    expected = reference_generate(model, prompt, 20, None)
+    assert generate(model, prompt, max_new_tokens=20).sequences[0, len(prompt) :].tolist() == expected
+    assert supports_tree_mask(model) and profile_of(model).cost_curve is not None
+    ids = torch.tensor([prompt])
+    got = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_generate)
+    assert got[0, len(prompt) :].tolist() == expected
