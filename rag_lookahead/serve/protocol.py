@@ -82,8 +82,9 @@ class OpenAIRequest(BaseModel):
             raise invalid_request(*explain(cls, error.errors(include_url=False)[0])) from None
 
 
-# vLLM's own sampling options, each with the values under which it changes nothing. Clients
-# written for vLLM send them; any other value would be answered as if it had not been asked.
+# vLLM's own sampling options (and a few of transformers' generate), each with the values under
+# which it changes nothing. Clients written for vLLM send them; any other value would be answered
+# as if it had not been asked.
 VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
@@ -103,6 +104,12 @@ VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (),
     "structured_outputs": (),
     "return_tokens_as_token_ids": (False,),
+    # transformers' generate options that clients of text-generation-inference style servers send
+    "typical_p": (1, 1.0),
+    "epsilon_cutoff": (0, 0.0),
+    "eta_cutoff": (0, 0.0),
+    "no_repeat_ngram_size": (0,),
+    "num_beams": (1,),
 }
 #: vLLM's completion-only options (a raw prompt gets the special tokens unless told otherwise)
 VLLM_COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {"add_special_tokens": (True,)}

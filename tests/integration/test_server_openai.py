@@ -387,6 +387,12 @@ VLLM_CHANGING = [
     ("guided_json", {"type": "object"}),
     ("min_tokens", True),  # a flag is not the count 1, nor is it the default 0
     ("return_tokens_as_token_ids", True),
+    # transformers' options that HF-style clients send: accepted and ignored before 2026-12-05
+    ("typical_p", 0.5),
+    ("epsilon_cutoff", 0.01),
+    ("eta_cutoff", 0.01),
+    ("no_repeat_ngram_size", 2),
+    ("num_beams", 4),
 ]
 VLLM_NEUTRAL_VALUES = {
     "min_tokens": 0,
@@ -396,6 +402,8 @@ VLLM_NEUTRAL_VALUES = {
     "skip_special_tokens": True,
     "length_penalty": 1,
     "guided_json": None,
+    "typical_p": 1.0,
+    "no_repeat_ngram_size": 0,
 }
 
 
