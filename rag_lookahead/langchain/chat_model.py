@@ -77,7 +77,10 @@ _CALL_OPTIONS = (
 
 _LOADED: dict[tuple, tuple[Any, Any]] = {}
 _LOAD_LOCK = threading.Lock()
-_ENGINES: weakref.WeakKeyDictionary[Any, Engine] = weakref.WeakKeyDictionary()
+#: the engine of each loaded model in use, by the model's id: held weakly, so an engine (and the
+#: model it holds) goes once no chat model uses it; while it lives, its model does, so no other
+#: model can take that id (weak keys would never die: the engine holds its model)
+_ENGINES: weakref.WeakValueDictionary[int, Engine] = weakref.WeakValueDictionary()
 
 
 def _load(model_id: str, dtype: Any, device: Any, device_map: Any) -> tuple[Any, Any]:
@@ -96,10 +99,10 @@ def _shared_engine(model: Any, tokenizer: Any, config: LookaheadConfig) -> Engin
     the model. A later chat model's pool settings cannot resize the shared pool, so they are
     said to be unused rather than dropped in silence."""
     with _LOAD_LOCK:
-        engine = _ENGINES.get(model)
-        if engine is None or engine.tokenizer is not tokenizer:
+        engine = _ENGINES.get(id(model))
+        if engine is None or engine.model is not model or engine.tokenizer is not tokenizer:
             engine = Engine(model, tokenizer, config)
-            _ENGINES[model] = engine
+            _ENGINES[id(model)] = engine
         elif (engine.output_pool.depth, engine.output_pool.max_nodes) != pool_shape(config):
             log.warning(
                 "this ChatLookahead shares the engine of a model already in use, and its output pool "

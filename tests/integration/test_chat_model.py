@@ -429,6 +429,27 @@ def test_a_second_chat_models_pool_settings_are_said_unused(chat, weights, caplo
     assert chat._engine.output_pool.max_nodes == LookaheadConfig().output_pool_nodes
 
 
+def test_a_loaded_model_is_freed_with_the_last_chat_model_on_it():
+    """Chat models on one loaded model share its engine while one lives; once none does, the
+    model and its engine go (the shared table held every model it was ever given)."""
+    import gc
+    import weakref
+
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.langchain import chat_model
+    from rag_lookahead.tiny import build_tiny_model
+
+    model, tok = build_tiny_model("qwen2", seed=5), tiny_tokenizer()
+    first = ChatLookahead(model=model, tokenizer=tok, max_tokens=3, lookahead=FIXED)
+    second = ChatLookahead(model=model, tokenizer=tok, max_tokens=3, lookahead=FIXED)
+    assert first._engine is second._engine and first.invoke("t5 t6").content == second.invoke("t5 t6").content
+    gone = weakref.ref(model)
+    del first, second, model
+    gc.collect()
+    assert gone() is None and all(engine.model is not None for engine in chat_model._ENGINES.values())
+
+
 @slow
 def test_bad_settings_are_refused(chat, weights):
     model, tok = weights
