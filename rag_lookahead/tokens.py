@@ -9,6 +9,7 @@ into the caller's tokenizer.
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -63,6 +64,7 @@ class TextTracker:
         self.hold = [h for h in hold if h]
         self.ids: list[int] = []
         self.emitted = ""
+        self.cleans_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self.stopped = False
 
     def text(self, count: int | None = None) -> str:
@@ -106,6 +108,10 @@ class TextTracker:
             stable = self.prefix + cut
         else:
             stable = text.rstrip(REPLACEMENT)
+            if self.cleans_up and len(self.ids) > 1:
+                # decode's clean-up (" ' " -> "'", " ," -> ",") may rewrite the text before the last
+                # token once the next comes: emit only what the text without it agrees with
+                stable = os.path.commonprefix([stable, self.text(len(self.ids) - 1)])
             stable = stable[: len(stable) - held_back(stable[len(self.prefix) :], self.stop)]
         stable = _before_hold(stable, self.hold)
         if not stable.startswith(self.emitted) or len(stable) <= len(self.emitted):

@@ -82,3 +82,30 @@ def test_would_stop_reads_the_tail_as_the_whole_text_reads(tokenizer, text, stop
         return
     whole = tokenizer.decode(before + block)
     assert tracker.would_stop(block) == (stop in whole)
+
+
+def _cleaning_tokenizer():
+    """Words and punctuation joined by spaces, with transformers' clean-up on (as BERT-style
+    tokenizers have it): decode([a, "'", b]) is "a'b", but decode([a, "'"]) is "a '"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "a", "b", "c", "'", ",", ".", "n't", "'s", "?", "!"]
+    core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", clean_up_tokenization_spaces=True
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids=st.lists(st.integers(2, 11), min_size=1, max_size=30), data=st.data())
+def test_a_decode_that_cleans_up_spaces_streams_the_whole_text(ids, data):
+    """A later token can rewrite the text before it (" ' " becomes "'"); everything after the
+    first such rewrite was lost from the stream (the joined pieces stopped at "a '")."""
+    tokenizer = _cleaning_tokenizer()
+    cuts = sorted(data.draw(st.lists(st.integers(1, max(len(ids) - 1, 1)), max_size=8)))
+    for blocks in (cuts, list(range(1, len(ids)))):
+        streamed, tracker = _run(tokenizer, ids, [], blocks)
+        assert streamed == tracker.final_text() == tokenizer.decode(ids)
