@@ -55,6 +55,10 @@ def chat(
     """
     if not isinstance(query, str) or not query.strip():
         raise InputError("query must be a non-empty string")
+    if isinstance(references, (str, bytes)) or (
+        references is not None and not all(isinstance(p, str) for p in references)
+    ):  # a bare string would be drafted from as one-character passages
+        raise InputError("references must be a list of passages (strings)")
     as_messages = _is_messages(history)
     messages = _messages(history, as_messages)
     if system is not None:
