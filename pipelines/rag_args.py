@@ -13,7 +13,7 @@ from pathlib import Path
 from rag_lookahead.ask import StdoutClosed, ensure_index, silence_stdout
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError, RagLookaheadError, first_line
-from rag_lookahead.rag.chains import check_k
+from rag_lookahead.rag.chains import check_k, seed_count
 from rag_lookahead.rag.index import DocumentIndex, check_searchable, default_index_dir
 
 
@@ -22,6 +22,8 @@ class RagArgumentParser(argparse.ArgumentParser):
 
     def parse_args(self, *args, **kwargs):  # type: ignore[override]
         parsed = super().parse_args(*args, **kwargs)
+        if hasattr(parsed, "k_seed"):
+            parsed.k_seed = seed_count(parsed.k, parsed.k_seed)
         check_k(parsed.k, getattr(parsed, "k_seed", parsed.k), names=("--k", "--k-seed"))
         questions = getattr(parsed, "questions", None)  # chat_stream's list (batch_answers': a file)
         if not isinstance(questions, list):
@@ -44,7 +46,7 @@ def rag_parser(description: str, *, k_seed: bool = True) -> argparse.ArgumentPar
     ap.add_argument("--model", default="default")
     ap.add_argument("--k", type=int, default=3)
     if k_seed:
-        ap.add_argument("--k-seed", type=int, default=8)
+        ap.add_argument("--k-seed", type=int, default=None, help="default: the larger of --k and 8")
     return ap
 
 

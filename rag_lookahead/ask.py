@@ -96,7 +96,7 @@ def answer(
     index_dir: Path | None = None,
     model: str = "default",
     k: int = 3,
-    k_seed: int = 8,
+    k_seed: int | None = None,
     lookahead: bool = True,
     max_new_tokens: int = 256,
     llm: Any = None,
@@ -114,7 +114,7 @@ def answer(
 
     ``temperature`` > 0 samples (lossless: the model's own distribution); ``seed`` makes it
     reproducible."""
-    from rag_lookahead.rag.chains import build_rag_chain
+    from rag_lookahead.rag.chains import build_rag_chain, check_k, seed_count
     from rag_lookahead.rag.index import default_index_dir
 
     if not isinstance(question, str) or not question.strip():
@@ -128,6 +128,8 @@ def answer(
 
     check_searchable(question, "the question")
     _check_sampling(temperature, top_p, seed)
+    k_seed = seed_count(k, k_seed)
+    check_k(k, k_seed, names=("--k", "--k-seed"))  # an explicit --k-seed below --k was raised to it in silence
     folder = expand_user(index_dir, "--index-dir") if index_dir else default_index_dir()
     if llm is None:
         from rag_lookahead.models import check_embedded_installed
@@ -160,7 +162,7 @@ def answer(
         )
     if not quiet:
         _note_a_long_question(llm, question)
-    chain = build_rag_chain(llm, index, k_prompt=k, k_seed=max(k, k_seed))
+    chain = build_rag_chain(llm, index, k_prompt=k, k_seed=k_seed)
     sampling = {"temperature": temperature, "top_p": top_p, "seed": seed}
     result = chain.invoke(
         {"question": question, "enable_lookahead": lookahead, "max_new_tokens": max_new_tokens}

@@ -128,7 +128,12 @@ def ask_command(
         " a hub id or a local model folder.",
     ),
     k: int = typer.Option(3, "--k", min=1, help="Passages put into the prompt."),
-    k_seed: int = typer.Option(8, "--k-seed", min=1, help="Passages retrieved to seed the draft trie (>= --k)."),
+    k_seed: int | None = typer.Option(
+        None,
+        "--k-seed",
+        min=1,
+        help="Passages retrieved to seed the draft trie (>= --k; default: the larger of --k and 8).",
+    ),
     stream: bool = typer.Option(False, "--stream", help="Print the answer as it is decoded."),
     no_lookahead: bool = typer.Option(
         False, "--no-lookahead", help="Plain decoding, one token a forward (same text, slower)."

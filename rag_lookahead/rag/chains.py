@@ -40,6 +40,7 @@ from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS
 
 __all__ = [
+    "DEFAULT_K_SEED",
     "RAG_TEMPLATE",
     "RAG_PROMPT",
     "RAG_SYSTEM",
@@ -48,6 +49,7 @@ __all__ = [
     "SeedingRetriever",
     "as_retriever",
     "check_k",
+    "seed_count",
     "retrieve",
     "format_context",
     "make_prompt",
@@ -145,6 +147,16 @@ def as_retriever(retriever_or_index: Any, k: int) -> BaseRetriever:
     if hasattr(retriever_or_index, "as_retriever"):
         return retriever_or_index.as_retriever(k=k)
     raise ConfigError(f"expected a retriever or a DocumentIndex, got {type(retriever_or_index).__name__}")
+
+
+#: passages retrieved (those past the prompt's seed the trie) when a command line names no ``--k-seed``
+DEFAULT_K_SEED = 8
+
+
+def seed_count(k_prompt: int, k_seed: int | None) -> int:
+    """``k_seed``, or where it is not given the larger of ``k_prompt`` and ``DEFAULT_K_SEED`` (so
+    that ``--k 10`` alone is not refused for retrieving fewer than it shows)."""
+    return max(k_prompt, DEFAULT_K_SEED) if k_seed is None else k_seed
 
 
 def check_k(k_prompt: int, k_seed: int, names: tuple[str, str] = ("k_prompt", "k_seed")) -> None:

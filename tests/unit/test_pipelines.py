@@ -152,3 +152,27 @@ def test_the_question_and_flags_are_checked_before_the_model_loads(tmp_path, scr
     )
     assert out.returncode == 1 and out.stderr.startswith(expected) and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "home").exists() and out.stdout == ""  # no index, no ">>> " before the error
+
+
+def test_k_alone_raises_the_default_k_seed_and_an_explicit_lower_one_is_refused(tmp_path):
+    """``--k 10`` alone was refused by the pipelines (the default --k-seed 8 is below it), while
+    ``ask --k 5 --k-seed 2`` was taken and quietly retrieved 5."""
+    sys.path.insert(0, str(PIPELINES))
+    try:
+        from rag_args import rag_parser
+    finally:
+        sys.path.remove(str(PIPELINES))
+    parser = rag_parser("test")
+    assert parser.parse_args(["--k", "10"]).k_seed == 10
+    assert parser.parse_args(["--k", "2"]).k_seed == 8
+    assert parser.parse_args(["--k", "2", "--k-seed", "3"]).k_seed == 3
+    out = subprocess.run(
+        [sys.executable, "-m", "rag_lookahead.ask", "q", "--k", "5", "--k-seed", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "RAG_LOOKAHEAD_HOME": str(tmp_path / "home")},
+    )
+    assert out.returncode == 1 and out.stderr.startswith("error: --k-seed must be an integer >= --k (5)"), out.stderr
+    assert not (tmp_path / "home").exists()
