@@ -142,9 +142,12 @@ def rag(
 ) -> dict:
     """RAG benchmark: the retrieval chain over an index, with and without trie seeding."""
     check_positive({"--max-new-tokens": max_new_tokens})
+    from rag_lookahead.rag.chains import check_k
+
+    check_k(k_prompt, k_seed, names=("--k-prompt", "--k-seed"))
     check_output_path(json_path)
-    loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
-    with open_index(index_dir) as index:
+    with open_index(index_dir) as index:  # a missing index is said before the model loads
+        loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
         rows, per_mode = ask_every_way(loaded, tokenizer, index, model, k_prompt, k_seed, max_new_tokens)
     summary = summarize_modes(per_mode)
     print_rows(f"RAG chain, {model} {dtype}, k_prompt={k_prompt}, k_seed={k_seed}", summary)

@@ -180,6 +180,9 @@ def session(
     from rag_lookahead.bench.retrieval import load_dataset
 
     check_positive({"--max-new-tokens": max_new_tokens})
+    from rag_lookahead.rag.chains import check_k
+
+    check_k(k_prompt, k_seed, names=("--k-prompt", "--k-seed"))
     check_output_path(json_path)
     items = load_dataset(dataset)
     asked = session_questions(items, questions, seed)

@@ -58,6 +58,16 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("gpu_check", ["--device", "cpu", "--tiny-only", "--attn", "bogus"], NO_METHOD),  # every section failed
     ("rag", ["--json", "{dir}"], FOLDER),
     ("session", ["--json", "{dir}"], FOLDER),
+    # checked after the model had loaded (and, for session, after the whole set was embedded)
+    ("rag", ["--k-prompt", "0"], f"error: --k-prompt {BELOW} 0"),
+    ("rag", ["--k-prompt", "4", "--k-seed", "2"], "error: --k-seed must be an integer >= --k-prompt (4), got 2"),
+    (
+        "rag",
+        ["--index-dir", "{dir}/none"],
+        "error: no index at {dir}/none: build one with `rag_lookahead index DIR --index-dir {dir}/none`",
+    ),
+    ("session", ["--k-prompt", "0"], f"error: --k-prompt {BELOW} 0"),
+    ("session", ["--k-seed", "1"], "error: --k-seed must be an integer >= --k-prompt (3), got 1"),
 ]
 
 
