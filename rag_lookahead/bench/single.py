@@ -375,7 +375,7 @@ def bench(
     branch_length: BranchLengthOption = DEFAULT_BRANCH_LENGTH,
     extra_branch_length: ExtraBranchLengthOption = "",
     seed_mode: Annotated[SeedMode, typer.Option(help=SEED_MODE_HELP)] = SeedMode.prompt,
-    copying_threshold: Annotated[float, typer.Option(help=COPYING_HELP)] = 0.8,
+    copying_threshold: Annotated[float, typer.Option(min=0.0, max=1.0, help=COPYING_HELP)] = 0.8,
     json_path: JsonOption = None,
     plot: PlotOption = False,
 ) -> dict:

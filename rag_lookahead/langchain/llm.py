@@ -48,6 +48,11 @@ from rag_lookahead.tokens import encode_messages
 
 __all__ = ["LookaheadLLM"]
 
+_CHAT_ONLY = (
+    "LookaheadLLM is a text-completion LLM and takes no {what}: use ChatLookahead.from_llm(llm), "
+    "which decodes with the same model and output pool"
+)
+
 
 class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
     """A local causal LM decoded with trie-drafted, tree-verified lookahead (output unchanged).
@@ -107,6 +112,14 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         )
 
     # ------------------------------------------------------------ LangChain plumbing
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
+        """Refused: a text-completion LLM takes no tools (``ChatLookahead`` does, on the same engine)."""
+        raise NotImplementedError(_CHAT_ONLY.format(what="tools"))
+
+    def with_structured_output(self, schema: Any, **kwargs: Any) -> Any:
+        """Refused, as ``bind_tools`` (LangChain's own refusal said nothing)."""
+        raise NotImplementedError(_CHAT_ONLY.format(what="structured output"))
 
     @property
     def _llm_type(self) -> str:

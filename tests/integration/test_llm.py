@@ -242,6 +242,11 @@ def test_sampling_fields_and_bad_values(default_model):
             LookaheadLLM(model=model, tokenizer=tokenizer, **extra)
     with pytest.raises(ConfigError, match="invalid LookaheadLLM setting stop"):
         LookaheadLLM(model=model, tokenizer=tokenizer, stop="three")
+    # tools and structured output belong to the chat model: said so (an empty message, an AttributeError)
+    with pytest.raises(NotImplementedError, match="ChatLookahead.from_llm"):
+        hot.bind_tools([])
+    with pytest.raises(NotImplementedError, match="ChatLookahead.from_llm"):
+        hot.with_structured_output({"type": "object"})
     # per call as at construction: 0 tokens is refused (it was read as "not given"), a bare string
     # is not a list of stop strings (it was split into characters)
     with pytest.raises(ConfigError, match="max_new_tokens"):

@@ -34,6 +34,7 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("single", ["--branch-length", "0"], "error: branch_length must be an integer from 1 to 256, got 0"),
     ("single", ["--seed", str(2**64)], NO_METHOD),  # torch.manual_seed's overflow, after the model loaded
     ("single", ["--seed", "-1"], NO_METHOD),
+    ("single", ["--copying-threshold", "2"], NO_METHOD),  # a share no answer can reach: summed up nothing
     ("single", ["--prompts", "{fifo}"], "error: cannot read the prompts file '{fifo}': not a regular file"),
     ("single", ["--prompts", "/dev/zero"], "error: cannot read the prompts file '/dev/zero': not a regular file"),
     ("batch", ["--prompts", "{fifo}"], "error: cannot read the prompts file '{fifo}': not a regular file"),
