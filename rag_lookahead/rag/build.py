@@ -21,6 +21,7 @@ from rag_lookahead.errors import ConfigError, IndexLoadError, RebuildWarning, on
 from rag_lookahead.paths import expand_user
 from rag_lookahead.rag import store
 from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, load_corpus, stage_bar
+from rag_lookahead.rag.headings import MARKDOWN_SUFFIXES, heading_paths, searched_text
 from rag_lookahead.rag.store import FORMAT_VERSION, LOCK_TIMEOUT_S, default_index_dir
 
 if TYPE_CHECKING:  # the embedders pull in torch: imported where used, so the CLI starts fast
@@ -109,7 +110,7 @@ def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int]):
         if manifest["embedding_model"] != embedder.name:
             return {}, f"it was built with {manifest['embedding_model']!r}, now {embedder.name!r}"
         if any(manifest.get(key) != value for key, value in chunking.items()):
-            return {}, "the chunk size or overlap changed"
+            return {}, "the chunking changed (chunk size, overlap, or searching under headings)"
         fidx, records = store.read_verified(index_dir, manifest)
     except IndexLoadError as e:
         return {}, str(e)
@@ -147,8 +148,12 @@ def _plan(docs, previous, splitter, report: IndexReport, progress: bool = False)
         recs = [
             {"chunk_id": f"{source}#{i}", "source": source, "file_sha256": sha, "text": c} for i, c in enumerate(chunks)
         ]
+        if source.lower().endswith(MARKDOWN_SUFFIXES):  # searched under their section's headings
+            for rec, heading in zip(recs, heading_paths(text, chunks)):
+                if heading:
+                    rec["heading"] = heading
         plan.append((source, recs, None))
-        to_embed.extend(chunks)
+        to_embed.extend(searched_text(r) for r in recs)
     bar.close()
     report.removed = sum(1 for s in previous if s not in docs)
     return plan, to_embed
@@ -199,7 +204,9 @@ def build_index(
     if not lock_timeout >= 0:
         raise ConfigError(f"lock_timeout must be >= 0 seconds, got {lock_timeout}")
     splitter = make_splitter(chunk_size, chunk_overlap)
-    chunking = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap}
+    # "headings": chunks of Markdown files are searched with their heading path (version 1); an
+    # index built before that is embedded again
+    chunking = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap, "headings": 1}
     store.check_target(index_dir)  # before any slow work, and before anything is created
     corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb, progress=progress)
 
@@ -289,6 +296,7 @@ def _manifest(corpus: Corpus, records: list[dict], embedder: Embedder, settings:
         "metric": "inner_product (vectors L2-normalized)",
         "chunk_size": settings["chunk_size"],
         "chunk_overlap": settings["chunk_overlap"],
+        "headings": settings["headings"],
         "separators": SEPARATORS,
         "num_files": len(corpus.docs),
         "num_chunks": len(records),

@@ -128,10 +128,11 @@ class DocumentIndex:
     @property
     def bm25(self) -> BM25Index:
         if self._bm25 is None:
+            from rag_lookahead.rag.headings import searched_text
             from rag_lookahead.rag.lexical import BM25Index
             from rag_lookahead.rag.token_cache import cached_tokens
 
-            self._bm25 = BM25Index(tokens=cached_tokens([r["text"] for r in self.records]))
+            self._bm25 = BM25Index(tokens=cached_tokens([searched_text(r) for r in self.records]))
         return self._bm25
 
     def warm(self) -> DocumentIndex:

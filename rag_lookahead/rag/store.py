@@ -205,6 +205,8 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
                         isinstance(r.get(key), str) for key in ("text", "source", "chunk_id")
                     ):
                         raise ValueError("not an object with text, source and chunk_id strings")
+                    if not isinstance(r.get("heading", ""), str):
+                        raise ValueError("its heading is not a string")
                 except ValueError as e:  # JSONDecodeError is a ValueError
                     raise IndexLoadError(f"index at {index_dir} is corrupt: {DOCSTORE} line {lineno}: {e}") from None
                 records.append(r)
@@ -402,7 +404,10 @@ def _write_docstore(path: Path, records: list[dict]) -> str:
     with open(path, "wb") as f:
         for r in records:
             line = (
-                json.dumps({k: r[k] for k in ("id", "chunk_id", "source", "file_sha256", "text")}, ensure_ascii=False)
+                json.dumps(
+                    {k: r[k] for k in ("id", "chunk_id", "source", "file_sha256", "heading", "text") if k in r},
+                    ensure_ascii=False,
+                )
                 + "\n"
             ).encode("utf-8")
             h.update(line)

@@ -1311,3 +1311,24 @@ def test_reading_a_large_corpus_shows_a_bar_naming_the_file(tmp_path, capsys):
     assert "reading" in err and "big.txt" in err, err
     load_corpus(corpus, progress=False)
     assert not capsys.readouterr().err
+
+
+def test_markdown_chunks_are_searched_under_their_headings(tmp_path, embedder):
+    """The bundled guide's "## budget" section names its subject only in its heading, and the
+    section before it says "budget" twice: the README's own question put it 4th, so the answer
+    never saw it. Searched with its heading path it comes first; an index built before that is
+    embedded again rather than searched half the old way."""
+    from rag_lookahead.ask import bundled_corpus
+    from rag_lookahead.atomic import write_json_atomic
+
+    report = build(bundled_corpus(), tmp_path / "index", embedder)
+    index = ix.load_index(tmp_path / "index", embedder)
+    budget = next(r for r in index.records if r["text"].startswith("## budget"))
+    assert budget["heading"] == "Tuning the decoder > budget"
+    assert [p.chunk_id for p in index.search("What does the budget option do?", k=3)][0] == budget["chunk_id"]
+    manifest = json.loads((tmp_path / "index" / "manifest.json").read_text(encoding="utf-8"))
+    del manifest["headings"]  # as the builds before headings wrote it
+    write_json_atomic(tmp_path / "index" / "manifest.json", manifest)
+    with pytest.warns(UserWarning, match="searching under headings"):
+        again = build(bundled_corpus(), tmp_path / "index", embedder)
+    assert again.embedded_chunks == report.chunks
