@@ -75,18 +75,33 @@ def ignored_window(model) -> int | None:
     transformers still builds sliding cache layers from it (no ``layer_types`` declared), so
     ``generate`` attends over the whole prompt and then, decoding, only over the last window:
     past the window its tokens follow the cache, not the model. We decode up to the window (see
-    ``inputs.context_limit``), where both agree. A transformers model honours a window when its
-    module builds sliding masks; code from elsewhere is trusted to honour its config."""
-    import sys
-
+    ``inputs.context_limit``), where both agree. A transformers model honours a window when one
+    of its modules' code builds sliding masks (a composite model's text decoder may live in
+    another file than the model); code from elsewhere is trusted to honour its config."""
     config = _text_config(model)
     size = getattr(config, "sliding_window", None)
     if size is None or getattr(config, "layer_types", None) is not None:
         return None
-    module = sys.modules.get(type(model).__module__)
-    if module is None or not module.__name__.startswith("transformers.models."):
-        return None
-    return None if hasattr(module, "create_sliding_window_causal_mask") else int(size)
+    return None if _may_slide(model) else int(size)
+
+
+_MAY_SLIDE: dict[type, bool] = {}
+
+
+def _may_slide(model) -> bool:
+    """Whether any of the model's modules (torch's own aside) comes from code that builds sliding
+    masks, or from code outside transformers (by class: its modules' classes do not change)."""
+    import sys
+
+    known = _MAY_SLIDE.get(type(model))
+    if known is None:
+        names = {type(m).__module__ for m in model.modules()}
+        files = {sys.modules.get(name) for name in names if not name.startswith("torch.")}  # nn.Linear and such
+        known = _MAY_SLIDE[type(model)] = any(
+            f is None or not f.__name__.startswith("transformers.") or hasattr(f, "create_sliding_window_causal_mask")
+            for f in files
+        )
+    return known
 
 
 def check_layers(model) -> list[str]:

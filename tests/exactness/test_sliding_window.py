@@ -99,6 +99,16 @@ def test_a_window_the_attention_ignores_is_where_decoding_stops(name, window):
     with pytest.raises(InputError, match="sliding_window, which .* ignores"):
         generate(model, list(range(1, window + 1)), max_new_tokens=4)
     assert ignored_window(tiny_model("mistral")) is None and ignored_window(_build("qwen2_windowed")) is None
+    # a composite model whose Mistral text decoder lives in another file than the model (Mistral 3,
+    # Pixtral-style): its window is honoured, not taken for a stray one
+    text = dict(SMALL, sliding_window=8, model_type="mistral")
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    composite = transformers.Mistral3ForConditionalGeneration(
+        transformers.Mistral3Config(text_config=text, vision_config={**vision, "head_dim": 16})
+    )
+    assert ignored_window(composite) is None
 
 
 def test_the_window_changes_the_tokens_so_the_tests_can_see_it():
