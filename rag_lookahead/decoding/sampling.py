@@ -74,8 +74,8 @@ _UNSUPPORTED_NEUTRAL = {
     "sequence_bias": (None,),
     "forced_bos_token_id": (None,),
     "forced_eos_token_id": (None,),
-    "suppress_tokens": (None,),
-    "begin_suppress_tokens": (None,),
+    "suppress_tokens": (None, []),  # an empty list suppresses nothing in transformers too
+    "begin_suppress_tokens": (None, []),
     "exponential_decay_length_penalty": (None,),
     "renormalize_logits": (None, False),
     "remove_invalid_values": (None, False),

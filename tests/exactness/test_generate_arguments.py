@@ -137,6 +137,15 @@ def test_greedy_takes_the_sampling_only_settings_transformers_ignores(options):
     assert _ours(model, ids, generation_config=config) == _hf(model, ids, generation_config=config)
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_empty_suppression_lists_are_taken_as_in_transformers(do_sample):
+    """transformers suppresses nothing for ``suppress_tokens=[]``: it was refused here."""
+    model = tiny_model("llama", seed=2)
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
+    config = GenerationConfig(do_sample=do_sample, pad_token_id=0, suppress_tokens=[], begin_suppress_tokens=[])
+    assert _ours(model, ids, generation_config=config) == _hf(model, ids, generation_config=config)
+
+
 @pytest.fixture
 def eos_model():
     """A model whose own generation config names an EOS and a pad id."""
