@@ -52,9 +52,10 @@ def limit_words(model, limit: int) -> str:
     if longrope_switch(model.config) == limit:
         return f"{limit} (where its longrope rope factors switch, which decoding cannot cross token for token)"
     if ignored_window(model) == limit:
+        where = "model.config" + (".text_config" if getattr(model.config, "text_config", None) is not None else "")
         return (
             f"{limit} (config.sliding_window, which {type(model).__name__}'s attention ignores but transformers' "
-            f"cache applies past it; set model.config.sliding_window = None to decode with full attention)"
+            f"cache applies past it; set {where}.sliding_window = None to decode with full attention)"
         )
     return str(limit)
 

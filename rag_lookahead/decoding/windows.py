@@ -85,23 +85,18 @@ def ignored_window(model) -> int | None:
     return None if _may_slide(model) else int(size)
 
 
-_MAY_SLIDE: dict[type, bool] = {}
-
-
 def _may_slide(model) -> bool:
     """Whether any of the model's modules (torch's own aside) comes from code that builds sliding
-    masks, or from code outside transformers (by class: its modules' classes do not change)."""
+    masks, or from code outside transformers. Asked of the model itself, not cached by its class:
+    a composite class (Llava) builds a Llama or a Mistral decoder, as its config says."""
     import sys
 
-    known = _MAY_SLIDE.get(type(model))
-    if known is None:
-        names = {type(m).__module__ for m in model.modules()}
-        files = {sys.modules.get(name) for name in names if not name.startswith("torch.")}  # nn.Linear and such
-        known = _MAY_SLIDE[type(model)] = any(
-            f is None or not f.__name__.startswith("transformers.") or hasattr(f, "create_sliding_window_causal_mask")
-            for f in files
-        )
-    return known
+    names = {type(m).__module__ for m in model.modules()}
+    files = {sys.modules.get(name) for name in names if not name.startswith("torch.")}  # nn.Linear and such
+    return any(
+        f is None or not f.__name__.startswith("transformers.") or hasattr(f, "create_sliding_window_causal_mask")
+        for f in files
+    )
 
 
 def check_layers(model) -> list[str]:

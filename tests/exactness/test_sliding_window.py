@@ -111,6 +111,29 @@ def test_a_window_the_attention_ignores_is_where_decoding_stops(name, window):
     assert ignored_window(composite) is None
 
 
+def test_a_composite_class_is_judged_by_the_decoder_it_holds():
+    """One composite class (Llava) holds a Llama or a Mistral decoder as its config says: the
+    verdict was cached per class, so the first model seen decided for the next. The limit's
+    message names the text config, where the window of such a model is set."""
+    from rag_lookahead.decoding.inputs import context_limit, limit_words
+    from rag_lookahead.decoding.windows import ignored_window
+
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
+    )
+
+    def llava(text):
+        config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_id=95)
+        return transformers.LlavaForConditionalGeneration(config)
+
+    stray = transformers.LlamaConfig(**SMALL)
+    stray.sliding_window = 16
+    for _ in range(2):  # either order
+        mistral, llama = llava(transformers.MistralConfig(**SMALL, sliding_window=16)), llava(stray)
+        assert ignored_window(mistral) is None and ignored_window(llama) == 16 == context_limit(llama)
+    assert "model.config.text_config.sliding_window = None" in limit_words(llama, 16)
+
+
 def test_the_window_changes_the_tokens_so_the_tests_can_see_it():
     """Without it the model decodes other tokens: the exactness tests above would notice a lost window."""
     windowed = tiny_model("mistral")
