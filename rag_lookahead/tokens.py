@@ -29,6 +29,8 @@ __all__ = [
 ]
 
 REPLACEMENT = "\ufffd"
+#: what transformers' ``clean_up_tokenization`` rewrites (each loses its leading space)
+CLEAN_UP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
 
 
 # ---------------------------------------------------------------- text from accepted blocks
@@ -108,10 +110,13 @@ class TextTracker:
             stable = self.prefix + cut
         else:
             stable = text.rstrip(REPLACEMENT)
-            if self.cleans_up and len(self.ids) > 1:
-                # decode's clean-up (" ' " -> "'", " ," -> ",") may rewrite the text before the last
-                # token once the next comes: emit only what the text without it agrees with
-                stable = os.path.commonprefix([stable, self.text(len(self.ids) - 1)])
+            if self.cleans_up:
+                # decode's clean-up (" ' " -> "'", " n't" -> "n't") rewrites text once a pattern is
+                # whole: hold back an end that may still become one, and emit only what the text
+                # one token shorter agrees with (a tokenizer's own clean-up may have other patterns)
+                if len(self.ids) > 1:
+                    stable = os.path.commonprefix([stable, self.text(len(self.ids) - 1)])
+                stable = stable[: len(stable) - held_back(stable, CLEAN_UP_PATTERNS)]
             stable = stable[: len(stable) - held_back(stable[len(self.prefix) :], self.stop)]
         stable = _before_hold(stable, self.hold)
         if not stable.startswith(self.emitted) or len(stable) <= len(self.emitted):

@@ -84,27 +84,37 @@ def test_would_stop_reads_the_tail_as_the_whole_text_reads(tokenizer, text, stop
     assert tracker.would_stop(block) == (stop in whole)
 
 
-def _cleaning_tokenizer():
-    """Words and punctuation joined by spaces, with transformers' clean-up on (as BERT-style
-    tokenizers have it): decode([a, "'", b]) is "a'b", but decode([a, "'"]) is "a '"."""
+#: words joined by spaces (BERT-style), or pieces joined as they are (byte-level BPE style), so
+#: that a clean-up pattern can span two tokens or four (" n", "'", "t")
+CLEANED_WORDS = ["<pad>", "<eos>", "a", "b", "c", "'", ",", ".", "n't", "'s", "?", "!"]
+CLEANED_PIECES = ["<pad>", "<eos>", "I", " do", " n", "'", "t", " ", "r", "e", "m", "s", "v", ".", "?", ","]
+
+
+def _cleaning_tokenizer(words):
+    """A tokenizer with transformers' clean-up on: decode([a, "'", b]) is "a'b", but
+    decode([a, "'"]) is "a '"; decode of " n", "'", "t" is "n't"."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<pad>", "<eos>", "a", "b", "c", "'", ",", ".", "n't", "'s", "?", "!"]
     core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.decoder = decoders.WordPiece(prefix="##")
+    if words is CLEANED_WORDS:
+        core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        core.decoder = decoders.WordPiece(prefix="##")
+    else:
+        core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", clean_up_tokenization_spaces=True
     )
 
 
+@pytest.mark.parametrize("words", [CLEANED_WORDS, CLEANED_PIECES], ids=["words", "pieces"])
 @settings(max_examples=150, deadline=None)
-@given(ids=st.lists(st.integers(2, 11), min_size=1, max_size=30), data=st.data())
-def test_a_decode_that_cleans_up_spaces_streams_the_whole_text(ids, data):
-    """A later token can rewrite the text before it (" ' " becomes "'"); everything after the
-    first such rewrite was lost from the stream (the joined pieces stopped at "a '")."""
-    tokenizer = _cleaning_tokenizer()
+@given(picks=st.lists(st.integers(2, 100), min_size=1, max_size=30), data=st.data())
+def test_a_decode_that_cleans_up_spaces_streams_the_whole_text(words, picks, data):
+    """A later token can rewrite the text before it (" ' " becomes "'", " n" "'" "t" becomes
+    "n't"); everything after the first such rewrite was lost from the stream."""
+    tokenizer = _cleaning_tokenizer(words)
+    ids = [2 + p % (len(words) - 2) for p in picks]
     cuts = sorted(data.draw(st.lists(st.integers(1, max(len(ids) - 1, 1)), max_size=8)))
     for blocks in (cuts, list(range(1, len(ids)))):
         streamed, tracker = _run(tokenizer, ids, [], blocks)
