@@ -149,7 +149,7 @@ def _plan(docs, previous, splitter, report: IndexReport, progress: bool = False)
             {"chunk_id": f"{source}#{i}", "source": source, "file_sha256": sha, "text": c} for i, c in enumerate(chunks)
         ]
         if source.lower().endswith(MARKDOWN_SUFFIXES):  # searched under their section's headings
-            for rec, heading in zip(recs, heading_paths(text, chunks)):
+            for rec, heading in zip(recs, heading_paths(text, chunks, splitter._chunk_overlap)):
                 if heading:
                     rec["heading"] = heading
         plan.append((source, recs, None))

@@ -18,42 +18,81 @@ __all__ = ["MARKDOWN_SUFFIXES", "heading_paths", "searched_text"]
 MARKDOWN_SUFFIXES = (".md", ".markdown")
 
 _HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)(?:[ \t]+#+)?[ \t]*$")
-_FENCE = re.compile(r"^ {0,3}(```|~~~)")
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 
 
-def heading_paths(text: str, chunks: Sequence[str]) -> list[str]:
-    """Per chunk (in the order the splitter cut them from ``text``), the headings in force at its
-    start, outermost first, joined by " > " ("" where none is). Lines in fenced code are no headings."""
-    starts, cursor = [], 0
-    for chunk in chunks:  # chunks overlap: each one starts after the previous one's start
+def heading_paths(text: str, chunks: Sequence[str], overlap: int = 0) -> list[str]:
+    """Per chunk (in the order the splitter cut them from ``text``, overlapping by at most
+    ``overlap`` characters), the ATX headings ("## title") in force at its start, outermost first,
+    joined by " > " ("" where none is). Lines in fenced code, in HTML comments and in a front
+    matter block are no headings; lines end at "\n" only, as Markdown's do."""
+    starts: list[int] = []
+    for chunk in chunks:  # where a text that occurs twice is this chunk's: at or after the last one's end
+        if starts:
+            previous = starts[-1]
+            cursor = max(previous + 1, previous + len(chunks[len(starts) - 1]) - overlap)
+        else:
+            cursor = 0
         at = text.find(chunk, cursor)
         starts.append(cursor if at < 0 else at)
-        cursor = starts[-1] + 1
-    paths, stack, fenced, offset = [], [], False, 0
-    lines = text.splitlines(keepends=True)
-    line = 0
+    reader = _Reader()
+    paths: list[str] = []
+    lines = text.split("\n")
+    line, offset = 0, 0
     for start in starts:
-        while line < len(lines) and offset + len(lines[line].rstrip("\r\n")) < start:  # lines ending before it
-            fenced, stack = _read_line(lines[line], fenced, stack)
-            offset += len(lines[line])
+        while line < len(lines) and offset + len(lines[line].rstrip("\r")) < start:  # lines ending before it
+            reader.read(lines[line], first=line == 0)
+            offset += len(lines[line]) + 1
             line += 1
+        stack = reader.stack
         if line < len(lines) and offset <= start:  # the chunk starts on this line: a heading there is its own
-            _, with_line = _read_line(lines[line], fenced, stack)
-            paths.append(" > ".join(title for _, title in with_line))
-        else:
-            paths.append(" > ".join(title for _, title in stack))
+            stack = reader.peek(lines[line], first=line == 0)
+        paths.append(" > ".join(title for _, title in stack))
     return paths
 
 
-def _read_line(line: str, fenced: bool, stack: list[tuple[int, str]]) -> tuple[bool, list[tuple[int, str]]]:
-    """The fence state and heading stack after ``line``."""
-    if _FENCE.match(line):
-        return not fenced, stack
-    match = None if fenced else _HEADING.match(line.rstrip("\r\n"))
-    if match is None:
-        return fenced, stack
-    level = len(match.group(1))
-    return fenced, [*(h for h in stack if h[0] < level), (level, match.group(2))]
+class _Reader:
+    """Markdown read line by line: the headings in force, and whether a line is code, a comment
+    or front matter (none of which holds headings)."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[int, str]] = []
+        self.fence: str | None = None  # the open fence's run of ` or ~
+        self.comment = False
+        self.front_matter = False
+
+    def read(self, line: str, first: bool = False) -> None:
+        self.stack = self._after(line.rstrip("\r"), first, apply=True)
+
+    def peek(self, line: str, first: bool = False) -> list[tuple[int, str]]:
+        return self._after(line.rstrip("\r"), first, apply=False)
+
+    def _after(self, line: str, first: bool, apply: bool) -> list[tuple[int, str]]:
+        fence, comment, front = self.fence, self.comment, self.front_matter
+        heading = None
+        if first and line.strip() == "---":
+            front = True
+        elif front:
+            front = line.strip() not in ("---", "...")
+        elif fence is not None:
+            stripped = line.strip()
+            if stripped and set(stripped) == {fence[0]} and len(stripped) >= len(fence):
+                fence = None
+        elif comment:
+            comment = "-->" not in line
+        elif (match := _FENCE.match(line)) is not None:
+            fence = match.group(1)
+        elif "<!--" in line and "-->" not in line.split("<!--", 1)[1]:
+            comment = True
+        else:
+            heading = _HEADING.match(line)
+        stack = self.stack
+        if heading is not None:
+            level = len(heading.group(1))
+            stack = [*(h for h in stack if h[0] < level), (level, heading.group(2))]
+        if apply:
+            self.fence, self.comment, self.front_matter = fence, comment, front
+        return stack
 
 
 def searched_text(record: dict) -> str:

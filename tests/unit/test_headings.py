@@ -47,3 +47,45 @@ def test_text_without_headings_has_none_and_is_searched_as_it_is():
     assert set(heading_paths("plain text, no headings at all. " * 4, chunks)) == {""}
     assert searched_text({"text": "body"}) == "body"
     assert searched_text({"text": "body", "heading": "A > B"}) == "A > B\nbody"
+
+
+def _expected_at(text: str, start: int) -> str:
+    """The heading path at ``start`` read independently: every "#" line before the end of its line."""
+    stack: list[tuple[int, str]] = []
+    offset = 0
+    for line in text.split("\n"):
+        if offset > start:
+            break
+        if line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            stack = [*(h for h in stack if h[0] < level), (level, line[level:].strip())]
+        offset += len(line) + 1
+    return " > ".join(t for _, t in stack)
+
+
+def test_a_chunk_whose_text_occurs_earlier_gets_its_own_place():
+    """A changelog repeats "- Bug fixes." under every version: the chunk under 2.0 was found at
+    the copy inside the previous chunk and labelled 2.1."""
+    text = "# Changelog\n\n" + "".join(f"## {v}\n\n- Bug fixes.\n- Faster.\n\n" for v in ("2.1", "2.0", "1.9", "1.8"))
+    splitter = make_splitter(30, 10)
+    documents = splitter.create_documents([text], metadatas=[{}])
+    chunks = [d.page_content for d in documents]
+    assert len(set(chunks)) < len(chunks)  # the same text several times
+    splitter_with_starts = make_splitter(30, 10)
+    splitter_with_starts._add_start_index = True
+    starts = [d.metadata["start_index"] for d in splitter_with_starts.create_documents([text])]
+    expected = [_expected_at(text, s) for s in starts]
+    assert heading_paths(text, chunks, overlap=10) == expected
+
+
+def test_fences_comments_and_front_matter_hold_no_headings():
+    text = (
+        "---\n# a: yaml comment\n---\n# Doc\n\n````md\n```\n# shown code\n```\n````\n\n"
+        "<!--\n# commented out\n-->\n\nbody ~~~\n~~~\n# in tildes\n~~~\n\n## Real\n\ntext \x0c# not a line start\n"
+    )
+    chunks = [line for line in text.split("\n") if line.strip()]
+    paths = heading_paths(text, chunks)
+    assert paths[chunks.index("# shown code")] == "Doc"
+    assert paths[chunks.index("# commented out")] == "Doc"
+    assert paths[chunks.index("# in tildes")] == "Doc"
+    assert paths[-1] == "Doc > Real" and paths[chunks.index("# a: yaml comment")] == ""
