@@ -10,6 +10,7 @@ has always offered).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -230,6 +231,22 @@ def _make_retriever(index: DocumentIndex, k: int, mode: str | None):
     return DocumentIndexRetriever(index=index, k=k, mode=mode)
 
 
+def _warn_if_built_without_headings(index_dir: Path, manifest: dict, records: list[dict]) -> None:
+    """An index built before Markdown chunks were searched under their headings still searches
+    their text alone (a section named only in its heading ranks low): say how to rebuild it."""
+    from rag_lookahead.rag.headings import MARKDOWN_SUFFIXES
+
+    if "headings" in manifest or not any(r["source"].lower().endswith(MARKDOWN_SUFFIXES) for r in records):
+        return
+    corpus = manifest.get("corpus_dir") or "DIR"
+    warnings.warn(
+        f"the index at {index_dir} was built before chunks of Markdown files were searched under their "
+        f"headings: run `rag_lookahead index {corpus} --index-dir {index_dir}` again to search them so",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def load_index(
     index_dir: str | Path | None = None, embedder: Embedder | str | None = None, *, mode: str = "hybrid"
 ) -> DocumentIndex:
@@ -244,6 +261,7 @@ def load_index(
     from rag_lookahead.rag.embedders import get_embedder
 
     manifest, fidx, records = store.read_snapshot(index_dir)
+    _warn_if_built_without_headings(index_dir, manifest, records)
     built_with = manifest["embedding_model"]
     if isinstance(embedder, str):
         embedder = get_embedder(embedder)

@@ -1329,6 +1329,8 @@ def test_markdown_chunks_are_searched_under_their_headings(tmp_path, embedder):
     manifest = json.loads((tmp_path / "index" / "manifest.json").read_text(encoding="utf-8"))
     del manifest["headings"]  # as the builds before headings wrote it
     write_json_atomic(tmp_path / "index" / "manifest.json", manifest)
+    with pytest.warns(UserWarning, match="before chunks of Markdown files were searched under their headings"):
+        ix.load_index(tmp_path / "index", embedder)  # searched the old way until rebuilt: `ask` says so
     with pytest.warns(UserWarning, match="searching under headings"):
         again = build(bundled_corpus(), tmp_path / "index", embedder)
     assert again.embedded_chunks == report.chunks
