@@ -55,10 +55,13 @@ def chat(
     """
     if not isinstance(query, str) or not query.strip():
         raise InputError("query must be a non-empty string")
-    if isinstance(references, (str, bytes)) or (
-        references is not None and not all(isinstance(p, str) for p in references)
-    ):  # a bare string would be drafted from as one-character passages
-        raise InputError("references must be a list of passages (strings)")
+    if references is not None:  # a bare string would be drafted from as one-character passages
+        try:
+            references = None if isinstance(references, (str, bytes)) else list(references)  # a generator once
+        except TypeError:
+            references = None
+        if references is None or not all(isinstance(p, str) for p in references):
+            raise InputError("references must be a list of passages (strings)")
     as_messages = _is_messages(history)
     messages = _messages(history, as_messages)
     if system is not None:

@@ -199,6 +199,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
             "model_name": llm.model_name,
             "lookahead": llm.lookahead,
             "max_tokens": llm.max_new_tokens,
+            "stop": llm.stop,
             **{name: getattr(llm, name) for name in SAMPLING_FIELDS},
         }
         return cls(model=llm.model, tokenizer=llm.tokenizer, engine=llm.engine, **(settings | kwargs))

@@ -93,7 +93,7 @@ def test_system_twice_and_no_chat_template_are_refused(tiny):
     with pytest.raises(ConfigError, match="chat template"):
         chat(model, bare, "t4")
     # one passage as a bare string was drafted from as one-character passages, in silence
-    for references in ("t5 t6 t7", [b"t5"], [5, 6]):
+    for references in ("t5 t6 t7", [b"t5"], [5, 6], 5):
         with pytest.raises(InputError, match="references must be a list of passages"):
             chat(model, tokenizer, "t4", references=references)
 

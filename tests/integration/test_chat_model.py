@@ -450,6 +450,17 @@ def test_a_loaded_model_is_freed_with_the_last_chat_model_on_it():
     assert gone() is None and all(engine.model is not None for engine in chat_model._ENGINES.values())
 
 
+def test_from_llm_carries_the_llms_stop_strings():
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead import LookaheadLLM
+    from rag_lookahead.tiny import build_tiny_model
+
+    llm = LookaheadLLM(model=build_tiny_model("qwen2", seed=6), tokenizer=tiny_tokenizer(), stop=["t16"])
+    assert ChatLookahead.from_llm(llm).stop == ["t16"]
+    assert ChatLookahead.from_llm(llm, stop=["t9"]).stop == ["t9"]
+
+
 @slow
 def test_bad_settings_are_refused(chat, weights):
     model, tok = weights
