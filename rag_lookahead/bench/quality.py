@@ -42,6 +42,7 @@ from rag_lookahead.bench.common import (
     check_output_path,
     check_positive,
     load_bench_model,
+    passage_counts,
     run_command,
 )
 from rag_lookahead.bench.rag import open_index
@@ -205,7 +206,7 @@ def quality(
     device: DeviceOption = None,
     max_new_tokens: int = 128,
     k_prompt: int = 3,
-    k_seed: int = 8,
+    k_seed: int | None = None,
     index_dir: Annotated[
         str | None, typer.Option(help="an index to use (default: the bundled corpus, indexed into a temp dir)")
     ] = None,
@@ -215,6 +216,7 @@ def quality(
     # over 40 lines only because typer declares the options in the signature; the work is ask_all
     names = model_names(models)
     check_positive({"--max-new-tokens": max_new_tokens})
+    k_seed = passage_counts(k_prompt, k_seed)
     check_output_path(json_path)
     rows: list[dict] = []
     summaries: dict[str, dict] = {}

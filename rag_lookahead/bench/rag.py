@@ -34,6 +34,7 @@ from rag_lookahead.bench.common import (
     given_or_temporary_index,
     in_turn,
     load_bench_model,
+    passage_counts,
     print_rows,
     run_command,
     run_record,
@@ -136,15 +137,13 @@ def rag(
         str | None, typer.Option(help="an index to use (default: the bundled corpus, indexed into a temp dir)")
     ] = None,
     k_prompt: int = 2,
-    k_seed: int = 8,
+    k_seed: int | None = None,
     max_new_tokens: int = 192,
     json_path: JsonOption = None,
 ) -> dict:
     """RAG benchmark: the retrieval chain over an index, with and without trie seeding."""
     check_positive({"--max-new-tokens": max_new_tokens})
-    from rag_lookahead.rag.chains import check_k
-
-    check_k(k_prompt, k_seed, names=("--k-prompt", "--k-seed"))
+    k_seed = passage_counts(k_prompt, k_seed)
     check_output_path(json_path)
     with open_index(index_dir) as index:  # a missing index is said before the model loads
         loaded, tokenizer = load_bench_model(model, dtype, device, device_map)

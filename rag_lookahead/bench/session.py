@@ -39,6 +39,7 @@ from rag_lookahead.bench.common import (
     fresh_acceptance,
     given_or_temporary_index,
     load_bench_model,
+    passage_counts,
     print_rows,
     run_command,
     run_record,
@@ -171,7 +172,7 @@ def session(
         int, typer.Option(min=0, help="ask every N-th question again with an empty pool (0: never)")
     ] = 10,
     k_prompt: int = 3,
-    k_seed: int = 8,
+    k_seed: int | None = None,
     max_new_tokens: int = 64,
     seed: Annotated[int, typer.Option(help="order of the questions")] = 0,
     json_path: JsonOption = None,
@@ -180,9 +181,7 @@ def session(
     from rag_lookahead.bench.retrieval import load_dataset
 
     check_positive({"--max-new-tokens": max_new_tokens})
-    from rag_lookahead.rag.chains import check_k
-
-    check_k(k_prompt, k_seed, names=("--k-prompt", "--k-seed"))
+    k_seed = passage_counts(k_prompt, k_seed)
     check_output_path(json_path)
     items = load_dataset(dataset)
     asked = session_questions(items, questions, seed)

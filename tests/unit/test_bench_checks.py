@@ -69,6 +69,11 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ),
     ("session", ["--k-prompt", "0"], f"error: --k-prompt {BELOW} 0"),
     ("session", ["--k-seed", "1"], "error: --k-seed must be an integer >= --k-prompt (3), got 1"),
+    (
+        "quality",
+        ["--models", "default", "--k-prompt", "4", "--k-seed", "2"],
+        "error: --k-seed must be an integer >= --k-prompt (4), got 2",
+    ),
 ]
 
 
