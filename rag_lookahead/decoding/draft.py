@@ -102,10 +102,15 @@ class DraftTree:
                 raise ValueError(f"draft node {i}: token {token!r} and parent {parent!r} must be ints") from None
             if not -1 <= parents[i] < i:
                 raise ValueError(f"draft node {i}: parent {parent!r} must be -1 (the root) or an earlier node")
+            try:
+                prob = float(prob)
+            except (TypeError, ValueError):
+                raise ValueError(f"draft node {i}: prob {prob!r} is not a number") from None
             ceiling = 1.0 if parents[i] < 0 else probs[parents[i]]
             depths.append(1 if parents[i] < 0 else depths[parents[i]] + 1)
-            probs.append(min(float(prob), ceiling) if float(prob) >= 0 else 0.0)  # NaN too: 0
-        if (tokens, parents, depths, probs) == (self.tokens, self.parents, self.depths, self.probs):
+            probs.append(min(prob, ceiling) if prob >= 0 else 0.0)  # NaN too: 0
+        given = (list(self.tokens), list(self.parents), list(self.depths), list(self.probs))  # numpy's too
+        if (tokens, parents, depths, probs) == given:
             return self
         return DraftTree(tokens, parents, depths, probs)
 

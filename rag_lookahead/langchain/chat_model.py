@@ -45,6 +45,7 @@ from pydantic import ConfigDict, Field, StrictFloat, StrictInt
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.inputs import check_prompt_room
+from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.batching import BatchCall, decode_together, gather_of_this_thread, run_wave, settings_key
 from rag_lookahead.langchain.engine import CancellableAsync, Engine, NotPickled, RowRequest, pool_shape
@@ -101,7 +102,10 @@ def _shared_engine(model: Any, tokenizer: Any, config: LookaheadConfig) -> Engin
     with _LOAD_LOCK:
         engine = _ENGINES.get(id(model))
         if engine is None or engine.model is not model or engine.tokenizer is not tokenizer:
-            engine = Engine(model, tokenizer, config)
+            # the pool lives with the model (its profile), so chat models made one after another
+            # (one a request, say) draft from the answers of those before
+            pool = profile_of(model).output_pool(*pool_shape(config))
+            engine = Engine(model, tokenizer, config, output_pool=pool)
             _ENGINES[id(model)] = engine
         elif (engine.output_pool.depth, engine.output_pool.max_nodes) != pool_shape(config):
             log.warning(

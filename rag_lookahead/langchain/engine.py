@@ -153,7 +153,9 @@ class Engine:
     call (``batch``) instead.
     """
 
-    def __init__(self, model, tokenizer, config: LookaheadConfig | None = None) -> None:
+    def __init__(
+        self, model, tokenizer, config: LookaheadConfig | None = None, output_pool: OutputPool | None = None
+    ) -> None:
         if model is None or tokenizer is None:
             raise ConfigError("the engine needs a model and a tokenizer")
         config = config or LookaheadConfig()
@@ -161,7 +163,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_ids(model, tokenizer))
         self.pad = pad_id(model, tokenizer, self.eos)
-        self.output_pool = OutputPool(*pool_shape(config))
+        self.output_pool = output_pool if output_pool is not None else OutputPool(*pool_shape(config))
         self.seeds = SeedRegistry()
         self._decoding = threading.Lock()
 

@@ -207,6 +207,7 @@ def test_a_drafters_depths_and_probabilities_are_not_trusted(budget):
         (DraftTree([5, 6], [-1, 1], [1, 2], [1.0, 1.0]), "earlier node"),
         (DraftTree([5, 6], [-1, -2], [1, 1], [1.0, 1.0]), "earlier node"),
         (DraftTree([5, 6.0], [-1, 0], [1, 2], [1.0, 1.0]), "must be ints"),
+        (DraftTree([5, 6], [-1, 0], [1, 2], [1.0, None]), "is not a number"),
     ],
 )
 def test_a_tree_that_cannot_be_read_is_refused(tree, message):

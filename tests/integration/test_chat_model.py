@@ -444,8 +444,14 @@ def test_a_loaded_model_is_freed_with_the_last_chat_model_on_it():
     first = ChatLookahead(model=model, tokenizer=tok, max_tokens=3, lookahead=FIXED)
     second = ChatLookahead(model=model, tokenizer=tok, max_tokens=3, lookahead=FIXED)
     assert first._engine is second._engine and first.invoke("t5 t6").content == second.invoke("t5 t6").content
+    pool = first.output_pool
+    assert pool.nodes > 0
+    del first, second
+    gc.collect()
+    later = ChatLookahead(model=model, tokenizer=tok, max_tokens=3, lookahead=FIXED)
+    assert later.output_pool is pool  # one made later (one a request, say) drafts from earlier answers
     gone = weakref.ref(model)
-    del first, second, model
+    del later, model, pool
     gc.collect()
     assert gone() is None and all(engine.model is not None for engine in chat_model._ENGINES.values())
 
