@@ -81,7 +81,8 @@ class IndexReport:
 
 def make_splitter(chunk_size: int = CHUNK_SIZE, chunk_overlap: int = CHUNK_OVERLAP):
     """A Chinese-aware ``RecursiveCharacterTextSplitter``: paragraphs, lines, then sentence ends
-    (``。！？；`` and ``. ! ?``), words, characters. Sentence punctuation stays at the END of a chunk."""
+    (``。！？；`` and ``. ! ?``), words, characters. Sentence punctuation stays at the END of a chunk.
+    Its documents say where each chunk starts (``start_index``: see ``headings``)."""
     from langchain_text_splitters import RecursiveCharacterTextSplitter
 
     if chunk_size < 1:
@@ -95,6 +96,7 @@ def make_splitter(chunk_size: int = CHUNK_SIZE, chunk_overlap: int = CHUNK_OVERL
         chunk_overlap=chunk_overlap,
         length_function=len,
         strip_whitespace=True,
+        add_start_index=True,
     )
 
 
@@ -143,13 +145,14 @@ def _plan(docs, previous, splitter, report: IndexReport, progress: bool = False)
         else:
             report.updated += 1
         bar.set_postfix_str(one_line(source), refresh=False)
-        chunks = [c for c in splitter.split_text(text) if c.strip()]
+        pieces = [d for d in splitter.create_documents([text]) if d.page_content.strip()]
         bar.update(len(text))
         recs = [
-            {"chunk_id": f"{source}#{i}", "source": source, "file_sha256": sha, "text": c} for i, c in enumerate(chunks)
+            {"chunk_id": f"{source}#{i}", "source": source, "file_sha256": sha, "text": d.page_content}
+            for i, d in enumerate(pieces)
         ]
         if source.lower().endswith(MARKDOWN_SUFFIXES):  # searched under their section's headings
-            for rec, heading in zip(recs, heading_paths(text, chunks, splitter._chunk_overlap)):
+            for rec, heading in zip(recs, heading_paths(text, [d.metadata["start_index"] for d in pieces])):
                 if heading:
                     rec["heading"] = heading
         plan.append((source, recs, None))

@@ -21,20 +21,11 @@ _HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)(?:[ \t]+#+)?[ \t]*$")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 
 
-def heading_paths(text: str, chunks: Sequence[str], overlap: int = 0) -> list[str]:
-    """Per chunk (in the order the splitter cut them from ``text``, overlapping by at most
-    ``overlap`` characters), the ATX headings ("## title") in force at its start, outermost first,
-    joined by " > " ("" where none is). Lines in fenced code, in HTML comments and in a front
-    matter block are no headings; lines end at "\n" only, as Markdown's do."""
-    starts: list[int] = []
-    for chunk in chunks:  # where a text that occurs twice is this chunk's: at or after the last one's end
-        if starts:
-            previous = starts[-1]
-            cursor = max(previous + 1, previous + len(chunks[len(starts) - 1]) - overlap)
-        else:
-            cursor = 0
-        at = text.find(chunk, cursor)
-        starts.append(cursor if at < 0 else at)
+def heading_paths(text: str, starts: Sequence[int]) -> list[str]:
+    """Per chunk, given where each starts in ``text`` (in order: the splitter's ``start_index``),
+    the ATX headings ("## title") in force there, outermost first, joined by " > " ("" where none
+    is). Lines in fenced code, in HTML comments and in a front matter block are no headings; lines
+    end at "\n" only, as Markdown's do."""
     reader = _Reader()
     paths: list[str] = []
     lines = text.split("\n")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rag_lookahead.rag.build import make_splitter
+from pathlib import Path
+
+from rag_lookahead.rag.build import IndexReport, _plan, make_splitter
 from rag_lookahead.rag.headings import heading_paths, searched_text
 
 DOC = """# Tuning
@@ -28,13 +30,19 @@ Fewer nodes.
 """
 
 
+def _split(text: str, size: int, overlap: int) -> tuple[list[str], list[int]]:
+    """The index's chunks of ``text`` and where each starts."""
+    documents = make_splitter(size, overlap).create_documents([text])
+    return [d.page_content for d in documents], [d.metadata["start_index"] for d in documents]
+
+
 def _path_of(chunks, paths, needle):
     return next(p for c, p in zip(chunks, paths) if needle in c)
 
 
 def test_each_chunk_gets_the_headings_in_force_where_it_starts():
-    chunks = make_splitter(40, 10).split_text(DOC)
-    paths = heading_paths(DOC, chunks)
+    chunks, starts = _split(DOC, 40, 10)
+    paths = heading_paths(DOC, starts)
     assert len(paths) == len(chunks) and paths[0] == "Tuning"
     assert _path_of(chunks, paths, "maximum number") == "Tuning > decoding_length"
     assert _path_of(chunks, paths, "echo hi") == "Tuning > decoding_length"  # the fenced "#" line is code
@@ -43,8 +51,8 @@ def test_each_chunk_gets_the_headings_in_force_where_it_starts():
 
 
 def test_text_without_headings_has_none_and_is_searched_as_it_is():
-    chunks = make_splitter(30, 5).split_text("plain text, no headings at all. " * 4)
-    assert set(heading_paths("plain text, no headings at all. " * 4, chunks)) == {""}
+    _, starts = _split("plain text, no headings at all. " * 4, 30, 5)
+    assert set(heading_paths("plain text, no headings at all. " * 4, starts)) == {""}
     assert searched_text({"text": "body"}) == "body"
     assert searched_text({"text": "body", "heading": "A > B"}) == "A > B\nbody"
 
@@ -67,15 +75,13 @@ def test_a_chunk_whose_text_occurs_earlier_gets_its_own_place():
     """A changelog repeats "- Bug fixes." under every version: the chunk under 2.0 was found at
     the copy inside the previous chunk and labelled 2.1."""
     text = "# Changelog\n\n" + "".join(f"## {v}\n\n- Bug fixes.\n- Faster.\n\n" for v in ("2.1", "2.0", "1.9", "1.8"))
-    splitter = make_splitter(30, 10)
-    documents = splitter.create_documents([text], metadatas=[{}])
-    chunks = [d.page_content for d in documents]
+    chunks, starts = _split(text, 30, 10)
     assert len(set(chunks)) < len(chunks)  # the same text several times
-    splitter_with_starts = make_splitter(30, 10)
-    splitter_with_starts._add_start_index = True
-    starts = [d.metadata["start_index"] for d in splitter_with_starts.create_documents([text])]
     expected = [_expected_at(text, s) for s in starts]
-    assert heading_paths(text, chunks, overlap=10) == expected
+    # as the index splits a Markdown file: each chunk's heading from where the splitter cut it
+    plan, _ = _plan({"changes.md": ("sha", text)}, {}, make_splitter(30, 10), IndexReport(Path("i"), "e"))
+    assert [r["text"] for r in plan[0][1]] == chunks
+    assert [r.get("heading", "") for r in plan[0][1]] == expected
 
 
 def test_fences_comments_and_front_matter_hold_no_headings():
@@ -84,7 +90,11 @@ def test_fences_comments_and_front_matter_hold_no_headings():
         "<!--\n# commented out\n-->\n\nbody ~~~\n~~~\n# in tildes\n~~~\n\n## Real\n\ntext \x0c# not a line start\n"
     )
     chunks = [line for line in text.split("\n") if line.strip()]
-    paths = heading_paths(text, chunks)
+    starts, cursor = [], 0
+    for chunk in chunks:  # one chunk a line
+        starts.append(text.index(chunk, cursor))
+        cursor = starts[-1] + len(chunk)
+    paths = heading_paths(text, starts)
     assert paths[chunks.index("# shown code")] == "Doc"
     assert paths[chunks.index("# commented out")] == "Doc"
     assert paths[chunks.index("# in tildes")] == "Doc"
