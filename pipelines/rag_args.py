@@ -22,9 +22,11 @@ class RagArgumentParser(argparse.ArgumentParser):
 
     def parse_args(self, *args, **kwargs):  # type: ignore[override]
         parsed = super().parse_args(*args, **kwargs)
+        flags = ("--k", "--k-seed")
         if hasattr(parsed, "k_seed"):
-            parsed.k_seed = seed_count(parsed.k, parsed.k_seed)
-        check_k(parsed.k, getattr(parsed, "k_seed", parsed.k), names=("--k", "--k-seed"))
+            parsed.k_seed = seed_count(parsed.k, parsed.k_seed, names=flags)
+        else:
+            check_k(parsed.k, parsed.k, names=flags)
         questions = getattr(parsed, "questions", None)  # chat_stream's list (batch_answers': a file)
         if not isinstance(questions, list):
             questions = [parsed.question] if hasattr(parsed, "question") else []

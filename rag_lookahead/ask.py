@@ -114,7 +114,7 @@ def answer(
 
     ``temperature`` > 0 samples (lossless: the model's own distribution); ``seed`` makes it
     reproducible."""
-    from rag_lookahead.rag.chains import build_rag_chain, check_k, seed_count
+    from rag_lookahead.rag.chains import build_rag_chain, seed_count
     from rag_lookahead.rag.index import default_index_dir
 
     if not isinstance(question, str) or not question.strip():
@@ -128,8 +128,7 @@ def answer(
 
     check_searchable(question, "the question")
     _check_sampling(temperature, top_p, seed)
-    k_seed = seed_count(k, k_seed)
-    check_k(k, k_seed, names=("--k", "--k-seed"))  # an explicit --k-seed below --k was raised to it in silence
+    k_seed = seed_count(k, k_seed, names=("--k", "--k-seed"))  # one below --k was raised to it in silence
     folder = expand_user(index_dir, "--index-dir") if index_dir else default_index_dir()
     if llm is None:
         from rag_lookahead.models import check_embedded_installed

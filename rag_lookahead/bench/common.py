@@ -163,11 +163,9 @@ def check_positive(options: Mapping[str, int | None]) -> None:
 def passage_counts(k_prompt: int, k_seed: int | None) -> int:
     """``--k-seed`` as the RAG benchmarks use it (not given: the larger of ``--k-prompt`` and 8, as
     ``ask`` takes it), checked with ``--k-prompt`` before any model or index loads."""
-    from rag_lookahead.rag.chains import check_k, seed_count
+    from rag_lookahead.rag.chains import seed_count
 
-    k_seed = seed_count(k_prompt, k_seed)
-    check_k(k_prompt, k_seed, names=("--k-prompt", "--k-seed"))
-    return k_seed
+    return seed_count(k_prompt, k_seed, names=("--k-prompt", "--k-seed"))
 
 
 def check_method_list(chosen: Sequence[str], extra_depths: Mapping[str, int], methods: str) -> None:

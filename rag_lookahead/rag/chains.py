@@ -153,10 +153,13 @@ def as_retriever(retriever_or_index: Any, k: int) -> BaseRetriever:
 DEFAULT_K_SEED = 8
 
 
-def seed_count(k_prompt: int, k_seed: int | None) -> int:
+def seed_count(k_prompt: int, k_seed: int | None, names: tuple[str, str] = ("k_prompt", "k_seed")) -> int:
     """``k_seed``, or where it is not given the larger of ``k_prompt`` and ``DEFAULT_K_SEED`` (so
-    that ``--k 10`` alone is not refused for retrieving fewer than it shows)."""
-    return max(k_prompt, DEFAULT_K_SEED) if k_seed is None else k_seed
+    that ``--k 10`` alone is not refused for retrieving fewer than it shows), checked with
+    ``k_prompt`` as :func:`check_k` checks them."""
+    k_seed = max(k_prompt, DEFAULT_K_SEED) if k_seed is None else k_seed
+    check_k(k_prompt, k_seed, names)
+    return k_seed
 
 
 def check_k(k_prompt: int, k_seed: int, names: tuple[str, str] = ("k_prompt", "k_seed")) -> None:
