@@ -163,21 +163,30 @@ def generate(
         output_pool = profile_of(model).output_pool(
             config.branch_length + config.max_key_length, config.output_pool_nodes
         )
+    new_batch = functools.partial(DecodeBatch, model, config, eos, output_pool, drafter, prefill_chunk=prefill_chunk)
+    run = functools.partial(_decode_rows, new_batch, max_new_tokens=max_new_tokens, pad=pad, logprobs=logprobs)
     if ids.shape[0] > 1 and not supports_tree_mask(model):  # packed rows are kept apart by the mask
-        settings = dict(
-            config=config,
-            eos_token_id=list(eos_order),
-            pad_token_id=pad,
-            output_pool=output_pool,
-            logprobs=logprobs,
-            prefill_chunk=prefill_chunk,
-        )
-        return _row_by_row(
-            model, ids, mask, references, (on_tokens, stop_check), sampling, max_new_tokens, drafter=drafter, **settings
-        )
+        return _row_by_row(run, ids, mask, references, sampling, (on_tokens, stop_check), pad, logprobs)
+    return run(ids, mask, references, sampling, (on_tokens, stop_check))
 
-    stats = GenerationStats(rows=ids.shape[0], trace=[] if config.debug else None)
-    batch = DecodeBatch(model, config, eos, output_pool, drafter, prefill_chunk=prefill_chunk)
+
+def _decode_rows(
+    new_batch: Callable[[], DecodeBatch],
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    references,
+    sampling: list[SamplingParams],
+    callbacks: tuple,
+    *,
+    max_new_tokens: int,
+    pad: int,
+    logprobs: int | None,
+) -> GenerationResult:
+    """Checked and resolved rows decoded in one fresh batch (``callbacks``: ``on_tokens`` and
+    ``stop_check``, called with the rows' indices in ``ids``)."""
+    on_tokens, stop_check = callbacks
+    batch = new_batch()
+    stats = GenerationStats(rows=ids.shape[0], trace=[] if batch.config.debug else None)
     start = time.perf_counter()
     recorders = None if logprobs is None else [LogprobRecorder(logprobs) for _ in range(ids.shape[0])]
     rows = batch.add(ids, mask, references, max_new_tokens, sampling=sampling, logprobs=recorders)
@@ -232,40 +241,25 @@ def _decode(
     return outputs
 
 
-def _as_options(params: SamplingParams) -> dict:
-    """A row's settings as ``generate`` keywords (top_k 0 = off, so it is not taken from defaults)."""
-    return {
-        "do_sample": params.do_sample,
-        "temperature": params.temperature,
-        "top_k": params.top_k or 0,
-        "top_p": params.top_p,
-        "min_p": params.min_p,
-        "repetition_penalty": params.repetition_penalty,
-        "seed": params.seed,
-    }
-
-
-def _row_by_row(model, ids, mask, references, callbacks, sampling, max_new_tokens, **settings) -> GenerationResult:
-    """Models without tree masks cannot batch ragged rows; decode each row alone (``callbacks``:
-    ``on_tokens`` and ``stop_check``; ``settings``: the batch's other ``generate`` keywords)."""
+def _row_by_row(run, ids, mask, references, sampling, callbacks, pad, logprobs) -> GenerationResult:
+    """Models without tree masks cannot batch ragged rows; ``run`` (``_decode_rows``) decodes each
+    row alone, with the settings the whole call resolved (a row's own width must not change what
+    ``min_length`` holds back, nor the model's config undo the call's)."""
     on_tokens, stop_check = callbacks
-    outputs, total, logprobs = [], GenerationStats(rows=ids.shape[0]), []
+    outputs, total, entries = [], GenerationStats(rows=ids.shape[0]), []
     for r in range(ids.shape[0]):
         length = int(mask[r].sum())
         row = ids[r : r + 1, ids.shape[1] - length :]
-        result = generate(
-            model,
-            row,
-            torch.ones_like(row),  # the row's own tokens, pad ids among them too (no mask to infer)
-            max_new_tokens=max_new_tokens,
-            references=[references[r]] if references else None,
-            on_tokens=(lambda _row, tokens, r=r: on_tokens(r, tokens)) if on_tokens else None,
-            stop_check=(lambda _row, tokens, r=r: stop_check(r, tokens)) if stop_check else None,
-            **settings,
-            **_as_options(sampling[r]),
+        row_callbacks = (
+            (lambda _row, tokens, r=r: on_tokens(r, tokens)) if on_tokens else None,
+            (lambda _row, tokens, r=r: stop_check(r, tokens)) if stop_check else None,
+        )
+        # the row's own tokens, pad ids among them too (no mask to infer)
+        result = run(
+            row, torch.ones_like(row), [references[r]] if references else None, sampling[r : r + 1], row_callbacks
         )
         outputs.append(result.sequences[0, length:].tolist())
         total.add(result.stats)
-        logprobs.extend(result.logprobs or [])
-    sequences = assemble(ids, outputs, pad=settings["pad_token_id"])
-    return GenerationResult(sequences, total, logprobs if settings["logprobs"] is not None else None)
+        entries.extend(result.logprobs or [])
+    sequences = assemble(ids, outputs, pad)
+    return GenerationResult(sequences, total, entries if logprobs is not None else None)

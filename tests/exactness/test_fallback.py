@@ -110,3 +110,34 @@ def test_prompt_lookup_batches_fall_back_to_row_by_row(maskless_model):
     result = generate(maskless_model, ids, (ids != 0).long(), max_new_tokens=12, config=config, drafter=drafter)
     for row, prompt in enumerate(prompts):
         assert result.sequences[row, 7:].tolist() == reference_generate(maskless_model, prompt, 12, None)
+
+
+def test_row_by_row_keeps_the_calls_resolved_settings(maskless_model):
+    """Each row is decoded with what the whole call resolved: the model's own config cannot undo
+    the call's ``generation_config``, and ``min_length`` is judged against the padded width, as
+    transformers judges it over a batch (both were refused per row). A mask-blind model's padded
+    row is compared with the row run alone: in a batch its attention would see the pads."""
+    from transformers import GenerationConfig
+
+    prompts = [[5, 6, 7], [3, 4, 5, 6, 7]]
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
+    mask = (ids != 0).long()
+
+    def alone(prompt, **options):
+        out = maskless_model.generate(torch.tensor([prompt]), max_new_tokens=8, **options)
+        return out[0, len(prompt) :].tolist()
+
+    own = maskless_model.generation_config
+    saved = own.no_repeat_ngram_size, own.min_length
+    try:
+        own.no_repeat_ngram_size = 3
+        config = GenerationConfig(do_sample=False, no_repeat_ngram_size=0, max_new_tokens=8, pad_token_id=0)
+        ours = generate(maskless_model, ids, mask, max_new_tokens=8, generation_config=config, pad_token_id=0)
+        for row, prompt in enumerate(prompts):
+            assert ours.sequences[row, 5:].tolist() == alone(prompt, generation_config=config)
+        own.no_repeat_ngram_size, own.min_length = 0, 4  # <= the padded width 5: holds nothing back
+        ours = generate(maskless_model, ids, mask, max_new_tokens=8, pad_token_id=0, eos_token_id=2)
+        for row, prompt in enumerate(prompts):
+            assert ours.sequences[row, 5:].tolist() == alone(prompt, min_length=0, pad_token_id=0, eos_token_id=2)
+    finally:
+        own.no_repeat_ngram_size, own.min_length = saved
