@@ -86,13 +86,20 @@ def ignored_window(model) -> int | None:
 
 
 def _may_slide(model) -> bool:
-    """Whether any of the model's modules (torch's own aside) comes from code that builds sliding
-    masks, or from code outside transformers. Asked of the model itself, not cached by its class:
-    a composite class (Llava) builds a Llama or a Mistral decoder, as its config says."""
+    """Whether any of the model's own modules comes from code that builds sliding masks, or is a
+    model class from code outside transformers (remote code). Asked of the model itself, not
+    cached by its class: a composite class (Llava) builds a Llama or a Mistral decoder, as its
+    config says. Layers added from elsewhere that are not models (a LoRA adapter's, a quantized
+    linear's, torch's own) say nothing of the attention and are not trusted to slide."""
     import sys
 
-    names = {type(m).__module__ for m in model.modules()}
-    files = {sys.modules.get(name) for name in names if not name.startswith("torch.")}  # nn.Linear and such
+    from transformers import PreTrainedModel
+
+    files = {
+        sys.modules.get(type(m).__module__)
+        for m in model.modules()
+        if isinstance(m, PreTrainedModel) or type(m).__module__.startswith("transformers.")
+    }
     return any(
         f is None or not f.__name__.startswith("transformers.") or hasattr(f, "create_sliding_window_causal_mask")
         for f in files

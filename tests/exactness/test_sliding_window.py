@@ -134,6 +134,32 @@ def test_a_composite_class_is_judged_by_the_decoder_it_holds():
     assert "model.config.text_config.sliding_window = None" in limit_words(llama, 16)
 
 
+class _Adapter(torch.nn.Module):
+    """A layer added around a linear from outside transformers, as a LoRA adapter (peft) or a
+    quantized linear (bitsandbytes) is: it says nothing of how the attention treats a window."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+
+    def forward(self, x):
+        return self.base(x)
+
+
+def test_an_adapter_layer_does_not_make_a_stray_window_honoured():
+    """Any module from outside transformers made the whole model trusted to slide, so a Llama with
+    a stray window and an adapter decoded past the window, where ``generate`` follows its cache."""
+    from rag_lookahead.decoding.inputs import context_limit
+    from rag_lookahead.decoding.windows import ignored_window
+
+    config = transformers.LlamaConfig(**SMALL, sliding_window=16)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    attention = model.model.layers[0].self_attn
+    attention.q_proj = _Adapter(attention.q_proj)
+    assert ignored_window(model) == 16 == context_limit(model)
+
+
 def test_the_window_changes_the_tokens_so_the_tests_can_see_it():
     """Without it the model decodes other tokens: the exactness tests above would notice a lost window."""
     windowed = tiny_model("mistral")
