@@ -67,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -282,8 +283,19 @@ def _fp32_packed_takes(rows: int) -> bool:
     return rows in PACKED_TOKENS and mkl_packed_works()
 
 
-@functools.cache
+_CHOICE_LOCK = threading.Lock()
+
+
 def packed_kernel(dtype: torch.dtype) -> str:
+    """``"onednn"`` or ``"mkl"`` (see ``_packed_kernel``), chosen once per dtype: two threads
+    packing their first weights at once could each time the kernels and get different answers,
+    and a weight packed for one kernel would then be run by the other."""
+    with _CHOICE_LOCK:
+        return _packed_kernel(dtype)
+
+
+@functools.cache
+def _packed_kernel(dtype: torch.dtype) -> str:
     """``"onednn"`` or ``"mkl"``: the kernel a packed weight of ``dtype`` takes outside the row
     counts that always take oneDNN (bf16's ``BF16_ONEDNN_TOKENS``). ``RAG_LOOKAHEAD_CPU_GEMM``
     fixes it; else both are timed once on a 32 x 896 x 4864 product (about 50 ms), and oneDNN wins
@@ -305,6 +317,9 @@ def packed_kernel(dtype: torch.dtype) -> str:
         return fixed
     mkl, onednn = _time_packed_kernels(dtype)
     return "onednn" if onednn <= _ONEDNN_SHARE * mkl else "mkl"
+
+
+packed_kernel.cache_clear = _packed_kernel.cache_clear  # the tests fix the choice per case
 
 
 @functools.cache

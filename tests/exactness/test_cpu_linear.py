@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import pytest
 import torch
@@ -351,6 +352,36 @@ def test_the_packed_kernel_is_chosen_once_and_can_be_fixed(monkeypatch):
     assert packed_kernel(torch.bfloat16) == "onednn" or not _reordered_onednn_works(torch.bfloat16)
     monkeypatch.delenv(GEMM_ENV)
     packed_kernel.cache_clear()
+
+
+def test_threads_choosing_the_packed_kernel_at_once_agree(monkeypatch):
+    """The first weights packed by two threads at once: the kernels are timed once, and both get
+    the one answer (each timed them, and a close race could tell them different kernels)."""
+    import threading
+
+    from rag_lookahead import cpu_linear
+
+    if not (mkl_packed_works() and _reordered_onednn_works(torch.float32)):
+        pytest.skip("one packed kernel only here: nothing is timed")
+    timings = iter([(1.0, 0.5), (0.5, 1.0)] * 4)  # oneDNN wins the first timing, MKL the next
+
+    def timed(dtype):
+        time.sleep(0.05)
+        return next(timings)
+
+    monkeypatch.delenv(GEMM_ENV, raising=False)
+    monkeypatch.setattr(cpu_linear, "_time_packed_kernels", timed)
+    packed_kernel.cache_clear()
+    answers = []
+    try:
+        threads = [threading.Thread(target=lambda: answers.append(packed_kernel(torch.float32))) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        packed_kernel.cache_clear()
+    assert answers == ["onednn"] * 4
 
 
 def test_the_choice_keys_the_cost_curve(monkeypatch):
