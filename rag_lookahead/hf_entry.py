@@ -41,6 +41,8 @@ from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -52,10 +54,18 @@ from rag_lookahead.decoding.sampling import build_processors, refuse_assisted_sa
 from rag_lookahead.errors import ConfigError, InputError
 
 #: model inputs transformers prepares for every decoder-only call; anything else is refused
-_PREPARED_INPUTS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "cache", "use_cache"})
-
-#: GenerationConfig switches that ask for per-step tensors we do not produce
-_PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+_PREPARED_INPUTS = frozenset(
+    # (per-step outputs asked without return_dict_in_generate: ignored, as transformers ignores them)
+    {
+        "attention_mask",
+        "position_ids",
+        "logits_to_keep",
+        "cache",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+    }
+)
 
 
 @dataclass
@@ -280,18 +290,12 @@ def _argument_of_caller(frame, name: str) -> Any:
 
 
 def _check_call(model, generation_config, synced_gpus: bool) -> None:
-    """Refuse what the loop cannot do: several processes in step, encoder-decoder models, per-step outputs."""
+    """Refuse what the loop cannot do: several processes in step, encoder-decoder models (per-step
+    outputs: ``sampling.check_supported``)."""
     if synced_gpus:
         raise ConfigError("synced_gpus is not supported by lookahead decoding")
     if getattr(model.config, "is_encoder_decoder", False):
         raise ConfigError("lookahead decoding supports decoder-only models only")
-    _check_outputs(generation_config)
-
-
-def _check_outputs(generation_config) -> None:
-    for name in _PER_STEP_OUTPUTS:
-        if getattr(generation_config, name, False):
-            raise ConfigError(f"{name}=True is not supported by lookahead decoding (sequences and stats only)")
 
 
 def _empty(value) -> bool:
@@ -310,6 +314,11 @@ def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor
     cache = model_kwargs.get("cache")
     if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
         raise ConfigError("a filled cache cannot be continued by lookahead decoding; pass the whole text as input_ids")
+    if cache is not None and any("Quantized" in type(c).__name__ for c in (cache, *getattr(cache, "layers", ()))):
+        raise ConfigError(
+            "a quantized cache changes the tokens (its keys and values are rounded), and lookahead decoding keeps"
+            " a full-precision cache: drop past_key_values to get the model's own tokens"
+        )
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
     if mask.dim() == 2 and not left_padded(mask.long()):
@@ -335,7 +344,9 @@ def _check_processors(given, ours, mask: torch.Tensor, do_sample: bool) -> None:
     given = [
         p
         for p in given
-        if not _holds_nothing_back(p, mask.shape[-1]) and (do_sample or not isinstance(p, LogitNormalization))
+        if not _holds_nothing_back(p, mask.shape[-1])
+        and not _suppresses_nothing(p)
+        and (do_sample or not isinstance(p, LogitNormalization))
     ]
     extra = [type(p).__name__ for p in given if type(p) not in {type(o) for o in ours}]
     if extra:
@@ -358,6 +369,17 @@ def _holds_nothing_back(processor, width: int) -> bool:
     if isinstance(processor, MinLengthLogitsProcessor):
         return processor.min_length <= width
     return isinstance(processor, MinNewTokensLengthLogitsProcessor) and processor.min_new_tokens <= 0
+
+
+def _suppresses_nothing(processor) -> bool:
+    """A suppression processor transformers builds for an empty list (``suppress_tokens=[]``)."""
+    for kind, tokens in (
+        (SuppressTokensLogitsProcessor, "suppress_tokens"),
+        (SuppressTokensAtBeginLogitsProcessor, "begin_suppress_tokens"),
+    ):
+        if isinstance(processor, kind):
+            return getattr(processor, tokens).numel() == 0
+    return False
 
 
 def _penalises_padding(processor) -> bool:

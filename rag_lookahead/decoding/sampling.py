@@ -90,6 +90,10 @@ _UNSUPPORTED_NEUTRAL = {
 #: greedy decoding ignores them there, so it does here
 _GREEDY_IGNORES = frozenset({"typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "renormalize_logits"})
 
+#: GenerationConfig switches that ask for per-step tensors we do not produce (``model.generate``
+#: ignores them without ``return_dict_in_generate``)
+PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -220,6 +224,18 @@ def check_supported(config, prompt_width: int | None = None, has_eos: bool = Tru
             asked = getattr(config, "min_new_tokens", None) if name == "min_length" else None
             origin = f" (what transformers makes of min_new_tokens={asked!r})" if asked not in (None, 0) else ""
             raise ConfigError(f"generation option {name}={value!r}{origin} is not supported by lookahead decoding")
+    if getattr(config, "cache_implementation", None) == "quantized":  # its keys and values are rounded
+        raise ConfigError(
+            "cache_implementation='quantized' changes the tokens (the cache's keys and values are rounded), and"
+            " lookahead decoding keeps a full-precision cache: drop it to get the model's own tokens"
+        )
+    asked = [name for name in PER_STEP_OUTPUTS if getattr(config, name, False)]
+    if asked and getattr(config, "return_dict_in_generate", False):
+        raise ConfigError(
+            f"{', '.join(f'{name}=True' for name in asked)} with return_dict_in_generate is not supported by"
+            " lookahead decoding (sequences and stats only; rag_lookahead.generate(..., logprobs=k) records"
+            " each new token's log-probability)"
+        )
     refuse_assisted_sampling(config)
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from tiny_models import ARCHITECTURES, build_tiny_model, padded, tiny_model
 from tiny_tokenizer import tiny_tokenizer
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.cache_utils import QuantizedCache
 from transformers.generation.logits_process import NoBadWordsLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -418,6 +419,9 @@ def test_lookahead_config_is_the_base_the_keys_override():
         (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
         (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
         (dict(num_beams=2), "num_beams"),
+        # a rounded cache changes model.generate's tokens; ours is full-precision (it was ignored)
+        (dict(cache_implementation="quantized", cache_config={"backend": "fp8"}), "quantized cache"),
+        (dict(past_key_values=QuantizedCache(backend="fp8", config=tiny_model("qwen2").config)), "quantized cache"),
         (dict(min_new_tokens=3, eos_token_id=3), r"min_length=6 \(what transformers makes of min_new_tokens=3\)"),
         (dict(position_ids=torch.tensor([[0, 2, 4]])), "position_ids"),
         (dict(generation_config=GenerationConfig(decoding_mode="par")), "decoding_mode"),
@@ -430,6 +434,35 @@ def test_what_cannot_be_reproduced_is_refused(call, message):
     model = tiny_model("qwen2")
     with pytest.raises(ConfigError, match=message):
         model.generate(input_ids=torch.tensor([[4, 5, 6]]), custom_generate=hf_generate, max_new_tokens=5, **call)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(suppress_tokens=[], begin_suppress_tokens=[]),  # transformers still builds their processors
+        dict(output_scores=True, output_logits=True),  # without return_dict_in_generate: ignored by transformers
+        dict(output_attentions=True, output_hidden_states=True),
+    ],
+)
+def test_settings_transformers_makes_nothing_of_are_taken(options):
+    """Each was refused here, where ``model.generate`` returns its plain tokens."""
+    model = tiny_model("qwen2")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False, **options)
+    got = model.generate(ids, max_new_tokens=8, do_sample=False, custom_generate=hf_generate, **options)
+    assert got.tolist() == expected.tolist()
+
+
+def test_generate_refuses_per_step_outputs_and_a_rounded_cache_it_would_ignore():
+    """``rag_lookahead.generate`` returns sequences and stats: a generation config asking for
+    per-step tensors, or for a quantized cache, was accepted and silently ignored."""
+    model = tiny_model("qwen2")
+    for config, message in (
+        (GenerationConfig(output_logits=True, return_dict_in_generate=True), "output_logits=True with return_dict"),
+        (GenerationConfig(cache_implementation="quantized"), "cache_implementation='quantized'"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            generate(model, [5, 6, 7], max_new_tokens=4, generation_config=config)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
