@@ -321,6 +321,11 @@ def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor
         )
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
+    if mask.dim() == 2 and bool((mask.long().sum(-1) == 0).any()):
+        raise InputError(
+            "a row of input_ids is empty: its attention mask is all zeros (without an attention_mask, "
+            "transformers masks out every pad_token_id, so a row of pad ids only is empty)"
+        )
     if mask.dim() == 2 and not left_padded(mask.long()):
         # the mask may be one transformers inferred (every pad id masked out), so say where zeros come from
         raise InputError(

@@ -453,6 +453,20 @@ def test_settings_transformers_makes_nothing_of_are_taken(options):
     assert got.tolist() == expected.tolist()
 
 
+def test_a_row_of_pad_ids_only_is_refused_as_empty():
+    """With a repetition penalty the processor check came first and blamed the processors."""
+    model = tiny_model("qwen2")
+    for options in ({}, {"repetition_penalty": 1.2}):
+        with pytest.raises(InputError, match="row of input_ids is empty"):
+            model.generate(
+                torch.tensor([[0, 0, 0], [5, 6, 7]]),
+                max_new_tokens=4,
+                pad_token_id=0,
+                custom_generate=hf_generate,
+                **options,
+            )
+
+
 def test_generate_refuses_per_step_outputs_and_a_rounded_cache_it_would_ignore():
     """``rag_lookahead.generate`` returns sequences and stats: a generation config asking for
     per-step tensors, or for a quantized cache, was accepted and silently ignored."""
