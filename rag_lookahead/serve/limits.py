@@ -8,6 +8,7 @@ refusal is a 400 that names the setting, so the client knows which flag the oper
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,8 +50,13 @@ def checked_stop(stop: Sequence[str], config: ServerConfig) -> list[str]:
     return [s for s in stop if s]
 
 
-def checked_messages(messages: Sequence[ChatMessage], config: ServerConfig) -> list[dict[str, Any]]:
-    """At most ``max_messages`` messages, as the chat template takes them."""
+def checked_messages(
+    messages: Sequence[ChatMessage], config: ServerConfig, template_inputs: Sequence[Any] = ()
+) -> list[dict[str, Any]]:
+    """At most ``max_messages`` messages, as the chat template takes them. Everything the template
+    writes into the prompt counts toward the length judged before tokenizing: the messages whole
+    (tool calls' arguments too) and ``template_inputs`` (the tools, the template's variables);
+    text in a tool's description went around the bound and was tokenized, under the one lock."""
     if len(messages) > config.max_messages:
         raise ApiError(
             400,
@@ -58,7 +64,8 @@ def checked_messages(messages: Sequence[ChatMessage], config: ServerConfig) -> l
             param="messages",
         )
     chat = [m.for_template() for m in messages]
-    checked_text_length(sum(len(str(m.get("content") or "")) for m in chat), config, "messages")
+    size = len(json.dumps([chat, *template_inputs], ensure_ascii=False, default=str))
+    checked_text_length(size, config, "messages", what="the messages, tools and template variables")
     return chat
 
 
@@ -66,7 +73,7 @@ def checked_messages(messages: Sequence[ChatMessage], config: ServerConfig) -> l
 CHARS_PER_TOKEN_BOUND = 32
 
 
-def checked_text_length(chars: int, config: ServerConfig, param: str) -> None:
+def checked_text_length(chars: int, config: ServerConfig, param: str, what: str | None = None) -> None:
     """Refuse a text that cannot fit ``max_prompt_tokens`` before it is tokenized: tokenizing a 4 MiB
     prompt took 3.4 s under the one tokenizer lock, only to be refused, and others waited behind it.
     The bound is generous (32 characters a token; a token covers 1-5 on real text)."""
@@ -74,8 +81,8 @@ def checked_text_length(chars: int, config: ServerConfig, param: str) -> None:
     if chars > limit:
         raise ApiError(
             400,
-            f"'{param}' has {chars} characters, more than this server's prompt limit "
-            f"({config.max_prompt_tokens} tokens, max_prompt_tokens) can hold",
+            f"{what or repr(param)} {'have' if what else 'has'} {chars} characters, more than this server's "
+            f"prompt limit ({config.max_prompt_tokens} tokens, max_prompt_tokens) can hold",
             param=param,
         )
 

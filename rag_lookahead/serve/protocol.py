@@ -320,6 +320,28 @@ class RagRequest(OpenAIRequest):
     )
     stream: Flag | None = Field(None, description="server-sent events: sources, deltas, done")
 
+    #: what the generation endpoints take and this one does not: sent here, each was dropped unseen
+    #: (a 'stop' the answer then ran past, a 'temperature' answered greedily)
+    generation_only: ClassVar[tuple[str, ...]] = (
+        *(name for name in GenerationRequest.model_fields if name != "model"),  # a name changes nothing
+        *("prompt", "messages", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs"),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_generation_options(cls, data: Any) -> Any:
+        refuse_changing_options(data, VLLM_NEUTRAL)
+        if isinstance(data, dict):
+            for name in cls.generation_only:
+                if name not in cls.model_fields and data.get(name) is not None:
+                    raise invalid_request(
+                        f"'{name}' is not taken by /v1/rag, which answers greedily from the passages with "
+                        "{question, k, max_tokens, stream}: leave it out (or retrieve yourself and send "
+                        "/v1/chat/completions)",
+                        name,
+                    )
+        return data
+
     @model_validator(mode="after")
     def _a_question(self) -> RagRequest:
         if not self.question.strip():

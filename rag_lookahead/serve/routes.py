@@ -171,9 +171,10 @@ async def completions(body: CompletionRequest, http_request: Request) -> dict | 
 async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> dict | Response:
     engine = _engine(http_request)
     max_tokens, stop = _length_and_stop(body, engine)
-    messages = checked_messages(body.messages, engine.config)
+    template_tools = body.template_tools()
+    messages = checked_messages(body.messages, engine.config, (template_tools, body.chat_template_kwargs))
     tools = tool_setup(
-        body.template_tools(),
+        template_tools,
         body.plain_tool_choice(),
         body.parallel_tool_calls,
         engine.tokenizer,

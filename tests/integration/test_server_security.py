@@ -5,6 +5,7 @@ nothing of the internals. Real tiny-model server over HTTP.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -299,3 +300,15 @@ def test_what_one_caller_sends_cannot_take_down_the_others(tokenizer):
         assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": too_long}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        # the template writes tools and tool calls into the prompt too: they went around the bound
+        hi = [{"role": "user", "content": "hi"}]
+        tool = {"type": "function", "function": {"name": "f", "description": too_long, "parameters": {}}}
+        long_call = {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "f", "arguments": json.dumps({"a": too_long})},
+        }
+        called = [*hi, {"role": "assistant", "content": "", "tool_calls": [long_call]}]
+        for body in ({"messages": hi, "tools": [tool]}, {"messages": called}):
+            r = client.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+            assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
