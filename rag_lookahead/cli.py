@@ -66,7 +66,7 @@ def fail(error: BaseException) -> NoReturn:
 
 @app.command("index")
 def index_command(
-    corpus_dir: Path = typer.Argument(..., help="Folder of .txt/.md/.pdf files (searched recursively)."),
+    corpus_dir: Path = typer.Argument(..., help="Folder of .txt/.md/.markdown/.pdf files (searched recursively)."),
     index_dir: Path | None = typer.Option(
         None,
         "--index-dir",

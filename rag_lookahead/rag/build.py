@@ -36,6 +36,7 @@ __all__ = ["CHUNK_OVERLAP", "CHUNK_SIZE", "SEPARATORS", "IndexReport", "build_in
 # 50 characters of overlap carries about one short sentence across a boundary.
 CHUNK_SIZE = 400
 CHUNK_OVERLAP = 50
+HEADINGS_VERSION = 2  # how Markdown headings are read (see ``_previous``)
 SEPARATORS = ["\n\n", "\n", "。", "！", "？", "；", ". ", "! ", "? ", " ", ""]
 
 
@@ -82,7 +83,7 @@ class IndexReport:
 def make_splitter(chunk_size: int = CHUNK_SIZE, chunk_overlap: int = CHUNK_OVERLAP):
     """A Chinese-aware ``RecursiveCharacterTextSplitter``: paragraphs, lines, then sentence ends
     (``。！？；`` and ``. ! ?``), words, characters. Sentence punctuation stays at the END of a chunk.
-    Its documents say where each chunk starts (``start_index``: see ``headings``)."""
+    (Where each chunk starts: :func:`chunk_starts`.)"""
     from langchain_text_splitters import RecursiveCharacterTextSplitter
 
     if chunk_size < 1:
@@ -96,8 +97,51 @@ def make_splitter(chunk_size: int = CHUNK_SIZE, chunk_overlap: int = CHUNK_OVERL
         chunk_overlap=chunk_overlap,
         length_function=len,
         strip_whitespace=True,
-        add_start_index=True,
     )
+
+
+def chunk_starts(splitter, text: str, chunks: list[str]) -> list[int]:
+    """Where each of ``chunks`` (``splitter``'s non-blank chunks of ``text``) starts in ``text``.
+
+    langchain's ``start_index`` searches for each chunk's text from the previous chunk's end less
+    the overlap, and in repetitive text it found an earlier copy (a chunk after "### Example" got
+    the heading above the copy). No rule on the text alone tells the copies apart: where the
+    splitter cuts depends on its separators and on lengths only. So a copy of ``text`` with every
+    other character drawn at random is split too: its cuts are the same, its chunks are (but for
+    runs of separators alone) unique, and each is found after the one before."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).copy()
+    kept = np.fromiter((ord(c) for c in set("".join(SEPARATORS))), dtype=np.uint32)
+    other = ~np.isin(codes, kept) & ~np.isin(codes, _WHITESPACE)
+    # CJK ideographs: 20,992 of them, so even a chunk of one character is seldom found twice near by
+    codes[other] = np.random.default_rng(0).integers(0x4E00, 0xA000, size=int(other.sum()), dtype=np.uint32)
+    twin = codes.tobytes().decode("utf-32-le")
+    twin_chunks = [c for c in splitter.split_text(twin) if c.strip()]
+    if [len(c) for c in twin_chunks] != [
+        len(c) for c in chunks
+    ]:  # not a splitter of that kind: search as langchain does
+        return _searched_starts(text, chunks)
+    return _searched_starts(twin, twin_chunks, overlap=getattr(splitter, "_chunk_overlap", 0))
+
+
+#: the characters ``str.strip`` removes (the splitter strips chunks): kept as they are in the twin
+_WHITESPACE = np.array([c for c in range(0x3000 + 1) if chr(c).isspace()], dtype=np.uint32)
+
+
+def _searched_starts(text: str, chunks: list[str], overlap: int | None = None) -> list[int]:
+    """Each chunk's first place after the one before. With the splitter's ``overlap`` (on unique
+    text), from the previous chunk's start or its end less the overlap, whichever is later: a
+    chunk may start where the one before started (a longer one after a shorter), and it reaches
+    back into the one before for the overlap only. Without, from the previous start plus one."""
+    starts: list[int] = []
+    cursor = 0
+    for chunk in chunks:
+        found = text.find(chunk, cursor)
+        starts.append(found if found >= 0 else cursor)
+        if overlap is None:
+            cursor = starts[-1] + 1
+        else:
+            cursor = max(starts[-1], starts[-1] + len(chunk) - overlap)
+    return starts
 
 
 # ---------------------------------------------------------------- building
@@ -111,18 +155,30 @@ def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int]):
         manifest = store.read_manifest(index_dir)
         if manifest["embedding_model"] != embedder.name:
             return {}, f"it was built with {manifest['embedding_model']!r}, now {embedder.name!r}"
-        if any(manifest.get(key) != value for key, value in chunking.items()):
-            return {}, "the chunking changed (chunk size, overlap, or searching under headings)"
+        if any(manifest.get(key) != value for key, value in chunking.items() if key != "headings"):
+            return {}, "the chunking changed (chunk size or overlap)"
+        if "headings" not in manifest:
+            return {}, "it was built before Markdown chunks were searched under their headings"
         fidx, records = store.read_verified(index_dir, manifest)
     except IndexLoadError as e:
         return {}, str(e)
     vectors = fidx.reconstruct_n(0, fidx.ntotal) if fidx.ntotal else np.zeros((0, fidx.d), np.float32)
+    previous = _by_source(records, vectors)
+    if manifest["headings"] != chunking["headings"]:  # headings are read otherwise now: Markdown files anew
+        for source, (_, recs, vecs) in previous.items():
+            if source.lower().endswith(MARKDOWN_SUFFIXES):
+                previous[source] = ("", recs, vecs)  # no file's sha256: split and embedded again, as updated
+    return previous, None
+
+
+def _by_source(records: list[dict], vectors: np.ndarray) -> dict:
+    """``{source: (sha, [records], vectors)}`` of stored rows."""
     by_source: dict[str, tuple[str, list[dict], list[np.ndarray]]] = {}
     for r, v in zip(records, vectors):
         sha, recs, vecs = by_source.setdefault(r["source"], (r.get("file_sha256", ""), [], []))
         recs.append(r)
         vecs.append(v)
-    return {s: (sha, recs, np.stack(vecs)) for s, (sha, recs, vecs) in by_source.items()}, None
+    return {s: (sha, recs, np.stack(vecs)) for s, (sha, recs, vecs) in by_source.items()}
 
 
 def _plan(docs, previous, splitter, report: IndexReport, progress: bool = False):
@@ -145,14 +201,14 @@ def _plan(docs, previous, splitter, report: IndexReport, progress: bool = False)
         else:
             report.updated += 1
         bar.set_postfix_str(one_line(source), refresh=False)
-        pieces = [d for d in splitter.create_documents([text]) if d.page_content.strip()]
+        pieces = [c for c in splitter.split_text(text) if c.strip()]
         bar.update(len(text))
         recs = [
-            {"chunk_id": f"{source}#{i}", "source": source, "file_sha256": sha, "text": d.page_content}
-            for i, d in enumerate(pieces)
+            {"chunk_id": f"{source}#{i}", "source": source, "file_sha256": sha, "text": piece}
+            for i, piece in enumerate(pieces)
         ]
         if source.lower().endswith(MARKDOWN_SUFFIXES):  # searched under their section's headings
-            for rec, heading in zip(recs, heading_paths(text, [d.metadata["start_index"] for d in pieces])):
+            for rec, heading in zip(recs, heading_paths(text, chunk_starts(splitter, text, pieces))):
                 if heading:
                     rec["heading"] = heading
         plan.append((source, recs, None))
@@ -207,9 +263,10 @@ def build_index(
     if not lock_timeout >= 0:
         raise ConfigError(f"lock_timeout must be >= 0 seconds, got {lock_timeout}")
     splitter = make_splitter(chunk_size, chunk_overlap)
-    # "headings": chunks of Markdown files are searched with their heading path (version 1); an
-    # index built before that is embedded again
-    chunking = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap, "headings": 1}
+    # "headings": chunks of Markdown files are searched with their heading path; an index built
+    # before that is embedded again, one whose headings were read otherwise (version 1: CR-only
+    # lines, uncut titles, langchain's start_index) gets its Markdown files embedded again
+    chunking = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap, "headings": HEADINGS_VERSION}
     store.check_target(index_dir)  # before any slow work, and before anything is created
     corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb, progress=progress)
 

@@ -1,6 +1,6 @@
 """Reading a corpus folder: which files, how much of each, and in which text encoding.
 
-:func:`load_corpus` walks a folder for .txt/.md/.pdf files (hidden entries skipped, symbolic links
+:func:`load_corpus` walks a folder for .txt/.md/.markdown/.pdf files (hidden entries skipped, symbolic links
 only when asked), reads each file once with a size cap and without blocking on FIFOs or devices,
 and decodes it (:func:`decode_text`: byte order mark, UTF-8, damaged UTF-8, else the legacy
 encoding charset-normalizer finds most likely). Files that cannot be used are reported, not fatal.
@@ -38,7 +38,7 @@ __all__ = [
     "read_text_file",
 ]
 
-SUFFIXES = (".txt", ".md", ".pdf")
+SUFFIXES = (".txt", ".md", ".markdown", ".pdf")
 MAX_FILE_MB = 20.0  # larger corpus files are skipped with a report line (--max-file-mb; README "Security and limits")
 
 
@@ -338,7 +338,7 @@ def _file_text(rel: str, data: bytes, notes: list[str]) -> str:
 def load_corpus(
     corpus_dir: str | Path, *, follow_symlinks: bool = False, max_file_mb: float = MAX_FILE_MB, progress: bool = False
 ) -> Corpus:
-    """Read every .txt/.md/.pdf under ``corpus_dir`` (recursively, hidden entries skipped).
+    """Read every .txt/.md/.markdown/.pdf under ``corpus_dir`` (recursively, hidden entries skipped).
 
     Symbolic links are not followed unless ``follow_symlinks``; files over ``max_file_mb`` are not read.
     Each file that cannot be used gets a ``"path: reason"`` in ``skipped`` (also a warning).
@@ -377,5 +377,5 @@ def load_corpus(
             corpus.docs[rel] = (_sha256(data), text)
     if not corpus.docs:
         extra = f" (skipped: {'; '.join(corpus.skipped)})" if corpus.skipped else ""
-        raise InputError(f"no loadable .txt/.md/.pdf files in {root}{extra}")
+        raise InputError(f"no loadable .txt/.md/.markdown/.pdf files in {root}{extra}")
     return corpus

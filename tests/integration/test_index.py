@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -1331,6 +1332,15 @@ def test_markdown_chunks_are_searched_under_their_headings(tmp_path, embedder):
     write_json_atomic(tmp_path / "index" / "manifest.json", manifest)
     with pytest.warns(UserWarning, match="before chunks of Markdown files were searched under their headings"):
         ix.load_index(tmp_path / "index", embedder)  # searched the old way until rebuilt: `ask` says so
-    with pytest.warns(UserWarning, match="searching under headings"):
+    with pytest.warns(UserWarning, match="searched under their headings"):
         again = build(bundled_corpus(), tmp_path / "index", embedder)
     assert again.embedded_chunks == report.chunks
+    # headings read the first way (version 1): the Markdown files are embedded again, the others kept
+    manifest = json.loads((tmp_path / "index" / "manifest.json").read_text(encoding="utf-8"))
+    write_json_atomic(tmp_path / "index" / "manifest.json", {**manifest, "headings": 1})
+    markdown = [r for r in ix.load_index(tmp_path / "index", embedder).records if r["source"].endswith(".md")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        third = build(bundled_corpus(), tmp_path / "index", embedder)
+    assert 0 < third.embedded_chunks == len(markdown) < report.chunks
+    assert third.updated == len({r["source"] for r in markdown}) and third.unchanged > 0

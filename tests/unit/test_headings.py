@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rag_lookahead.rag.build import IndexReport, _plan, make_splitter
+from rag_lookahead.rag.build import IndexReport, _plan, chunk_starts, make_splitter
 from rag_lookahead.rag.headings import heading_paths, searched_text
 
 DOC = """# Tuning
@@ -32,8 +32,9 @@ Fewer nodes.
 
 def _split(text: str, size: int, overlap: int) -> tuple[list[str], list[int]]:
     """The index's chunks of ``text`` and where each starts."""
-    documents = make_splitter(size, overlap).create_documents([text])
-    return [d.page_content for d in documents], [d.metadata["start_index"] for d in documents]
+    splitter = make_splitter(size, overlap)
+    chunks = [c for c in splitter.split_text(text) if c.strip()]
+    return chunks, chunk_starts(splitter, text, chunks)
 
 
 def _path_of(chunks, paths, needle):
@@ -99,3 +100,76 @@ def test_fences_comments_and_front_matter_hold_no_headings():
     assert paths[chunks.index("# commented out")] == "Doc"
     assert paths[chunks.index("# in tildes")] == "Doc"
     assert paths[-1] == "Doc > Real" and paths[chunks.index("# a: yaml comment")] == ""
+
+
+def _path_of_line(text: str, marker: str) -> str:
+    """The heading path of a chunk starting at the line that begins with ``marker``."""
+    return heading_paths(text, [text.index(marker)])[0]
+
+
+def test_lines_end_as_commonmark_ends_them():
+    """CR-only line endings (an old Mac file) made the whole file one "# ..." line: that line
+    became the heading of every chunk, 20,227 characters each, and all vectors alike."""
+    for newline in ("\n", "\r\n", "\r"):
+        text = newline.join(["# A", "", "## B", "", "MARK", "", "# C", "", "END"])
+        assert _path_of_line(text, "MARK") == "A > B" and _path_of_line(text, "END") == "C"
+
+
+def test_a_heading_is_read_in_linear_time_and_cut():
+    """A heading line of 60,000 spaces took 13 s in a backtracking pattern; any title is cut."""
+    from rag_lookahead.rag.headings import MAX_TITLE
+
+    assert heading_paths("# a" + " " * 60_000 + "x\nMARK", [60_005]) == ["a"]
+    long = "# " + "word " * 10_000 + "\nMARK"
+    path = heading_paths(long, [long.index("MARK")])[0]
+    assert path.startswith("word word") and len(path) <= MAX_TITLE
+
+
+def test_commonmark_blocks_that_hold_no_headings_and_lines_that_are_not_them():
+    cases = {
+        "Write `<!--` to start a comment.\n\n## B\n\nMARK": "A > B",  # a comment starts a line, not mid-line
+        "``` `code` ``` inline\n\n## B\n\nMARK": "A > B",  # a backtick fence's info holds no backtick
+        "```\n    ```\n## in code\n```\n\n## B\n\nMARK": "A > B",  # a closing fence is indented 3 spaces at most
+        "## B\n\n#\n\nMARK": "",  # an empty level-1 heading closes A
+    }
+    for body, expected in cases.items():
+        text = "# A\n\n" + body
+        assert _path_of_line(text, "MARK") == expected, body
+    assert _path_of_line("---\n\n# A\n\nMARK", "MARK") == "A"  # a rule never closed is no front matter
+    assert _path_of_line("+++\n# key = 1\n+++\n# A\n\nMARK", "MARK") == "A"  # TOML front matter
+
+
+def test_chunk_starts_are_where_the_splitter_cut():
+    """langchain's start_index put a chunk that follows "### Example" at an earlier copy of its
+    text, above the heading, and it was searched under "Intro" instead of "Intro > Example". The
+    places are checked against a copy of each text whose other characters Python's generator
+    draws (the splitter cuts it where it cut the text, and its chunks are unique)."""
+    import random
+
+    intro = "here intro words some " * 12
+    text = "# Intro\n\n" + intro + "\n\n" + "\n\n".join(["x" * 38 + "\n### Example"] * 10) + "\n\n" + "x" * 38
+    chunks, starts = _split(text, 400, 50)
+    assert all(text[s : s + len(c)] == c for s, c in zip(starts, chunks))
+    assert heading_paths(text, starts)[1] == "Intro > Example"
+    rng = random.Random(0)
+    pieces = ["note this.", "see above", "x " * 20, "done.", "x" * 38, "a a a a a a a", "## H1", "# H2"]
+    for trial in range(300):
+        text = rng.choice(["\n\n", "\n", " "]).join(rng.choice(pieces) for _ in range(rng.randint(3, 30)))
+        size = rng.choice([10, 20, 50, 400])
+        overlap = min(rng.choice([0, 5, 9, 50]), size - 1)
+        chunks, starts = _split(text, size, overlap)
+        twin = "".join(c if c.isspace() or c in ".!?。！？；" else chr(rng.randrange(0x4E00, 0xA000)) for c in text)
+        twin_chunks = [c for c in make_splitter(size, overlap).split_text(twin) if c.strip()]
+        expected, cursor = [], 0
+        for chunk in twin_chunks:
+            expected.append(twin.index(chunk, cursor))
+            cursor = max(expected[-1], expected[-1] + len(chunk) - overlap)
+        assert starts == expected, (trial, text)
+
+
+def test_markdown_files_of_either_suffix_are_read(tmp_path):
+    from rag_lookahead.rag.corpus import load_corpus
+
+    (tmp_path / "a.md").write_text("# A\n\nalpha")
+    (tmp_path / "b.markdown").write_text("# B\n\nbeta")  # was left out without a word
+    assert sorted(Path(p).name for p in load_corpus(tmp_path).docs) == ["a.md", "b.markdown"]
