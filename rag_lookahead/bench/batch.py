@@ -42,6 +42,7 @@ from rag_lookahead.bench.common import (
     checked_config,
     copied_fraction,
     draft_shape,
+    dtype_label,
     eos_pad,
     extra_depth_methods,
     hf_batched,
@@ -259,6 +260,7 @@ def batch(
     config = checked_config(depths, branch_length=branch_length)
     prompt_set = load_prompts(prompts, ids)  # a bad file or setting fails before the model loads
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+    dtype = dtype_label(loaded, dtype)  # what ran, not the option
     eos, pad = eos_pad(loaded, tokenizer)
     config = config.with_tokenizer(tokenizer)
     cycled = [prompt_set[i % len(prompt_set)] for i in range(requests)]

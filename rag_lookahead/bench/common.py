@@ -226,6 +226,17 @@ def load_bench_model(model: str, dtype: Any, device: str | None, device_map: str
     return load_model(model, dtype=None if dtype == "auto" else dtype, device=device, device_map=device_map, **extra)
 
 
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def dtype_label(model, asked: Any) -> str:
+    """The dtype a report measured: the model's own, and the option where the loader chose it
+    ("fp32 (auto)": auto is bf16 only on CPUs with AMX, so the option alone did not say)."""
+    name = str(model.dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(name, name)
+    return f"{name} (auto)" if asked in (None, "auto") else name
+
+
 def draft_shape(model) -> str:
     """What our loop drafted on ``model`` in this process: "trees", or "single chains" with the tree-mask
     probe's reason (a mask-blind attention, or a probe that failed on this machine), "not probed"
@@ -407,14 +418,16 @@ def accepted(records: Sequence[dict]) -> float:
 
 
 @contextmanager
-def fresh_acceptance(model) -> Iterator[None]:
-    """Run the block from the acceptance prior a new process starts with; the model's learned
-    rates (``ModelProfile.drafts_met``) are put back afterwards."""
+def fresh_acceptance(model, clear: bool = True) -> Iterator[None]:
+    """Run the block from the acceptance prior a new process starts with (``clear=False``: from
+    the rates learned so far); the model's learned rates (``ModelProfile.drafts_met``) are put
+    back afterwards, whatever the block learned."""
     from rag_lookahead.decoding.profile import profile_of
 
     profile = profile_of(model)
     learned = copy.deepcopy(profile.drafts_met)
-    profile.drafts_met.clear()
+    if clear:
+        profile.drafts_met.clear()
     try:
         yield
     finally:

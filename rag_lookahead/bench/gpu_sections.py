@@ -218,12 +218,17 @@ def speed_batch1(
     model, prompts: list[list[int]], max_new_tokens: int, eos: list[int], pad: int, config: LookaheadConfig
 ) -> dict:
     """Batch-1 decode speed of transformers greedy, its prompt lookup and lookahead, prompt by prompt."""
+    from rag_lookahead.bench.common import fresh_acceptance
     from rag_lookahead.bench.methods import PROMPT_LOOKUP_TOKENS, MethodTotals, run_hf, run_lookahead, summarize
+
+    def lookahead(ids):
+        with fresh_acceptance(model):  # every run from the same prior, as `bench` runs it
+            return run_lookahead(model, ids, max_new_tokens, eos, pad, config)
 
     runners = {
         "greedy": lambda ids: run_hf(model, ids, max_new_tokens, eos, pad, None),
         "prompt_lookup": lambda ids: run_hf(model, ids, max_new_tokens, eos, pad, PROMPT_LOOKUP_TOKENS),
-        "lookahead": lambda ids: run_lookahead(model, ids, max_new_tokens, eos, pad, config),
+        "lookahead": lookahead,
     }
     for run in runners.values():  # warm-up: kernels, and the verify cost curve
         run(prompts[0])
@@ -231,8 +236,8 @@ def speed_batch1(
     for n, ids in enumerate(prompts):
         runs = in_turn(list(runners), n, lambda method, prompt: runners[method](prompt), ids)  # none always first
         reference = cut_at_eos(runs["greedy"].tokens, eos)
-        for method, result in runs.items():
-            totals[method].add(result, cut_at_eos(result.tokens, eos) == reference)
+        for method, result in runs.items():  # greedy is not compared with itself
+            totals[method].add(result, None if method == "greedy" else cut_at_eos(result.tokens, eos) == reference)
     return {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "summary": summarize(totals)}
 
 

@@ -41,6 +41,7 @@ from rag_lookahead.bench.common import (
     JsonOption,
     check_output_path,
     check_positive,
+    dtype_label,
     load_bench_model,
     passage_counts,
     run_command,
@@ -227,7 +228,11 @@ def quality(
             load_seconds = round(time.perf_counter() - start, 1)
             model_rows = ask_all(model, tokenizer, index, name, max_new_tokens, k_prompt, k_seed)
             # peak RSS is the process's so far: the earlier models' peaks are included
-            summaries[name] = summarize(model_rows) | {"load seconds": load_seconds, "peak rss gb": _peak_rss_gb()}
+            summaries[name] = summarize(model_rows) | {
+                "dtype": dtype_label(model, dtype),
+                "load seconds": load_seconds,
+                "peak rss gb": _peak_rss_gb(),
+            }
             rows += model_rows
             del model, tokenizer
             gc.collect()

@@ -30,6 +30,7 @@ from rag_lookahead.bench.common import (
     check_output_path,
     check_positive,
     decode_speed,
+    dtype_label,
     fresh_acceptance,
     given_or_temporary_index,
     in_turn,
@@ -147,6 +148,7 @@ def rag(
     check_output_path(json_path)
     with open_index(index_dir) as index:  # a missing index is said before the model loads
         loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+        dtype = dtype_label(loaded, dtype)  # what ran, not the option
         rows, per_mode = ask_every_way(loaded, tokenizer, index, model, k_prompt, k_seed, max_new_tokens)
     summary = summarize_modes(per_mode)
     print_rows(f"RAG chain, {model} {dtype}, k_prompt={k_prompt}, k_seed={k_seed}", summary)

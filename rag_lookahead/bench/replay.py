@@ -32,6 +32,7 @@ from rag_lookahead.bench.common import (
     JsonOption,
     ModelOption,
     PromptsOption,
+    dtype_label,
     eos_pad,
     fresh_pool_answers,
     print_rows,
@@ -199,6 +200,7 @@ def replay_bench(
     chosen, loaded, tokenizer, config = prompts_then_model(
         prompts, ids, limit, max_new_tokens, json_path, model, dtype, device
     )
+    dtype = dtype_label(loaded, dtype)  # what ran, not the option
     answers = [
         (prompt_ids, result.sequences[0, len(prompt_ids) : len(prompt_ids) + result.stats.new_tokens].tolist())
         for prompt_ids, result in fresh_pool_answers(loaded, tokenizer, chosen, config, max_new_tokens)

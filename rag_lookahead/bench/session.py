@@ -36,6 +36,7 @@ from rag_lookahead.bench.common import (
     check_output_path,
     check_positive,
     decode_speed,
+    dtype_label,
     fresh_acceptance,
     given_or_temporary_index,
     load_bench_model,
@@ -142,12 +143,21 @@ def ask_session(
     chain(fresh_llm()).invoke(questions[0])  # warm-up: the cost curve and the kernels, outside the session
     session = fresh_llm()
     records = []
+
+    def run_control(question: str) -> dict:
+        # from the session's learned rates (only the pool differs), which the control leaves as they were
+        with fresh_acceptance(model, clear=False):
+            return chain(fresh_llm()).invoke(question)
+
+    controls = 0
     for i, question in enumerate(tqdm(questions, desc="questions", unit="q")):
+        controlled = bool(control_every) and (i + 1) % control_every == 0
+        early = run_control(question) if controlled and controls % 2 else None  # every other control first
         result = chain(session).invoke(question)
         record = run_record(result) | {"question": question, "pool_nodes": session.output_pool.nodes}
-        if control_every and (i + 1) % control_every == 0:
-            with fresh_acceptance(model):  # a new process's prior, not the one the session just learned
-                control = chain(fresh_llm()).invoke(question)
+        if controlled:
+            control = early if early is not None else run_control(question)
+            controls += 1
             record["fresh"] = run_record(control)
             record["identical"] = same_answer(control, result)
         records.append(record)
@@ -186,6 +196,7 @@ def session(
     items = load_dataset(dataset)
     asked = session_questions(items, questions, seed)
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+    dtype = dtype_label(loaded, dtype)  # what ran, not the option
     with session_index(items, index_dir) as index:
         records = ask_session(
             loaded,

@@ -44,6 +44,7 @@ from rag_lookahead.bench.common import (
     copied_fraction,
     cut_at_eos,
     draft_shape,
+    dtype_label,
     eos_pad,
     extra_depth_methods,
     in_turn,
@@ -261,7 +262,8 @@ def prompt_row(runner: MethodRunner, prompt: dict, repeat: int, runs: dict[str, 
         measured.totals[m].add(r, same)
         if copied is not None and copied >= runner.settings.copying_threshold:
             measured.copying[m].add(r, same)
-        decode = round(max(len(r.tokens) - 1, 0) / r.decode_seconds, 3) if r.decode_seconds else None
+        # as the totals count it (Totals.add): tokens of the first forward are not decode tokens
+        decode = round(max(len(r.tokens) - r.first_tokens, 0) / r.decode_seconds, 3) if r.decode_seconds else None
         row[m] = {
             "new_tokens": len(r.tokens),
             "seconds": round(r.seconds, 4),
@@ -279,7 +281,7 @@ def build_report(s: BenchSettings, model, config: LookaheadConfig, prompts: list
     copied = [r["copied_from_context"] for r in per_prompt if r["copied_from_context"] is not None]
     return {
         "model": s.model,
-        "dtype": s.dtype,
+        "dtype": dtype_label(model, s.dtype),
         "device": str(model.device),
         "threads": torch.get_num_threads(),
         "drafts": draft_shape(model),

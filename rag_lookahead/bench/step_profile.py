@@ -32,6 +32,7 @@ from rag_lookahead.bench.common import (
     chains_note,
     chat_ids,
     draft_shape,
+    dtype_label,
     fresh_pool_answers,
     print_rows,
     prompts_then_model,
@@ -185,6 +186,7 @@ def step_profile(
     chosen, loaded, tokenizer, config = prompts_then_model(
         prompts, ids, limit, max_new_tokens, json_path, model, dtype, device, device_map
     )
+    dtype = dtype_label(loaded, dtype)  # what ran, not the option
 
     def run_all() -> tuple[int, int]:
         tokens = steps = 0

@@ -187,3 +187,38 @@ def test_reports_say_whether_the_drafts_were_trees_or_single_chains():
     shape = draft_shape(model)
     assert shape == "single chains (attention ignores the tree mask (relative logit error 0.051 > 0.05))"
     assert chains_note(shape) == f", drafts: {shape}"
+
+
+def test_reports_name_the_dtype_that_ran():
+    """A report said "auto" where the loader chose: bf16 only on CPUs with AMX, so the figures' dtype was unknown."""
+    import torch
+    from tiny_models import build_tiny_model
+
+    from rag_lookahead.bench.common import dtype_label
+
+    model = build_tiny_model("qwen2", seed=21)
+    assert dtype_label(model, "auto") == "fp32 (auto)" and dtype_label(model, "fp32") == "fp32"
+    assert dtype_label(model.to(torch.bfloat16), "bf16") == "bf16"
+
+
+def test_a_control_starts_from_the_learned_rates_and_leaves_them():
+    """bench.session's empty-pool control ran from a new process's prior, so its column mixed
+    the pool's effect with the rates'; it now starts from the session's rates and puts them back."""
+    from tiny_models import build_tiny_model
+
+    from rag_lookahead.bench.common import fresh_acceptance
+    from rag_lookahead.decoding.acceptance import AcceptanceRates
+    from rag_lookahead.decoding.profile import profile_of
+
+    model = build_tiny_model("qwen2", seed=21)
+    met = profile_of(model).drafts_met
+    met["trie"] = AcceptanceRates()
+    learned = repr(met["trie"])
+    with fresh_acceptance(model, clear=False):
+        assert repr(met["trie"]) == learned
+        met["trie"] = AcceptanceRates(AcceptanceRates(), decay=0.1)  # what the control learns
+        met["other"] = AcceptanceRates()
+    assert list(met) == ["trie"] and repr(met["trie"]) == learned
+    with fresh_acceptance(model):
+        assert not met
+    assert repr(met["trie"]) == learned
