@@ -150,9 +150,11 @@ class Batches:
                 continue
             try:
                 start = time.perf_counter()
+                decoding = [not row.prefilling for row in batch.rows]  # the others take a prompt chunk
                 gained = batch.verify_and_accept(batch.propose())
                 seconds, tokens = time.perf_counter() - start, sum(len(g) for g in gained)
-                self.metrics.step(len(gained), tokens, seconds)
+                # a row's first token comes with its last prompt chunk: a prefill's, not a decode step's
+                self.metrics.step(sum(decoding), sum(len(g) for g, d in zip(gained, decoding) if d), seconds)
                 rate = tokens / max(seconds, 1e-6)
                 self.tokens_per_second = 0.8 * self.tokens_per_second + 0.2 * rate if self.tokens_per_second else rate
             except Exception as e:  # noqa: BLE001 - which row is at fault is unknown: the batch fails
@@ -168,12 +170,14 @@ class Batches:
         if not tokens or not job.live:
             return
         job.steps += 1
-        self.metrics.tokens_generated.inc(len(tokens))
+        before = len(job.tracker.ids)
         try:
             piece = job.tracker.add(tokens)
         except Exception as e:  # noqa: BLE001
             self.fail([job], self.failure(e))
             return
+        # the tokens the answer keeps: a step may accept tokens past a stop string, which it drops
+        self.metrics.tokens_generated.inc(len(job.tracker.ids) - before)
         if piece:
             job.emit(("piece", piece))
 

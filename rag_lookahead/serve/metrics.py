@@ -117,7 +117,11 @@ class Metrics:
         self.prefill_seconds.inc(seconds)
 
     def step(self, rows: int, tokens: int, seconds: float) -> None:
-        """One batched decode forward: ``rows`` rows gained ``tokens`` tokens in all."""
+        """One batched forward in which ``rows`` decoding rows gained ``tokens`` tokens in all (rows
+        taking a prompt chunk are not counted; a forward of chunks alone is prefill time)."""
+        if not rows:
+            self.prefill_seconds.inc(seconds)
+            return
         with self._lock:
             self._row_steps += rows
             self._step_tokens += tokens

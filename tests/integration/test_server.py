@@ -447,6 +447,31 @@ def test_tiny_validation_health_metrics(tokenizer):
         assert f"# TYPE {name} " in text
 
 
+def test_metrics_count_decode_steps_and_the_tokens_answers_keep(tokenizer):
+    """Rows taking prompt chunks counted as decode steps that gained nothing (plain decoding's
+    mean accepted read 0.36, not 1.0), and tokens a step accepted past a stop string were counted
+    though the answer drops them (40 with lookahead on, 29 off, for one answer of 29 tokens)."""
+    loop = [81, 24, 23, 68, 51, 41, 44, 42] * 6  # a loop the tiny model repeats, so drafts run long
+    for lookahead in (False, True):
+        engine = tiny_engine(tokenizer, max_tokens_limit=64, lookahead=lookahead, prefill_chunk=3, max_batch_size=2)
+        with serving(engine) as base:
+            whole = httpx.post(base + "/v1/completions", json={"prompt": loop, "max_tokens": 40}, timeout=120).json()
+            answer = whole["choices"][0]["text"]
+            stop = answer[len(answer) // 2 :][:3]  # cuts the answer by its middle at the latest
+            before = metric(httpx.get(base + "/metrics").text, "rag_lookahead_tokens_generated_total")
+            cut = httpx.post(
+                base + "/v1/completions", json={"prompt": loop, "max_tokens": 40, "stop": [stop]}, timeout=120
+            ).json()
+            wait_idle(engine, 30)
+            text = httpx.get(base + "/metrics").text
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        kept = cut["usage"]["completion_tokens"]
+        assert kept < whole["usage"]["completion_tokens"]
+        assert metric(text, "rag_lookahead_tokens_generated_total") - before == kept, lookahead
+        if not lookahead:
+            assert metric(text, "rag_lookahead_mean_accepted_tokens") == 1.0  # "1.0 = plain decoding"
+
+
 def test_tiny_cancel_frees_the_slot(tokenizer):
     """A client that leaves mid-stream is dropped at the next step; the others are undisturbed."""
     engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
