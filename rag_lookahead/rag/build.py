@@ -109,7 +109,7 @@ def chunk_starts(splitter, text: str, chunks: list[str]) -> list[int]:
     splitter cuts depends on its separators and on lengths only. So a copy of ``text`` with every
     other character drawn at random is split too: its cuts are the same, its chunks are (but for
     runs of separators alone) unique, and each is found after the one before."""
-    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).copy()
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).copy()
     kept = np.fromiter((ord(c) for c in set("".join(SEPARATORS))), dtype=np.uint32)
     other = ~np.isin(codes, kept) & ~np.isin(codes, _WHITESPACE)
     # CJK ideographs: 20,992 of them, so even a chunk of one character is seldom found twice near by
