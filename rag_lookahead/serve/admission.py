@@ -59,7 +59,8 @@ def free_memory(device) -> tuple[int, float]:
 
 def default_token_budget(model, config: ServerConfig) -> int:
     """The KV token budget when ``max_batch_tokens`` is not set: the free memory's share (half of
-    the GPU's, a quarter of the CPU's available memory) over the bytes a token takes, at most
+    the GPU's, a quarter of the CPU's available memory, divided among ``config.memory_sharers``)
+    over the bytes a token takes, at most
     what the batch and the queue could ever hold ((max_batch_size + max_queue) x (max_prompt_tokens
     + max_tokens_limit)) and at least one request of the largest size."""
     from rag_lookahead.decoding.verify import input_device
@@ -67,7 +68,7 @@ def default_token_budget(model, config: ServerConfig) -> int:
     largest = config.max_prompt_tokens + config.max_tokens_limit
     ceiling = (config.max_batch_size + config.max_queue) * largest
     free, share = free_memory(input_device(model))
-    fits = int(free * share) // max(kv_bytes_per_token(model), 1)
+    fits = int(free * share / config.memory_sharers) // max(kv_bytes_per_token(model), 1)
     return max(min(fits, ceiling), largest)
 
 

@@ -50,6 +50,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "max_body_bytes": (1024, 1 << 30),
     "prefill_chunk": (0, 1_000_000),
     "max_connections": (1, 1_000_000),
+    "memory_sharers": (1, 1_000_000),
 }
 
 #: (low, high) of the integer settings that may be None (None: worked out at start, or no limit).
@@ -78,6 +79,9 @@ class ServerConfig:
         the budget is refused with 429 and a Retry-After header (400 if it alone exceeds it).
         None: worked out at start from the memory free for the KV cache
         (:func:`rag_lookahead.serve.admission.default_token_budget`).
+    memory_sharers: servers that share this machine's free memory (Ray replicas on one node, set
+        by ``--replicas``): the default KV budget's share of it is divided among them (each took a
+        quarter of the node's free RAM, so 4 replicas budgeted all of it).
     prefill_chunk: prompt tokens prefilled per engine step, between the running requests'
         decode steps (chunked prefill: a long prompt no longer stalls every stream); 0: each
         admitted prompt in one forward.
@@ -125,6 +129,7 @@ class ServerConfig:
     max_queue: int = 64
     max_queue_per_key: int | None = None
     max_batch_tokens: int | None = None
+    memory_sharers: int = 1
     prefill_chunk: int = 512
     max_draft_rows: int | None = None
     max_prompt_tokens: int = 4096

@@ -35,9 +35,10 @@ import logging
 import os
 import re
 import signal
+import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,9 +171,11 @@ def gpus_per_replica(config: ServerConfig, settings: RaySettings, cluster_gpus: 
     return 0.0
 
 
-def replica_config(config: ServerConfig, gpus: float) -> ServerConfig:
+def replica_config(config: ServerConfig, gpus: float, sharers: int = 1) -> ServerConfig:
     """The config each replica builds its app from: Ray shows a replica only its own GPU (``cuda``
-    is that one), and a replica without a GPU runs on the CPU."""
+    is that one), and a replica without a GPU runs on the CPU; ``sharers`` replicas may share a
+    node's memory (see :func:`memory_sharers`)."""
+    config = dataclasses.replace(config, memory_sharers=sharers)
     device = (config.device or "").lower()
     if gpus >= 1 and device.startswith("cuda:"):
         return dataclasses.replace(config, device="cuda")
@@ -181,8 +184,21 @@ def replica_config(config: ServerConfig, gpus: float) -> ServerConfig:
     return config
 
 
+def memory_sharers(settings: RaySettings, gpus: float, node_cpus: Sequence[float]) -> int:
+    """How many replicas may share one node's memory, so that their default KV budgets together
+    stay within the one-process share: CPU replicas as many as fit the largest node's CPUs (at
+    most the replicas asked for), replicas on a fraction of a GPU as many as share one GPU."""
+    most = settings.max_replicas or settings.replicas
+    if gpus:
+        return max(1, min(most, int(1 / gpus))) if gpus < 1 else 1
+    fit = int(max(node_cpus, default=1.0) // settings.num_cpus) if settings.num_cpus else most
+    return max(1, min(most, fit))
+
+
 def deployment_options(config: ServerConfig, settings: RaySettings, gpus: float) -> dict[str, Any]:
     """The ``serve.deployment`` options: resources, capacity, routing, draining and scaling."""
+    from ray.serve.config import BackpressureConfig
+
     from rag_lookahead.serve.app import CLOSE_GRACE_SECONDS
     from rag_lookahead.serve.ray_router import ROUTER_PATH
 
@@ -191,7 +207,10 @@ def deployment_options(config: ServerConfig, settings: RaySettings, gpus: float)
         name="LookaheadReplica",
         ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": gpus},
         max_ongoing_requests=capacity,
-        max_queued_requests=config.max_queue,
+        # Ray's router counts a request still being assigned to a replica as queued: with only
+        # --max-queue there, a burst of 6 at two idle replicas (queue 4) lost 2 to its 503
+        max_queued_requests=config.max_queue + (settings.max_replicas or settings.replicas) * capacity,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),  # as one process answers
         graceful_shutdown_timeout_s=config.drain_seconds + CLOSE_GRACE_SECONDS,
         request_router_config={"request_router_class": ROUTER_PATH},
         max_constructor_retry_count=3,  # a model that will not load fails the deploy, not 20 reloads
@@ -224,7 +243,8 @@ def deploy(config: ServerConfig, settings: RaySettings, ray_init: Mapping[str, A
 
     threads = 0 if gpus else max(1, int(settings.num_cpus))
     deployment = serve.deployment(LookaheadReplica, **deployment_options(config, settings, gpus))
-    application = deployment.bind(replica_config(config, gpus), threads)
+    node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+    application = deployment.bind(replica_config(config, gpus, memory_sharers(settings, gpus, node_cpus)), threads)
     try:
         serve.start(
             http_options={"host": config.host, "port": config.port}, logging_config={"log_level": _level(config)}
@@ -261,13 +281,15 @@ def undeploy() -> None:
     _forget_drain()
 
 
-def drain(seconds: float, hurry: threading.Event | None = None) -> None:
+def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = True) -> None:
     """Drain every replica, then stop them: each replica's engine stops admitting (new requests get
     the one-process server's 503 ``shutting_down``, ``/health`` says "draining") and fails what is
     still running after ``seconds``; once every replica is idle, or ``seconds`` and a grace have
     passed, the app is deleted. (Deleting first removed the route, so clients got 404 "not found",
     which they do not retry, and requests still running were cut off without an error.) Once
-    ``hurry`` is set (a second Ctrl-C) the replicas end what still runs at once."""
+    ``hurry`` is set (a second Ctrl-C) the replicas end what still runs at once. ``delete=False``
+    leaves the idle app to a ``ray.shutdown`` of the local Ray this process started: deleting it
+    first stops the replicas while Ray's proxy still answers, with a plain-text 404 for ~3 s."""
     from ray.experimental.internal_kv import _internal_kv_list, _internal_kv_put
 
     from rag_lookahead.serve.app import CLOSE_GRACE_SECONDS
@@ -284,7 +306,8 @@ def drain(seconds: float, hurry: threading.Event | None = None) -> None:
         if drained >= _running_replicas(serve):
             break
         time.sleep(0.1)
-    undeploy()
+    if delete:
+        undeploy()
 
 
 def _running_replicas(serve) -> int:
@@ -310,6 +333,7 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
     ray, _ = import_ray()
     logging.basicConfig(level=_level(config), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_port(config.port)
+    own_ray = not ray.is_initialized() and os.environ.get("RAY_ADDRESS", "").strip() in ("", "local")
     # at warning and above the replicas' logs stay in Ray's log folder (a failed start is pages of them)
     _connect(ray, {"logging_level": _level(config), "log_to_driver": _level(config) in ("DEBUG", "INFO")})
     logging.getLogger("ray.serve").setLevel(_level(config))  # Serve's driver-side logger keeps INFO otherwise
@@ -331,7 +355,7 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         while not stop.wait(1.0):
             pass
         log.info("shutting down: draining the replicas for up to %.0f s", config.drain_seconds)
-        drain(config.drain_seconds, hurry)
+        drain(config.drain_seconds, hurry, delete=not own_ray)  # a local Ray goes down whole below
     except StartAbandoned:
         log.warning(
             "interrupted again while deleting the half-started replicas: on a Ray cluster that outlives this "
@@ -360,6 +384,7 @@ def _connect(ray, options: Mapping[str, Any]) -> None:
     """``ray.init`` (a local Ray, or the cluster ``RAY_ADDRESS`` names), its failure as one line."""
     if ray.is_initialized():
         return
+    _check_reachable(os.environ.get("RAY_ADDRESS", "").strip())
     try:
         # no dashboard for a local Ray: nobody reads it, and its 9 processes left a /tmp/pymp-* folder
         # behind per run (ignored when joining a cluster)
@@ -368,6 +393,24 @@ def _connect(ray, options: Mapping[str, Any]) -> None:
         address = os.environ.get("RAY_ADDRESS")
         where = f"reach the Ray cluster at RAY_ADDRESS={address}" if address else "start a local Ray"
         raise ConfigError(f"could not {where}: {_cause(err)}") from err
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Refuse a ``host:port`` RAY_ADDRESS where nothing listens: ``ray.init`` retried it for ~14
+    minutes, deaf to Ctrl-C (its C++ connect blocks; our handlers come after it)."""
+    if not address or address in ("auto", "local") or "://" in address:
+        return  # Ray looks these up itself, and fails fast
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise ConfigError(
+            f"could not reach the Ray cluster at RAY_ADDRESS={address}: nothing answers there "
+            f"({err.strerror or type(err).__name__}); start it with `ray start --head`, or unset RAY_ADDRESS "
+            "for a local Ray"
+        ) from None
 
 
 def _check_serve_free(serve, config: ServerConfig) -> None:

@@ -174,7 +174,9 @@ def test_settings_and_deployment_options():
     fixed = deployment_options(config, RaySettings(replicas=2), 0.0)
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
     assert fixed["max_ongoing_requests"] == 12  # two batches, but no more than a batch and the queue
-    assert fixed["max_queued_requests"] == 4 and fixed["graceful_shutdown_timeout_s"] > 10
+    # Ray's router counts requests still being assigned as queued: a burst at idle replicas was dropped
+    assert fixed["max_queued_requests"] == 4 + 2 * 12 and fixed["graceful_shutdown_timeout_s"] > 10
+    assert fixed["backpressure_config"].status_code == 429 and fixed["backpressure_config"].retry_after_s == 1
     assert fixed["request_router_config"] == {"request_router_class": "rag_lookahead.serve.ray_router.SessionRouter"}
     scaling = deployment_options(config, settings_from_args({"replicas": 2, "max_replicas": 4, "replica_cpus": 0.5}), 0)
     assert "num_replicas" not in scaling and scaling["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
@@ -213,6 +215,38 @@ def test_ray_start_up_errors_are_one_line_with_their_cause():
     bind = "Failed to start the proxy.\nTraceback ...\nOSError: [Errno 98] Address already in use"
     assert _cause(RuntimeError(bind)) == "[Errno 98] Address already in use"
     assert _cause(RuntimeError("no cause given")) == "no cause given"
+
+
+def test_replicas_on_one_node_divide_the_default_kv_budget(tokenizer):
+    """Each CPU replica took a quarter of the node's free RAM as its KV budget, so 4 replicas on one
+    node budgeted all of it and 8 twice as much."""
+    from rag_lookahead.serve.admission import default_token_budget
+    from rag_lookahead.serve.ray_deploy import memory_sharers, replica_config
+
+    assert memory_sharers(RaySettings(replicas=4), 0.0, [16.0]) == 4
+    assert memory_sharers(RaySettings(replicas=8, num_cpus=4), 0.0, [16.0, 8.0]) == 4  # 4 fit the largest node
+    assert memory_sharers(RaySettings(replicas=2), 1.0, [16.0]) == 1  # a GPU each
+    assert memory_sharers(RaySettings(replicas=4), 0.25, [16.0]) == 4  # a quarter of one GPU each
+    config = ServerConfig(max_queue=1_000_000, max_prompt_tokens=1_000_000)  # no ceiling below the memory
+    model = tiny_model("qwen2")
+    alone = default_token_budget(model, replica_config(config, 0.0, 1))
+    shared = default_token_budget(model, replica_config(config, 0.0, 4))
+    assert abs(shared * 4 - alone) < 0.05 * alone
+
+
+def test_a_ray_address_where_nothing_listens_is_one_line_at_once():
+    """``ray.init`` retried such an address for ~14 minutes and ignored Ctrl-C."""
+    if ray is None:
+        pytest.skip("Ray is not installed")
+    from rag_lookahead.serve.ray_deploy import _check_reachable
+
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=f"RAY_ADDRESS=127.0.0.1:{port}: nothing answers there"):
+        _check_reachable(f"127.0.0.1:{port}")
+    assert time.monotonic() - start < 10
+    for passed in ("", "auto", "local", "ray://127.0.0.1:1"):
+        _check_reachable(passed)  # Ray looks these up itself and fails fast
 
 
 def test_replicas_refuse_port_zero_before_starting_ray():
