@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import os
 import shutil
@@ -298,9 +299,14 @@ def damaged(folder: Path) -> str | None:
         recorded = json.loads((folder / MARKER_FILE).read_text()).get("files")
     except (OSError, ValueError, AttributeError):
         return "its marker is unreadable"
-    if not isinstance(recorded, dict):
+    if recorded is None:
         return None
-    found = file_sums(folder)
+    if not _sums_table(recorded):  # hand-edited: a load crashed on it ("cannot unpack")
+        return "its marker is unreadable"
+    try:
+        found = file_sums(folder)
+    except OSError as err:  # (another process removing it meanwhile)
+        return f"it could not be read ({err.strerror or err})"
     for name, (size, total) in recorded.items():
         if name not in found:
             return f"{name} is missing"
@@ -311,8 +317,68 @@ def damaged(folder: Path) -> str | None:
     return None
 
 
+def _sums_table(recorded) -> bool:
+    """``{name: [size, sum]}`` with whole numbers, as :func:`file_sums` writes it."""
+    return isinstance(recorded, dict) and all(
+        isinstance(entry, list)
+        and len(entry) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry)
+        for entry in recorded.values()
+    )
+
+
+#: what a conversion writes (``save_pretrained`` of the model and its tokenizer), for a folder
+#: whose marker does not list its files (converted before the marker did)
+CONVERTED_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "merges.txt",
+        "chat_template.jinja",
+        "chat_template.json",
+        MARKER_FILE,
+    }
+)
+
+
+def _clear(target: Path) -> None:
+    """Delete the files a conversion wrote in ``target`` (those its marker lists, else the names a
+    conversion writes), then the folder; a folder still holding other files (a user's notes, say)
+    is moved aside to a free ``<name>.kept-N`` beside it, said on stderr, never deleted."""
+    try:
+        recorded = json.loads((target / MARKER_FILE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    ours = (set(recorded) if _sums_table(recorded) else set()) | CONVERTED_FILES
+    for path in sorted(target.rglob("*"), reverse=True):  # children before their folder
+        name = path.relative_to(target).as_posix()
+        if name in ours and path.is_file() and not path.is_symlink():
+            path.unlink()
+        elif path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            path.rmdir()  # emptied of our files
+    if not any(target.iterdir()):
+        target.rmdir()
+        return
+    kept = [p.relative_to(target).as_posix() for p in sorted(target.rglob("*")) if not p.is_dir()]
+    aside = next(p for n in itertools.count(1) if not (p := target.with_name(f"{target.name}.kept-{n}")).exists())
+    os.replace(target, aside)
+    print(
+        f"rag_lookahead: {target} held files rag_lookahead did not write ({', '.join(kept[:5])}"
+        f"{' ...' if len(kept) > 5 else ''}); they are kept in {aside}",
+        file=sys.stderr,
+    )
+
+
 def remove_stale(target: Path) -> None:
-    """Remove an unmarked target folder and temp dirs left by interrupted runs (call under the lock).
+    """Remove an unmarked or damaged target folder (what a conversion wrote in it: see :func:`_clear`)
+    and temp dirs left by interrupted runs (call under the lock).
 
     A file or a symlink at ``target`` was not written here (conversions make real folders) and is
     never deleted: a ModelLoadError says which path to remove, before a conversion is started for
@@ -325,7 +391,7 @@ def remove_stale(target: Path) -> None:
             " write: remove it and load again, or set RAG_LOOKAHEAD_CACHE to another folder"
         )
     if target.exists():
-        shutil.rmtree(target)
+        _clear(target)
     for leftover in target.parent.glob(f".tmp-{target.name}-*"):
         shutil.rmtree(leftover, ignore_errors=True)
 
@@ -373,7 +439,7 @@ def atomic_build(target: Path, build: Callable[[Path], None], marker: dict[str, 
             os.fsync(f.fileno())
         fsync_dir(tmp)
         if target.exists():  # os.replace cannot replace a non-empty dir
-            shutil.rmtree(target)
+            _clear(target)
         os.replace(tmp, target)
         fsync_dir(target.parent)
     except BaseException:

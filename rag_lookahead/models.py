@@ -169,6 +169,7 @@ def embedded_model_dir(name: str = "default", convert: bool = True) -> Path:
             f" ({problem}); converting it again",
             file=sys.stderr,
         )
+    paths = parts.locate_parts(spec)  # a missing extra is said before anything is written or removed
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         waiting = f"rag_lookahead: another process is converting the embedded {name} model into {target}; waiting"
@@ -176,7 +177,6 @@ def embedded_model_dir(name: str = "default", convert: bool = True) -> Path:
             if parts.is_complete(target, spec) and parts.damaged(target) is None:  # done by another process
                 return target
             parts.remove_stale(target)
-            paths = parts.locate_parts(spec)
             t0 = time.perf_counter()
             print(
                 f"rag_lookahead: converting the embedded {name} model into {target} (once, {spec.conversion_time})",

