@@ -175,7 +175,8 @@ def replica_config(config: ServerConfig, gpus: float, sharers: int = 1) -> Serve
     """The config each replica builds its app from: Ray shows a replica only its own GPU (``cuda``
     is that one), and a replica without a GPU runs on the CPU; ``sharers`` replicas may share a
     node's memory (see :func:`memory_sharers`)."""
-    config = dataclasses.replace(config, memory_sharers=sharers)
+    if sharers != config.memory_sharers:
+        config = dataclasses.replace(config, memory_sharers=sharers)
     device = (config.device or "").lower()
     if gpus >= 1 and device.startswith("cuda:"):
         return dataclasses.replace(config, device="cuda")
