@@ -257,7 +257,7 @@ def is_complete(folder: Path, spec: EmbeddedModel = DEFAULT) -> bool:
     spec's sha; a missing, corrupt or foreign marker means "convert again"."""
     try:
         marker = json.loads((folder / MARKER_FILE).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: a hand-made file nested thousands deep
         return False
     return isinstance(marker, dict) and marker.get("sha256") == spec.sha256
 
@@ -297,7 +297,7 @@ def damaged(folder: Path) -> str | None:
     """
     try:
         recorded = json.loads((folder / MARKER_FILE).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return "its marker is unreadable"
     if recorded is None:
         return None
@@ -354,7 +354,7 @@ def _clear(target: Path) -> None:
     is moved aside to a free ``<name>.kept-N`` beside it, said on stderr, never deleted."""
     try:
         recorded = json.loads((target / MARKER_FILE).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         recorded = None
     ours = (set(recorded) if _sums_table(recorded) else set()) | CONVERTED_FILES
     for path in sorted(target.rglob("*"), reverse=True):  # children before their folder

@@ -64,7 +64,10 @@ def checked_messages(
             param="messages",
         )
     chat = [m.for_template() for m in messages]
-    size = len(json.dumps([chat, *template_inputs], ensure_ascii=False, default=str))
+    # the contents as they are (JSON would count each newline twice), the rest as JSON
+    rest = [{k: v for k, v in m.items() if k != "content"} for m in chat]
+    size = sum(len(str(m.get("content") or "")) for m in chat)
+    size += len(json.dumps([rest, *template_inputs], ensure_ascii=False, default=str))
     checked_text_length(size, config, "messages", what="the messages, tools and template variables")
     return chat
 

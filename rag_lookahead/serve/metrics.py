@@ -54,7 +54,10 @@ class Metrics:
             ("reason",),
         )
         self.tokens_generated = counter("rag_lookahead_tokens_generated_total", "Tokens generated over all requests.")
-        self.forward_passes = counter("rag_lookahead_forward_passes_total", "Batched decode forwards (after prefills).")
+        self.forward_passes = counter(
+            "rag_lookahead_forward_passes_total",
+            "Batched forwards in which a row decoded (forwards of prompt chunks alone are prefill).",
+        )
         self.prefills = counter(
             "rag_lookahead_prefills_total",
             "Admissions of new prompts (each one or more requests; prefilled in one forward, or with"
@@ -80,7 +83,8 @@ class Metrics:
         self.prefill_seconds = counter(
             "rag_lookahead_prefill_seconds_total",
             "Seconds spent admitting prompts; a prompt prefilled in chunks (--prefill-chunk) runs inside"
-            " the decode steps, and that time counts in rag_lookahead_decode_seconds_total.",
+            " the steps: a step of prompt chunks alone counts here, one where a row also decoded in"
+            " rag_lookahead_decode_seconds_total.",
         )
         self.decode_seconds = counter("rag_lookahead_decode_seconds_total", "Seconds spent in decode steps.")
         self.request_seconds = Histogram(

@@ -320,20 +320,43 @@ class RagRequest(OpenAIRequest):
     )
     stream: Flag | None = Field(None, description="server-sent events: sources, deltas, done")
 
-    #: what the generation endpoints take and this one does not: sent here, each was dropped unseen
-    #: (a 'stop' the answer then ran past, a 'temperature' answered greedily)
-    generation_only: ClassVar[tuple[str, ...]] = (
-        *(name for name in GenerationRequest.model_fields if name != "model"),  # a name changes nothing
-        *("prompt", "messages", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs"),
-    )
+    #: what the generation endpoints take and this one does not, with the values under which each
+    #: changes nothing (OpenAI clients send their defaults); others were dropped unseen (a 'stop'
+    #: the answer ran past, a 'temperature' answered greedily). A seed changes no greedy answer.
+    generation_only: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "temperature": (0, 0.0),  # greedy, as this endpoint answers
+        "top_p": (1, 1.0),
+        "top_k": (0, -1),
+        "min_p": (0, 0.0),
+        "repetition_penalty": (1, 1.0),
+        "n": (1,),
+        "best_of": (1,),
+        "presence_penalty": (0, 0.0),
+        "frequency_penalty": (0, 0.0),
+        "logit_bias": ({},),
+        "stop": ([], ""),
+        "stop_token_ids": ([],),
+        "echo": (False,),
+        "suffix": ("",),
+        "response_format": ({"type": "text"},),
+        "logprobs": (False, 0),
+        "top_logprobs": (0,),
+        "tools": ([],),
+        "tool_choice": ("none",),
+        "functions": ([],),
+        "function_call": ("none",),
+        "max_completion_tokens": (),  # this endpoint's is max_tokens
+        "prompt": (),
+        "messages": (),
+    }
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_generation_options(cls, data: Any) -> Any:
         refuse_changing_options(data, VLLM_NEUTRAL)
         if isinstance(data, dict):
-            for name in cls.generation_only:
-                if name not in cls.model_fields and data.get(name) is not None:
+            for name, values in cls.generation_only.items():
+                if not neutral(data.get(name), values):
                     raise invalid_request(
                         f"'{name}' is not taken by /v1/rag, which answers greedily from the passages with "
                         "{question, k, max_tokens, stream}: leave it out (or retrieve yourself and send "

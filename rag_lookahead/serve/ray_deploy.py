@@ -334,7 +334,7 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
     ray, _ = import_ray()
     logging.basicConfig(level=_level(config), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_port(config.port)
-    own_ray = not ray.is_initialized() and os.environ.get("RAY_ADDRESS", "").strip() in ("", "local")
+    own_ray = not ray.is_initialized() and _starts_local_ray()
     # at warning and above the replicas' logs stay in Ray's log folder (a failed start is pages of them)
     _connect(ray, {"logging_level": _level(config), "log_to_driver": _level(config) in ("DEBUG", "INFO")})
     logging.getLogger("ray.serve").setLevel(_level(config))  # Serve's driver-side logger keeps INFO otherwise
@@ -394,6 +394,17 @@ def _connect(ray, options: Mapping[str, Any]) -> None:
         address = os.environ.get("RAY_ADDRESS")
         where = f"reach the Ray cluster at RAY_ADDRESS={address}" if address else "start a local Ray"
         raise ConfigError(f"could not {where}: {_cause(err)}") from err
+
+
+def _starts_local_ray() -> bool:
+    """Whether ``ray.init`` here starts a Ray of its own (which goes down with this command), not
+    join one: RAY_ADDRESS, or a cluster ``ray start`` began on this machine, is joined."""
+    from ray._private import services
+
+    try:
+        return services.canonicalize_bootstrap_address(os.environ.get("RAY_ADDRESS", "").strip() or None) is None
+    except Exception:  # noqa: BLE001 - an address Ray cannot read: not ours (``_connect`` says why)
+        return False
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:

@@ -248,6 +248,18 @@ def test_a_marker_whose_table_is_malformed_means_convert_again(tmp_path, files):
     assert damaged(target) == "its marker is unreadable"
 
 
+def test_a_marker_nested_thousands_deep_means_convert_again(tmp_path):
+    """json.loads raised RecursionError, which no check caught: a traceback on every load."""
+    from rag_lookahead.embedded_model import damaged
+
+    target = tmp_path / "m"
+    target.mkdir()
+    (target / MARKER_FILE).write_text('{"sha256": "x", "files": {"a": ' + "[" * 50_000 + "]" * 50_000 + "}}")
+    assert not is_complete(target) and damaged(target) == "its marker is unreadable"
+    remove_stale(target)
+    assert not target.exists()
+
+
 def test_a_missing_extra_is_said_before_the_cache_is_touched(tmp_path, monkeypatch):
     """``load_model("quality")`` without its extra made the cache folder and a lock first, so a
     read-only cache was blamed ("set RAG_LOOKAHEAD_CACHE to a writable folder")."""

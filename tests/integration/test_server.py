@@ -401,10 +401,17 @@ def test_tiny_validation_health_metrics(tokenizer):
             r = client.post("/v1/rag", json={"question": "what?"})
             assert r.status_code == 503 and "no document index" in r.json()["error"]["message"]
             assert client.post("/v1/rag", json={"question": ""}).status_code == 400
-            for extra in ({"temperature": 0.7}, {"stop": ["budget"]}, {"seed": 1}, {"top_k": 3}, {"min_tokens": 5}):
+            for extra in ({"temperature": 0.7}, {"stop": ["budget"]}, {"n": 2}, {"top_k": 3}, {"min_tokens": 5}):
                 r = client.post("/v1/rag", json={"question": "what?", **extra})  # they were dropped unseen
                 assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), (extra, r.text)
-            for harmless in ({"model": "default"}, {"skip_special_tokens": True}, {"user": "u1"}):
+            harmless_values = (
+                {"model": "default"},
+                {"skip_special_tokens": True},
+                {"user": "u1"},
+                {"temperature": 0, "n": 1, "presence_penalty": 0, "stop": [], "seed": 3},  # OpenAI clients' defaults
+                {"response_format": {"type": "text"}, "stream_options": {"include_usage": True}},
+            )
+            for harmless in harmless_values:
                 assert client.post("/v1/rag", json={"question": "what?", **harmless}).status_code == 503
             r = client.get("/v1/nothing")
             assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
