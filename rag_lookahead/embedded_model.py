@@ -252,14 +252,20 @@ def verify_parts(
 # ---------------------------------------------------------------- conversion
 
 
-def is_complete(folder: Path, spec: EmbeddedModel = DEFAULT) -> bool:
-    """A converted folder counts only if its marker (written last) is a JSON object carrying the
-    spec's sha; a missing, corrupt or foreign marker means "convert again"."""
+def _marker(folder: Path) -> dict | None:
+    """The folder's marker as a JSON object; None where it is missing, unreadable or not an object."""
     try:
         marker = json.loads((folder / MARKER_FILE).read_text())
     except (OSError, ValueError, RecursionError):  # RecursionError: a hand-made file nested thousands deep
-        return False
-    return isinstance(marker, dict) and marker.get("sha256") == spec.sha256
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def is_complete(folder: Path, spec: EmbeddedModel = DEFAULT) -> bool:
+    """A converted folder counts only if its marker (written last) is a JSON object carrying the
+    spec's sha; a missing, corrupt or foreign marker means "convert again"."""
+    marker = _marker(folder)
+    return marker is not None and marker.get("sha256") == spec.sha256
 
 
 def file_sums(folder: Path) -> dict[str, list[int]]:
@@ -295,10 +301,10 @@ def damaged(folder: Path) -> str | None:
 
     A marker without sums (a folder converted before they were recorded) is trusted as it is.
     """
-    try:
-        recorded = json.loads((folder / MARKER_FILE).read_text()).get("files")
-    except (OSError, ValueError, AttributeError, RecursionError):
+    marker = _marker(folder)
+    if marker is None:
         return "its marker is unreadable"
+    recorded = marker.get("files")
     if recorded is None:
         return None
     if not _sums_table(recorded):  # hand-edited: a load crashed on it ("cannot unpack")
@@ -352,10 +358,7 @@ def _clear(target: Path) -> None:
     """Delete the files a conversion wrote in ``target`` (those its marker lists, else the names a
     conversion writes), then the folder; a folder still holding other files (a user's notes, say)
     is moved aside to a free ``<name>.kept-N`` beside it, said on stderr, never deleted."""
-    try:
-        recorded = json.loads((target / MARKER_FILE).read_text()).get("files")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        recorded = None
+    recorded = (_marker(target) or {}).get("files")
     ours = (set(recorded) if _sums_table(recorded) else set()) | CONVERTED_FILES
     for path in sorted(target.rglob("*"), reverse=True):  # children before their folder
         name = path.relative_to(target).as_posix()
