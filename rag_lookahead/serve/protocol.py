@@ -120,13 +120,16 @@ def neutral(value: Any, values: tuple[Any, ...]) -> bool:
     return value is None or any(type(value) is type(v) and value == v for v in values)
 
 
-def refuse_changing_options(data: Any, table: dict[str, tuple[Any, ...]]) -> None:
+def refuse_changing_options(data: Any, table: dict[str, tuple[Any, ...]], why: str | None = None) -> None:
     """Refuse the first option of ``table`` in the raw body ``data`` set to a value that changes
-    the answer: unknown fields are dropped before validation, so these are looked for here."""
+    the answer: unknown fields are dropped before validation, so these are looked for here.
+    ``why``: the refusal's words after the option's name (default: this server does not support it)."""
     if not isinstance(data, dict):
         return
     for name, values in table.items():
         if not neutral(data.get(name), values):
+            if why is not None:
+                raise invalid_request(f"'{name}' {why}", name)
             default = f" (or send {json.dumps(values[0])})" if values else ""
             raise invalid_request(f"'{name}' is not supported by this server: leave it out{default}", name)
 
@@ -354,15 +357,12 @@ class RagRequest(OpenAIRequest):
     @classmethod
     def _refuse_generation_options(cls, data: Any) -> Any:
         refuse_changing_options(data, VLLM_NEUTRAL)
-        if isinstance(data, dict):
-            for name, values in cls.generation_only.items():
-                if not neutral(data.get(name), values):
-                    raise invalid_request(
-                        f"'{name}' is not taken by /v1/rag, which answers greedily from the passages with "
-                        "{question, k, max_tokens, stream}: leave it out (or retrieve yourself and send "
-                        "/v1/chat/completions)",
-                        name,
-                    )
+        refuse_changing_options(
+            data,
+            cls.generation_only,
+            "is not taken by /v1/rag, which answers greedily from the passages with {question, k, max_tokens, "
+            "stream}: leave it out (or retrieve yourself and send /v1/chat/completions)",
+        )
         return data
 
     @model_validator(mode="after")

@@ -115,6 +115,11 @@ class RaySettings:
             raise ConfigError("num_cpus must be > 0 for CPU replicas")
 
     @property
+    def most_replicas(self) -> int:
+        """The most replicas that may run at once (``max_replicas`` when autoscaling)."""
+        return self.max_replicas or self.replicas
+
+    @property
     def lowest(self) -> int:
         """The fewest replicas running (what must fit in the cluster)."""
         if self.max_replicas is None:
@@ -189,7 +194,7 @@ def memory_sharers(settings: RaySettings, gpus: float, node_cpus: Sequence[float
     """How many replicas may share one node's memory, so that their default KV budgets together
     stay within the one-process share: CPU replicas as many as fit the largest node's CPUs (at
     most the replicas asked for), replicas on a fraction of a GPU as many as share one GPU."""
-    most = settings.max_replicas or settings.replicas
+    most = settings.most_replicas
     if gpus:
         return max(1, min(most, int(1 / gpus))) if gpus < 1 else 1
     fit = int(max(node_cpus, default=1.0) // settings.num_cpus) if settings.num_cpus else most
@@ -210,7 +215,7 @@ def deployment_options(config: ServerConfig, settings: RaySettings, gpus: float)
         max_ongoing_requests=capacity,
         # Ray's router counts a request still being assigned to a replica as queued: with only
         # --max-queue there, a burst of 6 at two idle replicas (queue 4) lost 2 to its 503
-        max_queued_requests=config.max_queue + (settings.max_replicas or settings.replicas) * capacity,
+        max_queued_requests=config.max_queue + settings.most_replicas * capacity,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),  # as one process answers
         graceful_shutdown_timeout_s=config.drain_seconds + CLOSE_GRACE_SECONDS,
         request_router_config={"request_router_class": ROUTER_PATH},
