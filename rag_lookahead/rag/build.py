@@ -116,10 +116,8 @@ def chunk_starts(splitter, text: str, chunks: list[str]) -> list[int]:
     codes[other] = np.random.default_rng(0).integers(0x4E00, 0xA000, size=int(other.sum()), dtype=np.uint32)
     twin = codes.tobytes().decode("utf-32-le")
     twin_chunks = [c for c in splitter.split_text(twin) if c.strip()]
-    if [len(c) for c in twin_chunks] != [
-        len(c) for c in chunks
-    ]:  # not a splitter of that kind: search as langchain does
-        return _searched_starts(text, chunks)
+    if [len(c) for c in twin_chunks] != [len(c) for c in chunks]:  # a splitter of another kind
+        return _searched_starts(text, chunks)  # each chunk's first place, as langchain searches
     return _searched_starts(twin, twin_chunks, overlap=getattr(splitter, "_chunk_overlap", 0))
 
 
