@@ -357,7 +357,18 @@ CONVERTED_FILES = frozenset(
 def _clear(target: Path) -> None:
     """Delete the files a conversion wrote in ``target`` (those its marker lists, else the names a
     conversion writes), then the folder; a folder still holding other files (a user's notes, say)
-    is moved aside to a free ``<name>.kept-N`` beside it, said on stderr, never deleted."""
+    is moved aside to a free ``<name>.kept-N`` beside it, said on stderr, never deleted.
+
+    A file or a symlink at ``target`` was not written here (conversions make real folders) and is
+    never deleted or read through (a symlink's folder lies elsewhere): a ModelLoadError says which
+    path to remove. Both callers, the stale folder's removal and the replacement by a new build,
+    come here, so neither can follow a link made meanwhile."""
+    if target.is_symlink() or not target.is_dir():
+        kind = "a symlink" if target.is_symlink() else "a file"
+        raise ModelLoadError(
+            f"{target} is {kind}, not a converted model folder, and rag_lookahead does not delete what it did not"
+            " write: remove it and load again, or set RAG_LOOKAHEAD_CACHE to another folder"
+        )
     recorded = (_marker(target) or {}).get("files")
     ours = (set(recorded) if _sums_table(recorded) else set()) | CONVERTED_FILES
     for path in sorted(target.rglob("*"), reverse=True):  # children before their folder
@@ -383,17 +394,10 @@ def remove_stale(target: Path) -> None:
     """Remove an unmarked or damaged target folder (what a conversion wrote in it: see :func:`_clear`)
     and temp dirs left by interrupted runs (call under the lock).
 
-    A file or a symlink at ``target`` was not written here (conversions make real folders) and is
-    never deleted: a ModelLoadError says which path to remove, before a conversion is started for
-    nothing. A folder that cannot be removed fails here too (OSError), not after the conversion.
+    A file or a symlink at ``target`` is refused (see :func:`_clear`) before a conversion is started
+    for nothing. A folder that cannot be removed fails here too (OSError), not after the conversion.
     """
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
-        kind = "a symlink" if target.is_symlink() else "a file"
-        raise ModelLoadError(
-            f"{target} is {kind}, not a converted model folder, and rag_lookahead does not delete what it did not"
-            " write: remove it and load again, or set RAG_LOOKAHEAD_CACHE to another folder"
-        )
-    if target.exists():
+    if target.exists() or target.is_symlink():
         _clear(target)
     for leftover in target.parent.glob(f".tmp-{target.name}-*"):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -441,7 +445,7 @@ def atomic_build(target: Path, build: Callable[[Path], None], marker: dict[str, 
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
-        if target.exists():  # os.replace cannot replace a non-empty dir
+        if target.exists() or target.is_symlink():  # os.replace cannot replace a non-empty dir
             _clear(target)
         os.replace(tmp, target)
         fsync_dir(target.parent)

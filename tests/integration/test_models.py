@@ -236,6 +236,21 @@ def test_a_rebuild_keeps_files_it_did_not_write(tmp_path, capsys):
     assert sorted(p.name for p in target.parent.iterdir()) == ["m.kept-1"]
 
 
+def test_a_build_never_clears_through_a_symlink_at_its_place(tmp_path):
+    """A link made at the folder's place while a conversion ran: replacing it must not delete the
+    files of the folder it points to (which are named as a conversion's files are)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text("the user's")
+    target = tmp_path / "models" / "m"
+    target.parent.mkdir()
+    target.symlink_to(outside)
+    with pytest.raises(ModelLoadError, match="is a symlink"):
+        atomic_build(target, lambda tmp: (tmp / "config.json").write_text("{}"), {"sha256": DEFAULT_SHA256})
+    assert (outside / "config.json").read_text() == "the user's" and target.is_symlink()
+    assert [p.name for p in target.parent.iterdir()] == ["m"]  # the temp build is gone too
+
+
 @pytest.mark.parametrize("files", [{"config.json": 5}, [1], "ab", {"config.json": [1, "x"]}])
 def test_a_marker_whose_table_is_malformed_means_convert_again(tmp_path, files):
     """A load crashed on such a marker ("cannot unpack"), outside any error handling."""
