@@ -169,11 +169,17 @@ def embedded_model_dir(name: str = "default", convert: bool = True) -> Path:
             f" ({problem}); converting it again",
             file=sys.stderr,
         )
-    paths = parts.locate_parts(spec)  # a missing extra is said before anything is written or removed
+    lock = target.parent / f".{target.name}.lock"
+    waiting = f"rag_lookahead: another process is converting the embedded {name} model into {target}; waiting"
+    try:
+        paths = parts.locate_parts(spec)  # a missing extra is said before anything is written or removed
+    except ModelLoadError:
+        if _converted_by_another(target, spec, lock, waiting):
+            return target
+        raise
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        waiting = f"rag_lookahead: another process is converting the embedded {name} model into {target}; waiting"
-        with parts.file_lock(target.parent / f".{target.name}.lock", waiting=waiting):
+        with parts.file_lock(lock, waiting=waiting):
             if parts.is_complete(target, spec) and parts.damaged(target) is None:  # done by another process
                 return target
             parts.remove_stale(target)
@@ -192,6 +198,21 @@ def embedded_model_dir(name: str = "default", convert: bool = True) -> Path:
             raise
         raise ModelLoadError(_conversion_failure(io_error, target.parent, spec)) from err
     return target
+
+
+def _converted_by_another(target: Path, spec, lock: Path, waiting: str) -> bool:
+    """Whether another process, converting into ``target`` now, finishes it: a process whose own
+    parts are missing may share the cache with one that has them, and should use its result
+    rather than fail while it converts. Only a lock file that is already there is waited on, so
+    a process without the parts never writes into the cache."""
+    parts = embedded_model
+    if not lock.is_file():
+        return False
+    try:
+        with parts.file_lock(lock, waiting=waiting):
+            return parts.is_complete(target, spec) and parts.damaged(target) is None
+    except OSError:  # a lock this process cannot open (a read-only cache): nothing to wait for
+        return False
 
 
 #: how safetensors (SafetensorError) and tokenizers (a bare Exception) end the message of a failed write

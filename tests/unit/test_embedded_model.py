@@ -400,3 +400,55 @@ def test_a_held_conversion_lock_is_waited_for_with_a_message_then_a_one_line_err
     assert "waiting for the other conversion" in capsys.readouterr().err
     with embedded_model.file_lock(lock, timeout=0.1):  # released: taken at once
         pass
+
+
+_CONVERTING = """
+import sys, time
+from pathlib import Path
+from rag_lookahead import embedded_model
+target, started = Path(sys.argv[1]), Path(sys.argv[2])
+with embedded_model.file_lock(target.parent / f".{target.name}.lock"):
+    started.write_text("1")
+    time.sleep(2)
+    embedded_model.atomic_build(target, lambda tmp: (tmp / "config.json").write_text("{}"),
+                                {"sha256": embedded_model.DEFAULT.sha256})
+"""
+
+
+def _missing_parts(spec):
+    raise ModelLoadError("the embedded default model's parts are not installed: pip install ...")
+
+
+def test_a_process_without_the_parts_waits_for_one_converting_into_the_shared_cache(tmp_path, monkeypatch, capsys):
+    """It failed at once ("not installed") while another process with the parts was converting
+    into the same cache, instead of waiting for it and using its folder."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(embedded_model, "locate_parts", _missing_parts)
+    target = embedded_model_dir("default", convert=False)
+    target.parent.mkdir(parents=True)
+    started = tmp_path / "started"
+    other = subprocess.Popen([sys.executable, "-c", _CONVERTING, str(target), str(started)])
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started.exists()
+        assert embedded_model_dir("default") == target and is_complete(target)
+        assert "another process is converting the embedded default model" in capsys.readouterr().err
+    finally:
+        assert other.wait(timeout=60) == 0
+
+
+def test_without_the_parts_and_with_no_conversion_running_the_missing_parts_are_said(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(embedded_model, "locate_parts", _missing_parts)
+    target = embedded_model_dir("default", convert=False)
+    target.parent.mkdir(parents=True)
+    (target.parent / f".{target.name}.lock").write_text("")  # left by an earlier conversion
+    with pytest.raises(ModelLoadError, match="not installed"):
+        embedded_model_dir("default")
+    assert sorted(p.name for p in target.parent.iterdir()) == [f".{target.name}.lock"]  # nothing written
