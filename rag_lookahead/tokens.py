@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 REPLACEMENT = "\ufffd"
+#: a byte-fallback token's name (sentencepiece vocabularies: Llama, Mistral, Gemma)
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 #: what transformers' ``clean_up_tokenization`` rewrites (each loses its leading space)
 CLEAN_UP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
 
@@ -39,9 +42,14 @@ CLEAN_UP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've"
 class TextTracker:
     """Turns a row's accepted token blocks into stable text pieces, honouring stop strings.
 
-    The whole answer so far is decoded each time and only the new suffix is emitted, so a
-    multi-byte character split over tokens is never emitted half (a trailing U+FFFD is held
-    back), and text that might be the start of a stop string is held back until it is decided.
+    The whole answer so far is decoded each time and only the new suffix is emitted. What is
+    emitted, and what stop strings are looked for in, is the *settled* text: the decoded text
+    less what a later token may still rewrite, so nothing emitted is ever taken back and where a
+    row stops never depends on how many tokens a step accepted. Held back are a trailing U+FFFD
+    (a character split over tokens), a trailing run of byte-fallback tokens (``<0xE4>``: Llama-
+    and Mistral-style decoders turn a whole run into U+FFFDs when its last character is
+    incomplete, including the characters already whole in it), the end ``clean_up_tokenization``
+    may still rewrite, and text that may be the start of a stop string.
 
     ``prefix``: answer text the prompt already holds (a forced opening such as ``<tool_call>``);
     it is part of the text but never searched for stop strings. ``hold``: markers from which
@@ -68,6 +76,7 @@ class TextTracker:
         self.emitted = ""
         self.cleans_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self.stopped = False
+        self._byte_tokens: dict[int, bool] = {}
 
     def text(self, count: int | None = None) -> str:
         """The text of the first ``count`` ids (all of them when None)."""
@@ -76,18 +85,49 @@ class TextTracker:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=True)
 
+    def settled(self, count: int | None = None) -> str:
+        """The text of the first ``count`` ids less the end a later token may still rewrite."""
+        count = len(self.ids) if count is None else count
+        while count and self._is_byte_token(self.ids[count - 1]):
+            count -= 1
+        text = self.text(count).rstrip(REPLACEMENT)
+        if self.cleans_up:
+            # decode's clean-up (" ' " -> "'", " n't" -> "n't") rewrites text once a pattern is
+            # whole: keep only what the text one token shorter agrees with, less an end that may
+            # still become a pattern (a tokenizer's own clean-up may have other patterns)
+            if count > 1:
+                text = os.path.commonprefix([text, self.text(count - 1)])
+            text = text[: len(text) - held_back(text, CLEAN_UP_PATTERNS)]
+        return text
+
+    def _is_byte_token(self, token: int) -> bool:
+        known = self._byte_tokens.get(token)
+        if known is None:
+            try:
+                name = self.tokenizer.convert_ids_to_tokens(token)
+            except (IndexError, KeyError, OverflowError, TypeError, ValueError):
+                name = None
+            known = self._byte_tokens[token] = isinstance(name, str) and BYTE_TOKEN.fullmatch(name) is not None
+        return known
+
+    def _holds_stop(self, count: int, settled: str | None = None) -> bool:
+        """Whether the settled text of the first ``count`` ids (``settled``, when known) holds a stop string."""
+        answer = (self.settled(count) if settled is None else settled)[len(self.prefix) :]
+        return len(cut_at_stop(answer, self.stop)) < len(answer)
+
     def would_stop(self, tokens: Sequence[int]) -> bool:
         """Whether the ids taken so far plus ``tokens`` (drawn, not taken yet) hold a stop string:
         a sampled row asks this after each draw, so that no draw is spent past the stop
-        (the generator must stand where one-token-a-step decoding leaves it)."""
+        (the generator must stand where one-token-a-step decoding leaves it). It is the very
+        test :meth:`add` makes, on the same whole text, so the two never disagree."""
         if self.stopped or not self.stop:
             return self.stopped
-        # a stop string this block completes ends in the block and starts within its length before it:
-        # decode that tail only (a character may take 4 byte tokens), not the whole answer each time
-        window = 4 * max(len(s) for s in self.stop) + 8
-        tail = [*self.ids[-window:], *(int(t) for t in tokens)]
-        text = self._decode(tail)
-        return len(cut_at_stop(text, self.stop)) < len(text)
+        before = len(self.ids)
+        self.ids.extend(int(t) for t in tokens)
+        try:
+            return self._holds_stop(len(self.ids))
+        finally:
+            del self.ids[before:]
 
     def final_text(self) -> str:
         text = self.text()
@@ -99,42 +139,31 @@ class TextTracker:
             return ""
         before = len(self.ids)
         self.ids.extend(int(t) for t in tokens)
-        text = self.text()
-        answer = text[len(self.prefix) :]
-        cut = cut_at_stop(answer, self.stop)
-        if len(cut) < len(answer):
+        stable = self.settled()
+        if self.stop and self._holds_stop(len(self.ids), stable):
             self.stopped = True
             # keep the ids one-token-a-step decoding would have stopped at (the token that completes
             # the stop string), so a token count never depends on how many tokens a step accepted
-            del self.ids[first_true(before + 1, len(self.ids), self._holds_stop) :]
-            stable = self.prefix + cut
+            end = next(k for k in range(before + 1, len(self.ids) + 1) if self._holds_stop(k))
+            del self.ids[end:]
+            stable = self.final_text()
         else:
-            stable = text.rstrip(REPLACEMENT)
-            if self.cleans_up:
-                # decode's clean-up (" ' " -> "'", " n't" -> "n't") rewrites text once a pattern is
-                # whole: hold back an end that may still become one, and emit only what the text
-                # one token shorter agrees with (a tokenizer's own clean-up may have other patterns)
-                if len(self.ids) > 1:
-                    stable = os.path.commonprefix([stable, self.text(len(self.ids) - 1)])
-                stable = stable[: len(stable) - held_back(stable, CLEAN_UP_PATTERNS)]
             stable = stable[: len(stable) - held_back(stable[len(self.prefix) :], self.stop)]
-        stable = _before_hold(stable, self.hold)
-        if not stable.startswith(self.emitted) or len(stable) <= len(self.emitted):
+        return self._emit(_before_hold(stable, self.hold))
+
+    def _emit(self, stable: str) -> str:
+        """The part of ``stable`` past what was emitted. Were a tokenizer to rewrite text already
+        emitted, the piece still starts at the emitted length: a stream may then differ from the
+        final text where it was rewritten, but never loses what follows."""
+        if len(stable) <= len(self.emitted):
             return ""
         piece = stable[len(self.emitted) :]
         self.emitted = stable
         return piece
 
-    def _holds_stop(self, count: int) -> bool:
-        answer = self.text(count)[len(self.prefix) :]
-        return len(cut_at_stop(answer, self.stop)) < len(answer)
-
     def rest(self) -> str:
         """What is left to emit once the row is done: the final text minus what was emitted."""
-        final = self.final_text()
-        piece = final[len(self.emitted) :] if final.startswith(self.emitted) else ""
-        self.emitted = final
-        return piece
+        return self._emit(self.final_text())
 
 
 def first_true(low: int, high: int, holds: Callable[[int], bool]) -> int:
