@@ -156,19 +156,42 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
     def batch(self, inputs: list, config=None, *, return_exceptions: bool = False, **kwargs: Any) -> list:
         """LangChain's ``batch``, except that with ``return_exceptions`` a bad input (blank, past the
         context window) fails alone: ``BaseLLM`` decodes every input in one ``generate``, so one
-        bad prompt failed every row."""
+        bad prompt failed every row. Per-input ``references`` go with their inputs into each part
+        ``max_concurrency`` splits the batch into (``BaseLLM`` gave every part the whole list)."""
+        parts = _concurrency_parts(inputs, config, kwargs)
+        if parts is not None:
+            return [
+                answer
+                for part, part_config, part_kwargs in parts
+                for answer in self.batch(part, part_config, return_exceptions=return_exceptions, **part_kwargs)
+            ]
         bad, good, configs = self._split_bad(inputs, config, return_exceptions)
         if not bad:
             return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-        answers = super().batch([inputs[i] for i in good], [configs[i] for i in good], return_exceptions=True, **kwargs)
+        answers = super().batch(
+            [inputs[i] for i in good],
+            [configs[i] for i in good],
+            return_exceptions=True,
+            **_rows_of(kwargs, good, inputs),
+        )
         return _merged(len(inputs), bad, good, answers)
 
     async def abatch(self, inputs: list, config=None, *, return_exceptions: bool = False, **kwargs: Any) -> list:
+        parts = _concurrency_parts(inputs, config, kwargs)
+        if parts is not None:
+            return [
+                answer
+                for part, part_config, part_kwargs in parts
+                for answer in await self.abatch(part, part_config, return_exceptions=return_exceptions, **part_kwargs)
+            ]
         bad, good, configs = self._split_bad(inputs, config, return_exceptions)
         if not bad:
             return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
         answers = await super().abatch(
-            [inputs[i] for i in good], [configs[i] for i in good], return_exceptions=True, **kwargs
+            [inputs[i] for i in good],
+            [configs[i] for i in good],
+            return_exceptions=True,
+            **_rows_of(kwargs, good, inputs),
         )
         return _merged(len(inputs), bad, good, answers)
 
@@ -339,6 +362,38 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         if rest and run_manager is not None:
             run_manager.on_llm_new_token(rest, chunk=chunk)
         yield chunk
+
+
+def _rows_of(kwargs: dict[str, Any], rows: Sequence[int], inputs: Sequence) -> dict[str, Any]:
+    """``kwargs`` for the inputs at ``rows`` only: per-input ``references`` (one list per input)
+    kept for those inputs; anything else, one passage list included, as it is (checked later)."""
+    references = kwargs.get("references")
+    if (
+        isinstance(references, (list, tuple))
+        and len(references) == len(inputs)
+        and not any(isinstance(r, str) for r in references)
+    ):
+        return {**kwargs, "references": [references[i] for i in rows]}
+    return kwargs
+
+
+def _concurrency_parts(inputs: list, config, kwargs: dict[str, Any]) -> list[tuple[list, list, dict]] | None:
+    """The parts of at most ``max_concurrency`` inputs a batch is decoded in, each with its own
+    configs and ``kwargs``; None when no ``max_concurrency`` is set (one part)."""
+    from langchain_core.runnables.config import get_config_list
+
+    if not inputs:
+        return None
+    configs = get_config_list(config, len(inputs))
+    size = configs[0].get("max_concurrency")
+    if size is None:
+        return None
+    configs = [{**c, "max_concurrency": None} for c in configs]
+    starts = range(0, len(inputs), size)
+    return [
+        (inputs[i : i + size], configs[i : i + size], _rows_of(kwargs, range(i, min(i + size, len(inputs))), inputs))
+        for i in starts
+    ]
 
 
 def _merged(size: int, bad: dict[int, Exception], good: list[int], answers: list) -> list:

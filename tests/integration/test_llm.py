@@ -125,6 +125,20 @@ def test_references_shapes(llm, singles):
         llm.invoke(PROMPTS[0], references=[[PASSAGE], [PASSAGE]])
 
 
+def test_per_input_references_go_with_their_inputs_into_each_part_of_a_batch(llm, singles):
+    """With ``max_concurrency``, or with a bad input set aside under ``return_exceptions``, the
+    whole references list reached a part of the batch: every row failed ("references has 3 lists
+    but there are 2 prompts")."""
+    import asyncio
+
+    references = [[PASSAGE], [], [PASSAGE]]
+    parted = {"max_concurrency": 2}
+    assert llm.batch(PROMPTS[1:4], parted, references=references) == singles[1:4]
+    assert asyncio.run(llm.abatch(PROMPTS[1:4], parted, references=references)) == singles[1:4]
+    answers = llm.batch([PROMPTS[2], " ", PROMPTS[3]], return_exceptions=True, references=references)
+    assert answers[0] == singles[2] and answers[2] == singles[3] and isinstance(answers[1], InputError)
+
+
 def test_empty_prompt_is_an_input_error(llm):
     for bad in ("", "   \n"):
         with pytest.raises(InputError, match="empty"):
