@@ -44,9 +44,10 @@ class Gather:
     identical settings, and the others wake up with their results.
     """
 
-    def __init__(self, engine: Engine, size: int) -> None:
+    def __init__(self, engine: Engine, size: int, cancel: threading.Event | None = None) -> None:
         self.engine = engine
         self.size = size
+        self.cancel = cancel
         self.calls: list[BatchCall] = []
         self.left = 0
         self.fired = False
@@ -59,7 +60,7 @@ class Gather:
                 self.calls.append(call)
             leader = not late and self._ready()
         if late:
-            decode_together(self.engine, [call])
+            decode_together(self.engine, [call], self.cancel)
         elif leader:
             self._decode_all()
         call.done.wait()
@@ -82,19 +83,29 @@ class Gather:
         for call in self.calls:
             groups.setdefault(call.key, []).append(call)
         for calls in groups.values():
-            decode_together(self.engine, calls)
+            decode_together(self.engine, calls, self.cancel)
 
 
-def decode_together(engine: Engine, calls: list[BatchCall]) -> None:
-    """One ``generate`` for ``calls`` (same settings); each gets its run and row, or the error."""
+def decode_together(engine: Engine, calls: list[BatchCall], cancel: threading.Event | None = None) -> None:
+    """One ``generate`` for ``calls`` (same settings); each gets its run and row, or the error.
 
-    def on_block(row: int, tokens: list[int], piece: str) -> None:
-        callback = calls[row].on_block
-        if callback is not None:
-            callback(tokens, piece)
+    A row whose own callback raises (a handler with ``raise_error``) ends there with that error;
+    the other rows decode on, as they would in LangChain's own per-input batch. ``cancel`` ends
+    every row at its next block (an ``abatch`` whose caller was cancelled)."""
+
+    def on_block(row: int, tokens: list[int], piece: str) -> bool:
+        call = calls[row]
+        if call.on_block is not None and call.error is None:
+            try:
+                call.on_block(tokens, piece)
+            except Exception as err:
+                call.error = err
+        return call.error is not None
 
     timeouts = [c.settings["timeout"] for c in calls if c.settings["timeout"] is not None]
     settings = calls[0].settings | {"timeout": min(timeouts) if timeouts else None}
+    if cancel is not None:
+        settings["cancel"] = cancel
     try:
         run = engine.run([c.request for c in calls], on_block=on_block, **settings)
         for row, call in enumerate(calls):
@@ -138,10 +149,16 @@ def settings_key(settings: dict) -> tuple:
 
 
 def run_wave(
-    engine: Engine, invoke: Callable[..., Any], inputs: Sequence, configs: Sequence, return_exceptions: bool, kwargs
+    engine: Engine,
+    invoke: Callable[..., Any],
+    inputs: Sequence,
+    configs: Sequence,
+    return_exceptions: bool,
+    kwargs,
+    cancel: threading.Event | None = None,
 ) -> list:
     """``invoke(input, config, **kwargs)`` for every input, each in its own thread with a seat at one gather."""
-    gather = Gather(engine, len(inputs))
+    gather = Gather(engine, len(inputs), cancel)
 
     def one(i: int) -> Any:
         seat = Seat(gather)

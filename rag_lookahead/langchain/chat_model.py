@@ -24,6 +24,7 @@ draft trie without being in the prompt), ``enable_lookahead``, ``lookahead``, th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import weakref
@@ -402,13 +403,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         """
         if len(inputs) <= 1:
             return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-        configs = get_config_list(config, len(inputs))
-        width = configs[0].get("max_concurrency") or len(inputs)
-        results: list[Any] = []
-        for start in range(0, len(inputs), width):
-            wave = slice(start, start + width)
-            results.extend(run_wave(self._engine, self.invoke, inputs[wave], configs[wave], return_exceptions, kwargs))
-        return results
+        return self._batch(inputs, config, return_exceptions, kwargs)
 
     async def abatch(
         self,
@@ -418,10 +413,31 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         return_exceptions: bool = False,
         **kwargs: Any,
     ) -> list[Any]:
-        """:meth:`batch` in a worker thread: one batched decode, the event loop stays free."""
-        return await run_in_executor(
-            None, lambda: self.batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-        )
+        """:meth:`batch` in a worker thread: one batched decode, the event loop stays free. A
+        cancelled caller ends the decode at its next block (and starts no further wave)."""
+        if len(inputs) <= 1:  # through ainvoke, which cancels its own decode
+            return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        cancel = threading.Event()
+        try:
+            return await run_in_executor(None, self._batch, inputs, config, return_exceptions, kwargs, cancel)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+
+    def _batch(
+        self, inputs: list, config, return_exceptions: bool, kwargs: dict, cancel: threading.Event | None = None
+    ) -> list[Any]:
+        configs = get_config_list(config, len(inputs))
+        width = configs[0].get("max_concurrency") or len(inputs)
+        results: list[Any] = []
+        for start in range(0, len(inputs), width):
+            if cancel is not None and cancel.is_set():
+                raise asyncio.CancelledError()
+            wave = slice(start, start + width)
+            results.extend(
+                run_wave(self._engine, self.invoke, inputs[wave], configs[wave], return_exceptions, kwargs, cancel)
+            )
+        return results
 
 
 def _check_timeout(timeout: Any) -> float | None:

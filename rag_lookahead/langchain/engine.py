@@ -137,7 +137,7 @@ class EngineRun:
         }
 
 
-OnBlock = Callable[[int, list[int], str], None]
+OnBlock = Callable[[int, list[int], str], "bool | None"]
 
 
 def pool_shape(config: LookaheadConfig) -> tuple[int, int]:
@@ -190,7 +190,8 @@ class Engine:
         cancel: threading.Event | None = None,
         timeout: float | None = None,
     ) -> EngineRun:
-        """One batched ``generate`` over ``rows``; ``on_block(row, tokens, piece)`` sees each accepted block.
+        """One batched ``generate`` over ``rows``; ``on_block(row, tokens, piece)`` sees each accepted block
+        (a true return ends that row there).
 
         ``cancel`` ends every row at its next block; ``timeout`` (seconds, counted from when this
         run holds the engine, not while it waits for another decode) ends the rows still running
@@ -207,8 +208,8 @@ class Engine:
             steps[row] += 1
             tracker = trackers[row]
             piece = tracker.add(tokens)
-            if on_block is not None:
-                on_block(row, tokens, piece)
+            if on_block is not None and on_block(row, tokens, piece):
+                return True  # the row's caller is done with it (its callback failed)
             if deadline is not None and time.monotonic() >= deadline:
                 timed_out[row] = True
                 return True

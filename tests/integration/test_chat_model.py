@@ -665,3 +665,65 @@ def test_chat_rag_chain_streams_sources_then_answer(chat, corpus_index):
         {"context": context, "question": QUESTION}
     )
     assert plain == out["answer"]
+
+
+# ---------------------------------------------------------------- batches on a tiny model
+
+
+@pytest.fixture
+def tiny_chat():
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.tiny import build_tiny_model
+
+    return ChatLookahead(model=build_tiny_model("qwen2", seed=0), tokenizer=tiny_tokenizer(), max_tokens=10)
+
+
+class _Boom(BaseCallbackHandler):
+    raise_error = True
+
+    def on_llm_new_token(self, token, **kwargs) -> None:
+        raise RuntimeError("this row's handler failed")
+
+
+def test_a_callback_that_raises_fails_its_own_row_of_a_batch_only(tiny_chat):
+    """Each row's callbacks ran inside the shared decode, so one row's raising handler ended the
+    decode and every row got its error, even with ``return_exceptions=True``."""
+    prompts = ["t5 t6 t7", "t40", "t3 t4"]
+    alone = [tiny_chat.invoke(p).content for p in prompts[::2]]
+    answers = tiny_chat.batch(prompts, config=[{}, {"callbacks": [_Boom()]}, {}], return_exceptions=True)
+    assert [answers[0].content, answers[2].content] == alone
+    assert isinstance(answers[1], RuntimeError) and "this row's handler" in str(answers[1])
+
+
+def test_cancelling_abatch_ends_its_decode(tiny_chat):
+    """``abatch`` ran ``batch`` in a worker thread that nothing told of a cancelled caller: the
+    decode went on to max_tokens, holding the engine for the next call."""
+    import time
+
+    model = tiny_chat.model
+    forwards = [0]
+    plain = model.forward
+
+    def slowed(*args, **kwargs):  # a forward as slow as a real model's, so the decode outlives the wait
+        forwards[0] += 1
+        time.sleep(0.03)
+        return plain(*args, **kwargs)
+
+    tiny_chat.invoke("t1", max_tokens=2)  # the first call measures step costs
+    model.forward = slowed
+    try:
+
+        async def cancel_then_count() -> int:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    tiny_chat.abatch(["t10 t11 t12", "t5 t6 t7"], max_tokens=300, enable_lookahead=False), 0.5
+                )
+            await asyncio.sleep(0.2)  # the step under way when it was cancelled
+            before = forwards[0]
+            await asyncio.sleep(1.0)  # ~30 forwards' time
+            return forwards[0] - before
+
+        assert asyncio.run(cancel_then_count()) == 0
+    finally:
+        model.forward = plain
