@@ -38,7 +38,7 @@ from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig
-from langchain_core.runnables.config import get_config_list, run_in_executor
+from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, StrictFloat, StrictInt
@@ -49,7 +49,14 @@ from rag_lookahead.decoding.inputs import check_prompt_room
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.batching import BatchCall, decode_together, gather_of_this_thread, run_wave, settings_key
-from rag_lookahead.langchain.engine import CancellableAsync, Engine, NotPickled, RowRequest, pool_shape
+from rag_lookahead.langchain.engine import (
+    CancellableAsync,
+    Engine,
+    NotPickled,
+    RowRequest,
+    in_worker_cancellable,
+    pool_shape,
+)
 from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening
@@ -417,12 +424,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         cancelled caller ends the decode at its next block (and starts no further wave)."""
         if len(inputs) <= 1:  # through ainvoke, which cancels its own decode
             return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-        cancel = threading.Event()
-        try:
-            return await run_in_executor(None, self._batch, inputs, config, return_exceptions, kwargs, cancel)
-        except asyncio.CancelledError:
-            cancel.set()
-            raise
+        return await in_worker_cancellable(self._batch, inputs, config, return_exceptions, kwargs)
 
     def _batch(
         self, inputs: list, config, return_exceptions: bool, kwargs: dict, cancel: threading.Event | None = None

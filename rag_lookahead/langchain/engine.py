@@ -270,15 +270,21 @@ class CancellableAsync:
     limit while it held the engine; here ``cancel`` is set and the decode ends at its next block."""
 
     async def _agenerate(self, inputs: list, stop: list[str] | None = None, run_manager=None, **kwargs: Any):
-        from langchain_core.runnables.config import run_in_executor
-
         manager = run_manager.get_sync() if run_manager is not None else None
-        cancel = threading.Event()
-        try:
-            return await run_in_executor(None, self._decode, inputs, stop, manager, kwargs, cancel)
-        except asyncio.CancelledError:
-            cancel.set()
-            raise
+        return await in_worker_cancellable(self._decode, inputs, stop, manager, kwargs)
+
+
+async def in_worker_cancellable(work: Callable[..., Any], *args: Any) -> Any:
+    """``work(*args, cancel)`` in a worker thread; a cancelled caller sets ``cancel``, so the
+    decode it runs ends at its next block instead of running on, holding the engine."""
+    from langchain_core.runnables.config import run_in_executor
+
+    cancel = threading.Event()
+    try:
+        return await run_in_executor(None, work, *args, cancel)
+    except asyncio.CancelledError:
+        cancel.set()
+        raise
 
 
 class NotPickled:
