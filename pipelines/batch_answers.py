@@ -12,6 +12,7 @@ if it is an earlier answers file of this pipeline.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from rag_args import open_index, rag_parser, run
 
 from rag_lookahead.atomic import write_jsonl_atomic
 from rag_lookahead.checks import positive_int
-from rag_lookahead.errors import InputError
+from rag_lookahead.errors import InputError, first_line
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file, output_target
 from rag_lookahead.rag.chains import as_retriever, make_prompt, retrieve, source_info
@@ -29,9 +30,11 @@ from rag_lookahead.rag.index import check_searchable
 ANSWER_KEYS = {"question", "answer", "sources", "stats"}  # each output record's keys, as main() writes them
 
 
-def read_questions(path: Path) -> list[str]:
+def read_questions(path: Path) -> list[tuple[int, str]]:
+    """The questions of a JSONL file with their line numbers; any bad line is refused here, before
+    the model loads, naming ``path:line``."""
     try:
-        lines = read_input_text(path).splitlines()
+        lines = re.split(r"\r\n|\r|\n", read_input_text(path))  # not splitlines: U+2028 is JSON text
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         raise InputError(f"cannot read the questions file {str(path)!r}: {e}") from None
     questions = []
@@ -47,7 +50,7 @@ def read_questions(path: Path) -> list[str]:
         if not q.strip():
             raise InputError(f"{path}:{lineno}: the question is empty")
         check_searchable(q, f"{path}:{lineno}: the question")  # not in the middle of the run
-        questions.append(q.strip())
+        questions.append((lineno, q.strip()))
     if not questions:  # before the model loads, and no empty answers file its own rerun would refuse
         raise InputError(f"{path} holds no questions (one JSON object with a 'question' a line)")
     return questions
@@ -59,7 +62,7 @@ def is_answers_file(path: Path) -> bool:
     try:
         if path.stat().st_size > MOST_BYTES_READ:
             return False
-        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        records = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
     except (OSError, ValueError):
         return False
     # exactly the keys main() writes, and at least one record: a user's Q&A set (question, answer,
@@ -79,17 +82,26 @@ def main() -> None:
     positive_int("--max-new-tokens", args.max_new_tokens)
     check_output_file(args.answers, "answers", ours=is_answers_file, inputs=[args.questions])
 
-    questions = read_questions(args.questions)
+    numbered = read_questions(args.questions)
+    questions = [q for _, q in numbered]
     retriever = as_retriever(open_index(args), args.k_seed)
     llm = LookaheadLLM.from_model_id(args.model, max_new_tokens=args.max_new_tokens)
+    # every prompt is built and checked before the first decode: one too long for the context
+    # ended the run after hours of answers, and named no line
+    found = [retrieve(retriever, q, args.k_seed) for q in questions]
+    prompts = [make_prompt(q, d[: args.k]) for q, d in zip(questions, found)]
+    for (lineno, _), prompt in zip(numbered, prompts):
+        try:
+            llm.check_prompt(prompt)
+        except InputError as err:
+            raise InputError(f"{args.questions}:{lineno}: {first_line(err)}") from None
     rows: list[dict] = []
     for start in range(0, len(questions), args.batch_size):
-        group = questions[start : start + args.batch_size]
-        docs = [retrieve(retriever, q, args.k_seed) for q in group]
-        prompts = [make_prompt(q, d[: args.k]) for q, d in zip(group, docs)]
+        group = slice(start, start + args.batch_size)
+        docs = found[group]
         refs = [[x.page_content for x in d[args.k :]] for d in docs]
-        result = llm.generate(prompts, references=refs, enable_lookahead=not args.no_lookahead)
-        for q, d, gens in zip(group, docs, result.generations):
+        result = llm.generate(prompts[group], references=refs, enable_lookahead=not args.no_lookahead)
+        for q, d, gens in zip(questions[group], docs, result.generations):
             rows.append(
                 {
                     "question": q,

@@ -13,7 +13,7 @@ from pathlib import Path
 from rag_lookahead.ask import StdoutClosed, ensure_index, silence_stdout
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError, RagLookaheadError, first_line
-from rag_lookahead.rag.chains import check_k, seed_count
+from rag_lookahead.rag.chains import check_k, check_question_text, seed_count
 from rag_lookahead.rag.index import DocumentIndex, check_searchable, default_index_dir
 
 
@@ -33,6 +33,7 @@ class RagArgumentParser(argparse.ArgumentParser):
         if any(not q.strip() for q in questions):  # said now, not after the model has loaded
             raise InputError('the question is empty: ask something, e.g. "What does budget do?"')
         for question in questions:
+            check_question_text(question)  # argv bytes that were not UTF-8, with the terminal hint
             check_searchable(question, "the question")
         for name in ("max_new_tokens", "max_tokens"):
             if hasattr(parsed, name):
@@ -62,8 +63,11 @@ def open_index(args: argparse.Namespace) -> DocumentIndex:
 def run(main: Callable[[], None]) -> None:
     """Run a pipeline's ``main``; our errors (no index, a model that will not load, a bad option)
     print one line and exit 1, as the ``rag_lookahead`` commands do; Ctrl-C says "interrupted"
-    (exit 130) and a reader that left the pipe (``| head``) ends it quietly (exit 1), no traceback."""
+    (exit 130) and a reader that left the pipe (``| head``) ends it quietly (exit 1), no traceback.
+    Started with stdout closed (``>&-``) it does no work: ``print`` would drop the answer unsaid."""
     try:
+        if sys.stdout is None:
+            raise RagLookaheadError("stdout is closed: there is nowhere to write the answer")
         main()
     except RagLookaheadError as err:
         print(f"error: {first_line(err)}", file=sys.stderr)

@@ -22,10 +22,11 @@ def main() -> None:
     index = open_index(args)
     llm = LookaheadLLM.from_model_id(args.model, max_new_tokens=args.max_new_tokens)
     qa = build_retrieval_qa(llm, index, k_prompt=args.k, k_seed=args.k_seed)
-    # the same, spelled out:
+    # the same, spelled out (the document prompt heads each passage as `ask`'s prompt does):
     #   RetrievalQA.from_chain_type(llm=llm, retriever=SeedingRetriever(retriever=index.as_retriever(k=8),
-    #       llm=llm, k_prompt=3, k_seed=8), chain_type_kwargs={"prompt": RAG_PROMPT}, return_source_documents=True)
-    out = qa.invoke({"query": args.question})
+    #       llm=llm, k_prompt=3, k_seed=8), chain_type_kwargs={"prompt": RAG_PROMPT, "document_prompt":
+    #       PromptTemplate.from_template("{context_label}\n{page_content}")}, return_source_documents=True)
+    out = qa.invoke({"query": args.question.strip()})
     print(out["result"].strip())
     print()
     for doc in out["source_documents"]:

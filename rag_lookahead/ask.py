@@ -10,6 +10,7 @@ stats. ``--json`` prints one JSON object instead. Same options as ``rag_lookahea
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,9 @@ def ensure_index(index_dir: Path, *, quiet: bool = False, build_bundled: bool = 
 
     if not (index_dir / MANIFEST).is_file():
         if not build_bundled:
+            quoted = shlex.quote(str(index_dir))  # a folder with spaces, pasted as it is said
             raise IndexLoadError(
-                f"no index at {index_dir}: build one with `rag_lookahead index YOUR_DOCS --index-dir {index_dir}`"
+                f"no index at {index_dir}: build one with `rag_lookahead index YOUR_DOCS --index-dir {quoted}`"
                 " (without --index-dir, ask indexes the bundled sample corpus into the default folder)"
             )
         corpus = bundled_corpus()

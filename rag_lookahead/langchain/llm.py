@@ -211,6 +211,12 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         good = [i for i in range(len(inputs)) if i not in bad]
         return bad, good, get_config_list(config, len(inputs))
 
+    def check_prompt(self, prompt: str) -> int:
+        """The prompt's length in tokens as it will be decoded (system prompt and chat template
+        included); ``InputError`` if it is empty or leaves no room in the context window. For a
+        caller with many prompts to refuse a bad one before decoding any."""
+        return len(self._encode(prompt))
+
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub)."""
         return self._engine.token_ids(text)

@@ -187,11 +187,18 @@ def retrieve(
 
 
 def format_context(docs: Sequence[Document]) -> str:
-    parts = []
-    for i, doc in enumerate(docs, start=1):
-        source = doc.metadata.get("source", "")
-        parts.append(f"[{i}] ({source})\n{doc.page_content}" if source else f"[{i}]\n{doc.page_content}")
-    return "\n\n".join(parts)
+    return CONTEXT_SEPARATOR.join(f"{context_label(i, doc)}\n{doc.page_content}" for i, doc in enumerate(docs, start=1))
+
+
+def context_label(number: int, doc: Document) -> str:
+    """What heads a passage in the prompt's context: ``[1] (docs/budget.md)``."""
+    source = doc.metadata.get("source", "")
+    return f"[{number}] ({source})" if source else f"[{number}]"
+
+
+CONTEXT_SEPARATOR = "\n\n"
+#: the metadata key SeedingRetriever puts each passage's heading under, for RetrievalQA's document prompt
+CONTEXT_LABEL = "context_label"
 
 
 def make_prompt(question: str, docs: Sequence[Document], prompt: PromptTemplate = RAG_PROMPT) -> str:
@@ -397,7 +404,11 @@ class SeedingRetriever(BaseRetriever):
         shown, seeds = docs[: self.k_prompt], docs[self.k_prompt :]
         if seeds and self.llm is not None and hasattr(self.llm, "register_seeds"):
             self.llm.register_seeds([d.page_content for d in shown], [d.page_content for d in seeds])
-        return shown
+        # each with its heading in the prompt, so RetrievalQA's "stuff" prompt is make_prompt's
+        return [
+            Document(page_content=d.page_content, metadata={**d.metadata, CONTEXT_LABEL: context_label(i, d)})
+            for i, d in enumerate(shown, start=1)
+        ]
 
 
 def build_retrieval_qa(
@@ -421,6 +432,11 @@ def build_retrieval_qa(
         llm=llm,
         chain_type="stuff",
         retriever=seeding,
-        chain_type_kwargs={"prompt": prompt},
+        chain_type_kwargs={
+            "prompt": prompt,
+            # the passages headed and joined as format_context does: the same prompt as ``ask`` builds
+            "document_prompt": PromptTemplate.from_template(f"{{{CONTEXT_LABEL}}}\n{{page_content}}"),
+            "document_separator": CONTEXT_SEPARATOR,
+        },
         return_source_documents=return_source_documents,
     )

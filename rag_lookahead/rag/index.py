@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rag_lookahead.checks import positive_int
+from rag_lookahead.checks import positive_int, unicode_text
 from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
 from rag_lookahead.paths import expand_user
 from rag_lookahead.rag import store
@@ -90,9 +90,12 @@ class Passage:
 
 def check_searchable(query: str, what: str = "query") -> None:
     """Refuse a query with no letter or digit ("…", "？！", a zero-width space): dense search would
-    rank passages by noise. Callers with a model to load check first, so the refusal comes at once."""
+    rank passages by noise; or one UTF-8 cannot encode (a lone surrogate, from JSON's "\\udce9"),
+    which the embedder's tokenizer failed on with a TypeError. Callers with a model to load check
+    first, so the refusal comes at once."""
     from rag_lookahead.rag.lexical import searchable
 
+    unicode_text(query, f"{what} is")
     if not searchable(query):
         raise InputError(f"{what} has no letters or digits to search for: {query[:40]!r}")
 

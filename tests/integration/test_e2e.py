@@ -80,6 +80,28 @@ def test_retrieval_qa_matches_lcel(index, llm32):
     assert len(seeded) == 5 and not set(seeded) & set(prompt_docs)
 
 
+def test_retrieval_qa_prompts_the_model_as_ask_does(index, llm32):
+    """RetrievalQA's "stuff" chain joined bare passages, where ``ask`` heads each "[1] (source)":
+    the pipelines answered one question two ways."""
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    from rag_lookahead.rag.chains import make_prompt, retrieve
+
+    class Prompts(BaseCallbackHandler):
+        seen: list[str] = []
+
+        def on_llm_start(self, serialized, prompts, **kwargs) -> None:
+            self.seen.extend(prompts)
+
+    question = QUESTIONS["zh"][0]
+    seen = Prompts()
+    qa = build_retrieval_qa(llm32.model_copy(update={"max_new_tokens": 2}), index, k_prompt=3, k_seed=8)
+    qa.invoke({"query": question}, config={"callbacks": [seen]})
+    shown = retrieve(index.as_retriever(k=8), question, 8)[:3]
+    assert seen.seen == [make_prompt(question, shown)]
+    assert "[1] (" in seen.seen[0] and "[3] (" in seen.seen[0]
+
+
 @pytest.fixture
 def cli_home(tmp_path, monkeypatch):
     """A fresh RAG_LOOKAHEAD_HOME (`ask` indexes the bundled corpus there and loads the default model)."""
@@ -146,3 +168,25 @@ def test_cli_ask_stream_prints_blocks_then_sources_then_a_speed_line(cli_home, m
     stats = " ".join(rest[rest.rindex("\nStats") :].split())  # the last block (the terminal may wrap it)
     assert stats.startswith("Stats") and "tok/s" in stats and "mean accepted" in stats, stats
     assert stats.endswith(("lookahead on", "lookahead off")), stats
+
+
+def test_batch_answers_refuses_a_question_past_the_context_before_decoding_any(index, tmp_path):
+    """Line 3's prompt was too long for the context: the run failed after answering lines 1-2,
+    wrote nothing and named no line."""
+    import subprocess
+    import sys
+
+    questions = tmp_path / "q.jsonl"
+    lines = [QUESTIONS["en"][0], QUESTIONS["zh"][0], "word " * 40_000 + "?"]
+    questions.write_text("".join(json.dumps({"question": q}) + "\n" for q in lines), encoding="utf-8")
+    script = Path(__file__).resolve().parents[2] / "pipelines" / "batch_answers.py"
+    out = subprocess.run(
+        [sys.executable, str(script), str(questions), str(tmp_path / "a.jsonl"), "--index-dir", str(index.index_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {questions}:3: the input has") and "context" in last, out.stderr
+    assert "answered" not in out.stderr and not (tmp_path / "a.jsonl").exists()

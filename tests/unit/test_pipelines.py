@@ -52,6 +52,7 @@ BAD_BATCH_ARGS = [  # (arguments after the script, the one error line's start); 
     (["{d}/blank.jsonl", "{d}/out.jsonl"], "error: {d}/blank.jsonl holds no questions"),
     (["{d}/number.jsonl", "{d}/out.jsonl"], "error: {d}/number.jsonl:1: the question must be a string, got int"),
     (["{d}/dots.jsonl", "{d}/out.jsonl"], "error: {d}/dots.jsonl:2: the question has no letters or digits"),
+    (["{d}/lone.jsonl", "{d}/out.jsonl"], "error: {d}/lone.jsonl:2: the question is not valid Unicode"),
 ]
 
 
@@ -66,6 +67,7 @@ def test_batch_answers_refuses_bad_arguments_in_one_line_and_changes_nothing(tmp
     (tmp_path / "blank.jsonl").write_text("\n  \n", encoding="utf-8")  # wrote an empty answers file its rerun refused
     (tmp_path / "number.jsonl").write_text('{"question": 5}\n', encoding="utf-8")
     (tmp_path / "dots.jsonl").write_text('{"question": "ok?"}\n{"question": "…"}\n', encoding="utf-8")  # failed mid-run
+    (tmp_path / "lone.jsonl").write_text('{"question": "ok?"}\n{"question": "caf\\udce9?"}\n', encoding="utf-8")
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     out = subprocess.run(
         [sys.executable, str(PIPELINES / "batch_answers.py"), *(a.format(d=tmp_path) for a in argv)],
@@ -176,3 +178,51 @@ def test_k_alone_raises_the_default_k_seed_and_an_explicit_lower_one_is_refused(
     )
     assert out.returncode == 1 and out.stderr.startswith("error: --k-seed must be an integer >= --k (5)"), out.stderr
     assert not (tmp_path / "home").exists()
+
+
+def test_questions_hold_any_character_json_allows_in_a_line(tmp_path, monkeypatch):
+    """str.splitlines() cut a line at a raw U+2028 or U+0085 inside a JSON string (json.dumps with
+    ensure_ascii=False writes them raw), and the line was refused as bad JSON."""
+    import json
+
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    from batch_answers import is_answers_file, read_questions
+
+    asked = ["first\u2028line?", "next\x85one?", "third?"]
+    path = tmp_path / "q.jsonl"
+    path.write_bytes("\r\n".join(json.dumps({"question": q}, ensure_ascii=False) for q in asked).encode())
+    assert read_questions(path) == [(1, asked[0]), (2, asked[1]), (3, asked[2])]
+    ours = tmp_path / "a.jsonl"
+    record = {"question": asked[0], "answer": "a\u2028b", "sources": [], "stats": {}}
+    ours.write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert is_answers_file(ours)  # a rerun may replace what this pipeline wrote
+
+
+@pytest.mark.parametrize("script", ["retrieval_qa.py", "lcel_chain.py", "chat_stream.py"])
+def test_a_pipeline_started_with_stdout_closed_does_no_work(tmp_path, script):
+    """print() to a closed stdout (sys.stdout is None) did nothing: the whole answer was decoded
+    for nobody and the run exited 0."""
+    out = subprocess.run(
+        [sys.executable, str(PIPELINES / script), "--index-dir", str(tmp_path / "none"), "What does budget do?"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        pass_fds=(),
+        preexec_fn=lambda: os.close(1),
+    )
+    assert out.returncode == 1 and out.stderr.strip() == "error: stdout is closed: there is nowhere to write the answer"
+
+
+def test_the_index_command_suggested_for_a_missing_index_can_be_pasted(tmp_path):
+    """The folder went into the suggested command unquoted: pasted, a path with a space was two arguments."""
+    import shlex
+
+    from rag_lookahead.ask import ensure_index
+    from rag_lookahead.errors import IndexLoadError
+
+    folder = tmp_path / "my docs" / "索引"
+    with pytest.raises(IndexLoadError) as err:
+        ensure_index(folder, build_bundled=False)
+    command = str(err.value).split("`")[1]
+    assert shlex.split(command)[-2:] == ["--index-dir", str(folder)]
