@@ -8,10 +8,9 @@ into the caller's tokenizer.
 
 from __future__ import annotations
 
-import bisect
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rag_lookahead.checks import unicode_text
@@ -24,7 +23,6 @@ __all__ = [
     "cut_at_stop",
     "encode_messages",
     "eos_ids",
-    "first_true",
     "held_back",
     "pad_id",
 ]
@@ -42,19 +40,24 @@ CLEAN_UP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've"
 class TextTracker:
     """Turns a row's accepted token blocks into stable text pieces, honouring stop strings.
 
-    The whole answer so far is decoded each time and only the new suffix is emitted. What is
-    emitted, and what stop strings are looked for in, is the *settled* text: the decoded text
-    less what a later token may still rewrite, so nothing emitted is ever taken back and where a
-    row stops never depends on how many tokens a step accepted. Held back are a trailing U+FFFD
-    (a character split over tokens), a trailing run of byte-fallback tokens (``<0xE4>``: Llama-
-    and Mistral-style decoders turn a whole run into U+FFFDs when its last character is
-    incomplete, including the characters already whole in it), the end ``clean_up_tokenization``
-    may still rewrite, and text that may be the start of a stop string.
+    A row stops at the first token whose text, decoded with all before it, holds a stop string:
+    what one token a step would see, whatever number of tokens each step accepted (a block is
+    searched token by token wherever a later token may rewrite the text before it). The final
+    text is the decoded text cut at the stop string.
+
+    What is streamed is the *settled* text, less what a later token may still rewrite, so nothing
+    streamed is ever taken back: a trailing U+FFFD (a character split over tokens), a trailing run
+    of byte-fallback tokens (``<0xE4>``: Llama- and Mistral-style decoders turn a whole run into
+    U+FFFDs when its last character is incomplete, the characters already whole in it included),
+    the end ``clean_up_tokenization`` may still rewrite, and text that may start a stop string.
 
     ``prefix``: answer text the prompt already holds (a forced opening such as ``<tool_call>``);
     it is part of the text but never searched for stop strings. ``hold``: markers from which
     on nothing is emitted while decoding goes on (a tool call is handed over whole, at the end).
     """
+
+    #: tokens before the draws that ``would_stop`` decodes them with (see ``_text_with``)
+    CONTEXT_TOKENS = 8
 
     def __init__(
         self,
@@ -74,9 +77,14 @@ class TextTracker:
         self.hold = [h for h in hold if h]
         self.ids: list[int] = []
         self.emitted = ""
-        self.cleans_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.cleans_up = _cleans_up(tokenizer)
         self.stopped = False
         self._byte_tokens: dict[int, bool] = {}
+        self._unseen = frozenset(eos) | frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        self._whole = prefix  # text() of the ids taken so far
+        # a stop string with U+FFFD may match a character still split over tokens, and clean-up
+        # rewrites: then a block is searched token by token
+        self._rewrites = self.cleans_up or any(REPLACEMENT in s for s in self.stop)
 
     def text(self, count: int | None = None) -> str:
         """The text of the first ``count`` ids (all of them when None)."""
@@ -88,9 +96,13 @@ class TextTracker:
     def settled(self, count: int | None = None) -> str:
         """The text of the first ``count`` ids less the end a later token may still rewrite."""
         count = len(self.ids) if count is None else count
-        while count and self._is_byte_token(self.ids[count - 1]):
-            count -= 1
-        text = self.text(count).rstrip(REPLACEMENT)
+        # back over the trailing byte run, and the tokens decode drops (they do not end a run)
+        run = count
+        while run and (self._is_byte_token(self.ids[run - 1]) or self.ids[run - 1] in self._unseen):
+            run -= 1
+        if any(self._is_byte_token(t) for t in self.ids[run:count]):
+            count = run
+        text = (self._whole if count == len(self.ids) else self.text(count)).rstrip(REPLACEMENT)
         if self.cleans_up:
             # decode's clean-up (" ' " -> "'", " n't" -> "n't") rewrites text once a pattern is
             # whole: keep only what the text one token shorter agrees with, less an end that may
@@ -110,46 +122,66 @@ class TextTracker:
             known = self._byte_tokens[token] = isinstance(name, str) and BYTE_TOKEN.fullmatch(name) is not None
         return known
 
-    def _holds_stop(self, count: int, settled: str | None = None) -> bool:
-        """Whether the settled text of the first ``count`` ids (``settled``, when known) holds a stop string."""
-        answer = (self.settled(count) if settled is None else settled)[len(self.prefix) :]
+    def _holds_stop(self, text: str) -> bool:
+        answer = text[len(self.prefix) :]
         return len(cut_at_stop(answer, self.stop)) < len(answer)
 
     def would_stop(self, tokens: Sequence[int]) -> bool:
         """Whether the ids taken so far plus ``tokens`` (drawn, not taken yet) hold a stop string:
         a sampled row asks this after each draw, so that no draw is spent past the stop
-        (the generator must stand where one-token-a-step decoding leaves it). It is the very
-        test :meth:`add` makes, on the same whole text, so the two never disagree."""
+        (the generator must stand where one-token-a-step decoding leaves it). It is the test
+        :meth:`add` makes, so the two never disagree."""
         if self.stopped or not self.stop:
             return self.stopped
-        before = len(self.ids)
-        self.ids.extend(int(t) for t in tokens)
-        try:
-            return self._holds_stop(len(self.ids))
-        finally:
-            del self.ids[before:]
+        return self._holds_stop(self._text_with([int(t) for t in tokens]))
+
+    def _text_with(self, tokens: list[int]) -> str:
+        """``text()`` with ``tokens`` appended, without decoding the whole answer at every draw:
+        the last ``CONTEXT_TOKENS`` ids are decoded with and without ``tokens``, and where the
+        first reads as the second plus more and the whole text ends as the second, that more is
+        what ``tokens`` add. Elsewhere (drawn byte-fallback tokens, which may turn a whole run
+        into U+FFFDs; a clean-up across the seam) all is decoded."""
+        context = self.ids[-self.CONTEXT_TOKENS :]
+        if len(context) < len(self.ids) and not any(self._is_byte_token(t) for t in tokens):
+            head, whole = self._decode(context), self._decode(context + tokens)
+            core = head.lstrip(REPLACEMENT)  # the context may start inside a character
+            if core and not head.endswith(REPLACEMENT) and whole.startswith(head) and self._whole.endswith(core):
+                return self._whole + whole[len(head) :]
+        return self.prefix + self._decode(self.ids + tokens)
 
     def final_text(self) -> str:
-        text = self.text()
-        return self.prefix + cut_at_stop(text[len(self.prefix) :], self.stop)
+        return self.prefix + cut_at_stop(self._whole[len(self.prefix) :], self.stop)
 
     def add(self, tokens: Sequence[int]) -> str:
         """Take a block of accepted tokens; return the newly stable text (may be "")."""
         if self.stopped:
             return ""
         before = len(self.ids)
-        self.ids.extend(int(t) for t in tokens)
+        block = [int(t) for t in tokens]
+        self.ids.extend(block)
+        self._whole = self.text()
+        if self.stop:
+            end = self._stop_end(before, block)
+            if end is not None:
+                self.stopped = True
+                # the ids one-token-a-step decoding stops at (the token that completes the stop
+                # string), so a token count never depends on how many tokens a step accepted
+                del self.ids[end:]
+                self._whole = self.text()
+                return self._emit(_before_hold(self.final_text(), self.hold))
         stable = self.settled()
-        if self.stop and self._holds_stop(len(self.ids), stable):
-            self.stopped = True
-            # keep the ids one-token-a-step decoding would have stopped at (the token that completes
-            # the stop string), so a token count never depends on how many tokens a step accepted
-            end = next(k for k in range(before + 1, len(self.ids) + 1) if self._holds_stop(k))
-            del self.ids[end:]
-            stable = self.final_text()
-        else:
-            stable = stable[: len(stable) - held_back(stable[len(self.prefix) :], self.stop)]
+        stable = stable[: len(stable) - held_back(stable[len(self.prefix) :], self.stop)]
         return self._emit(_before_hold(stable, self.hold))
+
+    def _stop_end(self, before: int, block: list[int]) -> int | None:
+        """How many ids there are up to the first one whose text holds a stop string, if one in
+        ``block`` (taken after the first ``before`` ids) does."""
+        if not (self._rewrites or any(self._is_byte_token(t) for t in block)) and not self._holds_stop(self._whole):
+            return None  # the text only grows at its end: a stop seen inside the block would still be there
+        for count in range(before + 1, len(self.ids)):
+            if self._holds_stop(self.text(count)):
+                return count
+        return len(self.ids) if self._holds_stop(self._whole) else None
 
     def _emit(self, stable: str) -> str:
         """The part of ``stable`` past what was emitted. Were a tokenizer to rewrite text already
@@ -166,10 +198,18 @@ class TextTracker:
         return self._emit(self.final_text())
 
 
-def first_true(low: int, high: int, holds: Callable[[int], bool]) -> int:
-    """The smallest ``k`` in ``[low, high]`` for which ``holds(k)``, given that ``holds`` is false
-    up to some point and true from there on, and true at ``high``."""
-    return low + bisect.bisect_left(range(low, high), True, key=holds)
+def _cleans_up(tokenizer) -> bool:
+    """Whether ``decode`` applies transformers' clean-up (``" ."`` -> ``"."``): the flag says so,
+    but transformers 5 skips it for BPE tokenizers (Llama 3's config sets it). Told by decoding
+    "a . b" both ways where the tokenizer spells it with the space; else the flag is believed."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    try:
+        ids = tokenizer.encode("a . b", add_special_tokens=False)
+        raw = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        return " ." not in raw or tokenizer.decode(ids, clean_up_tokenization_spaces=True) != raw
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say: believe its flag
+        return True
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:

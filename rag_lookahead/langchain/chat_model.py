@@ -360,6 +360,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         call = BatchCall(request, settings, settings_key(settings), on_block)
         gather = gather_of_this_thread()
         if gather is not None:
+            cancel = gather.cancel
             gather.submit(call)
         else:
             if cancel is not None:
@@ -367,6 +368,8 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
             decode_together(self._engine, [call])
         if call.error is not None:
             raise call.error
+        if cancel is not None and cancel.is_set():  # an answer cut short is no answer: never cached
+            raise asyncio.CancelledError()
         generation = chat_generation(call.run, call.row, tool_options, self.model_name)
         if on_block is not None:
             on_block([], unsent_text(call.run, call.row, generation.message.content))

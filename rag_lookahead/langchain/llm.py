@@ -262,10 +262,7 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
             references = list(references) or [[] for _ in prompts]  # [] (no passages) as ChatLookahead takes it
             if references and all(isinstance(r, str) for r in references):
                 if len(prompts) != 1:
-                    raise InputError(
-                        f"references is one list of passages but there are {len(prompts)} prompts:"
-                        " give one list per prompt"
-                    )
+                    raise InputError(_ONE_LIST_FOR_MANY.format(count=len(prompts)))
                 references = [references]
             if len(references) != len(prompts):
                 raise InputError(f"references has {len(references)} lists but there are {len(prompts)} prompts")
@@ -370,6 +367,9 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         yield chunk
 
 
+_ONE_LIST_FOR_MANY = "references is one list of passages but there are {count} prompts: give one list per prompt"
+
+
 def _rows_of(kwargs: dict[str, Any], rows: Sequence[int], inputs: Sequence) -> dict[str, Any]:
     """``kwargs`` for the inputs at ``rows`` only: per-input ``references`` (one list per input)
     kept for those inputs; anything else, one passage list included, as it is (checked later)."""
@@ -394,6 +394,10 @@ def _concurrency_parts(inputs: list, config, kwargs: dict[str, Any]) -> list[tup
     size = configs[0].get("max_concurrency")
     if size is None:
         return None
+    references = kwargs.get("references")
+    if isinstance(references, (list, tuple)) and references and all(isinstance(r, str) for r in references):
+        if len(inputs) > 1:  # each part of one prompt would take it as that prompt's passages
+            raise InputError(_ONE_LIST_FOR_MANY.format(count=len(inputs)))
     configs = [{**c, "max_concurrency": None} for c in configs]
     starts = range(0, len(inputs), size)
     return [

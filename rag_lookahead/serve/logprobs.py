@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from rag_lookahead.decoding.results import LogprobRecorder, TokenLogprob
-from rag_lookahead.tokens import TextTracker, first_true
+from rag_lookahead.tokens import TextTracker
 
 if TYPE_CHECKING:
     from rag_lookahead.serve.jobs import Answer
@@ -70,9 +70,17 @@ class AnswerLogprobs(LogprobRecorder):
 
 
 def _tokens_for_text(tracker: TextTracker, count: int) -> int:
-    """The fewest of the first ``count`` tokens whose text holds the answer cut at its stop string."""
-    answer = len(tracker.final_text())
-    return first_true(0, count, lambda k: len(tracker.text(k)) >= answer)
+    """The fewest of the first ``count`` tokens whose text starts with the answer cut at its stop
+    string. Only the tokens that may spell the stop string are tried (up to 4 a character), and
+    each of them, since the text need not grow with the tokens (an unfinished byte-fallback run
+    decodes to one U+FFFD a byte)."""
+    answer = tracker.final_text()
+    reach = 4 * max((len(s) for s in tracker.stop), default=0) + 4
+    fewest = count
+    for k in range(count - 1, max(count - reach, 0) - 1, -1):
+        if tracker.text(k).startswith(answer):
+            fewest = k
+    return fewest
 
 
 # ---------------------------------------------------------------- OpenAI's shapes

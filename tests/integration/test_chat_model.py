@@ -727,3 +727,28 @@ def test_cancelling_abatch_ends_its_decode(tiny_chat):
         assert asyncio.run(cancel_then_count()) == 0
     finally:
         model.forward = plain
+
+
+def test_a_cancelled_abatch_leaves_no_cut_answer_in_the_cache(tiny_chat):
+    """Each row of a cancelled ``abatch`` came back from its ``invoke`` as a normal answer, cut
+    short, and LangChain's cache kept it: the same question then got the cut answer."""
+    import time
+
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import set_llm_cache
+
+    asked = ["t10 t11 t12", "t5 t6 t7"]
+    settings = {"max_tokens": 40, "enable_lookahead": False}
+    whole = tiny_chat.invoke(asked[0], **settings).content
+    model, plain = tiny_chat.model, tiny_chat.model.forward
+    model.forward = lambda *a, **kw: time.sleep(0.05) or plain(*a, **kw)
+    set_llm_cache(InMemoryCache())
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            asyncio.run(asyncio.wait_for(tiny_chat.abatch(asked, **settings), 0.5))
+        time.sleep(0.3)  # the rows end at their next block
+        model.forward = plain
+        assert tiny_chat.invoke(asked[0], **settings).content == whole
+    finally:
+        model.forward = plain
+        set_llm_cache(None)

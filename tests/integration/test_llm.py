@@ -137,6 +137,8 @@ def test_per_input_references_go_with_their_inputs_into_each_part_of_a_batch(llm
     assert asyncio.run(llm.abatch(PROMPTS[1:4], parted, references=references)) == singles[1:4]
     answers = llm.batch([PROMPTS[2], " ", PROMPTS[3]], return_exceptions=True, references=references)
     assert answers[0] == singles[2] and answers[2] == singles[3] and isinstance(answers[1], InputError)
+    with pytest.raises(InputError, match="one list of passages but there are 2 prompts"):  # not one each
+        llm.batch(PROMPTS[:2], {"max_concurrency": 1}, references=[PASSAGE])
 
 
 def test_empty_prompt_is_an_input_error(llm):
