@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("questions", type=Path)
     ap.add_argument("answers", type=Path)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=256)
     ap.add_argument("--no-lookahead", action="store_true")
     args = ap.parse_args()
     positive_int("--batch-size", args.batch_size)

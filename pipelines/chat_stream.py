@@ -41,7 +41,7 @@ def show(chain, question: str) -> None:
 def main() -> None:
     ap = rag_parser(__doc__.splitlines()[0])
     ap.add_argument("questions", nargs="*", default=QUESTIONS)
-    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=256)
     ap.add_argument("--no-lookahead", action="store_true")
     args = ap.parse_args()
 

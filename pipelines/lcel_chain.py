@@ -24,7 +24,7 @@ from rag_lookahead.rag.chains import RAG_CHAT_PROMPT, as_retriever, format_conte
 def main() -> None:
     ap = rag_parser(__doc__.splitlines()[0], k_seed=False)
     ap.add_argument("question")
-    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=256)
     ap.add_argument("--no-lookahead", action="store_true")
     args = ap.parse_args()
 

@@ -16,7 +16,7 @@ from rag_lookahead.rag.chains import build_retrieval_qa
 def main() -> None:
     ap = rag_parser(__doc__.splitlines()[0])
     ap.add_argument("question")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=256)
     args = ap.parse_args()
 
     index = open_index(args)

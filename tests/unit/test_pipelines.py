@@ -226,3 +226,17 @@ def test_the_index_command_suggested_for_a_missing_index_can_be_pasted(tmp_path)
         ensure_index(folder, build_bundled=False)
     command = str(err.value).split("`")[1]
     assert shlex.split(command)[-2:] == ["--index-dir", str(folder)]
+
+
+@pytest.mark.parametrize("script", ["retrieval_qa.py", "lcel_chain.py", "chat_stream.py"])
+@pytest.mark.parametrize("flag", ["--max-tokens", "--max-new-tokens"])
+def test_each_answering_pipeline_takes_both_spellings_of_the_length_flag(tmp_path, script, flag):
+    """Two scripts took only --max-tokens and two only --max-new-tokens (exit 2 for the other)."""
+    out = subprocess.run(
+        [sys.executable, str(PIPELINES / script), flag, "0", "What does budget do?"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 1 and "must be an integer >= 1" in out.stderr, out.stderr
