@@ -80,7 +80,7 @@ class TextTracker:
         self.cleans_up = _cleans_up(tokenizer)
         self.stopped = False
         self._byte_tokens: dict[int, bool] = {}
-        self._unseen = frozenset(eos) | frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        self._unseen: dict[int, bool] = {}
         self._whole = prefix  # text() of the ids taken so far
         # a stop string with U+FFFD may match a character still split over tokens, and clean-up
         # rewrites: then a block is searched token by token
@@ -98,7 +98,7 @@ class TextTracker:
         count = len(self.ids) if count is None else count
         # back over the trailing byte run, and the tokens decode drops (they do not end a run)
         run = count
-        while run and (self._is_byte_token(self.ids[run - 1]) or self.ids[run - 1] in self._unseen):
+        while run and (self._is_byte_token(self.ids[run - 1]) or self.is_unseen(self.ids[run - 1])):
             run -= 1
         if any(self._is_byte_token(t) for t in self.ids[run:count]):
             count = run
@@ -109,15 +109,26 @@ class TextTracker:
             # still become a pattern (a tokenizer's own clean-up may have other patterns)
             if count > 1:
                 text = os.path.commonprefix([text, self.text(count - 1)])
-            text = text[: len(text) - held_back(text, CLEAN_UP_PATTERNS)]
+            # its replacements run one after another (" ' " -> "'", then " 's" -> "'s"), so one
+            # token may rewrite a whole trailing run of spaces and quotes
+            while (shorter := text.rstrip(" '")) != text or held_back(text, CLEAN_UP_PATTERNS):
+                text = shorter[: len(shorter) - held_back(shorter, CLEAN_UP_PATTERNS)]
         return text
+
+    def is_unseen(self, token: int) -> bool:
+        """Whether ``token`` adds no text of its own (EOS, a special token decode drops, a control
+        token ``all_special_ids`` may not list); it does not end a byte-fallback run."""
+        known = self._unseen.get(token)
+        if known is None:
+            known = self._unseen[token] = token in self.eos or not self._decode([token])
+        return known
 
     def _is_byte_token(self, token: int) -> bool:
         known = self._byte_tokens.get(token)
         if known is None:
             try:
                 name = self.tokenizer.convert_ids_to_tokens(token)
-            except (IndexError, KeyError, OverflowError, TypeError, ValueError):
+            except (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError):
                 name = None
             known = self._byte_tokens[token] = isinstance(name, str) and BYTE_TOKEN.fullmatch(name) is not None
         return known

@@ -71,13 +71,15 @@ class AnswerLogprobs(LogprobRecorder):
 
 def _tokens_for_text(tracker: TextTracker, count: int) -> int:
     """The fewest of the first ``count`` tokens whose text starts with the answer cut at its stop
-    string. Only the tokens that may spell the stop string are tried (up to 4 a character), and
-    each of them, since the text need not grow with the tokens (an unfinished byte-fallback run
-    decodes to one U+FFFD a byte)."""
+    string. Only the tokens that may spell the stop string are tried (up to 4 a character, past
+    tokens that add no text), and each of them, since the text need not grow with the tokens (an
+    unfinished byte-fallback run decodes to one U+FFFD a byte)."""
     answer = tracker.final_text()
     reach = 4 * max((len(s) for s in tracker.stop), default=0) + 4
-    fewest = count
-    for k in range(count - 1, max(count - reach, 0) - 1, -1):
+    fewest = k = count
+    while k > 0 and reach > 0:
+        k -= 1
+        reach -= not tracker.is_unseen(tracker.ids[k])
         if tracker.text(k).startswith(answer):
             fewest = k
     return fewest

@@ -255,3 +255,43 @@ def test_logprobs_of_a_stopped_row_cover_its_text_where_a_byte_run_shrinks_it():
     kept = _tokens_for_text(tracker, len(tracker.ids))
     assert tracker.final_text() == "ab 我" == tokenizer.decode(tracker.ids[:kept])
     assert tokenizer.decode(tracker.ids[: kept - 1]) != "ab 我"
+
+
+def _stream(tokenizer, ids, stops=None):
+    tracker = TextTracker(tokenizer, stops, frozenset({tokenizer.eos_token_id}))
+    pieces = [tracker.add([t]) for t in ids]
+    return "".join(pieces) + tracker.rest(), tracker
+
+
+def test_a_dropped_control_token_inside_a_byte_run_does_not_end_it():
+    """A special token ``all_special_ids`` does not list (an added control token) ended the byte
+    run, though decode joins the bytes across it: '我' was streamed, then a lone byte turned the
+    whole run into U+FFFDs."""
+    from tokenizers import AddedToken
+
+    tokenizer = _byte_fallback_tokenizer()
+    tokenizer.add_tokens([AddedToken("[CTL]", special=True)])
+    byte = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xE6, 0x88, 0x91, 0xE4)]
+    ids = [*byte[:3], tokenizer.convert_tokens_to_ids("[CTL]"), byte[3], tokenizer.convert_tokens_to_ids("b")]
+    streamed, tracker = _stream(tokenizer, ids)
+    assert streamed == tracker.final_text() == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("words", [["I", " ", " ", "'", " ", "s"], [" ", " ", "'", " ", "s"]])
+def test_a_clean_up_that_rewrites_a_run_of_spaces_and_quotes_is_not_streamed_early(words):
+    """The clean-up's replacements run one after another (" ' " -> "'", then " 's" -> "'s"): one
+    token rewrote text two tokens back, and the stream read 'I s' for "I's"."""
+    tokenizer = _cleaning_tokenizer(CLEANED_PIECES)
+    ids = [CLEANED_PIECES.index(w) for w in words]
+    streamed, tracker = _stream(tokenizer, ids)
+    assert streamed == tracker.final_text() == tokenizer.decode(ids)
+
+
+def test_logprobs_of_a_stopped_row_reach_past_tokens_that_add_no_text():
+    from rag_lookahead.serve.logprobs import _tokens_for_text
+
+    tokenizer = _byte_fallback_tokenizer()
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ("\u2581a", "b", *["<unk>"] * 12, "c")]
+    _, tracker = _stream(tokenizer, ids, ["bc"])
+    assert tracker.stopped and tracker.final_text() == "a"
+    assert _tokens_for_text(tracker, len(tracker.ids)) == 1
