@@ -73,7 +73,7 @@ class LookaheadGenerateOutput(GenerateDecoderOnlyOutput):
     """``model.generate``'s ``return_dict_in_generate`` output plus the decoding stats.
 
     ``scores``, ``logits``, ``attentions``, ``hidden_states`` are refused up front rather than
-    left empty; ``past_key_values`` is None (the decode loop packs rows into its own cache).
+    left empty; ``cache`` is None (the decode loop packs rows into its own cache).
     """
 
     lookahead_stats: GenerationStats | None = None
@@ -429,7 +429,15 @@ def _read_criteria(criteria, rows: int) -> tuple[int, frozenset[int], list]:
             custom.append(criterion)
     if max_length is None:
         raise ConfigError("no max_length: set max_new_tokens or max_length in the generation config")
-    row_wise = (StopStringCriteria, MaxTimeCriteria)  # transformers' own: each row's verdict depends on that row only
+    # transformers' stop strings judge each row by its own tokens; a time limit judges the batch
+    # (transformers stops every row on the same step), which rows cut apart at their own blocks
+    # cannot match
+    row_wise = (StopStringCriteria,)
+    if rows > 1 and any(isinstance(c, MaxTimeCriteria) for c in custom):
+        raise ConfigError(
+            "a time limit (MaxTimeCriteria) needs batch size 1 with lookahead decoding: model.generate ends every"
+            " row on the same step, and lookahead rows end at their own blocks"
+        )
     if rows > 1 and any(not isinstance(c, row_wise) for c in custom):
         names = ", ".join(type(c).__name__ for c in custom if not isinstance(c, row_wise))
         raise ConfigError(f"custom stopping criteria ({names}) need batch size 1 with lookahead decoding")

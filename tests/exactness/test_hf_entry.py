@@ -323,20 +323,82 @@ def test_a_criterion_that_cuts_a_sampled_block_leaves_the_generator_where_model_
     assert all(len(o[0]) == cut for o in ours[0])
 
 
+def _pieces_tokenizer():
+    """Tokens of one to four characters joined as they are, so a stop string may end inside a
+    token or span several (the word tokenizer's spaces keep transformers' stop strings from working)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from rag_lookahead.tiny import VOCAB
+
+    pieces = ["<pad>", "<unk>", "<s>", "<eos>", *"abcdefghijklmnop", "ab", "bc", "abc", "cd", "end", ". ", "op!"]
+    pieces += [f"z{i}" for i in range(VOCAB - len(pieces))]
+    core = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+
+
 def test_a_stopping_criterion_on_a_batch_without_eos_is_refused():
     """Without EOS transformers does not pad a row a criterion stopped: it decodes on until every
     row has stopped. The loop would have padded it (a silent difference), so that case is refused;
     with EOS (where transformers pads too) the batch runs."""
-    from transformers.generation.stopping_criteria import MaxTimeCriteria
+    from transformers.generation.stopping_criteria import StopStringCriteria
 
-    model = tiny_model("qwen2")
+    model, tokenizer = tiny_model("qwen2"), _pieces_tokenizer()
     ids, mask = padded([[4, 5, 6], [7, 8]])
     call = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=5)
-    timed = StoppingCriteriaList([MaxTimeCriteria(600)])
+    stops = StoppingCriteriaList([StopStringCriteria(tokenizer, ["zz"])])
     with pytest.raises(ConfigError, match="need an EOS token"):
-        model.generate(**call, custom_generate=hf_generate, stopping_criteria=timed)
-    want = model.generate(**call, eos_token_id=3, stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(600)]))
-    got = model.generate(**call, eos_token_id=3, custom_generate=hf_generate, stopping_criteria=timed)
+        model.generate(**call, custom_generate=hf_generate, stopping_criteria=stops)
+    want = model.generate(**call, eos_token_id=3, stopping_criteria=stops)
+    got = model.generate(**call, eos_token_id=3, custom_generate=hf_generate, stopping_criteria=stops)
+    assert got.tolist() == want.tolist()
+
+
+def test_a_time_limit_on_a_batch_is_refused():
+    """transformers' MaxTimeCriteria ends every row on the same step; it was taken as a per-row
+    criterion, so a row it stopped at its own block came back padded (74 pad ids in one row)."""
+    from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+    ids, mask = padded([[4, 5, 6], [7, 8]])
+    with pytest.raises(ConfigError, match="time limit"):
+        tiny_model("qwen2").generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=5,
+            eos_token_id=3,
+            custom_generate=hf_generate,
+            stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(600)]),
+        )
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_stop_strings_end_each_row_where_model_generate_does(arch, data):
+    """Stop strings taken from the plain answer (ending inside a token, spanning tokens), on a
+    padded batch with references drafting whole blocks the stop then cuts."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    model, tokenizer = tiny_model(arch), _pieces_tokenizer()
+    prompts = data.draw(st.lists(st.lists(st.integers(4, 40), min_size=2, max_size=6), min_size=1, max_size=3))
+    ids, mask = padded(prompts)
+    call = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=3)
+    plain = model.generate(**call)
+    text = tokenizer.decode(plain[0, ids.shape[1] :], skip_special_tokens=True)
+    start = data.draw(st.integers(0, max(len(text) - 1, 0)))
+    stop = text[start : start + data.draw(st.integers(1, 5))] or "zz"
+    stops = StoppingCriteriaList([StopStringCriteria(tokenizer, [stop])])
+    want = model.generate(**call, stopping_criteria=stops)
+    references = [[plain[r, ids.shape[1] :].tolist()] for r in range(len(prompts))]
+    got = model.generate(
+        **call,
+        custom_generate=hf_generate,
+        stopping_criteria=stops,
+        references=references,
+        lookahead_config=ISOLATED,
+    )
     assert got.tolist() == want.tolist()
 
 
