@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from rag_args import open_index, rag_parser, run
+from tqdm import tqdm
 
 from rag_lookahead.atomic import write_jsonl_atomic
 from rag_lookahead.checks import positive_int
@@ -79,7 +80,6 @@ def main() -> None:
     ap.add_argument("--no-lookahead", action="store_true")
     args = ap.parse_args()
     positive_int("--batch-size", args.batch_size)
-    positive_int("--max-new-tokens", args.max_new_tokens)
     check_output_file(args.answers, "answers", ours=is_answers_file, inputs=[args.questions])
 
     numbered = read_questions(args.questions)
@@ -88,11 +88,12 @@ def main() -> None:
     llm = LookaheadLLM.from_model_id(args.model, max_new_tokens=args.max_new_tokens)
     # every prompt is built and checked before the first decode: one too long for the context
     # ended the run after hours of answers, and named no line
-    found = [retrieve(retriever, q, args.k_seed) for q in questions]
-    prompts = [make_prompt(q, d[: args.k]) for q, d in zip(questions, found)]
-    for (lineno, _), prompt in zip(numbered, prompts):
+    found, prompts = [], []
+    for lineno, q in tqdm(numbered, desc="retrieving and checking", unit="question", file=sys.stderr):
+        found.append(retrieve(retriever, q, args.k_seed))
+        prompts.append(make_prompt(q, found[-1][: args.k]))
         try:
-            llm.check_prompt(prompt)
+            llm.check_prompt(prompts[-1])
         except InputError as err:
             raise InputError(f"{args.questions}:{lineno}: {first_line(err)}") from None
     rows: list[dict] = []
@@ -119,4 +120,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, prints_answers=False)  # answers go to a file, progress to stderr

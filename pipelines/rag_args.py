@@ -36,8 +36,8 @@ class RagArgumentParser(argparse.ArgumentParser):
             check_question_text(question)  # argv bytes that were not UTF-8, with the terminal hint
             check_searchable(question, "the question")
         for name in ("max_new_tokens", "max_tokens"):
-            if hasattr(parsed, name):
-                positive_int(f"--{name.replace('_', '-')}", getattr(parsed, name))
+            if hasattr(parsed, name):  # either spelling may have been typed
+                positive_int("--max-tokens/--max-new-tokens", getattr(parsed, name))
         return parsed
 
 
@@ -60,13 +60,14 @@ def open_index(args: argparse.Namespace) -> DocumentIndex:
     return ensure_index(args.index_dir or default_index_dir(), build_bundled=args.index_dir is None)
 
 
-def run(main: Callable[[], None]) -> None:
+def run(main: Callable[[], None], *, prints_answers: bool = True) -> None:
     """Run a pipeline's ``main``; our errors (no index, a model that will not load, a bad option)
     print one line and exit 1, as the ``rag_lookahead`` commands do; Ctrl-C says "interrupted"
     (exit 130) and a reader that left the pipe (``| head``) ends it quietly (exit 1), no traceback.
-    Started with stdout closed (``>&-``) it does no work: ``print`` would drop the answer unsaid."""
+    A script that prints its answers (``prints_answers``) and is started with stdout closed
+    (``>&-``) does no work: ``print`` would drop the answer unsaid."""
     try:
-        if sys.stdout is None:
+        if prints_answers and sys.stdout is None:
             raise RagLookaheadError("stdout is closed: there is nowhere to write the answer")
         main()
     except RagLookaheadError as err:

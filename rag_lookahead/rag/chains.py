@@ -17,7 +17,9 @@ Three shapes:
   retriever registers the extra passages on the LLM (``LookaheadLLM.register_seeds``), keyed by the
   texts of the passages it returns; the LLM picks them up for the prompt that contains those texts.
   This works across threads and needs no context variables; with a non-lookahead LLM the wrapper
-  simply returns the top ``k_prompt`` documents.
+  only returns the top ``k_prompt`` documents. Each comes back with its heading in the prompt
+  under ``metadata["context_label"]`` ("[1] (docs/budget.md)"), which the chain's document prompt
+  uses so that the prompt is the one ``make_prompt`` (and ``ask``) builds.
 """
 
 from __future__ import annotations
@@ -406,7 +408,7 @@ class SeedingRetriever(BaseRetriever):
             self.llm.register_seeds([d.page_content for d in shown], [d.page_content for d in seeds])
         # each with its heading in the prompt, so RetrievalQA's "stuff" prompt is make_prompt's
         return [
-            Document(page_content=d.page_content, metadata={**d.metadata, CONTEXT_LABEL: context_label(i, d)})
+            d.model_copy(update={"metadata": {**d.metadata, CONTEXT_LABEL: context_label(i, d)}})
             for i, d in enumerate(shown, start=1)
         ]
 
@@ -419,9 +421,12 @@ def build_retrieval_qa(
     prompt: PromptTemplate = RAG_PROMPT,
     return_source_documents: bool = True,
 ):
-    """``RetrievalQA.from_chain_type(llm=llm, retriever=SeedingRetriever(...), chain_type_kwargs={"prompt": prompt})``.
+    """``RetrievalQA.from_chain_type(llm=llm, retriever=SeedingRetriever(...), chain_type_kwargs={"prompt": prompt,
+    "document_prompt": <"{context_label}\\n{page_content}">, "document_separator": "\\n\\n"})``.
 
-    Call it as ``qa.invoke({"query": question})`` -> ``{"query", "result", "source_documents"}``.
+    Call it as ``qa.invoke({"query": question})`` -> ``{"query", "result", "source_documents"}``;
+    the prompt is ``make_prompt``'s for a query without surrounding whitespace (RetrievalQA passes
+    the query as given, ``make_prompt`` strips it).
     """
     from langchain_classic.chains import RetrievalQA
 

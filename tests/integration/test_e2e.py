@@ -190,3 +190,24 @@ def test_batch_answers_refuses_a_question_past_the_context_before_decoding_any(i
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {questions}:3: the input has") and "context" in last, out.stderr
     assert "answered" not in out.stderr and not (tmp_path / "a.jsonl").exists()
+
+
+def test_the_seeding_retriever_returns_the_documents_it_found_with_their_headings():
+    """Its copies lost each Document's id (LangChain's document identity)."""
+    from langchain_core.documents import Document
+    from langchain_core.retrievers import BaseRetriever
+
+    from rag_lookahead.rag.chains import SeedingRetriever
+
+    class Fixed(BaseRetriever):
+        def _get_relevant_documents(self, query, *, run_manager):
+            return [
+                Document(page_content=f"text {i}", id=f"doc-{i}", metadata={"source": f"d{i}.md"}) for i in range(4)
+            ]
+
+    docs = SeedingRetriever(retriever=Fixed(), k_prompt=2, k_seed=4).invoke("q")
+    assert [d.id for d in docs] == ["doc-0", "doc-1"]
+    assert [d.metadata for d in docs] == [
+        {"source": "d0.md", "context_label": "[1] (d0.md)"},
+        {"source": "d1.md", "context_label": "[2] (d1.md)"},
+    ]

@@ -240,3 +240,20 @@ def test_each_answering_pipeline_takes_both_spellings_of_the_length_flag(tmp_pat
         cwd=tmp_path,
     )
     assert out.returncode == 1 and "must be an integer >= 1" in out.stderr, out.stderr
+
+
+def test_batch_answers_runs_with_stdout_closed(tmp_path):
+    """It writes its answers to a file: refusing a closed stdout (right for the scripts that print
+    answers) stopped `nohup batch_answers.py ... >&- &` runs."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question": "What does budget do?"}\n', encoding="utf-8")
+    out = subprocess.run(
+        [sys.executable, str(PIPELINES / "batch_answers.py"), str(questions), str(tmp_path / "a.jsonl")]
+        + ["--index-dir", str(tmp_path / "none")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: os.close(1),
+    )
+    assert out.returncode == 1 and out.stderr.startswith("error: no index at"), out.stderr  # got past the start
