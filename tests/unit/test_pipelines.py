@@ -138,7 +138,7 @@ def test_an_input_file_with_a_byte_order_mark_reads_as_its_text(tmp_path):
         ("chat_stream.py", ["first?", " "], "error: the question is empty"),
         ("retrieval_qa.py", ["q", "--k", "0"], "error: --k must be an integer >= 1"),
         ("chat_stream.py", ["q", "--k", "4", "--k-seed", "2"], "error: --k-seed must be an integer >= --k (4)"),
-        ("lcel_chain.py", ["q", "--max-tokens", "0"], "error: --max-tokens must be an integer >= 1"),
+        ("lcel_chain.py", ["q", "--max-tokens", "0"], "error: --max-tokens/--max-new-tokens must be an integer >= 1"),
         ("retrieval_qa.py", ["？！"], "error: the question has no letters or digits to search for"),
     ],
 )
