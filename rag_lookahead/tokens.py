@@ -135,7 +135,7 @@ class TextTracker:
 
     def _holds_stop(self, text: str) -> bool:
         answer = text[len(self.prefix) :]
-        return len(cut_at_stop(answer, self.stop)) < len(answer)
+        return any(s in answer for s in self.stop)
 
     def would_stop(self, tokens: Sequence[int]) -> bool:
         """Whether the ids taken so far plus ``tokens`` (drawn, not taken yet) hold a stop string:

@@ -363,9 +363,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
             cancel = gather.cancel
             gather.submit(call)
         else:
-            if cancel is not None:
-                call.settings = settings | {"cancel": cancel}
-            decode_together(self._engine, [call])
+            decode_together(self._engine, [call], cancel)
         if call.error is not None:
             raise call.error
         if cancel is not None and cancel.is_set():  # an answer cut short is no answer: never cached

@@ -260,7 +260,7 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
             raise InputError("references must be a list of passages (strings), one list per prompt")
         else:
             references = list(references) or [[] for _ in prompts]  # [] (no passages) as ChatLookahead takes it
-            if references and all(isinstance(r, str) for r in references):
+            if _one_passage_list(references):
                 if len(prompts) != 1:
                     raise InputError(_ONE_LIST_FOR_MANY.format(count=len(prompts)))
                 references = [references]
@@ -370,6 +370,11 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
 _ONE_LIST_FOR_MANY = "references is one list of passages but there are {count} prompts: give one list per prompt"
 
 
+def _one_passage_list(references: Any) -> bool:
+    """Whether ``references`` is one list of passages (for a single prompt), not one list per prompt."""
+    return isinstance(references, (list, tuple)) and bool(references) and all(isinstance(r, str) for r in references)
+
+
 def _rows_of(kwargs: dict[str, Any], rows: Sequence[int], inputs: Sequence) -> dict[str, Any]:
     """``kwargs`` for the inputs at ``rows`` only: per-input ``references`` (one list per input)
     kept for those inputs; anything else, one passage list included, as it is (checked later)."""
@@ -394,10 +399,9 @@ def _concurrency_parts(inputs: list, config, kwargs: dict[str, Any]) -> list[tup
     size = configs[0].get("max_concurrency")
     if size is None:
         return None
-    references = kwargs.get("references")
-    if isinstance(references, (list, tuple)) and references and all(isinstance(r, str) for r in references):
-        if len(inputs) > 1:  # each part of one prompt would take it as that prompt's passages
-            raise InputError(_ONE_LIST_FOR_MANY.format(count=len(inputs)))
+    if _one_passage_list(kwargs.get("references")) and len(inputs) > 1:
+        # each part of one prompt would take it as that prompt's passages
+        raise InputError(_ONE_LIST_FOR_MANY.format(count=len(inputs)))
     configs = [{**c, "max_concurrency": None} for c in configs]
     starts = range(0, len(inputs), size)
     return [
