@@ -6,12 +6,15 @@ The decode loop records them, exactly, from the verify forward that accepted eac
 before repetition penalty and the sampling warpers). A job's :class:`AnswerLogprobs` is that
 recorder; it hands the entries on with the job's pieces and its answer, keeping only the
 tokens of the answer's text: no EOS, nothing past a stop string. Streamed, a chunk carries the
-tokens accepted since the previous chunk (its text may lag behind while text is held back);
-the chunks' entries together are the non-streamed list.
+tokens whose text the stream has sent since the previous chunk (a token whose text is held back
+waits for the chunk that sends it); the chunks' entries together are the non-streamed list.
 
 Tokens are named as OpenAI names them: the token's text and its UTF-8 ``bytes`` (exact for
 byte-level BPE tokenizers such as Qwen's and Llama 3's, where one token may hold part of a
-character); log-probabilities below -9999 are reported as -9999.0, as OpenAI does.
+character, and for byte-fallback tokens). Where a token's text depends on what precedes it
+(sentencepiece's leading "▁", WordPiece's "##"), it is the text the token adds after the
+answer's tokens before it, so the names spell the answer. Log-probabilities below -9999 are
+reported as -9999.0, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -45,8 +48,13 @@ class AnswerLogprobs(LogprobRecorder):
         self._after_stop: int | None = None  # the answer's token count, once a stop string ended it
 
     def for_piece(self, tracker: TextTracker) -> tuple[TokenLogprob, ...]:
-        """The entries not sent yet, up to the answer's end (called in the engine thread, with a piece)."""
+        """The entries not sent yet of the tokens the streamed text spells (called in the engine
+        thread, with a piece). Tokens whose text is still held back (the start of a stop string,
+        a character split over tokens) wait: a stop may yet drop them from the answer."""
         end = self._answer_tokens(tracker)
+        if not tracker.stopped:
+            while end > self.sent and not tracker.emitted.startswith(tracker.text(end)):
+                end -= 1
         piece = tuple(self.entries[self.sent : end])
         self.sent = max(self.sent, end)
         return piece
@@ -126,57 +134,104 @@ def _byte_decoder() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
+def _is_byte_level(tokenizer) -> bool:
+    """Whether the vocabulary is written in GPT-2's byte alphabet (" é" is spelled "Ġé" there):
+    plain ASCII pieces of other tokenizers ("bracket", "##o") would pass for it."""
+    try:
+        pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode(" é", add_special_tokens=False))
+        spelled = "".join(p for p in pieces if isinstance(p, str))
+        decoder = _byte_decoder()
+        return all(c in decoder for c in spelled) and bytes(decoder[c] for c in spelled).endswith(" é".encode())
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say: name its tokens by their text
+        return False
+
+
 class LogprobFormat:
     """Entries in OpenAI's shapes for one request: tokens named through ``tokenizer``, a stream's
-    running text offset (for completions)."""
+    running text offset (for completions) and its last tokens (the context a name is read in)."""
+
+    #: answer tokens before a position that its tokens are decoded after (see ``_in_context``)
+    CONTEXT_TOKENS = 4
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.stream_offset = 0
-        self._names: dict[int, tuple[str, list[int]]] = {}
+        self._stream_context: tuple[int, ...] = ()
+        self._names: dict[int, tuple[str, list[int], bool]] = {}
+        self._byte_level = _is_byte_level(tokenizer)
 
     def name(self, token: int) -> tuple[str, list[int]]:
-        """The token's text and its bytes."""
+        """The token's text and its bytes, read alone."""
+        return self._alone(token)[:2]
+
+    def _alone(self, token: int) -> tuple[str, list[int], bool]:
         named = self._names.get(token)
         if named is None:
             named = self._names[token] = self._name(token)
         return named
 
-    def _name(self, token: int) -> tuple[str, list[int]]:
+    def _name(self, token: int) -> tuple[str, list[int], bool]:
+        """Text, bytes, and whether the text depends on the tokens before it."""
         text = self.tokenizer.decode([token])
         piece = self.tokenizer.convert_ids_to_tokens(token)
         added = token in getattr(self.tokenizer, "added_tokens_decoder", {})
         if isinstance(piece, str) and not added:
             byte = _BYTE_TOKEN.fullmatch(piece)
-            if byte:
-                return text, [int(byte.group(1), 16)]
-            decoder = _byte_decoder()
-            if piece and all(c in decoder for c in piece):
-                raw = bytes(decoder[c] for c in piece)
-                if raw.decode("utf-8", errors="replace") == text:  # byte-level indeed
-                    return text, list(raw)
-        return text, list(text.encode("utf-8"))
+            if byte:  # its own byte (decode alone may strip a space: sentencepiece drops a leading one)
+                raw = bytes([int(byte.group(1), 16)])
+                return raw.decode("utf-8", errors="replace"), list(raw), False
+            if self._byte_level:
+                decoder = _byte_decoder()
+                if piece and all(c in decoder for c in piece):
+                    raw = bytes(decoder[c] for c in piece)
+                    if raw.decode("utf-8", errors="replace") == text:
+                        return text, list(raw), False
+        # sentencepiece's "▁word" decodes alone without its space, WordPiece's "##ing" with its
+        # marks: such a token is named by what it adds to the text before it
+        return text, list(text.encode("utf-8")), not added
 
-    def _top(self, entry: TokenLogprob) -> list[TopLogprob]:
-        return [TopLogprob(token=t, logprob=max(lp, LOWEST), bytes=b) for t, b, lp in self._named_top(entry)]
-
-    def _named_top(self, entry: TokenLogprob):
-        return [(*self.name(token), logprob) for token, logprob in entry.top]
-
-    def chat(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs:
-        content = []
+    def _named(self, entries: Sequence[TokenLogprob], streamed: bool):
+        """Per entry: (text, bytes) of its token and (text, bytes, logprob) of its top tokens,
+        each read after the answer's tokens before it, so that the names spell the answer."""
+        context = self._stream_context if streamed else ()
+        named = []
         for entry in entries:
-            text, raw = self.name(entry.token)
+            heads: list[str] = []  # the context's text, decoded once a position when needed
+            token = self._in_context(context, heads, entry.token)
+            top = [(*self._in_context(context, heads, t), lp) for t, lp in entry.top]
+            named.append((token, top))
+            context = (*context, entry.token)[-self.CONTEXT_TOKENS :]
+        if streamed:
+            self._stream_context = context
+        return named
+
+    def _in_context(self, context: tuple[int, ...], heads: list[str], token: int) -> tuple[str, list[int]]:
+        text, raw, contextual = self._alone(token)
+        if not (contextual and context):
+            return text, raw
+        if not heads:
+            heads.append(self.tokenizer.decode(list(context), skip_special_tokens=True))
+        whole = self.tokenizer.decode([*context, token], skip_special_tokens=True)
+        if not whole.startswith(heads[0]):  # e.g. a character finished across the seam
+            return text, raw
+        added = whole[len(heads[0]) :]
+        return added, list(added.encode("utf-8"))
+
+    def chat(self, entries: Sequence[TokenLogprob], streamed: bool = False) -> ChatLogprobs:
+        """``streamed``: a chunk of a stream, read after the chunks before it."""
+        content = []
+        for entry, ((text, raw), top) in zip(entries, self._named(entries, streamed), strict=True):
             logprob = max(entry.logprob, LOWEST)
-            content.append(ChatTokenLogprob(token=text, logprob=logprob, bytes=raw, top_logprobs=self._top(entry)))
+            tops = [TopLogprob(token=t, logprob=max(lp, LOWEST), bytes=b) for t, b, lp in top]
+            content.append(ChatTokenLogprob(token=text, logprob=logprob, bytes=raw, top_logprobs=tops))
         return ChatLogprobs(content=content)
 
     def completion(self, entries: Sequence[TokenLogprob], streamed: bool = False) -> CompletionLogprobs:
         """Offsets from the answer's start: a whole answer's from 0, a stream's carried over its chunks."""
         offset = self.stream_offset if streamed else 0
+        named = self._named(entries, streamed)
         tokens, offsets = [], []
-        for entry in entries:
-            text = self.name(entry.token)[0]
+        for (text, _), _ in named:
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
@@ -185,6 +240,6 @@ class LogprobFormat:
         return CompletionLogprobs(
             tokens=tokens,
             token_logprobs=[max(e.logprob, LOWEST) for e in entries],
-            top_logprobs=[{t: max(lp, LOWEST) for t, _, lp in self._named_top(e)} for e in entries],
+            top_logprobs=[{t: max(lp, LOWEST) for t, _, lp in top} for _, top in named],
             text_offset=offsets,
         )

@@ -222,7 +222,7 @@ class ChatShape(_OpenAIShape):
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None, logprobs=None) -> dict:
         """``logprobs``: the chunk's tokens' entries (None: the chunk carries none, as the first and last)."""
-        entries = None if self.logprobs is None or logprobs is None else self.logprobs.chat(logprobs)
+        entries = None if self.logprobs is None or logprobs is None else self.logprobs.chat(logprobs, streamed=True)
         choice = ChatDeltaChoice(delta=delta, finish_reason=finish_reason, logprobs=entries)
         return ChatCompletionChunk(**self._head(), choices=[choice]).model_dump()
 
