@@ -105,6 +105,7 @@ def hf_generate(
     caller = sys._getframe(1)
     streamer = streamer if streamer is not None else _argument_of_caller(caller, "streamer")
     assistant_model = _argument_of_caller(caller, "assistant_model")
+    synced_gpus = synced_gpus or _synced_gpus_of_caller(caller, model)
     try:  # the streamer already holds the prompt: end it on a refusal too, or its reader waits forever
         return _lookahead_generate(
             model,
@@ -149,6 +150,7 @@ def _lookahead_generate(
     has_eos = getattr(generation_config, "_eos_token_tensor", None) is not None
     params = resolve_sampling(model, generation_config, prompt_width=input_ids.shape[1], has_eos=has_eos)
     refuse_assisted_sampling(generation_config, assistant_model)  # resolve_sampling saw no assistant_model
+    _refuse_what_generate_refuses(model, generation_config, assistant_model, rows)
     if params.do_sample and rows > 1:
         # transformers draws one token for every row (finished ones too) from the global generator
         # at each step; rows that accept different numbers of tokens per step cannot keep that order
@@ -171,8 +173,8 @@ def _lookahead_generate(
         raise ConfigError(
             f"this call may run to {max_length} tokens (the prompt's padded width + max_new_tokens) but the "
             f"model's context window is {limit_words(model, limit)}; lookahead decoding stops at the "
-            f"window where model.generate would go on past it, so lower max_new_tokens to at most "
-            f"{max(limit - input_ids.shape[1], 0)}"
+            f"window where model.generate would go on past it, so end the call by {limit} tokens (max_new_tokens "
+            f"at most {max(limit - input_ids.shape[1], 0)}, and no MaxLengthCriteria past {limit})"
         )
     config = lookahead_settings(generation_config, lookahead_config, lookahead_tokenizer)
     references = _encode_references(references, lookahead_tokenizer)
@@ -287,6 +289,43 @@ def _argument_of_caller(frame, name: str) -> Any:
     if code.co_name == "generate" and frame.f_globals.get("__name__") == "transformers.generation.utils":
         return frame.f_locals.get(name)
     return None
+
+
+def _refuse_what_generate_refuses(model, generation_config, assistant_model, rows: int) -> None:
+    """Assisted-generation settings ``model.generate`` would refuse (it checks them only on its
+    own paths, after handing over to a callable ``custom_generate``): lookahead would ignore them
+    and answer where transformers raises."""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    if generation_config.get_generation_mode(assistant_model) != GenerationMode.ASSISTED_GENERATION:
+        return
+    if rows > 1:
+        raise ConfigError(
+            "assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit, use_mtp) takes"
+            " batch size 1 in model.generate: drop it (lookahead drafts on its own) or generate one row per call"
+        )
+    if getattr(generation_config, "use_mtp", False) and not getattr(
+        model.config.get_text_config(), "num_mtp_layers", None
+    ):
+        raise ConfigError(
+            "use_mtp=True needs a model with multi-token-prediction layers (num_mtp_layers); this has none"
+        )
+
+
+def _synced_gpus_of_caller(frame, model) -> bool:
+    """``synced_gpus`` as ``model.generate`` resolves it, which transformers 5.2x does not pass on
+    to a callable ``custom_generate`` either: the caller's value, else on when DeepSpeed ZeRO-3 or
+    FSDP shards the model over more than one process (ranks then forward in step)."""
+    given = _argument_of_caller(frame, "synced_gpus")
+    if given is not None:
+        return bool(given)
+    try:
+        from transformers.generation import utils
+
+        sharded = utils.is_deepspeed_zero3_enabled() or utils.is_fsdp_managed_module(model)
+        return bool(sharded and utils._get_torch_distributed_world_size() > 1)
+    except (AttributeError, ImportError):  # another transformers: only an explicit value is seen
+        return False
 
 
 def _check_call(model, generation_config, synced_gpus: bool) -> None:

@@ -703,6 +703,31 @@ def test_assisted_greedy_stays_exact(fresh_model):
     assert not isinstance(got, ConfigError) and got.tolist() == expected.tolist()
 
 
+@pytest.mark.parametrize("assisted", ["prompt_lookup", "assistant_model"])
+def test_assisted_generation_on_a_batch_is_refused_as_model_generate_refuses_it(fresh_model, assisted):
+    """model.generate raises for assisted generation on two rows; hf_generate decoded them greedily."""
+    extra = dict(prompt_lookup_num_tokens=3) if assisted == "prompt_lookup" else dict(assistant_model=fresh_model)
+    ids, mask = torch.cat([PROMPT, PROMPT]), torch.ones(2, PROMPT.shape[1], dtype=torch.long)
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        fresh_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **extra)
+    with pytest.raises(ConfigError, match="batch size 1"):
+        fresh_model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, custom_generate=hf_generate, **extra
+        )
+
+
+def test_use_mtp_without_mtp_layers_is_refused(fresh_model):
+    with pytest.raises(ConfigError, match="num_mtp_layers"):
+        fresh_model.generate(input_ids=PROMPT, max_new_tokens=4, use_mtp=True, custom_generate=hf_generate)
+
+
+def test_synced_gpus_is_refused_though_transformers_does_not_pass_it_on(fresh_model):
+    """transformers 5.2x hands a callable custom_generate only the keywords _sample lacks, so
+    synced_gpus=True never reached the refusal and ranks in step would have decoded apart."""
+    with pytest.raises(ConfigError, match="synced_gpus"):
+        fresh_model.generate(input_ids=PROMPT, max_new_tokens=4, synced_gpus=True, custom_generate=hf_generate)
+
+
 def test_do_sample_none_is_greedy_as_in_model_generate(fresh_model):
     """An explicit do_sample=None makes model.generate greedy; hf_generate refilled do_sample=True from
     the model's generation config and sampled."""
