@@ -67,9 +67,10 @@ def ensure_index(index_dir: Path, *, quiet: bool = False, build_bundled: bool = 
         )
         if not quiet:
             print(f"rag_lookahead: no index at {index_dir}; indexing the bundled corpus {corpus}", file=sys.stderr)
-        report = build_index(corpus, index_dir, progress=not quiet)
+        report = build_index(corpus, index_dir, progress=not quiet, if_missing=True)
         if not quiet:
-            print(f"rag_lookahead: {report.summary()}", file=sys.stderr)
+            done = "another run published an index there meanwhile; using it" if report is None else report.summary()
+            print(f"rag_lookahead: {done}", file=sys.stderr)
     return load_index(index_dir)
 
 

@@ -249,12 +249,16 @@ def build_index(
     follow_symlinks: bool = False,
     max_file_mb: float = MAX_FILE_MB,
     lock_timeout: float = LOCK_TIMEOUT_S,
-) -> IndexReport:
+    if_missing: bool = False,
+) -> IndexReport | None:
     """Index ``corpus_dir`` into ``index_dir`` (default :func:`default_index_dir`), reusing the vectors of
     files whose sha256 did not change, then atomically publish the new version.
 
     Refuses (:class:`ConfigError`) a non-empty ``index_dir`` that is not an index of ours. Waits up to
     ``lock_timeout`` seconds for another build of the same folder, then raises :class:`IndexBusyError`.
+    ``if_missing``: build only into a folder with no index yet, and return None (writing nothing)
+    where one was published while this run waited for the lock: ``ask``'s sample index must not
+    replace the user's index that an ``index`` run was writing when ``ask`` looked.
     """
     t0 = time.perf_counter()
     index_dir = expand_user(index_dir, "index folder") if index_dir is not None else default_index_dir()
@@ -273,6 +277,8 @@ def build_index(
     index_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # a folder we make is its owner's only
     with store.writer_lock(index_dir, lock_timeout) as waited:  # before the embedder loads: a busy folder fails fast
         store.check_target(index_dir)  # again: the folder may have changed while we waited
+        if if_missing and store.our_manifest(index_dir) is not None:
+            return None
         if waited:  # the files too: a build that read them earlier must not publish an older corpus last
             corpus = load_corpus(
                 corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb, progress=progress

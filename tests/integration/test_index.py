@@ -1344,3 +1344,29 @@ def test_markdown_chunks_are_searched_under_their_headings(tmp_path, embedder):
         third = build(bundled_corpus(), tmp_path / "index", embedder)
     assert 0 < third.embedded_chunks == len(markdown) < report.chunks
     assert third.updated == len({r["source"] for r in markdown}) and third.unchanged > 0
+
+
+def test_ask_keeps_an_index_published_while_it_waited(tmp_path, built, monkeypatch):
+    """ask found no index, waited for the lock of an `index` run writing the user's documents, then
+    indexed the bundled sample corpus over them (and `index` had exited 0)."""
+    import threading
+
+    from rag_lookahead.ask import ensure_index
+
+    index_dir = tmp_path / "index"
+    index_dir.mkdir()
+    asked_for_lock, original = threading.Event(), store.writer_lock
+    monkeypatch.setattr(store, "writer_lock", lambda *a, **kw: (asked_for_lock.set(), original(*a, **kw))[1])
+    loaded: list = []
+    with original(index_dir, 60):  # the user's `index` run, still writing
+        asker = threading.Thread(target=lambda: loaded.append(ensure_index(index_dir, quiet=True)))
+        asker.start()
+        assert asked_for_lock.wait(120)  # ask saw no manifest and waits
+        for path in built[1].iterdir():  # the run publishes the user's index
+            if path.name != store.LOCK_FILE:
+                (shutil.copytree if path.is_dir() else shutil.copy2)(path, index_dir / path.name)
+        published = tree(index_dir)
+    asker.join(300)
+    assert tree(index_dir) == published  # nothing rebuilt over it
+    sources = {p.source for p in loaded[0].search("茶", k=5)}
+    assert sources and all("corpora" not in s for s in sources)
