@@ -8,7 +8,8 @@ letters in French words ("Résumé" -> "Rķsumķ").
 
 So its guess is checked by how *plausible* the decoded text is: real text keeps to one script
 (Chinese, Japanese kana with kanji, Korean Hangul, Cyrillic, Greek, Latin), mostly its common
-letters (for Chinese characters: the common ones of GB2312, Big5 and JIS). When the first
+letters (for Chinese characters: the common ones of GB2312, Big5 and JIS), each where real
+text puts it (no Cyrillic letter inside a Latin word, no accented letter on a digit). When the first
 guess scores low and another decoding (one charset-normalizer found, or
 GB18030 or cp1252, the legacy encodings of most of our users' files) scores high, that one is
 taken. Scores that cannot tell (a short string that is plausible in two encodings) keep
@@ -52,7 +53,10 @@ _WRITING = {"japanese": ("kana", "han")}
 _NEUTRAL = frozenset("\u00a0¡«»°·§©®±×÷¿–—‘’“”„…•€™")
 
 
-RARE_HAN = 0.3  # a Chinese character outside the common sets below
+RARE_HAN = 0.3  # a Chinese character outside the common sets below (and a rare Latin letter)
+_RARE_LATIN = frozenset("ðÐþÞÿ")  # Icelandic and Old English letters: "piþata" is "piñata" misread
+# EBCDIC: what charset-normalizer may guess for a short Latin-1 file ("Café" -> "ä/ÃZ"), never a text file here
+_EBCDIC = frozenset({"cp037", "cp273", "cp424", "cp500", "cp875", "cp1026", "cp1140"})
 
 
 @functools.cache
@@ -80,14 +84,42 @@ def _script(char: str) -> tuple[str, float] | None:
     code = ord(char)
     if char in _NEUTRAL or 0x2000 <= code <= 0x206F or 0x3000 <= code <= 0x303F or 0xFF01 <= code <= 0xFF65:
         return None
+    if char in _RARE_LATIN:
+        return "latin", RARE_HAN
     for first, last, script, weight in _RANGES:
         if first <= code <= last:
             if script == "han" and char not in _common_han():
                 return script, RARE_HAN
             return script, weight
-    if unicodedata.category(char) == "Zs":
+    if unicodedata.category(char) in ("Zs", "Sc"):  # spaces, currency signs (£, ¥)
         return None
     return "", 0.0
+
+
+# alphabets whose letters never share a word with ASCII letters ("Rщsumщ" is cp1252 read as cp1125)
+_ALPHABETS = frozenset({"greek", "cyrillic", "hebrew", "arabic", "thai"})
+_CJK = frozenset({"han", "kana", "hangul"})
+# marks that may stand between two letters ("don’t", "l·l", "mid–word"); other symbols do not ("Se±or")
+_INSIDE_WORDS = frozenset("‘’“”–—…·\u00a0")
+
+
+def _odd_here(text: str, i: int, script: str | None, cjk_runs: bool) -> bool:
+    """Whether the non-ASCII character at ``i`` sits where real text never puts it: a letter of a
+    non-Latin alphabet touching an ASCII letter, an accented Latin letter touching a digit ("ú40"
+    is "£40" misread), a symbol between two letters, a CJK character touching an ASCII letter in
+    a text with no two CJK characters in a row (Chinese next to Latin words, "用Python写代码",
+    has runs of them)."""
+    before = text[i - 1] if i else " "
+    after = text[i + 1] if i + 1 < len(text) else " "
+    if script in _ALPHABETS:
+        return any(c < "\x80" and c.isalpha() for c in (before, after))
+    if script == "latin":
+        return any(c < "\x80" and c.isdigit() for c in (before, after))
+    if script in _CJK and not cjk_runs:  # lone CJK characters on Latin words ("S縊 Paulo" is "São" read as cp932)
+        return any(c < "\x80" and c.isalpha() for c in (before, after))
+    if script is None:
+        return text[i] not in _INSIDE_WORDS and before.isalpha() and after.isalpha()
+    return False
 
 
 def plausibility(text: str) -> float:
@@ -95,10 +127,15 @@ def plausibility(text: str) -> float:
     1.0 for pure ASCII."""
     weights: dict[str, float] = {}
     counted = 0
-    for char in text:
+    scripts = [_script(c) if c >= "\x80" else None for c in text]
+    cjk = [bool(found) and found[0] in _CJK for found in scripts]
+    cjk_runs = any(a and b for a, b in zip(cjk, cjk[1:]))
+    for i, char in enumerate(text):
         if char < "\x80":
             continue
-        found = _script(char)
+        found = scripts[i]
+        if _odd_here(text, i, found and found[0], cjk_runs):
+            found = ("", 0.0)
         if found is None:
             continue
         counted += 1
@@ -125,7 +162,7 @@ def _candidates(data: bytes) -> list[Guess]:
     guesses = []
     for match in from_bytes(data):
         # UTF-16/32 without a byte order mark is what it guesses for short texts it cannot place
-        if not match.encoding.startswith(("utf_16", "utf_32")):
+        if not match.encoding.startswith(("utf_16", "utf_32")) and match.encoding not in _EBCDIC:
             guesses.append(Guess(str(match), match.encoding))
     for encoding in FALLBACKS:
         if all(g.encoding != encoding for g in guesses):

@@ -1011,6 +1011,16 @@ SHORT_OR_MOSTLY_ASCII = [
     ("繁體中文", "big5"),
     ("日本語です", "shift_jis"),
     ("안녕하세요", "euc_kr"),
+    # cp1252 titles charset-normalizer read as cp1125, cp857, cp437, cp932, johab, hp_roman8 or EBCDIC
+    ("Résumé", "cp1252"),
+    ("Señor García paid 10€ for the menu.", "cp1252"),
+    ("Price: £40 (approx. 45 €)", "cp1252"),
+    ("crème brûlée", "cp1252"),
+    ("São Paulo", "cp1252"),
+    ("smörgåsbord", "cp1252"),
+    ("piñata", "cp1252"),
+    ("Café", "cp1252"),
+    ("Åsa Öberg", "cp1252"),
 ]
 
 
@@ -1027,7 +1037,20 @@ def test_real_text_reads_as_plausible_and_wrong_decodings_do_not():
     # no other decoding scores high either)
     for text in [*LEGACY.values(), *(t for t, e in SHORT_OR_MOSTLY_ASCII if e != "cp1250"), "plain ASCII"]:
         assert plausibility(text) >= PLAUSIBLE, text
-    for wrong in ("珙鬼츠", "콱봤各썹", "Rķsumķ of the cafķ", "╧ЁштхҐ ьшЁ"):
+    # text that mixes scripts as writers do: Latin words in Chinese, digits by Cyrillic, signs
+    for text in ("用Python写代码", "iPhone手机", "A股上涨", "Windows 10 и Linux", "3×4 m, 5°C", "don’t", "£40"):
+        assert plausibility(text) >= PLAUSIBLE, text
+    for wrong in (
+        "珙鬼츠",
+        "콱봤各썹",
+        "Rķsumķ of the cafķ",
+        "╧ЁштхҐ ьшЁ",
+        "Rщsumщ",
+        "Se±or",
+        "ú40",
+        "S縊 Paulo",
+        "piþata",
+    ):
         assert plausibility(wrong) < PLAUSIBLE, wrong
 
 
