@@ -40,6 +40,7 @@ __all__ = [
 
 SUFFIXES = (".txt", ".md", ".markdown", ".pdf")
 MAX_FILE_MB = 20.0  # larger corpus files are skipped with a report line (--max-file-mb; README "Security and limits")
+SKIPS_SHOWN = 5  # skipped files named in the "no loadable files" error; the rest are counted
 
 
 def _sha256(data: bytes) -> str:
@@ -376,6 +377,8 @@ def load_corpus(
                 continue
             corpus.docs[rel] = (_sha256(data), text)
     if not corpus.docs:
-        extra = f" (skipped: {'; '.join(corpus.skipped)})" if corpus.skipped else ""
+        shown = corpus.skipped[:SKIPS_SHOWN]  # 3,000 empty files made one 53 KB line
+        more = f"; and {len(corpus.skipped) - len(shown)} more" if len(corpus.skipped) > len(shown) else ""
+        extra = f" (skipped {len(corpus.skipped)}: {'; '.join(shown)}{more})" if corpus.skipped else ""
         raise InputError(f"no loadable .txt/.md/.markdown/.pdf files in {root}{extra}")
     return corpus

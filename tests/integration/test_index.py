@@ -321,6 +321,17 @@ def test_missing_or_empty_corpus(tmp_path, embedder):
     assert not (tmp_path / "i3").exists()
 
 
+def test_a_corpus_of_empty_files_is_refused_in_a_short_line(tmp_path, embedder):
+    """3,000 empty files made the error one 53 KB line naming every one."""
+    (tmp_path / "empty").mkdir()
+    for i in range(40):
+        (tmp_path / "empty" / f"{i:02d}.txt").write_bytes(b"")
+    with pytest.warns(UserWarning), pytest.raises(InputError, match="no loadable") as refused:
+        build(tmp_path / "empty", tmp_path / "index", embedder)
+    message = str(refused.value)
+    assert "skipped 40:" in message and "and 35 more" in message and len(message) < 600
+
+
 def test_read_text_file_encodings():
     assert ix.read_text_file("中文".encode()) == "中文"
     assert ix.read_text_file("\ufeff中文".encode("utf-8")) == "中文"
