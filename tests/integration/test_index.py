@@ -1348,6 +1348,39 @@ def test_reading_a_large_corpus_shows_a_bar_naming_the_file(tmp_path, capsys):
     assert not capsys.readouterr().err
 
 
+def test_pdfs_and_tokenizing_show_a_bar_where_text_alone_would_not(tmp_path, capsys, embedder, monkeypatch):
+    """A 6 MB PDF read for 11-16 s, and 25k chunks tokenized for 11 s, with nothing shown: a PDF's
+    bytes and a chunk's characters take far longer than a text file's bytes."""
+    from rag_lookahead.rag import embedders
+    from rag_lookahead.rag.corpus import PDF_READ_WEIGHT, STAGE_BAR_LEAST, load_corpus
+    from rag_lookahead.rag.embedders import TOKENIZE_WEIGHT
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    body = "The osprey nests on the old lighthouse every spring. " * 40
+    pdf = tiny_pdf(body)
+    copies = STAGE_BAR_LEAST // (PDF_READ_WEIGHT * len(pdf)) + 1
+    assert copies * len(pdf) < STAGE_BAR_LEAST  # as text, this little would show no bar
+    for i in range(copies):
+        (corpus / f"page{i:04d}.pdf").write_bytes(pdf)
+    load_corpus(corpus, progress=True)
+    assert "reading" in capsys.readouterr().err
+    texts = [body] * (STAGE_BAR_LEAST // (TOKENIZE_WEIGHT * len(body)) + 1)
+    embedder.embed_documents(texts[:2], progress=True)
+    assert "tokenizing" not in capsys.readouterr().err
+
+    class Tokenized(Exception):
+        pass
+
+    def stop_before_embedding(*args):
+        raise Tokenized  # the bar is what is tested: ~500 long chunks need not be embedded
+
+    monkeypatch.setattr(embedders, "_one_per_core", stop_before_embedding)
+    with pytest.raises(Tokenized):
+        embedder.embed_documents(texts, progress=True)
+    assert "tokenizing" in capsys.readouterr().err
+
+
 def test_markdown_chunks_are_searched_under_their_headings(tmp_path, embedder):
     """The bundled guide's "## budget" section names its subject only in its heading, and the
     section before it says "budget" twice: the README's own question put it 4th, so the answer
