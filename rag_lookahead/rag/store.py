@@ -307,7 +307,14 @@ def check_target(index_dir: Path, advice: str = "choose a new or empty folder wi
         return
     if not index_dir.is_dir():
         raise ConfigError(f"index path exists and is not a folder: {index_dir}")
-    if _our_manifest(index_dir / MANIFEST) is not None:
+    ours = _our_manifest(index_dir / MANIFEST)
+    if ours is not None:
+        newer = ours.get("format_version")
+        if isinstance(newer, int) and not isinstance(newer, bool) and newer > FORMAT_VERSION:
+            raise ConfigError(  # a rebuild here would replace an index a newer release may still read
+                f"the index at {index_dir} was written by a newer rag_lookahead (format version {newer}; this one"
+                f" writes {FORMAT_VERSION}): upgrade rag_lookahead to update it, or {advice}"
+            )
         return
     foreign = sorted(c.name for c in index_dir.iterdir() if not _is_our_leftover(c))
     if foreign == [MANIFEST] and _our_manifest(index_dir / MANIFEST) is not None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rag_lookahead.errors import IndexLoadError, InputError
+from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
 from rag_lookahead.rag import index as ix
 from rag_lookahead.rag import store
 from rag_lookahead.rag.embedders import E5SmallEmbedder, LangChainEmbeddings
@@ -661,6 +661,18 @@ def test_version1_index_is_read_and_upgraded(tmp_path, built, embedder):
     assert not (index_dir / "index.faiss").exists() and not (index_dir / "docstore.jsonl").exists()
     assert json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))["format_version"] == ix.FORMAT_VERSION
     assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
+
+
+def test_an_index_of_a_newer_format_is_not_rebuilt_over(tmp_path, built, embedder):
+    """A manifest of a later format version was replaced by a fresh build, without a word."""
+    index_dir = copy_index(built, tmp_path)
+    m = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))
+    m["format_version"] = ix.FORMAT_VERSION + 1
+    (index_dir / "manifest.json").write_text(json.dumps(m), encoding="utf-8")
+    before = tree(index_dir)
+    with pytest.raises(ConfigError, match="newer rag_lookahead"):
+        build(built[0], index_dir, embedder)
+    assert tree(index_dir) == before
 
 
 # ---------------------------------------------------------------- concurrent builds and readers
