@@ -34,12 +34,12 @@ from rag_lookahead.bench.common import (
     ModelOption,
     PlotOption,
     chains_note,
-    chat_ids,
     check_method_list,
     check_output_path,
     check_plot,
     check_positive,
     checked_config,
+    context_fitted_ids,
     copied_fraction,
     draft_shape,
     dtype_label,
@@ -50,6 +50,7 @@ from rag_lookahead.bench.common import (
     load_bench_model,
     load_prompts,
     print_rows,
+    report_despite_stdout,
     run_command,
 )
 from rag_lookahead.checks import positive_int
@@ -204,7 +205,7 @@ def add_speedups(results: list[dict]) -> None:
                 r[key] = round(r["tokens_per_second"] / base["tokens_per_second"], 3)
 
 
-def parse_methods(methods: str, extra_branch_length: str) -> tuple[list[str], dict[str, int]]:
+def parse_methods(methods: str, extra_branch_length: str, branch_length: int) -> tuple[list[str], dict[str, int]]:
     """The methods to run (the extra depths last) and the extra depths, ``lookahead_bN`` -> N."""
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
     depths = extra_depth_methods(extra_branch_length)
@@ -214,18 +215,21 @@ def parse_methods(methods: str, extra_branch_length: str) -> tuple[list[str], di
             f"unknown methods: {', '.join(sorted(unknown))} (choose from {', '.join((*BASE_METHODS, STOCK_METHOD))})",
             param_hint="--methods",
         )
-    check_method_list(chosen, depths, methods)
+    check_method_list(chosen, depths, methods, branch_length)
     return chosen + list(depths), depths
 
 
 def concurrency_levels(concurrency: str) -> list[int]:
-    """The ``--concurrency`` levels, each an integer >= 1 (ConfigError naming the first bad one)."""
+    """The ``--concurrency`` levels, each an integer >= 1 and none twice (ConfigError naming the
+    first bad one): a level given twice ran twice, its baselines compared with themselves."""
     levels = []
     for part in concurrency.split(","):
         try:
             level = int(part)
         except ValueError:
             raise ConfigError(f"--concurrency takes integers >= 1 separated by commas, not {concurrency!r}") from None
+        if level in levels:
+            raise ConfigError(f"--concurrency names the level {level} twice: {concurrency!r}")
         levels.append(positive_int("--concurrency", level))
     return levels
 
@@ -256,44 +260,67 @@ def batch(
     check_output_path(json_path, inputs=[prompts])
     check_positive({"--requests": requests, "--max-new-tokens": max_new_tokens, "--repeats": repeats})
     levels = concurrency_levels(concurrency)
-    chosen, depths = parse_methods(methods, extra_branch_length)
+    chosen, depths = parse_methods(methods, extra_branch_length, branch_length)
     config = checked_config(depths, branch_length=branch_length)
     prompt_set = load_prompts(prompts, ids)  # a bad file or setting fails before the model loads
-    loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
-    dtype = dtype_label(loaded, dtype)  # what ran, not the option
-    eos, pad = eos_pad(loaded, tokenizer)
-    config = config.with_tokenizer(tokenizer)
-    cycled = [prompt_set[i % len(prompt_set)] for i in range(requests)]
-    work = Workload(loaded, eos, pad, [chat_ids(tokenizer, p) for p in cycled], config, depths, max_new_tokens)
-
-    run_continuous(loaded, work.requests[:2], 2, 8, eos, pad, config)  # warm-up and cost curve
-    run_hf_waves(loaded, work.requests[:2], 2, 8, eos, pad)
-    if STOCK_METHOD in chosen:
-        run_hf_waves(loaded, work.requests[:2], 2, 8, eos, pad, stock=True)
-    results, single = measure(work, chosen, levels, repeats)
-    add_speedups(results)
-    contexts = [tokenizer.encode(p["context"], add_special_tokens=False) for p in cycled]
-    copied = [copied_fraction(single[i], contexts[i]) for i in single]
-    report = {
-        "model": model,
-        "dtype": dtype,
-        "threads": torch.get_num_threads(),
-        "drafts": draft_shape(loaded),
-        "requests": len(work.requests),
-        "prompt_ids": sorted({p.get("id") for p in prompt_set}),
-        "mean_copied_from_context": round(statistics.mean(copied), 3) if copied else None,
-        "max_new_tokens": max_new_tokens,
-        "results": results,
-    }
-    share = f", {report['mean_copied_from_context']:.0%} of answer tokens copied from the context" if copied else ""
-    title = f"{model} {dtype}, {len(work.requests)} requests at each concurrency{share}{chains_note(report['drafts'])}"
-    print_rows(title, results)
-    if json_path:
-        written = save_report(json_path, report)
-        if plot:
-            for path in plots.plot_batch(report, written):
-                print(f"wrote {path}")
+    with report_despite_stdout(json_path):
+        loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+        work, cycled = workload(loaded, tokenizer, prompt_set, requests, config, depths, max_new_tokens)
+        results, single = warmed_measure(work, chosen, levels, repeats)
+        contexts = [tokenizer.encode(p["context"], add_special_tokens=False) for p in cycled]
+        copied = [copied_fraction(single[i], contexts[i]) for i in single]
+        report = {
+            "model": model,
+            "dtype": dtype_label(loaded, dtype),  # what ran, not the option
+            "threads": torch.get_num_threads(),
+            "drafts": draft_shape(loaded),
+            "requests": len(work.requests),
+            "prompt_ids": sorted({p.get("id") for p in prompt_set}),
+            "mean_copied_from_context": round(statistics.mean(copied), 3) if copied else None,
+            "max_new_tokens": max_new_tokens,
+            "results": results,
+        }
+        print_report(report)
+        if json_path:
+            written = save_report(json_path, report)
+            if plot:
+                for path in plots.plot_batch(report, written):
+                    print(f"wrote {path}")
     return report
+
+
+def workload(model, tokenizer, prompt_set: list[dict], requests: int, config, depths, max_new_tokens: int):
+    """``(Workload, the prompt of each request)``: ``requests`` requests cycling over the prompts,
+    each prompt they use first checked to fit the model's context with its answer (before any run)."""
+    used = prompt_set[:requests]
+    fitted = context_fitted_ids(model, tokenizer, used, max_new_tokens)
+    cycle = [i % len(used) for i in range(requests)]
+    eos, pad = eos_pad(model, tokenizer)
+    config = config.with_tokenizer(tokenizer)
+    work = Workload(model, eos, pad, [fitted[i] for i in cycle], config, depths, max_new_tokens)
+    return work, [used[i] for i in cycle]
+
+
+def warmed_measure(work: Workload, methods: list[str], levels: list[int], repeats: int) -> tuple[list[dict], dict]:
+    """:func:`measure` with speedups, after an untimed warm-up (kernels, and our cost curve)."""
+    run_continuous(work.model, work.requests[:2], 2, 8, work.eos, work.pad, work.config)
+    run_hf_waves(work.model, work.requests[:2], 2, 8, work.eos, work.pad)
+    if STOCK_METHOD in methods:
+        run_hf_waves(work.model, work.requests[:2], 2, 8, work.eos, work.pad, stock=True)
+    results, single = measure(work, methods, levels, repeats)
+    add_speedups(results)
+    return results, single
+
+
+def print_report(report: dict) -> None:
+    """The results table, titled with the model, the requests and the share copied from the context."""
+    copied = report["mean_copied_from_context"]
+    share = f", {copied:.0%} of answer tokens copied from the context" if copied is not None else ""
+    title = (
+        f"{report['model']} {report['dtype']}, {report['requests']} requests at each concurrency{share}"
+        f"{chains_note(report['drafts'])}"
+    )
+    print_rows(title, report["results"])
 
 
 def main(argv: Sequence[str] | None = None) -> dict | int:

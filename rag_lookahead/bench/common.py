@@ -8,15 +8,18 @@ and two of them carried their own ``cut_at_eos``. EOS, pad and chat encoding com
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import importlib.util
 import json
+import re
+import sys
 import tempfile
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import torch
 import typer
@@ -25,6 +28,7 @@ from rag_lookahead.bench import plots
 from rag_lookahead.bench.kernels import transformers_kernels
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.inputs import context_limit, limit_words
 from rag_lookahead.decoding.loop import left_pad
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.verify import input_device
@@ -49,6 +53,7 @@ __all__ = [
     "check_output_path",
     "check_plot",
     "check_positive",
+    "context_fitted_ids",
     "checked_config",
     "accepted",
     "copied_fraction",
@@ -63,6 +68,7 @@ __all__ = [
     "load_bench_model",
     "load_prompts",
     "print_rows",
+    "report_despite_stdout",
     "run_record",
     "same_answer",
     "run_command",
@@ -168,12 +174,18 @@ def passage_counts(k_prompt: int, k_seed: int | None) -> int:
     return seed_count(k_prompt, k_seed, names=("--k-prompt", "--k-seed"))
 
 
-def check_method_list(chosen: Sequence[str], extra_depths: Mapping[str, int], methods: str) -> None:
-    """``--methods`` (with ``--extra-branch-length``) must name a method, and none twice."""
+def check_method_list(chosen: Sequence[str], extra_depths: Mapping[str, int], methods: str, branch_length: int) -> None:
+    """``--methods`` (with ``--extra-branch-length``) must name a method, and none twice: an extra
+    depth equal to ``--branch-length`` beside ``lookahead`` would run lookahead twice."""
     if not chosen and not extra_depths:
         raise typer.BadParameter(f"names no method: {methods!r}", param_hint="--methods")
     if len(set(chosen)) < len(chosen):
         raise typer.BadParameter(f"names a method twice: {methods!r}", param_hint="--methods")
+    if "lookahead" in chosen and branch_length in extra_depths.values():
+        raise typer.BadParameter(
+            f"{branch_length} is --branch-length, which the method lookahead runs already",
+            param_hint="--extra-branch-length",
+        )
 
 
 @contextmanager
@@ -200,11 +212,16 @@ def check_output_path(path: str | None, option: str = "--json", inputs: Sequence
 def extra_depth_methods(extra_branch_length: str) -> dict[str, int]:
     """The extra methods asked for with ``--extra-branch-length``, ``lookahead_bN`` -> N."""
     try:
-        return {f"lookahead_b{int(n)}": int(n) for n in extra_branch_length.split(",") if n.strip()}
+        depths = [int(n) for n in extra_branch_length.split(",") if n.strip()]
     except ValueError:
         raise typer.BadParameter(
             f"takes integers separated by commas, not {extra_branch_length!r}", param_hint="--extra-branch-length"
         ) from None
+    if len(set(depths)) < len(depths):  # the dict below would merge them without a word
+        raise typer.BadParameter(
+            f"names a branch length twice: {extra_branch_length!r}", param_hint="--extra-branch-length"
+        )
+    return {f"lookahead_b{n}": n for n in depths}
 
 
 def checked_config(extra_depths: Mapping[str, int], **settings: Any) -> LookaheadConfig:
@@ -262,12 +279,15 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
     """The prompt set (default: the bundled one), optionally only the comma-separated ``ids``.
 
     Each line of a ``--prompts`` file is a JSON object with a ``question`` (a non-empty string)
-    and a ``context`` (the passage, a string; may be empty; or ``passage``), optionally an ``id``, a ``reference``
-    answer and anything else. A line without an ``id`` gets ``line-N`` (reports and charts group
-    by id). A file that breaks these rules raises :class:`InputError` naming the first bad line,
-    so the benchmarks check it before loading a model.
+    and a ``context`` (the passage, a string; may be empty; or ``passage``), optionally an ``id`` (a
+    string), a ``reference`` answer and anything else. A line without an ``id`` gets ``line-N``.
+    Reports and charts group by id, so no two prompts may share one. A file that breaks these
+    rules raises :class:`InputError` naming the first bad line, so the benchmarks check it before
+    loading a model. An empty ``path`` is refused: it is no file, not a wish for the bundled set.
     """
-    if path:
+    if path is not None:
+        if not path.strip():
+            raise InputError(f"--prompts {path!r} names no file (leave the option out for the bundled prompts)")
         try:
             text = read_input_text(path)
         except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
@@ -275,7 +295,7 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
     else:
         text = resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
     name = path or "the bundled prompts"
-    prompts = [_prompt(line, n, name) for n, line in jsonl_lines(text)]
+    prompts = _read_prompts(text, name)
     if not prompts:
         raise InputError(f"{name}: no prompts (one JSON object with context and question per line)")
     if ids is not None:
@@ -298,16 +318,52 @@ def jsonl_lines(text: str) -> Iterator[tuple[int, str]]:
             yield n, line
 
 
+def _read_prompts(text: str, name: str) -> list[dict]:
+    """The prompts of a ``--prompts`` text, each checked, and no id given twice: a given id and the
+    ``line-N`` of a line without one may not meet either."""
+    prompts, first_line_of = [], {}
+    for n, line in jsonl_lines(text):
+        prompt = _prompt(line, n, name)
+        first = first_line_of.setdefault(prompt["id"], n)
+        if first != n:
+            raise InputError(
+                f"{name}: line {n}: the prompt id {prompt['id']!r} is line {first}'s too (a line without an id "
+                "is named line-N); give each prompt an id of its own"
+            )
+        prompts.append(prompt)
+    return prompts
+
+
 def jsonl_object(line: str, where: str, fields: str) -> dict:
     """One line of a JSONL input file as a JSON object, else :class:`InputError` saying ``where``
-    (e.g. ``"prompts.jsonl: line 3"``) and which ``fields`` the object should have."""
+    (e.g. ``"prompts.jsonl: line 3"``) and which ``fields`` the object should have. An escaped
+    unpaired surrogate (``"\\ud800"``) is refused here too: it is no character, and the run that
+    took it died printing or saving it, after the model had loaded."""
     try:
         value = json.loads(line)
     except ValueError as e:
         raise InputError(f"{where} is not JSON ({e})") from None
     if not isinstance(value, dict):
         raise InputError(f"{where} is not a JSON object ({fields})")
+    lone = _lone_surrogate(value)
+    if lone is not None:
+        raise InputError(
+            f"{where} holds {ascii(lone)}, an unpaired UTF-16 surrogate, which is no character "
+            "(write the character itself, or both halves of its pair)"
+        )
     return value
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first unpaired surrogate in a JSON value's strings (keys too), else None."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        return found and found.group()
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else []
+    return next((found for item in items if (found := _lone_surrogate(item)) is not None), None)
 
 
 def _prompt(line: str, lineno: int, name: str) -> dict:
@@ -323,7 +379,10 @@ def _prompt(line: str, lineno: int, name: str) -> dict:
                 f"{name}: line {lineno} needs {key!r} as a {'string' if may_be_empty else 'non-empty string'} "
                 f"(its keys: {keys})"
             )
-    prompt["id"] = str(prompt["id"]) if prompt.get("id") is not None else f"line-{lineno}"
+    given = prompt.get("id")
+    if given is not None and not isinstance(given, str):  # 1 and "1" were one prompt in the reports
+        raise InputError(f"{name}: line {lineno}: the id must be a string, not {json.dumps(given)}")
+    prompt["id"] = given if given is not None else f"line-{lineno}"
     return prompt
 
 
@@ -331,6 +390,33 @@ def chat_ids(tokenizer, prompt: dict, *, with_context: bool = True) -> list[int]
     """The prompt (passage, blank line, question; or the question alone) as the chat's user turn."""
     content = f"{prompt['context']}\n\n{prompt['question']}" if with_context else prompt["question"]
     return encode_messages(tokenizer, [{"role": "user", "content": content}])
+
+
+def context_fitted_ids(
+    model, tokenizer, prompts: Sequence[dict], max_new_tokens: int, *, with_context: bool = True
+) -> list[list[int]]:
+    """Each prompt's chat ids (as :func:`chat_ids` builds them), once every prompt with an answer of
+    ``max_new_tokens`` fits the model's context; else :class:`InputError` naming the longest prompt
+    and what to do. Why before any timed run: lookahead stopped mid-run at a prompt that did not
+    fit, after the others were measured, naming none; and past the window transformers decodes on
+    where our loop stops, so the tables compared answers of unequal length."""
+    ids = [chat_ids(tokenizer, prompt, with_context=with_context) for prompt in prompts]
+    limit = context_limit(model)
+    longest = max(range(len(ids)), key=lambda n: len(ids[n]), default=None)
+    if limit is None or longest is None or len(ids[longest]) + max_new_tokens <= limit:
+        return ids
+    over = sum(len(i) + max_new_tokens > limit for i in ids)
+    room = limit - len(ids[longest])
+    fix = (
+        f"an answer of --max-new-tokens {max_new_tokens} does not fit; lower it to {room} or drop the prompt"
+        if room > 0
+        else "no room is left for an answer; drop the prompt"
+    )
+    raise InputError(
+        f"prompt {prompts[longest]['id']!r}{f' (and {over - 1} more)' if over > 1 else ''} is {len(ids[longest])} "
+        f"tokens with the chat template, and the model's context holds {limit_words(model, limit)}, prompt and "
+        f"answer together: {fix}"
+    )
 
 
 def prompts_then_model(
@@ -345,11 +431,13 @@ def prompts_then_model(
     device_map: str | None = None,
 ) -> tuple[list[dict], Any, Any, LookaheadConfig]:
     """The chosen prompts, then the model, its tokenizer and the drafter config ``bench`` runs (the
-    tokenizer's stop words too); bad options and files fail before the model loads."""
+    tokenizer's stop words too); bad options and files fail before the model loads, prompts that
+    do not fit its context (:func:`context_fitted_ids`) right after."""
     check_positive({"--limit": limit, "--max-new-tokens": max_new_tokens})
     check_output_path(json_path, inputs=[prompts])
     chosen = load_prompts(prompts, ids)[:limit]
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+    context_fitted_ids(loaded, tokenizer, chosen, max_new_tokens)
     return chosen, loaded, tokenizer, LookaheadConfig().with_tokenizer(tokenizer)
 
 
@@ -511,3 +599,73 @@ def print_rows(title: str, rows: list[dict]) -> None:
     for row in rows:
         table.add_row(*(cell(row.get(column)) for column in columns))
     Console(width=160).print(table)
+
+
+class _StdoutFailed(BaseException):
+    """stdout failed and no report is being made, so the run stops. A BaseException: no ``except
+    Exception`` between the print and the command may swallow it."""
+
+
+class _WatchedStdout:
+    """``sys.stdout`` during a run: the first failed write or flush is kept in ``error`` and every
+    later one is dropped (``keep_going``), or the run stops there (:class:`_StdoutFailed`)."""
+
+    def __init__(self, stream: Any, keep_going: bool) -> None:
+        self.stream, self.keep_going = stream, keep_going
+        self.error: OSError | ValueError | None = None
+
+    def write(self, text: str) -> int:
+        self._guarded(self.stream.write, text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._guarded(self.stream.flush)
+
+    def _guarded(self, call: Callable[..., Any], *args: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            call(*args)
+        except (OSError, ValueError) as e:  # ValueError: a closed file, a character its encoding lacks
+            self.error = e
+            if not self.keep_going:
+                raise _StdoutFailed from e
+
+    def __getattr__(self, name: str) -> Any:  # encoding, isatty, fileno ... as the stream has them
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def report_despite_stdout(json_path: str | None) -> Iterator[None]:
+    """Within: a failed write to stdout (a full disk, ``> /dev/full``; a reader that left, ``| head``)
+    no longer ends a run that makes a ``--json`` report. The tables are dropped from then on, the
+    run goes on and saves the report, and the command then exits 1: with one line, or quietly where
+    the reader left (as the CLI does). Without ``--json`` it stops at once, the same way. Why: the
+    report is what a long run is for, and it was lost to a traceback or to a silent exit 1."""
+    real = sys.stdout
+    if real is None:  # started with stdout closed: print() writes nothing, nothing can fail
+        yield
+        return
+    watched = _WatchedStdout(real, keep_going=bool(json_path))
+    sys.stdout = watched
+    try:
+        yield
+        watched.flush()  # what is still buffered fails here, not in Python's flush at exit
+    except _StdoutFailed:
+        pass
+    finally:
+        sys.stdout = real
+        if watched.error is not None:
+            from rag_lookahead.ask import silence_stdout
+
+            silence_stdout()  # Python's flush at exit would fail on the same stdout
+    if watched.error is not None:
+        _stdout_failed(watched.error, json_path)
+
+
+def _stdout_failed(error: OSError | ValueError, json_path: str | None) -> NoReturn:
+    """End the command after stdout failed (see :func:`report_despite_stdout`)."""
+    if isinstance(error, BrokenPipeError) or getattr(error, "errno", None) == errno.EPIPE:
+        raise SystemExit(1)
+    saved = f"; the report was saved all the same (--json {json_path})" if json_path else ""
+    raise RagLookaheadError(f"cannot write the results to stdout: {getattr(error, 'strerror', None) or error}{saved}")

@@ -37,6 +37,7 @@ from rag_lookahead.bench.common import (
     fresh_pool_answers,
     print_rows,
     prompts_then_model,
+    report_despite_stdout,
     run_command,
 )
 from rag_lookahead.decoding.acceptance import AcceptanceRates
@@ -200,26 +201,29 @@ def replay_bench(
     chosen, loaded, tokenizer, config = prompts_then_model(
         prompts, ids, limit, max_new_tokens, json_path, model, dtype, device
     )
-    dtype = dtype_label(loaded, dtype)  # what ran, not the option
-    answers = [
-        (prompt_ids, result.sequences[0, len(prompt_ids) : len(prompt_ids) + result.stats.new_tokens].tolist())
-        for prompt_ids, result in fresh_pool_answers(loaded, tokenizer, chosen, config, max_new_tokens)
-    ]
-    eos_ids, _ = eos_pad(loaded, tokenizer)
-    curve = given or cost_curve(loaded)
-    rows = rows_of(replay_all(answers, frozenset(eos_ids), curve, config))
-    priced = f"the curve {cost_curve_points}" if given else "its cost curve"
-    print_rows(f"replayed greedy answers ({len(chosen)} prompts, {model} {dtype}, forwards priced by {priced})", rows)
-    report = {
-        "model": model,
-        "dtype": dtype,
-        "prompts": len(chosen),
-        "max_new_tokens": max_new_tokens,
-        "cost_curve_ms": {n: round(1e3 * s, 3) for n, s in zip(curve.sizes, curve.seconds)},
-        "drafters": rows,
-    }
-    if json_path:
-        save_report(json_path, report)
+    with report_despite_stdout(json_path):
+        dtype = dtype_label(loaded, dtype)  # what ran, not the option
+        answers = [
+            (prompt_ids, result.sequences[0, len(prompt_ids) : len(prompt_ids) + result.stats.new_tokens].tolist())
+            for prompt_ids, result in fresh_pool_answers(loaded, tokenizer, chosen, config, max_new_tokens)
+        ]
+        eos_ids, _ = eos_pad(loaded, tokenizer)
+        curve = given or cost_curve(loaded)
+        rows = rows_of(replay_all(answers, frozenset(eos_ids), curve, config))
+        priced = f"the curve {cost_curve_points}" if given else "its cost curve"
+        print_rows(
+            f"replayed greedy answers ({len(chosen)} prompts, {model} {dtype}, forwards priced by {priced})", rows
+        )
+        report = {
+            "model": model,
+            "dtype": dtype,
+            "prompts": len(chosen),
+            "max_new_tokens": max_new_tokens,
+            "cost_curve_ms": {n: round(1e3 * s, 3) for n, s in zip(curve.sizes, curve.seconds)},
+            "drafters": rows,
+        }
+        if json_path:
+            save_report(json_path, report)
     return report
 
 

@@ -309,6 +309,16 @@ def load_embedders(names: list[str]) -> dict[str, Embedder]:
     return out
 
 
+def check_measurable(embedders: dict[str, Embedder], names: list[str], *, do_tune: bool, speed_chunks: int) -> None:
+    """Refuse, before anything is measured, a run whose ``--speed`` or ``--tune`` has no embedder to
+    measure (none named, or each one's extra not installed): it exited 0 having timed or tuned nothing."""
+    asked = [option for option, wanted in (("--speed", speed_chunks), ("--tune", do_tune)) if wanted]
+    if asked and not embedders:
+        given = f"none of --embedders {','.join(names)!r} could be loaded" if names else "--embedders names none"
+        needs = "need an embedder" if len(asked) > 1 else "needs an embedder"
+        raise ConfigError(f"{' and '.join(asked)} {needs}, but {given}: nothing was measured")
+
+
 def run(
     embedder_names: list[str],
     datasets: list[str] | str | None = None,
@@ -321,6 +331,7 @@ def run(
     names = [datasets] if isinstance(datasets, str) else (datasets or ["bundled"])
     data = [chunk_dataset(n, load_dataset(n)) for n in names]  # a bad file fails before any embedder loads
     embedders = load_embedders(embedder_names)
+    check_measurable(embedders, embedder_names, do_tune=do_tune, speed_chunks=speed_chunks)
     out: dict = {"datasets": {}}
     if speed_chunks:
         texts = data[0].chunks[:speed_chunks]

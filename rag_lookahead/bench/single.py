@@ -41,6 +41,7 @@ from rag_lookahead.bench.common import (
     check_plot,
     check_positive,
     checked_config,
+    context_fitted_ids,
     copied_fraction,
     cut_at_eos,
     draft_shape,
@@ -51,6 +52,7 @@ from rag_lookahead.bench.common import (
     load_bench_model,
     load_prompts,
     print_rows,
+    report_despite_stdout,
     run_command,
 )
 from rag_lookahead.bench.methods import (
@@ -131,8 +133,11 @@ class BenchSettings:
     plot: bool
 
 
-def expand_methods(methods: str, temperatures: str, extra_depths: dict[str, int]) -> tuple[list[str], list[float]]:
-    """The methods to run, in order: greedy ones, each sampling one per temperature, the extra depths."""
+def expand_methods(
+    methods: str, temperatures: str, extra_depths: dict[str, int], branch_length: int
+) -> tuple[list[str], list[float]]:
+    """The methods to run, in order: greedy ones, each sampling one per temperature, the extra depths.
+    No temperature twice (as its methods name it: 0.7 and 0.70 ran the same methods twice)."""
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = set(chosen) - set(METHODS) - set(SAMPLING_METHODS)
     try:
@@ -145,9 +150,12 @@ def expand_methods(methods: str, temperatures: str, extra_depths: dict[str, int]
         raise typer.BadParameter(
             "must be finite numbers > 0 (greedy is the method greedy)", param_hint="--temperatures"
         )
+    names = [f"{t:g}" for t in values]
+    if len(set(names)) < len(names):
+        raise typer.BadParameter(f"names a temperature twice: {temperatures!r}", param_hint="--temperatures")
     if unknown:
         raise typer.BadParameter(f"unknown methods: {', '.join(sorted(unknown))}", param_hint="--methods")
-    check_method_list(chosen, extra_depths, methods)
+    check_method_list(chosen, extra_depths, methods, branch_length)
     if not values and any(m in SAMPLING_METHODS for m in chosen):
         raise typer.BadParameter("names no temperature for the sampling methods", param_hint="--temperatures")
     expanded = [m for m in chosen if m not in SAMPLING_METHODS]
@@ -343,6 +351,7 @@ def run_bench(s: BenchSettings) -> dict:
         s.extra_depths, decoding_length=s.decoding_length, branch_length=s.branch_length, budget=s.budget
     )
     model, tokenizer = load_bench_model(s.model, s.dtype, s.device, s.device_map)
+    context_fitted_ids(model, tokenizer, prompts, s.max_new_tokens, with_context=s.seed_mode == "prompt")
     config = config.with_tokenizer(tokenizer)
     measured = measure(MethodRunner(model, tokenizer, s, config, prompts), s.methods)
     report = build_report(s, model, config, prompts, measured)
@@ -386,14 +395,15 @@ def bench(
     check_output_path(json_path, inputs=[prompts])
     check_positive({"--limit": limit, "--repeats": repeats, "--max-new-tokens": max_new_tokens})
     extra = extra_depth_methods(extra_branch_length)
-    chosen, values = expand_methods(methods, temperatures, extra)
+    chosen, values = expand_methods(methods, temperatures, extra, branch_length)
     SamplingParams(do_sample=True, top_p=top_p)  # a bad --top-p fails here, not after the model loads
     settings = BenchSettings(
         model, dtype, device, device_map, prompts, limit, ids, max_new_tokens, repeats, tuple(chosen), tuple(values),
         top_p, seed, decoding_length, Budget(budget).value, branch_length, extra, SeedMode(seed_mode).value,
         copying_threshold, json_path, plot,
     )  # fmt: skip
-    return run_bench(settings)
+    with report_despite_stdout(json_path):
+        return run_bench(settings)
 
 
 def main(argv: Sequence[str] | None = None) -> dict | int:

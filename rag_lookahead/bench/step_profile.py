@@ -36,6 +36,7 @@ from rag_lookahead.bench.common import (
     fresh_pool_answers,
     print_rows,
     prompts_then_model,
+    report_despite_stdout,
     run_command,
 )
 from rag_lookahead.output_files import save_report
@@ -168,6 +169,22 @@ def breakdown(timer: RegionTimer) -> tuple[list[dict], list[dict]]:
     return regions, sizes
 
 
+def profile_steps(model, tokenizer, prompts: list[dict], config, max_new_tokens: int) -> tuple[RegionTimer, int, int]:
+    """Every prompt decoded by our loop with the step's regions timed, after an untimed warm-up:
+    ``(timer, tokens after each answer's first, decode steps)``."""
+    from rag_lookahead.decoding.loop import generate
+    from rag_lookahead.decoding.verify import input_device
+
+    generate(model, chat_ids(tokenizer, prompts[0]), max_new_tokens=4, config=config)  # warm-up, untimed
+    timer = RegionTimer(input_device(model))
+    tokens = steps = 0
+    with instrumented(timer, model):
+        for _, result in fresh_pool_answers(model, tokenizer, prompts, config, max_new_tokens):
+            tokens += result.stats.new_tokens - 1
+            steps += result.stats.forward_passes
+    return timer, tokens, steps
+
+
 def step_profile(
     model: ModelOption = "default",
     dtype: DtypeOption = "auto",
@@ -180,35 +197,29 @@ def step_profile(
     json_path: JsonOption = None,
 ) -> dict:
     """Where a lookahead decode step's time goes, region by region, on a prompt set."""
-    from rag_lookahead.decoding.loop import generate
-    from rag_lookahead.decoding.verify import input_device
-
     chosen, loaded, tokenizer, config = prompts_then_model(
         prompts, ids, limit, max_new_tokens, json_path, model, dtype, device, device_map
     )
-    dtype = dtype_label(loaded, dtype)  # what ran, not the option
-
-    def run_all() -> tuple[int, int]:
-        tokens = steps = 0
-        for _, result in fresh_pool_answers(loaded, tokenizer, chosen, config, max_new_tokens):
-            tokens += result.stats.new_tokens - 1
-            steps += result.stats.forward_passes
-        return tokens, steps
-
-    generate(loaded, chat_ids(tokenizer, chosen[0]), max_new_tokens=4, config=config)  # warm-up, untimed
-    timer = RegionTimer(input_device(loaded))
-    with instrumented(timer, loaded):
-        tokens, steps = run_all()
-    regions, sizes = breakdown(timer)
-    shape = draft_shape(loaded)
-    title = f"{len(chosen)} prompts, {model} {dtype}: {steps} steps, {tokens / max(steps, 1):.2f} tokens a step"
-    title += chains_note(shape)
-    print_rows(f"where a step's time goes ({title})", regions)
-    print_rows("forward by tokens verified", sizes)
-    report = {"model": model, "dtype": dtype, "drafts": shape, "prompts": len(chosen), "steps": steps, "tokens": tokens}
-    report |= {"regions": regions, "forward_sizes": sizes}
-    if json_path:
-        save_report(json_path, report)
+    with report_despite_stdout(json_path):
+        dtype = dtype_label(loaded, dtype)  # what ran, not the option
+        timer, tokens, steps = profile_steps(loaded, tokenizer, chosen, config, max_new_tokens)
+        regions, sizes = breakdown(timer)
+        shape = draft_shape(loaded)
+        title = f"{len(chosen)} prompts, {model} {dtype}: {steps} steps, {tokens / max(steps, 1):.2f} tokens a step"
+        title += chains_note(shape)
+        print_rows(f"where a step's time goes ({title})", regions)
+        print_rows("forward by tokens verified", sizes)
+        report = {
+            "model": model,
+            "dtype": dtype,
+            "drafts": shape,
+            "prompts": len(chosen),
+            "steps": steps,
+            "tokens": tokens,
+        }
+        report |= {"regions": regions, "forward_sizes": sizes}
+        if json_path:
+            save_report(json_path, report)
     return report
 
 

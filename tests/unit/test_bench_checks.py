@@ -20,6 +20,7 @@ NO_METHOD = 2  # typer's usage error (the options' own checks: --methods, --temp
 BELOW = "must be an integer >= 1, got"
 FOLDER = "error: --json '{dir}' is a folder; give a file path"
 KEPT = "remove it or give another path (nothing was changed)"
+NO_FILE = "names no file (leave the option out for the bundled prompts)"
 BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a usage error's code)
     ("single", ["--limit", "0"], f"error: --limit {BELOW} 0"),
     ("single", ["--limit", "-2"], f"error: --limit {BELOW} -2"),
@@ -37,6 +38,16 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("single", ["--copying-threshold", "2"], NO_METHOD),  # a share no answer can reach: summed up nothing
     ("single", ["--prompts", "{fifo}"], "error: cannot read the prompts file '{fifo}': not a regular file"),
     ("single", ["--prompts", "/dev/zero"], "error: cannot read the prompts file '/dev/zero': not a regular file"),
+    ("single", ["--prompts", ""], f"error: --prompts '' {NO_FILE}"),  # ran the bundled set
+    ("batch", ["--prompts", ""], f"error: --prompts '' {NO_FILE}"),
+    ("replay", ["--prompts", ""], f"error: --prompts '' {NO_FILE}"),
+    # a value given twice ran its methods twice (or merged them) where a method named twice is refused
+    ("single", ["--methods", "sample", "--temperatures", "0.7,0.70"], NO_METHOD),
+    ("single", ["--methods", "lookahead", "--extra-branch-length", "12,12"], NO_METHOD),
+    ("single", ["--methods", "lookahead", "--extra-branch-length", "48"], NO_METHOD),  # lookahead's own
+    ("batch", ["--extra-branch-length", "24,24"], NO_METHOD),
+    ("batch", ["--methods", "lookahead", "--branch-length", "24", "--extra-branch-length", "24"], NO_METHOD),
+    ("batch", ["--concurrency", "2,2"], "error: --concurrency names the level 2 twice: '2,2'"),
     ("batch", ["--prompts", "{fifo}"], "error: cannot read the prompts file '{fifo}': not a regular file"),
     ("single", ["--top-p", "5"], "error: top_p must be a number > 0.0 and <= 1.0, got 5.0"),
     ("single", ["--extra-branch-length", "0"], "error: branch_length must be an integer from 1 to 256, got 0"),
@@ -162,11 +173,30 @@ def test_a_report_path_taken_during_the_run_is_kept_and_the_report_goes_beside_i
     assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "run.json").read_text())["summary"] == 2
 
 
+def test_a_temperature_or_branch_length_given_twice_is_refused_naming_the_option():
+    """0.7 and 0.70 ran the sampling methods twice a prompt; 12,12 merged without a word, and an
+    extra 48 beside lookahead at --branch-length 48 ran lookahead twice under two names."""
+    import typer
+
+    from rag_lookahead.bench.common import extra_depth_methods
+    from rag_lookahead.bench.single import expand_methods
+
+    with pytest.raises(typer.BadParameter, match="names a temperature twice: '0.7,0.70'"):
+        expand_methods("sample", "0.7,0.70", {}, 48)
+    with pytest.raises(typer.BadParameter, match="names a temperature twice"):  # one method name, sample_t0.7
+        expand_methods("sample", "0.7,0.7000001", {}, 48)
+    with pytest.raises(typer.BadParameter, match="names a branch length twice: '48,12,12'"):
+        extra_depth_methods("48,12,12")
+    with pytest.raises(typer.BadParameter, match="48 is --branch-length, which the method lookahead runs already"):
+        expand_methods("greedy,lookahead", "0.7", extra_depth_methods("48,12"), 48)
+    assert expand_methods("greedy", "0.7,1", extra_depth_methods("48"), 48) == (["greedy", "lookahead_b48"], [0.7, 1])
+
+
 def test_concurrency_levels_are_integers_of_at_least_one():
     from rag_lookahead.bench.batch import concurrency_levels
 
     assert concurrency_levels("1,4, 16") == [1, 4, 16]
-    for bad in ("0", "-3", "", "1,,2", "2.5"):
+    for bad in ("0", "-3", "", "1,,2", "2.5", "2,2", "1,4,01"):  # a level twice: run twice, vs itself
         with pytest.raises(ConfigError, match="--concurrency"):
             concurrency_levels(bad)
 
@@ -407,6 +437,28 @@ def test_bad_retrieval_options_and_a_misspelled_embedder_are_errors(argv, messag
     with pytest.raises(SystemExit) as done:
         main(argv)
     assert str(done.value.code).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--embedders", "", "--tune"], "error: --tune needs an embedder, but --embedders names none"),
+        (["--embedders", ",", "--speed", "5", "--speed-only"], "error: --speed needs an embedder, but --embedders"),
+        (
+            ["--embedders", "st:some/model", "--speed", "5", "--tune"],
+            "error: --speed and --tune need an embedder, but none of --embedders 'st:some/model' could be loaded",
+        ),
+    ],
+)
+def test_retrieval_exits_nonzero_when_nothing_asked_for_can_be_measured(argv, message):
+    """It exited 0 having timed or tuned nothing (an extra not installed, or no embedder named)."""
+    from rag_lookahead.bench.retrieval import main
+
+    if "st:some/model" in argv and importlib.util.find_spec("sentence_transformers") is not None:
+        pytest.skip("with sentence-transformers installed the name would be looked up on the hub")
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert str(done.value.code).startswith(message) and str(done.value.code).endswith(": nothing was measured")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is not None, reason="the st extra is installed")

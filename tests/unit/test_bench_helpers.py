@@ -89,12 +89,15 @@ def test_batch_speedups_over_transformers_on_the_layout_and_on_stock_kernels():
     add_speedups(rows)
     ours = rows[-1]
     assert ours["speedup_vs_hf"] == 1.5 and ours["speedup_vs_hf_stock"] == 3.0
-    assert parse_methods(f"{STOCK_METHOD},lookahead", "")[0] == [STOCK_METHOD, "lookahead"]
+    assert parse_methods(f"{STOCK_METHOD},lookahead", "", 48)[0] == [STOCK_METHOD, "lookahead"]
     with pytest.raises(typer.BadParameter, match=STOCK_METHOD):  # named among the choices
-        parse_methods("nonsense", "")
+        parse_methods("nonsense", "", 48)
 
 
 # ---------------------------------------------------------------- --prompts files
+
+SURROGATE = "line {line} holds '{char}', an unpaired UTF-16 surrogate, which is no character"
+ID_LINES = '{{"id": {a}, "context": "p", "question": "q"}}\n{{"id": {b}, "context": "p2", "question": "q2"}}\n'
 
 
 def _write(tmp_path, name: str, text: str) -> str:
@@ -126,6 +129,24 @@ def test_a_prompts_file_is_read_with_ids_for_lines_without_one(tmp_path):
         ('{"context": "p", "question": "  "}\n', "line 1 needs 'question' as a non-empty string"),
         ('{"context": 3, "question": "q"}\n', "line 1 needs 'context'"),
         ("\n \n", "no prompts"),
+        # an escaped unpaired surrogate: the run died printing or saving it, after the model loaded
+        (r'{"id": "\ud800", "context": "p", "question": "q"}' "\n", SURROGATE.format(line=1, char=r"\ud800")),
+        (
+            '{"context": "p", "question": "q"}\n' r'{"context": "p", "question": "what \udfff is"}',
+            SURROGATE.format(line=2, char=r"\udfff"),
+        ),
+        (r'{"context": "a \ud83d b", "question": "q"}' "\n", SURROGATE.format(line=1, char=r"\ud83d")),
+        (r'{"context": "p", "question": "q", "notes": ["\ud800"]}' "\n", SURROGATE.format(line=1, char=r"\ud800")),
+        # ids: reports and charts group by id, so two prompts under one id were merged
+        (ID_LINES.format(a='"a"', b='"a"'), "line 2: the prompt id 'a' is line 1's too"),
+        (ID_LINES.format(a="1", b='"1"'), "line 1: the id must be a string, not 1"),
+        (ID_LINES.format(a='{"k": 1}', b='"b"'), 'line 1: the id must be a string, not {"k": 1}'),
+        # a given id and the line-N name of a line without one, either way round
+        (ID_LINES.format(a="null", b='"line-1"'), "line 2: the prompt id 'line-1' is line 1's too"),
+        (
+            '{"id": "line-2", "context": "p", "question": "q"}\n{"context": "p", "question": "q"}\n',
+            "line 2: the prompt id 'line-2' is line 1's too",
+        ),
     ],
 )
 def test_a_bad_prompts_file_names_its_first_bad_line(tmp_path, text, message):
@@ -148,10 +169,37 @@ def test_unreadable_prompts_and_unknown_ids_are_input_errors(tmp_path):
         load_prompts(str(tmp_path / "latin1.jsonl"))
     with pytest.raises(InputError, match="unknown prompt ids: nope"):
         load_prompts(None, "nope")
+    for empty in ("", " "):  # ran the bundled set as if no file had been named
+        with pytest.raises(InputError, match=f"^--prompts {empty!r} names no file"):
+            load_prompts(empty)
 
 
+def test_a_paired_surrogate_escape_is_one_character():
+    from rag_lookahead.bench.common import jsonl_object
+
+    assert jsonl_object(r'{"q": "\ud83d\ude00"}', "x: line 1", "q") == {"q": "\U0001f600"}
+
+
+BAD_FILES = [  # (a --prompts file, the error after the path)
+    ('{"context": "p"}\n', "line 1 needs 'question' as a non-empty string (its keys: context)"),
+    (
+        '{"id": "ok", "context": "c", "question": "q"}\n' r'{"id": "s", "context": "c", "question": "what \ud800 is"}',
+        "line 2 holds '\\ud800', an unpaired UTF-16 surrogate, which is no character (write the character itself,"
+        " or both halves of its pair)",
+    ),
+    (
+        ID_LINES.format(a='"a"', b='"a"'),
+        "line 2: the prompt id 'a' is line 1's too (a line without an id is named line-N); give each prompt an id "
+        "of its own",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_FILES, ids=["no question", "surrogate", "id twice"])
 @pytest.mark.parametrize("module", ["single", "batch", "step_profile", "replay"])
-def test_a_bad_prompts_file_stops_a_benchmark_with_one_line_before_the_model_loads(tmp_path, monkeypatch, module):
+def test_a_bad_prompts_file_stops_a_benchmark_with_one_line_before_the_model_loads(
+    tmp_path, monkeypatch, module, text, message
+):
     """The real entry points: the error is one line (exit 1), and no model was asked for."""
     import importlib
 
@@ -161,10 +209,10 @@ def test_a_bad_prompts_file_stops_a_benchmark_with_one_line_before_the_model_loa
     loads = []
     for owner in (bench, common):  # a benchmark loads the model itself or through common's helper
         monkeypatch.setattr(owner, "load_bench_model", lambda *a, **k: loads.append(a), raising=False)
-    path = _write(tmp_path, "bad.jsonl", '{"context": "p"}\n')
+    path = _write(tmp_path, "bad.jsonl", text)
     with pytest.raises(SystemExit) as done:
         bench.main(["--prompts", path])
-    assert done.value.code == f"error: {path}: line 1 needs 'question' as a non-empty string (its keys: context)"
+    assert done.value.code == f"error: {path}: {message}"
     assert loads == []  # the file was checked first
 
 

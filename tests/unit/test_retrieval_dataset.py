@@ -7,6 +7,11 @@ import pytest
 from rag_lookahead.bench import retrieval as br
 from rag_lookahead.errors import InputError
 
+SURROGATE = (
+    "line 1 holds '\\ud800', an unpaired UTF-16 surrogate, which is no character (write the character itself, "
+    "or both halves of its pair)"
+)
+
 
 def _file(tmp_path, *lines: str) -> str:
     path = tmp_path / "set.jsonl"
@@ -48,6 +53,9 @@ def test_a_flat_question_file_is_grouped_by_passage(tmp_path):
         (json.dumps({"id": 1, "passage": "p", "questions": ["q", ""]}), "list of questions"),
         (json.dumps({"id": 1, "context": "p", "question": 3}), "list of questions (or one question)"),
         (json.dumps({"id": 1, "context": "p"}), "(its keys: context, id)"),
+        # an escaped unpaired surrogate, in a question or the passage: a traceback after the model loaded
+        (r'{"passage": "zebra", "questions": ["zebra \ud800?"]}', SURROGATE),
+        (r'{"context": "zebra \ud800 text", "question": "zebra?"}', SURROGATE),
     ],
 )
 def test_a_bad_record_is_named_by_its_line(tmp_path, record, message):
@@ -74,3 +82,27 @@ def test_the_command_prints_one_line_for_a_bad_dataset(tmp_path):
         f"error: dataset {path}: line 1 needs a non-empty passage (or context) and a non-empty list of questions"
         " (or one question) (its keys: id, passage)"
     )
+
+
+@pytest.mark.parametrize("module", ["retrieval", "session"])
+def test_a_surrogate_in_a_dataset_stops_the_command_with_one_line_before_any_model_loads(tmp_path, monkeypatch, module):
+    """bench.session died with a UnicodeEncodeError traceback after its model loaded, bench.retrieval
+    with a TypeError after embedding every chunk."""
+    import importlib
+
+    from rag_lookahead.bench import common
+
+    bench = importlib.import_module(f"rag_lookahead.bench.{module}")
+    loads = []
+    for owner in (bench, common):
+        monkeypatch.setattr(owner, "load_bench_model", lambda *a, **k: loads.append(a), raising=False)
+    monkeypatch.setattr(br, "get_embedder", lambda *a, **k: loads.append(a))
+    path = _file(
+        tmp_path,
+        r'{"passage": "zebra \ud800 text here", "questions": ["zebra?"]}',
+        '{"passage": "o", "question": "o?"}',
+    )
+    with pytest.raises(SystemExit) as done:
+        bench.main(["--dataset", path])
+    assert done.value.code == f"error: dataset {path}: {SURROGATE}"
+    assert loads == []

@@ -1,0 +1,151 @@
+"""Benchmarks run end to end on a tiny model: prompts that do not fit the model's context
+are refused before any timed run, and the --json report is saved when stdout fails."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+import pytest
+from tiny_models import build_tiny_model
+from tiny_tokenizer import tiny_tokenizer
+
+from rag_lookahead.bench import common
+
+CONTEXT = 64  # the tiny model's positions: prompt and answer together
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny random Qwen2 with a 64-position context, and the tiny tokenizer."""
+    return build_tiny_model("qwen2", max_positions=CONTEXT), tiny_tokenizer()
+
+
+def loading_tiny(monkeypatch, tiny, module: str):
+    """The benchmark ``module``, whose model loader hands out the tiny model whatever ``--model`` says
+    (a saved folder would load the tiny tokenizer as Qwen2's, which splits its words otherwise)."""
+    bench = importlib.import_module(f"rag_lookahead.bench.{module}")
+    for owner in (bench, common):  # a benchmark loads the model itself or through common's helper
+        monkeypatch.setattr(owner, "load_bench_model", lambda *a, **k: tiny, raising=False)
+    return bench
+
+
+def words(count: int, first: int = 5) -> str:
+    """``count`` words of the tiny tokenizer, one token each."""
+    return " ".join(f"t{first + n % 40}" for n in range(count))
+
+
+def prompts_file(tmp_path, *prompts: dict) -> str:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in prompts), encoding="utf-8")
+    return str(path)
+
+
+def chat_length(prompt: dict) -> int:
+    """Its tokens as the benchmarks build them: the passage and question as the chat's user turn."""
+    return len(common.chat_ids(tiny_tokenizer(), prompt))
+
+
+RUNS = {  # benchmark -> its options for a short run on the tiny model
+    "single": ["--methods", "greedy,lookahead"],
+    "batch": ["--requests", "2", "--concurrency", "1", "--methods", "hf_greedy,lookahead"],
+    "replay": [],
+    "step_profile": [],
+}
+
+
+@pytest.mark.parametrize("module", RUNS)
+def test_a_prompt_past_the_context_is_refused_before_any_timed_run(tiny, monkeypatch, tmp_path, capsys, module):
+    """lookahead stopped mid-run at such a prompt, after the others were measured, naming none and
+    writing no report; transformers' greedy alone decoded past the context and exited 0."""
+    short = {"id": "short", "context": words(4), "question": "t9 t10"}
+    long = {"id": "long", "context": words(CONTEXT), "question": "t9 t10"}
+    path = prompts_file(tmp_path, short, long)
+    report = tmp_path / "r.json"
+    bench = loading_tiny(monkeypatch, tiny, module)
+    argv = ["--prompts", path, "--max-new-tokens", "4"]
+    with pytest.raises(SystemExit) as done:
+        bench.main([*argv, *RUNS[module], "--json", str(report)])
+    assert done.value.code == (
+        f"error: prompt 'long' is {chat_length(long)} tokens with the chat template, and the model's context holds "
+        f"{CONTEXT}, prompt and answer together: no room is left for an answer; drop the prompt"
+    )
+    assert capsys.readouterr().out == "" and not report.exists()  # nothing was measured
+
+
+def test_an_answer_past_the_context_is_refused_naming_the_max_new_tokens_that_fit(tiny, monkeypatch, tmp_path):
+    """A prompt that fits but not with its answer: transformers' greedy decoded past the context
+    where our loop stops at it, and the table compared the unequal answers ("identical 0/1")."""
+    mid = {"id": "mid", "context": words(30), "question": "t9 t10"}
+    room = CONTEXT - chat_length(mid)
+    argv = ["--prompts", prompts_file(tmp_path, mid), "--methods", "greedy,lookahead"]
+    main = loading_tiny(monkeypatch, tiny, "single").main
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--max-new-tokens", str(room + 1)])
+    assert done.value.code == (
+        f"error: prompt 'mid' is {CONTEXT - room} tokens with the chat template, and the model's context holds "
+        f"{CONTEXT}, prompt and answer together: an answer of --max-new-tokens {room + 1} does not fit; lower it "
+        f"to {room} or drop the prompt"
+    )
+    report = main([*argv, "--max-new-tokens", str(room)])  # what the error advised: both end at the context
+    assert [report["summary"][m]["new_tokens"] for m in ("greedy", "lookahead")] == [room, room]
+    assert report["summary"]["lookahead"]["identical_to_greedy"] == "1/1"
+
+
+def full_stdout():
+    return open("/dev/full", "w", encoding="utf-8")  # noqa: SIM115 (closed by the test)
+
+
+def left_pipe():
+    """The write end of a pipe whose reader left (``| head -1``)."""
+    read, write = os.pipe()
+    os.close(read)
+    return open(write, "w", encoding="utf-8")  # noqa: SIM115 (closed by the test)
+
+
+@pytest.mark.parametrize("stdout", [full_stdout, left_pipe])
+@pytest.mark.parametrize("module", RUNS)
+def test_the_report_is_saved_when_stdout_fails(tiny, tmp_path, monkeypatch, module, stdout):
+    """``> /dev/full`` ended the run with an OSError traceback, ``| head -1`` with a silent exit 1
+    at the next print: neither wrote the --json report."""
+    if not os.path.exists("/dev/full") and stdout is full_stdout:
+        pytest.skip("no /dev/full here")
+    prompts = [{"id": f"p{n}", "context": words(6, 5 + n), "question": "t9 t10"} for n in range(2)]
+    report = tmp_path / "r.json"
+    argv = ["--prompts", prompts_file(tmp_path, *prompts), *RUNS[module], "--max-new-tokens", "4"]
+    argv += ["--json", str(report)]
+    bench = loading_tiny(monkeypatch, tiny, module)
+    stream = stdout()
+    monkeypatch.setattr(sys, "stdout", stream)
+    try:
+        with pytest.raises(SystemExit) as done:
+            bench.main(argv)
+    finally:
+        stream.close()
+    if stdout is full_stdout:
+        assert done.value.code == (
+            "error: cannot write the results to stdout: No space left on device; the report was saved all the same "
+            f"(--json {report})"
+        )
+    else:
+        assert done.value.code == 1  # quietly, as the CLI leaves a reader that left
+    saved = json.loads(report.read_text(encoding="utf-8"))
+    if module == "single":  # the whole run, not what came before the first failed print
+        assert [row["id"] for row in saved["per_prompt"]] == ["p0", "p1"]
+
+
+def test_without_a_report_a_failed_stdout_ends_the_run_with_one_line(tiny, tmp_path, monkeypatch):
+    """No report to save: the run stops at the failed write, with one line and no traceback."""
+    main = loading_tiny(monkeypatch, tiny, "single").main
+    argv = ["--methods", "greedy", "--max-new-tokens", "2"]
+    path = prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9"})
+    stream = full_stdout()
+    monkeypatch.setattr(sys, "stdout", stream)
+    try:
+        with pytest.raises(SystemExit) as done:
+            main([*argv, "--prompts", path])
+    finally:
+        stream.close()
+    assert done.value.code == "error: cannot write the results to stdout: No space left on device"
