@@ -486,6 +486,8 @@ def _placement(device: str | torch.device | None, device_map: Any) -> dict[str, 
     target = _resolve_device(device)
     if target.type == "cpu":
         return {}
+    if target.type == "meta":  # it failed deep in transformers ("Cannot copy out of meta tensor")
+        raise ConfigError("device 'meta' holds shapes, not weights: nothing can be decoded on it; use cpu or a GPU")
     _require_device(target, "device")
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
