@@ -186,3 +186,9 @@ def plot_batch(report: dict[str, Any], json_path: str | Path) -> list[Path]:
     latency.set_ylabel("latency, s (request start to last token)")
     latency.set_title("p50 / p95 latency")
     return [_save(figure, chart_path(json_path, "concurrency"))]
+
+
+if __name__ == "__main__":  # it printed nothing and exited 0, as if it had drawn something
+    raise SystemExit(
+        "rag_lookahead.bench.plots is not a command: the benchmarks draw their charts with --json FILE --plot"
+    )

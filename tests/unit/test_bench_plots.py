@@ -133,3 +133,11 @@ def test_a_chart_never_replaces_a_file_we_did_not_draw(tmp_path):
     assert all(is_chart(path) for path in first)
     assert plot_single(single_report(), json_path) == first  # a rerun replaces its own charts
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in first) + ["notes.txt"]
+
+
+def test_running_the_plots_module_says_it_is_not_a_command():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "rag_lookahead.bench.plots"], capture_output=True, text=True)
+    assert done.returncode == 1 and "--plot" in done.stderr and not done.stdout
