@@ -73,7 +73,18 @@ def plot_single(report: dict[str, Any], json_path: str | Path) -> list[Path]:
     points = _speedup_points(rows, methods)
     if points:
         written.append(_speedup_chart(report, points, chart_path(json_path, "speedup_vs_copied")))
+    _remove_undrawn(json_path, ("decode_speed", "accepted_per_step", "speedup_vs_copied"), written)
     return written
+
+
+def _remove_undrawn(json_path: str | Path, names: Iterable[str], written: list[Path]) -> None:
+    """Remove charts of ours an earlier run left beside this report that this run did not draw (a
+    rerun without greedy kept the old speedup chart next to a report it no longer described).
+    Only a regular file carrying our chart mark goes."""
+    for name in names:
+        path = chart_path(json_path, name)
+        if path not in written and not path.is_symlink() and path.is_file() and is_chart(path):
+            path.unlink()
 
 
 def _decode_speed_chart(report: dict, rows: list[dict], methods: list[str], path: Path) -> Path:

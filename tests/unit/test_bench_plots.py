@@ -141,3 +141,20 @@ def test_running_the_plots_module_says_it_is_not_a_command():
 
     done = subprocess.run([sys.executable, "-m", "rag_lookahead.bench.plots"], capture_output=True, text=True)
     assert done.returncode == 1 and "--plot" in done.stderr and not done.stdout
+
+
+def test_a_rerun_removes_the_charts_of_ours_it_did_not_draw(tmp_path):
+    """Rerun without greedy, the old speedup chart stayed beside a report it no longer described."""
+    json_path = tmp_path / "r.json"
+    assert len(plot_single(single_report(), json_path)) == 3
+    mine = tmp_path / "r.notes.png"  # a user's file beside it, and one at a chart's name that is not ours
+    mine.write_bytes(PNG_SIGNATURE + b"my own")
+    report = single_report()
+    for row in report["per_prompt"]:
+        del row["greedy"], row["sample_t0.7"]
+    drawn = plot_single(report, json_path)
+    assert chart_path(json_path, "speedup_vs_copied") not in drawn
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*(p.name for p in drawn), "r.notes.png"])
+    chart_path(json_path, "speedup_vs_copied").write_bytes(PNG_SIGNATURE + b"not drawn by us")
+    plot_single(report, json_path)
+    assert chart_path(json_path, "speedup_vs_copied").read_bytes() == PNG_SIGNATURE + b"not drawn by us"
