@@ -88,7 +88,9 @@ class RowLayout:
         return states.reshape(heads * length, dim).index_select(0, self._flat[cached]).view(heads, -1, dim)
 
     def group_masks(self, mask: torch.Tensor) -> list[torch.Tensor]:
-        """Each group's slice of the layer's (1, 1, Q, keys) mask: (members, 1, most queries, most columns).
+        """Each group's slice of the layer's (1, heads, Q, keys) mask: (members, heads, most queries,
+        most columns). ``heads`` is 1 for most models; a model that masks each head its own way
+        (Doge's dynamic mask) keeps them all, where taking head 0's gave every head its mask.
 
         Computed once per mask object, so the layers that share one mask share the slices.
         Padded columns are masked out; padded query slots see everything (their output is dropped,
@@ -98,17 +100,17 @@ class RowLayout:
         cached = self._masks.get(key)
         if cached is not None and cached[0] is mask:
             return cached[1]
-        plane = mask[0, 0]
+        planes = mask[0]
         slices = []
         for index in range(len(self.groups)):
             queries, keys, real_queries, real_keys, _, _ = self.on(mask.device, index)
-            picked = plane[queries[:, :, None], keys[:, None, :]]
+            picked = planes[:, queries[:, :, None], keys[:, None, :]].transpose(0, 1)
+            seen, queried = real_keys[:, None, None, :], real_queries[:, None, :, None]
             if picked.dtype == torch.bool:
-                picked = (picked & real_keys[:, None, :]) | ~real_queries[:, :, None]
+                picked = (picked & seen) | ~queried
             else:
-                picked = picked.masked_fill(~real_keys[:, None, :], torch.finfo(picked.dtype).min)
-                picked = picked.masked_fill(~real_queries[:, :, None], 0)
-            slices.append(picked[:, None])
+                picked = picked.masked_fill(~seen, torch.finfo(picked.dtype).min).masked_fill(~queried, 0)
+            slices.append(picked)
         self._masks[key] = (mask, slices)
         return slices
 

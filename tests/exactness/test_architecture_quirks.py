@@ -99,6 +99,22 @@ def test_llama4_nope_layers_with_temperature_tuning_decode_rows_apart():
             assert [result.sequences[r, width:].tolist() for r in range(3)] == expected
 
 
+def test_a_per_head_mask_doge_decodes_a_batch_row_by_row_exactly():
+    """Doge hands sdpa a mask of its own per head; row-local attention sliced head 0's for every
+    head, so each row of a batch went wrong from its second token (single rows were exact)."""
+    config = transformers.DogeConfig(**{**SMALL, "hidden_size": 64}, keep_window_size=2048)
+    torch.manual_seed(0)
+    model = _ready(transformers.DogeForCausalLM(config))
+    with torch.no_grad():  # trained heads differ (all-zero A, as initialised, gives every head one mask)
+        for layer in model.model.layers:
+            layer.self_attn.A.copy_(torch.randn(layer.self_attn.A.shape) * 2)
+    prompts = [[5, 9, 3, 7, 2, 8] * 4, [4, 8, 1] * 5, [6, 3] * 9 + [2]]
+    expected = [reference_generate(model, p, 16, None) for p in prompts]
+    ids, mask = padded(prompts)
+    result = generate(model, ids, mask, max_new_tokens=16, config=LookaheadConfig(budget="fixed"), pad_token_id=0)
+    assert [result.sequences[r, ids.shape[1] :].tolist() for r in range(3)] == expected
+
+
 def test_flex_attention_is_kept_from_tree_masks_without_a_forward():
     """flex attention's compiled CPU kernel read the probe's 4-D mask out of bounds and the heap
     corruption killed the process before the probe's ``try`` could catch anything."""
