@@ -51,6 +51,7 @@ from rag_lookahead.decoding.inputs import context_limit, left_padded, limit_word
 from rag_lookahead.decoding.loop import generate
 from rag_lookahead.decoding.results import GenerationStats
 from rag_lookahead.decoding.sampling import build_processors, refuse_assisted_sampling, resolve_sampling
+from rag_lookahead.decoding.windows import check_layers
 from rag_lookahead.errors import ConfigError, InputError
 
 #: model inputs transformers prepares for every decoder-only call; anything else is refused
@@ -335,6 +336,7 @@ def _check_call(model, generation_config, synced_gpus: bool) -> None:
         raise ConfigError("synced_gpus is not supported by lookahead decoding")
     if getattr(model.config, "is_encoder_decoder", False):
         raise ConfigError("lookahead decoding supports decoder-only models only")
+    check_layers(model)  # before the cache given in is read (a state-space one has no length)
 
 
 def _empty(value) -> bool:

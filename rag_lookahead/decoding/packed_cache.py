@@ -48,6 +48,11 @@ class PackedCache:
 
     def append_rows(self, prefill_cache, lengths: list[int]) -> None:
         """Add rows from a left-padded prefill cache; row r's entries are its last ``lengths[r]`` columns."""
+        if any(getattr(layer, "keys", None) is None for layer in prefill_cache.layers):
+            # a forward that takes **kwargs but keeps no cache (OpenAI GPT) leaves it empty
+            raise NotImplementedError(
+                "rag_lookahead needs a model that fills transformers' KV cache; this one left it empty"
+            )
         width = prefill_cache.layers[0].keys.shape[2]
         starts = [width - n for n in lengths]
 

@@ -115,6 +115,21 @@ def test_a_per_head_mask_doge_decodes_a_batch_row_by_row_exactly():
     assert [result.sequences[r, ids.shape[1] :].tolist() for r in range(3)] == expected
 
 
+def test_models_without_a_transformers_kv_cache_are_refused_before_any_forward():
+    """OpenAI GPT's forward takes no cache (and a Mamba's cache has no length): they failed with an
+    AttributeError in the packed cache, and hf_generate with a ValueError reading the cache given in."""
+    from rag_lookahead import hf_generate
+
+    gpt = _ready(transformers.OpenAIGPTLMHeadModel(transformers.OpenAIGPTConfig(**SMALL, n_embd=64, n_head=4)))
+    mamba = _ready(transformers.MambaForCausalLM(transformers.MambaConfig(**SMALL, state_size=4)))
+    ids = torch.tensor([[5, 9, 3, 7, 2, 8] * 2])
+    for model, said in ((gpt, "KV cache"), (mamba, "'linear_attention' layers")):
+        with pytest.raises(NotImplementedError, match=said):
+            generate(model, ids, max_new_tokens=4, pad_token_id=0)
+        with pytest.raises(NotImplementedError, match=said):
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, custom_generate=hf_generate)
+
+
 def test_flex_attention_is_kept_from_tree_masks_without_a_forward():
     """flex attention's compiled CPU kernel read the probe's 4-D mask out of bounds and the heap
     corruption killed the process before the probe's ``try`` could catch anything."""
