@@ -110,6 +110,14 @@ def check_layers(model) -> list[str]:
     """Refuse, before any forward, a model with a layer kind the packed cache cannot crop or compact
     by slicing: chunked attention (a chunk mask, not a window), linear attention, state-space
     layers. Returns each layer's kind."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "recurrent_kv_cache_mode", None) == "last_loop":
+        # Dory: the earlier loops of a forward read the last loop's cached keys for past tokens but
+        # their own for its new ones, so a forward of k tokens is not k forwards of one
+        raise NotImplementedError(
+            f"{type(model).__name__} with recurrent_kv_cache_mode='last_loop' gives other logits for several new"
+            " tokens at once than one at a time, which verifying drafts needs; use 'per_loop'"
+        )
     kinds = _layer_types(model)
     unsupported = sorted(set(kinds) - {FULL, SLIDING})
     if unsupported:

@@ -130,6 +130,23 @@ def test_models_without_a_transformers_kv_cache_are_refused_before_any_forward()
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, custom_generate=hf_generate)
 
 
+def test_a_dory_keeping_its_last_loops_cache_is_refused():
+    """Its forward of k new tokens differs from k forwards of one (logits ~5e-4 apart): it decoded
+    other tokens than model.generate without a word, or crashed with a sliding layer."""
+    config = transformers.DoryConfig(
+        **{**SMALL, "hidden_size": 64, "num_hidden_layers": 4},
+        n_input_layers=1,
+        n_recurrent_layers=2,
+        n_output_layers=1,
+        n_recurrent_loops=2,
+        layer_types=["full_attention"] * 4,
+        recurrent_kv_cache_mode="last_loop",
+    )
+    model = _ready(transformers.DoryForCausalLM(config))
+    with pytest.raises(NotImplementedError, match="per_loop"):
+        generate(model, [6, 7, 4] * 3, max_new_tokens=4, pad_token_id=0)
+
+
 def test_flex_attention_is_kept_from_tree_masks_without_a_forward():
     """flex attention's compiled CPU kernel read the probe's 4-D mask out of bounds and the heap
     corruption killed the process before the probe's ``try`` could catch anything."""
