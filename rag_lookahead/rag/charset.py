@@ -53,10 +53,10 @@ _WRITING = {"japanese": ("kana", "han")}
 _NEUTRAL = frozenset("\u00a0¡«»°·§©®±×÷¿–—‘’“”„…•€™")
 
 
-RARE_HAN = 0.3  # a Chinese character outside the common sets below (and a rare Latin letter)
-_RARE_LATIN = frozenset("ðÐþÞÿ")  # Icelandic and Old English letters: "piþata" is "piñata" misread
-# EBCDIC: what charset-normalizer may guess for a short Latin-1 file ("Café" -> "ä/ÃZ"), never a text file here
-_EBCDIC = frozenset({"cp037", "cp273", "cp424", "cp500", "cp875", "cp1026", "cp1140"})
+RARE_HAN = 0.3  # a Chinese character outside the common sets below
+# what charset-normalizer may guess for a short Latin-1 file and no one writes text files in:
+# EBCDIC ("Café" -> "ä/ÃZ"), HP Roman-8 and Mac Icelandic ("piñata" -> "piþata", "Straße" -> "Straþe")
+_NEVER_TEXT = frozenset({"cp037", "cp273", "cp424", "cp500", "cp875", "cp1026", "cp1140", "hp_roman8", "mac_iceland"})
 
 
 @functools.cache
@@ -84,8 +84,6 @@ def _script(char: str) -> tuple[str, float] | None:
     code = ord(char)
     if char in _NEUTRAL or 0x2000 <= code <= 0x206F or 0x3000 <= code <= 0x303F or 0xFF01 <= code <= 0xFF65:
         return None
-    if char in _RARE_LATIN:
-        return "latin", RARE_HAN
     for first, last, script, weight in _RANGES:
         if first <= code <= last:
             if script == "han" and char not in _common_han():
@@ -113,13 +111,22 @@ def _odd_here(text: str, i: int, script: str | None, cjk_runs: bool) -> bool:
     after = text[i + 1] if i + 1 < len(text) else " "
     if script in _ALPHABETS:
         return any(c < "\x80" and c.isalpha() for c in (before, after))
-    if script == "latin":
-        return any(c < "\x80" and c.isdigit() for c in (before, after))
+    if script == "latin":  # "3ème" is French; "ú40" is not
+        return any(c < "\x80" and c.isdigit() for c in (before, after)) and not any(
+            c < "\x80" and c.isalpha() for c in (before, after)
+        )
     if script in _CJK and not cjk_runs:  # lone CJK characters on Latin words ("S縊 Paulo" is "São" read as cp932)
         return any(c < "\x80" and c.isalpha() for c in (before, after))
-    if script is None:
-        return text[i] not in _INSIDE_WORDS and before.isalpha() and after.isalpha()
+    if script is None:  # between Latin letters only: "，" between Chinese characters is punctuation
+        return text[i] not in _INSIDE_WORDS and _latin_letter(before) and _latin_letter(after)
     return False
+
+
+def _latin_letter(char: str) -> bool:
+    if char < "\x80":
+        return char.isalpha()
+    found = _script(char)
+    return found is not None and found[0] == "latin"
 
 
 def plausibility(text: str) -> float:
@@ -162,7 +169,7 @@ def _candidates(data: bytes) -> list[Guess]:
     guesses = []
     for match in from_bytes(data):
         # UTF-16/32 without a byte order mark is what it guesses for short texts it cannot place
-        if not match.encoding.startswith(("utf_16", "utf_32")) and match.encoding not in _EBCDIC:
+        if not match.encoding.startswith(("utf_16", "utf_32")) and match.encoding not in _NEVER_TEXT:
             guesses.append(Guess(str(match), match.encoding))
     for encoding in FALLBACKS:
         if all(g.encoding != encoding for g in guesses):
