@@ -305,8 +305,8 @@ def _refuse_what_generate_refuses(model, generation_config, assistant_model, row
             "assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit, use_mtp) takes"
             " batch size 1 in model.generate: drop it (lookahead drafts on its own) or generate one row per call"
         )
-    if getattr(generation_config, "use_mtp", False) and not getattr(
-        model.config.get_text_config(), "num_mtp_layers", None
+    if getattr(generation_config, "use_mtp", False) and (
+        getattr(model.config.get_text_config(), "num_mtp_layers", None) is None  # as transformers checks
     ):
         raise ConfigError(
             "use_mtp=True needs a model with multi-token-prediction layers (num_mtp_layers); this has none"

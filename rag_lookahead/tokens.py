@@ -87,8 +87,13 @@ class TextTracker:
         self._rewrites = self.cleans_up or any(REPLACEMENT in s for s in self.stop)
 
     def text(self, count: int | None = None) -> str:
-        """The text of the first ``count`` ids (all of them when None)."""
+        """The text of the first ``count`` ids (all of them when None: kept, not decoded again)."""
+        if count is None or count >= len(self.ids):
+            return self._whole
         return self.prefix + self._decode(self.ids[:count])
+
+    def _decode_all(self) -> str:
+        return self.prefix + self._decode(self.ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=True)
@@ -102,7 +107,7 @@ class TextTracker:
             run -= 1
         if any(self._is_byte_token(t) for t in self.ids[run:count]):
             count = run
-        text = (self._whole if count == len(self.ids) else self.text(count)).rstrip(REPLACEMENT)
+        text = self.text(count).rstrip(REPLACEMENT)
         if self.cleans_up:
             # decode's clean-up (" ' " -> "'", " n't" -> "n't") rewrites text once a pattern is
             # whole: keep only what the text one token shorter agrees with, less an end that may
@@ -170,7 +175,7 @@ class TextTracker:
         before = len(self.ids)
         block = [int(t) for t in tokens]
         self.ids.extend(block)
-        self._whole = self.text()
+        self._whole = self._decode_all()
         if self.stop:
             end = self._stop_end(before, block)
             if end is not None:
@@ -178,7 +183,7 @@ class TextTracker:
                 # the ids one-token-a-step decoding stops at (the token that completes the stop
                 # string), so a token count never depends on how many tokens a step accepted
                 del self.ids[end:]
-                self._whole = self.text()
+                self._whole = self._decode_all()
                 return self._emit(_before_hold(self.final_text(), self.hold))
         stable = self.settled()
         stable = stable[: len(stable) - held_back(stable[len(self.prefix) :], self.stop)]

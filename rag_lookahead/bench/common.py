@@ -345,25 +345,16 @@ def jsonl_object(line: str, where: str, fields: str) -> dict:
         raise InputError(f"{where} is not JSON ({e})") from None
     if not isinstance(value, dict):
         raise InputError(f"{where} is not a JSON object ({fields})")
-    lone = _lone_surrogate(value)
+    lone = _SURROGATE.search(json.dumps(value, ensure_ascii=False))  # its strings, keys too, in one text
     if lone is not None:
         raise InputError(
-            f"{where} holds {ascii(lone)}, an unpaired UTF-16 surrogate, which is no character "
+            f"{where} holds {ascii(lone.group())}, an unpaired UTF-16 surrogate, which is no character "
             "(write the character itself, or both halves of its pair)"
         )
     return value
 
 
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
-
-
-def _lone_surrogate(value: Any) -> str | None:
-    """The first unpaired surrogate in a JSON value's strings (keys too), else None."""
-    if isinstance(value, str):
-        found = _SURROGATE.search(value)
-        return found and found.group()
-    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else []
-    return next((found for item in items if (found := _lone_surrogate(item)) is not None), None)
+_SURROGATE = re.compile(r"[\ud800-\udfff]")  # what json.loads makes of an escaped half of a pair
 
 
 def _prompt(line: str, lineno: int, name: str) -> dict:
@@ -380,9 +371,9 @@ def _prompt(line: str, lineno: int, name: str) -> dict:
                 f"(its keys: {keys})"
             )
     given = prompt.get("id")
-    if given is not None and not isinstance(given, str):  # 1 and "1" were one prompt in the reports
-        raise InputError(f"{name}: line {lineno}: the id must be a string, not {json.dumps(given)}")
-    prompt["id"] = given if given is not None else f"line-{lineno}"
+    if given is not None and (isinstance(given, bool) or not isinstance(given, str | int)):
+        raise InputError(f"{name}: line {lineno}: the id must be a string or an integer, not {json.dumps(given)}")
+    prompt["id"] = str(given) if given is not None else f"line-{lineno}"  # 1 and "1" meet as duplicates
     return prompt
 
 

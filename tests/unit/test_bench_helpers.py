@@ -118,6 +118,10 @@ def test_a_prompts_file_is_read_with_ids_for_lines_without_one(tmp_path):
     assert prompts[2]["context"] == "from a retrieval set"
     assert prompts[1]["question"] == "only a question" and prompts[1]["x"] == 1
     assert [p["id"] for p in load_prompts(_write(tmp_path, "ok2.jsonl", text), "line-3")] == ["line-3"]
+    numbered = load_prompts(_write(tmp_path, "ok3.jsonl", ID_LINES.format(a="1", b="2")))  # as files had them
+    assert [p["id"] for p in numbered] == ["1", "2"]
+    deep = '{"context": "p", "question": "q", "notes": ' + "[" * 500 + "]" * 500 + "}\n"
+    assert load_prompts(_write(tmp_path, "deep.jsonl", deep))[0]["question"] == "q"  # no recursion error
 
 
 @pytest.mark.parametrize(
@@ -139,8 +143,9 @@ def test_a_prompts_file_is_read_with_ids_for_lines_without_one(tmp_path):
         (r'{"context": "p", "question": "q", "notes": ["\ud800"]}' "\n", SURROGATE.format(line=1, char=r"\ud800")),
         # ids: reports and charts group by id, so two prompts under one id were merged
         (ID_LINES.format(a='"a"', b='"a"'), "line 2: the prompt id 'a' is line 1's too"),
-        (ID_LINES.format(a="1", b='"1"'), "line 1: the id must be a string, not 1"),
-        (ID_LINES.format(a='{"k": 1}', b='"b"'), 'line 1: the id must be a string, not {"k": 1}'),
+        (ID_LINES.format(a="1", b='"1"'), "line 2: the prompt id '1' is line 1's too"),
+        (ID_LINES.format(a='{"k": 1}', b='"b"'), 'line 1: the id must be a string or an integer, not {"k": 1}'),
+        (ID_LINES.format(a="true", b='"b"'), "line 1: the id must be a string or an integer, not true"),
         # a given id and the line-N name of a line without one, either way round
         (ID_LINES.format(a="null", b='"line-1"'), "line 2: the prompt id 'line-1' is line 1's too"),
         (
