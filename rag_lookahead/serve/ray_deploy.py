@@ -201,6 +201,9 @@ def memory_sharers(settings: RaySettings, gpus: float, node_cpus: Sequence[float
     return max(1, min(most, fit))
 
 
+HEALTH_CHECK_PERIOD_S = 2.0  # check_health reads two attributes: cheap to ask often
+
+
 def deployment_options(config: ServerConfig, settings: RaySettings, gpus: float) -> dict[str, Any]:
     """The ``serve.deployment`` options: resources, capacity, routing, draining and scaling."""
     from ray.serve.config import BackpressureConfig
@@ -220,6 +223,8 @@ def deployment_options(config: ServerConfig, settings: RaySettings, gpus: float)
         graceful_shutdown_timeout_s=config.drain_seconds + CLOSE_GRACE_SECONDS,
         request_router_config={"request_router_class": ROUTER_PATH},
         max_constructor_retry_count=3,  # a model that will not load fails the deploy, not 20 reloads
+        # a replica whose engine died answered 503 for 20-25 s at Ray's default 10 s period
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
     if settings.max_replicas is None:
         options["num_replicas"] = settings.replicas
@@ -244,6 +249,41 @@ def deploy(config: ServerConfig, settings: RaySettings, ray_init: Mapping[str, A
     gpus = gpus_per_replica(config, settings, resources.get("GPU", 0.0))
     _check_fits(settings, gpus, resources)
     _check_serve_free(serve, config)
+    claim = _claim_app(ray)
+    try:
+        base = _start(ray, serve, config, settings, gpus)
+    except BaseException:
+        ray.kill(claim)
+        raise
+    _CLAIMS[APP_NAME] = claim  # released by undeploy, or by Ray when this driver exits
+    return base
+
+
+#: the named actor each deploy holds, per app name, while its app runs (see :func:`_claim_app`)
+_CLAIMS: dict[str, Any] = {}
+
+
+def _claim_app(ray):
+    """Claim the app's name on the cluster with a named actor, which Ray creates once: two
+    ``serve --replicas`` started at the same moment both passed :func:`_check_serve_free` (the app
+    did not exist yet), both logged an address, and one served nothing. The actor needs no CPU and
+    lives as long as this driver, so a command that dies frees the name."""
+
+    @ray.remote(num_cpus=0)
+    class ServeClaim:
+        pass
+
+    try:
+        return ServeClaim.options(name=f"{APP_NAME}.claim", namespace=KV_NAMESPACE).remote()
+    except ValueError:  # the name is taken
+        raise ConfigError(
+            f"another `rag_lookahead serve --replicas` is starting or serving the Serve app {APP_NAME!r} on this Ray"
+            " cluster: stop that one first"
+        ) from None
+
+
+def _start(ray, serve, config: ServerConfig, settings: RaySettings, gpus: float) -> str:
+    """:func:`deploy` once the cluster is checked and the app's name claimed."""
     _forget_drain()
     from rag_lookahead.serve.ray_replica import LookaheadReplica
 
@@ -282,9 +322,12 @@ DRAINED_PREFIX = b"drained:"
 def undeploy() -> None:
     """Stop this app's replicas at once (Ray lets each finish what it runs for ``drain_seconds``);
     other Serve apps keep running. For a shutdown that keeps answering meanwhile, see :func:`drain`."""
-    _, serve = import_ray()
+    ray, serve = import_ray()
     serve.delete(APP_NAME)
     _forget_drain()
+    claim = _CLAIMS.pop(APP_NAME, None)
+    if claim is not None:
+        ray.kill(claim)
 
 
 def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = True) -> None:
@@ -354,6 +397,7 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
         signal.signal(sig, on_signal)
+    abandoned = False
     try:
         base = deploy(config, settings)  # deletes what it started if it fails or is interrupted
         serving.set()
@@ -370,10 +414,14 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
             APP_NAME,
             APP_NAME,
         )
+        abandoned = True
     except KeyboardInterrupt:
         log.info("interrupted while the replicas started: deleted them")
+        abandoned = True
     finally:
         ray.shutdown()
+    if abandoned:  # a start that never served is no clean exit (it was 0); one process exits 130 too
+        raise SystemExit(130)
 
 
 def _level(config: ServerConfig) -> str:

@@ -178,6 +178,8 @@ def test_settings_and_deployment_options():
     assert fixed["max_queued_requests"] == 4 + 2 * 12 and fixed["graceful_shutdown_timeout_s"] > 10
     assert fixed["backpressure_config"].status_code == 429 and fixed["backpressure_config"].retry_after_s == 1
     assert fixed["request_router_config"] == {"request_router_class": "rag_lookahead.serve.ray_router.SessionRouter"}
+    # a replica whose engine died kept answering 503 for 20-25 s at Ray's default 10 s period
+    assert fixed["health_check_period_s"] <= 2
     scaling = deployment_options(config, settings_from_args({"replicas": 2, "max_replicas": 4, "replica_cpus": 0.5}), 0)
     assert "num_replicas" not in scaling and scaling["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
     assert scaling["autoscaling_config"] == {
@@ -282,6 +284,25 @@ def test_replicas_refuse_a_port_another_server_holds():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert out.stdout.split()[-2:] == ["1", "False"], (out.stdout, out.stderr)
     assert f"error: cannot listen on 127.0.0.1:{port}" in out.stderr
+
+
+@needs_ray
+def test_a_start_interrupted_while_the_replicas_load_exits_130():
+    """It exited 0 after deleting the half-started app, which a supervisor reads as a clean run;
+    the one-process server exits 130 there. (The interrupt is raised where serve.run waits.)"""
+    code = (
+        "import os, sys\n"
+        "os.environ['RAY_USAGE_STATS_ENABLED'] = '0'\n"
+        "from rag_lookahead.serve import command, ray_deploy\n"
+        "def interrupted(*args, **kwargs):\n"
+        "    raise KeyboardInterrupt\n"
+        "ray_deploy.deploy = interrupted\n"
+        f"code = command.main(['--replicas', '1', '--port', '{free_port()}', '--replica-cpus', '1'])\n"
+        "print(code, __import__('ray').is_initialized())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert out.stdout.split()[-2:] == ["130", "False"], (out.stdout, out.stderr)
 
 
 def test_the_default_install_does_not_import_ray(monkeypatch):
@@ -440,6 +461,23 @@ def test_a_second_deploy_on_the_cluster_is_refused_and_the_first_keeps_serving(e
     assert serve.status().applications[APP_NAME].status == "RUNNING"
     r = httpx.post(endpoint + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+@needs_ray
+def test_a_second_start_racing_the_first_is_refused_by_its_claim(endpoint, config, monkeypatch):
+    """Two starts at the same moment both found no app and both went on: one served nothing while
+    logging an address, and stopping either deleted the other's app. The first to claim the app's
+    name on the cluster wins; the other is refused before it starts anything."""
+    from rag_lookahead.serve import ray_deploy
+
+    monkeypatch.setattr(ray_deploy, "APP_NAME", "rag_lookahead_race")  # no such app yet: the check passes
+    first = ray_deploy._claim_app(ray)  # the other command, past the check and claiming
+    try:
+        with pytest.raises(ConfigError, match="another `rag_lookahead serve --replicas` is starting or serving"):
+            deploy(config, RaySettings(replicas=1, num_cpus=1))
+        assert "rag_lookahead_race" not in serve.status().applications
+    finally:
+        ray.kill(first)
 
 
 @needs_ray
