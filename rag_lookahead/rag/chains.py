@@ -212,7 +212,7 @@ def source_info(doc: Document, in_prompt: bool) -> dict:
     snippet = " ".join(text.split())
     if len(snippet) > SNIPPET_CHARS:
         snippet = snippet[: SNIPPET_CHARS - 1] + "…"
-    return {
+    info = {
         "source": doc.metadata.get("source"),
         "chunk_id": doc.metadata.get("chunk_id"),
         "score": doc.metadata.get("score"),
@@ -220,6 +220,9 @@ def source_info(doc: Document, in_prompt: bool) -> dict:
         "snippet": snippet,
         "text": text,
     }
+    if doc.metadata.get("also_in"):  # the other files with the same text, which the prompt names too
+        info["also_in"] = list(doc.metadata["also_in"])
+    return info
 
 
 #: per-call options of LookaheadLLM that the RAG chain passes on from its input dict

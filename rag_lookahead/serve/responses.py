@@ -272,7 +272,7 @@ class RagStats(Stats):
 
 class RagAnswer(BaseModel):
     answer: str
-    sources: list[dict[str, Any]]  # rag.chains.source_info: source, chunk_id, score, in_prompt, snippet, text
+    sources: list[dict[str, Any]]  # rag.chains.source_info: source, chunk_id, score, in_prompt, snippet, text, also_in
     stats: RagStats
     model: str
 

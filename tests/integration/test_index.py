@@ -20,6 +20,7 @@ import pytest
 from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
 from rag_lookahead.rag import index as ix
 from rag_lookahead.rag import store
+from rag_lookahead.rag.chains import source_info
 from rag_lookahead.rag.embedders import E5SmallEmbedder, LangChainEmbeddings
 from rag_lookahead.rag.lexical import reciprocal_rank_fusion, tokenize
 
@@ -1129,6 +1130,10 @@ def test_a_text_in_two_files_is_one_passage_with_both_sources(tmp_path, embedder
             assert len(hits) == 2, mode
     doc = index.as_retriever(k=1).invoke("龙井茶 绿茶 杀青")[0]
     assert sorted([doc.metadata["source"], *doc.metadata["also_in"]]) == ["copy/tea.md", "tea.md"]
+    # the sources ask --json and /v1/rag report named one file only
+    info = source_info(doc, in_prompt=True)
+    assert sorted([info["source"], *info["also_in"]]) == ["copy/tea.md", "tea.md"]
+    assert "also_in" not in source_info(index.as_retriever(k=1).invoke("熊猫")[0], in_prompt=True)
 
 
 def test_a_paragraph_repeated_in_many_files_leaves_room_for_k_passages(tmp_path, embedder):
