@@ -267,42 +267,40 @@ def test_replicas_refuse_port_zero_before_starting_ray():
     assert "error: --port 0 (any free port) does not work with --replicas" in out.stderr
 
 
+def serve_replicas_in_a_process(port: int, before: str = "") -> tuple[list[str], str]:
+    """``serve --replicas 1 --port PORT`` in a fresh process (a local Ray of its own), after the
+    code ``before``: (its exit code and whether Ray was still up at the end, its stderr)."""
+    code = (
+        "import os, sys\n"
+        "os.environ['RAY_USAGE_STATS_ENABLED'] = '0'\n"
+        "from rag_lookahead.serve import command, ray_deploy\n"
+        f"{before}"
+        f"code = command.main(['--replicas', '1', '--port', '{port}', '--replica-cpus', '1'])\n"
+        "print(code, __import__('ray').is_initialized())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    return out.stdout.split()[-2:], out.stderr
+
+
 @needs_ray
 def test_replicas_refuse_a_port_another_server_holds():
     """Ray's proxy binds with SO_REUSEPORT: a second `serve --replicas` on the port of a first one
     (each starting its own local Ray) started, and the two servers split the traffic between them."""
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        code = (
-            "import os, sys\n"
-            "os.environ['RAY_USAGE_STATS_ENABLED'] = '0'\n"
-            "from rag_lookahead.serve import command\n"
-            f"code = command.main(['--replicas', '1', '--port', '{port}', '--replica-cpus', '1'])\n"
-            "print(code, __import__('ray').is_initialized())\n"
-        )
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
-    assert out.stdout.split()[-2:] == ["1", "False"], (out.stdout, out.stderr)
-    assert f"error: cannot listen on 127.0.0.1:{port}" in out.stderr
+        ended, stderr = serve_replicas_in_a_process(port)
+    assert ended == ["1", "False"], stderr
+    assert f"error: cannot listen on 127.0.0.1:{port}" in stderr
 
 
 @needs_ray
 def test_a_start_interrupted_while_the_replicas_load_exits_130():
     """It exited 0 after deleting the half-started app, which a supervisor reads as a clean run;
     the one-process server exits 130 there. (The interrupt is raised where serve.run waits.)"""
-    code = (
-        "import os, sys\n"
-        "os.environ['RAY_USAGE_STATS_ENABLED'] = '0'\n"
-        "from rag_lookahead.serve import command, ray_deploy\n"
-        "def interrupted(*args, **kwargs):\n"
-        "    raise KeyboardInterrupt\n"
-        "ray_deploy.deploy = interrupted\n"
-        f"code = command.main(['--replicas', '1', '--port', '{free_port()}', '--replica-cpus', '1'])\n"
-        "print(code, __import__('ray').is_initialized())\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
-    assert out.stdout.split()[-2:] == ["130", "False"], (out.stdout, out.stderr)
+    interrupt = "def interrupted(*args, **kwargs):\n    raise KeyboardInterrupt\nray_deploy.deploy = interrupted\n"
+    ended, stderr = serve_replicas_in_a_process(free_port(), before=interrupt)
+    assert ended == ["130", "False"], stderr
 
 
 def test_the_default_install_does_not_import_ray(monkeypatch):
