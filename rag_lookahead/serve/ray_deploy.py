@@ -30,6 +30,8 @@ This module imports Ray only when a deployment starts, so the default install ne
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import logging
 import os
@@ -253,7 +255,8 @@ def deploy(config: ServerConfig, settings: RaySettings, ray_init: Mapping[str, A
     try:
         base = _start(ray, serve, config, settings, gpus)
     except BaseException:
-        ray.kill(claim)
+        with contextlib.suppress(Exception):  # the start's own error is the one to tell
+            ray.kill(claim)
         raise
     _CLAIMS[APP_NAME] = claim  # released by undeploy, or by Ray when this driver exits
     return base
