@@ -31,7 +31,6 @@ This module imports Ray only when a deployment starts, so the default install ne
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import logging
 import os
