@@ -1,8 +1,5 @@
 """rag_lookahead: lossless lookahead decoding for local retrieval-augmented generation."""
 
-from rag_lookahead.decoding.config import LookaheadConfig
-from rag_lookahead.decoding.loop import GenerationResult, GenerationStats, generate
-from rag_lookahead.decoding.sampling import SamplingParams
 from rag_lookahead.errors import ConfigError, InputError, ModelLoadError, RagLookaheadError
 
 __all__ = [
@@ -26,7 +23,19 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name):  # these pull in transformers (or LangChain) lazily
+def __getattr__(name):  # these pull in torch, transformers or LangChain, so only when asked for
+    if name == "LookaheadConfig":
+        from rag_lookahead.decoding.config import LookaheadConfig
+
+        return LookaheadConfig
+    if name in ("GenerationResult", "GenerationStats", "generate"):
+        from rag_lookahead.decoding import loop
+
+        return getattr(loop, name)
+    if name == "SamplingParams":
+        from rag_lookahead.decoding.sampling import SamplingParams
+
+        return SamplingParams
     if name == "load_model":
         from rag_lookahead.models import load_model
 

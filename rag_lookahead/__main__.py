@@ -3,7 +3,7 @@ for environments where the script's folder is not on PATH (a venv not activated,
 
 from __future__ import annotations
 
-from rag_lookahead.cli import app
+from rag_lookahead.console import main
 
 if __name__ == "__main__":
-    app(prog_name="rag_lookahead")
+    main()

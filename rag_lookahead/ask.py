@@ -255,9 +255,12 @@ def print_result(result: dict, streamed: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m rag_lookahead.ask QUESTION [options]``: the ``rag_lookahead ask`` command on its own."""
-    import typer
+    from rag_lookahead.interrupts import quiet_while_importing
 
-    from rag_lookahead.cli import ask_command
+    with quiet_while_importing():  # the command imports torch first
+        import typer
+
+        from rag_lookahead.cli import ask_command
 
     app = typer.Typer(add_completion=False)
     app.command()(ask_command)

@@ -29,6 +29,7 @@ from rag_lookahead.bench.retrieval import retrieval as bench_retrieval
 from rag_lookahead.bench.session import session as bench_session
 from rag_lookahead.bench.single import bench
 from rag_lookahead.errors import CorpusWarning, RagLookaheadError, RebuildWarning, first_line
+from rag_lookahead.interrupts import interrupted
 from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE
 from rag_lookahead.rag.corpus import MAX_FILE_MB
 from rag_lookahead.rag.store import LOCK_TIMEOUT_S
@@ -50,7 +51,10 @@ app = typer.Typer(
 
 
 def fail(error: BaseException) -> NoReturn:
-    """Print ``error`` as one red line on stderr and exit 1."""
+    """Print ``error`` as one red line on stderr and exit 1; after a Ctrl-C, exit 130 quietly
+    (an import the interrupt cut short fails later under another name)."""
+    if interrupted():
+        raise typer.Exit(130)
     from rich.console import Console
     from rich.markup import escape
 

@@ -15,3 +15,32 @@ def test_a_tiny_model_still_builds_from_the_lazy_import():
 
     model = build_tiny_model("qwen2")
     assert type(model).__name__ == "Qwen2ForCausalLM"
+
+
+def test_the_package_imports_without_torch():
+    """``import rag_lookahead`` (what ``python -m rag_lookahead.ask`` runs first) imported torch,
+    before any command could handle a Ctrl-C."""
+    code = (
+        "import sys, rag_lookahead; print('torch' in sys.modules); from rag_lookahead import generate, LookaheadConfig"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_ctrl_c_at_any_moment_of_a_start_exits_130_without_a_word(tmp_path):
+    """Early, a Ctrl-C printed a traceback through ``import torch``; a little later, an import it
+    cut short made transformers fail to find Qwen2ForCausalLM, and ask told the user to delete
+    the converted model's folder (exit 1)."""
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "RAG_LOOKAHEAD_HOME": str(tmp_path)}
+    for delay in (0.5, 0.8, 1.2, 1.8):  # past the interpreter's own start, however loaded the machine
+        started = subprocess.Popen(
+            [sys.executable, "-m", "rag_lookahead.ask", "x"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
+        time.sleep(delay)
+        started.send_signal(signal.SIGINT)
+        _, err = started.communicate(timeout=120)
+        assert (started.returncode, err) == (130, b""), (delay, err.decode()[-500:])
