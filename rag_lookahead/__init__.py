@@ -23,6 +23,10 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+def __dir__():  # the lazy names too, for completion
+    return sorted({*globals(), *__all__})
+
+
 def __getattr__(name):  # these pull in torch, transformers or LangChain, so only when asked for
     if name == "LookaheadConfig":
         from rag_lookahead.decoding.config import LookaheadConfig

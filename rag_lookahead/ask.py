@@ -255,16 +255,17 @@ def print_result(result: dict, streamed: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m rag_lookahead.ask QUESTION [options]``: the ``rag_lookahead ask`` command on its own."""
-    from rag_lookahead.interrupts import quiet_while_importing
+    from rag_lookahead.interrupts import command_interrupts
 
-    with quiet_while_importing():  # the command imports torch first
+    with command_interrupts() as imported:  # the command imports torch first
         import typer
 
         from rag_lookahead.cli import ask_command
 
-    app = typer.Typer(add_completion=False)
-    app.command()(ask_command)
-    app(args=argv, prog_name="python -m rag_lookahead.ask")
+        imported()
+        app = typer.Typer(add_completion=False)
+        app.command()(ask_command)
+        app(args=argv, prog_name="python -m rag_lookahead.ask")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from rag_lookahead.interrupts import quiet_while_importing
+from rag_lookahead.interrupts import command_interrupts
 
 
 def main() -> None:
-    with quiet_while_importing():  # the commands import torch first
+    with command_interrupts() as imported:  # the commands import torch first
         from rag_lookahead.cli import app
-    app(prog_name="rag_lookahead")
+
+        imported()
+        app(prog_name="rag_lookahead")

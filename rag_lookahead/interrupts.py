@@ -4,23 +4,24 @@ torch, transformers and LangChain take a second or two to import, before any com
 handling of KeyboardInterrupt runs: a Ctrl-C then printed a 20-line traceback through
 ``import torch``. And a module being imported may swallow the interrupt (transformers then
 reported "could not import Qwen2ForCausalLM", and the command told the user to delete the
-model's folder). So the commands import within :func:`quiet_while_importing`, and an error
-met after a Ctrl-C (:func:`interrupted`) is the interrupt's doing.
+model's folder). So a command runs within :func:`command_interrupts`, and an error met after a
+Ctrl-C (:func:`interrupted`) is the interrupt's doing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
-__all__ = ["interrupted", "quiet_while_importing"]
+__all__ = ["command_interrupts", "interrupted"]
 
 _SEEN: list[int] = []
 
 
 def interrupted() -> bool:
-    """Whether a Ctrl-C reached this command (since :func:`quiet_while_importing` began)."""
+    """Whether a Ctrl-C reached the command running (within :func:`command_interrupts`)."""
     return bool(_SEEN)
 
 
@@ -35,18 +36,30 @@ def _interrupt(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def quiet_while_importing() -> Iterator[None]:
-    """Within: SIGINT exits 130 without a traceback, also where an import swallows the exit.
-    After: SIGINT raises KeyboardInterrupt as Python's own handler does, and is remembered.
-    Left alone where SIGINT is not Python's default (ignored in a background job, or a
-    handler of the caller's)."""
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
+def command_interrupts() -> Iterator[Callable[[], None]]:
+    """Within, a command: until it calls the function this yields (its imports done), SIGINT
+    exits 130 without a traceback, also where an import swallowed the exit; after, SIGINT raises
+    KeyboardInterrupt as Python's own handler does, and is remembered. On leaving, SIGINT's
+    handler is what it was and nothing is remembered (``ask.main`` may run in a caller's process).
+    Left alone off the main thread, or where SIGINT is not Python's default (ignored in a
+    background job, or a handler of the caller's)."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield lambda: None
         return
+
+    def imported() -> None:
+        signal.signal(signal.SIGINT, _interrupt)
+        if _SEEN:
+            raise SystemExit(130)
+
+    _SEEN.clear()
     signal.signal(signal.SIGINT, _exit_130)
     try:
-        yield
+        yield imported
+        if _SEEN and signal.getsignal(signal.SIGINT) is _exit_130:  # never told: an import swallowed it
+            raise SystemExit(130)
     finally:
-        signal.signal(signal.SIGINT, _interrupt)
-    if _SEEN:
-        raise SystemExit(130)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _SEEN.clear()

@@ -481,17 +481,22 @@ def _placement(device: str | torch.device | None, device_map: Any) -> dict[str, 
     """
     if device_map is not None:
         for target in _target_devices(device, device_map):
+            _refuse_meta(target, "device_map")
             _require_device(target, "device_map")
         return {"device_map": device_map}
     target = _resolve_device(device)
     if target.type == "cpu":
         return {}
-    if target.type == "meta":  # it failed deep in transformers ("Cannot copy out of meta tensor")
-        raise ConfigError("device 'meta' holds shapes, not weights: nothing can be decoded on it; use cpu or a GPU")
+    _refuse_meta(target, "device")
     _require_device(target, "device")
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     return {"device_map": {"": target}}
+
+
+def _refuse_meta(target: torch.device, setting: str) -> None:
+    if target.type == "meta":  # it failed deep in transformers ("Cannot copy out of meta tensor")
+        raise ConfigError(f"{setting} 'meta' holds shapes, not weights: nothing can be decoded on it; use cpu or a GPU")
 
 
 def _require_device(target: torch.device, setting: str) -> None:

@@ -19,6 +19,7 @@ import typer
 
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError, RagLookaheadError, first_line
+from rag_lookahead.interrupts import interrupted
 from rag_lookahead.serve.config import (
     API_KEY_ENV,
     LOOPBACK,
@@ -201,7 +202,9 @@ def _config_error_exit(ctx: typer.Context) -> int:
 
 
 def _refuse(error: BaseException, exit_code: int) -> NoReturn:
-    """One line on stderr, no traceback."""
+    """One line on stderr, no traceback; after a Ctrl-C, exit 130 quietly (see ``interrupts``)."""
+    if interrupted():
+        raise typer.Exit(130)
     typer.echo(f"error: {first_line(error)}", err=True)
     raise typer.Exit(exit_code)
 

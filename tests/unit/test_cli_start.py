@@ -44,3 +44,40 @@ def test_ctrl_c_at_any_moment_of_a_start_exits_130_without_a_word(tmp_path):
         started.send_signal(signal.SIGINT)
         _, err = started.communicate(timeout=120)
         assert (started.returncode, err) == (130, b""), (delay, err.decode()[-500:])
+
+
+def test_a_command_run_in_process_leaves_ctrl_c_as_it_was():
+    """ask.main left its own SIGINT handler installed (asyncio.run then installed none), kept a
+    Ctrl-C its caller had caught (every later error exited 130 without a word), and raised
+    ValueError off the main thread."""
+    import os
+    import signal
+    import threading
+
+    import pytest
+
+    from rag_lookahead.ask import main
+    from rag_lookahead.interrupts import command_interrupts, interrupted
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with command_interrupts() as imported:
+        imported()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert interrupted()
+    assert not interrupted() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ended = []
+
+    def in_a_thread():
+        try:
+            main(["--help"])
+        except SystemExit as done:
+            ended.append(done.code)
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join(60)
+    assert ended == [0]

@@ -173,7 +173,12 @@ def no_accelerators(monkeypatch):
         ({"device_map": "xpu"}, "device_map 'xpu' asked for, but torch"),
         ({"device": "xpu"}, "device 'xpu' asked for, but torch"),
         ({"device": "cuda"}, "sees no CUDA GPU"),
-        ({"device": "meta"}, "holds shapes, not weights"),  # was a NotImplementedError deep in transformers
+        (
+            {"device": "meta"},
+            "device 'meta' holds shapes, not weights",
+        ),  # was a NotImplementedError deep in transformers
+        ({"device_map": "meta"}, "device_map 'meta' holds shapes, not weights"),
+        ({"device_map": {"": "meta"}}, "device_map 'meta' holds shapes, not weights"),
     ],
 )
 def test_a_missing_accelerator_is_a_config_error_before_any_file_is_read(no_accelerators, placement, said):
