@@ -313,9 +313,13 @@ def read_input_text(path: str | Path, max_mb: float = MAX_INPUT_MB) -> str:
     return data.decode("utf-8-sig")
 
 
+def _is_pdf(rel: str) -> bool:
+    return rel.lower().endswith(".pdf")
+
+
 def _file_text(rel: str, data: bytes, notes: list[str]) -> str:
     """The text of one file (PDF or text); raises ValueError with the reason it cannot be used."""
-    if rel.lower().endswith(".pdf"):
+    if _is_pdf(rel):
         try:
             text = _read_pdf(data)
         except Exception as e:  # pypdf raises many types on damaged files
@@ -368,7 +372,7 @@ def load_corpus(
     files = sorted(_walk(root, follow_symlinks, skip))
     sizes = [_size_of(path) for _, path in files]
     # a 6 MB PDF took 11-16 s to read with no bar: PDF bytes weigh more
-    work = sum(size * (PDF_READ_WEIGHT if rel.lower().endswith(".pdf") else 1) for (rel, _), size in zip(files, sizes))
+    work = sum(size * (PDF_READ_WEIGHT if _is_pdf(rel) else 1) for (rel, _), size in zip(files, sizes))
     with stage_bar(progress, "reading", sum(sizes), "B", work=work) as bar:
         for (rel, path), size in zip(files, sizes):
             bar.set_postfix_str(one_line(rel))

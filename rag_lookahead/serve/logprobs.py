@@ -160,11 +160,8 @@ class LogprobFormat:
         self._names: dict[int, tuple[str, list[int], bool]] = {}
         self._byte_level = _is_byte_level(tokenizer)
 
-    def name(self, token: int) -> tuple[str, list[int]]:
-        """The token's text and its bytes, read alone."""
-        return self._alone(token)[:2]
-
     def _alone(self, token: int) -> tuple[str, list[int], bool]:
+        """The token's text and bytes read alone, cached, and whether context changes its text."""
         named = self._names.get(token)
         if named is None:
             named = self._names[token] = self._name(token)
