@@ -90,25 +90,28 @@ def checked_text_length(chars: int, config: ServerConfig, param: str, what: str 
         )
 
 
-def checked_prompt(ids: list[int], engine: Engine, param: str = "prompt") -> list[int]:
+def checked_prompt(
+    ids: list[int], engine: Engine, param: str = "prompt", what: str = "the prompt", advice: str = ""
+) -> list[int]:
     """Prompt ids that are not empty, fit ``max_prompt_tokens`` and the model's context, and are in
-    its vocabulary."""
+    its vocabulary. ``what`` names the prompt and ``advice`` says how to shorten it where the
+    server built it (``/v1/rag``: the question with its passages)."""
     config = engine.config
     if not ids:
-        raise ApiError(400, "the prompt is empty", param=param)
+        raise ApiError(400, f"{what} is empty", param=param)
     if len(ids) > config.max_prompt_tokens:
         raise ApiError(
             400,
-            f"the prompt has {len(ids)} tokens; this server accepts at most {config.max_prompt_tokens} "
-            "(max_prompt_tokens)",
+            f"{what} has {len(ids)} tokens; this server accepts at most {config.max_prompt_tokens} "
+            f"(max_prompt_tokens){advice}",
             param=param,
         )
     if engine.context_limit is not None and len(ids) >= engine.context_limit:
         raise ApiError(
             400,
-            f"the prompt has {len(ids)} tokens but the model's context holds "
+            f"{what} has {len(ids)} tokens but the model's context holds "
             f"{limit_words(engine.model, engine.context_limit)}, prompt and answer together: no room is left "
-            "for an answer",
+            f"for an answer{advice}",
             param=param,
         )
     if engine.vocab_size and any(t >= engine.vocab_size for t in ids):

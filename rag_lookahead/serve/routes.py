@@ -247,7 +247,9 @@ async def rag(body: RagRequest, http_request: Request) -> dict | Response:
     seeded = engine.lookahead.enabled and seeds
     references = await run_in_threadpool(engine.encode_passages, [d.page_content for d in seeds]) if seeded else []
     key = getattr(http_request.state, "key_id", "")
-    job = engine.new_request(checked_prompt(prompt, engine), max_tokens, [], references, pool_key=key)
+    what = f"the prompt built from the question and its {len(shown)} passage(s)"
+    ids = checked_prompt(prompt, engine, "k", what, "; ask with a smaller 'k' or a shorter question")
+    job = engine.new_request(ids, max_tokens, [], references, pool_key=key)
     engine.submit(job)
     sources = [source_info(d, i < k) for i, d in enumerate(docs)]
     shape = RagShape(sources, cfg.model_name, retrieval_seconds, len(seeds))

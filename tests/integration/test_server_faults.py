@@ -392,3 +392,15 @@ def test_rag_refuses_a_full_queue_before_retrieving(tokenizer, monkeypatch, tiny
         # the chat prompt; the real-model RAG test covers the answer)
         r = httpx.post(base + "/v1/rag", json={"question": "How tall is Etna?", "max_tokens": 4}, timeout=60)
         assert len(retrievals) == 1 and r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
+def test_rag_names_k_when_the_built_prompt_is_too_long(tokenizer, tiny_index):
+    """The question fits, but the prompt the server builds around it does not: the error says so and
+    names what the client can change, not a 'prompt' it never sent."""
+    engine = tiny_engine(tokenizer, max_prompt_tokens=40)
+    engine.index = tiny_index
+    with serving(engine) as base:
+        r = httpx.post(base + "/v1/rag", json={"question": "How tall is Etna?", "k": 2, "max_tokens": 4}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "k", r.text
+        assert "built from the question and its 2 passage(s)" in error["message"] and "smaller 'k'" in error["message"]
