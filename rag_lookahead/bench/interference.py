@@ -34,6 +34,7 @@ from rag_lookahead.bench.common import (
     chat_ids,
     check_output_path,
     check_positive,
+    context_fitted_ids,
     eos_pad,
     load_bench_model,
     load_prompts,
@@ -41,7 +42,9 @@ from rag_lookahead.bench.common import (
     run_command,
 )
 from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.inputs import context_limit, limit_words
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
+from rag_lookahead.errors import InputError
 from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.interference"
@@ -169,7 +172,7 @@ def real_mix(model: str, dtype: str, device: str | None, prompts: str | None, se
     prompt_set = load_prompts(prompts)  # a bad file fails before the model loads
     loaded, tokenizer = load_bench_model(model, dtype, device, None)
     eos, pad = eos_pad(loaded, tokenizer)
-    shorts = [chat_ids(tokenizer, p, with_context=False) for p in prompt_set]
+    shorts = context_fitted_ids(loaded, tokenizer, prompt_set, settings["short_max_new_tokens"], with_context=False)
     longs = []
     for i in range(settings["long_requests"]):
         contexts, n = [], i
@@ -181,8 +184,21 @@ def real_mix(model: str, dtype: str, device: str | None, prompts: str | None, se
             if len(ids) >= settings["long_prompt_tokens"] or n - i > 50 * len(prompt_set):
                 break
         longs.append(ids)
+    check_long_fits(loaded, longs, settings)
     config = LookaheadConfig().with_tokenizer(tokenizer)
     return loaded, eos, pad, shorts, longs, config
+
+
+def check_long_fits(model, longs: list[list[int]], settings: dict) -> None:
+    """Refuse long requests that with their answers pass the model's context, before any timed run
+    (the run would stop at the first one, after the short streams were measured)."""
+    limit, longest = context_limit(model), max(map(len, longs))
+    if limit is not None and longest + settings["long_max_new_tokens"] > limit:
+        raise InputError(
+            f"--long-tokens {settings['long_prompt_tokens']} built a {longest}-token request; with "
+            f"--long-max-new-tokens {settings['long_max_new_tokens']} it passes the model's context "
+            f"({limit_words(model, limit)}, prompt and answer together): lower --long-tokens"
+        )
 
 
 def tiny_mix(settings: dict):
@@ -230,7 +246,12 @@ def interference(
     if tiny and prompts is not None:  # the tiny model's prompts are random tokens of its own vocabulary
         raise typer.BadParameter("does not apply with --tiny (its prompts are random tokens)", param_hint="--prompts")
     check_output_path(json_path, inputs=[prompts])
-    settings = {"long_requests": long_requests, "long_prompt_tokens": long_tokens}
+    settings = {
+        "long_requests": long_requests,
+        "long_prompt_tokens": long_tokens,
+        "long_max_new_tokens": long_max_new_tokens,
+        "short_max_new_tokens": short_max_new_tokens,
+    }
     loaded, eos, pad, shorts, longs, config = (
         tiny_mix(settings) if tiny else real_mix(model, dtype, device, prompts, settings)
     )

@@ -149,3 +149,21 @@ def test_without_a_report_a_failed_stdout_ends_the_run_with_one_line(tiny, tmp_p
     finally:
         stream.close()
     assert done.value.code == "error: cannot write the results to stdout: No space left on device"
+
+
+def test_interference_refuses_long_requests_past_the_context_before_any_timed_run(tiny, monkeypatch, tmp_path, capsys):
+    """Its long requests are built to --long-tokens from the passages; past the context they
+    stopped the run after the short streams were measured."""
+    prompts = [{"id": f"p{n}", "context": words(12, first=5 + n), "question": "t9 t10"} for n in range(3)]
+    main = loading_tiny(monkeypatch, tiny, "interference").main
+    argv = ["--prompts", prompts_file(tmp_path, *prompts), "--long-requests", "1", "--arrival-steps", "1"]
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--long-tokens", str(CONTEXT), "--long-max-new-tokens", "2"])
+    assert str(done.value.code).startswith(f"error: --long-tokens {CONTEXT} built a ")
+    assert done.value.code.endswith(
+        f"passes the model's context ({CONTEXT}, prompt and answer together): lower --long-tokens"
+    )
+    assert capsys.readouterr().out == ""
+    report = main([*argv, "--long-tokens", "30", "--long-max-new-tokens", "2", "--short-max-new-tokens", "4"])
+    assert all(n + 2 <= CONTEXT for n in report["long_prompt_tokens"])
+    assert [row["identical"] for row in report["results"]] == ["4/4", "4/4"]  # 3 short requests and the long one
