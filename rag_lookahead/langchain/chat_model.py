@@ -30,7 +30,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing
-from typing import Any
+from typing import Any, ClassVar
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -161,9 +161,17 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=(), extra="forbid")
 
+    engine_fields: ClassVar[frozenset[str]] = frozenset(
+        {"model", "tokenizer", "engine", "dtype", "device", "device_map"}
+    )
+
     def model_post_init(self, __context: Any) -> None:
         super().model_post_init(__context)
-        self._engine = self._make_engine()
+        self._settle(new_engine=True)
+
+    def _settle(self, new_engine: bool) -> None:
+        if new_engine:
+            self._engine = self._make_engine()
         if self.model_name is None:
             self.model_name = self._derived_name()
         positive_int("max_tokens", self.max_tokens)
@@ -240,7 +248,8 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         name = model if isinstance(model, str) else self.model_name or ""
         params = LangSmithParams(ls_provider="rag_lookahead", ls_model_name=name, ls_model_type="chat")
         temperature = kwargs.get("temperature", self.temperature)
-        params["ls_temperature"] = float(temperature or 0)
+        if temperature is None or isinstance(temperature, (int, float)):  # else refused at decode time
+            params["ls_temperature"] = float(temperature or 0)
         params["ls_max_tokens"] = kwargs.get("max_tokens") or self.max_tokens
         if stop or self.stop:
             params["ls_stop"] = list(stop or self.stop or [])

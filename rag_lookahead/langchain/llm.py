@@ -30,7 +30,7 @@ import contextvars
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing
-from typing import Any
+from typing import Any, ClassVar
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
@@ -72,13 +72,19 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
     # a misspelt or foreign setting (``temprature``, ``max_tokens``) is refused, not dropped
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=(), extra="forbid")
 
+    engine_fields: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+
     def model_post_init(self, __context: Any) -> None:
+        self._settle(new_engine=True)
+
+    def _settle(self, new_engine: bool) -> None:
         if self.model is None or self.tokenizer is None:
             raise ConfigError("LookaheadLLM needs a model and a tokenizer (or use LookaheadLLM.from_model_id)")
         positive_int("max_new_tokens", self.max_new_tokens)
         if not self.lookahead.stop_words:
             self.lookahead = self.lookahead.with_tokenizer(self.tokenizer)
-        self._engine = Engine(self.model, self.tokenizer, self.lookahead)
+        if new_engine:
+            self._engine = Engine(self.model, self.tokenizer, self.lookahead)
         self._sampling({})  # refuse bad sampling settings at construction
 
     # ------------------------------------------------------------ construction

@@ -8,7 +8,7 @@ keywords the same way, and hand our own :class:`ConfigError` back to the caller 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, PrivateAttr, StrictFloat, StrictInt, ValidationError
 
@@ -40,11 +40,33 @@ class SamplingFields(BaseModel):
 
     _engine: Any = PrivateAttr(default=None)  # the Engine the model decodes with (set in model_post_init)
 
+    #: fields whose change needs another engine (the model it decodes with)
+    engine_fields: ClassVar[frozenset[str]] = frozenset()
+
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
         except ValidationError as err:  # pydantic wraps our ConfigError: hand it over as raised
             raise settings_error(type(self).__name__, err) from None
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Any:
+        """A copy with ``update`` checked as the constructor checks it. Pydantic's copy checks
+        nothing and keeps the copied object's engine: a copy with another ``model`` decoded with the
+        old one, a ``timeout`` of -1 cut answers to a token."""
+        copied = super().model_copy(update=update, deep=deep)
+        if update:
+            try:
+                for name, value in update.items():
+                    self.__pydantic_validator__.validate_assignment(copied, name, value)
+            except ValidationError as err:
+                raise settings_error(type(self).__name__, err) from None
+            copied._settle(new_engine=bool(self.engine_fields & set(update)))
+        return copied
+
+    def _settle(self, new_engine: bool) -> None:
+        """Check the settings and, where ``new_engine``, build the engine (at construction, and
+        after :meth:`model_copy`'s update)."""
+        raise NotImplementedError
 
     def _sampling(self, kwargs: dict) -> dict:
         """``generate``'s sampling keywords: the fields, overridden per call; pops what it uses."""

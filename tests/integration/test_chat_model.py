@@ -752,3 +752,41 @@ def test_a_cancelled_abatch_leaves_no_cut_answer_in_the_cache(tiny_chat):
     finally:
         model.forward = plain
         set_llm_cache(None)
+
+
+def test_model_copy_checks_its_update_and_decodes_with_an_updated_model():
+    """pydantic's model_copy checked nothing and kept the copied object's engine: a copy with
+    another model answered with the old one, and a timeout of -1 cut every answer to a token."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.tiny import build_tiny_model
+
+    tok = tiny_tokenizer()
+    first, second = build_tiny_model("qwen2", seed=0), build_tiny_model("qwen2", seed=9)
+    prompt = "t5 t6 t7 t5 t6 t7 t8 t9 t5 t6"
+    for cls, length in ((ChatLookahead, "max_tokens"), (LookaheadLLM, "max_new_tokens")):
+        model = cls(model=first, tokenizer=tok, **{length: 8})
+
+        def answer(m):
+            out = m.invoke(prompt)
+            return out if isinstance(out, str) else out.content
+
+        copied = model.model_copy(update={"model": second})
+        assert answer(copied) == answer(cls(model=second, tokenizer=tok, **{length: 8})) != answer(model)
+        kept = model.model_copy(update={"temperature": 0.0})
+        assert kept._engine is model._engine  # other settings keep the engine, so its output pool
+        for bad, message in (
+            ({length: 0}, f"{length} must be an integer >= 1, got 0"),
+            ({"temperature": -1.0}, "temperature must be a number >= 0"),
+            ({length: "8"}, f"setting {length}"),
+            ({"temprature": 0.5}, "temprature"),
+        ):
+            with pytest.raises(ConfigError, match=message):
+                model.model_copy(update=bad)
+    chat = ChatLookahead(model=first, tokenizer=tok, max_tokens=8)
+    for timeout in (-1.0, 0.0):
+        with pytest.raises(ConfigError, match="timeout must be a number of seconds > 0"):
+            chat.model_copy(update={"timeout": timeout})
+    for temperature in ("abc", [0.5]):  # LangChain's tracing read it with float() before our check
+        with pytest.raises(ConfigError, match="temperature must be a number >= 0"):
+            chat.invoke(prompt, temperature=temperature)
