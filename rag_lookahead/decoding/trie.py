@@ -95,6 +95,27 @@ class NGramTrie:
         """Add all windows of one independent sequence (n-grams never cross sequences)."""
         self._grow([], tokens)
 
+    def cut_back(self, nodes: int) -> None:
+        """Drop every node made after the first ``nodes`` and relink the rest: an insert stopped
+        part way (a Ctrl-C) leaves the edges and the node arrays out of step, and every later
+        lookup through them failed. Counts it raised on older nodes stay (they steer drafts only)."""
+        keep = nodes + 1
+        for column in (self._counts, self._tokens, self._first, self._last, self._sibling):
+            del column[keep:]
+        self._edges = {key: child for key, child in self._edges.items() if child < keep}
+        first, last, sibling = self._first, self._last, self._sibling
+        for node in range(keep):
+            if first[node] >= keep:
+                first[node] = -1
+            if sibling[node] >= keep:
+                sibling[node] = -1
+        for node in range(keep):
+            if last[node] >= keep or (last[node] < 0) != (first[node] < 0):
+                child, end = first[node], -1
+                while child >= 0:
+                    child, end = sibling[child], child
+                last[node] = end
+
     def _grow(self, windows: list[int], tokens: Iterable[int]) -> None:
         """Extend every open window by each token in turn, starting a new window at each token.
 
@@ -294,7 +315,12 @@ class OutputPool:
     def add(self, tokens: Sequence[int]) -> None:
         """Insert one finished answer; decay the pool if it grew past its bound."""
         with self.lock:
-            self.trie.insert(tokens)
+            before = self.trie.nodes
+            try:
+                self.trie.insert(tokens)
+            except BaseException:  # a KeyboardInterrupt part way: the pool outlives this request
+                self.trie.cut_back(before)
+                raise
             while self.trie.nodes > self.max_nodes:
                 self._decay()
 

@@ -319,3 +319,78 @@ def test_a_key_with_thousands_of_occurrences_drafts_from_its_latest_ones():
     draft = propose(pool, None, config)
     assert time.perf_counter() - start < 1.0  # all 50,000 at each of 48 levels took seconds
     assert draft.tokens[0] == 7
+
+
+class _Interrupting(list):
+    """A trie column that raises KeyboardInterrupt at its ``at``-th write (append or item set)."""
+
+    def __init__(self, values, method: str, at: int) -> None:
+        super().__init__(values)
+        self.method, self.left = method, at
+
+    def _tick(self, method: str) -> None:
+        if method == self.method:
+            self.left -= 1
+            if self.left == 0:
+                raise KeyboardInterrupt
+
+    def append(self, value) -> None:
+        self._tick("append")
+        super().append(value)
+
+    def __setitem__(self, index, value) -> None:
+        self._tick("set")
+        super().__setitem__(index, value)
+
+
+class _InterruptingEdges(dict):
+    def __init__(self, values, at: int) -> None:
+        super().__init__(values)
+        self.left = at
+
+    def __setitem__(self, key, value) -> None:
+        self.left -= 1
+        if self.left == 0:
+            raise KeyboardInterrupt
+        super().__setitem__(key, value)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    before=st.lists(sequences, max_size=3),
+    interrupted=st.lists(st.integers(min_value=0, max_value=12), min_size=1, max_size=40),
+    after=sequences,
+    column=st.sampled_from(
+        ["_edges", "_counts:append", "_tokens:append", "_first:append", "_last:append", "_sibling:append"]
+        + ["_first:set", "_last:set", "_sibling:set"]
+    ),
+    at=st.integers(min_value=1, max_value=30),
+)
+def test_an_insert_interrupted_anywhere_leaves_the_pool_as_before(before, interrupted, after, column, at):
+    """A Ctrl-C inside OutputPool.add (as an answer retires) left the edges and node arrays out of
+    step, and every later lookup on that model's pool raised IndexError. The insert is undone:
+    the same n-grams as before it, and later inserts and lookups work."""
+    pool = OutputPool(depth=4, max_nodes=10**6)
+    for tokens in before:
+        pool.add(tokens)
+    paths, nodes = set(_trie_counts(pool.trie)), pool.nodes
+    trie = pool.trie
+    name, _, method = column.partition(":")
+    flaky = _InterruptingEdges(trie._edges, at) if name == "_edges" else _Interrupting(getattr(trie, name), method, at)
+    setattr(trie, name, flaky)
+    try:
+        pool.add(interrupted)
+    except KeyboardInterrupt:
+        assert set(_trie_counts(pool.trie)) == paths and pool.nodes == nodes
+    else:  # it made fewer writes than ``at``: the insert finished
+        assert set(_trie_counts(pool.trie)) == paths | set(_ngram_counts(interrupted, 4))
+    flaky.left = 0  # no more interrupts
+    trie = pool.trie
+    assert len({len(c) for c in (trie._counts, trie._tokens, trie._first, trie._last, trie._sibling)}) == 1
+    assert all(child < len(trie._counts) for child in trie._edges.values())
+    expected = set(_trie_counts(trie)) | set(_ngram_counts(after, 4))
+    pool.add(after)
+    assert set(_trie_counts(pool.trie)) == expected
+    for path in expected | {()}:  # every path is found, and its children listed once, oldest first
+        children = [child for _, child in pool.trie.children(pool.trie.find(path))]
+        assert children == sorted(set(children))
