@@ -64,4 +64,6 @@ def __getattr__(name):  # these pull in torch, transformers or LangChain, so onl
         from rag_lookahead.langchain.llm import LookaheadLLM
 
         return LookaheadLLM
-    raise AttributeError(name)
+    import sys  # here, so that it is not one of the package's names
+
+    raise AttributeError(f"module 'rag_lookahead' has no attribute {name!r}", name=name, obj=sys.modules[__name__])

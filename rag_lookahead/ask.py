@@ -1,7 +1,8 @@
 """Ask a question over the local index: ``python -m rag_lookahead.ask "decoding_length 应该怎么设置？"``.
 
 The first run indexes the bundled ``corpora/`` into the default index folder
-(``$RAG_LOOKAHEAD_HOME/index`` or ``~/.local/share/rag_lookahead/index``; a folder named with
+(``$RAG_LOOKAHEAD_HOME/index``, else ``$XDG_DATA_HOME/rag_lookahead/index``, else
+``~/.local/share/rag_lookahead/index``; a folder named with
 ``--index-dir`` must hold an index already), then every run retrieves
 passages, answers with the lookahead LLM, and prints the answer, its sources and the decoding
 stats. ``--json`` prints one JSON object instead. Same options as ``rag_lookahead ask``.
@@ -9,9 +10,11 @@ stats. ``--json`` prints one JSON object instead. Same options as ``rag_lookahea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +96,24 @@ def _note_a_long_question(llm: Any, question: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def _no_loading_bar(quiet: bool) -> Iterator[None]:
+    """With ``quiet`` (--json: nothing but the answer's JSON), no "Loading weights" bar; transformers'
+    bars are back on afterwards, as the caller of :func:`answer` had them."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def answer(
     question: str,
     *,
@@ -140,25 +161,20 @@ def answer(
     index = ensure_index(folder, quiet=quiet, build_bundled=not index_dir)  # only the default folder gets the sample
     if llm is None:
         from rag_lookahead.langchain.llm import LookaheadLLM
-
-        if quiet:  # --json: nothing but the answer's JSON, and no "Loading weights" bar beside it
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
-
         from rag_lookahead.models import load_model, reported_name
 
         # trust_remote_code: an explicit opt-in, the model repo's own code runs. No output-layer
         # screen: one question's answer never pays back its build (3.3 s more for a 30-token
         # answer here, against 0.2 s saved; it pays after ~200 steps, in a server or a session).
-        loaded, tokenizer = load_model(
-            model,
-            trust_remote_code=trust_remote_code,
-            greedy_head=False,
-            dtype=dtype,
-            device=device,
-            device_map=device_map,
-        )
+        with _no_loading_bar(quiet):
+            loaded, tokenizer = load_model(
+                model,
+                trust_remote_code=trust_remote_code,
+                greedy_head=False,
+                dtype=dtype,
+                device=device,
+                device_map=device_map,
+            )
         llm = LookaheadLLM(
             model=loaded, tokenizer=tokenizer, model_name=reported_name(model), max_new_tokens=max_new_tokens
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -40,9 +41,20 @@ def command_interrupts() -> Iterator[Callable[[], None]]:
     """Within, a command: until it calls the function this yields (its imports done), SIGINT
     exits 130 without a traceback, also where an import swallowed the exit; after, SIGINT raises
     KeyboardInterrupt as Python's own handler does, and is remembered. On leaving, SIGINT's
-    handler is what it was and nothing is remembered (``ask.main`` may run in a caller's process).
-    Left alone off the main thread, or where SIGINT is not Python's default (ignored in a
-    background job, or a handler of the caller's)."""
+    handler and ``sys.excepthook`` (typer's app sets its own for good) are what they were and
+    nothing is remembered (``ask.main`` may run in a caller's process). SIGINT is left alone off
+    the main thread, or where it is not Python's default (ignored in a background job, or a
+    handler of the caller's)."""
+    hook = sys.excepthook
+    try:
+        with _sigint_scope() as imported:
+            yield imported
+    finally:
+        sys.excepthook = hook
+
+
+@contextlib.contextmanager
+def _sigint_scope() -> Iterator[Callable[[], None]]:
     if threading.current_thread() is not threading.main_thread() or (
         signal.getsignal(signal.SIGINT) is not signal.default_int_handler
     ):

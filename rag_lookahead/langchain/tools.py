@@ -1,9 +1,9 @@
 """Tool calls in Qwen's format: parsing them out of the answer, and forcing one when ``tool_choice`` asks.
 
 The model writes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; :func:`parse_tool_calls`
-turns that back into calls. A ``tool_choice`` other than "auto" is honoured by opening the
-assistant's turn with ``<tool_call>`` (and the tool's name when it is known), so the model writes
-the call from there (:func:`forced_opening`).
+turns that back into calls. A ``tool_choice`` of "required"/"any" or a tool's name is honoured by
+opening the assistant's turn with ``<tool_call>`` (and the tool's name when it is known), so the
+model writes the call from there (:func:`forced_opening`); "none" and "auto" open nothing.
 """
 
 from __future__ import annotations

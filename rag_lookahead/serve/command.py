@@ -45,7 +45,7 @@ def serve(
     model: str = typer.Option(_D.model, help='"default" or "quality" (embedded), a hub id or a local folder'),
     served_model_name: str | None = typer.Option(None, help="model name reported in responses"),
     dtype: str | None = typer.Option(
-        None, help="bf16, fp32, fp16 or auto (default: bf16 on GPUs and AMX CPUs, else fp32)"
+        None, help="bf16, fp32, fp16 or auto (default: bf16 on GPUs and AMX CPUs, fp16 on GPUs without bf16, else fp32)"
     ),
     device: str | None = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda if available)"),
     device_map: str | None = typer.Option(

@@ -66,7 +66,7 @@ class ServerConfig:
     """Every knob of the server; the ``serve`` options mirror these names (``--max-body-bytes`` ...).
 
     host/port: where to listen (loopback by default).
-    model: "default", a hub id or a local folder (see :func:`rag_lookahead.models.load_model`).
+    model: "default" or "quality" (embedded), a hub id or a local folder (see :func:`rag_lookahead.models.load_model`).
     served_model_name: the name reported in responses when the request names none.
     index_dir: document index for ``/v1/rag`` (None: the default index if it exists).
     max_batch_size: most rows decoded together.

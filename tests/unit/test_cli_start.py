@@ -27,6 +27,18 @@ def test_the_package_imports_without_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_a_misspelt_name_is_said_as_python_says_it():
+    """The lazy ``__getattr__`` raised a bare ``AttributeError: genrate``."""
+    import pytest
+
+    import rag_lookahead
+
+    with pytest.raises(AttributeError, match="^module 'rag_lookahead' has no attribute 'genrate'$") as raised:
+        rag_lookahead.genrate  # noqa: B018
+    assert raised.value.name == "genrate" and raised.value.obj is rag_lookahead
+    assert not hasattr(rag_lookahead, "sys") and set(rag_lookahead.__all__) <= set(dir(rag_lookahead))
+
+
 def test_ctrl_c_at_any_moment_of_a_start_exits_130_without_a_word(tmp_path):
     """Early, a Ctrl-C printed a traceback through ``import torch``; a little later, an import it
     cut short made transformers fail to find Qwen2ForCausalLM, and ask told the user to delete
@@ -81,3 +93,41 @@ def test_a_command_run_in_process_leaves_ctrl_c_as_it_was():
     thread.start()
     thread.join(60)
     assert ended == [0]
+
+
+def test_a_command_run_in_process_leaves_the_excepthook_and_progress_bars_as_they_were(monkeypatch):
+    """typer's app installed its own sys.excepthook for good, and ``ask --json`` turned
+    transformers' progress bars off for the rest of the caller's process."""
+    import sys
+
+    import pytest
+    from transformers.utils import logging as hf_logging
+
+    from rag_lookahead import console
+    from rag_lookahead.ask import _no_loading_bar, main
+
+    def own_hook(*args):
+        return sys.__excepthook__(*args)
+
+    sys.excepthook = own_hook
+    try:
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        assert sys.excepthook is own_hook
+        monkeypatch.setattr(sys, "argv", ["rag_lookahead", "--help"])
+        with pytest.raises(SystemExit):
+            console.main()
+        assert sys.excepthook is own_hook
+    finally:
+        sys.excepthook = sys.__excepthook__
+    assert hf_logging.is_progress_bar_enabled()
+    with _no_loading_bar(quiet=True):
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the caller's own choice stays
+    try:
+        with _no_loading_bar(quiet=True):
+            pass
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()
