@@ -16,9 +16,30 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from rag_lookahead.errors import ConfigError
 from rag_lookahead.langchain.engine import Engine, EngineRun, RowRequest
 
-__all__ = ["BatchCall", "Gather", "Seat", "decode_together", "gather_of_this_thread", "run_wave", "settings_key"]
+__all__ = [
+    "BatchCall",
+    "Gather",
+    "Seat",
+    "decode_together",
+    "gather_of_this_thread",
+    "run_wave",
+    "settings_key",
+    "wave_width",
+]
+
+
+def wave_width(max_concurrency: Any, count: int) -> int:
+    """How many of a batch's ``count`` inputs decode together: ``max_concurrency``, or all of them
+    where it is None or 0. Anything but an integer >= 0 is refused: a negative one made no wave
+    at all, and the batch answered ``[]``."""
+    if max_concurrency is None or (max_concurrency == 0 and type(max_concurrency) is int):
+        return count
+    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+        raise ConfigError(f"max_concurrency must be an integer >= 1 (or None: no limit), got {max_concurrency!r}")
+    return max_concurrency
 
 
 @dataclass

@@ -48,7 +48,14 @@ from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.inputs import check_prompt_room
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.errors import ConfigError, InputError
-from rag_lookahead.langchain.batching import BatchCall, decode_together, gather_of_this_thread, run_wave, settings_key
+from rag_lookahead.langchain.batching import (
+    BatchCall,
+    decode_together,
+    gather_of_this_thread,
+    run_wave,
+    settings_key,
+    wave_width,
+)
 from rag_lookahead.langchain.engine import (
     CancellableAsync,
     Engine,
@@ -440,7 +447,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         self, inputs: list, config, return_exceptions: bool, kwargs: dict, cancel: threading.Event | None = None
     ) -> list[Any]:
         configs = get_config_list(config, len(inputs))
-        width = configs[0].get("max_concurrency") or len(inputs)
+        width = wave_width(configs[0].get("max_concurrency"), len(inputs))
         results: list[Any] = []
         for start in range(0, len(inputs), width):
             if cancel is not None and cancel.is_set():

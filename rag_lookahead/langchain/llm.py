@@ -42,6 +42,7 @@ from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.inputs import check_prompt_room
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.langchain.batching import wave_width
 from rag_lookahead.langchain.engine import BlockStream, CancellableAsync, Engine, EngineRun, NotPickled, RowRequest
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.tokens import encode_messages
@@ -402,9 +403,9 @@ def _concurrency_parts(inputs: list, config, kwargs: dict[str, Any]) -> list[tup
     if not inputs:
         return None
     configs = get_config_list(config, len(inputs))
-    size = configs[0].get("max_concurrency")
-    if size is None:
+    if configs[0].get("max_concurrency") is None:
         return None
+    size = wave_width(configs[0]["max_concurrency"], len(inputs))
     if _one_passage_list(kwargs.get("references")) and len(inputs) > 1:
         # each part of one prompt would take it as that prompt's passages
         raise InputError(_ONE_LIST_FOR_MANY.format(count=len(inputs)))

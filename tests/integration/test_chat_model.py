@@ -790,3 +790,27 @@ def test_model_copy_checks_its_update_and_decodes_with_an_updated_model():
     for temperature in ("abc", [0.5]):  # LangChain's tracing read it with float() before our check
         with pytest.raises(ConfigError, match="temperature must be a number >= 0"):
             chat.invoke(prompt, temperature=temperature)
+
+
+def test_max_concurrency_zero_is_no_limit_and_a_negative_one_is_refused():
+    """A negative max_concurrency made no wave, and batch answered [] for every input;
+    LookaheadLLM's 0 raised "range() arg 3 must not be zero"."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.tiny import build_tiny_model
+
+    model, tok = build_tiny_model("qwen2", seed=4), tiny_tokenizer()
+    prompts = ["t5 t6", "t7 t8", "t9"]
+    for llm in (
+        ChatLookahead(model=model, tokenizer=tok, max_tokens=3),
+        LookaheadLLM(model=model, tokenizer=tok, max_new_tokens=3),
+    ):
+
+        def texts(config=None, llm=llm):
+            return [getattr(a, "content", a) for a in llm.batch(prompts, config)]
+
+        whole = texts()
+        assert len(whole) == 3 and [texts({"max_concurrency": n}) for n in (0, 1, 2)] == [whole] * 3
+        for bad in (-1, 1.5, "2"):
+            with pytest.raises(ConfigError, match=f"max_concurrency must be an integer >= 1 .*got {bad!r}"):
+                texts({"max_concurrency": bad})
