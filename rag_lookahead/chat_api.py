@@ -53,6 +53,17 @@ def chat(
     references: passages to draft from (text), e.g. the retrieved ones the prompt quotes.
     streamer: a transformers streamer (``TextStreamer(tokenizer, skip_prompt=True)``).
     """
+    watched = _EndOnce(streamer) if streamer is not None else None
+    try:
+        return _chat(model, tokenizer, query, history, generation_config, system, references, watched)
+    except BaseException:
+        # a refusal before decoding began: a TextIteratorStreamer's reader waited for good
+        if watched is not None and not watched.ended:
+            streamer.end()
+        raise
+
+
+def _chat(model, tokenizer, query, history, generation_config, system, references, streamer) -> tuple[str, History]:
     if not isinstance(query, str) or not query.strip():
         raise InputError("query must be a non-empty string")
     if references is not None:  # a bare string would be drafted from as one-character passages
@@ -73,10 +84,12 @@ def chat(
     inputs = _encode(tokenizer, messages)
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in inputs.items()}
+    config = _answer_config(model, generation_config, inputs["input_ids"].shape[1])
     output = model.generate(
         **inputs,
         custom_generate=hf_generate,
-        generation_config=_answer_config(model, generation_config, inputs["input_ids"].shape[1]),
+        generation_config=config,
+        stopping_criteria=_stop_strings(config, tokenizer),
         references=[list(references)] if references else None,
         lookahead_tokenizer=tokenizer,
         streamer=streamer,
@@ -134,21 +147,55 @@ def _answer_config(model, generation_config, prompt_length: int):
         )
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     own = getattr(model, "generation_config", None)
-    # (max_new_tokens, max_length) set in the caller's config, then in the model's: transformers takes
-    # the first, and max_new_tokens before max_length
-    pairs = [
-        (getattr(c, "max_new_tokens", None), getattr(c, "max_length", None)) for c in (config, own) if c is not None
-    ]
-    lengths = [pair for pair in pairs if pair != (None, None)]
-    if not lengths:
-        config.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
-        lengths = [(DEFAULT_MAX_NEW_TOKENS, None)]
+    # as transformers merges them: each field from the caller's config, else from the model's; then
+    # max_new_tokens before max_length
+    new, total = (
+        next((v for v in (getattr(c, f, None) for c in (config, own)) if v is not None), None) for f in _LENGTHS
+    )
+    if new is None and total is None:
+        new = DEFAULT_MAX_NEW_TOKENS
+    wanted = prompt_length + new if new is not None else total
+    if wanted <= prompt_length:  # model.generate refuses this too
+        raise InputError(
+            f"max_length {total} leaves no room for an answer after the {prompt_length}-token prompt "
+            "(the history included): set max_new_tokens instead"
+        )
     limit = context_limit(model)
-    if limit is not None:
-        new, total = lengths[0]
-        wanted = prompt_length + new if new is not None else total
-        config.max_new_tokens = max(min(wanted, limit) - prompt_length, 1)
+    config.max_new_tokens = max(min(wanted, limit or wanted) - prompt_length, 1)  # a full window: refused there
     return config
+
+
+_LENGTHS = ("max_new_tokens", "max_length")
+
+
+def _stop_strings(config, tokenizer):
+    """The config's ``stop_strings`` as the stopping criterion ``model.generate`` would make of them:
+    transformers drops ``tokenizer=`` for a ``custom_generate`` function and then refused them."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    if not config.stop_strings:
+        return None
+    stops = [config.stop_strings] if isinstance(config.stop_strings, str) else list(config.stop_strings)
+    config.stop_strings = None
+    return StoppingCriteriaList([StopStringCriteria(tokenizer, stops)])
+
+
+def _EndOnce(streamer):
+    """The caller's streamer, with ``ended`` set once it is ended, so that :func:`chat` ends it on a
+    failure only where decoding did not."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class EndOnce(BaseStreamer):
+        ended = False
+
+        def put(self, value) -> None:
+            streamer.put(value)
+
+        def end(self) -> None:
+            self.ended = True
+            streamer.end()
+
+    return EndOnce()
 
 
 def _extended(history, as_messages: bool, query: str, answer: str) -> History:

@@ -12,7 +12,7 @@ from rag_lookahead.chat_api import chat
 from rag_lookahead.errors import ConfigError, InputError
 
 
-def plain_answer(model, tokenizer, messages, **options) -> str:
+def plain_answer(model, tokenizer, messages, /, **options) -> str:
     """What model.generate answers for the same messages, decoded the same way."""
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**inputs, do_sample=False, **options)
@@ -117,3 +117,78 @@ def test_default_model_chat_two_turns(default_model_fp32):
     ]
     assert second == plain_answer(model, tokenizer, messages, max_new_tokens=32)
     assert [q for q, _ in history] == [first_query, "Say it again in one word."]
+
+
+class Recorder:
+    """A streamer that counts what it is given and how often it is ended."""
+
+    def __init__(self) -> None:
+        self.puts, self.ends = 0, 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+
+    def end(self) -> None:
+        self.ends += 1
+
+
+def test_a_refused_chat_still_ends_its_streamer(tiny):
+    """chat refused bad input before decoding began without ending the streamer, so a
+    TextIteratorStreamer's reader (chat in a thread, the usual pattern) waited for good."""
+    model, tokenizer = tiny
+    config = GenerationConfig(max_new_tokens=4, do_sample=False)
+    for bad in (
+        {"history": [("t7",)]},
+        {"references": "t9 t10"},
+        {"generation_config": {"max_new_tokens": 4}},
+        {"generation_config": GenerationConfig(max_length=3)},
+    ):
+        streamer = Recorder()
+        with pytest.raises((InputError, ConfigError)):
+            chat(model, tokenizer, "t5 t6", **({"generation_config": config} | bad), streamer=streamer)
+        assert (streamer.puts, streamer.ends) == (0, 1), bad
+    streamer = Recorder()
+    chat(model, tokenizer, "t5 t6", generation_config=config, streamer=streamer)
+    assert streamer.ends == 1 and streamer.puts == 1 + 4  # the prompt, then a token a put
+
+
+@pytest.fixture(scope="module")
+def real_vocab():
+    """A tiny random Qwen2 over the default model's tokenizer (transformers' stop strings need a real one)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from rag_lookahead.models import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    config = transformers.Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def test_stop_strings_and_lengths_are_taken_as_model_generate_takes_them(real_vocab):
+    """chat could not honour stop_strings (transformers drops tokenizer= for a custom_generate
+    function, and then refuses them), and took the caller's max_length over the model's own
+    max_new_tokens, which model.generate merges field by field and puts first."""
+    model, tokenizer = real_vocab
+    query = [{"role": "user", "content": "Name a colour."}]
+    full = plain_answer(model, tokenizer, query, max_new_tokens=12)
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, stop_strings=[stop])
+    answer, _ = chat(model, tokenizer, "Name a colour.", generation_config=config)
+    stopped = plain_answer(model, tokenizer, query, max_new_tokens=12, stop_strings=[stop], tokenizer=tokenizer)
+    assert answer == stopped
+    assert len(answer) < len(full) and config.stop_strings == [stop]  # the caller's config is left alone
+    model.generation_config.max_new_tokens = 5
+    try:
+        answer, _ = chat(model, tokenizer, "Name a colour.", generation_config=GenerationConfig(max_length=60))
+        assert answer == plain_answer(model, tokenizer, query, max_length=60)
+        assert len(tokenizer(answer)["input_ids"]) <= 5
+    finally:
+        model.generation_config.max_new_tokens = None
