@@ -140,13 +140,26 @@ _MANIFEST_KEYS = (  # the keys a reader relies on, with the types it relies on
 )
 
 
+#: a manifest holds about 150 bytes a file indexed; a bigger file of that name is no manifest of ours
+MAX_MANIFEST_MB = 256
+
+
+def _manifest_file(path: Path, follow_symlinks: bool = True) -> bytes | str:
+    """A manifest's bytes, or why not (a string). Read as corpus files are: a FIFO of that name hung
+    ``index`` and ``load_index``, a link to ``/dev/zero`` or a 2 GB ``manifest.json`` of the user's
+    (a common name in dataset folders) was read until memory ran out."""
+    from rag_lookahead.rag.corpus import read_capped
+
+    return read_capped(path, follow_symlinks, MAX_MANIFEST_MB, limit_flag=None)
+
+
 def _manifest_bytes(index_dir: Path) -> bytes:
-    try:
-        return (index_dir / MANIFEST).read_bytes()
-    except FileNotFoundError:
-        raise IndexLoadError(f"index at {index_dir} is incomplete: {MANIFEST} is missing") from None
-    except OSError as e:
-        raise IndexLoadError(f"cannot read {index_dir / MANIFEST}: {e.strerror or e}") from None
+    raw = _manifest_file(index_dir / MANIFEST)
+    if isinstance(raw, bytes):
+        return raw
+    if not (index_dir / MANIFEST).exists():
+        raise IndexLoadError(f"index at {index_dir} is incomplete: {MANIFEST} is missing")
+    raise IndexLoadError(f"cannot read {index_dir / MANIFEST}: {raw}")
 
 
 def read_manifest(index_dir: Path) -> dict:
@@ -244,10 +257,7 @@ def read_snapshot(index_dir: Path) -> tuple[dict, Any, list[dict]]:
 
 
 def _manifest_changed(index_dir: Path, raw: bytes) -> bool:
-    try:
-        return (index_dir / MANIFEST).read_bytes() != raw
-    except OSError:
-        return True
+    return _manifest_file(index_dir / MANIFEST) != raw
 
 
 # ---------------------------------------------------------------- ownership of the index folder
@@ -255,10 +265,11 @@ def _manifest_changed(index_dir: Path, raw: bytes) -> bool:
 
 def _our_manifest(path: Path) -> dict | None:
     """The manifest at ``path`` if it carries our marker (``"format": "rag_lookahead.index"``): only a
-    build of ours wrote it. None for a missing, unreadable or foreign file."""
+    build of ours wrote it. None for a missing, unreadable or foreign file (a link too: we write none)."""
+    raw = _manifest_file(path, follow_symlinks=False)
     try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        manifest = json.loads(raw.decode("utf-8")) if isinstance(raw, bytes) else None
+    except (UnicodeDecodeError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME else None
 
@@ -484,8 +495,9 @@ def publish_version(
 
 
 def manifest_files(index_dir: Path) -> list[str]:
+    raw = _manifest_file(index_dir / MANIFEST)
     try:
-        files = json.loads((index_dir / MANIFEST).read_text(encoding="utf-8")).get("files", {})
+        files = json.loads(raw.decode("utf-8")).get("files", {}) if isinstance(raw, bytes) else {}
         return list(files) if isinstance(files, dict) else []
-    except (OSError, ValueError, AttributeError):
+    except (ValueError, AttributeError):
         return []

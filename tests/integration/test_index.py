@@ -425,6 +425,44 @@ def test_cli_refuses_a_folder_that_is_not_an_index(tmp_path, built, kind):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # and nothing beside it
 
 
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "2 GB file"])
+def test_a_manifest_that_is_no_file_of_ours_is_refused_at_once(tmp_path, built, kind):
+    """``index`` and ``load_index`` read manifest.json whole: a FIFO of that name hung both, and a
+    link to /dev/zero or a user's 2 GB manifest.json was read until memory ran out."""
+    import subprocess
+    import sys
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    manifest = notes / "manifest.json"
+    if kind == "fifo":
+        os.mkfifo(manifest)
+    elif kind == "link to /dev/zero":
+        manifest.symlink_to("/dev/zero")
+    else:
+        with open(manifest, "wb") as f:
+            f.truncate(2 * 2**30)  # sparse: no disk taken
+    command = [
+        sys.executable,
+        "-m",
+        "rag_lookahead",
+        "index",
+        str(built[0]),
+        "--index-dir",
+        str(notes),
+        "--no-progress",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "refusing to write an index into" in done.stderr, done.stderr[-500:]
+    code = f"from rag_lookahead.rag.index import load_index; load_index({str(notes)!r})"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    reason = "over the 256 MB limit" if kind == "2 GB file" else "not a regular file"
+    assert f"IndexLoadError: cannot read {manifest}: " in loaded.stderr and reason in loaded.stderr, loaded.stderr[
+        -500:
+    ]
+    assert sorted(p.name for p in notes.iterdir()) == ["manifest.json"]
+
+
 def test_the_text_of_an_index_is_its_owners_only(built):
     index_dir = built[1]
     data = artifact(index_dir, "docstore.jsonl").parent
