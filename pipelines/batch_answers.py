@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from rag_args import open_index, rag_parser, run
+
 from tqdm import tqdm
 
 from rag_lookahead.atomic import write_jsonl_atomic

@@ -13,9 +13,10 @@ Builds the index from the bundled corpora/ on first use (see pipelines/rag_args.
 
 from __future__ import annotations
 
+from rag_args import open_index, rag_parser, run
+
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.runnables import RunnablePassthrough
-from rag_args import open_index, rag_parser, run
 
 from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.rag.chains import RAG_CHAT_PROMPT, as_retriever, format_context

@@ -1,6 +1,10 @@
-"""What the example pipelines share: the flags that pick the index, the model and ``k``, and opening the index.
+"""What the example pipelines share: the flags that pick the index, the model and ``k``, opening the
+index, and running the script (one-line errors, Ctrl-C).
 
 The default index is built from the bundled corpora/ on first use (see ``rag_lookahead.ask.ensure_index``).
+A pipeline imports this module first (pyproject's isort section "pipeline" keeps it there): from then
+on a Ctrl-C exits 130 quietly, also while torch and LangChain are still importing (it printed a
+20-line traceback through them).
 """
 
 from __future__ import annotations
@@ -9,6 +13,17 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from rag_lookahead.interrupts import command_interrupts
+
+_main_file = getattr(sys.modules["__main__"], "__file__", None)
+# entered only where a pipeline is the program (not where a test imports this module), left in run()
+_START = (
+    command_interrupts()
+    if _main_file and Path(_main_file).resolve().parent == Path(__file__).resolve().parent
+    else None
+)
+_imports_done = _START.__enter__() if _START is not None else None
 
 from rag_lookahead.ask import StdoutClosed, ensure_index, silence_stdout
 from rag_lookahead.checks import positive_int
@@ -66,7 +81,10 @@ def run(main: Callable[[], None], *, prints_answers: bool = True) -> None:
     (exit 130) and a reader that left the pipe (``| head``) ends it quietly (exit 1), no traceback.
     A script that prints its answers (``prints_answers``) and is started with stdout closed
     (``>&-``) does no work: ``print`` would drop the answer unsaid."""
+    global _START
     try:
+        if _imports_done is not None and _START is not None:
+            _imports_done()  # a Ctrl-C during the imports: exit 130; from here it raises KeyboardInterrupt
         if prints_answers and sys.stdout is None:
             raise RagLookaheadError("stdout is closed: there is nowhere to write the answer")
         main()
@@ -82,3 +100,7 @@ def run(main: Callable[[], None], *, prints_answers: bool = True) -> None:
     except OSError as err:  # a disk that filled up, a folder that went away: one line, not a traceback
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        if _START is not None:
+            start, _START = _START, None
+            start.__exit__(None, None, None)

@@ -257,3 +257,25 @@ def test_batch_answers_runs_with_stdout_closed(tmp_path):
         preexec_fn=lambda: os.close(1),
     )
     assert out.returncode == 1 and out.stderr.startswith("error: no index at"), out.stderr  # got past the start
+
+
+@pytest.mark.parametrize("script", ["retrieval_qa.py", "lcel_chain.py", "chat_stream.py", "batch_answers.py"])
+def test_ctrl_c_while_a_pipeline_starts_exits_130_without_a_traceback(tmp_path, script):
+    """The pipelines import torch and LangChain before run() handles a Ctrl-C: one in the first
+    seconds printed a 20-line traceback through those imports and died of SIGINT."""
+    import signal
+    import time
+
+    args = ["What does budget do?"]
+    if script == "batch_answers.py":
+        (tmp_path / "q.jsonl").write_text('{"question": "What does budget do?"}\n', encoding="utf-8")
+        args = [str(tmp_path / "q.jsonl"), str(tmp_path / "answers.jsonl")]
+    env = {**os.environ, "RAG_LOOKAHEAD_HOME": str(tmp_path / "home")}
+    for delay in (0.4, 1.0):  # during the imports, however loaded the machine (or just after them)
+        started = subprocess.Popen(
+            [sys.executable, str(PIPELINES / script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
+        time.sleep(delay)
+        started.send_signal(signal.SIGINT)
+        _, err = started.communicate(timeout=120)
+        assert started.returncode == 130 and err in (b"", b"interrupted\n"), (delay, err.decode()[-500:])
