@@ -83,9 +83,9 @@ class Batches:
     def admit(self, jobs: list[Job]) -> None:
         """One prefill per output pool for the admitted jobs, merged into its running batch."""
         live = [job for job in jobs if job.live]  # one look: a cancel between two looks was never counted
-        dropped = sum(1 for job in jobs if job.cancelled and job not in live)
-        if dropped:  # cancelled between leaving the queue and the prefill (later ones are retired and counted)
-            self.metrics.cancelled.inc(dropped)
+        for job in jobs:  # cancelled between leaving the queue and the prefill (later ones are retired and counted)
+            if job.cancelled and job not in live:
+                self.metrics.settle(job, "cancelled")
         groups: dict[str, list[Job]] = {}
         for job in live:
             groups.setdefault(job.pool_key, []).append(job)
@@ -208,7 +208,7 @@ class Batches:
             return
         if job.cancelled:
             job.ended = True
-            self.metrics.cancelled.inc()
+            self.metrics.settle(job, "cancelled")
             return
         if row.failure is not None:  # choosing its tokens failed (its own sampling): it alone fails
             self.fail([job], self.failure(row.failure))
@@ -218,8 +218,7 @@ class Batches:
         except Exception as e:  # noqa: BLE001
             self.fail([job], self.failure(e))
             return
-        self.metrics.completed.inc()
-        self.metrics.request_seconds.observe(answer.seconds)
+        self.metrics.settle(job, "completed", answer.seconds)
         job.end(("done", answer))
 
     def _final_answer(self, job: Job, row) -> Answer:
@@ -256,9 +255,9 @@ class Batches:
                 continue
             if job.cancelled:
                 job.ended = True
-                self.metrics.cancelled.inc()
+                self.metrics.settle(job, "cancelled")
             else:
-                self.metrics.failed.inc()
+                self.metrics.settle(job, "failed")
                 job.end(("error", error))
 
     def _fail_batch(self, key: str, cause: BaseException, also: Sequence[Job] = ()) -> None:

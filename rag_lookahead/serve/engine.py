@@ -34,7 +34,7 @@ from rag_lookahead.serve.api_error import ApiError, engine_stopped, internal_err
 from rag_lookahead.serve.batches import Batches
 from rag_lookahead.serve.config import ServerConfig
 from rag_lookahead.serve.fair_queue import FairQueue
-from rag_lookahead.serve.jobs import Job
+from rag_lookahead.serve.jobs import Job, RequestOutcome
 from rag_lookahead.serve.metrics import Metrics
 from rag_lookahead.tokens import TextTracker, encode_messages, eos_ids, pad_id
 
@@ -247,7 +247,9 @@ class Engine:
             refusal = self._refusal(jobs)
             if refusal is not None:
                 raise refusal
+            outcome = RequestOutcome(len(jobs))
             for job in jobs:
+                job.outcome = outcome
                 self.token_budget.hold(job)
                 self._waiting.append(job)
             self._cond.notify_all()
@@ -262,7 +264,7 @@ class Engine:
                 self._waiting.remove(job)
             except ValueError:
                 return  # in a batch (or being admitted): the engine retires it and counts it
-        self.metrics.cancelled.inc()
+        self.metrics.settle(job, "cancelled")
 
     # ------------------------------------------------------------ the engine thread
 

@@ -10,6 +10,7 @@ and its answer (the job attaches them as it sends its events, see :mod:`.logprob
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from rag_lookahead.decoding.results import TokenLogprob
     from rag_lookahead.serve.logprobs import AnswerLogprobs
 
-__all__ = ["Answer", "Job", "Piece"]
+__all__ = ["Answer", "Job", "Piece", "RequestOutcome"]
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,30 @@ class Answer:
     unsent_logprobs: tuple[TokenLogprob, ...] = ()  # those of ``logprobs`` that no piece carried
 
 
+class RequestOutcome:
+    """How the choices (jobs) of one HTTP request ended, so that the metrics count the request once:
+    "completed" when every choice was answered in full, else "cancelled" (the client left) or
+    "failed". Counted per choice, an ``n=4`` request added 4 completed requests, and one whose
+    client left after its first choice was done counted as completed and cancelled both."""
+
+    def __init__(self, choices: int = 1) -> None:
+        self._left, self._seen, self._seconds = choices, set(), 0.0
+        self._lock = threading.Lock()  # the engine thread and the handlers' cancels both settle choices
+
+    def settle(self, outcome: str, seconds: float = 0.0) -> tuple[str, float] | None:
+        """One choice ended so; the request's outcome and seconds once its last choice has ended."""
+        with self._lock:
+            self._left -= 1
+            self._seen.add(outcome)
+            self._seconds = max(self._seconds, seconds)
+            if self._left:
+                return None
+        return next(o for o in ("cancelled", "failed", "completed") if o in self._seen), self._seconds
+
+
 class Job:
-    """One generation request inside the engine; ``pool_key`` picks its output pool and batch."""
+    """One generation request inside the engine (one of its ``n`` choices); ``pool_key`` picks its
+    output pool and batch."""
 
     def __init__(
         self,
@@ -83,6 +106,7 @@ class Job:
         self.steps = 0  # blocks accepted (the prefill's first token is one)
         self.submitted = time.perf_counter()
         self.logprobs: AnswerLogprobs | None = None  # the decode loop's recorder, when the request asks
+        self.outcome = RequestOutcome()  # shared with its sibling choices once submitted together
 
     def emit(self, event: tuple) -> None:
         """Send ``event`` to the handler; a piece's text goes as a :class:`Piece`."""

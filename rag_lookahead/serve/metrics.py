@@ -70,6 +70,7 @@ class Metrics:
             "Tokens gained per row and decode forward (1.0 = plain decoding).",
             self._mean_accepted,
         )
+        # one count a request, whatever its n (RequestOutcome: every choice answered, else cancelled or failed)
         self.completed = counter("rag_lookahead_requests_completed_total", "Generation requests answered in full.")
         self.cancelled = counter(
             "rag_lookahead_requests_cancelled_total", "Generation requests dropped because the client left."
@@ -114,6 +115,17 @@ class Metrics:
     def connection_closed(self, reason: str) -> None:
         """Count one connection the protocol closed on its own (see :mod:`rag_lookahead.serve.head`)."""
         self.connections_closed.labels(reason).inc()
+
+    def settle(self, job, outcome: str, seconds: float = 0.0) -> None:
+        """One choice of a request ended (``outcome``: completed, cancelled or failed); the request
+        is counted once its last choice has ended (see ``serve.jobs.RequestOutcome``)."""
+        ended = job.outcome.settle(outcome, seconds)
+        if ended is None:
+            return
+        outcome, seconds = ended
+        getattr(self, outcome).inc()
+        if outcome == "completed":
+            self.request_seconds.observe(seconds)
 
     def prefill(self, seconds: float, prompt_tokens: int) -> None:
         self.prefills.inc()

@@ -511,6 +511,38 @@ def test_tiny_cancel_frees_the_slot(tokenizer):
     assert metric(metrics, "rag_lookahead_tokens_generated_total") < 200 + 64
 
 
+def test_a_request_of_n_choices_is_counted_once(tokenizer, monkeypatch):
+    """The request counters counted choices: an n=4 request added 4 completed requests (and 4
+    request_seconds), and one whose client left after its first choice was answered counted as
+    completed and cancelled both; completed + cancelled no longer matched the requests."""
+    engine = tiny_engine(tokenizer, max_batch_size=1, max_tokens_limit=200)
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 5, "n": 4, "temperature": 1.0, "seed": 1}
+
+    async def leave_after_the_first_choice(base: str) -> None:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            sent = asyncio.create_task(client.post("/v1/completions", json=body | {"n": 2, "max_tokens": 200}))
+            await until(lambda: engine.queue_depth == 1)  # choice 0 decodes, choice 1 waits its turn
+            await until(lambda: engine.queue_depth == 0)  # choice 0 answered, choice 1 decodes
+            sent.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sent
+
+    with serving(engine) as base:
+        r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4
+        wait_idle(engine, 30)
+        text = httpx.get(base + "/metrics").text
+        assert metric(text, "rag_lookahead_requests_completed_total") == 1
+        assert metric(text, "rag_lookahead_request_seconds_count") == 1
+        slow_steps(monkeypatch, 0.02)
+        asyncio.run(leave_after_the_first_choice(base))
+        wait_idle(engine, 30)
+        text = httpx.get(base + "/metrics").text
+    assert metric(text, "rag_lookahead_requests_completed_total") == 1
+    assert metric(text, "rag_lookahead_requests_cancelled_total") == 1
+    assert metric(text, "rag_lookahead_request_seconds_count") == 1
+
+
 # ---------------------------------------------------------------- the real default model (slow)
 
 PROMPTS = [
