@@ -89,7 +89,9 @@ def _chat(model, tokenizer, query, history, generation_config, system, reference
         **inputs,
         custom_generate=hf_generate,
         generation_config=config,
-        stopping_criteria=_stop_strings(config, tokenizer),
+        stopping_criteria=_stop_strings(config, model, tokenizer),
+        # else the model's own would be merged back in, and refused without a tokenizer
+        **({"stop_strings": None} if getattr(getattr(model, "generation_config", None), "stop_strings", None) else {}),
         references=[list(references)] if references else None,
         lookahead_tokenizer=tokenizer,
         streamer=streamer,
@@ -154,6 +156,8 @@ def _answer_config(model, generation_config, prompt_length: int):
     )
     if new is None and total is None:
         new = DEFAULT_MAX_NEW_TOKENS
+    if new is not None and (isinstance(new, bool) or not isinstance(new, int) or new < 1):
+        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {new!r}")
     wanted = prompt_length + new if new is not None else total
     if wanted <= prompt_length:  # model.generate refuses this too
         raise InputError(
@@ -168,16 +172,18 @@ def _answer_config(model, generation_config, prompt_length: int):
 _LENGTHS = ("max_new_tokens", "max_length")
 
 
-def _stop_strings(config, tokenizer):
-    """The config's ``stop_strings`` as the stopping criterion ``model.generate`` would make of them:
-    transformers drops ``tokenizer=`` for a ``custom_generate`` function and then refused them."""
+def _stop_strings(config, model, tokenizer):
+    """The ``stop_strings`` ``model.generate`` would take (the config's, else the model's own) as the
+    stopping criterion it would make of them: transformers drops ``tokenizer=`` for a
+    ``custom_generate`` function and then refused them."""
     from transformers import StoppingCriteriaList, StopStringCriteria
 
-    if not config.stop_strings:
-        return None
-    stops = [config.stop_strings] if isinstance(config.stop_strings, str) else list(config.stop_strings)
+    own = getattr(getattr(model, "generation_config", None), "stop_strings", None)
+    stops = config.stop_strings if config.stop_strings is not None else own
     config.stop_strings = None
-    return StoppingCriteriaList([StopStringCriteria(tokenizer, stops)])
+    if not stops:
+        return None
+    return StoppingCriteriaList([StopStringCriteria(tokenizer, [stops] if isinstance(stops, str) else list(stops))])
 
 
 def _EndOnce(streamer):

@@ -41,16 +41,21 @@ def command_interrupts() -> Iterator[Callable[[], None]]:
     """Within, a command: until it calls the function this yields (its imports done), SIGINT
     exits 130 without a traceback, also where an import swallowed the exit; after, SIGINT raises
     KeyboardInterrupt as Python's own handler does, and is remembered. On leaving, SIGINT's
-    handler and ``sys.excepthook`` (typer's app sets its own for good) are what they were and
+    handler and ``sys.excepthook`` (typer's app sets its own for good; kept where an unexpected
+    error leaves, so that it shows it) are what they were and
     nothing is remembered (``ask.main`` may run in a caller's process). SIGINT is left alone off
     the main thread, or where it is not Python's default (ignored in a background job, or a
     handler of the caller's)."""
-    hook = sys.excepthook
+    hook, failed = sys.excepthook, False
     try:
         with _sigint_scope() as imported:
             yield imported
+    except Exception:
+        failed = True  # an unexpected error on its way out: typer's hook (if its app set one) shows it
+        raise
     finally:
-        sys.excepthook = hook
+        if not failed:
+            sys.excepthook = hook
 
 
 @contextlib.contextmanager

@@ -384,7 +384,13 @@ def chat_ids(tokenizer, prompt: dict, *, with_context: bool = True) -> list[int]
 
 
 def context_fitted_ids(
-    model, tokenizer, prompts: Sequence[dict], max_new_tokens: int, *, with_context: bool = True
+    model,
+    tokenizer,
+    prompts: Sequence[dict],
+    max_new_tokens: int,
+    *,
+    with_context: bool = True,
+    flag: str = "--max-new-tokens",
 ) -> list[list[int]]:
     """Each prompt's chat ids (as :func:`chat_ids` builds them), once every prompt with an answer of
     ``max_new_tokens`` fits the model's context; else :class:`InputError` naming the longest prompt
@@ -399,7 +405,7 @@ def context_fitted_ids(
     over = sum(len(i) + max_new_tokens > limit for i in ids)
     room = limit - len(ids[longest])
     fix = (
-        f"an answer of --max-new-tokens {max_new_tokens} does not fit; lower it to {room} or drop the prompt"
+        f"an answer of {flag} {max_new_tokens} does not fit; lower it to {room} or drop the prompt"
         if room > 0
         else "no room is left for an answer; drop the prompt"
     )

@@ -172,7 +172,14 @@ def real_mix(model: str, dtype: str, device: str | None, prompts: str | None, se
     prompt_set = load_prompts(prompts)  # a bad file fails before the model loads
     loaded, tokenizer = load_bench_model(model, dtype, device, None)
     eos, pad = eos_pad(loaded, tokenizer)
-    shorts = context_fitted_ids(loaded, tokenizer, prompt_set, settings["short_max_new_tokens"], with_context=False)
+    shorts = context_fitted_ids(
+        loaded,
+        tokenizer,
+        prompt_set,
+        settings["short_max_new_tokens"],
+        with_context=False,
+        flag="--short-max-new-tokens",
+    )
     longs = []
     for i in range(settings["long_requests"]):
         contexts, n = [], i

@@ -41,7 +41,7 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import ConfigDict, Field, PrivateAttr, StrictFloat, StrictInt
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
@@ -167,6 +167,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
     device_map: Any = Field(default=None, exclude=True, repr=False)
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=(), extra="forbid")
+    _name_derived: bool = PrivateAttr(default=False)  # model_name was worked out from the model
 
     engine_fields: ClassVar[frozenset[str]] = frozenset(
         {"model", "tokenizer", "engine", "dtype", "device", "device_map"}
@@ -174,13 +175,18 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
 
     def model_post_init(self, __context: Any) -> None:
         super().model_post_init(__context)
-        self._settle(new_engine=True)
+        self._settle(None)
 
-    def _settle(self, new_engine: bool) -> None:
-        if new_engine:
+    def _settle(self, updated: frozenset[str] | None) -> None:
+        if self._new_engine(updated):
             self._engine = self._make_engine()
+            if updated is not None and "model_name" not in updated and self._name_derived:
+                self.model_name = None  # named after the model it no longer decodes with
+        if updated is not None and "model_name" in updated:
+            self._name_derived = False
         if self.model_name is None:
             self.model_name = self._derived_name()
+            self._name_derived = True
         positive_int("max_tokens", self.max_tokens)
         _check_timeout(self.timeout)
         if isinstance(self.stop, str):

@@ -76,15 +76,15 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
     engine_fields: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     def model_post_init(self, __context: Any) -> None:
-        self._settle(new_engine=True)
+        self._settle(None)
 
-    def _settle(self, new_engine: bool) -> None:
+    def _settle(self, updated: frozenset[str] | None) -> None:
         if self.model is None or self.tokenizer is None:
             raise ConfigError("LookaheadLLM needs a model and a tokenizer (or use LookaheadLLM.from_model_id)")
         positive_int("max_new_tokens", self.max_new_tokens)
         if not self.lookahead.stop_words:
             self.lookahead = self.lookahead.with_tokenizer(self.tokenizer)
-        if new_engine:
+        if self._new_engine(updated):
             self._engine = Engine(self.model, self.tokenizer, self.lookahead)
         self._sampling({})  # refuse bad sampling settings at construction
 

@@ -60,13 +60,16 @@ class SamplingFields(BaseModel):
                     self.__pydantic_validator__.validate_assignment(copied, name, value)
             except ValidationError as err:
                 raise settings_error(type(self).__name__, err) from None
-            copied._settle(new_engine=bool(self.engine_fields & set(update)))
+            copied._settle(frozenset(update))
         return copied
 
-    def _settle(self, new_engine: bool) -> None:
-        """Check the settings and, where ``new_engine``, build the engine (at construction, and
-        after :meth:`model_copy`'s update)."""
+    def _settle(self, updated: frozenset[str] | None) -> None:
+        """Check the settings, and build the engine at construction (``updated`` None) or after a
+        :meth:`model_copy` that updated one of ``engine_fields``."""
         raise NotImplementedError
+
+    def _new_engine(self, updated: frozenset[str] | None) -> bool:
+        return updated is None or bool(self.engine_fields & updated)
 
     def _sampling(self, kwargs: dict) -> dict:
         """``generate``'s sampling keywords: the fields, overridden per call; pops what it uses."""

@@ -185,6 +185,12 @@ def test_stop_strings_and_lengths_are_taken_as_model_generate_takes_them(real_vo
     stopped = plain_answer(model, tokenizer, query, max_new_tokens=12, stop_strings=[stop], tokenizer=tokenizer)
     assert answer == stopped
     assert len(answer) < len(full) and config.stop_strings == [stop]  # the caller's config is left alone
+    model.generation_config.stop_strings = [stop]  # the model's own: merged in by model.generate too
+    try:
+        answer, _ = chat(model, tokenizer, "Name a colour.", generation_config=GenerationConfig(max_new_tokens=12))
+        assert answer == stopped
+    finally:
+        model.generation_config.stop_strings = None
     model.generation_config.max_new_tokens = 5
     try:
         answer, _ = chat(model, tokenizer, "Name a colour.", generation_config=GenerationConfig(max_length=60))
@@ -192,3 +198,8 @@ def test_stop_strings_and_lengths_are_taken_as_model_generate_takes_them(real_vo
         assert len(tokenizer(answer)["input_ids"]) <= 5
     finally:
         model.generation_config.max_new_tokens = None
+    for bad in (0, -3):  # model.generate refuses these; chat answered one token
+        config = GenerationConfig()
+        config.max_new_tokens = bad  # set after construction, which refuses it
+        with pytest.raises(ConfigError, match=f"max_new_tokens must be an integer >= 1, got {bad}"):
+            chat(model, tokenizer, "Name a colour.", generation_config=config)

@@ -773,6 +773,13 @@ def test_model_copy_checks_its_update_and_decodes_with_an_updated_model():
 
         copied = model.model_copy(update={"model": second})
         assert answer(copied) == answer(cls(model=second, tokenizer=tok, **{length: 8})) != answer(model)
+        if cls is ChatLookahead:  # a name worked out from the old model goes with it; one given stays
+            first.config._name_or_path, second.config._name_or_path = "org/first", "org/second"
+            named = cls(model=first, tokenizer=tok, **{length: 8})
+            assert named.model_copy(update={"model": second}).model_name == "second"
+            assert named.model_copy(update={"model": second, "model_name": "mine"}).model_name == "mine"
+            given = cls(model=first, tokenizer=tok, model_name="mine", **{length: 8})
+            assert given.model_copy(update={"model": second}).model_name == "mine"
         kept = model.model_copy(update={"temperature": 0.0})
         assert kept._engine is model._engine  # other settings keep the engine, so its output pool
         for bad, message in (

@@ -521,8 +521,8 @@ def test_a_request_of_n_choices_is_counted_once(tokenizer, monkeypatch):
     async def leave_after_the_first_choice(base: str) -> None:
         async with httpx.AsyncClient(base_url=base, timeout=60) as client:
             sent = asyncio.create_task(client.post("/v1/completions", json=body | {"n": 2, "max_tokens": 200}))
-            await until(lambda: engine.queue_depth == 1)  # choice 0 decodes, choice 1 waits its turn
-            await until(lambda: engine.queue_depth == 0)  # choice 0 answered, choice 1 decodes
+            await until(lambda: engine.queue_depth == 1, 120)  # choice 0 decodes, choice 1 waits its turn
+            await until(lambda: engine.queue_depth == 0, 120)  # choice 0 answered, choice 1 decodes
             sent.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sent

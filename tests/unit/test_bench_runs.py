@@ -164,6 +164,9 @@ def test_interference_refuses_long_requests_past_the_context_before_any_timed_ru
         f"passes the model's context ({CONTEXT}, prompt and answer together): lower --long-tokens"
     )
     assert capsys.readouterr().out == ""
+    with pytest.raises(SystemExit) as done:  # a short request past the context names its own option
+        main([*argv, "--long-tokens", "30", "--short-max-new-tokens", str(CONTEXT)])
+    assert "an answer of --short-max-new-tokens 64 does not fit; lower it to " in done.value.code
     report = main([*argv, "--long-tokens", "30", "--long-max-new-tokens", "2", "--short-max-new-tokens", "4"])
     assert all(n + 2 <= CONTEXT for n in report["long_prompt_tokens"])
     assert [row["identical"] for row in report["results"]] == ["4/4", "4/4"]  # 3 short requests and the long one

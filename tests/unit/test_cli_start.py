@@ -120,6 +120,16 @@ def test_a_command_run_in_process_leaves_the_excepthook_and_progress_bars_as_the
         assert sys.excepthook is own_hook
     finally:
         sys.excepthook = sys.__excepthook__
+    from rag_lookahead.interrupts import command_interrupts
+
+    sys.excepthook = own_hook
+    try:  # an unexpected error keeps the hook a typer app set, so that it shows it (as the CLI did)
+        with pytest.raises(RuntimeError), command_interrupts():
+            sys.excepthook = print
+            raise RuntimeError("a bug")
+        assert sys.excepthook is print
+    finally:
+        sys.excepthook = sys.__excepthook__
     assert hf_logging.is_progress_bar_enabled()
     with _no_loading_bar(quiet=True):
         assert not hf_logging.is_progress_bar_enabled()
