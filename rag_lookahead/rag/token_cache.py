@@ -46,9 +46,10 @@ def _key(texts: Sequence[str]) -> str:
     h = hashlib.sha256()
     h.update(Path(lexical.__file__).read_bytes())
     h.update(f"\0jieba {jieba.__version__}\0{len(texts)}\0".encode())
-    for t in texts:
-        h.update(t.encode("utf-8", "surrogatepass"))
-        h.update(b"\0")
+    for t in texts:  # each text's length first: a text may hold "\0", so no separator tells them apart
+        data = t.encode("utf-8", "surrogatepass")
+        h.update(f"{len(data)}:".encode())
+        h.update(data)
     return h.hexdigest()[:40]
 
 

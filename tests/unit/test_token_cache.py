@@ -57,6 +57,27 @@ def test_a_second_read_does_not_cut_and_another_corpus_misses(tmp_path, monkeypa
     assert len(calls) == len(other) and len(_files(tmp_path)) == 2
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.text(st.sampled_from(["a", "b", " ", "\0", "词"]), max_size=6), min_size=2, max_size=4), st.data())
+def test_texts_that_join_alike_do_not_share_a_file(tmp_path_factory, texts, data):
+    """The key joined the texts with "\0": ["alpha\0bravo", "charlie"] and ["alpha", "bravo\0charlie"]
+    made the same key, and an edited chunk was searched with the words of the old one (a chunk
+    holds "\0" where a file has one past the 8 KB that binary detection reads)."""
+    folder = tmp_path_factory.mktemp("bm25")
+    token_cache.cached_tokens(texts, folder, min_chunks=1)
+    cut = data.draw(st.integers(min_value=0, max_value=len(texts) - 2))
+    joined = texts[cut] + "\0" + texts[cut + 1]  # split again at any "\0": the same bytes, joined so
+    at = data.draw(st.sampled_from([n for n, c in enumerate(joined) if c == "\0"]))
+    other = [*texts[:cut], joined[:at], joined[at + 1 :], *texts[cut + 2 :]]
+    assert token_cache.cached_tokens(other, folder, min_chunks=1) == _cut(other)
+
+
+def test_the_reported_collision_misses(tmp_path):
+    token_cache.cached_tokens(["kilo lima mike alpha\0bravo", "charlie"], tmp_path, min_chunks=1)
+    other = ["kilo lima mike alpha", "bravo\0charlie"]
+    assert token_cache.cached_tokens(other, tmp_path, min_chunks=1) == _cut(other)
+
+
 def test_a_small_corpus_is_cut_without_a_file(tmp_path):
     assert token_cache.cached_tokens(TEXTS, tmp_path, min_chunks=len(TEXTS) + 1) == _cut(TEXTS)
     assert _files(tmp_path) == []
