@@ -380,6 +380,12 @@ def test_tokenize_and_fusion():
 # ---------------------------------------------------------------- never touch a folder that is not ours
 
 
+def run_index(corpus, index_dir, *more: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m rag_lookahead index CORPUS --index-dir DIR --no-progress ...`` in a real process."""
+    command = [sys.executable, "-m", "rag_lookahead", "index", str(corpus), "--index-dir", str(index_dir)]
+    return subprocess.run([*command, "--no-progress", *more], capture_output=True, text=True, timeout=timeout)
+
+
 def run_cli(*args: str):
     from typer.testing import CliRunner
 
@@ -429,9 +435,6 @@ def test_cli_refuses_a_folder_that_is_not_an_index(tmp_path, built, kind):
 def test_a_manifest_that_is_no_file_of_ours_is_refused_at_once(tmp_path, built, kind):
     """``index`` and ``load_index`` read manifest.json whole: a FIFO of that name hung both, and a
     link to /dev/zero or a user's 2 GB manifest.json was read until memory ran out."""
-    import subprocess
-    import sys
-
     notes = tmp_path / "notes"
     notes.mkdir()
     manifest = notes / "manifest.json"
@@ -442,17 +445,7 @@ def test_a_manifest_that_is_no_file_of_ours_is_refused_at_once(tmp_path, built, 
     else:
         with open(manifest, "wb") as f:
             f.truncate(2 * 2**30)  # sparse: no disk taken
-    command = [
-        sys.executable,
-        "-m",
-        "rag_lookahead",
-        "index",
-        str(built[0]),
-        "--index-dir",
-        str(notes),
-        "--no-progress",
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    done = run_index(built[0], notes, timeout=120)
     assert done.returncode == 1 and "refusing to write an index into" in done.stderr, done.stderr[-500:]
     code = f"from rag_lookahead.rag.index import load_index; load_index({str(notes)!r})"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -562,21 +555,7 @@ def test_an_unreadable_data_file_is_an_index_load_error(tmp_path, built, embedde
 def test_the_command_reports_each_skipped_file_once(tmp_path, built):
     """In the report, not again as a Python warning with a source line (a real process: pytest
     would capture the warnings)."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rag_lookahead",
-            "index",
-            str(built[0]),
-            "--index-dir",
-            str(tmp_path / "ix"),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_index(built[0], tmp_path / "ix")
     assert result.returncode == 0, result.stderr
     output = result.stdout + result.stderr
     assert output.count("blob.txt") == 1, output

@@ -40,7 +40,7 @@ def test_a_newcomer_takes_turns_and_does_not_jump_ahead_for_long():
     assert names(queue.take(5)) == ["a0", "a1", "a2", "a3", "a4"]  # alone: five admissions counted
     for i in range(3):
         queue.append(Waiting("b", f"b{i}"))
-    # b starts from a's count, not from 0: turns alternate (a's request is older on a tie)
+    # b joins the end of the round, behind a, and the turns alternate
     assert names(queue.take(6)) == ["a5", "b0", "a6", "b1", "a7", "b2"]
     assert queue.waiting_of("a") == 4 and queue.waiting_of("b") == 0
 
@@ -84,3 +84,19 @@ def test_owners_waiting_together_alternate():
             queue.append(Waiting(owner, f"{owner}{i}"))
     order = [j.owner for j in queue.take(12)]
     assert order == list("xyz") * 4
+
+
+def test_a_keys_second_request_waits_one_round_however_many_keys_come_and_go():
+    """Counting admissions, keys sending one request at a time each came in at the least count and
+    went ahead of a key's second request for as long as they kept coming (10,000 admissions here)."""
+    queue = FairQueue()
+    queue.append(Waiting("a", "a1"))
+    queue.append(Waiting("a", "a2"))
+    for key in ("b", "c", "d"):
+        queue.append(Waiting(key, key))
+    order = []
+    for step in range(20):  # one admission a step, and a new key arrives with one request
+        order += names(queue.take(1))
+        queue.append(Waiting(f"k{step}", f"k{step}"))
+    assert order[:5] == ["a1", "b", "c", "d", "a2"]  # one round of those waiting before it
+    assert order[5:8] == ["k0", "k1", "k2"]  # newcomers, in their order of arrival
