@@ -269,11 +269,11 @@ def print_result(result: dict, streamed: bool) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> None:
     """``python -m rag_lookahead.ask QUESTION [options]``: the ``rag_lookahead ask`` command on its own."""
     from rag_lookahead.interrupts import command_interrupts
 
-    with command_interrupts() as imported:  # the command imports torch first
+    with command_interrupts(own_process) as imported:  # the command imports torch first
         import typer
 
         from rag_lookahead.cli import ask_command
@@ -285,4 +285,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(own_process=True)

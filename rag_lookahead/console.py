@@ -6,7 +6,7 @@ from rag_lookahead.interrupts import command_interrupts
 
 
 def main() -> None:
-    with command_interrupts() as imported:  # the commands import torch first
+    with command_interrupts(own_process=True) as imported:  # the commands import torch first
         from rag_lookahead.cli import app
 
         imported()

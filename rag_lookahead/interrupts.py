@@ -37,13 +37,14 @@ def _interrupt(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def command_interrupts() -> Iterator[Callable[[], None]]:
+def command_interrupts(own_process: bool = False) -> Iterator[Callable[[], None]]:
     """Within, a command: until it calls the function this yields (its imports done), SIGINT
     exits 130 without a traceback, also where an import swallowed the exit; after, SIGINT raises
     KeyboardInterrupt as Python's own handler does, and is remembered. On leaving, SIGINT's
-    handler and ``sys.excepthook`` (typer's app sets its own for good; kept where an unexpected
-    error leaves, so that it shows it) are what they were and
-    nothing is remembered (``ask.main`` may run in a caller's process). SIGINT is left alone off
+    handler and ``sys.excepthook`` (typer's app sets its own for good) are what they were and
+    nothing is remembered (``ask.main`` may run in a caller's process). ``own_process``: the
+    command is the program (a console script, ``python -m``), so an unexpected error leaving it
+    keeps typer's hook, which shows its traceback. SIGINT is left alone off
     the main thread, or where it is not Python's default (ignored in a background job, or a
     handler of the caller's)."""
     hook, failed = sys.excepthook, False
@@ -51,7 +52,7 @@ def command_interrupts() -> Iterator[Callable[[], None]]:
         with _sigint_scope() as imported:
             yield imported
     except Exception:
-        failed = True  # an unexpected error on its way out: typer's hook (if its app set one) shows it
+        failed = own_process  # on its way out of the program: typer's hook (if its app set one) shows it
         raise
     finally:
         if not failed:

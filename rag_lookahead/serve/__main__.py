@@ -2,7 +2,7 @@
 
 from rag_lookahead.interrupts import command_interrupts
 
-with command_interrupts() as imported:
+with command_interrupts(own_process=True) as imported:
     from rag_lookahead.serve.command import main
 
     imported()

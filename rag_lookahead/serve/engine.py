@@ -76,7 +76,7 @@ class Engine:
         self.tokenizer_lock = threading.Lock()
         self.retrieval_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._waiting = FairQueue()  # by API key: a free slot goes to the key admitted least
+        self._waiting = FairQueue()  # by API key: the keys waiting take turns, round robin
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False

@@ -234,7 +234,7 @@ def _as(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
-def test_a_free_slot_goes_to_the_key_admitted_least(tokenizer, monkeypatch):
+def test_keys_take_turns_for_free_slots(tokenizer, monkeypatch):
     """One key's backlog no longer holds another key's request until all of it is served: with a
     first-in-first-out queue B's request ran after all of A's, here it runs after one of them."""
     engine = tiny_engine(tokenizer, max_batch_size=1, api_keys=(KEY_A, KEY_B))

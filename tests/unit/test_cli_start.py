@@ -123,11 +123,13 @@ def test_a_command_run_in_process_leaves_the_excepthook_and_progress_bars_as_the
     from rag_lookahead.interrupts import command_interrupts
 
     sys.excepthook = own_hook
-    try:  # an unexpected error keeps the hook a typer app set, so that it shows it (as the CLI did)
-        with pytest.raises(RuntimeError), command_interrupts():
-            sys.excepthook = print
-            raise RuntimeError("a bug")
-        assert sys.excepthook is print
+    try:  # an unexpected error leaving the program keeps the hook typer set, so that it shows it
+        for own_process, left in ((True, print), (False, own_hook)):
+            with pytest.raises(RuntimeError), command_interrupts(own_process):
+                sys.excepthook = print
+                raise RuntimeError("a bug")
+            assert sys.excepthook is left
+            sys.excepthook = own_hook
     finally:
         sys.excepthook = sys.__excepthook__
     assert hf_logging.is_progress_bar_enabled()

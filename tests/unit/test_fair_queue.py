@@ -37,7 +37,7 @@ def test_a_newcomer_takes_turns_and_does_not_jump_ahead_for_long():
     queue = FairQueue()
     for i in range(12):
         queue.append(Waiting("a", f"a{i}"))
-    assert names(queue.take(5)) == ["a0", "a1", "a2", "a3", "a4"]  # alone: five admissions counted
+    assert names(queue.take(5)) == ["a0", "a1", "a2", "a3", "a4"]  # alone: first in, first out
     for i in range(3):
         queue.append(Waiting("b", f"b{i}"))
     # b joins the end of the round, behind a, and the turns alternate
