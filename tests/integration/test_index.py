@@ -380,10 +380,16 @@ def test_tokenize_and_fusion():
 # ---------------------------------------------------------------- never touch a folder that is not ours
 
 
-def run_index(corpus, index_dir, *more: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m rag_lookahead index CORPUS --index-dir DIR --no-progress ...`` in a real process."""
-    command = [sys.executable, "-m", "rag_lookahead", "index", str(corpus), "--index-dir", str(index_dir)]
-    return subprocess.run([*command, "--no-progress", *more], capture_output=True, text=True, timeout=timeout)
+def run_index(*args: str, preexec_fn=None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m rag_lookahead index ARGS --no-progress`` in a real process."""
+    return subprocess.run(
+        [sys.executable, "-m", "rag_lookahead", "index", *args, "--no-progress"],
+        capture_output=True,
+        text=True,
+        errors="backslashreplace",  # the report names a folder that is not UTF-8 byte for byte
+        timeout=timeout,
+        preexec_fn=preexec_fn,
+    )
 
 
 def run_cli(*args: str):
@@ -445,7 +451,7 @@ def test_a_manifest_that_is_no_file_of_ours_is_refused_at_once(tmp_path, built, 
     else:
         with open(manifest, "wb") as f:
             f.truncate(2 * 2**30)  # sparse: no disk taken
-    done = run_index(built[0], notes, timeout=120)
+    done = run_index(str(built[0]), "--index-dir", str(notes), timeout=120)
     assert done.returncode == 1 and "refusing to write an index into" in done.stderr, done.stderr[-500:]
     code = f"from rag_lookahead.rag.index import load_index; load_index({str(notes)!r})"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -555,7 +561,7 @@ def test_an_unreadable_data_file_is_an_index_load_error(tmp_path, built, embedde
 def test_the_command_reports_each_skipped_file_once(tmp_path, built):
     """In the report, not again as a Python warning with a source line (a real process: pytest
     would capture the warnings)."""
-    result = run_index(built[0], tmp_path / "ix")
+    result = run_index(str(built[0]), "--index-dir", str(tmp_path / "ix"))
     assert result.returncode == 0, result.stderr
     output = result.stdout + result.stderr
     assert output.count("blob.txt") == 1, output
@@ -1196,17 +1202,6 @@ def test_search_refuses_a_k_that_is_not_a_positive_int(built, embedder, k):
 # ---------------------------------------------------------------- disk errors, odd names, odd PDFs (review 2026-12-03)
 
 VOLCANO_SHORT = "Shield volcanoes erupt runny lava gently, while stratovolcanoes build steep cones."
-
-
-def run_index(*args: str, preexec_fn=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rag_lookahead", "index", *args, "--no-progress"],
-        capture_output=True,
-        text=True,
-        errors="backslashreplace",  # the report names a folder that is not UTF-8 byte for byte
-        timeout=300,
-        preexec_fn=preexec_fn,
-    )
 
 
 # ---------------------------------------------------------------- a write error while the new version is written
