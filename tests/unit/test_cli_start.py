@@ -55,7 +55,9 @@ def test_ctrl_c_at_any_moment_of_a_start_exits_130_without_a_word(tmp_path):
         time.sleep(delay)
         started.send_signal(signal.SIGINT)
         _, err = started.communicate(timeout=120)
-        assert (started.returncode, err) == (130, b""), (delay, err.decode()[-500:])
+        # past the imports on a quick machine, the first run's progress notes come first; nothing else
+        said = [line for line in err.decode().splitlines() if not line.startswith(("rag_lookahead: ", "embedding "))]
+        assert (started.returncode, said) == (130, []), (delay, err.decode()[-500:])
 
 
 def test_a_command_run_in_process_leaves_ctrl_c_as_it_was():
