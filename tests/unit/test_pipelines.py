@@ -278,6 +278,6 @@ def test_ctrl_c_while_a_pipeline_starts_exits_130_without_a_traceback(tmp_path, 
         time.sleep(delay)
         started.send_signal(signal.SIGINT)
         _, err = started.communicate(timeout=120)
-        # past the imports on a quick machine: the first run's progress notes, then "interrupted"
-        said = [line for line in err.decode().splitlines() if not line.startswith(("rag_lookahead: ", "embedding "))]
-        assert started.returncode == 130 and said in ([], ["interrupted"]), (delay, err.decode()[-500:])
+        # past the imports on a quick machine the first run's progress notes come first: no traceback
+        text = err.decode()
+        assert started.returncode == 130 and "Traceback" not in text and "KeyboardInterrupt" not in text, (delay, text)
