@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.errors import ConfigError, InputError
@@ -85,13 +86,14 @@ def _chat(model, tokenizer, query, history, generation_config, system, reference
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in inputs.items()}
     config = _answer_config(model, generation_config, inputs["input_ids"].shape[1])
+    own_stops = getattr(getattr(model, "generation_config", None), "stop_strings", None)
     output = model.generate(
         **inputs,
         custom_generate=hf_generate,
         generation_config=config,
-        stopping_criteria=_stop_strings(config, model, tokenizer),
+        stopping_criteria=_stop_strings(config, own_stops, tokenizer),
         # else the model's own would be merged back in, and refused without a tokenizer
-        **({"stop_strings": None} if getattr(getattr(model, "generation_config", None), "stop_strings", None) else {}),
+        **({"stop_strings": None} if own_stops else {}),
         references=[list(references)] if references else None,
         lookahead_tokenizer=tokenizer,
         streamer=streamer,
@@ -172,36 +174,32 @@ def _answer_config(model, generation_config, prompt_length: int):
 _LENGTHS = ("max_new_tokens", "max_length")
 
 
-def _stop_strings(config, model, tokenizer):
-    """The ``stop_strings`` ``model.generate`` would take (the config's, else the model's own) as the
-    stopping criterion it would make of them: transformers drops ``tokenizer=`` for a
-    ``custom_generate`` function and then refused them."""
+def _stop_strings(config, own_stops, tokenizer):
+    """The ``stop_strings`` ``model.generate`` would take (the config's, else the model's own,
+    ``own_stops``) as the stopping criterion it would make of them: transformers drops
+    ``tokenizer=`` for a ``custom_generate`` function and then refused them."""
     from transformers import StoppingCriteriaList, StopStringCriteria
 
-    own = getattr(getattr(model, "generation_config", None), "stop_strings", None)
-    stops = config.stop_strings if config.stop_strings is not None else own
+    stops = config.stop_strings if config.stop_strings is not None else own_stops
     config.stop_strings = None
     if not stops:
         return None
     return StoppingCriteriaList([StopStringCriteria(tokenizer, [stops] if isinstance(stops, str) else list(stops))])
 
 
-def _EndOnce(streamer):
+class _EndOnce(BaseStreamer):
     """The caller's streamer, with ``ended`` set once it is ended, so that :func:`chat` ends it on a
     failure only where decoding did not."""
-    from transformers.generation.streamers import BaseStreamer
 
-    class EndOnce(BaseStreamer):
-        ended = False
+    def __init__(self, streamer) -> None:
+        self.streamer, self.ended = streamer, False
 
-        def put(self, value) -> None:
-            streamer.put(value)
+    def put(self, value) -> None:
+        self.streamer.put(value)
 
-        def end(self) -> None:
-            self.ended = True
-            streamer.end()
-
-    return EndOnce()
+    def end(self) -> None:
+        self.ended = True
+        self.streamer.end()
 
 
 def _extended(history, as_messages: bool, query: str, answer: str) -> History:

@@ -481,28 +481,23 @@ def _placement(device: str | torch.device | None, device_map: Any) -> dict[str, 
     """
     if device_map is not None:
         for target in _target_devices(device, device_map):
-            _refuse_meta(target, "device_map")
             _require_device(target, "device_map")
         return {"device_map": device_map}
     target = _resolve_device(device)
     if target.type == "cpu":
         return {}
-    _refuse_meta(target, "device")
     _require_device(target, "device")
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     return {"device_map": {"": target}}
 
 
-def _refuse_meta(target: torch.device, setting: str) -> None:
-    if target.type == "meta":  # it failed deep in transformers ("Cannot copy out of meta tensor")
-        raise ConfigError(f"{setting} 'meta' holds shapes, not weights: nothing can be decoded on it; use cpu or a GPU")
-
-
 def _require_device(target: torch.device, setting: str) -> None:
     """ConfigError unless torch sees ``target`` (cuda, xpu, mps...; a type torch has no module for is
-    left to transformers to judge)."""
-    backend = getattr(torch, target.type, None) if target.type not in ("cpu", "meta") else None
+    left to transformers to judge), or where it is 'meta'."""
+    if target.type == "meta":  # it failed deep in transformers ("Cannot copy out of meta tensor")
+        raise ConfigError(f"{setting} 'meta' holds shapes, not weights: nothing can be decoded on it; use cpu or a GPU")
+    backend = getattr(torch, target.type, None) if target.type != "cpu" else None
     if backend is None or not callable(getattr(backend, "is_available", None)):
         return
     count = getattr(backend, "device_count", lambda: 1)() if backend.is_available() else 0
