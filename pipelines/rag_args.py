@@ -19,7 +19,7 @@ from rag_lookahead.interrupts import command_interrupts
 _main_file = getattr(sys.modules["__main__"], "__file__", None)
 # entered only where a pipeline is the program (not where a test imports this module), left in run()
 _START = (
-    command_interrupts()
+    command_interrupts(own_process=True)
     if _main_file and Path(_main_file).resolve().parent == Path(__file__).resolve().parent
     else None
 )

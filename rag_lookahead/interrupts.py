@@ -11,6 +11,7 @@ Ctrl-C (:func:`interrupted`) is the interrupt's doing.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -31,6 +32,17 @@ def _exit_130(signum, frame) -> None:
     raise SystemExit(130)
 
 
+def _leave_130(signum, frame) -> None:
+    """The program's own imports: nothing of the command's is open yet, so it leaves at once. An
+    exception raised here may land in a callback from C++ that cannot pass it on (pybind11, as
+    torch imports): the process aborted ("terminate called ... SystemExit: 130", SIGABRT)."""
+    _SEEN.append(signum)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # closed, or flushing when the signal came
+            stream.flush()
+    os._exit(130)
+
+
 def _interrupt(signum, frame) -> None:
     _SEEN.append(signum)
     raise KeyboardInterrupt
@@ -43,13 +55,14 @@ def command_interrupts(own_process: bool = False) -> Iterator[Callable[[], None]
     KeyboardInterrupt as Python's own handler does, and is remembered. On leaving, SIGINT's
     handler and ``sys.excepthook`` (typer's app sets its own for good) are what they were and
     nothing is remembered (``ask.main`` may run in a caller's process). ``own_process``: the
-    command is the program (a console script, ``python -m``), so an unexpected error leaving it
-    keeps typer's hook, which shows its traceback. SIGINT is left alone off
+    command is the program (a console script, ``python -m``), so a Ctrl-C during its imports ends
+    the process there and then (``os._exit``), and an unexpected error leaving it keeps typer's
+    hook, which shows its traceback. SIGINT is left alone off
     the main thread, or where it is not Python's default (ignored in a background job, or a
     handler of the caller's)."""
     hook, failed = sys.excepthook, False
     try:
-        with _sigint_scope() as imported:
+        with _sigint_scope(_leave_130 if own_process else _exit_130) as imported:
             yield imported
     except Exception:
         failed = own_process  # on its way out of the program: typer's hook (if its app set one) shows it
@@ -60,7 +73,7 @@ def command_interrupts(own_process: bool = False) -> Iterator[Callable[[], None]
 
 
 @contextlib.contextmanager
-def _sigint_scope() -> Iterator[Callable[[], None]]:
+def _sigint_scope(importing: Callable) -> Iterator[Callable[[], None]]:
     if threading.current_thread() is not threading.main_thread() or (
         signal.getsignal(signal.SIGINT) is not signal.default_int_handler
     ):
@@ -73,10 +86,10 @@ def _sigint_scope() -> Iterator[Callable[[], None]]:
             raise SystemExit(130)
 
     _SEEN.clear()
-    signal.signal(signal.SIGINT, _exit_130)
+    signal.signal(signal.SIGINT, importing)
     try:
         yield imported
-        if _SEEN and signal.getsignal(signal.SIGINT) is _exit_130:  # never told: an import swallowed it
+        if _SEEN and signal.getsignal(signal.SIGINT) is importing:  # never told: an import swallowed it
             raise SystemExit(130)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)

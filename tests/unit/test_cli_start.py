@@ -60,6 +60,31 @@ def test_ctrl_c_at_any_moment_of_a_start_exits_130_without_a_word(tmp_path):
         assert (started.returncode, said) == (130, []), (delay, err.decode()[-500:])
 
 
+def test_a_ctrl_c_during_a_programs_imports_never_raises_into_the_code_it_lands_in(tmp_path):
+    """The handler raised SystemExit wherever the signal landed; while torch imported, that was
+    once a callback from C++ that cannot pass an exception on, and the process aborted (SIGABRT,
+    "terminate called ... SystemExit: 130"). A ``__del__`` stands in for such a callback here: the
+    exit must not be raised into it (there it was swallowed, and the import went on)."""
+    marker = tmp_path / "went-on"
+    program = f"""
+import os, signal
+from rag_lookahead.interrupts import command_interrupts
+
+class Callback:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs between bytecodes
+            pass
+
+with command_interrupts(own_process=True) as imported:
+    Callback()
+    open({str(marker)!r}, "w").close()
+    imported()
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr, marker.exists()) == (130, "", False)
+
+
 def test_a_command_run_in_process_leaves_ctrl_c_as_it_was():
     """ask.main left its own SIGINT handler installed (asyncio.run then installed none), kept a
     Ctrl-C its caller had caught (every later error exited 130 without a word), and raised
