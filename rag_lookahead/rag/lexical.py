@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import math
 import os
@@ -34,7 +36,9 @@ RRF_K = 5
 #: the CJK ideograph blocks jieba cuts (a character class's inside)
 _CJK_CHARS = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _CJK = re.compile(rf"[{_CJK_CHARS}]")
-_WORD = re.compile(r"\w+", re.UNICODE)
+# Japanese has no spaces and jieba would cut kana into single characters: a run of one kana
+# script is a word ("東京タワーに" -> 東京, タワー, に), a katakana loanword at least matching itself
+_KANA_RUN = re.compile(r"[\u3041-\u309f]+|[\u30a0-\u30ff\u31f0-\u31ff]+")
 _jieba = None
 # English function words: in short English questions they otherwise dominate BM25 matches
 _EN_STOP = frozenset(
@@ -72,7 +76,22 @@ def _keep_dictionary_cache_in_ours(jieba) -> None:
 
 
 # a run of word characters with no CJK in it (Latin with accents, Cyrillic, digits, identifiers)
-_ASCII_WORD = re.compile(rf"[^\W{_CJK_CHARS}]+")
+@functools.cache
+def _words() -> tuple[re.Pattern, re.Pattern]:
+    """(a word, a word outside the CJK blocks): a letter, digit or ``_`` and then those and the
+    marks written on letters. Python's ``\\w`` has no marks (vowel signs, viramas): Hindi "काम"
+    and "कोमा" were both the words "क म". Built on first use (the scan takes ~15 ms)."""
+    code_points = itertools.chain(range(0x20000), range(0xE0100, 0xE01F0))
+    marks = [c for c in code_points if unicodedata.category(chr(c)) in ("Mn", "Mc", "Me")]
+    spans: list[list[int]] = []
+    for c in marks:
+        if spans and spans[-1][1] == c - 1:
+            spans[-1][1] = c
+        else:
+            spans.append([c, c])
+    mark = "".join(f"{chr(a)}-{chr(b)}" for a, b in spans)
+    other = rf"[^\W{_CJK_CHARS}]"
+    return re.compile(rf"\w[\w{mark}]*"), re.compile(rf"{other}(?:{other}|[{mark}])*")
 
 
 def _word_tokens(word: str, beside_cjk: bool) -> list[str]:
@@ -82,8 +101,10 @@ def _word_tokens(word: str, beside_cjk: bool) -> list[str]:
     lower = word.lower()
     if lower in _EN_STOP and _written_as_stop_word(word, beside_cjk):
         return []
-    parts = [p for p in lower.split("_") if p and p not in _EN_STOP]
-    return [lower] + parts if len(parts) > 1 else ([lower] if lower.strip("_") else [])
+    if not lower.strip("_"):
+        return []
+    parts = [p for p in lower.split("_") if p and p not in _EN_STOP] if "_" in lower else []
+    return [lower, *parts]  # "__init__" is found by "init", "budget_" by "budget"
 
 
 def _written_as_stop_word(word: str, beside_cjk: bool) -> bool:
@@ -130,8 +151,8 @@ def normalized(text: str) -> str:
 
 
 def searchable(query: str) -> bool:
-    """Whether ``query`` holds a letter or a digit to search for ("…", "？！" hold none)."""
-    return _WORD.search(normalized(query)) is not None
+    """Whether ``query`` holds a letter or a digit to search for ("…", "？！", "___" hold none)."""
+    return re.search(r"[^\W_]", normalized(query)) is not None
 
 
 def tokenize(text: str) -> list[str]:
@@ -141,10 +162,10 @@ def tokenize(text: str) -> list[str]:
 
     Single-character Chinese function words are kept: BM25's IDF already discounts them.
     """
-    text = normalized(text)
+    text = _KANA_RUN.sub(lambda m: f" {m.group()} ", normalized(text))
     toks: list[str] = []
     pos = 0
-    for m in _ASCII_WORD.finditer(text):
+    for m in _words()[1].finditer(text):
         toks.extend(_other_tokens(text[pos : m.start()].lower()))
         beside_cjk = bool(_CJK.match(text[m.start() - 1 : m.start()]) or _CJK.match(text[m.end() : m.end() + 1]))
         toks.extend(_word_tokens(m.group(), beside_cjk))
@@ -157,8 +178,9 @@ def _other_tokens(chunk: str) -> list[str]:
     if not chunk.strip():
         return []
     if not _CJK.search(chunk):
-        return _WORD.findall(chunk)  # other scripts: \w runs
-    return [w for w in (t.strip() for t in _get_jieba().lcut_for_search(chunk)) if w and _WORD.fullmatch(w)]
+        return _words()[0].findall(chunk)  # other scripts: word runs
+    word = _words()[0]
+    return [w for w in (t.strip() for t in _get_jieba().lcut_for_search(chunk)) if w and word.fullmatch(w)]
 
 
 def _okapi_with_positive_idf(docs: list[list[str]]):

@@ -377,6 +377,35 @@ def test_tokenize_and_fusion():
     assert reciprocal_rank_fusion([[1, 2], [2, 3]])[0][0] == 2
 
 
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("काम करना है", ["काम", "करना", "है"]),  # vowel signs are part of the word: Python's \w has none
+        ("हिन्दी", ["हिन्दी"]),  # a virama too
+        ("東京タワーに行きました", ["東京", "タワー", "に", "行", "きました"]),  # one kana script, one word
+        ("これはテストです", ["これは", "テスト", "です"]),
+        ("__init__ _cache budget_", ["__init__", "init", "_cache", "cache", "budget_", "budget"]),
+        ("max_tokens", ["max_tokens", "max", "tokens"]),
+    ],
+)
+def test_words_are_cut_where_their_script_cuts_them(text, words):
+    """Hindi "काम" (work) and "कोमा" (coma) were both the tokens "क", "म"; a kana run, particles
+    and all, was one token ("タワーに"), so "タワー" found nothing; "__init__" had no part "init"."""
+    assert tokenize(text) == words
+
+
+def test_lexical_search_finds_a_word_with_marks_or_in_kana():
+    """BM25 ranked a passage without the query's Hindi word above the one that had it, and found
+    nothing for a katakana word."""
+    from rag_lookahead.rag.lexical import BM25Index
+
+    texts = ["वह कोमा में है", "मुझे काम करना है", "東京タワーに行きました", "def __init__(self): pass"]
+    bm25 = BM25Index(texts)
+    for query, best in [("काम", 1), ("タワー", 2), ("init", 3)]:
+        scores = bm25.scores(query)
+        assert scores.argmax() == best and scores[best] > 0 and (scores > 0).sum() == 1, (query, scores)
+
+
 # ---------------------------------------------------------------- never touch a folder that is not ours
 
 
@@ -1181,7 +1210,7 @@ def test_a_paragraph_repeated_in_many_files_leaves_room_for_k_passages(tmp_path,
         assert sorted([copied.source, *copied.also_in]) == [f"c{n:02d}.txt" for n in range(55)], mode
 
 
-@pytest.mark.parametrize("query", ["…", "\u200b", "？！", "——"])
+@pytest.mark.parametrize("query", ["…", "\u200b", "？！", "——", "_", "___", "_-_"])
 def test_a_query_with_no_letters_or_digits_is_refused(built, embedder, query):
     """Such a query passed the empty check, and dense search ranked passages by noise."""
     from rag_lookahead.errors import InputError
