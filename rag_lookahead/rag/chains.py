@@ -119,7 +119,7 @@ class DocumentIndexRetriever(BaseRetriever):
         return await run_in_executor(None, self._search, query, k, mode)
 
     def _search(self, query: str, k: int | None, mode: str | None) -> list[Document]:
-        hits = self.index.search(query, self.k if k is None else k, mode=mode or self.mode)
+        hits = self.index.search(query, self.k if k is None else k, mode=self.mode if mode is None else mode)
         return [p.to_document() for p in hits]
 
 

@@ -162,11 +162,13 @@ class DocumentIndex:
         passage, at its best rank, with the other files it came from in ``also_in``: the prompt
         then holds each text once and ``k`` distinct texts fill it. Each ranking holds ``CANDIDATES``
         distinct texts, however many files repeat one."""
-        if not isinstance(query, str) or not query.strip():
+        if not isinstance(query, str):
+            raise InputError(f"the query must be text (str), got {type(query).__name__}")
+        if not query.strip():
             raise InputError("query is empty")
         check_searchable(query)
         k = positive_int("k", k)
-        mode = mode or self.mode
+        mode = self.mode if mode is None else mode
         if mode not in SEARCH_MODES:
             raise ConfigError(f"search mode must be one of {', '.join(SEARCH_MODES)}, got {mode!r}")
         if not self.records:

@@ -1220,6 +1220,24 @@ def test_a_query_with_no_letters_or_digits_is_refused(built, embedder, query):
         index.search(query)
 
 
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        ({"query": b"budget"}, "must be text"),  # was "query is empty"
+        ({"query": "budget", "mode": ""}, "search mode must be one of"),  # was the default mode, unsaid
+        ({"query": "budget", "mode": "bm25"}, "search mode must be one of"),
+    ],
+)
+def test_search_names_what_is_wrong_with_its_arguments(built, embedder, call, error):
+    from rag_lookahead.errors import RagLookaheadError
+
+    index = ix.load_index(built[1], embedder)
+    with pytest.raises(RagLookaheadError, match=error):
+        index.search(**call)
+    with pytest.raises(RagLookaheadError, match=error):
+        index.as_retriever().invoke(call["query"], mode=call.get("mode"))
+
+
 @pytest.mark.parametrize("k", [0, -1, 2.0, "3", None, True])
 def test_search_refuses_a_k_that_is_not_a_positive_int(built, embedder, k):
     from rag_lookahead.errors import ConfigError
