@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from rag_lookahead.checks import unicode_text
@@ -20,6 +20,7 @@ __all__ = [
     "REPLACEMENT",
     "TextTracker",
     "chat_template_text",
+    "checked_stop",
     "cut_at_stop",
     "encode_messages",
     "eos_ids",
@@ -68,10 +69,8 @@ class TextTracker:
         prefix: str = "",
         hold: Sequence[str] = (),
     ) -> None:
-        if isinstance(stop, str) or not all(isinstance(s, str) for s in stop or []):
-            raise ConfigError(f"stop must be a list of strings, got {stop!r}")
         self.tokenizer = tokenizer
-        self.stop = [s for s in (stop or []) if s]
+        self.stop = [s for s in checked_stop(stop) if s]
         self.eos = eos
         self.prefix = prefix
         self.hold = [h for h in hold if h]
@@ -228,6 +227,18 @@ def _cleans_up(tokenizer) -> bool:
         return True
 
 
+def checked_stop(stop: Sequence[str] | None) -> list[str]:
+    """``stop`` as a list, refused unless it is a collection of strings. A generator is refused: it
+    can be read only once, and LangChain reads ``stop`` for tracing before decoding (the stop
+    strings were then silently lost)."""
+    if isinstance(stop, str) or isinstance(stop, Iterator):
+        raise ConfigError(f"stop must be a list of strings, got {stop!r}")
+    stop = list(stop or ())
+    if not all(isinstance(s, str) for s in stop):
+        raise ConfigError(f"stop must be a list of strings, got {stop!r}")
+    return stop
+
+
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     """``text`` up to the first stop string in it (all of it when none occurs)."""
     cuts = [text.find(s) for s in stop if s and s in text]
@@ -246,11 +257,13 @@ def held_back(text: str, stop: Sequence[str]) -> int:
 
 
 def _before_hold(text: str, hold: Sequence[str]) -> str:
-    """``text`` up to the first hold marker, less a suffix that may be the start of one."""
+    """``text`` up to the first hold marker, less a suffix that may be the start of one, and less
+    the whitespace that may lead up to one: an answer of whitespace and a tool call has no content
+    (the server's whole reply says None), so its stream must not have sent the whitespace."""
     if not hold:
         return text
     text = cut_at_stop(text, hold)
-    return text[: len(text) - held_back(text, hold)]
+    return text[: len(text) - held_back(text, hold)].rstrip()
 
 
 # ---------------------------------------------------------------- token plumbing

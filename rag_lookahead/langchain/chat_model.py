@@ -69,7 +69,7 @@ from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFie
 from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening
 from rag_lookahead.langchain.tools import parse_tool_calls as parse_tool_calls
 from rag_lookahead.models import reported_name
-from rag_lookahead.tokens import encode_messages
+from rag_lookahead.tokens import checked_stop, encode_messages
 
 __all__ = ["ChatLookahead", "parse_tool_calls"]
 
@@ -189,8 +189,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
             self._name_derived = True
         positive_int("max_tokens", self.max_tokens)
         _check_timeout(self.timeout)
-        if isinstance(self.stop, str):
-            raise ConfigError("stop must be a list of strings")
+        checked_stop(self.stop)
         if not self.lookahead.stop_words:
             self.lookahead = self.lookahead.with_tokenizer(self._engine.tokenizer)
         self._sampling({})  # refuse bad sampling settings at construction
@@ -264,8 +263,9 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         if temperature is None or isinstance(temperature, (int, float)):  # else refused at decode time
             params["ls_temperature"] = float(temperature or 0)
         params["ls_max_tokens"] = kwargs.get("max_tokens") or self.max_tokens
-        if stop or self.stop:
-            params["ls_stop"] = list(stop or self.stop or [])
+        stop = checked_stop(stop or self.stop)  # first to see a call's stop: a generator, read here, would be lost
+        if stop:
+            params["ls_stop"] = stop
         return params
 
     @property

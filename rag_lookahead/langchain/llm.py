@@ -45,7 +45,7 @@ from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.batching import wave_width
 from rag_lookahead.langchain.engine import BlockStream, CancellableAsync, Engine, EngineRun, NotPickled, RowRequest
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
-from rag_lookahead.tokens import encode_messages
+from rag_lookahead.tokens import checked_stop, encode_messages
 
 __all__ = ["LookaheadLLM"]
 
@@ -300,7 +300,7 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
                 f"unknown option(s) for LookaheadLLM: {', '.join(sorted(kwargs))} (known: max_new_tokens, references, "
                 f"enable_lookahead, lookahead, {', '.join(SAMPLING_FIELDS)})"
             )
-        stop = stop if stop is not None else self.stop
+        stop = checked_stop(stop if stop is not None else self.stop)
         rows = [RowRequest(self._encode(p), stop, refs) for p, refs in zip(prompts, references)]
         return self._engine.run(
             rows, max_new_tokens=max_new, config=config, sampling=sampling, on_block=on_block, cancel=cancel

@@ -164,7 +164,8 @@ def test_tracker_holds_tool_calls_and_keeps_stops_out_of_the_prefix(tokenizer):
     ids = tokenizer.encode('Sure. <tool_call>\n{"name": "f"}\n</tool_call>', add_special_tokens=False)
     tracker = TextTracker(tokenizer, None, frozenset(), hold=["<tool_call>"])
     pieces = [tracker.add([t]) for t in ids]
-    assert "".join(pieces) == "Sure. " and "<" not in "".join(pieces)  # nothing from the marker on
+    # nothing from the marker on, nor the whitespace before it (the rest of the content comes at the end)
+    assert "".join(pieces) == "Sure."
     assert tracker.final_text().endswith("</tool_call>")
     # a stop string inside the forced opening does not cut it; one in the answer does
     prefix = '<tool_call>\n{"name": "'
@@ -486,6 +487,9 @@ def test_bad_settings_are_refused(chat, weights):
         chat.invoke(HELLO, stop="three")  # was split into characters
     with pytest.raises(ConfigError, match="stop must be a list of strings"):
         list(chat.stream(HELLO, stop="three"))
+    for call in (chat.invoke, lambda *a, **k: list(chat.stream(*a, **k))):  # tracing read it up: no stop at all
+        with pytest.raises(ConfigError, match="stop must be a list of strings"):
+            call(HELLO, stop=(s for s in ["three"]))
     with pytest.raises(ConfigError, match="tokenizer only with a loaded model"):
         ChatLookahead(model="default", tokenizer=tok)
     with pytest.raises(ConfigError, match="max_tokns"):

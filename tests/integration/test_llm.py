@@ -269,6 +269,8 @@ def test_sampling_fields_and_bad_values(default_model):
         hot.invoke(PROMPTS[0], max_new_tokens=0)
     with pytest.raises(ConfigError, match="stop must be a list of strings"):
         hot.invoke(PROMPTS[0], stop="three")
+    with pytest.raises(ConfigError, match="stop must be a list of strings"):
+        hot.batch(PROMPTS[:2], stop=(s for s in ["three"]))  # read once: the second row had no stop
 
 
 def test_tokenizer_without_pad_is_left_untouched(default_model, llm):

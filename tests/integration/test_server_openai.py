@@ -311,6 +311,10 @@ def test_tool_calls_parsed_from_the_answer():
         'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\nDone.',
         '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}',
+        # only whitespace outside the call: the whole reply's content is None, and the stream had sent it
+        '\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+        ' \n \n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n',
+        'Sure.\n\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
     ],
 )
 def test_tool_call_content_streamed_as_whole(tokenizer, text):
