@@ -29,15 +29,41 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["in_passing_thread", "one_thread_workers"]
+__all__ = ["LeftRunning", "in_passing_thread", "one_thread_workers"]
 
 _T = TypeVar("_T")
 
 
+class LeftRunning(KeyboardInterrupt):
+    """A Ctrl-C while :func:`in_passing_thread` waited: ``fn`` runs on, on its daemon thread. A
+    program leaving now ends with ``os._exit``: at exit, Python would wait for the thread (a
+    model's load, a minute or more)."""
+
+
 def in_passing_thread(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """``fn(*args, **kwargs)`` on a new thread that has ended when this returns (or raises its exception)."""
-    with ThreadPoolExecutor(1, thread_name_prefix="torch-passing") as pool:  # leaving joins the thread
-        return pool.submit(fn, *args, **kwargs).result()
+    """``fn(*args, **kwargs)`` on a new thread that has ended when this returns (or raises its
+    exception). A Ctrl-C while it waits raises :class:`LeftRunning` at once: it did wait for
+    the thread, and a server's Ctrl-C during the load did nothing until the model had loaded."""
+    done: list = []
+
+    def run() -> None:
+        try:
+            done.append((True, fn(*args, **kwargs)))
+        except BaseException as error:  # noqa: BLE001 - raised on the caller's thread
+            done.append((False, error))
+
+    thread = threading.Thread(target=run, name="torch-passing", daemon=True)
+    thread.start()
+    try:
+        thread.join()
+    except KeyboardInterrupt:
+        if thread.is_alive():
+            raise LeftRunning() from None
+        raise
+    ok, value = done[0]
+    if not ok:
+        raise value
+    return value
 
 
 def one_thread_workers(count: int, name: str = "torch-1") -> ThreadPoolExecutor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any, Literal, NoReturn
@@ -169,6 +170,7 @@ def run_server(config: ServerConfig) -> None:
     :func:`make_server`). The address is taken first so a port in use is said at once, not after
     the model has loaded."""
     from rag_lookahead.serve.app import create_app, make_server
+    from rag_lookahead.torch_threads import LeftRunning
 
     logging.basicConfig(
         level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
@@ -176,7 +178,16 @@ def run_server(config: ServerConfig) -> None:
     )
     _warn_about_exposure(config)
     with listening_socket(config.host, config.port) as sock:
-        app = create_app(config)
+        try:
+            app = create_app(config)
+        except LeftRunning:  # the model loads on a thread Python would wait for at exit
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os._exit(130)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        # uvicorn names no address for a socket it is handed: said here (the port --port 0 took)
+        log.info("serving %s at http://%s:%d", config.model_name, shown, port)
         make_server(app, app.state.engine).run(sockets=[sock])
 
 
