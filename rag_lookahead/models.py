@@ -460,15 +460,15 @@ def _target_devices(device: str | torch.device | None, device_map: Any) -> list[
         return [_resolve_device(device)]
     if isinstance(device_map, dict):
         places = [v for v in device_map.values() if v != "disk"]
-        return [torch.device("cuda", v) if isinstance(v, int) else _resolve_device(v) for v in places] or [
-            torch.device("cpu")
-        ]
+        return [
+            torch.device("cuda", v) if isinstance(v, int) else _resolve_device(v, "device_map") for v in places
+        ] or [torch.device("cpu")]
     if isinstance(device_map, str) and device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
     if isinstance(device_map, int):
         return [torch.device("cuda", device_map)]
-    return [_resolve_device(device_map)]
+    return [_resolve_device(device_map, "device_map")]
 
 
 def _placement(device: str | torch.device | None, device_map: Any) -> dict[str, Any]:
@@ -508,10 +508,10 @@ def _require_device(target: torch.device, setting: str) -> None:
         raise ConfigError(f"{setting} {str(target)!r} asked for, but only {count} {kind}(s) are visible")
 
 
-def _resolve_device(device: str | torch.device | None) -> torch.device:
+def _resolve_device(device: str | torch.device | None, setting: str = "device") -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as err:
-        raise ConfigError(f"unknown device {device!r}: {_one_line(err)}") from err
+        raise ConfigError(f"unknown {setting} {device!r}: {_one_line(err)}") from err

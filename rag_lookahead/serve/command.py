@@ -21,6 +21,7 @@ import typer
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError, RagLookaheadError, first_line
 from rag_lookahead.interrupts import interrupted
+from rag_lookahead.paths import cache_dir
 from rag_lookahead.serve.config import (
     API_KEY_ENV,
     LOOPBACK,
@@ -128,6 +129,7 @@ def serve(
     try:
         config = config_from_args(ctx.params)
         ray_settings = settings_from_args(ctx.params)  # None without --replicas: one process, no Ray
+        cache_dir()  # a relative $RAG_LOOKAHEAD_CACHE, said now: warm-up reads it after the server is up
     except ConfigError as e:
         _refuse(e, _config_error_exit(ctx))
     try:
@@ -137,8 +139,8 @@ def serve(
             _warn_about_exposure(config)
             _warn_about_proxy_limits(config)
             run_on_ray(config, ray_settings)
-    except RagLookaheadError as e:  # the model or the index would not load
-        _refuse(e, 1)
+    except RagLookaheadError as e:  # the model or the index would not load, or a setting is wrong
+        _refuse(e, _config_error_exit(ctx) if isinstance(e, ConfigError) else 1)
 
 
 def config_from_args(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServerConfig:
@@ -176,8 +178,8 @@ def run_server(config: ServerConfig) -> None:
         level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    _warn_about_exposure(config)
     with listening_socket(config.host, config.port) as sock:
+        _warn_about_exposure(config)  # once the address is taken: a host that does not resolve is one line
         try:
             app = create_app(config)
         except LeftRunning:  # the model loads on a thread Python would wait for at exit

@@ -117,6 +117,35 @@ def test_serve_refuses_bad_settings_in_one_line():
     assert result.exit_code == 1 and "API key" in result.output
 
 
+@pytest.mark.parametrize(
+    ("flags", "env", "said"),
+    [
+        # warm-up read it once the server was up: every request then got 503, and nothing exited
+        ([], {"RAG_LOOKAHEAD_CACHE": "relative/cache"}, "$RAG_LOOKAHEAD_CACHE 'relative/cache' is a relative path"),
+        (["--model", "LOCAL"], {"RAG_LOOKAHEAD_CACHE": "relative/cache"}, "$RAG_LOOKAHEAD_CACHE 'relative/cache'"),
+        # a warning about binding without a key came first (two lines), and the exit was 1, not 2
+        (["--host", "no-such-host.invalid"], {}, "no-such-host.invalid"),
+        (["--device-map", "bogus"], {}, "unknown device_map 'bogus'"),  # said "unknown device"
+    ],
+)
+def test_python_m_serve_says_a_bad_setting_in_one_line_with_exit_2(tmp_path, flags, env, said):
+    """``python -m rag_lookahead.serve``: a bad setting is one line and exit 2, before the model loads."""
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k not in ("RAG_LOOKAHEAD_CACHE", "RAG_LOOKAHEAD_API_KEY")}
+    environ |= {"RAG_LOOKAHEAD_HOME": str(tmp_path)} | env
+    from rag_lookahead.models import default_model_dir
+
+    flags = [str(default_model_dir()) if flag == "LOCAL" else flag for flag in flags]  # a local model folder
+    command = [sys.executable, "-m", "rag_lookahead.serve", "--port", "0", *flags]
+    done = subprocess.run(command, capture_output=True, text=True, env=environ, cwd=tmp_path, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and said in lines[0], (done.returncode, done.stderr[-1500:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing written"
+
+
 def test_a_port_in_use_is_said_before_the_model_loads():
     """The measured bug: the model loaded (~40 s), then uvicorn failed to bind and exited 3 with its
     own log line. The address is taken first now: one line, exit 1, and the model is never read
