@@ -167,7 +167,7 @@ def make_server(app: FastAPI, engine: Engine, **uvicorn_options):
 
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
-            log.info("shutting down: draining for up to %.0f s", config.drain_seconds)
+            log.info("shutting down: draining for up to %g s", config.drain_seconds)
             await drain(engine, config.drain_seconds, cut_short=lambda: self.force_exit)  # uvicorn: a second Ctrl-C
             # what ran has ended: shut down in order (uvicorn's forced exit skips the app's shutdown
             # and logs a CancelledError traceback)
