@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,15 +49,14 @@ def ensure_index(index_dir: Path, *, quiet: bool = False, build_bundled: bool = 
     of the user's is touched). Without ``build_bundled`` a missing index is an
     :class:`~rag_lookahead.errors.IndexLoadError`: a folder the user named (perhaps mistyped)
     must not quietly answer from the sample corpus."""
-    from rag_lookahead.rag.index import build_index, load_index
+    from rag_lookahead.rag.index import build_index, load_index, no_index_error
     from rag_lookahead.rag.store import MANIFEST, check_target
 
     if not (index_dir / MANIFEST).is_file():
         if not build_bundled:
-            quoted = shlex.quote(str(index_dir))  # a folder with spaces, pasted as it is said
             raise IndexLoadError(
-                f"no index at {index_dir}: build one with `rag_lookahead index YOUR_DOCS --index-dir {quoted}`"
-                " (without --index-dir, ask indexes the bundled sample corpus into the default folder)"
+                f"{no_index_error(index_dir, 'YOUR_DOCS')} (without --index-dir, ask indexes the bundled"
+                " sample corpus into the default folder)"
             )
         corpus = bundled_corpus()
         # index's advice (another --index-dir) would not do here: ask --index-dir needs an index in it
@@ -82,12 +80,20 @@ def ensure_index(index_dir: Path, *, quiet: bool = False, build_bundled: bool = 
 LONG_QUESTION_TOKENS = 2048
 
 
-def _note_a_long_question(llm: Any, question: str) -> None:
+def _check_a_long_question(llm: Any, question: str, note: bool) -> None:
+    """A question the model's context cannot hold is refused now, in one line (transformers'
+    "sequence length is longer" warning and our "can take minutes" note came before the refusal);
+    one that fits but is long gets a note (with ``note``)."""
+    from rag_lookahead.decoding.inputs import check_prompt_room
+
     tokenizer = getattr(llm, "tokenizer", None)
     if tokenizer is None or len(question) < LONG_QUESTION_TOKENS:  # a token is at least one character
         return
-    tokens = len(tokenizer.encode(question, add_special_tokens=False))
-    if tokens >= LONG_QUESTION_TOKENS:
+    tokens = len(tokenizer.encode(question, add_special_tokens=False, verbose=False))
+    model = getattr(llm, "model", None)
+    if model is not None and not isinstance(model, str):
+        check_prompt_room(model, tokens)  # the prompt holds the question and more
+    if note and tokens >= LONG_QUESTION_TOKENS:
         print(
             f"note: a {tokens:,}-token question; the model reads all of it before the first token of the"
             " answer, which can take minutes on a CPU",
@@ -178,8 +184,7 @@ def answer(
         llm = LookaheadLLM(
             model=loaded, tokenizer=tokenizer, model_name=reported_name(model), max_new_tokens=max_new_tokens
         )
-    if not quiet:
-        _note_a_long_question(llm, question)
+    _check_a_long_question(llm, question, note=not quiet)
     chain = build_rag_chain(llm, index, k_prompt=k, k_seed=k_seed)
     sampling = {"temperature": temperature, "top_p": top_p, "seed": seed}
     result = chain.invoke(
@@ -199,8 +204,8 @@ def _check_sampling(temperature: float | None, top_p: float | None, seed: int | 
         if ignored:
             verb = "apply" if len(ignored) > 1 else "applies"
             raise ConfigError(
-                f"{' and '.join(ignored)} {verb} only when sampling; greedy decoding (no --temperature) would"
-                " ignore them: add --temperature, e.g. 0.7"
+                f"{' and '.join(ignored)} {verb} only when sampling; greedy decoding (--temperature 0, the"
+                " default) would ignore them: add --temperature, e.g. 0.7"
             )
         return
     SamplingParams(do_sample=True, temperature=temperature, top_p=1.0 if top_p is None else top_p, seed=seed)

@@ -10,6 +10,7 @@ has always offered).
 
 from __future__ import annotations
 
+import shlex
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,6 +253,25 @@ def _warn_if_built_without_headings(index_dir: Path, manifest: dict, records: li
     )
 
 
+def no_index_error(index_dir: Path, docs: str = "DIR") -> IndexLoadError:
+    """There is no index at ``index_dir``, with advice that works there: ``index`` refuses to
+    build into a file or into a folder that holds files of the user's (the advice to build into
+    that path failed when followed)."""
+    quoted = shlex.quote(str(index_dir))  # a folder with spaces, pasted as it is said
+    if index_dir.exists() and not index_dir.is_dir():
+        return IndexLoadError(f"{index_dir} is a file, not an index: give the folder an index was built into")
+    try:
+        taken = index_dir.is_dir() and any(index_dir.iterdir())
+    except OSError:
+        taken = True
+    if taken:
+        return IndexLoadError(
+            f"no index at {index_dir}, a folder of other files: build one into a new folder with"
+            f" `rag_lookahead index {docs} --index-dir NEW_FOLDER`"
+        )
+    return IndexLoadError(f"no index at {index_dir}: build one with `rag_lookahead index {docs} --index-dir {quoted}`")
+
+
 def load_index(
     index_dir: str | Path | None = None, embedder: Embedder | str | None = None, *, mode: str = "hybrid"
 ) -> DocumentIndex:
@@ -260,9 +280,7 @@ def load_index(
     Safe while a build publishes a new version: it returns the old index or the new one."""
     index_dir = expand_user(index_dir, "index folder") if index_dir is not None else default_index_dir()
     if not index_dir.is_dir():
-        raise IndexLoadError(
-            f"no index at {index_dir}: build one with `rag_lookahead index DIR --index-dir {index_dir}`"
-        )
+        raise no_index_error(index_dir)
     from rag_lookahead.rag.embedders import get_embedder
 
     manifest, fidx, records = store.read_snapshot(index_dir)

@@ -181,11 +181,48 @@ def test_a_closed_stdout_is_refused_before_anything_loads(index_dir, tiny_llm, m
     assert capsys.readouterr().err.strip() == "error: stdout is closed: there is nowhere to write the answer"
 
 
-def test_a_long_question_gets_a_note_before_the_silent_read(index_dir, tiny_llm):
+def test_a_long_question_gets_a_note_before_the_silent_read(index_dir, tiny_llm, monkeypatch):
     """A 51,000-character question sat 5.5 minutes with nothing printed after the weights loaded."""
+    monkeypatch.setattr(tiny_llm.config, "max_position_embeddings", 8192)  # room for it (the tiny model holds 256)
     question = "branch_length " * 3000  # 3,000 tokens of the tiny tokenizer
     result = CliRunner().invoke(app, ["ask", question, "--index-dir", str(index_dir), "--max-new-tokens", "2"])
     first = result.stderr.strip().splitlines()[0]
     assert first.startswith("note: a ") and "-token question" in first, result.stderr
     short = CliRunner().invoke(app, ["ask", "branch_length?", "--index-dir", str(index_dir), "--max-new-tokens", "2"])
     assert "note:" not in short.stderr
+
+
+@pytest.mark.parametrize("flags", [[], ["--json"]])
+def test_a_question_the_context_cannot_hold_is_refused_in_one_line(index_dir, tiny_llm, flags):
+    """Three lines came, the refusal last: transformers' "sequence length is longer" warning and our
+    note that reading the question "can take minutes", for a question that was never read."""
+    question = "branch_length " * 3000  # 3,000 tokens; the tiny model holds 256
+    result = CliRunner().invoke(app, ["ask", question, "--index-dir", str(index_dir), *flags])
+    line = one_error_line(result)
+    assert "the input has 3000 tokens but the model's context holds" in line, line
+
+
+@pytest.mark.parametrize("kind", ["file", "folder of other files", "missing", "empty folder"])
+def test_no_index_advice_works_where_it_is_followed(tmp_path, tiny_llm, kind):
+    """``ask --index-dir notes/`` advised `rag_lookahead index YOUR_DOCS --index-dir notes/`, which
+    `index` then refused (a file, or a folder holding the user's files)."""
+    target = tmp_path / "target"
+    if kind == "file":
+        target.write_text("mine", encoding="utf-8")
+    elif kind == "folder of other files":
+        target.mkdir()
+        (target / "notes.txt").write_text("mine", encoding="utf-8")
+    elif kind == "empty folder":
+        target.mkdir()
+    line = one_error_line(CliRunner().invoke(app, ["ask", "What is budget?", "--index-dir", str(target)]))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("budget sets how many draft tokens a step verifies.", encoding="utf-8")
+    if kind in ("file", "folder of other files"):
+        assert f"--index-dir {target}" not in line, line  # the advice names another folder
+        built = CliRunner().invoke(app, ["index", str(docs), "--index-dir", str(target), "--no-progress"])
+        assert built.exit_code == 1, built.output  # as the old advice was refused
+    else:
+        assert f"--index-dir {target}`" in line, line
+        built = CliRunner().invoke(app, ["index", str(docs), "--index-dir", str(target), "--no-progress"])
+        assert built.exit_code == 0, built.output
