@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["command_interrupts", "interrupted"]
+__all__ = ["command_interrupts", "interrupted", "program_imported", "program_importing"]
 
 _SEEN: list[int] = []
 
@@ -46,6 +46,25 @@ def _leave_130(signum, frame) -> None:
 def _interrupt(signum, frame) -> None:
     _SEEN.append(signum)
     raise KeyboardInterrupt
+
+
+_PROGRAM: list[Callable[[], None]] = []  # the running program's ``imported`` (see program_importing)
+
+
+def program_importing() -> None:
+    """A module of ours starts as the program (``python -m rag_lookahead.bench.retrieval``) and
+    its own imports (torch) are still to come: as in :func:`command_interrupts` with
+    ``own_process``, until :func:`program_imported`. Never left: the program ends within it."""
+    if not _PROGRAM:
+        scope = command_interrupts(own_process=True)
+        _PROGRAM.append(scope.__enter__())
+        _PROGRAM.append(scope.__exit__)  # kept: the scope lives as long as the program
+
+
+def program_imported() -> None:
+    """The program's imports are done (see :func:`program_importing`; nothing where it was not called)."""
+    if _PROGRAM:
+        _PROGRAM[0]()
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from rag_lookahead.decoding.loop import left_pad
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.verify import input_device
 from rag_lookahead.errors import InputError, RagLookaheadError, first_line
+from rag_lookahead.interrupts import program_imported
 from rag_lookahead.output_files import check_output_file, is_chart, is_report
 from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.tokens import encode_messages, eos_ids, pad_id
@@ -118,6 +119,7 @@ def run_command(command: Callable[..., Any], argv: Sequence[str] | None, prog_na
     error is printed the typer way and exits 2 (SystemExit); one of our errors (:class:`RagLookaheadError`)
     prints as one line and exits 1.
     """
+    program_imported()  # a Ctrl-C raises KeyboardInterrupt from here, which typer ends with 130
     returned: list[Any] = []
 
     @functools.wraps(command)

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_the_cli_imports_without_transformers():
     code = "import sys, rag_lookahead.cli; print('transformers' in sys.modules)"
@@ -58,6 +60,26 @@ def test_ctrl_c_at_any_moment_of_a_start_exits_130_without_a_word(tmp_path):
         # past the imports on a quick machine, the first run's progress notes come first; nothing else
         said = [line for line in err.decode().splitlines() if not line.startswith(("rag_lookahead: ", "embedding "))]
         assert (started.returncode, said) == (130, []), (delay, err.decode()[-500:])
+
+
+@pytest.mark.parametrize("module", ["rag_lookahead.bench", "rag_lookahead.bench.retrieval"])
+def test_ctrl_c_while_a_benchmark_module_starts_exits_130_without_a_word(tmp_path, module):
+    """``python -m rag_lookahead.bench.retrieval``: a Ctrl-C in its first second printed a traceback
+    through ``import torch`` and the process died of SIGINT (the console script was quiet)."""
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "RAG_LOOKAHEAD_HOME": str(tmp_path)}
+    for delay in (0.4, 0.9):  # during the imports, however loaded the machine (or just after them)
+        started = subprocess.Popen(
+            [sys.executable, "-m", module, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
+        time.sleep(delay)
+        started.send_signal(signal.SIGINT)
+        _, err = started.communicate(timeout=120)
+        text = err.decode()
+        assert started.returncode == 130 and "Traceback" not in text and "KeyboardInterrupt" not in text, (delay, text)
 
 
 def test_a_ctrl_c_during_a_programs_imports_never_raises_into_the_code_it_lands_in(tmp_path):
