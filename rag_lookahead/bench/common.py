@@ -69,6 +69,7 @@ __all__ = [
     "load_bench_model",
     "load_prompts",
     "print_rows",
+    "keeps_report_despite_stdout",
     "report_despite_stdout",
     "run_record",
     "same_answer",
@@ -632,6 +633,18 @@ class _WatchedStdout:
 
     def __getattr__(self, name: str) -> Any:  # encoding, isatty, fileno ... as the stream has them
         return getattr(self.stream, name)
+
+
+def keeps_report_despite_stdout(command: Callable[..., Any]) -> Callable[..., Any]:
+    """A benchmark command run within :func:`report_despite_stdout` of its ``json_path`` (a command
+    without one prints its results: a failed stdout is one line and exit 1, not a traceback)."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with report_despite_stdout(kwargs.get("json_path")):
+            return command(*args, **kwargs)
+
+    return run
 
 
 @contextmanager

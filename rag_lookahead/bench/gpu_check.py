@@ -33,6 +33,7 @@ from rag_lookahead.bench.common import (
     chat_ids,
     check_output_path,
     eos_pad,
+    keeps_report_despite_stdout,
     load_bench_model,
     load_prompts,
     run_command,
@@ -285,6 +286,7 @@ def _stress_rows(st: dict) -> Iterator[TableRow]:
 # ---------------------------------------------------------------- the command
 
 
+@keeps_report_despite_stdout
 def gpu_check(
     device: Annotated[
         str | None, typer.Option(help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")

@@ -36,6 +36,7 @@ from rag_lookahead.bench.common import (
     check_positive,
     context_fitted_ids,
     eos_pad,
+    keeps_report_despite_stdout,
     load_bench_model,
     load_prompts,
     print_rows,
@@ -223,6 +224,7 @@ def tiny_mix(settings: dict):
     return model, [], 0, shorts, longs, LookaheadConfig()
 
 
+@keeps_report_despite_stdout
 def interference(
     model: ModelOption = "default",
     dtype: DtypeOption = "auto",

@@ -42,6 +42,7 @@ from rag_lookahead.bench.common import (
     check_output_path,
     check_positive,
     dtype_label,
+    keeps_report_despite_stdout,
     load_bench_model,
     passage_counts,
     run_command,
@@ -199,6 +200,7 @@ def model_names(models: str) -> list[str]:
     return names
 
 
+@keeps_report_despite_stdout
 def quality(
     models: Annotated[str, typer.Option("--models", help="embedded models to compare, comma-separated")] = (
         "default,quality"

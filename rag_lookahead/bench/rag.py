@@ -34,6 +34,7 @@ from rag_lookahead.bench.common import (
     fresh_acceptance,
     given_or_temporary_index,
     in_turn,
+    keeps_report_despite_stdout,
     load_bench_model,
     passage_counts,
     print_rows,
@@ -129,6 +130,7 @@ def summarize_modes(per_mode: dict[str, list]) -> list[dict]:
     return summary
 
 
+@keeps_report_despite_stdout
 def rag(
     model: ModelOption = "default",
     dtype: DtypeOption = "auto",

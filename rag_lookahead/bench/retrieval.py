@@ -39,7 +39,13 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from rag_lookahead.bench.common import check_positive, jsonl_lines, jsonl_object, run_command
+from rag_lookahead.bench.common import (
+    check_positive,
+    jsonl_lines,
+    jsonl_object,
+    keeps_report_despite_stdout,
+    run_command,
+)
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.rag.embedders import Embedder, USEEmbedder, get_embedder
@@ -247,8 +253,9 @@ def method_table(r: Ranked) -> dict[str, dict]:
         rows[f"hybrid {name} (previous: w={PREVIOUS_FUSION[0]}, k={PREVIOUS_FUSION[1]})"] = scores(
             r, fuse(dense, r.bm25, *PREVIOUS_FUSION)
         )
-        rows["  default hybrid, specific questions"] = scores(r, hybrid, np.flatnonzero(~generic))
-        rows["  default hybrid, generic questions"] = scores(r, hybrid, np.flatnonzero(generic))
+        # keyed by the embedder: one key for all of them put the last one's split under the first's rows
+        rows[f"  hybrid {name} (default), specific questions"] = scores(r, hybrid, np.flatnonzero(~generic))
+        rows[f"  hybrid {name} (default), generic questions"] = scores(r, hybrid, np.flatnonzero(generic))
     return rows
 
 
@@ -404,6 +411,7 @@ def check_retrieval_options(speed_chunks: int, rounds: int, speed_only: bool) ->
         raise ConfigError("--speed-only skips the recall runs to time embedding: give --speed N too")
 
 
+@keeps_report_despite_stdout
 def retrieval(
     embedders: Annotated[
         str,

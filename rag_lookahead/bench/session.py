@@ -39,6 +39,7 @@ from rag_lookahead.bench.common import (
     dtype_label,
     fresh_acceptance,
     given_or_temporary_index,
+    keeps_report_despite_stdout,
     load_bench_model,
     passage_counts,
     print_rows,
@@ -165,6 +166,7 @@ def ask_session(
     return records
 
 
+@keeps_report_despite_stdout
 def session(
     model: ModelOption = "default",
     dtype: DtypeOption = "auto",

@@ -545,3 +545,50 @@ def test_transformers_batched_greedy_is_plain_greedy_whatever_the_generation_con
     requests = [[3, 4, 5, 3, 4, 5, 3], [7, 8, 9, 10]]
     ours, _, _ = run_continuous(model, requests, 2, 12, [], 0, LookaheadConfig())
     assert hf_batched(model, requests, 12, [], 0) == ours
+
+
+def test_retrieval_table_splits_each_embedders_hybrid_under_its_own_name():
+    """The specific/generic rows had one key for every embedder: the last embedder's split was
+    printed under the first one's rows, and the others had none."""
+    from rag_lookahead.bench.retrieval import (
+        CANDIDATES,
+        Ranked,
+        bm25_rankings,
+        chunk_dataset,
+        load_dataset,
+        method_table,
+    )
+    from rag_lookahead.rag.lexical import BM25Index
+
+    ds = chunk_dataset("bundled", load_dataset())
+    depth = min(CANDIDATES, len(ds.chunks))
+    bm25 = bm25_rankings(BM25Index(ds.chunks), ds.questions, depth)
+    # two rankings as two embedders would give: BM25's own, and a poor one (BM25's reversed)
+    dense = {"good": bm25, "poor": [list(reversed(r)) for r in bm25]}
+    rows = method_table(Ranked(ds, bm25, dense, {"good": 0.0, "poor": 0.0}))
+    for name in dense:
+        split = [rows[f"  hybrid {name} (default), {kind} questions"] for kind in ("specific", "generic")]
+        whole = rows[next(key for key in rows if key.startswith(f"hybrid {name} (default"))]
+        assert sum(part["n"] for part in split) == whole["n"]
+        pooled = sum((part["r@5"] or 0.0) * part["n"] for part in split) / whole["n"]
+        assert abs(pooled - whole["r@5"]) < 1e-9, (name, split, whole)  # the split is of this embedder's hybrid
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_retrieval_json_to_a_full_stdout_is_one_line(tmp_path):
+    """``bench.retrieval --json > /dev/full``: its report is stdout, and the failed write ended in
+    a traceback (the other benchmarks said one line, as their shared guard does)."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "tiny.jsonl"
+    data.write_text(
+        '{"passage": "The warranty covers defects for two years.", "question": "How long is the warranty?"}\n'
+        '{"passage": "Bake the bread for forty minutes at 200 degrees.", "question": "How long to bake the bread?"}\n',
+        encoding="utf-8",
+    )
+    command = [sys.executable, "-m", "rag_lookahead.bench.retrieval", "--dataset", str(data), "--json"]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-1500:]
+    assert done.stderr.strip().splitlines()[-1] == "error: cannot write the results to stdout: No space left on device"
