@@ -275,7 +275,7 @@ def batch(
             "threads": torch.get_num_threads(),
             "drafts": draft_shape(loaded),
             "requests": len(work.requests),
-            "prompt_ids": sorted({p.get("id") for p in prompt_set}),
+            "prompt_ids": sorted({p.get("id") for p in cycled}),  # those that ran (--requests may take fewer)
             "mean_copied_from_context": round(statistics.mean(copied), 3) if copied else None,
             "max_new_tokens": max_new_tokens,
             "results": results,

@@ -53,6 +53,7 @@ from rag_lookahead.bench.gpu_sections import (
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import model_devices
 from rag_lookahead.decoding.verify import supports_tree_mask
+from rag_lookahead.errors import ConfigError, first_line
 from rag_lookahead.output_files import save_report
 from rag_lookahead.tiny import build_tiny_model
 
@@ -318,6 +319,13 @@ def gpu_check(
     """
     check_output_path(json_path)
     check_attention(attn)
+    if dtype is not None:  # refused now: it failed in the model section, after the tiny ones had run
+        from rag_lookahead.models import _resolve_dtype
+
+        try:
+            _resolve_dtype(dtype, "cpu", None)
+        except ConfigError as err:
+            raise typer.BadParameter(first_line(err), param_hint="--dtype") from None
     report = run_check(CheckSettings(device, device_map, dtype, attn, model, small, tiny_only))
     print_table(report)
     if json_path:

@@ -35,6 +35,7 @@ from rag_lookahead.bench.common import (
     check_output_path,
     check_positive,
     context_fitted_ids,
+    dtype_label,
     eos_pad,
     keeps_report_despite_stdout,
     load_bench_model,
@@ -250,6 +251,7 @@ def interference(
             "--long-tokens": long_tokens,
             "--long-max-new-tokens": long_max_new_tokens,
             "--prefill-chunk": prefill_chunk,
+            "--arrival-steps": arrival_steps,  # 0 or below ran as 1, unsaid
         }
     )
     if tiny and prompts is not None:  # the tiny model's prompts are random tokens of its own vocabulary
@@ -265,7 +267,7 @@ def interference(
         tiny_mix(settings) if tiny else real_mix(model, dtype, device, prompts, settings)
     )
     config = config.replace(enabled=not no_lookahead)
-    mix = Mix(shorts, longs, short_streams, short_max_new_tokens, long_max_new_tokens, max(arrival_steps, 1))
+    mix = Mix(shorts, longs, short_streams, short_max_new_tokens, long_max_new_tokens, arrival_steps)
     warm = Mix(shorts[:1], [longs[0][:64]], 1, 4, 2, 1)
     Runner(loaded, config, eos, pad, warm, prefill_chunk).run()  # warm-up: kernels, tree-mask probe, costs
     traces = {
@@ -278,7 +280,7 @@ def interference(
     off, on = rows[0]["p95_itl_ms"], rows[1]["p95_itl_ms"]
     report = {
         "model": "tiny-qwen2" if tiny else model,
-        "dtype": "fp32" if tiny else dtype,
+        "dtype": "fp32" if tiny else dtype_label(loaded, dtype),  # what ran, not the option ("auto")
         "threads": torch.get_num_threads(),
         "long_prompt_tokens": [len(ids) for ids in longs],
         "short_streams": short_streams,

@@ -68,6 +68,8 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("interference", ["--tiny", "--json", "{dir}"], FOLDER),
     ("interference", ["--tiny", "--prompts", "{file}"], NO_METHOD),  # ignored before
     ("gpu_check", ["--device", "cpu", "--tiny-only", "--attn", "bogus"], NO_METHOD),  # every section failed
+    ("gpu_check", ["--device", "cpu", "--dtype", "fp8"], NO_METHOD),  # failed in the model section, a traceback
+    ("interference", ["--tiny", "--arrival-steps", "0"], f"error: --arrival-steps {BELOW} 0"),  # ran as 1
     ("rag", ["--json", "{dir}"], FOLDER),
     ("session", ["--json", "{dir}"], FOLDER),
     # checked after the model had loaded (and, for session, after the whole set was embedded)
