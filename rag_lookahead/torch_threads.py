@@ -57,7 +57,7 @@ def in_passing_thread(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     try:
         thread.join()
     except KeyboardInterrupt:
-        if thread.is_alive():
+        if not done:  # not ``thread.is_alive()``: Python 3.10-3.12 mark a thread whose join was interrupted as ended
             raise LeftRunning() from None
         raise
     ok, value = done[0]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rag_lookahead.checks import positive_int, unicode_text
-from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
+from rag_lookahead.errors import ConfigError, IndexLoadError, InputError, first_line
 from rag_lookahead.paths import expand_user
 from rag_lookahead.rag import store
 from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE, SEPARATORS, IndexReport, build_index, make_splitter
@@ -254,21 +254,15 @@ def _warn_if_built_without_headings(index_dir: Path, manifest: dict, records: li
 
 
 def no_index_error(index_dir: Path, docs: str = "DIR") -> IndexLoadError:
-    """There is no index at ``index_dir``, with advice that works there: ``index`` refuses to
-    build into a file or into a folder that holds files of the user's (the advice to build into
-    that path failed when followed)."""
-    quoted = shlex.quote(str(index_dir))  # a folder with spaces, pasted as it is said
-    if index_dir.exists() and not index_dir.is_dir():
-        return IndexLoadError(f"{index_dir} is a file, not an index: give the folder an index was built into")
+    """There is no index at ``index_dir``, with advice that works there: where ``index`` would
+    refuse to build (a file, a broken link, a folder of the user's files; :func:`store.check_target`
+    judges, our own leftovers allowed), the advice to build into that path failed when followed."""
+    elsewhere = f"build one into a new folder with `rag_lookahead index {docs} --index-dir NEW_FOLDER`"
     try:
-        taken = index_dir.is_dir() and any(index_dir.iterdir())
-    except OSError:
-        taken = True
-    if taken:
-        return IndexLoadError(
-            f"no index at {index_dir}, a folder of other files: build one into a new folder with"
-            f" `rag_lookahead index {docs} --index-dir NEW_FOLDER`"
-        )
+        store.check_target(index_dir, advice=elsewhere)
+    except ConfigError as refused:
+        return IndexLoadError(f"no index at {index_dir}: {first_line(refused)}")
+    quoted = shlex.quote(str(index_dir))  # a folder with spaces, pasted as it is said
     return IndexLoadError(f"no index at {index_dir}: build one with `rag_lookahead index {docs} --index-dir {quoted}`")
 
 

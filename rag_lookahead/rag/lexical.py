@@ -38,7 +38,8 @@ _CJK_CHARS = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _CJK = re.compile(rf"[{_CJK_CHARS}]")
 # Japanese has no spaces and jieba would cut kana into single characters: a run of one kana
 # script is a word ("東京タワーに" -> 東京, タワー, に), a katakana loanword at least matching itself
-_KANA_RUN = re.compile(r"[\u3041-\u309f]+|[\u30a0-\u30ff\u31f0-\u31ff]+")
+# ("ー", the long-vowel mark, sits in the katakana block but lengthens hiragana too: "すごーい")
+_KANA_RUN = re.compile(r"[\u3041-\u309f\u30fc]+|[\u30a0-\u30ff\u31f0-\u31ff]+")
 _jieba = None
 # English function words: in short English questions they otherwise dominate BM25 matches
 _EN_STOP = frozenset(

@@ -202,7 +202,9 @@ def test_a_question_the_context_cannot_hold_is_refused_in_one_line(index_dir, ti
     assert "the input has 3000 tokens but the model's context holds" in line, line
 
 
-@pytest.mark.parametrize("kind", ["file", "folder of other files", "missing", "empty folder"])
+@pytest.mark.parametrize(
+    "kind", ["file", "folder of other files", "broken link", "missing", "empty folder", "our leftover lock"]
+)
 def test_no_index_advice_works_where_it_is_followed(tmp_path, tiny_llm, kind):
     """``ask --index-dir notes/`` advised `rag_lookahead index YOUR_DOCS --index-dir notes/`, which
     `index` then refused (a file, or a folder holding the user's files)."""
@@ -214,11 +216,16 @@ def test_no_index_advice_works_where_it_is_followed(tmp_path, tiny_llm, kind):
         (target / "notes.txt").write_text("mine", encoding="utf-8")
     elif kind == "empty folder":
         target.mkdir()
+    elif kind == "broken link":
+        target.symlink_to(tmp_path / "gone")
+    elif kind == "our leftover lock":  # an interrupted first build's: index builds there
+        target.mkdir()
+        (target / ".rag_lookahead.lock").write_text("", encoding="utf-8")
     line = one_error_line(CliRunner().invoke(app, ["ask", "What is budget?", "--index-dir", str(target)]))
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "a.txt").write_text("budget sets how many draft tokens a step verifies.", encoding="utf-8")
-    if kind in ("file", "folder of other files"):
+    if kind in ("file", "folder of other files", "broken link"):
         assert f"--index-dir {target}" not in line, line  # the advice names another folder
         built = CliRunner().invoke(app, ["index", str(docs), "--index-dir", str(target), "--no-progress"])
         assert built.exit_code == 1, built.output  # as the old advice was refused

@@ -384,6 +384,7 @@ def test_tokenize_and_fusion():
         ("हिन्दी", ["हिन्दी"]),  # a virama too
         ("東京タワーに行きました", ["東京", "タワー", "に", "行", "きました"]),  # one kana script, one word
         ("これはテストです", ["これは", "テスト", "です"]),
+        ("すごーい らーめん ラーメン", ["すごーい", "らーめん", "ラーメン"]),  # "ー" lengthens either script
         ("__init__ _cache budget_", ["__init__", "init", "_cache", "cache", "budget_", "budget"]),
         ("max_tokens", ["max_tokens", "max", "tokens"]),
     ],

@@ -19,16 +19,21 @@ pytest.importorskip("uvicorn")
 from test_server import tokenizer  # noqa: F401 - a fixture
 from tiny_models import tiny_model
 
-# the real entry point, with the model's load slowed down (a large model's load, or its first conversion)
+# the real entry point, with the model's load slowed down by work in torch (as a large model's
+# load, or its first conversion, is busy in torch: where Python exited with torch running on the
+# load's thread, the C++ runtime aborted, SIGABRT)
 SLOW_LOAD = r"""
 import runpy, sys, time
+import torch
 from rag_lookahead.serve import engine
 
 real_load, pause = engine._load, float(sys.argv.pop(1))
 
 def slow_load(config):
     print("loading", file=sys.stderr, flush=True)
-    time.sleep(pause)
+    a, end = torch.randn(256, 256), time.monotonic() + pause
+    while time.monotonic() < end:
+        a = torch.tanh(a @ a)
     return real_load(config)
 
 engine._load = slow_load
