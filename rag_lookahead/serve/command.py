@@ -139,8 +139,8 @@ def serve(
             _warn_about_exposure(config)
             _warn_about_proxy_limits(config)
             run_on_ray(config, ray_settings)
-    except RagLookaheadError as e:  # the model or the index would not load, or a setting is wrong
-        _refuse(e, _config_error_exit(ctx) if isinstance(e, ConfigError) else 1)
+    except RagLookaheadError as e:  # the address, the model or the index would not do: exit 1, as the tests pin
+        _refuse(e, 1)
 
 
 def config_from_args(args: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServerConfig:
@@ -194,7 +194,9 @@ def run_server(config: ServerConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rag_lookahead.serve``: a bad setting is one line and exit 2."""
+    """``python -m rag_lookahead.serve``: a bad setting is one line and exit 2; what fails as the
+    server starts (the address taken or not resolving, a model or device that will not load,
+    Ray missing) is one line and exit 1, as under ``rag_lookahead serve``."""
     command = typer.main.get_command(_standalone_app())
     try:
         command.main(args=argv, prog_name="python -m rag_lookahead.serve", obj={CONFIG_ERROR_EXIT: 2})
