@@ -16,8 +16,9 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
-__all__ = ["command_interrupts", "interrupted", "program_imported", "program_importing"]
+__all__ = ["command_interrupts", "interrupted", "leave_now", "program_imported", "program_importing"]
 
 _SEEN: list[int] = []
 
@@ -37,10 +38,16 @@ def _leave_130(signum, frame) -> None:
     exception raised here may land in a callback from C++ that cannot pass it on (pybind11, as
     torch imports): the process aborted ("terminate called ... SystemExit: 130", SIGABRT)."""
     _SEEN.append(signum)
+    leave_now(130)
+
+
+def leave_now(code: int) -> NoReturn:
+    """End the process at once with ``code`` (``os._exit``, what was printed flushed): where
+    Python's own exit would wait for, or finalize under, a thread still busy in torch."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # closed, or flushing when the signal came
             stream.flush()
-    os._exit(130)
+    os._exit(code)
 
 
 def _interrupt(signum, frame) -> None:

@@ -36,8 +36,8 @@ _T = TypeVar("_T")
 
 class LeftRunning(KeyboardInterrupt):
     """A Ctrl-C while :func:`in_passing_thread` waited: ``fn`` runs on, on its daemon thread. A
-    program leaving now ends with ``os._exit``: at exit, Python would wait for the thread (a
-    model's load, a minute or more)."""
+    program leaving now ends with ``os._exit`` (:func:`~rag_lookahead.interrupts.leave_now`):
+    Python's own exit, with torch still busy on that thread, aborted (SIGABRT)."""
 
 
 def in_passing_thread(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:

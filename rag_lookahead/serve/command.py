@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any, Literal, NoReturn
@@ -20,7 +19,7 @@ import typer
 
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError, RagLookaheadError, first_line
-from rag_lookahead.interrupts import interrupted
+from rag_lookahead.interrupts import interrupted, leave_now
 from rag_lookahead.paths import cache_dir
 from rag_lookahead.serve.config import (
     API_KEY_ENV,
@@ -139,7 +138,7 @@ def serve(
             _warn_about_exposure(config)
             _warn_about_proxy_limits(config)
             run_on_ray(config, ray_settings)
-    except RagLookaheadError as e:  # the address, the model or the index would not do: exit 1, as the tests pin
+    except RagLookaheadError as e:  # the address, the model or the index would not do: exit 1 (see main)
         _refuse(e, 1)
 
 
@@ -182,10 +181,8 @@ def run_server(config: ServerConfig) -> None:
         _warn_about_exposure(config)  # once the address is taken: a host that does not resolve is one line
         try:
             app = create_app(config)
-        except LeftRunning:  # the model loads on a thread Python would wait for at exit
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
-            os._exit(130)
+        except LeftRunning:  # the model still loads, busy in torch: Python's own exit would abort under it
+            leave_now(130)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         # uvicorn names no address for a socket it is handed: said here (the port --port 0 took)
