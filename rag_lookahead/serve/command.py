@@ -28,6 +28,7 @@ from rag_lookahead.serve.config import (
     LogLevel,
     OutputPool,
     ServerConfig,
+    base_url,
 )
 
 __all__ = ["config_from_args", "main", "parse_args", "run_server", "serve"]
@@ -183,10 +184,8 @@ def run_server(config: ServerConfig) -> None:
             app = create_app(config)
         except LeftRunning:  # the model still loads, busy in torch: Python's own exit would abort under it
             leave_now(130)
-        host, port = sock.getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
         # uvicorn names no address for a socket it is handed: said here (the port --port 0 took)
-        log.info("serving %s at http://%s:%d", config.model_name, shown, port)
+        log.info("serving %s at %s", config.model_name, base_url(*sock.getsockname()[:2]))
         make_server(app, app.state.engine).run(sockets=[sock])
 
 

@@ -23,11 +23,19 @@ __all__ = [
     "OutputPool",
     "WILDCARD_BINDS",
     "ServerConfig",
+    "base_url",
 ]
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WILDCARD_BINDS = ("0.0.0.0", "::", "")
 API_KEY_ENV = "RAG_LOOKAHEAD_API_KEY"
+
+
+def base_url(host: str, port: int) -> str:
+    """``http://HOST:PORT``, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 OutputPool = Literal["shared", "per-key", "off"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 OUTPUT_POOL_MODES: tuple[str, ...] = get_args(OutputPool)

@@ -45,7 +45,7 @@ from typing import Any
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import ConfigError, ModelLoadError, first_line
-from rag_lookahead.serve.config import ServerConfig
+from rag_lookahead.serve.config import ServerConfig, base_url
 
 __all__ = [
     "APP_NAME",
@@ -310,8 +310,7 @@ def _start(ray, serve, config: ServerConfig, settings: RaySettings, gpus: float)
         if why:
             raise ModelLoadError(f"the Ray Serve replicas did not start: {why}") from err
         raise
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    return f"http://{host}:{config.port}"
+    return base_url(config.host, config.port)
 
 
 #: Ray's key-value store (its GCS), namespace of the drain: the driver sets DRAIN_KEY to the drain's
