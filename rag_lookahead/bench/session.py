@@ -197,9 +197,9 @@ def session(
     check_output_path(json_path)
     items = load_dataset(dataset)
     asked = session_questions(items, questions, seed)
-    loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
-    dtype = dtype_label(loaded, dtype)  # what ran, not the option
-    with session_index(items, index_dir) as index:
+    with session_index(items, index_dir) as index:  # a missing index is said before the model loads
+        loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+        dtype = dtype_label(loaded, dtype)  # what ran, not the option
         records = ask_session(
             loaded,
             tokenizer,

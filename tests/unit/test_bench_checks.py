@@ -80,6 +80,11 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
         ["--index-dir", "{dir}/none"],
         "error: no index at {dir}/none: build one with `rag_lookahead index DIR --index-dir {dir}/none`",
     ),
+    (  # loaded the model first, then said there was no index
+        "session",
+        ["--index-dir", "{dir}/none"],
+        "error: no index at {dir}/none: build one with `rag_lookahead index DIR --index-dir {dir}/none`",
+    ),
     ("session", ["--k-prompt", "0"], f"error: --k-prompt {BELOW} 0"),
     ("session", ["--k-seed", "1"], "error: --k-seed must be an integer >= --k-prompt (3), got 1"),
     (
