@@ -402,8 +402,15 @@ def print_results(out: dict) -> None:
             print(f"  w={row['weights']} k={row['k']:<3d} {cells}")
 
 
-def check_retrieval_options(speed_chunks: int, rounds: int, speed_only: bool) -> None:
-    """Refuse timing options that make no sense, before any embedder loads."""
+def check_retrieval_options(
+    speed_chunks: int, rounds: int, speed_only: bool, embedders: list[str] = (), datasets: list[str] = ()
+) -> None:
+    """Refuse timing options that make no sense, and a dataset or embedder named twice (it ran
+    twice, its second table replacing the first), before any embedder loads."""
+    for option, names in (("--dataset", datasets), ("--embedders", embedders)):
+        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        if twice is not None:
+            raise ConfigError(f"{option} names {twice!r} twice")
     if speed_chunks < 0:
         raise ConfigError(f"--speed must be an integer >= 0, got {speed_chunks}")
     check_positive({"--rounds": rounds})
@@ -432,9 +439,10 @@ def retrieval(
     as_json: Annotated[bool, typer.Option("--json", help="print the results as JSON")] = False,
 ) -> dict:
     """Question -> passage retrieval check (recall@1/@5 per method; --tune, --speed)."""
-    check_retrieval_options(speed_chunks, rounds, speed_only)
+    names = [n for n in embedders.split(",") if n]
+    check_retrieval_options(speed_chunks, rounds, speed_only, names, dataset or [])
     out = run(
-        [n for n in embedders.split(",") if n],
+        names,
         dataset or None,
         do_tune=tune_fusion,
         speed_chunks=speed_chunks,

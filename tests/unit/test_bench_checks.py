@@ -434,6 +434,9 @@ def test_recall_of_no_questions_is_null_in_json_and_a_dash_in_the_table(capsys):
         (["--speed", "-1"], "error: --speed must be an integer >= 0, got -1"),
         (["--speed-only"], "error: --speed-only skips the recall runs to time embedding: give --speed N too"),
         (["--embedders", "e5-smal"], "error: embedder 'e5-smal' is not one of ours"),
+        # ran twice, the second table replacing the first
+        (["--dataset", "bundled", "--dataset", "bundled"], "error: --dataset names 'bundled' twice"),
+        (["--embedders", "e5-small,use,e5-small"], "error: --embedders names 'e5-small' twice"),
     ],
 )
 def test_bad_retrieval_options_and_a_misspelled_embedder_are_errors(argv, message):
