@@ -28,7 +28,7 @@ from rag_lookahead.bench.rag import rag as bench_rag
 from rag_lookahead.bench.retrieval import retrieval as bench_retrieval
 from rag_lookahead.bench.session import session as bench_session
 from rag_lookahead.bench.single import bench
-from rag_lookahead.errors import CorpusWarning, RagLookaheadError, RebuildWarning, first_line
+from rag_lookahead.errors import ConfigError, CorpusWarning, RagLookaheadError, RebuildWarning, first_line
 from rag_lookahead.interrupts import interrupted
 from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE
 from rag_lookahead.rag.corpus import MAX_FILE_MB
@@ -138,7 +138,7 @@ def ask_command(
         min=1,
         help="Passages retrieved to seed the draft trie (>= --k; default: the larger of --k and 8).",
     ),
-    stream: bool = typer.Option(False, "--stream", help="Print the answer as it is decoded."),
+    stream: bool = typer.Option(False, "--stream", help="Print the answer as it is decoded (not with --json)."),
     no_lookahead: bool = typer.Option(
         False, "--no-lookahead", help="Plain decoding, one token a forward (same text, slower)."
     ),
@@ -168,7 +168,8 @@ def ask_command(
 
     if sys.stdout is None:  # started with stdout closed (`>&-`): nowhere to put the answer, so no work
         fail(RagLookaheadError("stdout is closed: there is nowhere to write the answer"))
-    streaming = stream and not as_json
+    if stream and as_json:  # one JSON object when the answer is done: nothing to stream
+        fail(ConfigError("--stream and --json do not go together: --json prints one object when the answer is done"))
     if not as_json:  # a terminal encoding without CJK (PYTHONIOENCODING=ascii): '?' for what it cannot show
         _lenient(sys.stdout)
     try:
@@ -180,7 +181,7 @@ def ask_command(
             k_seed=k_seed,
             lookahead=not no_lookahead,
             max_new_tokens=max_new_tokens,
-            callbacks=[token_printer()] if streaming else None,
+            callbacks=[token_printer()] if stream else None,
             quiet=as_json,
             temperature=temperature or None,
             top_p=top_p,
@@ -205,7 +206,7 @@ def ask_command(
             sys.stdout.write(json.dumps(out, ensure_ascii=not _utf8(sys.stdout)) + "\n")
             sys.stdout.flush()
         else:
-            print_result(result, streaming)
+            print_result(result, stream)
 
 
 @contextlib.contextmanager
