@@ -66,7 +66,7 @@ class Engine:
             queue_depth=lambda: self.queue_depth,
             batch_size=lambda: self.batch_size,
             active=lambda: self.active,
-            ready=self.ready.is_set,
+            ready=lambda: self.health == "ok",
         )
         self.batches = Batches(model, self.lookahead, self.eos, self.pad_id, self.config, self.metrics)
         self.token_budget = TokenBudget(self.config.max_batch_tokens or default_token_budget(model, self.config))
@@ -133,6 +133,18 @@ class Engine:
     @property
     def draining(self) -> bool:
         return self._draining
+
+    @property
+    def health(self) -> str:
+        """ok | starting | draining | error (the engine failed to start or its thread died): what
+        /health says and the ready gauge shows (1 only for ok)."""
+        if self.error is not None or (self.ready.is_set() and not self.alive and not self.draining):
+            return "error"
+        if self.draining:
+            return "draining"
+        if not (self.alive and self.ready.is_set()):
+            return "starting"
+        return "ok"
 
     @property
     def idle(self) -> bool:

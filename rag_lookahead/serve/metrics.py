@@ -97,7 +97,12 @@ class Metrics:
         gauge("rag_lookahead_queue_depth", "Requests waiting for a batch slot.", queue_depth)
         gauge("rag_lookahead_batch_size", "Rows in the running batches.", batch_size)
         gauge("rag_lookahead_requests_active", "Requests being decoded.", active)
-        gauge("rag_lookahead_ready", "1 once the engine has warmed up.", lambda: 1 if ready() else 0)
+        gauge(
+            "rag_lookahead_ready",
+            "1 while the engine serves (warmed up, running, not draining: /health's ok); 0 before, while"
+            " draining, and once it has stopped or failed.",
+            lambda: 1 if ready() else 0,
+        )
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
 
     def _counter(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Counter:

@@ -50,7 +50,7 @@ from rag_lookahead.serve.streaming import ClientGone, EngineStream, collect, str
 from rag_lookahead.serve.tool_calls import ToolSetup, tool_setup
 from rag_lookahead.tokens import TextTracker
 
-__all__ = ["generation", "health_status", "status"]
+__all__ = ["generation", "status"]
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ async def models(http_request: Request) -> dict:
 @status.get("/health", response_model=Health, responses={503: {"model": Health}})
 async def health(http_request: Request) -> JSONResponse:
     engine = _engine(http_request)
-    state = health_status(engine)
+    state = engine.health
     body = Health(
         status=state,
         model=engine.config.model_name,
@@ -285,14 +285,3 @@ status.add_api_route("/health", health, methods=["HEAD"], include_in_schema=Fals
 @status.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
 async def metrics(http_request: Request) -> Response:
     return Response(_engine(http_request).metrics.render(), media_type=CONTENT_TYPE)
-
-
-def health_status(engine: Engine) -> str:
-    """ok | starting | draining | error (the engine failed to start or its thread died)."""
-    if engine.error is not None or (engine.ready.is_set() and not engine.alive and not engine.draining):
-        return "error"
-    if engine.draining:
-        return "draining"
-    if not (engine.alive and engine.ready.is_set()):
-        return "starting"
-    return "ok"

@@ -249,7 +249,8 @@ class EngineKilled(BaseException):
 
 def test_engine_thread_death_answers_everyone_at_once(tokenizer, monkeypatch):
     """The engine thread dies: the running and the queued request get 503 at once, /health says
-    "error", and a new request is refused at once instead of queueing for nobody."""
+    "error", the ready gauge drops to 0 (it stayed 1), and a new request is refused at once instead
+    of queueing for nobody."""
     engine = tiny_engine(tokenizer, max_batch_size=1)
     a, b = tiny_prompts(2, seed=25)
 
@@ -269,12 +270,14 @@ def test_engine_thread_death_answers_everyone_at_once(tokenizer, monkeypatch):
             return responses, time.monotonic() - start
 
     with serving(engine) as base:
+        assert "rag_lookahead_ready 1.0" in httpx.get(base + "/metrics", timeout=10).text.splitlines()
         (ra, rb), seconds = asyncio.run(run(base))
         assert seconds < 5
         assert_generic_error(ra, 503)
         assert_generic_error(rb, 503)
         health = httpx.get(base + "/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "error" and SECRET not in health.text
+        assert "rag_lookahead_ready 0.0" in httpx.get(base + "/metrics", timeout=10).text.splitlines()
         start = time.monotonic()
         late = httpx.post(base + "/v1/completions", json=completion(a, 4), timeout=10)
         assert_generic_error(late, 503)
