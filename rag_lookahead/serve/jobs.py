@@ -53,9 +53,10 @@ class Answer:
 
 class RequestOutcome:
     """How the choices (jobs) of one HTTP request ended, so that the metrics count the request once:
-    "completed" when every choice was answered in full, else "cancelled" (the client left) or
-    "failed". Counted per choice, an ``n=4`` request added 4 completed requests, and one whose
-    client left after its first choice was done counted as completed and cancelled both."""
+    "completed" when every choice was answered in full, else "failed" when a choice failed (its
+    siblings are then cancelled), else "cancelled" (the client left). Counted per choice, an
+    ``n=4`` request added 4 completed requests, and one whose client left after its first choice
+    was done counted as completed and cancelled both."""
 
     def __init__(self, choices: int = 1) -> None:
         self._left, self._seen, self._seconds = choices, set(), 0.0
@@ -69,7 +70,7 @@ class RequestOutcome:
             self._seconds = max(self._seconds, seconds)
             if self._left:
                 return None
-        return next(o for o in ("cancelled", "failed", "completed") if o in self._seen), self._seconds
+        return next(o for o in ("failed", "cancelled", "completed") if o in self._seen), self._seconds
 
 
 class Job:

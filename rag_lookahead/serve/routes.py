@@ -122,7 +122,8 @@ def _logprob_format(body: GenerationRequest, engine: Engine) -> LogprobFormat | 
 
 
 async def _collect_all(jobs: list[Job], http_request: Request, engine: Engine) -> list[Answer] | None:
-    """Every choice's answer; None (all of them cancelled) once the client has left."""
+    """Every choice's answer; None (all of them cancelled) once the client has left. A choice that
+    fails stops its siblings before its error is answered: nobody would read them."""
 
     async def one(job: Job) -> Answer | None:
         try:
@@ -130,7 +131,14 @@ async def _collect_all(jobs: list[Job], http_request: Request, engine: Engine) -
         except ClientGone:
             return None
 
-    answers = await asyncio.gather(*(one(job) for job in jobs))
+    tasks = [asyncio.ensure_future(one(job)) for job in jobs]
+    try:
+        answers = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()  # collect cancels its job on the way out; a finished task ignores this
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     if any(answer is None for answer in answers):
         for job in jobs:
             engine.cancel(job)

@@ -243,6 +243,34 @@ def test_text_failure_fails_only_that_request(tokenizer, monkeypatch):
     only_the_first_fails(engine, gate, faults, completion(a, 24, stop=["MARK"]), completion(b, 24), want_b)
 
 
+def test_a_failed_choice_stops_its_siblings_and_the_request_counts_as_failed(tokenizer, monkeypatch):
+    """One of an n=2 request's choices fails: the other decoded on for nobody after the 500, and
+    the request was counted as cancelled (the sibling's cancel ranked above the failure)."""
+    from rag_lookahead.tokens import TextTracker
+
+    engine = tiny_engine(tokenizer, max_batch_size=4, lookahead=False, lookahead_config=None)
+    (prompt,) = tiny_prompts(1, seed=26)
+    faults = fail_once(
+        monkeypatch,
+        TextTracker,
+        "add",
+        UnicodeDecodeError("utf-8", b"\xff", 0, 1, SECRET),
+        when=lambda tracker, tokens: len(tracker.ids) == 2,
+    )
+    slow_steps(monkeypatch, 0.05)  # 60 tokens: the sibling is still running when the error is answered
+    with serving(engine) as base:
+        r = httpx.post(base + "/v1/completions", json=completion(prompt, 60, n=2, temperature=1.0, seed=3), timeout=60)
+        assert not faults
+        assert_generic_error(r)
+        wait_idle(engine)
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        assert_serves_normally(base, engine, prompt)
+    assert metric(metrics, "rag_lookahead_forward_passes_total") < 10  # 59 when the sibling ran to the end
+    assert metric(metrics, "rag_lookahead_requests_failed_total") == 1
+    assert metric(metrics, "rag_lookahead_requests_cancelled_total") == 0
+    assert metric(metrics, "rag_lookahead_requests_completed_total") == 0
+
+
 class EngineKilled(BaseException):
     """Not an Exception: nothing in the engine loop may swallow it, so the thread dies."""
 
