@@ -105,20 +105,25 @@ class TokenBudget:
     def hold(self, job: Job) -> None:
         self._holders.append(job)
 
+    def never_fits(self, jobs: Sequence[Job]) -> ApiError | None:
+        """A 400 when a request's ``jobs`` need more than the whole budget: no wait would let them in."""
+        need = self.need_of(jobs)
+        if need <= self.limit:
+            return None
+        each = f"{len(jobs)} choices x {self.need(jobs[0])} = " if len(jobs) > 1 else ""
+        return ApiError(
+            400,
+            f"this request needs {each}{need} tokens of KV cache (prompt + max_tokens) but the server's "
+            f"whole budget is {self.limit} (max_batch_tokens): shorten the prompt or lower max_tokens"
+            + (" or n" if len(jobs) > 1 else ""),
+            param="max_tokens",
+            code="request_too_large",
+        )
+
     def refusal(self, jobs: Sequence[Job], tokens_per_second: float) -> ApiError | None:
-        """Why a request's ``jobs`` (its ``n`` choices) cannot be accepted now (None: they can);
-        without jobs, whether the budget is full."""
+        """The 429 when a request's ``jobs`` (its ``n`` choices; see ``never_fits`` first) do not fit
+        beside what is held now (None: they do); without jobs, whether the budget is full."""
         need = self.need_of(jobs) if jobs else 1
-        if need > self.limit:
-            each = f"{len(jobs)} choices x {self.need(jobs[0])} = " if len(jobs) > 1 else ""
-            return ApiError(
-                400,
-                f"this request needs {each}{need} tokens of KV cache (prompt + max_tokens) but the server's "
-                f"whole budget is {self.limit} (max_batch_tokens): shorten the prompt or lower max_tokens"
-                + (" or n" if len(jobs) > 1 else ""),
-                param="max_tokens",
-                code="request_too_large",
-            )
         held = self.held
         if held + need <= self.limit:
             return None

@@ -226,6 +226,9 @@ class Engine:
                     param="n",
                     code="request_too_large",
                 )
+        too_large = self.token_budget.never_fits(jobs)
+        if too_large is not None:
+            return too_large
         if len(self._waiting) + choices > limit:  # the queue holds choices: an n-choice request takes n places
             wait = self.token_budget.retry_after(self.token_budget.need_of(jobs) if jobs else 1, rate)
             return busy(

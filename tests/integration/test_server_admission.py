@@ -266,8 +266,12 @@ def test_keys_take_turns_for_free_slots(tokenizer, monkeypatch):
 
 
 def test_max_queue_per_key_refuses_one_keys_backlog_not_another_key(tokenizer, monkeypatch):
-    engine = tiny_engine(tokenizer, max_batch_size=1, max_queue_per_key=2, api_keys=(KEY_A, KEY_B))
-    prompts = tiny_prompts(5, seed=38)
+    """A key's full queue: 429 for that key only; a request that could never fit (n, or the KV
+    budget) gets its 400 even then (the budget's got a 429, to retry forever)."""
+    engine = tiny_engine(
+        tokenizer, max_batch_size=1, max_queue_per_key=2, api_keys=(KEY_A, KEY_B), max_batch_tokens=200
+    )
+    prompts = [p[:20] for p in tiny_prompts(5, seed=38)]
     gate = hold_steps(monkeypatch)
 
     async def run(base: str):
@@ -282,16 +286,19 @@ def test_max_queue_per_key_refuses_one_keys_backlog_not_another_key(tokenizer, m
                 tasks.append(asyncio.create_task(post(KEY_A, prompts[depth])))
                 await until(lambda depth=depth: engine.queue_depth == depth)
             refused = await asyncio.wait_for(post(KEY_A, prompts[3]), 10)
+            never = await asyncio.wait_for(post(KEY_A, (prompts[3] * 20)[:200]), 10)  # 200 + 4 > 200
             too_many = await asyncio.wait_for(post(KEY_B, prompts[3], n=3), 10)
             tasks.append(asyncio.create_task(post(KEY_B, prompts[4])))
             await until(lambda: engine.queue_depth == 3)
             gate.set()
-            return refused, too_many, await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            return refused, never, too_many, await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
     with serving(engine) as base:
-        refused, too_many, done = asyncio.run(run(base))
+        refused, never, too_many, done = asyncio.run(run(base))
     assert_busy(refused)
     assert "this API key already has 2 choices waiting" in refused.json()["error"]["message"]
+    assert never.status_code == 400 and never.json()["error"]["code"] == "request_too_large", never.text
+    assert "max_batch_tokens" in never.json()["error"]["message"]
     assert too_many.status_code == 400 and "max_queue_per_key=2" in too_many.json()["error"]["message"]
     assert [r.status_code for r in done] == [200] * 4
 
