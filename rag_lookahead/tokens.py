@@ -334,7 +334,26 @@ def encode_messages(
         text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
     except Exception as err:  # jinja's TemplateError and friends: say what the template refused
         raise InputError(f"the chat template refused these messages: {err}") from None
+    _check_nothing_left_out(messages, text)
     return list(tokenizer(_unicode(text + answer_prefix), add_special_tokens=False)["input_ids"])
+
+
+#: the roles every chat template renders; others (GLM's "observation", Llama's "ipython") only some
+_COMMON_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+def _check_nothing_left_out(messages: Sequence[Mapping[str, Any]], text: str) -> None:
+    """Refuse a message of a role the template does not know: templates skip those without a word,
+    and the model answered as if the message had never been written."""
+    for message in messages:
+        content = message.get("content")
+        if message.get("role") in _COMMON_ROLES or not isinstance(content, str) or not content.strip():
+            continue
+        if content.strip() not in text:
+            raise InputError(
+                f"the chat template left out a message of role {message.get('role')!r}: this model's template"
+                " renders system, user, assistant and tool messages"
+            )
 
 
 def _unicode(text: str) -> str:

@@ -131,15 +131,18 @@ class SamplingParams:
             isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) or self.top_k < 0
         ):
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, Integral) or not 0 <= self.seed < 2**63
-        ):
-            raise ConfigError(f"seed must be an integer from 0 to 2**63-1, got {self.seed!r}")
+        check_seed(self.seed)
 
     @property
     def plain(self) -> bool:
         """Greedy with nothing to apply: the argmax of the raw logits."""
         return not self.do_sample and self.repetition_penalty == 1.0
+
+
+def check_seed(seed) -> None:
+    """None, or an integer a torch generator takes (ConfigError otherwise)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed < 2**63):
+        raise ConfigError(f"seed must be an integer from 0 to 2**63-1, got {seed!r}")
 
 
 def _number(name: str, value, *, low: float, high: float, open_low: bool = False) -> None:

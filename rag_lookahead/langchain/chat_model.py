@@ -66,7 +66,7 @@ from rag_lookahead.langchain.engine import (
 )
 from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
-from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening
+from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening, plain_choice
 from rag_lookahead.langchain.tools import parse_tool_calls as parse_tool_calls
 from rag_lookahead.models import reported_name
 from rag_lookahead.tokens import checked_stop, encode_messages
@@ -255,6 +255,16 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub)."""
         return self._engine.token_ids(text)
 
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """The prompt tokens these messages make through the chat template, as a call encodes them
+        (LangChain's default counted "Human: ..." lines: a history ``trim_messages`` fitted to the
+        window by it still overflowed it)."""
+        if not messages:
+            return 0
+        formatted = [convert_to_openai_tool(t) for t in tools or ()]
+        chat = template_messages(messages, to_answer=False)
+        return len(encode_messages(self._engine.tokenizer, chat, tools=formatted or None))
+
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         model = kwargs.get("model")  # LangChain's contract for tracing; a per-call model is refused at decode time
         name = model if isinstance(model, str) else self.model_name or ""
@@ -313,7 +323,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         timeout = _check_timeout(kwargs.pop("timeout", None))
         timeout = self.timeout if timeout is None else timeout
         tools = list(kwargs.pop("tools", None) or [])
-        tool_choice = kwargs.pop("tool_choice", None)
+        tool_choice = plain_choice(kwargs.pop("tool_choice", None))  # {"type": "none"} showed the tools
         parallel = kwargs.pop("parallel_tool_calls", None)
         references = kwargs.pop("references", None)
         sampling = self._sampling(kwargs)

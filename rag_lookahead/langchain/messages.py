@@ -34,6 +34,8 @@ __all__ = ["chat_generation", "last_chunk", "template_messages", "unsent_text"]
 #: content blocks an assistant turn may carry besides text; its tool_calls hold the same calls
 _AI_CALL_BLOCKS = frozenset({"tool_use", "tool_call", "tool_call_chunk", "function_call", "server_tool_call"})
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "timeout"}
+#: a ChatMessage's role as templates name it (Qwen's skipped "developer" and "human" turns unseen)
+_ROLE_NAMES = {"developer": "system", "human": "user", "ai": "assistant", "function": "tool"}
 
 
 def _text_of(message: BaseMessage) -> str:
@@ -75,13 +77,14 @@ def _template_message(message: BaseMessage) -> dict:
         return {"role": "tool", "content": text, "tool_call_id": message.tool_call_id, "name": message.name}
     if isinstance(message, FunctionMessage):
         return {"role": "tool", "content": text, "name": message.name}
-    if isinstance(message, ChatMessage):
-        return {"role": message.role, "content": text}
+    if isinstance(message, ChatMessage):  # LangChain's and OpenAI's names for the template's roles
+        return {"role": _ROLE_NAMES.get(message.role, message.role), "content": text}
     raise InputError(f"unsupported message type {type(message).__name__}")
 
 
-def template_messages(messages: Sequence[BaseMessage]) -> list[dict]:
-    """Messages for ``apply_chat_template``; consecutive system messages become one (templates take one)."""
+def template_messages(messages: Sequence[BaseMessage], *, to_answer: bool = True) -> list[dict]:
+    """Messages for ``apply_chat_template``; consecutive system messages become one (templates take
+    one). ``to_answer``: refuse messages that say nothing (counting tokens takes them)."""
     out: list[dict] = []
     for message in messages:
         item = _template_message(message)
@@ -89,7 +92,7 @@ def template_messages(messages: Sequence[BaseMessage]) -> list[dict]:
             out[-1]["content"] += "\n\n" + item["content"]
         else:
             out.append(item)
-    if not out or not any(_said(m["content"]) or m.get("tool_calls") for m in out):
+    if to_answer and not any(_said(m["content"]) or m.get("tool_calls") for m in out):
         raise InputError("the messages are empty: give the model a question or an instruction")
     return out
 

@@ -97,7 +97,7 @@ def sampling_options(model, values: Mapping[str, Any]) -> dict:
 
     Bad values raise :class:`ConfigError` here, before any decoding.
     """
-    from rag_lookahead.decoding.sampling import resolve_sampling
+    from rag_lookahead.decoding.sampling import check_seed, resolve_sampling
 
     values = dict(values)
     temperature = values.pop("temperature", None)
@@ -121,8 +121,7 @@ def sampling_options(model, values: Mapping[str, Any]) -> dict:
     options = {"do_sample": sample, "temperature": temperature, **values} if sample else {"do_sample": False, **values}
     options = {name: value for name, value in options.items() if value is not None}
     resolve_sampling(model, **options)  # raises ConfigError on a bad value
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
+    check_seed(seed)  # the bound too: 2**64 was taken here and refused by every call
     return options | {"seed": seed}
 
 

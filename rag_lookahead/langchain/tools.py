@@ -18,7 +18,15 @@ from typing import Any
 from rag_lookahead.errors import ConfigError
 from rag_lookahead.tokens import chat_template_text
 
-__all__ = ["TOOL_CALL_OPEN", "ParsedCall", "check_tools", "forced_opening", "parse_tool_calls", "split_calls"]
+__all__ = [
+    "TOOL_CALL_OPEN",
+    "ParsedCall",
+    "check_tools",
+    "forced_opening",
+    "parse_tool_calls",
+    "plain_choice",
+    "split_calls",
+]
 
 TOOL_CALL_OPEN = "<tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
@@ -76,6 +84,22 @@ def _takes_no_arguments(tool: Mapping[str, Any]) -> bool:
     return not parameters.get("properties") and not parameters.get("additionalProperties")
 
 
+def _named_tool(tool_choice: Mapping[str, Any]) -> str | None:
+    return (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+
+
+def plain_choice(tool_choice: Any) -> Any:
+    """``{"type": "auto"}`` and ``{"type": "none"}`` (the object form some providers use) as the
+    strings they mean; any other choice as given."""
+    if (
+        isinstance(tool_choice, Mapping)
+        and tool_choice.get("type") in ("auto", "none")
+        and not _named_tool(tool_choice)
+    ):
+        return tool_choice["type"]
+    return tool_choice
+
+
 def forced_opening(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
     """The text the assistant's turn opens with so that it calls a tool (see module docstring).
 
@@ -83,6 +107,7 @@ def forced_opening(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
     when the model picks the tool, after ``"arguments":`` when the tool is known, after the
     whole call when the known tool takes no arguments.
     """
+    tool_choice = plain_choice(tool_choice)
     if tool_choice in (None, "auto", "none"):
         return ""
     names = [_tool_name(t) for t in tools]
@@ -91,9 +116,7 @@ def forced_opening(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
     elif isinstance(tool_choice, str):
         name = tool_choice
     elif isinstance(tool_choice, Mapping):
-        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-        if name is None and tool_choice.get("type") in ("auto", "none"):  # {"type": "auto"} forced a call
-            return ""
+        name = _named_tool(tool_choice)
     else:
         raise ConfigError(f"tool_choice must be 'auto', 'none', 'any', 'required' or a tool name, got {tool_choice!r}")
     if name is not None and name not in names:

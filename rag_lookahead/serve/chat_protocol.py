@@ -7,6 +7,8 @@ how a refused field is worded.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
@@ -58,6 +60,17 @@ TEMPLATE_ARGUMENTS = frozenset(
         "tokenizer_kwargs self"
     ).split()
 )
+
+
+@functools.cache
+def template_arguments() -> frozenset[str]:
+    """``TEMPLATE_ARGUMENTS`` and whatever the installed transformers' ``apply_chat_template`` takes
+    besides (5.24 added ``sanitize_control_tokens``: passed on, it broke the template call)."""
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    named = (p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+    return TEMPLATE_ARGUMENTS.union(named)
 
 
 class TextPart(BaseModel):
@@ -187,7 +200,7 @@ class ChatCompletionRequest(GenerationRequest):
                 raise invalid_request(message, name)
         if self.modalities is not None and self.modalities != ["text"]:
             raise invalid_request("'modalities' must be [\"text\"]: this server answers in text only", "modalities")
-        taken = sorted(TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs or ()))
+        taken = sorted(template_arguments().intersection(self.chat_template_kwargs or ()))
         if taken:
             raise invalid_request(
                 f"'chat_template_kwargs' cannot set {quote(taken[0])}: the server sets it (send it as a field of "

@@ -46,9 +46,9 @@ class ToolSetup:
         if not self.tools:
             return None
         content, calls = parse_tool_calls(text)
+        calls = calls if self.parallel else calls[:1]  # first: a broken second call must not void the first
         if not calls or any(call.args is None for call in calls):
             return None
-        calls = calls if self.parallel else calls[:1]
         return ToolReply(
             content=content,
             calls=[

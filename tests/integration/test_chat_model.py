@@ -325,6 +325,34 @@ def test_tools_through_the_template_and_back_as_tool_calls(chat, singles):
 
 
 @slow
+def test_every_message_reaches_the_prompt_and_token_counts_match_usage(chat):
+    """Measured bugs: a ChatMessage of role "developer" or "human" was left out of the prompt without
+    a word (Qwen's template skips roles it does not know); tool_choice={"type": "none"} still showed
+    the tools; get_num_tokens_from_messages counted "Human: ..." lines, not the template, so a
+    history trim_messages fitted to a budget by it overflowed the budget."""
+    from langchain_core.messages import ChatMessage, trim_messages
+
+    def prompt_tokens(model, messages) -> int:
+        return model.invoke(messages, max_tokens=1).usage_metadata["input_tokens"]
+
+    question = [HumanMessage(HELLO)]
+    as_user = chat.get_num_tokens_from_messages(question)
+    assert as_user == prompt_tokens(chat, question)
+    assert chat.get_num_tokens_from_messages([ChatMessage(role="human", content=HELLO)]) == as_user
+    told = chat.get_num_tokens_from_messages([SystemMessage("Answer briefly."), *question])
+    assert told != as_user  # Qwen's template puts in a system prompt of its own where none is given
+    assert prompt_tokens(chat, [ChatMessage(role="developer", content="Answer briefly."), *question]) == told
+    with pytest.raises(InputError, match="left out a message of role 'critic'"):
+        chat.invoke([ChatMessage(role="critic", content="Too long."), *question])
+    with_tools = prompt_tokens(chat.bind_tools([magic_function]), question)
+    assert chat.get_num_tokens_from_messages(question, tools=[magic_function]) == with_tools > as_user
+    assert prompt_tokens(chat.bind_tools([magic_function], tool_choice={"type": "none"}), question) == as_user
+    history = [m for i in range(40) for m in (HumanMessage(f"question {i}?"), AIMessage(f"answer {i}."))]
+    trimmed = trim_messages(history + question, max_tokens=200, token_counter=chat, strategy="last", start_on="human")
+    assert 1 < len(trimmed) < len(history) and prompt_tokens(chat, trimmed) <= 200
+
+
+@slow
 def test_sampling_is_seeded_and_lossless(chat):
     first = chat.invoke(QUOTE, temperature=0.8, top_p=0.9, seed=7)
     assert chat.invoke(QUOTE, temperature=0.8, top_p=0.9, seed=7).content == first.content
@@ -513,6 +541,7 @@ def test_bad_settings_are_refused(chat, weights):
     for field, value in [
         ("timeout", True),
         ("seed", True),
+        ("seed", 2**64),  # taken, then refused by every call
         ("max_tokens", 2.0),
         ("temperature", "0.5"),
         ("top_k", 1.5),

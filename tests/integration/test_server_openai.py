@@ -10,6 +10,7 @@ over the whole Qwen vocabulary, so chat prompts (template, tools) are in its voc
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 
 import pytest
@@ -301,6 +302,12 @@ def test_tool_calls_parsed_from_the_answer():
     reply = shape.whole([broken])["choices"][0]
     assert reply["message"] == {"role": "assistant", "content": broken.text, "tool_calls": None}
     assert reply["finish_reason"] == "length"
+    # parallel_tool_calls false keeps the first call: a second one cut by max_tokens voided it
+    cut_second = text + '\n<tool_call>\n{"name": "now", "argu'
+    cut = Answer(cut_second, cut_second[len("Let me check.") :], "length", 10, 40, 5, 2.0, 0.1, True)
+    first = ChatShape("id", 0, "m", tools=ToolSetup([NOW, WEATHER], parallel=False)).whole([cut])["choices"][0]
+    assert first["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in first["message"]["tool_calls"]] == ["get_weather"]
     plain = ChatShape("id", 0, "m").whole([answer])["choices"][0]  # no tools asked: the text as it is
     assert plain["message"]["content"] == text and plain["finish_reason"] == "stop"
 
@@ -463,9 +470,19 @@ def test_chat_template_kwargs_reach_the_template(chat_engine, tokenizer):
         r = http.post("/v1/chat/completions", json=tooled)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] > quiet + shout
-        for bad in ({"add_generation_prompt": False}, {"tools": []}, {"self": 1}, [1], "shout"):
+        # sanitize_control_tokens: transformers 5.24's new argument, passed on, broke the template call
+        # (a 400 blaming the messages); every argument of the installed version is the server's
+        for bad in ({"add_generation_prompt": False}, {"tools": []}, {"self": 1}, [1], "shout", *template_own()):
             r = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", (bad, r.text)
+
+
+def template_own() -> list[dict]:
+    """One chat_template_kwargs per argument of the installed ``apply_chat_template``."""
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    return [{p.name: True} for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
 
 
 def shouting_template(tokenizer):
