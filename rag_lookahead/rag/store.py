@@ -403,16 +403,26 @@ def _remove_old_versions(index_dir: Path, current: str, replaced: _Published) ->
     for child in index_dir.iterdir():
         if child.name == current or child.is_symlink():
             continue
-        if MANIFEST_TMP.fullmatch(child.name) and child.is_file():
+        try:
+            _remove_if_old(child, replaced)
+        except OSError as e:  # the new version is published: what could not go stays, said, until a later run
+            log.warning("left %s in place: %s", child, e.strerror or e)
+    try:
+        fsync_dir(index_dir)
+    except OSError as e:
+        log.warning("could not sync %s after removing old data: %s", index_dir, e.strerror or e)
+
+
+def _remove_if_old(child: Path, replaced: _Published) -> None:
+    if MANIFEST_TMP.fullmatch(child.name) and child.is_file():
+        child.unlink()
+    elif child.name in replaced.top_level and child.is_file():
+        if file_sha256(child) == replaced.top_level[child.name]:
             child.unlink()
-        elif child.name in replaced.top_level and child.is_file():
-            if file_sha256(child) == replaced.top_level[child.name]:
-                child.unlink()
-            else:
-                log.warning("left %s in place: it is not the file the old manifest recorded", child)
-        elif (child.name == replaced.data and child.is_dir()) or _is_our_data_dir(child):
-            _empty_our_data_dir(child)
-    fsync_dir(index_dir)
+        else:
+            log.warning("left %s in place: it is not the file the old manifest recorded", child)
+    elif (child.name == replaced.data and child.is_dir()) or _is_our_data_dir(child):
+        _empty_our_data_dir(child)
 
 
 def _write_docstore(path: Path, records: list[dict]) -> str:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import resource
 import shutil
@@ -236,6 +238,36 @@ def test_interrupted_build_leaves_old_index_loadable(tmp_path, built, embedder, 
     assert {r["source"] for r in old.records} == {"tea.md", "sub/train_gbk.txt", "volcano.md"}
     assert not list(tmp_path.glob(".index.*"))
     assert tree(index_dir) == before  # the unpublished data folder was removed, nothing else touched
+
+
+def test_old_data_that_cannot_be_removed_after_a_publish_is_a_warning(tmp_path, built, embedder, monkeypatch, caplog):
+    """Measured bug: the new version was published, then removing the old one's files failed
+    (EACCES on unlink) and the run said "error", exited 1 without its report, and so did every
+    later run while the leftover stayed. Now: the report, a warning, and a later run cleans up."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(built[0], corpus)
+    (corpus / "blob.txt").unlink()
+    index_dir = copy_index(built, tmp_path)
+    old_data = artifact(index_dir, "index.faiss").parent
+    (corpus / "panda.md").write_text(PANDA, encoding="utf-8")
+    real_unlink = Path.unlink
+
+    def refused(path, *args, **kwargs):
+        if path.parent == old_data:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", refused)
+    with caplog.at_level(logging.WARNING, logger="rag_lookahead"):
+        report = build(corpus, index_dir, embedder)
+        assert report.added == 1 and not report.kept
+        again = build(corpus, index_dir, embedder)  # nothing changed, the leftover still there
+        assert again.kept and old_data.is_dir()
+    assert f"left {old_data} in place: Permission denied" in caplog.text
+    assert ix.load_index(index_dir, embedder).search("大熊猫一天吃多少竹子", k=1)[0].source == "panda.md"
+    monkeypatch.undo()
+    build(corpus, index_dir, embedder)
+    assert not old_data.exists()
 
 
 # ---------------------------------------------------------------- damaged indexes
