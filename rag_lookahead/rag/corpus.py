@@ -248,10 +248,10 @@ def stage_bar(shown: bool, desc: str, total: int, unit: str, *, work: int | None
     """A tqdm bar for a stage of indexing over ``total`` units, shown from its start (naming the
     file at hand) where the stage is large (``work``, in the units :data:`STAGE_BAR_LEAST`
     counts, when it is not ``total``); a bar that shows nothing otherwise."""
-    from tqdm.auto import tqdm
+    from rag_lookahead.progress import progress_bar
 
     hidden = not shown or (total if work is None else work) < STAGE_BAR_LEAST
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=hidden, leave=False)
+    return progress_bar(total=total, desc=desc, unit=unit, unit_scale=True, disable=hidden, leave=False)
 
 
 def _size(n: int) -> str:

@@ -228,9 +228,11 @@ class _Progress:
         self.n_texts = n_texts
         self.bar = None
         if progress is True and n_texts > 1:
-            from tqdm.auto import tqdm
+            from rag_lookahead.progress import progress_bar
 
-            self.bar = tqdm(total=n_units, desc=f"embedding {n_texts} chunks", unit=unit, unit_scale=unit == "tok")
+            self.bar = progress_bar(
+                total=n_units, desc=f"embedding {n_texts} chunks", unit=unit, unit_scale=unit == "tok"
+            )
 
     def __enter__(self) -> _Progress:
         return self

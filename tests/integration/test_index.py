@@ -542,6 +542,33 @@ def test_cli_builds_into_an_empty_folder_and_rebuilds_its_own_index(tmp_path, bu
     assert "3 unchanged" in again.stdout and "0 embedded" in again.stdout
 
 
+@pytest.mark.parametrize("stderr", ["closed", "full", "reader gone"])
+def test_a_progress_bar_that_cannot_be_drawn_costs_nothing(tmp_path, built, stderr):
+    """Measured bug: with stderr closed, full or its reader gone, the embedding bar's first draw
+    raised and the whole build was lost (exit 1, no index, nothing said); --no-progress ran through."""
+    target = tmp_path / "index"
+    command = [sys.executable, "-m", "rag_lookahead", "index", str(built[0]), "--index-dir", str(target)]
+    if stderr == "closed":
+        done = subprocess.run(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            timeout=300,
+            preexec_fn=lambda: os.close(2),
+        )
+    elif stderr == "full":
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(command, stdout=subprocess.PIPE, stderr=full, text=True, timeout=300)
+    else:
+        reader = subprocess.Popen(["head", "-c", "1"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=reader.stdin, text=True, timeout=300)
+        reader.stdin.close()
+        reader.wait(10)
+    assert done.returncode == 0 and "3 added" in done.stdout, (done.returncode, done.stdout)
+    assert {r["source"] for r in ix.load_index(target).records} == {"tea.md", "sub/train_gbk.txt", "volcano.md"}
+
+
 @pytest.mark.parametrize("damage", [b"{not json", b"", b"[1, 2]", b"\xff\xfe garbage"])
 def test_our_index_with_a_damaged_manifest_is_rebuilt_by_the_cli(tmp_path, built, embedder, damage):
     """The README said so, but a manifest that was no longer ours by its marker made the folder

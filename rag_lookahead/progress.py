@@ -1,0 +1,50 @@
+"""Progress bars that cannot cost the work they report on.
+
+A bar draws on stderr; a stderr that is closed (``2>&-``), full (``2>/dev/full``) or whose reader
+went away (``2>&1 | head``) made tqdm raise from ``update``, and an index build of minutes was
+lost for a bar nobody could see (``--no-progress`` ran through). Here a failed draw only stops the
+drawing.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["progress_bar"]
+
+
+class _Tolerant:
+    """A stream whose first failed write or flush silences it for good (the bar stops drawing)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self.failed = False
+
+    def write(self, text: str) -> None:
+        self._quietly(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._quietly(self._stream.flush)
+
+    def _quietly(self, call, *args) -> None:
+        if self.failed:
+            return
+        try:
+            call(*args)
+        except (OSError, ValueError):  # ENOSPC, EPIPE, EIO; "I/O operation on closed file"
+            self.failed = True
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding: as the stream has them
+        return getattr(self._stream, name)
+
+
+def progress_bar(*, disable: bool | None = False, **options: Any):
+    """A ``tqdm.auto`` bar on stderr (``options`` as tqdm takes them) that a failing stderr only
+    silences; none is drawn without a stderr (``sys.stderr`` is None under ``pythonw`` or ``2>&-``)."""
+    from tqdm.auto import tqdm
+
+    stream = sys.stderr
+    if stream is None:
+        return tqdm(disable=True, **options)
+    return tqdm(file=_Tolerant(stream), disable=disable, **options)
