@@ -512,7 +512,10 @@ def _dequantized_bf16(gguf_dir: str, gguf_name: str) -> Any:
     # dequantize even where the `kernels` package could keep the blocks packed
     gguf_config = getattr(transformers, "GgufConfig", None)
     extra = {"quantization_config": gguf_config(dequantize=True)} if gguf_config else {}
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32, **extra)
+    from rag_lookahead.progress import others_bars_tolerated
+
+    with others_bars_tolerated():
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32, **extra)
     # save_pretrained refuses GGUF-loaded models: move the weights into a plain model of the same config
     config = gguf_model.config
     if hasattr(config, "quantization_config"):  # else later loads would go through the GGUF quantizer

@@ -375,12 +375,15 @@ def _from_pretrained(where: str, extra: dict[str, Any], kwargs: dict[str, Any], 
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rag_lookahead.progress import others_bars_tolerated
+
     source = _source(where, extra)
     try:
         remote = kwargs.get("trust_remote_code", False)  # always a bool: transformers would prompt on None
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local, trust_remote_code=remote, **extra)
         _refuse_broken_tokenizer(tokenizer, source)
-        model = AutoModelForCausalLM.from_pretrained(where, local_files_only=local, **extra, **kwargs)
+        with others_bars_tolerated():  # "Loading weights" on a full stderr read as an unreadable model
+            model = AutoModelForCausalLM.from_pretrained(where, local_files_only=local, **extra, **kwargs)
     except OSError:
         raise
     except (*_LOAD_ERRORS, SafetensorError) as err:

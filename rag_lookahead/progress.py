@@ -3,15 +3,19 @@
 A bar draws on stderr; a stderr that is closed (``2>&-``), full (``2>/dev/full``) or whose reader
 went away (``2>&1 | head``) made tqdm raise from ``update``, and an index build of minutes was
 lost for a bar nobody could see (``--no-progress`` ran through). Here a failed draw only stops the
-drawing.
+drawing. Bars of other libraries (transformers' "Loading weights") take ``sys.stderr`` as they
+start: :func:`others_bars_tolerated` makes it such a stream for a block.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["progress_bar"]
+__all__ = ["others_bars_tolerated", "progress_bar"]
 
 
 class _Tolerant:
@@ -48,3 +52,16 @@ def progress_bar(*, disable: bool | None = False, **options: Any):
     if stream is None:
         return tqdm(disable=True, **options)
     return tqdm(file=_Tolerant(stream), disable=disable, **options)
+
+
+@contextlib.contextmanager
+def others_bars_tolerated() -> Iterator[None]:
+    """``sys.stderr`` as a stream that a failure only silences, for the block: the bars of calls
+    that take no stream (``from_pretrained``'s) raised ENOSPC from ``2>/dev/full``, and the load
+    said that a sound converted model was unreadable."""
+    previous = sys.stderr
+    sys.stderr = _Tolerant(previous if previous is not None else io.StringIO())
+    try:
+        yield
+    finally:
+        sys.stderr = previous

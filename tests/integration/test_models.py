@@ -99,6 +99,24 @@ def test_fp32_from_local_folder(default_model_fp32):
     assert "4" in _greedy(model, tokenizer, "What is 2+2? Answer with just the number.", max_new_tokens=8)
 
 
+def test_a_stderr_that_cannot_be_written_fails_no_load(monkeypatch, capsys):
+    """Measured bug: under ``ask 2>/dev/full`` transformers' "Loading weights" bar raised ENOSPC and
+    the load said the converted model was unreadable: "delete that folder to reconvert"."""
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with capsys.disabled():  # the real stream underneath, as a terminal's would be
+        monkeypatch.setattr(sys, "stderr", Full())
+        model, tokenizer = load_model("default", dtype="fp32")
+        assert isinstance(sys.stderr, Full)  # put back as it was
+    assert tokenizer("hi")["input_ids"] and model.dtype == torch.float32
+
+
 def test_device_map_auto_is_passed_to_accelerate_and_device_is_ignored():
     # device="meta" would wipe the weights if it were applied; with a device_map it must be ignored
     model, _ = load_model("default", dtype="bf16", device="meta", device_map="auto")
