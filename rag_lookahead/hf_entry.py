@@ -177,11 +177,18 @@ def _lookahead_generate(
             f"window where model.generate would go on past it, so end the call by {limit} tokens (max_new_tokens "
             f"at most {max(limit - input_ids.shape[1], 0)}, and no MaxLengthCriteria past {limit})"
         )
+    _check_tokenizer(lookahead_tokenizer)
     config = lookahead_settings(generation_config, lookahead_config, lookahead_tokenizer)
     references = _encode_references(references, lookahead_tokenizer)
     pad = generation_config._pad_token_tensor
     pad_id = int(pad) if pad is not None else 0
 
+    inner = generation_config
+    if not has_eos and (generation_config.min_length or generation_config.min_new_tokens):
+        # without the config's EOS transformers applies neither (checked above); the loop, which is
+        # given the criteria's EOS ids, would have read them as holding EOS back and refused the call
+        inner = copy.deepcopy(generation_config)
+        inner.min_length, inner.min_new_tokens = 0, None
     watcher = _RowWatcher(input_ids, custom, streamer)
     result = generate(
         model,
@@ -194,7 +201,7 @@ def _lookahead_generate(
         pad_token_id=pad_id,
         on_tokens=watcher.on_tokens,
         stop_check=watcher.stop_check if custom else None,
-        generation_config=generation_config,
+        generation_config=inner,
     )
     sequences = watcher.sequences(pad_id)
     result.stats.new_tokens = sum(len(tokens) for tokens in watcher.generated)
@@ -253,6 +260,17 @@ def _stop_words(words, tokenizer) -> frozenset[int]:
         raise ConfigError("stop_words given as text need lookahead_tokenizer=tokenizer in model.generate")
     ids = [w for w in words if not isinstance(w, str)]
     return LookaheadConfig(stop_words=ids).stop_words | (stop_word_ids(tokenizer, text) if text else frozenset())
+
+
+def _check_tokenizer(tokenizer) -> None:
+    """``lookahead_tokenizer``: None or a tokenizer (a str has ``encode`` too, and failed inside it)."""
+    if tokenizer is not None and (
+        isinstance(tokenizer, (str, bytes)) or not callable(getattr(tokenizer, "encode", None))
+    ):
+        raise ConfigError(
+            f"lookahead_tokenizer must be the model's tokenizer (e.g. AutoTokenizer.from_pretrained(...)),"
+            f" got {type(tokenizer).__name__}"
+        )
 
 
 def _encode_references(references, tokenizer):

@@ -423,6 +423,22 @@ def test_minimum_lengths_that_hold_nothing_back_are_exact(lengths):
         generate(model, [7, 3], max_new_tokens=6, generation_config=GenerationConfig(min_length=4), eos_token_id=3)
 
 
+@pytest.mark.parametrize("lengths", [dict(min_length=15), dict(min_new_tokens=5)])
+def test_a_minimum_with_eos_only_from_the_callers_criterion_is_exact(lengths):
+    """EOS from an EosTokenCriteria alone (none in the generation config): transformers holds
+    nothing back, and the call was refused by the loop, which read the criterion's EOS as the config's."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria
+
+    model = tiny_model("qwen2")
+    call = dict(input_ids=torch.tensor([[7, 3, 9, 4, 11, 2, 8, 7, 3, 9]]), do_sample=False, max_new_tokens=10)
+    eos = next(t for t in model.generate(**call)[0, 10:].tolist()[:4] if t not in (7, 3, 9, 4, 11, 2, 8))
+    criteria = StoppingCriteriaList([EosTokenCriteria(eos)])
+    want = model.generate(**call, **lengths, stopping_criteria=criteria)
+    assert want.shape[1] < 20  # stopped at that EOS, inside the minimum
+    got = model.generate(**call, **lengths, stopping_criteria=criteria, custom_generate=hf_generate)
+    assert got.tolist() == want.tolist()
+
+
 def test_text_references_and_stop_words_need_the_tokenizer():
     model, prompt, answer, expected = repeating_case()
     tokenizer = tiny_tokenizer()
@@ -451,6 +467,14 @@ def test_text_references_and_stop_words_need_the_tokenizer():
             input_ids=torch.tensor([prompt]),
             custom_generate=hf_generate,
             generation_config=lookahead(max_new_tokens=4, stop_words=["t3"]),
+        )
+    with pytest.raises(ConfigError, match="lookahead_tokenizer must be the model's tokenizer"):  # a TypeError
+        model.generate(
+            input_ids=torch.tensor([prompt]),
+            custom_generate=hf_generate,
+            generation_config=lookahead(max_new_tokens=4),
+            references=[[text]],
+            lookahead_tokenizer="tokenizer",
         )
 
 
