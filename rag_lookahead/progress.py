@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,9 +60,21 @@ def others_bars_tolerated() -> Iterator[None]:
     """``sys.stderr`` as a stream that a failure only silences, for the block: the bars of calls
     that take no stream (``from_pretrained``'s) raised ENOSPC from ``2>/dev/full``, and the load
     said that a sound converted model was unreadable."""
-    previous = sys.stderr
-    sys.stderr = _Tolerant(previous if previous is not None else io.StringIO())
+    global _blocks, _replaced
+    with _swap_lock:  # blocks on several threads may overlap: the first in swaps, the last out restores
+        if _blocks == 0:
+            _replaced = sys.stderr
+            sys.stderr = _Tolerant(_replaced if _replaced is not None else io.StringIO())
+        _blocks += 1
     try:
         yield
     finally:
-        sys.stderr = previous
+        with _swap_lock:
+            _blocks -= 1
+            if _blocks == 0 and isinstance(sys.stderr, _Tolerant):  # unless someone set another since
+                sys.stderr = _replaced
+
+
+_swap_lock = threading.Lock()
+_blocks = 0  # others_bars_tolerated blocks open now
+_replaced = None  # the stderr they replaced

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -334,7 +335,7 @@ def encode_messages(
         text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
     except Exception as err:  # jinja's TemplateError and friends: say what the template refused
         raise InputError(f"the chat template refused these messages: {err}") from None
-    _check_nothing_left_out(messages, text)
+    _check_nothing_left_out(tokenizer, messages, extra)
     return list(tokenizer(_unicode(text + answer_prefix), add_special_tokens=False)["input_ids"])
 
 
@@ -342,17 +343,27 @@ def encode_messages(
 _COMMON_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
-def _check_nothing_left_out(messages: Sequence[Mapping[str, Any]], text: str) -> None:
+def _check_nothing_left_out(tokenizer, messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any]) -> None:
     """Refuse a message of a role the template does not know: templates skip those without a word,
-    and the model answered as if the message had never been written."""
-    for message in messages:
-        content = message.get("content")
-        if message.get("role") in _COMMON_ROLES or not isinstance(content, str) or not content.strip():
-            continue
-        if content.strip() not in text:
+    and the model answered as if the message had never been written. Such messages are rendered
+    once more with a marker for their text (a template may quote it, ``tojson``, or trim it; the
+    text itself may also stand elsewhere in the prompt), and each marker must come out."""
+    uncommon = [i for i, m in enumerate(messages) if m.get("role") not in _COMMON_ROLES]
+    if not uncommon:
+        return
+    tag = uuid.uuid4().hex
+    marked = [dict(m) for m in messages]
+    for i in uncommon:
+        marked[i]["content"] = f"ragprobe{i}x{tag}"
+    try:
+        text = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True, **extra)
+    except Exception:  # noqa: BLE001 - a template that reads the content (it rendered the real one)
+        return
+    for i in uncommon:
+        if f"ragprobe{i}x{tag}" not in text:
             raise InputError(
-                f"the chat template left out a message of role {message.get('role')!r}: this model's template"
-                " renders system, user, assistant and tool messages"
+                f"the chat template left out a message of role {messages[i].get('role')!r}: this model's"
+                " template renders system, user, assistant and tool messages"
             )
 
 

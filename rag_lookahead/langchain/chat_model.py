@@ -258,12 +258,17 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """The prompt tokens these messages make through the chat template, as a call encodes them
         (LangChain's default counted "Human: ..." lines: a history ``trim_messages`` fitted to the
-        window by it still overflowed it)."""
+        window by it still overflowed it). Where the template refuses the messages as they stand
+        (``trim_messages`` counts partial lists: a system message alone, a list that opens with an
+        assistant turn), LangChain's count of them, so trimming goes on."""
         if not messages:
             return 0
         formatted = [convert_to_openai_tool(t) for t in tools or ()]
-        chat = template_messages(messages, to_answer=False)
-        return len(encode_messages(self._engine.tokenizer, chat, tools=formatted or None))
+        try:
+            chat = template_messages(messages, to_answer=False)
+            return len(encode_messages(self._engine.tokenizer, chat, tools=formatted or None))
+        except InputError:
+            return super().get_num_tokens_from_messages(messages)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         model = kwargs.get("model")  # LangChain's contract for tracing; a per-call model is refused at decode time

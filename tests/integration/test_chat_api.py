@@ -98,6 +98,31 @@ def test_system_twice_and_no_chat_template_are_refused(tiny):
             chat(model, tokenizer, "t4", references=references)
 
 
+def test_a_message_the_template_leaves_out_is_refused_and_one_it_quotes_is_not(tiny):
+    """A template skips roles it does not know: the message was dropped without a word. A first
+    check looked for the message's text in the prompt: it refused a tool result the template had
+    rendered as JSON (Llama 3's ``ipython`` turn: quoted, newlines escaped) and passed a dropped
+    message whose text stood elsewhere in the prompt (here, in the question)."""
+    from rag_lookahead.tokens import encode_messages
+
+    model, tokenizer = tiny
+    picky = tiny_tokenizer()
+    picky.chat_template = (
+        "{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant'] %}"
+        "t2 {{ m['role'] }} {{ m['content'] }} <eos> "
+        "{% elif m['role'] == 'ipython' %}t2 ipython {{ m['content'] | tojson }} <eos> {% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}t2 assistant {% endif %}"
+    )
+    question = {"role": "user", "content": "t5 t6"}
+    with pytest.raises(InputError, match="left out a message of role 'observation'"):
+        encode_messages(picky, [{"role": "observation", "content": "t5"}, question])
+    with pytest.raises(InputError, match="left out a message of role 'observation'"):
+        chat(model, picky, "t5 t6", [{"role": "observation", "content": "t5"}])
+    quoted = encode_messages(picky, [{"role": "ipython", "content": "t7\nt8"}, question])
+    assert len(quoted) > len(encode_messages(picky, [question]))
+    assert encode_messages(tokenizer, [{"role": "observation", "content": "t5"}, question])  # rendered: taken
+
+
 @pytest.mark.slow
 def test_default_model_chat_two_turns(default_model_fp32):
     model, tokenizer = default_model_fp32

@@ -719,6 +719,34 @@ class _Boom(BaseCallbackHandler):
         raise RuntimeError("this row's handler failed")
 
 
+def test_trimming_a_history_works_where_the_template_refuses_partial_lists():
+    """trim_messages counts partial lists (a system message alone, reversed tails that open with an
+    assistant turn); a template that checks its input refused them, and the trim raised."""
+    from langchain_core.messages import trim_messages
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.tiny import build_tiny_model
+
+    picky = tiny_tokenizer()
+    picky.chat_template = (
+        "{% if not messages or messages[-1]['role'] != 'user' %}{{ raise_exception('the last turn must be the "
+        "user') }}{% endif %}{% for m in messages %}t2 {{ m['role'] }} {{ m['content'] }} <eos> {% endfor %}"
+        "{% if add_generation_prompt %}t2 assistant {% endif %}"
+    )
+    chat = ChatLookahead(model=build_tiny_model("qwen2", seed=0), tokenizer=picky, max_tokens=4)
+    history = [SystemMessage("t4 t5")]
+    for i in range(10):
+        history += [HumanMessage(f"t{10 + i} t{20 + i}"), AIMessage(f"t{30 + i}")]
+    history.append(HumanMessage("t6 t7"))
+    whole = chat.get_num_tokens_from_messages(history)
+    assert whole == chat.invoke(history, max_tokens=1).usage_metadata["input_tokens"]
+    for system in (True, False):
+        trimmed = trim_messages(history, max_tokens=whole // 2, token_counter=chat, include_system=system)
+        # the lists the template refused are counted LangChain's way, so the fit is near, not exact
+        assert 1 < len(trimmed) < len(history) and trimmed[-1].content == "t6 t7"
+        assert chat.get_num_tokens_from_messages(trimmed) < whole
+
+
 def test_a_callback_that_raises_fails_its_own_row_of_a_batch_only(tiny_chat):
     """Each row's callbacks ran inside the shared decode, so one row's raising handler ended the
     decode and every row got its error, even with ``return_exceptions=True``."""
