@@ -63,6 +63,7 @@ from rag_lookahead.langchain.engine import (
     RowRequest,
     in_worker_cancellable,
     pool_shape,
+    prompt_format,
 )
 from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
@@ -247,8 +248,10 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         # only what changes the text: draft settings change speed, never output
         # and what tells models and cut answers apart: the weights (two loaded models may share a
         # name) and the timeout (an answer cut by it must not be served to a call without one)
-        params = {"model_name": self.model_name, "max_tokens": self.max_tokens, "stop": self.stop}
+        # "default_stop": LangChain sets "stop" to the call's own stop list, which replaced the field
+        params = {"model_name": self.model_name, "max_tokens": self.max_tokens, "default_stop": self.stop}
         params |= {"weights": self._engine.fingerprint, "timeout": self.timeout}
+        params["prompt_format"] = prompt_format(self._engine.tokenizer)
         return params | self._sampling_params()
 
     def get_token_ids(self, text: str) -> list[int]:

@@ -22,10 +22,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rag_lookahead.checks import unicode_text
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError
-from rag_lookahead.tokens import TextTracker, eos_ids, pad_id
+from rag_lookahead.tokens import TextTracker, chat_template_text, eos_ids, pad_id
 
 __all__ = [
     "Block",
@@ -35,6 +36,7 @@ __all__ = [
     "RowRequest",
     "SeedRegistry",
     "CancellableAsync",
+    "prompt_format",
     "weights_digest",
 ]
 
@@ -59,7 +61,7 @@ class SeedRegistry:
 
     def register(self, anchors: Sequence[str], passages: Sequence[str]) -> None:
         anchors = tuple(a for a in anchors if a)
-        passages = [p for p in passages if p]
+        passages = [p for p in passages if p and _encodable(p)]  # a lone surrogate failed every later call
         if not anchors or not passages:
             return
         with self._lock:
@@ -168,11 +170,13 @@ class Engine:
         self._decoding = threading.Lock()
 
     def passages(self, passages: Sequence[str]) -> list[list[int]]:
-        return [self.token_ids(p) for p in passages if p]
+        """Draft seeds in tokens. They change the speed, never the text: one that is not valid
+        Unicode (a lone surrogate; the tokenizer raised a bare TypeError) is left out."""
+        return [self.token_ids(p) for p in passages if p and _encodable(p)]
 
     def token_ids(self, text: str) -> list[int]:
         """``text`` in this model's tokens (no special tokens added)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(unicode_text(text, "the text is"), add_special_tokens=False))
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -261,6 +265,28 @@ def weights_digest(model) -> str:
         sample = param.detach().reshape(-1)[:512].float().cpu()
         digest.update(f"{tuple(param.shape)}:{param.dtype}".encode() + sample.numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def prompt_format(tokenizer) -> str:
+    """A short digest of what, besides the weights, turns a text into prompt ids: the tokenizer's
+    kind, source, vocabulary size, special tokens and chat template. For the cache keys: two models
+    on the same weights with another template or tokenizer shared answers."""
+    parts = (
+        type(tokenizer).__name__,
+        str(getattr(tokenizer, "name_or_path", "")),
+        str(len(tokenizer)) if hasattr(tokenizer, "__len__") else "",
+        repr(sorted((getattr(tokenizer, "special_tokens_map", None) or {}).items())),
+        chat_template_text(tokenizer) or "",
+    )
+    return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 class CancellableAsync:

@@ -43,7 +43,15 @@ from rag_lookahead.decoding.inputs import check_prompt_room
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.batching import wave_width
-from rag_lookahead.langchain.engine import BlockStream, CancellableAsync, Engine, EngineRun, NotPickled, RowRequest
+from rag_lookahead.langchain.engine import (
+    BlockStream,
+    CancellableAsync,
+    Engine,
+    EngineRun,
+    NotPickled,
+    RowRequest,
+    prompt_format,
+)
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.tokens import checked_stop, encode_messages
 
@@ -139,8 +147,10 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
             "model_name": self.model_name,
             "max_new_tokens": self.max_new_tokens,
             "system_prompt": self.system_prompt,
-            "stop": self.stop,
+            # LangChain sets "stop" to the call's own stop list (None when not given): the field was lost
+            "default_stop": self.stop,
             "weights": self._engine.fingerprint,  # two loaded models may share a name ("custom")
+            "prompt_format": prompt_format(self.tokenizer),  # another tokenizer or template: other prompts
         }
         options = _CALL_OPTIONS.get()
         if options:  # this call's own options: LangChain's LLM cache keys on these params and stop only
@@ -152,13 +162,13 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         the cache key: ``BaseLLM`` keys its cache on the model's fields and ``stop`` only, so a
         cached 4-token answer came back for ``max_new_tokens=20``."""
         with _call_options(kwargs):
-            return super().generate(prompts, stop, callbacks, **kwargs)
+            return super().generate(prompts, stop, callbacks, **_with_prompts(kwargs, prompts))
 
     async def agenerate(
         self, prompts: list[str], stop: list[str] | None = None, callbacks=None, **kwargs: Any
     ) -> LLMResult:
         with _call_options(kwargs):
-            return await super().agenerate(prompts, stop, callbacks, **kwargs)
+            return await super().agenerate(prompts, stop, callbacks, **_with_prompts(kwargs, prompts))
 
     def batch(self, inputs: list, config=None, *, return_exceptions: bool = False, **kwargs: Any) -> list:
         """LangChain's ``batch``, except that with ``return_exceptions`` a bad input (blank, past the
@@ -261,6 +271,8 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         return ids
 
     def _references(self, prompts: Sequence[str], references: Any) -> list[list[list[int]]]:
+        if isinstance(references, _ByPrompt):
+            references = references.for_prompts(prompts)
         if references is None:
             rows: list[list[str]] = [[] for _ in prompts]
         elif isinstance(references, str):
@@ -382,16 +394,44 @@ def _one_passage_list(references: Any) -> bool:
     return isinstance(references, (list, tuple)) and bool(references) and all(isinstance(r, str) for r in references)
 
 
+def _per_input(references: Any, inputs: Sequence) -> bool:
+    """Whether ``references`` holds one passage list per input (else one list, or a bad value)."""
+    return (
+        isinstance(references, (list, tuple))
+        and len(references) == len(inputs)
+        and not any(isinstance(r, str) for r in references)
+    )
+
+
 def _rows_of(kwargs: dict[str, Any], rows: Sequence[int], inputs: Sequence) -> dict[str, Any]:
     """``kwargs`` for the inputs at ``rows`` only: per-input ``references`` (one list per input)
     kept for those inputs; anything else, one passage list included, as it is (checked later)."""
     references = kwargs.get("references")
-    if (
-        isinstance(references, (list, tuple))
-        and len(references) == len(inputs)
-        and not any(isinstance(r, str) for r in references)
-    ):
+    if _per_input(references, inputs):
         return {**kwargs, "references": [references[i] for i in rows]}
+    return kwargs
+
+
+class _ByPrompt(list):
+    """Per-input ``references`` as (prompt, passages) pairs: LangChain's cache decodes only the
+    prompts it missed but passes the call's keywords whole, and the lists no longer lined up."""
+
+    def for_prompts(self, prompts: Sequence[str]) -> list:
+        """The passage lists of ``prompts``, taken in order (a prompt given twice has two)."""
+        unused = list(self)
+        out = []
+        for prompt in prompts:
+            i = next((i for i, (text, _) in enumerate(unused) if text == prompt), None)
+            if i is None:  # not one of the call's prompts: let the length check say so
+                return [passages for _, passages in self]
+            out.append(unused.pop(i)[1])
+        return out
+
+
+def _with_prompts(kwargs: dict[str, Any], prompts: Sequence[str]) -> dict[str, Any]:
+    references = kwargs.get("references")
+    if len(prompts) > 1 and _per_input(references, prompts):
+        return {**kwargs, "references": _ByPrompt(zip(prompts, references))}
     return kwargs
 
 
@@ -428,13 +468,15 @@ def _merged(size: int, bad: dict[int, Exception], good: list[int], answers: list
 
 
 _CALL_OPTIONS: contextvars.ContextVar[str | None] = contextvars.ContextVar("rag_lookahead_llm_call", default=None)
-_NOT_OPTIONS = frozenset({"tags", "metadata", "run_name", "run_id"})  # LangChain's own keywords of generate
+# LangChain's own keywords of generate; and references, which change the speed, never the text
+_NOT_OPTIONS = frozenset({"tags", "metadata", "run_name", "run_id", "references"})
 
 
 @contextlib.contextmanager
 def _call_options(kwargs: Mapping[str, Any]) -> Iterator[None]:
-    """Make this call's options part of ``_identifying_params`` while LangChain reads them."""
-    options = {k: v for k, v in kwargs.items() if k not in _NOT_OPTIONS and v is not None}
+    """Make this call's options part of ``_identifying_params`` while LangChain reads them (an
+    explicit None too: ``temperature=None`` turns a field's sampling off)."""
+    options = {k: v for k, v in kwargs.items() if k not in _NOT_OPTIONS}
     token = _CALL_OPTIONS.set(repr(sorted(options.items())) if options else None)
     try:
         yield

@@ -242,6 +242,7 @@ def build_rag_chain(
     """
     from langchain_core.language_models import BaseChatModel
 
+    llm, bound = _bound_options(llm)  # llm.bind(...)'s generate() was the bare model's: its options were lost
     if isinstance(llm, BaseChatModel):  # its generate() takes message lists: it failed inside LangChain
         raise ConfigError(
             f"build_rag_chain takes a text LLM (LookaheadLLM), got the chat model {type(llm).__name__}: "
@@ -263,7 +264,7 @@ def build_rag_chain(
         retrieval_seconds = time.perf_counter() - t0
         shown, seeds = docs[:k_prompt], docs[k_prompt:]
         text = make_prompt(question, shown, prompt)
-        kwargs = dict(extra)
+        kwargs = bound | extra
         if _is_lookahead(llm):
             kwargs["references"] = [[d.page_content for d in seeds]]
         result = llm.generate(
@@ -295,9 +296,16 @@ def _question_of(inputs: Any) -> str:
 
 def _unbound(model: Any) -> Any:
     """The model under ``model.bind(...)`` / ``bind_tools`` wrappers."""
+    return _bound_options(model)[0]
+
+
+def _bound_options(model: Any) -> tuple[Any, dict[str, Any]]:
+    """The model under ``bind`` wrappers, and the keywords they bind (an outer one wins)."""
+    options: dict[str, Any] = {}
     while hasattr(model, "bound"):
+        options = dict(getattr(model, "kwargs", None) or {}) | options
         model = model.bound
-    return model
+    return model, options
 
 
 def build_chat_rag_chain(
@@ -403,6 +411,11 @@ class SeedingRetriever(BaseRetriever):
     llm: Any = None
     k_prompt: int = 3
     k_seed: int = 8
+
+    def __init__(self, **fields: Any) -> None:
+        # as build_retrieval_qa checks them: k_prompt=-1 showed every passage but the last
+        check_k(fields.get("k_prompt", 3), fields.get("k_seed", 8))
+        super().__init__(**fields)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
         docs = retrieve(self.retriever, query, self.k_seed, {"callbacks": run_manager.get_child()})

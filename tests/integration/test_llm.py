@@ -81,7 +81,7 @@ def test_stop_honoured_and_excluded(llm, singles):
     fixed = LookaheadLLM(model=llm.model, tokenizer=llm.tokenizer, model_name="default", max_new_tokens=24, stop=[stop])
     assert fixed.invoke(PROMPTS[3]) == out and "".join(fixed.stream(PROMPTS[3])) == out
     assert fixed.invoke(PROMPTS[3], stop=["never-there"]) == text
-    assert fixed._identifying_params["stop"] == [stop]  # the LLM cache keeps the two apart
+    assert fixed._identifying_params["default_stop"] == [stop]  # the LLM cache keeps the two apart
 
 
 def test_stream_concatenates_to_invoke(llm, singles):
@@ -192,8 +192,9 @@ def test_identifying_params_and_serialization(llm):
         "model_name": "default",
         "max_new_tokens": 24,
         "system_prompt": None,
-        "stop": None,
+        "default_stop": None,
         "weights": params["weights"],
+        "prompt_format": params["prompt_format"],
     }
     assert len(params["weights"]) == 16  # a digest of the weights: two models of one name stay apart
     dumped = llm.model_dump()

@@ -1,0 +1,128 @@
+"""LangChain's cache and chains around LookaheadLLM and ChatLookahead, on a tiny random-weight
+model: an answer comes from the cache only for the call that would decode the same text, a batch
+that is partly cached decodes the rest, and the chains keep what ``bind`` set. Measured bugs,
+each test failing on the code before its fix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from langchain_core.caches import InMemoryCache
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from tiny_tokenizer import tiny_tokenizer
+
+from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.langchain.chat_model import ChatLookahead
+from rag_lookahead.langchain.llm import LookaheadLLM
+from rag_lookahead.rag.chains import SeedingRetriever, build_rag_chain, build_retrieval_qa
+from rag_lookahead.tiny import build_tiny_model
+
+A, B, C = "t5 t6 t7", "t9 t10 t11", "t20 t21 t22"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model("qwen2", seed=0)
+
+
+def make_llm(model, tokenizer=None, **fields) -> LookaheadLLM:
+    return LookaheadLLM(model=model, tokenizer=tokenizer or tiny_tokenizer(), max_new_tokens=8, **fields)
+
+
+class Fixed(BaseRetriever):
+    docs: list = []
+
+    def _get_relevant_documents(self, query, *, run_manager):
+        return list(self.docs)
+
+
+def test_a_stop_field_is_in_the_cache_key(model):
+    """LangChain sets the key's "stop" to the call's own stop list: a model built with stop= got
+    the whole answer cached by one without it."""
+    whole = make_llm(model).invoke(A)
+    stop = whole.split()[2]
+    cut = make_llm(model, stop=[stop]).invoke(A)
+    assert cut != whole
+    cache = InMemoryCache()
+    assert make_llm(model, cache=cache).invoke(A) == whole
+    assert make_llm(model, cache=cache, stop=[stop]).invoke(A) == cut
+    chat_cut = ChatLookahead(model=model, tokenizer=tiny_tokenizer(), max_tokens=8, stop=[stop]).invoke(A).content
+    ChatLookahead(model=model, tokenizer=tiny_tokenizer(), max_tokens=8, cache=cache).invoke(A)
+    assert (
+        ChatLookahead(model=model, tokenizer=tiny_tokenizer(), max_tokens=8, stop=[stop], cache=cache).invoke(A).content
+        == chat_cut
+    )
+
+
+def test_an_explicit_none_option_is_in_the_cache_key(model):
+    """``temperature=None`` turns the field's sampling off (greedy), but the key left it out and the
+    cached sample came back."""
+    greedy = make_llm(model).invoke(A)
+    cached = make_llm(model, cache=InMemoryCache(), temperature=0.9, seed=1)
+    sampled = cached.invoke(A)
+    assert sampled != greedy
+    assert cached.invoke(A, temperature=None) == greedy
+
+
+def test_a_partly_cached_batch_decodes_the_rest_with_their_own_references(model):
+    """The cache decodes only the prompts it missed but passed the whole batch's per-input
+    references: "references has 2 lists but there are 1 prompts", for every row. References
+    change the speed only, so they are not in the key either."""
+    plain = make_llm(model)
+    want = [plain.invoke(p) for p in (A, B, C)]
+    cached = make_llm(model, cache=InMemoryCache())
+    refs = [[f"{A} t8"], [f"{B} t12"]]
+    assert cached.batch([A, B], references=refs) == want[:2]
+    assert cached.batch([A, C], references=refs) == [want[0], want[2]]
+    assert cached.batch([C, A, B], references=[[], [f"{A} t8"], []], return_exceptions=True) == [want[2], *want[:2]]
+
+
+def test_another_chat_template_on_the_same_weights_is_another_cache_key(model):
+    other = tiny_tokenizer()
+    other.chat_template = "{% for m in messages %}t3 {{ m['content'] }} {% endfor %}t2 assistant "
+    cache = InMemoryCache()
+    first = make_llm(model, cache=cache).invoke(A)
+    own = make_llm(model, other).invoke(A)
+    assert own != first
+    assert make_llm(model, other, cache=cache).invoke(A) == own
+
+
+def test_a_rag_chain_over_a_bound_llm_keeps_what_bind_set(model):
+    """``build_rag_chain(llm.bind(max_new_tokens=3))`` called the bare model's generate: 8 tokens."""
+    llm = make_llm(model)
+    docs = [
+        Document(page_content=A, metadata={"source": "a.md"}),
+        Document(page_content=B, metadata={"source": "b.md"}),
+    ]
+    chain = build_rag_chain(llm.bind(max_new_tokens=3), Fixed(docs=docs), k_prompt=1, k_seed=2)
+    answer = chain.invoke("t5 t6")
+    assert answer["stats"]["new_tokens"] == 3
+    sampled = build_rag_chain(llm.bind(temperature=0.9, seed=1), Fixed(docs=docs), k_prompt=1, k_seed=2)
+    greedy = build_rag_chain(llm, Fixed(docs=docs), k_prompt=1, k_seed=2)
+    assert sampled.invoke("t5 t6")["answer"] != greedy.invoke("t5 t6")["answer"]
+    assert sampled.invoke({"question": "t5 t6", "temperature": None})["answer"] == greedy.invoke("t5 t6")["answer"]
+
+
+def test_a_seed_passage_that_is_not_unicode_is_left_out_not_raised(model):
+    """Seeds change the speed only; a lone surrogate in one failed the request with tokenizers'
+    bare TypeError, and once registered, every later call on a prompt with its anchor."""
+    llm = make_llm(model)
+    shown = Document(page_content=A, metadata={"source": "a.md"})
+    seed = Document(page_content="t8 t9 \udce9", metadata={"source": "b.md"})
+    prompt = f"context: {A} question: t5 t6"
+    want = llm.invoke(prompt)
+    qa = build_retrieval_qa(copy.copy(llm), Fixed(docs=[shown, seed]), k_prompt=1, k_seed=2)
+    chain = build_rag_chain(llm, Fixed(docs=[shown, seed]), k_prompt=1, k_seed=2)
+    assert qa.invoke({"query": "t5 t6"})["result"] and chain.invoke("t5 t6")["answer"]
+    assert llm.invoke(prompt) == want
+    assert llm.invoke(prompt, references=["t8 t9 \udce9"]) == want
+    with pytest.raises(InputError, match="not valid Unicode"):
+        llm.get_num_tokens("t8 \udce9")
+
+
+def test_a_seeding_retriever_checks_its_counts():
+    for k_prompt, k_seed in ((-1, 4), (0, 4), (3, 2)):
+        with pytest.raises(ConfigError):
+            SeedingRetriever(retriever=Fixed(), k_prompt=k_prompt, k_seed=k_seed)
