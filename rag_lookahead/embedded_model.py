@@ -25,7 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -268,9 +268,9 @@ def is_complete(folder: Path, spec: EmbeddedModel = DEFAULT) -> bool:
     return marker is not None and marker.get("sha256") == spec.sha256
 
 
-def file_sums(folder: Path) -> dict[str, list[int]]:
-    """Each file under ``folder`` but the marker: ``[size, its bytes summed as little-endian 64-bit
-    words, modulo 2**64]``.
+def file_sums(folder: Path, names: Iterable[str] | None = None) -> dict[str, list[int]]:
+    """Each file under ``folder`` but the marker (only those of ``names``, where given, that are
+    there): ``[size, its bytes summed as little-endian 64-bit words, modulo 2**64]``.
 
     Why a sum and not sha256: it is checked on every load, and over the default model's 1.26 GB
     it took 0.11-0.14 s here against 0.82 s for sha256 (numpy over a memory map, which also warms
@@ -281,7 +281,8 @@ def file_sums(folder: Path) -> dict[str, list[int]]:
     import numpy as np
 
     sums = {}
-    for path in sorted(folder.rglob("*")):
+    paths = sorted(folder.rglob("*")) if names is None else [folder / name for name in sorted(names)]
+    for path in paths:
         if path.is_symlink() or not path.is_file() or path.name == MARKER_FILE:
             continue
         size = path.stat().st_size
@@ -309,8 +310,8 @@ def damaged(folder: Path) -> str | None:
         return None
     if not _sums_table(recorded):  # hand-edited: a load crashed on it ("cannot unpack")
         return "its marker is unreadable"
-    try:
-        found = file_sums(folder)
+    try:  # the files written only: a user's unreadable notes beside them made a sound model "damaged"
+        found = file_sums(folder, recorded)
     except OSError as err:  # (another process removing it meanwhile)
         return f"it could not be read ({err.strerror or err})"
     for name, (size, total) in recorded.items():
@@ -320,6 +321,11 @@ def damaged(folder: Path) -> str | None:
             return f"{name} is {found[name][0]:,} bytes, not the {size:,} written"
         if found[name][1] != total:
             return f"{name} has bytes that differ from those written"
+    # a file the load would read though no conversion wrote it (a stray special_tokens_map.json
+    # swapped the tokenizer's EOS and pad, unseen)
+    stray = sorted(n for n in CONVERTED_FILES - {MARKER_FILE} - set(recorded) if (folder / n).exists())
+    if stray:
+        return f"it holds {stray[0]}, which the conversion did not write"
     return None
 
 
@@ -370,7 +376,8 @@ def _clear(target: Path) -> None:
             " write: remove it and load again, or set RAG_LOOKAHEAD_CACHE to another folder"
         )
     recorded = (_marker(target) or {}).get("files")
-    ours = (set(recorded) if _sums_table(recorded) else set()) | CONVERTED_FILES
+    # the marker's list where it has one: the names a conversion might write took a user's vocab.json too
+    ours = set(recorded) | {MARKER_FILE} if _sums_table(recorded) else CONVERTED_FILES
     for path in sorted(target.rglob("*"), reverse=True):  # children before their folder
         name = path.relative_to(target).as_posix()
         if name in ours and path.is_file() and not path.is_symlink():

@@ -254,6 +254,44 @@ def test_a_rebuild_keeps_files_it_did_not_write(tmp_path, capsys):
     assert sorted(p.name for p in target.parent.iterdir()) == ["m.kept-1"]
 
 
+def test_only_the_files_a_conversion_wrote_are_checked_deleted_or_taken_as_ours(tmp_path, monkeypatch, capsys):
+    """Measured bugs: a reconversion deleted a user's vocab.json, merges.txt and added_tokens.json
+    (names a conversion might write, though its marker listed what it did write); a user's file
+    that could not be read made a sound folder "damaged"; a stray special_tokens_map.json, which
+    the load reads, went unseen and swapped the tokenizer's EOS and pad."""
+    from rag_lookahead.embedded_model import damaged
+
+    def build(tmp):
+        (tmp / "model.safetensors").write_bytes(b"whole")
+        (tmp / "config.json").write_text("{}")
+
+    target = tmp_path / "models" / "m"
+    atomic_build(target, build, {"sha256": DEFAULT_SHA256})
+    (target / "notes.txt").write_text("mine")
+    import numpy as np
+
+    real_memmap = np.memmap
+
+    def unreadable(path, *args, **kwargs):
+        if Path(path).name == "notes.txt":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_memmap(path, *args, **kwargs)
+
+    monkeypatch.setattr(np, "memmap", unreadable)
+    assert damaged(target) is None  # the user's unreadable notes are not ours to check
+    monkeypatch.setattr(np, "memmap", real_memmap)
+    (target / "special_tokens_map.json").write_text('{"eos_token": "<|endoftext|>"}')
+    assert damaged(target) == "it holds special_tokens_map.json, which the conversion did not write"
+    for name in ("vocab.json", "merges.txt", "added_tokens.json"):
+        (target / name).write_text("the user's")
+    remove_stale(target)
+    kept = tmp_path / "models" / "m.kept-1"
+    assert sorted(p.name for p in kept.iterdir()) == sorted(
+        ["notes.txt", "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json"]
+    )
+    assert (kept / "vocab.json").read_text() == "the user's" and "kept in" in capsys.readouterr().err
+
+
 def test_a_build_never_clears_through_a_symlink_at_its_place(tmp_path):
     """A link made at the folder's place while a conversion ran: replacing it must not delete the
     files of the folder it points to (which are named as a conversion's files are)."""
