@@ -140,3 +140,21 @@ def test_jieba_keeps_its_dictionary_cache_in_our_cache_not_in_the_shared_tmp(tmp
     assert done.returncode == 0 and "被告" in done.stdout, done.stderr
     assert list(shared.iterdir()) == []
     assert (ours / "jieba" / "jieba.cache").is_file()
+
+
+def test_cached_words_follow_the_dictionary_jieba_has_loaded(tmp_path):
+    """The key held jieba's version, not its dictionary: after ``jieba.add_word`` (or a rebuilt
+    dictionary cache) the cached words were the old dictionary's while queries were cut with the new."""
+    import jieba
+
+    word = "甲乙丙丁戊己公司"  # in no other test's text: jieba's dictionary is one per process
+    texts = [f"第{i}号 被告{word}违约" for i in range(4)]
+    before = token_cache.cached_tokens(texts, tmp_path, min_chunks=1)
+    jieba.add_word(word)
+    try:
+        after = token_cache.cached_tokens(texts, tmp_path, min_chunks=1)
+        assert after == [lexical.tokenize(t) for t in texts] != before
+        assert word in after[0]
+    finally:
+        jieba.del_word(word)
+    assert token_cache.cached_tokens(texts, tmp_path, min_chunks=1) == [lexical.tokenize(t) for t in texts]
