@@ -243,6 +243,11 @@ def build_rag_chain(
     from langchain_core.language_models import BaseChatModel
 
     llm, bound = _bound_options(llm)  # llm.bind(...)'s generate() was the bare model's: its options were lost
+    if not callable(getattr(type(llm), "generate", None)):  # e.g. llm.with_retry(): an AttributeError inside
+        raise ConfigError(
+            f"build_rag_chain takes the LLM itself or llm.bind(...), got {type(llm).__name__}: wrap the chain"
+            " instead, e.g. build_rag_chain(llm, index).with_retry()"
+        )
     if isinstance(llm, BaseChatModel):  # its generate() takes message lists: it failed inside LangChain
         raise ConfigError(
             f"build_rag_chain takes a text LLM (LookaheadLLM), got the chat model {type(llm).__name__}: "
@@ -300,10 +305,14 @@ def _unbound(model: Any) -> Any:
 
 
 def _bound_options(model: Any) -> tuple[Any, dict[str, Any]]:
-    """The model under ``bind`` wrappers, and the keywords they bind (an outer one wins)."""
+    """The model under ``bind`` wrappers, and the keywords they bind (an outer one wins). Other
+    wrappers (``with_retry``) are not unwrapped: their behaviour would be lost in silence."""
+    from langchain_core.runnables import RunnableBinding
+    from langchain_core.runnables.retry import RunnableRetry
+
     options: dict[str, Any] = {}
-    while hasattr(model, "bound"):
-        options = dict(getattr(model, "kwargs", None) or {}) | options
+    while isinstance(model, RunnableBinding) and not isinstance(model, RunnableRetry):
+        options = dict(model.kwargs or {}) | options
         model = model.bound
     return model, options
 
@@ -413,9 +422,9 @@ class SeedingRetriever(BaseRetriever):
     k_seed: int = 8
 
     def __init__(self, **fields: Any) -> None:
-        # as build_retrieval_qa checks them: k_prompt=-1 showed every passage but the last
-        check_k(fields.get("k_prompt", 3), fields.get("k_seed", 8))
         super().__init__(**fields)
+        # as build_retrieval_qa checks them: k_prompt=-1 showed every passage but the last
+        check_k(self.k_prompt, self.k_seed)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
         docs = retrieve(self.retriever, query, self.k_seed, {"callbacks": run_manager.get_child()})

@@ -184,6 +184,11 @@ def tokenize(text: str) -> list[str]:
     return toks
 
 
+def has_cjk(text: str) -> bool:
+    """Whether jieba cuts any of ``text`` (it holds a CJK character)."""
+    return _CJK.search(text) is not None
+
+
 def _other_tokens(chunk: str) -> list[str]:
     if not chunk.strip():
         return []

@@ -126,3 +126,10 @@ def test_a_seeding_retriever_checks_its_counts():
     for k_prompt, k_seed in ((-1, 4), (0, 4), (3, 2)):
         with pytest.raises(ConfigError):
             SeedingRetriever(retriever=Fixed(), k_prompt=k_prompt, k_seed=k_seed)
+    assert SeedingRetriever(retriever=Fixed(), k_prompt="2", k_seed=4).k_prompt == 2  # as pydantic reads it
+
+
+def test_a_rag_chain_refuses_a_wrapper_it_would_strip(model):
+    """Unwrapping ``with_retry`` as ``bind`` is unwrapped ran the bare model: no retry, unseen."""
+    with pytest.raises(ConfigError, match="wrap the chain instead"):
+        build_rag_chain(make_llm(model).with_retry(), Fixed(docs=[]), k_prompt=1, k_seed=2)
