@@ -45,7 +45,7 @@ def read_questions(path: Path) -> list[tuple[int, str]]:
             continue
         try:
             q = json.loads(line)["question"]
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:  # [[[[... nested past Python's limit
             raise InputError(f"{path}:{lineno}: expected a JSON object with a 'question' ({e})") from None
         if not isinstance(q, str):
             raise InputError(f"{path}:{lineno}: the question must be a string, got {type(q).__name__}")
@@ -61,15 +61,24 @@ def read_questions(path: Path) -> list[tuple[int, str]]:
 def is_answers_file(path: Path) -> bool:
     """Whether ``path`` is an earlier output of this pipeline (every line an answer record), which
     a rerun may replace; any other file at the output path is refused, never overwritten."""
+    # line by line, each at most MOST_BYTES_READ: a whole-file cap refused our own answers to ~10k
+    # questions (over 64 MB); exactly the keys main() writes, and at least one record: a user's
+    # Q&A set (question, answer, sources) or an empty file is not ours
+    records = 0
     try:
-        if path.stat().st_size > MOST_BYTES_READ:
-            return False
-        records = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-    except (OSError, ValueError):
+        with open(path, encoding="utf-8", newline="\n") as f:
+            while line := f.readline(MOST_BYTES_READ):
+                if not line.endswith("\n") and len(line) >= MOST_BYTES_READ:
+                    return False  # no line of ours is that long
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if not (isinstance(record, dict) and record.keys() == ANSWER_KEYS):
+                    return False
+                records += 1
+    except (OSError, ValueError, RecursionError):
         return False
-    # exactly the keys main() writes, and at least one record: a user's Q&A set (question, answer,
-    # sources) or an empty file is not ours
-    return bool(records) and all(isinstance(r, dict) and r.keys() == ANSWER_KEYS for r in records)
+    return records > 0
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from rag_args import open_index, rag_parser, run
 
+from rag_lookahead.errors import one_line
 from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.rag.chains import build_chat_rag_chain
 
@@ -26,7 +27,7 @@ def show(chain, question: str) -> None:
         if "sources" in part:
             for s in part["sources"]:
                 where = "prompt" if s["in_prompt"] else "seed only"
-                print(f"  [{where}] {s['source']}: {s['snippet'][:80]}")
+                print(f"  [{where}] {one_line(s['source'])}: {one_line(s['snippet'][:80])}")  # ESC, breaks escaped
             print()
         if "answer" in part:
             print(part["answer"], end="", flush=True)

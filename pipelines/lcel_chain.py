@@ -37,7 +37,7 @@ def main() -> None:
         | chat.bind(enable_lookahead=not args.no_lookahead)
         | StrOutputParser()
     )
-    for piece in chain.stream(args.question):  # one piece per block of accepted tokens
+    for piece in chain.stream(args.question.strip()):  # one piece per block of accepted tokens
         print(piece, end="", flush=True)
     print()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rag_args import open_index, rag_parser, run
 
+from rag_lookahead.errors import one_line
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.rag.chains import build_retrieval_qa
 
@@ -30,7 +31,8 @@ def main() -> None:
     print(out["result"].strip())
     print()
     for doc in out["source_documents"]:
-        print(f"- {doc.metadata.get('source')}: {' '.join(doc.page_content.split())[:100]}")
+        # a file name's control characters as escapes: a name may hold ESC or a line break
+        print(f"- {one_line(str(doc.metadata.get('source')))}: {one_line(' '.join(doc.page_content.split())[:100])}")
 
 
 if __name__ == "__main__":

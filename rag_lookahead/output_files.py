@@ -44,7 +44,7 @@ def check_output_file(
     if not folder.is_dir():
         reason = "is not a folder" if folder.exists() else "does not exist"
         raise ConfigError(f"{option} {str(path)!r}: its folder {str(folder)!r} {reason}")
-    _check_writable(folder, option, path)
+    _check_writable(folder, option, path, target.name)
     for source in inputs:
         if source is not None and _same_file(target, Path(source)):
             raise ConfigError(f"{option} {str(path)!r} is this run's input {str(source)!r}; give another path")
@@ -55,11 +55,12 @@ def check_output_file(
         )
 
 
-def _check_writable(folder: Path, option: str, path: str | Path) -> None:
-    """A file of our own made and removed in ``folder``: a folder the run cannot write (read-only,
-    /proc) is said now, not after the whole run when its results are to be saved."""
+def _check_writable(folder: Path, option: str, path: str | Path, name: str) -> None:
+    """A file of our own made and removed in ``folder``, named as long as the temporary file the
+    save writes first (``.NAME.XXXXXXXX``): a folder the run cannot write (read-only, /proc), or a
+    name a few bytes short of the limit, is said now, not after the whole run (all was lost)."""
     try:
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".rag_lookahead-probe-")
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:

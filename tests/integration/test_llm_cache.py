@@ -129,6 +129,22 @@ def test_a_seeding_retriever_checks_its_counts():
     assert SeedingRetriever(retriever=Fixed(), k_prompt="2", k_seed=4).k_prompt == 2  # as pydantic reads it
 
 
+def test_a_rag_chain_retrieves_with_the_question_the_prompt_holds(model):
+    """The prompt held the stripped question but the retriever got the spaces around it, which
+    moved the dense ranking: ``ask "  q "`` answered from other passages than ``ask "q"``."""
+
+    class Asked(Fixed):
+        queries: list = []
+
+        def _get_relevant_documents(self, query, *, run_manager):
+            self.queries.append(query)
+            return list(self.docs)
+
+    retriever = Asked(docs=[Document(page_content=A, metadata={"source": "a.md"})])
+    build_rag_chain(make_llm(model), retriever, k_prompt=1, k_seed=1).invoke("  t5 t6 \n")
+    assert retriever.queries == ["t5 t6"]
+
+
 def test_a_rag_chain_refuses_a_wrapper_it_would_strip(model):
     """Unwrapping ``with_retry`` as ``bind`` is unwrapped ran the bare model: no retry, unseen."""
     with pytest.raises(ConfigError, match="wrap the chain instead"):

@@ -53,6 +53,12 @@ BAD_BATCH_ARGS = [  # (arguments after the script, the one error line's start); 
     (["{d}/number.jsonl", "{d}/out.jsonl"], "error: {d}/number.jsonl:1: the question must be a string, got int"),
     (["{d}/dots.jsonl", "{d}/out.jsonl"], "error: {d}/dots.jsonl:2: the question has no letters or digits"),
     (["{d}/lone.jsonl", "{d}/out.jsonl"], "error: {d}/lone.jsonl:2: the question is not valid Unicode"),
+    # a traceback (RecursionError) for a line nested past Python's limit, in the input or a user's output
+    (["{d}/deep.jsonl", "{d}/out.jsonl"], "error: {d}/deep.jsonl:2: expected a JSON object with a 'question'"),
+    (["{d}/q.jsonl", "{d}/deep.jsonl"], "error: answers '{d}/deep.jsonl' exists and this command did not write it"),
+    # a name a few bytes short of the limit passed the check and failed the save after the whole run
+    (["{d}/q.jsonl", "{d}/" + "a" * 244 + ".jsonl"], "error: answers '{d}/" + "a" * 244 + ".jsonl': cannot write"),
+    (["{d}/q.jsonl", "{d}/out.jsonl", "--index-dir=~/no-such-index-here"], "error: no index at " + str(Path.home())),
 ]
 
 
@@ -68,6 +74,7 @@ def test_batch_answers_refuses_bad_arguments_in_one_line_and_changes_nothing(tmp
     (tmp_path / "number.jsonl").write_text('{"question": 5}\n', encoding="utf-8")
     (tmp_path / "dots.jsonl").write_text('{"question": "ok?"}\n{"question": "…"}\n', encoding="utf-8")  # failed mid-run
     (tmp_path / "lone.jsonl").write_text('{"question": "ok?"}\n{"question": "caf\\udce9?"}\n', encoding="utf-8")
+    (tmp_path / "deep.jsonl").write_text('{"question": "ok?"}\n' + "[" * 200_000 + "\n", encoding="utf-8")
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     out = subprocess.run(
         [sys.executable, str(PIPELINES / "batch_answers.py"), *(a.format(d=tmp_path) for a in argv)],
@@ -93,10 +100,15 @@ def test_batch_answers_refuses_bad_arguments_in_one_line_and_changes_nothing(tmp
 )
 def test_only_our_own_answers_file_may_be_replaced(tmp_path, monkeypatch, lines, ours):
     monkeypatch.syspath_prepend(str(PIPELINES))
+    import batch_answers
     from batch_answers import is_answers_file
 
     path = tmp_path / "answers.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert is_answers_file(path) is ours
+    # read line by line: a cap on the whole file refused our own answers to ~10k questions (64 MB)
+    monkeypatch.setattr(batch_answers, "MOST_BYTES_READ", 4 * max(len(line) for line in lines) + 4)
+    path.write_text("\n".join(lines * 50) + "\n", encoding="utf-8")
     assert is_answers_file(path) is ours
 
 
