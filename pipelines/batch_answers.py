@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--no-lookahead", action="store_true")
     args = ap.parse_args()
     positive_int("--batch-size", args.batch_size)
-    check_output_file(args.answers, "answers", ours=is_answers_file, inputs=[args.questions])
+    seen = check_output_file(args.answers, "answers", ours=is_answers_file, inputs=[args.questions])
 
     numbered = read_questions(args.questions)
     questions = [q for _, q in numbered]
@@ -124,7 +124,7 @@ def main() -> None:
                 }
             )
         print(f"answered {len(rows)}/{len(questions)}", file=sys.stderr)
-    target = output_target(args.answers, is_answers_file)  # checked again: the run may have been long
+    target = output_target(args.answers, is_answers_file, seen)  # checked again: the run may have been long
     write_jsonl_atomic(target, rows)
     print(f"wrote {len(rows)} answers to {target}", file=sys.stderr)
 

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import EllipsisType
 from typing import Any
 
 from rag_lookahead.atomic import write_bytes_atomic, write_json_atomic
@@ -33,10 +34,11 @@ MOST_BYTES_READ = 64 * 1024 * 1024
 
 def check_output_file(
     path: str | Path, option: str, *, ours: Callable[[Path], bool], inputs: Iterable[str | Path | None] = ()
-) -> None:
+) -> FileState:
     """Refuse ``path`` for an output unless it can be written and replaces nothing but our own file:
     its folder must exist, it must not be a folder, not one of the run's ``inputs``, and a file
-    already there must be one that ``ours`` recognises (a symlink never is)."""
+    already there must be one that ``ours`` recognises (a symlink never is). Returns what was there
+    (for :func:`output_target`'s ``seen``)."""
     target = Path(path)
     if target.is_dir():
         raise ConfigError(f"{option} {str(path)!r} is a folder; give a file path")
@@ -53,6 +55,19 @@ def check_output_file(
             f"{option} {str(path)!r} exists and this command did not write it; "
             "remove it or give another path (nothing was changed)"
         )
+    return file_state(target)
+
+
+#: (device, inode, size, modification time) of what is at a path, None when nothing is
+FileState = tuple[int, int, int, int] | None
+
+
+def file_state(path: Path) -> FileState:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _check_writable(folder: Path, option: str, path: str | Path, name: str) -> None:
@@ -110,13 +125,15 @@ def save_report(path: str | Path, report: dict[str, Any]) -> Path:
     return target
 
 
-def output_target(path: str | Path, ours: Callable[[Path], bool]) -> Path:
+def output_target(path: str | Path, ours: Callable[[Path], bool], seen: FileState | EllipsisType = ...) -> Path:
     """Where to write, at the end of a run, an output :func:`check_output_file` passed before it:
     ``path`` while it holds nothing or a file ``ours`` recognises, else a free name beside it
     (``run.json`` -> ``run.1.json``), said on stderr. Something that took the path during the run
-    is left as it is, and the run's results are kept too."""
+    is left as it is, and the run's results are kept too. ``seen``: what the check found there;
+    anything else there now was written during the run, another run's output of ours too (it was
+    replaced, unsaid, when two runs wrote the same answers file)."""
     target = Path(path)
-    if _replaceable(target, ours):
+    if _replaceable(target, ours) and (seen is ... or file_state(target) in (seen, None)):
         return target
     free = _free_name(target)
     print(

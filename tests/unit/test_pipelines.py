@@ -293,3 +293,22 @@ def test_ctrl_c_while_a_pipeline_starts_exits_130_without_a_traceback(tmp_path, 
         # past the imports on a quick machine the first run's progress notes come first: no traceback
         text = err.decode()
         assert started.returncode == 130 and "Traceback" not in text and "KeyboardInterrupt" not in text, (delay, text)
+
+
+def test_an_answers_file_another_run_wrote_meanwhile_is_kept(tmp_path, monkeypatch, capsys):
+    """Two runs writing the same answers file: the later one replaced the other's answers unsaid,
+    though the README says a file taken during the run stays and the output goes beside it."""
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    from batch_answers import is_answers_file
+
+    from rag_lookahead.output_files import check_output_file, output_target
+
+    record = '{"question": "Q?", "answer": "A", "sources": [], "stats": {}}\n'
+    path = tmp_path / "answers.jsonl"
+    seen = check_output_file(path, "answers", ours=is_answers_file)
+    assert output_target(path, is_answers_file, seen) == path  # nothing came meanwhile
+    path.write_text(record, encoding="utf-8")  # the other run's answers, written during this run
+    assert output_target(path, is_answers_file, seen) == tmp_path / "answers.1.jsonl"
+    assert "appeared during the run" in capsys.readouterr().err
+    seen = check_output_file(path, "answers", ours=is_answers_file)  # a rerun over our own earlier file
+    assert output_target(path, is_answers_file, seen) == path
