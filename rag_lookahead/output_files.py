@@ -72,10 +72,11 @@ def file_state(path: Path) -> FileState:
 
 def _check_writable(folder: Path, option: str, path: str | Path, name: str) -> None:
     """A file of our own made and removed in ``folder``, named as long as the temporary file the
-    save writes first (``.NAME.XXXXXXXX``): a folder the run cannot write (read-only, /proc), or a
-    name a few bytes short of the limit, is said now, not after the whole run (all was lost)."""
+    save may write first (``.NAME.XXXXXXXX``, or ``.STEM.NN.SUFFIX.XXXXXXXX`` when it writes beside
+    a file that came during the run): a folder the run cannot write (read-only, /proc), or a name a
+    few bytes short of the limit, is said now, not after the whole run (all was lost)."""
     try:
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{name}.NN.")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
@@ -136,9 +137,7 @@ def output_target(path: str | Path, ours: Callable[[Path], bool], seen: FileStat
     if _replaceable(target, ours) and (seen is ... or file_state(target) in (seen, None)):
         return target
     free = _free_name(target)
-    print(
-        f"{target} appeared during the run and this command did not write it: writing {free} instead", file=sys.stderr
-    )
+    print(f"{target} appeared or changed during the run, not by this command: writing {free} instead", file=sys.stderr)
     return free
 
 
