@@ -107,7 +107,7 @@ def is_report(path: Path) -> bool:
     data = _head(path)
     try:
         report = json.loads(data) if data is not None else None
-    except ValueError:
+    except (ValueError, RecursionError):  # a user's file nested past Python's limit: a traceback
         return False
     key, value = REPORT_MARK
     return isinstance(report, dict) and report.get(key) == value

@@ -52,6 +52,7 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("single", ["--top-p", "5"], "error: top_p must be a number > 0.0 and <= 1.0, got 5.0"),
     ("single", ["--extra-branch-length", "0"], "error: branch_length must be an integer from 1 to 256, got 0"),
     ("single", ["--json", "{dir}"], FOLDER),
+    ("single", ["--json", "{deep}"], "error: --json '{deep}' exists and this command did not write it; " + KEPT),
     ("single", ["--json", "{file}/r.json"], "error: --json '{file}/r.json': its folder '{file}' is not a folder"),
     ("batch", ["--concurrency", "0"], f"error: --concurrency {BELOW} 0"),
     ("batch", ["--concurrency", "4,-1"], f"error: --concurrency {BELOW} -1"),
@@ -100,7 +101,13 @@ def test_a_bad_option_stops_a_benchmark_before_the_model_loads(tmp_path, monkeyp
     """The real entry points: one line (exit 1) or a usage error (exit 2), and no model was asked for."""
     (tmp_path / "a_file").write_text("x", encoding="utf-8")
     os.mkfifo(tmp_path / "a_fifo")  # no writer: a plain read waited for one for good
-    paths = {"dir": str(tmp_path), "file": str(tmp_path / "a_file"), "fifo": str(tmp_path / "a_fifo")}
+    (tmp_path / "deep.json").write_text("[" * 200_000, encoding="utf-8")  # a RecursionError's traceback
+    paths = {
+        "dir": str(tmp_path),
+        "file": str(tmp_path / "a_file"),
+        "fifo": str(tmp_path / "a_fifo"),
+        "deep": str(tmp_path / "deep.json"),
+    }
     bench = importlib.import_module(f"rag_lookahead.bench.{module}")
     loads = []
     for owner in (bench, common):  # a benchmark loads the model itself or through common's helper
