@@ -7,7 +7,7 @@ from typing import Any
 
 from rag_lookahead.errors import ConfigError, InputError
 
-__all__ = ["positive_int", "unicode_text"]
+__all__ = ["is_unicode", "positive_int", "unicode_text"]
 
 
 def positive_int(name: str, value: Any, *, error: type[Exception] = ConfigError) -> int:
@@ -24,6 +24,16 @@ def positive_int(name: str, value: Any, *, error: type[Exception] = ConfigError)
     if number is None or number < 1:
         raise error(f"{name} must be an integer >= 1, got {value!r}")
     return number
+
+
+def is_unicode(text: str) -> bool:
+    """Whether UTF-8 can encode ``text`` (no lone surrogate: JSON's "\\ud800", or the surrogate
+    escapes of file names and argv bytes that were not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def unicode_text(text: str, subject: str, hint: str = "") -> str:

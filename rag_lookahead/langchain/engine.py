@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rag_lookahead.checks import unicode_text
+from rag_lookahead.checks import is_unicode, unicode_text
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError
@@ -61,7 +61,7 @@ class SeedRegistry:
 
     def register(self, anchors: Sequence[str], passages: Sequence[str]) -> None:
         anchors = tuple(a for a in anchors if a)
-        passages = [p for p in passages if p and _encodable(p)]  # a lone surrogate failed every later call
+        passages = [p for p in passages if p and is_unicode(p)]  # a lone surrogate failed every later call
         if not anchors or not passages:
             return
         with self._lock:
@@ -172,7 +172,7 @@ class Engine:
     def passages(self, passages: Sequence[str]) -> list[list[int]]:
         """Draft seeds in tokens. They change the speed, never the text: one that is not valid
         Unicode (a lone surrogate; the tokenizer raised a bare TypeError) is left out."""
-        return [self.token_ids(p) for p in passages if p and _encodable(p)]
+        return [self.token_ids(p) for p in passages if p and is_unicode(p)]
 
     def token_ids(self, text: str) -> list[int]:
         """``text`` in this model's tokens (no special tokens added)."""
@@ -265,14 +265,6 @@ def weights_digest(model) -> str:
         sample = param.detach().reshape(-1)[:512].float().cpu()
         digest.update(f"{tuple(param.shape)}:{param.dtype}".encode() + sample.numpy().tobytes())
     return digest.hexdigest()[:16]
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def prompt_format(tokenizer) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rag_lookahead.checks import is_unicode
 from rag_lookahead.errors import ConfigError, CorpusWarning, InputError, one_line
 from rag_lookahead.paths import expand_user
 
@@ -197,7 +198,7 @@ def _walk(root: Path, follow_symlinks: bool, skip) -> Iterator[tuple[str, Path]]
         for name in sorted(dirnames):
             if name.startswith("."):
                 continue
-            if not _utf8_name(name):
+            if not is_unicode(name):  # surrogate escapes: the docstore, manifest and report cannot write them
                 skip("/".join(rel_dir + (_shown(name),)), "folder name is not valid UTF-8 (rename it)")
                 continue
             if not follow_symlinks and (here / name).is_symlink():
@@ -207,20 +208,10 @@ def _walk(root: Path, follow_symlinks: bool, skip) -> Iterator[tuple[str, Path]]
         dirnames[:] = kept
         for name in sorted(filenames):
             if not name.startswith(".") and Path(name).suffix.lower() in SUFFIXES:
-                if not _utf8_name(name):
+                if not is_unicode(name):
                     skip("/".join(rel_dir + (_shown(name),)), "file name is not valid UTF-8 (rename it)")
                     continue
                 yield "/".join(rel_dir + (name,)), here / name
-
-
-def _utf8_name(name: str) -> bool:
-    """Whether a name from the file system is valid UTF-8 (else it holds surrogate escapes, which
-    the docstore, the manifest and the report cannot write)."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _shown(name: str) -> str:
