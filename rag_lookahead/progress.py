@@ -18,6 +18,10 @@ from typing import Any
 
 __all__ = ["others_bars_tolerated", "progress_bar"]
 
+_swap_lock = threading.Lock()
+_blocks = 0  # others_bars_tolerated blocks open now
+_replaced = None  # the stderr they replaced
+
 
 class _Tolerant:
     """A stream whose first failed write or flush silences it for good (the bar stops drawing)."""
@@ -73,8 +77,3 @@ def others_bars_tolerated() -> Iterator[None]:
             _blocks -= 1
             if _blocks == 0 and isinstance(sys.stderr, _Tolerant):  # unless someone set another since
                 sys.stderr = _replaced
-
-
-_swap_lock = threading.Lock()
-_blocks = 0  # others_bars_tolerated blocks open now
-_replaced = None  # the stderr they replaced
