@@ -136,6 +136,24 @@ def refuse_changing_options(data: Any, table: dict[str, tuple[Any, ...]], why: s
 
 class StreamOptions(BaseModel):
     include_usage: Flag | None = Field(None, description="send a last chunk with the token usage")
+    include_obfuscation: Flag | None = Field(None, description="OpenAI's padding field: accepted, never sent")
+
+    #: vLLM's stream options, with the values under which they change nothing
+    vllm_options: ClassVar[dict[str, tuple[Any, ...]]] = {"continuous_usage_stats": (False,)}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_options_only(cls, data: Any) -> Any:
+        # an option left unseen changed the stream without a word (vLLM's usage on every chunk)
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if name in cls.model_fields or neutral(value, cls.vllm_options.get(name, ())):
+                    continue
+                raise invalid_request(
+                    f"'stream_options' may hold only 'include_usage' here, got {quote(name)}: {json.dumps(value)}",
+                    "stream_options",
+                )
+        return data
 
 
 class GenerationRequest(OpenAIRequest):
@@ -166,6 +184,9 @@ class GenerationRequest(OpenAIRequest):
     )
     stream: Flag | None = Field(None, description="server-sent events in OpenAI's chunk shapes")
     stream_options: Annotated[StreamOptions | None, Wording("'stream_options' must be an object")] = None
+    user: Annotated[Text | None, Wording("'user' must be a string")] = Field(
+        None, description="OpenAI's end-user id: accepted, not stored"
+    )
     response_format: Any = Field(None, description='only {"type": "text"}: decoding is not constrained')
     stop_token_ids: Annotated[TokenIds | None, Wording("'stop_token_ids' must be a list of token ids")] = Field(
         None, description="vLLM's: only the model's own end-of-answer ids (the server stops at them anyway)"
@@ -337,7 +358,7 @@ class RagRequest(OpenAIRequest):
         "presence_penalty": (0, 0.0),
         "frequency_penalty": (0, 0.0),
         "logit_bias": ({},),
-        "stop": ([], ""),
+        "stop": ([], "", [""]),  # as the chat endpoints drop an empty stop string
         "stop_token_ids": ([],),
         "echo": (False,),
         "suffix": ("",),
@@ -351,18 +372,23 @@ class RagRequest(OpenAIRequest):
         "max_completion_tokens": (),  # this endpoint's is max_tokens
         "prompt": (),
         "messages": (),
+        "modalities": (["text"],),
+        "chat_template_kwargs": ({},),
     }
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_generation_options(cls, data: Any) -> Any:
-        refuse_changing_options(data, VLLM_NEUTRAL)
+        from rag_lookahead.serve.chat_protocol import REFUSED, VLLM_CHAT_NEUTRAL  # it imports this module
+
         refuse_changing_options(
             data,
             cls.generation_only,
             "is not taken by /v1/rag, which answers greedily from the passages with {question, k, max_tokens, "
             "stream}: leave it out (or retrieve yourself and send /v1/chat/completions)",
         )
+        # the answer goes through the chat template: its options would change it as in chat
+        refuse_changing_options(data, {**VLLM_NEUTRAL, **VLLM_CHAT_NEUTRAL, **dict.fromkeys(REFUSED, ())})
         return data
 
     @model_validator(mode="after")

@@ -401,7 +401,22 @@ def test_tiny_validation_health_metrics(tokenizer):
             r = client.post("/v1/rag", json={"question": "what?"})
             assert r.status_code == 503 and "no document index" in r.json()["error"]["message"]
             assert client.post("/v1/rag", json={"question": ""}).status_code == 400
-            for extra in ({"temperature": 0.7}, {"stop": ["budget"]}, {"n": 2}, {"top_k": 3}, {"min_tokens": 5}):
+            chat_options = (  # the answer goes through the chat template: these were dropped unseen too
+                {"add_generation_prompt": False},
+                {"chat_template_kwargs": {"enable_thinking": False}},
+                {"chat_template": "{{ messages }}"},
+                {"reasoning_effort": "low"},
+                {"modalities": ["audio"]},
+                {"documents": [{"text": "x"}]},
+            )
+            for extra in (
+                {"temperature": 0.7},
+                {"stop": ["budget"]},
+                {"n": 2},
+                {"top_k": 3},
+                {"min_tokens": 5},
+                *chat_options,
+            ):
                 r = client.post("/v1/rag", json={"question": "what?", **extra})  # they were dropped unseen
                 assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), (extra, r.text)
             harmless_values = (
@@ -410,6 +425,7 @@ def test_tiny_validation_health_metrics(tokenizer):
                 {"user": "u1"},
                 {"temperature": 0, "n": 1, "presence_penalty": 0, "stop": [], "seed": 3},  # OpenAI clients' defaults
                 {"response_format": {"type": "text"}, "stream_options": {"include_usage": True}},
+                {"stop": [""], "modalities": ["text"], "chat_template_kwargs": {}},  # as chat takes them
             )
             for harmless in harmless_values:
                 assert client.post("/v1/rag", json={"question": "what?", **harmless}).status_code == 503

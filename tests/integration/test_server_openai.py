@@ -440,6 +440,10 @@ def test_vllm_options_that_change_the_answer_are_refused(chat_server):
             r = http.post("/v1/chat/completions", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
         assert http.post("/v1/chat/completions", json={**chat, "stream_options": None}).status_code == 200
+        streamed = {"stream": True, "user": "u1"}  # stream options that change nothing, as clients send them
+        for options in ({"include_obfuscation": False}, {"continuous_usage_stats": False, "include_usage": False}):
+            r = http.post("/v1/completions", json={**completion, **streamed, "stream_options": options})
+            assert r.status_code == 200, (options, r.text)
         # vLLM's own defaults that ask nothing: top_logprobs 0 without logprobs; stop at the model's end ids
         for extra in ({"top_logprobs": 0}, {"stop_token_ids": sorted(engine.eos)}):
             r = http.post("/v1/chat/completions", json={**chat, **extra})
@@ -449,6 +453,9 @@ def test_vllm_options_that_change_the_answer_are_refused(chat_server):
             ("/v1/completions", completion, "add_special_tokens", False),
             ("/v1/chat/completions", chat, "stop_token_ids", [5, *sorted(engine.eos)]),
             ("/v1/chat/completions", chat, "stream_options", {"include_usage": "yes"}),  # param: the request's field
+            ("/v1/chat/completions", chat, "stream_options", {"continuous_usage_stats": True}),  # was taken unseen
+            ("/v1/completions", completion, "stream_options", {"include_usage": True, "usage_every": 1}),
+            ("/v1/completions", completion, "user", {"not": "a string"}),  # OpenAI's user is a string
         ]:
             r = http.post(path, json={**body, "stream": True, name: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, name, r.text)
