@@ -234,7 +234,7 @@ class DecodeBatch:
 
     def _candidates(self, row: Row) -> DraftTree:
         """The drafter's tree, cut to what the row may still accept (and to a chain without a tree mask)."""
-        if not self.config.enabled or row.prefilling:
+        if not self.config.enabled or row.prefilling or row.done:
             return DraftTree()
         return row_candidates(self.drafter, row, self.tree_mask, self.vocab)
 
@@ -250,14 +250,16 @@ class DecodeBatch:
         feed = step_feed(self.rows, drafts, chunks)
         greedy_only = not self.logprobs and all(row.chooser.plain for row in self.rows)
         logits, step = forward_feed(self.model, self.packed, feed, greedy_only=greedy_only)
-        decoding = [r for r, row in enumerate(self.rows) if row not in chunks]
+        # a row done before this step (not retired yet) gains nothing, nor draws from a generator
+        finished = {r for r, row in enumerate(self.rows) if row.done}
+        decoding = [r for r, row in enumerate(self.rows) if row not in chunks and r not in finished]
         found = self._accept(
             [self.rows[r] for r in decoding],
             logits[: feed.decoded],
             [feed.starts[r] for r in decoding],
             [drafts[r] for r in decoding],
         )
-        accepted = dict(zip(decoding, found))
+        accepted = dict(zip(decoding, found)) | {r: Accepted([], []) for r in finished}
         for r, row in enumerate(self.rows):
             if row in chunks:  # a prompt chunk is kept whole: its root and every node of its chain
                 accepted[r] = Accepted(list(range(len(chunks[row]) - 1)), [])
@@ -267,7 +269,7 @@ class DecodeBatch:
             if row in chunks:
                 gained.append(self._prefilled(row, len(chunks[row]), logits, feed.starts[r]))
                 continue
-            if row.failure is not None:  # its walk failed this step: only its root column was kept
+            if row.failure is not None or r in finished:  # failed this step or done before: its root column only
                 row.position += 1
                 row.done = True
                 gained.append([])

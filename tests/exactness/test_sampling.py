@@ -407,3 +407,35 @@ def test_generate_raises_when_one_rows_sampling_fails(monkeypatch):
     monkeypatch.setattr(TokenChooser, "walk", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("nan in row")))
     with pytest.raises(RuntimeError, match="nan in row"):
         generate(model, [5, 9, 3, 7, 2, 8], max_new_tokens=12, do_sample=True, seed=1, top_k=0)
+
+
+def test_a_row_done_before_a_step_gains_nothing_and_draws_nothing():
+    """A row whose first token is EOS is done at ``add``; stepped before ``retire`` (a caller of
+    the public DecodeBatch, bench.interference) it gained tokens past its EOS, and its draws moved
+    the global generator under a seedless row beside it."""
+    from rag_lookahead.decoding.decode_batch import DecodeBatch
+    from rag_lookahead.decoding.sampling import SamplingParams
+
+    model = tiny_model("qwen2")
+    short, other = [1, 1], [5, 9, 13, 7]
+    eos = int(model(torch.tensor([short])).logits[0, -1].argmax())
+    config = LookaheadConfig(decoding_length=8, budget="fixed", use_output_pool=False)
+    seedless = SamplingParams(do_sample=True, temperature=1.0, top_k=0)
+    near_greedy = SamplingParams(do_sample=True, temperature=1e-5)
+
+    def run(retire_first: bool) -> tuple[list[int], list[int]]:
+        torch.manual_seed(7)
+        batch = DecodeBatch(model, config, frozenset([eos]), None)
+        (row,) = batch.add(torch.tensor([other]), None, None, 12, sampling=seedless)
+        (done,) = batch.add(torch.tensor([short]), None, None, 12, sampling=near_greedy)
+        assert done.done and done.generated == [eos]
+        if retire_first:
+            batch.retire()
+        while not row.done:
+            batch.verify_and_accept(batch.propose())
+        return row.generated, done.generated
+
+    alone, _ = run(retire_first=True)
+    beside, done_tokens = run(retire_first=False)
+    assert done_tokens == [eos]
+    assert beside == alone
