@@ -120,7 +120,7 @@ class SamplingParams:
         _number("temperature", self.temperature, low=0.0, high=math.inf, open_low=True)
         if self.do_sample and self.temperature < MIN_TEMPERATURE:  # logits / 1e-300 are inf: no distribution
             raise ConfigError(f"temperature must be at least {MIN_TEMPERATURE:g} to sample, got {self.temperature!r}")
-        _number("top_p", self.top_p, low=0.0, high=1.0, open_low=True)
+        _number("top_p", self.top_p, low=0.0, high=1.0)  # 0 keeps one token, as in transformers
         _number("repetition_penalty", self.repetition_penalty, low=0.0, high=math.inf, open_low=True)
         if self.do_sample and self.repetition_penalty < MIN_REPETITION_PENALTY:
             least = f"{MIN_REPETITION_PENALTY:g}"

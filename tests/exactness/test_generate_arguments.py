@@ -108,6 +108,7 @@ def test_a_pad_id_in_a_prompt_without_a_mask_is_masked_out_as_in_transformers():
         # large temperatures and penalties are taken: capped at 100 before, for no reason transformers has
         (True, {"temperature": 150.0}),
         (True, {"repetition_penalty": 200.0}),
+        (True, {"top_p": 0.0}),  # keeps the most likely token, as transformers' warper does (it was refused)
     ],
 )
 def test_settings_transformers_takes_are_taken(do_sample, options):

@@ -43,7 +43,7 @@ def test_sampling_settings_are_checked_before_anything_loads(tmp_path, monkeypat
     monkeypatch.setattr(ask, "ensure_index", no_loading)
     base = ["ask", "what?", "--index-dir", str(tmp_path / "none")]
     cases = {
-        ("--temperature", "0.7", "--top-p", "0"): "top_p must be a number > 0.0",
+        ("--temperature", "1e-7"): "temperature must be at least 1e-05 to sample",
         ("--temperature", "0.7", "--seed", str(2**63)): "seed must be an integer from 0 to 2**63-1",
         ("--seed", "3"): "--seed applies only when sampling",
         ("--top-p", "0.9", "--seed", "3"): "--top-p and --seed apply only when sampling",

@@ -49,7 +49,7 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("batch", ["--methods", "lookahead", "--branch-length", "24", "--extra-branch-length", "24"], NO_METHOD),
     ("batch", ["--concurrency", "2,2"], "error: --concurrency names the level 2 twice: '2,2'"),
     ("batch", ["--prompts", "{fifo}"], "error: cannot read the prompts file '{fifo}': not a regular file"),
-    ("single", ["--top-p", "5"], "error: top_p must be a number > 0.0 and <= 1.0, got 5.0"),
+    ("single", ["--top-p", "5"], "error: top_p must be a number >= 0.0 and <= 1.0, got 5.0"),
     ("single", ["--extra-branch-length", "0"], "error: branch_length must be an integer from 1 to 256, got 0"),
     ("single", ["--json", "{dir}"], FOLDER),
     ("single", ["--json", "{deep}"], "error: --json '{deep}' exists and this command did not write it; " + KEPT),
