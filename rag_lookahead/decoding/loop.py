@@ -51,8 +51,8 @@ def _eos_ids(model, eos_token_id=UNSET, generation_config=None) -> tuple[int, ..
     value = _setting(model, "eos_token_id", eos_token_id, generation_config)
     if value is None:
         return ()
-    if hasattr(value, "tolist"):  # a tensor or a numpy value
-        value = value.tolist()
+    if hasattr(value, "tolist") and hasattr(value, "reshape"):  # a tensor or numpy value, of any shape
+        value = value.reshape(-1).tolist()
     ids = [value] if isinstance(value, Integral) else value
     if not isinstance(ids, (list, tuple)) or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in ids):
         raise ConfigError(f"eos_token_id must be a token id or a list of them, got {value!r}")
