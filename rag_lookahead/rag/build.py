@@ -337,6 +337,8 @@ def _embed_changes(index_dir: Path, corpus: Corpus, embedder: Embedder, splittin
         report.added = sum(1 for s in corpus.docs if s not in old_files)
         report.updated = len(corpus.docs) - report.added
         report.removed = sum(1 for s in old_files if s not in corpus.docs)
+    if to_embed:  # the slow part: a folder that cannot take its result is refused first
+        store.check_writable(index_dir)
     new_vecs = embedder.embed_documents(to_embed, progress=progress) if to_embed else None
     report.embedded_chunks = len(to_embed)
     records, faiss_index = _assemble(plan, new_vecs, int(embedder.dimension))

@@ -476,6 +476,20 @@ def _naming(path: Path) -> Iterator[None]:
         raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from None
 
 
+def check_writable(index_dir: Path) -> None:
+    """Refuse (:class:`ConfigError`) an existing index folder this process cannot write, before the
+    slow work: a read-only folder was found only when the new version was written, after every
+    changed chunk had been embedded, in an error naming a temporary folder. Probed by making (and
+    removing) an empty data folder, as the write would: permission bits, ACLs, read-only mounts
+    and immutable flags all answer alike. An empty ``data-`` folder is a leftover we clean."""
+    if not index_dir.is_dir():
+        return  # made by this build
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=DATA_PREFIX, dir=index_dir))
+    except OSError as e:
+        raise ConfigError(f"cannot write the index at {index_dir}: {e.strerror or e}") from None
+
+
 def publish(index_dir: Path, manifest: dict) -> None:
     """The one step that switches readers to the new version: an atomic replace of ``manifest.json``."""
     with _naming(index_dir / MANIFEST):

@@ -1373,6 +1373,34 @@ def test_a_write_error_names_the_file_and_keeps_the_old_index(tmp_path, embedder
     assert [r["source"] for r in ix.load_index(index_dir, embedder).records] == ["git.txt"]
 
 
+def test_an_index_folder_that_cannot_be_written_is_refused_before_the_embedding(tmp_path, embedder, monkeypatch):
+    """A read-only index folder was found only when the new version was written, after every
+    changed chunk had been embedded (minutes on a large corpus), in an error naming a temporary
+    folder that never existed. The refusal (injected where the folder is written: this machine's
+    tests run as root, whom permission bits do not stop) now comes first and names the folder;
+    an unchanged corpus there is still answered "nothing changed"."""
+    corpus, index_dir = _indexed_then_grown(tmp_path, embedder, "new.txt")
+    before = tree(index_dir)
+    real_mkdtemp = store.tempfile.mkdtemp
+
+    def read_only(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir) == index_dir:
+            raise PermissionError(errno.EACCES, "Permission denied", str(Path(dir) / "data-abcdefgh"))
+        return real_mkdtemp(*args, dir=dir, **kwargs)
+
+    embedded = []
+    real_embed = embedder.embed_documents
+    monkeypatch.setattr(store.tempfile, "mkdtemp", read_only)
+    monkeypatch.setattr(
+        embedder, "embed_documents", lambda texts, **kw: embedded.append(texts) or real_embed(texts, **kw)
+    )
+    with pytest.raises(ConfigError, match=f"cannot write the index at {index_dir}: Permission denied$"):
+        build(corpus, index_dir, embedder)
+    assert embedded == [] and tree(index_dir) == before
+    (corpus / "new.txt").unlink()
+    assert build(corpus, index_dir, embedder).kept and tree(index_dir) == before
+
+
 # ---------------------------------------------------------------- names that are not UTF-8
 
 
