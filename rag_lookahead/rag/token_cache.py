@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 KEEP = 8  # cache files kept (most recently used first)
 MIN_CHUNKS = 256  # below this, cutting the words is quicker than hashing, writing and pruning
 _NAME = re.compile(r"[0-9a-f]{40}\.words")
+_TEMPORARY = re.compile(r"\.[0-9a-f]{40}\.words\.[0-9a-f]{8}")  # atomic.write_bytes_atomic's, of a killed writer
+STALE_SECONDS = 3600  # a writer takes seconds: a temporary file this old is a killed process's
 
 
 def default_folder() -> Path:
@@ -81,11 +84,15 @@ def _write(path: Path, docs: list[list[str]]) -> None:
 
 
 def _prune(folder: Path, keep: int) -> None:
-    """Delete our cache files beyond the ``keep`` most recently used; nothing else in the folder."""
+    """Delete our cache files beyond the ``keep`` most recently used, and the temporary files of
+    writers killed mid-write (each as large as a cache file, they were never removed); nothing
+    else in the folder."""
     try:
-        ours = [p for p in folder.iterdir() if _NAME.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
-        ours.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-        for p in ours[keep:]:
+        files = [p for p in folder.iterdir() if p.is_file() and not p.is_symlink()]
+        ours = sorted((p for p in files if _NAME.fullmatch(p.name)), key=lambda p: p.stat().st_mtime, reverse=True)
+        stale = time.time() - STALE_SECONDS
+        left = [p for p in files if _TEMPORARY.fullmatch(p.name) and p.stat().st_mtime < stale]
+        for p in ours[keep:] + left:
             p.unlink(missing_ok=True)
     except OSError as e:
         log.debug("could not prune the BM25 word cache in %s: %s", folder, e)

@@ -126,6 +126,22 @@ def test_only_the_most_recent_of_our_files_are_kept_and_nothing_else_is_touched(
     assert (tmp_path / ("f" * 40 + ".words")).is_symlink()
 
 
+def test_the_temporary_files_of_a_killed_writer_are_pruned_once_stale(tmp_path):
+    """A process killed while writing its words left a ``.KEY.words.XXXXXXXX`` file as large as
+    the cache file, and no later run removed it. One left long ago goes with the next prune; one a
+    live writer may still hold, and anything not of our naming, stay."""
+    key = "a" * 40
+    old, fresh = tmp_path / f".{key}.words.0123abcd", tmp_path / f".{key}.words.4567cdef"
+    odd = [tmp_path / f".{key}.words.notours", tmp_path / f"{key}.words.0123abcd"]
+    for path in (old, fresh, *odd):
+        path.write_text("words")
+    long_ago = os.stat(old).st_mtime - 2 * 86400  # two days
+    for path in (old, *odd):
+        os.utime(path, (long_ago, long_ago))
+    token_cache.cached_tokens(TEXTS, tmp_path, min_chunks=1)
+    assert not old.exists() and fresh.exists() and all(path.exists() for path in odd)
+
+
 def test_jieba_keeps_its_dictionary_cache_in_our_cache_not_in_the_shared_tmp(tmp_path):
     """jieba's default is $TMPDIR/jieba.cache, shared by all users: it loaded any marshal file
     planted there, and where another user's was there it printed a traceback and left 9 MB behind."""
