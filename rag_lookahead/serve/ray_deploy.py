@@ -20,10 +20,12 @@ spread over the replicas.
 metrics (``ray_serve_*``, on each node's Ray metrics port) count the whole deployment.
 
 Differences from one process: past a replica's capacity requests wait in Ray's router, and
-beyond ``max_queue`` waiting there Ray answers 503 (one process answers 429). A replica that dies
+beyond ``max_queue`` (plus the replicas' capacity, which Ray counts as waiting while it hands
+them over) Ray answers a plain-text 429 (one process answers 429 JSON). A replica that dies
 fails its running requests with an error at once (Ray's proxy answers 500, or a started stream
 ends early) and Ray starts another; the other replicas keep answering. On SIGTERM every replica
-drains as one process does (:func:`drain`) before the app is deleted.
+drains as one process does (:func:`drain`) before the app is deleted, except that requests still
+waiting in Ray's router get the drain's 503 (one process would hold them in its queue).
 
 This module imports Ray only when a deployment starts, so the default install never does.
 """

@@ -612,6 +612,40 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(endpoint, one_proce
     print(f"replacement running after {time.monotonic() - start:.0f} s")
 
 
+@needs_ray
+def test_a_client_that_leaves_is_counted_499_not_500(endpoint):
+    """Ray cancels a replica's handler when its client hangs up (no ``http.disconnect`` reaches the
+    app), and the response counter took that for a 500: a 5xx alert fired on ordinary clients."""
+    (replica, session), *_ = probe_replicas(endpoint, want=1).items()
+    body = {"prompt": ([5, 9, 17, 3, 60, 61, 2] * 26)[:180], "max_tokens": 64}
+    label = '{endpoint="/v1/completions",status="%s"}'
+
+    def counted(status: int) -> float:
+        return metric(
+            replica_metrics(endpoint, {replica: session})[replica], "rag_lookahead_requests_total", label % status
+        )
+
+    async def abandon(count: int = 16) -> None:
+        async with httpx.AsyncClient(base_url=endpoint, timeout=60) as client:
+            sent = [
+                asyncio.ensure_future(client.post("/v1/completions", json=body, headers={"X-Session-Id": session}))
+                for _ in range(count)
+            ]
+            await asyncio.sleep(0.15)  # decoding: 64 tokens of each take longer
+            for request in sent:
+                request.cancel()
+            await asyncio.gather(*sent, return_exceptions=True)
+
+    before = {status: counted(status) for status in (499, 500)}
+    asyncio.run(abandon())
+    deadline = time.monotonic() + 30
+    while counted(499) == before[499]:
+        assert time.monotonic() < deadline, "no request was counted as left by its client"
+        time.sleep(0.5)
+    time.sleep(1.0)  # the rest settle
+    assert counted(500) == before[500]
+
+
 # ---------------------------------------------------------------- last: it stops the deployment
 
 
