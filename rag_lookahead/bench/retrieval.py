@@ -403,7 +403,12 @@ def print_results(out: dict) -> None:
 
 
 def check_retrieval_options(
-    speed_chunks: int, rounds: int, speed_only: bool, embedders: list[str] = (), datasets: list[str] = ()
+    speed_chunks: int,
+    rounds: int,
+    speed_only: bool,
+    embedders: list[str] = (),
+    datasets: list[str] = (),
+    tune: bool = False,
 ) -> None:
     """Refuse timing options that make no sense, and a dataset or embedder named twice (it ran
     twice, its second table replacing the first), before any embedder loads."""
@@ -416,6 +421,8 @@ def check_retrieval_options(
     check_positive({"--rounds": rounds})
     if speed_only and not speed_chunks:
         raise ConfigError("--speed-only skips the recall runs to time embedding: give --speed N too")
+    if speed_only and tune:  # it tuned over no recall runs: NaN objectives, exit 0
+        raise ConfigError("--tune searches the fusion weights on the recall runs, which --speed-only skips")
 
 
 @keeps_report_despite_stdout
@@ -439,8 +446,8 @@ def retrieval(
     as_json: Annotated[bool, typer.Option("--json", help="print the results as JSON")] = False,
 ) -> dict:
     """Question -> passage retrieval check (recall@1/@5 per method; --tune, --speed)."""
-    names = [n for n in embedders.split(",") if n]
-    check_retrieval_options(speed_chunks, rounds, speed_only, names, dataset or [])
+    names = [n.strip() for n in embedders.split(",") if n.strip()]  # "e5-small, e5-small" is one model twice
+    check_retrieval_options(speed_chunks, rounds, speed_only, names, dataset or [], tune_fusion)
     out = run(
         names,
         dataset or None,
