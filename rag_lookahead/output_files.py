@@ -40,7 +40,8 @@ def check_output_file(
     already there must be one that ``ours`` recognises (a symlink never is). Returns what was there
     (for :func:`output_target`'s ``seen``)."""
     target = Path(path)
-    if target.is_dir():
+    # Path() drops a final "/": "results/" made a file named "results"
+    if target.is_dir() or str(path).endswith(("/", os.sep)):
         raise ConfigError(f"{option} {str(path)!r} is a folder; give a file path")
     folder = target.parent
     if not folder.is_dir():

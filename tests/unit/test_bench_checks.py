@@ -64,6 +64,8 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("step_profile", ["--limit", "0"], f"error: --limit {BELOW} 0"),
     ("replay", ["--max-new-tokens", "0"], f"error: --max-new-tokens {BELOW} 0"),
     ("replay", ["--json", "{dir}"], FOLDER),
+    # a folder to be: Path() dropped the "/", and the report became a file named "results"
+    ("replay", ["--json", "{dir}/results/"], "error: --json '{dir}/results/' is a folder; give a file path"),
     ("interference", ["--long-requests", "0"], f"error: --long-requests {BELOW} 0"),
     ("interference", ["--short-max-new-tokens", "0"], f"error: --short-max-new-tokens {BELOW} 0"),
     ("interference", ["--tiny", "--json", "{dir}"], FOLDER),
