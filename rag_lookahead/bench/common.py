@@ -598,7 +598,9 @@ def print_rows(title: str, rows: list[dict]) -> None:
         table.add_column(str(column), justify="right")
     for row in rows:
         table.add_row(*(cell(row.get(column)) for column in columns))
-    Console(width=160).print(table)
+    # as wide as the table needs: at 160 columns bench.batch's names were cut ("speedup_vs_…" twice)
+    wide = Console(width=100_000)
+    Console(width=max(160, wide.measure(table).maximum)).print(table)
 
 
 class _StdoutFailed(BaseException):

@@ -275,3 +275,16 @@ def test_a_control_starts_from_the_learned_rates_and_leaves_them():
     with fresh_acceptance(model):
         assert not met
     assert repr(met["trie"]) == learned
+
+
+def test_a_wide_table_prints_its_names_whole(capsys):
+    """At a fixed 160 columns bench.batch's table cut its names: "hf_greedy_s…", and two columns
+    both read "speedup_vs_…" (``speedup_vs_hf`` and ``speedup_vs_hf_stock``)."""
+    from rag_lookahead.bench.common import print_rows
+
+    row = {"method": "hf_greedy_stock", "speedup_vs_hf": 1.2, "speedup_vs_hf_stock": 1.5}
+    row |= {f"a_long_column_name_{i}": i for i in range(9)}
+    print_rows("batch", [row])
+    printed = capsys.readouterr().out
+    assert "…" not in printed
+    assert all(name in printed for name in row) and "hf_greedy_stock" in printed
