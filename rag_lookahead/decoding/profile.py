@@ -7,7 +7,8 @@ cost at each batch size (``costs.step_costs`` learns it), and the pool of earlie
 calls bringing none of their own share (``loop.generate``). They all live in the model's
 ``ModelProfile``, held weakly (dropping the model drops its profile), so one place shows what
 is known about a model (``as_dict``) and one call forgets it (``reset``): after moving the
-model to another device or changing its attention kernel, or between tests.
+model to another device, or between tests (a changed attention kernel is noticed: see
+``tree_mask_attention``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class ModelProfile:
 
     tree_mask: the mask probe's verdict (True: rows and tree branches can share a forward).
     tree_mask_reason: why not, when the verdict is False.
+    tree_mask_attention: the attention implementation the verdict was reached under: one set
+        since (``set_attn_implementation``) is judged again.
     cost_curve: seconds of a batch-1 forward by token count.
     step_costs: measured verify-step seconds by (rows, tokens), correcting the curve.
     output_pools: the shared pools of earlier answers, one per (trie depth, node cap): a call
@@ -48,6 +51,7 @@ class ModelProfile:
 
     tree_mask: bool | None = None
     tree_mask_reason: str | None = None
+    tree_mask_attention: str | None = None
     cost_curve: CostCurve | None = None
     step_costs: StepCosts | None = None
     output_pools: dict[tuple[int, int], OutputPool] = field(default_factory=dict)
@@ -85,6 +89,7 @@ class ModelProfile:
         with self._lock:
             self.tree_mask = None
             self.tree_mask_reason = None
+            self.tree_mask_attention = None
             self.cost_curve = None
             self.step_costs = None
             self.output_pools = {}

@@ -188,7 +188,10 @@ def supports_tree_mask(model) -> bool:
     that are not finite (fp16 overflow), also mean chains, never a dead ``generate``.
     """
     profile = profile_of(model)
-    if profile.tree_mask is not None:
+    attention = str(getattr(model.config, "_attn_implementation", None) or "")
+    # a verdict reached under sdpa, kept after a switch to flex attention, fed flex's CPU kernel
+    # tree masks: the heap was corrupted ("double free or corruption")
+    if profile.tree_mask is not None and profile.tree_mask_attention == attention:
         return profile.tree_mask
     reason = mask_blind_reason(model)
     if reason is None:
@@ -202,7 +205,7 @@ def supports_tree_mask(model) -> bool:
             "(still lossless, fewer tokens accepted per step)",
             stacklevel=2,
         )
-    profile.tree_mask, profile.tree_mask_reason = reason is None, reason
+    profile.tree_mask, profile.tree_mask_reason, profile.tree_mask_attention = reason is None, reason, attention
     return reason is None
 
 

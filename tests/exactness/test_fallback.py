@@ -141,3 +141,23 @@ def test_row_by_row_keeps_the_calls_resolved_settings(maskless_model):
             assert ours.sequences[row, 5:].tolist() == alone(prompt, min_length=0, pad_token_id=0, eos_token_id=2)
     finally:
         own.no_repeat_ngram_size, own.min_length = saved
+
+
+def test_an_attention_kernel_set_after_the_probe_is_judged_again():
+    """The probe's verdict was kept per model whatever its attention became: probed under sdpa,
+    then switched to a kernel that ignores custom masks (``set_attn_implementation``), packed rows
+    saw each other's columns; switched to flex attention, its CPU kernel corrupted the heap."""
+    model = tiny_model("qwen2", seed=3)
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [9, 8]]
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1], [0, 0, 0, 0, 0, 9, 8]])
+    config = LookaheadConfig(budget="fixed")
+    generate(model, ids, (ids != 0).long(), max_new_tokens=4, config=config, pad_token_id=0)
+    assert supports_tree_mask(model) is True
+    model.set_attn_implementation("causal_only")
+    with pytest.warns(UserWarning, match="ignores the tree mask"):
+        result = generate(model, ids, (ids != 0).long(), max_new_tokens=10, config=config, pad_token_id=0)
+    for row, prompt in enumerate(prompts):
+        assert result.sequences[row, 7:].tolist() == reference_generate(model, prompt, 10, None)
+    model.set_attn_implementation("flex_attention")  # refused without a forward, as on a fresh model
+    with pytest.warns(UserWarning, match="does not take a 4-D mask"):
+        assert supports_tree_mask(model) is False
