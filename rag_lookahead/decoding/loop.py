@@ -51,12 +51,20 @@ def _eos_ids(model, eos_token_id=UNSET, generation_config=None) -> tuple[int, ..
     value = _setting(model, "eos_token_id", eos_token_id, generation_config)
     if value is None:
         return ()
-    if hasattr(value, "tolist") and hasattr(value, "reshape"):  # a tensor or numpy value, of any shape
-        value = value.reshape(-1).tolist()
+    value = _flat(value)
     ids = [value] if isinstance(value, Integral) else value
+    if isinstance(ids, (list, tuple)):  # items may be tensors too ([torch.tensor(5), ...])
+        ids = [t for item in ids for t in (_flat(item) if hasattr(item, "tolist") else [item])]
     if not isinstance(ids, (list, tuple)) or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in ids):
         raise ConfigError(f"eos_token_id must be a token id or a list of them, got {value!r}")
     return tuple(dict.fromkeys(int(t) for t in ids))
+
+
+def _flat(value):
+    """A tensor, numpy value or array of any shape as a flat list, as ``model.generate`` reads it."""
+    if hasattr(value, "reshape") and hasattr(value, "tolist"):
+        return value.reshape(-1).tolist()
+    return value.tolist() if hasattr(value, "tolist") else value
 
 
 def _setting(model, name: str, value, generation_config):

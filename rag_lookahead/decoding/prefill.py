@@ -127,7 +127,8 @@ def step_feed(rows: Sequence[Row], drafts: Sequence[DraftTree], chunks: dict[Row
         feed.positions.append(row.position)
         if chunk is None:
             feed.starts.append(len(feed.logits_at))
-            feed.roots.append(row.pending)
+            # a row done with no token (its first draw failed): any root, its result is dropped
+            feed.roots.append(row.pending if row.generated else row.prompt[-1])
             feed.trees.append(draft)
             size = 1 + len(draft)
             feed.logits_at.extend(range(offset, offset + size))

@@ -482,10 +482,14 @@ def check_writable(index_dir: Path) -> None:
     changed chunk had been embedded, in an error naming a temporary folder. Probed by making (and
     removing) an empty data folder, as the write would: permission bits, ACLs, read-only mounts
     and immutable flags all answer alike. An empty ``data-`` folder is a leftover we clean."""
-    if not index_dir.is_dir():
-        return  # made by this build
+    if index_dir.is_dir():  # else made by this build
+        os.rmdir(_new_data_dir(index_dir))
+
+
+def _new_data_dir(index_dir: Path) -> Path:
+    """A new, empty data folder in ``index_dir``; a folder that cannot take one is refused, named."""
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=DATA_PREFIX, dir=index_dir))
+        return Path(tempfile.mkdtemp(prefix=DATA_PREFIX, dir=index_dir))
     except OSError as e:
         raise ConfigError(f"cannot write the index at {index_dir}: {e.strerror or e}") from None
 
@@ -504,7 +508,7 @@ def publish_version(
     ``manifest_for(data_name, artifacts)`` gives the manifest that names the new data. A failure
     before publishing removes the new data folder (made by this call, never published)."""
     replaced = _published(index_dir)
-    data_dir = Path(tempfile.mkdtemp(prefix=DATA_PREFIX, dir=index_dir))
+    data_dir = _new_data_dir(index_dir)
     try:
         (data_dir / DATA_MARK).write_bytes(b"")  # first: from here on the folder says it is ours
         artifacts = write_data(data_dir, faiss_index, records)

@@ -388,7 +388,8 @@ class RagRequest(OpenAIRequest):
             "stream}: leave it out (or retrieve yourself and send /v1/chat/completions)",
         )
         # the answer goes through the chat template: its options would change it as in chat
-        refuse_changing_options(data, {**VLLM_NEUTRAL, **VLLM_CHAT_NEUTRAL, **dict.fromkeys(REFUSED, ())})
+        chat_options = {**VLLM_NEUTRAL, **VLLM_CHAT_NEUTRAL, **dict.fromkeys(REFUSED, ())}
+        refuse_changing_options(data, {k: v for k, v in chat_options.items() if k not in cls.generation_only})
         return data
 
     @model_validator(mode="after")

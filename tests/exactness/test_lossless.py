@@ -237,6 +237,8 @@ def test_eos_and_pad_of_a_generation_config_passed_in_are_honoured(arch):
     """``generate(..., generation_config=GenerationConfig(eos_token_id=...))`` ignored that EOS
     (and pad), so rows ran on where ``model.generate`` stopped. An EOS id as a numpy or tensor
     value raised TypeError; a 2-D one was refused."""
+    import array
+
     import numpy as np
     from transformers import GenerationConfig
 
@@ -250,6 +252,7 @@ def test_eos_and_pad_of_a_generation_config_passed_in_are_honoured(arch):
     got = generate(model, prompt, max_new_tokens=16, generation_config=config).sequences[0, 6:].tolist()
     assert got[: len(expected)] == expected and all(t == 1 for t in got[len(expected) :])
     two_d = (torch.tensor([[eos, 0]]), np.array([[eos], [0]]))  # model.generate flattens them (they were refused)
-    for value in (np.int64(eos), torch.tensor(eos), [np.int64(eos)], *two_d):
+    more = (array.array("l", [eos]), [torch.tensor(eos), torch.tensor(0)])  # model.generate takes these too
+    for value in (np.int64(eos), torch.tensor(eos), [np.int64(eos)], *two_d, *more):
         again = generate(model, prompt, max_new_tokens=16, eos_token_id=value).sequences[0, 6:].tolist()
         assert again[: len(expected)] == expected

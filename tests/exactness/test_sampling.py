@@ -439,3 +439,26 @@ def test_a_row_done_before_a_step_gains_nothing_and_draws_nothing():
     beside, done_tokens = run(retire_first=False)
     assert done_tokens == [eos]
     assert beside == alone
+
+
+def test_a_row_whose_first_draw_failed_is_stepped_past_before_retire():
+    """Under chunked prefill a row whose first token's draw failed is done with no token; a step
+    before ``retire`` read its last token and failed the whole batch, the healthy row too."""
+    from rag_lookahead.decoding.decode_batch import DecodeBatch
+    from rag_lookahead.decoding.sampling import SamplingParams
+
+    model = tiny_model("qwen2")
+    config = LookaheadConfig(decoding_length=8, budget="fixed", use_output_pool=False)
+    want = generate(model, [5, 9, 13, 7], max_new_tokens=12, config=config).sequences[0, 4:].tolist()
+    batch = DecodeBatch(model, config, frozenset(), None, prefill_chunk=4)
+    (healthy,) = batch.add(torch.tensor([[5, 9, 13, 7]]), None, None, 12)
+    (broken,) = batch.add(torch.tensor([[1, 2]]), None, None, 12, sampling=SamplingParams(do_sample=True, seed=1))
+
+    def nan_logits(*args, **kwargs):
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    broken.chooser.choose = nan_logits
+    while not healthy.done:
+        batch.verify_and_accept(batch.propose())
+    assert healthy.generated == want
+    assert broken.done and broken.generated == [] and "probability tensor" in str(broken.failure)

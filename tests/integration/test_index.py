@@ -1399,6 +1399,15 @@ def test_an_index_folder_that_cannot_be_written_is_refused_before_the_embedding(
     assert embedded == [] and tree(index_dir) == before
     (corpus / "new.txt").unlink()
     assert build(corpus, index_dir, embedder).kept and tree(index_dir) == before
+    (corpus / "new.txt").write_text(VOLCANO_SHORT, encoding="utf-8")
+    with monkeypatch.context() as writable:
+        writable.setattr(store.tempfile, "mkdtemp", real_mkdtemp)
+        build(corpus, index_dir, embedder)
+    before = tree(index_dir)
+    (corpus / "new.txt").unlink()  # a file removed: a new version with nothing to embed
+    with pytest.raises(ConfigError, match=f"cannot write the index at {index_dir}: Permission denied$"):
+        build(corpus, index_dir, embedder)
+    assert tree(index_dir) == before
 
 
 # ---------------------------------------------------------------- names that are not UTF-8

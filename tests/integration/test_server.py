@@ -426,6 +426,7 @@ def test_tiny_validation_health_metrics(tokenizer):
                 {"temperature": 0, "n": 1, "presence_penalty": 0, "stop": [], "seed": 3},  # OpenAI clients' defaults
                 {"response_format": {"type": "text"}, "stream_options": {"include_usage": True}},
                 {"stop": [""], "modalities": ["text"], "chat_template_kwargs": {}},  # as chat takes them
+                {"functions": [], "function_call": "none", "tools": [], "tool_choice": "none"},
             )
             for harmless in harmless_values:
                 assert client.post("/v1/rag", json={"question": "what?", **harmless}).status_code == 503
