@@ -5,8 +5,22 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
+runs() { [ -x "$1" ] && "$1" -c '' 2>/dev/null; }
+if [ -n "${VIRTUAL_ENV:-}" ] && ! runs "$VIRTUAL_ENV/bin/python"; then
+    echo "note: the active environment $VIRTUAL_ENV has no working python (removed?); using ./.venv" >&2
+    VIRTUAL_ENV=
+fi
+if [ -L .venv ] && [ ! -e .venv ]; then # a link to an environment since removed (one we linked)
+    echo "note: ./.venv linked to $(readlink .venv), which is gone; replacing the link" >&2
+    rm .venv
+fi
 if [ -z "${VIRTUAL_ENV:-}" ]; then
-    [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+    runs .venv/bin/python || "$PYTHON" -m venv .venv || true # also repairs one whose bin/ lost its links
+    if ! runs .venv/bin/python; then
+        echo "error: ./.venv does not run (was the python it was made with removed or upgraded?);" \
+            "remove it (rm -rf .venv) and run ./install.sh again" >&2
+        exit 1
+    fi
     PY=.venv/bin/python
 else
     PY="$VIRTUAL_ENV/bin/python"
@@ -16,6 +30,10 @@ else
     elif [ "$(cd .venv && pwd -P)" != "$(cd "$VIRTUAL_ENV" && pwd -P)" ]; then
         echo "note: installing into the active environment $VIRTUAL_ENV; ./.venv is another one" >&2
     fi
+fi
+if ! "$PY" -m pip --version >/dev/null 2>&1; then # uv venv, venv --without-pip
+    "$PY" -m ensurepip --upgrade >/dev/null ||
+        { echo "error: $PY has no pip and ensurepip could not add it: install pip there first" >&2; exit 1; }
 fi
 "$PY" -m pip install --quiet --upgrade pip
 if ! "$PY" -c "import torch" 2>/dev/null; then
