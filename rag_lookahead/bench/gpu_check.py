@@ -239,7 +239,7 @@ def _environment_rows(env: dict) -> Iterator[TableRow]:
     yield (
         "environment",
         f"torch {env['torch']}, transformers {env['transformers']}",
-        f"TF32 {env['cuda_matmul_allow_tf32']}, flash_attn {env['flash_attn_installed']}{extra}",
+        f"fp32 matmuls rounded (TF32) {env['fp32_matmuls_rounded']}, flash_attn {env['flash_attn_installed']}{extra}",
         None,
     )
 

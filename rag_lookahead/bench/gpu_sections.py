@@ -22,7 +22,7 @@ from rag_lookahead.bench.common import chat_ids, cut_at_eos, eos_pad, hf_batched
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import device_name, model_devices, synchronize
 from rag_lookahead.decoding.loop import DecodeBatch, generate, left_pad
-from rag_lookahead.decoding.verify import supports_tree_mask
+from rag_lookahead.decoding.verify import fp32_matmuls_rounded, supports_tree_mask
 from rag_lookahead.tiny import ARCHITECTURES, VOCAB, build_tiny_model
 
 TINY_PAD = 0  # the tiny random models have no tokenizer: no EOS, and this pad id
@@ -74,8 +74,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "cuda_runtime": torch.version.cuda,
         "threads": torch.get_num_threads(),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "fp32_matmuls_rounded": fp32_matmuls_rounded(device),  # TF32 (or bf16) matmuls in fp32
         "flash_attn_installed": importlib.util.find_spec("flash_attn") is not None,
         "kernels_installed": importlib.util.find_spec("kernels") is not None,
     }
@@ -92,7 +91,22 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def exact_fp32() -> Iterator[None]:
-    """fp32 matmuls at full precision (TF32 off) inside, the caller's settings restored after."""
+    """fp32 matmuls at full precision (TF32 off) inside, the caller's settings restored after.
+
+    torch 2.9+ keeps them per backend (``fp32_precision``) and raises on the older readers
+    (``allow_tf32``) once a caller used that: set and restore them there where they exist."""
+    backends = [torch.backends, torch.backends.cuda.matmul, torch.backends.cudnn]
+    backends += [b for b in (getattr(torch.backends.mkldnn, "matmul", None),) if b is not None]
+    if all(hasattr(b, "fp32_precision") for b in backends):
+        saved_new = [b.fp32_precision for b in backends]
+        for b in backends:
+            b.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            for b, value in zip(backends, saved_new):
+                b.fp32_precision = value
+        return
     saved = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision("highest")
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -160,16 +160,23 @@ def mask_blind_reason(model) -> str | None:
 
 
 def fp32_matmuls_rounded(device: torch.device) -> bool:
-    """Whether fp32 matmuls on ``device`` run at reduced precision (TF32 on CUDA, bf16/TF32 via oneDNN)."""
-    if torch.get_float32_matmul_precision() != "highest":
+    """Whether fp32 matmuls on ``device`` run at reduced precision (TF32 on CUDA, bf16/TF32 via oneDNN).
+
+    torch 2.9+ keeps the setting per backend (``torch.backends.cuda.matmul.fp32_precision``; the
+    older ``set_float32_matmul_precision`` and ``allow_tf32`` write it too) and raises on the older
+    readers once the new setting was used: that error, inside the tree-mask probe, read as a
+    mask-blind model and turned trees and batching off. So the new setting is read where it exists."""
+    backend = {"cuda": torch.backends.cuda.matmul, "cpu": getattr(torch.backends.mkldnn, "matmul", None)}.get(
+        device.type
+    )
+    precision = getattr(backend, "fp32_precision", None)
+    if precision is not None:
+        if precision == "none":  # unset for this backend: the general one applies
+            precision = getattr(torch.backends, "fp32_precision", "none")
+        return precision in ("tf32", "bf16")
+    if torch.get_float32_matmul_precision() != "highest":  # torch before 2.9
         return True
-    if device.type == "cuda":
-        matmul = torch.backends.cuda.matmul
-        return bool(matmul.allow_tf32) or getattr(matmul, "fp32_precision", "none") == "tf32"
-    if device.type == "cpu":
-        mkldnn_matmul = getattr(torch.backends.mkldnn, "matmul", None)
-        return getattr(mkldnn_matmul, "fp32_precision", "none") in ("bf16", "tf32")
-    return False
+    return device.type == "cuda" and bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def probe_tolerance(dtype: torch.dtype, device: torch.device) -> float:

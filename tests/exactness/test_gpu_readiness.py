@@ -123,6 +123,38 @@ def test_rounded_fp32_matmuls_get_the_rounded_tolerance(matmul_precision):
         assert supports_tree_mask(exact) is False  # the same noise is too much for exact fp32
 
 
+@pytest.fixture
+def new_precision_api():
+    """torch 2.9+'s per-backend ``fp32_precision`` settings, restored after the test."""
+    backends = (torch.backends, torch.backends.cuda.matmul, torch.backends.cudnn, torch.backends.mkldnn.matmul)
+    before = [b.fp32_precision for b in backends]
+    yield
+    for b, value in zip(backends, before):
+        b.fp32_precision = value
+
+
+def test_torchs_newer_precision_setting_is_read_not_taken_for_a_mask_blind_model(new_precision_api):
+    """With ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` (torch's recommended form now)
+    the older readers raise ("mix of the legacy and new APIs"); raised inside the tree-mask probe it
+    read as a model that ignores the mask: trees off, batches decoded a row at a time. gpu_check's
+    exact-fp32 block raised too."""
+    from rag_lookahead.bench.gpu_sections import environment, exact_fp32
+
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    assert probe_tolerance(torch.float32, torch.device("cuda")) == ROUNDED_TOLERANCE
+    assert probe_tolerance(torch.float32, torch.device("cpu")) == EXACT_TOLERANCE
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # oneDNN's bf16 matmuls for fp32 on a CPU
+    model = build_tiny_model("qwen2", seed=14)
+    model.register_forward_hook(_tf32_like_noise(3e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert supports_tree_mask(model) is True
+    assert environment(torch.device("cpu"))["fp32_matmuls_rounded"] is True
+    with exact_fp32():
+        assert probe_tolerance(torch.float32, torch.device("cuda")) == EXACT_TOLERANCE
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # the caller's setting is back
+
+
 # ---------------------------------------------------------------- packed steps
 
 
