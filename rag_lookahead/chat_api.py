@@ -24,6 +24,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from rag_lookahead.decoding.inputs import context_limit
+from rag_lookahead.decoding.verify import input_device
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.hf_entry import hf_generate
 from rag_lookahead.tokens import encode_messages
@@ -83,7 +84,7 @@ def _chat(model, tokenizer, query, history, generation_config, system, reference
     messages.append({"role": "user", "content": query})
 
     inputs = _encode(tokenizer, messages)
-    device = next(model.parameters()).device
+    device = input_device(model)  # the embeddings' (a device map's first device; an offloaded one's hook's)
     inputs = {k: v.to(device) for k, v in inputs.items()}
     config = _answer_config(model, generation_config, inputs["input_ids"].shape[1])
     own_stops = getattr(getattr(model, "generation_config", None), "stop_strings", None)

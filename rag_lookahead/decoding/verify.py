@@ -104,9 +104,16 @@ def _mask_form(allowed: torch.Tensor, model) -> torch.Tensor:
 
 
 def input_device(model) -> torch.device:
-    """Where the model takes its inputs: its embeddings' device (the first of several under a device map)."""
+    """Where the model takes its inputs: its embeddings' device (the first of several under a device map).
+
+    An embedding accelerate offloads (a device map's "cpu" or "disk") keeps its weight on ``meta``
+    and runs where its hook says: the inputs go there (they went to ``meta`` and the call failed)."""
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.device.type == "meta":
+        hooked = getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None)
+        if hooked is not None:
+            return torch.device(hooked if not isinstance(hooked, int) else f"cuda:{hooked}")
     return weight.device if isinstance(weight, torch.Tensor) else next(model.parameters()).device
 
 

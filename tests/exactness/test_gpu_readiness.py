@@ -340,3 +340,21 @@ def test_serve_takes_a_device_map():
     from rag_lookahead.serve.command import config_from_args, parse_args
 
     assert config_from_args(parse_args(["--device-map", "auto"]), {}).device_map == "auto"
+
+
+def test_an_offloaded_embedding_takes_its_inputs_where_it_runs(tmp_path):
+    """accelerate keeps an offloaded module's weight on ``meta`` (a device map's "disk"; "cpu" too
+    beside GPUs) and runs it on its hook's device: the inputs went to ``meta`` and ``generate``
+    failed ("Tensor.item() cannot be called on meta tensors") where ``model.generate`` ran."""
+    from accelerate import dispatch_model
+
+    model = build_tiny_model("qwen2")
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    expected = reference_generate(model, prompt, 10, None)
+    layout = {"model.embed_tokens": "disk", "model.layers": "cpu", "model.norm": "cpu"}
+    layout |= {"model.rotary_emb": "cpu", "lm_head": "cpu"}
+    dispatch_model(model, device_map=layout, offload_dir=str(tmp_path))
+    assert model.get_input_embeddings().weight.device.type == "meta"
+    config = LookaheadConfig(budget="fixed")
+    out = generate(model, prompt, max_new_tokens=10, config=config, eos_token_id=None, pad_token_id=0)
+    assert out.sequences[0, len(prompt) :].tolist() == expected
