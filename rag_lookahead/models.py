@@ -33,7 +33,15 @@ from rag_lookahead.errors import ConfigError, ModelLoadError
 from rag_lookahead.greedy_head import screen_greedy_head
 from rag_lookahead.paths import cache_dir, expand_user
 
-__all__ = ["DEFAULT_MODEL_NAME", "cache_dir", "default_model_dir", "embedded_model_dir", "load_model", "reported_name"]
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "cache_dir",
+    "default_model_dir",
+    "embedded_model_dir",
+    "load_model",
+    "reported_name",
+    "resolve_dtype",
+]
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "bf16": torch.bfloat16,
@@ -94,7 +102,7 @@ def load_model(
     """
     is_path = isinstance(name, os.PathLike)
     name = _model_name(name)
-    torch_dtype = _resolve_dtype(dtype, device, device_map)
+    torch_dtype = resolve_dtype(dtype, device, device_map)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation or "sdpa"}
     kwargs.update(_placement(device, device_map))
 
@@ -413,9 +421,12 @@ def _refuse_broken_tokenizer(tokenizer: Any, source: str) -> None:
 # ---------------------------------------------------------------- dtype and device
 
 
-def _resolve_dtype(
+def resolve_dtype(
     dtype: torch.dtype | str | None, device: str | torch.device | None, device_map: Any
 ) -> torch.dtype | str:
+    """The dtype ``load_model`` loads in: the one asked for ("bf16", a torch.dtype...), else this
+    device's fast one (bf16 on GPUs that have it natively, fp16 on older ones; on a CPU bf16 only
+    with AMX, else fp32). Refuses (ConfigError) a name it does not know."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None:

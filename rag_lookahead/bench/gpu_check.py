@@ -54,6 +54,7 @@ from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import model_devices
 from rag_lookahead.decoding.verify import supports_tree_mask
 from rag_lookahead.errors import ConfigError, first_line
+from rag_lookahead.models import resolve_dtype
 from rag_lookahead.output_files import save_report
 from rag_lookahead.tiny import build_tiny_model
 
@@ -145,7 +146,10 @@ def prepared_workload(
             speed = synthetic_prompts(sizes.speed_prompts, 48, seed=1)
             requests = synthetic_prompts(sizes.requests, 40, seed=2)
             long = synthetic_prompts(sizes.stress_rows, sizes.stress_context, seed=3)
-            return Workload(model, "tiny qwen2 fp32", speed, requests, long, [], TINY_PAD, LookaheadConfig())
+            if settings.dtype is not None:  # it ran in fp32 whatever --dtype said, and the report said fp16
+                model = model.to(resolve_dtype(settings.dtype, device, None))
+            label = f"tiny qwen2 {model.dtype}".replace("torch.", "")
+            return Workload(model, label, speed, requests, long, [], TINY_PAD, LookaheadConfig())
         model, tokenizer = load()
         prompts = load_prompts(None)
         chats = [chat_ids(tokenizer, p) for p in prompts]
@@ -320,10 +324,8 @@ def gpu_check(
     check_output_path(json_path)
     check_attention(attn)
     if dtype is not None:  # refused now: it failed in the model section, after the tiny ones had run
-        from rag_lookahead.models import _resolve_dtype
-
         try:
-            _resolve_dtype(dtype, "cpu", None)
+            resolve_dtype(dtype, "cpu", None)
         except ConfigError as err:
             raise typer.BadParameter(first_line(err), param_hint="--dtype") from None
     report = run_check(CheckSettings(device, device_map, dtype, attn, model, small, tiny_only))

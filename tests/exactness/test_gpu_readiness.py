@@ -248,12 +248,12 @@ def _fake_gpus(monkeypatch, majors: list[int]) -> None:
 
 def test_gpus_without_native_bf16_get_fp16(monkeypatch):
     _fake_gpus(monkeypatch, [7, 8])
-    assert models._resolve_dtype(None, "cuda:0", None) == torch.float16
-    assert models._resolve_dtype(None, "cuda:1", None) == torch.bfloat16
-    assert models._resolve_dtype(None, None, None) == torch.float16  # the current device is cuda:0
-    assert models._resolve_dtype(None, None, "auto") == torch.float16  # spread over both: the older one decides
-    assert models._resolve_dtype(None, None, {"": 1}) == torch.bfloat16
-    assert models._resolve_dtype("bf16", "cuda:0", None) == torch.bfloat16  # asked for: given
+    assert models.resolve_dtype(None, "cuda:0", None) == torch.float16
+    assert models.resolve_dtype(None, "cuda:1", None) == torch.bfloat16
+    assert models.resolve_dtype(None, None, None) == torch.float16  # the current device is cuda:0
+    assert models.resolve_dtype(None, None, "auto") == torch.float16  # spread over both: the older one decides
+    assert models.resolve_dtype(None, None, {"": 1}) == torch.bfloat16
+    assert models.resolve_dtype("bf16", "cuda:0", None) == torch.bfloat16  # asked for: given
 
 
 def test_gpu_weights_are_loaded_onto_the_gpu_not_moved_there(monkeypatch):
@@ -358,3 +358,16 @@ def test_an_offloaded_embedding_takes_its_inputs_where_it_runs(tmp_path):
     config = LookaheadConfig(budget="fixed")
     out = generate(model, prompt, max_new_tokens=10, config=config, eos_token_id=None, pad_token_id=0)
     assert out.sequences[0, len(prompt) :].tolist() == expected
+
+
+def test_gpu_check_tiny_only_runs_in_the_dtype_asked_for():
+    """``--tiny-only --dtype fp16`` ran the tiny model in fp32 while the report's settings said
+    fp16: a check of fp16 that never ran fp16."""
+    from rag_lookahead.bench.gpu_check import CheckSettings, Sizes, prepared_workload
+
+    report: dict = {}
+    settings = CheckSettings(device="cpu", dtype="bf16", tiny_only=True, small=True)
+    workload = prepared_workload(settings, torch.device("cpu"), Sizes.small(), None, report)
+    assert workload.model.dtype == torch.bfloat16 and workload.label == "tiny qwen2 bfloat16"
+    plain = prepared_workload(CheckSettings(device="cpu", tiny_only=True), torch.device("cpu"), Sizes.small(), None, {})
+    assert plain.model.dtype == torch.float32 and plain.label == "tiny qwen2 float32"

@@ -31,7 +31,7 @@ from rag_lookahead.embedded_model import (
     verify_parts,
 )
 from rag_lookahead.errors import ConfigError, ModelLoadError
-from rag_lookahead.models import _resolve_dtype, cache_dir, default_model_dir, load_model
+from rag_lookahead.models import cache_dir, default_model_dir, load_model, resolve_dtype
 
 
 def _greedy(model, tokenizer, question: str, max_new_tokens: int = 20) -> str:
@@ -481,7 +481,7 @@ def test_bad_dtype_is_a_config_error():
     ],
 )
 def test_dtype_names(given, expected):
-    assert _resolve_dtype(given, "cpu", None) == expected
+    assert resolve_dtype(given, "cpu", None) == expected
 
 
 @pytest.mark.parametrize(
@@ -491,8 +491,8 @@ def test_dtype_names(given, expected):
 def test_default_dtype_is_bf16_off_cpu_and_on_cpus_with_amx(monkeypatch, bf16_kernels, amx, expected):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16_kernels)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    assert _resolve_dtype(None, "cuda", None) == torch.bfloat16
-    assert _resolve_dtype(None, "cpu", None) == expected
+    assert resolve_dtype(None, "cuda", None) == torch.bfloat16
+    assert resolve_dtype(None, "cpu", None) == expected
 
 
 def test_default_cpu_dtype_is_fp32_when_the_private_probe_fails(monkeypatch):
@@ -501,4 +501,4 @@ def test_default_cpu_dtype_is_fp32_when_the_private_probe_fails(monkeypatch):
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", broken)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
-    assert _resolve_dtype(None, "cpu", None) == torch.float32
+    assert resolve_dtype(None, "cpu", None) == torch.float32
