@@ -93,6 +93,19 @@ class Gather:
         if leader:
             self._decode_all()
 
+    def abandon(self, error: BaseException) -> None:
+        """The batch's caller gave up (Ctrl-C): rows waiting for workers that will never come get
+        ``error`` now (they waited forever); a decode already running ends at its next block
+        through ``cancel``."""
+        with self.lock:
+            if self.fired:
+                return
+            self.fired = True
+            waiting = list(self.calls)
+        for call in waiting:
+            call.error = error
+            call.done.set()
+
     def _ready(self) -> bool:
         if self.fired or len(self.calls) + self.left < self.size:
             return False
@@ -178,7 +191,12 @@ def run_wave(
     kwargs,
     cancel: threading.Event | None = None,
 ) -> list:
-    """``invoke(input, config, **kwargs)`` for every input, each in its own thread with a seat at one gather."""
+    """``invoke(input, config, **kwargs)`` for every input, each in its own thread with a seat at one gather.
+
+    A Ctrl-C (or any exception) in the calling thread ends the decode at its next block and frees
+    the workers: it hung for good when it came while the workers were being started (the rows
+    already handed over waited for the rest), and otherwise waited for every row's token limit."""
+    cancel = cancel if cancel is not None else threading.Event()
     gather = Gather(engine, len(inputs), cancel)
 
     def one(i: int) -> Any:
@@ -194,6 +212,15 @@ def run_wave(
             if seat.take() is not None:
                 gather.leave()
 
-    with ThreadPoolExecutor(max_workers=len(inputs), thread_name_prefix="lookahead-batch") as pool:
-        futures = [pool.submit(contextvars.copy_context().run, one, i) for i in range(len(inputs))]
+    pool = ThreadPoolExecutor(max_workers=len(inputs), thread_name_prefix="lookahead-batch")
+    try:
+        futures = []
+        for i in range(len(inputs)):
+            futures.append(pool.submit(contextvars.copy_context().run, one, i))
         return [f.result() for f in futures]
+    except BaseException as err:
+        cancel.set()
+        gather.abandon(err)
+        raise
+    finally:
+        pool.shutdown(wait=True)

@@ -882,3 +882,67 @@ def test_max_concurrency_zero_is_no_limit_and_a_negative_one_is_refused():
         for bad in (-1, 1.5, "2"):
             with pytest.raises(ConfigError, match=f"max_concurrency must be an integer >= 1 .*got {bad!r}"):
                 texts({"max_concurrency": bad})
+
+
+def test_a_ctrl_c_while_a_batch_starts_its_workers_returns_and_leaves_no_thread(tiny_chat, monkeypatch):
+    """A Ctrl-C that landed while ``batch`` was starting its worker threads hung for good: the rows
+    already handed over waited for workers that never came, and the pool's exit joined them."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    tiny_chat.batch(["t5 t6", "t7 t8"])  # warm
+    real_submit, submitted = ThreadPoolExecutor.submit, []
+
+    def interrupted_at_the_second(pool, *args, **kwargs):
+        submitted.append(1)
+        if len(submitted) == 2:
+            raise KeyboardInterrupt
+        return real_submit(pool, *args, **kwargs)
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", interrupted_at_the_second)
+    outcome = []
+
+    def call() -> None:
+        try:
+            tiny_chat.batch(["t5 t6 t7", "t9 t10", "t11 t12"])
+        except KeyboardInterrupt:
+            outcome.append("interrupted")
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(60)
+    assert not caller.is_alive(), "batch() hung after the Ctrl-C"
+    assert outcome == ["interrupted"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("lookahead-batch")]
+
+
+def test_a_ctrl_c_during_a_batch_ends_its_decode_at_the_next_block():
+    """``batch`` decoded every row to its token limit before a Ctrl-C came back (15 s on the tiny
+    model at 3,000 tokens, minutes on a real model); ``invoke`` and ``stream`` returned at once."""
+    import signal
+    import time
+
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.tiny import build_tiny_model
+
+    chat = ChatLookahead(
+        model=build_tiny_model("qwen2", max_positions=2048),
+        tokenizer=tiny_tokenizer(),
+        max_tokens=1500,
+        lookahead=LookaheadConfig(enabled=False),
+    )
+
+    def ctrl_c(*args) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, ctrl_c)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        start = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            chat.batch(["t5 t6 t7", "t8 t9", "t10 t11 t12"])
+        assert time.perf_counter() - start < 3.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
