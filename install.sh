@@ -16,7 +16,10 @@ if [ -L .venv ] && [ ! -e .venv ]; then # a link to an environment since removed
 fi
 if [ -z "${VIRTUAL_ENV:-}" ]; then
     runs .venv/bin/python || "$PYTHON" -m venv .venv || true # also repairs one whose bin/ lost its links
-    if ! runs .venv/bin/python; then
+    if [ ! -e .venv ]; then
+        echo "error: could not make ./.venv with $PYTHON (set PYTHON=python3.11 or newer)" >&2
+        exit 1
+    elif ! runs .venv/bin/python; then
         echo "error: ./.venv does not run (was the python it was made with removed or upgraded?);" \
             "remove it (rm -rf .venv) and run ./install.sh again" >&2
         exit 1

@@ -147,7 +147,8 @@ def prepared_workload(
             requests = synthetic_prompts(sizes.requests, 40, seed=2)
             long = synthetic_prompts(sizes.stress_rows, sizes.stress_context, seed=3)
             if settings.dtype is not None:  # it ran in fp32 whatever --dtype said, and the report said fp16
-                model = model.to(resolve_dtype(settings.dtype, device, None))
+                asked = None if settings.dtype.strip().lower() == "auto" else settings.dtype  # auto: the device's
+                model = model.to(resolve_dtype(asked, device, None))
             label = f"tiny qwen2 {model.dtype}".replace("torch.", "")
             return Workload(model, label, speed, requests, long, [], TINY_PAD, LookaheadConfig())
         model, tokenizer = load()

@@ -16,6 +16,7 @@ from rag_lookahead.bench.kernels import transformers_kernels
 from rag_lookahead.decoding.drafter import Drafter, PromptLookupDrafter
 from rag_lookahead.decoding.loop import generate
 from rag_lookahead.decoding.trie import OutputPool
+from rag_lookahead.decoding.verify import input_device
 
 METHODS = (
     "greedy",
@@ -148,7 +149,7 @@ def run_hf(
 ) -> Run:
     """transformers' greedy (or, with ``sampling``, its sampling) generate, prompt lookup optional;
     ``stock``: on torch's own kernels (``transformers_kernels``)."""
-    x = torch.tensor([ids], device=model.device)
+    x = torch.tensor([ids], device=input_device(model))  # model.device is meta for an offloaded embedding
     clock = FirstTokenClock()
     kwargs = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
     kwargs.update(sampling or {"do_sample": False})

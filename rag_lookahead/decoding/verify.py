@@ -113,7 +113,9 @@ def input_device(model) -> torch.device:
     if isinstance(weight, torch.Tensor) and weight.device.type == "meta":
         hooked = getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None)
         if hooked is not None:
-            return torch.device(hooked if not isinstance(hooked, int) else f"cuda:{hooked}")
+            from accelerate.utils.modeling import normalize_device  # an index: the machine's accelerator's
+
+            return torch.device(normalize_device(hooked))
     return weight.device if isinstance(weight, torch.Tensor) else next(model.parameters()).device
 
 
@@ -151,19 +153,29 @@ def mask_blind_reason(model) -> str | None:
     context, so such a model must never see a tree-masked forward, not even the probe's.
     Paged attention ignores the mask; flex attention's CPU kernel corrupts the heap on one.
     """
-    implementation = str(getattr(model.config, "_attn_implementation", None) or "")
-    if "flash" in implementation:
-        return f"attn_implementation={implementation!r} treats a 4-D mask as a padding mask"
-    if "paged" in implementation:
-        return f"attn_implementation={implementation!r} ignores custom masks"
-    if "flex" in implementation:  # its compiled CPU kernel reads a 4-D mask out of bounds (heap corruption)
-        return f"attn_implementation={implementation!r} does not take a 4-D mask"
+    for implementation in attention_implementations(model):
+        if "flash" in implementation:
+            return f"attn_implementation={implementation!r} treats a 4-D mask as a padding mask"
+        if "paged" in implementation:
+            return f"attn_implementation={implementation!r} ignores custom masks"
+        if "flex" in implementation:  # its compiled CPU kernel reads a 4-D mask out of bounds (heap corruption)
+            return f"attn_implementation={implementation!r} does not take a 4-D mask"
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
         # Llama-4's NoPE layers scale queries by the cache's length, not by the positions: packed
         # rows, or a tree's columns, would get another scale than a row decoded alone
         return "its NoPE layers scale queries by the cache length (attn_temperature_tuning)"
     return None
+
+
+def attention_implementations(model) -> tuple[str, ...]:
+    """The attention the model runs: its config's, and a composite model's text model's, which
+    ``set_attn_implementation({"text_config": ...})`` sets alone (the top config kept "sdpa" while
+    the text model ran flex attention, whose CPU kernel a tree mask corrupts)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    names = [config] if text is config else [config, text]
+    return tuple(str(getattr(c, "_attn_implementation", None) or "") for c in names)
 
 
 def fp32_matmuls_rounded(device: torch.device) -> bool:
@@ -176,10 +188,11 @@ def fp32_matmuls_rounded(device: torch.device) -> bool:
     backend = {"cuda": torch.backends.cuda.matmul, "cpu": getattr(torch.backends.mkldnn, "matmul", None)}.get(
         device.type
     )
+    general = getattr(torch.backends, "fp32_precision", None)  # None before torch 2.9
     precision = getattr(backend, "fp32_precision", None)
-    if precision is not None:
-        if precision == "none":  # unset for this backend: the general one applies
-            precision = getattr(torch.backends, "fp32_precision", "none")
+    if precision is not None or general is not None:
+        if precision in (None, "none"):  # unset for this backend, or it has none of its own (mps, xpu)
+            precision = general
         return precision in ("tf32", "bf16")
     if torch.get_float32_matmul_precision() != "highest":  # torch before 2.9
         return True
@@ -202,10 +215,10 @@ def supports_tree_mask(model) -> bool:
     that are not finite (fp16 overflow), also mean chains, never a dead ``generate``.
     """
     profile = profile_of(model)
-    attention = str(getattr(model.config, "_attn_implementation", None) or "")
+    attention = "|".join(attention_implementations(model))
     # a verdict reached under sdpa, kept after a switch to flex attention, fed flex's CPU kernel
-    # tree masks: the heap was corrupted ("double free or corruption")
-    if profile.tree_mask is not None and profile.tree_mask_attention == attention:
+    # tree masks: the heap was corrupted ("double free or corruption"); None: a verdict set by hand
+    if profile.tree_mask is not None and profile.tree_mask_attention in (None, attention):
         return profile.tree_mask
     reason = mask_blind_reason(model)
     if reason is None:

@@ -161,3 +161,29 @@ def test_an_attention_kernel_set_after_the_probe_is_judged_again():
     model.set_attn_implementation("flex_attention")  # refused without a forward, as on a fresh model
     with pytest.warns(UserWarning, match="does not take a 4-D mask"):
         assert supports_tree_mask(model) is False
+
+
+def test_a_composite_models_text_attention_is_judged_too():
+    """``set_attn_implementation({"text_config": "flex_attention"})`` leaves the top config at
+    "sdpa": judged by that alone, the probe ran flex attention's CPU kernel on a tree mask and the
+    heap was corrupted. Refused without a forward, as a plain model running flex attention is."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config
+
+    from rag_lookahead.decoding.verify import mask_blind_reason
+
+    text = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=28, patch_size=14
+    )
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=63)
+    config._attn_implementation = "sdpa"
+    model = LlavaForConditionalGeneration(config).eval()
+    assert mask_blind_reason(model) is None
+    model.set_attn_implementation({"text_config": "flex_attention", "vision_config": "sdpa"})
+    assert model.config._attn_implementation == "sdpa"
+    assert "flex_attention" in mask_blind_reason(model)
+    with pytest.warns(UserWarning, match="does not take a 4-D mask"):
+        assert supports_tree_mask(model) is False

@@ -152,6 +152,8 @@ def test_torchs_newer_precision_setting_is_read_not_taken_for_a_mask_blind_model
     assert environment(torch.device("cpu"))["fp32_matmuls_rounded"] is True
     with exact_fp32():
         assert probe_tolerance(torch.float32, torch.device("cuda")) == EXACT_TOLERANCE
+    torch.backends.fp32_precision = "tf32"  # devices with no setting of their own read the general one
+    assert probe_tolerance(torch.float32, torch.device("mps")) == ROUNDED_TOLERANCE
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # the caller's setting is back
 
 
@@ -358,6 +360,9 @@ def test_an_offloaded_embedding_takes_its_inputs_where_it_runs(tmp_path):
     config = LookaheadConfig(budget="fixed")
     out = generate(model, prompt, max_new_tokens=10, config=config, eos_token_id=None, pad_token_id=0)
     assert out.sequences[0, len(prompt) :].tolist() == expected
+    from rag_lookahead.bench.methods import run_hf  # the benchmarks' transformers baseline, too
+
+    assert run_hf(model, prompt, 10, None, 0, None).tokens == expected
 
 
 def test_gpu_check_tiny_only_runs_in_the_dtype_asked_for():
@@ -371,3 +376,6 @@ def test_gpu_check_tiny_only_runs_in_the_dtype_asked_for():
     assert workload.model.dtype == torch.bfloat16 and workload.label == "tiny qwen2 bfloat16"
     plain = prepared_workload(CheckSettings(device="cpu", tiny_only=True), torch.device("cpu"), Sizes.small(), None, {})
     assert plain.model.dtype == torch.float32 and plain.label == "tiny qwen2 float32"
+    auto = CheckSettings(device="cpu", dtype="auto", tiny_only=True)  # the device's own (it failed: model.to("auto"))
+    workload = prepared_workload(auto, torch.device("cpu"), Sizes.small(), None, {})
+    assert workload.model.dtype == models.resolve_dtype(None, "cpu", None)
