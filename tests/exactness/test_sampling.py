@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from hf_reference import equal_up_to_an_fp32_tie
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import ARCHITECTURES, PairedDrafter, tiny_model
@@ -93,10 +94,21 @@ def test_batch_one_without_seed_equals_hf_sampling(arch, case):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt=st.lists(tokens, min_size=1, max_size=30), max_new=st.integers(1, 30), penalty=st.floats(1.0, 2.0))
 def test_greedy_with_repetition_penalty_equals_hf(arch, prompt, max_new, penalty):
+    """Token for token, up to the order of fp32 sums: a suite run met glm, prompt [9], penalty 1.6,
+    where the 4th token's penalized score (0.375014991) and another's (0.375015140) lie 1.5e-7
+    apart, and a verify forward over several tokens summed the other one's a hair higher."""
     model = tiny_model(arch)
     ids = torch.tensor([prompt])
-    expected = model.generate(ids, do_sample=False, max_new_tokens=max_new, pad_token_id=0, repetition_penalty=penalty)
-    expected = expected[0, len(prompt) :].tolist()
+    hf = model.generate(
+        ids,
+        do_sample=False,
+        max_new_tokens=max_new,
+        pad_token_id=0,
+        repetition_penalty=penalty,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    expected = hf.sequences[0, len(prompt) :].tolist()
     result = generate(
         model,
         prompt,
@@ -105,7 +117,7 @@ def test_greedy_with_repetition_penalty_equals_hf(arch, prompt, max_new, penalty
         references=[[prompt[-2:] + expected]],
         config=LookaheadConfig(budget="fixed"),
     )
-    assert result.sequences[0, len(prompt) :].tolist() == expected
+    assert equal_up_to_an_fp32_tie(result.sequences[0, len(prompt) :].tolist(), expected, hf.scores)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "glm4"])
