@@ -30,6 +30,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing
+from pathlib import Path
 from typing import Any, ClassVar
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
@@ -92,7 +93,10 @@ _CALL_OPTIONS = (
 # ---------------------------------------------------------------- loading and sharing
 
 
-_LOADED: dict[tuple, tuple[Any, Any]] = {}
+#: models loaded by id, held weakly (the model goes with the last chat model that uses it), with
+#: their tokenizers; keyed by the folder and dtype they resolve to ("bf16" and torch.bfloat16,
+#: "./m" and "m/" loaded the same weights again, and every copy was kept for the process's life)
+_LOADED: dict[tuple, tuple[weakref.ref, Any]] = {}
 _LOAD_LOCK = threading.Lock()
 #: the engine of each loaded model in use, by the model's id: held weakly, so an engine (and the
 #: model it holds) goes once no chat model uses it; while it lives, its model does, so no other
@@ -101,14 +105,23 @@ _ENGINES: weakref.WeakValueDictionary[int, Engine] = weakref.WeakValueDictionary
 
 
 def _load(model_id: str, dtype: Any, device: Any, device_map: Any) -> tuple[Any, Any]:
-    """``load_model`` once per (id, dtype, device): chat models built from the same id share the weights."""
-    from rag_lookahead.models import load_model
+    """``load_model`` once per (model, dtype, device) while a chat model uses it: chat models built
+    from the same id share the weights."""
+    from rag_lookahead.models import load_model, resolve_dtype
 
-    key = (model_id, str(dtype), str(device), repr(device_map))
+    folder = Path(model_id).expanduser()
+    where = str(folder.resolve()) if folder.is_dir() else model_id
+    key = (where, str(resolve_dtype(dtype, device, device_map)), str(device), repr(device_map))
     with _LOAD_LOCK:
-        if key not in _LOADED:
-            _LOADED[key] = load_model(model_id, dtype=dtype, device=device, device_map=device_map)
-        return _LOADED[key]
+        held = _LOADED.get(key)
+        model = held[0]() if held is not None else None
+        if model is not None:
+            return model, held[1]
+        for gone in [k for k, (ref, _) in _LOADED.items() if ref() is None]:
+            del _LOADED[gone]
+        model, tokenizer = load_model(model_id, dtype=dtype, device=device, device_map=device_map)
+        _LOADED[key] = (weakref.ref(model), tokenizer)
+        return model, tokenizer
 
 
 def _shared_engine(model: Any, tokenizer: Any, config: LookaheadConfig) -> Engine:

@@ -946,3 +946,29 @@ def test_a_ctrl_c_during_a_batch_ends_its_decode_at_the_next_block():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_chat_models_by_id_share_one_model_and_free_it_with_the_last(tmp_path, monkeypatch):
+    """Models loaded by id were kept for the process's life, one per spelling: "bf16", "bfloat16"
+    and torch.bfloat16, or a relative and a trailing-slash path, each loaded the weights again."""
+    import gc
+    import weakref
+
+    import torch
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.tiny import build_tiny_model
+
+    folder = tmp_path / "tiny"
+    build_tiny_model("qwen2").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    monkeypatch.chdir(tmp_path)
+    spellings = [(str(folder), "bf16"), (str(folder) + "/", "bfloat16"), ("tiny", torch.bfloat16)]
+    chats = [ChatLookahead(model=name, dtype=dtype, max_tokens=2) for name, dtype in spellings]
+    models = {id(chat._engine.model) for chat in chats}
+    assert len(models) == 1
+    held = weakref.ref(chats[0]._engine.model)
+    assert chats[2].invoke("t5 t6").content == chats[0].invoke("t5 t6").content
+    del chats
+    gc.collect()
+    assert held() is None
