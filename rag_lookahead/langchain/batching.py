@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+from asyncio import CancelledError
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -80,7 +81,10 @@ class Gather:
             if not late:
                 self.calls.append(call)
             leader = not late and self._ready()
-        if late:
+        if late and self.cancel is not None and self.cancel.is_set():  # the caller gave up: no prefill for it
+            call.error = CancelledError()
+            call.done.set()
+        elif late:
             decode_together(self.engine, [call], self.cancel)
         elif leader:
             self._decode_all()
@@ -219,8 +223,11 @@ def run_wave(
             futures.append(pool.submit(contextvars.copy_context().run, one, i))
         return [f.result() for f in futures]
     except BaseException as err:
-        cancel.set()
-        gather.abandon(err)
+        # the caller's Ctrl-C (or a cancelled task): the rows stop; a row's own error (an
+        # Exception from f.result()) leaves the others to finish, as LangChain's batch does
+        if not isinstance(err, Exception):
+            cancel.set()
+            gather.abandon(CancelledError())  # the workers' own: the caller's traceback stays its own
         raise
     finally:
         pool.shutdown(wait=True)

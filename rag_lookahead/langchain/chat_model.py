@@ -30,7 +30,6 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing
-from pathlib import Path
 from typing import Any, ClassVar
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
@@ -107,10 +106,13 @@ _ENGINES: weakref.WeakValueDictionary[int, Engine] = weakref.WeakValueDictionary
 def _load(model_id: str, dtype: Any, device: Any, device_map: Any) -> tuple[Any, Any]:
     """``load_model`` once per (model, dtype, device) while a chat model uses it: chat models built
     from the same id share the weights."""
+    from rag_lookahead.embedded_model import EMBEDDED
     from rag_lookahead.models import load_model, resolve_dtype
+    from rag_lookahead.paths import expand_user
 
-    folder = Path(model_id).expanduser()
-    where = str(folder.resolve()) if folder.is_dir() else model_id
+    where = model_id  # "default" is the embedded model whatever folder of that name is here, as load_model reads it
+    if model_id not in EMBEDDED and (folder := expand_user(model_id, "model")).is_dir():
+        where = str(folder.resolve())
     key = (where, str(resolve_dtype(dtype, device, device_map)), str(device), repr(device_map))
     with _LOAD_LOCK:
         held = _LOADED.get(key)

@@ -972,3 +972,45 @@ def test_chat_models_by_id_share_one_model_and_free_it_with_the_last(tmp_path, m
     del chats
     gc.collect()
     assert held() is None
+
+
+def test_one_bad_input_of_a_batch_leaves_the_others_to_finish(tiny_chat):
+    """With ``return_exceptions=False`` the caller gets the bad input's error, and the other rows
+    end as they would alone (LangChain's own batch): the Ctrl-C handling first cancelled them and
+    handed them that input's error ("not valid Unicode" on valid inputs, in their traces)."""
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    class Seen(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.events: list[str] = []
+
+        def on_llm_end(self, response, **kwargs) -> None:
+            self.events.append("end")
+
+        def on_llm_error(self, error, **kwargs) -> None:
+            self.events.append(type(error).__name__)
+
+    seen = [Seen() for _ in range(3)]
+    with pytest.raises(InputError, match="Unicode"):
+        tiny_chat.batch(["\ud800", "t5 t6", "t7 t8"], [{"callbacks": [s]} for s in seen])
+    assert seen[0].events == ["InputError"]
+    assert seen[1].events == ["end"] and seen[2].events == ["end"]
+
+
+def test_a_model_id_is_read_as_load_model_reads_it(tmp_path, monkeypatch):
+    """The shared-model key took a folder named "default" in the working folder for the embedded
+    model "default" (load_model never does), so one chat model got the other's weights; a ~ naming
+    no user is load_model's one-line ConfigError, not a bare RuntimeError."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.tiny import build_tiny_model
+
+    build_tiny_model("qwen2").save_pretrained(tmp_path / "default")
+    tiny_tokenizer().save_pretrained(tmp_path / "default")
+    monkeypatch.chdir(tmp_path)
+    local = ChatLookahead(model="./default", dtype="bf16", max_tokens=2)
+    embedded = ChatLookahead(model="default", dtype="bf16", max_tokens=2)
+    assert local._engine.model.config.vocab_size == 96
+    assert embedded._engine.model.config.vocab_size > 96
+    with pytest.raises(ConfigError, match="~"):
+        ChatLookahead(model="~no-such-user-here/model", max_tokens=2)._engine  # noqa: B018
