@@ -197,9 +197,11 @@ def run_wave(
 ) -> list:
     """``invoke(input, config, **kwargs)`` for every input, each in its own thread with a seat at one gather.
 
-    A Ctrl-C (or any exception) in the calling thread ends the decode at its next block and frees
-    the workers: it hung for good when it came while the workers were being started (the rows
-    already handed over waited for the rest), and otherwise waited for every row's token limit."""
+    A Ctrl-C (or a cancelled task) in the calling thread, or workers that could not all be
+    started, end the decode at its next block and free the workers: it hung for good when that
+    came while the workers were being started (the rows handed over waited for the rest), and
+    otherwise waited for every row's token limit. A row's own error leaves the other rows to
+    finish (as LangChain's batch does) unless a Ctrl-C comes while they do."""
     cancel = cancel if cancel is not None else threading.Event()
     gather = Gather(engine, len(inputs), cancel)
 
@@ -216,18 +218,24 @@ def run_wave(
             if seat.take() is not None:
                 gather.leave()
 
+    def stop() -> None:
+        cancel.set()
+        gather.abandon(CancelledError())  # the workers' own: the caller's traceback stays its own
+
     pool = ThreadPoolExecutor(max_workers=len(inputs), thread_name_prefix="lookahead-batch")
+    futures: list = []
     try:
-        futures = []
         for i in range(len(inputs)):
             futures.append(pool.submit(contextvars.copy_context().run, one, i))
         return [f.result() for f in futures]
     except BaseException as err:
-        # the caller's Ctrl-C (or a cancelled task): the rows stop; a row's own error (an
-        # Exception from f.result()) leaves the others to finish, as LangChain's batch does
-        if not isinstance(err, Exception):
-            cancel.set()
-            gather.abandon(CancelledError())  # the workers' own: the caller's traceback stays its own
+        if not isinstance(err, Exception) or len(futures) < len(inputs):  # not a row's own error
+            stop()
         raise
     finally:
-        pool.shutdown(wait=True)
+        try:
+            pool.shutdown(wait=True)
+        except BaseException:  # a Ctrl-C while the other rows finish: they stop too
+            stop()
+            pool.shutdown(wait=True)
+            raise

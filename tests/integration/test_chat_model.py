@@ -884,9 +884,11 @@ def test_max_concurrency_zero_is_no_limit_and_a_negative_one_is_refused():
                 texts({"max_concurrency": bad})
 
 
-def test_a_ctrl_c_while_a_batch_starts_its_workers_returns_and_leaves_no_thread(tiny_chat, monkeypatch):
-    """A Ctrl-C that landed while ``batch`` was starting its worker threads hung for good: the rows
-    already handed over waited for workers that never came, and the pool's exit joined them."""
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])  # RuntimeError: "can't start new thread"
+def test_a_ctrl_c_while_a_batch_starts_its_workers_returns_and_leaves_no_thread(tiny_chat, monkeypatch, failure):
+    """A Ctrl-C (or a thread that could not start) while ``batch`` was starting its worker threads
+    hung for good: the rows already handed over waited for workers that never came, and the
+    pool's exit joined them."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -896,7 +898,7 @@ def test_a_ctrl_c_while_a_batch_starts_its_workers_returns_and_leaves_no_thread(
     def interrupted_at_the_second(pool, *args, **kwargs):
         submitted.append(1)
         if len(submitted) == 2:
-            raise KeyboardInterrupt
+            raise failure
         return real_submit(pool, *args, **kwargs)
 
     monkeypatch.setattr(ThreadPoolExecutor, "submit", interrupted_at_the_second)
@@ -905,7 +907,7 @@ def test_a_ctrl_c_while_a_batch_starts_its_workers_returns_and_leaves_no_thread(
     def call() -> None:
         try:
             tiny_chat.batch(["t5 t6 t7", "t9 t10", "t11 t12"])
-        except KeyboardInterrupt:
+        except failure:
             outcome.append("interrupted")
 
     caller = threading.Thread(target=call, daemon=True)
@@ -916,10 +918,13 @@ def test_a_ctrl_c_while_a_batch_starts_its_workers_returns_and_leaves_no_thread(
     assert not [t for t in threading.enumerate() if t.name.startswith("lookahead-batch")]
 
 
-def test_a_ctrl_c_during_a_batch_ends_its_decode_at_the_next_block():
+@pytest.mark.parametrize("first", ["t5 t6 t7", "\ud800"])  # a bad first row: the others finish, unless...
+def test_a_ctrl_c_during_a_batch_ends_its_decode_at_the_next_block(first):
     """``batch`` decoded every row to its token limit before a Ctrl-C came back (15 s on the tiny
-    model at 3,000 tokens, minutes on a real model); ``invoke`` and ``stream`` returned at once."""
+    model at 3,000 tokens, minutes on a real model); ``invoke`` and ``stream`` returned at once.
+    After one row's own error the others finish, and a Ctrl-C then stops them too."""
     import signal
+    import threading
     import time
 
     from tiny_tokenizer import tiny_tokenizer
@@ -941,8 +946,9 @@ def test_a_ctrl_c_during_a_batch_ends_its_decode_at_the_next_block():
         signal.setitimer(signal.ITIMER_REAL, 0.5)
         start = time.perf_counter()
         with pytest.raises(KeyboardInterrupt):
-            chat.batch(["t5 t6 t7", "t8 t9", "t10 t11 t12"])
+            chat.batch([first, "t8 t9", "t10 t11 t12"])
         assert time.perf_counter() - start < 3.0
+        assert not [t for t in threading.enumerate() if t.name.startswith("lookahead-batch")]
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
