@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import stat
 from collections.abc import Iterable
@@ -13,6 +14,7 @@ from pathlib import Path
 __all__ = [
     "fsync_dir",
     "fsync_file",
+    "temporary_names",
     "write_bytes_atomic",
     "write_text_atomic",
     "write_json_atomic",
@@ -43,6 +45,16 @@ def fsync_dir(path: Path | str) -> None:
         os.close(fd)
 
 
+_TEMPORARY_SUFFIX_HEX = 4  # bytes of secrets.token_hex in a temporary name: 8 hex digits
+
+
+def temporary_names(name: str) -> re.Pattern[str]:
+    """The names of the temporary files :func:`write_bytes_atomic` makes beside a file named by the
+    regex ``name`` (``.NAME.XXXXXXXX``): the leftovers of a writer killed mid-write, which only
+    their owner may clean (store's manifest, the BM25 word cache)."""
+    return re.compile(rf"\.(?:{name})\.[0-9a-f]{{{2 * _TEMPORARY_SUFFIX_HEX}}}")
+
+
 def _create_beside(path: Path, private: bool) -> tuple[int, Path]:
     """A new, empty temporary file beside ``path`` (``.NAME.XXXXXXXX``), open for writing, with the
     mode ``path`` has, or, for a new file, the usual one (0o666 less the umask, which the kernel
@@ -53,7 +65,7 @@ def _create_beside(path: Path, private: bool) -> tuple[int, Path]:
         keep = None
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
     for _ in range(100):
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}"
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(_TEMPORARY_SUFFIX_HEX)}"
         try:
             fd = os.open(tmp, flags, 0o666 if keep is None else keep)
         except FileExistsError:

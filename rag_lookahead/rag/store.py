@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rag_lookahead.atomic import fsync_dir, write_json_atomic
+from rag_lookahead.atomic import fsync_dir, temporary_names, write_json_atomic
 from rag_lookahead.errors import ConfigError, IndexLoadError
 from rag_lookahead.locks import exclusive
 from rag_lookahead.paths import env_folder, home_dir
@@ -75,7 +75,7 @@ DATA_MARK = ".rag_lookahead-data"  # written into each data folder we make, befo
 DATA_PREFIX = "data-"
 DATA_NAME = re.compile(r"data-[a-z0-9_]{8}")  # what tempfile.mkdtemp(prefix=DATA_PREFIX) makes
 LOCK_FILE = ".rag_lookahead.lock"
-MANIFEST_TMP = re.compile(rf"\.{re.escape(MANIFEST)}\.[0-9a-f]{{8}}")  # write_json_atomic's temp files
+MANIFEST_TMP = temporary_names(re.escape(MANIFEST))  # write_json_atomic's temp files
 LOCK_TIMEOUT_S = 600.0  # how long a build waits for another build of the same folder (--lock-timeout)
 READ_ATTEMPTS = 5  # a reader re-reads at most this often while builds keep publishing new versions
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rag_lookahead.atomic import write_text_atomic
+from rag_lookahead.atomic import temporary_names, write_text_atomic
 from rag_lookahead.paths import cache_dir
 from rag_lookahead.rag import lexical
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 KEEP = 8  # cache files kept (most recently used first)
 MIN_CHUNKS = 256  # below this, cutting the words is quicker than hashing, writing and pruning
 _NAME = re.compile(r"[0-9a-f]{40}\.words")
-_TEMPORARY = re.compile(r"\.[0-9a-f]{40}\.words\.[0-9a-f]{8}")  # atomic.write_bytes_atomic's, of a killed writer
+_TEMPORARY = temporary_names(_NAME.pattern)  # write_text_atomic's, of a killed writer
 STALE_SECONDS = 3600  # a writer takes seconds: a temporary file this old is a killed process's
 
 
