@@ -395,9 +395,14 @@ def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor
         )
     positions = model_kwargs.get("position_ids")
     if positions is not None:
-        expected = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        if positions.shape != mask.shape or not torch.equal(positions[mask.bool()], expected[mask.bool()]):
-            raise ConfigError("custom position_ids are not supported by lookahead decoding")
+        expected = (mask.long().cumsum(-1) - 1).clamp_min(0)[mask.bool()]
+        # M-RoPE models (Qwen2-VL...) get (sections, batch, length): for text, every section is the text's
+        sections = positions if positions.dim() == mask.dim() + 1 else positions.unsqueeze(0)
+        if sections.shape[1:] != mask.shape or not all(torch.equal(s[mask.bool()], expected) for s in sections):
+            raise ConfigError(
+                "position_ids other than the text's own (0, 1, 2... after the padding) are not supported "
+                "by lookahead decoding"
+            )
     return mask
 
 

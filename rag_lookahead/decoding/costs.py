@@ -266,11 +266,19 @@ def cost_curve(model) -> CostCurve:
     return profile.cost_curve
 
 
+#: a cost file holds a few dozen numbers per model and device: anything near this is not ours
+MAX_CURVES_MB = 16.0
+
+
 def _read_curves(path: Path) -> dict:
-    """The stored curves by key; {} when the file is missing, unreadable or not a JSON object."""
+    """The stored curves by key; {} when the file is missing, unreadable or not a JSON object (a FIFO
+    at its name is not waited on)."""
+    from rag_lookahead.file_reads import read_capped
+
+    raw = read_capped(path, follow_symlinks=True, max_file_mb=MAX_CURVES_MB, limit_flag=None)
     try:
-        stored = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):  # RecursionError: nested thousands deep
+        stored = json.loads(raw.decode("utf-8")) if isinstance(raw, bytes) else {}
+    except (ValueError, RecursionError):  # RecursionError: nested thousands deep
         return {}
     return stored if isinstance(stored, dict) else {}
 

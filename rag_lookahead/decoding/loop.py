@@ -31,6 +31,7 @@ from rag_lookahead.decoding.sampling import (
 )
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.decoding.verify import input_device, supports_tree_mask
+from rag_lookahead.decoding.windows import check_layers
 from rag_lookahead.errors import ConfigError
 
 __all__ = ["DecodeBatch", "GenerationResult", "GenerationStats", "Row", "generate", "left_pad"]
@@ -210,6 +211,7 @@ def _decode_rows(
 def _checked_inputs(model, input_ids, attention_mask, references, masked_pad: int | None = None):
     """``(ids, mask, references)`` checked and on the model's input device; the longest row must
     leave room in the context window for at least one new token (``masked_pad``: see ``as_batch``)."""
+    check_layers(model)  # before any forward (the tree-mask probe's, the cost curve's)
     ids, mask = as_batch(input_ids, attention_mask, masked_pad)
     check_ids(ids, mask, vocab_size(model))
     references = check_references(references, ids.shape[0], vocab_size(model))

@@ -25,6 +25,7 @@ import torch
 from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.packed_cache import PackedCache
+from rag_lookahead.decoding.positions import position_origin
 from rag_lookahead.decoding.row_attention import ROW_LAYOUT, row_layout, row_local_applies
 from rag_lookahead.decoding.rows import Row
 from rag_lookahead.decoding.verify import (
@@ -43,7 +44,8 @@ __all__ = ["ChunkedPrefill", "StepFeed", "forward_feed", "prefill_padded", "step
 def prefill_padded(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """One forward over left-padded prompts: their cache and the logits of each row's last token."""
     cache = full_cache(model)
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    origin = position_origin(model, input_ids.device)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0) + origin
     with without_cudnn_attention(input_ids.device):
         logits = model(
             input_ids=input_ids,
@@ -161,10 +163,11 @@ def forward_feed(
     step = step_inputs(feed.roots, feed.trees, feed.positions, device)
     packed.ensure_cache(lambda: full_cache(model), device)
     keep, pick = _logits_to_keep(model, feed.logits_at, step.ids.shape[1])
-    kwargs = {"cache": packed.cache, "use_cache": True, "logits_to_keep": keep}
+    # positions always go in, as the model numbers them (see decoding.positions)
+    positions = step.positions + origin if (origin := position_origin(model, device)) else step.positions
+    kwargs = {"cache": packed.cache, "use_cache": True, "logits_to_keep": keep, "position_ids": positions}
     if not is_plain_causal(packed, feed.trees, feed.positions):
         kwargs["attention_mask"] = step_mask(model, packed.owned, step)
-        kwargs["position_ids"] = step.positions
         if row_local_applies(model, len(feed.trees), device):  # the full mask still goes in: see row_attention
             sizes = [1 + len(tree) for tree in feed.trees]
             kwargs[ROW_LAYOUT] = row_layout(packed.row_columns(), sizes, packed.length, device)

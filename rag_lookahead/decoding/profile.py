@@ -47,6 +47,7 @@ class ModelProfile:
         not verify its deepest trees on trust alone.
     costs_set_aside: the costs of a layout switched away from, by its name (benchmarks switch
         the output layer back and forth: ``greedy_head.full_output_layer``).
+    position_origin: the position the model numbers a prompt's first token (``positions``).
     """
 
     tree_mask: bool | None = None
@@ -57,6 +58,7 @@ class ModelProfile:
     output_pools: dict[tuple[int, int], OutputPool] = field(default_factory=dict)
     drafts_met: dict[str, AcceptanceRates] = field(default_factory=dict)
     costs_set_aside: dict[str, tuple[CostCurve | None, StepCosts | None]] = field(default_factory=dict)
+    position_origin: int | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def output_pool(self, depth: int, max_nodes: int) -> OutputPool:
@@ -95,6 +97,7 @@ class ModelProfile:
             self.output_pools = {}
             self.drafts_met = {}
             self.costs_set_aside = {}
+            self.position_origin = None
 
     def as_dict(self) -> dict:
         """A plain summary for logs and debugging."""
@@ -102,6 +105,7 @@ class ModelProfile:
         return {
             "tree_mask": self.tree_mask,
             "tree_mask_reason": self.tree_mask_reason,
+            "position_origin": self.position_origin,
             "cost_curve": None if curve is None else dict(zip(curve.sizes, curve.seconds)),
             "step_costs_seen": None if self.step_costs is None else len(self.step_costs.seen),
             "output_pools": [

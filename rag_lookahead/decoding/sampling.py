@@ -178,6 +178,8 @@ def resolve_sampling(
         raise ConfigError(
             f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}"
         )
+    if generation_config is not None:
+        refuse_per_step_outputs(generation_config)
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     # a config model.generate prepared (it set ``_eos_token_tensor``, as for a custom_generate) is final:
     # transformers already applied the model's and its global defaults, and a None left in it is an
@@ -232,6 +234,15 @@ def check_supported(config, prompt_width: int | None = None, has_eos: bool = Tru
             "cache_implementation='quantized' changes the tokens (the cache's keys and values are rounded), and"
             " lookahead decoding keeps a full-precision cache: drop it to get the model's own tokens"
         )
+    refuse_assisted_sampling(config)
+
+
+def refuse_per_step_outputs(config) -> None:
+    """Refuse a config that asks for per-step tensors in a dict (``output_scores`` and
+    ``return_dict_in_generate``...): we return sequences and stats only. Checked on the config a
+    caller hands in (or transformers prepared for ``hf_generate``), not on the model's own: there
+    it only shapes what ``model.generate`` returns, which our ``generate`` never returns, and it
+    made every call on such a model a ConfigError."""
     asked = [name for name in PER_STEP_OUTPUTS if getattr(config, name, False)]
     if asked and getattr(config, "return_dict_in_generate", False):
         raise ConfigError(
@@ -239,7 +250,6 @@ def check_supported(config, prompt_width: int | None = None, has_eos: bool = Tru
             " lookahead decoding (sequences and stats only; rag_lookahead.generate(..., logprobs=k) records"
             " each new token's log-probability)"
         )
-    refuse_assisted_sampling(config)
 
 
 def refuse_assisted_sampling(config, assistant_model=None) -> None:

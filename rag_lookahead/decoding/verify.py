@@ -26,7 +26,7 @@ from rag_lookahead.decoding.inputs import vocab_size
 from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.sampling import Accepted
-from rag_lookahead.decoding.windows import full_cache, sliding_window
+from rag_lookahead.decoding.windows import full_cache, sliding_window, text_config
 
 
 @dataclass
@@ -160,7 +160,7 @@ def mask_blind_reason(model) -> str | None:
             return f"attn_implementation={implementation!r} ignores custom masks"
         if "flex" in implementation:  # its compiled CPU kernel reads a 4-D mask out of bounds (heap corruption)
             return f"attn_implementation={implementation!r} does not take a 4-D mask"
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
         # Llama-4's NoPE layers scale queries by the cache's length, not by the positions: packed
         # rows, or a tree's columns, would get another scale than a row decoded alone
@@ -172,8 +172,7 @@ def attention_implementations(model) -> tuple[str, ...]:
     """The attention the model runs: its config's, and a composite model's text model's, which
     ``set_attn_implementation({"text_config": ...})`` sets alone (the top config kept "sdpa" while
     the text model ran flex attention, whose CPU kernel a tree mask corrupts)."""
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config, text = model.config, text_config(model)
     names = [config] if text is config else [config, text]
     return tuple(str(getattr(c, "_attn_implementation", None) or "") for c in names)
 

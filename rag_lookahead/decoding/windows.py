@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SlidingWindow", "check_layers", "full_cache", "ignored_window", "sliding_window"]
+__all__ = ["SlidingWindow", "check_layers", "full_cache", "ignored_window", "sliding_window", "text_config"]
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -47,7 +47,8 @@ class SlidingWindow:
         return {FULL: allowed, SLIDING: windowed} if self.by_layer_type else windowed
 
 
-def _text_config(model):
+def text_config(model):
+    """The config of the model's (text) decoder: a composite model's text config, else its own."""
     config = model.config
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
@@ -55,12 +56,12 @@ def _text_config(model):
 def _layer_types(model) -> list[str]:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
-    return list(get_layer_types_and_kwargs(_text_config(model))[0])
+    return list(get_layer_types_and_kwargs(text_config(model))[0])
 
 
 def sliding_window(model) -> SlidingWindow | None:
     """The model's sliding window; None if no layer slides."""
-    config = _text_config(model)
+    config = text_config(model)
     size = getattr(config, "sliding_window", None)
     declared = getattr(config, "layer_types", None)
     if size is None or (declared is not None and SLIDING not in declared):
@@ -78,7 +79,7 @@ def ignored_window(model) -> int | None:
     ``inputs.context_limit``), where both agree. A transformers model honours a window when one
     of its modules' code builds sliding masks (a composite model's text decoder may live in
     another file than the model); code from elsewhere is trusted to honour its config."""
-    config = _text_config(model)
+    config = text_config(model)
     size = getattr(config, "sliding_window", None)
     if size is None or getattr(config, "layer_types", None) is not None:
         return None
@@ -110,7 +111,16 @@ def check_layers(model) -> list[str]:
     """Refuse, before any forward, a model with a layer kind the packed cache cannot crop or compact
     by slicing: chunked attention (a chunk mask, not a window), linear attention, state-space
     layers. Returns each layer's kind."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise NotImplementedError(
+            f"rag_lookahead supports decoder-only models; {type(model).__name__} is an encoder-decoder"
+        )
+    config = text_config(model)
+    if getattr(config, "cross_attention_layers", None):
+        # Mllama: without an image those layers keep no cache, which the packed cache cannot crop or pack
+        raise NotImplementedError(
+            f"rag_lookahead does not support cross-attention layers; {type(model).__name__} has them"
+        )
     if getattr(config, "recurrent_kv_cache_mode", None) == "last_loop":
         # Dory: the earlier loops of a forward read the last loop's cached keys for past tokens but
         # their own for its new ones, so a forward of k tokens is not k forwards of one

@@ -224,3 +224,127 @@ def test_a_multimodal_gemma3_decodes_text_exactly_with_the_default_budget():
     ids = torch.tensor([prompt])
     got = model.generate(ids, do_sample=False, max_new_tokens=20, custom_generate=hf_generate)
     assert got[0, len(prompt) :].tolist() == expected
+
+
+_TINY_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
+
+
+def _text_only(model):
+    model = model.float().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _greedy(model, ids, mask, **kwargs):
+    return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, **kwargs)
+
+
+def test_paligemma_counting_positions_from_one_decodes_text_exactly():
+    """PaliGemma numbers positions from 1 when given none; our one-row chain steps gave none while
+    the prefill counted from 0, so its tokens differed from ``model.generate`` from the 3rd on."""
+    from rag_lookahead import hf_generate
+    from rag_lookahead.decoding.positions import position_origin
+
+    text = dict(SMALL, model_type="gemma", head_dim=16)
+    config = transformers.PaliGemmaConfig(
+        text_config=text,
+        vision_config=dict(model_type="siglip_vision_model", **_TINY_VISION),
+        image_token_index=95,
+        projection_dim=64,
+        hidden_size=64,
+    )
+    torch.manual_seed(0)
+    model = _text_only(transformers.PaliGemmaForConditionalGeneration(config))
+    for prompts in ([[10, 2, 5] * 7], [[10, 2, 5] * 7, [4, 8, 1] * 3, [6, 3] * 9]):
+        ids, mask = padded(prompts)
+        expected = _greedy(model, ids, mask)
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=24).sequences, expected)
+        references = [[p[-2:] + expected[r, ids.shape[1] :].tolist()] for r, p in enumerate(prompts)]
+        drafted = generate(model, ids, mask, max_new_tokens=24, references=references)  # whole chains accepted
+        assert torch.equal(drafted.sequences, expected)
+    assert position_origin(model, torch.device("cpu")) == 1
+    ids, mask = padded([[10, 2, 5] * 7])
+    assert torch.equal(_greedy(model, ids, mask, custom_generate=hf_generate), _greedy(model, ids, mask))
+    torch.manual_seed(1)
+    sampled = model.generate(ids, attention_mask=mask, do_sample=True, temperature=0.7, max_new_tokens=24)
+    torch.manual_seed(1)
+    ours = generate(model, ids, mask, max_new_tokens=24, do_sample=True, temperature=0.7).sequences
+    assert torch.equal(ours, sampled)
+
+
+def test_qwen2_vl_text_decodes_exactly_after_a_batched_generate_and_through_hf_generate():
+    """Qwen2-VL keeps ``rope_deltas`` from its last call; a step given no positions read them: after
+    a batch of 3 in ``model.generate`` our next call failed inside the cache. And transformers hands
+    ``hf_generate`` (sections, batch, length) M-RoPE positions, which it refused as custom."""
+    from rag_lookahead import hf_generate
+
+    text = dict(SMALL, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    vision = dict(
+        depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+        spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+    )  # fmt: skip
+    config = transformers.Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=95,
+        video_token_id=94,
+        vision_start_token_id=93,
+        vision_end_token_id=92,
+    )
+    torch.manual_seed(0)
+    model = _text_only(transformers.Qwen2VLForConditionalGeneration(config))
+    batch = padded([[10, 2, 5] * 7, [4, 8, 1] * 3, [6, 3] * 9])
+    single = padded([[10, 2, 5] * 7])
+    expected_batch = _greedy(model, *batch)  # leaves rope_deltas of shape (3, 1) on the model
+    expected_single = _greedy(model, *single)
+    _greedy(model, *batch)
+    assert torch.equal(generate(model, *single, max_new_tokens=24).sequences, expected_single)
+    assert torch.equal(generate(model, *batch, max_new_tokens=24).sequences, expected_batch)
+    for ids, mask in (single, batch):
+        assert torch.equal(_greedy(model, ids, mask, custom_generate=hf_generate), _greedy(model, ids, mask))
+
+
+@pytest.mark.parametrize("kind", ["t5", "mllama"])
+def test_encoder_decoders_and_cross_attention_are_refused_before_any_forward(kind):
+    if kind == "t5":
+        config = transformers.T5Config(
+            vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, pad_token_id=0,
+            eos_token_id=1, decoder_start_token_id=0,
+        )  # fmt: skip
+        model = transformers.T5ForConditionalGeneration(config)
+    else:
+        text = dict(SMALL, cross_attention_layers=[1], bos_token_id=1, eos_token_id=2)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        vision = dict(
+            _TINY_VISION, num_global_layers=1, vision_output_dim=64, intermediate_layers_indices=[0], max_num_tiles=4
+        )
+        config = transformers.MllamaConfig(text_config=text, vision_config=vision, image_token_index=95)
+        model = transformers.MllamaForConditionalGeneration(config)
+    model = _text_only(model)
+    forwards = []
+    model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    with pytest.raises(NotImplementedError, match="encoder-decoder|cross-attention"):
+        generate(model, [10, 2, 5] * 5, max_new_tokens=8)
+    assert forwards == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_decoder_counting_from_its_padding_index_is_fed_positions_from_zero(seed):
+    """``RobertaForCausalLM`` counts from ``padding_idx + 1`` when given no positions; ``model.generate``
+    feeds it 0, 1, 2... The origin probe took the nearer of 0 and 1, and picked 1 for some weights."""
+    from rag_lookahead.decoding.positions import position_origin
+
+    config = transformers.RobertaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=300, is_decoder=True, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = _ready(transformers.RobertaForCausalLM(config))
+    ids, mask = padded([[10, 12, 5, 7, 30, 4, 8] * 3, [9, 3, 11] * 4])
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=1)
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=24, pad_token_id=1).sequences, expected)
+    assert position_origin(model, torch.device("cpu")) == 0

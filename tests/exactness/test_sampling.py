@@ -180,6 +180,24 @@ def test_model_generation_config_defaults_apply():
         model.generation_config = saved
 
 
+def test_the_models_own_per_step_output_switches_do_not_block_generate():
+    """``output_scores`` with ``return_dict_in_generate`` in the model's own config shape only what
+    ``model.generate`` returns; they made every ``generate`` on such a model a ConfigError. Handed in,
+    they are still refused: we would not return what they ask for."""
+    model = tiny_model("qwen2", seed=5)
+    saved = model.generation_config
+    model.generation_config = GenerationConfig(output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    try:
+        prompt = [5, 6, 7, 5, 6, 7]
+        expected = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)
+        got = generate(model, prompt, max_new_tokens=12)
+        assert got.sequences[0].tolist() == expected.sequences[0].tolist()
+        with pytest.raises(ConfigError, match="output_scores"):
+            generate(model, prompt, max_new_tokens=4, generation_config=model.generation_config)
+    finally:
+        model.generation_config = saved
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -15,6 +15,7 @@ def test_a_model_profile_fills_as_the_loop_learns_and_empties_on_reset():
     assert profile.as_dict() == {
         "tree_mask": None,
         "tree_mask_reason": None,
+        "position_origin": None,
         "cost_curve": None,
         "step_costs_seen": None,
         "output_pools": [],
@@ -22,6 +23,7 @@ def test_a_model_profile_fills_as_the_loop_learns_and_empties_on_reset():
     }
     generate(model, [1, 2, 3, 1, 2], max_new_tokens=4, config=LookaheadConfig(budget="fixed"))
     assert profile.tree_mask is True and profile.cost_curve is None  # a fixed budget measures nothing
+    assert profile.position_origin == 0
     generate(model, [1, 2, 3, 1, 2], max_new_tokens=4)  # the auto budget measures the curve once
     summary = profile.as_dict()
     assert summary["tree_mask"] is True and sorted(summary["cost_curve"]) == profile.cost_curve.sizes
@@ -33,7 +35,7 @@ def test_a_model_profile_fills_as_the_loop_learns_and_empties_on_reset():
     assert summary["drafts_met"]["TrieDrafter"].startswith("AcceptanceRates(")
     profile.reset()
     assert profile.as_dict()["tree_mask"] is None and profile.output_pools == {} and profile.step_costs is None
-    assert profile.drafts_met == {}
+    assert profile.drafts_met == {} and profile.position_origin is None
 
 
 def test_a_new_call_starts_from_what_earlier_calls_drafts_met():
