@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -108,7 +109,7 @@ def _parse_manifest(index_dir: Path, raw: bytes) -> dict:
     """Check a manifest's marker, version and keys; :class:`IndexLoadError` says what is wrong."""
     try:
         manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # Recursion: nested thousands deep
         why = f"{MANIFEST} is not valid JSON ({e})"
         raise IndexLoadError(f"index at {index_dir} is corrupt: {why}; rebuild it with `rag_lookahead index`") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
@@ -176,6 +177,27 @@ def _data_dir(index_dir: Path, manifest: dict) -> Path:
     return index_dir / name
 
 
+#: faiss's serialized IndexFlatIP: fourcc, d, ntotal, two unused int64s, is_trained, metric (0: inner
+#: product), then its vectors as a count of floats and the floats
+_FLAT_IP_HEADER = struct.Struct("<4siqqq?iq")
+
+
+def _flat_ip_problem(data: bytes, n: int, d: int) -> str | None:
+    """What makes ``data`` other than the IndexFlatIP of ``n`` vectors of ``d`` floats we write; None if
+    nothing. Checked before faiss parses it: a file whose sha256 was written to match (anyone who can
+    edit the folder can) may be another index kind (an IndexIDMap aborted the process in
+    ``reconstruct_n``; a foreign id made every search fail) or claim more vectors than it holds,
+    which faiss allocates before it notices (2**35 entries in a 3 KB file: ``std::bad_alloc``)."""
+    if len(data) < _FLAT_IP_HEADER.size:
+        return "is too short to be an IndexFlatIP"
+    fourcc, dim, total, _, _, _, metric, floats = _FLAT_IP_HEADER.unpack_from(data)
+    if fourcc != b"IxFI" or metric != 0:
+        return f"is not an IndexFlatIP (it starts {fourcc!r}, metric {metric})"
+    if dim != d or total != n or floats != n * d or len(data) != _FLAT_IP_HEADER.size + 4 * n * d:
+        return f"does not hold {n} vectors of dimension {d} in {len(data)} bytes"
+    return None
+
+
 def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
     """The FAISS index and docstore the manifest names, checked against its sha256s and counts."""
     import faiss
@@ -202,10 +224,14 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
             raise IndexLoadError(
                 f"index at {index_dir} is corrupt: {name} does not match the sha256 in {MANIFEST}; rebuild it"
             )
+    n, d = int(manifest["num_chunks"]), int(manifest["dimension"])
+    problem = _flat_ip_problem(faiss_bytes, n, d)
+    if problem is not None:
+        raise IndexLoadError(f"index at {index_dir} is corrupt: {FAISS_FILE} {problem}; rebuild it")
     try:  # read by Python, not by faiss: a path that is not UTF-8 is an ordinary path here
         fidx = faiss.deserialize_index(np.frombuffer(faiss_bytes, dtype=np.uint8))
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unreadable"
+    except (RuntimeError, MemoryError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise IndexLoadError(f"index at {index_dir} is corrupt: cannot read {FAISS_FILE} ({first})") from None
     records = []
     try:
@@ -219,14 +245,15 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
                         raise ValueError("not an object with text, source and chunk_id strings")
                     if not isinstance(r.get("heading", ""), str):
                         raise ValueError("its heading is not a string")
-                except ValueError as e:  # JSONDecodeError is a ValueError
+                except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
                     raise IndexLoadError(f"index at {index_dir} is corrupt: {DOCSTORE} line {lineno}: {e}") from None
                 records.append(r)
+    except IndexLoadError:  # an OSError too: said already
+        raise
     except FileNotFoundError:  # removed by a build after the hash check
         raise IndexLoadError(f"index at {index_dir} is incomplete: {DOCSTORE} is missing") from None
     except OSError as e:
         raise IndexLoadError(f"cannot read {data_dir / DOCSTORE}: {e.strerror or e}") from None
-    n, d = int(manifest["num_chunks"]), int(manifest["dimension"])
     if fidx.ntotal != n or len(records) != n:
         raise IndexLoadError(
             f"index at {index_dir} is corrupt: {FAISS_FILE} has {fidx.ntotal} vectors, {DOCSTORE} has "
@@ -269,7 +296,7 @@ def _our_manifest(path: Path) -> dict | None:
     raw = _manifest_file(path, follow_symlinks=False)
     try:
         manifest = json.loads(raw.decode("utf-8")) if isinstance(raw, bytes) else None
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return None
     return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME else None
 
@@ -527,5 +554,5 @@ def manifest_files(index_dir: Path) -> list[str]:
     try:
         files = json.loads(raw.decode("utf-8")).get("files", {}) if isinstance(raw, bytes) else {}
         return list(files) if isinstance(files, dict) else []
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return []

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rag_lookahead.atomic import temporary_names, write_text_atomic
+from rag_lookahead.file_reads import read_capped
 from rag_lookahead.paths import cache_dir
 from rag_lookahead.rag import lexical
 
@@ -61,12 +62,19 @@ def _key(texts: Sequence[str]) -> str:
 _HEADER = "rag_lookahead BM25 words 1 "
 
 
+#: far above any corpus's words this library can index in memory; a bigger file is not one of ours
+MAX_WORDS_MB = 8192.0
+
+
 def _read(path: Path, n: int) -> list[list[str]] | None:
     """The words of ``n`` chunks, or None when the file is missing, unreadable, damaged (its body no
     longer matches the checksum in its first line) or not ``n`` chunks long."""
+    raw = read_capped(path, follow_symlinks=False, max_file_mb=MAX_WORDS_MB, limit_flag=None)  # a FIFO: no wait
+    if not isinstance(raw, bytes):  # why not, as text
+        return None
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
         return None
     header, _, body = text.partition("\n")
     if header != _HEADER + hashlib.sha256(body.encode("utf-8")).hexdigest():

@@ -715,6 +715,68 @@ def test_a_docstore_line_that_is_not_an_object_is_corrupt(tmp_path, built, embed
         ix.load_index(index_dir, embedder)
 
 
+def _swap_faiss(index_dir: Path, data: bytes) -> None:
+    """Put ``data`` in place of the index's vectors with its sha256 written to match, as anyone who
+    can edit the folder can."""
+    artifact(index_dir, "index.faiss").write_bytes(data)
+    manifest = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))
+    _rewrite_manifest(index_dir, artifacts={**manifest["artifacts"], "index.faiss": hashlib.sha256(data).hexdigest()})
+
+
+@pytest.mark.parametrize("kind", ["id map", "far id", "huge claim", "l2"])
+def test_a_swapped_faiss_file_is_corrupt_and_rebuilt_never_a_crash(tmp_path, built, embedder, kind):
+    """A faiss file of another kind whose sha256 was made to match: an IndexIDMap aborted ``index``
+    (faiss's reconstruct_n), a foreign id made every search an IndexError, a header claiming 2**35
+    vectors in a 3 KB file was a MemoryError traceback."""
+    import faiss
+
+    index_dir = copy_index(built, tmp_path)
+    original = faiss.read_index(str(artifact(index_dir, "index.faiss")))
+    n, d = original.ntotal, original.d
+    vectors = original.reconstruct_n(0, n)
+    if kind in ("id map", "far id"):
+        other = faiss.IndexIDMap(faiss.IndexFlatIP(d))
+        other.add_with_ids(vectors, np.arange(n, dtype=np.int64) + (10**9 if kind == "far id" else 0))
+        data = faiss.serialize_index(other).tobytes()
+    elif kind == "l2":
+        other = faiss.IndexFlatL2(d)
+        other.add(vectors)
+        data = faiss.serialize_index(other).tobytes()
+    else:
+        small = faiss.IndexFlatIP(d)
+        small.add(vectors[:2])
+        data = bytearray(faiss.serialize_index(small).tobytes())
+        data[8:16] = (2**35).to_bytes(8, "little")  # ntotal
+        data[37:45] = (2**35 * d).to_bytes(8, "little")  # the float count faiss allocates for
+        data = bytes(data)
+    _swap_faiss(index_dir, data)
+    with pytest.raises(IndexLoadError, match="corrupt: index.faiss"):
+        ix.load_index(index_dir, embedder)
+    with pytest.warns(UserWarning, match="could not be reused"):
+        report = build(built[0], index_dir, embedder)
+    assert report.embedded_chunks == built[2].chunks
+    assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
+
+
+@pytest.mark.parametrize("where", ["manifest", "docstore"])
+def test_json_nested_thousands_deep_is_corrupt_not_a_traceback(tmp_path, built, embedder, where):
+    """``[`` 100,000 deep (200 KB) raised RecursionError out of the manifest and docstore readers."""
+    index_dir = copy_index(built, tmp_path)
+    deep = "[" * 100_000 + "]" * 100_000
+    if where == "manifest":
+        (index_dir / "manifest.json").write_text(deep, encoding="utf-8")
+    else:
+        docstore = artifact(index_dir, "docstore.jsonl")
+        lines = docstore.read_text(encoding="utf-8").splitlines(keepends=True)
+        docstore.write_text(deep + "\n" + "".join(lines[1:]), encoding="utf-8")
+        manifest = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))
+        _rewrite_manifest(index_dir, artifacts={**manifest["artifacts"], "docstore.jsonl": _sha(docstore)})
+    with pytest.raises(IndexLoadError, match="corrupt"):
+        ix.load_index(index_dir, embedder)
+    if where == "manifest":
+        assert store.manifest_files(index_dir) == []
+
+
 def test_rebuild_deletes_only_what_it_wrote(tmp_path, built, embedder):
     index_dir = copy_index(built, tmp_path)
     old_data = artifact(index_dir, "index.faiss").parent

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 
 import pytest
+from hang_guard import returned
 from tiny_models import tiny_model
 
 from rag_lookahead.decoding.costs import cost_curve
@@ -24,7 +27,7 @@ def _model(name: str, monkeypatch):
     return model
 
 
-@pytest.mark.parametrize("kind", ["folder", "list", "bad-entry", "text", "infinite-size", "nan-size", "deep"])
+@pytest.mark.parametrize("kind", ["folder", "list", "bad-entry", "text", "infinite-size", "nan-size", "deep", "fifo"])
 def test_a_broken_curve_file_is_measured_around(tmp_path, monkeypatch, caplog, kind):
     monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
     monkeypatch.delenv("RAG_LOOKAHEAD_RECALIBRATE", raising=False)
@@ -36,6 +39,8 @@ def test_a_broken_curve_file_is_measured_around(tmp_path, monkeypatch, caplog, k
         path.write_text("[1, 2]", encoding="utf-8")
     elif kind == "text":
         path.write_text("not json", encoding="utf-8")
+    elif kind == "fifo":  # the reader waited for a writer for good
+        os.mkfifo(path)
     elif kind == "deep":  # RecursionError escaped the reader
         path.write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
     elif kind.endswith("-size"):  # int() of Infinity raised OverflowError, of NaN ValueError
@@ -48,7 +53,7 @@ def test_a_broken_curve_file_is_measured_around(tmp_path, monkeypatch, caplog, k
 
         path.write_text(json.dumps({_curve_key(model): {"sizes": "x", "seconds": [1]}}), encoding="utf-8")
     with caplog.at_level(logging.WARNING, logger="rag_lookahead.decoding.costs"):
-        curve = cost_curve(model)
+        curve = returned(lambda: cost_curve(model))
     assert curve(1) > 0 and curve(64) >= curve(1)
     if kind == "folder":  # not ours to replace: left as it is, and the user is told
         assert path.is_dir() and "could not keep the measured cost curve" in caplog.text

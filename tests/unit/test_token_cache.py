@@ -100,6 +100,17 @@ def test_a_damaged_file_is_cut_again_and_rewritten(tmp_path, damage):
     assert token_cache._read(path, len(TEXTS)) == _cut(TEXTS)  # rewritten whole
 
 
+def test_a_fifo_at_the_files_name_is_cut_around_without_waiting(tmp_path):
+    """The reader opened whatever was at the name and waited for good on a FIFO."""
+    from hang_guard import returned
+
+    token_cache.cached_tokens(TEXTS, tmp_path, min_chunks=1)
+    (path,) = tmp_path.iterdir()
+    path.unlink()
+    os.mkfifo(path)
+    assert returned(lambda: token_cache.cached_tokens(TEXTS, tmp_path, 1)) == _cut(TEXTS)
+
+
 def test_a_folder_that_cannot_be_written_only_costs_time(tmp_path):
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("a user's file\n")

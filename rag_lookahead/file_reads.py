@@ -1,0 +1,61 @@
+"""Reading a file we did not open ourselves, whatever is at its name: never blocking, never endless.
+
+Why: a name in a corpus, an index folder or a cache folder may hold a FIFO (an ``open`` for
+reading waits for a writer, for ever), a link to ``/dev/zero`` (a read grows the process until it is
+killed) or a file that grows while it is read. The corpus, the index manifest and the caches
+(the cost curves, the BM25 words) all read through :func:`read_capped`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+__all__ = ["read_capped"]
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} KB"
+
+
+def read_capped(
+    path: Path, follow_symlinks: bool, max_file_mb: float, limit_flag: str | None = "--max-file-mb"
+) -> bytes | str:
+    """The file's bytes, read once; or why not (a string). Never blocks on a FIFO or device, never
+    reads past ``max_file_mb`` (``/dev/zero`` would grow the process until it was killed), never
+    follows a link unless asked (``O_NOFOLLOW`` also closes the gap between the check and the open).
+    ``limit_flag``: the option that sets the limit, named when a file is over it."""
+    if not follow_symlinks and path.is_symlink():
+        return "symbolic link, not followed (--follow-symlinks)"
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0))
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow_symlinks:
+            return "symbolic link, not followed (--follow-symlinks)"
+        return f"unreadable ({e.strerror or e})"
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a folder with its own error
+        os.close(fd)
+        return "not a regular file"
+    with os.fdopen(fd, "rb") as f:
+        max_bytes = int(max_file_mb * 2**20)
+        too_big = f"{_size(st.st_size)} is over the {max_file_mb:g} MB limit" + (
+            f" ({limit_flag})" if limit_flag else ""
+        )
+        if st.st_size > max_bytes:
+            return too_big
+        try:  # what the file holds plus a byte, to see it grow (read(n) reserves n bytes: never the limit)
+            data = f.read(min(max_bytes, st.st_size) + 1)
+            while st.st_size < len(data) <= max_bytes:  # it grew while being read: read on to the limit
+                block = f.read(min(1 << 20, max_bytes + 1 - len(data)))
+                if not block:
+                    break
+                data += block
+        except OSError as e:
+            return f"unreadable ({e.strerror or e})"
+    if len(data) > max_bytes:  # it grew after the size check
+        return too_big
+    return data
