@@ -110,12 +110,17 @@ class TokenBudget:
         need = self.need_of(jobs)
         if need <= self.limit:
             return None
-        each = f"{len(jobs)} choices x {self.need(jobs[0])} = " if len(jobs) > 1 else ""
+        if len(jobs) == 1:
+            each = ""
+        elif len({self.need(job) for job in jobs}) == 1:
+            each = f"{len(jobs)} choices x {self.need(jobs[0])} = "
+        else:  # several prompts need different amounts
+            each = f"{len(jobs)} choices, "
         return ApiError(
             400,
             f"this request needs {each}{need} tokens of KV cache (prompt + max_tokens) but the server's "
             f"whole budget is {self.limit} (max_batch_tokens): shorten the prompt or lower max_tokens"
-            + (" or n" if len(jobs) > 1 else ""),
+            + (" or n, or send fewer prompts" if len(jobs) > 1 else ""),
             param="max_tokens",
             code="request_too_large",
         )

@@ -60,6 +60,8 @@ class Engine:
         if self.vocab_size and self.pad_id >= self.vocab_size:  # padding is masked, but must still embed
             self.pad_id = 0
         self.context_limit = context_limit(model)
+        self.sampling({}, 1)  # the model's own generation config, checked before anyone asks (ConfigError)
+        self._warn_if_sampling_refused()
         self.max_batch_size = self.config.max_batch_size
         self.ready = threading.Event()
         self.metrics = Metrics(
@@ -199,6 +201,28 @@ class Engine:
 
     # ------------------------------------------------------------ the queue (handler side)
 
+    def sampling(self, options: dict, prompt_width: int):
+        """The core's :class:`~rag_lookahead.decoding.sampling.SamplingParams` for a request's sampling
+        ``options`` (``GenerationRequest.sampling_options``; ``{}``: greedy), over the model's generation
+        config as ``model.generate`` reads it: a Qwen2.5-Instruct model's ``repetition_penalty``
+        1.05 and ``top_k`` 20 hold here as in the other entry points (the server ignored them, and
+        sampled with no top-k where they drew from 50). A setting we do not implement is a ConfigError."""
+        from rag_lookahead.decoding.sampling import resolve_sampling
+
+        options = {"do_sample": False} | options
+        return resolve_sampling(self.model, prompt_width=prompt_width, has_eos=bool(self.eos), **options)
+
+    def _warn_if_sampling_refused(self) -> None:
+        """A setting of the model's config that applies only when sampling (``typical_p``) and that we
+        do not implement leaves greedy requests served and sampled ones answered 400: said at start,
+        once, rather than only to each client, who cannot change it."""
+        from rag_lookahead.errors import ConfigError
+
+        try:
+            self.sampling({"do_sample": True, "temperature": 1.0}, 1)
+        except ConfigError as e:
+            log.warning("sampled requests will be refused (greedy ones are served): %s", e)
+
     def new_request(
         self, prompt_ids: list[int], max_tokens: int, stop: list[str], references=(), pool_key: str = "", sampling=None
     ) -> Job:
@@ -217,15 +241,9 @@ class Engine:
             return shutting_down()
         rate, limit, choices = self.batches.tokens_per_second, self.config.max_queue, max(1, len(jobs))
         per_key = self.config.max_queue_per_key if jobs else None
-        # never fits: a 400, not a 429 to retry forever (checked before the queue's state)
-        for cap, name in ((limit, "max_queue"), (per_key, "max_queue_per_key")):
-            if cap is not None and choices > cap:
-                return ApiError(
-                    400,
-                    f"this request's n={choices} choices can never all wait in the queue ({name}={cap}); lower n",
-                    param="n",
-                    code="request_too_large",
-                )
+        too_many = self._never_queued(choices) if jobs else None
+        if too_many is not None:  # never fits: a 400, not a 429 to retry forever (before the queue's state)
+            return too_many
         too_large = self.token_budget.never_fits(jobs)
         if too_large is not None:
             return too_large
@@ -246,6 +264,27 @@ class Engine:
                     wait,
                 )
         return self.token_budget.refusal(jobs, rate)
+
+    def _never_queued(self, choices: int) -> ApiError | None:
+        """The 400 for a request of more ``choices`` than the queue (or one key's share) ever holds."""
+        for cap, name in ((self.config.max_queue, "max_queue"), (self.config.max_queue_per_key, "max_queue_per_key")):
+            if cap is not None and choices > cap:
+                return ApiError(
+                    400,
+                    f"this request's {choices} choices (n for each prompt) can never all wait in the queue "
+                    f"({name}={cap}); lower n or send fewer prompts",
+                    param="n",
+                    code="request_too_large",
+                )
+        return None
+
+    def check_choices(self, choices: int) -> None:
+        """Raise the 400 ``submit`` would for ``choices`` (prompts x n) that never fit the queue, before
+        a handler tokenizes them: 3,523 short prompts were tokenized (2.4 s under the tokenizer lock)
+        to be refused for a count known from the request alone."""
+        refusal = self._never_queued(choices)
+        if refusal is not None:
+            raise refusal
 
     def check_capacity(self) -> None:
         """Raise the 429/503 that ``submit`` would, before a handler spends work on a request."""

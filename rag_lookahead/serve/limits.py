@@ -68,7 +68,7 @@ def checked_messages(
     rest = [{k: v for k, v in m.items() if k != "content"} for m in chat]
     size = sum(len(str(m.get("content") or "")) for m in chat)
     size += len(json.dumps([rest, *template_inputs], ensure_ascii=False, default=str))
-    checked_text_length(size, config, "messages", what="the messages, tools and template variables")
+    checked_text_length(size, config, "messages", what="the messages, tools and template variables", verb="have")
     return chat
 
 
@@ -76,7 +76,9 @@ def checked_messages(
 CHARS_PER_TOKEN_BOUND = 32
 
 
-def checked_text_length(chars: int, config: ServerConfig, param: str, what: str | None = None) -> None:
+def checked_text_length(
+    chars: int, config: ServerConfig, param: str, what: str | None = None, verb: str = "has"
+) -> None:
     """Refuse a text that cannot fit ``max_prompt_tokens`` before it is tokenized: tokenizing a 4 MiB
     prompt took 3.4 s under the one tokenizer lock, only to be refused, and others waited behind it.
     The bound is generous (32 characters a token; a token covers 1-5 on real text)."""
@@ -84,8 +86,8 @@ def checked_text_length(chars: int, config: ServerConfig, param: str, what: str 
     if chars > limit:
         raise ApiError(
             400,
-            f"{what or repr(param)} {'have' if what else 'has'} {chars} characters, more than this server's "
-            f"prompt limit ({config.max_prompt_tokens} tokens, max_prompt_tokens) can hold",
+            f"{what or repr(param)} {verb} {chars} characters, more than this server's prompt limit "
+            f"({config.max_prompt_tokens} tokens, max_prompt_tokens) can hold",
             param=param,
         )
 
@@ -116,6 +118,6 @@ def checked_prompt(
         )
     if engine.vocab_size and any(t >= engine.vocab_size for t in ids):
         raise ApiError(
-            400, f"the prompt holds token ids outside the model's vocabulary (size {engine.vocab_size})", param=param
+            400, f"{what} holds token ids outside the model's vocabulary (size {engine.vocab_size})", param=param
         )
     return ids

@@ -237,6 +237,16 @@ class LogprobFormat:
         return CompletionLogprobs(
             tokens=tokens,
             token_logprobs=[max(e.logprob, LOWEST) for e in entries],
-            top_logprobs=[{t: max(lp, LOWEST) for t, _, lp in top} for _, top in named],
+            top_logprobs=[_by_name(top) for _, top in named],
             text_offset=offsets,
         )
+
+
+def _by_name(top: list[tuple[str, list[int], float]]) -> dict[str, float]:
+    """A place's most likely tokens by text. Tokens spelled alike (byte tokens each half a
+    character, all U+FFFD) share one key: the first, most likely, keeps it, so the chosen token's
+    entry agrees with its ``token_logprobs`` value (the later ones overwrote it)."""
+    named: dict[str, float] = {}
+    for text, _, logprob in top:
+        named.setdefault(text, max(logprob, LOWEST))
+    return named

@@ -14,12 +14,13 @@ server does not implement are refused, never ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from rag_lookahead.decoding.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
@@ -268,30 +269,38 @@ class GenerationRequest(OpenAIRequest):
         """The field that sets the answer's length and its value (None: not given)."""
         return "max_tokens", self.max_tokens
 
-    def sampling_params(self, choice: int = 0):
-        """The core's :class:`~rag_lookahead.decoding.sampling.SamplingParams` for choice ``choice``
-        of ``n``; a seeded request's choice i draws with ``seed + i``."""
-        from rag_lookahead.decoding.sampling import SamplingParams
-
-        penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
+    def sampling_options(self) -> dict:
+        """The request's sampling fields in ``model.generate``'s terms. A field left out is not given,
+        so the model's generation config holds, as in ``model.generate`` (its repetition penalty;
+        sampling, its top_k, top_p and min_p, else transformers' defaults)."""
         if not self.temperature:  # 0 or absent: greedy
-            return SamplingParams(repetition_penalty=penalty)
-        return SamplingParams(
-            do_sample=True,
-            temperature=self.temperature,
-            top_k=self.top_k if self.top_k and self.top_k > 0 else None,  # 0 and -1: off, as in vLLM
-            top_p=1.0 if self.top_p is None else self.top_p,
-            min_p=self.min_p or None,
-            repetition_penalty=penalty,
-            seed=None if self.seed is None else self.seed + choice,  # distinct seeds, distinct draws
-        )
+            options: dict = {"do_sample": False}
+        else:
+            options = {"do_sample": True, "temperature": self.temperature}
+            if self.top_k is not None:
+                options["top_k"] = self.top_k if self.top_k > 0 else None  # 0 and -1: off, as in vLLM
+            if self.top_p is not None:
+                options["top_p"] = self.top_p
+            if self.min_p is not None:
+                options["min_p"] = self.min_p or None  # 0: off
+        if self.repetition_penalty is not None:
+            options["repetition_penalty"] = self.repetition_penalty
+        return options
+
+    def choice_sampling(self, base, choice: int):
+        """Choice ``choice`` of ``n`` under ``base`` (the resolved settings): a seeded request's
+        choice i draws with ``seed + i``, so distinct choices draw distinct tokens."""
+        if not base.do_sample or self.seed is None:
+            return base
+        return dataclasses.replace(base, seed=self.seed + choice)
 
 
 class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: a raw prompt, no chat template."""
 
     prompt: Annotated[Text | TokenIds | list[Text | TokenIds], Wording(PROMPT_REQUIRED)] = Field(
-        description="a string or a list of token ids (a list holding one of them is taken too)"
+        description="a string or a list of token ids, or a list of them (several prompts: not streamed; "
+        "choice i of prompt p is choices[p * n + i])"
     )
     logprobs: Annotated[Integer | None, Wording(hint=" (the most likely tokens reported per answer token)")] = Field(
         None,
@@ -300,32 +309,49 @@ class CompletionRequest(GenerationRequest):
         description="report each answer token's log-probability and this many most likely tokens at its place",
     )
     top_logprobs: Any = Field(None, description="chat completions only: here 'logprobs' is the count")
+    max_completion_tokens: Any = Field(None, description="chat completions only: here 'max_tokens' sets the length")
 
     vllm_options: ClassVar[dict[str, tuple[Any, ...]]] = {**VLLM_NEUTRAL, **VLLM_COMPLETION_NEUTRAL}
+    _prompts: list[str | list[int]] = PrivateAttr(default_factory=list)  # set by the validator
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
+    def _checked_prompts(self) -> CompletionRequest:
+        """One prompt, or several (langchain's OpenAI LLM sends up to 20 a request), each checked alone."""
         prompt = self.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            if not prompt:
-                raise invalid_request("'prompt' is empty", "prompt")
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            if any(t < 0 for t in prompt):
-                raise invalid_request("token ids in 'prompt' must be >= 0", "prompt")
-        elif len(prompt) > 1:
-            raise invalid_request("'prompt' holds several prompts: send one prompt per request", "prompt")
-        else:
+        one = isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt))
+        prompts = [prompt] if one else list(prompt)
+        if not prompts:
             raise invalid_request(PROMPT_REQUIRED, "prompt")
-        self.prompt = prompt
+        for i, text_or_ids in enumerate(prompts):
+            name = f"'prompt'[{i}]" if len(prompts) > 1 else "'prompt'"
+            if not text_or_ids:
+                raise invalid_request(f"{name} is empty", "prompt")
+            if isinstance(text_or_ids, list) and any(t < 0 for t in text_or_ids):
+                raise invalid_request(f"token ids in {name} must be >= 0", "prompt")
+        if len(prompts) > 1 and self.stream:
+            raise invalid_request(
+                "'prompt' holds several prompts, which are not supported with 'stream': send one prompt per "
+                "streamed request",
+                "prompt",
+            )
+        self._prompts = prompts
         if self.top_logprobs is not None:
             raise invalid_request(
                 "'top_logprobs' is a chat completions field: on /v1/completions, 'logprobs' is the number of "
                 "most likely tokens to report",
                 "top_logprobs",
             )
+        if self.max_completion_tokens is not None:  # it was dropped unseen, as vLLM drops it here
+            raise invalid_request(
+                "'max_completion_tokens' is a chat completions field: on /v1/completions, send 'max_tokens'",
+                "max_completion_tokens",
+            )
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a string or token ids."""
+        return self._prompts
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -352,7 +378,7 @@ class RagRequest(OpenAIRequest):
         "top_p": (1, 1.0),
         "top_k": (0, -1),
         "min_p": (0, 0.0),
-        "repetition_penalty": (1, 1.0),
+        "repetition_penalty": (),  # none is neutral: the answer takes the model config's (1.05 in Qwen2.5-Instruct)
         "n": (1,),
         "best_of": (1,),
         "presence_penalty": (0, 0.0),

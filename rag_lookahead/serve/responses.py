@@ -37,9 +37,11 @@ class Stats(BaseModel):
     lookahead: bool
 
 
-def usage_of(answers: list[Answer]) -> Usage:
-    """Usage of all choices: the prompt counted once, completions added up (as OpenAI reports n > 1)."""
-    prompt, completion = answers[0].prompt_tokens, sum(a.completion_tokens for a in answers)
+def usage_of(answers: list[Answer], prompts: int = 1) -> Usage:
+    """Usage of all choices: each prompt counted once (``answers``: the n choices of each of
+    ``prompts`` prompts, in order), completions added up, as OpenAI reports n > 1 and several prompts."""
+    prompt = sum(a.prompt_tokens for a in answers[:: len(answers) // prompts])
+    completion = sum(a.completion_tokens for a in answers)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -90,6 +92,7 @@ class _OpenAIShape:
     created: int
     model: str
     logprobs: LogprobFormat | None = None
+    prompts: int = 1  # a whole answer holds n choices for each (completions: several prompts)
     usage_chunk: ClassVar[type[BaseModel]]
     body: ClassVar[type[BaseModel]]
 
@@ -119,7 +122,9 @@ class _OpenAIShape:
 
     def whole(self, answers: list[Answer]) -> dict:
         choices = [self._choice(i, answer) for i, answer in enumerate(answers)]
-        body = self.body(**self._head(), choices=choices, usage=usage_of(answers), stats=stats_of(answers[0]))
+        body = self.body(
+            **self._head(), choices=choices, usage=usage_of(answers, self.prompts), stats=stats_of(answers[0])
+        )
         return body.model_dump()
 
 

@@ -4,7 +4,7 @@ off the event loop, submits one job per choice and answers whole or as server-se
 ``POST /v1/completions`` (raw prompt, no chat template; a string or a list of token ids),
 ``POST /v1/chat/completions`` (messages, and tools, through the tokenizer's chat template), ``POST /v1/rag``
 (retrieve from the loaded index, seed the drafter with the passages left out of the prompt);
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
+``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``, ``GET /metrics`` (Prometheus text format).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
-from rag_lookahead.errors import InputError
-from rag_lookahead.serve.api_error import ApiError, ErrorResponse
+from rag_lookahead.errors import ConfigError, InputError, first_line
+from rag_lookahead.serve.api_error import ApiError, ErrorResponse, quote
 from rag_lookahead.serve.body import JsonBodyRoute
 from rag_lookahead.serve.chat_protocol import ChatCompletionRequest
 from rag_lookahead.serve.engine import Engine
@@ -92,22 +92,37 @@ def _length_and_stop(body: GenerationRequest, engine: Engine) -> tuple[int, list
     return answer_length(*body.answer_length(), config), checked_stop(body.stop_strings, config)
 
 
+def _sampling(engine: Engine, options: dict, prompt_width: int):
+    """``engine.sampling``, a setting it cannot apply (the model's own, with the request's) a 400."""
+    try:
+        return engine.sampling(options, prompt_width)
+    except ConfigError as e:
+        raise ApiError(
+            400, f"{first_line(str(e))[:300]} (the request's fields over the model's generation config)"
+        ) from None
+
+
 def _submit(
     engine: Engine,
-    prompt: list[int],
+    prompts: list[list[int]],
     max_tokens: int,
     stop: list[str],
     body: GenerationRequest,
     http_request: Request,
     tools: ToolSetup | None = None,
 ) -> list[Job]:
-    """One job per choice (``n``); choice i of a seeded request draws with seed + i. A job records
-    log-probabilities when asked; with tools its text opens with a forced call and holds calls back."""
+    """One job per choice (``n``) of each prompt, queued together (choice i of prompt p is job
+    p * n + i); choice i of a seeded request draws with seed + i. A job records log-probabilities
+    when asked; with tools its text opens with a forced call and holds calls back."""
     key = getattr(http_request.state, "key_id", "")
-    jobs = [
-        engine.new_request(prompt, max_tokens, stop, pool_key=key, sampling=body.sampling_params(i))
-        for i in range(body.choices)
-    ]
+    options = body.sampling_options()
+    jobs = []
+    for prompt in prompts:
+        sampling = _sampling(engine, options, len(prompt))  # the prompt's width counts (min_new_tokens)
+        jobs += [
+            engine.new_request(prompt, max_tokens, stop, pool_key=key, sampling=body.choice_sampling(sampling, i))
+            for i in range(body.choices)
+        ]
     for job in jobs:
         if body.top_logprobs_asked is not None:
             job.logprobs = AnswerLogprobs(body.top_logprobs_asked)
@@ -153,30 +168,38 @@ async def _respond(
     include_usage: bool,
     http_request: Request,
     engine: Engine,
-) -> dict | Response:
-    """The answer in ``shape``: events as they come, or the whole body (499 if the client left)."""
+) -> Response:
+    """The answer in ``shape``: events as they come, or the whole body (499 if the client left).
+    The body is sent as built: a dict returned to FastAPI goes through ``jsonable_encoder``,
+    which drops every key starting with "_sa" (SQLAlchemy's), e.g. a top log-probability's "_save"."""
     if streamed:
         return EngineStream(stream(jobs[0], http_request, engine, shape, include_usage), engine, jobs[0])
     answers = await _collect_all(jobs, http_request, engine)
-    return Response(status_code=499) if answers is None else shape.whole(answers)
+    return Response(status_code=499) if answers is None else JSONResponse(shape.whole(answers))
 
 
 @generation.post("/v1/completions", response_model=None, responses=_documented(Completion))
-async def completions(body: CompletionRequest, http_request: Request) -> dict | Response:
+async def completions(body: CompletionRequest, http_request: Request) -> Response:
     engine = _engine(http_request)
     max_tokens, stop = _length_and_stop(body, engine)
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        checked_text_length(len(prompt), engine.config, "prompt")
-        prompt = await run_in_threadpool(engine.encode_text, prompt)
-    jobs = _submit(engine, checked_prompt(list(prompt), engine), max_tokens, stop, body, http_request)
+    engine.check_choices(len(body.prompts) * body.choices)  # before tokenizing what could never be queued
+    several = len(body.prompts) > 1
+    prompts = []
+    for i, prompt in enumerate(body.prompts):
+        named = f"'prompt'[{i}]" if several else None  # several: name the one refused
+        if isinstance(prompt, str):
+            checked_text_length(len(prompt), engine.config, "prompt", named)
+            prompt = await run_in_threadpool(engine.encode_text, prompt)
+        prompts.append(checked_prompt(list(prompt), engine, what=named or "the prompt"))
+    jobs = _submit(engine, prompts, max_tokens, stop, body, http_request)
     model = body.model or engine.config.model_name
-    shape = CompletionShape(_new_id("cmpl"), int(time.time()), model, _logprob_format(body, engine))
+    logprobs = _logprob_format(body, engine)
+    shape = CompletionShape(_new_id("cmpl"), int(time.time()), model, logprobs, prompts=len(prompts))
     return await _respond(jobs, shape, bool(body.stream), body.include_usage, http_request, engine)
 
 
 @generation.post("/v1/chat/completions", response_model=None, responses=_documented(ChatCompletion))
-async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> dict | Response:
+async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
     engine = _engine(http_request)
     max_tokens, stop = _length_and_stop(body, engine)
     template_tools = body.template_tools()
@@ -198,9 +221,9 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request) -
         )
     except Exception as e:  # a template that refuses this conversation (e.g. role order)
         raise _template_refusal(e) from None
-    jobs = _submit(engine, checked_prompt(prompt, engine, "messages"), max_tokens, stop, body, http_request, tools)
+    jobs = _submit(engine, [checked_prompt(prompt, engine, "messages")], max_tokens, stop, body, http_request, tools)
     model = body.model or engine.config.model_name
-    shape = ChatShape(_new_id("chatcmpl"), int(time.time()), model, _logprob_format(body, engine), tools)
+    shape = ChatShape(_new_id("chatcmpl"), int(time.time()), model, _logprob_format(body, engine), tools=tools)
     return await _respond(jobs, shape, bool(body.stream), body.include_usage, http_request, engine)
 
 
@@ -220,7 +243,7 @@ def _template_refusal(error: Exception) -> ApiError:
 
 
 @generation.post("/v1/rag", response_model=None, responses=_documented(RagAnswer))
-async def rag(body: RagRequest, http_request: Request) -> dict | Response:
+async def rag(body: RagRequest, http_request: Request) -> Response:
     """Retrieve ``k_seed`` passages, show ``k`` in the prompt, seed the drafter with the rest."""
     from rag_lookahead.rag.chains import make_prompt, source_info
 
@@ -257,7 +280,7 @@ async def rag(body: RagRequest, http_request: Request) -> dict | Response:
     key = getattr(http_request.state, "key_id", "")
     what = f"the prompt built from the question and its {len(shown)} passage(s)"
     ids = checked_prompt(prompt, engine, "k", what, "; ask with a smaller 'k' or a shorter question")
-    job = engine.new_request(ids, max_tokens, [], references, pool_key=key)
+    job = engine.new_request(ids, max_tokens, [], references, pool_key=key, sampling=_sampling(engine, {}, len(ids)))
     engine.submit(job)
     sources = [source_info(d, i < k) for i, d in enumerate(docs)]
     shape = RagShape(sources, cfg.model_name, retrieval_seconds, len(seeds))
@@ -267,6 +290,22 @@ async def rag(body: RagRequest, http_request: Request) -> dict | Response:
 @status.get("/v1/models", response_model=ModelList, responses=_ERRORS)
 async def models(http_request: Request) -> dict:
     return ModelList(data=[ModelCard(id=_engine(http_request).config.model_name)]).model_dump()
+
+
+@status.get(
+    "/v1/models/{model_id:path}", response_model=ModelCard, responses={**_ERRORS, 404: {"model": ErrorResponse}}
+)
+async def model(model_id: str, http_request: Request) -> dict:
+    """One model's card (the SDK's ``client.models.retrieve``); ``:path``, as a hub id holds a "/".
+    Another id answers 404 as OpenAI answers an unknown model (``model_not_found``)."""
+    name = _engine(http_request).config.model_name
+    if model_id != name:
+        raise ApiError(
+            404,
+            f"the model {quote(model_id)} does not exist here: this server serves {quote(name)}",
+            code="model_not_found",
+        )
+    return ModelCard(id=name).model_dump()
 
 
 @status.get("/health", response_model=Health, responses={503: {"model": Health}})

@@ -380,7 +380,8 @@ def test_tiny_validation_health_metrics(tokenizer):
         (json.dumps({"prompt": [1, 2], "stream": "yes"}), "'stream'"),
         (json.dumps({"prompt": [1] * 51}), "at most 50"),
         (json.dumps({"prompt": [1, VOCAB + 5]}), "vocabulary"),
-        (json.dumps({"prompt": ["a", "b"]}), "one prompt per request"),
+        (json.dumps({"prompt": ["a", "b"], "stream": True}), "send one prompt per streamed request"),
+        (json.dumps({"prompt": [[5, 6], []]}), "'prompt'[1] is empty"),
         (json.dumps({"prompt": [1, 2], "logprobs": 21}), "'logprobs' must be between 0 and 20"),
     ]
     with serving(engine) as base:
@@ -415,6 +416,7 @@ def test_tiny_validation_health_metrics(tokenizer):
                 {"n": 2},
                 {"top_k": 3},
                 {"min_tokens": 5},
+                {"repetition_penalty": 1.0},  # neutral no more: the answer takes the model config's penalty
                 *chat_options,
             ):
                 r = client.post("/v1/rag", json={"question": "what?", **extra})  # they were dropped unseen

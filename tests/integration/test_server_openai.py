@@ -104,6 +104,126 @@ def test_completion_logprobs_equal_output_logits(tokenizer):
         assert client.completions.create(model="t", prompt=[5, 6, 7], max_tokens=4).choices[0].logprobs is None
 
 
+def underscore_tokenizer():
+    """The tiny models' vocabulary as the words ``_sa{i}``, joined with nothing between them: every
+    token's text starts with "_sa", as ``_save`` and ``_sample`` do in code vocabularies."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rag_lookahead.tiny import VOCAB
+
+    vocab = {("<pad>" if i == 0 else "<eos>" if i == 3 else f"_sa{i}"): i for i in range(VOCAB)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<pad>", pad_token="<pad>", eos_token="<eos>")
+
+
+def test_completion_logprobs_keep_tokens_named_like_sqlalchemy_keys():
+    """The whole answer's top_logprobs dropped every token whose text starts with "_sa" (the chosen
+    token's own entry too): FastAPI's jsonable_encoder drops such dict keys. The stream kept them."""
+    tok = underscore_tokenizer()
+    engine = tiny_engine(tok)
+    prompt = tiny_prompts(1, seed=5)[0]
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=120) as http:
+        body = {"prompt": prompt, "max_tokens": 8, "logprobs": TOP}
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        events = http.post("/v1/completions", json={**body, "stream": True}).text.split("\n\n")
+    chunks = [json.loads(e[len("data: ") :]) for e in events if e.startswith("data: {")]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert whole["tokens"] and all(t.startswith("_sa") for t in whole["tokens"])
+    streamed_top = sum((s["top_logprobs"] for s in streamed), [])
+    assert [list(top) for top in whole["top_logprobs"]] == [list(top) for top in streamed_top]
+    for top, other in zip(whole["top_logprobs"], streamed_top):  # the same values, from another forward
+        assert top == pytest.approx(other, abs=1e-5)
+    for token, logprob, top in zip(whole["tokens"], whole["token_logprobs"], whole["top_logprobs"], strict=True):
+        assert len(top) == TOP and top[token] == pytest.approx(logprob)  # greedy: the chosen token is the likeliest
+
+
+def test_completion_top_logprobs_spelled_alike_keep_the_likeliest():
+    """Byte tokens each half a character are all named U+FFFD: top_logprobs[token] took the last,
+    least likely of them, below the chosen token's own token_logprobs value."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rag_lookahead.tiny import VOCAB
+
+    vocab = {("<pad>" if i == 0 else "<eos>" if i == 3 else f"<0x{0x80 + i:02X}>"): i for i in range(VOCAB)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<pad>", pad_token="<pad>", eos_token="<eos>")
+    engine = tiny_engine(tok)
+    with serving(engine) as base:
+        client = client_for(base)
+        for prompt in tiny_prompts(2, seed=9):
+            lp = client.completions.create(model="t", prompt=prompt, max_tokens=8, logprobs=TOP).choices[0].logprobs
+            assert set(lp.tokens) == {"\ufffd"}
+            for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+                assert top == {token: pytest.approx(logprob)}  # greedy: the chosen token is the likeliest
+
+
+def test_models_retrieve(tokenizer):
+    """GET /v1/models/{id} (the SDK's client.models.retrieve) answered 404 "no such endpoint"."""
+    engine = tiny_engine(tokenizer, served_model_name="org/tiny")  # a hub id: the path holds a "/"
+    with serving(engine) as base:
+        client = client_for(base)
+        listed = client.models.list().data
+        assert [card.id for card in listed] == ["org/tiny"]
+        assert client.models.retrieve("org/tiny") == listed[0]
+        with pytest.raises(openai.NotFoundError) as unknown:
+            client.models.retrieve("gpt-4o")
+        error = unknown.value.body
+        assert error["type"] == "invalid_request_error" and error["code"] == "model_not_found"
+        assert '"org/tiny"' in error["message"]  # the id it serves
+        assert httpx.get(base + "/v1/models/org").status_code == 404
+
+
+def test_several_prompts_in_one_request(tokenizer):
+    """A list of prompts (langchain's OpenAI LLM sends up to 20 a request) was refused: each gets n
+    choices, choice i of prompt p at index p * n + i, as OpenAI and vLLM answer; usage adds them up."""
+    tok = underscore_tokenizer()
+    engine = tiny_engine(tok, max_prompt_tokens=40)
+    prompts = tiny_prompts(3, seed=11)
+    with serving(engine) as base:
+        client = client_for(base)
+        alone = [client.completions.create(model="t", prompt=p, max_tokens=6, logprobs=2) for p in prompts]
+        for sent in (prompts, [" ".join(tok.convert_ids_to_tokens(p)) for p in prompts]):  # ids, and as strings
+            reply = client.completions.create(model="t", prompt=sent, max_tokens=6, logprobs=2, n=2)
+            assert [c.index for c in reply.choices] == list(range(6))
+            for i, choice in enumerate(reply.choices):
+                single = alone[i // 2].choices[0]
+                assert (choice.text, choice.logprobs.tokens) == (single.text, single.logprobs.tokens)
+            assert reply.usage.prompt_tokens == sum(len(p) for p in prompts)
+            assert reply.usage.completion_tokens == 2 * sum(r.usage.completion_tokens for r in alone)
+        with pytest.raises(openai.BadRequestError, match=r"'prompt'\[1\] has 41 tokens"):
+            client.completions.create(model="t", prompt=[[5, 6], [7] * 41], max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="one prompt per streamed request"):
+            client.completions.create(model="t", prompt=[[5, 6], [7, 8]], max_tokens=2, stream=True)
+
+
+def test_several_prompts_are_refused_naming_the_one_at_fault_and_by_count_before_tokenizing(tokenizer):
+    """Review findings: a vocabulary or text-length refusal did not name the prompt; the KV refusal
+    multiplied the first prompt's need by every choice (4 x 66 = 320); 3,523 prompts were all
+    tokenized under the tokenizer lock before a refusal the count alone decides."""
+    engine = tiny_engine(tokenizer, max_prompt_tokens=40, max_queue=8, max_batch_tokens=300)
+    encoded = []
+    encode = engine.encode_text
+    engine.encode_text = lambda text: encoded.append(text) or encode(text)  # the real one, counted
+    with serving(engine) as base:
+        client = client_for(base)
+        with pytest.raises(openai.BadRequestError, match=r"'prompt'\[1\] holds token ids outside"):
+            client.completions.create(model="t", prompt=[[5, 6], [1, 10_000]], max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match=r"'prompt'\[1\] has 1281 characters"):
+            client.completions.create(model="t", prompt=[[5, 6], "x" * 1281], max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match=r"needs 4 choices, 320 tokens"):
+            client.completions.create(model="t", prompt=[[5] * 2, [6] * 30], max_tokens=64, n=2)
+        encoded.clear()
+        with pytest.raises(openai.BadRequestError, match="9 choices .* can never all wait"):
+            client.completions.create(model="t", prompt=["x"] * 9, max_tokens=2)
+        assert encoded == []
+
+
 def test_sampled_logprobs_are_the_models_distribution(tokenizer):
     """A seeded sample reports the raw distribution at each place, whatever the warpers kept."""
     engine = tiny_engine(tokenizer)
@@ -381,6 +501,9 @@ def test_refusals(chat_server, tokenizer):
         assert r.status_code == 400 and "'logprobs' is the number" in r.json()["error"]["message"]
         r = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "logprobs": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+        r = http.post("/v1/completions", json={"prompt": [5, 6], "max_completion_tokens": 2})  # it was ignored
+        assert r.status_code == 400 and "send 'max_tokens'" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "max_completion_tokens"
     with pytest.raises(openai.BadRequestError, match="does not constrain decoding"):
         client.chat.completions.create(model="t", messages=QUESTION, response_format={"type": "json_object"})
     text = client.chat.completions.create(model="t", messages=QUESTION, max_tokens=2, response_format={"type": "text"})

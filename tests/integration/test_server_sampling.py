@@ -4,6 +4,7 @@ Real tiny-model server over HTTP."""
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,6 +15,7 @@ pytest.importorskip("uvicorn")
 from test_server import serving, single_text, tiny_engine, tiny_prompts, tokenizer  # noqa: F401
 
 from rag_lookahead.decoding.loop import generate
+from rag_lookahead.serve import Engine
 
 SAMPLE = {"temperature": 0.9, "top_p": 0.95, "top_k": 40}
 
@@ -84,6 +86,47 @@ def test_repetition_penalty_and_min_p_are_applied(tokenizer):
             "seed": 9,
         }
         text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        assert text == sampled_text(engine, prompt, 16, 9, temperature=0.7, min_p=0.05, repetition_penalty=1.3, top_k=0)
+        assert text == sampled_text(engine, prompt, 16, 9, temperature=0.7, min_p=0.05, repetition_penalty=1.3)
         r = client.post("/v1/completions", json={"prompt": prompt, "presence_penalty": 0.5})
         assert r.status_code == 400 and "presence_penalty" in r.json()["error"]["message"]
+
+
+def test_fields_left_out_take_the_models_generation_config_as_model_generate_does(tokenizer, caplog):
+    """A Qwen2.5-Instruct style generation config (repetition_penalty 1.05, top_k 20, top_p 0.8):
+    the server ignored it, so its greedy answers differed from ``model.generate``'s and from
+    every other entry point's, and it sampled with no top-k where they drew from 50."""
+    import torch
+    from tiny_models import build_tiny_model
+
+    from rag_lookahead.errors import ConfigError
+
+    engine = Engine(build_tiny_model("qwen2"), tokenizer, tiny_engine(tokenizer).config)  # a model of its own
+    own = engine.model.generation_config
+    own.repetition_penalty, own.top_k, own.top_p = 1.05, 20, 0.8
+    prompt = tiny_prompts(1, seed=5)[0]
+    ids = torch.tensor([prompt])
+    reference = engine.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
+    plain = generate(engine.model, prompt, max_new_tokens=16, repetition_penalty=1.0).sequences
+    assert not torch.equal(reference, plain)  # the penalty changes this answer
+    expected = [t for t in reference[0, len(prompt) :].tolist() if t not in engine.eos]
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=120) as client:
+        greedy = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16}).json()
+        assert greedy["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0.9, "seed": 7}
+        sampled = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert sampled == sampled_text(engine, prompt, 16, 7, temperature=0.9)  # top_k 20, top_p 0.8, penalty
+        assert sampled != sampled_text(engine, prompt, 16, 7, temperature=0.9, top_k=None, top_p=1.0)
+        off = client.post("/v1/completions", json=body | {"top_k": -1, "top_p": 1.0}).json()["choices"][0]["text"]
+        assert off == sampled_text(engine, prompt, 16, 7, temperature=0.9, top_k=None, top_p=1.0)
+    own.typical_p = 0.9  # applies only when sampling: greedy is served, sampling refused, said at start
+    with caplog.at_level(logging.WARNING, logger="rag_lookahead.serve.engine"):
+        typical = Engine(engine.model, tokenizer, engine.config)
+    assert "sampled requests will be refused" in caplog.text and "typical_p" in caplog.text
+    with serving(typical) as base, httpx.Client(base_url=base, timeout=120) as client:
+        assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}).status_code == 200
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 400 and "typical_p" in refused.json()["error"]["message"]
+    own.typical_p = 1.0
+    own.no_repeat_ngram_size = 2  # ours to refuse, not to drop: the server does not start
+    with pytest.raises(ConfigError, match="no_repeat_ngram_size"):
+        Engine(engine.model, tokenizer, engine.config)
