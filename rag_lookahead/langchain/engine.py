@@ -12,6 +12,7 @@ draft settings) are read in :mod:`.sampling_fields`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hashlib
 import queue
@@ -141,6 +142,10 @@ class EngineRun:
 
 OnBlock = Callable[[int, list[int], str], "bool | None"]
 
+#: the runs (Engine._current) that the current context decodes inside: their token callbacks, and
+#: threads or tasks those start with a copy of the context, see them (Engine._check_not_nested)
+_DECODING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("rag_lookahead_decoding", default=frozenset())
+
 
 def pool_shape(config: LookaheadConfig) -> tuple[int, int]:
     """The output pool's (depth, max_nodes) for ``config``."""
@@ -168,6 +173,7 @@ class Engine:
         self.output_pool = output_pool if output_pool is not None else OutputPool(*pool_shape(config))
         self.seeds = SeedRegistry()
         self._decoding = threading.Lock()
+        self._current: object | None = None  # the run holding ``_decoding``, for _check_not_nested
 
     def passages(self, passages: Sequence[str]) -> list[list[int]]:
         """Draft seeds in tokens. They change the speed, never the text: one that is not valid
@@ -224,27 +230,47 @@ class Engine:
 
         ids, mask = left_pad([r.ids for r in rows], self.pad)
         references = [r.references for r in rows]
+        self._check_not_nested()
+        this_run = object()
         with self._decoding:
-            if timeout is not None:
-                deadline = time.monotonic() + timeout
-            result = generate(
-                self.model,
-                ids,
-                mask,
-                max_new_tokens=max_new_tokens,
-                config=config,
-                references=references if any(references) else None,
-                eos_token_id=sorted(self.eos),
-                pad_token_id=self.pad,
-                output_pool=self.output_pool,
-                on_tokens=on_tokens,
-                stop_check=stop_check if any(t.stop for t in trackers) else None,
-                **sampling,
-            )
+            self._current = this_run
+            inside = _DECODING.set(_DECODING.get() | {this_run})
+            try:
+                if timeout is not None:
+                    deadline = time.monotonic() + timeout
+                result = generate(
+                    self.model,
+                    ids,
+                    mask,
+                    max_new_tokens=max_new_tokens,
+                    config=config,
+                    references=references if any(references) else None,
+                    eos_token_id=sorted(self.eos),
+                    pad_token_id=self.pad,
+                    output_pool=self.output_pool,
+                    on_tokens=on_tokens,
+                    stop_check=stop_check if any(t.stop for t in trackers) else None,
+                    **sampling,
+                )
+            finally:
+                _DECODING.reset(inside)
+                self._current = None
         timed_out = [
             t and not trackers[i].stopped and not _ended(trackers[i], self.eos) for i, t in enumerate(timed_out)
         ]
         return EngineRun(trackers, steps, result, config.enabled, [len(r.ids) for r in rows], self.eos, timed_out)
+
+    def _check_not_nested(self) -> None:
+        """Refuse a decode asked for from inside this engine's running decode (a token callback that
+        calls a model on this engine, in its own thread or in a thread or task started with its
+        context): it would wait for the engine forever. Letting it decode there instead is not safe
+        (some models keep state between calls; the output pool and step-cost estimates assume one decode at a time)."""
+        if self._current is not None and self._current in _DECODING.get():
+            raise ConfigError(
+                "a model cannot be called from its own token callback (on_llm_new_token) while it decodes: "
+                "it would wait for itself forever; call it after invoke() returns, or use stream() (whose "
+                "callbacks run in the caller's thread)"
+            )
 
     def stream(self, rows: Sequence[RowRequest], **run_options: Any) -> BlockStream:
         """Like :meth:`run`, decoding in a worker thread while the caller iterates the blocks."""
@@ -352,7 +378,10 @@ class BlockStream:
             finally:
                 feed.put(None)
 
-        worker = threading.Thread(target=work, name="lookahead-stream", daemon=True)
+        # the caller's context: a stream started from a token callback is refused, not left waiting
+        worker = threading.Thread(
+            target=contextvars.copy_context().run, args=(work,), name="lookahead-stream", daemon=True
+        )
         worker.start()
         try:
             while (block := feed.get()) is not None:

@@ -368,7 +368,8 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
     ) -> Iterator[GenerationChunk]:
         """Chunks as blocks are accepted. Intermediate chunks carry no generation_info (LangChain
         merges chunk infos key by key and keeps equal ints instead of summing them, so partial
-        counters cannot add up); the last chunk carries all the stats."""
+        counters cannot add up); the last chunk carries all the stats. Every chunk goes to the token
+        callbacks, the last one even when its text is empty, as LangChain does for ChatLookahead's."""
         self._encode(prompt)  # fail fast, in the caller's thread
         blocks = BlockStream(lambda on_block, cancel: self._run([prompt], stop, kwargs, on_block, cancel))
         with closing(iter(blocks)) as it:  # leaving early cancels the decode
@@ -381,7 +382,7 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         run = blocks.run
         rest = run.trackers[0].rest()
         chunk = GenerationChunk(text=rest, generation_info=run.info(0))
-        if rest and run_manager is not None:
+        if run_manager is not None:
             run_manager.on_llm_new_token(rest, chunk=chunk)
         yield chunk
 

@@ -53,6 +53,7 @@ __all__ = [
     "check_k",
     "seed_count",
     "retrieve",
+    "aretrieve",
     "format_context",
     "make_prompt",
     "source_info",
@@ -182,10 +183,22 @@ def check_question_text(question: str) -> None:
 def retrieve(
     retriever: BaseRetriever, question: str, k_seed: int, config: RunnableConfig | None = None
 ) -> list[Document]:
+    _check_question(question)
+    return list(retriever.invoke(question, config=config))[:k_seed]
+
+
+async def aretrieve(
+    retriever: BaseRetriever, question: str, k_seed: int, config: RunnableConfig | None = None
+) -> list[Document]:
+    """:func:`retrieve` through ``retriever.ainvoke``."""
+    _check_question(question)
+    return list(await retriever.ainvoke(question, config=config))[:k_seed]
+
+
+def _check_question(question: Any) -> None:
     if not isinstance(question, str) or not question.strip():
         raise InputError("the question is empty")
     check_question_text(question)
-    return list(retriever.invoke(question, config=config))[:k_seed]
 
 
 def format_context(docs: Sequence[Document]) -> str:
@@ -256,7 +269,7 @@ def build_rag_chain(
     check_k(k_prompt, k_seed)
     retriever = as_retriever(retriever_or_index, k_seed)
 
-    def run(inputs: Any, config: RunnableConfig) -> dict:
+    def request(inputs: Any) -> tuple[str, dict]:
         if isinstance(inputs, dict):
             question = inputs.get("question", inputs.get("query"))
             extra = {k: v for k, v in inputs.items() if k in _CALL_OPTIONS}
@@ -264,33 +277,49 @@ def build_rag_chain(
             question, extra = inputs, {}
         if not isinstance(question, str) or not question.strip():
             raise InputError("the question is empty")
-        question = question.strip()  # as the prompt has it: spaces around it moved the dense ranking
-        t0 = time.perf_counter()
-        docs = retrieve(retriever, question, k_seed, config)
-        retrieval_seconds = time.perf_counter() - t0
-        shown, seeds = docs[:k_prompt], docs[k_prompt:]
-        text = make_prompt(question, shown, prompt)
+        return question.strip(), extra  # stripped as the prompt has it: spaces moved the dense ranking
+
+    def prompt_call(docs: list[Document], question: str, extra: dict) -> tuple[list, dict]:
+        """``generate``'s arguments: the prompt of the best ``k_prompt`` passages, the rest as references."""
         kwargs = bound | extra
         if _is_lookahead(llm):
-            kwargs["references"] = [[d.page_content for d in seeds]]
-        result = llm.generate(
-            [text],
-            callbacks=config.get("callbacks"),
-            tags=config.get("tags"),
-            metadata=config.get("metadata"),
-            **kwargs,
-        )
+            kwargs["references"] = [[d.page_content for d in docs[k_prompt:]]]
+        return [make_prompt(question, docs[:k_prompt], prompt)], kwargs
+
+    def traced(config: RunnableConfig) -> dict:
+        return {"callbacks": config.get("callbacks"), "tags": config.get("tags"), "metadata": config.get("metadata")}
+
+    def answer(result, docs: list[Document], retrieval_seconds: float) -> dict:
         generation = result.generations[0][0]
         stats = dict(generation.generation_info or {})
         stats["retrieval_seconds"] = round(retrieval_seconds, 4)
-        stats["seed_passages"] = len(seeds)
+        stats["seed_passages"] = len(docs[k_prompt:])
         return {
             "answer": generation.text.strip(),
             "sources": [source_info(d, i < k_prompt) for i, d in enumerate(docs)],
             "stats": stats,
         }
 
-    return RunnableLambda(run, name="rag_lookahead_chain")
+    def run(inputs: Any, config: RunnableConfig) -> dict:
+        question, extra = request(inputs)
+        t0 = time.perf_counter()
+        docs = retrieve(retriever, question, k_seed, config)
+        retrieval_seconds = time.perf_counter() - t0
+        prompts, kwargs = prompt_call(docs, question, extra)
+        return answer(llm.generate(prompts, **traced(config), **kwargs), docs, retrieval_seconds)
+
+    async def arun(inputs: Any, config: RunnableConfig) -> dict:
+        """``run`` for ``ainvoke``/``abatch``/``astream``: through ``agenerate``, so a cancelled caller
+        ends the decode at its next block (``run`` in a worker thread decoded on to the token limit)."""
+        question, extra = request(inputs)
+        t0 = time.perf_counter()
+        docs = await aretrieve(retriever, question, k_seed, config)
+        retrieval_seconds = time.perf_counter() - t0
+        prompts, kwargs = prompt_call(docs, question, extra)
+        return answer(await llm.agenerate(prompts, **traced(config), **kwargs), docs, retrieval_seconds)
+
+    has_async = callable(getattr(type(llm), "agenerate", None))
+    return RunnableLambda(run, afunc=arun if has_async else None, name="rag_lookahead_chain")
 
 
 def _question_of(inputs: Any) -> str:

@@ -1,0 +1,176 @@
+"""LookaheadLLM and ChatLookahead calls on a tiny random-weight model: token callbacks that call a
+model on the same engine, cancelling build_rag_chain's async calls, and the chunks a stream
+reports to the callbacks. Measured bugs, each test failing on the code before its fix (the first
+two by hanging, so they run the call in a thread and give up on it after a while)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from hang_guard import finished
+from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from tiny_tokenizer import tiny_tokenizer
+
+from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.errors import ConfigError
+from rag_lookahead.langchain.chat_model import ChatLookahead
+from rag_lookahead.langchain.llm import LookaheadLLM
+from rag_lookahead.rag.chains import build_rag_chain
+from rag_lookahead.tiny import build_tiny_model
+
+NESTED = "a model cannot be called from its own token callback"
+
+
+class CallOnce(BaseCallbackHandler):
+    """At the first token, ``ask()``: what it returned or raised is kept in ``answer``."""
+
+    def __init__(self, ask) -> None:
+        self.ask, self.answer = ask, None
+
+    def on_llm_new_token(self, token: str, **kwargs) -> None:
+        if self.answer is None:
+            try:
+                self.answer = self.ask()
+            except Exception as err:
+                self.answer = err
+
+
+class ACallOnce(AsyncCallbackHandler):
+    """:class:`CallOnce` for an async ``ask()``."""
+
+    def __init__(self, ask) -> None:
+        self.ask, self.answer = ask, None
+
+    async def on_llm_new_token(self, token: str, **kwargs) -> None:
+        if self.answer is None:
+            try:
+                self.answer = await self.ask()
+            except Exception as err:
+                self.answer = err
+
+
+def _models():
+    model, tok = build_tiny_model("qwen2", seed=0), tiny_tokenizer()  # one each: a hang holds its engine
+    return (
+        LookaheadLLM(model=model, tokenizer=tok, max_new_tokens=10),
+        ChatLookahead(model=model, tokenizer=tok, max_tokens=10),
+        ChatLookahead(model=model, tokenizer=tok, max_tokens=3),  # another chat model: the same engine
+    )
+
+
+CALLS = {
+    "llm.invoke -> llm.invoke": lambda llm, chat, judge, h: llm.invoke("t9 t11", config={"callbacks": [h]}),
+    "llm.ainvoke -> llm.invoke": lambda llm, chat, judge, h: asyncio.run(
+        llm.ainvoke("t9 t11", config={"callbacks": [h]})
+    ),
+    "chat.invoke -> judge.invoke": lambda llm, chat, judge, h: chat.invoke("t9 t10", config={"callbacks": [h]}),
+    "chat.ainvoke -> judge.invoke": lambda llm, chat, judge, h: asyncio.run(
+        chat.ainvoke("t9 t10", config={"callbacks": [h]})
+    ),
+    "chat.invoke -> judge.stream": lambda llm, chat, judge, h: chat.invoke("t9 t10", config={"callbacks": [h]}),
+    "chat.ainvoke -> await judge.ainvoke": lambda llm, chat, judge, h: asyncio.run(
+        chat.ainvoke("t9 t10", config={"callbacks": [h]})
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CALLS))
+def test_a_token_callback_calling_its_own_engine_is_refused_not_hung(case):
+    """``invoke``/``ainvoke`` with a token callback that calls a model on the same engine (itself, or
+    another chat model on the same loaded model) hung for good: the engine's lock was held while the
+    callback ran. The inner call is refused at once; the outer answer is the one without callback."""
+    llm, chat, judge = _models()
+    outer = llm if case.startswith("llm") else chat
+    expected = outer.invoke("t9 t11" if outer is llm else "t9 t10")
+    alone = judge.invoke("t5 t6").content
+    if case.endswith("judge.stream"):
+        handler = CallOnce(lambda: "".join(c.content for c in judge.stream("t5 t6")))
+    elif case.endswith("judge.ainvoke"):
+        handler = ACallOnce(lambda: judge.ainvoke("t5 t6"))
+    else:
+        handler = CallOnce(lambda: (llm if outer is llm else judge).invoke("t5 t6"))
+    (answer,) = finished(lambda: CALLS[case](llm, chat, judge, handler))
+    assert not isinstance(answer, BaseException), answer
+    assert getattr(answer, "content", answer) == getattr(expected, "content", expected)
+    assert isinstance(handler.answer, ConfigError) and NESTED in str(handler.answer)
+    assert finished(lambda: judge.invoke("t5 t6").content) == [alone]  # the engine is free again
+
+
+def test_under_stream_a_token_callback_may_call_its_own_engine():
+    """``stream`` sends the chunks to the callbacks in the caller's thread, after the engine took
+    them: the inner call waits for the decode and answers as it would alone."""
+    llm, chat, judge = _models()
+    alone, whole = judge.invoke("t5 t6").content, chat.invoke("t9 t10").content
+    handler = CallOnce(lambda: judge.invoke("t5 t6").content)
+    (chunks,) = finished(lambda: list(chat.stream("t9 t10", config={"callbacks": [handler]})))
+    assert "".join(c.content for c in chunks) == whole and handler.answer == alone
+
+
+class Fixed(BaseRetriever):
+    k: int = 4
+
+    def _get_relevant_documents(self, query, *, run_manager):
+        return [Document(page_content=f"t{i} t{i + 1} t{i + 2}", metadata={"source": f"d{i}"}) for i in range(5, 9)]
+
+
+@pytest.mark.parametrize("how", ["ainvoke", "abatch"])
+def test_cancelling_build_rag_chain_async_calls_ends_the_decode(how):
+    """``build_rag_chain(...).ainvoke``/``abatch`` ran the sync chain in a worker thread, where a
+    cancelled caller never reached the decode: it ran on to its token limit holding the engine, and
+    the next call waited for it (20 s here). Now the next call starts at once."""
+    model = build_tiny_model("qwen2", seed=0, max_positions=4096)
+    forward = model.forward
+
+    def slow_forward(*args, **kwargs):  # 10 ms a step: 2,000 tokens take 20 s
+        time.sleep(0.01)
+        return forward(*args, **kwargs)
+
+    model.forward = slow_forward
+    off = LookaheadConfig(enabled=False)  # one token a step
+    llm = LookaheadLLM(model=model, tokenizer=tiny_tokenizer(), max_new_tokens=2000, lookahead=off)
+    chain = build_rag_chain(llm, Fixed(), k_prompt=2, k_seed=4)
+    short = {"question": "t9 t10", "max_new_tokens": 4}
+    a_answer, answer = asyncio.run(chain.ainvoke(short)), chain.invoke(short)
+    assert (a_answer["answer"], a_answer["sources"]) == (answer["answer"], answer["sources"])
+    assert a_answer["stats"]["new_tokens"] == 4 and a_answer["stats"]["seed_passages"] == 2
+
+    async def cancel_then_call() -> str:
+        call = chain.ainvoke({"question": "t9 t10"}) if how == "ainvoke" else chain.abatch([{"question": "t9 t10"}])
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(call, 0.5)
+        return await asyncio.wait_for(llm.ainvoke("t5 t6", max_new_tokens=3), 10)
+
+    (answer,) = finished(lambda: asyncio.run(cancel_then_call()))
+    assert answer == llm.invoke("t5 t6", max_new_tokens=3)
+
+
+class Tokens(BaseCallbackHandler):
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def on_llm_new_token(self, token: str, **kwargs) -> None:
+        self.tokens.append(token)
+
+
+def test_every_streamed_chunk_goes_to_the_token_callbacks():
+    """LookaheadLLM's stream ends with a chunk carrying the stats, often with empty text, which the
+    callbacks never saw (chunks = callbacks + 1); ChatLookahead's reach them all, the last included."""
+    llm, chat, _ = _models()
+
+    async def astreamed(model, handler) -> list:
+        return [c async for c in model.astream("t5 t6 t7", config={"callbacks": [handler]})]
+
+    for model in (llm, chat):
+        for asynchronous in (False, True):
+            handler = Tokens()
+            if asynchronous:
+                chunks = asyncio.run(astreamed(model, handler))
+            else:
+                chunks = list(model.stream("t5 t6 t7", config={"callbacks": [handler]}))
+            texts = [getattr(c, "content", c) for c in chunks]
+            assert texts[-1] == "" and handler.tokens == texts, (type(model).__name__, asynchronous)
