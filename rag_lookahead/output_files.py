@@ -9,11 +9,14 @@ symlink to elsewhere) is refused in one line before any model loads, not overwri
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import re
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import EllipsisType
@@ -22,7 +25,18 @@ from typing import Any
 from rag_lookahead.atomic import write_bytes_atomic, write_json_atomic
 from rag_lookahead.errors import ConfigError
 
-__all__ = ["REPORT_MARK", "check_output_file", "is_chart", "is_report", "output_target", "save_chart", "save_report"]
+__all__ = [
+    "REPORT_MARK",
+    "PathTaken",
+    "check_output_file",
+    "is_chart",
+    "is_chart_of",
+    "is_report",
+    "output_target",
+    "replaceable",
+    "save_chart",
+    "save_report",
+]
 
 #: the key and value every benchmark report carries, so a rerun may replace it
 REPORT_MARK = ("written_by", "rag_lookahead.bench")
@@ -30,6 +44,15 @@ REPORT_MARK = ("written_by", "rag_lookahead.bench")
 CHART_SOFTWARE = "rag_lookahead.bench"
 #: an existing file above this size is never read to see whether it is ours (it is not)
 MOST_BYTES_READ = 64 * 1024 * 1024
+
+
+class PathTaken(ConfigError):
+    """An output's path holds a file this command did not write (``path``): callers that already
+    wrote something say so instead of "nothing was changed"."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 def check_output_file(
@@ -51,10 +74,11 @@ def check_output_file(
     for source in inputs:
         if source is not None and _same_file(target, Path(source)):
             raise ConfigError(f"{option} {str(path)!r} is this run's input {str(source)!r}; give another path")
-    if not _replaceable(target, ours):
-        raise ConfigError(
+    if not replaceable(target, ours):
+        raise PathTaken(
             f"{option} {str(path)!r} exists and this command did not write it; "
-            "remove it or give another path (nothing was changed)"
+            "remove it or give another path (nothing was changed)",
+            target,
         )
     return file_state(target)
 
@@ -114,57 +138,127 @@ def is_report(path: Path) -> bool:
     return isinstance(report, dict) and report.get(key) == value
 
 
-def save_report(path: str | Path, report: dict[str, Any]) -> Path:
+def save_report(path: str | Path, report: dict[str, Any], charts: Companions = lambda _: ()) -> Path:
     """Write ``report`` atomically, marked as ours (the mark is added to ``report`` too); returns
     where it went.
 
     The path was checked before the run, but a run lasts long enough for something else to take
-    it meanwhile (a user's file, a symlink): then the report goes beside it (:func:`output_target`)."""
+    it meanwhile (a user's file, a symlink): then the report goes beside it (:func:`output_target`).
+    ``charts``: the paths of the charts the run will draw beside a report at a given path."""
     key, value = REPORT_MARK
     report[key] = value
-    target = output_target(path, is_report)
+    target = output_target(path, is_report, charts=charts)
     write_json_atomic(target, report)
     return target
 
 
-def output_target(path: str | Path, ours: Callable[[Path], bool], seen: FileState | EllipsisType = ...) -> Path:
+#: the paths of the charts that go with an output at a given path
+Companions = Callable[[Path], Iterable[Path]]
+
+
+def output_target(
+    path: str | Path,
+    ours: Callable[[Path], bool],
+    seen: FileState | EllipsisType = ...,
+    charts: Companions = lambda _: (),
+) -> Path:
     """Where to write, at the end of a run, an output :func:`check_output_file` passed before it:
     ``path`` while it holds nothing or a file ``ours`` recognises, else a free name beside it
     (``run.json`` -> ``run.1.json``), said on stderr. Something that took the path during the run
     is left as it is, and the run's results are kept too. ``seen``: what the check found there;
     anything else there now was written during the run, another run's output of ours too (it was
-    replaced, unsaid, when two runs wrote the same answers file)."""
+    replaced, unsaid, when two runs wrote the same answers file). ``charts``: the output's charts
+    (see :func:`save_report`), which must be free or ours at the name taken, so that they follow
+    the report whole: a free name's charts were never checked before the run."""
     target = Path(path)
-    if _replaceable(target, ours) and (seen is ... or file_state(target) in (seen, None)):
+    taken = next((chart for chart in charts(target) if not replaceable(chart, is_chart)), None)
+    if not replaceable(target, ours) or (seen is not ... and file_state(target) not in (seen, None)):
+        taken = target
+    if taken is None:
         return target
-    free = _free_name(target)
-    print(f"{target} appeared or changed during the run, not by this command: writing {free} instead", file=sys.stderr)
+    free = _free_name(target, charts)
+    print(f"{taken} appeared or changed during the run, not by this command: writing {free} instead", file=sys.stderr)
     return free
 
 
-def _replaceable(path: Path, ours: Callable[[Path], bool]) -> bool:
+def replaceable(path: Path, ours: Callable[[Path], bool]) -> bool:
+    """Whether an output may go to ``path``: nothing is there, or a regular file ``ours`` recognises."""
     return not path.is_symlink() and (not path.exists() or (path.is_file() and ours(path)))
 
 
-def _free_name(path: Path) -> Path:
-    """``bench.json`` -> the first of ``bench.1.json``, ``bench.2.json``, ... that nothing holds."""
+def _free_name(path: Path, charts: Companions) -> Path:
+    """``bench.json`` -> the first of ``bench.1.json``, ``bench.2.json``, ... that nothing holds,
+    nor the paths of its ``charts``."""
     n = 1
     while True:
         candidate = path.with_name(f"{path.stem}.{n}{path.suffix}")
-        if not candidate.is_symlink() and not candidate.exists():
+        if all(not p.is_symlink() and not p.exists() for p in (candidate, *charts(candidate))):
             return candidate
         n += 1
 
 
 def is_chart(path: Path) -> bool:
     """Whether ``path`` is a PNG chart we drew (its ``Software`` text chunk names us)."""
-    data = _head(path)
+    return _marked_chart(_head(path))
+
+
+def _marked_chart(data: bytes | None) -> bool:
     return data is not None and data.startswith(b"\x89PNG") and b"Software\x00" + CHART_SOFTWARE.encode() in data
 
 
-def save_chart(figure, path: Path) -> Path:
-    """Draw a matplotlib ``figure`` as a PNG at ``path``, atomically, marked as ours."""
+def chart_owner(report_path: str | Path) -> str:
+    """The mark a chart carries of the report it was drawn for (a hash of the report's file name:
+    PNG text is Latin-1). Reports whose names differ after the last dot (``bench.h100``,
+    ``bench.a100``) share chart names, and a chart of ours is removed beside a report only when
+    it was drawn for that report."""
+    return hashlib.sha256(Path(report_path).name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def is_chart_of(path: Path, report_path: str | Path) -> bool:
+    """Whether ``path`` is a chart we drew for the report at ``report_path`` (one drawn before charts
+    named their report, with no ``Source`` text, counts as the report's beside it)."""
+    data = _head(path)  # read once
+    if not _marked_chart(data):
+        return False
+    return b"Source\x00" not in data or b"Source\x00" + chart_owner(report_path).encode() in data
+
+
+def save_chart(figure, path: Path, report_path: str | Path) -> Path:
+    """Draw a matplotlib ``figure`` as a PNG at ``path``, atomically, marked as ours and as drawn for
+    the report at ``report_path`` (:func:`chart_owner`). Characters
+    the font lacks (Chinese prompt ids in the default DejaVu Sans) are said in one line naming the
+    labels drawn with boxes: matplotlib warned twice per character, dozens of lines a chart."""
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110, metadata={"Software": CHART_SOFTWARE})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metadata = {"Software": CHART_SOFTWARE, "Source": chart_owner(report_path)}
+        figure.savefig(buffer, format="png", dpi=110, metadata=metadata)
+    missing: set[str] = set()
+    for warning in caught:
+        glyph = _MISSING_GLYPH.search(str(warning.message))
+        if glyph is not None:
+            missing.add(chr(int(glyph[1])))
+        else:  # any other warning goes on as it came
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    if missing:
+        _say_missing_glyphs(figure, path, missing)
     write_bytes_atomic(path, buffer.getvalue())
     return path
+
+
+_MISSING_GLYPH = re.compile(r"^Glyph (\d+) .*missing from (current )?font")  # 3.8 said "current font"
+#: labels named in the missing-glyph line, the rest counted
+_LABELS_NAMED = 5
+
+
+def _say_missing_glyphs(figure, path: Path, missing: set[str]) -> None:
+    from matplotlib.text import Text
+
+    texts = (text.get_text() for text in figure.findobj(Text))
+    labels = list(dict.fromkeys(text for text in texts if missing.intersection(text)))
+    named = ", ".join(repr(label) for label in labels[:_LABELS_NAMED])
+    more = f" and {len(labels) - _LABELS_NAMED} more" if len(labels) > _LABELS_NAMED else ""
+    print(
+        f"{path}: the chart's font has no glyphs for {len(missing)} characters; these labels show boxes: {named}{more}",
+        file=sys.stderr,
+    )

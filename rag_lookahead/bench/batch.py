@@ -12,6 +12,7 @@ to its last token) and whether every output equals the single-request greedy out
 from __future__ import annotations
 
 import functools
+import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -52,13 +53,13 @@ from rag_lookahead.bench.common import (
     print_rows,
     report_despite_stdout,
     run_command,
+    write_report,
 )
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.errors import ConfigError
-from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.batch"
 BASE_METHODS = ("hf_greedy", "plain", "lookahead")
@@ -151,9 +152,9 @@ def timed_run(work: Workload, method: str, level: int, repeat: int) -> tuple[dic
         "p50_latency_s": round(statistics.median(lat), 3),
         "p95_latency_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
         "identical_to_single": None,  # filled in once the single-request outputs exist
-        "mean_accepted": round(accepted, 3) if accepted else "-",
+        "mean_accepted": None if accepted is None else round(accepted, 3),  # None: transformers' (no drafts)
     }
-    print(row, flush=True)
+    print(json.dumps(row, ensure_ascii=False), flush=True)  # a JSON line, as bench prints its rows
     return row, produced
 
 
@@ -161,7 +162,7 @@ def measure(work: Workload, methods: list[str], levels: list[int], repeats: int)
     """One row per (pass, level, method); and the single-request greedy outputs (transformers',
     ``hf_greedy`` at concurrency 1, first pass) that every row is compared with once all have run.
     Without that run they are decoded after the timed ones, untimed, so every figure is checked;
-    the row that is the reference shows "-", never itself as identical."""
+    the row that is the reference holds None (the table's "-"), never itself as identical."""
     results, outputs = [], []
     for turn, (repeat, level) in enumerate((r, c) for r in range(repeats) for c in levels):
         # no method always first or last after a level change; rows listed in the order asked
@@ -178,7 +179,7 @@ def measure(work: Workload, methods: list[str], levels: list[int], repeats: int)
         single = dict(enumerate(outputs[reference]))
     for n, (row, produced) in enumerate(zip(results, outputs)):
         same = sum(o == single[i] for i, o in enumerate(produced))
-        row["identical_to_single"] = "-" if n == reference else f"{same}/{len(produced)}"
+        row["identical_to_single"] = None if n == reference else f"{same}/{len(produced)}"
     return results, single
 
 
@@ -282,10 +283,7 @@ def batch(
         }
         print_report(report)
         if json_path:
-            written = save_report(json_path, report)
-            if plot:
-                for path in plots.plot_batch(report, written):
-                    print(f"wrote {path}")
+            write_report(json_path, report, plots.plot_batch if plot else None, plots.BATCH_CHARTS)
     return report
 
 

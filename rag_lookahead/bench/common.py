@@ -32,9 +32,9 @@ from rag_lookahead.decoding.inputs import context_limit, limit_words
 from rag_lookahead.decoding.loop import left_pad
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.verify import input_device
-from rag_lookahead.errors import InputError, RagLookaheadError, first_line
+from rag_lookahead.errors import ConfigError, InputError, RagLookaheadError, first_line
 from rag_lookahead.interrupts import program_imported
-from rag_lookahead.output_files import check_output_file, is_chart, is_report
+from rag_lookahead.output_files import PathTaken, check_output_file, is_chart, is_report, save_report
 from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.tokens import encode_messages, eos_ids, pad_id
 
@@ -74,6 +74,7 @@ __all__ = [
     "run_record",
     "same_answer",
     "run_command",
+    "write_report",
 ]
 
 # ---------------------------------------------------------------- options several benchmarks take
@@ -575,6 +576,35 @@ def hf_batched(
 
 
 # ---------------------------------------------------------------- output
+
+
+def write_report(
+    json_path: str | Path,
+    report: dict[str, Any],
+    draw: Callable[[dict, Path], list[Path]] | None = None,
+    charts: Sequence[str] = (),
+) -> Path:
+    """Save ``report`` (see ``save_report``), draw its charts with ``draw`` (``--plot``; ``charts``:
+    the names it may draw) and say where each went, then remove the charts of ours beside it that
+    this run did not draw: a rerun without ``--plot``, or another benchmark's report at the same
+    path, left the earlier charts beside a report they did not describe. Returns where the report
+    went: a report that moves to a free name takes one whose chart paths are free too (they were
+    checked before the run for the path asked only)."""
+    names = charts if draw is not None else ()
+    written = save_report(json_path, report, charts=lambda path: [plots.chart_path(path, n) for n in names])
+    drawn: list[Path] = []
+    try:
+        drawn = draw(report, written) if draw is not None else []
+    except PathTaken as e:  # something took a chart's path since save_report looked
+        raise ConfigError(
+            f"{e.path} appeared during the run and this command did not write it: it was left as it is and no "
+            f"chart was drawn; the report is saved as {written}"
+        ) from None
+    finally:
+        plots.remove_undrawn(written, drawn)
+    for path in drawn:
+        print(f"wrote {path}")
+    return written
 
 
 def table_columns(rows: Iterable[dict]) -> list:

@@ -37,6 +37,7 @@ from rag_lookahead.bench.common import (
     load_bench_model,
     load_prompts,
     run_command,
+    write_report,
 )
 from rag_lookahead.bench.gpu_sections import (
     TINY_PAD,
@@ -55,7 +56,6 @@ from rag_lookahead.decoding.costs import model_devices
 from rag_lookahead.decoding.verify import supports_tree_mask
 from rag_lookahead.errors import ConfigError, first_line
 from rag_lookahead.models import resolve_dtype
-from rag_lookahead.output_files import save_report
 from rag_lookahead.tiny import build_tiny_model
 
 PROG = "python -m rag_lookahead.bench.gpu_check"
@@ -332,7 +332,7 @@ def gpu_check(
     report = run_check(CheckSettings(device, device_map, dtype, attn, model, small, tiny_only))
     print_table(report)
     if json_path:
-        save_report(json_path, report)
+        write_report(json_path, report)
     raise typer.Exit(0 if report["ok"] else 1)
 
 

@@ -42,12 +42,12 @@ from rag_lookahead.bench.common import (
     load_prompts,
     print_rows,
     run_command,
+    write_report,
 )
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.inputs import context_limit, limit_words
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
 from rag_lookahead.errors import InputError
-from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.interference"
 DEFAULT_CHUNK = 512  # the server's default --prefill-chunk
@@ -293,7 +293,7 @@ def interference(
     )
     print(f"p95 inter-token latency {off} ms -> {on} ms ({report['p95_itl_reduction']}x); texts identical: {same}")
     if json_path:
-        save_report(json_path, report)
+        write_report(json_path, report)
     return report
 
 

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from rag_lookahead.bench.methods import baselines
-from rag_lookahead.output_files import check_output_file, is_chart, save_chart
+from rag_lookahead.output_files import check_output_file, is_chart, is_chart_of, save_chart
 
-__all__ = ["BATCH_CHARTS", "SINGLE_CHARTS", "chart_path", "plot_batch", "plot_single"]
+__all__ = ["ALL_CHARTS", "BATCH_CHARTS", "SINGLE_CHARTS", "chart_path", "plot_batch", "plot_single", "remove_undrawn"]
 
 #: the charts each benchmark may draw, by name (``bench.<name>.png``)
 SINGLE_CHARTS = ("decode_speed", "accepted_per_step", "speedup_vs_copied")
 BATCH_CHARTS = ("concurrency",)
+ALL_CHARTS = SINGLE_CHARTS + BATCH_CHARTS
 
 
 def chart_path(json_path: str | Path, name: str) -> Path:
@@ -32,19 +33,23 @@ def chart_path(json_path: str | Path, name: str) -> Path:
     return path.with_name(f"{path.stem}.{name}.png")
 
 
-def _figure(panels: int = 1):
+#: the decode-speed chart widens with its prompts up to this many inches, and labels at most this many
+WIDEST, MOST_LABELS = 19.2, 40
+
+
+def _figure(panels: int = 1, width: float = 6.4):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(6.4 * panels, 4.2), layout="constrained")
+    figure = Figure(figsize=(width * panels, 4.2), layout="constrained")
     FigureCanvasAgg(figure)
     return figure, [figure.add_subplot(1, panels, i + 1) for i in range(panels)]
 
 
-def _save(figure, path: Path) -> Path:
+def _save(figure, path: Path, json_path: str | Path) -> Path:
     """Atomically, and never over a file we did not draw (a user's file, a symlink): ConfigError."""
     check_output_file(path, "chart", ours=is_chart)
-    return save_chart(figure, path)
+    return save_chart(figure, path, json_path)
 
 
 def _method_names(rows: Iterable[dict]) -> list[str]:
@@ -66,28 +71,34 @@ def plot_single(report: dict[str, Any], json_path: str | Path) -> list[Path]:
     """
     rows = report["per_prompt"]
     methods = _method_names(rows)
-    written = [_decode_speed_chart(report, rows, methods, chart_path(json_path, "decode_speed"))]
     histograms = _accepted_histograms(rows, methods)
-    if histograms:
-        written.append(_accepted_chart(histograms, chart_path(json_path, "accepted_per_step")))
     points = _speedup_points(rows, methods)
+    drawn = [name for name, wanted in zip(SINGLE_CHARTS, (True, histograms, points), strict=True) if wanted]
+    for name in drawn:  # all before the first is drawn: a refusal leaves every chart as it was
+        check_output_file(chart_path(json_path, name), "chart", ours=is_chart)
+    written = [_decode_speed_chart(report, rows, methods, json_path)]
+    if histograms:
+        written.append(_accepted_chart(histograms, json_path))
     if points:
-        written.append(_speedup_chart(report, points, chart_path(json_path, "speedup_vs_copied")))
-    _remove_undrawn(json_path, ("decode_speed", "accepted_per_step", "speedup_vs_copied"), written)
+        written.append(_speedup_chart(report, points, json_path))
+    remove_undrawn(json_path, written)
     return written
 
 
-def _remove_undrawn(json_path: str | Path, names: Iterable[str], written: list[Path]) -> None:
-    """Remove charts of ours an earlier run left beside this report that this run did not draw (a
-    rerun without greedy kept the old speedup chart next to a report it no longer described).
-    Only a regular file carrying our chart mark goes."""
-    for name in names:
+def remove_undrawn(json_path: str | Path, drawn: Iterable[Path] = ()) -> None:
+    """Remove the charts of ours (any benchmark's) an earlier run left beside this report that this
+    run did not draw: a rerun without greedy kept the old speedup chart, a rerun without --plot or
+    another benchmark's report at the path kept all of them, next to a report they no longer
+    described. Only a regular file carrying our chart mark for this very report goes: ``bench.h100``
+    and ``bench.a100`` share chart names, and a run to one removed the other's."""
+    drawn = set(drawn)
+    for name in ALL_CHARTS:
         path = chart_path(json_path, name)
-        if path not in written and not path.is_symlink() and path.is_file() and is_chart(path):
+        if path not in drawn and not path.is_symlink() and path.is_file() and is_chart_of(path, json_path):
             path.unlink()
 
 
-def _decode_speed_chart(report: dict, rows: list[dict], methods: list[str], path: Path) -> Path:
+def _decode_speed_chart(report: dict, rows: list[dict], methods: list[str], json_path: str | Path) -> Path:
     """Grouped bars: decode tokens/s per prompt (mean over the repeats), one bar per method."""
     prompts = list(dict.fromkeys(str(r["id"]) for r in rows))
     speeds: dict[tuple[str, str], list[float]] = defaultdict(list)
@@ -96,16 +107,18 @@ def _decode_speed_chart(report: dict, rows: list[dict], methods: list[str], path
             value = (row.get(m) or {}).get("decode_tokens_per_second")
             if value is not None:
                 speeds[str(row["id"]), m].append(value)
-    figure, (axes,) = _figure()
+    # 60 prompts' bars and labels ran together at the usual width: wider, and every k-th label
+    figure, (axes,) = _figure(width=min(6.4 + 0.2 * max(len(prompts) - 10, 0), WIDEST))
     width = 0.8 / max(len(methods), 1)
     for k, m in enumerate(methods):
         heights = [statistics.mean(speeds[p, m]) if speeds[p, m] else 0.0 for p in prompts]
         axes.bar([i + (k - (len(methods) - 1) / 2) * width for i in range(len(prompts))], heights, width, label=m)
-    axes.set_xticks(range(len(prompts)), prompts, rotation=30, ha="right")
+    step = -(-len(prompts) // MOST_LABELS)
+    axes.set_xticks(range(0, len(prompts), step), prompts[::step], rotation=30 if step == 1 else 60, ha="right")
     axes.set_ylabel("decode tokens/s")
     axes.set_title(f"{report.get('model', '')} {report.get('dtype', '')}, batch 1: decode speed per prompt")
     axes.legend(fontsize="small")
-    return _save(figure, path)
+    return _save(figure, chart_path(json_path, "decode_speed"), json_path)
 
 
 def _accepted_histograms(rows: list[dict], methods: list[str]) -> dict[str, dict[int, int]]:
@@ -120,7 +133,7 @@ def _accepted_histograms(rows: list[dict], methods: list[str]) -> dict[str, dict
     return summed
 
 
-def _accepted_chart(histograms: dict[str, dict[int, int]], path: Path) -> Path:
+def _accepted_chart(histograms: dict[str, dict[int, int]], json_path: str | Path) -> Path:
     """Share of decode steps that gained k tokens, one bar group per k."""
     figure, (axes,) = _figure()
     top = max(max(h) for h in histograms.values())
@@ -133,7 +146,7 @@ def _accepted_chart(histograms: dict[str, dict[int, int]], path: Path) -> Path:
     axes.set_ylabel("share of steps")
     axes.set_title("accepted tokens per step")
     axes.legend(fontsize="small")
-    return _save(figure, path)
+    return _save(figure, chart_path(json_path, "accepted_per_step"), json_path)
 
 
 def _speedup_points(rows: list[dict], methods: list[str]) -> dict[str, list[tuple[float, float]]]:
@@ -153,7 +166,7 @@ def _speedup_points(rows: list[dict], methods: list[str]) -> dict[str, list[tupl
     return dict(points)
 
 
-def _speedup_chart(report: dict, points: dict[str, list[tuple[float, float]]], path: Path) -> Path:
+def _speedup_chart(report: dict, points: dict[str, list[tuple[float, float]]], json_path: str | Path) -> Path:
     figure, (axes,) = _figure()
     for m, xy in points.items():
         axes.scatter([x for x, _ in xy], [y for _, y in xy], label=m, alpha=0.8)
@@ -162,7 +175,7 @@ def _speedup_chart(report: dict, points: dict[str, list[tuple[float, float]]], p
     axes.set_ylabel("decode speedup over greedy (sampling: over sampling)")
     axes.set_title(f"speedup against copying ({report.get('seed_mode', 'prompt')} context)")
     axes.legend(fontsize="small")
-    return _save(figure, path)
+    return _save(figure, chart_path(json_path, "speedup_vs_copied"), json_path)
 
 
 # ---------------------------------------------------------------- the throughput benchmark
@@ -196,7 +209,9 @@ def plot_batch(report: dict[str, Any], json_path: str | Path) -> list[Path]:
     throughput.set_title(f"{report.get('model', '')} {report.get('dtype', '')}: throughput")
     latency.set_ylabel("latency, s (request start to last token)")
     latency.set_title("p50 / p95 latency")
-    return [_save(figure, chart_path(json_path, "concurrency"))]
+    written = [_save(figure, chart_path(json_path, "concurrency"), json_path)]
+    remove_undrawn(json_path, written)
+    return written
 
 
 if __name__ == "__main__":  # it printed nothing and exited 0, as if it had drawn something

@@ -39,6 +39,7 @@ from rag_lookahead.bench.common import (
     DeviceOption,
     DtypeOption,
     JsonOption,
+    accepted,
     check_output_path,
     check_positive,
     dtype_label,
@@ -46,10 +47,10 @@ from rag_lookahead.bench.common import (
     load_bench_model,
     passage_counts,
     run_command,
+    write_report,
 )
 from rag_lookahead.bench.rag import open_index
 from rag_lookahead.errors import ConfigError
-from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.quality"
 
@@ -132,6 +133,7 @@ def ask_all(model, tokenizer, index, name: str, max_new_tokens: int, k_prompt: i
                 # the first token comes from the prefill forward, as in the other benchmarks
                 "decode tok/s": round((tokens - 1) / seconds, 2) if seconds and tokens > 1 else 0.0,
                 "mean accepted": round(stats.get("mean_accepted", 0.0), 2),
+                "decode forwards": stats.get("forward_passes", 0),  # for the pooled figure (summarize)
                 "answer": result["answer"],
             }
         )
@@ -140,7 +142,9 @@ def ask_all(model, tokenizer, index, name: str, max_new_tokens: int, k_prompt: i
 
 
 def summarize(rows: list[dict]) -> dict:
-    """One model's totals: grounded count, decode tok/s over all its answers, mean of mean accepted."""
+    """One model's totals: grounded count, decode tok/s and mean accepted over all its answers
+    (pooled, as bench and bench.rag count it: the mean of each answer's own ratio counted a 1-token
+    answer, which no decode forward made, as 0)."""
     tokens = sum(r["new tokens"] - 1 for r in rows if r["decode tok/s"])
     seconds = sum((r["new tokens"] - 1) / r["decode tok/s"] for r in rows if r["decode tok/s"])
     return {
@@ -149,7 +153,9 @@ def summarize(rows: list[dict]) -> dict:
         "mean new tokens": round(statistics.mean(r["new tokens"] for r in rows), 1),
         "gold retrieved": f"{sum(r['gold retrieved'] for r in rows)}/{len(rows)}",
         "decode tok/s": round(tokens / seconds, 2) if seconds else 0.0,
-        "mean accepted": round(statistics.mean(r["mean accepted"] for r in rows), 2),
+        "mean accepted": round(
+            accepted([{"new_tokens": r["new tokens"], "steps": r["decode forwards"]} for r in rows]), 2
+        ),
     }
 
 
@@ -240,9 +246,11 @@ def quality(
             gc.collect()
     table = markdown(rows, summaries)
     print(table)
+    ran = {name: s["dtype"] for name, s in summaries.items()}
     report = {
         "models": names,
-        "dtype": dtype,
+        # what ran, not the option: one label, or each model's where they differ
+        "dtype": ran[names[0]] if len(set(ran.values())) == 1 else ", ".join(f"{n}: {d}" for n, d in ran.items()),
         "max_new_tokens": max_new_tokens,
         "k_prompt": k_prompt,
         "k_seed": k_seed,
@@ -251,7 +259,7 @@ def quality(
         "markdown": table,
     }
     if json_path:
-        save_report(json_path, report)
+        write_report(json_path, report)
     return report
 
 

@@ -41,8 +41,8 @@ from rag_lookahead.bench.common import (
     run_command,
     run_record,
     same_answer,
+    write_report,
 )
-from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.rag"
 QUESTIONS = [
@@ -163,7 +163,7 @@ def rag(
         "questions": rows,
     }
     if json_path:
-        save_report(json_path, report)
+        write_report(json_path, report)
     return report
 
 

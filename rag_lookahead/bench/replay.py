@@ -39,6 +39,7 @@ from rag_lookahead.bench.common import (
     prompts_then_model,
     report_despite_stdout,
     run_command,
+    write_report,
 )
 from rag_lookahead.decoding.acceptance import AcceptanceRates
 from rag_lookahead.decoding.config import LookaheadConfig
@@ -48,7 +49,6 @@ from rag_lookahead.decoding.drafter import Drafter, PromptLookupDrafter, TrieDra
 from rag_lookahead.decoding.rows import Row
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import InputError
-from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.replay"
 #: what each replayed drafter is: prompt lookup verifies its whole chain, as transformers does;
@@ -223,7 +223,7 @@ def replay_bench(
             "drafters": rows,
         }
         if json_path:
-            save_report(json_path, report)
+            write_report(json_path, report)
     return report
 
 

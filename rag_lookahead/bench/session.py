@@ -46,9 +46,9 @@ from rag_lookahead.bench.common import (
     run_command,
     run_record,
     same_answer,
+    write_report,
 )
 from rag_lookahead.errors import InputError
-from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.session"
 
@@ -224,7 +224,7 @@ def session(
         "questions": records,
     }
     if json_path:
-        save_report(json_path, report)
+        write_report(json_path, report)
     return report
 
 

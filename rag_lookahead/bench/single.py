@@ -54,6 +54,7 @@ from rag_lookahead.bench.common import (
     print_rows,
     report_despite_stdout,
     run_command,
+    write_report,
 )
 from rag_lookahead.bench.methods import (
     METHODS,
@@ -73,7 +74,6 @@ from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.sampling import SamplingParams
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.greedy_head import full_output_layer
-from rag_lookahead.output_files import save_report
 
 PROG = "rag_lookahead bench"
 
@@ -357,10 +357,7 @@ def run_bench(s: BenchSettings) -> dict:
     report = build_report(s, model, config, prompts, measured)
     print_summary(report)
     if s.json_path:
-        written = save_report(s.json_path, report)
-        if s.plot:
-            for path in plots.plot_single(report, written):
-                print(f"wrote {path}")
+        write_report(s.json_path, report, plots.plot_single if s.plot else None, plots.SINGLE_CHARTS)
     return report
 
 

@@ -38,8 +38,8 @@ from rag_lookahead.bench.common import (
     prompts_then_model,
     report_despite_stdout,
     run_command,
+    write_report,
 )
-from rag_lookahead.output_files import save_report
 
 PROG = "python -m rag_lookahead.bench.step_profile"
 #: the regions, in step order: (name, what it is)
@@ -219,7 +219,7 @@ def step_profile(
         }
         report |= {"regions": regions, "forward_sizes": sizes}
         if json_path:
-            save_report(json_path, report)
+            write_report(json_path, report)
     return report
 
 

@@ -271,7 +271,7 @@ def test_batch_rows_are_compared_with_transformers_greedy_alone_or_not_at_all():
     rows, single = measure(work, ["lookahead"], [2], 1)
     assert rows[0]["identical_to_single"] == "2/2" and len(single) == 2
     rows, single = measure(work, ["lookahead", "hf_greedy"], [1], 1)  # the reference runs after lookahead
-    assert [r["identical_to_single"] for r in rows] == ["2/2", "-"]  # the reference is not "identical" to itself
+    assert [r["identical_to_single"] for r in rows] == ["2/2", None]  # the reference is not "identical" to itself
     assert len(single) == 2 and all(len(out) == 6 for out in single.values())
 
 
@@ -569,9 +569,10 @@ def test_transformers_batched_greedy_is_plain_greedy_whatever_the_generation_con
     assert hf_batched(model, requests, 12, [], 0) == ours
 
 
-def test_retrieval_table_splits_each_embedders_hybrid_under_its_own_name():
+def test_retrieval_table_splits_each_embedders_hybrid_under_its_own_name(capsys):
     """The specific/generic rows had one key for every embedder: the last embedder's split was
-    printed under the first one's rows, and the others had none."""
+    printed under the first one's rows, and the others had none. Their keys began with the printed
+    table's indentation, which --json carried too."""
     from rag_lookahead.bench.retrieval import (
         CANDIDATES,
         Ranked,
@@ -579,6 +580,7 @@ def test_retrieval_table_splits_each_embedders_hybrid_under_its_own_name():
         chunk_dataset,
         load_dataset,
         method_table,
+        print_results,
     )
     from rag_lookahead.rag.lexical import BM25Index
 
@@ -589,11 +591,18 @@ def test_retrieval_table_splits_each_embedders_hybrid_under_its_own_name():
     dense = {"good": bm25, "poor": [list(reversed(r)) for r in bm25]}
     rows = method_table(Ranked(ds, bm25, dense, {"good": 0.0, "poor": 0.0}))
     for name in dense:
-        split = [rows[f"  hybrid {name} (default), {kind} questions"] for kind in ("specific", "generic")]
+        split = [rows[f"hybrid {name} (default), {kind} questions"] for kind in ("specific", "generic")]
         whole = rows[next(key for key in rows if key.startswith(f"hybrid {name} (default"))]
         assert sum(part["n"] for part in split) == whole["n"]
         pooled = sum((part["r@5"] or 0.0) * part["n"] for part in split) / whole["n"]
         assert abs(pooled - whole["r@5"]) < 1e-9, (name, split, whole)  # the split is of this embedder's hybrid
+    assert all(key == key.strip() for key in rows)  # --json keys carry no table indentation
+    print_results(
+        {"datasets": {"d": {"passages": 1, "chunks": 1, "questions": 1, "generic_questions": 0, "methods": rows}}}
+    )
+    printed = capsys.readouterr().out.splitlines()
+    assert "    hybrid poor (default), generic questions" in printed[-1]  # indented under its hybrid row
+    assert printed[-3].startswith("  hybrid poor (previous: ")  # the rows it does not split are not
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

@@ -57,7 +57,7 @@ def batch_report() -> dict:
             "p50_latency_s": 2.0 + level / base,
             "p95_latency_s": 3.0 + level / base,
             "identical_to_single": "4/4",
-            "mean_accepted": "-" if method == "hf_greedy" else 1.8,
+            "mean_accepted": None if method == "hf_greedy" else 1.8,
         }
         for p in range(2)
         for level in (1, 4, 16)
@@ -158,3 +158,73 @@ def test_a_rerun_removes_the_charts_of_ours_it_did_not_draw(tmp_path):
     chart_path(json_path, "speedup_vs_copied").write_bytes(PNG_SIGNATURE + b"not drawn by us")
     plot_single(report, json_path)
     assert chart_path(json_path, "speedup_vs_copied").read_bytes() == PNG_SIGNATURE + b"not drawn by us"
+
+
+def test_labels_the_font_cannot_draw_are_said_in_one_line(tmp_path, capsys):
+    """Chinese prompt ids (a user's --prompts) flooded stderr with two matplotlib warnings per
+    character: 88 lines for 8 ids of 6 characters."""
+    import warnings
+
+    from matplotlib.font_manager import FontProperties, findfont
+    from matplotlib.ft2font import FT2Font
+
+    if FT2Font(findfont(FontProperties())).get_char_index(ord("合")):
+        pytest.skip("the default font here has Chinese glyphs")
+    report = single_report()
+    ids = {"zh-law": "合同第十二条", "en-wiki": "en-wiki", "zh-medical": "医疗保险报销"}
+    for row in report["per_prompt"]:
+        row["id"] = ids[row["id"]]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        written = plot_single(report, tmp_path / "zh.json")
+    assert [str(w.message) for w in caught] == []
+    assert capsys.readouterr().err.splitlines() == [
+        f"{written[0]}: the chart's font has no glyphs for 12 characters; these labels show boxes: "
+        "'合同第十二条', '医疗保险报销'"
+    ]
+
+
+def test_the_decode_speed_chart_widens_with_its_prompts_up_to_a_cap(tmp_path):
+    """60 prompts' bars and labels ran together in the usual 6.4 inches (704 pixels at 110 dpi)."""
+    row = single_report()["per_prompt"][0]
+
+    def width(prompts: int) -> int:
+        report = {**single_report(), "per_prompt": [{**row, "id": f"zh-cail2019-{n:03d}"} for n in range(prompts)]}
+        png = plot_single(report, tmp_path / f"n{prompts}.json")[0].read_bytes()
+        return int.from_bytes(png[16:20], "big")  # the IHDR chunk's width
+
+    assert width(8) == 704
+    assert 704 < width(60) < width(90) == width(200) == round(19.2 * 110)
+
+
+def test_a_report_removes_only_its_own_charts_not_those_of_a_report_sharing_their_names(tmp_path):
+    """``bench.h100`` and ``bench.a100`` share chart names (``bench.decode_speed.png``...): a run to
+    ``bench.a100`` without --plot removed the charts that described ``bench.h100``."""
+    from rag_lookahead.bench import plots
+    from rag_lookahead.bench.common import write_report
+
+    write_report(tmp_path / "bench.h100", single_report(), plots.plot_single, plots.SINGLE_CHARTS)
+    drawn = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert drawn == ["bench.accepted_per_step.png", "bench.decode_speed.png", "bench.speedup_vs_copied.png"]
+    write_report(tmp_path / "bench.a100", {"model": "x", "per_prompt": []})
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == drawn
+    write_report(tmp_path / "bench.h100", {"model": "x", "per_prompt": []})  # its own report again: they go
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == []
+    from rag_lookahead.output_files import CHART_SOFTWARE
+
+    figure, _ = plots._figure()  # a chart drawn before charts named their report: the report's beside it
+    old = tmp_path / "bench.decode_speed.png"
+    figure.savefig(old, format="png", metadata={"Software": CHART_SOFTWARE})
+    write_report(tmp_path / "bench.a100", {"model": "x", "per_prompt": []})
+    assert not old.exists()
+
+
+def test_matplotlib_3_8s_missing_glyph_wording_is_caught_too():
+    """matplotlib 3.8 (which the ``plot`` extra allows) says "missing from current font."."""
+    from rag_lookahead.output_files import _MISSING_GLYPH
+
+    for message in (
+        "Glyph 21512 (\\N{CJK UNIFIED IDEOGRAPH-5408}) missing from current font.",
+        "Glyph 21512 (\\N{CJK UNIFIED IDEOGRAPH-5408}) missing from font(s) DejaVu Sans.",
+    ):
+        assert _MISSING_GLYPH.search(message)[1] == "21512"

@@ -170,3 +170,112 @@ def test_interference_refuses_long_requests_past_the_context_before_any_timed_ru
     report = main([*argv, "--long-tokens", "30", "--long-max-new-tokens", "2", "--short-max-new-tokens", "4"])
     assert all(n + 2 <= CONTEXT for n in report["long_prompt_tokens"])
     assert [row["identical"] for row in report["results"]] == ["4/4", "4/4"]  # 3 short requests and the long one
+
+
+def test_a_report_written_to_a_path_takes_the_charts_it_did_not_draw_with_the_old_report(tiny, monkeypatch, tmp_path):
+    """A rerun without --plot, or bench.batch's report at the path of bench's, left the earlier
+    charts beside a report they did not describe; a chart name holding a user's file is left alone."""
+    pytest.importorskip("matplotlib")
+    from rag_lookahead.bench.plots import chart_path
+
+    prompts = prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9 t10"})
+    report = tmp_path / "r.json"
+    argv = ["--prompts", prompts, "--max-new-tokens", "4", "--json", str(report)]
+    single = loading_tiny(monkeypatch, tiny, "single").main
+    batch = loading_tiny(monkeypatch, tiny, "batch").main
+
+    def charts():
+        return sorted(p.name.removeprefix("r.") for p in tmp_path.glob("r.*.png"))
+
+    single([*argv, "--methods", "greedy,lookahead", "--plot"])
+    assert charts() == ["accepted_per_step.png", "decode_speed.png", "speedup_vs_copied.png"]
+    batch([*argv, *RUNS["batch"], "--plot"])  # another benchmark's report at the path: its chart only
+    assert charts() == ["concurrency.png"]
+    single([*argv, "--methods", "greedy,lookahead"])  # no --plot: no chart describes this report
+    assert charts() == []
+    theirs = chart_path(report, "decode_speed")
+    theirs.write_bytes(b"\x89PNG\r\n\x1a\n a user's picture")
+    single([*argv, "--methods", "greedy"])
+    assert theirs.read_bytes() == b"\x89PNG\r\n\x1a\n a user's picture"
+
+
+def test_a_report_moved_to_a_free_name_takes_one_whose_charts_are_free(tiny, monkeypatch, tmp_path, capsys):
+    """The report moved to r.1.json when a user's file took r.json during the run, but its charts'
+    paths were never checked: a user's PNG at r.1.speedup_vs_copied.png stopped the run after the
+    report and two charts were written, saying "(nothing was changed)", and that chart was lost."""
+    pytest.importorskip("matplotlib")
+    from rag_lookahead.output_files import is_chart
+
+    theirs = {"r.json": b"a user's file\n", "r.1.speedup_vs_copied.png": b"\x89PNG\r\n\x1a\n a user's picture"}
+    single = loading_tiny(monkeypatch, tiny, "single")
+
+    def load_while_a_user_writes(*args, **kwargs):
+        for name, data in theirs.items():
+            (tmp_path / name).write_bytes(data)
+        return tiny
+
+    monkeypatch.setattr(single, "load_bench_model", load_while_a_user_writes)
+    prompts = prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9 t10"})
+    argv = ["--prompts", prompts, "--max-new-tokens", "4", "--methods", "greedy,lookahead"]
+    single.main([*argv, "--json", str(tmp_path / "r.json"), "--plot"])
+    assert "r.json appeared or changed during the run, not by this command: writing " in capsys.readouterr().err
+    for name, data in theirs.items():
+        assert (tmp_path / name).read_bytes() == data
+    charts = [tmp_path / f"r.2.{name}.png" for name in ("decode_speed", "accepted_per_step", "speedup_vs_copied")]
+    assert all(is_chart(path) for path in charts) and (tmp_path / "r.2.json").is_file()
+
+
+def test_a_chart_path_taken_after_the_report_is_saved_is_said_truthfully(tmp_path):
+    """Something takes a chart's path between the report's save and the drawing: the error said
+    "(nothing was changed)" with the report and the charts before it written."""
+    pytest.importorskip("matplotlib")
+    from rag_lookahead.bench import plots
+    from rag_lookahead.errors import ConfigError
+    from tests.unit.test_bench_plots import PNG_SIGNATURE, single_report
+
+    json_path = tmp_path / "r.json"
+    theirs = plots.chart_path(json_path, "speedup_vs_copied")
+
+    def draw_as_a_user_writes(report, path):
+        theirs.write_bytes(PNG_SIGNATURE + b"a user's picture")
+        return plots.plot_single(report, path)
+
+    with pytest.raises(ConfigError) as refused:
+        common.write_report(json_path, single_report(), draw_as_a_user_writes)
+    assert str(refused.value) == (
+        f"{theirs} appeared during the run and this command did not write it: it was left as it is and no chart "
+        f"was drawn; the report is saved as {json_path}"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.speedup_vs_copied.png"]
+    assert theirs.read_bytes() == PNG_SIGNATURE + b"a user's picture"
+
+
+def test_quality_pools_mean_accepted_and_records_the_dtype_that_ran(monkeypatch, tmp_path):
+    """Its "mean accepted" averaged each answer's own ratio, a 1-token answer counted 0 (bench and
+    bench.rag pool it); its report's "dtype" said "auto", not what ran."""
+    roomy = build_tiny_model("qwen2", max_positions=512), tiny_tokenizer()  # the RAG prompts are longer than 64
+    quality = loading_tiny(monkeypatch, roomy, "quality")
+    rows = [  # 1 token (no decode forward), then 41 tokens in 10 forwards: 40 / 10 pooled
+        {"grounded": True, "key terms": "1/1", "new tokens": 1, "gold retrieved": True, "decode tok/s": 0.0,
+         "mean accepted": 0.0, "decode forwards": 0},
+        {"grounded": True, "key terms": "1/1", "new tokens": 41, "gold retrieved": True, "decode tok/s": 10.0,
+         "mean accepted": 4.0, "decode forwards": 10},
+    ]  # fmt: skip
+    assert quality.summarize(rows)["mean accepted"] == 4.0
+    report = quality.main(["--models", "default", "--max-new-tokens", "3", "--json", str(tmp_path / "q.json")])
+    assert report["dtype"] == "fp32 (auto)" == report["summary"]["default"]["dtype"]
+    assert all(row["decode forwards"] >= 1 for row in report["questions"])  # tiny's answers run to 3 tokens
+
+
+def test_batch_prints_json_lines_and_writes_null_where_a_figure_is_missing(tiny, monkeypatch, tmp_path, capsys):
+    """Its rows went to stdout as Python dict reprs (bench prints JSON lines), and its JSON said "-"
+    for transformers' mean accepted and for the reference's identity where bench writes null."""
+    prompts = prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9 t10"})
+    batch = loading_tiny(monkeypatch, tiny, "batch").main
+    batch(["--prompts", prompts, "--max-new-tokens", "4", *RUNS["batch"], "--json", str(tmp_path / "b.json")])
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    saved = json.loads((tmp_path / "b.json").read_text(encoding="utf-8"))["results"]
+    assert [row["method"] for row in printed] == [row["method"] for row in saved] == ["hf_greedy", "lookahead"]
+    hf, ours = saved
+    assert hf["mean_accepted"] is None and hf["identical_to_single"] is None  # the reference: not itself
+    assert ours["mean_accepted"] >= 1 and ours["identical_to_single"] == "2/2"
