@@ -237,16 +237,21 @@ class LogprobFormat:
         return CompletionLogprobs(
             tokens=tokens,
             token_logprobs=[max(e.logprob, LOWEST) for e in entries],
-            top_logprobs=[_by_name(top) for _, top in named],
+            top_logprobs=[_by_name(top, text, e.logprob) for ((text, _), top), e in zip(named, entries, strict=True)],
             text_offset=offsets,
         )
 
 
-def _by_name(top: list[tuple[str, list[int], float]]) -> dict[str, float]:
-    """A place's most likely tokens by text. Tokens spelled alike (byte tokens each half a
-    character, all U+FFFD) share one key: the first, most likely, keeps it, so the chosen token's
-    entry agrees with its ``token_logprobs`` value (the later ones overwrote it)."""
-    named: dict[str, float] = {}
+def _by_name(top: list[tuple[str, list[int], float]], chosen: str, chosen_logprob: float) -> dict[str, float]:
+    """A place's most likely tokens by text, and the chosen token's: OpenAI's completions "always
+    return the logprob of the sampled token, so there may be up to logprobs+1 elements" (vLLM too;
+    a sampled token outside the top was left out, and ``logprobs: 0`` gave ``{}``). Tokens spelled
+    alike (byte tokens each half a character, all U+FFFD) share one key. The chosen token's text
+    holds the chosen token's own log-probability, so ``top_logprobs[i][tokens[i]]`` is
+    ``token_logprobs[i]``, the look-up clients make, even where a likelier token is spelled the same
+    (a sample may draw the less likely of two); any other text holds its likeliest token's (the
+    later, less likely ones had overwritten it). Most likely first."""
+    named = {chosen: max(chosen_logprob, LOWEST)}
     for text, _, logprob in top:
         named.setdefault(text, max(logprob, LOWEST))
-    return named
+    return dict(sorted(named.items(), key=lambda item: -item[1]))  # a stable sort: ties stay as put in

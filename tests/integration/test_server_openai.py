@@ -60,12 +60,17 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> tuple[list[int], list[t
     return tokens, [torch.log_softmax(step.float(), dim=-1) for step in logits]
 
 
-def check_top(top: dict | list, step: torch.Tensor, tokenizer) -> None:
-    """The reported most likely tokens (by name) and their log-probabilities are the model's."""
+def check_top(top: dict | list, step: torch.Tensor, tokenizer, chosen: int | None = None) -> None:
+    """The reported most likely tokens (by name) and their log-probabilities are the model's; a
+    completion's also hold the ``chosen`` token's own, as OpenAI's do (up to logprobs + 1 entries)."""
     values, ids = step.topk(TOP)
     names = [tokenizer.decode([i]) for i in ids.tolist()]
     if isinstance(top, dict):  # completions: {token text: logprob}
-        assert top == pytest.approx(dict(zip(names, values.tolist())), abs=1e-5)
+        expected = dict(zip(names, values.tolist()))
+        if chosen is not None:
+            expected[tokenizer.decode([chosen])] = step[chosen].item()
+        assert top == pytest.approx(expected, abs=1e-5)
+        assert list(top.values()) == sorted(top.values(), reverse=True)  # most likely first
     else:
         assert [t.token for t in top] == names
         assert [t.logprob for t in top] == pytest.approx(values.tolist(), abs=1e-5)
@@ -99,8 +104,10 @@ def test_completion_logprobs_equal_output_logits(tokenizer):
             assert sum((s.text_offset for s in streamed), []) == lp.text_offset
             assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
         assert max(accepted) > 1  # drafts were accepted: several tokens (and entries) a forward
-        zero = client.completions.create(model="t", prompt=tiny_prompts(1)[0], max_tokens=4, logprobs=0)
-        assert zero.choices[0].logprobs.top_logprobs == [{}] * 4
+        zero = client.completions.create(model="t", prompt=tiny_prompts(1)[0], max_tokens=4, logprobs=0).choices[0]
+        zero_lp = zero.logprobs  # the chosen token's entry alone: OpenAI returns it always
+        assert zero_lp.top_logprobs == [{t: lp} for t, lp in zip(zero_lp.tokens, zero_lp.token_logprobs, strict=True)]
+        assert len(zero_lp.tokens) == 4
         assert client.completions.create(model="t", prompt=[5, 6, 7], max_tokens=4).choices[0].logprobs is None
 
 
@@ -140,9 +147,26 @@ def test_completion_logprobs_keep_tokens_named_like_sqlalchemy_keys():
         assert len(top) == TOP and top[token] == pytest.approx(logprob)  # greedy: the chosen token is the likeliest
 
 
-def test_completion_top_logprobs_spelled_alike_keep_the_likeliest():
-    """Byte tokens each half a character are all named U+FFFD: top_logprobs[token] took the last,
-    least likely of them, below the chosen token's own token_logprobs value."""
+def answer_ids(engine, prompt: list[int], max_tokens: int, **sampling) -> list[int]:
+    """The answer's token ids the server gives (``generate``'s under the same seed: the server
+    draws losslessly, test_server_sampling), without a closing EOS."""
+    seed = sampling.pop("seed", None)
+    sampling = {"do_sample": True, "seed": seed, **sampling} if sampling else {}
+    out = generate(
+        engine.model,
+        prompt,
+        max_new_tokens=max_tokens,
+        config=engine.lookahead,
+        eos_token_id=sorted(engine.eos),
+        **sampling,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens[: next((i for i, t in enumerate(tokens) if t in engine.eos), len(tokens))]
+
+
+def byte_tokenizer():
+    """The tiny models' vocabulary as byte-fallback tokens of the bytes 0x81-0xDF, each half a
+    character: every token decodes to U+FFFD, so every token is spelled alike."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -152,15 +176,36 @@ def test_completion_top_logprobs_spelled_alike_keep_the_likeliest():
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<pad>", pad_token="<pad>", eos_token="<eos>")
-    engine = tiny_engine(tok)
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<pad>", pad_token="<pad>", eos_token="<eos>")
+
+
+def test_completion_top_logprobs_spelled_alike_hold_the_chosen_tokens_own():
+    """Byte tokens each half a character are all named U+FFFD: top_logprobs[token] took the last,
+    least likely of them, below the chosen token's own token_logprobs value. The chosen token's
+    text holds its own log-probability, also where a sample drew a less likely look-alike (OpenAI
+    always returns the sampled token's: clients read top_logprobs[i][tokens[i]])."""
+    engine = tiny_engine(byte_tokenizer())
+    look_alikes = [i for i in range(engine.vocab_size) if engine.tokenizer.decode([i]) == "\ufffd"]
+    below_a_look_alike = 0
     with serving(engine) as base:
         client = client_for(base)
         for prompt in tiny_prompts(2, seed=9):
-            lp = client.completions.create(model="t", prompt=prompt, max_tokens=8, logprobs=TOP).choices[0].logprobs
-            assert set(lp.tokens) == {"\ufffd"}
-            for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
-                assert top == {token: pytest.approx(logprob)}  # greedy: the chosen token is the likeliest
+            for sampling in ({}, {"temperature": 1.5, "seed": 5}):
+                reply = client.completions.create(model="t", prompt=prompt, max_tokens=8, logprobs=TOP, **sampling)
+                lp = reply.choices[0].logprobs
+                assert set(lp.tokens) == {"\ufffd"}
+                tokens = answer_ids(engine, prompt, 8, **sampling)  # the names are all alike: the ids
+                expected = model_logprobs(engine.model, prompt, tokens)
+                assert lp.token_logprobs == pytest.approx(
+                    [expected[i, t].item() for i, t in enumerate(tokens)], abs=1e-5
+                )
+                places = zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)
+                for i, (token, logprob, top) in enumerate(places):
+                    assert top[token] == pytest.approx(logprob)  # its own, not a likelier look-alike's
+                    check_top(top, expected[i], engine.tokenizer, chosen=tokens[i])  # and "<pad>", "<eos>"
+                likeliest = expected[:, look_alikes].max(dim=-1).values.tolist()
+                below_a_look_alike += sum(own < best - 1e-3 for own, best in zip(lp.token_logprobs, likeliest))
+    assert below_a_look_alike  # a sample drew a less likely token than one spelled the same
 
 
 def test_models_retrieve(tokenizer):
@@ -225,15 +270,19 @@ def test_several_prompts_are_refused_naming_the_one_at_fault_and_by_count_before
 
 
 def test_sampled_logprobs_are_the_models_distribution(tokenizer):
-    """A seeded sample reports the raw distribution at each place, whatever the warpers kept."""
+    """A seeded sample reports the raw distribution at each place, whatever the warpers kept, and
+    the sampled token's own entry in top_logprobs (OpenAI's "up to logprobs+1 elements": it was
+    left out where it was not among the top ``logprobs``), streamed or not."""
     engine = tiny_engine(tokenizer)
     prompt = tiny_prompts(1, seed=4)[0]
     sampling = dict(temperature=0.8, seed=3)
+    asked = dict(model="t", prompt=prompt, max_tokens=12, logprobs=TOP, extra_body={"top_k": 20}, **sampling)
     with serving(engine) as base:
-        reply = client_for(base).completions.create(
-            model="t", prompt=prompt, max_tokens=12, logprobs=TOP, extra_body={"top_k": 20}, **sampling
-        )
+        reply = client_for(base).completions.create(**asked)
+        chunks = list(client_for(base).completions.create(**asked, stream=True))
     lp = reply.choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [list(top) for s in streamed for top in s.top_logprobs] == [list(top) for top in lp.top_logprobs]
     # the sample's tokens: generate()'s under the same seed (the server draws losslessly, test_server_sampling)
     out = generate(
         engine.model, prompt, max_new_tokens=12, config=engine.lookahead, do_sample=True, top_k=20, **sampling
@@ -242,9 +291,10 @@ def test_sampled_logprobs_are_the_models_distribution(tokenizer):
     assert lp.tokens == [tokenizer.decode([t]) for t in tokens]
     expected = model_logprobs(engine.model, prompt, tokens)
     assert lp.token_logprobs == pytest.approx([expected[i, t].item() for i, t in enumerate(tokens)], abs=1e-5)
-    for top, step in zip(lp.top_logprobs, expected):
-        check_top(top, step, tokenizer)
+    for top, step, token in zip(lp.top_logprobs, expected, tokens, strict=True):
+        check_top(top, step, tokenizer, chosen=token)  # the top 3, and the sampled token's own entry
     assert any(lp.token_logprobs[i] < max(top.values()) for i, top in enumerate(lp.top_logprobs))  # not the argmax
+    assert any(len(top) == TOP + 1 for top in lp.top_logprobs)  # a sampled token outside the top 3 was left out
 
 
 def test_logprobs_stop_at_a_stop_string(tokenizer):
