@@ -228,6 +228,8 @@ def check_supported(config, prompt_width: int | None = None, has_eos: bool = Tru
         if value not in neutral:
             asked = getattr(config, "min_new_tokens", None) if name == "min_length" else None
             origin = f" (what transformers makes of min_new_tokens={asked!r})" if asked not in (None, 0) else ""
+            if name == "min_length" and not origin and prompt_width is not None:  # say what would be served
+                origin = f" for a prompt of {prompt_width} tokens (a prompt of {value!r} or more holds nothing back)"
             raise ConfigError(f"generation option {name}={value!r}{origin} is not supported by lookahead decoding")
     if getattr(config, "cache_implementation", None) == "quantized":  # its keys and values are rounded
         raise ConfigError(

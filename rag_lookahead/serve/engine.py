@@ -60,7 +60,10 @@ class Engine:
         if self.vocab_size and self.pad_id >= self.vocab_size:  # padding is masked, but must still embed
             self.pad_id = 0
         self.context_limit = context_limit(model)
-        self.sampling({}, 1)  # the model's own generation config, checked before anyone asks (ConfigError)
+        # the model's own generation config, checked before anyone asks (ConfigError), at the widest
+        # prompt served: checked at width 1, a min_length of 5 stopped the start though every prompt
+        # of 5 tokens reaches it; each request is checked at its own width (a shorter one: 400)
+        self.sampling({}, self.widest_prompt)
         self._warn_if_sampling_refused()
         self.max_batch_size = self.config.max_batch_size
         self.ready = threading.Event()
@@ -212,6 +215,14 @@ class Engine:
         options = {"do_sample": False} | options
         return resolve_sampling(self.model, prompt_width=prompt_width, has_eos=bool(self.eos), **options)
 
+    @property
+    def widest_prompt(self) -> int:
+        """The most tokens a prompt may hold here: ``max_prompt_tokens``, and short of the model's
+        context (``limits.checked_prompt`` refuses the rest)."""
+        if self.context_limit is None:
+            return self.config.max_prompt_tokens
+        return max(1, min(self.config.max_prompt_tokens, self.context_limit - 1))
+
     def _warn_if_sampling_refused(self) -> None:
         """A setting of the model's config that applies only when sampling (``typical_p``) and that we
         do not implement leaves greedy requests served and sampled ones answered 400: said at start,
@@ -219,7 +230,7 @@ class Engine:
         from rag_lookahead.errors import ConfigError
 
         try:
-            self.sampling({"do_sample": True, "temperature": 1.0}, 1)
+            self.sampling({"do_sample": True, "temperature": 1.0}, self.widest_prompt)
         except ConfigError as e:
             log.warning("sampled requests will be refused (greedy ones are served): %s", e)
 

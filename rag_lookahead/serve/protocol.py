@@ -112,6 +112,10 @@ VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "no_repeat_ngram_size": (0,),
     "num_beams": (1,),
 }
+#: the options of VLLM_NEUTRAL that are transformers' generation-config settings of the same name:
+#: one given (at its neutral value) is passed on, so it overrides the model config's, as the same
+#: argument to model.generate does (typical_p: 1 turns off a config's typical_p 0.9)
+GENERATION_CONFIG_OPTIONS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "num_beams")
 #: vLLM's completion-only options (a raw prompt gets the special tokens unless told otherwise)
 VLLM_COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {"add_special_tokens": (True,)}
 
@@ -197,6 +201,12 @@ class GenerationRequest(OpenAIRequest):
     logit_bias: Any = Field(None, description="not supported")
     echo: Any = Field(None, description="not supported")
     suffix: Any = Field(None, description="not supported")
+    # only their neutral values are taken (VLLM_NEUTRAL); given, they override the model config's
+    typical_p: Any = Field(None, description="only 1 (off); given, it turns off the model config's")
+    epsilon_cutoff: Any = Field(None, description="only 0 (off); given, it turns off the model config's")
+    eta_cutoff: Any = Field(None, description="only 0 (off); given, it turns off the model config's")
+    no_repeat_ngram_size: Any = Field(None, description="only 0 (off)")
+    num_beams: Any = Field(None, description="only 1 (no beam search)")
 
     #: vLLM's options this endpoint knows, with their neutral values (subclasses add their own)
     vllm_options: ClassVar[dict[str, tuple[Any, ...]]] = VLLM_NEUTRAL
@@ -272,7 +282,9 @@ class GenerationRequest(OpenAIRequest):
     def sampling_options(self) -> dict:
         """The request's sampling fields in ``model.generate``'s terms. A field left out is not given,
         so the model's generation config holds, as in ``model.generate`` (its repetition penalty;
-        sampling, its top_k, top_p and min_p, else transformers' defaults)."""
+        sampling, its top_k, top_p and min_p, else transformers' defaults). A field given holds over
+        the config's, neutral ones too: ``typical_p: 1`` was taken and dropped, and a config's
+        ``typical_p`` 0.9 refused the sampled request it had turned off."""
         if not self.temperature:  # 0 or absent: greedy
             options: dict = {"do_sample": False}
         else:
@@ -285,6 +297,9 @@ class GenerationRequest(OpenAIRequest):
                 options["min_p"] = self.min_p or None  # 0: off
         if self.repetition_penalty is not None:
             options["repetition_penalty"] = self.repetition_penalty
+        for name in GENERATION_CONFIG_OPTIONS:
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
         return options
 
     def choice_sampling(self, base, choice: int):

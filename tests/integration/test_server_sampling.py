@@ -130,3 +130,67 @@ def test_fields_left_out_take_the_models_generation_config_as_model_generate_doe
     own.no_repeat_ngram_size = 2  # ours to refuse, not to drop: the server does not start
     with pytest.raises(ConfigError, match="no_repeat_ngram_size"):
         Engine(engine.model, tokenizer, engine.config)
+
+
+def hf_text(engine, ids, max_tokens, seed=None, **options) -> str:
+    """What ``model.generate`` gives for ``ids`` (after ``torch.manual_seed(seed)``), decoded as the
+    server decodes (for settings our ``generate`` has no keyword for, or refuses)."""
+    from hf_reference import hf_logits
+
+    tokens, _ = hf_logits(engine.model, ids, max_tokens, seed, **options)
+    tokens = tokens[: next((i + 1 for i, t in enumerate(tokens) if t in engine.eos), len(tokens))]
+    return engine.tokenizer.decode([t for t in tokens if t not in engine.eos], skip_special_tokens=True)
+
+
+def test_a_neutral_setting_in_the_request_turns_the_models_off(tokenizer):
+    """``typical_p: 1`` (and ``epsilon_cutoff``/``eta_cutoff`` 0) were taken and dropped, so a model
+    config's typical_p 0.9 refused the sampled request that turned it off (400), where
+    ``model.generate(typical_p=1.0)`` samples; only fields left out take the model's config."""
+    from tiny_models import build_tiny_model
+
+    engine = Engine(build_tiny_model("qwen2"), tokenizer, tiny_engine(tokenizer).config)  # a model of its own
+    own = engine.model.generation_config
+    own.typical_p, own.epsilon_cutoff, own.eta_cutoff = 0.9, 3e-4, 1e-3
+    prompt = tiny_prompts(1, seed=5)[0]
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.7, "seed": 3}
+    off = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0}
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=120) as client:
+        for name in ("typical_p", "epsilon_cutoff", "eta_cutoff"):  # each left out: the config's, refused
+            left_out = client.post("/v1/completions", json=body | {k: v for k, v in off.items() if k != name})
+            assert left_out.status_code == 400 and name in left_out.json()["error"]["message"]
+        reply = client.post("/v1/completions", json=body | off)
+        assert reply.status_code == 200, reply.text
+        expected = hf_text(engine, prompt, 12, 3, do_sample=True, temperature=0.7, **off)
+        assert reply.json()["choices"][0]["text"] == expected
+        assert client.post("/v1/completions", json=body | off | {"typical_p": 0.9}).status_code == 400  # still ours
+
+
+def test_a_min_length_some_prompt_reaches_is_served_and_shorter_prompts_refused(tokenizer):
+    """A model config's min_length 5 stopped the server from starting (its config was checked as for
+    a one-token prompt), though ``model.generate`` serves every prompt of 5 tokens or more. Now each
+    prompt is judged by its own width: one shorter than min_length (EOS held back, which lookahead
+    decoding does not implement) answers 400; one min_length can never reach stops the start."""
+    from tiny_models import build_tiny_model
+
+    from rag_lookahead.errors import ConfigError
+
+    engine = Engine(build_tiny_model("qwen2"), tokenizer, tiny_engine(tokenizer).config)  # a model of its own
+    own = engine.model.generation_config
+    own.min_length = 5
+    engine = Engine(engine.model, tokenizer, engine.config)  # it starts
+    assert engine.eos  # min_length holds EOS back only where there is one
+    long, short = tiny_prompts(1, seed=5)[0], [5, 6, 7]
+    assert len(long) >= 5
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=120) as client:
+        greedy = client.post("/v1/completions", json={"prompt": long, "max_tokens": 12})
+        assert greedy.status_code == 200, greedy.text
+        assert greedy.json()["choices"][0]["text"] == hf_text(engine, long, 12, do_sample=False)
+        sampled = {"prompt": long, "max_tokens": 12, "temperature": 0.7, "seed": 3}
+        reply = client.post("/v1/completions", json=sampled)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == hf_text(engine, long, 12, 3, do_sample=True, temperature=0.7)
+        for body in ({"prompt": short}, {**sampled, "prompt": short}, {"prompt": [long, short]}):
+            refused = client.post("/v1/completions", json=body | {"max_tokens": 4})
+            assert refused.status_code == 400 and "min_length=5" in refused.json()["error"]["message"]
+    with pytest.raises(ConfigError, match="min_length=5"):  # no prompt this server takes reaches it
+        Engine(engine.model, tokenizer, tiny_engine(tokenizer, max_prompt_tokens=4).config)
