@@ -22,6 +22,7 @@ What would change the output and cannot be reproduced exactly is refused with
 builds from the config, per-step scores/attentions in the output, custom stopping criteria
 on batches (a batch-level criterion sees other rows; per row we cannot know what it means),
 transformers' own row-wise criteria on a batch without EOS (transformers decodes a stopped row on),
+EOS from the criteria alone on a batch with no pad id to fill its ended rows (transformers fails there),
 a ``max_length`` past the model's context window (transformers goes on past it with a
 warning; our loop stops at the window), and sampling a batch of more than one row (transformers'
 draws from the global generator interleave the rows a token a step).
@@ -149,7 +150,8 @@ def _lookahead_generate(
         raise ConfigError("a streamer takes one row; stream batch size 1 (as transformers' TextStreamer does)")
 
     has_eos = getattr(generation_config, "_eos_token_tensor", None) is not None
-    params = resolve_sampling(model, generation_config, prompt_width=input_ids.shape[1], has_eos=has_eos)
+    inner = _config_for_the_loop(generation_config, has_eos)
+    params = resolve_sampling(model, inner, prompt_width=input_ids.shape[1], has_eos=has_eos)
     refuse_assisted_sampling(generation_config, assistant_model)  # resolve_sampling saw no assistant_model
     _refuse_what_generate_refuses(model, generation_config, assistant_model, rows)
     if params.do_sample and rows > 1:
@@ -181,14 +183,15 @@ def _lookahead_generate(
     config = lookahead_settings(generation_config, lookahead_config, lookahead_tokenizer)
     references = _encode_references(references, lookahead_tokenizer)
     pad = generation_config._pad_token_tensor
-    pad_id = int(pad) if pad is not None else 0
+    if pad is None and eos and rows > 1:
+        # transformers sets no pad id from the criteria's EOS (only from the config's) and fails with a
+        # TypeError here; a row that ends early would have been filled with token 0
+        raise ConfigError(
+            "a batch whose rows may end early (EOS from the stopping criteria) needs a pad id to fill them, and"
+            " none is set: pass pad_token_id= (or eos_token_id= in the generation config)"
+        )
+    pad_id = int(pad) if pad is not None else 0  # no row ends early here: nothing is padded
 
-    inner = generation_config
-    if not has_eos and (generation_config.min_length or generation_config.min_new_tokens):
-        # without the config's EOS transformers applies neither (checked above); the loop, which is
-        # given the criteria's EOS ids, would have read them as holding EOS back and refused the call
-        inner = copy.deepcopy(generation_config)
-        inner.min_length, inner.min_new_tokens = 0, None
     watcher = _RowWatcher(input_ids, custom, streamer)
     result = generate(
         model,
@@ -208,6 +211,25 @@ def _lookahead_generate(
     if generation_config.return_dict_in_generate:
         return LookaheadGenerateOutput(sequences=sequences, lookahead_stats=result.stats)
     return sequences
+
+
+def _config_for_the_loop(generation_config, has_eos: bool):
+    """The generation config the decode loop is given: transformers' own, less what transformers
+    has already turned into the stopping criteria we are handed, or made nothing of.
+
+    ``max_time``: transformers built a ``MaxTimeCriteria`` from it, which the watcher calls as it
+    calls any criterion (refused on a batch in ``_read_criteria``); the loop's own option check
+    would have refused it as a setting it does not implement. ``min_length``/``min_new_tokens``:
+    without the config's EOS transformers applies neither; the loop, which is given the criteria's
+    EOS ids, would have read them as holding EOS back and refused the call."""
+    unused_minimum = not has_eos and (generation_config.min_length or generation_config.min_new_tokens)
+    if generation_config.max_time is None and not unused_minimum:
+        return generation_config
+    inner = copy.deepcopy(generation_config)
+    inner.max_time = None
+    if unused_minimum:
+        inner.min_length, inner.min_new_tokens = 0, None
+    return inner
 
 
 def lookahead_settings(generation_config, base: LookaheadConfig | None = None, tokenizer=None) -> LookaheadConfig:
@@ -517,47 +539,54 @@ def _read_criteria(criteria, rows: int) -> tuple[int, frozenset[int], list]:
 
 
 class _RowWatcher:
-    """Follows each row token by token as blocks are accepted: streams them and applies the
-    stopping criteria transformers would call after each token, cutting a block where one says stop.
+    """Follows each row token by token as blocks are accepted: applies the stopping criteria
+    transformers would call after each token, streams the token, and cuts a block where one says stop.
 
-    Rows that draw their tokens ask the criteria during the draws (``stop_check``), so nothing is
-    drawn past a stop; each verdict is kept, so every criterion is still called once a token."""
+    The order is transformers' (``_sample``): the criteria judge a token before the streamer gets
+    it (the stopping token is streamed too), so a criterion that reads what a streamer has shown
+    sees what it sees there. Rows that draw their tokens ask the criteria during the draws
+    (``stop_check``), so nothing is drawn past a stop; a token is judged and streamed once, when it
+    is first seen (a sampled row's drawn tokens are all accepted: the walk stops at a stop, at EOS
+    and at the row's room), so every criterion is still called once a token."""
 
     def __init__(self, input_ids: torch.Tensor, criteria: list, streamer) -> None:
         self.input_ids = input_ids
         self.criteria = criteria
         self.streamer = streamer
-        self.generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+        self.generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]  # accepted tokens
         self.stopped: set[int] = set()
-        self._verdicts: dict[tuple[int, int], bool] = {}  # (row, tokens generated) -> stop there
+        # per row, one verdict for each token judged (and streamed) so far: True = stop after it
+        self._verdicts: list[list[bool]] = [[] for _ in range(input_ids.shape[0])]
 
     def stop_check(self, row: int, block: list[int]) -> bool:
         """Whether the criteria stop ``row`` after the tokens of the step's ``block`` drawn so far."""
-        return bool(self.criteria) and self._should_stop(row, self.generated[row] + block)
+        return self._follow(row, self.generated[row] + block)
 
     def on_tokens(self, row: int, tokens: list[int]) -> bool:
         if row in self.stopped:
             return True
         for token in tokens:
             self.generated[row].append(token)
-            if self.streamer is not None:
-                self.streamer.put(torch.tensor([token]))
-            if self.criteria and self._should_stop(row, self.generated[row]):
+            if self._follow(row, self.generated[row]):
                 self.stopped.add(row)
                 return True
         return False
 
+    def _follow(self, row: int, tokens: list[int]) -> bool:
+        """Judge, then stream, each of the row's ``tokens`` not seen yet; whether to stop after the last."""
+        verdicts = self._verdicts[row]
+        for length in range(len(verdicts) + 1, len(tokens) + 1):
+            verdicts.append(bool(self.criteria) and self._should_stop(row, tokens[:length]))
+            if self.streamer is not None:
+                self.streamer.put(torch.tensor([tokens[length - 1]]))
+        return verdicts[len(tokens) - 1]
+
     def _should_stop(self, row: int, generated: list[int]) -> bool:
-        key = (row, len(generated))
-        if key not in self._verdicts:
-            ids = torch.tensor(
-                [self.input_ids[row].tolist() + generated], dtype=torch.long, device=self.input_ids.device
-            )
-            verdicts = [  # all, as transformers calls them; a plain bool counts as one for every row, as there
-                bool(torch.as_tensor(criterion(ids, None)).reshape(-1)[0]) for criterion in self.criteria
-            ]
-            self._verdicts[key] = any(verdicts)
-        return self._verdicts[key]
+        ids = torch.tensor([self.input_ids[row].tolist() + generated], dtype=torch.long, device=self.input_ids.device)
+        verdicts = [  # all, as transformers calls them; a plain bool counts as one for every row, as there
+            bool(torch.as_tensor(criterion(ids, None)).reshape(-1)[0]) for criterion in self.criteria
+        ]
+        return any(verdicts)
 
     def sequences(self, pad: int) -> torch.LongTensor:
         """The prompt as given plus each row's tokens, right-padded with ``pad`` as transformers pads finished rows."""

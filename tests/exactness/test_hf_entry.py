@@ -323,6 +323,80 @@ def test_a_criterion_that_cuts_a_sampled_block_leaves_the_generator_where_model_
     assert all(len(o[0]) == cut for o in ours[0])
 
 
+class StopOnceShown(StoppingCriteria):
+    """Stops once a streamer has shown ``count`` new tokens (a UI that stops what it has displayed)."""
+
+    def __init__(self, streamer: Recorder, count: int) -> None:
+        self.streamer, self.count = streamer, count
+
+    def __call__(self, input_ids, scores, **kwargs):
+        shown = sum(1 for call in self.streamer.calls if call != "end") - 1  # less the prompt
+        return torch.full((input_ids.shape[0],), shown >= self.count, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_criterion_judges_a_token_before_it_is_streamed_as_in_model_generate(do_sample):
+    """transformers calls the criteria on a token and only then streams it. Each token was streamed
+    first, so a criterion reading the streamer stopped a token early ([9, 31, 15, 15, 15] against
+    [9, 31, 15, 15, 15, 15]); sampled, the generator was left elsewhere too."""
+    model = tiny_model("qwen2")
+    ids = torch.tensor([[7, 3, 9, 4, 11, 2, 8] * 2])
+    torch.manual_seed(5)  # references holding what will be generated: long blocks, cut by the criterion
+    runs = [model.generate(input_ids=ids, max_new_tokens=20, do_sample=do_sample)[0].tolist() for _ in range(2)]
+
+    def run(**ours):
+        torch.manual_seed(5)
+        outputs, calls = [], []
+        for _ in range(2):
+            streamer = Recorder()
+            criteria = StoppingCriteriaList([StopOnceShown(streamer, 6)])
+            out = model.generate(
+                input_ids=ids,
+                max_new_tokens=20,
+                do_sample=do_sample,
+                streamer=streamer,
+                stopping_criteria=criteria,
+                **ours,
+            )
+            outputs.append(out.tolist())
+            calls.append(streamer.calls)
+        return outputs, calls, torch.rand(1).item()
+
+    ours = run(custom_generate=hf_generate, references=[runs], lookahead_config=ISOLATED)
+    assert ours == run()
+    assert all(len(out[0]) == ids.shape[1] + 7 for out in ours[0])  # 6 shown, the 7th judged on that, streamed
+
+
+def test_a_criterion_that_raises_leaves_the_streamer_where_model_generate_does():
+    """The token whose criteria raised was streamed here before they were called; transformers never streams it."""
+
+    class RaiseAt(StoppingCriteria):
+        def __init__(self, call: int) -> None:
+            self.call, self.calls = call, 0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.calls += 1
+            if self.calls == self.call:
+                raise RuntimeError("criterion failed")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    model, prompt, answer, _ = repeating_case()
+    streamed = []
+    for ours in ({}, dict(custom_generate=hf_generate, references=[[prompt[-2:] + answer]])):
+        streamer = Recorder()
+        with pytest.raises(RuntimeError, match="criterion failed"):
+            model.generate(
+                input_ids=torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=24,
+                streamer=streamer,
+                stopping_criteria=StoppingCriteriaList([RaiseAt(5)]),
+                **ours,
+            )
+        streamed.append([call for call in streamer.calls if call != "end"])  # we end it on failure too
+    assert streamed[1] == streamed[0] and len(streamed[0]) == 1 + 4  # the prompt, four tokens
+
+
 def _pieces_tokenizer():
     """Tokens of one to four characters joined as they are, so a stop string may end inside a
     token or span several (the word tokenizer's spaces keep transformers' stop strings from working)."""
@@ -370,6 +444,45 @@ def test_a_time_limit_on_a_batch_is_refused():
             eos_token_id=3,
             custom_generate=hf_generate,
             stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(600)]),
+        )
+
+
+@pytest.mark.parametrize("max_time", [600.0, 1e-9])
+def test_max_time_at_batch_size_1_is_taken_as_model_generate_takes_it(max_time):
+    """``max_time=`` was refused as an option the loop does not implement, though transformers hands
+    it over as a MaxTimeCriteria, which was taken (1e-9 s: one token, then stop)."""
+    model = tiny_model("qwen2")
+    call = dict(input_ids=torch.tensor([[5, 6, 7, 8, 5, 6]]), do_sample=False, max_new_tokens=8, max_time=max_time)
+    expected = model.generate(**call)
+    assert model.generate(**call, custom_generate=hf_generate).tolist() == expected.tolist()
+    ids, mask = padded([[4, 5, 6], [7, 8]])
+    with pytest.raises(ConfigError, match="time limit"):  # on a batch, as the criterion is
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=5,
+            eos_token_id=3,
+            max_time=60.0,
+            custom_generate=hf_generate,
+        )
+
+
+def test_a_batch_with_eos_from_a_criterion_and_no_pad_id_is_refused():
+    """No pad id and no EOS in the config, EOS only from the caller's criterion: rows that ended
+    early were filled with token 0 (model.generate fails there with a TypeError)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria
+
+    model = build_tiny_model("qwen2")
+    model.generation_config.pad_token_id = None
+    ids, mask = padded([[5, 6, 7, 8, 5, 6], [9, 10, 11]])
+    with pytest.raises(ConfigError, match="pad_token_id"):
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=10,
+            custom_generate=hf_generate,
+            stopping_criteria=StoppingCriteriaList([EosTokenCriteria(38)]),
         )
 
 
