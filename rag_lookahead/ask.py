@@ -55,8 +55,8 @@ def ensure_index(index_dir: Path, *, quiet: bool = False, build_bundled: bool = 
     if not (index_dir / MANIFEST).is_file():
         if not build_bundled:
             raise IndexLoadError(
-                f"{no_index_error(index_dir, 'YOUR_DOCS')} (without --index-dir, ask indexes the bundled"
-                " sample corpus into the default folder)"
+                f"{no_index_error(index_dir, 'YOUR_DOCS')} (without --index-dir, the bundled sample corpus"
+                " is indexed into the default folder)"
             )
         corpus = bundled_corpus()
         # index's advice (another --index-dir) would not do here: ask --index-dir needs an index in it
