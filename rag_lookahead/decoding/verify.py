@@ -160,12 +160,29 @@ def mask_blind_reason(model) -> str | None:
             return f"attn_implementation={implementation!r} ignores custom masks"
         if "flex" in implementation:  # its compiled CPU kernel reads a 4-D mask out of bounds (heap corruption)
             return f"attn_implementation={implementation!r} does not take a 4-D mask"
+    if any(_masks_by_column(module) for module in model.modules()):
+        # GPT-Neo slices a fixed causal (local: banded) table by cache length: a tree's or a packed
+        # row's columns run ahead of its positions, so its window hid keys it should see, and a
+        # packed cache longer than the table broke the forward; a single chain's columns are its positions
+        return "its attention masks by cache column from a fixed causal table (GPT-Neo's bias buffer)"
     config = text_config(model)
     if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
         # Llama-4's NoPE layers scale queries by the cache's length, not by the positions: packed
         # rows, or a tree's columns, would get another scale than a row decoded alone
         return "its NoPE layers scale queries by the cache length (attn_temperature_tuning)"
     return None
+
+
+def _masks_by_column(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds a square boolean causal table (``bias``, shape (1, 1, n, n)) that its
+    attention slices by the cache's length rather than masking by the positions it is given."""
+    table = getattr(module, "bias", None)
+    return (
+        isinstance(table, torch.Tensor)
+        and table.dtype == torch.bool
+        and table.dim() == 4
+        and (table.shape[-1] == table.shape[-2])
+    )
 
 
 def attention_implementations(model) -> tuple[str, ...]:

@@ -99,6 +99,50 @@ def test_llama4_nope_layers_with_temperature_tuning_decode_rows_apart():
             assert [result.sequences[r, width:].tolist() for r in range(3)] == expected
 
 
+def gpt_neo_model(window: int, max_positions: int, layers: list) -> transformers.GPTNeoForCausalLM:
+    config = transformers.GPTNeoConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_layers=len(layers),
+        num_heads=4,
+        attention_types=[[layers, 1]],
+        window_size=window,
+        max_position_embeddings=max_positions,
+        pad_token_id=0,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPTNeoForCausalLM(config).float().eval()  # eager: GPT-Neo has no sdpa
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_gpt_neo_masking_by_cache_column_decodes_trees_and_batches_exactly():
+    """GPT-Neo's attention slices a fixed causal (local layers: banded) table by the cache's
+    length, not by the positions: a tree's and a packed row's columns run ahead of their
+    positions, so a window of 32 hid keys a draft should see (tokens differed from the 29th; the
+    8-position tree-mask probe passes any window over ~8), and a packed cache longer than the
+    table broke the forward ("size of tensor a (64) must match ... (72)")."""
+    windowed = gpt_neo_model(32, 256, ["global", "local"])
+    config = LookaheadConfig(budget="fixed", use_output_pool=False)
+    prompt = [3, 7, 1, 9, 4] * 8
+    expected = reference_generate(windowed, prompt, 40, None)
+    # the right continuation and wrong branches off it: wide trees, columns ahead of positions
+    wrong = [prompt[-2:] + expected[:k] + [(expected[k] + j) % 95 + 1] * 3 for k in range(0, 30, 3) for j in (1, 2)]
+    references = [[prompt[-2:] + expected, *wrong]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the chains-only warning
+        result = generate(windowed, [prompt], max_new_tokens=40, config=config, references=references, pad_token_id=0)
+        assert result.sequences[0, len(prompt) :].tolist() == expected, "trees under a window"
+        short_table = gpt_neo_model(256, 64, ["global", "global"])
+        prompts = [[5, 9, 14, 3, 22] * 5, [11, 4, 9, 4, 2] * 4, [3, 8, 1] * 8]  # 69 tokens together
+        ids, mask = padded(prompts)
+        result = generate(short_table, ids, mask, max_new_tokens=20, config=config, pad_token_id=0)
+    expected = [reference_generate(short_table, p, 20, None) for p in prompts]
+    assert [result.sequences[r, ids.shape[1] :].tolist() for r in range(3)] == expected
+    assert mask_blind_reason(windowed) is not None
+
+
 def test_a_per_head_mask_doge_decodes_a_batch_row_by_row_exactly():
     """Doge hands sdpa a mask of its own per head; row-local attention sliced head 0's for every
     head, so each row of a batch went wrong from its second token (single rows were exact)."""
