@@ -22,7 +22,8 @@ What would change the output and cannot be reproduced exactly is refused with
 builds from the config, per-step scores/attentions in the output, custom stopping criteria
 on batches (a batch-level criterion sees other rows; per row we cannot know what it means),
 transformers' own row-wise criteria on a batch without EOS (transformers decodes a stopped row on),
-EOS from the criteria alone on a batch with no pad id to fill its ended rows (transformers fails there),
+EOS from the criteria alone on a batch with no pad id to fill its ended rows (transformers fails
+there, at batch size 1 too; one row needs no padding and is decoded),
 a ``max_length`` past the model's context window (transformers goes on past it with a
 warning; our loop stops at the window), and sampling a batch of more than one row (transformers'
 draws from the global generator interleave the rows a token a step).

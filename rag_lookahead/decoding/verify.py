@@ -14,6 +14,7 @@ once per model whether its attention honours the mask at all.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
 
@@ -160,11 +161,13 @@ def mask_blind_reason(model) -> str | None:
             return f"attn_implementation={implementation!r} ignores custom masks"
         if "flex" in implementation:  # its compiled CPU kernel reads a 4-D mask out of bounds (heap corruption)
             return f"attn_implementation={implementation!r} does not take a 4-D mask"
-    if any(_masks_by_column(module) for module in model.modules()):
-        # GPT-Neo slices a fixed causal (local: banded) table by cache length: a tree's or a packed
-        # row's columns run ahead of its positions, so its window hid keys it should see, and a
-        # packed cache longer than the table broke the forward; a single chain's columns are its positions
-        return "its attention masks by cache column from a fixed causal table (GPT-Neo's bias buffer)"
+    column_masked = next((m for m in model.modules() if _masks_by_column(m)), None)
+    if column_masked is not None:
+        # GPT-Neo (ImageGPT, Bark) slice a fixed causal (local: banded) table by cache length: a
+        # tree's or a packed row's columns run ahead of its positions, so its window hid keys it
+        # should see, and a packed cache longer than the table broke the forward; a single chain's
+        # columns are its positions
+        return f"its attention ({type(column_masked).__name__}) masks by cache column from a fixed causal table"
     config = text_config(model)
     if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
         # Llama-4's NoPE layers scale queries by the cache's length, not by the positions: packed
@@ -174,15 +177,19 @@ def mask_blind_reason(model) -> str | None:
 
 
 def _masks_by_column(module: torch.nn.Module) -> bool:
-    """Whether ``module`` holds a square boolean causal table (``bias``, shape (1, 1, n, n)) that its
-    attention slices by the cache's length rather than masking by the positions it is given."""
+    """Whether ``module``'s attention slices a square boolean causal table of its own (``bias``,
+    shape (1, 1, n, n)) by the cache's length rather than masking by the positions it is given.
+    Only a table its code reads counts: CLVP builds one and never uses it."""
     table = getattr(module, "bias", None)
-    return (
-        isinstance(table, torch.Tensor)
-        and table.dtype == torch.bool
-        and table.dim() == 4
-        and (table.shape[-1] == table.shape[-2])
-    )
+    if not (isinstance(table, torch.Tensor) and table.dtype == torch.bool and table.dim() == 4):
+        return False
+    if table.shape[-1] != table.shape[-2]:
+        return False
+    try:
+        source = inspect.getsource(type(module))
+    except (OSError, TypeError):  # no source to read (built at run time): assume it is read
+        return True
+    return "self.bias[" in source
 
 
 def attention_implementations(model) -> tuple[str, ...]:

@@ -143,6 +143,25 @@ def test_gpt_neo_masking_by_cache_column_decodes_trees_and_batches_exactly():
     assert mask_blind_reason(windowed) is not None
 
 
+def test_a_causal_table_the_attention_never_reads_keeps_trees():
+    """CLVP builds GPT-Neo's table and masks by the positions it is given: it keeps tree drafts."""
+    config = transformers.ClvpDecoderConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        max_text_tokens=64,
+        n_inner=128,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    model = transformers.ClvpForCausalLM(config).float().eval()
+    assert any(getattr(m, "bias", None) is not None and m.bias.dtype == torch.bool for m in model.modules())
+    assert mask_blind_reason(model) is None
+    assert mask_blind_reason(gpt_neo_model(32, 64, ["global"])) is not None
+
+
 def test_a_per_head_mask_doge_decodes_a_batch_row_by_row_exactly():
     """Doge hands sdpa a mask of its own per head; row-local attention sliced head 0's for every
     head, so each row of a batch went wrong from its second token (single rows were exact)."""
