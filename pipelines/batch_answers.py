@@ -25,6 +25,7 @@ from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError, first_line
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file, output_target
+from rag_lookahead.paths import refuse_blank_path
 from rag_lookahead.rag.chains import as_retriever, make_prompt, retrieve, source_info
 from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.rag.index import check_searchable
@@ -32,7 +33,7 @@ from rag_lookahead.rag.index import check_searchable
 ANSWER_KEYS = {"question", "answer", "sources", "stats"}  # each output record's keys, as main() writes them
 
 
-def read_questions(path: Path) -> list[tuple[int, str]]:
+def read_questions(path: str | Path) -> list[tuple[int, str]]:
     """The questions of a JSONL file with their line numbers; any bad line is refused here, before
     the model loads, naming ``path:line``."""
     try:
@@ -83,13 +84,14 @@ def is_answers_file(path: Path) -> bool:
 
 def main() -> None:
     ap = rag_parser(__doc__.splitlines()[0])
-    ap.add_argument("questions", type=Path)
-    ap.add_argument("answers", type=Path)
+    ap.add_argument("questions")  # not type=Path: Path("") is the working folder
+    ap.add_argument("answers")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=256)
     ap.add_argument("--no-lookahead", action="store_true")
     args = ap.parse_args()
     positive_int("--batch-size", args.batch_size)
+    refuse_blank_path(args.questions, "questions")  # an unset variable
     seen = check_output_file(args.answers, "answers", ours=is_answers_file, inputs=[args.questions])
 
     numbered = read_questions(args.questions)

@@ -29,7 +29,7 @@ from rag_lookahead.ask import StdoutClosed, ensure_index, silence_stdout
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError, RagLookaheadError, first_line
 from rag_lookahead.models import check_embedded_installed
-from rag_lookahead.paths import expand_user
+from rag_lookahead.paths import expand_user, refuse_blank_path
 from rag_lookahead.rag.chains import check_k, check_question_text, seed_count
 from rag_lookahead.rag.index import DocumentIndex, check_searchable, default_index_dir
 
@@ -52,6 +52,7 @@ class RagArgumentParser(argparse.ArgumentParser):
         for question in questions:
             check_question_text(question)  # argv bytes that were not UTF-8, with the terminal hint
             check_searchable(question, "the question")
+        refuse_blank_path(parsed.index_dir, "--index-dir")  # "" (an unset variable) is no working folder
         for name in ("max_new_tokens", "max_tokens"):
             if hasattr(parsed, name):  # either spelling may have been typed
                 positive_int("--max-tokens/--max-new-tokens", getattr(parsed, name))
@@ -62,7 +63,7 @@ def rag_parser(description: str, *, k_seed: bool = True) -> argparse.ArgumentPar
     """A parser with ``--index-dir``, ``--model``, ``--k`` (passages in the prompt) and, unless
     ``k_seed`` is off, ``--k-seed`` (passages retrieved, the rest seed the draft trie)."""
     ap = RagArgumentParser(description=description)
-    ap.add_argument("--index-dir", type=Path, default=None)
+    ap.add_argument("--index-dir", default=None)  # not type=Path: Path("") is the working folder
     ap.add_argument("--model", default="default")
     ap.add_argument("--k", type=int, default=3)
     if k_seed:

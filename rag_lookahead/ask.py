@@ -123,7 +123,7 @@ def _no_loading_bar(quiet: bool) -> Iterator[None]:
 def answer(
     question: str,
     *,
-    index_dir: Path | None = None,
+    index_dir: str | Path | None = None,
     model: str = "default",
     k: int = 3,
     k_seed: int | None = None,
@@ -159,12 +159,14 @@ def answer(
     check_searchable(question, "the question")
     _check_sampling(temperature, top_p, seed)
     k_seed = seed_count(k, k_seed, names=("--k", "--k-seed"))  # one below --k was raised to it in silence
-    folder = expand_user(index_dir, "--index-dir") if index_dir else default_index_dir()
+    # a blank index_dir (an unset variable) is refused by expand_user, not taken for the default
+    folder = expand_user(index_dir, "--index-dir") if index_dir is not None else default_index_dir()
     if llm is None:
         from rag_lookahead.models import check_embedded_installed
 
         check_embedded_installed(model)  # a missing optional model: said before the sample index is built
-    index = ensure_index(folder, quiet=quiet, build_bundled=not index_dir)  # only the default folder gets the sample
+    # only the default folder gets the sample
+    index = ensure_index(folder, quiet=quiet, build_bundled=index_dir is None)
     if llm is None:
         from rag_lookahead.langchain.llm import LookaheadLLM
         from rag_lookahead.models import load_model, reported_name

@@ -15,7 +15,6 @@ import json
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
@@ -70,8 +69,9 @@ def fail(error: BaseException) -> NoReturn:
 
 @app.command("index")
 def index_command(
-    corpus_dir: Path = typer.Argument(..., help="Folder of .txt/.md/.markdown/.pdf files (searched recursively)."),
-    index_dir: Path | None = typer.Option(
+    # str, not Path: typer reads "" (an unset "$DOCS") as Path("."), the working folder; build_index refuses ""
+    corpus_dir: str = typer.Argument(..., help="Folder of .txt/.md/.markdown/.pdf files (searched recursively)."),
+    index_dir: str | None = typer.Option(
         None,
         "--index-dir",
         help="Index folder: new, empty, or an index built before (default: " + _DEFAULT_INDEX + ").",
@@ -124,7 +124,7 @@ def index_command(
 @app.command("ask")
 def ask_command(
     question: str = typer.Argument(..., help="The question (any language the model speaks)."),
-    index_dir: Path | None = typer.Option(None, "--index-dir", help="Index folder (default: " + _DEFAULT_INDEX + ")."),
+    index_dir: str | None = typer.Option(None, "--index-dir", help="Index folder (default: " + _DEFAULT_INDEX + ")."),
     model: str = typer.Option(
         "default",
         "--model",

@@ -24,6 +24,7 @@ from typing import Any
 
 from rag_lookahead.atomic import write_bytes_atomic, write_json_atomic
 from rag_lookahead.errors import ConfigError
+from rag_lookahead.paths import refuse_blank_path
 
 __all__ = [
     "REPORT_MARK",
@@ -61,7 +62,8 @@ def check_output_file(
     """Refuse ``path`` for an output unless it can be written and replaces nothing but our own file:
     its folder must exist, it must not be a folder, not one of the run's ``inputs``, and a file
     already there must be one that ``ours`` recognises (a symlink never is). Returns what was there
-    (for :func:`output_target`'s ``seen``)."""
+    (for :func:`output_target`'s ``seen``). A blank ``path`` is refused (it read as ".": "is a folder")."""
+    refuse_blank_path(path, option)
     target = Path(path)
     # Path() drops a final "/": "results/" made a file named "results"
     if target.is_dir() or str(path).endswith(("/", os.sep)):

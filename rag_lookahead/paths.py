@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rag_lookahead.errors import ConfigError
 
-__all__ = ["cache_dir", "env_folder", "expand_user", "home_dir"]
+__all__ = ["cache_dir", "env_folder", "expand_user", "home_dir", "refuse_blank_path"]
 
 
 def cache_dir() -> Path:
@@ -42,9 +42,19 @@ def env_folder(name: str) -> Path | None:
     )
 
 
+def refuse_blank_path(path: str | os.PathLike[str] | None, what: str, instead: str = "give a path") -> None:
+    """A ConfigError naming ``what`` where ``path`` is a blank string ("" or spaces), as an unset
+    variable gives (``rag_lookahead index "$DOCS"``): pathlib reads "" as ".", so the working folder
+    was indexed in place of the documents, which dropped out of the index. ``instead``: what to do."""
+    if isinstance(path, str) and not path.strip():
+        raise ConfigError(f"{what} {path!r} is empty (an unset variable?): {instead}")
+
+
 def expand_user(path: str | os.PathLike[str], what: str) -> Path:
     """``Path(path).expanduser()``, where a ``~user`` naming no user (or a ``~`` with no home to
-    find) is a ConfigError naming ``what``, not pathlib's RuntimeError (a traceback in the CLI)."""
+    find) is a ConfigError naming ``what``, not pathlib's RuntimeError (a traceback in the CLI);
+    so is a blank ``path`` (:func:`refuse_blank_path`)."""
+    refuse_blank_path(path, what)
     try:
         return Path(path).expanduser()
     except RuntimeError:

@@ -35,6 +35,7 @@ from rag_lookahead.decoding.verify import input_device
 from rag_lookahead.errors import ConfigError, InputError, RagLookaheadError, first_line
 from rag_lookahead.interrupts import program_imported
 from rag_lookahead.output_files import PathTaken, check_output_file, is_chart, is_report, save_report
+from rag_lookahead.paths import refuse_blank_path
 from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.tokens import encode_messages, eos_ids, pad_id
 
@@ -195,10 +196,12 @@ def check_method_list(chosen: Sequence[str], extra_depths: Mapping[str, int], me
 @contextmanager
 def given_or_temporary_index(index_dir: str | None, build: Callable[[Path], Any], prefix: str) -> Iterator:
     """The index at ``index_dir``; without one, what ``build(folder)`` makes in a temporary folder
-    (named from ``prefix``) that is removed when the block ends."""
+    (named from ``prefix``) that is removed when the block ends. A blank ``index_dir`` is refused
+    (an unset variable ran on the temporary index)."""
     from rag_lookahead.rag.index import load_index
 
-    if index_dir:
+    if index_dir is not None:
+        refuse_blank_path(index_dir, "--index-dir", "name an index, or leave the option out")
         yield load_index(Path(index_dir))
         return
     with tempfile.TemporaryDirectory(prefix=prefix) as folder:
@@ -290,8 +293,7 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
     loading a model. An empty ``path`` is refused: it is no file, not a wish for the bundled set.
     """
     if path is not None:
-        if not path.strip():
-            raise InputError(f"--prompts {path!r} names no file (leave the option out for the bundled prompts)")
+        refuse_blank_path(path, "--prompts", "name a file, or leave the option out for the bundled prompts")
         try:
             text = read_input_text(path)
         except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError

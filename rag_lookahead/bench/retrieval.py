@@ -47,6 +47,7 @@ from rag_lookahead.bench.common import (
     run_command,
 )
 from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.paths import refuse_blank_path
 from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.rag.embedders import Embedder, USEEmbedder, get_embedder
 from rag_lookahead.rag.lexical import HYBRID_WEIGHTS, RRF_K, BM25Index, reciprocal_rank_fusion
@@ -96,6 +97,7 @@ def load_dataset(path: str | Path | None = None) -> list[Item]:
     sets come) is read as it is. Records with the same passage text are one passage with all their
     questions (either copy would be a right answer). The first line that breaks this raises
     :class:`InputError`."""
+    refuse_blank_path(path, "--dataset", "name a dataset or a file, or leave the option out")
     name = str(path) if path is not None else "bundled"
     if name in DATASETS:
         text = resources.files("rag_lookahead").joinpath(DATASETS[name]).read_text(encoding="utf-8")

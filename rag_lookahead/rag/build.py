@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rag_lookahead.errors import ConfigError, IndexLoadError, RebuildWarning, one_line
-from rag_lookahead.paths import expand_user
+from rag_lookahead.paths import expand_user, refuse_blank_path
 from rag_lookahead.rag import store
 from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, load_corpus, stage_bar
 from rag_lookahead.rag.headings import MARKDOWN_SUFFIXES, heading_paths, searched_text
@@ -37,6 +37,9 @@ __all__ = ["CHUNK_OVERLAP", "CHUNK_SIZE", "SEPARATORS", "IndexReport", "build_in
 CHUNK_SIZE = 400
 CHUNK_OVERLAP = 50
 HEADINGS_VERSION = 2  # how Markdown headings are read (see ``_previous``)
+# how a file's legacy encoding is guessed (see ``_previous``; ``rag.charset``): an index without
+# the key guessed the way before 2026-12-06 (a short GBK file with Latin words read as cp949)
+DECODING_VERSION = 2
 SEPARATORS = ["\n\n", "\n", "。", "！", "？", "；", ". ", "! ", "? ", " ", ""]
 
 
@@ -145,15 +148,19 @@ def _searched_starts(text: str, chunks: list[str], overlap: int | None = None) -
 # ---------------------------------------------------------------- building
 
 
-def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int]):
-    """The reusable part of an existing index: ``({source: (sha, [records], vectors)}, reason_if_not)``."""
+def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int], guessed: set[str]):
+    """The reusable part of an existing index: ``({source: (sha, [records], vectors)}, reason_if_not)``.
+
+    Files are keyed by their bytes' sha256, so a change in how text is read would never reach an
+    unchanged file: where the index read Markdown headings otherwise, its Markdown files are split
+    again; where it guessed encodings otherwise, the files whose encoding is guessed (``guessed``)."""
     if not (index_dir / store.MANIFEST).exists():
         return {}, None
     try:
         manifest = store.read_manifest(index_dir)
         if manifest["embedding_model"] != embedder.name:
             return {}, f"it was built with {manifest['embedding_model']!r}, now {embedder.name!r}"
-        if any(manifest.get(key) != value for key, value in chunking.items() if key != "headings"):
+        if any(manifest.get(key) != value for key, value in chunking.items() if key not in ("headings", "decoding")):
             return {}, "the chunking changed (chunk size or overlap)"
         if "headings" not in manifest:
             return {}, "it was built before Markdown chunks were searched under their headings"
@@ -166,6 +173,9 @@ def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int]):
         for source, (_, recs, vecs) in previous.items():
             if source.lower().endswith(MARKDOWN_SUFFIXES):
                 previous[source] = ("", recs, vecs)  # no file's sha256: split and embedded again, as updated
+    if manifest.get("decoding", 1) != chunking["decoding"]:  # encodings are guessed otherwise now: those files anew
+        for source in guessed & previous.keys():
+            previous[source] = ("", *previous[source][1:])
     return previous, None
 
 
@@ -261,14 +271,21 @@ def build_index(
     replace the user's index that an ``index`` run was writing when ``ask`` looked.
     """
     t0 = time.perf_counter()
+    refuse_blank_path(corpus_dir, "corpus folder")  # "" is ".": the working folder, over the documents indexed
     index_dir = expand_user(index_dir, "index folder") if index_dir is not None else default_index_dir()
     if not lock_timeout >= 0:
         raise ConfigError(f"lock_timeout must be >= 0 seconds, got {lock_timeout}")
     splitter = make_splitter(chunk_size, chunk_overlap)
     # "headings": chunks of Markdown files are searched with their heading path; an index built
     # before that is embedded again, one whose headings were read otherwise (version 1: CR-only
-    # lines, uncut titles, langchain's start_index) gets its Markdown files embedded again
-    chunking = {"chunk_size": chunk_size, "chunk_overlap": chunk_overlap, "headings": HEADINGS_VERSION}
+    # lines, uncut titles, langchain's start_index) gets its Markdown files embedded again;
+    # "decoding": one that guessed encodings otherwise reads those files again
+    chunking = {
+        "chunk_size": chunk_size,
+        "chunk_overlap": chunk_overlap,
+        "headings": HEADINGS_VERSION,
+        "decoding": DECODING_VERSION,
+    }
     store.check_target(index_dir)  # before any slow work, and before anything is created
     corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb, progress=progress)
 
@@ -325,7 +342,7 @@ def _embed_changes(index_dir: Path, corpus: Corpus, embedder: Embedder, splittin
     ``splitting``: the splitter and its ``{"chunk_size", "chunk_overlap"}`` (stored vectors are
     reused only under the same settings)."""
     splitter, chunking = splitting
-    previous, why_not = _previous(index_dir, embedder, chunking)
+    previous, why_not = _previous(index_dir, embedder, chunking, corpus.guessed)
     if why_not:
         report.rebuilt = True
         why = f"re-embedded everything: the index at {index_dir} could not be reused ({why_not})"
@@ -363,6 +380,7 @@ def _manifest(corpus: Corpus, records: list[dict], embedder: Embedder, settings:
         "chunk_size": settings["chunk_size"],
         "chunk_overlap": settings["chunk_overlap"],
         "headings": settings["headings"],
+        "decoding": settings["decoding"],
         "separators": SEPARATORS,
         "num_files": len(corpus.docs),
         "num_chunks": len(records),

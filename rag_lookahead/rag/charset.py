@@ -10,10 +10,15 @@ So its guess is checked by how *plausible* the decoded text is: real text keeps 
 (Chinese, Japanese kana with kanji, Korean Hangul, Cyrillic, Greek, Latin), mostly its common
 letters (for Chinese characters: the common ones of GB2312, Big5 and JIS), each where real
 text puts it (no Cyrillic letter inside a Latin word, no accented letter on a digit). When the first
-guess scores low and another decoding (one charset-normalizer found, or
-GB18030 or cp1252, the legacy encodings of most of our users' files) scores high, that one is
-taken. Scores that cannot tell (a short string that is plausible in two encodings) keep
-charset-normalizer's order.
+guess scores low, or another decoding (one charset-normalizer found, or GB18030 or cp1252, the
+legacy encodings of most of our users' files) scores clearly higher (by :data:`MARGIN`), the
+best-scoring one is taken: "Python编程入门：变量、函数和类。" in GBK read as cp949 scores 0.9
+(its Hangul syllables are common letters too) where GB18030 scores 1.0. Scores that cannot tell
+(a short string that is plausible in two encodings) keep charset-normalizer's order. Where no
+decoding reads as plausible, the best-scoring one is taken still, unless UTF-16 without a byte
+order mark reads as plausible (Chinese saved as UTF-16 by a Windows tool that wrote no mark;
+charset-normalizer's own UTF-16 guesses are not used, being what it says of short texts it cannot
+place).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 __all__ = ["Guess", "detect_legacy", "plausibility"]
 
 PLAUSIBLE = 0.9  # a decoding scoring at least this reads as real text in one script
+MARGIN = 0.05  # a decoding must score this much above charset-normalizer's plausible first guess to replace it
 FALLBACKS = ("gb18030", "cp1252")  # tried besides charset-normalizer's candidates
 
 # (first, last, script, weight): weight < 1 for letters that are rarer in real text
@@ -101,12 +107,20 @@ _CJK = frozenset({"han", "kana", "hangul"})
 _INSIDE_WORDS = frozenset("‘’“”–—…·\u00a0")
 
 
+def _cjk_punctuation(char: str) -> bool:
+    """Full-width punctuation of Chinese and Japanese text (、。「」 U+3000-303F; ，：？（） U+FF01-FF0F,
+    U+FF1A-FF20), which stands between Latin words there ("ls、cd、grep"). Not the half-width
+    forms U+FF61-FF65, which are how cp932 reads Latin-1 bytes."""
+    code = ord(char)
+    return 0x3000 <= code <= 0x303F or 0xFF01 <= code <= 0xFF0F or 0xFF1A <= code <= 0xFF20
+
+
 def _odd_here(text: str, i: int, script: str | None, cjk_runs: bool) -> bool:
     """Whether the non-ASCII character at ``i`` sits where real text never puts it: a letter of a
     non-Latin alphabet touching an ASCII letter, an accented Latin letter touching a digit ("ú40"
     is "£40" misread), a symbol between two letters, a CJK character touching an ASCII letter in
     a text with no two CJK characters in a row (Chinese next to Latin words, "用Python写代码",
-    has runs of them)."""
+    has runs of them). Full-width CJK punctuation between Latin words is not odd ("ls、cd")."""
     before = text[i - 1] if i else " "
     after = text[i + 1] if i + 1 < len(text) else " "
     if script in _ALPHABETS:
@@ -118,7 +132,12 @@ def _odd_here(text: str, i: int, script: str | None, cjk_runs: bool) -> bool:
     if script in _CJK and not cjk_runs:  # lone CJK characters on Latin words ("S縊 Paulo" is "São" read as cp932)
         return any(c < "\x80" and c.isalpha() for c in (before, after))
     if script is None:  # between Latin letters only: "，" between Chinese characters is punctuation
-        return text[i] not in _INSIDE_WORDS and _latin_letter(before) and _latin_letter(after)
+        return (
+            text[i] not in _INSIDE_WORDS
+            and not _cjk_punctuation(text[i])
+            and _latin_letter(before)
+            and _latin_letter(after)
+        )
     return False
 
 
@@ -180,14 +199,41 @@ def _candidates(data: bytes) -> list[Guess]:
     return guesses
 
 
+def _utf16_readings(data: bytes) -> list[Guess]:
+    """``data`` read as UTF-16-LE and -BE without a byte order mark, where it decodes (even length,
+    surrogates paired). Only a last resort (see :func:`detect_legacy`): ASCII pairs read as UTF-16
+    are Chinese characters ("Bush hid the facts"), and GBK's common characters read as UTF-16-BE
+    are Hangul syllables, so a legacy decoding that reads as plausible comes first."""
+    readings = []
+    if len(data) % 2 == 0:
+        for encoding in ("utf-16-le", "utf-16-be"):
+            try:
+                readings.append(Guess(data.decode(encoding), encoding))
+            except UnicodeDecodeError:
+                pass
+    return readings
+
+
+def _best(guesses: list[Guess], scores: list[float]) -> int:
+    """The index of the best-scoring guess; ties go to the earliest (charset-normalizer's order)."""
+    return max(range(len(guesses)), key=lambda i: (scores[i], -i))
+
+
 def detect_legacy(data: bytes) -> Guess | None:
     """The decoding of ``data`` (not UTF-8) most likely meant: charset-normalizer's first guess
-    unless it reads as implausible text and another decoding reads as plausible."""
+    unless it reads as implausible text or another decoding scores clearly higher (then the
+    best-scoring one); where none reads as plausible, UTF-16 without a byte order mark if that
+    does, else the best-scoring decoding still."""
     guesses = _candidates(data)
-    if not guesses:
-        return None
     scores = [plausibility(g.text) for g in guesses]
-    if scores[0] >= PLAUSIBLE:
-        return guesses[0]
-    best = max(range(len(guesses)), key=lambda i: (scores[i], -i))  # ties: charset-normalizer's order
-    return guesses[best] if scores[best] >= PLAUSIBLE else guesses[0]
+    if guesses:
+        best = _best(guesses, scores)
+        if scores[0] >= PLAUSIBLE and scores[best] - scores[0] < MARGIN:
+            return guesses[0]
+        if scores[best] >= PLAUSIBLE:
+            return guesses[best]
+    readings = _utf16_readings(data)
+    reading_scores = [plausibility(g.text) for g in readings]
+    if readings and max(reading_scores) >= PLAUSIBLE:
+        return readings[_best(readings, reading_scores)]
+    return guesses[_best(guesses, scores)] if guesses else None

@@ -140,6 +140,9 @@ class Corpus:
     docs: dict[str, tuple[str, str]]
     skipped: list[str] = field(default_factory=list)  # "path: reason"
     notes: list[str] = field(default_factory=list)  # "path: caveat"
+    # files whose encoding was guessed (not UTF-8, no byte order mark): read anew where the index
+    # was built with another way of guessing (``build.DECODING_VERSION``), the same bytes giving other text
+    guessed: set[str] = field(default_factory=set)
 
 
 def _read_pdf(data: bytes) -> str:
@@ -262,8 +265,9 @@ def _is_pdf(rel: str) -> bool:
     return rel.lower().endswith(".pdf")
 
 
-def _file_text(rel: str, data: bytes, notes: list[str]) -> str:
-    """The text of one file (PDF or text); raises ValueError with the reason it cannot be used."""
+def _file_text(rel: str, data: bytes, notes: list[str], guessed: set[str]) -> str:
+    """The text of one file (PDF or text); raises ValueError with the reason it cannot be used.
+    A text file whose encoding was guessed is added to ``guessed``."""
     if _is_pdf(rel):
         try:
             text = _read_pdf(data)
@@ -284,9 +288,11 @@ def _file_text(rel: str, data: bytes, notes: list[str]) -> str:
         note = f"{rel}: {decoded.replaced} undecodable byte(s) replaced with U+FFFD (read as {decoded.encoding})"
         notes.append(note)
         warnings.warn(note, CorpusWarning, stacklevel=4)
+    elif decoded.encoding in ("utf-16", "utf-32"):
+        notes.append(f"{rel}: read as {decoded.encoding} (byte order mark)")
     elif decoded.encoding not in ("utf-8", "utf-8-sig"):
-        how = "byte order mark" if decoded.encoding in ("utf-16", "utf-32") else "detected"
-        notes.append(f"{rel}: read as {decoded.encoding} ({how})")
+        notes.append(f"{rel}: read as {decoded.encoding} (detected)")
+        guessed.add(rel)
     return decoded.text
 
 
@@ -327,7 +333,7 @@ def load_corpus(
                 skip(rel, data)
                 continue
             try:
-                text = _file_text(rel, data, corpus.notes)
+                text = _file_text(rel, data, corpus.notes, corpus.guessed)
             except ValueError as e:
                 skip(rel, str(e))
                 continue

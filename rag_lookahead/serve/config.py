@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args
 
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError
+from rag_lookahead.paths import refuse_blank_path
 
 __all__ = [
     "API_KEY_ENV",
@@ -205,6 +206,8 @@ class ServerConfig:
             if isinstance(value, os.PathLike):
                 value = os.fspath(value)
                 setattr(self, name, value)
+            if name == "index_dir":  # "  " was loaded as a folder named so, after the model
+                refuse_blank_path(value, name, "name the index folder, or leave it out")
             if value is not None and (not isinstance(value, str) or not value or len(value) > 4096):
                 raise ConfigError(f"{name} must be a non-empty string or None, got {value!r}")
         if self.log_level not in LOG_LEVELS:

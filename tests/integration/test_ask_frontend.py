@@ -233,3 +233,12 @@ def test_no_index_advice_works_where_it_is_followed(tmp_path, tiny_llm, kind):
         assert f"--index-dir {target}`" in line, line
         built = CliRunner().invoke(app, ["index", str(docs), "--index-dir", str(target), "--no-progress"])
         assert built.exit_code == 0, built.output
+
+
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_a_blank_index_dir_is_refused_not_read_as_the_working_folder(index_dir, tiny_llm, monkeypatch, blank):
+    """`ask --index-dir "$IDX"` with $IDX unset: typer read "" as Path("."), and the answer came
+    from whatever index the working folder held."""
+    monkeypatch.chdir(index_dir)
+    line = one_error_line(CliRunner().invoke(app, ["ask", "What is branch_length?", "--index-dir", blank]))
+    assert line == f"error: --index-dir {blank!r} is empty (an unset variable?): give a path"

@@ -542,6 +542,43 @@ def test_cli_builds_into_an_empty_folder_and_rebuilds_its_own_index(tmp_path, bu
     assert "3 unchanged" in again.stdout and "0 embedded" in again.stdout
 
 
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["", "--index-dir", "{index}"], "corpus folder ''"),
+        (["  ", "--index-dir", "{index}"], "corpus folder '  '"),
+        (["{corpus}", "--index-dir", ""], "index folder ''"),
+        ([""], "corpus folder ''"),  # into the default index, $RAG_LOOKAHEAD_HOME/index
+    ],
+)
+def test_a_blank_path_is_refused_and_the_index_left_as_it_was(tmp_path, built, monkeypatch, args, named):
+    """`rag_lookahead index "$DOCS"` with $DOCS unset: typer read "" as Path("."), so the working
+    folder was indexed and the documents indexed before dropped out of the index."""
+    index = tmp_path / "home" / "index"
+    shutil.copytree(built[1], index)
+    monkeypatch.setenv("RAG_LOOKAHEAD_HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "cwd" / "diary.txt").write_text("private diary text", encoding="utf-8")
+    monkeypatch.chdir(tmp_path / "cwd")
+    before = tree(tmp_path)
+    result = run_cli("index", *(a.format(index=index, corpus=built[0]) for a in args), "--no-progress")
+    assert result.exit_code == 1, result.output
+    assert one_line(result.stderr) == f"error: {named} is empty (an unset variable?): give a path"
+    assert tree(tmp_path) == before
+
+
+def test_the_library_refuses_a_blank_folder(tmp_path, built, monkeypatch):
+    monkeypatch.chdir(built[1])  # an index: "" (".") loaded it
+    for blank in ("", " "):
+        with pytest.raises(ConfigError, match=f"^corpus folder {blank!r} is empty"):
+            ix.build_index(blank, tmp_path / "ix", progress=False)
+        with pytest.raises(ConfigError, match=f"^index folder {blank!r} is empty"):
+            ix.build_index(built[0], blank, progress=False)
+        with pytest.raises(ConfigError, match=f"^index folder {blank!r} is empty"):
+            ix.load_index(blank)
+    assert not (tmp_path / "ix").exists()
+
+
 @pytest.mark.parametrize("stderr", ["closed", "full", "reader gone"])
 def test_a_progress_bar_that_cannot_be_drawn_costs_nothing(tmp_path, built, stderr):
     """Measured bug: with stderr closed, full or its reader gone, the embedding bar's first draw
@@ -1225,6 +1262,11 @@ SHORT_OR_MOSTLY_ASCII = [
     ("王小明，你好！", "gbk"),
     ("通知：明天开会。", "gbk"),
     ("会議は、明日の午後３時です。", "shift_jis"),
+    # GBK with Latin words, read as cp949 where GB18030 read them right: its first guess kept for
+    # scoring 0.9 against GB18030's 1.0, and "、" between Latin words counted against GB18030
+    ("Python编程入门：变量、函数和类。\n", "gbk"),
+    ("Linux常用命令：ls、cd、grep\n", "gbk"),
+    ("使用git commit、git push命令提交代码。", "gbk"),
 ]
 
 
@@ -1243,6 +1285,8 @@ def test_real_text_reads_as_plausible_and_wrong_decodings_do_not():
         assert plausibility(text) >= PLAUSIBLE, text
     # text that mixes scripts as writers do: Latin words in Chinese, digits by Cyrillic, signs
     for text in ("用Python写代码", "iPhone手机", "A股上涨", "Windows 10 и Linux", "3×4 m, 5°C", "don’t", "£40", "1ère"):
+        assert plausibility(text) >= PLAUSIBLE, text
+    for text in ("ls、cd", "ls，cd", "git「commit」", "A：B"):  # full-width CJK punctuation between Latin words
         assert plausibility(text) >= PLAUSIBLE, text
     for wrong in (
         "珙鬼츠",
@@ -1276,6 +1320,51 @@ def test_encoded_corpus_is_indexed_without_mojibake(tmp_path, embedder):
     assert "damaged.md: 1 undecodable byte(s) replaced with U+FFFD (read as utf-8)" in report.notes
     assert any(n.startswith("big5.txt: read as big5") for n in report.notes)
     assert "note damaged.md: 1 undecodable byte(s)" in report.summary()
+
+
+def test_where_no_decoding_reads_as_plausible_the_best_scoring_one_is_taken():
+    """Rare characters: GB18030 scores 0.86 (below plausible) and best; charset-normalizer's first
+    guess, cp949 at 0.4, was kept."""
+    from rag_lookahead.rag.charset import PLAUSIBLE, plausibility
+
+    text = "婺源的篁岭"
+    assert plausibility(text) < PLAUSIBLE
+    assert ix.decode_text(text.encode("gbk")) == ix.DecodedText(text, "gb18030")
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
+def test_utf16_chinese_without_a_byte_order_mark_is_read_as_utf16(encoding):
+    """Read as GB18030 mojibake before (plausibility 0.37): UTF-16 was no candidate without a mark."""
+    text = "你好世界这个文件讲的是黄河的源头在青海省"
+    assert ix.decode_text(text.encode(encoding)) == ix.DecodedText(text, encoding)
+
+
+def test_files_read_with_the_old_encoding_guess_are_read_again(tmp_path, embedder, monkeypatch):
+    """Files are keyed by their bytes' sha256, so a better encoding guess never reached an unchanged
+    file: an index built with the old guess kept the cp949 reading of a GBK file for good."""
+    from rag_lookahead.atomic import write_json_atomic
+    from rag_lookahead.rag import charset
+
+    text = "Python编程入门：变量、函数和类。\n"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "intro.txt").write_bytes(text.encode("gbk"))
+    (corpus / "tea.md").write_text(TEA, encoding="utf-8")
+    old_guess = charset.Guess(text.encode("gbk").decode("cp949"), "cp949")  # what the old guess read
+    with monkeypatch.context() as patched:
+        patched.setattr(charset, "detect_legacy", lambda data: old_guess)
+        build(corpus, tmp_path / "index", embedder)
+    manifest = json.loads((tmp_path / "index" / "manifest.json").read_text(encoding="utf-8"))
+    manifest.pop("decoding", None)  # as the builds before the key wrote it
+    write_json_atomic(tmp_path / "index" / "manifest.json", manifest)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no full rebuild
+        again = build(corpus, tmp_path / "index", embedder)
+    assert (again.updated, again.unchanged) == (1, 1)
+    texts = {r["source"]: r["text"] for r in ix.load_index(tmp_path / "index", embedder).records}
+    assert texts["intro.txt"] == text.strip()
+    third = build(corpus, tmp_path / "index", embedder)  # read with this guess: kept
+    assert third.kept and third.embedded_chunks == 0
 
 
 def test_decode_text_edge_cases():

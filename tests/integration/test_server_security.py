@@ -80,6 +80,9 @@ def test_api_keys_from_flags_or_environment():
         config_from_args(parse(["--api-key", ""]), env)  # e.g. --api-key "$UNSET": the variable's keys were dropped
     with pytest.raises(ConfigError, match="holds no key"):
         config_from_args(parse([]), {API_KEY_ENV: " , "})
+    for blank in ("", "  "):  # --index-dir "$UNSET": "  " was loaded as a folder of that name, after the model
+        with pytest.raises(ConfigError, match=f"^index_dir {blank!r} is empty \\(an unset variable\\?\\)"):
+            config_from_args(parse(["--index-dir", blank]), {})
     config = config_from_args(
         parse(
             [

@@ -20,7 +20,9 @@ NO_METHOD = 2  # typer's usage error (the options' own checks: --methods, --temp
 BELOW = "must be an integer >= 1, got"
 FOLDER = "error: --json '{dir}' is a folder; give a file path"
 KEPT = "remove it or give another path (nothing was changed)"
-NO_FILE = "names no file (leave the option out for the bundled prompts)"
+NO_FILE = "is empty (an unset variable?): name a file, or leave the option out for the bundled prompts"
+NO_INDEX = "is empty (an unset variable?): name an index, or leave the option out"
+NO_DATASET = "is empty (an unset variable?): name a dataset or a file, or leave the option out"
 BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a usage error's code)
     ("single", ["--limit", "0"], f"error: --limit {BELOW} 0"),
     ("single", ["--limit", "-2"], f"error: --limit {BELOW} -2"),
@@ -88,6 +90,12 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
         ["--index-dir", "{dir}/none"],
         "error: no index at {dir}/none: build one with `rag_lookahead index DIR --index-dir {dir}/none`",
     ),
+    # a blank path (an unset variable): --index-dir ran on the temporary index of the bundled
+    # corpus, --json said "'' is a folder"
+    ("rag", ["--index-dir", ""], f"error: --index-dir '' {NO_INDEX}"),
+    ("session", ["--index-dir", " "], f"error: --index-dir ' ' {NO_INDEX}"),
+    ("session", ["--dataset", ""], f"error: --dataset '' {NO_DATASET}"),
+    ("single", ["--json", ""], "error: --json '' is empty (an unset variable?): give a path"),
     ("session", ["--k-prompt", "0"], f"error: --k-prompt {BELOW} 0"),
     ("session", ["--k-seed", "1"], "error: --k-seed must be an integer >= --k-prompt (3), got 1"),
     (

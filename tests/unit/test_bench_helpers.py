@@ -165,7 +165,7 @@ def test_a_bad_prompts_file_names_its_first_bad_line(tmp_path, text, message):
 
 def test_unreadable_prompts_and_unknown_ids_are_input_errors(tmp_path):
     from rag_lookahead.bench.common import load_prompts
-    from rag_lookahead.errors import InputError
+    from rag_lookahead.errors import ConfigError, InputError
 
     with pytest.raises(InputError, match="cannot read the prompts file"):
         load_prompts(str(tmp_path / "missing.jsonl"))
@@ -175,7 +175,7 @@ def test_unreadable_prompts_and_unknown_ids_are_input_errors(tmp_path):
     with pytest.raises(InputError, match="unknown prompt ids: nope"):
         load_prompts(None, "nope")
     for empty in ("", " "):  # ran the bundled set as if no file had been named
-        with pytest.raises(InputError, match=f"^--prompts {empty!r} names no file"):
+        with pytest.raises(ConfigError, match=rf"^--prompts {empty!r} is empty \(an unset variable\?\)"):
             load_prompts(empty)
 
 

@@ -60,6 +60,10 @@ BAD_BATCH_ARGS = [  # (arguments after the script, the one error line's start); 
     # (and one 3 bytes shorter: the name beside it, answers.NN.jsonl, when the file changed meanwhile)
     (["{d}/q.jsonl", "{d}/" + "a" * 241 + ".jsonl"], "error: answers '{d}/" + "a" * 241 + ".jsonl': cannot write"),
     (["{d}/q.jsonl", "{d}/out.jsonl", "--index-dir=~/no-such-index-here"], "error: no index at " + str(Path.home())),
+    # a blank path (an unset variable) read as ".", the working folder
+    (["", "{d}/out.jsonl"], "error: questions '' is empty (an unset variable?): give a path"),
+    (["{d}/q.jsonl", " "], "error: answers ' ' is empty (an unset variable?): give a path"),
+    (["{d}/q.jsonl", "{d}/out.jsonl", "--index-dir", ""], "error: --index-dir '' is empty (an unset variable?)"),
 ]
 
 
@@ -153,6 +157,7 @@ def test_an_input_file_with_a_byte_order_mark_reads_as_its_text(tmp_path):
         ("chat_stream.py", ["q", "--k", "4", "--k-seed", "2"], "error: --k-seed must be an integer >= --k (4)"),
         ("lcel_chain.py", ["q", "--max-tokens", "0"], "error: --max-tokens/--max-new-tokens must be an integer >= 1"),
         ("retrieval_qa.py", ["？！"], "error: the question has no letters or digits to search for"),
+        ("retrieval_qa.py", ["q", "--index-dir", " "], "error: --index-dir ' ' is empty (an unset variable?)"),
         # said after the sample index was built, where ask says it before
         ("lcel_chain.py", ["q", "--model", "quality"], "error: the embedded quality model is not installed"),
     ],
