@@ -270,7 +270,10 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         return params | self._sampling_params()
 
     def get_token_ids(self, text: str) -> list[int]:
-        """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub)."""
+        """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub), or
+        by ``custom_get_token_ids`` where one is given, as LangChain's own models count."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
         return self._engine.token_ids(text)
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:

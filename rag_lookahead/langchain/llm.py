@@ -235,7 +235,10 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         return len(self._encode(prompt))
 
     def get_token_ids(self, text: str) -> list[int]:
-        """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub)."""
+        """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub), or
+        by ``custom_get_token_ids`` where one is given, as LangChain's own models count."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
         return self._engine.token_ids(text)
 
     @property

@@ -1010,3 +1010,14 @@ def test_a_model_id_is_read_as_load_model_reads_it(tmp_path, monkeypatch):
     assert embedded._engine.model.config.vocab_size > 96
     with pytest.raises(ConfigError, match="~"):
         ChatLookahead(model="~no-such-user-here/model", max_tokens=2)._engine  # noqa: B018
+
+
+def test_a_custom_token_counter_is_used_by_both_models(tiny_chat):
+    """LangChain counts with ``custom_get_token_ids`` where one is given (get_num_tokens,
+    trim_messages); ours took the field and counted with the tokenizer all the same."""
+    counter = lambda text: [1] * (10 * len(text.split()))  # noqa: E731
+    chat = tiny_chat.model_copy(update={"custom_get_token_ids": counter})
+    llm = LookaheadLLM(model=tiny_chat.model, tokenizer=tiny_chat.tokenizer, custom_get_token_ids=counter)
+    for model in (chat, llm):
+        assert model.get_num_tokens("t5 t6") == 20
+    assert tiny_chat.get_num_tokens("t5 t6") == len(tiny_chat.tokenizer.encode("t5 t6", add_special_tokens=False)) < 20
