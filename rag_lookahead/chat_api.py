@@ -11,7 +11,8 @@ so the answer equals ``model.generate``'s for the same generation config::
 History comes in either of the two shapes those models use and goes back in the same shape:
 Qwen-1's ``[(query, answer), ...]`` pairs (also the shape for ``history=None``), or
 ChatGLM3/OpenAI-style messages ``[{"role": "user", "content": ...}, ...]``, which may start
-with a system message.
+with a system message (or a ``developer`` one, OpenAI's newer name for it: the template gets a
+system message, as the server gives it).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _chat(model, tokenizer, query, history, generation_config, system, reference
     as_messages = _is_messages(history)
     messages = _messages(history, as_messages)
     if system is not None:
-        if messages and messages[0].get("role") == "system":
+        if messages and messages[0].get("role") in ("system", "developer"):  # developer: OpenAI's newer name
             raise InputError("history already starts with a system message; do not also pass system=")
         messages.insert(0, {"role": "system", "content": system})
     messages.append({"role": "user", "content": query})

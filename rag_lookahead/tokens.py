@@ -317,9 +317,15 @@ def encode_messages(
 
     ``tools`` go to the template (a template that never reads them is refused, not ignored);
     ``answer_prefix`` is text the assistant's turn starts with; ``template_variables`` are more
-    variables the template may read (Qwen3's ``enable_thinking``). A tokenizer without a chat
-    template gets the contents joined by blank lines.
+    variables the template may read (Qwen3's ``enable_thinking``). A ``developer`` message is a
+    system message, as OpenAI reads it (templates know only the older name: Qwen's drops it).
+
+    A tokenizer without a chat template (a base model) gets the contents joined by blank lines:
+    ``LookaheadLLM``, ``ask`` and ``/v1/rag`` send one user message (after ``LookaheadLLM``'s
+    system prompt, if set), whose text is then the prompt. Conversations need the template's
+    roles and turns: ``rag_lookahead.chat`` and ``/v1/chat/completions`` refuse such a tokenizer.
     """
+    messages = [_as_template_role(m) for m in messages]
     template = chat_template_text(tokenizer)
     if not template:
         if tools:
@@ -339,8 +345,16 @@ def encode_messages(
     return list(tokenizer(_unicode(text + answer_prefix), add_special_tokens=False)["input_ids"])
 
 
-#: the roles every chat template renders; others (GLM's "observation", Llama's "ipython") only some
-_COMMON_ROLES = frozenset({"system", "user", "assistant", "tool"})
+#: OpenAI's role names that chat templates know by an older one
+_TEMPLATE_ROLES = {"developer": "system"}
+#: the roles every chat template renders; others only some: "tool" (Phi-3-mini's template renders
+#: system, user and assistant only), GLM's "observation", Llama's "ipython"
+_COMMON_ROLES = frozenset({"system", "user", "assistant"})
+
+
+def _as_template_role(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    role = message.get("role")
+    return {**message, "role": _TEMPLATE_ROLES[role]} if role in _TEMPLATE_ROLES else message
 
 
 def _check_nothing_left_out(tokenizer, messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any]) -> None:
@@ -363,7 +377,7 @@ def _check_nothing_left_out(tokenizer, messages: Sequence[Mapping[str, Any]], ex
         if f"ragprobe{i}x{tag}" not in text:
             raise InputError(
                 f"the chat template left out a message of role {messages[i].get('role')!r}: this model's"
-                " template renders system, user, assistant and tool messages"
+                " template does not render that role, and the model would answer as if it had never been sent"
             )
 
 

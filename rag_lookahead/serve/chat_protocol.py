@@ -113,7 +113,9 @@ class ChatMessage(BaseModel):
     content: Text | list[TextPart] | None = Field(None, description="a string or text parts (text only)")
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant turn's calls")
     tool_call_id: Text | None = Field(None, description="a tool result's call")
-    name: Text | None = Field(None, description="a tool result's function")
+    name: Text | None = Field(
+        None, description="the participant's name (a tool result's: its function), passed to the chat template"
+    )
 
     @model_validator(mode="after")
     def _fields_of_the_role(self) -> ChatMessage:
@@ -127,12 +129,16 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
     def for_template(self) -> dict[str, Any]:
-        """The message as the chat template takes it (``developer`` is a system message)."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        """The message as the chat template takes it, as ``apply_chat_template`` and vLLM pass it:
+        ``name`` for any role (a template may show who speaks), ``tool_call_id`` for a tool result
+        (``tokens.encode_messages`` reads ``developer`` as system)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
-        if self.role == "tool":
-            message.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v})
+        if self.role == "tool" and self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name:
+            message["name"] = self.name
         return message
 
 

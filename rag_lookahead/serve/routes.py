@@ -48,7 +48,7 @@ from rag_lookahead.serve.responses import (
 )
 from rag_lookahead.serve.streaming import ClientGone, EngineStream, collect, stream
 from rag_lookahead.serve.tool_calls import ToolSetup, tool_setup
-from rag_lookahead.tokens import TextTracker
+from rag_lookahead.tokens import TextTracker, chat_template_text
 
 __all__ = ["generation", "status"]
 
@@ -201,6 +201,13 @@ async def completions(body: CompletionRequest, http_request: Request) -> Respons
 @generation.post("/v1/chat/completions", response_model=None, responses=_documented(ChatCompletion))
 async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
     engine = _engine(http_request)
+    if not chat_template_text(engine.tokenizer):  # contents joined without roles was a silent 200
+        raise ApiError(
+            400,
+            "this model's tokenizer has no chat template, so messages cannot be made into a prompt: "
+            "send the text to /v1/completions",
+            param="messages",
+        )
     max_tokens, stop = _length_and_stop(body, engine)
     template_tools = body.template_tools()
     messages = checked_messages(body.messages, engine.config, (template_tools, body.chat_template_kwargs))
@@ -211,35 +218,47 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request) -
         engine.tokenizer,
         engine.config.model_name,
     )
-    try:
-        prompt = await run_in_threadpool(  # with tools, they go to the template and the answer opens with a call
-            engine.encode_chat,
-            messages,
-            tools=tools.tools,
-            answer_prefix=tools.opening,
-            template_variables=body.chat_template_kwargs,
-        )
-    except Exception as e:  # a template that refuses this conversation (e.g. role order)
-        raise _template_refusal(e) from None
+    prompt = await _encode_chat(  # with tools, they go to the template and the answer opens with a call
+        engine,
+        messages,
+        tools=tools.tools,
+        answer_prefix=tools.opening,
+        template_variables=body.chat_template_kwargs,
+    )
     jobs = _submit(engine, [checked_prompt(prompt, engine, "messages")], max_tokens, stop, body, http_request, tools)
     model = body.model or engine.config.model_name
     shape = ChatShape(_new_id("chatcmpl"), int(time.time()), model, _logprob_format(body, engine), tools=tools)
     return await _respond(jobs, shape, bool(body.stream), body.include_usage, http_request, engine)
 
 
-def _template_refusal(error: Exception) -> ApiError:
-    """The chat template refused the messages: its own message when it raised one on purpose."""
+async def _encode_chat(
+    engine: Engine, messages: list[dict], what: str = "these messages", param: str | None = "messages", **options
+) -> list[int]:
+    """``engine.encode_chat`` off the event loop (``options`` are its own); a template that refuses
+    the messages (role order, a required system message) answers 400, never a 500 with a traceback,
+    on every endpoint that builds a chat prompt. ``what`` and ``param`` name the messages refused."""
+    try:
+        return await run_in_threadpool(engine.encode_chat, messages, **options)
+    except Exception as e:  # noqa: BLE001 - a template may raise anything; none of it is the server's fault
+        raise _template_refusal(e, what, param) from None
+
+
+def _template_refusal(error: Exception, what: str, param: str | None) -> ApiError:
+    """The chat template refused the messages: its own message when it raised one on purpose, ours
+    when :mod:`rag_lookahead.tokens` refused what the template did with them (a message left out)."""
     try:
         from jinja2.exceptions import TemplateError
     except ImportError:  # pragma: no cover - transformers needs jinja2 for templates
         TemplateError = ()  # type: ignore[assignment]
+    if isinstance(error, InputError) and error.__context__ is None and len(str(error)) <= 300:
+        return ApiError(400, str(error), param=param)  # worded for people, raised on no other error
     if isinstance(error, InputError) and error.__context__ is not None:
         error = error.__context__  # tokens.encode_messages words it for people; judge the template's own error
     if isinstance(error, TemplateError) and str(error) and len(str(error)) <= 300:
-        return ApiError(400, f"the chat template rejected these messages: {error}", param="messages")
+        return ApiError(400, f"the chat template rejected {what}: {error}", param=param)
     # one line, no traceback: a nested tool schema made ~300 KB of traceback per 6 KB request
     log.info("chat template failed: %s: %.200s", type(error).__name__, error)
-    return ApiError(400, "the chat template rejected these messages", param="messages")
+    return ApiError(400, f"the chat template rejected {what}", param=param)
 
 
 @generation.post("/v1/rag", response_model=None, responses=_documented(RagAnswer))
@@ -274,7 +293,7 @@ async def rag(body: RagRequest, http_request: Request) -> Response:
     retrieval_seconds = time.perf_counter() - start
     shown, seeds = docs[:k], docs[k:]
     message = {"role": "user", "content": make_prompt(body.question, shown)}
-    prompt = await run_in_threadpool(engine.encode_chat, [message])
+    prompt = await _encode_chat(engine, [message], "the prompt built from the question", None)
     seeded = engine.lookahead.enabled and seeds
     references = await run_in_threadpool(engine.encode_passages, [d.page_content for d in seeds]) if seeded else []
     key = getattr(http_request.state, "key_id", "")

@@ -118,9 +118,31 @@ def test_a_message_the_template_leaves_out_is_refused_and_one_it_quotes_is_not(t
         encode_messages(picky, [{"role": "observation", "content": "t5"}, question])
     with pytest.raises(InputError, match="left out a message of role 'observation'"):
         chat(model, picky, "t5 t6", [{"role": "observation", "content": "t5"}])
+    # a tool result too: Phi-3-mini's template renders system, user and assistant turns only
+    with pytest.raises(InputError, match="left out a message of role 'tool'"):
+        encode_messages(picky, [question, {"role": "assistant", "content": "t7"}, {"role": "tool", "content": "t8"}])
     quoted = encode_messages(picky, [{"role": "ipython", "content": "t7\nt8"}, question])
     assert len(quoted) > len(encode_messages(picky, [question]))
     assert encode_messages(tokenizer, [{"role": "observation", "content": "t5"}, question])  # rendered: taken
+
+
+def test_a_developer_message_is_the_system_message(tiny):
+    """``developer`` is OpenAI's newer name for system, and the server takes it so; chat() passed it
+    to the template as it was (Qwen's template drops roles it does not know: refused)."""
+    model, tokenizer = tiny
+    known_roles = tiny_tokenizer()
+    known_roles.chat_template = (
+        "{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant'] %}"
+        "t2 {{ m['role'] }} {{ m['content'] }} <eos> {% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}t2 assistant {% endif %}"
+    )
+    config = GenerationConfig(max_new_tokens=6, do_sample=False)
+    history = [{"role": "developer", "content": "t40"}, {"role": "user", "content": "t5"}]
+    answer, new_history = chat(model, known_roles, "t7", history, generation_config=config)
+    same, _ = chat(model, known_roles, "t7", [{**history[0], "role": "system"}, history[1]], generation_config=config)
+    assert answer == same and new_history[0] == history[0]  # the caller's history keeps its own words
+    with pytest.raises(InputError, match="system"):
+        chat(model, known_roles, "t7", history, system="t41")
 
 
 @pytest.mark.slow
