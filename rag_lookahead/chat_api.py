@@ -28,7 +28,7 @@ from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.decoding.verify import input_device
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.hf_entry import hf_generate
-from rag_lookahead.tokens import encode_messages
+from rag_lookahead.tokens import chat_template_text, encode_messages
 
 #: answer length when neither the given config nor the model's sets one (transformers would stop at 20 tokens)
 DEFAULT_MAX_NEW_TOKENS = 512
@@ -135,7 +135,7 @@ def _messages(history, as_messages: bool) -> list[dict[str, Any]]:
 
 def _encode(tokenizer, messages: list[dict]) -> dict:
     """``generate``'s inputs for one conversation, through the chat template (``tokens.encode_messages``)."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not chat_template_text(tokenizer):
         raise ConfigError("the tokenizer has no chat template; rag_lookahead.chat needs a chat model")
     ids = torch.tensor([encode_messages(tokenizer, messages)], dtype=torch.long)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

@@ -70,7 +70,7 @@ from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFie
 from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening, plain_choice
 from rag_lookahead.langchain.tools import parse_tool_calls as parse_tool_calls
 from rag_lookahead.models import reported_name
-from rag_lookahead.tokens import checked_stop, encode_messages
+from rag_lookahead.tokens import chat_template_text, checked_stop, encode_messages
 
 __all__ = ["ChatLookahead", "parse_tool_calls"]
 
@@ -365,6 +365,11 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         opening = forced_opening(tool_choice, tools)
         if tool_choice == "none":
             tools = []
+        if not chat_template_text(self._engine.tokenizer):  # contents joined without roles: a silent wrong prompt
+            raise ConfigError(
+                "the tokenizer has no chat template, so messages cannot be made into a prompt:"
+                " ChatLookahead needs a chat model (LookaheadLLM takes a base model's text)"
+            )
         chat = template_messages(messages)
         ids = encode_messages(self._engine.tokenizer, chat, tools=tools or None, answer_prefix=opening)
         check_prompt_room(self._engine.model, len(ids))  # here, so a batch fails this input alone

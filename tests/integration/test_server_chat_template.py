@@ -141,3 +141,18 @@ def test_without_a_chat_template_chat_is_refused_and_rag_prompts_are_the_text(ti
     assert rag.json()["stats"]["usage"]["prompt_tokens"] == len(engine.tokenizer(text)["input_ids"])
     llm = LookaheadLLM(model=engine.model, tokenizer=engine.tokenizer, system_prompt="t40")  # ask's model, with one
     assert llm.check_prompt("t5 t6") == len(engine.tokenizer("t40\n\nt5 t6")["input_ids"]) == 3
+
+
+def test_the_chat_model_refuses_a_tokenizer_without_a_chat_template():
+    """ChatLookahead joined a conversation's contents without roles and answered that, as the
+    server's chat route did."""
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    from rag_lookahead.errors import ConfigError
+    from rag_lookahead.langchain.chat_model import ChatLookahead
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = None
+    chat = ChatLookahead(model=tiny_model("qwen2"), tokenizer=tokenizer, max_tokens=2)
+    with pytest.raises(ConfigError, match="no chat template"):
+        chat.invoke([SystemMessage("t40"), HumanMessage("t5")])
