@@ -90,6 +90,10 @@ def _script(char: str) -> tuple[str, float] | None:
     code = ord(char)
     if char in _NEUTRAL or 0x2000 <= code <= 0x206F or 0x3000 <= code <= 0x303F or 0xFF01 <= code <= 0xFF65:
         return None
+    # arrows, ①, shapes (■ ○ ▶), ★ ☎: bullets of any script; not box drawing or blocks (U+2500-259F),
+    # which are what DOS code pages (cp437, cp866) make of other encodings' letters
+    if 0x2190 <= code <= 0x21FF or 0x2460 <= code <= 0x24FF or 0x25A0 <= code <= 0x26FF:
+        return None
     for first, last, script, weight in _RANGES:
         if first <= code <= last:
             if script == "han" and char not in _common_han():
@@ -221,15 +225,20 @@ def _best(guesses: list[Guess], scores: list[float]) -> int:
 
 def detect_legacy(data: bytes) -> Guess | None:
     """The decoding of ``data`` (not UTF-8) most likely meant: charset-normalizer's first guess
-    unless it reads as implausible text or another decoding scores clearly higher (then the
-    best-scoring one); where none reads as plausible, UTF-16 without a byte order mark if that
-    does, else the best-scoring decoding still."""
+    unless it reads as implausible text (then the best-scoring decoding) or a fallback (GB18030,
+    cp1252) scores clearly higher (then that one); where none reads as plausible, UTF-16 without
+    a byte order mark if that does, else the best-scoring decoding still."""
     guesses = _candidates(data)
     scores = [plausibility(g.text) for g in guesses]
     if guesses:
+        if scores[0] >= PLAUSIBLE:
+            # it gives way only to a fallback (GB18030, cp1252) scoring clearly higher: between
+            # charset-normalizer's own candidates its order knows more than our scores (EUC-KR
+            # with bullets read as EUC-JIS kanji scored higher than the Hangul it was)
+            fallbacks = [i for i, g in enumerate(guesses) if g.encoding in FALLBACKS]
+            fallback = max(fallbacks, key=lambda i: (scores[i], -i), default=0)
+            return guesses[fallback] if scores[fallback] - scores[0] >= MARGIN else guesses[0]
         best = _best(guesses, scores)
-        if scores[0] >= PLAUSIBLE and scores[best] - scores[0] < MARGIN:
-            return guesses[0]
         if scores[best] >= PLAUSIBLE:
             return guesses[best]
     readings = _utf16_readings(data)

@@ -1276,6 +1276,32 @@ def test_short_and_mostly_ascii_legacy_files_read_as_written(text, encoding):
     assert decoded is not None and decoded.text == text, (decoded, encoding)
 
 
+# documents with bullets and symbols (■ ○ ★ ▶ ①), and French with an œ: charset-normalizer's
+# first guess was right, and a decoding scoring higher on our scale (EUC-KR read as EUC-JIS kanji
+# or Thai, cp1252 as Mac Roman, GBK with stars as cp1252) replaced it
+WITH_SYMBOLS = [
+    ("■ 회사 개요\n설립: 1998년\n직원 수: 120명\n", "euc_kr", 1),
+    ("■ 회사 개요\n설립: 1998년\n직원 수: 120명\n", "euc_kr", 10),
+    ("★ 이벤트 안내 ★\n참가 신청은 홈페이지에서 하실 수 있습니다.\n", "euc_kr", 1),
+    (
+        "※ 공지사항\n○ 회의 일정: 다음 주 월요일 오전 10시\n○ 장소: 본사 3층 대회의실\n"
+        "■ 참석 대상: 전 직원\n▶ 문의: 총무팀\n",
+        "euc_kr",
+        20,
+    ),
+    ("Le cœur de la ville est très animé. Les élèves étudient à l'école.\n", "cp1252", 10),
+    ("★★★ 推荐 ★★★\n这家拉面很好吃。\n", "gbk", 10),
+    ("①资料审核 ②面试 ③录用", "gbk", 1),
+    ("▲ 点击查看详情", "gbk", 1),
+]
+
+
+@pytest.mark.parametrize("text, encoding, times", WITH_SYMBOLS)
+def test_documents_with_bullets_and_symbols_read_as_written(text, encoding, times):
+    decoded = ix.decode_text((text * times).encode(encoding))
+    assert decoded is not None and decoded.text == text * times, (decoded, encoding)
+
+
 def test_real_text_reads_as_plausible_and_wrong_decodings_do_not():
     from rag_lookahead.rag.charset import PLAUSIBLE, plausibility
 
