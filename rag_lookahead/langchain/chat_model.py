@@ -269,6 +269,15 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         params["prompt_format"] = prompt_format(self._engine.tokenizer)
         return params | self._sampling_params()
 
+    def _require_template(self) -> None:
+        """A conversation needs the template's roles and turns: without one its contents were joined
+        and answered as one text (as the server's chat route did)."""
+        if not chat_template_text(self._engine.tokenizer):
+            raise ConfigError(
+                "the tokenizer has no chat template, so messages cannot be made into a prompt:"
+                " ChatLookahead needs a chat model (LookaheadLLM takes a base model's text)"
+            )
+
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub), or
         by ``custom_get_token_ids`` where one is given, as LangChain's own models count."""
@@ -281,9 +290,13 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         (LangChain's default counted "Human: ..." lines: a history ``trim_messages`` fitted to the
         window by it still overflowed it). Where the template refuses the messages as they stand
         (``trim_messages`` counts partial lists: a system message alone, a list that opens with an
-        assistant turn), LangChain's count of them, so trimming goes on."""
+        assistant turn), LangChain's count of them, so trimming goes on. With ``custom_get_token_ids``,
+        LangChain's count through it, as its own models count."""
         if not messages:
             return 0
+        if self.custom_get_token_ids is not None:
+            return super().get_num_tokens_from_messages(messages, tools)
+        self._require_template()
         formatted = [convert_to_openai_tool(t) for t in tools or ()]
         try:
             chat = template_messages(messages, to_answer=False)
@@ -365,11 +378,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         opening = forced_opening(tool_choice, tools)
         if tool_choice == "none":
             tools = []
-        if not chat_template_text(self._engine.tokenizer):  # contents joined without roles: a silent wrong prompt
-            raise ConfigError(
-                "the tokenizer has no chat template, so messages cannot be made into a prompt:"
-                " ChatLookahead needs a chat model (LookaheadLLM takes a base model's text)"
-            )
+        self._require_template()
         chat = template_messages(messages)
         ids = encode_messages(self._engine.tokenizer, chat, tools=tools or None, answer_prefix=opening)
         check_prompt_room(self._engine.model, len(ids))  # here, so a batch fails this input alone

@@ -59,7 +59,15 @@ def _text_of(message: BaseMessage) -> str:
 
 
 def _template_message(message: BaseMessage) -> dict:
-    """A LangChain message as a chat-template dict (role, content, tool_calls, tool_call_id)."""
+    """A LangChain message as a chat-template dict (role, content, tool_calls, tool_call_id, and
+    its ``name`` where it has one, for every role, as ``apply_chat_template`` and the server pass it)."""
+    out = _role_and_content(message)
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _role_and_content(message: BaseMessage) -> dict:
     text = _text_of(message)
     if isinstance(message, SystemMessage):
         return {"role": "system", "content": text}
@@ -74,9 +82,9 @@ def _template_message(message: BaseMessage) -> dict:
             ]
         return out
     if isinstance(message, ToolMessage):
-        return {"role": "tool", "content": text, "tool_call_id": message.tool_call_id, "name": message.name}
+        return {"role": "tool", "content": text, "tool_call_id": message.tool_call_id}
     if isinstance(message, FunctionMessage):
-        return {"role": "tool", "content": text, "name": message.name}
+        return {"role": "tool", "content": text}
     if isinstance(message, ChatMessage):  # LangChain's and OpenAI's names for the template's roles
         return {"role": _ROLE_NAMES.get(message.role, message.role), "content": text}
     raise InputError(f"unsupported message type {type(message).__name__}")

@@ -1015,9 +1015,14 @@ def test_a_model_id_is_read_as_load_model_reads_it(tmp_path, monkeypatch):
 def test_a_custom_token_counter_is_used_by_both_models(tiny_chat):
     """LangChain counts with ``custom_get_token_ids`` where one is given (get_num_tokens,
     trim_messages); ours took the field and counted with the tokenizer all the same."""
+    from langchain_core.messages import trim_messages
+
     counter = lambda text: [1] * (10 * len(text.split()))  # noqa: E731
     chat = tiny_chat.model_copy(update={"custom_get_token_ids": counter})
     llm = LookaheadLLM(model=tiny_chat.model, tokenizer=tiny_chat.tokenizer, custom_get_token_ids=counter)
     for model in (chat, llm):
         assert model.get_num_tokens("t5 t6") == 20
+    history = [SystemMessage("t40"), HumanMessage("t5 t6"), AIMessage("t7"), HumanMessage("t8 t9")]
+    assert chat.get_num_tokens_from_messages(history) == llm.get_num_tokens_from_messages(history) > 60
+    assert len(trim_messages(history, max_tokens=45, token_counter=chat, strategy="last")) < len(history)
     assert tiny_chat.get_num_tokens("t5 t6") == len(tiny_chat.tokenizer.encode("t5 t6", add_special_tokens=False)) < 20

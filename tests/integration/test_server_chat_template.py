@@ -100,6 +100,20 @@ def test_a_messages_name_reaches_the_template_for_every_role():
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["prompt_tokens"] == len(ids)
     assert reply.json()["choices"][0]["message"]["content"] == expected
+    # the LangChain chat model builds the same prompt (it too kept names for tool results only)
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+
+    from rag_lookahead.langchain.chat_model import ChatLookahead
+
+    chat = ChatLookahead(model=model, tokenizer=tokenizer, max_tokens=6)
+    messages = [
+        SystemMessage("t40", name="t11"),
+        HumanMessage("t5 t6", name="t9"),
+        AIMessage("t8", name="t12"),
+        HumanMessage("t13", name="t9"),
+    ]
+    assert chat.get_num_tokens_from_messages(messages) == len(ids)
+    assert chat.invoke(messages).content == expected
 
 
 def test_a_tool_message_the_template_leaves_out_is_refused():
@@ -154,5 +168,6 @@ def test_the_chat_model_refuses_a_tokenizer_without_a_chat_template():
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = None
     chat = ChatLookahead(model=tiny_model("qwen2"), tokenizer=tokenizer, max_tokens=2)
-    with pytest.raises(ConfigError, match="no chat template"):
-        chat.invoke([SystemMessage("t40"), HumanMessage("t5")])
+    for call in (chat.invoke, chat.get_num_tokens_from_messages):  # counted as a call would encode them
+        with pytest.raises(ConfigError, match="no chat template"):
+            call([SystemMessage("t40"), HumanMessage("t5")])
