@@ -12,7 +12,8 @@ from tiny_tokenizer import tiny_tokenizer
 
 httpx = pytest.importorskip("httpx")
 
-from test_server import LOOKAHEAD, serving, small_index  # noqa: E402
+from test_server import LOOKAHEAD, serving  # noqa: E402
+from test_server_faults import tiny_index  # noqa: E402, F401 (a real two-passage index, the fixture)
 
 from rag_lookahead.serve import Engine, ServerConfig  # noqa: E402
 
@@ -47,18 +48,6 @@ def engine_with(template: str | None, index=None) -> Engine:
     tokenizer.chat_template = template
     config = ServerConfig(max_tokens_limit=32, default_max_tokens=4, lookahead_config=LOOKAHEAD)
     return Engine(tiny_model("qwen2"), tokenizer, config, index=index)
-
-
-@pytest.fixture(scope="module")
-def tiny_index(tmp_path_factory):
-    """A real two-passage index (real embedder, real FAISS)."""
-    return small_index(
-        tmp_path_factory.mktemp("rag"),
-        {
-            "tea.md": "Longjing tea grows near West Lake in Hangzhou.",
-            "etna.md": "Mount Etna is an active volcano on the east coast of Sicily.",
-        },
-    )
 
 
 def test_rag_answers_400_when_the_template_refuses_its_prompt(tiny_index):
