@@ -10,11 +10,13 @@ So its guess is checked by how *plausible* the decoded text is: real text keeps 
 (Chinese, Japanese kana with kanji, Korean Hangul, Cyrillic, Greek, Latin), mostly its common
 letters (for Chinese characters: the common ones of GB2312, Big5 and JIS), each where real
 text puts it (no Cyrillic letter inside a Latin word, no accented letter on a digit). When the first
-guess scores low, or another decoding (one charset-normalizer found, or GB18030 or cp1252, the
-legacy encodings of most of our users' files) scores clearly higher (by :data:`MARGIN`), the
-best-scoring one is taken: "Python编程入门：变量、函数和类。" in GBK read as cp949 scores 0.9
-(its Hangul syllables are common letters too) where GB18030 scores 1.0. Scores that cannot tell
-(a short string that is plausible in two encodings) keep charset-normalizer's order. Where no
+guess scores low, the best-scoring decoding (one charset-normalizer found, or GB18030 or cp1252,
+the legacy encodings of most of our users' files) is taken. A plausible first guess gives way
+only to GB18030 or cp1252 scoring clearly higher (by :data:`MARGIN`): "Python编程入门：变量、函数和类。"
+in GBK read as cp949 scores 0.9 (its Hangul syllables are common letters too) where GB18030
+scores 1.0; between charset-normalizer's own candidates its order holds (our scale put EUC-KR with
+bullets read as EUC-JIS kanji above the Hangul it was). Scores that cannot tell (a short string
+that is plausible in two encodings) keep charset-normalizer's order. Where no
 decoding reads as plausible, the best-scoring one is taken still, unless UTF-16 without a byte
 order mark reads as plausible (Chinese saved as UTF-16 by a Windows tool that wrote no mark;
 charset-normalizer's own UTF-16 guesses are not used, being what it says of short texts it cannot
@@ -218,9 +220,10 @@ def _utf16_readings(data: bytes) -> list[Guess]:
     return readings
 
 
-def _best(guesses: list[Guess], scores: list[float]) -> int:
-    """The index of the best-scoring guess; ties go to the earliest (charset-normalizer's order)."""
-    return max(range(len(guesses)), key=lambda i: (scores[i], -i))
+def _best(guesses: list[Guess], scores: list[float], among: list[int] | None = None) -> int:
+    """The index of the best-scoring guess (of those ``among``, if given; 0 if none); ties go to
+    the earliest (charset-normalizer's order)."""
+    return max(range(len(guesses)) if among is None else among, key=lambda i: (scores[i], -i), default=0)
 
 
 def detect_legacy(data: bytes) -> Guess | None:
@@ -235,8 +238,7 @@ def detect_legacy(data: bytes) -> Guess | None:
             # it gives way only to a fallback (GB18030, cp1252) scoring clearly higher: between
             # charset-normalizer's own candidates its order knows more than our scores (EUC-KR
             # with bullets read as EUC-JIS kanji scored higher than the Hangul it was)
-            fallbacks = [i for i, g in enumerate(guesses) if g.encoding in FALLBACKS]
-            fallback = max(fallbacks, key=lambda i: (scores[i], -i), default=0)
+            fallback = _best(guesses, scores, [i for i, g in enumerate(guesses) if g.encoding in FALLBACKS])
             return guesses[fallback] if scores[fallback] - scores[0] >= MARGIN else guesses[0]
         best = _best(guesses, scores)
         if scores[best] >= PLAUSIBLE:
