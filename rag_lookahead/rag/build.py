@@ -169,13 +169,14 @@ def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int], gue
         return {}, str(e)
     vectors = fidx.reconstruct_n(0, fidx.ntotal) if fidx.ntotal else np.zeros((0, fidx.d), np.float32)
     previous = _by_source(records, vectors)
+    read_again: set[str] = set()
     if manifest["headings"] != chunking["headings"]:  # headings are read otherwise now: Markdown files anew
-        for source, (_, recs, vecs) in previous.items():
-            if source.lower().endswith(MARKDOWN_SUFFIXES):
-                previous[source] = ("", recs, vecs)  # no file's sha256: split and embedded again, as updated
+        read_again |= {source for source in previous if source.lower().endswith(MARKDOWN_SUFFIXES)}
     if manifest.get("decoding", 1) != chunking["decoding"]:  # encodings are guessed otherwise now: those files anew
-        for source in guessed & previous.keys():
-            previous[source] = ("", *previous[source][1:])
+        read_again |= guessed & previous.keys()
+    for source in read_again:  # no file's sha256: split and embedded again, as updated
+        _, recs, vecs = previous[source]
+        previous[source] = ("", recs, vecs)
     return previous, None
 
 
