@@ -14,6 +14,7 @@ once per model whether its attention honours the mask at all.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -183,10 +184,15 @@ def _masks_by_column(module: torch.nn.Module) -> bool:
     table = getattr(module, "bias", None)
     if not (isinstance(table, torch.Tensor) and table.dtype == torch.bool and table.dim() == 4):
         return False
-    if table.shape[-1] != table.shape[-2]:
-        return False
+    return table.shape[-1] == table.shape[-2] and _reads_its_table(type(module))
+
+
+@functools.cache
+def _reads_its_table(cls: type) -> bool:
+    """Whether the class's code indexes its ``bias`` table; once per class (a model has one such
+    module per layer, and reading a class's source parses its whole file)."""
     try:
-        source = inspect.getsource(type(module))
+        source = inspect.getsource(cls)
     except (OSError, TypeError):  # no source to read (built at run time): assume it is read
         return True
     return "self.bias[" in source
