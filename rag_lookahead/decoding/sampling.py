@@ -132,6 +132,10 @@ class SamplingParams:
         ):
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         check_seed(self.seed)
+        if self.seed is not None:  # torch.Generator.manual_seed takes a Python int, not numpy's
+            object.__setattr__(self, "seed", int(self.seed))
+        if self.top_k is not None:
+            object.__setattr__(self, "top_k", int(self.top_k))
 
     @property
     def plain(self) -> bool:
@@ -283,7 +287,7 @@ def _holds_nothing_back(name: str, value, prompt_width: int | None, has_eos: boo
 def per_row(params: SamplingParams, seed: int | Sequence[int] | None, rows: int) -> list[SamplingParams]:
     """One ``SamplingParams`` per row: an int seed is every row's, a list gives one per row."""
     if seed is None or isinstance(seed, Integral):
-        return [replace(params, seed=None if seed is None else int(seed))] * rows
+        return [replace(params, seed=seed)] * rows
     if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence) or len(seed) != rows:
         raise ConfigError(f"seed must be an int or a list of {rows} ints (one per row), got {seed!r}")
     return [replace(params, seed=s) for s in seed]

@@ -149,6 +149,21 @@ def test_per_row_seeds_do_not_depend_on_the_batch_or_the_drafts(arch, prompts, m
         assert batched.sequences[row, width : width + len(want)].tolist() == want
 
 
+def test_numpy_integers_are_taken_as_seeds_and_top_k():
+    """check_seed takes numpy integers, but torch's manual_seed and transformers' top-k warper want a
+    Python int: a list of numpy seeds crashed with a bare TypeError from torch."""
+    import numpy as np
+
+    model = tiny_model("qwen2")
+    ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    plain = generate(model, ids, mask, max_new_tokens=8, do_sample=True, top_k=5, seed=[1, 2]).sequences
+    numpy = generate(
+        model, ids, mask, max_new_tokens=8, do_sample=True, top_k=np.int64(5), seed=list(np.arange(1, 3))
+    ).sequences
+    assert numpy.tolist() == plain.tolist()
+
+
 def test_generation_config_is_taken_as_model_generate_takes_it():
     model = tiny_model("qwen2")
     prompt = [3, 4, 5, 6, 3, 4, 5, 6]
