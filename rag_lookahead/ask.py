@@ -87,7 +87,9 @@ def _check_a_long_question(llm: Any, question: str, note: bool) -> None:
     from rag_lookahead.decoding.inputs import check_prompt_room
 
     tokenizer = getattr(llm, "tokenizer", None)
-    if tokenizer is None or len(question) < LONG_QUESTION_TOKENS:  # a token is at least one character
+    # A token covers at least one UTF-8 byte (byte-level BPE, byte fallback), not one character:
+    # a CJK Extension-B character is 3 tokens; +1 for a SentencePiece word-start piece.
+    if tokenizer is None or len(question.encode("utf-8", "replace")) + 1 < LONG_QUESTION_TOKENS:
         return
     tokens = len(tokenizer.encode(question, add_special_tokens=False, verbose=False))
     model = getattr(llm, "model", None)
@@ -252,7 +254,7 @@ def token_printer():
 def print_result(result: dict, streamed: bool) -> None:
     """The answer (unless it was ``streamed``), its sources and the decoding stats, for a terminal."""
     from rich.console import Console
-    from rich.markup import escape
+    from rich.text import Text
 
     # soft_wrap: lines are never broken at the console's width (80 when piped), so `ask ... > file`
     # holds the answer as the model wrote it; a terminal wraps long lines itself
@@ -262,10 +264,10 @@ def print_result(result: dict, streamed: bool) -> None:
     console.print()
     console.print("[bold]Sources[/bold]")
     for i, s in enumerate(result["sources"], start=1):
-        mark = "" if s.get("in_prompt") else " [dim](seed only)[/dim]"
-        console.print(
-            f"  [{i}] [cyan]{escape(one_line(str(s['source'])))}[/cyan]{mark}: {escape(one_line(s['snippet']))}"
-        )
+        mark = ("", "") if s.get("in_prompt") else (" (seed only)", "dim")
+        # Text pieces, not markup: escape() doubles a backslash that ends a snippet (C:\Tools\)
+        line = Text.assemble(f"  [{i}] ", (one_line(str(s["source"])), "cyan"), mark, ": ", one_line(s["snippet"]))
+        console.print(line)
     st = result["stats"]
     console.print()
     console.print(

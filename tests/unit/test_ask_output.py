@@ -74,3 +74,31 @@ def test_a_default_folder_holding_user_files_gets_asks_own_advice(tmp_path, monk
     )
     assert "choose a new or empty folder" not in line
     assert sorted(p.name for p in (tmp_path / "index").iterdir()) == ["notes.txt"]
+
+
+def test_a_source_or_snippet_ending_in_a_backslash_is_printed_as_written(capsys):
+    """rich's escape() doubles a trailing backslash (for markup that would follow): `C:\\Tools\\`
+    was shown as `C:\\Tools\\\\` in the Sources list."""
+    result = _result("x")
+    result["sources"] = [{"source": "win\\", "snippet": "installed in C:\\Tools\\", "in_prompt": False}]
+    print_result(result, streamed=False)
+    out = capsys.readouterr().out
+    assert "  [1] win\\ (seed only): installed in C:\\Tools\\\n" in out, out
+
+
+def test_a_question_of_few_characters_but_many_tokens_gets_the_long_question_note(capsys):
+    """The note was skipped for any question under 2,048 characters, but a byte-level BPE token
+    can be a third of a character: 1,000 CJK Extension-B characters are about 3,000 tokens."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from rag_lookahead.ask import LONG_QUESTION_TOKENS, _check_a_long_question
+    from rag_lookahead.models import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    question = "".join(chr(0x20000 + i) for i in range(1000))
+    tokens = len(tokenizer.encode(question, add_special_tokens=False))
+    assert len(question) < LONG_QUESTION_TOKENS <= tokens  # the case the old shortcut got wrong
+    _check_a_long_question(SimpleNamespace(tokenizer=tokenizer, model=None), question, note=True)
+    assert f"note: a {tokens:,}-token question" in capsys.readouterr().err
