@@ -344,14 +344,20 @@ def jsonl_object(line: str, where: str, fields: str) -> dict:
     """One line of a JSONL input file as a JSON object, else :class:`InputError` saying ``where``
     (e.g. ``"prompts.jsonl: line 3"``) and which ``fields`` the object should have. An escaped
     unpaired surrogate (``"\\ud800"``) is refused here too: it is no character, and the run that
-    took it died printing or saving it, after the model had loaded."""
+    took it died printing or saving it, after the model had loaded. A line nested past Python's
+    recursion limit (``[[[[...``) is refused in one line too: it raised RecursionError, a traceback."""
     try:
         value = json.loads(line)
+        # its strings, keys too, in one text (the dump recurses as well: a line just under the
+        # parser's limit went past it here)
+        text = json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else ""
     except ValueError as e:
         raise InputError(f"{where} is not JSON ({e})") from None
+    except RecursionError:
+        raise InputError(f"{where} is nested too deeply to read ({fields})") from None
     if not isinstance(value, dict):
         raise InputError(f"{where} is not a JSON object ({fields})")
-    lone = _SURROGATE.search(json.dumps(value, ensure_ascii=False))  # its strings, keys too, in one text
+    lone = _SURROGATE.search(text)
     if lone is not None:
         raise InputError(
             f"{where} holds {ascii(lone.group())}, an unpaired UTF-16 surrogate, which is no character "

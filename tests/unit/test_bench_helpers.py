@@ -197,10 +197,14 @@ BAD_FILES = [  # (a --prompts file, the error after the path)
         "line 2: the prompt id 'a' is line 1's too (a line without an id is named line-N); give each prompt an id "
         "of its own",
     ),
+    (  # a RecursionError's traceback
+        '{"context": "c", "question": "q", "e": ' + "[" * 3000 + "]" * 3000 + "}\n",
+        "line 1 is nested too deeply to read (context, question)",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("text", "message"), BAD_FILES, ids=["no question", "surrogate", "id twice"])
+@pytest.mark.parametrize(("text", "message"), BAD_FILES, ids=["no question", "surrogate", "id twice", "deep"])
 @pytest.mark.parametrize("module", ["single", "batch", "step_profile", "replay"])
 def test_a_bad_prompts_file_stops_a_benchmark_with_one_line_before_the_model_loads(
     tmp_path, monkeypatch, module, text, message

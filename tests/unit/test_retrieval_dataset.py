@@ -56,6 +56,8 @@ def test_a_flat_question_file_is_grouped_by_passage(tmp_path):
         # an escaped unpaired surrogate, in a question or the passage: a traceback after the model loaded
         (r'{"passage": "zebra", "questions": ["zebra \ud800?"]}', SURROGATE),
         (r'{"context": "zebra \ud800 text", "question": "zebra?"}', SURROGATE),
+        # nested past Python's recursion limit: a RecursionError's traceback
+        ('{"passage": "p", "questions": ["q"], "e": ' + "[" * 3000 + "]" * 3000 + "}", "nested too deeply"),
     ],
 )
 def test_a_bad_record_is_named_by_its_line(tmp_path, record, message):
