@@ -28,6 +28,7 @@ from rag_lookahead.paths import refuse_blank_path
 
 __all__ = [
     "REPORT_MARK",
+    "FileState",
     "PathTaken",
     "check_output_file",
     "is_chart",
@@ -140,16 +141,23 @@ def is_report(path: Path) -> bool:
     return isinstance(report, dict) and report.get(key) == value
 
 
-def save_report(path: str | Path, report: dict[str, Any], charts: Companions = lambda _: ()) -> Path:
+def save_report(
+    path: str | Path,
+    report: dict[str, Any],
+    charts: Companions = lambda _: (),
+    seen: FileState | EllipsisType = ...,
+) -> Path:
     """Write ``report`` atomically, marked as ours (the mark is added to ``report`` too); returns
     where it went.
 
     The path was checked before the run, but a run lasts long enough for something else to take
-    it meanwhile (a user's file, a symlink): then the report goes beside it (:func:`output_target`).
-    ``charts``: the paths of the charts the run will draw beside a report at a given path."""
+    it meanwhile (a user's file, a symlink, another run's report): then the report goes beside it
+    (:func:`output_target`). ``seen``: what :func:`check_output_file` found at the path before the
+    run (without it, another run's report written meanwhile was replaced, unsaid). ``charts``: the
+    paths of the charts the run will draw beside a report at a given path."""
     key, value = REPORT_MARK
     report[key] = value
-    target = output_target(path, is_report, charts=charts)
+    target = output_target(path, is_report, seen, charts)
     write_json_atomic(target, report)
     return target
 

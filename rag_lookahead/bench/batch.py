@@ -258,7 +258,7 @@ def batch(
 ) -> dict:
     """Throughput benchmark: many requests at once, batched."""
     check_plot(plot, json_path, plots.BATCH_CHARTS)
-    check_output_path(json_path, inputs=[prompts])
+    seen = check_output_path(json_path, inputs=[prompts])
     check_positive({"--requests": requests, "--max-new-tokens": max_new_tokens, "--repeats": repeats})
     levels = concurrency_levels(concurrency)
     chosen, depths = parse_methods(methods, extra_branch_length, branch_length)
@@ -283,7 +283,7 @@ def batch(
         }
         print_report(report)
         if json_path:
-            write_report(json_path, report, plots.plot_batch if plot else None, plots.BATCH_CHARTS)
+            write_report(json_path, report, plots.plot_batch if plot else None, plots.BATCH_CHARTS, seen=seen)
     return report
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
+from types import EllipsisType
 from typing import Annotated, Any, NoReturn
 
 import torch
@@ -34,7 +35,7 @@ from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.verify import input_device
 from rag_lookahead.errors import ConfigError, InputError, RagLookaheadError, first_line
 from rag_lookahead.interrupts import program_imported
-from rag_lookahead.output_files import PathTaken, check_output_file, is_chart, is_report, save_report
+from rag_lookahead.output_files import FileState, PathTaken, check_output_file, is_chart, is_report, save_report
 from rag_lookahead.paths import refuse_blank_path
 from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.tokens import encode_messages, eos_ids, pad_id
@@ -208,12 +209,16 @@ def given_or_temporary_index(index_dir: str | None, build: Callable[[Path], Any]
         yield build(Path(folder))
 
 
-def check_output_path(path: str | None, option: str = "--json", inputs: Sequence[str | None] = ()) -> None:
+def check_output_path(
+    path: str | None, option: str = "--json", inputs: Sequence[str | None] = ()
+) -> FileState | EllipsisType:
     """Refuse a report path that could not be written or would replace a file the benchmarks did not
     write (see ``output_files``; ``inputs``: the run's own input files), before the run rather than
-    after it."""
-    if path is not None:
-        check_output_file(path, option, ours=is_report, inputs=inputs)
+    after it. Returns what is at the path now (``...`` without a path), for :func:`write_report`'s
+    ``seen``: a report another run writes there meanwhile is then kept, not replaced unsaid."""
+    if path is None:
+        return ...
+    return check_output_file(path, option, ours=is_report, inputs=inputs)
 
 
 def extra_depth_methods(extra_branch_length: str) -> dict[str, int]:
@@ -438,16 +443,17 @@ def prompts_then_model(
     dtype: Any,
     device: str | None,
     device_map: str | None = None,
-) -> tuple[list[dict], Any, Any, LookaheadConfig]:
+) -> tuple[list[dict], Any, Any, LookaheadConfig, FileState | EllipsisType]:
     """The chosen prompts, then the model, its tokenizer and the drafter config ``bench`` runs (the
-    tokenizer's stop words too); bad options and files fail before the model loads, prompts that
-    do not fit its context (:func:`context_fitted_ids`) right after."""
+    tokenizer's stop words too), and what the report's path held (:func:`check_output_path`); bad
+    options and files fail before the model loads, prompts that do not fit its context
+    (:func:`context_fitted_ids`) right after."""
     check_positive({"--limit": limit, "--max-new-tokens": max_new_tokens})
-    check_output_path(json_path, inputs=[prompts])
+    seen = check_output_path(json_path, inputs=[prompts])
     chosen = load_prompts(prompts, ids)[:limit]
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
     context_fitted_ids(loaded, tokenizer, chosen, max_new_tokens)
-    return chosen, loaded, tokenizer, LookaheadConfig().with_tokenizer(tokenizer)
+    return chosen, loaded, tokenizer, LookaheadConfig().with_tokenizer(tokenizer), seen
 
 
 def fresh_pool_answers(model, tokenizer, prompts: Sequence[dict], config: LookaheadConfig, max_new_tokens: int):
@@ -591,15 +597,19 @@ def write_report(
     report: dict[str, Any],
     draw: Callable[[dict, Path], list[Path]] | None = None,
     charts: Sequence[str] = (),
+    *,
+    seen: FileState | EllipsisType,
 ) -> Path:
     """Save ``report`` (see ``save_report``), draw its charts with ``draw`` (``--plot``; ``charts``:
     the names it may draw) and say where each went, then remove the charts of ours beside it that
     this run did not draw: a rerun without ``--plot``, or another benchmark's report at the same
     path, left the earlier charts beside a report they did not describe. Returns where the report
     went: a report that moves to a free name takes one whose chart paths are free too (they were
-    checked before the run for the path asked only)."""
+    checked before the run for the path asked only). ``seen``: what :func:`check_output_path`
+    returned before the run (required: without it a report another run wrote to the path during
+    this one was replaced, unsaid)."""
     names = charts if draw is not None else ()
-    written = save_report(json_path, report, charts=lambda path: [plots.chart_path(path, n) for n in names])
+    written = save_report(json_path, report, charts=lambda path: [plots.chart_path(path, n) for n in names], seen=seen)
     drawn: list[Path] = []
     try:
         drawn = draw(report, written) if draw is not None else []

@@ -322,7 +322,7 @@ def gpu_check(
 
     Exits 1 when an output differs where it must not (fp32 exactness) or a section failed.
     """
-    check_output_path(json_path)
+    seen = check_output_path(json_path)
     check_attention(attn)
     if dtype is not None:  # refused now: it failed in the model section, after the tiny ones had run
         try:
@@ -332,7 +332,7 @@ def gpu_check(
     report = run_check(CheckSettings(device, device_map, dtype, attn, model, small, tiny_only))
     print_table(report)
     if json_path:
-        write_report(json_path, report)
+        write_report(json_path, report, seen=seen)
     raise typer.Exit(0 if report["ok"] else 1)
 
 

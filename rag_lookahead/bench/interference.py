@@ -256,7 +256,7 @@ def interference(
     )
     if tiny and prompts is not None:  # the tiny model's prompts are random tokens of its own vocabulary
         raise typer.BadParameter("does not apply with --tiny (its prompts are random tokens)", param_hint="--prompts")
-    check_output_path(json_path, inputs=[prompts])
+    seen = check_output_path(json_path, inputs=[prompts])
     settings = {
         "long_requests": long_requests,
         "long_prompt_tokens": long_tokens,
@@ -293,7 +293,7 @@ def interference(
     )
     print(f"p95 inter-token latency {off} ms -> {on} ms ({report['p95_itl_reduction']}x); texts identical: {same}")
     if json_path:
-        write_report(json_path, report)
+        write_report(json_path, report, seen=seen)
     return report
 
 

@@ -226,7 +226,7 @@ def quality(
     names = model_names(models)
     check_positive({"--max-new-tokens": max_new_tokens})
     k_seed = passage_counts(k_prompt, k_seed)
-    check_output_path(json_path)
+    seen = check_output_path(json_path)
     rows: list[dict] = []
     summaries: dict[str, dict] = {}
     with open_index(index_dir) as index:
@@ -259,7 +259,7 @@ def quality(
         "markdown": table,
     }
     if json_path:
-        write_report(json_path, report)
+        write_report(json_path, report, seen=seen)
     return report
 
 

@@ -147,7 +147,7 @@ def rag(
     """RAG benchmark: the retrieval chain over an index, with and without trie seeding."""
     check_positive({"--max-new-tokens": max_new_tokens})
     k_seed = passage_counts(k_prompt, k_seed)
-    check_output_path(json_path)
+    seen = check_output_path(json_path)
     with open_index(index_dir) as index:  # a missing index is said before the model loads
         loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
         dtype = dtype_label(loaded, dtype)  # what ran, not the option
@@ -163,7 +163,7 @@ def rag(
         "questions": rows,
     }
     if json_path:
-        write_report(json_path, report)
+        write_report(json_path, report, seen=seen)
     return report
 
 

@@ -198,7 +198,7 @@ def replay_bench(
     from rag_lookahead.decoding.costs import cost_curve
 
     given = parse_curve(cost_curve_points) if cost_curve_points is not None else None
-    chosen, loaded, tokenizer, config = prompts_then_model(
+    chosen, loaded, tokenizer, config, seen = prompts_then_model(
         prompts, ids, limit, max_new_tokens, json_path, model, dtype, device
     )
     with report_despite_stdout(json_path):
@@ -223,7 +223,7 @@ def replay_bench(
             "drafters": rows,
         }
         if json_path:
-            write_report(json_path, report)
+            write_report(json_path, report, seen=seen)
     return report
 
 

@@ -194,7 +194,7 @@ def session(
 
     check_positive({"--max-new-tokens": max_new_tokens})
     k_seed = passage_counts(k_prompt, k_seed)
-    check_output_path(json_path)
+    seen = check_output_path(json_path)
     items = load_dataset(dataset)
     asked = session_questions(items, questions, seed)
     with session_index(items, index_dir) as index:  # a missing index is said before the model loads
@@ -224,7 +224,7 @@ def session(
         "questions": records,
     }
     if json_path:
-        write_report(json_path, report)
+        write_report(json_path, report, seen=seen)
     return report
 
 

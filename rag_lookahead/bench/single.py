@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from types import EllipsisType
 from typing import Annotated
 
 import torch
@@ -74,6 +75,7 @@ from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.sampling import SamplingParams
 from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.greedy_head import full_output_layer
+from rag_lookahead.output_files import FileState
 
 PROG = "rag_lookahead bench"
 
@@ -131,6 +133,7 @@ class BenchSettings:
     copying_threshold: float
     json_path: str | None
     plot: bool
+    report_seen: FileState | EllipsisType = ...  # what check_output_path found at json_path
 
 
 def expand_methods(
@@ -357,7 +360,9 @@ def run_bench(s: BenchSettings) -> dict:
     report = build_report(s, model, config, prompts, measured)
     print_summary(report)
     if s.json_path:
-        write_report(s.json_path, report, plots.plot_single if s.plot else None, plots.SINGLE_CHARTS)
+        write_report(
+            s.json_path, report, plots.plot_single if s.plot else None, plots.SINGLE_CHARTS, seen=s.report_seen
+        )
     return report
 
 
@@ -389,7 +394,7 @@ def bench(
 ) -> dict:
     """Side-by-side benchmark: transformers greedy, transformers prompt lookup, and lookahead."""
     check_plot(plot, json_path, plots.SINGLE_CHARTS)
-    check_output_path(json_path, inputs=[prompts])
+    report_seen = check_output_path(json_path, inputs=[prompts])
     check_positive({"--limit": limit, "--repeats": repeats, "--max-new-tokens": max_new_tokens})
     extra = extra_depth_methods(extra_branch_length)
     chosen, values = expand_methods(methods, temperatures, extra, branch_length)
@@ -397,7 +402,7 @@ def bench(
     settings = BenchSettings(
         model, dtype, device, device_map, prompts, limit, ids, max_new_tokens, repeats, tuple(chosen), tuple(values),
         top_p, seed, decoding_length, Budget(budget).value, branch_length, extra, SeedMode(seed_mode).value,
-        copying_threshold, json_path, plot,
+        copying_threshold, json_path, plot, report_seen,
     )  # fmt: skip
     with report_despite_stdout(json_path):
         return run_bench(settings)

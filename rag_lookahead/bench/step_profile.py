@@ -197,7 +197,7 @@ def step_profile(
     json_path: JsonOption = None,
 ) -> dict:
     """Where a lookahead decode step's time goes, region by region, on a prompt set."""
-    chosen, loaded, tokenizer, config = prompts_then_model(
+    chosen, loaded, tokenizer, config, seen = prompts_then_model(
         prompts, ids, limit, max_new_tokens, json_path, model, dtype, device, device_map
     )
     with report_despite_stdout(json_path):
@@ -219,7 +219,7 @@ def step_profile(
         }
         report |= {"regions": regions, "forward_sizes": sizes}
         if json_path:
-            write_report(json_path, report)
+            write_report(json_path, report, seen=seen)
     return report
 
 

@@ -197,6 +197,25 @@ def test_a_report_path_taken_during_the_run_is_kept_and_the_report_goes_beside_i
     assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "run.json").read_text())["summary"] == 2
 
 
+def test_a_report_of_ours_written_at_the_path_during_the_run_is_kept(tmp_path, capsys):
+    """Two runs to one --json: the later one replaced the report the other saved meanwhile (any
+    report of ours passed the check at the end); what the check before the run found decides."""
+    from rag_lookahead.bench.common import check_output_path, write_report
+
+    path = tmp_path / "run.json"
+    assert check_output_path(None) is ...
+    seen = check_output_path(str(path))
+    assert seen is None  # nothing there yet
+    write_report(path, {"summary": "an earlier run's"}, seen=seen)
+    seen = check_output_path(str(path))  # this run's own earlier report: it is replaced
+    assert write_report(path, {"summary": "mine"}, seen=seen) == path
+    seen = check_output_path(str(path))
+    write_report(path, {"summary": "the other run's"}, seen=check_output_path(str(path)))  # meanwhile
+    assert write_report(path, {"summary": "mine"}, seen=seen) == tmp_path / "run.1.json"
+    assert json.loads(path.read_text(encoding="utf-8"))["summary"] == "the other run's"
+    assert "run.json appeared or changed during the run, not by this command" in capsys.readouterr().err
+
+
 def test_a_temperature_or_branch_length_given_twice_is_refused_naming_the_option():
     """0.7 and 0.70 ran the sampling methods twice a prompt; 12,12 merged without a word, and an
     extra 48 beside lookahead at --branch-length 48 ran lookahead twice under two names."""

@@ -203,19 +203,19 @@ def test_a_report_removes_only_its_own_charts_not_those_of_a_report_sharing_thei
     from rag_lookahead.bench import plots
     from rag_lookahead.bench.common import write_report
 
-    write_report(tmp_path / "bench.h100", single_report(), plots.plot_single, plots.SINGLE_CHARTS)
+    write_report(tmp_path / "bench.h100", single_report(), plots.plot_single, plots.SINGLE_CHARTS, seen=...)
     drawn = sorted(p.name for p in tmp_path.glob("*.png"))
     assert drawn == ["bench.accepted_per_step.png", "bench.decode_speed.png", "bench.speedup_vs_copied.png"]
-    write_report(tmp_path / "bench.a100", {"model": "x", "per_prompt": []})
+    write_report(tmp_path / "bench.a100", {"model": "x", "per_prompt": []}, seen=...)
     assert sorted(p.name for p in tmp_path.glob("*.png")) == drawn
-    write_report(tmp_path / "bench.h100", {"model": "x", "per_prompt": []})  # its own report again: they go
+    write_report(tmp_path / "bench.h100", {"model": "x", "per_prompt": []}, seen=...)  # its own report again: they go
     assert sorted(p.name for p in tmp_path.glob("*.png")) == []
     from rag_lookahead.output_files import CHART_SOFTWARE
 
     figure, _ = plots._figure()  # a chart drawn before charts named their report: the report's beside it
     old = tmp_path / "bench.decode_speed.png"
     figure.savefig(old, format="png", metadata={"Software": CHART_SOFTWARE})
-    write_report(tmp_path / "bench.a100", {"model": "x", "per_prompt": []})
+    write_report(tmp_path / "bench.a100", {"model": "x", "per_prompt": []}, seen=...)
     assert not old.exists()
 
 

@@ -225,6 +225,30 @@ def test_a_report_moved_to_a_free_name_takes_one_whose_charts_are_free(tiny, mon
     assert all(is_chart(path) for path in charts) and (tmp_path / "r.2.json").is_file()
 
 
+@pytest.mark.parametrize(("module", "options"), [("single", ["--methods", "greedy"]), ("replay", [])])
+def test_a_report_another_run_saved_at_the_path_meanwhile_is_kept(tiny, monkeypatch, tmp_path, capsys, module, options):
+    """Two runs to one --json: the one that ended first saved its report, and the later one replaced
+    it unsaid (the path was checked again at the end, but any report of ours passed). ``replay``
+    checks its path in prompts_then_model, ``single`` itself."""
+    from rag_lookahead.output_files import is_report, save_report
+
+    report = tmp_path / "r.json"
+    save_report(report, {"by": "an earlier run"})  # a rerun to its path is allowed
+    bench = loading_tiny(monkeypatch, tiny, module)
+
+    def load_while_another_run_ends(*args, **kwargs):
+        save_report(report, {"by": "the other run"})
+        return tiny
+
+    for owner in (bench, common):
+        monkeypatch.setattr(owner, "load_bench_model", load_while_another_run_ends, raising=False)
+    prompts = prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9 t10"})
+    bench.main(["--prompts", prompts, "--max-new-tokens", "2", *options, "--json", str(report)])
+    assert json.loads(report.read_text(encoding="utf-8"))["by"] == "the other run"
+    assert is_report(tmp_path / "r.1.json") and "by" not in json.loads((tmp_path / "r.1.json").read_text())
+    assert f"{report} appeared or changed during the run, not by this command: writing " in capsys.readouterr().err
+
+
 def test_a_chart_path_taken_after_the_report_is_saved_is_said_truthfully(tmp_path):
     """Something takes a chart's path between the report's save and the drawing: the error said
     "(nothing was changed)" with the report and the charts before it written."""
@@ -241,7 +265,7 @@ def test_a_chart_path_taken_after_the_report_is_saved_is_said_truthfully(tmp_pat
         return plots.plot_single(report, path)
 
     with pytest.raises(ConfigError) as refused:
-        common.write_report(json_path, single_report(), draw_as_a_user_writes)
+        common.write_report(json_path, single_report(), draw_as_a_user_writes, seen=None)
     assert str(refused.value) == (
         f"{theirs} appeared during the run and this command did not write it: it was left as it is and no chart "
         f"was drawn; the report is saved as {json_path}"
