@@ -9,6 +9,7 @@ symlink to elsewhere) is refused in one line before any model loads, not overwri
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -179,9 +180,11 @@ def output_target(
     anything else there now was written during the run, another run's output of ours too (it was
     replaced, unsaid, when two runs wrote the same answers file). ``charts``: the output's charts
     (see :func:`save_report`), which must be free or ours at the name taken, so that they follow
-    the report whole: a free name's charts were never checked before the run."""
+    the report whole: a free name's charts were never checked before the run; a chart of another
+    report whose name shares the stem is not free (:func:`is_chart_of`)."""
     target = Path(path)
-    taken = next((chart for chart in charts(target) if not replaceable(chart, is_chart)), None)
+    drawn_for_target = functools.partial(is_chart_of, report_path=target)  # not another report's: same names
+    taken = next((chart for chart in charts(target) if not replaceable(chart, drawn_for_target)), None)
     if not replaceable(target, ours) or (seen is not ... and file_state(target) not in (seen, None)):
         taken = target
     if taken is None:

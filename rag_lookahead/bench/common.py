@@ -35,7 +35,7 @@ from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.verify import input_device
 from rag_lookahead.errors import ConfigError, InputError, RagLookaheadError, first_line
 from rag_lookahead.interrupts import program_imported
-from rag_lookahead.output_files import FileState, PathTaken, check_output_file, is_chart, is_report, save_report
+from rag_lookahead.output_files import FileState, PathTaken, check_output_file, is_report, save_report
 from rag_lookahead.paths import refuse_blank_path
 from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.tokens import encode_messages, eos_ids, pad_id
@@ -151,8 +151,8 @@ def run_command(command: Callable[..., Any], argv: Sequence[str] | None, prog_na
 
 def check_plot(plot: bool, json_path: str | None, charts: Sequence[str] = ()) -> None:
     """Refuse ``--plot`` without ``--json`` (the charts go next to it), without matplotlib, or where
-    one of its ``charts`` would replace a file we did not draw, before any model is loaded rather
-    than after a long run."""
+    one of its ``charts`` would replace a file we did not draw for this report (another report's
+    chart too: see ``plots.check_chart``), before any model is loaded rather than after a long run."""
     if not plot:
         return
     if not json_path:
@@ -162,7 +162,7 @@ def check_plot(plot: bool, json_path: str | None, charts: Sequence[str] = ()) ->
             "needs matplotlib: pip install 'rag-lookahead[plot]' (or: pip install matplotlib)", param_hint="--plot"
         )
     for name in charts:
-        check_output_file(plots.chart_path(json_path, name), "--plot", ours=is_chart)
+        plots.check_chart(plots.chart_path(json_path, name), json_path, "--plot")
 
 
 def check_positive(options: Mapping[str, int | None]) -> None:

@@ -17,9 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from rag_lookahead.bench.methods import baselines
-from rag_lookahead.output_files import check_output_file, is_chart, is_chart_of, save_chart
+from rag_lookahead.output_files import PathTaken, check_output_file, is_chart, is_chart_of, save_chart
 
-__all__ = ["ALL_CHARTS", "BATCH_CHARTS", "SINGLE_CHARTS", "chart_path", "plot_batch", "plot_single", "remove_undrawn"]
+__all__ = [
+    "ALL_CHARTS",
+    "BATCH_CHARTS",
+    "SINGLE_CHARTS",
+    "chart_path",
+    "check_chart",
+    "plot_batch",
+    "plot_single",
+    "remove_undrawn",
+]
 
 #: the charts each benchmark may draw, by name (``bench.<name>.png``)
 SINGLE_CHARTS = ("decode_speed", "accepted_per_step", "speedup_vs_copied")
@@ -31,6 +40,24 @@ def chart_path(json_path: str | Path, name: str) -> Path:
     """``bench.json`` -> ``bench.<name>.png`` in the same folder."""
     path = Path(json_path)
     return path.with_name(f"{path.stem}.{name}.png")
+
+
+def check_chart(path: Path, json_path: str | Path, option: str) -> None:
+    """Refuse ``path`` for a chart of the report at ``json_path`` unless it is free or holds a chart
+    we drew for that very report (see ``check_output_file``): reports whose names share a stem
+    (``bench.h100`` and ``bench.a100``, ``results.json`` and ``results.txt``) share chart names, and
+    a run to one replaced the other's charts, unsaid."""
+    try:
+        check_output_file(path, option, ours=lambda chart: is_chart_of(chart, json_path))
+    except PathTaken:
+        if path.is_symlink() or not path.is_file() or not is_chart(path):
+            raise
+        raise PathTaken(
+            f"{option} {str(path)!r} is a chart of another report whose name shares the stem "
+            f"{Path(json_path).stem!r} (its charts have the same names); give --json a name with a stem of its "
+            "own, or remove that chart (nothing was changed)",
+            path,
+        ) from None
 
 
 #: the decode-speed chart widens with its prompts up to this many inches, and labels at most this many
@@ -47,8 +74,9 @@ def _figure(panels: int = 1, width: float = 6.4):
 
 
 def _save(figure, path: Path, json_path: str | Path) -> Path:
-    """Atomically, and never over a file we did not draw (a user's file, a symlink): ConfigError."""
-    check_output_file(path, "chart", ours=is_chart)
+    """Atomically, and never over a file we did not draw for this report (a user's file, a symlink,
+    another report's chart): ConfigError."""
+    check_chart(path, json_path, "chart")
     return save_chart(figure, path, json_path)
 
 
@@ -75,7 +103,7 @@ def plot_single(report: dict[str, Any], json_path: str | Path) -> list[Path]:
     points = _speedup_points(rows, methods)
     drawn = [name for name, wanted in zip(SINGLE_CHARTS, (True, histograms, points), strict=True) if wanted]
     for name in drawn:  # all before the first is drawn: a refusal leaves every chart as it was
-        check_output_file(chart_path(json_path, name), "chart", ours=is_chart)
+        check_chart(chart_path(json_path, name), json_path, "chart")
     written = [_decode_speed_chart(report, rows, methods, json_path)]
     if histograms:
         written.append(_accepted_chart(histograms, json_path))

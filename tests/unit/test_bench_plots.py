@@ -219,6 +219,41 @@ def test_a_report_removes_only_its_own_charts_not_those_of_a_report_sharing_thei
     assert not old.exists()
 
 
+def test_a_report_never_replaces_the_charts_of_a_report_sharing_their_names(tmp_path, monkeypatch):
+    """``bench.h100`` and ``bench.a100`` (``results.json`` and ``results.txt``) share chart names:
+    a --plot run to one silently replaced the other's charts (any chart of ours passed the checks).
+    Now it stops before the model loads, as at a report path held by another file; a chart that
+    appears during the run sends the report and its charts to a free name."""
+    import importlib
+
+    from rag_lookahead.bench import common, plots
+    from rag_lookahead.errors import ConfigError
+    from rag_lookahead.output_files import is_chart_of
+
+    h100 = tmp_path / "bench.h100"
+    theirs = common.write_report(h100, single_report(), plot_single, plots.SINGLE_CHARTS, seen=None)
+    before = {p: p.read_bytes() for p in tmp_path.glob("*.png")}
+    assert len(before) == 3 and all(is_chart_of(p, theirs) for p in before)
+    a100 = tmp_path / "bench.a100"
+    single = importlib.import_module("rag_lookahead.bench.single")
+    loads = []
+    for owner in (single, common):
+        monkeypatch.setattr(owner, "load_bench_model", lambda *a, **k: loads.append(a), raising=False)
+    with pytest.raises(SystemExit) as done:
+        single.main(["--json", str(a100), "--plot"])
+    assert done.value.code == (
+        f"error: --plot '{chart_path(a100, 'decode_speed')}' is a chart of another report whose name shares the "
+        "stem 'bench' (its charts have the same names); give --json a name with a stem of its own, or remove that "
+        "chart (nothing was changed)"
+    )
+    assert loads == []
+    with pytest.raises(ConfigError, match="is a chart of another report"):
+        plot_single(single_report(), a100)  # drawn without the CLI's check
+    written = common.write_report(a100, single_report(), plot_single, plots.SINGLE_CHARTS, seen=None)  # at the end
+    assert written == tmp_path / "bench.1.a100" and is_chart_of(chart_path(written, "decode_speed"), written)
+    assert {p: p.read_bytes() for p in before} == before and h100.is_file()
+
+
 def test_matplotlib_3_8s_missing_glyph_wording_is_caught_too():
     """matplotlib 3.8 (which the ``plot`` extra allows) says "missing from current font."."""
     from rag_lookahead.output_files import _MISSING_GLYPH
