@@ -293,7 +293,8 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
     Each line of a ``--prompts`` file is a JSON object with a ``question`` (a non-empty string)
     and a ``context`` (the passage, a string; may be empty; or ``passage``), optionally an ``id`` (a
     string), a ``reference`` answer and anything else. A line without an ``id`` gets ``line-N``.
-    Reports and charts group by id, so no two prompts may share one. A file that breaks these
+    Reports and charts group by id, so no two prompts may share one, and ``ids`` selects by id, so
+    an id must be one it can name (not empty, no comma, no whitespace at either end). A file that breaks these
     rules raises :class:`InputError` naming the first bad line, so the benchmarks check it before
     loading a model. An empty ``path`` is refused: it is no file, not a wish for the bundled set.
     """
@@ -391,6 +392,13 @@ def _prompt(line: str, lineno: int, name: str) -> dict:
     if given is not None and (isinstance(given, bool) or not isinstance(given, str | int)):
         raise InputError(f"{name}: line {lineno}: the id must be a string or an integer, not {json.dumps(given)}")
     prompt["id"] = str(given) if given is not None else f"line-{lineno}"  # 1 and "1" meet as duplicates
+    if prompt["id"] != prompt["id"].strip() or not prompt["id"] or "," in prompt["id"]:
+        # --ids splits at commas and trims each id: such a prompt ran only with every other one
+        raise InputError(
+            f"{name}: line {lineno}: the prompt id {prompt['id']!r} could never be chosen with --ids (ids separated "
+            "by commas, whitespace trimmed): give one that is not empty, holds no comma and neither starts nor "
+            "ends with whitespace"
+        )
     return prompt
 
 

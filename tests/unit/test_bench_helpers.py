@@ -152,6 +152,11 @@ def test_a_prompts_file_is_read_with_ids_for_lines_without_one(tmp_path):
             '{"id": "line-2", "context": "p", "question": "q"}\n{"context": "p", "question": "q"}\n',
             "line 2: the prompt id 'line-2' is line 1's too",
         ),
+        # ids --ids can never name (it splits at commas and trims): such a prompt ran only with all the others
+        (ID_LINES.format(a='"a"', b='"a,b"'), "line 2: the prompt id 'a,b' could never be chosen with --ids"),
+        (ID_LINES.format(a='" c"', b='"b"'), "line 1: the prompt id ' c' could never be chosen with --ids"),
+        (ID_LINES.format(a='"c\\t"', b='"b"'), "line 1: the prompt id 'c\\t' could never be chosen with --ids"),
+        (ID_LINES.format(a='""', b='"b"'), "line 1: the prompt id '' could never be chosen with --ids (ids separated"),
     ],
 )
 def test_a_bad_prompts_file_names_its_first_bad_line(tmp_path, text, message):
