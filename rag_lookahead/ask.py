@@ -87,10 +87,10 @@ def _check_a_long_question(llm: Any, question: str, note: bool) -> None:
     from rag_lookahead.decoding.inputs import check_prompt_room
 
     tokenizer = getattr(llm, "tokenizer", None)
-    # A token covers at least one UTF-8 byte (byte-level BPE, byte fallback), not one character:
-    # a CJK Extension-B character is 3 tokens; +1 for a SentencePiece word-start piece.
-    if tokenizer is None or len(question.encode("utf-8", "replace")) + 1 < LONG_QUESTION_TOKENS:
+    if tokenizer is None:
         return
+    # always counted (milliseconds): neither characters nor bytes bound the tokens (a CJK
+    # Extension-B character is 3 tokens; NFC normalization makes U+1D160 3 characters)
     tokens = len(tokenizer.encode(question, add_special_tokens=False, verbose=False))
     model = getattr(llm, "model", None)
     if model is not None and not isinstance(model, str):

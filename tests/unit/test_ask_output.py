@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rag_lookahead.ask import print_result
 
 LONG = "The budget option sizes each draft tree from the measured cost curve, " * 6 + "[bold]not markup[/bold]"
@@ -86,9 +88,15 @@ def test_a_source_or_snippet_ending_in_a_backslash_is_printed_as_written(capsys)
     assert "  [1] win\\ (seed only): installed in C:\\Tools\\\n" in out, out
 
 
-def test_a_question_of_few_characters_but_many_tokens_gets_the_long_question_note(capsys):
+@pytest.mark.parametrize(
+    "question",
+    ["".join(chr(0x20000 + i) for i in range(1000)), "\U0001d160" * 500],
+    ids=["extension-b", "nfc-grows"],
+)
+def test_a_question_of_few_characters_but_many_tokens_gets_the_long_question_note(question, capsys):
     """The note was skipped for any question under 2,048 characters, but a byte-level BPE token
-    can be a third of a character: 1,000 CJK Extension-B characters are about 3,000 tokens."""
+    can be a third of a character: 1,000 CJK Extension-B characters are about 3,000 tokens. Bytes
+    bound nothing either: the tokenizer's NFC makes U+1D160 (4 bytes) three characters, 3 tokens."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
@@ -97,8 +105,7 @@ def test_a_question_of_few_characters_but_many_tokens_gets_the_long_question_not
     from rag_lookahead.models import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
-    question = "".join(chr(0x20000 + i) for i in range(1000))
     tokens = len(tokenizer.encode(question, add_special_tokens=False))
-    assert len(question) < LONG_QUESTION_TOKENS <= tokens  # the case the old shortcut got wrong
+    assert len(question) < LONG_QUESTION_TOKENS <= tokens  # the cases the old shortcuts got wrong
     _check_a_long_question(SimpleNamespace(tokenizer=tokenizer, model=None), question, note=True)
     assert f"note: a {tokens:,}-token question" in capsys.readouterr().err
