@@ -392,11 +392,12 @@ def _prompt(line: str, lineno: int, name: str) -> dict:
     if given is not None and (isinstance(given, bool) or not isinstance(given, str | int)):
         raise InputError(f"{name}: line {lineno}: the id must be a string or an integer, not {json.dumps(given)}")
     prompt["id"] = str(given) if given is not None else f"line-{lineno}"  # 1 and "1" meet as duplicates
-    if prompt["id"] != prompt["id"].strip() or not prompt["id"] or "," in prompt["id"]:
-        # --ids splits at commas and trims each id: such a prompt ran only with every other one
+    if prompt["id"] != prompt["id"].strip() or not prompt["id"] or "," in prompt["id"] or "\x00" in prompt["id"]:
+        # --ids splits at commas and trims each id (and no argument holds a NUL): such a prompt
+        # ran only with every other one
         raise InputError(
             f"{name}: line {lineno}: the prompt id {prompt['id']!r} could never be chosen with --ids (ids separated "
-            "by commas, whitespace trimmed): give one that is not empty, holds no comma and neither starts nor "
+            "by commas, whitespace trimmed): give one that is not empty, holds no comma or NUL and neither starts nor "
             "ends with whitespace"
         )
     return prompt

@@ -157,6 +157,7 @@ def test_a_prompts_file_is_read_with_ids_for_lines_without_one(tmp_path):
         (ID_LINES.format(a='" c"', b='"b"'), "line 1: the prompt id ' c' could never be chosen with --ids"),
         (ID_LINES.format(a='"c\\t"', b='"b"'), "line 1: the prompt id 'c\\t' could never be chosen with --ids"),
         (ID_LINES.format(a='""', b='"b"'), "line 1: the prompt id '' could never be chosen with --ids (ids separated"),
+        (ID_LINES.format(a='"a\\u0000b"', b='"b"'), "line 1: the prompt id 'a\\x00b' could never be chosen with --ids"),
     ],
 )
 def test_a_bad_prompts_file_names_its_first_bad_line(tmp_path, text, message):
