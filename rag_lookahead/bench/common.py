@@ -7,6 +7,7 @@ and two of them carried their own ``cut_at_eos``. EOS, pad and chat encoding com
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import errno
 import functools
@@ -631,6 +632,7 @@ def write_report(
         plots.remove_undrawn(written, drawn)
     for path in drawn:
         print(f"wrote {path}")
+    _SAVED_REPORT.set(written)
     return written
 
 
@@ -706,6 +708,11 @@ def keeps_report_despite_stdout(command: Callable[..., Any]) -> Callable[..., An
     return run
 
 
+# where write_report put the report (a free name when another file took the path during the run),
+# for the line that ends a run whose stdout failed
+_SAVED_REPORT: contextvars.ContextVar[Path | None] = contextvars.ContextVar("saved_report", default=None)
+
+
 @contextmanager
 def report_despite_stdout(json_path: str | None) -> Iterator[None]:
     """Within: a failed write to stdout (a full disk, ``> /dev/full``; a reader that left, ``| head``)
@@ -718,6 +725,7 @@ def report_despite_stdout(json_path: str | None) -> Iterator[None]:
         yield
         return
     watched = _WatchedStdout(real, keep_going=bool(json_path))
+    _SAVED_REPORT.set(None)
     sys.stdout = watched
     try:
         yield
@@ -738,5 +746,6 @@ def _stdout_failed(error: OSError | ValueError, json_path: str | None) -> NoRetu
     """End the command after stdout failed (see :func:`report_despite_stdout`)."""
     if isinstance(error, BrokenPipeError) or getattr(error, "errno", None) == errno.EPIPE:
         raise SystemExit(1)
-    saved = f"; the report was saved all the same (--json {json_path})" if json_path else ""
+    where = _SAVED_REPORT.get() or json_path
+    saved = f"; the report was saved all the same (as {where})" if json_path else ""
     raise RagLookaheadError(f"cannot write the results to stdout: {getattr(error, 'strerror', None) or error}{saved}")

@@ -127,7 +127,7 @@ def test_the_report_is_saved_when_stdout_fails(tiny, tmp_path, monkeypatch, modu
     if stdout is full_stdout:
         assert done.value.code == (
             "error: cannot write the results to stdout: No space left on device; the report was saved all the same "
-            f"(--json {report})"
+            f"(as {report})"
         )
     else:
         assert done.value.code == 1  # quietly, as the CLI leaves a reader that left
@@ -247,6 +247,34 @@ def test_a_report_another_run_saved_at_the_path_meanwhile_is_kept(tiny, monkeypa
     assert json.loads(report.read_text(encoding="utf-8"))["by"] == "the other run"
     assert is_report(tmp_path / "r.1.json") and "by" not in json.loads((tmp_path / "r.1.json").read_text())
     assert f"{report} appeared or changed during the run, not by this command: writing " in capsys.readouterr().err
+
+
+def test_a_failed_stdout_names_where_a_moved_report_went(tiny, monkeypatch, tmp_path):
+    """``> /dev/full`` while another run saved its report at the path: this run's report went to
+    r.1.json, and the last line said it was saved "(--json r.json)", where the other run's report was."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    from rag_lookahead.output_files import save_report
+
+    report = tmp_path / "r.json"
+    bench = loading_tiny(monkeypatch, tiny, "single")
+
+    def load_while_another_run_ends(*args, **kwargs):
+        save_report(report, {"by": "the other run"})
+        return tiny
+
+    for owner in (bench, common):
+        monkeypatch.setattr(owner, "load_bench_model", load_while_another_run_ends, raising=False)
+    prompts = prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9 t10"})
+    stream = full_stdout()
+    monkeypatch.setattr(sys, "stdout", stream)
+    try:
+        with pytest.raises(SystemExit) as done:
+            bench.main(["--prompts", prompts, "--max-new-tokens", "2", "--methods", "greedy", "--json", str(report)])
+    finally:
+        stream.close()
+    assert str(done.value.code).endswith(f"the report was saved all the same (as {tmp_path / 'r.1.json'})")
+    assert json.loads(report.read_text(encoding="utf-8"))["by"] == "the other run"
 
 
 def test_a_chart_path_taken_after_the_report_is_saved_is_said_truthfully(tmp_path):
