@@ -27,7 +27,9 @@ def read_capped(
     reads past ``max_file_mb`` (``/dev/zero`` would grow the process until it was killed), never
     follows a link unless asked (``O_NOFOLLOW`` also closes the gap between the check and the open).
     ``limit_flag``: the option that sets the limit, named when a file is over it."""
-    if not follow_symlinks and path.is_symlink():
+    # os.path.islink, not Path.is_symlink: a file in a folder that can be listed but not entered
+    # raised PermissionError there (the build stopped); the open below then says "unreadable"
+    if not follow_symlinks and os.path.islink(path):
         return "symbolic link, not followed (--follow-symlinks)"
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0))
     try:

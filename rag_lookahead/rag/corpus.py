@@ -203,7 +203,7 @@ def _walk(root: Path, follow_symlinks: bool, skip) -> Iterator[tuple[str, Path]]
             if not is_unicode(name):  # surrogate escapes: the docstore, manifest and report cannot write them
                 skip("/".join(rel_dir + (_shown(name),)), "folder name is not valid UTF-8 (rename it)")
                 continue
-            if not follow_symlinks and (here / name).is_symlink():
+            if not follow_symlinks and os.path.islink(here / name):  # False where it cannot look: os.walk says why
                 skip("/".join(rel_dir + (name,)), "symbolic link to a folder, not followed (--follow-symlinks)")
                 continue
             kept.append(name)

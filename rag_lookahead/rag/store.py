@@ -427,8 +427,13 @@ def _remove_old_versions(index_dir: Path, current: str, replaced: _Published) ->
     """After publishing ``current``: drop the data it ``replaced`` (our files in it, by name), data
     folders of ours left by interrupted builds, the version-1 data files the replaced manifest
     vouches for, and temp manifests. Call with the lock held, in a folder whose manifest is ours."""
-    for child in index_dir.iterdir():
-        if child.name == current or child.is_symlink():
+    try:
+        children = list(index_dir.iterdir())
+    except OSError as e:  # published already: a folder that cannot be listed keeps its old data, said
+        log.warning("left old data in %s in place: %s", index_dir, e.strerror or e)
+        children = []
+    for child in children:
+        if child.name == current or os.path.islink(child):
             continue
         try:
             _remove_if_old(child, replaced)

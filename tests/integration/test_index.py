@@ -1792,3 +1792,54 @@ def test_ask_keeps_an_index_published_while_it_waited(tmp_path, built, monkeypat
     assert tree(index_dir) == published  # nothing rebuilt over it
     sources = {p.source for p in loaded[0].search("茶", k=5)}
     assert sources and all("corpora" not in s for s in sources)
+
+
+# ---------------------------------------------------------------- permissions (as a user without root's overrides)
+
+WITHOUT_ROOT_OVERRIDES = [
+    "setpriv",
+    "--inh-caps=-dac_override,-dac_read_search",
+    "--bounding-set=-dac_override,-dac_read_search",
+]
+PERMISSIONS_SCRIPT = """
+import sys, warnings
+from pathlib import Path
+from rag_lookahead.rag import index as ix
+docs, index_dir = Path(sys.argv[1]), Path(sys.argv[2])
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    print("skipped:", ix.load_corpus(docs).skipped)
+    (docs / "sub").chmod(0o755)
+    index_dir.chmod(0o300)  # written to, not listed
+    report = ix.build_index(docs, index_dir, progress=False)
+index_dir.chmod(0o755)
+print("added:", report.added if report else None)
+"""
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0, reason="needs root and setpriv")
+def test_folders_a_user_cannot_enter_or_list_are_said_not_fatal(tmp_path, embedder):
+    """Without root's overrides: a file in a folder that can be listed but not entered stopped the
+    build with PermissionError (Path.is_symlink raised it); an index folder that can be written but
+    not listed published the new version and then failed with "error: Permission denied"."""
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "tea.md").write_text(TEA, encoding="utf-8")
+    (docs / "sub" / "train.txt").write_text(TRAIN, encoding="utf-8")
+    build(docs, tmp_path / "index", embedder)
+    (docs / "volcano.md").write_text(VOLCANO, encoding="utf-8")  # something to index anew
+    (docs / "sub").chmod(0o644)  # listed, not entered
+    try:
+        done = subprocess.run(
+            [*WITHOUT_ROOT_OVERRIDES, sys.executable, "-c", PERMISSIONS_SCRIPT, str(docs), str(tmp_path / "index")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        (docs / "sub").chmod(0o755)
+        (tmp_path / "index").chmod(0o755)
+    assert done.returncode == 0, done.stderr
+    assert "skipped: ['sub/train.txt: unreadable (Permission denied)']" in done.stdout
+    assert "added: 1" in done.stdout and "left old data in" in done.stderr
+    assert sources(ix.load_index(tmp_path / "index", embedder)) == {"tea.md", "sub/train.txt", "volcano.md"}
