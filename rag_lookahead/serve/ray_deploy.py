@@ -386,9 +386,6 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
     logging.basicConfig(level=_level(config), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_port(config.port)
     own_ray = not ray.is_initialized() and _starts_local_ray()
-    # at warning and above the replicas' logs stay in Ray's log folder (a failed start is pages of them)
-    _connect(ray, {"logging_level": _level(config), "log_to_driver": _level(config) in ("DEBUG", "INFO")})
-    logging.getLogger("ray.serve").setLevel(_level(config))  # Serve's driver-side logger keeps INFO otherwise
     stop, serving, hurry = threading.Event(), threading.Event(), threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -398,10 +395,20 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         if not serving.is_set():
             raise KeyboardInterrupt  # out of serve.run, which may wait minutes for the models
 
-    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
-        signal.signal(sig, on_signal)
+    def listen() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    listen()
     abandoned = False
     try:
+        # at warning and above the replicas' logs stay in Ray's log folder (a failed start is pages of them)
+        options = {"logging_level": _level(config), "log_to_driver": _level(config) in ("DEBUG", "INFO")}
+        arrived = _signals_during(lambda: _connect(ray, options))
+        listen()  # again: ray.init installs its own SIGTERM handler
+        logging.getLogger("ray.serve").setLevel(_level(config))  # Serve's driver-side logger keeps INFO otherwise
+        if arrived & {signal.SIGINT, signal.SIGTERM}:  # its exception was dropped inside ray.init
+            raise KeyboardInterrupt
         base = deploy(config, settings)  # deletes what it started if it fails or is interrupted
         serving.set()
         log.info("serving %s at %s on Ray Serve (%s)", config.model_name, base, _describe(settings))
@@ -425,6 +432,35 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         ray.shutdown()
     if abandoned:  # a start that never served is no clean exit (it was 0); one process exits 130 too
         raise SystemExit(130)
+
+
+def _signals_during(call) -> set[int]:
+    """Run ``call``; return the signals that arrived meanwhile. Why: a SIGTERM during ``ray.init``
+    goes to Ray's handler (``sys.exit``), and where it lands inside a fork hook (Ray forks its
+    processes there) the exception is dropped: the replicas then started and served on. The C-level
+    wakeup fd records every signal whatever became of its Python handler's exception."""
+    try:
+        reader, writer = socket.socketpair()
+    except OSError:
+        call()
+        return set()
+    with reader, writer:
+        reader.setblocking(False)
+        writer.setblocking(False)
+        try:
+            previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: no handler of ours runs there either
+            call()
+            return set()
+        try:
+            call()
+        finally:
+            signal.set_wakeup_fd(previous)
+        arrived: set[int] = set()
+        with contextlib.suppress(BlockingIOError):
+            while chunk := reader.recv(256):
+                arrived.update(chunk)
+        return arrived
 
 
 def _level(config: ServerConfig) -> str:
@@ -566,7 +602,11 @@ def _check_fits(settings: RaySettings, gpus: float, resources: Mapping[str, floa
         have = resources.get(kind, 0.0)
         if amount > have:
             per = settings.num_cpus if kind == "CPU" else gpus
+            if kind == "CPU":
+                advice = " (lower --replica-cpus or --replicas)"
+            else:  # with no GPU at all, fewer replicas cannot help
+                advice = " (lower --replicas)" if have else " (run on the CPU: --device cpu)"
             raise ConfigError(
                 f"{settings.lowest} replicas x {per:g} {kind} need {amount:g} {kind}s; the Ray cluster has {have:g}"
-                + (" (lower --replica-cpus or --replicas)" if kind == "CPU" else " (lower --replicas)")
+                + advice
             )
