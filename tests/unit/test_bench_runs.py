@@ -225,6 +225,22 @@ def test_a_report_moved_to_a_free_name_takes_one_whose_charts_are_free(tiny, mon
     assert all(is_chart(path) for path in charts) and (tmp_path / "r.2.json").is_file()
 
 
+def another_run_ends_while_the_model_loads(monkeypatch, tiny, module: str, report):
+    """The bench ``module``, on the tiny model, whose model load is when another run saves its
+    report at ``report``."""
+    from rag_lookahead.output_files import save_report
+
+    bench = loading_tiny(monkeypatch, tiny, module)
+
+    def load_while_another_run_ends(*args, **kwargs):
+        save_report(report, {"by": "the other run"})
+        return tiny
+
+    for owner in (bench, common):
+        monkeypatch.setattr(owner, "load_bench_model", load_while_another_run_ends, raising=False)
+    return bench
+
+
 @pytest.mark.parametrize(("module", "options"), [("single", ["--methods", "greedy"]), ("replay", [])])
 def test_a_report_another_run_saved_at_the_path_meanwhile_is_kept(tiny, monkeypatch, tmp_path, capsys, module, options):
     """Two runs to one --json: the one that ended first saved its report, and the later one replaced
@@ -234,14 +250,7 @@ def test_a_report_another_run_saved_at_the_path_meanwhile_is_kept(tiny, monkeypa
 
     report = tmp_path / "r.json"
     save_report(report, {"by": "an earlier run"})  # a rerun to its path is allowed
-    bench = loading_tiny(monkeypatch, tiny, module)
-
-    def load_while_another_run_ends(*args, **kwargs):
-        save_report(report, {"by": "the other run"})
-        return tiny
-
-    for owner in (bench, common):
-        monkeypatch.setattr(owner, "load_bench_model", load_while_another_run_ends, raising=False)
+    bench = another_run_ends_while_the_model_loads(monkeypatch, tiny, module, report)
     prompts = prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9 t10"})
     bench.main(["--prompts", prompts, "--max-new-tokens", "2", *options, "--json", str(report)])
     assert json.loads(report.read_text(encoding="utf-8"))["by"] == "the other run"
@@ -254,17 +263,8 @@ def test_a_failed_stdout_names_where_a_moved_report_went(tiny, monkeypatch, tmp_
     r.1.json, and the last line said it was saved "(--json r.json)", where the other run's report was."""
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
-    from rag_lookahead.output_files import save_report
-
     report = tmp_path / "r.json"
-    bench = loading_tiny(monkeypatch, tiny, "single")
-
-    def load_while_another_run_ends(*args, **kwargs):
-        save_report(report, {"by": "the other run"})
-        return tiny
-
-    for owner in (bench, common):
-        monkeypatch.setattr(owner, "load_bench_model", load_while_another_run_ends, raising=False)
+    bench = another_run_ends_while_the_model_loads(monkeypatch, tiny, "single", report)
     prompts = prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9 t10"})
     stream = full_stdout()
     monkeypatch.setattr(sys, "stdout", stream)
