@@ -2,7 +2,8 @@
 not UTF-8, an ASCII stdout, a pipe closed mid-stream, and text that rich would read as emoji codes.
 
 The answers come from a real LookaheadLLM over a tiny random-weight model (the failures are in
-reading the question and printing, not in decoding), with a real index and the real embedder.
+reading the question and printing, not in decoding), with a real index and the real embedder
+(loaded once per session: ``shared_embedder``).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ from rag_lookahead.cli import app
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.rag.index import build_index
 
+pytestmark = pytest.mark.usefixtures("shared_embedder")
+
 PASSAGE = "branch_length 是草稿树的最大深度，默认值为 48。Redis keys look like user:id:42 and ratios a:b:c."
 
 
 @pytest.fixture(scope="module")
-def index_dir(tmp_path_factory):
+def index_dir(tmp_path_factory, e5_embedder):
     root = tmp_path_factory.mktemp("ask_frontend")
     (root / "docs").mkdir()
     (root / "docs" / "tuning.md").write_text(PASSAGE + "\n", encoding="utf-8")
-    build_index(root / "docs", root / "index", progress=False)
+    build_index(root / "docs", root / "index", e5_embedder, progress=False)
     return root / "index"
 
 
