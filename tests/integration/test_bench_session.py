@@ -29,9 +29,9 @@ def test_questions_are_shuffled_the_same_way_and_cycled():
         session_questions([Item("x", "en", "text", [])], 3)
 
 
-def test_one_pool_grows_across_questions_and_controls_answer_the_same(default_model, tmp_path):
+def test_one_pool_grows_across_questions_and_controls_answer_the_same(default_model, tmp_path, shared_embedder):
     model, tokenizer = default_model
-    index = index_items(ITEMS, tmp_path, progress=False)
+    index = index_items(ITEMS, tmp_path, progress=False)  # with the session's embedder (shared_embedder)
     questions = session_questions(ITEMS, 4)
     records = ask_session(
         model,
