@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from rag_lookahead.ask import bundled_corpus
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.rag.chains import build_rag_chain, build_retrieval_qa
-from rag_lookahead.rag.index import build_index, load_index
+from rag_lookahead.rag.index import load_index
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +35,10 @@ def longest_common(a: str, b: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def index(tmp_path_factory):
-    path = tmp_path_factory.mktemp("e2e") / "index"
-    build_index(CORPUS, path, progress=False)
-    return load_index(path)
+def index(bundled_index_dir, e5_embedder):
+    """The session's index of the bundled corpus (CORPUS), opened with the session's embedder."""
+    assert CORPUS == bundled_corpus()
+    return load_index(bundled_index_dir, e5_embedder)
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +104,9 @@ def test_retrieval_qa_prompts_the_model_as_ask_does(index, llm32):
 
 
 @pytest.fixture
-def cli_home(tmp_path, monkeypatch):
-    """A fresh RAG_LOOKAHEAD_HOME (`ask` indexes the bundled corpus there and loads the default model)."""
+def cli_home(tmp_path, monkeypatch, shared_embedder):
+    """A fresh RAG_LOOKAHEAD_HOME (`ask` indexes the bundled corpus there and loads the default model;
+    the embedder is the session's, loaded once)."""
     monkeypatch.setenv("RAG_LOOKAHEAD_HOME", str(tmp_path))
     return tmp_path
 
@@ -170,26 +172,41 @@ def test_cli_ask_stream_prints_blocks_then_sources_then_a_speed_line(cli_home, m
     assert stats.endswith(("lookahead on", "lookahead off")), stats
 
 
-def test_batch_answers_refuses_a_question_past_the_context_before_decoding_any(index, tmp_path):
+def test_batch_answers_refuses_a_question_past_the_context_before_decoding_any(
+    index, tmp_path, monkeypatch, capsys, default_model, shared_embedder
+):
     """Line 3's prompt was too long for the context: the run failed after answering lines 1-2,
-    wrote nothing and named no line."""
-    import subprocess
+    wrote nothing and named no line. (The script runs in this process, as ``python
+    pipelines/batch_answers.py`` runs it, on the session's default model: a process of its own
+    loaded the model and the embedder again.)"""
     import sys
 
+    from rag_lookahead import models
+
     questions = tmp_path / "q.jsonl"
-    lines = [QUESTIONS["en"][0], QUESTIONS["zh"][0], "word " * 40_000 + "?"]
+    # 33,000 tokens: past the default model's 32,768 (each word of it is also embedded for the search)
+    lines = [QUESTIONS["en"][0], QUESTIONS["zh"][0], "word " * 33_000 + "?"]
     questions.write_text("".join(json.dumps({"question": q}) + "\n" for q in lines), encoding="utf-8")
-    script = Path(__file__).resolve().parents[2] / "pipelines" / "batch_answers.py"
-    out = subprocess.run(
-        [sys.executable, str(script), str(questions), str(tmp_path / "a.jsonl"), "--index-dir", str(index.index_dir)],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "pipelines"))
+    import rag_args
+
+    import batch_answers
+
+    loads: list[str] = []
+    monkeypatch.setattr(models, "load_model", lambda name, **options: loads.append(name) or default_model)
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["batch_answers.py", str(questions), str(tmp_path / "a.jsonl"), "--index-dir", str(index.index_dir)],
     )
-    assert out.returncode == 1, out.stderr
-    last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: {questions}:3: the input has") and "context" in last, out.stderr
-    assert "answered" not in out.stderr and not (tmp_path / "a.jsonl").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        rag_args.run(batch_answers.main, prints_answers=False)  # the script's own ``__main__`` line
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1, err
+    assert loads == ["default"]  # the script's own model: the default one
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: {questions}:3: the input has") and "context" in last, err
+    assert "answered" not in err and not (tmp_path / "a.jsonl").exists()
 
 
 def test_the_seeding_retriever_returns_the_documents_it_found_with_their_headings():
