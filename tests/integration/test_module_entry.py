@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 
 def run_module(*args: str) -> subprocess.CompletedProcess:
@@ -29,14 +28,13 @@ def test_errors_are_one_line_with_exit_code_1(tmp_path):
     assert done.stderr.strip().splitlines() == [f"error: corpus folder not found: {tmp_path / 'missing'}"]
 
 
-def test_ask_json_prints_one_json_line_and_nothing_else(tmp_path):
+def test_ask_json_prints_one_json_line_and_nothing_else(bundled_index_dir):
     """What a script piping ``ask --json`` gets, in a real process with the real default model:
-    the JSON on stdout, and on stderr none of transformers' "Loading weights" bar."""
+    the JSON on stdout, and on stderr none of transformers' "Loading weights" bar. (It reads the
+    session's index of the bundled corpus.)"""
     import json
 
-    index = tmp_path / "index"
-    built = run_module("index", str(Path(__file__).resolve().parents[2] / "corpora"), "--index-dir", str(index))
-    assert built.returncode == 0, built.stderr
+    index = bundled_index_dir
     env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "rag_lookahead.ask", "What does the budget option do?", "--json"]
