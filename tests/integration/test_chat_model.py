@@ -633,13 +633,11 @@ QUESTION = "What does the budget option do?"  # corpora/en/tuning.md answers it
 
 
 @pytest.fixture(scope="module")
-def corpus_index(tmp_path_factory):
-    from rag_lookahead.ask import bundled_corpus
-    from rag_lookahead.rag.index import build_index, load_index
+def corpus_index(bundled_index_dir, e5_embedder):
+    """The session's index of the bundled corpus, opened with the session's embedder."""
+    from rag_lookahead.rag.index import load_index
 
-    folder = tmp_path_factory.mktemp("chat-chain") / "index"
-    build_index(bundled_corpus(), folder, progress=False)
-    return load_index(folder)
+    return load_index(bundled_index_dir, e5_embedder)
 
 
 def test_index_retriever_takes_k_and_mode_per_call(corpus_index):
