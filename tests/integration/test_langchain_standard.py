@@ -132,12 +132,12 @@ class TestLangChainEmbeddingsUnitStandard(EmbeddingsUnitTests):
 
 
 @pytest.fixture(scope="module")
-def corpus_index(tmp_path_factory):
+def corpus_index(tmp_path_factory, e5_embedder):
     from rag_lookahead.rag.index import build_index, load_index
 
     folder = tmp_path_factory.mktemp("standard") / "index"
-    build_index(CORPUS_EN, folder, progress=False)
-    return load_index(folder)
+    build_index(CORPUS_EN, folder, e5_embedder, progress=False)  # the session's embedder, loaded once
+    return load_index(folder, e5_embedder)
 
 
 class TestDocumentIndexRetrieverStandard(RetrieversIntegrationTests):
