@@ -220,15 +220,16 @@ def tiny_engine(tokenizer, **changes) -> Engine:
     return Engine(tiny_model("qwen2"), tokenizer, ServerConfig(**settings))
 
 
-def small_index(root, files: dict[str, str]):
-    """A real index (real embedder, real FAISS) of ``files`` (name -> text), built under ``root``."""
+def small_index(root, files: dict[str, str], embedder):
+    """A real index (real FAISS, the real ``embedder``: the session's ``e5_embedder``, loaded once)
+    of ``files`` (name -> text), built under ``root``."""
     from rag_lookahead.rag.index import build_index, load_index
 
     (root / "corpus").mkdir()
     for name, text in files.items():
         (root / "corpus" / name).write_text(text, encoding="utf-8")
-    build_index(root / "corpus", root / "index", progress=False)
-    return load_index(root / "index")
+    build_index(root / "corpus", root / "index", embedder, progress=False)
+    return load_index(root / "index", embedder)
 
 
 def tiny_prompts(count: int, seed: int = 7) -> list[list[int]]:
@@ -745,7 +746,7 @@ def test_real_non_stream_disconnect_cancels(real):
 
 
 @pytest.mark.slow
-def test_real_rag_endpoint(real, llm, tmp_path):
+def test_real_rag_endpoint(real, llm, tmp_path, e5_embedder):
     from rag_lookahead.rag.chains import make_prompt
 
     engine, base = real
@@ -757,6 +758,7 @@ def test_real_rag_endpoint(real, llm, tmp_path):
                 "Mount Etna is an active volcano on the east coast of Sicily, Italy. It is 3,357 metres tall."
             ),
         },
+        e5_embedder,
     )
     try:
         question = "How tall is Mount Etna?"

@@ -384,7 +384,7 @@ def test_non_stream_client_that_leaves_is_cancelled_while_tokens_flow(tokenizer,
 
 
 @pytest.fixture(scope="module")
-def tiny_index(tmp_path_factory):
+def tiny_index(tmp_path_factory, e5_embedder):
     """A real two-passage index (real embedder, real FAISS)."""
     return small_index(
         tmp_path_factory.mktemp("rag"),
@@ -392,6 +392,7 @@ def tiny_index(tmp_path_factory):
             "tea.md": "Longjing tea grows near West Lake in Hangzhou.",
             "etna.md": "Mount Etna is an active volcano on the east coast of Sicily.",
         },
+        e5_embedder,
     )
 
 

@@ -160,13 +160,14 @@ def check_answer(response: httpx.Response) -> None:
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tokenizer, tmp_path_factory):
+def fuzz_server(tokenizer, tmp_path_factory, e5_embedder):
     index = small_index(
         tmp_path_factory.mktemp("fuzz"),
         {
             "digits.md": "3141592653589793 are the first digits of pi.",
             "etna.md": "Mount Etna is an active volcano on the east coast of Sicily.",
         },
+        e5_embedder,
     )
     engine = tiny_engine(
         tokenizer,
