@@ -331,7 +331,7 @@ def encode_messages(
         if tools:
             raise ConfigError("this tokenizer has no chat template, so it cannot be given tools")
         text = "\n\n".join(str(m.get("content") or "") for m in messages)
-        return list(tokenizer(_unicode(text + answer_prefix))["input_ids"])
+        return list(tokenizer(_unicode(text + answer_prefix), verbose=False)["input_ids"])
     if tools and "tools" not in template:
         raise ConfigError(
             "this model's chat template does not take tools: bind tools only to a model whose template does"
@@ -342,7 +342,9 @@ def encode_messages(
     except Exception as err:  # jinja's TemplateError and friends: say what the template refused
         raise InputError(f"the chat template refused these messages: {err}") from None
     _check_nothing_left_out(tokenizer, messages, extra)
-    return list(tokenizer(_unicode(text + answer_prefix), add_special_tokens=False)["input_ids"])
+    # verbose=False: a prompt past the context is refused in our words (decoding.inputs), without
+    # transformers' "sequence length is longer" warning printed first
+    return list(tokenizer(_unicode(text + answer_prefix), add_special_tokens=False, verbose=False)["input_ids"])
 
 
 #: OpenAI's role names that chat templates know by an older one

@@ -171,7 +171,7 @@ class Engine:
 
     def encode_text(self, text: str) -> list[int]:
         with self.tokenizer_lock:
-            return list(self.tokenizer(text)["input_ids"])
+            return list(self.tokenizer(text, verbose=False)["input_ids"])  # a long one: refused in our words
 
     def encode_chat(
         self,
@@ -194,7 +194,7 @@ class Engine:
 
     def encode_passages(self, passages: Sequence[str]) -> list[list[int]]:
         with self.tokenizer_lock:
-            return [self.tokenizer.encode(p, add_special_tokens=False) for p in passages if p]
+            return [self.tokenizer.encode(p, add_special_tokens=False, verbose=False) for p in passages if p]
 
     def retrieve(self, question: str, k: int):
         """The ``k`` passages nearest ``question`` in the index, as LangChain documents."""

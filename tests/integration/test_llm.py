@@ -288,3 +288,34 @@ def test_tokenizer_without_pad_is_left_untouched(default_model, llm):
     prompts = [PROMPTS[0], PROMPTS[2]]
     assert padless.batch(prompts) == [llm.invoke(p, max_new_tokens=4) for p in prompts]
     assert bare.pad_token is None
+
+
+def test_a_prompt_past_the_context_is_refused_in_our_words_only(default_model):
+    """A question past the context got transformers' "Token indices sequence length is longer than
+    the specified maximum" warning before our one-line refusal (``batch_answers`` printed both).
+    A tokenizer loaded afresh: transformers warns once per tokenizer."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from rag_lookahead.models import default_model_dir
+
+    class Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    model, _ = default_model
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    llm = LookaheadLLM(model=model, tokenizer=tokenizer, max_new_tokens=4)
+    records = Records()
+    logging.getLogger("transformers").addHandler(records)
+    try:
+        with pytest.raises(InputError, match="the input has .* tokens but the model's context holds"):
+            llm.invoke("word " * 33_000)
+    finally:
+        logging.getLogger("transformers").removeHandler(records)
+    assert not [m for m in records.messages if "sequence length is longer" in m]
