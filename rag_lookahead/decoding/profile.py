@@ -48,6 +48,8 @@ class ModelProfile:
     costs_set_aside: the costs of a layout switched away from, by its name (benchmarks switch
         the output layer back and forth: ``greedy_head.full_output_layer``).
     position_origin: the position the model numbers a prompt's first token (``positions``).
+    attends_ahead: whether a model whose config says ``is_decoder=False`` attends both ways (``causality``).
+    fed_whole_sequence: whether ``generate`` feeds the model every token on every step (``generate_inputs``).
     """
 
     tree_mask: bool | None = None
@@ -59,6 +61,8 @@ class ModelProfile:
     drafts_met: dict[str, AcceptanceRates] = field(default_factory=dict)
     costs_set_aside: dict[str, tuple[CostCurve | None, StepCosts | None]] = field(default_factory=dict)
     position_origin: int | None = None
+    attends_ahead: bool | None = None
+    fed_whole_sequence: bool | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def output_pool(self, depth: int, max_nodes: int) -> OutputPool:
@@ -98,6 +102,8 @@ class ModelProfile:
             self.drafts_met = {}
             self.costs_set_aside = {}
             self.position_origin = None
+            self.attends_ahead = None
+            self.fed_whole_sequence = None
 
     def as_dict(self) -> dict:
         """A plain summary for logs and debugging."""

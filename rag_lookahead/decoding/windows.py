@@ -110,7 +110,10 @@ def _may_slide(model) -> bool:
 def check_layers(model) -> list[str]:
     """Refuse, before any forward, a model with a layer kind the packed cache cannot crop or compact
     by slicing: chunked attention (a chunk mask, not a window), linear attention, state-space
-    layers. Returns each layer's kind."""
+    layers, a recurrent state or a cache of the model's own; and a model that ``generate`` feeds the
+    whole sequence on every step. Then refuse one that attends both ways (``causality``: where its
+    config says ``is_decoder=False``, two short forwards tell, once per model). Returns each
+    layer's kind."""
     if getattr(model.config, "is_encoder_decoder", False):
         raise NotImplementedError(
             f"rag_lookahead supports decoder-only models; {type(model).__name__} is an encoder-decoder"
@@ -135,7 +138,47 @@ def check_layers(model) -> list[str]:
             f"rag_lookahead supports full-attention and sliding-window layers only; "
             f"{type(model).__name__} has {', '.join(map(repr, unsupported))} layers"
         )
+    if _keeps_own_state(model):
+        # xLSTM declares full-attention layers, yet its forward reads a recurrent state from the cache
+        raise NotImplementedError(
+            f"rag_lookahead supports full-attention and sliding-window layers only; {type(model).__name__} keeps "
+            "a recurrent state or a cache of its own (not transformers' DynamicCache), which cannot be taken back "
+            "to before a rejected draft"
+        )
+    _check_fed_new_tokens(model)
+    from rag_lookahead.decoding.causality import check_causal
+
+    check_causal(model)
     return kinds
+
+
+def _keeps_own_state(model) -> bool:
+    """Whether transformers itself keeps the model from ``generate``'s rollback or its DynamicCache:
+    a stateful model (no assisted decoding: its state cannot be cropped), or one whose ``generate``
+    does not start from a DynamicCache (xLSTM, RWKV, Reformer, XLNet)."""
+    cls = type(model)
+    supports_dynamic = getattr(cls, "_supports_default_dynamic_cache", None)
+    return bool(getattr(cls, "_is_stateful", False)) or (callable(supports_dynamic) and not supports_dynamic())
+
+
+def _check_fed_new_tokens(model) -> None:
+    """Refuse a model that ``generate`` hands the whole sequence on every step (CPM-Ant slices off the
+    cached part in its forward, XLM appends a mask token and predicts at it, OpenAI GPT keeps no
+    cache): fed only the new tokens, as every forward of ours is, they failed deep inside their
+    attention (OpenAI GPT only at the packed cache, after the prefill's forward)."""
+    from rag_lookahead.decoding.generate_inputs import feeds_whole_sequence
+    from rag_lookahead.decoding.profile import profile_of
+    from rag_lookahead.decoding.verify import input_device
+
+    profile = profile_of(model)
+    if profile.fed_whole_sequence is None:  # read once per model: a prepare_inputs call costs ~0.3 ms
+        profile.fed_whole_sequence = feeds_whole_sequence(model, input_device(model))
+    if profile.fed_whole_sequence:
+        raise NotImplementedError(
+            f"rag_lookahead feeds a forward only the tokens after those in its KV cache; model.generate feeds "
+            f"{type(model).__name__} the whole sequence on every step (it keeps no KV cache, or its forward slices "
+            "off the cached part itself), which verifying drafts cannot do"
+        )
 
 
 def full_cache(model):

@@ -16,7 +16,7 @@ from rag_lookahead.decoding.costs import _fit_window, cost_curve
 from rag_lookahead.decoding.inputs import context_limit
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.verify import mask_blind_reason, supports_tree_mask
-from rag_lookahead.errors import InputError
+from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.tiny import _COMMON
 
 SMALL = {**_COMMON, "initializer_range": 0.3}  # the tiny models' sizes, with weights large enough to matter
@@ -411,3 +411,107 @@ def test_a_decoder_counting_from_its_padding_index_is_fed_positions_from_zero(se
     expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=1)
     assert torch.equal(generate(model, ids, mask, max_new_tokens=24, pad_token_id=1).sequences, expected)
     assert position_origin(model, torch.device("cpu")) == 0
+
+
+_BERT_SIZES = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    max_position_embeddings=256, pad_token_id=0, bos_token_id=None, eos_token_id=None, initializer_range=0.3,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["Roberta", "XLMRobertaXL"])
+def test_a_roberta_decoder_padded_by_token_0_is_fed_positions_from_zero(family):
+    """With ``padding_idx`` 0 a Roberta-style decoder numbers its own positions from 1, and the
+    origin probe took that numbering; ``model.generate`` feeds it 0, 1, 2..., so the tokens
+    differed from the first (Roberta, CamemBERT, XLM-R, XLM-R-XL, Data2Vec-text, Roberta-PreLN)."""
+    from rag_lookahead.decoding.positions import position_origin
+
+    config = getattr(transformers, f"{family}Config")(**_BERT_SIZES, is_decoder=True)
+    torch.manual_seed(0)
+    model = _ready(getattr(transformers, f"{family}ForCausalLM")(config))
+    ids, mask = padded([[10, 2, 5, 7] * 6, [9, 3, 11] * 4])
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0)
+    references = [[[5, 7, *expected[0, ids.shape[1] :].tolist()]], []]
+    config = LookaheadConfig(budget="fixed", use_output_pool=False)
+    result = generate(model, ids, mask, max_new_tokens=12, config=config, references=references, pad_token_id=0)
+    assert torch.equal(result.sequences, expected)
+    assert position_origin(model, torch.device("cpu")) == 0
+
+
+def _stateful_or_whole_sequence_model(kind: str):
+    torch.manual_seed(0)
+    if kind == "xlstm":  # declares full-attention layers, keeps a recurrent state in its own cache
+        config = transformers.xLSTMConfig(
+            vocab_size=96, hidden_size=64, embedding_dim=64, num_heads=4, num_blocks=2, num_hidden_layers=2,
+            qk_dim_factor=1.0, v_dim_factor=1.0, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+        )  # fmt: skip
+        return transformers.xLSTMForCausalLM(config)
+    if kind == "cpmant":  # its forward takes the whole sequence and slices off the cached part
+        config = transformers.CpmAntConfig(
+            vocab_size=96, hidden_size=64, num_attention_heads=4, dim_head=16, dim_ff=128, num_hidden_layers=2,
+            pad_token_id=0, eos_token_id=None, bos_token_id=None,
+        )  # fmt: skip
+        return transformers.CpmAntForCausalLM(config)
+    config = transformers.XLMConfig(  # generate appends a mask token to the whole sequence every step
+        vocab_size=96, emb_dim=64, n_layers=2, n_heads=4, max_position_embeddings=256, causal=kind == "xlm-causal",
+        pad_index=0, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+    return transformers.XLMWithLMHeadModel(config)
+
+
+@pytest.mark.parametrize(
+    "kind, said",
+    [
+        ("xlstm", "recurrent state or a cache of its own"),
+        ("cpmant", "the whole sequence on every step"),
+        ("xlm", "the whole sequence on every step"),
+        ("xlm-causal", "the whole sequence on every step"),
+    ],
+)
+def test_models_fed_other_than_new_tokens_over_a_dynamic_cache_are_refused_before_any_forward(kind, said):
+    """xLSTM failed with a raw AttributeError ('DynamicCache' object has no attribute 'rnn_state'),
+    CPM-Ant and XLM with raw IndexError or RuntimeError deep inside the decoding."""
+    from rag_lookahead import hf_generate
+
+    model = _text_only(_stateful_or_whole_sequence_model(kind))
+    forwards = []
+    model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    ids = torch.tensor([[10, 2, 5, 7] * 3])
+    for config in (LookaheadConfig(enabled=False), LookaheadConfig(budget="fixed")):
+        with pytest.raises(NotImplementedError, match=said):
+            generate(model, ids, max_new_tokens=4, config=config, pad_token_id=0)
+    with pytest.raises(NotImplementedError, match=said):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, custom_generate=hf_generate)
+    assert forwards == []
+
+
+def _bidirectional_decoder(kind: str):
+    torch.manual_seed(0)
+    if kind == "rembert":
+        config = transformers.RemBertConfig(**_BERT_SIZES, input_embedding_size=64, output_embedding_size=64)
+        return transformers.RemBertForCausalLM(config)
+    if kind == "bert-generation":
+        return transformers.BertGenerationDecoder(transformers.BertGenerationConfig(**_BERT_SIZES))
+    return transformers.RoFormerForCausalLM(transformers.RoFormerConfig(**_BERT_SIZES, embedding_size=64))
+
+
+@pytest.mark.parametrize("kind", ["rembert", "bert-generation", "roformer"])
+def test_a_bert_style_causal_lm_left_bidirectional_is_refused(kind):
+    """A BERT-style ``...ForCausalLM`` whose config keeps ``is_decoder=False`` attends both ways and
+    ``model.generate`` runs the whole sequence again each step: we decoded other tokens without a
+    word (RemBert differed from the 13th of 20)."""
+    model = _text_only(_bidirectional_decoder(kind))
+    assert model.config.is_decoder is False
+    with pytest.raises(ConfigError, match="is_decoder=True"):
+        generate(model, [10, 2, 5, 7] * 3, max_new_tokens=4, pad_token_id=0)
+
+
+def test_a_causal_model_whose_config_says_is_decoder_false_still_decodes():
+    """GPT-NeoX (Pythia) configs say ``is_decoder=False`` and its attention is causal all the same."""
+    config = transformers.GPTNeoXConfig(**_BERT_SIZES)
+    torch.manual_seed(0)
+    model = _ready(transformers.GPTNeoXForCausalLM(config))
+    assert model.config.is_decoder is False
+    prompt = [10, 2, 5, 7] * 3
+    expected = reference_generate(model, prompt, 8, None)
+    assert generate(model, prompt, max_new_tokens=8, pad_token_id=0).sequences[0, len(prompt) :].tolist() == expected
