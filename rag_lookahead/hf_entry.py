@@ -20,7 +20,8 @@ and ``lookahead_config`` (a whole ``LookaheadConfig``; the config's keys overrid
 What would change the output and cannot be reproduced exactly is refused with
 ``ConfigError``, never ignored: logits processors other than the sampling ones transformers
 builds from the config, per-step scores/attentions in the output, custom stopping criteria
-on batches (a batch-level criterion sees other rows; per row we cannot know what it means),
+on batches (a batch-level criterion sees other rows; per row we cannot know what it means; a
+subclass of one of transformers' own criteria or processors counts as the caller's own),
 transformers' own row-wise criteria on a batch without EOS (transformers decodes a stopped row on),
 EOS from the criteria alone on a batch with no pad id to fill its ended rows (transformers fails
 there, at batch size 1 too; one row needs no padding and is decoded),
@@ -285,6 +286,13 @@ def _stop_words(words, tokenizer) -> frozenset[int]:
     return LookaheadConfig(stop_words=ids).stop_words | (stop_word_ids(tokenizer, text) if text else frozenset())
 
 
+#: how ``references`` nest in ``model.generate``, for the errors that find them nested otherwise
+_REFERENCES_SHAPE = (
+    "references=[[passage, ...], ...] (rows -> passages; one row: references=[[passage]]), each passage"
+    " token ids or, with lookahead_tokenizer=tokenizer, text"
+)
+
+
 def _check_tokenizer(tokenizer) -> None:
     """``lookahead_tokenizer``: None or a tokenizer (a str has ``encode`` too, and failed inside it)."""
     if tokenizer is not None and (
@@ -297,12 +305,22 @@ def _check_tokenizer(tokenizer) -> None:
 
 
 def _encode_references(references, tokenizer):
-    """Passages given as text are encoded (without special tokens); ids pass through to the checks."""
-    if references is None or isinstance(references, (str, bytes)):
-        return references  # the checks explain the nesting
+    """Passages given as text are encoded (without special tokens); ids pass through to the checks.
+
+    The nesting is explained here, not left to the loop's checks: they see token ids only, and would
+    tell a caller whose text is accepted (with ``lookahead_tokenizer``) to encode it."""
+    if references is None:
+        return None
+    if isinstance(references, (str, bytes)) or not isinstance(references, Sequence):
+        raise InputError(
+            f"references must be a list with one entry per row, each a list of passages, got "
+            f"{type(references).__name__}: {_REFERENCES_SHAPE}"
+        )
     out = []
     for r, row in enumerate(references):
-        if row is None or isinstance(row, (str, bytes)) or not isinstance(row, (list, tuple)):
+        if isinstance(row, (str, bytes)):
+            raise InputError(f"references[{r}] is text, but each row is a list of passages: {_REFERENCES_SHAPE}")
+        if row is None or not isinstance(row, (list, tuple)):
             out.append(row)
             continue
         passages = []
@@ -429,6 +447,14 @@ def _attention_mask(input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor
     return mask
 
 
+def _is_builtin(obj, *kinds: type) -> bool:
+    """Whether ``obj`` is one of transformers' own processors or criteria ``kinds``, exactly: a user's
+    subclass overrides what it does (its ``__call__``), so reading its settings as the built-in's would
+    decode other tokens than ``model.generate``; a subclass is judged as the user's own (a custom
+    criterion, an unknown processor), as transformers' own merge of the lists compares exact types too."""
+    return type(obj) in kinds
+
+
 def _check_processors(given, ours, mask: torch.Tensor, do_sample: bool) -> None:
     """The prepared processors must be exactly those our sampling applies (same kinds, same settings),
     less those that change nothing (a minimum length the prompt already has; in greedy decoding a
@@ -438,7 +464,7 @@ def _check_processors(given, ours, mask: torch.Tensor, do_sample: bool) -> None:
         for p in given
         if not _holds_nothing_back(p, mask.shape[-1])
         and not _suppresses_nothing(p)
-        and (do_sample or not isinstance(p, LogitNormalization))
+        and (do_sample or not _is_builtin(p, LogitNormalization))
     ]
     extra = [type(p).__name__ for p in given if type(p) not in {type(o) for o in ours}]
     if extra:
@@ -458,9 +484,9 @@ def _check_processors(given, ours, mask: torch.Tensor, do_sample: bool) -> None:
 def _holds_nothing_back(processor, width: int) -> bool:
     """A minimum-length processor that never masks EOS here: ``min_length`` at most the input's
     (padded) width, which transformers compares with (as it makes of ``min_new_tokens=0``)."""
-    if isinstance(processor, MinLengthLogitsProcessor):
+    if _is_builtin(processor, MinLengthLogitsProcessor):
         return processor.min_length <= width
-    return isinstance(processor, MinNewTokensLengthLogitsProcessor) and processor.min_new_tokens <= 0
+    return _is_builtin(processor, MinNewTokensLengthLogitsProcessor) and processor.min_new_tokens <= 0
 
 
 def _suppresses_nothing(processor) -> bool:
@@ -469,7 +495,7 @@ def _suppresses_nothing(processor) -> bool:
         (SuppressTokensLogitsProcessor, "suppress_tokens"),
         (SuppressTokensAtBeginLogitsProcessor, "begin_suppress_tokens"),
     ):
-        if isinstance(processor, kind):
+        if _is_builtin(processor, kind):
             return getattr(processor, tokens).numel() == 0
     return False
 
@@ -478,7 +504,7 @@ def _penalises_padding(processor) -> bool:
     """A repetition penalty made without ``prompt_ignore_length`` (a user's own: transformers then
     uses it instead of its own), which counts the pad ids of each row's left padding."""
     return (
-        isinstance(processor, RepetitionPenaltyLogitsProcessor)
+        _is_builtin(processor, RepetitionPenaltyLogitsProcessor)
         and getattr(processor, "prompt_ignore_length", None) is None
     )
 
@@ -488,7 +514,7 @@ def _same(given, ours, pads: torch.Tensor) -> bool:
     (``prompt_ignore_length`` = pad counts); our rows' histories hold no padding, which is the same."""
     state = dict(vars(given))
     skip = state.get("prompt_ignore_length")
-    if isinstance(given, RepetitionPenaltyLogitsProcessor) and isinstance(skip, torch.Tensor):
+    if _is_builtin(given, RepetitionPenaltyLogitsProcessor) and isinstance(skip, torch.Tensor):
         if skip.shape == pads.shape and torch.equal(skip.to(pads.device), pads):
             state["prompt_ignore_length"] = None
     try:
@@ -508,9 +534,9 @@ def _read_criteria(criteria, rows: int) -> tuple[int, frozenset[int], list]:
 
     max_length, eos, custom = None, set(), []
     for criterion in criteria:
-        if isinstance(criterion, MaxLengthCriteria):
+        if _is_builtin(criterion, MaxLengthCriteria):
             max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
-        elif isinstance(criterion, EosTokenCriteria):
+        elif _is_builtin(criterion, EosTokenCriteria):
             eos.update(int(t) for t in criterion.eos_token_id.reshape(-1).tolist())
         else:
             custom.append(criterion)
@@ -519,14 +545,14 @@ def _read_criteria(criteria, rows: int) -> tuple[int, frozenset[int], list]:
     # transformers' stop strings judge each row by its own tokens; a time limit judges the batch
     # (transformers stops every row on the same step), which rows cut apart at their own blocks
     # cannot match
-    row_wise = (StopStringCriteria,)
-    if rows > 1 and any(isinstance(c, MaxTimeCriteria) for c in custom):
+    row_wise = (StopStringCriteria,)  # a subclass may judge the batch: a custom criterion
+    if rows > 1 and any(_is_builtin(c, MaxTimeCriteria) for c in custom):
         raise ConfigError(
             "a time limit (MaxTimeCriteria) needs batch size 1 with lookahead decoding: model.generate ends every"
             " row on the same step, and lookahead rows end at their own blocks"
         )
-    if rows > 1 and any(not isinstance(c, row_wise) for c in custom):
-        names = ", ".join(type(c).__name__ for c in custom if not isinstance(c, row_wise))
+    if rows > 1 and any(not _is_builtin(c, *row_wise) for c in custom):
+        names = ", ".join(type(c).__name__ for c in custom if not _is_builtin(c, *row_wise))
         raise ConfigError(f"custom stopping criteria ({names}) need batch size 1 with lookahead decoding")
     if rows > 1 and custom and not eos:
         # transformers pads a stopped row only where EOS is set; without it the row decodes on

@@ -11,7 +11,16 @@ from tiny_models import ARCHITECTURES, build_tiny_model, padded, tiny_model
 from tiny_tokenizer import tiny_tokenizer
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import QuantizedCache
-from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+from transformers.generation.logits_process import (
+    LogitNormalization,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rag_lookahead import LookaheadConfig, generate
@@ -918,3 +927,139 @@ def test_right_padding_is_refused_with_advice_that_keeps_the_output():
         model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, custom_generate=hf_generate
         )
+
+
+# --- a user's subclass of one of transformers' own criteria or processors is the user's own ---------------
+
+SUBCLASS_PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+
+
+class LengthOrToken(MaxLengthCriteria):
+    """A maximum length, or stop once ``token`` is generated (the built-in would read as the length only)."""
+
+    def __init__(self, max_length: int, token: int) -> None:
+        super().__init__(max_length)
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return super().__call__(input_ids, scores) | (input_ids[:, -1] == self.token)
+
+
+class EosAfterThree(EosTokenCriteria):
+    """EOS counts only once three tokens are generated (the built-in would read as EOS from the first)."""
+
+    def __init__(self, eos_token_id: int, prompt_length: int) -> None:
+        super().__init__(eos_token_id)
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return super().__call__(input_ids, scores) & (input_ids.shape[-1] >= self.prompt_length + 3)
+
+
+def _first_new_tokens(model, count: int) -> list[int]:
+    plain = model.generate(input_ids=torch.tensor([SUBCLASS_PROMPT]), do_sample=False, max_new_tokens=count)
+    return plain[0, len(SUBCLASS_PROMPT) :].tolist()
+
+
+@pytest.mark.parametrize("kind", ["max_length", "eos"])
+def test_a_subclass_of_a_builtin_criterion_is_called_as_the_users_own(kind):
+    """Subclasses of MaxLengthCriteria / EosTokenCriteria were read as the built-ins (their length,
+    their EOS ids) and their own ``__call__`` never ran: the tokens differed from model.generate's
+    (30 tokens past the subclass's stop token; EOS taken at the first token, not after three)."""
+    model = tiny_model("qwen2")
+    new = _first_new_tokens(model, 30)
+    if kind == "max_length":
+        criterion = LengthOrToken(len(SUBCLASS_PROMPT) + 30, token=new[9])  # stops well before the length
+    else:
+        eos = new[0]  # generated first, and again later: the built-in would stop after one token
+        criterion = EosAfterThree(eos, len(SUBCLASS_PROMPT))
+    call = dict(input_ids=torch.tensor([SUBCLASS_PROMPT]), do_sample=False, max_new_tokens=30)
+    expected = model.generate(**call, stopping_criteria=StoppingCriteriaList([criterion]))
+    got = model.generate(**call, custom_generate=hf_generate, stopping_criteria=StoppingCriteriaList([criterion]))
+    assert got.tolist() == expected.tolist()
+    assert len(SUBCLASS_PROMPT) + 1 < expected.shape[1] < len(SUBCLASS_PROMPT) + 30  # the subclass's own stop
+
+
+@pytest.mark.parametrize("kind", ["max_length", "stop_strings"])
+def test_a_subclass_of_a_builtin_criterion_is_refused_on_a_batch(kind):
+    """On a batch a user's criterion is refused (it may judge the batch, which rows cut apart at their
+    own blocks cannot match); a subclass was taken as the built-in: its length, or row-wise stop strings."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    class StopStringsOfTheBatch(StopStringCriteria):
+        """Stops every row once any row ends with a stop string."""
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return super().__call__(input_ids, scores).any().expand(input_ids.shape[0])
+
+    criterion = (
+        LengthOrToken(9, token=13) if kind == "max_length" else StopStringsOfTheBatch(_pieces_tokenizer(), ["zz"])
+    )
+    ids, mask = padded([[4, 5, 6], [7, 8]])
+    with pytest.raises(ConfigError, match=f"custom stopping criteria \\({type(criterion).__name__}\\)"):
+        tiny_model("qwen2").generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=5,
+            eos_token_id=3,
+            custom_generate=hf_generate,
+            stopping_criteria=StoppingCriteriaList([criterion]),
+        )
+
+
+def _banning(base: type, token: int) -> type:
+    """A subclass of ``base`` that also bans ``token`` (its settings alone make the built-in change nothing)."""
+
+    def __call__(self, input_ids, scores):
+        scores = base.__call__(self, input_ids, scores).clone()
+        scores[:, token] = -float("inf")
+        return scores
+
+    return type(f"Banning{base.__name__}", (base,), {"__call__": __call__})
+
+
+@pytest.mark.parametrize(
+    "base, arguments, sampling",
+    [
+        (MinLengthLogitsProcessor, dict(min_length=0, eos_token_id=3), {}),
+        (MinNewTokensLengthLogitsProcessor, dict(prompt_length_to_skip=11, min_new_tokens=0, eos_token_id=3), {}),
+        (SuppressTokensLogitsProcessor, dict(suppress_tokens=[]), {}),
+        (SuppressTokensAtBeginLogitsProcessor, dict(begin_suppress_tokens=[], begin_index=11), {}),
+        (LogitNormalization, {}, {}),
+        (TemperatureLogitsWarper, dict(temperature=0.7), dict(do_sample=True, temperature=0.7)),
+    ],
+)
+def test_a_subclass_of_a_builtin_processor_is_refused_as_unknown(base, arguments, sampling):
+    """Subclasses of processors that change nothing with their settings (a minimum the prompt already
+    has, an empty suppression list, greedy's renormalisation) were dropped as the built-ins, their own
+    ``__call__`` skipped: other tokens than model.generate's. They are refused, as any processor of
+    the user's own is."""
+    model = tiny_model("qwen2")
+    banned = _first_new_tokens(model, 1)[0]
+    processor = _banning(base, banned)(**arguments)
+    call = dict(input_ids=torch.tensor([SUBCLASS_PROMPT]), max_new_tokens=8, **({"do_sample": False} | sampling))
+    torch.manual_seed(0)
+    expected = model.generate(**call, logits_processor=LogitsProcessorList([processor]))
+    assert banned not in expected[0, len(SUBCLASS_PROMPT) :].tolist()  # the subclass changes model.generate's tokens
+    with pytest.raises(ConfigError, match=f"not supported by lookahead decoding: {type(processor).__name__}"):
+        model.generate(**call, custom_generate=hf_generate, logits_processor=LogitsProcessorList([processor]))
+
+
+@pytest.mark.parametrize("tokenizer", [True, False])
+@pytest.mark.parametrize("references", [["t5 t6 t7"], {"q": [["t5 t6 t7"]]}, "t5 t6 t7"])
+def test_references_nested_otherwise_say_how_they_nest(references, tokenizer):
+    """``references=["text"]`` (one row without its list of passages) with lookahead_tokenizer said
+    "references are token ids: encode each passage", though text is taken with the tokenizer; a dict
+    got the same message (its keys read as text rows)."""
+    with pytest.raises(InputError, match=r"one row: references=\[\[passage\]\]") as refused:
+        tiny_model("qwen2").generate(
+            input_ids=torch.tensor([[5, 6, 7, 8]]),
+            max_new_tokens=3,
+            custom_generate=hf_generate,
+            references=references,
+            lookahead_tokenizer=tiny_tokenizer() if tokenizer else None,
+        )
+    assert "encode" not in str(refused.value)
+    if isinstance(references, dict):
+        assert "got dict" in str(refused.value)
