@@ -4,7 +4,9 @@ LangChain's ``batch`` runs ``invoke`` per input in a thread pool, which would de
 by one. Here each worker thread holds a :class:`Seat` at one :class:`Gather`; its ``_generate``
 hands its row over (:meth:`Gather.submit`) and waits, and the last row to arrive decodes them all
 together, one ``generate`` per group of identical settings (:func:`settings_key`). Callbacks,
-tracing and caching still run per input, as LangChain does them.
+tracing and caching still run per input, as LangChain does them. The seat belongs to the one
+``invoke`` the worker was started for (its run id): another model's call made in that thread
+meanwhile (a callback's) decodes on its own engine, as it would anywhere else.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+from uuid import UUID
+
+from langchain_core.utils.uuid import uuid7
 
 from rag_lookahead.errors import ConfigError
 from rag_lookahead.langchain.engine import Engine, EngineRun, RowRequest
@@ -158,9 +163,11 @@ def decode_together(engine: Engine, calls: list[BatchCall], cancel: threading.Ev
 
 @dataclass
 class Seat:
-    """A batch worker's ticket: used once, to submit a row or to leave."""
+    """A batch worker's ticket, for the ``invoke`` run ``run_id`` it was started for: used once, to
+    submit a row or to leave."""
 
     gather: Gather
+    run_id: UUID
     used: bool = False
 
     def take(self) -> Gather | None:
@@ -173,10 +180,14 @@ class Seat:
 _SEAT: contextvars.ContextVar[Seat | None] = contextvars.ContextVar("rag_lookahead_batch_seat", default=None)
 
 
-def gather_of_this_thread() -> Gather | None:
-    """The :class:`Gather` this worker thread may use, once (``None`` outside a batch or once used)."""
+def gather_of_this_thread(run_id: UUID | None) -> Gather | None:
+    """The :class:`Gather` the call of run ``run_id`` may use, once: ``None`` outside a batch, once
+    used, and for any call but the worker's own ``invoke``. A callback of that ``invoke`` calling
+    another model in this thread took the seat, and that call was decoded with the batch's model."""
     seat = _SEAT.get()
-    return seat.take() if seat is not None else None
+    if seat is None or run_id is None or seat.run_id != run_id:
+        return None
+    return seat.take()
 
 
 def settings_key(settings: dict) -> tuple:
@@ -206,10 +217,14 @@ def run_wave(
     gather = Gather(engine, len(inputs), cancel)
 
     def one(i: int) -> Any:
-        seat = Seat(gather)
+        config = {
+            **configs[i],
+            "run_id": configs[i].get("run_id") or uuid7(),
+        }  # names the seat's own call, as LangChain would
+        seat = Seat(gather, config["run_id"])
         _SEAT.set(seat)
         try:
-            return invoke(inputs[i], configs[i], **kwargs)
+            return invoke(inputs[i], config, **kwargs)
         except Exception as err:
             if return_exceptions:
                 return err

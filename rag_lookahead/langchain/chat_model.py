@@ -430,7 +430,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
                     )
 
         call = BatchCall(request, settings, settings_key(settings), on_block)
-        gather = gather_of_this_thread()
+        gather = gather_of_this_thread(run_manager.run_id if run_manager is not None else None)
         if gather is not None:
             cancel = gather.cancel
             gather.submit(call)
@@ -455,7 +455,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         """One chunk per accepted block that adds text; the last chunk carries the tool calls,
         ``usage_metadata`` and the stats (``chunk_position="last"``). LangChain itself sends each
         chunk to the token callbacks."""
-        gather = gather_of_this_thread()
+        gather = gather_of_this_thread(run_manager.run_id if run_manager is not None else None)
         if gather is not None:  # a streamed row decodes alone: the batch must not wait for it
             gather.leave()
         request, settings, tool_options = self._prepare(messages, stop, kwargs)

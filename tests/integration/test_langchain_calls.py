@@ -1,7 +1,8 @@
 """LookaheadLLM and ChatLookahead calls on a tiny random-weight model: token callbacks that call a
-model on the same engine, cancelling build_rag_chain's async calls, and the chunks a stream
-reports to the callbacks. Measured bugs, each test failing on the code before its fix (the first
-two by hanging, so they run the call in a thread and give up on it after a while)."""
+model on the same engine, a batch row's callback that calls another model, cancelling
+build_rag_chain's async calls, and the chunks a stream reports to the callbacks. Measured bugs, each
+test failing on the code before its fix (the first two by hanging, so they run the call in a thread
+and give up on it after a while)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,32 @@ def test_under_stream_a_token_callback_may_call_its_own_engine():
     handler = CallOnce(lambda: judge.invoke("t5 t6").content)
     (chunks,) = finished(lambda: list(chat.stream("t9 t10", config={"callbacks": [handler]})))
     assert "".join(c.content for c in chunks) == whole and handler.answer == alone
+
+
+class AskOnStart(BaseCallbackHandler):
+    """When its chat model's run starts, asks ``other`` (another model) and keeps the answer."""
+
+    def __init__(self, other: ChatLookahead) -> None:
+        self.other, self.answer = other, None
+
+    def on_chat_model_start(self, serialized, messages, **kwargs) -> None:
+        self.answer = self.other.invoke("t5 t6").content
+
+
+def test_a_batch_rows_callback_calling_another_model_decodes_with_that_model():
+    """A callback of a ``batch`` row that called another ChatLookahead in the row's thread took the
+    row's seat in the batch: that call was decoded with the batch's model (another answer), and the
+    row itself decoded apart from the rest of the batch."""
+    tok = tiny_tokenizer()
+    chat = ChatLookahead(model=build_tiny_model("qwen2", seed=0), tokenizer=tok, max_tokens=10)
+    other = ChatLookahead(model=build_tiny_model("qwen2", seed=1), tokenizer=tok, max_tokens=10)
+    prompts = ["t9 t10", "t11 t12"]
+    alone, other_alone = [chat.invoke(p).content for p in prompts], other.invoke("t5 t6").content
+    handler = AskOnStart(other)
+    (answers,) = finished(lambda: chat.batch(prompts, config=[{"callbacks": [handler]}, {}]))
+    assert handler.answer == other_alone
+    assert [a.content for a in answers] == alone
+    assert [a.response_metadata["batch_size"] for a in answers] == [2, 2]  # the batch's rows still decode together
 
 
 class Fixed(BaseRetriever):
