@@ -203,9 +203,12 @@ class Engine:
         """One batched ``generate`` over ``rows``; ``on_block(row, tokens, piece)`` sees each accepted block
         (a true return ends that row there).
 
-        ``cancel`` ends every row at its next block; ``timeout`` (seconds, counted from when this
-        run holds the engine, not while it waits for another decode) ends the rows still running
-        then, marked ``stopped_by="timeout"``.
+        ``cancel`` ends every row at its next block; set by the time this run holds the engine (its
+        caller was cancelled while it waited for another decode), it ends the run there with
+        ``CancelledError``, before any forward: the cancelled call ran its whole prefill first (a
+        minute for a long prompt on a CPU), holding up every call after it. ``timeout`` (seconds,
+        counted from when this run holds the engine, not while it waits) ends the rows still
+        running then, marked ``stopped_by="timeout"``.
         """
         from rag_lookahead.decoding.loop import generate, left_pad
 
@@ -233,6 +236,8 @@ class Engine:
         self._check_not_nested()
         this_run = object()
         with self._decoding:
+            if cancel is not None and cancel.is_set():
+                raise asyncio.CancelledError()  # its caller is gone: no answer to build
             self._current = this_run
             inside = _DECODING.set(_DECODING.get() | {this_run})
             try:

@@ -1,12 +1,13 @@
 """LookaheadLLM and ChatLookahead calls on a tiny random-weight model: token callbacks that call a
 model on the same engine, a batch row's callback that calls another model, cancelling
-build_rag_chain's async calls, and the chunks a stream reports to the callbacks. Measured bugs, each
-test failing on the code before its fix (the first two by hanging, so they run the call in a thread
-and give up on it after a while)."""
+build_rag_chain's async calls, a call cancelled while it waits for the engine, and the chunks a
+stream reports to the callbacks. Measured bugs, each test failing on the code before its fix (the
+first two by hanging, so they run the call in a thread and give up on it after a while)."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 
@@ -20,6 +21,7 @@ from tiny_tokenizer import tiny_tokenizer
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError
 from rag_lookahead.langchain.chat_model import ChatLookahead
+from rag_lookahead.langchain.engine import Engine
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.rag.chains import build_rag_chain
 from rag_lookahead.tiny import build_tiny_model
@@ -136,6 +138,51 @@ def test_a_batch_rows_callback_calling_another_model_decodes_with_that_model():
     assert handler.answer == other_alone
     assert [a.content for a in answers] == alone
     assert [a.response_metadata["batch_size"] for a in answers] == [2, 2]  # the batch's rows still decode together
+
+
+def _counted(model) -> list[int]:
+    """``[forwards]``: the model's forward passes from now on."""
+    forwards, forward = [0], model.forward
+
+    def counted(*args, **kwargs):
+        forwards[0] += 1
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    return forwards
+
+
+def _in_engine_run() -> bool:
+    """Whether some thread is inside ``Engine.run`` (where the test holds the engine: waiting for it)."""
+    for frame in sys._current_frames().values():
+        while frame is not None and frame.f_code is not Engine.run.__code__:
+            frame = frame.f_back
+        if frame is not None:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("kind", ["llm", "chat"])
+def test_a_call_cancelled_while_it_waits_for_the_engine_runs_no_forward(kind):
+    """A cancelled ``ainvoke`` still waiting for another decode to end ran its whole prefill once it
+    had the engine (61 s for a 2,700-token prompt on the default model, holding up every call after
+    it): nothing looked at the cancel before the first token. Now it ends before any forward."""
+    llm, chat, _ = _models()
+    model, engine = (llm, llm.engine) if kind == "llm" else (chat, chat.get_engine())
+    model.invoke("t1")  # the first call measures step costs
+    forwards = _counted(llm.model)
+
+    async def cancel_while_it_waits() -> None:
+        with engine._decoding:  # another decode holds the engine
+            call = asyncio.ensure_future(model.ainvoke("t9 t10"))
+            while not _in_engine_run():
+                await asyncio.sleep(0.01)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+    finished(lambda: asyncio.run(cancel_while_it_waits()))  # asyncio.run returns once its worker threads end
+    assert forwards[0] == 0
 
 
 class Fixed(BaseRetriever):
