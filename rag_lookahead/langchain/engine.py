@@ -12,6 +12,7 @@ draft settings) are read in :mod:`.sampling_fields`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import hashlib
@@ -19,7 +20,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -321,6 +322,39 @@ class CancellableAsync:
     async def _agenerate(self, inputs: list, stop: list[str] | None = None, run_manager=None, **kwargs: Any):
         manager = run_manager.get_sync() if run_manager is not None else None
         return await in_worker_cancellable(self._decode, inputs, stop, manager, kwargs)
+
+    async def abatch_as_completed(
+        self, inputs: Sequence, config=None, *, return_exceptions: bool = False, **kwargs: Any
+    ) -> AsyncIterator[tuple[int, Any]]:
+        """LangChain's: ``ainvoke`` on every input (at most ``max_concurrency`` at a time), each
+        ``(index, answer)`` yielded as it comes. A consumer that is cancelled or leaves the loop
+        cancels the calls not yet answered, so their decodes end at the next block as a cancelled
+        ``ainvoke``'s does; LangChain's left them running, each to its token limit, holding the engine."""
+        from langchain_core.runnables.config import get_config_list
+
+        if not inputs:
+            return
+        configs = get_config_list(config, len(inputs))
+        limit = configs[0].get("max_concurrency")
+        gate = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
+
+        async def answer(i: int) -> tuple[int, Any]:
+            async with gate:
+                try:
+                    return i, await self.ainvoke(inputs[i], configs[i], **kwargs)
+                except Exception as err:
+                    if not return_exceptions:
+                        raise
+                    return i, err
+
+        calls = [asyncio.ensure_future(answer(i)) for i in range(len(inputs))]
+        try:
+            for call in asyncio.as_completed(calls):
+                yield await call
+        finally:
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)  # a failed call's error was seen, not left unread
 
 
 async def in_worker_cancellable(work: Callable[..., Any], *args: Any) -> Any:

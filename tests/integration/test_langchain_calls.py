@@ -1,8 +1,9 @@
 """LookaheadLLM and ChatLookahead calls on a tiny random-weight model: token callbacks that call a
 model on the same engine, a batch row's callback that calls another model, cancelling
-build_rag_chain's async calls, a call cancelled while it waits for the engine, and the chunks a
-stream reports to the callbacks. Measured bugs, each test failing on the code before its fix (the
-first two by hanging, so they run the call in a thread and give up on it after a while)."""
+build_rag_chain's async calls, a call cancelled while it waits for the engine, cancelling
+``abatch_as_completed``, and the chunks a stream reports to the callbacks. Measured bugs, each test
+failing on the code before its fix (the first two by hanging, so they run the call in a thread and
+give up on it after a while)."""
 
 from __future__ import annotations
 
@@ -183,6 +184,39 @@ def test_a_call_cancelled_while_it_waits_for_the_engine_runs_no_forward(kind):
 
     finished(lambda: asyncio.run(cancel_while_it_waits()))  # asyncio.run returns once its worker threads end
     assert forwards[0] == 0
+
+
+@pytest.mark.parametrize("kind", ["llm", "chat"])
+def test_cancelling_abatch_as_completed_ends_its_decodes(kind):
+    """LangChain's ``abatch_as_completed`` runs each ``ainvoke`` in a task of its own that nothing
+    cancelled: once its consumer was cancelled, the decodes ran on to their token limit, holding the
+    engine (the next 3-token call waited 84 s behind 2,000 forwards). Now they end at the next block."""
+    model, tok = build_tiny_model("qwen2", seed=0, max_positions=4096), tiny_tokenizer()
+    off = LookaheadConfig(enabled=False)  # one token a forward
+    if kind == "llm":
+        runnable, limit = LookaheadLLM(model=model, tokenizer=tok, max_new_tokens=1000, lookahead=off), "max_new_tokens"
+    else:
+        runnable, limit = ChatLookahead(model=model, tokenizer=tok, max_tokens=1000, lookahead=off), "max_tokens"
+    runnable.invoke("t1", **{limit: 2})  # the first call measures step costs
+    forwards = _counted(model)
+
+    async def consume() -> None:
+        async for _ in runnable.abatch_as_completed(["t9 t10", "t5 t6"]):
+            pass
+
+    async def forwards_after_cancelling() -> int:
+        consumer = asyncio.ensure_future(consume())
+        while forwards[0] == 0:  # decoding
+            await asyncio.sleep(0.005)
+        consumer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        before = forwards[0]
+        await runnable.ainvoke("t5 t6", **{limit: 3})  # has the engine once the cancelled decodes end
+        return forwards[0] - before
+
+    (after,) = finished(lambda: asyncio.run(forwards_after_cancelling()))
+    assert after <= 4  # the step under way, then the 3-token call's own 3
 
 
 class Fixed(BaseRetriever):
