@@ -443,17 +443,22 @@ def test_a_time_limit_on_a_batch_is_refused():
     criterion, so a row it stopped at its own block came back padded (74 pad ids in one row)."""
     from transformers.generation.stopping_criteria import MaxTimeCriteria
 
-    ids, mask = padded([[4, 5, 6], [7, 8]])
     with pytest.raises(ConfigError, match="time limit"):
-        tiny_model("qwen2").generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=5,
-            eos_token_id=3,
-            custom_generate=hf_generate,
-            stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(600)]),
-        )
+        _two_rows_stopped_by(MaxTimeCriteria(600))
+
+
+def _two_rows_stopped_by(criterion):
+    """Greedy ``hf_generate`` on a padded batch of two rows with one stopping criterion."""
+    ids, mask = padded([[4, 5, 6], [7, 8]])
+    return tiny_model("qwen2").generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=5,
+        eos_token_id=3,
+        custom_generate=hf_generate,
+        stopping_criteria=StoppingCriteriaList([criterion]),
+    )
 
 
 @pytest.mark.parametrize("max_time", [600.0, 1e-9])
@@ -995,17 +1000,8 @@ def test_a_subclass_of_a_builtin_criterion_is_refused_on_a_batch(kind):
     criterion = (
         LengthOrToken(9, token=13) if kind == "max_length" else StopStringsOfTheBatch(_pieces_tokenizer(), ["zz"])
     )
-    ids, mask = padded([[4, 5, 6], [7, 8]])
     with pytest.raises(ConfigError, match=f"custom stopping criteria \\({type(criterion).__name__}\\)"):
-        tiny_model("qwen2").generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=5,
-            eos_token_id=3,
-            custom_generate=hf_generate,
-            stopping_criteria=StoppingCriteriaList([criterion]),
-        )
+        _two_rows_stopped_by(criterion)
 
 
 def _banning(base: type, token: int) -> type:
