@@ -331,7 +331,7 @@ def _encode_references(references, tokenizer):
                         f"references[{r}] holds text: pass lookahead_tokenizer=tokenizer to model.generate, "
                         "or token ids"
                     )
-                passage = tokenizer.encode(passage, add_special_tokens=False)
+                passage = tokenizer.encode(passage, add_special_tokens=False, verbose=False)  # drafts only
             passages.append(passage)
         out.append(passages)
     return out

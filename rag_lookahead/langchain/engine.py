@@ -182,8 +182,9 @@ class Engine:
         return [self.token_ids(p) for p in passages if p and is_unicode(p)]
 
     def token_ids(self, text: str) -> list[int]:
-        """``text`` in this model's tokens (no special tokens added)."""
-        return list(self.tokenizer.encode(unicode_text(text, "the text is"), add_special_tokens=False))
+        """``text`` in this model's tokens (no special tokens added). A passage past the context is no
+        error (it only seeds drafts; prompts are judged by decoding.inputs): no transformers warning."""
+        return list(self.tokenizer.encode(unicode_text(text, "the text is"), add_special_tokens=False, verbose=False))
 
     @functools.cached_property
     def fingerprint(self) -> str:

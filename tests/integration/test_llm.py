@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
+
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 
@@ -290,15 +294,9 @@ def test_tokenizer_without_pad_is_left_untouched(default_model, llm):
     assert bare.pad_token is None
 
 
-def test_a_prompt_past_the_context_is_refused_in_our_words_only(default_model):
-    """A question past the context got transformers' "Token indices sequence length is longer than
-    the specified maximum" warning before our one-line refusal (``batch_answers`` printed both).
-    A tokenizer loaded afresh: transformers warns once per tokenizer."""
-    import logging
-
-    from transformers import AutoTokenizer
-
-    from rag_lookahead.models import default_model_dir
+@contextlib.contextmanager
+def transformers_warnings() -> Iterator[list[str]]:
+    """The messages transformers logs meanwhile (its logger does not propagate to pytest's)."""
 
     class Records(logging.Handler):
         def __init__(self) -> None:
@@ -308,14 +306,59 @@ def test_a_prompt_past_the_context_is_refused_in_our_words_only(default_model):
         def emit(self, record: logging.LogRecord) -> None:
             self.messages.append(record.getMessage())
 
-    model, _ = default_model
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
-    llm = LookaheadLLM(model=model, tokenizer=tokenizer, max_new_tokens=4)
     records = Records()
     logging.getLogger("transformers").addHandler(records)
     try:
-        with pytest.raises(InputError, match="the input has .* tokens but the model's context holds"):
-            llm.invoke("word " * 33_000)
+        yield records.messages
     finally:
         logging.getLogger("transformers").removeHandler(records)
-    assert not [m for m in records.messages if "sequence length is longer" in m]
+
+
+def _fresh_tokenizer():
+    """The default model's tokenizer loaded afresh: transformers warns once per tokenizer."""
+    from transformers import AutoTokenizer
+
+    from rag_lookahead.models import default_model_dir
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir()))
+
+
+def test_a_prompt_past_the_context_is_refused_in_our_words_only(default_model):
+    """A question past the context got transformers' "Token indices sequence length is longer than
+    the specified maximum" warning before our one-line refusal (``batch_answers`` printed both)."""
+    model, _ = default_model
+    llm = LookaheadLLM(model=model, tokenizer=_fresh_tokenizer(), max_new_tokens=4)
+    with transformers_warnings() as messages:
+        with pytest.raises(InputError, match="the input has .* tokens but the model's context holds"):
+            llm.invoke("word " * 33_000)
+    assert not [m for m in messages if "sequence length is longer" in m]
+
+
+def test_a_passage_longer_than_the_context_seeds_drafts_without_a_warning(default_model):
+    """A reference passage only seeds drafts, and its length is no error: transformers' "will result
+    in indexing errors" warning was printed for it (and for ``get_num_tokens`` of a long text)."""
+    import torch
+
+    from rag_lookahead import hf_generate
+
+    model, tokenizer = default_model
+    short_limit = _fresh_tokenizer()
+    short_limit.model_max_length = 64  # what transformers warns past; the model's context is not read for passages
+    llm = LookaheadLLM(model=model, tokenizer=short_limit, max_new_tokens=2)
+    long_text = "word " * 100
+    with transformers_warnings() as messages:
+        assert llm.get_num_tokens(long_text) > 64
+        llm.invoke("Say hi.", references=[long_text])
+    assert not [m for m in messages if "sequence length is longer" in m]
+    ids = torch.tensor([tokenizer.encode("Say hi.")])
+    with transformers_warnings() as messages:  # transformers' entry, text passages with lookahead_tokenizer
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=2,
+            custom_generate=hf_generate,
+            references=[[long_text]],
+            lookahead_tokenizer=short_limit,
+        )
+    assert not [m for m in messages if "sequence length is longer" in m]
