@@ -110,10 +110,10 @@ def _may_slide(model) -> bool:
 def check_layers(model) -> list[str]:
     """Refuse, before any forward, a model with a layer kind the packed cache cannot crop or compact
     by slicing: chunked attention (a chunk mask, not a window), linear attention, state-space
-    layers, a recurrent state or a cache of the model's own; and a model that ``generate`` feeds the
-    whole sequence on every step. Then refuse one that attends both ways (``causality``: where its
-    config says ``is_decoder=False``, two short forwards tell, once per model). Returns each
-    layer's kind."""
+    layers, a recurrent state or a cache of the model's own, a Dory that runs a layer twice per
+    forward; and a model that ``generate`` feeds the whole sequence on every step. Then refuse one
+    that attends both ways (``causality``: where its config says ``is_decoder=False``, two short
+    forwards tell, once per model). Returns each layer's kind."""
     if getattr(model.config, "is_encoder_decoder", False):
         raise NotImplementedError(
             f"rag_lookahead supports decoder-only models; {type(model).__name__} is an encoder-decoder"
@@ -131,6 +131,7 @@ def check_layers(model) -> list[str]:
             f"{type(model).__name__} with recurrent_kv_cache_mode='last_loop' gives other logits for several new"
             " tokens at once than one at a time, which verifying drafts needs; use 'per_loop'"
         )
+    _check_sections_apart(model, config)
     kinds = _layer_types(model)
     unsupported = sorted(set(kinds) - {FULL, SLIDING})
     if unsupported:
@@ -150,6 +151,29 @@ def check_layers(model) -> list[str]:
 
     check_causal(model)
     return kinds
+
+
+def _check_sections_apart(model, config) -> None:
+    """Refuse a Dory whose input, recurrent and output sections share layers. Its forward runs them
+    as slices of its layer list, and its config accepts a negative section (Dory's defaults of 8
+    input and 8 output layers on a model cut to 2 layers leave -14 recurrent ones): the slices then
+    overlap and a layer runs twice per forward, writing two cache columns per token, which a mask
+    sized to one column per token cannot cover (a raw size error in the attention, with lookahead
+    on, or off once a sliding window applies; ``model.generate`` fails so on a padded batch)."""
+    sizes = [getattr(config, name, None) for name in ("n_input_layers", "n_recurrent_layers", "n_output_layers")]
+    if not all(isinstance(size, int) for size in sizes):
+        return
+    n_input, n_recurrent, n_output = sizes
+    layers = range(config.num_hidden_layers)
+    sections = [layers[:n_input], layers[n_input : n_input + n_recurrent], layers[len(layers) - n_output :]]
+    twice = sorted({i for a, b in ((0, 1), (0, 2), (1, 2)) for i in set(sections[a]) & set(sections[b])})
+    if twice:
+        raise NotImplementedError(
+            f"{type(model).__name__} runs layers {twice} twice in one forward (n_input_layers={n_input},"
+            f" n_recurrent_layers={n_recurrent}, n_output_layers={n_output} of num_hidden_layers={len(layers)}),"
+            " writing two KV cache columns per token, which verifying drafts cannot mask; set the three sections"
+            " to sizes of 0 or more that add up to num_hidden_layers"
+        )
 
 
 def _keeps_own_state(model) -> bool:

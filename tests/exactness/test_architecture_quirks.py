@@ -210,6 +210,44 @@ def test_a_dory_keeping_its_last_loops_cache_is_refused():
         generate(model, [6, 7, 4] * 3, max_new_tokens=4, pad_token_id=0)
 
 
+def dory_model(**sections) -> transformers.DoryForCausalLM:
+    """A per_loop Dory with DoryConfig's layer kinds (sliding but every 4th) and a window of 8."""
+    config = transformers.DoryConfig(**{**SMALL, "hidden_size": 64, **sections}, sliding_window=8)
+    torch.manual_seed(0)
+    return _ready(transformers.DoryForCausalLM(config))
+
+
+def test_a_dory_running_a_layer_twice_per_forward_is_refused_before_any_forward():
+    """DoryConfig's 8 input and 8 output layers on a 2-layer model overlap: each layer ran twice per
+    forward and wrote two cache columns per token, and a tree step failed in sdpa ("size of tensor a
+    (32) must match ... (29)"; model.generate fails so on a padded batch). Sections that add up
+    decode exactly, sliding layers past their window included."""
+    overlapping = dory_model(num_hidden_layers=2)
+    forwards = []
+    overlapping.register_forward_pre_hook(lambda module, args: forwards.append(module))
+    for config in (LookaheadConfig(enabled=False), LookaheadConfig(budget="fixed", use_output_pool=False)):
+        with pytest.raises(NotImplementedError, match=r"layers \[0, 1\] twice.*add up to num_hidden_layers"):
+            generate(overlapping, [10, 2, 5, 7] * 6, max_new_tokens=4, config=config, pad_token_id=0)
+    assert forwards == []
+
+    model = dory_model(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1)
+    prompts = [[10, 2, 5, 7] * 4, [4, 8, 1] * 3]
+    expected = [reference_generate(model, p, 14, None) for p in prompts]
+    wrong = [[p[-2:] + e[:k] + [(e[k] + 1) % 95 + 1] * 2 for k in (0, 4, 8)] for p, e in zip(prompts, expected)]
+    references = [[p[-2:] + e, *w] for p, e, w in zip(prompts, expected, wrong)]
+    ids, mask = padded(prompts)
+    config = LookaheadConfig(budget="fixed", use_output_pool=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the chains-only warning
+        result = generate(model, ids, mask, max_new_tokens=14, config=config, references=references, pad_token_id=0)
+    assert [result.sequences[r, ids.shape[1] :].tolist() for r in range(2)] == expected
+    torch.manual_seed(1)
+    sampled = model.generate(ids, attention_mask=mask, do_sample=True, temperature=0.7, max_new_tokens=14)
+    torch.manual_seed(1)
+    ours = generate(model, ids, mask, max_new_tokens=14, do_sample=True, temperature=0.7, pad_token_id=0)
+    assert torch.equal(ours.sequences, sampled)
+
+
 def test_flex_attention_is_kept_from_tree_masks_without_a_forward():
     """flex attention's compiled CPU kernel read the probe's 4-D mask out of bounds and the heap
     corruption killed the process before the probe's ``try`` could catch anything."""
