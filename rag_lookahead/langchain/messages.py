@@ -114,7 +114,10 @@ def _usage(run: EngineRun, row: int) -> UsageMetadata:
 
 
 def _info(run: EngineRun, row: int, calls: list[ParsedCall], model_name: str | None) -> dict:
-    finish = "tool_calls" if any(c.args is not None for c in calls) else _FINISH[run.stopped_by(row)]
+    """``finish_reason`` is "tool_calls" only when every call parsed, as the server says it: one
+    valid call beside a second cut by ``max_tokens`` hid the cut behind "tool_calls"."""
+    called = bool(calls) and all(c.args is not None for c in calls)
+    finish = "tool_calls" if called else _FINISH[run.stopped_by(row)]
     return {"model_name": model_name, "finish_reason": finish, **run.info(row)}
 
 

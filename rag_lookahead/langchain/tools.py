@@ -1,9 +1,10 @@
 """Tool calls in Qwen's format: parsing them out of the answer, and forcing one when ``tool_choice`` asks.
 
-The model writes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; :func:`parse_tool_calls`
-turns that back into calls. A ``tool_choice`` of "required"/"any" or a tool's name is honoured by
-opening the assistant's turn with ``<tool_call>`` (and the tool's name when it is known), so the
-model writes the call from there (:func:`forced_opening`); "none" and "auto" open nothing.
+The model writes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, a block per call or
+several objects in one block; :func:`parse_tool_calls` turns that back into calls, one per object.
+A ``tool_choice`` of "required"/"any" or a tool's name is honoured by opening the assistant's turn
+with ``<tool_call>`` (and the tool's name when it is known), so the model writes the call from
+there (:func:`forced_opening`); "none" and "auto" open nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ __all__ = [
 
 TOOL_CALL_OPEN = "<tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
+_BETWEEN_CALLS = re.compile(r"[\s,]*")  # what separates two calls written in one block
+_JSON = json.JSONDecoder()
 
 
 @dataclass
@@ -44,24 +47,52 @@ class ParsedCall:
 def parse_tool_calls(text: str) -> tuple[str, list[ParsedCall]]:
     """Split Qwen-style output into (text outside the calls, the calls).
 
-    Each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` becomes a :class:`ParsedCall`;
-    one whose JSON does not parse (cut short by ``max_tokens``, say) keeps its raw text and error.
+    Each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` becomes a :class:`ParsedCall`,
+    as does each of several objects in one block (:func:`_parse_block`); one whose JSON does not
+    parse (cut short by ``max_tokens``, say) keeps its raw text and error.
     """
     parts, calls, pos = [], [], 0
     for match in _TOOL_CALL.finditer(text):
         parts.append(text[pos : match.start()])
         pos = match.end()
-        calls.append(_parse_call(match.group(1).strip()))
+        calls.extend(_parse_block(match.group(1).strip(), closed=match.group(0).endswith("</tool_call>")))
     parts.append(text[pos:])
     return "".join(parts), calls
 
 
-def _parse_call(raw: str) -> ParsedCall:
-    try:  # the first JSON value; text after it (before a missing </tool_call>) is not part of the call
-        data = json.JSONDecoder().raw_decode(raw)[0]
-    except json.JSONDecodeError as err:
-        name = re.search(r'"name"\s*:\s*"([^"]*)"', raw)
-        return ParsedCall(name.group(1) if name else None, None, raw, f"the tool call is not valid JSON: {err}")
+def _parse_block(block: str, closed: bool) -> list[ParsedCall]:
+    """The calls in one ``<tool_call>`` block: one per JSON object.
+
+    Qwen2.5 often writes parallel calls as objects one after another in ONE block, a comma and/or
+    whitespace between them; reading the first object only dropped the others unseen, and hid a
+    second call cut by ``max_tokens``. An object that does not parse is an invalid call and ends
+    the block; so does a comma the answer ends on in a block left open (the next call was cut
+    before it began). Text after the last object that opens no other is not part of the calls: a
+    block whose ``</tool_call>`` the model left out runs to the end of the answer, prose and all.
+    """
+    calls, start = [], 0
+    while True:
+        try:  # on the call's own text, so that an error's position counts from the call's start
+            data, length = _JSON.raw_decode(block[start:])
+        except json.JSONDecodeError as err:
+            return [*calls, _unparsed(block[start:], f"the tool call is not valid JSON: {err}")]
+        end = start + length
+        calls.append(_call_of(data, block[start:end]))
+        start = _BETWEEN_CALLS.match(block, end).end()
+        if start == len(block) and not closed and "," in block[end:]:
+            return [*calls, _unparsed("", "the answer ends after a comma, before the next tool call")]
+        if not block.startswith("{", start):
+            return calls
+
+
+def _unparsed(raw: str, error: str) -> ParsedCall:
+    """An invalid call from text that is no JSON object, named where the text shows its name."""
+    name = re.search(r'"name"\s*:\s*"([^"]*)"', raw)
+    return ParsedCall(name.group(1) if name else None, None, raw, error)
+
+
+def _call_of(data: Any, raw: str) -> ParsedCall:
+    """One decoded JSON value as a call (invalid unless it holds a name and object arguments)."""
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return ParsedCall(None, None, raw, 'a tool call needs a JSON object with a "name"')
     args = data.get("arguments", data.get("parameters", {}))

@@ -3,10 +3,12 @@
 The tools go to the tokenizer's chat template (a template that does not take them, or does not
 call them with Qwen's ``<tool_call>``, the only output we parse back, is refused with 400). The
 model's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks come back as OpenAI
-``tool_calls`` with ``finish_reason: "tool_calls"``; the parsing is LangChain's
+``tool_calls`` with ``finish_reason: "tool_calls"``, one call per JSON object (Qwen2.5 often writes
+two calls in one block, a comma between them); the parsing is LangChain's
 (:mod:`rag_lookahead.langchain.tools`), shared rather than copied. If a call does not parse (cut
-short by ``max_tokens``, say), the whole answer comes back as plain ``content``, as vLLM's
-Hermes parser does.
+short by ``max_tokens``, say, a second object in a block included), the whole answer comes back as
+plain ``content`` with the answer's own ``finish_reason`` ("length" when the limit cut it), as
+vLLM's Hermes parser does. With ``parallel_tool_calls`` false only the first call counts.
 
 ``tool_choice``: "auto" (default), "none" (the tools are left out of the prompt), "required" or
 a named function: the assistant's turn is opened with ``<tool_call>`` (and the name, when known),

@@ -76,6 +76,36 @@ def test_parse_tool_calls_splits_text_and_calls():
     assert parse_tool_calls('<tool_call>["a"]</tool_call>')[1][0].error.startswith("a tool call needs")
 
 
+# the default model's greedy answer to WEATHER_AND_TIME with both tools bound ("any"): two calls, one block
+TWO_IN_ONE_BLOCK = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}},\n'
+    '{"name": "get_time", "arguments": {"city": "Tokyo"}}\n</tool_call>'
+)
+
+
+def test_several_calls_in_one_block_are_one_call_each():
+    """Qwen2.5 writes parallel calls as objects one after another in one block: only the first came
+    back (the second dropped unseen), and a second cut by max_tokens left the first looking whole."""
+    both = [("get_weather", {"city": "Paris"}), ("get_time", {"city": "Tokyo"})]
+    for text in (
+        TWO_IN_ONE_BLOCK,
+        TWO_IN_ONE_BLOCK.replace("},\n{", "}\n{"),
+        TWO_IN_ONE_BLOCK[: -len("\n</tool_call>")],
+    ):
+        content, calls = parse_tool_calls(text)
+        assert content == "" and [(c.name, c.args) for c in calls] == both, text
+        assert calls[0].id != calls[1].id
+    cut = parse_tool_calls(TWO_IN_ONE_BLOCK[: TWO_IN_ONE_BLOCK.index("Tokyo")])[1]  # max_tokens hit in the second
+    assert [(c.name, c.args is None) for c in cut] == [("get_weather", False), ("get_time", True)]
+    assert "not valid JSON" in cut[1].error and cut[1].raw == '{"name": "get_time", "arguments": {"city": "'
+    dangling = parse_tool_calls(TWO_IN_ONE_BLOCK[: TWO_IN_ONE_BLOCK.index('{"name": "get_time"')])[
+        1
+    ]  # cut after the comma
+    assert [(c.name, c.args is None) for c in dangling] == [("get_weather", False), (None, True)]
+    closed = parse_tool_calls('<tool_call>\n{"name": "now", "arguments": {}},\n</tool_call>')[1]
+    assert [(c.name, c.args) for c in closed] == [("now", {})]  # closed after a comma: nothing was cut
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -86,6 +116,7 @@ def test_parse_tool_calls_splits_text_and_calls():
         '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>',
         'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "now", "arguments": {}',
+        TWO_IN_ONE_BLOCK[: TWO_IN_ONE_BLOCK.index("Tokyo")],
     ],
 )
 def test_streamed_tool_calls_are_the_whole_answers(text):
@@ -418,6 +449,35 @@ def test_a_cut_tool_call_stays_invalid_when_streamed(chat):
         streamed = chunk if streamed is None else streamed + chunk
     assert not whole.tool_calls and [c["name"] for c in whole.invalid_tool_calls] == ["get_weather"]
     assert not streamed.tool_calls and [c["name"] for c in streamed.invalid_tool_calls] == ["get_weather"]
+
+
+@tool
+def get_time(city: str) -> str:
+    """Get the current time in a city."""
+    return "12:00"
+
+
+WEATHER_AND_TIME = "What's the weather in Paris and what time is it in Tokyo?"
+
+
+@slow
+def test_two_calls_in_one_block_come_back_as_two_and_a_cut_one_says_length(chat):
+    """The default model writes both calls in one <tool_call> block: invoke and stream gave the
+    first only; cut by max_tokens inside the second, finish_reason was "tool_calls"."""
+    bound = chat.bind_tools([get_weather, get_time], tool_choice="any")
+    both = [("get_weather", {"city": "Paris"}), ("get_time", {"city": "Tokyo"})]
+    whole = bound.invoke(WEATHER_AND_TIME, max_tokens=40)
+    assert [(c["name"], c["args"]) for c in whole.tool_calls] == both, whole
+    assert whole.response_metadata["finish_reason"] == "tool_calls"
+    streamed = None
+    for chunk in bound.stream(WEATHER_AND_TIME, max_tokens=40):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == both
+    assert streamed.response_metadata["finish_reason"] == "tool_calls"
+    cut = bound.invoke(WEATHER_AND_TIME, max_tokens=20)  # the forced opening is not counted
+    assert [c["name"] for c in cut.tool_calls] == ["get_weather"], cut
+    assert [c["name"] for c in cut.invalid_tool_calls] == ["get_time"]
+    assert cut.response_metadata["finish_reason"] == "length"
 
 
 @slow

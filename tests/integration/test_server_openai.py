@@ -482,6 +482,23 @@ def test_tool_calls_parsed_from_the_answer():
     assert plain["message"]["content"] == text and plain["finish_reason"] == "stop"
 
 
+def _streamed_and_whole(tokenizer, text: str, finish: str, tools: ToolSetup) -> tuple[list[dict], dict]:
+    """The answer ``text`` (the tokenizer's tokens, as the engine emits them) streamed and whole."""
+    from rag_lookahead.serve.jobs import Piece
+    from rag_lookahead.tokens import TextTracker
+
+    tracker = TextTracker(tokenizer, [], frozenset(), hold=tools.hold)
+    shape = ChatShape("id", 0, "m", tools=tools)
+    chunks = []
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        piece = tracker.add([token])
+        if piece:
+            chunks.append(shape.piece(Piece(piece)))
+    answer = Answer(tracker.final_text(), tracker.rest(), finish, 5, 30, 1, 1.0, 0.1, True)
+    chunks += shape.closing(answer, include_usage=False)
+    return [c["choices"][0] for c in chunks], shape.whole([answer])["choices"][0]
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -496,23 +513,40 @@ def test_tool_calls_parsed_from_the_answer():
 )
 def test_tool_call_content_streamed_as_whole(tokenizer, text):
     """The content around the calls is the same streamed (pieces, then closing) as in the whole answer."""
-    from rag_lookahead.serve.jobs import Piece
-    from rag_lookahead.tokens import TextTracker
+    streamed, whole = _streamed_and_whole(tokenizer, text, "stop", ToolSetup([NOW, WEATHER]))
+    content = "".join(c["delta"].get("content") or "" for c in streamed)
+    assert content == (whole["message"]["content"] or "") and whole["message"]["tool_calls"]
 
+
+def test_calls_in_one_block_are_parallel_tool_calls(tokenizer):
+    """The default model writes two calls in one block (its greedy answer to "What's the weather in
+    Paris and what time is it in Tokyo?"): the second was dropped, and cut by max_tokens it still
+    answered "tool_calls" with the first, where a call that does not parse gives the text whole."""
+    two = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}},\n'
+        '{"name": "now", "arguments": {}}\n</tool_call>'
+    )
     tools = ToolSetup([NOW, WEATHER])
-    tracker = TextTracker(tokenizer, [], frozenset(), hold=tools.hold)
-    shape = ChatShape("id", 0, "m", tools=tools)
-    chunks = []
-    for token in tokenizer.encode(text, add_special_tokens=False):
-        piece = tracker.add([token])
-        if piece:
-            chunks.append(shape.piece(Piece(piece)))
-    rest = tracker.rest()
-    answer = Answer(tracker.final_text(), rest, "stop", 5, 9, 1, 1.0, 0.1, True)
-    chunks += shape.closing(answer, include_usage=False)
-    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
-    whole = shape.whole([answer])["choices"][0]["message"]
-    assert streamed == (whole["content"] or "") and whole["tool_calls"]
+    streamed, whole = _streamed_and_whole(tokenizer, two, "stop", tools)
+    expected = [("get_weather", {"city": "Paris"}), ("now", {})]
+    calls = whole["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == expected
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    deltas = [call for c in streamed for call in c["delta"].get("tool_calls") or []]
+    assert [(d["index"], d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] == [
+        (0, *expected[0]),
+        (1, *expected[1]),
+    ]
+    assert deltas[0]["id"] != deltas[1]["id"] and streamed[-1]["finish_reason"] == "tool_calls"
+    cut = two[: two.index('{"name": "now"') + len('{"name": "now", "argu')]
+    streamed, whole = _streamed_and_whole(tokenizer, cut, "length", tools)
+    assert whole["message"] == {"role": "assistant", "content": cut, "tool_calls": None}
+    assert whole["finish_reason"] == "length"
+    assert "".join(c["delta"].get("content") or "" for c in streamed) == cut
+    assert not any(c["delta"].get("tool_calls") for c in streamed) and streamed[-1]["finish_reason"] == "length"
+    # parallel_tool_calls false: the first call, whole, as when the second call had a block of its own
+    _, first = _streamed_and_whole(tokenizer, cut, "length", ToolSetup([NOW, WEATHER], parallel=False))
+    assert [c["function"]["name"] for c in first["message"]["tool_calls"]] == ["get_weather"]
 
 
 # ---------------------------------------------------------------- refused, never ignored
