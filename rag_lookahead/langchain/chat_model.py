@@ -455,11 +455,22 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         """One chunk per accepted block that adds text; the last chunk carries the tool calls,
         ``usage_metadata`` and the stats (``chunk_position="last"``). LangChain itself sends each
         chunk to the token callbacks."""
+        yield from self._decode_stream(messages, stop, run_manager, kwargs)
+
+    def _decode_stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | None,
+        kwargs: dict[str, Any],
+        cancel: threading.Event | None = None,
+    ) -> Iterator[ChatGenerationChunk]:
+        """``_stream``'s chunks; a set ``cancel`` ends the decode (``astream``, see CancellableAsync)."""
         gather = gather_of_this_thread(run_manager.run_id if run_manager is not None else None)
         if gather is not None:  # a streamed row decodes alone: the batch must not wait for it
             gather.leave()
         request, settings, tool_options = self._prepare(messages, stop, kwargs)
-        blocks = self._engine.stream([request], **settings)
+        blocks = self._engine.stream([request], cancel, **settings)
         with closing(iter(blocks)) as it:
             for block in it:
                 if block.piece:

@@ -279,9 +279,14 @@ class Engine:
                 "callbacks run in the caller's thread)"
             )
 
-    def stream(self, rows: Sequence[RowRequest], **run_options: Any) -> BlockStream:
-        """Like :meth:`run`, decoding in a worker thread while the caller iterates the blocks."""
-        return BlockStream(lambda on_block, cancel: self.run(rows, on_block=on_block, cancel=cancel, **run_options))
+    def stream(
+        self, rows: Sequence[RowRequest], cancel: threading.Event | None = None, **run_options: Any
+    ) -> BlockStream:
+        """Like :meth:`run`, decoding in a worker thread while the caller iterates the blocks
+        (``cancel``: see :class:`BlockStream`)."""
+        return BlockStream(
+            lambda on_block, cancel: self.run(rows, on_block=on_block, cancel=cancel, **run_options), cancel
+        )
 
 
 def weights_digest(model) -> str:
@@ -315,14 +320,32 @@ def prompt_format(tokenizer) -> str:
 
 
 class CancellableAsync:
-    """LangChain's ``_agenerate`` for both models: their ``_decode(inputs, stop, run_manager,
-    kwargs, cancel)`` in a worker thread. LangChain's default runs ``_generate`` there too, but a
-    cancelled caller (``asyncio.wait_for``, a client gone) left the decode running to its token
-    limit while it held the engine; here ``cancel`` is set and the decode ends at its next block."""
+    """LangChain's ``_agenerate`` and ``_astream`` for both models: their ``_decode(inputs, stop,
+    run_manager, kwargs, cancel)`` in a worker thread, and each ``next()`` of their
+    ``_decode_stream(inputs, stop, run_manager, kwargs, cancel)`` there. LangChain's defaults run
+    ``_generate`` and ``_stream`` there too, but a cancelled caller (``asyncio.wait_for``, a client
+    gone) left the decode running to its token limit while it held the engine; here ``cancel`` is
+    set and the decode ends at its next block (before any forward if it still waits for the engine)."""
 
     async def _agenerate(self, inputs: list, stop: list[str] | None = None, run_manager=None, **kwargs: Any):
         manager = run_manager.get_sync() if run_manager is not None else None
         return await in_worker_cancellable(self._decode, inputs, stop, manager, kwargs)
+
+    async def _astream(self, inputs: Any, stop: list[str] | None = None, run_manager=None, **kwargs: Any):
+        """The chunks of ``_decode_stream``, each ``next()`` in a worker thread as LangChain's default
+        does. That default set the stream's cancel only once the ``next()`` under way returned: a
+        consumer cancelled while the call still waited for another decode ran its whole prefill and a
+        step once it had the engine (a minute for a long prompt on a CPU), holding up every call after
+        it. Here a cancelled consumer, or one that leaves the loop, sets ``cancel`` at once."""
+        manager = run_manager.get_sync() if run_manager is not None else None
+        cancel = threading.Event()
+        chunks = self._decode_stream(inputs, stop, manager, kwargs, cancel)
+        done = object()
+        try:
+            while (chunk := await in_worker(next, chunks, done, cancel=cancel)) is not done:
+                yield chunk
+        finally:
+            cancel.set()  # a consumer gone between chunks: the decode ends at its next block
 
     async def abatch_as_completed(
         self, inputs: Sequence, config=None, *, return_exceptions: bool = False, **kwargs: Any
@@ -361,11 +384,17 @@ class CancellableAsync:
 async def in_worker_cancellable(work: Callable[..., Any], *args: Any) -> Any:
     """``work(*args, cancel)`` in a worker thread; a cancelled caller sets ``cancel``, so the
     decode it runs ends at its next block instead of running on, holding the engine."""
+    cancel = threading.Event()
+    return await in_worker(work, *args, cancel, cancel=cancel)
+
+
+async def in_worker(work: Callable[..., Any], *args: Any, cancel: threading.Event) -> Any:
+    """``work(*args)`` in a worker thread (LangChain's executor, with the caller's context); a
+    cancelled caller sets ``cancel``, which the decode ``work`` runs or waits for looks at."""
     from langchain_core.runnables.config import run_in_executor
 
-    cancel = threading.Event()
     try:
-        return await run_in_executor(None, work, *args, cancel)
+        return await run_in_executor(None, work, *args)
     except asyncio.CancelledError:
         cancel.set()
         raise
@@ -395,15 +424,20 @@ class BlockStream:
     """Iterate the accepted blocks of a run decoding in a worker thread; ``.run`` holds the outcome.
 
     Leaving the loop early (``break``, an exception, a closed generator) cancels the decode
-    at its next block and waits for the worker, so no thread outlives the iteration.
+    at its next block and waits for the worker, so no thread outlives the iteration. ``cancel``
+    (one of the caller's own) lets another thread end the decode while the consumer waits for a
+    block: ``astream``'s cancelled consumer, while the run still waits for the engine.
     """
 
-    def __init__(self, start: Callable[[OnBlock, threading.Event], EngineRun]) -> None:
+    def __init__(
+        self, start: Callable[[OnBlock, threading.Event], EngineRun], cancel: threading.Event | None = None
+    ) -> None:
         self._start = start
+        self._cancel = cancel
         self.run: EngineRun | None = None
 
     def __iter__(self) -> Iterator[Block]:
-        cancel = threading.Event()
+        cancel = self._cancel if self._cancel is not None else threading.Event()
         feed: queue.Queue = queue.Queue()
         box: dict = {}
 

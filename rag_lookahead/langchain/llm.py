@@ -373,8 +373,19 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         merges chunk infos key by key and keeps equal ints instead of summing them, so partial
         counters cannot add up); the last chunk carries all the stats. Every chunk goes to the token
         callbacks, the last one even when its text is empty, as LangChain does for ChatLookahead's."""
+        yield from self._decode_stream(prompt, stop, run_manager, kwargs)
+
+    def _decode_stream(
+        self,
+        prompt: str,
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | None,
+        kwargs: dict[str, Any],
+        cancel: threading.Event | None = None,
+    ) -> Iterator[GenerationChunk]:
+        """``_stream``'s chunks; a set ``cancel`` ends the decode (``astream``, see CancellableAsync)."""
         self._encode(prompt)  # fail fast, in the caller's thread
-        blocks = BlockStream(lambda on_block, cancel: self._run([prompt], stop, kwargs, on_block, cancel))
+        blocks = BlockStream(lambda on_block, cancel: self._run([prompt], stop, kwargs, on_block, cancel), cancel)
         with closing(iter(blocks)) as it:  # leaving early cancels the decode
             for block in it:
                 if block.piece:

@@ -163,11 +163,18 @@ def _in_engine_run() -> bool:
     return False
 
 
+async def _streamed(chunks) -> list:
+    return [c async for c in chunks]
+
+
+@pytest.mark.parametrize("how", ["ainvoke", "astream"])
 @pytest.mark.parametrize("kind", ["llm", "chat"])
-def test_a_call_cancelled_while_it_waits_for_the_engine_runs_no_forward(kind):
+def test_a_call_cancelled_while_it_waits_for_the_engine_runs_no_forward(kind, how):
     """A cancelled ``ainvoke`` still waiting for another decode to end ran its whole prefill once it
     had the engine (61 s for a 2,700-token prompt on the default model, holding up every call after
-    it): nothing looked at the cancel before the first token. Now it ends before any forward."""
+    it): nothing looked at the cancel before the first token. Now it ends before any forward. So does
+    an ``astream`` whose consumer is cancelled there: LangChain's ``_astream`` set the stream's cancel
+    only once the ``next()`` waiting in its worker thread returned, after the prefill and a step."""
     llm, chat, _ = _models()
     model, engine = (llm, llm.engine) if kind == "llm" else (chat, chat.get_engine())
     model.invoke("t1")  # the first call measures step costs
@@ -175,7 +182,8 @@ def test_a_call_cancelled_while_it_waits_for_the_engine_runs_no_forward(kind):
 
     async def cancel_while_it_waits() -> None:
         with engine._decoding:  # another decode holds the engine
-            call = asyncio.ensure_future(model.ainvoke("t9 t10"))
+            asked = model.ainvoke("t9 t10") if how == "ainvoke" else _streamed(model.astream("t9 t10"))
+            call = asyncio.ensure_future(asked)
             while not _in_engine_run():
                 await asyncio.sleep(0.01)
             call.cancel()
