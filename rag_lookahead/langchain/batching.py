@@ -12,6 +12,7 @@ meanwhile (a callback's) decodes on its own engine, as it would anywhere else.
 from __future__ import annotations
 
 import contextvars
+import itertools
 import threading
 from asyncio import CancelledError
 from collections.abc import Callable, Sequence
@@ -197,6 +198,20 @@ def settings_key(settings: dict) -> tuple:
     return (settings["max_new_tokens"], repr(settings["config"]), sampling, settings["timeout"] is None)
 
 
+#: numbers each wave's worker threads apart
+_WAVES = itertools.count()
+
+
+def _join_workers(name: str) -> None:
+    """Wait for every worker thread of the wave ``name``, those the pool never recorded too: a
+    Ctrl-C landing in a worker's ``Thread.start`` (which waits for the thread to run) left a thread
+    running that ``shutdown(wait=True)`` did not know of, decoding on after ``batch`` had raised.
+    The pool's shutdown and the cancelled gather have told it to end."""
+    for thread in threading.enumerate():
+        if thread.name.startswith(f"{name}_") and thread is not threading.current_thread():
+            thread.join()
+
+
 def run_wave(
     engine: Engine,
     invoke: Callable[..., Any],
@@ -237,7 +252,8 @@ def run_wave(
         cancel.set()
         gather.abandon(CancelledError())  # the workers' own: the caller's traceback stays its own
 
-    pool = ThreadPoolExecutor(max_workers=len(inputs), thread_name_prefix="lookahead-batch")
+    name = f"lookahead-batch-{next(_WAVES)}"
+    pool = ThreadPoolExecutor(max_workers=len(inputs), thread_name_prefix=name)
     futures: list = []
     try:
         for i in range(len(inputs)):
@@ -254,3 +270,5 @@ def run_wave(
             stop()
             pool.shutdown(wait=True)
             raise
+        finally:
+            _join_workers(name)

@@ -1002,6 +1002,45 @@ def test_a_ctrl_c_during_a_batch_ends_its_decode_at_the_next_block(first):
         signal.signal(signal.SIGALRM, previous)
 
 
+def test_a_ctrl_c_while_a_batch_worker_starts_leaves_no_worker_running(monkeypatch):
+    """A Ctrl-C landing in ``Thread.start`` of a batch worker (it waits for the thread to run):
+    the thread ran, but the pool never recorded it, so ``shutdown(wait=True)`` did not wait for it
+    and it decoded on after ``batch`` had raised (seen once in the suite on a loaded machine)."""
+    import threading
+    import time
+
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.tiny import build_tiny_model
+
+    chat = ChatLookahead(
+        model=build_tiny_model("qwen2", max_positions=2048),
+        tokenizer=tiny_tokenizer(),
+        max_tokens=1500,
+        lookahead=LookaheadConfig(enabled=False),
+    )
+    real_start = threading.Thread.start
+
+    def start_then_ctrl_c(thread) -> None:
+        if not (thread.name.startswith("lookahead-batch") and thread.name.endswith("_1")):
+            return real_start(thread)
+        work = thread.run
+
+        def run_then_linger() -> None:  # a worker ending its block on a loaded machine
+            work()
+            time.sleep(0.5)
+
+        thread.run = run_then_linger
+        real_start(thread)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        chat.batch(["t5 t6 t7", "t8 t9", "t10 t11 t12"])
+    monkeypatch.undo()
+    assert not [t for t in threading.enumerate() if t.name.startswith("lookahead-batch")]
+
+
 def test_chat_models_by_id_share_one_model_and_free_it_with_the_last(tmp_path, monkeypatch):
     """Models loaded by id were kept for the process's life, one per spelling: "bf16", "bfloat16"
     and torch.bfloat16, or a relative and a trailing-slash path, each loaded the weights again."""
