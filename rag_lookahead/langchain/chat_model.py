@@ -67,7 +67,7 @@ from rag_lookahead.langchain.engine import (
 )
 from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
-from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening, plain_choice
+from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening, plain_choice, several_calls
 from rag_lookahead.langchain.tools import parse_tool_calls as parse_tool_calls
 from rag_lookahead.models import reported_name
 from rag_lookahead.tokens import chat_template_text, checked_stop, encode_messages
@@ -391,7 +391,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
             hold=(TOOL_CALL_OPEN,) if tools else (),
         )
         settings = {"max_new_tokens": max_tokens, "config": config, "sampling": sampling, "timeout": timeout or None}
-        return request, settings, {"tools": bool(tools), "parallel": parallel is not False}
+        return request, settings, {"tools": bool(tools), "parallel": several_calls(tool_choice, parallel)}
 
     def _references(self, references: Any, chat: list[dict]) -> list[str]:
         if references is None:

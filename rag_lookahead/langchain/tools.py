@@ -26,11 +26,13 @@ __all__ = [
     "forced_opening",
     "parse_tool_calls",
     "plain_choice",
+    "several_calls",
     "split_calls",
 ]
 
 TOOL_CALL_OPEN = "<tool_call>"
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
+# a block left open (no </tool_call>) ends where the next opens, or with the answer
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|(?=<tool_call>)|\Z)", re.S)
 _BETWEEN_CALLS = re.compile(r"[\s,]*")  # what separates two calls written in one block
 _JSON = json.JSONDecoder()
 
@@ -131,6 +133,19 @@ def plain_choice(tool_choice: Any) -> Any:
     return tool_choice
 
 
+def several_calls(tool_choice: Any, parallel: bool | None) -> bool:
+    """Whether an answer's calls all count, or only its first: ``parallel_tool_calls`` false, or a
+    ``tool_choice`` naming one tool (a call to that tool, as OpenAI and vLLM read it). The default
+    model, forced to name one tool, often goes on to call another in the same block; that call came
+    back beside the chosen one, and cut by ``max_tokens`` it voided the chosen call on the server."""
+    choice = plain_choice(tool_choice)
+    if isinstance(choice, Mapping):
+        named = bool(_named_tool(choice))
+    else:
+        named = isinstance(choice, str) and choice not in ("auto", "none", "any", "required")
+    return parallel is not False and not named
+
+
 def forced_opening(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
     """The text the assistant's turn opens with so that it calls a tool (see module docstring).
 
@@ -174,7 +189,8 @@ def check_tools(tokenizer: Any, model_name: str | None, tools: Sequence[Mapping[
 
 
 def split_calls(text: str, tool_options: Mapping[str, bool]) -> tuple[str, list[ParsedCall]]:
-    """An answer as (its text outside tool calls, the calls); with ``parallel`` off, the first call only."""
+    """An answer as (its text outside tool calls, the calls); with ``parallel`` off (see
+    :func:`several_calls`), the first call only."""
     if not tool_options["tools"]:
         return text, []
     content, calls = parse_tool_calls(text)

@@ -8,7 +8,8 @@ two calls in one block, a comma between them); the parsing is LangChain's
 (:mod:`rag_lookahead.langchain.tools`), shared rather than copied. If a call does not parse (cut
 short by ``max_tokens``, say, a second object in a block included), the whole answer comes back as
 plain ``content`` with the answer's own ``finish_reason`` ("length" when the limit cut it), as
-vLLM's Hermes parser does. With ``parallel_tool_calls`` false only the first call counts.
+vLLM's Hermes parser does. With ``parallel_tool_calls`` false, or a ``tool_choice`` naming one
+function, only the first call counts.
 
 ``tool_choice``: "auto" (default), "none" (the tools are left out of the prompt), "required" or
 a named function: the assistant's turn is opened with ``<tool_call>`` (and the name, when known),
@@ -24,7 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rag_lookahead.errors import ConfigError
-from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening, parse_tool_calls
+from rag_lookahead.langchain.tools import (
+    TOOL_CALL_OPEN,
+    check_tools,
+    forced_opening,
+    parse_tool_calls,
+    several_calls,
+)
 from rag_lookahead.serve.api_error import ApiError
 
 __all__ = ["ToolReply", "ToolSetup", "tool_setup"]
@@ -99,4 +106,4 @@ def tool_setup(
         check_tools(tokenizer, model_name, tools)
     except ConfigError as error:
         raise ApiError(400, str(error), param="tools") from None
-    return ToolSetup(tools, forced_opening(tool_choice, tools), parallel is not False)
+    return ToolSetup(tools, forced_opening(tool_choice, tools), several_calls(tool_choice, parallel))

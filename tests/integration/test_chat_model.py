@@ -106,6 +106,16 @@ def test_several_calls_in_one_block_are_one_call_each():
     assert [(c.name, c.args) for c in closed] == [("now", {})]  # closed after a comma: nothing was cut
 
 
+def test_a_block_left_open_ends_where_the_next_opens():
+    """A block whose </tool_call> the model left out ran to the end of the answer, so the call in
+    the block after it was read as the first block's trailing text and dropped unseen."""
+    first_open = TWO_IN_ONE_BLOCK.replace("},\n{", "}\n<tool_call>\n{")
+    assert [(c.name, c.args) for c in parse_tool_calls(first_open)[1]] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"city": "Tokyo"}),
+    ]
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -478,6 +488,18 @@ def test_two_calls_in_one_block_come_back_as_two_and_a_cut_one_says_length(chat)
     assert [c["name"] for c in cut.tool_calls] == ["get_weather"], cut
     assert [c["name"] for c in cut.invalid_tool_calls] == ["get_time"]
     assert cut.response_metadata["finish_reason"] == "length"
+
+
+@slow
+def test_a_named_tool_choice_gives_that_call_only(chat):
+    """Forced to call get_weather, the default model goes on to call get_time in the same block:
+    that call came back beside the chosen one (a named choice is one call, as OpenAI reads it), and
+    cut by max_tokens it turned the forced call invalid-beside-"length"."""
+    bound = chat.bind_tools([get_weather, get_time], tool_choice="get_weather")
+    for max_tokens in (40, 20):
+        answer = bound.invoke(WEATHER_AND_TIME, max_tokens=max_tokens)
+        assert [(c["name"], c["args"]) for c in answer.tool_calls] == [("get_weather", {"city": "Paris"})], answer
+        assert not answer.invalid_tool_calls and answer.response_metadata["finish_reason"] == "tool_calls"
 
 
 @slow

@@ -26,7 +26,7 @@ from rag_lookahead.decoding.loop import generate
 from rag_lookahead.serve import Engine, ServerConfig
 from rag_lookahead.serve.jobs import Answer
 from rag_lookahead.serve.responses import ChatShape
-from rag_lookahead.serve.tool_calls import ToolSetup
+from rag_lookahead.serve.tool_calls import ToolSetup, tool_setup
 from rag_lookahead.tokens import encode_messages
 
 TOP = 3
@@ -547,6 +547,12 @@ def test_calls_in_one_block_are_parallel_tool_calls(tokenizer):
     # parallel_tool_calls false: the first call, whole, as when the second call had a block of its own
     _, first = _streamed_and_whole(tokenizer, cut, "length", ToolSetup([NOW, WEATHER], parallel=False))
     assert [c["function"]["name"] for c in first["message"]["tool_calls"]] == ["get_weather"]
+    # a tool_choice naming get_weather: that call only, whole or with the model's next call cut
+    named = tool_setup([NOW, WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, tokenizer, "m")
+    for text in (two, cut):
+        streamed, whole = _streamed_and_whole(tokenizer, text, "length", named)
+        assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather"]
+        assert whole["finish_reason"] == "tool_calls" and streamed[-1]["finish_reason"] == "tool_calls"
 
 
 # ---------------------------------------------------------------- refused, never ignored
