@@ -145,6 +145,9 @@ OnBlock = Callable[[int, list[int], str], "bool | None"]
 
 #: the runs (Engine._current) that the current context decodes inside: their token callbacks, and
 #: threads or tasks those start with a copy of the context, see them (Engine._check_not_nested)
+#: how often a call waiting for the engine looks at its cancel (the wait itself ends at once)
+_CANCEL_POLL_S = 0.05
+
 _DECODING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("rag_lookahead_decoding", default=frozenset())
 
 
@@ -237,9 +240,7 @@ class Engine:
         references = [r.references for r in rows]
         self._check_not_nested()
         this_run = object()
-        with self._decoding:
-            if cancel is not None and cancel.is_set():
-                raise asyncio.CancelledError()  # its caller is gone: no answer to build
+        with self._held(cancel):
             self._current = this_run
             inside = _DECODING.set(_DECODING.get() | {this_run})
             try:
@@ -278,6 +279,26 @@ class Engine:
                 "it would wait for itself forever; call it after invoke() returns, or use stream() (whose "
                 "callbacks run in the caller's thread)"
             )
+
+    @contextlib.contextmanager
+    def _held(self, cancel: threading.Event | None) -> Iterator[None]:
+        """The engine, once the decode before this one ends. A caller cancelled meanwhile (its
+        ``cancel`` set) stops waiting then and there with ``CancelledError``, before any forward: it
+        ran its whole prefill once it had the engine (a minute for a long prompt on a CPU), and
+        until then kept a worker thread of the event loop's executor waiting for nothing."""
+        if cancel is None:
+            self._decoding.acquire()
+        else:
+            while not self._decoding.acquire(timeout=_CANCEL_POLL_S):
+                if cancel.is_set():
+                    raise asyncio.CancelledError()
+            if cancel.is_set():
+                self._decoding.release()
+                raise asyncio.CancelledError()  # its caller is gone: no answer to build
+        try:
+            yield
+        finally:
+            self._decoding.release()
 
     def stream(
         self, rows: Sequence[RowRequest], cancel: threading.Event | None = None, **run_options: Any

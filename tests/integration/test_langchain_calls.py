@@ -174,7 +174,8 @@ def test_a_call_cancelled_while_it_waits_for_the_engine_runs_no_forward(kind, ho
     had the engine (61 s for a 2,700-token prompt on the default model, holding up every call after
     it): nothing looked at the cancel before the first token. Now it ends before any forward. So does
     an ``astream`` whose consumer is cancelled there: LangChain's ``_astream`` set the stream's cancel
-    only once the ``next()`` waiting in its worker thread returned, after the prefill and a step."""
+    only once the ``next()`` waiting in its worker thread returned, after the prefill and a step. And
+    the call stops waiting at once: it kept an executor thread until the engine was free."""
     llm, chat, _ = _models()
     model, engine = (llm, llm.engine) if kind == "llm" else (chat, chat.get_engine())
     model.invoke("t1")  # the first call measures step costs
@@ -189,8 +190,14 @@ def test_a_call_cancelled_while_it_waits_for_the_engine_runs_no_forward(kind, ho
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
+            for _ in range(200):  # the engine still held: the cancelled call stops waiting all the same
+                if not _in_engine_run():
+                    break
+                await asyncio.sleep(0.01)
+            assert not _in_engine_run(), "a cancelled call kept a worker thread waiting for the engine"
 
-    finished(lambda: asyncio.run(cancel_while_it_waits()))  # asyncio.run returns once its worker threads end
+    # asyncio.run returns once its worker threads end
+    assert finished(lambda: asyncio.run(cancel_while_it_waits())) == [None]
     assert forwards[0] == 0
 
 
