@@ -217,6 +217,7 @@ def test_step_costs_are_safe_to_share_between_threads():
     entry must not break the other's estimate (it raised "dictionary changed size")."""
     import sys
     import threading
+    import time
 
     costs = StepCosts(CostCurve([1, 64], [0.1, 0.4]))
     costs.observe(1, 1, 0.1)
@@ -227,6 +228,7 @@ def test_step_costs_are_safe_to_share_between_threads():
         try:
             while not stop.is_set():
                 costs(1, 33)
+                time.sleep(0)  # lets the writer take the lock (it waited minutes for it)
         except BaseException as err:  # noqa: BLE001 - the test reports whatever broke
             errors.append(err)
 
@@ -235,7 +237,7 @@ def test_step_costs_are_safe_to_share_between_threads():
     reader = threading.Thread(target=estimate)
     reader.start()
     try:
-        for tokens in range(2, 40_000, 2):  # never 33: the estimate scans every entry for the nearest
+        for tokens in range(2, 8_000, 2):  # never 33: the estimate scans every entry for the nearest
             costs.observe(1, tokens, 0.1 + tokens / 1e5)
             if errors:
                 break
@@ -244,4 +246,4 @@ def test_step_costs_are_safe_to_share_between_threads():
         reader.join()
         sys.setswitchinterval(interval)
     assert errors == []
-    assert len(costs.seen) == 20_000  # (1, 1) and the 19,999 even counts
+    assert len(costs.seen) == 4_000  # (1, 1) and the 3,999 even counts
