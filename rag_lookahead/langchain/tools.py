@@ -138,12 +138,18 @@ def several_calls(tool_choice: Any, parallel: bool | None) -> bool:
     ``tool_choice`` naming one tool (a call to that tool, as OpenAI and vLLM read it). The default
     model, forced to name one tool, often goes on to call another in the same block; that call came
     back beside the chosen one, and cut by ``max_tokens`` it voided the chosen call on the server."""
-    choice = plain_choice(tool_choice)
-    if isinstance(choice, Mapping):
-        named = bool(_named_tool(choice))
-    else:
-        named = isinstance(choice, str) and choice not in ("auto", "none", "any", "required")
-    return parallel is not False and not named
+    return parallel is not False and _chosen_tool(plain_choice(tool_choice)) is None
+
+
+#: the ``tool_choice`` words that name no tool
+_CHOICE_WORDS = ("auto", "none", "any", "required")
+
+
+def _chosen_tool(tool_choice: Any) -> str | None:
+    """The tool a ``tool_choice`` names (a tool's name, or an object naming one); None otherwise."""
+    if isinstance(tool_choice, Mapping):
+        return _named_tool(tool_choice)
+    return tool_choice if isinstance(tool_choice, str) and tool_choice not in _CHOICE_WORDS else None
 
 
 def forced_opening(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
@@ -159,10 +165,8 @@ def forced_opening(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
     names = [_tool_name(t) for t in tools]
     if tool_choice in ("any", "required", True):
         name = names[0] if len(names) == 1 else None
-    elif isinstance(tool_choice, str):
-        name = tool_choice
-    elif isinstance(tool_choice, Mapping):
-        name = _named_tool(tool_choice)
+    elif isinstance(tool_choice, (str, Mapping)):
+        name = _chosen_tool(tool_choice)
     else:
         raise ConfigError(f"tool_choice must be 'auto', 'none', 'any', 'required' or a tool name, got {tool_choice!r}")
     if name is not None and name not in names:
