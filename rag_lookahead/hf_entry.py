@@ -26,8 +26,10 @@ transformers' own row-wise criteria on a batch without EOS (transformers decodes
 EOS from the criteria alone on a batch with no pad id to fill its ended rows (transformers fails
 there, at batch size 1 too; one row needs no padding and is decoded),
 a ``max_length`` past the model's context window (transformers goes on past it with a
-warning; our loop stops at the window), and sampling a batch of more than one row (transformers'
-draws from the global generator interleave the rows a token a step).
+warning; our loop stops at the window), sampling a batch of more than one row (transformers'
+draws from the global generator interleave the rows a token a step), and a ``streamer`` on a
+batch (rows advance by different numbers of tokens a step). A streamer gets one token a ``put``,
+also where transformers' assisted generation would put a block: the same text, finer pieces.
 """
 
 from __future__ import annotations
@@ -149,7 +151,10 @@ def _lookahead_generate(
     mask = _attention_mask(input_ids, model_kwargs)
     rows = input_ids.shape[0]
     if streamer is not None and rows > 1:
-        raise ConfigError("a streamer takes one row; stream batch size 1 (as transformers' TextStreamer does)")
+        raise ConfigError(
+            "a streamer needs batch size 1 here: lookahead rows advance by different numbers of tokens "
+            "a step, so there is no per-step column of tokens to stream (transformers streams one)"
+        )
 
     has_eos = getattr(generation_config, "_eos_token_tensor", None) is not None
     inner = _config_for_the_loop(generation_config, has_eos)
