@@ -327,7 +327,30 @@ class CompletionRequest(GenerationRequest):
     max_completion_tokens: Any = Field(None, description="chat completions only: here 'max_tokens' sets the length")
 
     vllm_options: ClassVar[dict[str, tuple[Any, ...]]] = {**VLLM_NEUTRAL, **VLLM_COMPLETION_NEUTRAL}
+    #: what only /v1/chat/completions takes, with the values under which each changes nothing (as
+    #: /v1/rag takes them); others were dropped unseen: a tool_choice "required" answered plain text
+    chat_only: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "tools": ([],),
+        "tool_choice": ("none",),
+        "functions": ([],),
+        "function_call": ("none",),
+        "modalities": (["text"],),
+        "chat_template_kwargs": ({},),
+    }
     _prompts: list[str | list[int]] = PrivateAttr(default_factory=list)  # set by the validator
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_chat_options(cls, data: Any) -> Any:
+        from rag_lookahead.serve.chat_protocol import REFUSED  # it imports this module
+
+        refuse_changing_options(
+            data,
+            {**dict.fromkeys(REFUSED, ()), **cls.chat_only},
+            "is a chat completions field, not taken by /v1/completions (a raw prompt, no chat template): "
+            "leave it out, or send messages to /v1/chat/completions",
+        )
+        return data
 
     @model_validator(mode="after")
     def _checked_prompts(self) -> CompletionRequest:

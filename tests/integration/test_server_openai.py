@@ -600,6 +600,38 @@ def test_refusals(chat_server, tokenizer):
     assert text.choices[0].message.content is not None
 
 
+def test_completions_refuse_chat_fields(chat_server):
+    """/v1/completions takes a raw prompt through no chat template: tools, the older functions, audio,
+    reasoning and template options are refused there, as /v1/rag refuses them (they were dropped
+    unseen: a tool_choice "required" answered plain text with a 200); their neutral values pass."""
+    _, _, base = chat_server
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    changing = [
+        {"tools": [tool]},
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        {"functions": [{"name": "f"}]},
+        {"function_call": {"name": "f"}},
+        {"audio": {"voice": "alloy", "format": "wav"}},
+        {"modalities": ["text", "audio"]},
+        {"reasoning_effort": "high"},
+        {"chat_template_kwargs": {"enable_thinking": True}},
+        {"web_search_options": {}},
+        {"verbosity": "low"},
+    ]
+    neutral = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none"}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for extra in changing:
+            r = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            error = r.json()["error"]
+            assert error["param"] == next(iter(extra)), (extra, error)
+            assert "is a chat completions field, not taken by /v1/completions" in error["message"], error
+        for harmless in (neutral, {"modalities": ["text"], "chat_template_kwargs": {}}):
+            r = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, **harmless})
+            assert r.status_code == 200, (harmless, r.text)
+
+
 VLLM_CHANGING = [
     ("min_tokens", 2),
     ("ignore_eos", True),
