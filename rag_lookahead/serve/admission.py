@@ -127,15 +127,17 @@ class TokenBudget:
 
     def refusal(self, jobs: Sequence[Job], tokens_per_second: float) -> ApiError | None:
         """The 429 when a request's ``jobs`` (its ``n`` choices; see ``never_fits`` first) do not fit
-        beside what is held now (None: they do); without jobs, whether the budget is full."""
+        beside what is held now (None: they do); without jobs, whether the budget is full (the
+        message then names no need: a request's is known once it is tokenized)."""
         need = self.need_of(jobs) if jobs else 1
         held = self.held
         if held + need <= self.limit:
             return None
         wait = self.retry_after(held + need - self.limit, tokens_per_second)
+        this = f" and this request needs {need}" if jobs else ""
         return busy(
             f"the server is busy: running and waiting requests hold {held} of its {self.limit} KV tokens "
-            f"(max_batch_tokens) and this request needs {need}; retry after {wait} s",
+            f"(max_batch_tokens){this}; retry after {wait} s",
             wait,
         )
 

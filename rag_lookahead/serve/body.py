@@ -1,7 +1,9 @@
 """Reading a POST body before FastAPI validates it against the endpoint's request model.
 
-:class:`JsonBodyRoute` first asks the engine whether it can take the request at all (429/503
-before any work), then reads the body counting bytes as they stream in (413 past
+:class:`JsonBodyRoute` first asks the engine whether it can take the request at all (503, or 429
+before any work when the queue or the KV budget is full; a body of at most
+``JUDGED_WHEN_FULL_BYTES`` is still read then, so that the handler can answer a request that could
+never fit with its 400, not a 429 to retry), then reads the body counting bytes as they stream in (413 past
 ``max_body_bytes``; a declared Content-Length was already checked by the gate) and parses it
 strictly (NaN, lone surrogates, deep nesting: 400); a body still incomplete after ``body_timeout``
 seconds gets 408. FastAPI then validates the parsed object.
@@ -27,6 +29,10 @@ __all__ = ["JsonBodyRoute", "parse_json", "read_json"]
 
 #: Bodies larger than this are parsed in a worker thread, off the event loop.
 PARSE_IN_THREAD_BYTES = 65536
+#: While the server is full, a body declaring at most this many bytes is read anyway: its handler
+#: judges it again once its n is known (a 400 for choices that can never fit, or the 429). Larger
+#: ones, or ones of no declared length, get the 429 unread: a flood of big bodies costs no reading.
+JUDGED_WHEN_FULL_BYTES = PARSE_IN_THREAD_BYTES
 
 
 class JsonBodyRoute(APIRoute):
@@ -37,11 +43,22 @@ class JsonBodyRoute(APIRoute):
 
         async def read_then_validate(request: Request) -> Response:
             engine = request.app.state.engine
-            engine.check_capacity()  # 429/503 before reading, parsing or tokenizing anything
+            try:
+                engine.check_capacity()  # 429/503 before reading, parsing or tokenizing anything
+            except ApiError as refusal:
+                if refusal.status != 429 or not judged_when_full(request):
+                    raise
+                # read on: the handler checks capacity again once it knows the request's n
             raw, data = await read_json(request, engine.config.max_body_bytes, engine.config.body_timeout)
             return await validate_and_run(ParsedRequest(request, raw, data))
 
         return read_then_validate
+
+
+def judged_when_full(request: Request) -> bool:
+    """Whether the body is small enough to be read while the server is full (see ``JUDGED_WHEN_FULL_BYTES``)."""
+    length = request.headers.get("content-length", "").strip()  # the gate refused one not a number
+    return length.isdigit() and int(length) <= JUDGED_WHEN_FULL_BYTES
 
 
 class ParsedRequest(Request):

@@ -244,25 +244,31 @@ class Engine:
         references = [list(r) for r in references]
         return Job(list(prompt_ids), max_tokens, list(stop), references, tracker, key, sampling, owner=pool_key)
 
-    def _refusal(self, jobs: Sequence[Job] = ()) -> ApiError | None:
-        """Why a new request (its ``jobs``, or any when empty) cannot be taken now (call with ``_cond`` held)."""
+    def _refusal(self, jobs: Sequence[Job] = (), choices: int | None = None) -> ApiError | None:
+        """Why a new request cannot be taken now (call with ``_cond`` held). With its ``jobs``: every
+        check. With only its ``choices`` (once its body is read, before it is tokenized): the queue's,
+        a count that never fits a 400; the KV budget is left to ``submit``, which knows what the
+        request needs (a 400 when more than the whole budget, so judged whatever is held now). With
+        neither (before its body is read): whether there is room for anything, naming no count."""
         if self.error is not None or (self._thread is not None and not self._thread.is_alive()):
             return engine_stopped()
         if self._stopping or self._draining:
             return shutting_down()
-        rate, limit, choices = self.batches.tokens_per_second, self.config.max_queue, max(1, len(jobs))
+        rate, limit = self.batches.tokens_per_second, self.config.max_queue
+        choices = len(jobs) or choices
         per_key = self.config.max_queue_per_key if jobs else None
-        too_many = self._never_queued(choices) if jobs else None
+        too_many = self._never_queued(choices) if choices else None
         if too_many is not None:  # never fits: a 400, not a 429 to retry forever (before the queue's state)
             return too_many
         too_large = self.token_budget.never_fits(jobs)
         if too_large is not None:
             return too_large
-        if len(self._waiting) + choices > limit:  # the queue holds choices: an n-choice request takes n places
+        if len(self._waiting) + (choices or 1) > limit:  # the queue holds choices: an n-choice request takes n places
             wait = self.token_budget.retry_after(self.token_budget.need_of(jobs) if jobs else 1, rate)
+            this = f" and this request has {choices}" if choices else ""
             return busy(
-                f"the server is busy: {len(self._waiting)} choices are already waiting and this request "
-                f"has {choices} (max_queue={limit}); retry after {wait} s",
+                f"the server is busy: {len(self._waiting)} choices are already waiting{this} "
+                f"(max_queue={limit}); retry after {wait} s",
                 wait,
             )
         if per_key is not None:
@@ -274,6 +280,8 @@ class Engine:
                     f"(max_queue_per_key={per_key}); retry after {wait} s",
                     wait,
                 )
+        if not jobs and choices:  # the KV budget: judged by submit, once the request is tokenized
+            return None
         return self.token_budget.refusal(jobs, rate)
 
     def _never_queued(self, choices: int) -> ApiError | None:
@@ -289,18 +297,13 @@ class Engine:
                 )
         return None
 
-    def check_choices(self, choices: int) -> None:
-        """Raise the 400 ``submit`` would for ``choices`` (prompts x n) that never fit the queue, before
-        a handler tokenizes them: 3,523 short prompts were tokenized (2.4 s under the tokenizer lock)
-        to be refused for a count known from the request alone."""
-        refusal = self._never_queued(choices)
-        if refusal is not None:
-            raise refusal
-
-    def check_capacity(self) -> None:
-        """Raise the 429/503 that ``submit`` would, before a handler spends work on a request."""
+    def check_capacity(self, choices: int | None = None) -> None:
+        """Raise the 503, 429 or 400 that ``submit`` would, before a handler spends work on a request:
+        before its body is read (``choices`` None: 429 only when there is no room at all), then once
+        its ``choices`` (prompts x n) are known, before it is tokenized (3,523 short prompts were
+        tokenized, 2.4 s under the tokenizer lock, to be refused for a count known from the body)."""
         with self._cond:
-            refusal = self._refusal()
+            refusal = self._refusal(choices=choices)
         if refusal is not None:
             raise refusal
 

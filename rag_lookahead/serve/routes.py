@@ -182,7 +182,7 @@ async def _respond(
 async def completions(body: CompletionRequest, http_request: Request) -> Response:
     engine = _engine(http_request)
     max_tokens, stop = _length_and_stop(body, engine)
-    engine.check_choices(len(body.prompts) * body.choices)  # before tokenizing what could never be queued
+    engine.check_capacity(len(body.prompts) * body.choices)  # before tokenizing what could never be queued
     several = len(body.prompts) > 1
     prompts = []
     for i, prompt in enumerate(body.prompts):
@@ -218,6 +218,7 @@ async def chat_completions(body: ChatCompletionRequest, http_request: Request) -
         engine.tokenizer,
         engine.config.model_name,
     )
+    engine.check_capacity(body.choices)  # before the chat template: n over the queue's cap, or no room now
     prompt = await _encode_chat(  # with tools, they go to the template and the answer opens with a call
         engine,
         messages,
@@ -278,6 +279,7 @@ async def rag(body: RagRequest, http_request: Request) -> Response:
             "server_error",
         )
     checked_text_length(len(body.question), cfg, "question")
+    engine.check_capacity()  # before tokenizing: the body may have been read while the server was full
     if len(await run_in_threadpool(engine.encode_text, body.question)) > cfg.max_prompt_tokens:  # before retrieving
         raise ApiError(
             400,

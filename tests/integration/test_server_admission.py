@@ -174,6 +174,90 @@ def test_queue_counts_each_choice(tokenizer, monkeypatch):
     assert [r.status_code for r in done] == [200, 200, 200]
 
 
+async def head_only(base: str, length: int) -> bytes:
+    """The answer to a completions request whose head declares ``length`` body bytes that never come."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    writer.write(f"{head}Content-Length: {length}\r\n\r\n".encode())
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(4096), 10)
+    finally:
+        writer.close()
+
+
+def test_choices_that_never_fit_get_400_while_the_queue_is_full(tokenizer, monkeypatch):
+    """max_queue=2, full: n=3 (or 2 prompts x n=2, or a chat request's n=3) can never wait in the
+    queue, so it is a 400 then too, as when the queue has room (it was a 429 to retry, "this request
+    has 1", before the body was read); n=1 and n=2 could fit later: 429 with their own count. A body
+    over 64 KiB is still refused unread while the queue is full, without a count it does not know."""
+    engine = tiny_engine(tokenizer, max_batch_size=1, max_queue=2)
+    a, b, c = tiny_prompts(3, seed=39)
+    gate = hold_steps(monkeypatch)
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            tasks = await one_running_one_waiting(client, engine, a, b)
+            tasks.append(asyncio.create_task(client.post("/v1/completions", json=completion(c, 8))))
+            await until(lambda: engine.queue_depth == 2)
+            never = [
+                await client.post("/v1/completions", json=completion(c, 8, n=3)),
+                await client.post("/v1/completions", json=completion([c, a], 8, n=2)),
+                await client.post("/v1/chat/completions", json={**chat, "n": 3}),
+            ]
+            later = [await client.post("/v1/completions", json=completion(c, 8, n=k)) for k in (1, 2)]
+            unread = await head_only(base, 100_000)
+            gate.set()
+            return never, later, unread, await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    with serving(engine) as base:
+        never, later, unread, done = asyncio.run(run(base))
+    for response, choices in zip(never, (3, 4, 3)):
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "n" and error["code"] == "request_too_large", error
+        assert f"{choices} choices" in error["message"] and "max_queue=2" in error["message"], error
+    for response, choices in zip(later, (1, 2)):
+        assert_busy(response)
+        assert f"this request has {choices} (max_queue=2)" in response.json()["error"]["message"]
+    status, _, rest = unread.partition(b"\r\n")
+    assert b" 429 " in status, unread
+    assert b"retry-after" in rest.lower() and b"max_queue=2" in rest and b"this request has" not in rest, rest
+    assert [r.status_code for r in done] == [200, 200, 200]
+
+
+def test_a_request_larger_than_the_budget_gets_400_while_the_budget_is_full(tokenizer, monkeypatch):
+    """Budget 160, all held (two requests of 20 + 60): one needing 20 + 150 can never fit, so it is a
+    400 then too (it was a 429 to retry, "this request needs 1", before the body was read); one of
+    20 + 10 could fit later: 429 with what it needs."""
+    engine = tiny_engine(tokenizer, max_batch_size=1, max_batch_tokens=160, max_tokens_limit=200)
+    a, b, c = (p[:20] + [5] * (20 - len(p[:20])) for p in tiny_prompts(3, seed=40))
+    gate = hold_steps(monkeypatch)
+
+    async def run(base: str):
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            tasks = [asyncio.create_task(client.post("/v1/completions", json=completion(a, 60)))]
+            await until(lambda: engine.active == 1)
+            tasks.append(asyncio.create_task(client.post("/v1/completions", json=completion(b, 60))))
+            await until(lambda: engine.queue_depth == 1)
+            never = await client.post("/v1/completions", json=completion(c, 150))
+            later = await client.post("/v1/completions", json=completion(c, 10))
+            gate.set()
+            return never, later, await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    with serving(engine) as base:
+        never, later, done = asyncio.run(run(base))
+    assert never.status_code == 400, never.text
+    error = never.json()["error"]
+    assert error["code"] == "request_too_large" and "170 tokens" in error["message"], error
+    assert "whole budget is 160" in error["message"], error
+    assert_busy(later)
+    assert "hold 160 of its 160 KV tokens (max_batch_tokens) and this request needs 30" in later.text
+    assert [r.status_code for r in done] == [200, 200]
+
+
 @pytest.mark.parametrize("chunk", [0, 16])
 def test_long_prompts_in_chunks_give_single_request_texts(tokenizer, chunk):
     """Short and long (180-token) prompts at once, prefilled in chunks of 16 (or whole): every text
