@@ -55,6 +55,7 @@ from rag_lookahead.bench.common import (
     run_command,
     write_report,
 )
+from rag_lookahead.bench.percentile import nearest_rank
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
@@ -150,7 +151,7 @@ def timed_run(work: Workload, method: str, level: int, repeat: int) -> tuple[dic
         "requests_per_second": round(len(work.requests) / seconds, 4),
         "tokens_per_second": round(tokens / seconds, 3),
         "p50_latency_s": round(statistics.median(lat), 3),
-        "p95_latency_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
+        "p95_latency_s": round(nearest_rank(lat, 0.95), 3),
         "identical_to_single": None,  # filled in once the single-request outputs exist
         "mean_accepted": None if accepted is None else round(accepted, 3),  # None: transformers' (no drafts)
     }

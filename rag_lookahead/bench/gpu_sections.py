@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rag_lookahead.bench.common import chat_ids, cut_at_eos, eos_pad, hf_batched, in_turn
+from rag_lookahead.bench.percentile import nearest_rank
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import device_name, model_devices, synchronize
 from rag_lookahead.decoding.loop import DecodeBatch, generate, left_pad
@@ -325,7 +326,7 @@ def decode_steps(
         "prefill_s": round(prefill, 3),
         "steps": len(steps),
         "step_ms_p50": round(1e3 * statistics.median(ordered), 3),
-        "step_ms_p95": round(1e3 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3),
+        "step_ms_p95": round(1e3 * nearest_rank(ordered, 0.95), 3),
         "decode_tokens_per_second": round(tokens / seconds, 2) if seconds else None,
     }
 

@@ -44,6 +44,7 @@ from rag_lookahead.bench.common import (
     run_command,
     write_report,
 )
+from rag_lookahead.bench.percentile import nearest_rank
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.inputs import context_limit, limit_words
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
@@ -143,17 +144,12 @@ class Runner:
             self.trace.outputs[row.index] = row.generated
 
 
-def percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else 0.0
-
-
 def summary(name: str, chunk: int, trace: Trace) -> dict:
     return {
         "prefill": name,
         "prefill_chunk": chunk,
         "p50_itl_ms": round(1e3 * statistics.median(trace.gaps), 1) if trace.gaps else None,
-        "p95_itl_ms": round(1e3 * percentile(trace.gaps, 0.95), 1) if trace.gaps else None,
+        "p95_itl_ms": round(1e3 * nearest_rank(trace.gaps, 0.95), 1) if trace.gaps else None,
         "max_itl_ms": round(1e3 * max(trace.gaps), 1) if trace.gaps else None,
         "gaps": len(trace.gaps),
         "long_ttft_s": round(statistics.mean(trace.first_token.values()), 3) if trace.first_token else None,

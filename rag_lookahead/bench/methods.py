@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,8 +46,22 @@ def prompt_lookup_drafter() -> PromptLookupDrafter:
     return PromptLookupDrafter(num_pred_tokens=PROMPT_LOOKUP_TOKENS)
 
 
+def sampling_name(base: str, temperature: float) -> str:
+    """``lookahead_sample_t0.7``: a sampling method's name in the tables and the report. The name
+    is a label, its temperature as ``:g`` writes it (6 significant digits): runs take the exact
+    temperature from the settings (``sampling_runs``), not from the name (0.123456789 ran 0.123457)."""
+    return f"{base}_t{temperature:g}"
+
+
+def sampling_runs(temperatures: Iterable[float]) -> dict[str, tuple[str, float]]:
+    """Each sampling method's name at each temperature -> (the method, the exact temperature)."""
+    return {sampling_name(base, t): (base, t) for t in temperatures for base in SAMPLING_METHODS}
+
+
 def sampling_method(method: str) -> tuple[str, float] | None:
-    """``("lookahead_sample", 0.7)`` for ``lookahead_sample_t0.7``; None for a greedy method."""
+    """``("lookahead_sample", 0.7)`` for ``lookahead_sample_t0.7``; None for a greedy method. The
+    temperature is the name's, rounded as ``sampling_name`` writes it: enough to name the baselines,
+    never the one to sample at (``sampling_runs``)."""
     base, _, temperature = method.rpartition("_t")
     if base in SAMPLING_METHODS:
         return base, float(temperature)
@@ -59,7 +74,7 @@ def baselines(method: str) -> tuple[str, str]:
     sampled = sampling_method(method)
     if sampled is None:
         return "greedy", "prompt_lookup"
-    return f"sample_t{sampled[1]:g}", f"prompt_lookup_sample_t{sampled[1]:g}"
+    return sampling_name("sample", sampled[1]), sampling_name("prompt_lookup_sample", sampled[1])
 
 
 @dataclass

@@ -10,7 +10,10 @@ matplotlib draws on its Agg canvas directly (no pyplot, no display, no global ba
 
 from __future__ import annotations
 
+import math
+import re
 import statistics
+import textwrap
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -62,6 +65,9 @@ def check_chart(path: Path, json_path: str | Path, option: str) -> None:
 
 #: the decode-speed chart widens with its prompts up to this many inches, and labels at most this many
 WIDEST, MOST_LABELS = 19.2, 40
+#: inches a title's character is given: DejaVu Sans at the title's 12 pt takes 0.09-0.10 a character
+#: of a model id or prose, 0.16 for W or M
+TITLE_INCHES_PER_CHARACTER = 0.12
 
 
 def _figure(panels: int = 1, width: float = 6.4):
@@ -80,6 +86,24 @@ def _save(figure, path: Path, json_path: str | Path) -> Path:
     return save_chart(figure, path, json_path)
 
 
+def _model_label(report: dict[str, Any]) -> str:
+    """The model and the dtype that ran, as a chart's title names them: a local folder by its last
+    part (its whole path ran off the chart), a hub id (``Qwen/Qwen2.5-0.5B-Instruct``) whole."""
+    model = str(report.get("model", ""))
+    if model.startswith(("/", ".", "~")) or model.count("/") > 1 or "\\" in model:
+        model = re.split(r"[\\/]", model.rstrip("/\\"))[-1] or model
+    return f"{model} {report.get('dtype', '')}".strip()
+
+
+def _set_title(axes, *lines: str) -> None:
+    """The axes' title of ``lines`` (empty ones left out), each wrapped to its panel's width: the
+    model, its dtype and what the chart shows on one line ran past the image's edge for ordinary
+    hub ids (``Qwen/Qwen2.5-Coder-0.5B-Instruct bf16 (auto), batch 1: decode speed per pr``)."""
+    panel_inches = axes.get_figure().get_figwidth() / axes.get_subplotspec().get_gridspec().ncols
+    characters = max(int(panel_inches / TITLE_INCHES_PER_CHARACTER), 16)
+    axes.set_title("\n".join(textwrap.fill(line, characters) for line in lines if line))
+
+
 def _method_names(rows: Iterable[dict]) -> list[str]:
     """The methods of per-prompt rows, in report order (every key that holds a method's figures)."""
     names: dict[str, None] = {}
@@ -95,16 +119,17 @@ def plot_single(report: dict[str, Any], json_path: str | Path) -> list[Path]:
     """Decode speed per method and prompt, accepted tokens per step, speedup against copying.
 
     The histogram is left out when no method ran our loop (only our loop counts accepted tokens
-    per step); the speedup chart when greedy (or sampling's baseline) did not run.
+    per step); the speedup chart when greedy (or sampling's baseline) did not run; all three when
+    the report holds no prompt's figures (a hand-made or cut-down report; it stopped with a ValueError).
     """
     rows = report["per_prompt"]
     methods = _method_names(rows)
     histograms = _accepted_histograms(rows, methods)
     points = _speedup_points(rows, methods)
-    drawn = [name for name, wanted in zip(SINGLE_CHARTS, (True, histograms, points), strict=True) if wanted]
+    drawn = [name for name, wanted in zip(SINGLE_CHARTS, (methods, histograms, points), strict=True) if wanted]
     for name in drawn:  # all before the first is drawn: a refusal leaves every chart as it was
         check_chart(chart_path(json_path, name), json_path, "chart")
-    written = [_decode_speed_chart(report, rows, methods, json_path)]
+    written = [_decode_speed_chart(report, rows, methods, json_path)] if methods else []
     if histograms:
         written.append(_accepted_chart(histograms, json_path))
     if points:
@@ -144,7 +169,7 @@ def _decode_speed_chart(report: dict, rows: list[dict], methods: list[str], json
     step = -(-len(prompts) // MOST_LABELS)
     axes.set_xticks(range(0, len(prompts), step), prompts[::step], rotation=30 if step == 1 else 60, ha="right")
     axes.set_ylabel("decode tokens/s")
-    axes.set_title(f"{report.get('model', '')} {report.get('dtype', '')}, batch 1: decode speed per prompt")
+    _set_title(axes, "batch 1: decode speed per prompt", _model_label(report))
     axes.legend(fontsize="small")
     return _save(figure, chart_path(json_path, "decode_speed"), json_path)
 
@@ -219,7 +244,10 @@ def plot_batch(report: dict[str, Any], json_path: str | Path) -> list[Path]:
         xs = sorted(levels)
 
         def mean(key: str, levels=levels, xs=xs) -> list[float]:
-            return [statistics.mean(r[key] for r in levels[x]) for x in xs]
+            """Per level, the mean over the passes that have the figure; NaN (a gap in the line) where
+            none has it (a null p95 stopped the chart with a TypeError)."""
+            values = [[r[key] for r in levels[x] if r.get(key) is not None] for x in xs]
+            return [statistics.mean(v) if v else math.nan for v in values]
 
         (line,) = throughput.plot(xs, mean("tokens_per_second"), marker="o", label=method)
         latency.plot(xs, mean("p50_latency_s"), marker="o", color=line.get_color(), label=f"{method} p50")
@@ -234,7 +262,7 @@ def plot_batch(report: dict[str, Any], json_path: str | Path) -> list[Path]:
         axes.set_xlabel("concurrency (requests in flight)")
         axes.legend(fontsize="small")
     throughput.set_ylabel("tokens/s")
-    throughput.set_title(f"{report.get('model', '')} {report.get('dtype', '')}: throughput")
+    _set_title(throughput, "throughput", _model_label(report))
     latency.set_ylabel("latency, s (request start to last token)")
     latency.set_title("p50 / p95 latency")
     written = [_save(figure, chart_path(json_path, "concurrency"), json_path)]

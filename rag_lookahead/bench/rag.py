@@ -13,6 +13,7 @@ identical to the "off" answer.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -111,7 +112,7 @@ def ask_every_way(model, tokenizer, index, model_name: str, k_prompt: int, k_see
                 "identical_to_off": same,
             }
         rows.append(row)
-        print(row, flush=True)
+        print(json.dumps(row, ensure_ascii=False), flush=True)  # a JSON line, as bench prints its rows
     return rows, per_mode
 
 

@@ -68,7 +68,8 @@ from rag_lookahead.bench.methods import (
     prompt_lookup_drafter,
     run_hf,
     run_lookahead,
-    sampling_method,
+    sampling_name,
+    sampling_runs,
     summarize,
 )
 from rag_lookahead.decoding.config import LookaheadConfig
@@ -153,7 +154,7 @@ def expand_methods(
         raise typer.BadParameter(
             "must be finite numbers > 0 (greedy is the method greedy)", param_hint="--temperatures"
         )
-    names = [f"{t:g}" for t in values]
+    names = [sampling_name("sample", t) for t in values]
     if len(set(names)) < len(names):
         raise typer.BadParameter(f"names a temperature twice: {temperatures!r}", param_hint="--temperatures")
     if unknown:
@@ -162,7 +163,7 @@ def expand_methods(
     if not values and any(m in SAMPLING_METHODS for m in chosen):
         raise typer.BadParameter("names no temperature for the sampling methods", param_hint="--temperatures")
     expanded = [m for m in chosen if m not in SAMPLING_METHODS]
-    expanded += [f"{m}_t{t:g}" for t in values for m in SAMPLING_METHODS if m in chosen]
+    expanded += [sampling_name(m, t) for t in values for m in SAMPLING_METHODS if m in chosen]
     return expanded + list(extra_depths), values
 
 
@@ -183,6 +184,8 @@ class MethodRunner:
         for method, branch_length in settings.extra_depths.items():
             self.configs[method] = config.replace(branch_length=branch_length)
         self.warm_pool: OutputPool | None = None  # none during the warm-up: a fresh pool there
+        # a sampling method's name -> the method and its exact temperature (the name rounds it)
+        self.sampling = sampling_runs(settings.temperatures)
 
     def new_pass(self) -> None:
         """``lookahead_warm`` starts each pass over the prompts with an empty pool."""
@@ -200,7 +203,7 @@ class MethodRunner:
         profile_of(self.model).drafts_met.clear()
         ids = chat_ids(self.tokenizer, prompt, with_context=s.seed_mode == "prompt")
         hf_args = (self.model, ids, s.max_new_tokens, self.eos, self.pad)
-        sampled = sampling_method(method)
+        sampled = self.sampling.get(method)
         if sampled is not None:
             return self._sample(*sampled, prompt, ids, repeat)
         if method == "greedy":

@@ -298,3 +298,39 @@ def test_a_wide_table_prints_its_names_whole(capsys):
     printed = capsys.readouterr().out
     assert "…" not in printed
     assert all(name in printed for name in row) and "hf_greedy_stock" in printed
+
+
+class FixedLatencies:
+    """A batch workload whose 20 requests took 1..20 s (the run itself is not what is checked)."""
+
+    requests = list(range(20))
+
+    def run(self, method, level):
+        return [[1]] * 20, [float(s) for s in range(20, 0, -1)], None
+
+
+def test_p95_is_the_nearest_rank(capsys):
+    """bench.batch, bench.interference and gpu-check took ``sorted[int(0.95 * n)]``: one rank too
+    high where 0.95 * n is whole, p95 of 1..20 s was 20 s (the slowest), not 19."""
+    from rag_lookahead.bench.batch import timed_run
+    from rag_lookahead.bench.interference import Trace, summary
+
+    row, _ = timed_run(FixedLatencies(), "hf_greedy", 1, 0)
+    assert row["p95_latency_s"] == 19.0
+    assert summary("one forward", 0, Trace(gaps=[s / 1e3 for s in range(1, 21)]))["p95_itl_ms"] == 19.0
+    from rag_lookahead.bench.percentile import nearest_rank  # the one rule they share
+
+    assert nearest_rank(range(1, 21), 0.95) == 19 and nearest_rank(range(1, 22), 0.95) == 20
+    assert nearest_rank([5.0], 0.95) == 5.0 and nearest_rank(range(1, 101), 0.95) == 95
+    with pytest.raises(ValueError):
+        nearest_rank([], 0.95)
+
+
+@given(st.lists(st.floats(0, 1e6), min_size=1, max_size=200), st.sampled_from([0.5, 0.9, 0.95, 0.99, 1.0]))
+def test_the_nearest_rank_is_the_smallest_value_that_share_of_them_do_not_exceed(values, share):
+    from rag_lookahead.bench.percentile import nearest_rank
+
+    p = nearest_rank(values, share)
+    assert p in values
+    assert sum(v <= p for v in values) >= share * len(values) - 1e-9
+    assert sum(v < p for v in values) < share * len(values) - 1e-9

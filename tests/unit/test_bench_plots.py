@@ -263,3 +263,55 @@ def test_matplotlib_3_8s_missing_glyph_wording_is_caught_too():
         "Glyph 21512 (\\N{CJK UNIFIED IDEOGRAPH-5408}) missing from font(s) DejaVu Sans.",
     ):
         assert _MISSING_GLYPH.search(message)[1] == "21512"
+
+
+def drawn_figures(monkeypatch) -> list:
+    """The figures the chart functions save, as they were drawn (each is still saved as usual)."""
+    from rag_lookahead.bench import plots
+
+    figures, save = [], plots._save
+
+    def noting(figure, path, json_path):
+        figures.append(figure)
+        return save(figure, path, json_path)
+
+    monkeypatch.setattr(plots, "_save", noting)
+    return figures
+
+
+@pytest.mark.parametrize(
+    ("model", "shown"),
+    [
+        ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct bf16 (auto)"),
+        ("/home/user/checkpoints/2026-12/qwen2.5-coder-0.5b-instruct-rag-v3/", "qwen2.5-coder-0.5b-instruct-rag-v3"),
+        ("org/" + "a-very-long-model-name" * 4, "bf16 (auto)"),
+    ],
+)
+def test_chart_titles_fit_in_the_image(tmp_path, monkeypatch, model, shown):
+    """The decode-speed chart's title (model, dtype and what it shows on one line) ran past the
+    image's edge for an ordinary hub id, and the throughput panel's for a local folder's path."""
+    figures = drawn_figures(monkeypatch)
+    plot_single({**single_report(), "model": model, "dtype": "bf16 (auto)"}, tmp_path / "s.json")
+    plot_batch({**batch_report(), "model": model, "dtype": "bf16 (auto)"}, tmp_path / "b.json")
+    decode_speed, batch = figures[0], figures[-1]
+    for figure in (decode_speed, batch):
+        renderer = figure.canvas.get_renderer()
+        title = figure.axes[0].title
+        assert shown in title.get_text().replace("\n", " ")
+        assert "/home/user" not in title.get_text()  # a local folder by its last part
+        extent = title.get_window_extent(renderer)
+        assert figure.bbox.x0 <= extent.x0 and extent.x1 <= figure.bbox.x1, (title.get_text(), extent)
+
+
+def test_reports_without_a_figure_draw_what_they_can(tmp_path):
+    """plot_single on a report with no per-prompt rows stopped with "range() arg 3 must not be zero",
+    and plot_batch on a row whose p95 is null with a TypeError."""
+    assert plot_single({**single_report(), "per_prompt": []}, tmp_path / "none.json") == []
+    report = batch_report()
+    report["results"][0]["p95_latency_s"] = None  # that level's other pass still has one
+    for row in report["results"]:
+        if row["method"] == "plain" and row["concurrency"] == 4:
+            row["p95_latency_s"] = None  # no pass has one: a gap in the line
+    written = plot_batch(report, tmp_path / "gap.json")
+    assert [p.name for p in written] == ["gap.concurrency.png"]
+    _assert_png(written[0])

@@ -331,3 +331,44 @@ def test_batch_prints_json_lines_and_writes_null_where_a_figure_is_missing(tiny,
     hf, ours = saved
     assert hf["mean_accepted"] is None and hf["identical_to_single"] is None  # the reference: not itself
     assert ours["mean_accepted"] >= 1 and ours["identical_to_single"] == "2/2"
+
+
+def test_sampling_runs_at_the_temperature_asked_not_the_one_its_name_rounds_to(tiny, monkeypatch, tmp_path):
+    """``--temperatures 0.123456789`` sampled at 0.123457, the temperature read back from the
+    method's name (``lookahead_sample_t0.123457``), while the report recorded 0.123456789."""
+    import inspect
+
+    single = loading_tiny(monkeypatch, tiny, "single")
+    sampled_at = []
+    for name in ("run_hf", "run_lookahead"):  # the real runs, noting the sampling options each was given
+        real = getattr(single, name)
+
+        def noting(*args, real=real, **kwargs):
+            sampling = inspect.signature(real).bind(*args, **kwargs).arguments.get("sampling")
+            sampled_at.append(sampling and sampling["temperature"])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(single, name, noting)
+    prompts = prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9 t10"})
+    methods = "sample,prompt_lookup_sample,lookahead_sample"
+    argv = ["--prompts", prompts, "--max-new-tokens", "4", "--methods", methods, "--temperatures", "0.123456789"]
+    report = single.main(argv)
+    assert len(sampled_at) == 6 and set(sampled_at) == {0.123456789}  # warm-up and timed run, three methods
+    assert report["sampling"]["temperatures"] == [0.123456789]
+    assert list(report["summary"]) == [
+        "sample_t0.123457",
+        "prompt_lookup_sample_t0.123457",
+        "lookahead_sample_t0.123457",
+    ]
+    assert report["summary"]["lookahead_sample_t0.123457"]["identical_to_greedy"] == "1/1"  # against sample_t0.123457
+
+
+def test_rag_prints_json_lines(monkeypatch, capsys):
+    """bench.rag printed its per-question rows as Python dicts (``{'question': ...}``), where bench,
+    bench.batch and bench.session print JSON lines."""
+    roomy = build_tiny_model("qwen2", max_positions=512), tiny_tokenizer()  # the RAG prompts are longer than 64
+    rag = loading_tiny(monkeypatch, roomy, "rag")
+    report = rag.main(["--max-new-tokens", "3"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [json.loads(line) for line in lines] == report["questions"]
+    assert lines[0].startswith('{"question": "decoding_length 应该怎么设置？"')  # as written, not \u-escaped
