@@ -363,12 +363,12 @@ def test_sampling_runs_at_the_temperature_asked_not_the_one_its_name_rounds_to(t
     assert report["summary"]["lookahead_sample_t0.123457"]["identical_to_greedy"] == "1/1"  # against sample_t0.123457
 
 
-def test_rag_prints_json_lines(monkeypatch, capsys):
+def test_rag_prints_json_lines(monkeypatch, capsys, shared_embedder, bundled_index_dir):
     """bench.rag printed its per-question rows as Python dicts (``{'question': ...}``), where bench,
     bench.batch and bench.session print JSON lines."""
     roomy = build_tiny_model("qwen2", max_positions=512), tiny_tokenizer()  # the RAG prompts are longer than 64
     rag = loading_tiny(monkeypatch, roomy, "rag")
-    report = rag.main(["--max-new-tokens", "3"])
+    report = rag.main(["--max-new-tokens", "3", "--index-dir", str(bundled_index_dir)])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [json.loads(line) for line in lines] == report["questions"]
     assert lines[0].startswith('{"question": "decoding_length 应该怎么设置？"')  # as written, not \u-escaped
