@@ -88,7 +88,9 @@ def index_command(
     follow_symlinks: bool = typer.Option(
         False, "--follow-symlinks", help="Index the targets of symbolic links (off: links are skipped and reported)."
     ),
-    max_file_mb: float = typer.Option(MAX_FILE_MB, "--max-file-mb", help="Skip (and report) files larger than this."),
+    max_file_mb: float = typer.Option(
+        MAX_FILE_MB, "--max-file-mb", help="Skip (and report) files larger than this, and PDFs whose text is."
+    ),
     lock_timeout: float = typer.Option(
         LOCK_TIMEOUT_S, "--lock-timeout", help="Seconds to wait while another run writes the same index, then fail."
     ),

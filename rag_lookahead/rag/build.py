@@ -57,6 +57,7 @@ class IndexReport:
     embedded_chunks: int = 0  # chunks embedded by this run (the rest were reused)
     skipped: list[str] = field(default_factory=list)  # "path: reason" for files not indexed
     notes: list[str] = field(default_factory=list)  # "path: what" for files indexed with a caveat (encoding)
+    passed_over: str = ""  # hidden entries and files of other types, counted (``Corpus.passed_over``)
     rebuilt: bool = False  # True when the previous index could not be reused at all
     kept: bool = False  # True when nothing changed, so the published version was left as it was
     seconds: float = 0.0
@@ -66,7 +67,8 @@ class IndexReport:
         return self.added + self.updated + self.unchanged
 
     def summary(self) -> str:
-        """One line of counts, then one indented line per skipped file and per note."""
+        """One line of counts, then one indented line per skipped file, one counting the hidden
+        entries and files of other types passed over, and one per note."""
         # the rate counts the whole run (loading the embedder, reading, splitting, writing), as a user waits it
         rate = f" ({self.embedded_chunks / self.seconds:.1f} chunks/s)" if self.embedded_chunks and self.seconds else ""
         lines = [
@@ -76,6 +78,7 @@ class IndexReport:
             + (" (nothing changed: the index was left as it was)" if self.kept else "")
         ]
         lines += [f"  skipped {one_line(s)}" for s in self.skipped]
+        lines += [f"  skipped {self.passed_over}"] if self.passed_over else []
         lines += [f"  note {one_line(n)}" for n in self.notes]
         return "\n".join(lines)
 
@@ -303,7 +306,11 @@ def build_index(
             )
         embedder = _loaded(embedder)
         report = IndexReport(
-            index_dir=index_dir, embedding_model=embedder.name, skipped=corpus.skipped, notes=corpus.notes
+            index_dir=index_dir,
+            embedding_model=embedder.name,
+            skipped=corpus.skipped,
+            notes=corpus.notes,
+            passed_over=corpus.passed_over(),
         )
         records, faiss_index = _embed_changes(index_dir, corpus, embedder, (splitter, chunking), progress, report)
 

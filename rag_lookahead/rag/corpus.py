@@ -1,21 +1,20 @@
 """Reading a corpus folder: which files, how much of each, and in which text encoding.
 
-:func:`load_corpus` walks a folder for .txt/.md/.markdown/.pdf files (hidden entries skipped, symbolic links
-only when asked), reads each file once with a size cap and without blocking on FIFOs or devices,
-and decodes it (:func:`decode_text`: byte order mark, UTF-8, damaged UTF-8, else the legacy
-encoding charset-normalizer finds most likely). Files that cannot be used are reported, not fatal.
+:func:`load_corpus` walks a folder for .txt/.md/.markdown/.pdf files (hidden entries and files of
+other types counted, not read; symbolic links only when asked), reads each file once with a size
+cap and without blocking on FIFOs or devices, and decodes it (:func:`decode_text`: byte order
+mark, UTF-8, damaged UTF-8, else the legacy encoding charset-normalizer finds most likely; a PDF's
+pages with :mod:`.pdf_text`). Files that cannot be used are reported, not fatal.
 """
 
 from __future__ import annotations
 
 import codecs
 import hashlib
-import io
-import logging
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from rag_lookahead.checks import is_unicode
 from rag_lookahead.errors import ConfigError, CorpusWarning, InputError, one_line
 from rag_lookahead.file_reads import read_capped
 from rag_lookahead.paths import expand_user
+from rag_lookahead.rag.pdf_text import read_pdf_text
 
 __all__ = [
     "MAX_FILE_MB",
@@ -143,21 +143,21 @@ class Corpus:
     # files whose encoding was guessed (not UTF-8, no byte order mark): read anew where the index
     # was built with another way of guessing (``build.DECODING_VERSION``), the same bytes giving other text
     guessed: set[str] = field(default_factory=set)
+    # passed over without a report line each (a notes folder holds many): counted, so the report
+    # says they were not read rather than leave out .obsidian/ or a .docx without a word
+    hidden: int = 0  # files and folders whose name starts with "." (a folder counts once)
+    other_types: int = 0  # files whose suffix is none of SUFFIXES
 
-
-def _read_pdf(data: bytes) -> str:
-    from pypdf import PdfReader
-
-    # pypdf logs what it finds wrong ("EOF marker not found"): our report says it once, in a line
-    pypdf_log = logging.getLogger("pypdf")
-    level = pypdf_log.level
-    pypdf_log.setLevel(logging.CRITICAL)
-    try:
-        reader = PdfReader(io.BytesIO(data))  # from the bytes already read: the file is read once
-        pages = [(page.extract_text() or "").strip() for page in reader.pages]
-    finally:
-        pypdf_log.setLevel(level)
-    return "\n\n".join(p for p in pages if p)
+    def passed_over(self) -> str:
+        """``"2 hidden entries (...) and 3 files of other types (...)"``; ``""`` where there were none."""
+        parts = []
+        if self.hidden:
+            entries = "entry" if self.hidden == 1 else "entries"
+            parts.append(f'{self.hidden} hidden {entries} (names starting with ".")')
+        if self.other_types:
+            files = "file of another type" if self.other_types == 1 else "files of other types"
+            parts.append(f"{self.other_types} {files} (not {' '.join(SUFFIXES)})")
+        return " and ".join(parts)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -173,11 +173,12 @@ def _join_surrogates(text: str) -> tuple[str, int]:
     return joined, joined.count("\ufffd") - text.count("\ufffd")
 
 
-def _walk(root: Path, follow_symlinks: bool, skip) -> Iterator[tuple[str, Path]]:
+def _walk(root: Path, follow_symlinks: bool, skip, corpus: Corpus) -> Iterator[tuple[str, Path]]:
     """``(relative path, path)`` of the candidate files under ``root``: supported suffix, no hidden part.
 
     Symbolic links are reported and left out unless ``follow_symlinks``; when following, each real
-    folder is visited once, so a link loop ends.
+    folder is visited once, so a link loop ends. Hidden entries and files of other types are
+    counted in ``corpus.hidden`` and ``corpus.other_types``.
     """
     seen: set[tuple[int, int]] = set()
 
@@ -199,6 +200,7 @@ def _walk(root: Path, follow_symlinks: bool, skip) -> Iterator[tuple[str, Path]]
         kept = []
         for name in sorted(dirnames):
             if name.startswith("."):
+                corpus.hidden += 1
                 continue
             if not is_unicode(name):  # surrogate escapes: the docstore, manifest and report cannot write them
                 skip("/".join(rel_dir + (_shown(name),)), "folder name is not valid UTF-8 (rename it)")
@@ -209,10 +211,13 @@ def _walk(root: Path, follow_symlinks: bool, skip) -> Iterator[tuple[str, Path]]
             kept.append(name)
         dirnames[:] = kept
         for name in sorted(filenames):
-            if not name.startswith(".") and Path(name).suffix.lower() in SUFFIXES:
-                if not is_unicode(name):
-                    skip("/".join(rel_dir + (_shown(name),)), "file name is not valid UTF-8 (rename it)")
-                    continue
+            if name.startswith("."):
+                corpus.hidden += 1
+            elif Path(name).suffix.lower() not in SUFFIXES:
+                corpus.other_types += 1
+            elif not is_unicode(name):
+                skip("/".join(rel_dir + (_shown(name),)), "file name is not valid UTF-8 (rename it)")
+            else:
                 yield "/".join(rel_dir + (name,)), here / name
 
 
@@ -237,14 +242,49 @@ STAGE_BAR_LEAST = 8 << 20
 PDF_READ_WEIGHT = 16
 
 
-def stage_bar(shown: bool, desc: str, total: int, unit: str, *, work: int | None = None):
+#: seconds after which the reading bar appears where the corpus looked too small for one: a 180 KB
+#: PDF whose pages share one content stream holds minutes of text to read (its bytes tell nothing)
+READ_BAR_LATE_S = 2.0
+
+
+def stage_bar(
+    shown: bool, desc: str, total: int, unit: str, *, work: int | None = None, late_after: float | None = None
+):
     """A tqdm bar for a stage of indexing over ``total`` units, shown from its start (naming the
     file at hand) where the stage is large (``work``, in the units :data:`STAGE_BAR_LEAST`
-    counts, when it is not ``total``); a bar that shows nothing otherwise."""
+    counts, when it is not ``total``). Otherwise a bar that shows nothing, or, given
+    ``late_after``, one that appears at its first advance after that many seconds."""
     from rag_lookahead.progress import progress_bar
 
-    hidden = not shown or (total if work is None else work) < STAGE_BAR_LEAST
-    return progress_bar(total=total, desc=desc, unit=unit, unit_scale=True, disable=hidden, leave=False)
+    large = (total if work is None else work) >= STAGE_BAR_LEAST
+    hidden = not shown or (not large and late_after is None)
+    delay = 0.0 if large or late_after is None else late_after
+    return progress_bar(total=total, desc=desc, unit=unit, unit_scale=True, disable=hidden, leave=False, delay=delay)
+
+
+def _name_file(bar, name: str) -> None:
+    """Name the file at hand in the bar; a bar still waiting out its delay (tqdm's ``delay``) shows
+    it at its next advance, since drawing it now would show the bar at once."""
+    bar.set_postfix_str(name, refresh=getattr(bar, "delay", 0) <= 0)
+
+
+class _PdfPagesRead:
+    """Moves the reading bar through a PDF page by page (the file's bytes shared out over its
+    pages), naming the page: one PDF can take minutes, and its bytes say nothing of how long."""
+
+    def __init__(self, bar, name: str, size: int) -> None:
+        self.bar, self.name, self.size, self.done = bar, name, size, 0
+
+    def __call__(self, page: int, pages: int) -> None:
+        self.bar.set_postfix_str(f"{self.name} (page {page} of {pages})", refresh=False)  # drawn by update
+        self._advance(self.size * page // pages)
+
+    def finish(self) -> None:
+        self._advance(self.size)
+
+    def _advance(self, done: int) -> None:
+        self.bar.update(done - self.done)
+        self.done = done
 
 
 #: the largest input file a command reads whole besides the corpus (prompt sets, datasets, questions)
@@ -265,15 +305,22 @@ def _is_pdf(rel: str) -> bool:
     return rel.lower().endswith(".pdf")
 
 
-def _file_text(rel: str, data: bytes, notes: list[str], guessed: set[str]) -> str:
+def _file_text(
+    rel: str,
+    data: bytes,
+    notes: list[str],
+    guessed: set[str],
+    *,
+    max_file_mb: float = MAX_FILE_MB,
+    on_page: Callable[[int, int], None] | None = None,
+) -> str:
     """The text of one file (PDF or text); raises ValueError with the reason it cannot be used.
-    A text file whose encoding was guessed is added to ``guessed``."""
+    A text file whose encoding was guessed is added to ``guessed``. A PDF's text is limited to
+    ``max_file_mb`` as its file is; ``on_page(done, pages)`` after each of its pages."""
     if _is_pdf(rel):
-        try:
-            text = _read_pdf(data)
-        except Exception as e:  # pypdf raises many types on damaged files
-            raise ValueError(f"unreadable PDF ({type(e).__name__}: {e})".splitlines()[0]) from None
-        text, lone = _join_surrogates(text)
+        pdf = read_pdf_text(data, max_file_mb, on_page)
+        notes += [f"{rel}: {note}" for note in pdf.notes]
+        text, lone = _join_surrogates(pdf.text)
         if not text.strip():
             raise ValueError("PDF has no extractable text")
         if lone:
@@ -299,13 +346,16 @@ def _file_text(rel: str, data: bytes, notes: list[str], guessed: set[str]) -> st
 def load_corpus(
     corpus_dir: str | Path, *, follow_symlinks: bool = False, max_file_mb: float = MAX_FILE_MB, progress: bool = False
 ) -> Corpus:
-    """Read every .txt/.md/.markdown/.pdf under ``corpus_dir`` (recursively, hidden entries skipped).
+    """Read every .txt/.md/.markdown/.pdf under ``corpus_dir`` (recursively; hidden entries and
+    other files are counted, see :meth:`Corpus.passed_over`).
 
-    Symbolic links are not followed unless ``follow_symlinks``; files over ``max_file_mb`` are not read.
+    Symbolic links are not followed unless ``follow_symlinks``; files over ``max_file_mb`` are not read,
+    and a PDF whose text passes it is given up at that page.
     Each file that cannot be used gets a ``"path: reason"`` in ``skipped`` (also a warning).
     Raises :class:`InputError` when the folder is missing or holds no loadable file. ``progress``:
-    a bar in bytes, naming the file being read, where reading takes over a second (an 18 MB file
-    took 22 s before the embedding bar, with nothing shown).
+    a bar in bytes, naming the file being read (and a PDF's page), where reading takes over a
+    second (an 18 MB file took 22 s before the embedding bar, with nothing shown) or runs past
+    :data:`READ_BAR_LATE_S`.
     """
     root = expand_user(corpus_dir, "corpus folder")
     if not root.exists():
@@ -320,23 +370,29 @@ def load_corpus(
         corpus.skipped.append(f"{rel}: {why}")
         warnings.warn(f"skipping {rel}: {why}", CorpusWarning, stacklevel=4)
 
-    files = sorted(_walk(root, follow_symlinks, skip))
+    files = sorted(_walk(root, follow_symlinks, skip, corpus))
     sizes = [_size_of(path) for _, path in files]
     # a 6 MB PDF took 11-16 s to read with no bar: PDF bytes weigh more
     work = sum(size * (PDF_READ_WEIGHT if _is_pdf(rel) else 1) for (rel, _), size in zip(files, sizes))
-    with stage_bar(progress, "reading", sum(sizes), "B", work=work) as bar:
+    with stage_bar(progress, "reading", sum(sizes), "B", work=work, late_after=READ_BAR_LATE_S) as bar:
         for (rel, path), size in zip(files, sizes):
-            bar.set_postfix_str(one_line(rel))
+            _name_file(bar, one_line(rel))
             data = read_capped(path, follow_symlinks, max_file_mb)
-            bar.update(size)
             if isinstance(data, str):
+                bar.update(size)
                 skip(rel, data)
                 continue
+            pages_read = _PdfPagesRead(bar, one_line(rel), size) if _is_pdf(rel) else None
+            if pages_read is None:
+                bar.update(size)  # a text file's bytes are read; a PDF's move the bar page by page
             try:
-                text = _file_text(rel, data, corpus.notes, corpus.guessed)
+                text = _file_text(rel, data, corpus.notes, corpus.guessed, max_file_mb=max_file_mb, on_page=pages_read)
             except ValueError as e:
                 skip(rel, str(e))
                 continue
+            finally:
+                if pages_read is not None:
+                    pages_read.finish()
             corpus.docs[rel] = (_sha256(data), text)
     if not corpus.docs:
         shown = corpus.skipped[:SKIPS_SHOWN]  # 3,000 empty files made one 53 KB line

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import resource
 import shutil
 import stat
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +46,7 @@ def write_corpus(root: Path) -> Path:
     (root / "sub" / "train_gbk.txt").write_bytes(TRAIN.encode("gbk"))  # not UTF-8: must still load
     (root / "volcano.md").write_text(VOLCANO, encoding="utf-8")
     (root / "blob.txt").write_bytes(bytes(range(256)) * 8)  # binary with a text suffix: skipped
-    (root / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # not a supported suffix: ignored silently
+    (root / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # not a supported suffix: not read, counted
     return root
 
 
@@ -1131,6 +1133,33 @@ def test_symlinks_are_not_followed_unless_asked(tmp_path, embedder):
     assert not report.skipped
 
 
+def test_hidden_entries_and_files_of_other_types_are_counted_in_one_report_line(tmp_path, embedder):
+    """A hidden file (.h.md), a hidden folder (.obsidian/) and files of other types (.docx) were
+    passed over without a word: the report now counts them in one line (each file is not named:
+    a notes folder holds many)."""
+    corpus = tmp_path / "corpus"
+    (corpus / ".obsidian").mkdir(parents=True)
+    (corpus / ".obsidian" / "workspace.md").write_text(GIT, encoding="utf-8")
+    (corpus / "sub").mkdir()
+    (corpus / "sub" / ".h.md").write_text(GIT, encoding="utf-8")
+    (corpus / "tea.md").write_text(TEA, encoding="utf-8")
+    (corpus / "report.docx").write_bytes(b"PK\x03\x04")
+    (corpus / "sub" / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    report = build(corpus, tmp_path / "index", embedder)
+    assert report.summary().splitlines()[1:] == [
+        '  skipped 2 hidden entries (names starting with ".") and 2 files of other types (not .txt .md .markdown .pdf)'
+    ]
+    (corpus / "report.docx").unlink()
+    assert ix.load_corpus(corpus).passed_over() == (
+        '2 hidden entries (names starting with ".") and 1 file of another type (not .txt .md .markdown .pdf)'
+    )
+    (corpus / "sub" / "photo.png").unlink()
+    assert ix.load_corpus(corpus).passed_over() == '2 hidden entries (names starting with ".")'
+    shutil.rmtree(corpus / ".obsidian")
+    (corpus / "sub" / ".h.md").unlink()
+    assert "skipped" not in build(corpus, tmp_path / "index", embedder).summary()
+
+
 def test_special_files_are_skipped_without_blocking(tmp_path, embedder):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -1182,6 +1211,11 @@ def tiny_pdf(text: str, to_unicode: bytes | None = None) -> bytes:
     ]
     if to_unicode:
         objects.append(b"<< /Length %d >>\nstream\n" % len(to_unicode) + to_unicode + b"endstream")
+    return pdf_file(objects)
+
+
+def pdf_file(objects: list[bytes]) -> bytes:
+    """A PDF of ``objects`` (numbered from 1; the first the catalog) with a correct cross-reference table."""
     out = bytearray(b"%PDF-1.4\n")
     offsets = []
     for number, body in enumerate(objects, start=1):
@@ -1214,6 +1248,182 @@ def test_pdf_text_is_indexed_and_a_damaged_pdf_is_one_report_line(tmp_path):
     assert "pdf header" not in result.stderr.lower() and "EOF marker" not in result.stderr, result.stderr
     index = ix.load_index(tmp_path / "ix")
     assert [r["text"] for r in index.records] == ["The osprey nests on the old lighthouse every spring."]
+
+
+# ---------------------------------------------------------------- PDFs: much text, damaged pages and ends, CMaps
+
+HELVETICA = b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"
+
+
+def stream_object(data: bytes, entries: bytes = b"") -> bytes:
+    """A stream object holding ``data`` as it is (``entries``: a /Filter it claims, say)."""
+    return b"<< /Length %d %s>>\nstream\n" % (len(data), entries) + data + b"\nendstream"
+
+
+def text_stream(text: bytes) -> bytes:
+    return stream_object(b"BT /F1 12 Tf 72 720 Td (" + text + b") Tj ET")
+
+
+def pdf_pages(streams: list[bytes], shown: list[int] | None = None, fonts: tuple[bytes, ...] = (HELVETICA,)) -> bytes:
+    """A PDF whose page i shows content stream ``streams[shown[i]]`` (default: one page per stream)
+    with ``fonts[0]`` as /F1 (object 3; the fonts after it are objects 4, 5, ...)."""
+    shown = list(range(len(streams))) if shown is None else shown
+    first_stream = 3 + len(fonts)
+    first_page = first_stream + len(streams)
+    kids = b" ".join(b"%d 0 R" % (first_page + i) for i in range(len(shown)))
+    page = b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents %d 0 R"
+    page += b" /Resources << /Font << /F1 3 0 R >> >> >>"
+    return pdf_file(
+        [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [%s] /Count %d >>" % (kids, len(shown))]
+        + list(fonts)
+        + streams
+        + [page % (first_stream + i) for i in shown]
+    )
+
+
+def shared_stream_pdf(lines: int, pages: int = 3) -> bytes:
+    """``pages`` pages that all show one compressed stream of ``lines`` lines of text: a small file
+    of much text (the probe's 25 KB file held 11 million characters)."""
+    line = b"BT /F1 12 Tf 72 720 Td (the cassowary setting is twelve) Tj ET\n"
+    shared = stream_object(zlib.compress(line * lines, 9), b"/Filter /FlateDecode ")
+    return pdf_pages([shared], shown=[0] * pages)
+
+
+def corpus_of(tmp_path, files: dict[str, bytes]) -> Path:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, data in files.items():
+        (corpus / name).write_bytes(data)
+    return corpus
+
+
+def test_a_pdf_whose_text_passes_the_size_limit_is_skipped_at_that_page(tmp_path):
+    """--max-file-mb weighed a PDF's bytes only: a 25 KB PDF whose 3 pages share one content stream
+    (8 MB decompressed) gave 11 million characters in 86 s, and a 180 KB one of 1,000 pages would
+    have read for ~10 hours. Its text now counts against the limit too, as UTF-8, page by page."""
+    corpus = corpus_of(tmp_path, {"shared.pdf": shared_stream_pdf(200), "git.txt": GIT.encode()})
+    assert (corpus / "shared.pdf").stat().st_size < 2000  # 6.6 KB of text a page
+    with pytest.warns(UserWarning, match="skipping shared.pdf"):
+        loaded = ix.load_corpus(corpus, max_file_mb=0.01)  # 10,485 bytes: passed on page 2
+    assert loaded.skipped == ["shared.pdf: its text passes the 0.01 MB limit at page 2 of 3 (--max-file-mb)"]
+    assert sorted(loaded.docs) == ["git.txt"]
+    assert ix.load_corpus(corpus).docs["shared.pdf"][1].count("cassowary") == 600  # under the default limit
+
+
+def test_a_slow_pdf_shows_the_reading_bar_page_by_page(tmp_path, capsys, monkeypatch):
+    """Whether the reading bar showed was decided by the corpus's bytes (a PDF's x16): the 180 KB
+    PDF of hours of text showed none, and a PDF advanced the bar only when it was done. The bar now
+    appears where reading runs past READ_BAR_LATE_S (2 s) anyway, and a PDF moves it page by page."""
+    from rag_lookahead.rag import corpus as corpus_module
+
+    # raising=False: the old code has no such setting, and fails on the bar below
+    monkeypatch.setattr(corpus_module, "READ_BAR_LATE_S", 0.01, raising=False)
+    corpus = corpus_of(tmp_path, {"slow.pdf": shared_stream_pdf(1500)})  # ~0.1 s a page; tqdm draws 0.1 s in
+    ix.load_corpus(corpus, progress=True)
+    err = capsys.readouterr().err
+    assert "reading" in err and re.search(r"slow\.pdf \(page [123] of 3\)", err), err
+
+
+DAMAGED_PAGES = {
+    "Ascii85": stream_object(b"zzzz~~~~\x00", b"/Filter /ASCII85Decode "),
+    "LZW": stream_object(b"\xff\xff\xff\xff", b"/Filter /LZWDecode "),
+    "unterminated string": stream_object(b"BT /F1 12 Tf 72 720 Td (unterminated Tj ET"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_PAGES))
+def test_a_damaged_page_leaves_out_only_itself(tmp_path, damage):
+    """One page with a bad Ascii85 or LZW stream, or an unterminated string, lost the whole PDF
+    (one try around all pages): the other pages are kept and a note names the page."""
+    good = [text_stream(b"The cassowary setting is twelve."), text_stream(b"The heron setting is nine.")]
+    corpus = corpus_of(
+        tmp_path,
+        {
+            "pages.pdf": pdf_pages([good[0], DAMAGED_PAGES[damage], good[1]]),
+            "bad.pdf": pdf_pages([DAMAGED_PAGES[damage]]),
+        },
+    )
+    with pytest.warns(UserWarning, match="skipping bad.pdf"):
+        loaded = ix.load_corpus(corpus)
+    assert loaded.docs["pages.pdf"][1] == "The cassowary setting is twelve.\n\nThe heron setting is nine."
+    assert len(loaded.notes) == 1 and re.fullmatch(
+        r"pages\.pdf: page 2 of 3 unreadable \(\w+: .+\), left out", loaded.notes[0]
+    ), loaded.notes
+    assert len(loaded.skipped) == 1 and re.fullmatch(
+        r"bad\.pdf: PDF has no extractable text: page 1 of 1 unreadable \(\w+: .+\)", loaded.skipped[0]
+    ), loaded.skipped
+
+
+def test_a_pdf_cut_before_its_eof_marker_is_read_and_left_as_it_was(tmp_path):
+    """An intact PDF missing only its final %%EOF was skipped (PdfStreamError: Stream has ended
+    unexpectedly): it is opened again with a new end, in memory (the file is not written)."""
+    whole = pdf_pages([text_stream(b"Page %d about the heron." % n) for n in (1, 2, 3)])
+    assert whole.endswith(b"%%EOF\n")
+    corpus = corpus_of(tmp_path, {"cut.pdf": whole[:-6]})
+    loaded = ix.load_corpus(corpus)
+    sha, text = loaded.docs["cut.pdf"]
+    assert text == "Page 1 about the heron.\n\nPage 2 about the heron.\n\nPage 3 about the heron."
+    assert loaded.notes == [
+        "cut.pdf: the PDF's end (its %%EOF or cross-reference table) is damaged or missing: read by scanning it"
+    ]
+    assert (corpus / "cut.pdf").read_bytes() == whole[:-6] and sha == hashlib.sha256(whole[:-6]).hexdigest()
+
+
+KOREAN = "메모리 크기는 64기가바이트입니다"
+TAIWANESE = "記憶體大小為六十四"
+# each legacy CMap pypdf's table lacked: (CIDSystemInfo ordering, text, the codec its codes are in)
+LEGACY_CMAPS = {
+    "/KSCms-UHC-H": ("Korea1", KOREAN, "cp949"),
+    "/KSCms-UHC-V": ("Korea1", KOREAN, "cp949"),
+    "/KSC-EUC-H": ("Korea1", KOREAN, "euc-kr"),
+    "/KSC-EUC-V": ("Korea1", KOREAN, "euc-kr"),
+    "/KSCpc-EUC-H": ("Korea1", KOREAN, "cp949"),
+    "/KSCpc-EUC-V": ("Korea1", KOREAN, "cp949"),
+    "/B5pc-H": ("CNS1", TAIWANESE, "big5"),
+    "/B5pc-V": ("CNS1", TAIWANESE, "big5"),
+}
+
+
+def cmap_pdf(cmap: str, ordering: str, codes: bytes) -> bytes:
+    """One page showing ``codes`` in a Type0 font of the predefined CMap ``cmap`` (no /ToUnicode)."""
+    fonts = [
+        b"<< /Type /Font /Subtype /Type0 /BaseFont /X /Encoding %s /DescendantFonts [4 0 R] >>" % cmap.encode(),
+        b"<< /Type /Font /Subtype /CIDFontType0 /BaseFont /X /DW 1000"
+        b" /CIDSystemInfo << /Registry (Adobe) /Ordering (%s) /Supplement 2 >> >>" % ordering.encode(),
+    ]
+    return pdf_pages([stream_object(b"BT /F1 12 Tf 72 720 Td <%s> Tj ET" % codes.hex().encode())], fonts=fonts)
+
+
+@pytest.mark.parametrize("cmap", sorted(LEGACY_CMAPS))
+def test_pdf_text_in_a_legacy_korean_or_big5_cmap_reads_right(tmp_path, cmap):
+    """pypdf's table of predefined CMaps lacks Korean KSC* and B5pc-*: their codes were decoded as
+    UTF-16-BE ("쟑놹뻮..."), nonsense indexed without a word."""
+    ordering, text, codec = LEGACY_CMAPS[cmap]
+    loaded = ix.load_corpus(corpus_of(tmp_path, {"cjk.pdf": cmap_pdf(cmap, ordering, text.encode(codec))}))
+    assert loaded.docs["cjk.pdf"][1] == text and loaded.notes == []
+
+
+def test_pdf_text_in_a_cmap_pypdf_does_not_know_gets_a_note(tmp_path):
+    """Where pypdf knows no codec for a font's CMap it reads the codes as UTF-16-BE: the text is
+    indexed (it may be right) with a note that it may read wrong."""
+    codes = "한국어".encode("cp949")
+    loaded = ix.load_corpus(corpus_of(tmp_path, {"odd.pdf": cmap_pdf("/Made-Up-H", "Korea1", codes)}))
+    assert "odd.pdf" in loaded.docs
+    assert loaded.notes == ["odd.pdf: font encoding /Made-Up-H is unknown to pypdf: its text may read wrong"]
+
+
+def test_the_legacy_cmaps_are_added_only_where_pypdf_has_its_table(monkeypatch):
+    """The table is pypdf's private ``_cmap._predefined_cmap``: a pypdf without it is left as it is,
+    and a codec pypdf gives one of these CMaps itself is kept."""
+    import pypdf._cmap
+
+    from rag_lookahead.rag import pdf_text
+
+    monkeypatch.setitem(pypdf._cmap._predefined_cmap, "/B5pc-H", "cp950")
+    pdf_text._add_legacy_cjk_cmaps()
+    assert pypdf._cmap._predefined_cmap["/B5pc-H"] == "cp950"
+    monkeypatch.delattr(pypdf._cmap, "_predefined_cmap")
+    pdf_text._add_legacy_cjk_cmaps()
 
 
 # ---------------------------------------------------------------- text encodings
