@@ -113,7 +113,10 @@ def _open(data: bytes):
 
     try:
         reader = PdfReader(io.BytesIO(data))  # from the bytes already read: the file is read once
+        _check_opens_without_password(reader)
         return reader, len(reader.pages), False
+    except _Locked:
+        raise
     except Exception as first:  # pypdf raises many types on damaged files
         try:
             reader = PdfReader(io.BytesIO(data + _NEW_END))  # in memory only: the file is not touched
@@ -123,6 +126,23 @@ def _open(data: bytes):
         if not pages:  # not a PDF the new end repaired (text named .pdf opens, with no page)
             raise first from None
         return reader, pages, True
+
+
+class _Locked(ValueError):
+    """A PDF that opens only with a password: said as it is, not tried with a new end."""
+
+
+def _check_opens_without_password(reader) -> None:
+    """Refuse in one line a PDF that needs a password to open (pypdf opens one whose user password
+    is empty by itself): each of its pages would fail alike, and a page-by-page note says less."""
+    if not reader.is_encrypted:
+        return
+    try:
+        opened = reader.decrypt("")
+    except Exception as e:  # e.g. AES without the cryptography package
+        raise _Locked(f"encrypted PDF that could not be decrypted ({_error(e)})") from None
+    if not opened:  # PasswordType.NOT_DECRYPTED
+        raise _Locked("encrypted PDF that needs a password to open: index a copy saved without one")
 
 
 def _error(e: BaseException) -> str:
@@ -153,6 +173,8 @@ def read_pdf_text(data: bytes, max_mb: float, on_page: Callable[[int, int], None
     with _PypdfLogHeard() as heard:
         try:
             reader, pages, new_end = _open(data)
+        except _Locked:
+            raise
         except Exception as e:
             raise ValueError(f"unreadable PDF ({_error(e)})") from None
         for number in range(1, pages + 1):

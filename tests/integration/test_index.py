@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
@@ -1318,10 +1319,12 @@ def test_a_slow_pdf_shows_the_reading_bar_page_by_page(tmp_path, capsys, monkeyp
 
     # raising=False: the old code has no such setting, and fails on the bar below
     monkeypatch.setattr(corpus_module, "READ_BAR_LATE_S", 0.01, raising=False)
-    corpus = corpus_of(tmp_path, {"slow.pdf": shared_stream_pdf(1500)})  # ~0.1 s a page; tqdm draws 0.1 s in
+    corpus = corpus_of(
+        tmp_path, {"slow.pdf": shared_stream_pdf(1500, pages=6)}
+    )  # ~0.1 s a page here; tqdm draws 0.1 s in
     ix.load_corpus(corpus, progress=True)
     err = capsys.readouterr().err
-    assert "reading" in err and re.search(r"slow\.pdf \(page [123] of 3\)", err), err
+    assert "reading" in err and re.search(r"slow\.pdf \(page [1-6] of 6\)", err), err
 
 
 DAMAGED_PAGES = {
@@ -1367,6 +1370,27 @@ def test_a_pdf_cut_before_its_eof_marker_is_read_and_left_as_it_was(tmp_path):
         "cut.pdf: the PDF's end (its %%EOF or cross-reference table) is damaged or missing: read by scanning it"
     ]
     assert (corpus / "cut.pdf").read_bytes() == whole[:-6] and sha == hashlib.sha256(whole[:-6]).hexdigest()
+
+
+def encrypted_pdf(user_password: str) -> bytes:
+    from pypdf import PdfReader, PdfWriter
+
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(tiny_pdf("The kestrel setting is four."))))
+    writer.encrypt(user_password=user_password, owner_password="owner", algorithm="AES-128")
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()
+
+
+def test_a_pdf_that_needs_a_password_is_one_line_and_one_without_is_read(tmp_path):
+    """Read page by page, a PDF locked with a user password was said as every page unreadable
+    (FileNotDecryptedError a page); it is refused in one line, and one whose user password is empty
+    (restrictions only) is read as before."""
+    corpus = corpus_of(tmp_path, {"locked.pdf": encrypted_pdf("secret"), "open.pdf": encrypted_pdf("")})
+    with pytest.warns(UserWarning, match="skipping locked.pdf"):
+        loaded = ix.load_corpus(corpus)
+    assert loaded.docs["open.pdf"][1] == "The kestrel setting is four."
+    assert loaded.skipped == ["locked.pdf: encrypted PDF that needs a password to open: index a copy saved without one"]
 
 
 KOREAN = "메모리 크기는 64기가바이트입니다"
