@@ -40,6 +40,9 @@ HEADINGS_VERSION = 2  # how Markdown headings are read (see ``_previous``)
 # how a file's legacy encoding is guessed (see ``_previous``; ``rag.charset``): an index without
 # the key guessed the way before 2026-12-06 (a short GBK file with Latin words read as cp949)
 DECODING_VERSION = 2
+# how a PDF's text is read (``rag.pdf_text``): an index without the key read PDFs as before
+# 2026-12-06 (Korean and Big5 CMaps as nonsense, a damaged page losing the file)
+PDF_VERSION = 2
 SEPARATORS = ["\n\n", "\n", "。", "！", "？", "；", ". ", "! ", "? ", " ", ""]
 
 
@@ -156,14 +159,17 @@ def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int], gue
 
     Files are keyed by their bytes' sha256, so a change in how text is read would never reach an
     unchanged file: where the index read Markdown headings otherwise, its Markdown files are split
-    again; where it guessed encodings otherwise, the files whose encoding is guessed (``guessed``)."""
+    again; where it guessed encodings otherwise, the files whose encoding is guessed (``guessed``);
+    where it read PDFs otherwise, its PDFs."""
     if not (index_dir / store.MANIFEST).exists():
         return {}, None
     try:
         manifest = store.read_manifest(index_dir)
         if manifest["embedding_model"] != embedder.name:
             return {}, f"it was built with {manifest['embedding_model']!r}, now {embedder.name!r}"
-        if any(manifest.get(key) != value for key, value in chunking.items() if key not in ("headings", "decoding")):
+        if any(
+            manifest.get(key) != value for key, value in chunking.items() if key not in ("headings", "decoding", "pdf")
+        ):
             return {}, "the chunking changed (chunk size or overlap)"
         if "headings" not in manifest:
             return {}, "it was built before Markdown chunks were searched under their headings"
@@ -177,6 +183,8 @@ def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int], gue
         read_again |= {source for source in previous if source.lower().endswith(MARKDOWN_SUFFIXES)}
     if manifest.get("decoding", 1) != chunking["decoding"]:  # encodings are guessed otherwise now: those files anew
         read_again |= guessed & previous.keys()
+    if manifest.get("pdf", 1) != chunking["pdf"]:  # PDFs are read otherwise now: those files anew
+        read_again |= {source for source in previous if source.lower().endswith(".pdf")}
     for source in read_again:  # no file's sha256: split and embedded again, as updated
         _, recs, vecs = previous[source]
         previous[source] = ("", recs, vecs)
@@ -289,6 +297,7 @@ def build_index(
         "chunk_overlap": chunk_overlap,
         "headings": HEADINGS_VERSION,
         "decoding": DECODING_VERSION,
+        "pdf": PDF_VERSION,
     }
     store.check_target(index_dir)  # before any slow work, and before anything is created
     corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb, progress=progress)
@@ -319,7 +328,13 @@ def build_index(
             return _manifest(corpus, records, embedder, settings, data_name, artifacts)
 
         current = store.our_manifest(index_dir)
-        if not report.rebuilt and current is not None and _same_version(current, manifest_for):
+        # a file read again (same bytes, text read otherwise) re-embeds its chunks: never "kept"
+        if (
+            not report.rebuilt
+            and not report.embedded_chunks
+            and current is not None
+            and _same_version(current, manifest_for)
+        ):
             report.kept = True  # a new data folder would hold the same vectors and text under another name
             store.remove_leftovers(index_dir, current["data"])
         else:
@@ -389,6 +404,7 @@ def _manifest(corpus: Corpus, records: list[dict], embedder: Embedder, settings:
         "chunk_overlap": settings["chunk_overlap"],
         "headings": settings["headings"],
         "decoding": settings["decoding"],
+        "pdf": settings["pdf"],
         "separators": SEPARATORS,
         "num_files": len(corpus.docs),
         "num_chunks": len(records),

@@ -1427,6 +1427,34 @@ def test_pdf_text_in_a_legacy_korean_or_big5_cmap_reads_right(tmp_path, cmap):
     assert loaded.docs["cjk.pdf"][1] == text and loaded.notes == []
 
 
+def test_pdfs_read_the_old_way_are_read_again(tmp_path, embedder, monkeypatch):
+    """Files are keyed by their bytes' sha256, so a PDF an older build read as nonsense (a Korean
+    CMap pypdf's table lacked) kept that text on every rebuild: an index without the "pdf" key
+    reads its PDFs again."""
+    import pypdf._cmap
+
+    from rag_lookahead.atomic import write_json_atomic
+    from rag_lookahead.rag import pdf_text
+
+    corpus = corpus_of(tmp_path, {"ko.pdf": cmap_pdf("/KSCms-UHC-H", "Korea1", KOREAN.encode("cp949"))})
+    (corpus / "tea.md").write_text(TEA, encoding="utf-8")
+    with monkeypatch.context() as old_reading:  # as the builds before 2026-12-06 read it
+        old_reading.setattr(pdf_text, "_add_legacy_cjk_cmaps", lambda: None)
+        for name in pdf_text.LEGACY_CJK_CMAPS:
+            old_reading.delitem(pypdf._cmap._predefined_cmap, name, raising=False)
+        build(corpus, tmp_path / "index", embedder)
+    texts = {r["source"]: r["text"] for r in ix.load_index(tmp_path / "index", embedder).records}
+    assert texts["ko.pdf"] != KOREAN
+    manifest = json.loads((tmp_path / "index" / "manifest.json").read_text(encoding="utf-8"))
+    manifest.pop("pdf", None)  # as the builds before the key wrote it
+    write_json_atomic(tmp_path / "index" / "manifest.json", manifest)
+    again = build(corpus, tmp_path / "index", embedder)
+    assert (again.updated, again.unchanged, again.rebuilt) == (1, 1, False)
+    texts = {r["source"]: r["text"] for r in ix.load_index(tmp_path / "index", embedder).records}
+    assert texts["ko.pdf"] == KOREAN
+    assert build(corpus, tmp_path / "index", embedder).kept
+
+
 def test_pdf_text_in_a_cmap_pypdf_does_not_know_gets_a_note(tmp_path):
     """Where pypdf knows no codec for a font's CMap it reads the codes as UTF-16-BE: the text is
     indexed (it may be right) with a note that it may read wrong."""
