@@ -206,10 +206,10 @@ def _check_sampling(temperature: float | None, top_p: float | None, seed: int | 
     if not temperature:
         ignored = [name for name, value in (("--top-p", top_p), ("--seed", seed)) if value is not None]
         if ignored:
-            verb = "apply" if len(ignored) > 1 else "applies"
+            verb, them = ("apply", "them") if len(ignored) > 1 else ("applies", "it")
             raise ConfigError(
                 f"{' and '.join(ignored)} {verb} only when sampling; greedy decoding (--temperature 0, the"
-                " default) would ignore them: add --temperature, e.g. 0.7"
+                f" default) would ignore {them}: add --temperature, e.g. 0.7"
             )
         return
     SamplingParams(do_sample=True, temperature=temperature, top_p=1.0 if top_p is None else top_p, seed=seed)

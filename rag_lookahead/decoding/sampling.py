@@ -120,17 +120,11 @@ class SamplingParams:
         _number("temperature", self.temperature, low=0.0, high=math.inf, open_low=True)
         if self.do_sample and self.temperature < MIN_TEMPERATURE:  # logits / 1e-300 are inf: no distribution
             raise ConfigError(f"temperature must be at least {MIN_TEMPERATURE:g} to sample, got {self.temperature!r}")
-        _number("top_p", self.top_p, low=0.0, high=1.0)  # 0 keeps one token, as in transformers
+        check_warpers(top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
         _number("repetition_penalty", self.repetition_penalty, low=0.0, high=math.inf, open_low=True)
         if self.do_sample and self.repetition_penalty < MIN_REPETITION_PENALTY:
             least = f"{MIN_REPETITION_PENALTY:g}"
             raise ConfigError(f"repetition_penalty must be at least {least} to sample, got {self.repetition_penalty!r}")
-        if self.min_p is not None:
-            _number("min_p", self.min_p, low=0.0, high=1.0)
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) or self.top_k < 0
-        ):
-            raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         check_seed(self.seed)
         if self.seed is not None:  # torch.Generator.manual_seed takes a Python int, not numpy's
             object.__setattr__(self, "seed", int(self.seed))
@@ -141,6 +135,18 @@ class SamplingParams:
     def plain(self) -> bool:
         """Greedy with nothing to apply: the argmax of the raw logits."""
         return not self.do_sample and self.repetition_penalty == 1.0
+
+
+def check_warpers(*, top_p=None, min_p=None, top_k=None) -> None:
+    """The ranges of the sampling warpers that are given (None: not given). Greedy decoding ignores
+    their values, but a setting kept for later calls is judged when it is made, not at the first
+    call that samples with it."""
+    if top_p is not None:
+        _number("top_p", top_p, low=0.0, high=1.0)  # 0 keeps one token, as in transformers
+    if min_p is not None:
+        _number("min_p", min_p, low=0.0, high=1.0)
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 0):
+        raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
 
 
 def check_seed(seed) -> None:

@@ -97,7 +97,7 @@ def sampling_options(model, values: Mapping[str, Any]) -> dict:
 
     Bad values raise :class:`ConfigError` here, before any decoding.
     """
-    from rag_lookahead.decoding.sampling import check_seed, resolve_sampling
+    from rag_lookahead.decoding.sampling import check_seed, check_warpers, resolve_sampling
 
     values = dict(values)
     temperature = values.pop("temperature", None)
@@ -108,14 +108,12 @@ def sampling_options(model, values: Mapping[str, Any]) -> dict:
     sample = bool(temperature)
     # as strict per call as the fields are (README: True, "0.5" or top_k=1.5 are refused), greedy or not:
     # resolve_sampling float()s what it is given, so "0.9" or True passed for top_p / min_p /
-    # repetition_penalty, and greedy skipped the top_k check
-    for name in ("top_p", "min_p", "repetition_penalty"):
-        value = values.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"{name} must be a number, got {value!r}")
-    top_k = values.get("top_k")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
-        raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    # repetition_penalty, and greedy skipped the warpers' checks (top_p=1.5 was taken by a greedy
+    # model and refused at its first sampled call)
+    penalty = values.get("repetition_penalty")
+    if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float))):
+        raise ConfigError(f"repetition_penalty must be a number, got {penalty!r}")
+    check_warpers(top_p=values.get("top_p"), min_p=values.get("min_p"), top_k=values.get("top_k"))
     seed = values.pop("seed", None)
     # a field left at None is not given (the model's own setting holds); to the core None means "off"
     options = {"do_sample": sample, "temperature": temperature, **values} if sample else {"do_sample": False, **values}

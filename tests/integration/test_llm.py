@@ -255,6 +255,17 @@ def test_sampling_fields_and_bad_values(default_model):
 
     with pytest.raises(ValueError, match="top_p must be a number"):  # pydantic wraps the ConfigError
         LookaheadLLM(model=model, tokenizer=tokenizer, temperature=0.7, top_p=1.7)
+    # greedy too: a warper kept for later calls was taken and refused only at the first sampled call
+    from rag_lookahead.langchain.chat_model import ChatLookahead
+
+    bad = {"top_p": 1.5, "top_k": -2, "min_p": 5.0}
+    for name, value in bad.items():
+        with pytest.raises(ConfigError, match=f"{name} must be"):
+            LookaheadLLM(model=model, tokenizer=tokenizer, **{name: value})
+        with pytest.raises(ConfigError, match=f"{name} must be"):
+            ChatLookahead(model=model, tokenizer=tokenizer, **{name: value})
+        with pytest.raises(ConfigError, match=f"{name} must be"):
+            hot.invoke(PROMPTS[0], temperature=0, **{name: value})
     with pytest.raises(ConfigError, match="unknown option"):
         hot.invoke(PROMPTS[0], temprature=0.5)
     # at construction too: a misspelt or foreign setting was dropped in silence (greedy text)

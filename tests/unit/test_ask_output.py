@@ -47,8 +47,10 @@ def test_sampling_settings_are_checked_before_anything_loads(tmp_path, monkeypat
     cases = {
         ("--temperature", "1e-7"): "temperature must be at least 1e-05 to sample",
         ("--temperature", "0.7", "--seed", str(2**63)): "seed must be an integer from 0 to 2**63-1",
-        ("--seed", "3"): "--seed applies only when sampling",
-        ("--top-p", "0.9", "--seed", "3"): "--top-p and --seed apply only when sampling",
+        ("--seed", "3"): "--seed applies only when sampling; greedy decoding (--temperature 0, the default) "
+        "would ignore it:",
+        ("--top-p", "0.9", "--seed", "3"): "--top-p and --seed apply only when sampling; greedy decoding "
+        "(--temperature 0, the default) would ignore them:",
         ("--json", "--stream"): "--stream and --json do not go together",  # --stream was ignored
     }
     for extra, message in cases.items():
