@@ -414,8 +414,11 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         log.info("serving %s at %s on Ray Serve (%s)", config.model_name, base, _describe(settings))
         while not stop.wait(1.0):
             pass
-        log.info("shutting down: draining the replicas for up to %.0f s", config.drain_seconds)
-        drain(config.drain_seconds, hurry, delete=not own_ray)  # a local Ray goes down whole below
+        if not _gcs_answers(ray):
+            log.warning("shutting down: Ray's own processes are gone (the signal reached them too): nothing to drain")
+        else:
+            log.info("shutting down: draining the replicas for up to %.0f s", config.drain_seconds)
+            drain(config.drain_seconds, hurry, delete=not own_ray)  # a local Ray goes down whole below
     except StartAbandoned:
         log.warning(
             "interrupted again while deleting the half-started replicas: on a Ray cluster that outlives this "
@@ -432,6 +435,21 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         ray.shutdown()
     if abandoned:  # a start that never served is no clean exit (it was 0); one process exits 130 too
         raise SystemExit(130)
+
+
+def _gcs_answers(ray, timeout: float = 2.0) -> bool:
+    """Whether Ray's GCS (its head process) still takes connections. A SIGTERM sent to the whole
+    process group (systemd's default stop, ``timeout``, ``kill -- -PGID``) also ends the local
+    Ray this command started: draining then waited 60 s for the dead GCS and Ray's client aborted
+    the process (exit 1, the replicas' requests never drained either way)."""
+    try:
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError:
+        return False
+    except Exception:  # noqa: BLE001 - no address to judge by: drain as before
+        return True
+    return True
 
 
 def _signals_during(call) -> set[int]:

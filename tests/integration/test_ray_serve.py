@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -334,6 +335,33 @@ def test_a_sigterm_while_ray_starts_is_not_lost():
     ended, stderr = serve_replicas_in_a_process(free_port(), before=on_fork)
     assert ended == ["130", "False"], stderr
     assert "deployed after a SIGTERM" not in stderr
+
+
+@needs_ray
+def test_a_sigterm_that_also_ended_rays_processes_exits_at_once():
+    """A SIGTERM to the whole process group (systemd's stop, `timeout`) also ends the local Ray's
+    GCS: the drain then waited 60 s on it and Ray's client aborted the process with exit 1. Here
+    the GCS is stopped and the driver signalled once the app is up (a stand-in deploy, no model)."""
+    group_signal = (
+        "import signal, threading, time, psutil\n"
+        "def stop_the_group():\n"
+        "    for child in psutil.Process().children(recursive=True):\n"
+        "        if child.name().startswith('gcs_server'):\n"
+        "            child.kill()\n"
+        "    time.sleep(1)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "def deployed(*args, **kwargs):\n"
+        "    threading.Timer(1.0, stop_the_group).start()\n"
+        "    return 'http://127.0.0.1:1'\n"
+        "ray_deploy.deploy = deployed\n"
+        "started = time.monotonic()\n"
+        "import atexit\n"
+        "atexit.register(lambda: print('took', round(time.monotonic() - started), file=sys.stderr))\n"
+    )
+    ended, stderr = serve_replicas_in_a_process(free_port(), before=group_signal)
+    assert ended == ["0", "False"], stderr
+    assert "Ray's own processes are gone" in stderr and "Failed to connect to GCS" not in stderr
+    assert int(re.search(r"took (\d+)", stderr).group(1)) < 45, stderr
 
 
 def test_the_default_install_does_not_import_ray(monkeypatch):
