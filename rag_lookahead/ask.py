@@ -84,18 +84,10 @@ def _check_a_long_question(llm: Any, question: str, note: bool) -> None:
     """A question the model's context cannot hold is refused now, in one line (transformers'
     "sequence length is longer" warning and our "can take minutes" note came before the refusal);
     one that fits but is long gets a note (with ``note``)."""
-    from rag_lookahead.decoding.inputs import check_prompt_room
+    from rag_lookahead.rag.chains import check_question_fits
 
-    tokenizer = getattr(llm, "tokenizer", None)
-    if tokenizer is None:
-        return
-    # always counted (milliseconds): neither characters nor bytes bound the tokens (a CJK
-    # Extension-B character is 3 tokens; NFC normalization makes U+1D160 3 characters)
-    tokens = len(tokenizer.encode(question, add_special_tokens=False, verbose=False))
-    model = getattr(llm, "model", None)
-    if model is not None and not isinstance(model, str):
-        check_prompt_room(model, tokens)  # the prompt holds the question and more
-    if note and tokens >= LONG_QUESTION_TOKENS:
+    tokens = check_question_fits(llm, question)
+    if note and tokens is not None and tokens >= LONG_QUESTION_TOKENS:
         print(
             f"note: a {tokens:,}-token question; the model reads all of it before the first token of the"
             " answer, which can take minutes on a CPU",

@@ -36,6 +36,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableGenerator, RunnableLambda, RunnablePassthrough
 from langchain_core.runnables.config import run_in_executor
 from langchain_core.runnables.utils import AddableDict
+from pydantic import StrictInt
 
 from rag_lookahead.checks import positive_int, unicode_text
 from rag_lookahead.errors import ConfigError, InputError
@@ -51,6 +52,8 @@ __all__ = [
     "SeedingRetriever",
     "as_retriever",
     "check_k",
+    "check_input_keys",
+    "check_question_fits",
     "seed_count",
     "retrieve",
     "aretrieve",
@@ -92,12 +95,23 @@ class DocumentIndexRetriever(BaseRetriever):
 
     ``k`` and ``mode`` are defaults; ``retriever.invoke(query, k=2, mode="lexical")`` overrides
     them for one call (LangChain's standard retriever contract). Documents carry ``source``,
-    ``chunk_id`` and ``score`` metadata.
+    ``chunk_id`` and ``score`` metadata. ``k`` and ``mode`` are checked here, as ``index.search``
+    checks them: pydantic took ``k=True`` as 1 and ``"2"`` as 2, and ``k=0`` or ``mode="bm25"``
+    failed only at the first search.
     """
 
     index: Any
-    k: int = 4
+    k: StrictInt = 4
     mode: str | None = None
+
+    def __init__(self, **fields: Any) -> None:
+        from rag_lookahead.rag.index import check_search_mode
+
+        if "k" in fields:
+            fields["k"] = positive_int("k", fields["k"])  # numpy integers too, as search takes them
+        if fields.get("mode") is not None:
+            check_search_mode(fields["mode"])
+        super().__init__(**fields)
 
     def _get_relevant_documents(
         self,
@@ -201,6 +215,26 @@ def _check_question(question: Any) -> None:
     check_question_text(question)
 
 
+def check_question_fits(llm: Any, question: str) -> int | None:
+    """The question's length in ``llm``'s tokens (None where no tokenizer of it can be reached), or
+    ``InputError`` if the model's context cannot hold that many: the prompt holds the question and
+    more. The chains check it before retrieving (a 100,000-character question spent 15 s in the
+    retriever before the model refused it) and ``ask`` before building its chain."""
+    from rag_lookahead.decoding.inputs import check_prompt_room
+
+    get_engine = getattr(llm, "get_engine", None)  # ChatLookahead("default") holds its model there
+    holder = get_engine() if callable(get_engine) else llm
+    tokenizer, model = getattr(holder, "tokenizer", None), getattr(holder, "model", None)
+    if tokenizer is None:
+        return None
+    # always counted (milliseconds): neither characters nor bytes bound the tokens (a CJK
+    # Extension-B character is 3 tokens; NFC normalization makes U+1D160 3 characters)
+    tokens = len(tokenizer.encode(question, add_special_tokens=False, verbose=False))
+    if model is not None and not isinstance(model, str):
+        check_prompt_room(model, tokens)
+    return tokens
+
+
 def format_context(docs: Sequence[Document]) -> str:
     return CONTEXT_SEPARATOR.join(f"{context_label(i, doc)}\n{doc.page_content}" for i, doc in enumerate(docs, start=1))
 
@@ -240,6 +274,18 @@ def source_info(doc: Document, in_prompt: bool) -> dict:
 
 #: per-call options of LookaheadLLM that the RAG chain passes on from its input dict
 _CALL_OPTIONS = ("enable_lookahead", "max_new_tokens", *SAMPLING_FIELDS)
+#: the keys that may hold the question in a chain's input dict
+_QUESTION_KEYS = ("question", "query")
+
+
+def check_input_keys(inputs: dict, taken: Sequence[str]) -> None:
+    """Refuse a key of a chain's input dict other than ``taken``: a misspelt option
+    (``temprature``) or one the chain has not (``max_tokens``, ``stop``) was dropped in silence,
+    where ``llm.invoke(q, temprature=0.5)`` refuses it."""
+    unknown = [key for key in inputs if key not in taken]
+    if unknown:
+        names = ", ".join(repr(key) for key in unknown)
+        raise ConfigError(f"unknown input key(s) {names}: the chain takes {', '.join(taken)}")
 
 
 def build_rag_chain(
@@ -250,8 +296,9 @@ def build_rag_chain(
     ``sources`` lists all ``k_seed`` passages (``in_prompt`` tells which the model saw).
     Extra call kwargs of :class:`LookaheadLLM` (``enable_lookahead``, ``max_new_tokens``, and the
     sampling options ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed``) can be
-    given in the input dict: ``{"question": q, "enable_lookahead": False}``. Token callbacks
-    (``config={"callbacks": [...]}``) receive each accepted block's text.
+    given in the input dict: ``{"question": q, "enable_lookahead": False}``; any other key is a
+    ``ConfigError``. A question the model's context cannot hold is refused before retrieving.
+    Token callbacks (``config={"callbacks": [...]}``) receive each accepted block's text.
     """
     from langchain_core.language_models import BaseChatModel
 
@@ -271,13 +318,16 @@ def build_rag_chain(
 
     def request(inputs: Any) -> tuple[str, dict]:
         if isinstance(inputs, dict):
+            check_input_keys(inputs, (*_QUESTION_KEYS, *_CALL_OPTIONS))
             question = inputs.get("question", inputs.get("query"))
             extra = {k: v for k, v in inputs.items() if k in _CALL_OPTIONS}
         else:
             question, extra = inputs, {}
         if not isinstance(question, str) or not question.strip():
             raise InputError("the question is empty")
-        return question.strip(), extra  # stripped as the prompt has it: spaces moved the dense ranking
+        question = question.strip()  # stripped as the prompt has it: spaces moved the dense ranking
+        check_question_fits(llm, question)
+        return question, extra
 
     def prompt_call(docs: list[Document], question: str, extra: dict) -> tuple[list, dict]:
         """``generate``'s arguments: the prompt of the best ``k_prompt`` passages, the rest as references."""
@@ -323,6 +373,8 @@ def build_rag_chain(
 
 
 def _question_of(inputs: Any) -> str:
+    if isinstance(inputs, dict):
+        check_input_keys(inputs, _QUESTION_KEYS)
     question = inputs.get("question", inputs.get("query")) if isinstance(inputs, dict) else inputs
     if not isinstance(question, str) or not question.strip():
         raise InputError("the question is empty")
@@ -363,7 +415,8 @@ def build_chat_rag_chain(
     ``stats`` (the model's ``response_metadata``, ``usage`` and ``retrieval_seconds``).
     ``.stream()`` yields ``{"question"}`` and ``{"sources"}`` first, then ``{"answer": piece}`` as
     the model's blocks are accepted, then ``{"stats"}``. Any LangChain chat model works; pass
-    ``chat_model.bind(max_tokens=..., temperature=...)`` for per-chain options.
+    ``chat_model.bind(max_tokens=..., temperature=...)`` for per-chain options (an input dict holds
+    ``question`` or ``query`` only: any other key is a ``ConfigError``).
     """
     check_k(k_prompt, k_seed)
     retriever = as_retriever(retriever_or_index, k_seed)
@@ -371,6 +424,7 @@ def build_chat_rag_chain(
 
     def fetch(inputs: Any, config: RunnableConfig) -> dict:
         question = _question_of(inputs)
+        check_question_fits(seeding, question)
         t0 = time.perf_counter()
         docs = retrieve(retriever, question, k_seed, config)
         shown, seeds = docs[:k_prompt], docs[k_prompt:]
@@ -457,7 +511,11 @@ class SeedingRetriever(BaseRetriever):
         check_k(self.k_prompt, self.k_seed)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
-        docs = retrieve(self.retriever, query, self.k_seed, {"callbacks": run_manager.get_child()})
+        # stripped as build_rag_chain and ask retrieve with it ("  q\n" ranked other passages)
+        question = _question_of(query)
+        if self.llm is not None:
+            check_question_fits(self.llm, question)
+        docs = retrieve(self.retriever, question, self.k_seed, {"callbacks": run_manager.get_child()})
         shown, seeds = docs[: self.k_prompt], docs[self.k_prompt :]
         if seeds and self.llm is not None and hasattr(self.llm, "register_seeds"):
             self.llm.register_seeds([d.page_content for d in shown], [d.page_content for d in seeds])

@@ -65,6 +65,14 @@ __all__ = [
 ]
 
 SEARCH_MODES = ("hybrid", "dense", "lexical")
+
+
+def check_search_mode(mode: Any) -> None:
+    """Refuse a search mode other than :data:`SEARCH_MODES` (the index, its search and its retriever)."""
+    if mode not in SEARCH_MODES:
+        raise ConfigError(f"search mode must be one of {', '.join(SEARCH_MODES)}, got {mode!r}")
+
+
 CANDIDATES = 50  # depth of each ranking fed to reciprocal rank fusion
 
 
@@ -116,8 +124,7 @@ class DocumentIndex:
         embedder: Embedder,
         mode: str = "hybrid",
     ):
-        if mode not in SEARCH_MODES:
-            raise ConfigError(f"search mode must be one of {', '.join(SEARCH_MODES)}, got {mode!r}")
+        check_search_mode(mode)
         self.index_dir = index_dir
         self.manifest = manifest
         self.faiss = faiss_index
@@ -170,8 +177,7 @@ class DocumentIndex:
         check_searchable(query)
         k = positive_int("k", k)
         mode = self.mode if mode is None else mode
-        if mode not in SEARCH_MODES:
-            raise ConfigError(f"search mode must be one of {', '.join(SEARCH_MODES)}, got {mode!r}")
+        check_search_mode(mode)
         if not self.records:
             return []
         rows_of = self._rows_by_text()

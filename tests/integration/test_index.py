@@ -128,6 +128,21 @@ def test_retriever_returns_documents_with_metadata(built, embedder):
     assert "杀青" in docs[0].page_content
 
 
+def test_a_retriever_checks_k_and_mode_when_built(built, embedder):
+    """Pydantic took ``k=True`` as 1 and ``k="2"`` as 2, and ``k=0``, ``k=-3`` or ``mode="bm25"``
+    were built and refused only at the first search: checked now as ``index.search`` checks them."""
+    from rag_lookahead.rag.chains import DocumentIndexRetriever
+
+    index = ix.load_index(built[1], embedder)
+    for bad in ({"k": 0}, {"k": -3}, {"k": True}, {"k": "2"}, {"k": 2.0}, {"mode": "bm25"}):
+        with pytest.raises(ConfigError, match="k must be an integer >= 1|search mode must be one of"):
+            index.as_retriever(**bad)
+        with pytest.raises(ConfigError):
+            DocumentIndexRetriever(index=index, **bad)
+    retriever = index.as_retriever(k=np.int64(2), mode="lexical")  # an integer, as search takes it
+    assert retriever.k == 2 and len(retriever.invoke("绿茶为什么是绿色的")) == 2
+
+
 def test_a_warmed_index_has_its_bm25_and_searches_as_a_cold_one(built, embedder):
     cold, warm = ix.load_index(built[1], embedder), ix.load_index(built[1], embedder).warm()
     assert cold._bm25 is None and warm._bm25 is not None

@@ -16,7 +16,7 @@ from tiny_tokenizer import tiny_tokenizer
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.langchain.llm import LookaheadLLM
-from rag_lookahead.rag.chains import SeedingRetriever, build_rag_chain, build_retrieval_qa
+from rag_lookahead.rag.chains import SeedingRetriever, build_chat_rag_chain, build_rag_chain, build_retrieval_qa
 from rag_lookahead.tiny import build_tiny_model
 
 A, B, C = "t5 t6 t7", "t9 t10 t11", "t20 t21 t22"
@@ -149,3 +149,58 @@ def test_a_rag_chain_refuses_a_wrapper_it_would_strip(model):
     """Unwrapping ``with_retry`` as ``bind`` is unwrapped ran the bare model: no retry, unseen."""
     with pytest.raises(ConfigError, match="wrap the chain instead"):
         build_rag_chain(make_llm(model).with_retry(), Fixed(docs=[]), k_prompt=1, k_seed=2)
+
+
+class Asked(Fixed):
+    """Records each query it is asked."""
+
+    queries: list = []
+
+    def _get_relevant_documents(self, query, *, run_manager):
+        self.queries.append(query)
+        return list(self.docs)
+
+
+def make_chat(model) -> ChatLookahead:
+    return ChatLookahead(model=model, tokenizer=tiny_tokenizer(), max_tokens=8)
+
+
+def test_the_rag_chains_refuse_an_input_key_they_would_drop(model):
+    """``{"question": q, "max_tokens": 5}`` (or ``temprature``, ``stop``, ``timeout``, ``k``) ran
+    and dropped the key in silence, where ``llm.invoke(q, temprature=0.5)`` refuses it."""
+    docs = [Document(page_content=A, metadata={"source": "a.md"})]
+    chain = build_rag_chain(make_llm(model), Fixed(docs=docs), k_prompt=1, k_seed=1)
+    for key, value in (("max_tokens", 5), ("temprature", 0.5), ("stop", ["t9"]), ("timeout", 0.001), ("k", 1)):
+        with pytest.raises(ConfigError, match=f"unknown input key\\(s\\) '{key}': the chain takes question, query"):
+            chain.invoke({"question": "t5 t6", key: value})
+    assert chain.invoke({"query": "t5 t6", "max_new_tokens": 3})["stats"]["new_tokens"] == 3
+    chat_chain = build_chat_rag_chain(make_chat(model), Fixed(docs=docs), k_prompt=1, k_seed=1)
+    with pytest.raises(ConfigError, match="unknown input key\\(s\\) 'max_tokens': the chain takes question, query$"):
+        chat_chain.invoke({"question": "t5 t6", "max_tokens": 3})
+    assert chat_chain.invoke({"query": "t5 t6"})["answer"] is not None
+
+
+def test_the_rag_chains_refuse_a_question_past_the_context_before_retrieving(model):
+    """A question the model's context cannot hold was retrieved for first (15 s for 100,000
+    characters on the real index), then refused by the model; ``ask`` checks it first."""
+    long_question = "t5 " * 300  # the tiny model's context holds 256 tokens
+    docs = [Document(page_content=A, metadata={"source": "a.md"}), Document(page_content=B)]
+    chains = {
+        "build_rag_chain": lambda r: build_rag_chain(make_llm(model), r, k_prompt=1, k_seed=2),
+        "build_chat_rag_chain": lambda r: build_chat_rag_chain(make_chat(model), r, k_prompt=1, k_seed=2),
+        "build_retrieval_qa": lambda r: build_retrieval_qa(make_llm(model), r, k_prompt=1, k_seed=2),
+    }
+    for name, build in chains.items():
+        retriever = Asked(docs=docs)
+        question = {"query": long_question} if name == "build_retrieval_qa" else long_question
+        with pytest.raises(InputError, match="tokens but the model's context holds"):
+            build(retriever).invoke(question)
+        assert retriever.queries == [], name
+
+
+def test_retrieval_qa_retrieves_with_the_question_stripped(model):
+    """RetrievalQA's seeding retriever searched for ``"  q\\n"`` where ``ask`` and ``build_rag_chain``
+    search for ``"q"``: the dense ranking moved, and one question got two answers."""
+    retriever = Asked(docs=[Document(page_content=A, metadata={"source": "a.md"})])
+    build_retrieval_qa(make_llm(model), retriever, k_prompt=1, k_seed=1).invoke({"query": "  t5 t6 \n"})
+    assert retriever.queries == ["t5 t6"]
