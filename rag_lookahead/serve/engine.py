@@ -248,7 +248,8 @@ class Engine:
         """Why a new request cannot be taken now (call with ``_cond`` held). With its ``jobs``: every
         check. With only its ``choices`` (once its body is read, before it is tokenized): the queue's,
         a count that never fits a 400; the KV budget is left to ``submit``, which knows what the
-        request needs (a 400 when more than the whole budget, so judged whatever is held now). With
+        request needs (a 400 when more than the whole budget, whatever the budget holds; while the
+        queue is full such a request gets the queue's 429 here first, untokenized). With
         neither (before its body is read): whether there is room for anything, naming no count."""
         if self.error is not None or (self._thread is not None and not self._thread.is_alive()):
             return engine_stopped()
