@@ -245,6 +245,16 @@ def _fit_window(context: int, sizes, limit: int | None) -> tuple[int, list[int]]
     return max(min(context, limit - kept[-1]), 1), kept
 
 
+#: the values of RAG_LOOKAHEAD_RECALIBRATE that ask for a new measurement (any other, "0" too, do not)
+RECALIBRATE_VALUES = ("1", "true", "yes", "on")
+
+
+def recalibrate_asked() -> bool:
+    """Whether RAG_LOOKAHEAD_RECALIBRATE asks every process to measure its curve again. Any value
+    did before, so ``=0`` or ``=false`` re-measured (and rewrote the stored curve) on every call."""
+    return os.environ.get("RAG_LOOKAHEAD_RECALIBRATE", "").strip().lower() in RECALIBRATE_VALUES
+
+
 def cost_curve(model) -> CostCurve:
     """The model's cost curve: measured on first use, then kept in its profile and on disk.
 
@@ -257,7 +267,7 @@ def cost_curve(model) -> CostCurve:
     key = _curve_key(model)
     path = _curve_file() if key else None
     stored = _read_curves(path) if path is not None else {}
-    curve = None if os.environ.get("RAG_LOOKAHEAD_RECALIBRATE") else _curve_of(stored.get(key))
+    curve = None if recalibrate_asked() else _curve_of(stored.get(key))
     if curve is None:
         curve = measure_cost(model)
         if path is not None:

@@ -72,7 +72,9 @@ def serve(
         _D.prefill_chunk, help="prompt tokens prefilled per step between decode steps (chunked prefill); 0: off"
     ),
     max_draft_rows: int | None = typer.Option(
-        None, help="above this many rows in a batch, decode without drafting (default: 24 on a CPU, none on a GPU)"
+        None,
+        help="above this many rows in a batch, decode without drafting (default: 24 on a CPU, none on a GPU or "
+        "with --budget fixed)",
     ),
     max_prompt_tokens: int = typer.Option(_D.max_prompt_tokens),
     max_tokens_limit: int = typer.Option(_D.max_tokens_limit),

@@ -88,6 +88,31 @@ def test_the_curve_file_keeps_the_newest_curves_only(tmp_path, monkeypatch):
     profile_of(first).reset()
 
 
+def test_recalibrate_is_asked_by_1_not_by_0(tmp_path, monkeypatch):
+    """Any value of RAG_LOOKAHEAD_RECALIBRATE re-measured, "0" and "false" too: every process
+    measured its curve again and rewrote the stored one."""
+    from rag_lookahead.decoding import costs
+
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
+    path = tmp_path / "cost_curves.json"
+    monkeypatch.delenv("RAG_LOOKAHEAD_RECALIBRATE", raising=False)
+    cost_curve(_model("tiny-recal-a", monkeypatch))
+    cost_curve(_model("tiny-recal-b", monkeypatch))
+    stored = lambda: list(json.loads(path.read_text(encoding="utf-8")))  # noqa: E731
+    a, b = stored()  # a curve measured again moves to the end
+    for value in ("0", "false", " "):
+        monkeypatch.setenv("RAG_LOOKAHEAD_RECALIBRATE", value)
+        cost_curve(_model("tiny-recal-a", monkeypatch))
+        assert stored() == [a, b], value  # the stored curve was read
+    monkeypatch.setenv("RAG_LOOKAHEAD_RECALIBRATE", "1")
+    cost_curve(_model("tiny-recal-a", monkeypatch))
+    assert stored() == [b, a]
+    monkeypatch.setenv("RAG_LOOKAHEAD_RECALIBRATE", "TRUE")
+    cost_curve(_model("tiny-recal-b", monkeypatch))
+    assert stored() == [a, b]
+    profile_of(_model("tiny-recal-a", monkeypatch)).reset()
+
+
 @pytest.mark.parametrize("seconds", [0.0, -0.01, float("nan"), float("inf")])
 def test_a_stored_curve_of_impossible_times_is_measured_again(tmp_path, monkeypatch, seconds):
     """A curve of 0 s passed the shape check, and the auto budget then divided by it
