@@ -43,6 +43,8 @@ DECODING_VERSION = 2
 # how a PDF's text is read (``rag.pdf_text``): an index without the key read PDFs as before
 # 2026-12-06 (Korean and Big5 CMaps as nonsense, a damaged page losing the file)
 PDF_VERSION = 2
+#: settings whose change reads some files again (see ``_previous``) instead of rebuilding the index
+READING_VERSIONS = ("headings", "decoding", "pdf")
 SEPARATORS = ["\n\n", "\n", "。", "！", "？", "；", ". ", "! ", "? ", " ", ""]
 
 
@@ -167,9 +169,7 @@ def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int], gue
         manifest = store.read_manifest(index_dir)
         if manifest["embedding_model"] != embedder.name:
             return {}, f"it was built with {manifest['embedding_model']!r}, now {embedder.name!r}"
-        if any(
-            manifest.get(key) != value for key, value in chunking.items() if key not in ("headings", "decoding", "pdf")
-        ):
+        if any(manifest.get(key) != value for key, value in chunking.items() if key not in READING_VERSIONS):
             return {}, "the chunking changed (chunk size or overlap)"
         if "headings" not in manifest:
             return {}, "it was built before Markdown chunks were searched under their headings"
@@ -291,7 +291,8 @@ def build_index(
     # "headings": chunks of Markdown files are searched with their heading path; an index built
     # before that is embedded again, one whose headings were read otherwise (version 1: CR-only
     # lines, uncut titles, langchain's start_index) gets its Markdown files embedded again;
-    # "decoding": one that guessed encodings otherwise reads those files again
+    # "decoding": one that guessed encodings otherwise reads those files again; "pdf": one that read
+    # PDFs otherwise reads its PDFs again. The manifest records every key here.
     chunking = {
         "chunk_size": chunk_size,
         "chunk_overlap": chunk_overlap,
@@ -400,11 +401,9 @@ def _manifest(corpus: Corpus, records: list[dict], embedder: Embedder, settings:
         "embedding_model": embedder.name,
         "dimension": int(embedder.dimension),
         "metric": "inner_product (vectors L2-normalized)",
-        "chunk_size": settings["chunk_size"],
-        "chunk_overlap": settings["chunk_overlap"],
-        "headings": settings["headings"],
-        "decoding": settings["decoding"],
-        "pdf": settings["pdf"],
+        # every chunking and reading setting: one the manifest left out would compare equal on the
+        # next run and keep a version whose text was read otherwise
+        **{key: value for key, value in settings.items() if key != "corpus_dir"},
         "separators": SEPARATORS,
         "num_files": len(corpus.docs),
         "num_chunks": len(records),
