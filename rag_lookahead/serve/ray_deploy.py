@@ -443,13 +443,10 @@ def _gcs_answers(ray, timeout: float = 2.0) -> bool:
     Ray this command started: draining then waited 60 s for the dead GCS and Ray's client aborted
     the process (exit 1, the replicas' requests never drained either way)."""
     try:
-        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
-    except OSError:
-        return False
+        address = ray.get_runtime_context().gcs_address
     except Exception:  # noqa: BLE001 - no address to judge by: drain as before
         return True
-    return True
+    return _connect_error(address, timeout) is None
 
 
 def _signals_during(call) -> set[int]:
@@ -517,17 +514,26 @@ def _starts_local_ray() -> bool:
         return False
 
 
+def _connect_error(address: str, timeout: float) -> OSError | None:
+    """Why nothing takes a TCP connection at ``host:port``; None where something listens there,
+    or where the address is not of that form (nothing to judge by)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as err:
+        return err
+    return None
+
+
 def _check_reachable(address: str, timeout: float = 5.0) -> None:
     """Refuse a ``host:port`` RAY_ADDRESS where nothing listens: ``ray.init`` retried it for ~14
     minutes, deaf to Ctrl-C (its C++ connect blocks; our handlers come after it)."""
     if not address or address in ("auto", "local") or "://" in address:
         return  # Ray looks these up itself, and fails fast
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
-    except OSError as err:
+    err = _connect_error(address, timeout)
+    if err is not None:
         raise ConfigError(
             f"could not reach the Ray cluster at RAY_ADDRESS={address}: nothing answers there "
             f"({err.strerror or type(err).__name__}); start it with `ray start --head`, or unset RAY_ADDRESS "
