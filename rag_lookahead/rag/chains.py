@@ -267,7 +267,7 @@ def source_info(doc: Document, in_prompt: bool) -> dict:
         "snippet": snippet,
         "text": text,
     }
-    if doc.metadata.get("also_in"):  # the other files with the same text, which the prompt names too
+    if doc.metadata.get("also_in"):  # the other files with the same text (the prompt labels the first source only)
         info["also_in"] = list(doc.metadata["also_in"])
     return info
 

@@ -167,9 +167,10 @@ class DocumentIndex:
         (score = cosine) or "lexical" (score = BM25).
 
         Chunks with the same text (a file copied into two folders, a boilerplate paragraph) are one
-        passage, at its best rank, with the other files it came from in ``also_in``: the prompt
-        then holds each text once and ``k`` distinct texts fill it. Each ranking holds ``CANDIDATES``
-        distinct texts, however many files repeat one."""
+        passage, at its best rank, with the other files it came from in ``also_in`` (reported in a
+        chain's sources; the prompt labels the passage by its first source): the prompt then holds
+        each text once and ``k`` distinct texts fill it. Each ranking holds ``CANDIDATES`` distinct
+        texts, however many files repeat one."""
         if not isinstance(query, str):
             raise InputError(f"the query must be text (str), got {type(query).__name__}")
         if not query.strip():
