@@ -25,7 +25,9 @@ them over) Ray answers a plain-text 429 (one process answers 429 JSON). A replic
 fails its running requests with an error at once (Ray's proxy answers 500, or a started stream
 ends early) and Ray starts another; the other replicas keep answering. On SIGTERM every replica
 drains as one process does (:func:`drain`) before the app is deleted, except that requests still
-waiting in Ray's router get the drain's 503 (one process would hold them in its queue).
+waiting in Ray's router get the drain's 503 (one process would hold them in its queue). If this
+node's raylet dies, the command exits 1 within seconds (Ray does not tell its driver), and the
+drain waits on Ray only within its deadline (:mod:`rag_lookahead.serve.ray_probes`).
 
 This module imports Ray only when a deployment starts, so the default install never does.
 """
@@ -46,13 +48,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rag_lookahead.checks import positive_int
-from rag_lookahead.errors import ConfigError, ModelLoadError, first_line
+from rag_lookahead.errors import ConfigError, ModelLoadError, RagLookaheadError, first_line
+from rag_lookahead.serve import ray_probes
 from rag_lookahead.serve.config import ServerConfig, base_url
 
 __all__ = [
     "APP_NAME",
     "INSTALL_HINT",
     "REPLICA_HEADER",
+    "RayNodeLost",
     "RaySettings",
     "deploy",
     "deployment_options",
@@ -333,6 +337,13 @@ def undeploy() -> None:
         ray.kill(claim)
 
 
+#: How long the drain waits for Ray to delete the app once the replicas are idle (it took ~3 s)
+UNDEPLOY_WAIT_S = 30.0
+#: A question to Ray unanswered for longer than this is Ray not answering: the drain ends at its
+#: deadline, or at once after a second signal (Ray cannot tell it whether the replicas are idle)
+RAY_SILENT_S = 1.0
+
+
 def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = True) -> None:
     """Drain every replica, then stop them: each replica's engine stops admitting (new requests get
     the one-process server's 503 ``shutting_down``, ``/health`` says "draining") and fails what is
@@ -341,25 +352,69 @@ def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = T
     which they do not retry, and requests still running were cut off without an error.) Once
     ``hurry`` is set (a second Ctrl-C) the replicas end what still runs at once. ``delete=False``
     leaves the idle app to a ``ray.shutdown`` of the local Ray this process started: deleting it
-    first stops the replicas while Ray's proxy still answers, with a plain-text 404 for ~3 s."""
+    first stops the replicas while Ray's proxy still answers, with a plain-text 404 for ~3 s.
+
+    Ray's answers are waited for within the drain's deadline only, and the deletion for
+    :data:`UNDEPLOY_WAIT_S`: once this node's raylet had died, ``serve.status()`` blocked for good
+    and the drain with it, deaf to every signal. A raylet found gone ends the drain at once; a Ray
+    that does not answer ends it at the deadline, or at once after a second signal (``hurry``);
+    each with a line saying so."""
     from ray.experimental.internal_kv import _internal_kv_list, _internal_kv_put
 
     from rag_lookahead.serve.app import CLOSE_GRACE_SECONDS
 
-    _, serve = import_ray()
+    ray, serve = import_ray()
+    raylet = ray_probes.RayletWatch.of_driver(ray)
     _internal_kv_put(DRAIN_KEY, str(float(seconds)).encode(), namespace=KV_NAMESPACE)
     deadline = time.monotonic() + seconds + 2 * CLOSE_GRACE_SECONDS
-    while time.monotonic() < deadline:
-        if hurry is not None and hurry.is_set():
-            hurry = None
+
+    def progress() -> tuple[int, int]:
+        """(replicas that said they are idle, replicas running)"""
+        return len(_internal_kv_list(DRAINED_PREFIX, namespace=KV_NAMESPACE)), _running_replicas(serve)
+
+    asked: ray_probes.RayCall | None = None  # the question to Ray in flight, if any
+    hurried = False
+    while True:
+        if hurry is not None and hurry.is_set() and not hurried:
+            hurried = True
             _internal_kv_put(DRAIN_KEY, b"0", namespace=KV_NAMESPACE)
             deadline = min(deadline, time.monotonic() + 2 * CLOSE_GRACE_SECONDS)
-        drained = len(_internal_kv_list(DRAINED_PREFIX, namespace=KV_NAMESPACE))
-        if drained >= _running_replicas(serve):
+        if raylet is not None and raylet.gone():
+            log.warning("Ray's raylet on this node (%s) is gone: nothing left to drain", raylet.address)
+            return
+        silent = 0.0 if asked is None else time.monotonic() - asked.started
+        if time.monotonic() >= deadline or (hurried and silent > RAY_SILENT_S):
+            if silent > RAY_SILENT_S:
+                log.warning(
+                    "Ray Serve has not said in %.0f s which replicas still run (its controller or node is gone?): "
+                    "the drain ends here",
+                    silent,
+                )
+            break
+        asked = asked or ray_probes.RayCall(progress)
+        try:
+            drained, running = asked.result(0.1)
+        except ray_probes.Unanswered:
+            continue
+        asked = None
+        if drained >= running:
             break
         time.sleep(0.1)
-    if delete:
-        undeploy()
+    if delete:  # after a second signal, no longer than the replicas had to end their requests
+        _undeploy_within(2 * CLOSE_GRACE_SECONDS if hurried else UNDEPLOY_WAIT_S)
+
+
+def _undeploy_within(seconds: float) -> None:
+    """:func:`undeploy`, given up after ``seconds`` with a line saying the app may be left."""
+    try:
+        ray_probes.RayCall(undeploy).result(seconds)
+    except ray_probes.Unanswered:
+        log.warning(
+            "Ray Serve has not deleted the app in %.0f s: it may be left on the Ray cluster; "
+            "`serve shutdown` or serve.delete(%r) removes it",
+            seconds,
+            APP_NAME,
+        )
 
 
 def _running_replicas(serve) -> int:
@@ -381,7 +436,9 @@ def _forget_drain() -> None:
 
 def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
     """Deploy, serve until SIGTERM or SIGINT, then drain the replicas and disconnect from Ray. A
-    signal while the replicas start abandons them (they are deleted) rather than wait."""
+    signal while the replicas start abandons them (they are deleted) rather than wait. Where this
+    node's raylet dies meanwhile, :class:`RayNodeLost` (exit 1) within a few seconds: Ray's driver
+    is not told, and the command had gone on running while its port refused every connection."""
     ray, _ = import_ray()
     logging.basicConfig(level=_level(config), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_port(config.port)
@@ -412,8 +469,13 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         base = deploy(config, settings)  # deletes what it started if it fails or is interrupted
         serving.set()
         log.info("serving %s at %s on Ray Serve (%s)", config.model_name, base, _describe(settings))
+        raylet = ray_probes.RayletWatch.of_driver(ray)
         while not stop.wait(1.0):
-            pass
+            if raylet is not None and raylet.gone():
+                raise RayNodeLost(
+                    f"Ray's raylet on this node ({raylet.address}) died (killed, or out of memory?): the Ray Serve "
+                    "proxy and replicas it ran went with it and this command lost Ray; start `serve` again"
+                )
         if not _gcs_answers(ray):
             log.warning("shutting down: Ray's own processes are gone (the signal reached them too): nothing to drain")
         else:
@@ -514,25 +576,41 @@ def _starts_local_ray() -> bool:
         return False
 
 
-def _connect_error(address: str, timeout: float) -> OSError | None:
+def _connect_error(address: str, timeout: float, speaks_grpc: bool = False) -> OSError | None:
     """Why nothing takes a TCP connection at ``host:port``; None where something listens there,
-    or where the address is not of that form (nothing to judge by)."""
+    or where the address is not of that form (nothing to judge by). With ``speaks_grpc``, a
+    listener that does not answer gRPC's HTTP/2 handshake is a :class:`NotGrpc` error too."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         return None
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            if speaks_grpc and not ray_probes.speaks_grpc(sock):
+                return NotGrpc()
     except OSError as err:
         return err
     return None
 
 
+class NotGrpc(OSError):
+    """Something listens at the address but does not answer gRPC (HTTP/2), as Ray's GCS does."""
+
+
 def _check_reachable(address: str, timeout: float = 5.0) -> None:
-    """Refuse a ``host:port`` RAY_ADDRESS where nothing listens: ``ray.init`` retried it for ~14
-    minutes, deaf to Ctrl-C (its C++ connect blocks; our handlers come after it)."""
+    """Refuse a ``host:port`` RAY_ADDRESS where nothing listens, or where what listens is not
+    Ray (a web server, the dashboard's 8265, another ``serve``): ``ray.init`` retried either for
+    ~14 minutes, deaf to Ctrl-C (its C++ connect blocks; our handlers come after it). Ray's GCS
+    is a gRPC server, so it must answer HTTP/2's handshake (skipped under RAY_USE_TLS)."""
     if not address or address in ("auto", "local") or "://" in address:
         return  # Ray looks these up itself, and fails fast
-    err = _connect_error(address, timeout)
+    plain = os.environ.get("RAY_USE_TLS", "0").strip().lower() not in ("1", "true")
+    err = _connect_error(address, timeout, speaks_grpc=plain)
+    if isinstance(err, NotGrpc):
+        raise ConfigError(
+            f"RAY_ADDRESS={address} is not a Ray cluster: something listens there but does not answer as Ray's "
+            "GCS does (gRPC); give the head's GCS address (`ray start --head` prints it, port 6379 by default), "
+            "not the dashboard's port 8265 or another server"
+        ) from None
     if err is not None:
         raise ConfigError(
             f"could not reach the Ray cluster at RAY_ADDRESS={address}: nothing answers there "
@@ -584,6 +662,10 @@ def _replica_errors(serve) -> str:
     except Exception:  # noqa: BLE001 - only a better message is lost
         return ""
     return "" if app is None else "\n".join(d.message for d in app.deployments.values())
+
+
+class RayNodeLost(RagLookaheadError):
+    """This node's raylet died while serving: Ray's driver is not told, and served nothing on."""
 
 
 class StartAbandoned(KeyboardInterrupt):

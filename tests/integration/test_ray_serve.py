@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -262,6 +263,37 @@ def test_a_ray_address_where_nothing_listens_is_one_line_at_once():
         _check_reachable(passed)  # Ray looks these up itself and fails fast
 
 
+def test_a_ray_address_where_something_else_listens_is_one_line_at_once():
+    """A web server (or the dashboard's 8265, or another ``serve``) at RAY_ADDRESS took the TCP
+    connect, and ``ray.init`` then retried it as Ray's GCS for ~14.6 minutes, deaf to Ctrl-C. Ray's
+    GCS speaks gRPC, so the address must answer HTTP/2's handshake (a real GCS passes it: see
+    ``test_a_real_ray_gcs_passes_the_address_check``)."""
+    import http.server
+    import threading
+
+    if ray is None:
+        pytest.skip("Ray is not installed")
+    from rag_lookahead.serve.ray_deploy import _check_reachable
+
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    silent = socket.create_server(("127.0.0.1", 0))  # takes connections, never answers
+    try:
+        for listener in (web.server_address[1], silent.getsockname()[1]):
+            start = time.monotonic()
+            with pytest.raises(ConfigError, match=f"RAY_ADDRESS=127.0.0.1:{listener} is not a Ray cluster: .* 6379"):
+                _check_reachable(f"127.0.0.1:{listener}")
+            assert time.monotonic() - start < 5
+    finally:
+        web.shutdown()
+        web.server_close()
+        silent.close()
+
+
 def test_replicas_refuse_port_zero_before_starting_ray():
     """Ray's proxy takes a free port and never says which one (the measured bug: the log named port 0)."""
     code = (
@@ -362,6 +394,58 @@ def test_a_sigterm_that_also_ended_rays_processes_exits_at_once():
     assert ended == ["0", "False"], stderr
     assert "Ray's own processes are gone" in stderr and "Failed to connect to GCS" not in stderr
     assert int(re.search(r"took (\d+)", stderr).group(1)) < 45, stderr
+
+
+@needs_ray
+@pytest.mark.parametrize("fault", ["raylet_killed", "controller_frozen"])
+def test_serve_ends_when_rays_processes_die_or_hang(config, tmp_path, fault):
+    """raylet_killed: when this node's raylet died (kill -9, the OOM killer) `serve --replicas`
+    went on running while its port refused every connection, and once Ray had marked the node dead
+    a SIGTERM, a second one and SIGINT did nothing (the drain waited for good on serve.status();
+    only SIGKILL ended it). Now it exits 1 within seconds with one line saying so.
+    controller_frozen: a Serve controller that does not answer (SIGSTOP here: a frozen process)
+    blocked the drain the same way; now a second SIGTERM ends it at once."""
+    psutil = pytest.importorskip("psutil")
+    port = free_port()
+    command = [sys.executable, "-m", "rag_lookahead.serve", f"--model={config.model}", f"--port={port}"]
+    flags = ["--replicas=1", "--replica-cpus=1", "--dtype=fp32", "--device=cpu", "--drain-seconds=30"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:  # info: the line that says it serves (Ray's /health answers before that)
+        server = subprocess.Popen([*command, *flags, "--log-level=info"], stdout=out, stderr=out, env=env)
+    ray_processes = []
+    try:
+        deadline = time.monotonic() + 180
+        while " on Ray Serve (" not in log.read_text():
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        ray_processes = psutil.Process(server.pid).children(recursive=True)
+        (raylet,) = [p for p in ray_processes if p.name() == "raylet"]
+        (controller,) = [p for p in ray_processes if p.name().startswith("ray::ServeController")]  # + its task
+        started = time.monotonic()
+        if fault == "raylet_killed":
+            raylet.kill()
+        else:
+            controller.suspend()
+            server.send_signal(signal.SIGTERM)
+            time.sleep(1.0)  # the drain is asking the controller
+            server.send_signal(signal.SIGTERM)
+        code = server.wait(60)
+        took = time.monotonic() - started
+    finally:
+        for process in [*ray_processes, psutil.Process(server.pid)] if server.poll() is None else ray_processes:
+            with contextlib.suppress(psutil.Error):  # Ray's own, and the old code's server (deaf to SIGTERM)
+                process.kill()
+        server.wait(30)
+    stderr = log.read_text()
+    print(f"\n{fault}: serve ended {took:.1f} s after the fault")
+    if fault == "raylet_killed":
+        assert code == 1, stderr[-3000:]
+        assert re.search(r"^error: Ray's raylet on this node \(\S+\) died", stderr, re.M), stderr[-3000:]
+        assert took < 30, (took, stderr[-3000:])
+    else:
+        assert code == 0 and "which replicas still run (its controller or node is gone?)" in stderr, stderr[-3000:]
+        assert took < 15, (took, stderr[-3000:])  # not the drain's 30 s + 10 s
 
 
 def test_the_default_install_does_not_import_ray(monkeypatch):
@@ -568,6 +652,14 @@ def test_an_interrupted_start_deletes_its_app_or_says_it_may_be_left(endpoint, c
     monkeypatch.undo()
     r = httpx.post(endpoint + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+@needs_ray
+def test_a_real_ray_gcs_passes_the_address_check(endpoint):
+    """The gRPC handshake the RAY_ADDRESS check asks for is one Ray's GCS answers."""
+    from rag_lookahead.serve.ray_deploy import _check_reachable
+
+    _check_reachable(ray.get_runtime_context().gcs_address)
 
 
 @needs_ray

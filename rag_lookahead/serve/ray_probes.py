@@ -1,0 +1,134 @@
+"""Cheap checks that Ray's processes are there and answer, for ``serve --replicas``
+(:mod:`rag_lookahead.serve.ray_deploy`): Ray's own clients wait on a missing or dead process
+for minutes, or for good, and do not hear Ctrl-C meanwhile.
+
+- :func:`speaks_grpc`: whether a ``host:port`` answers the HTTP/2 handshake every gRPC server
+  answers (Ray's GCS is one), so that a RAY_ADDRESS naming some other server is refused at once.
+- :class:`RayletWatch`: whether this node's raylet still takes connections while we serve.
+- :class:`RayCall`: a call to Ray that the caller can stop waiting for (Ray's own calls have no timeout).
+
+None of these imports Ray.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RayCall", "RayletWatch", "Unanswered", "speaks_grpc"]
+
+#: What an HTTP/2 client sends first (RFC 9113 section 3.4): the fixed preface, then a SETTINGS
+#: frame, here an empty one: length 0 (3 bytes), type 0x4, no flags, stream 0 (4 bytes).
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+EMPTY_SETTINGS_FRAME = bytes([0, 0, 0, 0x4, 0, 0, 0, 0, 0])
+FRAME_HEADER_BYTES = 9
+SETTINGS_FRAME_TYPE = 0x4
+
+
+def speaks_grpc(sock: socket.socket, timeout: float = 2.0) -> bool:
+    """Whether the server at the other end of the connected ``sock`` speaks HTTP/2, as every gRPC
+    server (Ray's GCS among them) does: its first frame after our client preface must be a
+    SETTINGS frame on stream 0 (RFC 9113 section 3.4). An HTTP/1.x answer, a closed connection or
+    ``timeout`` seconds of silence is no. Plain-text HTTP/2 only (a Ray with TLS is not asked)."""
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    try:
+        sock.sendall(HTTP2_PREFACE + EMPTY_SETTINGS_FRAME)
+        header = b""
+        while len(header) < FRAME_HEADER_BYTES:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = sock.recv(FRAME_HEADER_BYTES - len(header))
+            if not chunk:  # closed before a whole frame header
+                return False
+            header += chunk
+    except OSError:  # silence (socket.timeout is an OSError), or reset
+        return False
+    stream = int.from_bytes(header[5:9], "big") & 0x7FFFFFFF
+    return header[3] == SETTINGS_FRAME_TYPE and stream == 0
+
+
+class RayletWatch:
+    """Whether this node's raylet (Ray's per-node process, which runs the proxy and the replicas
+    here) still takes TCP connections on its port. Why: when it dies (``kill -9``, the OOM killer)
+    Ray's driver is not told: ``serve --replicas`` went on running while its port refused every
+    connection, and Ray's calls to the dead node then blocked for good. Asked at most every
+    ``every`` seconds. A refused connect is proof (nothing listens there); a connect that times
+    out counts only after ``misses`` in a row (a busy machine can be slow to accept)."""
+
+    def __init__(self, host: str, port: int, every: float = 2.0, misses: int = 2, timeout: float = 2.0) -> None:
+        self.host, self.port = host, port
+        self.every, self.misses, self.timeout = every, misses, timeout
+        self._missed = 0
+        self._next = 0.0
+
+    @classmethod
+    def of_driver(cls, ray, **options: Any) -> RayletWatch | None:
+        """The watch of the raylet this Ray driver is connected to; None where it has none to
+        judge by (Ray Client's ``ray://``, or a Ray that is not initialized)."""
+        try:
+            node = ray._private.worker.global_worker.node
+            host, port = node.node_ip_address, int(node.node_manager_port)
+        except Exception:  # noqa: BLE001 - Ray internals moved, or no node: nothing to watch
+            return None
+        return cls(host, port, **options) if host and port else None
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def gone(self) -> bool:
+        """Whether the raylet is gone, by a connect made now unless one was made within ``every`` s."""
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + self.every
+            try:
+                socket.create_connection((self.host, self.port), timeout=self.timeout).close()
+            except ConnectionRefusedError:
+                self._missed = self.misses
+            except OSError:
+                self._missed += 1
+            else:
+                self._missed = 0
+        return self._missed >= self.misses
+
+
+class Unanswered(Exception):
+    """A call to Ray that gave no answer within its time (see :class:`RayCall`)."""
+
+
+class RayCall:
+    """A call to Ray run in a daemon thread, so that the caller can stop waiting for it: Ray's
+    own calls have no timeout, and one to a dead node blocked ``serve``'s drain for good (deaf to
+    SIGTERM and Ctrl-C). A call that never answers leaves its thread behind, which does not keep
+    the process from exiting."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.started = time.monotonic()
+        self._box: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(call,), name="ray-call", daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Callable[[], Any]) -> None:
+        try:
+            self._box["value"] = call()
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+            self._box["error"] = err
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self, seconds: float = 0.0, poll: Callable[[], bool] | None = None) -> Any:
+        """The call's result (its exception is raised here), waiting up to ``seconds``, and no
+        longer once ``poll()`` is true (asked every 0.1 s); :class:`Unanswered` if it has none."""
+        deadline = time.monotonic() + seconds
+        while self._thread.is_alive():
+            left = deadline - time.monotonic()
+            if left <= 0 or (poll is not None and poll()):
+                raise Unanswered()
+            self._thread.join(min(0.1, left))
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box.get("value")
