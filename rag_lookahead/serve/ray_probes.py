@@ -117,16 +117,13 @@ class RayCall:
         except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
             self._box["error"] = err
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def result(self, seconds: float = 0.0, poll: Callable[[], bool] | None = None) -> Any:
-        """The call's result (its exception is raised here), waiting up to ``seconds``, and no
-        longer once ``poll()`` is true (asked every 0.1 s); :class:`Unanswered` if it has none."""
+    def result(self, seconds: float = 0.0) -> Any:
+        """The call's result (its exception is raised here), waiting up to ``seconds``;
+        :class:`Unanswered` if it has none by then."""
         deadline = time.monotonic() + seconds
         while self._thread.is_alive():
             left = deadline - time.monotonic()
-            if left <= 0 or (poll is not None and poll()):
+            if left <= 0:
                 raise Unanswered()
             self._thread.join(min(0.1, left))
         if "error" in self._box:
