@@ -28,7 +28,7 @@ _imports_done = _START.__enter__() if _START is not None else None
 from rag_lookahead.ask import StdoutClosed, ensure_index, silence_stdout
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError, RagLookaheadError, first_line
-from rag_lookahead.models import check_embedded_installed
+from rag_lookahead.models import check_load_options
 from rag_lookahead.paths import expand_user, refuse_blank_path
 from rag_lookahead.rag.chains import check_k, check_question_text, seed_count
 from rag_lookahead.rag.index import DocumentIndex, check_searchable, default_index_dir
@@ -75,7 +75,7 @@ def open_index(args: argparse.Namespace) -> DocumentIndex:
     """The index at ``--index-dir``, else ``default_index_dir()``, built from the bundled corpus
     first if there is none there. A named ``--index-dir`` must hold an index (as ``ask`` has it): a
     mistyped one was filled with the sample corpus, which then answered the question."""
-    check_embedded_installed(args.model)  # a missing optional model: said before the sample index is built
+    check_load_options(args.model)  # a bad --model or a missing optional one: said before the sample index is built
     given = expand_user(args.index_dir, "--index-dir") if args.index_dir is not None else None  # '--index-dir=~/x'
     return ensure_index(given or default_index_dir(), build_bundled=given is None)
 

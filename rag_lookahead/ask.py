@@ -156,9 +156,11 @@ def answer(
     # a blank index_dir (an unset variable) is refused by expand_user, not taken for the default
     folder = expand_user(index_dir, "--index-dir") if index_dir is not None else default_index_dir()
     if llm is None:
-        from rag_lookahead.models import check_embedded_installed
+        from rag_lookahead.models import check_load_options
 
-        check_embedded_installed(model)  # a missing optional model: said before the sample index is built
+        # a bad --model, --dtype or --device, or a missing optional model: said before the sample
+        # index is built (a minute on a fresh machine, and the index was left behind)
+        check_load_options(model, dtype=dtype, device=device, device_map=device_map)
     # only the default folder gets the sample
     index = ensure_index(folder, quiet=quiet, build_bundled=index_dir is None)
     if llm is None:

