@@ -10,7 +10,7 @@ Three shapes:
 * :func:`build_chat_rag_chain` - current LangChain style: LCEL with a ``ChatPromptTemplate`` and
   :class:`rag_lookahead.langchain.chat_model.ChatLookahead`; question -> ``{"question", "answer", "sources",
   "stats"}``, and ``.stream()`` yields the sources first, then the answer block by block.
-* :func:`build_rag_chain` - an LCEL ``Runnable`` over :class:`LookaheadLLM`: question (str or
+* :func:`build_rag_chain` - an LCEL ``Runnable`` over :class:`LookaheadLLM`: question (str, message or
   ``{"question": ...}``) -> ``{"answer", "sources", "stats"}``.
 * :func:`build_retrieval_qa` - ``langchain_classic.chains.RetrievalQA.from_chain_type`` with a
   :class:`SeedingRetriever`. ``RetrievalQA`` cannot pass per-query kwargs to its LLM, so the
@@ -24,6 +24,7 @@ Three shapes:
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -222,6 +223,7 @@ def check_question_fits(llm: Any, question: str) -> int | None:
     retriever before the model refused it) and ``ask`` before building its chain."""
     from rag_lookahead.decoding.inputs import check_prompt_room
 
+    llm = _unbound(llm)  # through bind/with_retry: a wrapper has no tokenizer of its own
     get_engine = getattr(llm, "get_engine", None)  # ChatLookahead("default") holds its model there
     holder = get_engine() if callable(get_engine) else llm
     tokenizer, model = getattr(holder, "tokenizer", None), getattr(holder, "model", None)
@@ -276,16 +278,58 @@ def source_info(doc: Document, in_prompt: bool) -> dict:
 _CALL_OPTIONS = ("enable_lookahead", "max_new_tokens", *SAMPLING_FIELDS)
 #: the keys that may hold the question in a chain's input dict
 _QUESTION_KEYS = ("question", "query")
+#: option names meant for the model or the retriever (LookaheadLLM's and ChatLookahead's call options,
+#: OpenAI-style ones, a retriever's ``k``): an input key among them that a chain does not take is refused
+_OPTION_NAMES = tuple(
+    dict.fromkeys(
+        (
+            *_CALL_OPTIONS,
+            *("references", "lookahead", "max_tokens", "max_completion_tokens", "stop", "timeout", "n", "k"),
+            *("presence_penalty", "frequency_penalty", "tools", "tool_choice", "parallel_tool_calls"),
+        )
+    )
+)
 
 
 def check_input_keys(inputs: dict, taken: Sequence[str]) -> None:
-    """Refuse a key of a chain's input dict other than ``taken``: a misspelt option
-    (``temprature``) or one the chain has not (``max_tokens``, ``stop``) was dropped in silence,
-    where ``llm.invoke(q, temprature=0.5)`` refuses it."""
-    unknown = [key for key in inputs if key not in taken]
-    if unknown:
-        names = ", ".join(repr(key) for key in unknown)
-        raise ConfigError(f"unknown input key(s) {names}: the chain takes {', '.join(taken)}")
+    """Refuse a key of a chain's input dict that was meant for the chain but would be dropped: a model
+    or retriever option it does not take (``max_tokens``, ``stop``, ``k``) or a near-miss of a key it
+    takes or an option (``temprature``, ``questoin``), where ``llm.invoke(q, temprature=0.5)`` refuses
+    it. Any other key passes over: ``RunnablePassthrough.assign(question=itemgetter("input")) | chain``
+    keeps ``input``, and graph state carries ``chat_history`` and the like. A near-miss of a key that
+    is given is no misspelling of it (``question_id`` beside ``question`` or ``query`` passes)."""
+    given = {key for key in inputs if key in taken}
+    if given & set(_QUESTION_KEYS):
+        given |= set(_QUESTION_KEYS)
+    meant = [name for name in (*taken, *_OPTION_NAMES) if name not in given]
+    dropped = []
+    for key in inputs:
+        if not isinstance(key, str) or key in taken:
+            continue
+        if key in _OPTION_NAMES:
+            dropped.append(f"{key!r} (an option this chain does not take)")
+        elif near := difflib.get_close_matches(key, meant, n=1, cutoff=0.8):
+            dropped.append(f"{key!r} (did you mean {near[0]!r}?)")
+    if dropped:
+        raise ConfigError(f"input key(s) the chain would drop: {', '.join(dropped)}; it takes {', '.join(taken)}")
+
+
+def _refuse_other_model_kind(model: Any, chain: str) -> None:
+    """``build_rag_chain`` prompts a text LLM with a string, ``build_chat_rag_chain`` a chat model with
+    messages: the other kind was built without a word and failed at the first call (inside LangChain,
+    or after decoding the whole answer)."""
+    from langchain_core.language_models import BaseChatModel, BaseLLM
+
+    if chain == "build_rag_chain" and isinstance(model, BaseChatModel):
+        raise ConfigError(
+            f"build_rag_chain takes a text LLM (LookaheadLLM), got the chat model {type(model).__name__}: "
+            "use build_chat_rag_chain for chat models"
+        )
+    if chain == "build_chat_rag_chain" and isinstance(model, BaseLLM):
+        raise ConfigError(
+            f"build_chat_rag_chain takes a chat model (ChatLookahead), got the text LLM {type(model).__name__}: "
+            "use build_rag_chain for text LLMs, or ChatLookahead.from_llm(llm)"
+        )
 
 
 def build_rag_chain(
@@ -296,36 +340,24 @@ def build_rag_chain(
     ``sources`` lists all ``k_seed`` passages (``in_prompt`` tells which the model saw).
     Extra call kwargs of :class:`LookaheadLLM` (``enable_lookahead``, ``max_new_tokens``, and the
     sampling options ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed``) can be
-    given in the input dict: ``{"question": q, "enable_lookahead": False}``; any other key is a
-    ``ConfigError``. A question the model's context cannot hold is refused before retrieving.
+    given in the input dict: ``{"question": q, "enable_lookahead": False}``; another model option
+    (``max_tokens``, ``stop``) or a near-miss (``temprature``) is a ``ConfigError``, other keys pass
+    over. A question the model's context cannot hold is refused before retrieving.
     Token callbacks (``config={"callbacks": [...]}``) receive each accepted block's text.
     """
-    from langchain_core.language_models import BaseChatModel
-
     llm, bound = _bound_options(llm)  # llm.bind(...)'s generate() was the bare model's: its options were lost
     if not callable(getattr(type(llm), "generate", None)):  # e.g. llm.with_retry(): an AttributeError inside
         raise ConfigError(
             f"build_rag_chain takes the LLM itself or llm.bind(...), got {type(llm).__name__}: wrap the chain"
             " instead, e.g. build_rag_chain(llm, index).with_retry()"
         )
-    if isinstance(llm, BaseChatModel):  # its generate() takes message lists: it failed inside LangChain
-        raise ConfigError(
-            f"build_rag_chain takes a text LLM (LookaheadLLM), got the chat model {type(llm).__name__}: "
-            "use build_chat_rag_chain for chat models"
-        )
+    _refuse_other_model_kind(llm, "build_rag_chain")
     check_k(k_prompt, k_seed)
     retriever = as_retriever(retriever_or_index, k_seed)
 
     def request(inputs: Any) -> tuple[str, dict]:
-        if isinstance(inputs, dict):
-            check_input_keys(inputs, (*_QUESTION_KEYS, *_CALL_OPTIONS))
-            question = inputs.get("question", inputs.get("query"))
-            extra = {k: v for k, v in inputs.items() if k in _CALL_OPTIONS}
-        else:
-            question, extra = inputs, {}
-        if not isinstance(question, str) or not question.strip():
-            raise InputError("the question is empty")
-        question = question.strip()  # stripped as the prompt has it: spaces moved the dense ranking
+        question = _question_of(inputs, (*_QUESTION_KEYS, *_CALL_OPTIONS))
+        extra = {k: v for k, v in inputs.items() if k in _CALL_OPTIONS} if isinstance(inputs, dict) else {}
         check_question_fits(llm, question)
         return question, extra
 
@@ -372,18 +404,50 @@ def build_rag_chain(
     return RunnableLambda(run, afunc=arun if has_async else None, name="rag_lookahead_chain")
 
 
-def _question_of(inputs: Any) -> str:
+def _question_of(inputs: Any, taken: Sequence[str] = _QUESTION_KEYS) -> str:
+    """The question of a chain's input, stripped (as the prompt has it: spaces moved the dense ranking):
+    a string, a message's text, or the first string (or message) under ``question`` / ``query`` of a
+    dict whose keys pass :func:`check_input_keys` with ``taken`` (``{"question": None, "query": q}``
+    asks ``q``). Any other input is an ``InputError`` naming what it got (a message, ``None`` under
+    ``question`` beside a string under ``query`` and a dict without either read "the question is empty")."""
     if isinstance(inputs, dict):
-        check_input_keys(inputs, _QUESTION_KEYS)
-    question = inputs.get("question", inputs.get("query")) if isinstance(inputs, dict) else inputs
-    if not isinstance(question, str) or not question.strip():
+        check_input_keys(inputs, taken)
+        held = {key: inputs[key] for key in _QUESTION_KEYS if key in inputs}
+        if not held:
+            keys = ", ".join(repr(key) for key in inputs) or "no keys"
+            raise InputError(f"no question: the input dict holds {keys}, the question goes under 'question' or 'query'")
+        texts = [text for text in map(_text_of, held.values()) if text is not None]
+        if not texts:
+            got = ", ".join(f"{key}={type(value).__name__}" for key, value in held.items())
+            raise InputError(f"the question must be a string or a message, got {got}")
+        question = next((text for text in texts if text.strip()), texts[0])
+    else:
+        question = _text_of(inputs)
+        if question is None:
+            raise InputError(
+                f"expected a question string, a message or {{'question': ...}}, got {type(inputs).__name__}"
+            )
+    if not question.strip():
         raise InputError("the question is empty")
     return question.strip()
 
 
+def _text_of(value: Any) -> str | None:
+    """A question's text: a string, or a message's text (``chain.invoke(HumanMessage(q))``); None for anything else."""
+    if isinstance(value, BaseMessage):
+        return str(value.text)
+    return value if isinstance(value, str) else None
+
+
 def _unbound(model: Any) -> Any:
-    """The model under ``model.bind(...)`` / ``bind_tools`` wrappers."""
-    return _bound_options(model)[0]
+    """The model under every wrapper that holds one in ``.bound`` (``bind``, ``bind_tools``,
+    ``with_retry``, ``with_config``), for what the chain reads off the model itself: its tokenizer
+    and context (the fit check) and ``register_seeds``. The chain still calls the wrapper."""
+    from langchain_core.runnables.base import RunnableBindingBase
+
+    while isinstance(model, RunnableBindingBase):
+        model = model.bound
+    return model
 
 
 def _bound_options(model: Any) -> tuple[Any, dict[str, Any]]:
@@ -415,12 +479,15 @@ def build_chat_rag_chain(
     ``stats`` (the model's ``response_metadata``, ``usage`` and ``retrieval_seconds``).
     ``.stream()`` yields ``{"question"}`` and ``{"sources"}`` first, then ``{"answer": piece}`` as
     the model's blocks are accepted, then ``{"stats"}``. Any LangChain chat model works; pass
-    ``chat_model.bind(max_tokens=..., temperature=...)`` for per-chain options (an input dict holds
-    ``question`` or ``query`` only: any other key is a ``ConfigError``).
+    ``chat_model.bind(max_tokens=..., temperature=...)`` for per-chain options (an input dict's
+    question is under ``question`` or ``query``; a model option such as ``max_tokens`` or a near-miss
+    such as ``questoin`` is a ``ConfigError``, other keys pass over). A text LLM is refused: it would
+    get the chat prompt as one string (use :func:`build_rag_chain` or ``ChatLookahead.from_llm``).
     """
+    seeding = _unbound(chat_model)  # the model itself, through bind/with_retry wrappers
+    _refuse_other_model_kind(seeding, "build_chat_rag_chain")
     check_k(k_prompt, k_seed)
     retriever = as_retriever(retriever_or_index, k_seed)
-    seeding = _unbound(chat_model)
 
     def fetch(inputs: Any, config: RunnableConfig) -> dict:
         question = _question_of(inputs)
@@ -479,6 +546,12 @@ class _AnswerSplit:
 
 
 def _message_parts(message: BaseMessage, retrieval: dict) -> Iterator[AddableDict]:
+    if not isinstance(message, BaseMessage):  # e.g. chat | StrOutputParser(): its str has no .text
+        got = "str" if isinstance(message, str) else type(message).__name__  # StrOutputParser's is a str subclass
+        raise ConfigError(
+            f"build_chat_rag_chain's chat model must return a message, got {got}: pass the chat "
+            "model itself (not chat | StrOutputParser()); a text LLM goes to build_rag_chain"
+        )
     last = getattr(message, "chunk_position", None) == "last" or not type(message).__name__.endswith("Chunk")
     text = message.text
     if text or last:  # the key is there even for an empty answer

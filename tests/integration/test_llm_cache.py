@@ -170,14 +170,49 @@ def test_the_rag_chains_refuse_an_input_key_they_would_drop(model):
     and dropped the key in silence, where ``llm.invoke(q, temprature=0.5)`` refuses it."""
     docs = [Document(page_content=A, metadata={"source": "a.md"})]
     chain = build_rag_chain(make_llm(model), Fixed(docs=docs), k_prompt=1, k_seed=1)
-    for key, value in (("max_tokens", 5), ("temprature", 0.5), ("stop", ["t9"]), ("timeout", 0.001), ("k", 1)):
-        with pytest.raises(ConfigError, match=f"unknown input key\\(s\\) '{key}': the chain takes question, query"):
+    for key, value, why in (
+        ("max_tokens", 5, "an option this chain does not take"),
+        ("temprature", 0.5, "did you mean 'temperature'\\?"),
+        ("stop", ["t9"], "an option this chain does not take"),
+        ("timeout", 0.001, "an option this chain does not take"),
+        ("k", 1, "an option this chain does not take"),
+    ):
+        with pytest.raises(ConfigError, match=f"would drop: '{key}' \\({why}\\); it takes question, query, "):
             chain.invoke({"question": "t5 t6", key: value})
+    with pytest.raises(ConfigError, match="'questoin' \\(did you mean 'question'\\?\\)"):
+        chain.invoke({"questoin": "t5 t6"})
     assert chain.invoke({"query": "t5 t6", "max_new_tokens": 3})["stats"]["new_tokens"] == 3
     chat_chain = build_chat_rag_chain(make_chat(model), Fixed(docs=docs), k_prompt=1, k_seed=1)
-    with pytest.raises(ConfigError, match="unknown input key\\(s\\) 'max_tokens': the chain takes question, query$"):
-        chat_chain.invoke({"question": "t5 t6", "max_tokens": 3})
+    for key in ("max_tokens", "temperature"):  # the chat chain takes its options from chat.bind(...)
+        with pytest.raises(
+            ConfigError, match=f"'{key}' \\(an option this chain does not take\\); it takes question, query$"
+        ):
+            chat_chain.invoke({"question": "t5 t6", key: 3})
     assert chat_chain.invoke({"query": "t5 t6"})["answer"] is not None
+
+
+def test_the_rag_chains_pass_over_keys_not_meant_for_them(model):
+    """Since every unknown key was refused, ``RunnablePassthrough.assign(question=itemgetter("input")) | chain``
+    (which keeps ``input``) and input carrying ``chat_history`` or a ``question_id`` failed; they
+    answer as ``{"question": q}`` does."""
+    from operator import itemgetter
+
+    from langchain_core.runnables import RunnablePassthrough
+
+    docs = [
+        Document(page_content=A, metadata={"source": "a.md"}),
+        Document(page_content=B, metadata={"source": "b.md"}),
+    ]
+    chains = {
+        "build_rag_chain": build_rag_chain(make_llm(model), Fixed(docs=docs), k_prompt=1, k_seed=2),
+        "build_chat_rag_chain": build_chat_rag_chain(make_chat(model), Fixed(docs=docs), k_prompt=1, k_seed=2),
+    }
+    for name, chain in chains.items():
+        plain = chain.invoke({"question": "t5 t6"})
+        assigned = (RunnablePassthrough.assign(question=itemgetter("input")) | chain).invoke({"input": "t5 t6"})
+        assert (assigned["answer"], assigned["sources"]) == (plain["answer"], plain["sources"]), name
+        carried = chain.invoke({"question": "t5 t6", "question_id": 7, "chat_history": []})
+        assert carried["answer"] == plain["answer"], name
 
 
 def test_the_rag_chains_refuse_a_question_past_the_context_before_retrieving(model):
@@ -196,6 +231,63 @@ def test_the_rag_chains_refuse_a_question_past_the_context_before_retrieving(mod
         with pytest.raises(InputError, match="tokens but the model's context holds"):
             build(retriever).invoke(question)
         assert retriever.queries == [], name
+
+
+def test_the_chat_rag_chain_refuses_a_text_llm_before_decoding(model):
+    """``build_chat_rag_chain(LookaheadLLM(...), index)`` was built, then each call retrieved and
+    decoded the whole answer (of the chat prompt read as one string) before an ``AttributeError``
+    ('str' object has no attribute 'text'); ``chat | StrOutputParser()`` failed so too."""
+    from langchain_core.output_parsers import StrOutputParser
+
+    docs = [Document(page_content=A, metadata={"source": "a.md"})]
+    for llm in (make_llm(model), make_llm(model).bind(max_new_tokens=2), make_llm(model).with_retry()):
+        with pytest.raises(
+            ConfigError, match="takes a chat model .*got the text LLM LookaheadLLM: use build_rag_chain"
+        ):
+            build_chat_rag_chain(llm, Fixed(docs=docs), k_prompt=1, k_seed=1)
+    chain = build_chat_rag_chain(make_chat(model) | StrOutputParser(), Fixed(docs=docs), k_prompt=1, k_seed=1)
+    for call in (chain.invoke, lambda q: list(chain.stream(q))):
+        with pytest.raises(ConfigError, match="chat model must return a message, got str"):
+            call("t5 t6")
+
+
+def test_the_rag_chains_ask_a_message_and_the_key_that_holds_a_string(model):
+    """``chat_chain.invoke(HumanMessage(q))`` and ``{"question": None, "query": q}`` both read "the
+    question is empty"; any other non-string did too, naming nothing."""
+    from langchain_core.messages import HumanMessage
+
+    docs = [Document(page_content=A, metadata={"source": "a.md"})]
+    rag = build_rag_chain(make_llm(model), Fixed(docs=docs), k_prompt=1, k_seed=1)
+    chat_chain = build_chat_rag_chain(make_chat(model), Fixed(docs=docs), k_prompt=1, k_seed=1)
+    for chain in (rag, chat_chain):
+        plain = chain.invoke("t5 t6")["answer"]
+        assert chain.invoke(HumanMessage(" t5 t6 "))["answer"] == plain
+        assert chain.invoke({"question": None, "query": "t5 t6"})["answer"] == plain
+        assert chain.invoke({"question": HumanMessage("t5 t6")})["answer"] == plain
+        with pytest.raises(InputError, match="got int$"):
+            chain.invoke(5)
+        with pytest.raises(InputError, match="got question=NoneType, query=int$"):
+            chain.invoke({"question": None, "query": 3})
+        with pytest.raises(InputError, match="no question: the input dict holds 'input'"):
+            chain.invoke({"input": "t5 t6"})
+        with pytest.raises(InputError, match="the question is empty"):
+            chain.invoke({"question": " ", "query": None})
+
+
+def test_the_chat_rag_chain_reaches_the_model_through_with_retry(model):
+    """Under ``chat.with_retry()`` the chain found no tokenizer (``RunnableRetry`` was not unwrapped):
+    a question past the context was retrieved for first, and the passages past the prompt were
+    not handed to the drafter as seeds."""
+    long_question = "t5 " * 300  # the tiny model's context holds 256 tokens
+    docs = [Document(page_content=A, metadata={"source": "a.md"}), Document(page_content=B)]
+    chat = make_chat(model)
+    retriever = Asked(docs=docs)
+    chain = build_chat_rag_chain(chat.with_retry(), retriever, k_prompt=1, k_seed=2)
+    with pytest.raises(InputError, match="tokens but the model's context holds"):
+        chain.invoke(long_question)
+    assert retriever.queries == []
+    assert chain.invoke("t5 t6")["answer"] is not None
+    assert chat.get_engine().seeds.lookup(A) == [B]
 
 
 def test_retrieval_qa_retrieves_with_the_question_stripped(model):
