@@ -430,11 +430,12 @@ def _lookahead_config(config: ServerConfig, tokenizer) -> LookaheadConfig:
 
 
 def _load(config: ServerConfig) -> dict:
-    """The model, its tokenizer and the index ``config`` names (the default index if it loads)."""
+    """The model, its tokenizer and the index ``config`` names (the default index if it loads).
+    The index first, as ``ask`` opens it: a mistyped ``--index-dir`` was said after the model had
+    loaded (23 s and 4 GB for the default model; minutes for a large one)."""
     from rag_lookahead.models import load_model
     from rag_lookahead.rag.index import default_index_dir, load_index
 
-    model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device, device_map=config.device_map)
     index = None
     if config.index_dir is not None:
         index = load_index(config.index_dir)  # asked for explicitly: fail loudly
@@ -443,4 +444,5 @@ def _load(config: ServerConfig) -> dict:
             index = load_index(default_index_dir())
         except Exception as e:  # the default is optional: serve without RAG
             log.warning("default index at %s not loaded (%s); /v1/rag will answer 503", default_index_dir(), e)
+    model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device, device_map=config.device_map)
     return {"model": model, "tokenizer": tokenizer, "index": index.warm() if index is not None else None}

@@ -107,3 +107,19 @@ def test_a_ctrl_c_while_the_model_loads_ends_the_server_at_once(model_folder):
             child.wait()
         stderr.close()
     assert (code, "Traceback" in text) == (130, False) and seconds < 10, (code, seconds, text[-800:])
+
+
+def test_a_named_index_that_is_not_there_is_said_before_the_model_loads(tmp_path):
+    """``serve --index-dir`` with a typo loaded the whole model first (23 s and 4 GB for the default
+    one), and only then said "no index at ..."; ``ask`` checks the index first. Here the model
+    named does not exist either: the error the server ends with shows which it looked at first."""
+    missing = tmp_path / "my_indx"
+    command = [sys.executable, "-m", "rag_lookahead.serve", f"--model={tmp_path / 'no_model'}", "--port=0"]
+    done = subprocess.run(
+        [*command, f"--index-dir={missing}"], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: no index at {missing}: build one with "), (
+        done.stderr[-2000:]
+    )
+    assert not missing.exists()
