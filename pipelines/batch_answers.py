@@ -6,7 +6,8 @@ Each output line: {"question", "answer", "sources": [{source, chunk_id, score, i
 in input order. Questions are answered in batches through one batched generate call each
 (``LookaheadLLM.generate``, like ``.batch``); the output file is written to a temporary sibling and renamed into
 place, so an interrupted run never leaves a half-written file; an existing file at that path is replaced only
-if it is an earlier answers file of this pipeline.
+if it is an earlier answers file of this pipeline. Where the file cannot be written (a full disk), the answers
+are printed on stdout instead, and one error line names the file.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from rag_args import open_index, rag_parser, run
 
 from tqdm import tqdm
 
-from rag_lookahead.atomic import write_jsonl_atomic
 from rag_lookahead.checks import positive_int
-from rag_lookahead.errors import InputError, first_line
+from rag_lookahead.errors import InputError, first_line, shown_path
 from rag_lookahead.langchain.llm import LookaheadLLM
-from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file, output_target
+from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file, output_target, save_or_print
 from rag_lookahead.paths import refuse_blank_path
 from rag_lookahead.rag.chains import as_retriever, make_prompt, retrieve, source_info
 from rag_lookahead.rag.corpus import read_input_text
@@ -36,6 +36,7 @@ ANSWER_KEYS = {"question", "answer", "sources", "stats"}  # each output record's
 def read_questions(path: str | Path) -> list[tuple[int, str]]:
     """The questions of a JSONL file with their line numbers; any bad line is refused here, before
     the model loads, naming ``path:line``."""
+    name = shown_path(path)  # a name holding a newline was cut there in the one-line error
     try:
         lines = re.split(r"\r\n|\r|\n", read_input_text(path))  # not splitlines: U+2028 is JSON text
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
@@ -47,15 +48,15 @@ def read_questions(path: str | Path) -> list[tuple[int, str]]:
         try:
             q = json.loads(line)["question"]
         except (ValueError, KeyError, TypeError, RecursionError) as e:  # [[[[... nested past Python's limit
-            raise InputError(f"{path}:{lineno}: expected a JSON object with a 'question' ({e})") from None
+            raise InputError(f"{name}:{lineno}: expected a JSON object with a 'question' ({e})") from None
         if not isinstance(q, str):
-            raise InputError(f"{path}:{lineno}: the question must be a string, got {type(q).__name__}")
+            raise InputError(f"{name}:{lineno}: the question must be a string, got {type(q).__name__}")
         if not q.strip():
-            raise InputError(f"{path}:{lineno}: the question is empty")
-        check_searchable(q, f"{path}:{lineno}: the question")  # not in the middle of the run
+            raise InputError(f"{name}:{lineno}: the question is empty")
+        check_searchable(q, f"{name}:{lineno}: the question")  # not in the middle of the run
         questions.append((lineno, q.strip()))
     if not questions:  # before the model loads, and no empty answers file its own rerun would refuse
-        raise InputError(f"{path} holds no questions (one JSON object with a 'question' a line)")
+        raise InputError(f"{name} holds no questions (one JSON object with a 'question' a line)")
     return questions
 
 
@@ -107,7 +108,7 @@ def main() -> None:
         try:
             llm.check_prompt(prompts[-1])
         except InputError as err:
-            raise InputError(f"{args.questions}:{lineno}: {first_line(err)}") from None
+            raise InputError(f"{shown_path(args.questions)}:{lineno}: {first_line(err)}") from None
     rows: list[dict] = []
     for start in range(0, len(questions), args.batch_size):
         group = slice(start, start + args.batch_size)
@@ -127,7 +128,7 @@ def main() -> None:
             )
         print(f"answered {len(rows)}/{len(questions)}", file=sys.stderr)
     target = output_target(args.answers, is_answers_file, seen)  # checked again: the run may have been long
-    write_jsonl_atomic(target, rows)
+    save_or_print(target, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), "the answers")
     print(f"wrote {len(rows)} answers to {target}", file=sys.stderr)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rag_lookahead.errors import ConfigError, IndexLoadError, InputError, one_line
+from rag_lookahead.errors import ConfigError, IndexLoadError, InputError, one_line, shown_path
 from rag_lookahead.paths import expand_user
 
 __all__ = [
@@ -67,7 +67,10 @@ def ensure_index(index_dir: Path, *, quiet: bool = False, build_bundled: bool = 
             " or set RAG_LOOKAHEAD_HOME to another folder",
         )
         if not quiet:
-            print(f"rag_lookahead: no index at {index_dir}; indexing the bundled corpus {corpus}", file=sys.stderr)
+            print(
+                f"rag_lookahead: no index at {shown_path(index_dir)}; indexing the bundled corpus {corpus}",
+                file=sys.stderr,
+            )
         report = build_index(corpus, index_dir, progress=not quiet, if_missing=True)
         if not quiet:
             done = "another run published an index there meanwhile; using it" if report is None else report.summary()

@@ -3,17 +3,21 @@ crash right after a write cannot leave a renamed-in file whose bytes never reach
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from rag_lookahead.errors import shown_path
 
 __all__ = [
     "fsync_dir",
     "fsync_file",
+    "naming_failed_write",
     "temporary_names",
     "write_bytes_atomic",
     "write_text_atomic",
@@ -74,6 +78,16 @@ def _create_beside(path: Path, private: bool) -> tuple[int, Path]:
             os.fchmod(fd, keep)  # the umask may have cleared bits the old file had
         return fd, tmp
     raise FileExistsError(f"no free temporary name beside {path}")
+
+
+@contextlib.contextmanager
+def naming_failed_write(path: Path | str) -> Iterator[None]:
+    """Within: an OSError says which file it could not write (a write error names none: "[Errno 28]
+    No space left on device"), its path escaped (:func:`~rag_lookahead.errors.shown_path`)."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {shown_path(path)}: {e.strerror or e}") from None
 
 
 def write_bytes_atomic(path: Path | str, data: bytes, *, private: bool = False) -> None:

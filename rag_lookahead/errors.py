@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class RagLookaheadError(Exception):
     """Base class: something the caller must fix; ``str(err)`` is a one-line explanation."""
@@ -45,3 +47,10 @@ def one_line(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(ch if ch.isprintable() or unicodedata.category(ch) == "Zs" else ascii(ch)[1:-1] for ch in text)
+
+
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """``path`` for a message: control characters and line breaks escaped (:func:`one_line`). A
+    command prints an error's first line only (:func:`first_line`), so a folder named
+    ``"docs\\nold"`` was said as ``corpus folder not found: docs``, another folder's name."""
+    return one_line(os.fspath(path))

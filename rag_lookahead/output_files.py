@@ -23,9 +23,9 @@ from pathlib import Path
 from types import EllipsisType
 from typing import Any
 
-from rag_lookahead.atomic import write_bytes_atomic, write_json_atomic
-from rag_lookahead.errors import ConfigError
-from rag_lookahead.paths import refuse_blank_path
+from rag_lookahead.atomic import naming_failed_write, write_bytes_atomic, write_text_atomic
+from rag_lookahead.errors import ConfigError, RagLookaheadError
+from rag_lookahead.paths import expand_user
 
 __all__ = [
     "REPORT_MARK",
@@ -38,6 +38,7 @@ __all__ = [
     "output_target",
     "replaceable",
     "save_chart",
+    "save_or_print",
     "save_report",
 ]
 
@@ -64,9 +65,9 @@ def check_output_file(
     """Refuse ``path`` for an output unless it can be written and replaces nothing but our own file:
     its folder must exist, it must not be a folder, not one of the run's ``inputs``, and a file
     already there must be one that ``ours`` recognises (a symlink never is). Returns what was there
-    (for :func:`output_target`'s ``seen``). A blank ``path`` is refused (it read as ".": "is a folder")."""
-    refuse_blank_path(path, option)
-    target = Path(path)
+    (for :func:`output_target`'s ``seen``). A blank ``path`` is refused (it read as ".": "is a folder");
+    a ``~`` is the home folder, as in ``--index-dir`` (the shell leaves it in ``--json=~/r.json``)."""
+    target = expand_user(path, option)
     # Path() drops a final "/": "results/" made a file named "results"
     if target.is_dir() or str(path).endswith(("/", os.sep)):
         raise ConfigError(f"{option} {str(path)!r} is a folder; give a file path")
@@ -76,7 +77,7 @@ def check_output_file(
         raise ConfigError(f"{option} {str(path)!r}: its folder {str(folder)!r} {reason}")
     _check_writable(folder, option, path, target.name)
     for source in inputs:
-        if source is not None and _same_file(target, Path(source)):
+        if source is not None and _same_file(target, Path(os.path.expanduser(source))):
             raise ConfigError(f"{option} {str(path)!r} is this run's input {str(source)!r}; give another path")
     if not replaceable(target, ours):
         raise PathTaken(
@@ -159,8 +160,38 @@ def save_report(
     key, value = REPORT_MARK
     report[key] = value
     target = output_target(path, is_report, seen, charts)
-    write_json_atomic(target, report)
+    save_or_print(target, json.dumps(report, ensure_ascii=False, indent=2) + "\n", "the report")
     return target
+
+
+def save_or_print(path: Path, text: str, what: str) -> None:
+    """Write ``text`` to ``path`` atomically; where that fails (a full disk, a quota), print it on
+    stdout instead and raise one :class:`RagLookaheadError` naming the file and where ``what`` went.
+    Why: the output of a long run (a benchmark's report, a pipeline's answers) was lost to a
+    traceback, or to "[Errno 28] No space left on device" naming no file."""
+    try:
+        with naming_failed_write(path):
+            write_text_atomic(path, text)
+    except OSError as e:
+        kept = f"{what} went to stdout instead" if _printed(text) else f"stdout could not take {what} either: lost"
+        raise RagLookaheadError(f"{e.strerror or e}; {kept}") from None
+
+
+def _printed(text: str) -> bool:
+    """Whether ``text`` reached stdout. A benchmark's stdout (``bench.common``'s watched one) keeps
+    its first failure in ``error`` and drops what comes after, rather than raising."""
+    out = sys.stdout
+    if out is None:  # started with stdout closed
+        return False
+    try:
+        out.write(text)
+        out.flush()
+    except (OSError, ValueError):  # ValueError: a closed file
+        from rag_lookahead.ask import silence_stdout
+
+        silence_stdout()  # Python's flush at exit would fail on the same stdout
+        return False
+    return getattr(out, "error", None) is None
 
 
 #: the paths of the charts that go with an output at a given path
@@ -181,8 +212,9 @@ def output_target(
     replaced, unsaid, when two runs wrote the same answers file). ``charts``: the output's charts
     (see :func:`save_report`), which must be free or ours at the name taken, so that they follow
     the report whole: a free name's charts were never checked before the run; a chart of another
-    report whose name shares the stem is not free (:func:`is_chart_of`)."""
-    target = Path(path)
+    report whose name shares the stem is not free (:func:`is_chart_of`). A ``~`` is the home folder
+    (see :func:`check_output_file`)."""
+    target = expand_user(path, "the output path")
     drawn_for_target = functools.partial(is_chart_of, report_path=target)  # not another report's: same names
     taken = next((chart for chart in charts(target) if not replaceable(chart, drawn_for_target)), None)
     if not replaceable(target, ours) or (seen is not ... and file_state(target) not in (seen, None)):
@@ -255,7 +287,8 @@ def save_chart(figure, path: Path, report_path: str | Path) -> Path:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     if missing:
         _say_missing_glyphs(figure, path, missing)
-    write_bytes_atomic(path, buffer.getvalue())
+    with naming_failed_write(path):
+        write_bytes_atomic(path, buffer.getvalue())
     return path
 
 

@@ -34,7 +34,7 @@ from rag_lookahead.decoding.inputs import context_limit, limit_words
 from rag_lookahead.decoding.loop import left_pad
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.verify import input_device
-from rag_lookahead.errors import ConfigError, InputError, RagLookaheadError, first_line
+from rag_lookahead.errors import ConfigError, InputError, RagLookaheadError, first_line, shown_path
 from rag_lookahead.interrupts import program_imported
 from rag_lookahead.output_files import FileState, PathTaken, check_output_file, is_report, save_report
 from rag_lookahead.paths import refuse_blank_path
@@ -307,7 +307,7 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
             raise InputError(f"cannot read the prompts file {path!r}: {getattr(e, 'strerror', None) or e}") from None
     else:
         text = resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
-    name = path or "the bundled prompts"
+    name = shown_path(path) if path else "the bundled prompts"  # a newline in it: the error was cut there
     prompts = _read_prompts(text, name)
     if not prompts:
         raise InputError(f"{name}: no prompts (one JSON object with context and question per line)")
@@ -613,7 +613,9 @@ def write_report(
     """Save ``report`` (see ``save_report``), draw its charts with ``draw`` (``--plot``; ``charts``:
     the names it may draw) and say where each went, then remove the charts of ours beside it that
     this run did not draw: a rerun without ``--plot``, or another benchmark's report at the same
-    path, left the earlier charts beside a report they did not describe. Returns where the report
+    path, left the earlier charts beside a report they did not describe. A report that cannot be
+    written (a full disk) is printed on stdout instead (``save_or_print``); a chart that cannot, is
+    one :class:`RagLookaheadError` naming it (both were a traceback). Returns where the report
     went: a report that moves to a free name takes one whose chart paths are free too (they were
     checked before the run for the path asked only). ``seen``: what :func:`check_output_path`
     returned before the run (required: without it a report another run wrote to the path during
@@ -627,6 +629,10 @@ def write_report(
         raise ConfigError(
             f"{e.path} appeared during the run and this command did not write it: it was left as it is and no "
             f"chart was drawn; the report is saved as {written}"
+        ) from None
+    except OSError as e:  # a full disk, a quota: said in one line, with where the report is
+        raise RagLookaheadError(
+            f"{e.strerror or e}; the report is saved (as {shown_path(written)}), its charts are not"
         ) from None
     finally:
         plots.remove_undrawn(written, drawn)

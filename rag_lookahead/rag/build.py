@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rag_lookahead.errors import ConfigError, IndexLoadError, RebuildWarning, one_line
+from rag_lookahead.errors import ConfigError, IndexLoadError, RebuildWarning, one_line, shown_path
 from rag_lookahead.paths import expand_user, refuse_blank_path
 from rag_lookahead.rag import store
 from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, load_corpus, stage_bar
@@ -79,7 +79,7 @@ class IndexReport:
         lines = [
             f"indexed {self.files} files ({self.added} added, {self.updated} updated, {self.unchanged} unchanged,"
             f" {self.removed} removed), {self.chunks} chunks ({self.embedded_chunks} embedded)"
-            f" with {self.embedding_model} in {self.seconds:.1f}s{rate} -> {self.index_dir}"
+            f" with {self.embedding_model} in {self.seconds:.1f}s{rate} -> {shown_path(self.index_dir)}"
             + (" (nothing changed: the index was left as it was)" if self.kept else "")
         ]
         lines += [f"  skipped {one_line(s)}" for s in self.skipped]
@@ -369,7 +369,7 @@ def _embed_changes(index_dir: Path, corpus: Corpus, embedder: Embedder, splittin
     previous, why_not = _previous(index_dir, embedder, chunking, corpus.guessed)
     if why_not:
         report.rebuilt = True
-        why = f"re-embedded everything: the index at {index_dir} could not be reused ({why_not})"
+        why = f"re-embedded everything: the index at {shown_path(index_dir)} could not be reused ({why_not})"
         report.notes.append(why)  # the command's report prints it once
         warnings.warn(why, RebuildWarning, stacklevel=3)
     plan, to_embed = _plan(corpus.docs, previous, splitter, report, progress)

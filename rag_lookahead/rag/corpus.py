@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from rag_lookahead.checks import is_unicode
-from rag_lookahead.errors import ConfigError, CorpusWarning, InputError, one_line
+from rag_lookahead.errors import ConfigError, CorpusWarning, InputError, one_line, shown_path
 from rag_lookahead.file_reads import read_capped
 from rag_lookahead.paths import expand_user
 from rag_lookahead.rag.pdf_text import read_pdf_text
@@ -294,8 +294,10 @@ MAX_INPUT_MB = 256.0
 def read_input_text(path: str | Path, max_mb: float = MAX_INPUT_MB) -> str:
     """A user-named input file's UTF-8 text (a leading byte order mark, as Windows editors write
     it, dropped), read as :func:`read_capped` reads (a FIFO never blocks, a device is never read
-    without end); ``OSError`` or ``ValueError`` saying why not."""
-    data = read_capped(Path(path), True, max_mb, limit_flag=None)
+    without end); ``OSError`` or ``ValueError`` saying why not. A ``~`` is the home folder, as in
+    ``--index-dir`` (the shell leaves it in ``--prompts=~/p.jsonl``); one naming no user is a
+    :class:`ConfigError` (a ``ValueError``)."""
+    data = read_capped(expand_user(path, "input file"), True, max_mb, limit_flag=None)
     if isinstance(data, str):
         raise ValueError(data)
     return data.decode("utf-8-sig")
@@ -359,9 +361,9 @@ def load_corpus(
     """
     root = expand_user(corpus_dir, "corpus folder")
     if not root.exists():
-        raise InputError(f"corpus folder not found: {root}")
+        raise InputError(f"corpus folder not found: {shown_path(root)}")
     if not root.is_dir():
-        raise InputError(f"corpus path is not a folder: {root}")
+        raise InputError(f"corpus path is not a folder: {shown_path(root)}")
     if not 0 < max_file_mb < float("inf"):
         raise ConfigError(f"max_file_mb must be a positive number of megabytes, got {max_file_mb}")
     corpus = Corpus(docs={})
@@ -398,5 +400,5 @@ def load_corpus(
         shown = corpus.skipped[:SKIPS_SHOWN]  # 3,000 empty files made one 53 KB line
         more = f"; and {len(corpus.skipped) - len(shown)} more" if len(corpus.skipped) > len(shown) else ""
         extra = f" (skipped {len(corpus.skipped)}: {'; '.join(shown)}{more})" if corpus.skipped else ""
-        raise InputError(f"no loadable .txt/.md/.markdown/.pdf files in {root}{extra}")
+        raise InputError(f"no loadable .txt/.md/.markdown/.pdf files in {shown_path(root)}{extra}")
     return corpus

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rag_lookahead.checks import positive_int, unicode_text
-from rag_lookahead.errors import ConfigError, IndexLoadError, InputError, first_line
+from rag_lookahead.errors import ConfigError, IndexLoadError, InputError, first_line, one_line, shown_path
 from rag_lookahead.paths import expand_user
 from rag_lookahead.rag import store
 from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE, SEPARATORS, IndexReport, build_index, make_splitter
@@ -253,8 +253,9 @@ def _warn_if_built_without_headings(index_dir: Path, manifest: dict, records: li
         return
     corpus = manifest.get("corpus_dir") or "DIR"
     warnings.warn(
-        f"the index at {index_dir} was built before chunks of Markdown files were searched under their "
-        f"headings: run `rag_lookahead index {corpus} --index-dir {index_dir}` again to search them so",
+        f"the index at {shown_path(index_dir)} was built before chunks of Markdown files were searched under "
+        f"their headings: run `rag_lookahead index {corpus} --index-dir {shell_word(index_dir)}` again to search "
+        "them so",
         UserWarning,
         stacklevel=3,
     )
@@ -268,9 +269,21 @@ def no_index_error(index_dir: Path, docs: str = "DIR") -> IndexLoadError:
     try:
         store.check_target(index_dir, advice=elsewhere)
     except ConfigError as refused:
-        return IndexLoadError(f"no index at {index_dir}: {first_line(refused)}")
-    quoted = shlex.quote(str(index_dir))  # a folder with spaces, pasted as it is said
-    return IndexLoadError(f"no index at {index_dir}: build one with `rag_lookahead index {docs} --index-dir {quoted}`")
+        return IndexLoadError(f"no index at {shown_path(index_dir)}: {first_line(refused)}")
+    return IndexLoadError(
+        f"no index at {shown_path(index_dir)}: build one with `rag_lookahead index {docs} --index-dir "
+        f"{shell_word(index_dir)}`"
+    )
+
+
+def shell_word(path: str | Path) -> str:
+    """``path`` as one word to paste into a shell (a folder with spaces): quoted by ``shlex``, or,
+    holding control characters, in bash's ``$'...'`` form, whose escapes are :func:`one_line`'s
+    (``shlex`` kept a newline as it is, and the message was cut there)."""
+    text = str(path)
+    if text.isprintable():
+        return shlex.quote(text)
+    return "$'" + one_line(text.replace("\\", "\\\\").replace("'", "\\'")) + "'"
 
 
 def load_index(
@@ -291,7 +304,8 @@ def load_index(
         embedder = get_embedder(embedder)
     if embedder is not None and embedder.name != built_with:
         raise IndexLoadError(
-            f"index at {index_dir} was built with embedding model {built_with!r}, not {embedder.name!r}:"
+            f"index at {shown_path(index_dir)} was built with embedding model {built_with!r}, "
+            f"not {embedder.name!r}:"
             f" use that model or rebuild the index"
         )
     if embedder is None:

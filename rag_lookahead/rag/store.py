@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rag_lookahead.atomic import fsync_dir, temporary_names, write_json_atomic
-from rag_lookahead.errors import ConfigError, IndexLoadError
+from rag_lookahead.atomic import fsync_dir, naming_failed_write, temporary_names, write_json_atomic
+from rag_lookahead.errors import ConfigError, IndexLoadError, shown_path
 from rag_lookahead.locks import exclusive
 from rag_lookahead.paths import env_folder, home_dir
 
@@ -111,22 +111,24 @@ def _parse_manifest(index_dir: Path, raw: bytes) -> dict:
         manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # Recursion: nested thousands deep
         why = f"{MANIFEST} is not valid JSON ({e})"
-        raise IndexLoadError(f"index at {index_dir} is corrupt: {why}; rebuild it with `rag_lookahead index`") from None
+        raise IndexLoadError(
+            f"index at {shown_path(index_dir)} is corrupt: {why}; rebuild it with `rag_lookahead index`"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         where = "rebuild it with `rag_lookahead index`" if _holds_our_data(index_dir) else "is it the right folder?"
-        raise IndexLoadError(f"{index_dir / MANIFEST} is not a rag_lookahead index manifest; {where}")
+        raise IndexLoadError(f"{shown_path(index_dir / MANIFEST)} is not a rag_lookahead index manifest; {where}")
     if manifest.get("format_version") not in READABLE_VERSIONS:
         raise IndexLoadError(
-            f"index at {index_dir} has format version {manifest.get('format_version')!r}; this version reads "
-            f"{', '.join(map(str, READABLE_VERSIONS))}: rebuild it with `rag_lookahead index`"
+            f"index at {shown_path(index_dir)} has format version {manifest.get('format_version')!r}; this version "
+            f"reads {', '.join(map(str, READABLE_VERSIONS))}: rebuild it with `rag_lookahead index`"
         )
     for key, kind, what in _MANIFEST_KEYS:
         if key not in manifest:
-            raise IndexLoadError(f"index at {index_dir} is corrupt: {MANIFEST} lacks {key!r}")
+            raise IndexLoadError(f"index at {shown_path(index_dir)} is corrupt: {MANIFEST} lacks {key!r}")
         value = manifest[key]
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
             raise IndexLoadError(
-                f"index at {index_dir} is corrupt: {MANIFEST}'s {key!r} should be {what}, not {value!r:.60}"
+                f"index at {shown_path(index_dir)} is corrupt: {MANIFEST}'s {key!r} should be {what}, not {value!r:.60}"
             )
     _data_dir(index_dir, manifest)  # a bad data name is corruption too
     return manifest
@@ -159,8 +161,8 @@ def _manifest_bytes(index_dir: Path) -> bytes:
     if isinstance(raw, bytes):
         return raw
     if not (index_dir / MANIFEST).exists():
-        raise IndexLoadError(f"index at {index_dir} is incomplete: {MANIFEST} is missing")
-    raise IndexLoadError(f"cannot read {index_dir / MANIFEST}: {raw}")
+        raise IndexLoadError(f"index at {shown_path(index_dir)} is incomplete: {MANIFEST} is missing")
+    raise IndexLoadError(f"cannot read {shown_path(index_dir / MANIFEST)}: {raw}")
 
 
 def read_manifest(index_dir: Path) -> dict:
@@ -173,7 +175,9 @@ def _data_dir(index_dir: Path, manifest: dict) -> Path:
         return index_dir
     name = manifest.get("data")
     if not isinstance(name, str) or not DATA_NAME.fullmatch(name):
-        raise IndexLoadError(f"index at {index_dir} is corrupt: {MANIFEST} names no valid data folder ({name!r})")
+        raise IndexLoadError(
+            f"index at {shown_path(index_dir)} is corrupt: {MANIFEST} names no valid data folder ({name!r})"
+        )
     return index_dir / name
 
 
@@ -208,7 +212,7 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
     for name in DATA_FILES:
         path = data_dir / name
         if not path.is_file():
-            raise IndexLoadError(f"index at {index_dir} is incomplete: {name} is missing")
+            raise IndexLoadError(f"index at {shown_path(index_dir)} is incomplete: {name} is missing")
         expected = manifest["artifacts"].get(name)
         try:
             if name == FAISS_FILE:  # read once: the bytes hashed are the bytes loaded
@@ -217,22 +221,25 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
             else:
                 actual = file_sha256(path)
         except FileNotFoundError:  # a build removed it after the is_file check: the caller reads again
-            raise IndexLoadError(f"index at {index_dir} is incomplete: {name} is missing") from None
+            raise IndexLoadError(f"index at {shown_path(index_dir)} is incomplete: {name} is missing") from None
         except OSError as e:
-            raise IndexLoadError(f"cannot read {path}: {e.strerror or e}") from None
+            raise IndexLoadError(f"cannot read {shown_path(path)}: {e.strerror or e}") from None
         if actual != expected:
             raise IndexLoadError(
-                f"index at {index_dir} is corrupt: {name} does not match the sha256 in {MANIFEST}; rebuild it"
+                f"index at {shown_path(index_dir)} is corrupt: {name} does not match the sha256 in {MANIFEST}; "
+                "rebuild it"
             )
     n, d = int(manifest["num_chunks"]), int(manifest["dimension"])
     problem = _flat_ip_problem(faiss_bytes, n, d)
     if problem is not None:
-        raise IndexLoadError(f"index at {index_dir} is corrupt: {FAISS_FILE} {problem}; rebuild it")
+        raise IndexLoadError(f"index at {shown_path(index_dir)} is corrupt: {FAISS_FILE} {problem}; rebuild it")
     try:  # read by Python, not by faiss: a path that is not UTF-8 is an ordinary path here
         fidx = faiss.deserialize_index(np.frombuffer(faiss_bytes, dtype=np.uint8))
     except (RuntimeError, MemoryError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise IndexLoadError(f"index at {index_dir} is corrupt: cannot read {FAISS_FILE} ({first})") from None
+        raise IndexLoadError(
+            f"index at {shown_path(index_dir)} is corrupt: cannot read {FAISS_FILE} ({first})"
+        ) from None
     records = []
     try:
         with open(data_dir / DOCSTORE, encoding="utf-8") as f:
@@ -246,21 +253,25 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
                     if not isinstance(r.get("heading", ""), str):
                         raise ValueError("its heading is not a string")
                 except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-                    raise IndexLoadError(f"index at {index_dir} is corrupt: {DOCSTORE} line {lineno}: {e}") from None
+                    raise IndexLoadError(
+                        f"index at {shown_path(index_dir)} is corrupt: {DOCSTORE} line {lineno}: {e}"
+                    ) from None
                 records.append(r)
     except IndexLoadError:  # an OSError too: said already
         raise
     except FileNotFoundError:  # removed by a build after the hash check
-        raise IndexLoadError(f"index at {index_dir} is incomplete: {DOCSTORE} is missing") from None
+        raise IndexLoadError(f"index at {shown_path(index_dir)} is incomplete: {DOCSTORE} is missing") from None
     except OSError as e:
-        raise IndexLoadError(f"cannot read {data_dir / DOCSTORE}: {e.strerror or e}") from None
+        raise IndexLoadError(f"cannot read {shown_path(data_dir / DOCSTORE)}: {e.strerror or e}") from None
     if fidx.ntotal != n or len(records) != n:
         raise IndexLoadError(
-            f"index at {index_dir} is corrupt: {FAISS_FILE} has {fidx.ntotal} vectors, {DOCSTORE} has "
+            f"index at {shown_path(index_dir)} is corrupt: {FAISS_FILE} has {fidx.ntotal} vectors, {DOCSTORE} has "
             f"{len(records)} chunks, {MANIFEST} says {n}"
         )
     if fidx.d != d:
-        raise IndexLoadError(f"index at {index_dir} is corrupt: vectors have dimension {fidx.d}, {MANIFEST} says {d}")
+        raise IndexLoadError(
+            f"index at {shown_path(index_dir)} is corrupt: vectors have dimension {fidx.d}, {MANIFEST} says {d}"
+        )
     return fidx, records
 
 
@@ -341,17 +352,17 @@ def check_target(index_dir: Path, advice: str = "choose a new or empty folder wi
     index of ours; ``advice`` ends the message of a folder that holds someone else's files."""
     if not index_dir.exists():
         if index_dir.is_symlink():
-            raise ConfigError(f"index path is a broken symbolic link: {index_dir}")
+            raise ConfigError(f"index path is a broken symbolic link: {shown_path(index_dir)}")
         return
     if not index_dir.is_dir():
-        raise ConfigError(f"index path exists and is not a folder: {index_dir}")
+        raise ConfigError(f"index path exists and is not a folder: {shown_path(index_dir)}")
     ours = _our_manifest(index_dir / MANIFEST)
     if ours is not None:
         newer = ours.get("format_version")
         if isinstance(newer, int) and not isinstance(newer, bool) and newer > FORMAT_VERSION:
             raise ConfigError(  # a rebuild here would replace an index a newer release may still read
-                f"the index at {index_dir} was written by a newer rag_lookahead (format version {newer}; this one"
-                f" writes {FORMAT_VERSION}): upgrade rag_lookahead to update it, or {advice}"
+                f"the index at {shown_path(index_dir)} was written by a newer rag_lookahead (format version {newer};"
+                f" this one writes {FORMAT_VERSION}): upgrade rag_lookahead to update it, or {advice}"
             )
         return
     foreign = sorted(c.name for c in index_dir.iterdir() if not _is_our_leftover(c))
@@ -363,8 +374,8 @@ def check_target(index_dir: Path, advice: str = "choose a new or empty folder wi
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise ConfigError(
-            f"refusing to write an index into {index_dir}: it is not empty ({foreign[0]!r}{more}) and is not a"
-            f" rag_lookahead index (no {MANIFEST} of ours); {advice}"
+            f"refusing to write an index into {shown_path(index_dir)}: it is not empty ({foreign[0]!r}{more}) and is"
+            f" not a rag_lookahead index (no {MANIFEST} of ours); {advice}"
         )
 
 
@@ -380,7 +391,7 @@ def writer_lock(index_dir: Path, timeout: float) -> Iterator[bool]:
             "another `rag_lookahead index` run is writing %s; waiting up to %g s", index_dir, timeout
         ),
         on_timeout=lambda: IndexBusyError(
-            f"another `rag_lookahead index` run is still writing {index_dir} after {timeout:g} s;"
+            f"another `rag_lookahead index` run is still writing {shown_path(index_dir)} after {timeout:g} s;"
             f" try again when it ends, or wait longer with --lock-timeout"
         ),
     ) as waited:
@@ -485,27 +496,17 @@ def write_data(data_dir: Path, fidx: Any, records: list[dict]) -> dict[str, str]
     # published, and the old version removed. It raised RuntimeError (a traceback) for an error of an
     # earlier fwrite, and TypeError for a folder whose name is not UTF-8. Here each is an OSError.
     data = faiss.serialize_index(fidx).tobytes()
-    with _naming(data_dir / FAISS_FILE), open(data_dir / FAISS_FILE, "wb") as f:
+    with naming_failed_write(data_dir / FAISS_FILE), open(data_dir / FAISS_FILE, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    with _naming(data_dir / DOCSTORE):
+    with naming_failed_write(data_dir / DOCSTORE):
         artifacts = {
             FAISS_FILE: hashlib.sha256(data).hexdigest(),
             DOCSTORE: _write_docstore(data_dir / DOCSTORE, records),
         }
     fsync_dir(data_dir)
     return artifacts
-
-
-@contextlib.contextmanager
-def _naming(path: Path) -> Iterator[None]:
-    """Within: an OSError says which file it could not write (a write error says only "No space
-    left on device")."""
-    try:
-        yield
-    except OSError as e:
-        raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from None
 
 
 def check_writable(index_dir: Path) -> None:
@@ -523,12 +524,12 @@ def _new_data_dir(index_dir: Path) -> Path:
     try:
         return Path(tempfile.mkdtemp(prefix=DATA_PREFIX, dir=index_dir))
     except OSError as e:
-        raise ConfigError(f"cannot write the index at {index_dir}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot write the index at {shown_path(index_dir)}: {e.strerror or e}") from None
 
 
 def publish(index_dir: Path, manifest: dict) -> None:
     """The one step that switches readers to the new version: an atomic replace of ``manifest.json``."""
-    with _naming(index_dir / MANIFEST):
+    with naming_failed_write(index_dir / MANIFEST):
         write_json_atomic(index_dir / MANIFEST, manifest, private=True)
 
 

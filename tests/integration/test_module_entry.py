@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def run_module(*args: str) -> subprocess.CompletedProcess:
@@ -26,6 +27,35 @@ def test_errors_are_one_line_with_exit_code_1(tmp_path):
     done = run_module("index", str(tmp_path / "missing"))
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [f"error: corpus folder not found: {tmp_path / 'missing'}"]
+
+
+def test_a_path_holding_a_line_break_is_named_whole_in_the_error(tmp_path):
+    """An error prints its first line only: a corpus folder named "docs<LF>old" was said as
+    "corpus folder not found: .../docs", a folder that exists, and ``ask --index-dir`` cut the same
+    way. Now the line break is escaped, and the advice's ``$'...'`` names the folder when pasted."""
+    (tmp_path / "docs").mkdir()
+    done = run_module("index", str(tmp_path / "docs\nold"))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [f"error: corpus folder not found: {tmp_path}/docs\\nold"]
+    missing = tmp_path / "no\x1b[31msuch"
+    done = run_module("ask", "hi", "--index-dir", str(missing))
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: no index at {tmp_path}/no\\x1b[31msuch: build one with "), line
+    word = line.split("--index-dir ", 1)[1].split("`", 1)[0]
+    pasted = subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True, text=True, timeout=60)
+    assert pasted.stdout == str(missing)
+
+
+def test_the_index_summary_escapes_the_index_folder():
+    """``-> {index_dir}`` was printed as it is: a folder named with ESC sequences coloured the
+    terminal, and one with a line break printed a line of its own."""
+    from rag_lookahead.rag.build import IndexReport
+
+    report = IndexReport(index_dir=Path("o\x1b[32mgreen\nfake line"), embedding_model="e5", added=1, chunks=1)
+    assert report.summary().splitlines() == [
+        "indexed 1 files (1 added, 0 updated, 0 unchanged, 0 removed), 1 chunks (0 embedded) with e5 in 0.0s"
+        " -> o\\x1b[32mgreen\\nfake line"
+    ]
 
 
 def test_ask_json_prints_one_json_line_and_nothing_else(bundled_index_dir):

@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+from file_limits import files_limited_to
 from tiny_models import build_tiny_model
 from tiny_tokenizer import tiny_tokenizer
 
@@ -372,3 +373,79 @@ def test_rag_prints_json_lines(monkeypatch, capsys, shared_embedder, bundled_ind
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [json.loads(line) for line in lines] == report["questions"]
     assert lines[0].startswith('{"question": "decoding_length 应该怎么设置？"')  # as written, not \u-escaped
+
+
+def report_printed(out: str) -> dict:
+    """The report a benchmark printed on stdout after its tables (``json.dumps(..., indent=2)``)."""
+    return json.loads(out[out.rindex("\n{\n") + 1 :])
+
+
+def test_a_report_the_disk_cannot_take_is_one_line_and_goes_to_stdout(tiny, tmp_path, monkeypatch, capsys):
+    """On a full disk the report's write ended the run in a 40-line OSError traceback, and the
+    report, all the run was for, was lost. The kernel refuses the write here as on a full disk."""
+    main = loading_tiny(monkeypatch, tiny, "single").main
+    report = tmp_path / "r.json"
+    prompts = prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9"})
+    argv = ["--prompts", prompts, "--methods", "greedy", "--max-new-tokens", "2", "--json", str(report)]
+    with files_limited_to(0), pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == f"error: cannot write {report}: File too large; the report went to stdout instead"
+    printed = report_printed(capsys.readouterr().out)
+    assert [row["id"] for row in printed["per_prompt"]] == ["a"] and printed["written_by"] == "rag_lookahead.bench"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]  # nor a temporary file left
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_report_neither_the_disk_nor_stdout_takes_is_said_lost(tiny, tmp_path, monkeypatch):
+    """``> /dev/full`` as well: the line must not claim the report was printed."""
+    main = loading_tiny(monkeypatch, tiny, "single").main
+    report = tmp_path / "r.json"
+    prompts = prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9"})
+    argv = ["--prompts", prompts, "--methods", "greedy", "--max-new-tokens", "2", "--json", str(report)]
+    stream = full_stdout()
+    monkeypatch.setattr(sys, "stdout", stream)
+    try:
+        with files_limited_to(0), pytest.raises(SystemExit) as done:
+            main(argv)
+    finally:
+        stream.close()
+    assert (
+        done.value.code
+        == f"error: cannot write {report}: File too large; stdout could not take the report either: lost"
+    )
+
+
+def test_a_chart_the_disk_cannot_take_is_one_line_naming_it_and_the_saved_report(tiny, tmp_path, monkeypatch):
+    """``--plot`` on a disk with room for the report (a few KB) but not for a chart (tens of KB):
+    the chart's write was a traceback too."""
+    pytest.importorskip("matplotlib")
+    main = loading_tiny(monkeypatch, tiny, "single").main
+    report = tmp_path / "r.json"
+    prompts = prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9"})
+    argv = ["--prompts", prompts, "--methods", "greedy", "--max-new-tokens", "2", "--json", str(report), "--plot"]
+    room = 12_000
+    with files_limited_to(room), pytest.raises(SystemExit) as done:
+        main(argv)
+    chart = tmp_path / "r.decode_speed.png"  # the first chart drawn
+    assert done.value.code == (
+        f"error: cannot write {chart}: File too large; the report is saved (as {report}), its charts are not"
+    )
+    assert json.loads(report.read_text(encoding="utf-8"))["per_prompt"][0]["id"] == "a"
+    assert report.stat().st_size < room and sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "r.json"]
+
+
+def test_a_tilde_in_the_report_and_prompts_paths_is_the_home_folder(tiny, tmp_path, monkeypatch):
+    """``--json=~/r.json`` (the shell expands no ``~`` after "=") was refused ("its folder '~' does
+    not exist") where ``--index-dir``, the corpus and ``--model`` take it; ``--prompts ~/p.jsonl``
+    "does not exist"."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    main = loading_tiny(monkeypatch, tiny, "single").main
+    prompts_file(tmp_path, {"id": "a", "context": words(6), "question": "t9"})
+    argv = ["--prompts", "~/prompts.jsonl", "--methods", "greedy", "--max-new-tokens", "2"]
+    main([*argv, "--json", "~/r.json", "--plot"])
+    assert json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))["per_prompt"][0]["id"] == "a"
+    assert (tmp_path / "r.decode_speed.png").is_file()
+    with pytest.raises(SystemExit) as done:  # the run's own input, named two ways, is still refused
+        main([*argv, "--json", str(tmp_path / "prompts.jsonl")])
+    assert "is this run's input" in done.value.code

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from rag_lookahead.errors import ConfigError
+
 PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
 
 
@@ -339,3 +341,63 @@ def test_an_answers_file_another_run_wrote_meanwhile_is_kept(tmp_path, monkeypat
     assert "appeared or changed during the run" in capsys.readouterr().err
     seen = check_output_file(path, "answers", ours=is_answers_file)  # a rerun over our own earlier file
     assert output_target(path, is_answers_file, seen) == path
+
+
+def test_answers_the_disk_cannot_take_are_one_line_naming_the_file_and_go_to_stdout(
+    tmp_path, monkeypatch, capsys, shared_embedder
+):
+    """On a full disk batch_answers said "error: [Errno 28] No space left on device": no file named,
+    and every answer of the run lost. The script runs in this process, as its ``__main__`` line
+    runs it, on a tiny random-weight model saved to a folder; the kernel refuses the write as on a
+    full disk."""
+    import json
+
+    from file_limits import files_limited_to
+    from tiny_models import build_tiny_model
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.rag.index import build_index
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("t5 t6 t7 t8 t9 t10.", encoding="utf-8")
+    build_index(tmp_path / "docs", tmp_path / "index", shared_embedder, progress=False)
+    model = tmp_path / "tiny"
+    build_tiny_model("qwen2").save_pretrained(model)
+    tiny_tokenizer().save_pretrained(model)
+    (tmp_path / "q.jsonl").write_text('{"question": "t5 t6?"}\n', encoding="utf-8")
+    answers = tmp_path / "a.jsonl"
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    import rag_args
+
+    import batch_answers
+
+    argv = [str(tmp_path / "q.jsonl"), str(answers), "--index-dir", str(tmp_path / "index"), "--model", str(model)]
+    monkeypatch.setattr(sys, "argv", ["batch_answers.py", *argv, "--k", "1", "--max-new-tokens", "2"])
+    with files_limited_to(0), pytest.raises(SystemExit) as done:
+        rag_args.run(batch_answers.main, prints_answers=False)  # the script's own ``__main__`` line
+    out, err = capsys.readouterr()
+    assert done.value.code == 1
+    assert (
+        err.strip().splitlines()[-1]
+        == f"error: cannot write {answers}: File too large; the answers went to stdout instead"
+    )
+    assert [json.loads(line)["question"] for line in out.splitlines()] == ["t5 t6?"]
+    assert not answers.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["docs", "index", "q.jsonl", "tiny"]
+
+
+def test_a_tilde_in_the_questions_and_answers_paths_is_the_home_folder(tmp_path, monkeypatch):
+    """``~`` was expanded for --index-dir and --model but not for the questions and answers files
+    (``questions.jsonl=~/q.jsonl`` style, or a path quoted in a script): "does not exist" / "its
+    folder '~' does not exist". Both are read and checked in the shared places every command uses."""
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    from batch_answers import is_answers_file, read_questions
+
+    from rag_lookahead.output_files import check_output_file, output_target
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "q.jsonl").write_text('{"question": "What does budget do?"}\n', encoding="utf-8")
+    assert read_questions("~/q.jsonl") == [(1, "What does budget do?")]
+    seen = check_output_file("~/a.jsonl", "answers", ours=is_answers_file, inputs=["~/q.jsonl"])
+    assert output_target("~/a.jsonl", is_answers_file, seen) == tmp_path / "a.jsonl"
+    with pytest.raises(ConfigError, match="is this run's input"):
+        check_output_file("~/q.jsonl", "answers", ours=is_answers_file, inputs=[str(tmp_path / "q.jsonl")])
