@@ -21,6 +21,7 @@ from rag_args import open_index, rag_parser, run
 
 from tqdm import tqdm
 
+from rag_lookahead.atomic import jsonl_text
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError, first_line, shown_path
 from rag_lookahead.langchain.llm import LookaheadLLM
@@ -128,7 +129,7 @@ def main() -> None:
             )
         print(f"answered {len(rows)}/{len(questions)}", file=sys.stderr)
     target = output_target(args.answers, is_answers_file, seen)  # checked again: the run may have been long
-    save_or_print(target, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), "the answers")
+    save_or_print(target, jsonl_text(rows), "the answers")
     print(f"wrote {len(rows)} answers to {target}", file=sys.stderr)
 
 

@@ -19,10 +19,11 @@ __all__ = [
     "fsync_file",
     "naming_failed_write",
     "temporary_names",
+    "json_text",
+    "jsonl_text",
     "write_bytes_atomic",
-    "write_text_atomic",
     "write_json_atomic",
-    "write_jsonl_atomic",
+    "write_text_atomic",
 ]
 
 
@@ -114,9 +115,15 @@ def write_text_atomic(path: Path | str, text: str, *, private: bool = False) -> 
     write_bytes_atomic(path, text.encode("utf-8"), private=private)
 
 
+def json_text(data) -> str:
+    """``data`` as the JSON files we write hold it: UTF-8 text as it is, indented, a final newline."""
+    return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
+
+
+def jsonl_text(rows: Iterable[dict]) -> str:
+    """``rows`` as JSON lines: one object a line, UTF-8 text as it is."""
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
 def write_json_atomic(path: Path | str, data, *, private: bool = False) -> None:
-    write_text_atomic(path, json.dumps(data, ensure_ascii=False, indent=2) + "\n", private=private)
-
-
-def write_jsonl_atomic(path: Path | str, rows: Iterable[dict]) -> None:
-    write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    write_text_atomic(path, json_text(data), private=private)

@@ -39,14 +39,22 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text.strip() else type(error).__name__
 
 
+#: invisible characters that words are written with (Persian, Indic scripts, emoji sequences): kept as they are
+_JOINERS = frozenset("\u200c\u200d")
+
+
 def one_line(text: str) -> str:
     """``text`` for one line of a report: control characters and line breaks (a file named
-    ``"a\\nskipped b: empty"`` printed a fake report line) as escapes, ``\\n``, ``\\x1b``, ``\\u2028``."""
+    ``"a\\nskipped b: empty"`` printed a fake report line) and other invisible characters (a bidi
+    override) as escapes, ``\\n``, ``\\x1b``, ``\\u2028``; spaces and the zero-width (non-)joiners
+    that words are spelt with stay (a Persian folder name printed with ``\\u200c`` inside a word)."""
     import unicodedata
 
     if text.isprintable():
         return text
-    return "".join(ch if ch.isprintable() or unicodedata.category(ch) == "Zs" else ascii(ch)[1:-1] for ch in text)
+    return "".join(
+        ch if ch.isprintable() or ch in _JOINERS or unicodedata.category(ch) == "Zs" else ascii(ch)[1:-1] for ch in text
+    )
 
 
 def shown_path(path: str | os.PathLike[str]) -> str:

@@ -9,6 +9,7 @@ symlink to elsewhere) is refused in one line before any model loads, not overwri
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -23,7 +24,7 @@ from pathlib import Path
 from types import EllipsisType
 from typing import Any
 
-from rag_lookahead.atomic import naming_failed_write, write_bytes_atomic, write_text_atomic
+from rag_lookahead.atomic import json_text, naming_failed_write, write_bytes_atomic, write_text_atomic
 from rag_lookahead.errors import ConfigError, RagLookaheadError
 from rag_lookahead.paths import expand_user
 
@@ -160,7 +161,7 @@ def save_report(
     key, value = REPORT_MARK
     report[key] = value
     target = output_target(path, is_report, seen, charts)
-    save_or_print(target, json.dumps(report, ensure_ascii=False, indent=2) + "\n", "the report")
+    save_or_print(target, json_text(report), "the report")
     return target
 
 
@@ -173,19 +174,30 @@ def save_or_print(path: Path, text: str, what: str) -> None:
         with naming_failed_write(path):
             write_text_atomic(path, text)
     except OSError as e:
+        with contextlib.suppress(OSError, ValueError):  # stderr on the same full disk: the report comes first
+            print(f"{e.strerror or e}: {what} follows on stdout", file=sys.stderr, flush=True)  # after tables, rows
         kept = f"{what} went to stdout instead" if _printed(text) else f"stdout could not take {what} either: lost"
         raise RagLookaheadError(f"{e.strerror or e}; {kept}") from None
 
 
 def _printed(text: str) -> bool:
-    """Whether ``text`` reached stdout. A benchmark's stdout (``bench.common``'s watched one) keeps
-    its first failure in ``error`` and drops what comes after, rather than raising."""
+    """Whether ``text`` reached stdout, in UTF-8 as the file would have held it (through a Latin-1
+    locale's stdout a report's Chinese text failed, and was said lost). A benchmark's stdout
+    (``bench.common``'s watched one) keeps its first failure in ``error`` rather than raising."""
     out = sys.stdout
     if out is None:  # started with stdout closed
         return False
     try:
-        out.write(text)
-        out.flush()
+        out.flush()  # what was printed before comes first
+        if getattr(out, "error", None) is not None:
+            return False
+        binary = getattr(out, "buffer", None)
+        if binary is not None:
+            binary.write(text.encode("utf-8"))
+            binary.flush()
+        else:  # a text-only stream (a test's StringIO)
+            out.write(text)
+            out.flush()
     except (OSError, ValueError):  # ValueError: a closed file
         from rag_lookahead.ask import silence_stdout
 

@@ -308,7 +308,7 @@ def check_input_keys(inputs: dict, taken: Sequence[str]) -> None:
             continue
         if key in _OPTION_NAMES:
             dropped.append(f"{key!r} (an option this chain does not take)")
-        elif near := difflib.get_close_matches(key, meant, n=1, cutoff=0.8):
+        elif near := difflib.get_close_matches(key, meant, n=1, cutoff=0.86):
             dropped.append(f"{key!r} (did you mean {near[0]!r}?)")
     if dropped:
         raise ConfigError(f"input key(s) the chain would drop: {', '.join(dropped)}; it takes {', '.join(taken)}")

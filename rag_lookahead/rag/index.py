@@ -251,7 +251,7 @@ def _warn_if_built_without_headings(index_dir: Path, manifest: dict, records: li
 
     if "headings" in manifest or not any(r["source"].lower().endswith(MARKDOWN_SUFFIXES) for r in records):
         return
-    corpus = manifest.get("corpus_dir") or "DIR"
+    corpus = shell_word(manifest["corpus_dir"]) if manifest.get("corpus_dir") else "DIR"
     warnings.warn(
         f"the index at {shown_path(index_dir)} was built before chunks of Markdown files were searched under "
         f"their headings: run `rag_lookahead index {corpus} --index-dir {shell_word(index_dir)}` again to search "

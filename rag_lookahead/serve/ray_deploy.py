@@ -337,6 +337,11 @@ def undeploy() -> None:
         ray.kill(claim)
 
 
+#: Said where this node's raylet died on a cluster that outlives the command: replicas on other nodes go on
+_MAY_BE_LEFT = (
+    f" (on the cluster, the Serve app {APP_NAME!r} and its replicas on other nodes may be left:"
+    " `serve shutdown` removes it)"
+)
 #: How long the drain waits for Ray to delete the app once the replicas are idle (it took ~3 s)
 UNDEPLOY_WAIT_S = 30.0
 #: A question to Ray unanswered for longer than this is Ray not answering: the drain ends at its
@@ -380,7 +385,11 @@ def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = T
             _internal_kv_put(DRAIN_KEY, b"0", namespace=KV_NAMESPACE)
             deadline = min(deadline, time.monotonic() + 2 * CLOSE_GRACE_SECONDS)
         if raylet is not None and raylet.gone():
-            log.warning("Ray's raylet on this node (%s) is gone: nothing left to drain", raylet.address)
+            log.warning(
+                "Ray's raylet on this node (%s) is gone: nothing left to drain here%s",
+                raylet.address,
+                _MAY_BE_LEFT if delete else "",
+            )
             return
         silent = 0.0 if asked is None else time.monotonic() - asked.started
         if time.monotonic() >= deadline or (hurried and silent > RAY_SILENT_S):
@@ -475,6 +484,7 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
                 raise RayNodeLost(
                     f"Ray's raylet on this node ({raylet.address}) died (killed, or out of memory?): the Ray Serve "
                     "proxy and replicas it ran went with it and this command lost Ray; start `serve` again"
+                    + ("" if own_ray else _MAY_BE_LEFT)
                 )
         if not _gcs_answers(ray):
             log.warning("shutting down: Ray's own processes are gone (the signal reached them too): nothing to drain")
@@ -609,7 +619,7 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
         raise ConfigError(
             f"RAY_ADDRESS={address} is not a Ray cluster: something listens there but does not answer as Ray's "
             "GCS does (gRPC); give the head's GCS address (`ray start --head` prints it, port 6379 by default), "
-            "not the dashboard's port 8265 or another server"
+            "not the dashboard's port 8265 or another server (a cluster with TLS: set RAY_USE_TLS=1)"
         ) from None
     if err is not None:
         raise ConfigError(

@@ -56,7 +56,8 @@ class RayletWatch:
     Ray's driver is not told: ``serve --replicas`` went on running while its port refused every
     connection, and Ray's calls to the dead node then blocked for good. Asked at most every
     ``every`` seconds. A refused connect is proof (nothing listens there); a connect that times
-    out counts only after ``misses`` in a row (a busy machine can be slow to accept)."""
+    out counts only after ``misses`` in a row (a busy machine can be slow to accept); other connect
+    errors (too many open files) tell nothing and do not count."""
 
     def __init__(self, host: str, port: int, every: float = 2.0, misses: int = 2, timeout: float = 2.0) -> None:
         self.host, self.port = host, port
@@ -88,8 +89,10 @@ class RayletWatch:
                 socket.create_connection((self.host, self.port), timeout=self.timeout).close()
             except ConnectionRefusedError:
                 self._missed = self.misses
-            except OSError:
+            except TimeoutError:
                 self._missed += 1
+            except OSError:  # says nothing of the raylet (too many open files, no route): asked again later
+                pass
             else:
                 self._missed = 0
         return self._missed >= self.misses

@@ -2031,6 +2031,12 @@ def test_markdown_chunks_are_searched_under_their_headings(tmp_path, embedder):
     write_json_atomic(tmp_path / "index" / "manifest.json", manifest)
     with pytest.warns(UserWarning, match="before chunks of Markdown files were searched under their headings"):
         ix.load_index(tmp_path / "index", embedder)  # searched the old way until rebuilt: `ask` says so
+    # the command it suggests names the corpus as one shell word (a space split it, a line break cut it)
+    write_json_atomic(tmp_path / "index" / "manifest.json", {**manifest, "corpus_dir": "my docs\nold"})
+    with pytest.warns(UserWarning, match="searched under their headings") as said:
+        ix.load_index(tmp_path / "index", embedder)
+    assert "`rag_lookahead index $'my docs\\nold' --index-dir " in str(said[0].message)
+    write_json_atomic(tmp_path / "index" / "manifest.json", manifest)
     with pytest.warns(UserWarning, match="searched under their headings"):
         again = build(bundled_corpus(), tmp_path / "index", embedder)
     assert again.embedded_chunks == report.chunks

@@ -211,7 +211,8 @@ def test_the_rag_chains_pass_over_keys_not_meant_for_them(model):
         plain = chain.invoke({"question": "t5 t6"})
         assigned = (RunnablePassthrough.assign(question=itemgetter("input")) | chain).invoke({"input": "t5 t6"})
         assert (assigned["answer"], assigned["sources"]) == (plain["answer"], plain["sources"]), name
-        carried = chain.invoke({"question": "t5 t6", "question_id": 7, "chat_history": []})
+        # "toolset" and "top" are one letter or two from options, but plausible keys of their own
+        carried = chain.invoke({"question": "t5 t6", "question_id": 7, "chat_history": [], "toolset": 1, "top": 2})
         assert carried["answer"] == plain["answer"], name
 
 

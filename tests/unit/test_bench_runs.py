@@ -395,6 +395,27 @@ def test_a_report_the_disk_cannot_take_is_one_line_and_goes_to_stdout(tiny, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]  # nor a temporary file left
 
 
+def test_a_report_printed_in_its_place_is_utf8_whatever_stdout_encodes(tmp_path, monkeypatch, capsys):
+    """Through a Latin-1 stdout (LANG=de_DE.ISO-8859-1) a report holding Chinese could not be
+    encoded and was said lost; it is printed in UTF-8, as the file would have held it, after a line
+    on stderr saying it follows (it comes after the run's tables and JSON rows)."""
+    import io
+
+    from rag_lookahead.errors import RagLookaheadError
+    from rag_lookahead.output_files import save_or_print
+
+    raw = io.BytesIO()
+    latin = io.TextIOWrapper(raw, encoding="latin-1")
+    monkeypatch.setattr(sys, "stdout", latin)
+    print("a table row printed before")
+    text = json.dumps({"question": "借款合同的月利率是多少？"}, ensure_ascii=False) + "\n"
+    with files_limited_to(0), pytest.raises(RagLookaheadError, match="the report went to stdout instead"):
+        save_or_print(tmp_path / "r.json", text, "the report")
+    assert raw.getvalue().decode("utf-8") == "a table row printed before\n" + text
+    assert "the report follows on stdout" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_report_neither_the_disk_nor_stdout_takes_is_said_lost(tiny, tmp_path, monkeypatch):
     """``> /dev/full`` as well: the line must not claim the report was printed."""

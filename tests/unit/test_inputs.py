@@ -153,3 +153,25 @@ def test_config_error_is_one_line():
     with pytest.raises(ConfigError) as info:
         LookaheadConfig(stop_words=",.")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("docs\nold", "docs\\nold"),
+        ("a\x1b[31mred", "a\\x1b[31mred"),
+        ("evil\u202etxt.exe", "evil\\u202etxt.exe"),  # a bidi override reorders what follows on a terminal
+        (
+            "/data/\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645",
+            "/data/\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645",
+        ),
+        ("\U0001f468\u200d\U0001f469\u200d\U0001f467 photos", "\U0001f468\u200d\U0001f469\u200d\U0001f467 photos"),
+        ("two\u3000words", "two\u3000words"),
+    ],
+)
+def test_a_path_is_shown_on_one_line_with_the_joiners_words_are_spelt_with(text, shown):
+    """Line breaks and terminal controls are escaped in messages; the zero-width (non-)joiners of
+    Persian words and emoji sequences printed as ``\\u200c`` and ``\\u200d`` in every path."""
+    from rag_lookahead.errors import one_line, shown_path
+
+    assert shown_path(text) == one_line(text) == shown
