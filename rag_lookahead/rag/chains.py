@@ -452,12 +452,16 @@ def _unbound(model: Any) -> Any:
 
 def _bound_options(model: Any) -> tuple[Any, dict[str, Any]]:
     """The model under ``bind`` wrappers, and the keywords they bind (an outer one wins). Other
-    wrappers (``with_retry``) are not unwrapped: their behaviour would be lost in silence."""
+    wrappers (``with_retry``) are not unwrapped: their behaviour would be lost in silence. Nor is
+    one that carries a config (``with_config(callbacks=..., tags=...)``, ``with_listeners``): it is
+    given back as it is, and :func:`build_rag_chain` refuses it (its callbacks were dropped unseen)."""
     from langchain_core.runnables import RunnableBinding
     from langchain_core.runnables.retry import RunnableRetry
 
     options: dict[str, Any] = {}
     while isinstance(model, RunnableBinding) and not isinstance(model, RunnableRetry):
+        if model.config or model.config_factories:
+            break
         options = dict(model.kwargs or {}) | options
         model = model.bound
     return model, options

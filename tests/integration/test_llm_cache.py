@@ -149,6 +149,14 @@ def test_a_rag_chain_refuses_a_wrapper_it_would_strip(model):
     """Unwrapping ``with_retry`` as ``bind`` is unwrapped ran the bare model: no retry, unseen."""
     with pytest.raises(ConfigError, match="wrap the chain instead"):
         build_rag_chain(make_llm(model).with_retry(), Fixed(docs=[]), k_prompt=1, k_seed=2)
+    # with_config's callbacks and tags were dropped unseen (bind's keywords are kept, see below)
+    for wrapped in (
+        make_llm(model).with_config(tags=["mine"]),
+        make_llm(model).bind(max_new_tokens=2).with_config(callbacks=[]),
+        make_llm(model).with_listeners(on_end=lambda run: None),
+    ):
+        with pytest.raises(ConfigError, match="wrap the chain instead"):
+            build_rag_chain(wrapped, Fixed(docs=[]), k_prompt=1, k_seed=2)
 
 
 class Asked(Fixed):
