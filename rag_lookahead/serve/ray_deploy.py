@@ -518,7 +518,7 @@ def _gcs_answers(ray, timeout: float = 2.0) -> bool:
         address = ray.get_runtime_context().gcs_address
     except Exception:  # noqa: BLE001 - no address to judge by: drain as before
         return True
-    return _connect_error(address, timeout) is None
+    return ray_probes.connect_error(address, timeout) is None
 
 
 def _signals_during(call) -> set[int]:
@@ -586,26 +586,6 @@ def _starts_local_ray() -> bool:
         return False
 
 
-def _connect_error(address: str, timeout: float, speaks_grpc: bool = False) -> OSError | None:
-    """Why nothing takes a TCP connection at ``host:port``; None where something listens there,
-    or where the address is not of that form (nothing to judge by). With ``speaks_grpc``, a
-    listener that does not answer gRPC's HTTP/2 handshake is a :class:`NotGrpc` error too."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
-            if speaks_grpc and not ray_probes.speaks_grpc(sock):
-                return NotGrpc()
-    except OSError as err:
-        return err
-    return None
-
-
-class NotGrpc(OSError):
-    """Something listens at the address but does not answer gRPC (HTTP/2), as Ray's GCS does."""
-
-
 def _check_reachable(address: str, timeout: float = 5.0) -> None:
     """Refuse a ``host:port`` RAY_ADDRESS where nothing listens, or where what listens is not
     Ray (a web server, the dashboard's 8265, another ``serve``): ``ray.init`` retried either for
@@ -614,8 +594,8 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
     if not address or address in ("auto", "local") or "://" in address:
         return  # Ray looks these up itself, and fails fast
     plain = os.environ.get("RAY_USE_TLS", "0").strip().lower() not in ("1", "true")
-    err = _connect_error(address, timeout, speaks_grpc=plain)
-    if isinstance(err, NotGrpc):
+    err = ray_probes.connect_error(address, timeout, grpc=plain)
+    if isinstance(err, ray_probes.NotGrpc):
         raise ConfigError(
             f"RAY_ADDRESS={address} is not a Ray cluster: something listens there but does not answer as Ray's "
             "GCS does (gRPC); give the head's GCS address (`ray start --head` prints it, port 6379 by default), "

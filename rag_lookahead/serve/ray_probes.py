@@ -2,8 +2,10 @@
 (:mod:`rag_lookahead.serve.ray_deploy`): Ray's own clients wait on a missing or dead process
 for minutes, or for good, and do not hear Ctrl-C meanwhile.
 
-- :func:`speaks_grpc`: whether a ``host:port`` answers the HTTP/2 handshake every gRPC server
-  answers (Ray's GCS is one), so that a RAY_ADDRESS naming some other server is refused at once.
+- :func:`connect_error`: why nothing takes a TCP connection at a ``host:port`` (Ray's GCS, this
+  node's raylet), and with ``grpc`` whether what listens answers the HTTP/2 handshake every gRPC
+  server answers (:func:`speaks_grpc`; Ray's GCS is one), so that a RAY_ADDRESS naming some other
+  server is refused at once.
 - :class:`RayletWatch`: whether this node's raylet still takes connections while we serve.
 - :class:`RayCall`: a call to Ray that the caller can stop waiting for (Ray's own calls have no timeout).
 
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RayCall", "RayletWatch", "Unanswered", "speaks_grpc"]
+__all__ = ["NotGrpc", "RayCall", "RayletWatch", "Unanswered", "connect_error", "speaks_grpc"]
 
 #: What an HTTP/2 client sends first (RFC 9113 section 3.4): the fixed preface, then a SETTINGS
 #: frame, here an empty one: length 0 (3 bytes), type 0x4, no flags, stream 0 (4 bytes).
@@ -48,6 +50,26 @@ def speaks_grpc(sock: socket.socket, timeout: float = 2.0) -> bool:
         return False
     stream = int.from_bytes(header[5:9], "big") & 0x7FFFFFFF
     return header[3] == SETTINGS_FRAME_TYPE and stream == 0
+
+
+class NotGrpc(OSError):
+    """Something listens at the address but does not answer gRPC (HTTP/2), as Ray's GCS does."""
+
+
+def connect_error(address: str, timeout: float, grpc: bool = False) -> OSError | None:
+    """Why nothing takes a TCP connection at ``host:port`` (``[::1]:6379`` for IPv6); None where
+    something listens there, or where the address is not of that form (nothing to judge by). With
+    ``grpc``, a listener that does not answer gRPC's HTTP/2 handshake is a :class:`NotGrpc` too."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            if grpc and not speaks_grpc(sock):
+                return NotGrpc()
+    except OSError as err:
+        return err
+    return None
 
 
 class RayletWatch:
@@ -85,16 +107,14 @@ class RayletWatch:
         now = time.monotonic()
         if now >= self._next:
             self._next = now + self.every
-            try:
-                socket.create_connection((self.host, self.port), timeout=self.timeout).close()
-            except ConnectionRefusedError:
-                self._missed = self.misses
-            except TimeoutError:
-                self._missed += 1
-            except OSError:  # says nothing of the raylet (too many open files, no route): asked again later
-                pass
-            else:
+            err = connect_error(self.address, self.timeout)
+            if err is None:
                 self._missed = 0
+            elif isinstance(err, ConnectionRefusedError):
+                self._missed = self.misses
+            elif isinstance(err, TimeoutError):
+                self._missed += 1
+            # any other error says nothing of the raylet (too many open files, no route): asked again later
         return self._missed >= self.misses
 
 
