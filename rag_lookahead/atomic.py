@@ -17,10 +17,10 @@ from rag_lookahead.errors import shown_path
 __all__ = [
     "fsync_dir",
     "fsync_file",
-    "naming_failed_write",
-    "temporary_names",
     "json_text",
     "jsonl_text",
+    "naming_failed_write",
+    "temporary_names",
     "write_bytes_atomic",
     "write_json_atomic",
     "write_text_atomic",

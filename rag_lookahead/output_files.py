@@ -174,10 +174,11 @@ def save_or_print(path: Path, text: str, what: str) -> None:
         with naming_failed_write(path):
             write_text_atomic(path, text)
     except OSError as e:
+        why = e.strerror or str(e)  # "cannot write PATH: No space left on device"
         with contextlib.suppress(OSError, ValueError):  # stderr on the same full disk: the report comes first
-            print(f"{e.strerror or e}: {what} follows on stdout", file=sys.stderr, flush=True)  # after tables, rows
+            print(f"{why}: {what} follows on stdout", file=sys.stderr, flush=True)  # after tables, rows
         kept = f"{what} went to stdout instead" if _printed(text) else f"stdout could not take {what} either: lost"
-        raise RagLookaheadError(f"{e.strerror or e}; {kept}") from None
+        raise RagLookaheadError(f"{why}; {kept}") from None
 
 
 def _printed(text: str) -> bool:
