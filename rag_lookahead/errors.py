@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 
 class RagLookaheadError(Exception):
@@ -41,6 +42,7 @@ def first_line(error: BaseException) -> str:
 
 #: invisible characters that words are written with (Persian, Indic scripts, emoji sequences): kept as they are
 _JOINERS = frozenset("\u200c\u200d")
+_BYTE_ESCAPE = re.compile("[\udc80-\udcff]")
 
 
 def one_line(text: str) -> str:
@@ -57,8 +59,16 @@ def one_line(text: str) -> str:
     )
 
 
+def undecodable_bytes_escaped(text: str) -> str:
+    """``text`` with each byte of a name that was not UTF-8 (held as a surrogate escape,
+    U+DC80..U+DCFF, as :func:`os.fsdecode` holds it) written ``\\xNN``: bash's ``$'...'`` reads that
+    back as the byte, where ``\\udcfe`` read back as three other bytes and named another folder."""
+    return _BYTE_ESCAPE.sub(lambda m: f"\\x{ord(m[0]) - 0xDC00:02x}", text)
+
+
 def shown_path(path: str | os.PathLike[str]) -> str:
-    """``path`` for a message: control characters and line breaks escaped (:func:`one_line`). A
-    command prints an error's first line only (:func:`first_line`), so a folder named
-    ``"docs\\nold"`` was said as ``corpus folder not found: docs``, another folder's name."""
-    return one_line(os.fspath(path))
+    """``path`` for a message: control characters and line breaks escaped (:func:`one_line`), bytes
+    that are not UTF-8 as ``\\xNN``. A command prints an error's first line only
+    (:func:`first_line`), so a folder named ``"docs\\nold"`` was said as ``corpus folder not found:
+    docs``, another folder's name."""
+    return one_line(undecodable_bytes_escaped(os.fspath(path)))

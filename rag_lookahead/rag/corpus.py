@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from rag_lookahead.checks import is_unicode
-from rag_lookahead.errors import ConfigError, CorpusWarning, InputError, one_line, shown_path
+from rag_lookahead.errors import ConfigError, CorpusWarning, InputError, one_line, shown_path, undecodable_bytes_escaped
 from rag_lookahead.file_reads import read_capped
 from rag_lookahead.paths import expand_user
 from rag_lookahead.rag.pdf_text import read_pdf_text
@@ -191,7 +191,12 @@ def _walk(root: Path, follow_symlinks: bool, skip, corpus: Corpus) -> Iterator[t
     for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_symlinks, onerror=unreadable):
         here = Path(dirpath)
         if follow_symlinks:
-            st = os.stat(here)
+            try:
+                st = os.stat(here)
+            except OSError as err:  # removed (or its link broken) since os.walk listed it
+                unreadable(err)
+                dirnames[:] = []
+                continue
             if (st.st_dev, st.st_ino) in seen:
                 dirnames[:] = []
                 continue
@@ -203,7 +208,9 @@ def _walk(root: Path, follow_symlinks: bool, skip, corpus: Corpus) -> Iterator[t
                 corpus.hidden += 1
                 continue
             if not is_unicode(name):  # surrogate escapes: the docstore, manifest and report cannot write them
-                skip("/".join(rel_dir + (_shown(name),)), "folder name is not valid UTF-8 (rename it)")
+                skip(
+                    "/".join(rel_dir + (undecodable_bytes_escaped(name),)), "folder name is not valid UTF-8 (rename it)"
+                )
                 continue
             if not follow_symlinks and os.path.islink(here / name):  # False where it cannot look: os.walk says why
                 skip("/".join(rel_dir + (name,)), "symbolic link to a folder, not followed (--follow-symlinks)")
@@ -216,14 +223,9 @@ def _walk(root: Path, follow_symlinks: bool, skip, corpus: Corpus) -> Iterator[t
             elif Path(name).suffix.lower() not in SUFFIXES:
                 corpus.other_types += 1
             elif not is_unicode(name):
-                skip("/".join(rel_dir + (_shown(name),)), "file name is not valid UTF-8 (rename it)")
+                skip("/".join(rel_dir + (undecodable_bytes_escaped(name),)), "file name is not valid UTF-8 (rename it)")
             else:
                 yield "/".join(rel_dir + (name,)), here / name
-
-
-def _shown(name: str) -> str:
-    """A name as the report can print it: undecodable bytes as ``\\xNN``."""
-    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def _size_of(path: Path) -> int:

@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rag_lookahead.checks import positive_int, unicode_text
-from rag_lookahead.errors import ConfigError, IndexLoadError, InputError, first_line, one_line, shown_path
+from rag_lookahead.errors import (
+    ConfigError,
+    IndexLoadError,
+    InputError,
+    first_line,
+    one_line,
+    shown_path,
+    undecodable_bytes_escaped,
+)
 from rag_lookahead.paths import expand_user
 from rag_lookahead.rag import store
 from rag_lookahead.rag.build import CHUNK_OVERLAP, CHUNK_SIZE, SEPARATORS, IndexReport, build_index, make_splitter
@@ -279,11 +287,12 @@ def no_index_error(index_dir: Path, docs: str = "DIR") -> IndexLoadError:
 def shell_word(path: str | Path) -> str:
     """``path`` as one word to paste into a shell (a folder with spaces): quoted by ``shlex``, or,
     holding control characters, in bash's ``$'...'`` form, whose escapes are :func:`one_line`'s
-    (``shlex`` kept a newline as it is, and the message was cut there)."""
+    (``shlex`` kept a newline as it is, and the message was cut there); a byte that is not UTF-8
+    as ``\\xNN``, which bash reads back as that byte."""
     text = str(path)
     if text.isprintable():
         return shlex.quote(text)
-    return "$'" + one_line(text.replace("\\", "\\\\").replace("'", "\\'")) + "'"
+    return "$'" + one_line(undecodable_bytes_escaped(text.replace("\\", "\\\\").replace("'", "\\'"))) + "'"
 
 
 def load_index(

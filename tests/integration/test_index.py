@@ -1149,6 +1149,31 @@ def test_symlinks_are_not_followed_unless_asked(tmp_path, embedder):
     assert not report.skipped
 
 
+def test_a_folder_removed_while_the_corpus_is_walked_is_skipped_when_following_links(tmp_path, embedder, monkeypatch):
+    """With ``--follow-symlinks``, a folder that os.walk had read and that was gone when the walk
+    looked at it (a sync client removing it mid-index) ended the whole build with FileNotFoundError; it is
+    now one "unreadable folder" line, as it was without the option."""
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "tea.md").write_text(TEA, encoding="utf-8")
+    (corpus / "sub" / "far.md").write_text(VOLCANO, encoding="utf-8")
+    real_walk = os.walk
+
+    def walk_racing_a_removal(top, **kw):
+        for step in real_walk(top, **kw):
+            if Path(step[0]) == corpus / "sub":  # os.walk has listed it; removed before it is looked at
+                shutil.rmtree(corpus / "sub")
+            yield step
+
+    monkeypatch.setattr(os, "walk", walk_racing_a_removal)
+    for follow, index_dir in ((False, tmp_path / "i1"), (True, tmp_path / "i2")):
+        report = build(corpus, index_dir, embedder, follow_symlinks=follow)
+        assert sources(ix.load_index(index_dir, embedder)) == {"tea.md"}
+        assert any(s.startswith("sub") and "unreadable" in s for s in report.skipped), report.skipped
+        (corpus / "sub").mkdir()
+        (corpus / "sub" / "far.md").write_text(VOLCANO, encoding="utf-8")
+
+
 def test_hidden_entries_and_files_of_other_types_are_counted_in_one_report_line(tmp_path, embedder):
     """A hidden file (.h.md), a hidden folder (.obsidian/) and files of other types (.docx) were
     passed over without a word: the report now counts them in one line (each file is not named:

@@ -175,3 +175,21 @@ def test_a_path_is_shown_on_one_line_with_the_joiners_words_are_spelt_with(text,
     from rag_lookahead.errors import one_line, shown_path
 
     assert shown_path(text) == one_line(text) == shown
+
+
+def test_a_path_with_bytes_that_are_not_utf8_is_shown_and_quoted_as_those_bytes():
+    """A folder named ``b"/tmp/idx\\xfe"`` was shown as ``idx\\udcfe`` and suggested as
+    ``$'/tmp/idx\\udcfe'``, which bash reads as three other bytes: the pasted command named
+    another folder. Both now say ``\\xfe``, and bash reads the suggested word back as the path."""
+    import os
+    import subprocess
+
+    from rag_lookahead.errors import shown_path
+    from rag_lookahead.rag.index import shell_word
+
+    path = os.fsdecode(b"/tmp/idx\xfe it's\n")
+    assert shown_path(path) == "/tmp/idx\\xfe it's\\n"
+    word = shell_word(path)
+    assert word == "$'/tmp/idx\\xfe it\\'s\\n'"
+    pasted = subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True, check=True).stdout
+    assert pasted == b"/tmp/idx\xfe it's\n"
