@@ -302,8 +302,9 @@ def load_index(
     one is refused (:class:`IndexLoadError`) because its vectors would not be comparable.
     Safe while a build publishes a new version: it returns the old index or the new one."""
     index_dir = expand_user(index_dir, "index folder") if index_dir is not None else default_index_dir()
-    if not index_dir.is_dir():
-        raise no_index_error(index_dir)
+    manifest = index_dir / store.MANIFEST
+    if not index_dir.is_dir() or not (manifest.exists() or manifest.is_symlink() or store.holds_our_data(index_dir)):
+        raise no_index_error(index_dir)  # an empty folder, or the documents' folder given by mistake
     from rag_lookahead.rag.embedders import get_embedder
 
     manifest, fidx, records = store.read_snapshot(index_dir)

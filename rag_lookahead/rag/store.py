@@ -115,7 +115,7 @@ def _parse_manifest(index_dir: Path, raw: bytes) -> dict:
             f"index at {shown_path(index_dir)} is corrupt: {why}; rebuild it with `rag_lookahead index`"
         ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        where = "rebuild it with `rag_lookahead index`" if _holds_our_data(index_dir) else "is it the right folder?"
+        where = "rebuild it with `rag_lookahead index`" if holds_our_data(index_dir) else "is it the right folder?"
         raise IndexLoadError(f"{shown_path(index_dir / MANIFEST)} is not a rag_lookahead index manifest; {where}")
     if manifest.get("format_version") not in READABLE_VERSIONS:
         raise IndexLoadError(
@@ -332,7 +332,7 @@ def _is_our_data_dir(path: Path) -> bool:
     )
 
 
-def _holds_our_data(index_dir: Path) -> bool:
+def holds_our_data(index_dir: Path) -> bool:
     """Whether the folder holds a data folder a build of ours finished (marked, our files only)."""
     try:
         return any((c / DATA_MARK).is_file() and _is_our_data_dir(c) for c in index_dir.iterdir())
@@ -369,7 +369,7 @@ def check_target(index_dir: Path, advice: str = "choose a new or empty folder wi
     if foreign == [MANIFEST] and _our_manifest(index_dir / MANIFEST) is not None:
         return  # a build (holding the lock, which we check before) published between the two looks
     manifest = index_dir / MANIFEST
-    if foreign == [MANIFEST] and manifest.is_file() and not manifest.is_symlink() and _holds_our_data(index_dir):
+    if foreign == [MANIFEST] and manifest.is_file() and not manifest.is_symlink() and holds_our_data(index_dir):
         return  # our index, its manifest damaged (garbled, emptied): the build replaces it, re-embedding all
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""

@@ -347,6 +347,15 @@ def test_manifest_problems(tmp_path, built, embedder):
         ix.load_index(d, embedder)
     with pytest.raises(IndexLoadError, match="no index"):
         ix.load_index(tmp_path / "nowhere", embedder)
+    # a folder that holds nothing of an index (empty, or the documents given for the index) was
+    # called an index "incomplete: manifest.json is missing", with no advice to build one
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(IndexLoadError, match=r"^no index at .*empty: build one with `rag_lookahead index DIR"):
+        ix.load_index(tmp_path / "empty", embedder)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "tea.md").write_text(TEA, encoding="utf-8")
+    with pytest.raises(IndexLoadError, match=r"^no index at .*docs: .*into a new folder"):
+        ix.load_index(tmp_path / "docs", embedder)
 
 
 def test_missing_docstore(tmp_path, built, embedder):
