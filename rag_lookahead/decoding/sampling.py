@@ -53,7 +53,7 @@ UNSET: Any = _Unset()
 
 #: generation options that change the output and that we do not implement, with their neutral
 #: values; a value other than these raises instead of being silently ignored
-_UNSUPPORTED_NEUTRAL = {
+UNSUPPORTED_NEUTRAL = {
     "num_beams": (None, 1),
     "num_beam_groups": (None, 1),
     "num_return_sequences": (None, 1),
@@ -229,7 +229,7 @@ def check_supported(config, prompt_width: int | None = None, has_eos: bool = Tru
     ``min_length`` and ``min_new_tokens`` only hold EOS back, so they change nothing without EOS
     ids (transformers then adds no processor for them), and ``min_length`` nothing at or below the
     prompt's (padded) width, which is what transformers makes of ``min_new_tokens=0``."""
-    for name, neutral in _UNSUPPORTED_NEUTRAL.items():
+    for name, neutral in UNSUPPORTED_NEUTRAL.items():
         value = getattr(config, name, None)
         if name in ("min_length", "min_new_tokens") and _holds_nothing_back(name, value, prompt_width, has_eos):
             continue

@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from rag_lookahead.decoding.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 from rag_lookahead.serve.api_error import quote
+from rag_lookahead.serve.generate_options import neutral, refused_generate_option
 
 __all__ = [
     "INVALID_REQUEST",
@@ -120,11 +121,6 @@ GENERATION_CONFIG_OPTIONS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "no_re
 VLLM_COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {"add_special_tokens": (True,)}
 
 
-def neutral(value: Any, values: tuple[Any, ...]) -> bool:
-    """``value`` is absent (None) or one of ``values``, type and all (``True`` is not ``1``)."""
-    return value is None or any(type(value) is type(v) and value == v for v in values)
-
-
 def refuse_changing_options(data: Any, table: dict[str, tuple[Any, ...]], why: str | None = None) -> None:
     """Refuse the first option of ``table`` in the raw body ``data`` set to a value that changes
     the answer: unknown fields are dropped before validation, so these are looked for here.
@@ -137,6 +133,14 @@ def refuse_changing_options(data: Any, table: dict[str, tuple[Any, ...]], why: s
                 raise invalid_request(f"'{name}' {why}", name)
             default = f" (or send {json.dumps(values[0])})" if values else ""
             raise invalid_request(f"'{name}' is not supported by this server: leave it out{default}", name)
+
+
+def refuse_generate_options(data: Any, taken: frozenset[str]) -> None:
+    """Refuse the first of transformers' generation options in the raw body ``data`` that would
+    change the answer (see :mod:`generate_options`); ``taken``: the names the endpoint reads itself."""
+    refused = refused_generate_option(data, skip=taken)
+    if refused is not None:
+        raise invalid_request(refused[1], refused[0])
 
 
 class StreamOptions(BaseModel):
@@ -215,6 +219,7 @@ class GenerationRequest(OpenAIRequest):
     @classmethod
     def _refuse_vllm_options(cls, data: Any) -> Any:
         refuse_changing_options(data, cls.vllm_options)
+        refuse_generate_options(data, frozenset(cls.vllm_options).union(cls.model_fields))
         return data
 
     @model_validator(mode="after")
@@ -454,6 +459,7 @@ class RagRequest(OpenAIRequest):
         # the answer goes through the chat template: its options would change it as in chat
         chat_options = {**VLLM_NEUTRAL, **VLLM_CHAT_NEUTRAL, **dict.fromkeys(REFUSED, ())}
         refuse_changing_options(data, {k: v for k, v in chat_options.items() if k not in cls.generation_only})
+        refuse_generate_options(data, frozenset(chat_options).union(cls.generation_only, cls.model_fields))
         return data
 
     @model_validator(mode="after")

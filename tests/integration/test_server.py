@@ -418,6 +418,9 @@ def test_tiny_validation_health_metrics(tokenizer):
                 {"top_k": 3},
                 {"min_tokens": 5},
                 {"repetition_penalty": 1.0},  # neutral no more: the answer takes the model config's penalty
+                {"max_new_tokens": 40},  # transformers' names: dropped unseen before 2026-12-06
+                {"suppress_tokens": [12]},
+                {"do_sample": True},
                 *chat_options,
             ):
                 r = client.post("/v1/rag", json={"question": "what?", **extra})  # they were dropped unseen
@@ -430,6 +433,7 @@ def test_tiny_validation_health_metrics(tokenizer):
                 {"response_format": {"type": "text"}, "stream_options": {"include_usage": True}},
                 {"stop": [""], "modalities": ["text"], "chat_template_kwargs": {}},  # as chat takes them
                 {"functions": [], "function_call": "none", "tools": [], "tool_choice": "none"},
+                {"do_sample": False, "suppress_tokens": [], "min_new_tokens": 0},  # transformers' defaults
             )
             for harmless in harmless_values:
                 assert client.post("/v1/rag", json={"question": "what?", **harmless}).status_code == 503

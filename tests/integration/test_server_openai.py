@@ -708,6 +708,51 @@ def test_vllm_options_that_change_the_answer_are_refused(chat_server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text  # not "prompt"
 
 
+TRANSFORMERS_CHANGING = [
+    ("suppress_tokens", [12], "leave it out"),
+    ("begin_suppress_tokens", [12], "leave it out"),
+    ("bad_words_ids", [[12]], "leave it out"),
+    ("sequence_bias", [[[12], -100.0]], "leave it out"),
+    ("encoder_repetition_penalty", 0.5, "leave it out"),
+    ("guidance_scale", 3.0, "leave it out"),
+    ("min_new_tokens", 5, "leave it out"),
+    ("forced_eos_token_id", 5, "leave it out"),
+    ("renormalize_logits", True, "leave it out"),
+    ("eos_token_id", 5, "leave it out"),
+    ("max_new_tokens", 40, "send 'max_tokens' instead"),
+    ("max_length", 40, "send 'max_tokens' instead"),
+    ("stop_strings", ["x"], "send 'stop' instead"),
+    ("num_return_sequences", 2, "send 'n' instead"),
+]
+
+
+def test_transformers_generation_options_that_change_the_answer_are_refused(chat_server):
+    """transformers' ``generate`` options (HF-style clients send them) were dropped unseen and the
+    request answered as if they had not been asked: ``suppress_tokens`` still gave the token,
+    ``max_new_tokens: 40`` the default length, ``do_sample: true`` a greedy answer. Each is refused
+    unless it changes nothing; ``do_sample`` passes where it agrees with ``temperature``."""
+    _, _, base = chat_server
+    chat = {"messages": QUESTION, "max_tokens": 2}
+    completion = {"prompt": [5, 6, 7], "max_tokens": 2}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+            for name, value, advice in TRANSFORMERS_CHANGING:
+                r = http.post(path, json={**body, name: value})
+                assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, name, r.text)
+                assert r.json()["error"]["message"].endswith(advice), r.text
+            for sampling in ({"do_sample": True}, {"do_sample": False, "temperature": 0.7}, {"do_sample": 1}):
+                r = http.post(path, json={**body, **sampling})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "do_sample", (sampling, r.text)
+                assert "set by 'temperature'" in r.json()["error"]["message"]
+            harmless = {"suppress_tokens": [], "encoder_repetition_penalty": 1, "guidance_scale": 1.0}
+            for extra in (
+                {"do_sample": False, "min_new_tokens": 0, "renormalize_logits": False, **harmless},
+                {"do_sample": True, "temperature": 0.5, "seed": 1},
+            ):
+                r = http.post(path, json={**body, **extra})
+                assert r.status_code == 200, (extra, r.text)
+
+
 def test_chat_template_kwargs_reach_the_template(chat_engine, tokenizer):
     """``chat_template_kwargs`` are the template's variables, as in vLLM; the server's own are not for it."""
     engine = Engine(chat_engine.model, shouting_template(tokenizer), chat_engine.config)

@@ -1,0 +1,71 @@
+"""transformers' generation options in a request body, which the server does not read.
+
+Clients written for transformers-style servers send ``model.generate``'s names (``max_new_tokens``,
+``do_sample``, ``suppress_tokens``, ...). The body drops fields it does not know, so each of these
+was answered as if it had not been asked: ``suppress_tokens`` still gave the suppressed token,
+``max_new_tokens: 40`` gave the server's default length. Here each is refused unless its value
+changes nothing, with the name the server takes for it where there is one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rag_lookahead.decoding.sampling import UNSUPPORTED_NEUTRAL
+
+
+def _with_int_forms(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The neutral values as JSON sends them: ``1.0`` may come as ``1``; None is "left out" anyway."""
+    kept = [v for v in values if v is not None]
+    ints = [int(v) for v in kept if isinstance(v, float) and v.is_integer()]
+    return tuple(kept + ints)
+
+
+#: the options the decoding core refuses in a generation config (same values neutral), and the
+#: ones the server sets from its own fields
+TRANSFORMERS_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    **{name: _with_int_forms(values) for name, values in UNSUPPORTED_NEUTRAL.items()},
+    "max_new_tokens": (),
+    "max_length": (),
+    "eos_token_id": (),
+    "cache_implementation": (),
+}
+
+#: the server's own field for some of them
+SERVER_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "max_length": "max_tokens",
+    "stop_strings": "stop",
+    "num_return_sequences": "n",
+}
+
+
+def neutral(value: Any, values: tuple[Any, ...]) -> bool:
+    """``value`` is absent (None) or one of ``values``, type and all (``True`` is not ``1``)."""
+    return value is None or any(type(value) is type(v) and value == v for v in values)
+
+
+def _sampling_asked(temperature: Any) -> bool:
+    return isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
+
+
+def refused_generate_option(data: Any, skip: frozenset[str] = frozenset()) -> tuple[str, str] | None:
+    """The first transformers option of the raw body ``data`` that would change the answer, with the
+    refusal's words; None where there is none. ``skip``: names the endpoint reads itself.
+
+    ``do_sample`` passes where it agrees with ``temperature`` (which decides here: 0 or absent is
+    greedy), so ``do_sample: true`` at the default temperature is refused, not answered greedily."""
+    if not isinstance(data, dict):
+        return None
+    if "do_sample" in data and data["do_sample"] is not None and "do_sample" not in skip:
+        if data["do_sample"] is not _sampling_asked(data.get("temperature")):
+            return "do_sample", (
+                "'do_sample' is set by 'temperature' on this server (0 or left out: greedy; above 0: sampling): "
+                "send a temperature instead"
+            )
+    for name, values in TRANSFORMERS_NEUTRAL.items():
+        if name in skip or neutral(data.get(name), values):
+            continue
+        instead = f"send {SERVER_NAMES[name]!r} instead" if name in SERVER_NAMES else "leave it out"
+        return name, f"'{name}' (a transformers generation option) is not supported by this server: {instead}"
+    return None
