@@ -49,9 +49,11 @@ def ensure_index(index_dir: Path, *, quiet: bool = False, build_bundled: bool = 
     of the user's is touched). Without ``build_bundled`` a missing index is an
     :class:`~rag_lookahead.errors.IndexLoadError`: a folder the user named (perhaps mistyped)
     must not quietly answer from the sample corpus."""
-    from rag_lookahead.rag.index import build_index, load_index, no_index_error
+    from rag_lookahead.rag.index import build_index, holds_index, load_index, no_index_error
     from rag_lookahead.rag.store import MANIFEST, check_target
 
+    if not build_bundled and holds_index(index_dir):
+        return load_index(index_dir)  # a damaged index of the user's: load_index says what is missing
     if not (index_dir / MANIFEST).is_file():
         if not build_bundled:
             raise IndexLoadError(

@@ -55,8 +55,18 @@ def one_line(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(
-        ch if ch.isprintable() or ch in _JOINERS or unicodedata.category(ch) == "Zs" else ascii(ch)[1:-1] for ch in text
+        ch if ch.isprintable() or ch in _JOINERS or unicodedata.category(ch) == "Zs" else _escape(ch) for ch in text
     )
+
+
+def _escape(ch: str) -> str:
+    """One invisible character as an escape bash's ``$'...'`` reads back: ``\\n``, ``\\x1b`` below
+    U+0080, ``\\u00ad`` above (``\\xad`` is kept for a byte that is not UTF-8, see
+    :func:`undecodable_bytes_escaped`: bash reads it as that byte, not as the character)."""
+    code = ord(ch)
+    if code < 0x80:
+        return ascii(ch)[1:-1]
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def undecodable_bytes_escaped(text: str) -> str:
@@ -64,6 +74,11 @@ def undecodable_bytes_escaped(text: str) -> str:
     U+DC80..U+DCFF, as :func:`os.fsdecode` holds it) written ``\\xNN``: bash's ``$'...'`` reads that
     back as the byte, where ``\\udcfe`` read back as three other bytes and named another folder."""
     return _BYTE_ESCAPE.sub(lambda m: f"\\x{ord(m[0]) - 0xDC00:02x}", text)
+
+
+def quoted_path(path: str | os.PathLike[str]) -> str:
+    """:func:`shown_path` in quotes, for a path inside a sentence (``repr`` showed ``\\udcfe``)."""
+    return f"'{shown_path(path)}'"
 
 
 def shown_path(path: str | os.PathLike[str]) -> str:

@@ -25,7 +25,7 @@ from types import EllipsisType
 from typing import Any
 
 from rag_lookahead.atomic import json_text, naming_failed_write, write_bytes_atomic, write_text_atomic
-from rag_lookahead.errors import ConfigError, RagLookaheadError
+from rag_lookahead.errors import ConfigError, RagLookaheadError, quoted_path
 from rag_lookahead.paths import expand_user
 
 __all__ = [
@@ -71,18 +71,20 @@ def check_output_file(
     target = expand_user(path, option)
     # Path() drops a final "/": "results/" made a file named "results"
     if target.is_dir() or str(path).endswith(("/", os.sep)):
-        raise ConfigError(f"{option} {str(path)!r} is a folder; give a file path")
+        raise ConfigError(f"{option} {quoted_path(path)} is a folder; give a file path")
     folder = target.parent
     if not folder.is_dir():
         reason = "is not a folder" if folder.exists() else "does not exist"
-        raise ConfigError(f"{option} {str(path)!r}: its folder {str(folder)!r} {reason}")
+        raise ConfigError(f"{option} {quoted_path(path)}: its folder {quoted_path(folder)} {reason}")
     _check_writable(folder, option, path, target.name)
     for source in inputs:
         if source is not None and _same_file(target, Path(os.path.expanduser(source))):
-            raise ConfigError(f"{option} {str(path)!r} is this run's input {str(source)!r}; give another path")
+            raise ConfigError(
+                f"{option} {quoted_path(path)} is this run's input {quoted_path(source)}; give another path"
+            )
     if not replaceable(target, ours):
         raise PathTaken(
-            f"{option} {str(path)!r} exists and this command did not write it; "
+            f"{option} {quoted_path(path)} exists and this command did not write it; "
             "remove it or give another path (nothing was changed)",
             target,
         )
@@ -112,7 +114,7 @@ def _check_writable(folder: Path, option: str, path: str | Path, name: str) -> N
         os.unlink(probe)
     except OSError as e:
         raise ConfigError(
-            f"{option} {str(path)!r}: cannot write in its folder {str(folder)!r} ({e.strerror or e})"
+            f"{option} {quoted_path(path)}: cannot write in its folder {quoted_path(folder)} ({e.strerror or e})"
         ) from None
 
 

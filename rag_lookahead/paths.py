@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rag_lookahead.errors import ConfigError
+from rag_lookahead.errors import ConfigError, quoted_path
 
 __all__ = ["cache_dir", "env_folder", "expand_user", "home_dir", "refuse_blank_path"]
 
@@ -59,7 +59,7 @@ def expand_user(path: str | os.PathLike[str], what: str) -> Path:
         return Path(path).expanduser()
     except RuntimeError:
         raise ConfigError(
-            f"{what} {os.fspath(path)!r}: its ~ names no home folder (no such user, or $HOME unset); give a full path"
+            f"{what} {quoted_path(path)}: its ~ names no home folder (no such user, or $HOME unset); give a full path"
         ) from None
 
 

@@ -34,7 +34,7 @@ from rag_lookahead.decoding.inputs import context_limit, limit_words
 from rag_lookahead.decoding.loop import left_pad
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.verify import input_device
-from rag_lookahead.errors import ConfigError, InputError, RagLookaheadError, first_line, shown_path
+from rag_lookahead.errors import ConfigError, InputError, RagLookaheadError, first_line, quoted_path, shown_path
 from rag_lookahead.interrupts import program_imported
 from rag_lookahead.output_files import FileState, PathTaken, check_output_file, is_report, save_report
 from rag_lookahead.paths import refuse_blank_path
@@ -304,7 +304,9 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
         try:
             text = read_input_text(path)
         except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-            raise InputError(f"cannot read the prompts file {path!r}: {getattr(e, 'strerror', None) or e}") from None
+            raise InputError(
+                f"cannot read the prompts file {quoted_path(path)}: {getattr(e, 'strerror', None) or e}"
+            ) from None
     else:
         text = resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
     name = shown_path(path) if path else "the bundled prompts"  # a newline in it: the error was cut there

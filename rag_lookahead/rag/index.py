@@ -295,6 +295,14 @@ def shell_word(path: str | Path) -> str:
     return "$'" + one_line(undecodable_bytes_escaped(text.replace("\\", "\\\\").replace("'", "\\'"))) + "'"
 
 
+def holds_index(index_dir: Path) -> bool:
+    """Whether ``index_dir`` holds an index, whole or damaged (its manifest, or a data folder a
+    build of ours finished): an empty folder, or the documents' folder given by mistake, is "no
+    index" with advice to build one, not an index whose manifest is missing."""
+    manifest = index_dir / store.MANIFEST
+    return index_dir.is_dir() and (manifest.exists() or manifest.is_symlink() or store.holds_our_data(index_dir))
+
+
 def load_index(
     index_dir: str | Path | None = None, embedder: Embedder | str | None = None, *, mode: str = "hybrid"
 ) -> DocumentIndex:
@@ -302,9 +310,8 @@ def load_index(
     one is refused (:class:`IndexLoadError`) because its vectors would not be comparable.
     Safe while a build publishes a new version: it returns the old index or the new one."""
     index_dir = expand_user(index_dir, "index folder") if index_dir is not None else default_index_dir()
-    manifest = index_dir / store.MANIFEST
-    if not index_dir.is_dir() or not (manifest.exists() or manifest.is_symlink() or store.holds_our_data(index_dir)):
-        raise no_index_error(index_dir)  # an empty folder, or the documents' folder given by mistake
+    if not holds_index(index_dir):
+        raise no_index_error(index_dir)
     from rag_lookahead.rag.embedders import get_embedder
 
     manifest, fidx, records = store.read_snapshot(index_dir)

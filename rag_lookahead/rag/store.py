@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from rag_lookahead.atomic import fsync_dir, naming_failed_write, temporary_names, write_json_atomic
-from rag_lookahead.errors import ConfigError, IndexLoadError, shown_path
+from rag_lookahead.errors import ConfigError, IndexLoadError, quoted_path, shown_path
 from rag_lookahead.locks import exclusive
 from rag_lookahead.paths import env_folder, home_dir
 
@@ -374,8 +374,8 @@ def check_target(index_dir: Path, advice: str = "choose a new or empty folder wi
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise ConfigError(
-            f"refusing to write an index into {shown_path(index_dir)}: it is not empty ({foreign[0]!r}{more}) and is"
-            f" not a rag_lookahead index (no {MANIFEST} of ours); {advice}"
+            f"refusing to write an index into {shown_path(index_dir)}: it is not empty"
+            f" ({quoted_path(foreign[0])}{more}) and is not a rag_lookahead index (no {MANIFEST} of ours); {advice}"
         )
 
 

@@ -9,9 +9,10 @@ changes nothing, with the name the server takes for it where there is one.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from rag_lookahead.decoding.sampling import UNSUPPORTED_NEUTRAL
+from rag_lookahead.decoding.sampling import MIN_TEMPERATURE, UNSUPPORTED_NEUTRAL
 
 
 def _with_int_forms(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -22,13 +23,12 @@ def _with_int_forms(values: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 #: the options the decoding core refuses in a generation config (same values neutral), and the
-#: ones the server sets from its own fields
+#: lengths and end ids the server sets from its own fields and the model
 TRANSFORMERS_NEUTRAL: dict[str, tuple[Any, ...]] = {
     **{name: _with_int_forms(values) for name, values in UNSUPPORTED_NEUTRAL.items()},
     "max_new_tokens": (),
     "max_length": (),
     "eos_token_id": (),
-    "cache_implementation": (),
 }
 
 #: the server's own field for some of them
@@ -45,27 +45,46 @@ def neutral(value: Any, values: tuple[Any, ...]) -> bool:
     return value is None or any(type(value) is type(v) and value == v for v in values)
 
 
-def _sampling_asked(temperature: Any) -> bool:
-    return isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
-
-
-def refused_generate_option(data: Any, skip: frozenset[str] = frozenset()) -> tuple[str, str] | None:
+def refused_generate_option(
+    data: Any,
+    skip: frozenset[str] = frozenset(),
+    server_names: dict[str, str] = SERVER_NAMES,
+    greedy_only: bool = False,
+) -> tuple[str, str] | None:
     """The first transformers option of the raw body ``data`` that would change the answer, with the
-    refusal's words; None where there is none. ``skip``: names the endpoint reads itself.
+    refusal's words; None where there is none. ``skip``: names the endpoint reads itself;
+    ``server_names``: the endpoint's field for some of them; ``greedy_only``: it answers greedily.
 
     ``do_sample`` passes where it agrees with ``temperature`` (which decides here: 0 or absent is
     greedy), so ``do_sample: true`` at the default temperature is refused, not answered greedily."""
     if not isinstance(data, dict):
         return None
-    if "do_sample" in data and data["do_sample"] is not None and "do_sample" not in skip:
-        if data["do_sample"] is not _sampling_asked(data.get("temperature")):
-            return "do_sample", (
-                "'do_sample' is set by 'temperature' on this server (0 or left out: greedy; above 0: sampling): "
-                "send a temperature instead"
-            )
+    if "do_sample" not in skip and data.get("do_sample") is not None:
+        refused = _refused_do_sample(data["do_sample"], data.get("temperature"), greedy_only)
+        if refused is not None:
+            return "do_sample", refused
     for name, values in TRANSFORMERS_NEUTRAL.items():
         if name in skip or neutral(data.get(name), values):
             continue
-        instead = f"send {SERVER_NAMES[name]!r} instead" if name in SERVER_NAMES else "leave it out"
+        instead = f"send {server_names[name]!r} instead" if name in server_names else "leave it out"
         return name, f"'{name}' (a transformers generation option) is not supported by this server: {instead}"
     return None
+
+
+def _refused_do_sample(do_sample: Any, temperature: Any, greedy_only: bool) -> str | None:
+    """Why ``do_sample`` is refused beside ``temperature``; None where they agree, or where the
+    temperature itself is wrong (its own error says so, not this one)."""
+    if greedy_only:
+        return None if do_sample is False else "'do_sample': this endpoint answers greedily: leave it out"
+    if temperature is None:
+        temperature = 0
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        return None
+    if temperature != 0 and temperature < MIN_TEMPERATURE:
+        return None
+    if do_sample is (temperature > 0):
+        return None
+    return (
+        f"'do_sample' {json.dumps(do_sample)} disagrees with 'temperature' {temperature!r}, which decides on this"
+        " server (0 or left out: greedy; above 0: sampling): leave do_sample out"
+    )

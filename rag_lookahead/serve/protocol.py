@@ -135,10 +135,11 @@ def refuse_changing_options(data: Any, table: dict[str, tuple[Any, ...]], why: s
             raise invalid_request(f"'{name}' is not supported by this server: leave it out{default}", name)
 
 
-def refuse_generate_options(data: Any, taken: frozenset[str]) -> None:
+def refuse_generate_options(data: Any, taken: frozenset[str], **endpoint: Any) -> None:
     """Refuse the first of transformers' generation options in the raw body ``data`` that would
-    change the answer (see :mod:`generate_options`); ``taken``: the names the endpoint reads itself."""
-    refused = refused_generate_option(data, skip=taken)
+    change the answer (see :mod:`generate_options`); ``taken``: the names the endpoint reads itself;
+    ``endpoint``: what :func:`refused_generate_option` is told of it."""
+    refused = refused_generate_option(data, skip=taken, **endpoint)
     if refused is not None:
         raise invalid_request(refused[1], refused[0])
 
@@ -459,7 +460,12 @@ class RagRequest(OpenAIRequest):
         # the answer goes through the chat template: its options would change it as in chat
         chat_options = {**VLLM_NEUTRAL, **VLLM_CHAT_NEUTRAL, **dict.fromkeys(REFUSED, ())}
         refuse_changing_options(data, {k: v for k, v in chat_options.items() if k not in cls.generation_only})
-        refuse_generate_options(data, frozenset(chat_options).union(cls.generation_only, cls.model_fields))
+        refuse_generate_options(
+            data,
+            frozenset(chat_options).union(cls.generation_only, cls.model_fields),
+            server_names={"max_new_tokens": "max_tokens", "max_length": "max_tokens"},
+            greedy_only=True,
+        )
         return data
 
     @model_validator(mode="after")

@@ -1160,8 +1160,8 @@ def test_symlinks_are_not_followed_unless_asked(tmp_path, embedder):
 
 def test_a_folder_removed_while_the_corpus_is_walked_is_skipped_when_following_links(tmp_path, embedder, monkeypatch):
     """With ``--follow-symlinks``, a folder that os.walk had read and that was gone when the walk
-    looked at it (a sync client removing it mid-index) ended the whole build with FileNotFoundError; it is
-    now one "unreadable folder" line, as it was without the option."""
+    looked at it (a sync client removing it mid-index) ended the whole build with FileNotFoundError;
+    it is now one "unreadable folder" line (without the option, each of its files is "unreadable")."""
     corpus = tmp_path / "corpus"
     (corpus / "sub").mkdir(parents=True)
     (corpus / "tea.md").write_text(TEA, encoding="utf-8")

@@ -425,6 +425,14 @@ def test_tiny_validation_health_metrics(tokenizer):
             ):
                 r = client.post("/v1/rag", json={"question": "what?", **extra})  # they were dropped unseen
                 assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), (extra, r.text)
+            for extra, advice in (  # no advice to send what /v1/rag refuses (stop, n, a temperature)
+                ({"stop_strings": ["x"]}, "leave it out"),
+                ({"num_return_sequences": 2}, "leave it out"),
+                ({"do_sample": True}, "answers greedily: leave it out"),
+                ({"max_new_tokens": 8}, "send 'max_tokens' instead"),
+            ):
+                r = client.post("/v1/rag", json={"question": "what?", **extra})
+                assert r.status_code == 400 and r.json()["error"]["message"].endswith(advice), (extra, r.text)
             harmless_values = (
                 {"model": "default"},
                 {"skip_special_tokens": True},

@@ -743,7 +743,10 @@ def test_transformers_generation_options_that_change_the_answer_are_refused(chat
             for sampling in ({"do_sample": True}, {"do_sample": False, "temperature": 0.7}, {"do_sample": 1}):
                 r = http.post(path, json={**body, **sampling})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "do_sample", (sampling, r.text)
-                assert "set by 'temperature'" in r.json()["error"]["message"]
+                assert "disagrees with 'temperature'" in r.json()["error"]["message"], r.text
+            for wrong in ({"do_sample": True, "temperature": "0.7"}, {"do_sample": False, "temperature": 1e-9}):
+                r = http.post(path, json={**body, **wrong})  # the temperature is what is wrong: said first
+                assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", (wrong, r.text)
             harmless = {"suppress_tokens": [], "encoder_repetition_penalty": 1, "guidance_scale": 1.0}
             for extra in (
                 {"do_sample": False, "min_new_tokens": 0, "renormalize_logits": False, **harmless},

@@ -189,7 +189,25 @@ def test_a_path_with_bytes_that_are_not_utf8_is_shown_and_quoted_as_those_bytes(
 
     path = os.fsdecode(b"/tmp/idx\xfe it's\n")
     assert shown_path(path) == "/tmp/idx\\xfe it's\\n"
-    word = shell_word(path)
-    assert word == "$'/tmp/idx\\xfe it\\'s\\n'"
-    pasted = subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True, check=True).stdout
-    assert pasted == b"/tmp/idx\xfe it's\n"
+    assert shell_word(path) == "$'/tmp/idx\\xfe it\\'s\\n'"
+    # an invisible character above U+007F (a soft hyphen, NEL) is \\u00ad, not \\xad: that is the byte
+    soft = "/tmp/idx\u00ad2\x85"
+    assert shown_path(soft) == "/tmp/idx\\u00ad2\\u0085"
+    for name in (path, soft):
+        word = shell_word(name)
+        utf8 = {**os.environ, "LC_ALL": "C.UTF-8"}  # bash writes \\uXXXX in the locale's encoding
+        pasted = subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True, check=True, env=utf8).stdout
+        assert pasted == os.fsencode(name), word
+
+
+def test_an_output_path_with_bytes_that_are_not_utf8_is_named_as_those_bytes(tmp_path):
+    """The output checks quoted paths with ``repr``: ``'/tmp/x\\udcfe/r.json'``, no name a user can
+    type or paste; they say ``\\xfe`` as every other message does."""
+    import os
+
+    from rag_lookahead.output_files import check_output_file
+
+    missing = os.fsdecode(os.fsencode(str(tmp_path)) + b"/nodir\xfe/r.json")
+    with pytest.raises(ConfigError) as err:
+        check_output_file(missing, "--json", ours=lambda path: False)
+    assert "nodir\\xfe/r.json'" in str(err.value) and "udc" not in str(err.value), err.value

@@ -269,6 +269,21 @@ def test_the_index_command_suggested_for_a_missing_index_can_be_pasted(tmp_path)
     assert shlex.split(command)[-2:] == ["--index-dir", str(folder)]
 
 
+def test_ask_says_what_a_damaged_index_of_ours_is_missing(tmp_path):
+    """``ask --index-dir`` on an index of ours whose manifest is gone (its data still there) said
+    "no index at ...: build one", where ``load_index`` and ``serve`` say what is missing."""
+    from rag_lookahead.ask import ensure_index
+    from rag_lookahead.errors import IndexLoadError
+    from rag_lookahead.rag.store import DATA_MARK
+
+    folder = tmp_path / "index"
+    (folder / "data-abcd1234").mkdir(parents=True)
+    (folder / "data-abcd1234" / DATA_MARK).write_text("", encoding="utf-8")
+    with pytest.raises(IndexLoadError, match="is incomplete: manifest.json is missing"):
+        ensure_index(folder, build_bundled=False)
+    assert sorted(p.name for p in folder.rglob("*")) == sorted(["data-abcd1234", DATA_MARK])  # nothing written
+
+
 @pytest.mark.parametrize("script", ["retrieval_qa.py", "lcel_chain.py", "chat_stream.py"])
 @pytest.mark.parametrize("flag", ["--max-tokens", "--max-new-tokens"])
 def test_each_answering_pipeline_takes_both_spellings_of_the_length_flag(tmp_path, script, flag):
