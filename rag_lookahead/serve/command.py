@@ -116,6 +116,9 @@ def serve(
     no_lookahead: bool = typer.Option(False, "--no-lookahead", help="decode one token a forward (same text)"),
     decoding_length: int | None = typer.Option(None, help="most draft nodes per forward"),
     branch_length: int | None = typer.Option(None, help="deepest draft path"),
+    output_pool_nodes: int | None = typer.Option(
+        None, help="node cap of the pool of earlier answers (per-key pools share it; ~170 bytes a node)"
+    ),
     budget: Literal["auto", "fixed"] | None = typer.Option(None),
     log_level: LogLevel = typer.Option(_D.log_level, case_sensitive=False),
     replicas: int = typer.Option(0, help="serve N replicas on Ray Serve (needs rag-lookahead\\[ray]); 0: one process"),
@@ -154,7 +157,11 @@ def config_from_args(args: Mapping[str, Any], environ: Mapping[str, str] | None 
     flags["api_keys"] = _api_keys(flags.get("api_keys"), environ.get(API_KEY_ENV, ""))
     flags["allowed_hosts"] = _split_commas(flags.get("allowed_hosts"))
     same = {f.name: flags[f.name] for f in fields(ServerConfig) if f.name in flags}
-    changes = {k: flags[k] for k in ("decoding_length", "branch_length", "budget") if flags.get(k) is not None}
+    changes = {
+        k: flags[k]
+        for k in ("decoding_length", "branch_length", "budget", "output_pool_nodes")
+        if flags.get(k) is not None
+    }
     return ServerConfig(
         **same,
         lookahead=not flags.get("no_lookahead", False),

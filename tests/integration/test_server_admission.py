@@ -287,6 +287,10 @@ def test_settings_and_their_command_line():
     assert (config.prefill_chunk, config.max_batch_tokens, config.max_draft_rows) == (256, 9000, None)
     config = config_from_args(parse_args(["--prefill-chunk", "0", "--max-draft-rows", "16"]), environ={})
     assert (config.prefill_chunk, config.max_batch_tokens, config.max_draft_rows) == (0, None, 16)
+    config = config_from_args(parse_args(["--output-pool-nodes", "300000", "--branch-length", "16"]), environ={})
+    assert (config.lookahead_config.output_pool_nodes, config.lookahead_config.branch_length) == (300_000, 16)
+    with pytest.raises(ConfigError, match="output_pool_nodes"):  # LookaheadConfig's own bound
+        config_from_args(parse_args(["--output-pool-nodes", "0"]), environ={})
     assert ServerConfig().prefill_chunk == 512
     for bad in (dict(prefill_chunk=-1), dict(max_batch_tokens=0), dict(max_draft_rows=True)):
         with pytest.raises(ConfigError):

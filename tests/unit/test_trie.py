@@ -115,6 +115,30 @@ def test_output_pool_stays_bounded_and_keeps_frequent_ngrams():
     assert pool.trie.find([100, 200]) is None  # an old rare n-gram was forgotten
 
 
+def test_a_trim_leaves_room_for_many_answers_when_answers_are_asked_again():
+    """A pool of answers asked again and again (counts of 2 and more survive a halving) was trimmed
+    only just under its cap, so a few answers later it was over it and trimmed again (on a full
+    server pool, a 6-9 s stall of every request each time): one trim now comes down to
+    ``LOW_WATER`` of the cap, halving as often as that takes, and keeps the most frequent."""
+    import random
+
+    rng = random.Random(0)
+    pool = OutputPool(depth=4, max_nodes=2000)
+    popular = [[rng.randrange(1000) for _ in range(12)] for _ in range(40)]
+    for answer in popular * 4:
+        pool.add(answer)
+    trims = 0
+    for i in range(400):
+        before = pool.nodes
+        pool.add([rng.randrange(1000) for _ in range(12)] if i % 2 else popular[i % 40])
+        if pool.nodes < before:
+            trims += 1
+            assert pool.nodes <= OutputPool.LOW_WATER * pool.max_nodes
+        assert pool.nodes <= pool.max_nodes
+    assert 1 <= trims <= 12
+    assert pool.trie.find(popular[0][:4]) is not None  # asked most: kept
+
+
 def test_decay_halves_counts_and_keeps_children_in_order():
     pool = OutputPool(depth=3, max_nodes=10**6)
     for _ in range(4):
@@ -126,6 +150,48 @@ def test_decay_halves_counts_and_keeps_children_in_order():
     assert _trie_counts(trie) == {(1,): 3, (1, 2): 2, (1, 2, 3): 2, (2,): 2, (2, 3): 2, (3,): 2}
     assert [token for token, _ in trie.children(trie.find([1]))] == [2]
     assert pool.nodes == 6
+
+
+def _children_orders(trie):
+    """Every node's children's tokens, oldest first, by the node's path."""
+    orders, stack = {}, [((), trie.ROOT)]
+    while stack:
+        path, node = stack.pop()
+        orders[path] = [token for token, _ in trie.children(node)]
+        stack.extend((path + (token,), child) for token, child in trie.children(node))
+    return orders
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    answers=st.lists(st.lists(st.integers(min_value=0, max_value=6), max_size=12), max_size=12),
+    depth=st.integers(min_value=2, max_value=5),
+    halvings=st.integers(min_value=1, max_value=3),
+    cut=st.integers(min_value=0, max_value=40),
+)
+def test_decayed_trie_halves_every_count_and_keeps_every_edge_and_order(answers, depth, halvings, cut):
+    """The array-built decay (a Python walk over a full pool stalled every request for 6-9 s) gives
+    what halving every count and dropping the zeros means: counts, children's order, the edges
+    that find() walks, after an insert cut back part way too; and the copy takes inserts again."""
+    trie = NGramTrie(depth)
+    for answer in answers:
+        trie.insert(answer)
+    if answers:
+        trie.cut_back(max(0, trie.nodes - cut))  # an insert stopped part way
+    for _ in range(halvings):
+        expected = {path: count // 2 for path, count in _trie_counts(trie).items() if count // 2}
+        orders = {
+            path: [t for t in order if path + (t,) in expected]
+            for path, order in _children_orders(trie).items()
+            if not path or path in expected
+        }
+        trie = trie.decayed()
+        assert _trie_counts(trie) == expected
+        assert _children_orders(trie) == orders
+        assert trie.nodes == len(expected)
+        assert all(trie.count(trie.find(path)) == count for path, count in expected.items())
+    trie.insert([1, 2, 3])
+    assert trie.find([1, 2][:depth]) is not None
 
 
 def test_the_trie_holds_no_objects_the_garbage_collector_walks():
