@@ -1,13 +1,14 @@
 """Answer a JSONL file of questions ({"question": ...} per line) into a JSONL of answers.
 
-    python pipelines/batch_answers.py questions.jsonl answers.jsonl [--index-dir DIR] [--batch-size 4]
+    python pipelines/batch_answers.py questions.jsonl answers.jsonl [--index-dir DIR] [--batch-size 4] [--resume]
 
 Each output line: {"question", "answer", "sources": [{source, chunk_id, score, in_prompt, snippet}], "stats"}
 in input order. Questions are answered in batches through one batched generate call each
 (``LookaheadLLM.generate``, like ``.batch``); the output file is written to a temporary sibling and renamed into
 place, so an interrupted run never leaves a half-written file; an existing file at that path is replaced only
-if it is an earlier answers file of this pipeline. Where the file cannot be written (a full disk), the answers
-are printed on stdout instead, and one error line names the file.
+if it is an earlier answers file of this pipeline. A run stopped part way (Ctrl-C, an error) writes the answers
+it made, the first questions' in order, and ``--resume`` answers the rest after them. Where the file cannot be
+written (a full disk), the answers are printed on stdout instead, and one error line names the file.
 """
 
 from __future__ import annotations
@@ -84,6 +85,30 @@ def is_answers_file(path: Path) -> bool:
     return records > 0
 
 
+def answered_before(path: str, questions: list[str]) -> list[dict]:
+    """The records of an earlier run's answers file at ``path`` (``--resume``): they must answer
+    the first questions of this file, in order, or the run is refused (another questions file's
+    answers would be kept under these questions). No file there: none."""
+    target = Path(path).expanduser()
+    if not target.exists():
+        return []
+    if not is_answers_file(target):
+        raise InputError(f"--resume: {shown_path(path)} is not an answers file of this pipeline")
+    with open(target, encoding="utf-8", newline="\n") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if len(records) > len(questions):
+        raise InputError(
+            f"--resume: {shown_path(path)} holds {len(records)} answers, more than the {len(questions)} questions"
+        )
+    for number, (record, question) in enumerate(zip(records, questions), start=1):
+        if record["question"] != question:
+            raise InputError(
+                f"--resume: answer {number} of {shown_path(path)} is to another question than question {number} of"
+                " this file: give the questions file it answered, or leave --resume out to answer all anew"
+            )
+    return records
+
+
 def main() -> None:
     ap = rag_parser(__doc__.splitlines()[0])
     ap.add_argument("questions")  # not type=Path: Path("") is the working folder
@@ -91,6 +116,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=256)
     ap.add_argument("--no-lookahead", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="keep the answers file's answers and answer the rest")
     args = ap.parse_args()
     positive_int("--batch-size", args.batch_size)
     refuse_blank_path(args.questions, "questions")  # an unset variable
@@ -98,6 +124,11 @@ def main() -> None:
 
     numbered = read_questions(args.questions)
     questions = [q for _, q in numbered]
+    rows: list[dict] = answered_before(args.answers, questions) if args.resume else []
+    if len(rows) == len(questions):
+        print(f"all {len(rows)} questions are answered in {shown_path(args.answers)}", file=sys.stderr)
+        return
+    numbered, resumed = numbered[len(rows) :], len(rows)
     retriever = as_retriever(open_index(args), args.k_seed)
     llm = LookaheadLLM.from_model_id(args.model, max_new_tokens=args.max_new_tokens)
     # every prompt is built and checked before the first decode: one too long for the context
@@ -110,27 +141,46 @@ def main() -> None:
             llm.check_prompt(prompts[-1])
         except InputError as err:
             raise InputError(f"{shown_path(args.questions)}:{lineno}: {first_line(err)}") from None
-    rows: list[dict] = []
-    for start in range(0, len(questions), args.batch_size):
-        group = slice(start, start + args.batch_size)
-        docs = found[group]
-        refs = [[x.page_content for x in d[args.k :]] for d in docs]
-        result = llm.generate(prompts[group], references=refs, enable_lookahead=not args.no_lookahead)
-        for q, d, gens in zip(questions[group], docs, result.generations):
-            rows.append(
-                {
-                    "question": q,
-                    "answer": gens[0].text.strip(),
-                    "sources": [
-                        {k: v for k, v in source_info(x, i < args.k).items() if k != "text"} for i, x in enumerate(d)
-                    ],
-                    "stats": gens[0].generation_info,
-                }
+    try:
+        for start in range(0, len(numbered), args.batch_size):
+            group = slice(start, start + args.batch_size)
+            result = llm.generate(
+                prompts[group],
+                references=[[x.page_content for x in d[args.k :]] for d in found[group]],
+                enable_lookahead=not args.no_lookahead,
             )
-        print(f"answered {len(rows)}/{len(questions)}", file=sys.stderr)
+            rows.extend(answer_records(args, [q for _, q in numbered[group]], found[group], result))
+            print(f"answered {len(rows)}/{len(questions)}", file=sys.stderr)
+    except BaseException:  # Ctrl-C, a failed batch: what was answered is kept, and --resume goes on
+        if len(rows) > resumed:
+            target = output_target(args.answers, is_answers_file, seen)
+            save_or_print(target, jsonl_text(rows), "the answers")
+            print(
+                f"stopped: wrote the {len(rows)} answers made of {len(questions)} to {target}; rerun with --resume to"
+                " answer the rest",
+                file=sys.stderr,
+            )
+        raise
     target = output_target(args.answers, is_answers_file, seen)  # checked again: the run may have been long
     save_or_print(target, jsonl_text(rows), "the answers")
     print(f"wrote {len(rows)} answers to {target}", file=sys.stderr)
+
+
+def answer_records(args, questions: list[str], docs: list, result) -> list[dict]:
+    """One output record per question of a batch, as the module docstring lists them."""
+    rows = []
+    for q, d, gens in zip(questions, docs, result.generations):
+        rows.append(
+            {
+                "question": q,
+                "answer": gens[0].text.strip(),
+                "sources": [
+                    {k: v for k, v in source_info(x, i < args.k).items() if k != "text"} for i, x in enumerate(d)
+                ],
+                "stats": gens[0].generation_info,
+            }
+        )
+    return rows
 
 
 if __name__ == "__main__":

@@ -209,6 +209,64 @@ def test_batch_answers_refuses_a_question_past_the_context_before_decoding_any(
     assert "answered" not in err and not (tmp_path / "a.jsonl").exists()
 
 
+def test_batch_answers_keeps_the_answers_made_when_stopped_and_resumes_after_them(
+    index, tmp_path, monkeypatch, capsys, default_model, shared_embedder
+):
+    """A Ctrl-C (or a failed batch) after hours of answers lost them all: nothing was written.
+    The answers made are written, and ``--resume`` answers the rest after them; it refuses an
+    answers file of other questions. On the session's default model, in this process."""
+    import sys
+
+    from rag_lookahead import models
+    from rag_lookahead.langchain.llm import LookaheadLLM
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "pipelines"))
+    import rag_args
+
+    import batch_answers
+
+    monkeypatch.setattr(models, "load_model", lambda name, **options: default_model)
+    questions, answers = tmp_path / "q.jsonl", tmp_path / "a.jsonl"
+    asked = [QUESTIONS["en"][0], QUESTIONS["zh"][0], "What does the budget option do?"]
+    questions.write_text("".join(json.dumps({"question": q}) + "\n" for q in asked), encoding="utf-8")
+    argv = ["batch_answers.py", str(questions), str(answers), "--index-dir", str(index.index_dir)]
+    argv += ["--batch-size", "1", "--max-new-tokens", "6"]
+    real_generate, calls = LookaheadLLM.generate, []
+
+    def interrupted_on_the_second_batch(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as Ctrl-C inside a decode
+        return real_generate(self, *args, **kwargs)
+
+    def records() -> list[dict]:
+        return [json.loads(line) for line in answers.read_text(encoding="utf-8").splitlines()]
+
+    monkeypatch.setattr(LookaheadLLM, "generate", interrupted_on_the_second_batch)
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as stopped:
+        rag_args.run(batch_answers.main, prints_answers=False)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 130 and "rerun with --resume" in err, err
+    first = records()
+    assert [r["question"] for r in first] == asked[:1] and first[0]["answer"]
+    monkeypatch.setattr(LookaheadLLM, "generate", real_generate)
+    monkeypatch.setattr(sys, "argv", argv + ["--resume"])
+    rag_args.run(batch_answers.main, prints_answers=False)
+    resumed = records()
+    assert [r["question"] for r in resumed] == asked and resumed[0] == first[0]
+    other = tmp_path / "other.jsonl"
+    other.write_text(
+        "".join(json.dumps({"question": q}) + "\n" for q in ["another question?", *asked]), encoding="utf-8"
+    )
+    monkeypatch.setattr(sys, "argv", ["batch_answers.py", str(other), str(answers), "--resume"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        rag_args.run(batch_answers.main, prints_answers=False)
+    assert refused.value.code == 1 and "is to another question" in capsys.readouterr().err
+    assert records() == resumed  # nothing changed
+
+
 def test_the_seeding_retriever_returns_the_documents_it_found_with_their_headings():
     """Its copies lost each Document's id (LangChain's document identity)."""
     from langchain_core.documents import Document
