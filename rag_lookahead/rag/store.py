@@ -321,9 +321,14 @@ def _is_our_data_dir(path: Path) -> bool:
     """A folder (not a link) named as ``tempfile.mkdtemp`` names ours (``data-`` and 8 characters)
     that is empty (what an interrupted build leaves before its mark) or carries our mark and holds
     nothing but our file names."""
-    if not DATA_NAME.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
+    if not DATA_NAME.fullmatch(path.name) or path.is_symlink():
         return False
-    children = list(path.iterdir())
+    try:
+        children = list(path.iterdir())
+    except FileNotFoundError:  # removed since its folder was listed: by a build of ours (its probe)
+        return True
+    except OSError:  # a file of that name, a folder we cannot read: not ours to replace
+        return False
     if not children:
         return True
     names = {c.name for c in children}
@@ -341,9 +346,12 @@ def holds_our_data(index_dir: Path) -> bool:
 
 
 def _is_our_leftover(path: Path) -> bool:
-    """What an interrupted first build can leave in a folder that has no manifest yet."""
+    """What an interrupted first build can leave in a folder that has no manifest yet, or what a
+    build running beside us made and removed since the folder was listed (its write probe, a
+    leftover it cleared, a temporary manifest it renamed): a first build into a new folder was
+    refused, or failed with a traceback, when it looked as another build did that."""
     if path.name == LOCK_FILE or MANIFEST_TMP.fullmatch(path.name):
-        return path.is_file() and not path.is_symlink()
+        return not os.path.lexists(path) or (path.is_file() and not path.is_symlink())
     return _is_our_data_dir(path)
 
 

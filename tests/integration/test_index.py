@@ -1016,6 +1016,38 @@ def test_a_manifest_published_between_the_two_looks_is_taken_as_ours(tmp_path, b
     assert len(looks) == 2
 
 
+@pytest.mark.parametrize("leftover", ["data-c23wxem0", ".manifest.json.abcd1234", "data-empty123"])
+def test_what_another_build_removes_while_the_folder_is_looked_at_is_taken_as_ours(tmp_path, monkeypatch, leftover):
+    """A build checks a new folder before it waits for the lock; another build removing its write
+    probe (an empty ``data-*``), a leftover or its renamed temporary manifest just then made the
+    check refuse ("not empty ('data-...')") or fail with FileNotFoundError."""
+    index_dir = tmp_path / "index"
+    index_dir.mkdir()
+    made = index_dir / leftover
+    if leftover.startswith("data-") and leftover != "data-empty123":
+        made.mkdir()
+        (made / store.DATA_MARK).write_text("", encoding="utf-8")
+    elif leftover.startswith("data-"):
+        made.mkdir()
+    else:
+        made.write_text("{}", encoding="utf-8")
+    real_iterdir = Path.iterdir
+
+    def listed_then_removed(self):
+        names = list(real_iterdir(self))
+        if self == index_dir:  # the other build removes it once this one has listed the folder
+            shutil.rmtree(made) if made.is_dir() else made.unlink()
+        return iter(names)
+
+    monkeypatch.setattr(Path, "iterdir", listed_then_removed)
+    store.check_target(index_dir)  # no refusal, no traceback
+    assert not made.exists()
+    (index_dir / "notes.md").write_text("mine", encoding="utf-8")  # a user's file is still refused
+    monkeypatch.setattr(Path, "iterdir", real_iterdir)
+    with pytest.raises(ConfigError, match="not empty"):
+        store.check_target(index_dir)
+
+
 def test_second_build_waits_for_the_first(tmp_path, embedder, monkeypatch, caplog):
     """Two builds of one folder: while the first holds the lock the second waits (and uses the first's
     result) or, past its timeout, fails clearly; neither destroys the other's work."""
