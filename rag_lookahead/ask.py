@@ -19,6 +19,7 @@ from typing import Any
 
 from rag_lookahead.errors import ConfigError, IndexLoadError, InputError, one_line, shown_path
 from rag_lookahead.paths import expand_user
+from rag_lookahead.progress import status_line
 
 __all__ = [
     "StdoutClosed",
@@ -69,14 +70,11 @@ def ensure_index(index_dir: Path, *, quiet: bool = False, build_bundled: bool = 
             " or set RAG_LOOKAHEAD_HOME to another folder",
         )
         if not quiet:
-            print(
-                f"rag_lookahead: no index at {shown_path(index_dir)}; indexing the bundled corpus {corpus}",
-                file=sys.stderr,
-            )
+            status_line(f"rag_lookahead: no index at {shown_path(index_dir)}; indexing the bundled corpus {corpus}")
         report = build_index(corpus, index_dir, progress=not quiet, if_missing=True)
         if not quiet:
             done = "another run published an index there meanwhile; using it" if report is None else report.summary()
-            print(f"rag_lookahead: {done}", file=sys.stderr)
+            status_line(f"rag_lookahead: {done}")
     return load_index(index_dir)
 
 
@@ -93,11 +91,9 @@ def _check_a_long_question(llm: Any, question: str, note: bool) -> None:
 
     tokens = check_question_fits(llm, question)
     if note and tokens is not None and tokens >= LONG_QUESTION_TOKENS:
-        print(
+        status_line(
             f"note: a {tokens:,}-token question; the model reads all of it before the first token of the"
-            " answer, which can take minutes on a CPU",
-            file=sys.stderr,
-            flush=True,
+            " answer, which can take minutes on a CPU"
         )
 
 

@@ -116,6 +116,7 @@ def index_command(
             )
     except (RagLookaheadError, OSError) as e:  # OSError: a folder we cannot create, read or lock
         fail(e)
+    _lenient(sys.stdout)  # a terminal without CJK (latin-1): '?' for a name it cannot show, not a failed build
     with writing_stdout("the index's summary (the index itself is written)"):
         typer.echo(report.summary())
 

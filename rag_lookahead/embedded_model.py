@@ -23,7 +23,6 @@ import itertools
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any, BinaryIO
 from rag_lookahead.atomic import fsync_dir, fsync_file
 from rag_lookahead.errors import ModelLoadError
 from rag_lookahead.locks import exclusive
+from rag_lookahead.progress import status_line
 
 __all__ = [
     "DEFAULT",
@@ -390,10 +390,9 @@ def _clear(target: Path) -> None:
     kept = [p.relative_to(target).as_posix() for p in sorted(target.rglob("*")) if not p.is_dir()]
     aside = next(p for n in itertools.count(1) if not (p := target.with_name(f"{target.name}.kept-{n}")).exists())
     os.replace(target, aside)
-    print(
+    status_line(
         f"rag_lookahead: {target} held files rag_lookahead did not write ({', '.join(kept[:5])}"
-        f"{' ...' if len(kept) > 5 else ''}); they are kept in {aside}",
-        file=sys.stderr,
+        f"{' ...' if len(kept) > 5 else ''}); they are kept in {aside}"
     )
 
 
@@ -424,7 +423,7 @@ def file_lock(path: Path, timeout: float = LOCK_TIMEOUT_S, waiting: str | None =
     with exclusive(
         path,
         timeout,
-        on_wait=(lambda: print(waiting, file=sys.stderr, flush=True)) if waiting else None,
+        on_wait=(lambda: status_line(waiting)) if waiting else None,
         on_timeout=lambda: ModelLoadError(
             f"another process has held {path} for over {timeout:.0f} s (a conversion stopped or"
             " stuck?): let it finish or end it, then load again; or set RAG_LOOKAHEAD_CACHE to"

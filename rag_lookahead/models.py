@@ -18,7 +18,6 @@ import pickle
 import re
 import socket
 import struct
-import sys
 import time
 import urllib.parse
 from pathlib import Path
@@ -32,6 +31,7 @@ from rag_lookahead.embedded_model import DEFAULT_MODEL_NAME, EMBEDDED, EmbeddedM
 from rag_lookahead.errors import ConfigError, ModelLoadError, shown_path
 from rag_lookahead.greedy_head import screen_greedy_head
 from rag_lookahead.paths import cache_dir, expand_user
+from rag_lookahead.progress import status_line
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -203,10 +203,9 @@ def embedded_model_dir(name: str = "default", convert: bool = True) -> Path:
         problem = parts.damaged(target)
         if problem is None:
             return target
-        print(
+        status_line(
             f"rag_lookahead: the converted {name} model in {target} changed on disk since it was written"
-            f" ({problem}); converting it again",
-            file=sys.stderr,
+            f" ({problem}); converting it again"
         )
     lock = target.parent / f".{target.name}.lock"
     waiting = f"rag_lookahead: another process is converting the embedded {name} model into {target}; waiting"
@@ -223,12 +222,11 @@ def embedded_model_dir(name: str = "default", convert: bool = True) -> Path:
                 return target
             parts.remove_stale(target)
             t0 = time.perf_counter()
-            print(
-                f"rag_lookahead: converting the embedded {name} model into {target} (once, {spec.conversion_time})",
-                file=sys.stderr,
+            status_line(
+                f"rag_lookahead: converting the embedded {name} model into {target} (once, {spec.conversion_time})"
             )
             parts.atomic_build(target, lambda tmp: parts.convert_gguf(paths, tmp, spec), {"sha256": spec.sha256})
-            print(f"rag_lookahead: conversion done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            status_line(f"rag_lookahead: conversion done in {time.perf_counter() - t0:.0f} s")
     except ModelLoadError:
         raise
     except Exception as err:  # disk full, read-only or unwritable cache: one line, nothing half-written left

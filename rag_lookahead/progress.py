@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["others_bars_tolerated", "progress_bar"]
+__all__ = ["others_bars_tolerated", "progress_bar", "status_line"]
 
 _swap_lock = threading.Lock()
 _blocks = 0  # others_bars_tolerated blocks open now
@@ -46,6 +46,16 @@ class _Tolerant:
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding: as the stream has them
         return getattr(self._stream, name)
+
+
+def status_line(text: str) -> None:
+    """One status line on stderr ("indexing the bundled corpus", "converting the model"), best
+    effort: a stderr that is full or whose reader went away made ``ask`` exit 1 with no answer and
+    no word; a closed one (``2>&-``: ``sys.stderr`` is None) put the line into the answer on stdout."""
+    if sys.stderr is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        print(text, file=sys.stderr, flush=True)
 
 
 def progress_bar(*, disable: bool | None = False, **options: Any):

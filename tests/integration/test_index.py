@@ -693,6 +693,20 @@ def test_a_name_that_is_not_utf8_is_skipped_and_the_rest_indexed(tmp_path, built
     assert "d\\xe9j\\xe0: folder name is not valid UTF-8" in result.stdout
 
 
+def test_a_summary_the_terminal_cannot_show_whole_fails_no_build(tmp_path):
+    """On a terminal that is not UTF-8 (PYTHONIOENCODING=latin-1, a cp1252 console), a summary
+    naming a Chinese file ended a good build with exit 1 ("cannot write the index's summary"):
+    scripts counted it as failed. It shows '?' for what the terminal cannot show, as ask does."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "旧编码.txt").write_bytes("这是用旧编码保存的一份说明文件，讲的是茶叶的种植。".encode("gbk") * 4)
+    env = {**os.environ, "PYTHONIOENCODING": "latin-1"}
+    command = [sys.executable, "-m", "rag_lookahead", "index", str(corpus), "--index-dir", str(tmp_path / "i")]
+    result = subprocess.run([*command, "--no-progress"], capture_output=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
+    assert b"indexed 1 files" in result.stdout and b"?.txt" in result.stdout, result.stdout
+
+
 def test_a_folder_the_system_refuses_is_one_line(tmp_path, built):
     (tmp_path / "afile").write_text("a file", encoding="utf-8")
     result = run_cli("index", str(built[0]), "--index-dir", str(tmp_path / "afile" / "sub"), "--no-progress")

@@ -143,3 +143,32 @@ def test_a_question_of_few_characters_but_many_tokens_gets_the_long_question_not
     assert len(question) < LONG_QUESTION_TOKENS <= tokens  # the cases the old shortcuts got wrong
     _check_a_long_question(SimpleNamespace(tokenizer=tokenizer, model=None), question, note=True)
     assert f"note: a {tokens:,}-token question" in capsys.readouterr().err
+
+
+class _FullDisk:
+    """A stderr on a full disk (``2>/dev/full``): every write fails."""
+
+    def write(self, text):
+        raise OSError(28, "No space left on device")
+
+    def flush(self):
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("stderr", [_FullDisk(), None], ids=["full", "closed"])
+def test_a_status_line_that_cannot_be_written_costs_neither_the_answer_nor_stdout(stderr, monkeypatch, capsys):
+    """ask's status lines (the long-question note, "indexing the bundled corpus") went through
+    print(): on a full stderr the OSError ended ask with exit 1 and no answer; with stderr closed
+    (``2>&-``, sys.stderr is None) print() wrote them into the answer on stdout."""
+    import sys
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from rag_lookahead.ask import _check_a_long_question
+    from rag_lookahead.models import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    monkeypatch.setattr(sys, "stderr", stderr)
+    _check_a_long_question(SimpleNamespace(tokenizer=tokenizer, model=None), "word " * 2100, note=True)
+    assert capsys.readouterr().out == ""
