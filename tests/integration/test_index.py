@@ -1406,6 +1406,47 @@ def test_a_pdf_whose_text_passes_the_size_limit_is_skipped_at_that_page(tmp_path
     assert ix.load_corpus(corpus).docs["shared.pdf"][1].count("cassowary") == 600  # under the default limit
 
 
+def drawing_pdf(operators: int, pages: int) -> bytes:
+    """``pages`` pages sharing one compressed stream: a line of text, then ``operators`` times "q Q"
+    (save and restore the graphics state: work for a reader, no text)."""
+    data = b"BT /F1 12 Tf 72 720 Td (the osprey nests here) Tj ET\n" + b"q Q\n" * (operators // 2)
+    return pdf_pages([stream_object(zlib.compress(data, 9), b"/Filter /FlateDecode ")], shown=[0] * pages)
+
+
+def test_a_pdf_that_draws_far_more_than_it_holds_is_given_up(tmp_path):
+    """A 9.7 KB PDF whose 32,768 pages draw one shared stream of 2 million operators (no text)
+    would have been read for days. What a file may draw is bounded by its size (50 operators a
+    byte, at least a million), the file given up in one line at the page that passes it."""
+    from rag_lookahead.rag import pdf_text
+
+    small = drawing_pdf(10_000, pages=3)
+    corpus = corpus_of(tmp_path, {"drawn.pdf": drawing_pdf(10_000, pages=400), "small.pdf": small})
+    budget = max(pdf_text.LEAST_OPERATORS, pdf_text.OPERATORS_PER_BYTE * (corpus / "drawn.pdf").stat().st_size)
+    with pytest.warns(UserWarning, match="skipping drawn.pdf"):
+        loaded = ix.load_corpus(corpus)
+    [skipped] = loaded.skipped
+    page = budget // 10_006 + 1  # the page whose operators pass the budget
+    assert skipped.startswith("drawn.pdf: it draws over 50 content operators per byte of the file"), skipped
+    assert skipped.endswith(f"given up at page {page} of 400"), skipped
+    assert loaded.docs["small.pdf"][1].count("osprey") == 3  # a file within its budget is read whole
+
+
+def test_a_pdf_past_pypdfs_parsing_limits_is_given_up_at_the_first_page(tmp_path):
+    """pypdf stops a content stream past its parsing limit with LimitReachedError after seconds of
+    work; each page failed so in turn (8-9 s a page, 32,768 pages sharing the stream). The file is
+    given up at the first such page."""
+    import pypdf
+
+    corpus = corpus_of(tmp_path, {"limits.pdf": drawing_pdf(4_000, pages=30), "git.txt": GIT.encode()})
+    with pypdf.apply_configuration(stream_parsing_work_maximum_count=1_000):  # pypdf's: 2 million
+        with pytest.warns(UserWarning, match="skipping limits.pdf"):
+            loaded = ix.load_corpus(corpus)
+    assert loaded.skipped == [
+        "limits.pdf: pypdf's parsing limits stop it at page 1 of 30 (LimitReachedError: Reached maximum number of"
+        " tokens per stream.)"
+    ]
+
+
 def test_a_slow_pdf_shows_the_reading_bar_page_by_page(tmp_path, capsys, monkeypatch):
     """Whether the reading bar showed was decided by the corpus's bytes (a PDF's x16): the 180 KB
     PDF of hours of text showed none, and a PDF advanced the bar only when it was done. The bar now
