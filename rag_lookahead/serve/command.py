@@ -187,6 +187,8 @@ def run_server(config: ServerConfig) -> None:
         level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if config.log_level in ("info", "warning", "error", "critical"):  # faiss's fallback, not a fault:
+        logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # "Could not load library with AVX512 support"
     with listening_socket(config.host, config.port) as sock:
         _warn_about_exposure(config)  # once the address is taken: a host that does not resolve is one line
         try:
