@@ -21,19 +21,27 @@ decoding reads as plausible, the best-scoring one is taken still, unless UTF-16 
 order mark reads as plausible (Chinese saved as UTF-16 by a Windows tool that wrote no mark;
 charset-normalizer's own UTF-16 guesses are not used, being what it says of short texts it cannot
 place).
+
+Only a sample of each decoding is scored (:func:`scored_sample`): scoring is a Python loop over
+characters (~1 µs each), so scoring whole decodings took ~8 s a MB of a legacy file and ~65x its
+size in memory. The sample tells the encodings apart as well; each candidate is decoded whole
+(so one that fails late is dropped) but only the chosen one's text is kept.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import unicodedata
 from dataclasses import dataclass
 
-__all__ = ["Guess", "detect_legacy", "plausibility"]
+__all__ = ["Guess", "detect_legacy", "plausibility", "scored_sample"]
 
 PLAUSIBLE = 0.9  # a decoding scoring at least this reads as real text in one script
 MARGIN = 0.05  # a decoding must score this much above charset-normalizer's plausible first guess to replace it
 FALLBACKS = ("gb18030", "cp1252")  # tried besides charset-normalizer's candidates
+SAMPLE_CHARS = 1 << 17  # characters of a decoding scored at most (256 KB of GBK), in SAMPLE_WINDOWS pieces
+SAMPLE_WINDOWS = 16
 
 # (first, last, script, weight): weight < 1 for letters that are rarer in real text
 _RANGES = (
@@ -182,48 +190,86 @@ def plausibility(text: str) -> float:
     return max(scores.values(), default=0.0) / counted
 
 
+_NON_ASCII = re.compile("[^\x00-\x7f]")
+
+
+def scored_sample(text: str) -> str:
+    """What of a decoding :func:`plausibility` scores: the whole text up to :data:`SAMPLE_CHARS`,
+    else :data:`SAMPLE_WINDOWS` windows spread evenly over it, joined by newlines (so no two
+    windows' letters touch). Each window starts near the first non-ASCII character of its stretch
+    of the text, so that a long English file with a few Chinese names still shows them. Slicing the
+    decoded text cuts at that decoding's character boundaries, and the same text always gives the
+    same sample."""
+    if len(text) <= SAMPLE_CHARS:
+        return text
+    width = SAMPLE_CHARS // SAMPLE_WINDOWS
+    stretch = len(text) // SAMPLE_WINDOWS
+    windows = []
+    for k in range(SAMPLE_WINDOWS):
+        start = k * stretch
+        first = _NON_ASCII.search(text, start, start + stretch)
+        if first is not None:  # a little context before it: what it touches counts (see _odd_here)
+            start = max(start, first.start() - 16)
+        windows.append(text[start : min(start + width, len(text))])
+    return "\n".join(windows)
+
+
 @dataclass(frozen=True)
 class Guess:
     text: str
     encoding: str
 
 
-def _candidates(data: bytes) -> list[Guess]:
+def _read(data: bytes, encoding: str) -> str:
+    """``data`` decoded (strictly), less a leading GB18030 or UTF-7 signature (U+FEFF), as
+    charset-normalizer reads its candidates."""
+    return data.decode(encoding).removeprefix("\ufeff")
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """An encoding ``data`` decodes in, and the plausibility of its decoding. The decoded text is
+    not kept: holding every candidate's (17 for a French file) took ~20x the file's size."""
+
+    encoding: str
+    score: float
+
+
+def _score(data: bytes, encoding: str) -> _Scored | None:
+    try:
+        text = _read(data, encoding)
+    except UnicodeDecodeError:
+        return None
+    return _Scored(encoding, plausibility(scored_sample(text)))
+
+
+def _candidates(data: bytes) -> list[_Scored]:
+    """charset-normalizer's candidates in its order, then the :data:`FALLBACKS` it did not list."""
     from charset_normalizer import from_bytes
 
-    guesses = []
+    encodings = []
     for match in from_bytes(data):
         # UTF-16/32 without a byte order mark is what it guesses for short texts it cannot place
         if not match.encoding.startswith(("utf_16", "utf_32")) and match.encoding not in _NEVER_TEXT:
-            guesses.append(Guess(str(match), match.encoding))
-    for encoding in FALLBACKS:
-        if all(g.encoding != encoding for g in guesses):
-            try:
-                guesses.append(Guess(data.decode(encoding), encoding))
-            except UnicodeDecodeError:
-                pass
-    return guesses
+            encodings.append(match.encoding)
+    encodings += [e for e in FALLBACKS if e not in encodings]
+    return [scored for scored in (_score(data, e) for e in encodings) if scored is not None]
 
 
-def _utf16_readings(data: bytes) -> list[Guess]:
+def _utf16_readings(data: bytes) -> list[_Scored]:
     """``data`` read as UTF-16-LE and -BE without a byte order mark, where it decodes (even length,
     surrogates paired). Only a last resort (see :func:`detect_legacy`): ASCII pairs read as UTF-16
     are Chinese characters ("Bush hid the facts"), and GBK's common characters read as UTF-16-BE
     are Hangul syllables, so a legacy decoding that reads as plausible comes first."""
-    readings = []
-    if len(data) % 2 == 0:
-        for encoding in ("utf-16-le", "utf-16-be"):
-            try:
-                readings.append(Guess(data.decode(encoding), encoding))
-            except UnicodeDecodeError:
-                pass
-    return readings
+    if len(data) % 2:
+        return []
+    return [scored for scored in (_score(data, e) for e in ("utf-16-le", "utf-16-be")) if scored is not None]
 
 
-def _best(guesses: list[Guess], scores: list[float], among: list[int] | None = None) -> int:
+def _best(guesses: list[_Scored], among: list[int] | None = None) -> int:
     """The index of the best-scoring guess (of those ``among``, if given; 0 if none); ties go to
     the earliest (charset-normalizer's order)."""
-    return max(range(len(guesses)) if among is None else among, key=lambda i: (scores[i], -i), default=0)
+    return max(range(len(guesses)) if among is None else among, key=lambda i: (guesses[i].score, -i), default=0)
 
 
 def detect_legacy(data: bytes) -> Guess | None:
@@ -231,20 +277,25 @@ def detect_legacy(data: bytes) -> Guess | None:
     unless it reads as implausible text (then the best-scoring decoding) or a fallback (GB18030,
     cp1252) scores clearly higher (then that one); where none reads as plausible, UTF-16 without
     a byte order mark if that does, else the best-scoring decoding still."""
+    chosen = _choose(data)
+    return Guess(_read(data, chosen), chosen) if chosen is not None else None
+
+
+def _choose(data: bytes) -> str | None:
+    """The encoding :func:`detect_legacy` reads ``data`` in."""
     guesses = _candidates(data)
-    scores = [plausibility(g.text) for g in guesses]
     if guesses:
-        if scores[0] >= PLAUSIBLE:
+        first = guesses[0].score
+        if first >= PLAUSIBLE:
             # it gives way only to a fallback (GB18030, cp1252) scoring clearly higher: between
             # charset-normalizer's own candidates its order knows more than our scores (EUC-KR
             # with bullets read as EUC-JIS kanji scored higher than the Hangul it was)
-            fallback = _best(guesses, scores, [i for i, g in enumerate(guesses) if g.encoding in FALLBACKS])
-            return guesses[fallback] if scores[fallback] - scores[0] >= MARGIN else guesses[0]
-        best = _best(guesses, scores)
-        if scores[best] >= PLAUSIBLE:
-            return guesses[best]
+            fallback = guesses[_best(guesses, [i for i, g in enumerate(guesses) if g.encoding in FALLBACKS])]
+            return fallback.encoding if fallback.score - first >= MARGIN else guesses[0].encoding
+        best = guesses[_best(guesses)]
+        if best.score >= PLAUSIBLE:
+            return best.encoding
     readings = _utf16_readings(data)
-    reading_scores = [plausibility(g.text) for g in readings]
-    if readings and max(reading_scores) >= PLAUSIBLE:
-        return readings[_best(readings, reading_scores)]
-    return guesses[_best(guesses, scores)] if guesses else None
+    if readings and max(r.score for r in readings) >= PLAUSIBLE:
+        return readings[_best(readings)].encoding
+    return guesses[_best(guesses)].encoding if guesses else None

@@ -1791,6 +1791,56 @@ def test_files_read_with_the_old_encoding_guess_are_read_again(tmp_path, embedde
     assert third.kept and third.embedded_chunks == 0
 
 
+def test_only_a_bounded_sample_of_a_long_legacy_file_is_scored(monkeypatch):
+    """Every candidate decoding was scored whole, by a Python loop over its characters: ~8 s and
+    ~65x the file's size in memory a MB (a 20 MB GBK file took 125 s and 1.6 GB). The whole file
+    is still decoded."""
+    from rag_lookahead.rag import charset
+
+    text = (TRAIN + "\n") * 10_000  # 530,000 characters, 1 MB of GBK
+    scored: list[int] = []
+    plausibility = charset.plausibility
+    monkeypatch.setattr(charset, "plausibility", lambda sample: scored.append(len(sample)) or plausibility(sample))
+    assert ix.decode_text(text.encode("gbk")) == ix.DecodedText(text, "gb18030")
+    assert scored and max(scored) <= charset.SAMPLE_CHARS + charset.SAMPLE_WINDOWS, scored
+
+
+def test_reading_a_legacy_file_holds_a_small_multiple_of_its_size():
+    """54x the file's size was allocated at once for a 2 MB GBK file (1.6 GB for a 20 MB one):
+    ``re.subn`` over its whole UTF-8 reading held a piece per bad byte, and every candidate's
+    decoding was held (and scored whole) at once. Now ~10x."""
+    import tracemalloc
+
+    data = ((TRAIN + "\n") * 20_000).encode("gbk")  # 2 MB
+    ix.decode_text(data[:1000])  # imports and tables, not counted
+    tracemalloc.start()
+    try:
+        assert ix.decode_text(data).encoding == "gb18030"
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * len(data), peak / len(data)
+
+
+def test_utf8_is_read_a_piece_at_a_time_as_a_whole(monkeypatch):
+    """Characters and bad bytes cut by the pieces' edges read as in one go."""
+    from rag_lookahead.rag import corpus
+
+    monkeypatch.setattr(corpus, "_UTF8_PIECE", 2)
+    data = "中文".encode() + b"\xff\xe4\xb8" + "é".encode() + b"\xc3"
+    assert corpus._decode_utf8_replacing(data) == ix.DecodedText("中文\ufffd\ufffd\ufffdé\ufffd", "utf-8", 4)
+    assert corpus._decode_utf8_replacing(b"") == ix.DecodedText("", "utf-8", 0)
+
+
+def test_a_long_english_file_with_a_few_chinese_names_reads_as_written():
+    """The scored sample starts its windows at non-ASCII characters: windows at fixed places saw
+    only English here, where every decoding scores 1.0, and charset-normalizer's Big5 was kept."""
+    pad = "The meeting is on Friday at noon. Bring the quarterly report and the budget sheet.\n"
+    names = "The project lead is 王小明 and the office is in 北京.\n"
+    text = pad * 2500 + names + pad * 4000 + names + pad * 3000
+    assert ix.decode_text(text.encode("gbk")) == ix.DecodedText(text, "gb18030")
+
+
 def test_decode_text_edge_cases():
     assert ix.decode_text(b"\xef\xbb\xbfplain") == ix.DecodedText("plain", "utf-8-sig", 0)
     assert ix.decode_text("中文".encode("utf-16")).text == "中文"  # with its byte order mark
