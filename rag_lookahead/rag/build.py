@@ -94,21 +94,15 @@ class IndexReport:
 def make_splitter(chunk_size: int = CHUNK_SIZE, chunk_overlap: int = CHUNK_OVERLAP):
     """A Chinese-aware ``RecursiveCharacterTextSplitter``: paragraphs, lines, then sentence ends
     (``。！？；`` and ``. ! ?``), words, characters. Sentence punctuation stays at the END of a chunk.
-    (Where each chunk starts: :func:`chunk_starts`.)"""
-    from langchain_text_splitters import RecursiveCharacterTextSplitter
+    A run without separators is cut into windows by slicing (:mod:`.splitter`: langchain made one
+    string per character). (Where each chunk starts: :func:`chunk_starts`.)"""
+    from rag_lookahead.rag.splitter import CharacterWindowSplitter
 
     if chunk_size < 1:
         raise ConfigError(f"chunk_size must be positive, got {chunk_size}")
     if not 0 <= chunk_overlap < chunk_size:
         raise ConfigError(f"chunk_overlap must be in [0, chunk_size), got {chunk_overlap}")
-    return RecursiveCharacterTextSplitter(
-        separators=SEPARATORS,
-        keep_separator="end",
-        chunk_size=chunk_size,
-        chunk_overlap=chunk_overlap,
-        length_function=len,
-        strip_whitespace=True,
-    )
+    return CharacterWindowSplitter(SEPARATORS, chunk_size, chunk_overlap)
 
 
 def chunk_starts(splitter, text: str, chunks: list[str]) -> list[int]:
@@ -120,12 +114,7 @@ def chunk_starts(splitter, text: str, chunks: list[str]) -> list[int]:
     splitter cuts depends on its separators and on lengths only. So a copy of ``text`` with every
     other character drawn at random is split too: its cuts are the same, its chunks are (but for
     runs of separators alone) unique, and each is found after the one before."""
-    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).copy()
-    kept = np.fromiter((ord(c) for c in set("".join(SEPARATORS))), dtype=np.uint32)
-    other = ~np.isin(codes, kept) & ~np.isin(codes, _WHITESPACE)
-    # CJK ideographs: 20,992 of them, so even a chunk of one character is seldom found twice near by
-    codes[other] = np.random.default_rng(0).integers(0x4E00, 0xA000, size=int(other.sum()), dtype=np.uint32)
-    twin = codes.tobytes().decode("utf-32-le")
+    twin = _twin(text)
     twin_chunks = [c for c in splitter.split_text(twin) if c.strip()]
     if [len(c) for c in twin_chunks] != [len(c) for c in chunks]:  # a splitter of another kind
         return _searched_starts(text, chunks)  # each chunk's first place, as langchain searches
@@ -134,6 +123,28 @@ def chunk_starts(splitter, text: str, chunks: list[str]) -> list[int]:
 
 #: the characters ``str.strip`` removes (the splitter strips chunks): kept as they are in the twin
 _WHITESPACE = np.array([c for c in range(0x3000 + 1) if chr(c).isspace()], dtype=np.uint32)
+#: characters of ``text`` made into twin characters at a time (a block's code points take 4 bytes each)
+_TWIN_BLOCK = 1 << 16
+
+
+def _twin(text: str) -> str:
+    """``text`` with every character but the separators' and whitespace drawn at random from the
+    CJK ideographs: 20,992 of them, so even a chunk of one character is seldom found twice near by.
+
+    Made a block at a time into 2-byte code units (the separators and whitespace kept are all in
+    the BMP, as are the ideographs), so a long text costs about four bytes a character here, not
+    the sixteen or more of whole-text arrays (a 19.5 MB line peaked at 470 MB); one generator,
+    drawn from block after block, gives the same characters as one draw for the whole text."""
+    kept = np.fromiter((ord(c) for c in set("".join(SEPARATORS))), dtype=np.uint32)
+    rng = np.random.default_rng(0)
+    units = np.empty(len(text), dtype="<u2")
+    for begin in range(0, len(text), _TWIN_BLOCK):
+        block = np.frombuffer(text[begin : begin + _TWIN_BLOCK].encode("utf-32-le", "surrogatepass"), dtype="<u4")
+        other = ~np.isin(block, kept) & ~np.isin(block, _WHITESPACE)
+        twin_block = np.where(other, 0, block).astype("<u2")
+        twin_block[other] = rng.integers(0x4E00, 0xA000, size=int(other.sum()), dtype=np.uint32)
+        units[begin : begin + len(block)] = twin_block
+    return str(memoryview(units), "utf-16-le")
 
 
 def _searched_starts(text: str, chunks: list[str], overlap: int | None = None) -> list[int]:
