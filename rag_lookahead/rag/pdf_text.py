@@ -12,10 +12,12 @@ What a damaged or hostile PDF did before (2026-12-06 probe):
   size limit of a corpus file (``--max-file-mb``, what a text file of that text would weigh in
   UTF-8) is given up at that page;
 - a 9.7 KB PDF whose 32,768 pages (a page tree that shares its nodes) each draw one 2-million-operator
-  content stream, with no text, would have run for days, and a 1.9 KB one whose page shows a 1 MB
-  form 200 times ran 139 s before its text was measured: the operators a file may have drawn are
-  bounded by its size (:data:`OPERATORS_PER_BYTE`, at least :data:`LEAST_OPERATORS`), and text is
-  counted as it is drawn, not once a page is done;
+  content stream would have failed each page in turn at pypdf's parsing limit, ~9 s a page, for
+  days: a file is given up at its third page past that limit (:data:`LIMITED_PAGES`); a 1.9 KB one
+  whose page shows a 1 MB form 200 times ran 139 s before its text was measured: text is counted
+  as it is drawn, and the operators a text page may draw are bounded by the file's size
+  (:data:`OPERATORS_PER_BYTE`, at least :data:`LEAST_OPERATORS`); pages with no text operator are
+  left to pypdf, which skips them unparsed;
 - Korean (``KSC*``) and Big5 (``B5pc-*``) CMaps are missing from pypdf's table of predefined CMaps,
   so their text came out as UTF-16 nonsense without a word: :data:`LEGACY_CJK_CMAPS` adds them, and
   any other CMap pypdf says it does not know gets a note.
@@ -52,6 +54,8 @@ _NEW_END = b"\nstartxref\n0\n%%EOF\n"
 #: file that draws what it holds over and over (shared streams, forms shown again and again) is cut
 OPERATORS_PER_BYTE = 50
 LEAST_OPERATORS = 1_000_000
+#: pages past pypdf's parsing limits (each costs seconds) a file may have; one more gives it up
+LIMITED_PAGES = 2
 _FAILED_PAGES_SHOWN = 5
 _UNKNOWN_CMAPS_SHOWN = 5
 _UNKNOWN_CMAP = re.compile(r"Advanced encoding (\S+) not implemented")
@@ -150,6 +154,11 @@ class _Budget:
         self.characters = max_bytes  # a character is at least a byte in UTF-8
         self.max_mb = max_mb
         self.page = "1"
+        self.limited = 0  # pages past pypdf's parsing limits
+
+    def visitors(self) -> dict:
+        """``extract_text``'s visitors that count against this budget."""
+        return {"visitor_operand_before": self.operator, "visitor_text": self.text}
 
     def operator(self, operator, operands, cm, tm) -> None:
         self.operators -= 1
@@ -180,6 +189,19 @@ def _check_opens_without_password(reader) -> None:
         raise _Locked(f"encrypted PDF that could not be decrypted ({_error(e)})") from None
     if not opened:  # PasswordType.NOT_DECRYPTED
         raise _Locked("encrypted PDF that needs a password to open: index a copy saved without one")
+
+
+def _draws_text(page) -> bool:
+    """Whether ``page``'s content has an operator that can show text, as pypdf judges it before it
+    parses a page (a figure's stream is skipped unparsed, unless a visitor must see its operators:
+    our visitors made every drawing page parsed). Where that cannot be told, True."""
+    try:
+        from pypdf._text_extraction import _has_text_operator
+
+        contents = page.get_contents()
+        return contents is None or _has_text_operator(contents.get_data())
+    except Exception:  # pypdf's private helper moved, a damaged stream: extract_text says what is wrong
+        return True
 
 
 def _is_limit(e: BaseException) -> bool:
@@ -225,14 +247,18 @@ def read_pdf_text(data: bytes, max_mb: float, on_page: Callable[[int, int], None
             budget.page = f"{number} of {pages}"
             try:
                 page = reader.pages[number - 1]
-                text = (
-                    page.extract_text(visitor_operand_before=budget.operator, visitor_text=budget.text) or ""
-                ).strip()
+                visitors = budget.visitors() if _draws_text(page) else {}  # a figure: pypdf skips it unparsed
+                text = (page.extract_text(**visitors) or "").strip()
             except _OverBudget as e:
                 raise ValueError(str(e)) from None
             except Exception as e:  # a damaged page: the others are still read
-                if _is_limit(e):  # pypdf stopped a stream past its own limits: each page may cost as much
-                    raise ValueError(f"pypdf's parsing limits stop it at page {budget.page} ({_error(e)})") from None
+                if _is_limit(e):  # pypdf stopped a stream past its own limits: seconds of work a page
+                    budget.limited += 1
+                    if budget.limited > LIMITED_PAGES:
+                        raise ValueError(
+                            f"pypdf's parsing limits stop {budget.limited} pages, the last page {budget.page}"
+                            f" ({_error(e)}): a crafted or broken PDF?"
+                        ) from None
                 failed.append(number)
                 first_error = first_error or e
                 text = ""
