@@ -40,7 +40,7 @@ __all__ = ["Guess", "detect_legacy", "plausibility", "scored_sample"]
 PLAUSIBLE = 0.9  # a decoding scoring at least this reads as real text in one script
 MARGIN = 0.05  # a decoding must score this much above charset-normalizer's plausible first guess to replace it
 FALLBACKS = ("gb18030", "cp1252")  # tried besides charset-normalizer's candidates
-SAMPLE_CHARS = 1 << 17  # characters of a decoding scored at most (256 KB of GBK), in SAMPLE_WINDOWS pieces
+SAMPLE_CHARS = 1 << 17  # non-ASCII runs scored at most (256 KB of GBK); past it, SAMPLE_WINDOWS windows of them
 SAMPLE_WINDOWS = 16
 
 # (first, last, script, weight): weight < 1 for letters that are rarer in real text
@@ -190,28 +190,24 @@ def plausibility(text: str) -> float:
     return max(scores.values(), default=0.0) / counted
 
 
-_NON_ASCII = re.compile("[^\x00-\x7f]")
+_NON_ASCII_RUN = re.compile("[^\x00-\x7f]+")
 
 
 def scored_sample(text: str) -> str:
-    """What of a decoding :func:`plausibility` scores: the whole text up to :data:`SAMPLE_CHARS`,
-    else :data:`SAMPLE_WINDOWS` windows spread evenly over it, joined by newlines (so no two
-    windows' letters touch). Each window starts near the first non-ASCII character of its stretch
-    of the text, so that a long English file with a few Chinese names still shows them. Slicing the
-    decoded text cuts at that decoding's character boundaries, and the same text always gives the
-    same sample."""
-    if len(text) <= SAMPLE_CHARS:
-        return text
+    """What of a decoding :func:`plausibility` scores: each run of non-ASCII characters with the
+    character before and after it (all that score reads: a non-ASCII character, its neighbours,
+    and whether two CJK characters touch), the runs joined by newlines, so the score is the whole
+    text's. Past :data:`SAMPLE_CHARS` of those, :data:`SAMPLE_WINDOWS` windows spread evenly over
+    them. (Windows over the text itself, each starting at its stretch's first non-ASCII
+    character, saw only a curly quote where the Chinese names came later, and a GBK file with a
+    few names was read as Big5.) The same text always gives the same sample."""
+    pieces = [text[max(run.start() - 1, 0) : run.end() + 1] for run in _NON_ASCII_RUN.finditer(text)]
+    runs = "\n".join(pieces)
+    if len(runs) <= SAMPLE_CHARS:
+        return runs
     width = SAMPLE_CHARS // SAMPLE_WINDOWS
-    stretch = len(text) // SAMPLE_WINDOWS
-    windows = []
-    for k in range(SAMPLE_WINDOWS):
-        start = k * stretch
-        first = _NON_ASCII.search(text, start, start + stretch)
-        if first is not None:  # a little context before it: what it touches counts (see _odd_here)
-            start = max(start, first.start() - 16)
-        windows.append(text[start : min(start + width, len(text))])
-    return "\n".join(windows)
+    stretch = len(runs) // SAMPLE_WINDOWS
+    return "\n".join(runs[k * stretch : k * stretch + width] for k in range(SAMPLE_WINDOWS))
 
 
 @dataclass(frozen=True)

@@ -1852,6 +1852,21 @@ def test_a_long_english_file_with_a_few_chinese_names_reads_as_written():
     assert ix.decode_text(text.encode("gbk")) == ix.DecodedText(text, "gb18030")
 
 
+def test_a_long_english_file_with_quotes_and_a_few_chinese_names_reads_as_written():
+    """Windows starting at their stretch's first non-ASCII character held only a curly quote there,
+    never the names further on, and the GBK file was read as Big5 (review, 2026-12-06). Every
+    non-ASCII run is scored now, with its neighbours: the whole text's score."""
+    from rag_lookahead.rag import charset
+
+    pad = "The meeting is on Friday at noon. Bring the quarterly report and the budget sheet.\n"
+    quoted = "He called it the \u201cBudget\u201d meeting.\n"
+    names = "The project lead is \u738b\u5c0f\u660e and the office is in \u5317\u4eac.\n"
+    text = (quoted + pad * 99) * 40 + pad * 50 + names + (quoted + pad * 99) * 60 + names + pad * 80
+    assert len(text) > charset.SAMPLE_CHARS * 4
+    assert charset.plausibility(charset.scored_sample(text)) == charset.plausibility(text)
+    assert ix.decode_text(text.encode("gbk")) == ix.DecodedText(text, "gb18030")
+
+
 def test_decode_text_edge_cases():
     assert ix.decode_text(b"\xef\xbb\xbfplain") == ix.DecodedText("plain", "utf-8-sig", 0)
     assert ix.decode_text("中文".encode("utf-16")).text == "中文"  # with its byte order mark
