@@ -7,7 +7,8 @@ in input order. Questions are answered in batches through one batched generate c
 (``LookaheadLLM.generate``, like ``.batch``); the output file is written to a temporary sibling and renamed into
 place, so an interrupted run never leaves a half-written file; an existing file at that path is replaced only
 if it is an earlier answers file of this pipeline. A run stopped part way (Ctrl-C, an error) writes the answers
-it made, the first questions' in order, and ``--resume`` answers the rest after them. Where the file cannot be
+it made, the first questions' in order (beside an earlier run's answers file, never over it, unless resuming
+it), and ``--resume`` answers the rest after them. Where the file cannot be
 written (a full disk), the answers are printed on stdout instead, and one error line names the file.
 """
 
@@ -26,11 +27,11 @@ from rag_lookahead.atomic import jsonl_text
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError, first_line, shown_path
 from rag_lookahead.langchain.llm import LookaheadLLM
-from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file, output_target, save_or_print
+from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file, free_name, output_target, save_or_print
 from rag_lookahead.paths import refuse_blank_path
 from rag_lookahead.rag.chains import as_retriever, make_prompt, retrieve, source_info
 from rag_lookahead.rag.corpus import read_input_text
-from rag_lookahead.rag.index import check_searchable
+from rag_lookahead.rag.index import check_searchable, shell_word
 
 ANSWER_KEYS = {"question", "answer", "sources", "stats"}  # each output record's keys, as main() writes them
 
@@ -154,10 +155,15 @@ def main() -> None:
     except BaseException:  # Ctrl-C, a failed batch: what was answered is kept, and --resume goes on
         if len(rows) > resumed:
             target = output_target(args.answers, is_answers_file, seen)
+            if seen is not None and not args.resume and target == Path(args.answers).expanduser():
+                target = free_name(target)  # an earlier run's whole answers are not replaced by a part
             save_or_print(target, jsonl_text(rows), "the answers")
+            there = (
+                "" if target == Path(args.answers).expanduser() else f" {shell_word(target)} as the answers file and"
+            )
             print(
-                f"stopped: wrote the {len(rows)} answers made of {len(questions)} to {target}; rerun with --resume to"
-                " answer the rest",
+                f"stopped: wrote the {len(rows)} answers made of {len(questions)} to {target}; rerun with{there}"
+                " --resume to answer the rest",
                 file=sys.stderr,
             )
         raise

@@ -236,7 +236,7 @@ def output_target(
         taken = target
     if taken is None:
         return target
-    free = _free_name(target, charts)
+    free = free_name(target, charts)
     print(f"{taken} appeared or changed during the run, not by this command: writing {free} instead", file=sys.stderr)
     return free
 
@@ -246,7 +246,7 @@ def replaceable(path: Path, ours: Callable[[Path], bool]) -> bool:
     return not path.is_symlink() and (not path.exists() or (path.is_file() and ours(path)))
 
 
-def _free_name(path: Path, charts: Companions) -> Path:
+def free_name(path: Path, charts: Companions = lambda _: ()) -> Path:
     """``bench.json`` -> the first of ``bench.1.json``, ``bench.2.json``, ... that nothing holds,
     nor the paths of its ``charts``."""
     n = 1

@@ -213,8 +213,9 @@ def test_batch_answers_keeps_the_answers_made_when_stopped_and_resumes_after_the
     index, tmp_path, monkeypatch, capsys, default_model, shared_embedder
 ):
     """A Ctrl-C (or a failed batch) after hours of answers lost them all: nothing was written.
-    The answers made are written, and ``--resume`` answers the rest after them; it refuses an
-    answers file of other questions. On the session's default model, in this process."""
+    The answers made are written (beside an earlier run's whole answers, not over them), and
+    ``--resume`` answers the rest after them; it refuses an answers file of other questions. On
+    the session's default model, in this process."""
     import sys
 
     from rag_lookahead import models
@@ -255,6 +256,15 @@ def test_batch_answers_keeps_the_answers_made_when_stopped_and_resumes_after_the
     rag_args.run(batch_answers.main, prints_answers=False)
     resumed = records()
     assert [r["question"] for r in resumed] == asked and resumed[0] == first[0]
+    calls.clear()  # stopped again, not resuming: the whole earlier answers are kept, the part beside them
+    monkeypatch.setattr(LookaheadLLM, "generate", interrupted_on_the_second_batch)
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit):
+        rag_args.run(batch_answers.main, prints_answers=False)
+    assert records() == resumed and f"rerun with {tmp_path / 'a.1.jsonl'} as" in capsys.readouterr().err
+    beside = (tmp_path / "a.1.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["question"] for line in beside] == asked[:1]
+    monkeypatch.setattr(LookaheadLLM, "generate", real_generate)
     other = tmp_path / "other.jsonl"
     other.write_text(
         "".join(json.dumps({"question": q}) + "\n" for q in ["another question?", *asked]), encoding="utf-8"
