@@ -382,7 +382,9 @@ class OutputPool:
         counts = np.frombuffer(self.trie._counts, dtype=np.int64)
         target = int(self.max_nodes * self.LOW_WATER)
         halvings = 1
-        while np.count_nonzero(counts >= (1 << halvings)) > target:
-            halvings += 1
-        del counts  # the array's buffer is exported while a view holds it: no append meanwhile
+        try:
+            while np.count_nonzero(counts >= (1 << halvings)) > target:
+                halvings += 1
+        finally:  # the array cannot grow while a view of it lives (a traceback kept after a Ctrl-C too)
+            del counts
         self.trie = self.trie.decayed(halvings)

@@ -460,3 +460,28 @@ def test_an_insert_interrupted_anywhere_leaves_the_pool_as_before(before, interr
     for path in expected | {()}:  # every path is found, and its children listed once, oldest first
         children = [child for _, child in pool.trie.children(pool.trie.find(path))]
         assert children == sorted(set(children))
+
+
+def test_a_trim_interrupted_while_its_traceback_is_kept_leaves_the_pool_usable(monkeypatch):
+    """A Ctrl-C inside the trim's count, its traceback kept (IPython's last traceback, a Future's
+    exception), held a numpy view of the count array: every later add failed with BufferError."""
+    import numpy as np
+
+    pool = OutputPool(depth=3, max_nodes=20)
+    for i in range(5):
+        pool.add([i, i + 1, i + 2])
+    real_count = np.count_nonzero
+
+    def interrupted(*args, **kwargs):
+        monkeypatch.setattr(np, "count_nonzero", real_count)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "count_nonzero", interrupted)
+    kept = []
+    try:
+        pool.add([50, 51, 52, 53, 54, 55, 56, 57])  # past the cap: trims
+    except KeyboardInterrupt as stop:
+        kept.append(stop)  # its traceback holds the trim's frame
+    assert kept
+    pool.add([60, 61, 62])  # a BufferError here before
+    assert pool.nodes <= pool.max_nodes and pool.nodes == len(_trie_counts(pool.trie))
