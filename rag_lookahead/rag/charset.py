@@ -197,17 +197,34 @@ def scored_sample(text: str) -> str:
     """What of a decoding :func:`plausibility` scores: each run of non-ASCII characters with the
     character before and after it (all that score reads: a non-ASCII character, its neighbours,
     and whether two CJK characters touch), the runs joined by newlines, so the score is the whole
-    text's. Past :data:`SAMPLE_CHARS` of those, :data:`SAMPLE_WINDOWS` windows spread evenly over
-    them. (Windows over the text itself, each starting at its stretch's first non-ASCII
-    character, saw only a curly quote where the Chinese names came later, and a GBK file with a
-    few names was read as Big5.) The same text always gives the same sample."""
-    pieces = [text[max(run.start() - 1, 0) : run.end() + 1] for run in _NON_ASCII_RUN.finditer(text)]
-    runs = "\n".join(pieces)
-    if len(runs) <= SAMPLE_CHARS:
-        return runs
-    width = SAMPLE_CHARS // SAMPLE_WINDOWS
-    stretch = len(runs) // SAMPLE_WINDOWS
-    return "\n".join(runs[k * stretch : k * stretch + width] for k in range(SAMPLE_WINDOWS))
+    text's. Where they pass :data:`SAMPLE_CHARS`, the runs of :data:`SAMPLE_WINDOWS` stretches
+    spread evenly over the text, up to an equal share each. (Windows over the text itself, each
+    starting at its stretch's first non-ASCII character, saw only a curly quote where Chinese
+    names came later, and a GBK file with a few names was read as Big5.) Runs are read only as far
+    as the sample needs: a French file has one every few words. The same text always gives the
+    same sample."""
+    every = _runs(text, 0, len(text), SAMPLE_CHARS, whole=True)
+    if every is not None:
+        return every
+    share, stretch = SAMPLE_CHARS // SAMPLE_WINDOWS, len(text) // SAMPLE_WINDOWS
+    ends = [stretch * k for k in range(1, SAMPLE_WINDOWS)] + [len(text)]
+    return "\n".join(_runs(text, end - stretch, end, share, whole=False) or "" for end in ends)
+
+
+def _runs(text: str, start: int, end: int, most: int, whole: bool) -> str | None:
+    """The non-ASCII runs found in ``text[start:end]`` with their neighbours, one a line, at most
+    ``most`` characters: where more are there, None (``whole``) or the first ``most``."""
+    pieces, room = [], most
+    for run in _NON_ASCII_RUN.finditer(text, start, end):
+        begin, stop = max(run.start() - 1, 0), run.end() + 1
+        if stop - begin > room:
+            if whole:
+                return None
+            pieces.append(text[begin : begin + room])
+            break
+        pieces.append(text[begin:stop])
+        room -= stop - begin + 1
+    return "\n".join(pieces)
 
 
 @dataclass(frozen=True)
