@@ -9,7 +9,6 @@ symlink to elsewhere) is refused in one line before any model loads, not overwri
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import io
@@ -27,6 +26,7 @@ from typing import Any
 from rag_lookahead.atomic import json_text, naming_failed_write, write_bytes_atomic, write_text_atomic
 from rag_lookahead.errors import ConfigError, RagLookaheadError, quoted_path
 from rag_lookahead.paths import expand_user
+from rag_lookahead.progress import status_line
 
 __all__ = [
     "REPORT_MARK",
@@ -177,8 +177,7 @@ def save_or_print(path: Path, text: str, what: str) -> None:
             write_text_atomic(path, text)
     except OSError as e:
         why = e.strerror or str(e)  # "cannot write PATH: No space left on device"
-        with contextlib.suppress(OSError, ValueError):  # stderr on the same full disk: the report comes first
-            print(f"{why}: {what} follows on stdout", file=sys.stderr, flush=True)  # after tables, rows
+        status_line(f"{why}: {what} follows on stdout")  # stderr on the same full disk: the report comes first
         kept = f"{what} went to stdout instead" if _printed(text) else f"stdout could not take {what} either: lost"
         raise RagLookaheadError(f"{why}; {kept}") from None
 
@@ -237,7 +236,7 @@ def output_target(
     if taken is None:
         return target
     free = free_name(target, charts)
-    print(f"{taken} appeared or changed during the run, not by this command: writing {free} instead", file=sys.stderr)
+    status_line(f"{taken} appeared or changed during the run, not by this command: writing {free} instead")
     return free
 
 
@@ -319,7 +318,6 @@ def _say_missing_glyphs(figure, path: Path, missing: set[str]) -> None:
     labels = list(dict.fromkeys(text for text in texts if missing.intersection(text)))
     named = ", ".join(repr(label) for label in labels[:_LABELS_NAMED])
     more = f" and {len(labels) - _LABELS_NAMED} more" if len(labels) > _LABELS_NAMED else ""
-    print(
-        f"{path}: the chart's font has no glyphs for {len(missing)} characters; these labels show boxes: {named}{more}",
-        file=sys.stderr,
+    status_line(
+        f"{path}: the chart's font has no glyphs for {len(missing)} characters; these labels show boxes: {named}{more}"
     )
