@@ -10,6 +10,7 @@ changes nothing, with the name the server takes for it where there is one.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from rag_lookahead.decoding.sampling import MIN_TEMPERATURE, UNSUPPORTED_NEUTRAL
@@ -31,7 +32,7 @@ TRANSFORMERS_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "eos_token_id": (),
 }
 
-#: the server's own field for some of them
+#: the server's own field for some of them (advised where the endpoint has that field)
 SERVER_NAMES = {
     "max_new_tokens": "max_tokens",
     "max_length": "max_tokens",
@@ -48,12 +49,12 @@ def neutral(value: Any, values: tuple[Any, ...]) -> bool:
 def refused_generate_option(
     data: Any,
     skip: frozenset[str] = frozenset(),
-    server_names: dict[str, str] = SERVER_NAMES,
+    fields: Collection[str] = (),
     greedy_only: bool = False,
 ) -> tuple[str, str] | None:
     """The first transformers option of the raw body ``data`` that would change the answer, with the
-    refusal's words; None where there is none. ``skip``: names the endpoint reads itself;
-    ``server_names``: the endpoint's field for some of them; ``greedy_only``: it answers greedily.
+    refusal's words; None where there is none. ``skip``: names the endpoint reads or judges itself;
+    ``fields``: the endpoint's own fields (the advice names only those); ``greedy_only``: it answers greedily.
 
     ``do_sample`` passes where it agrees with ``temperature`` (which decides here: 0 or absent is
     greedy), so ``do_sample: true`` at the default temperature is refused, not answered greedily."""
@@ -66,7 +67,8 @@ def refused_generate_option(
     for name, values in TRANSFORMERS_NEUTRAL.items():
         if name in skip or neutral(data.get(name), values):
             continue
-        instead = f"send {server_names[name]!r} instead" if name in server_names else "leave it out"
+        ours = SERVER_NAMES.get(name)
+        instead = f"send {ours!r} instead" if ours in fields else "leave it out"
         return name, f"'{name}' (a transformers generation option) is not supported by this server: {instead}"
     return None
 

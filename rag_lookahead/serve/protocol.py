@@ -220,7 +220,7 @@ class GenerationRequest(OpenAIRequest):
     @classmethod
     def _refuse_vllm_options(cls, data: Any) -> Any:
         refuse_changing_options(data, cls.vllm_options)
-        refuse_generate_options(data, frozenset(cls.vllm_options).union(cls.model_fields))
+        refuse_generate_options(data, frozenset(cls.vllm_options).union(cls.model_fields), fields=cls.model_fields)
         return data
 
     @model_validator(mode="after")
@@ -463,7 +463,7 @@ class RagRequest(OpenAIRequest):
         refuse_generate_options(
             data,
             frozenset(chat_options).union(cls.generation_only, cls.model_fields),
-            server_names={"max_new_tokens": "max_tokens", "max_length": "max_tokens"},
+            fields=cls.model_fields,  # no advice to send what it refuses (stop, n)
             greedy_only=True,
         )
         return data
