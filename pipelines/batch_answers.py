@@ -25,13 +25,13 @@ from tqdm import tqdm
 
 from rag_lookahead.atomic import jsonl_text
 from rag_lookahead.checks import positive_int
-from rag_lookahead.errors import InputError, first_line, shown_path
+from rag_lookahead.errors import InputError, first_line, shell_word, shown_path
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file, free_name, output_target, save_or_print
 from rag_lookahead.paths import refuse_blank_path
 from rag_lookahead.rag.chains import as_retriever, make_prompt, retrieve, source_info
 from rag_lookahead.rag.corpus import read_input_text
-from rag_lookahead.rag.index import check_searchable, shell_word
+from rag_lookahead.rag.index import check_searchable
 
 ANSWER_KEYS = {"question", "answer", "sources", "stats"}  # each output record's keys, as main() writes them
 
@@ -154,10 +154,7 @@ def main() -> None:
             print(f"answered {len(rows)}/{len(questions)}", file=sys.stderr)
     except BaseException:  # Ctrl-C, a failed batch: what was answered is kept, and --resume goes on
         if len(rows) > resumed:
-            target = output_target(args.answers, is_answers_file, seen)
-            if seen is not None and not args.resume and target == Path(args.answers).expanduser():
-                target = free_name(target)  # an earlier run's whole answers are not replaced by a part
-            save_or_print(target, jsonl_text(rows), "the answers")
+            target = save_answers(args, rows, seen, partial=True)
             there = (
                 "" if target == Path(args.answers).expanduser() else f" {shell_word(target)} as the answers file and"
             )
@@ -167,9 +164,19 @@ def main() -> None:
                 file=sys.stderr,
             )
         raise
-    target = output_target(args.answers, is_answers_file, seen)  # checked again: the run may have been long
-    save_or_print(target, jsonl_text(rows), "the answers")
+    target = save_answers(args, rows, seen, partial=False)
     print(f"wrote {len(rows)} answers to {target}", file=sys.stderr)
+
+
+def save_answers(args, rows: list[dict], seen, partial: bool) -> Path:
+    """Write ``rows`` where the answers go (checked again: the run may have been long), and return
+    where that is. A ``partial`` run's answers go beside an earlier run's whole answers file, not
+    over it, unless they resume it."""
+    target = output_target(args.answers, is_answers_file, seen)
+    if partial and seen is not None and not args.resume and target == Path(args.answers).expanduser():
+        target = free_name(target)
+    save_or_print(target, jsonl_text(rows), "the answers")
+    return target
 
 
 def answer_records(args, questions: list[str], docs: list, result) -> list[dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 
 
 class RagLookaheadError(Exception):
@@ -87,3 +88,14 @@ def shown_path(path: str | os.PathLike[str]) -> str:
     (:func:`first_line`), so a folder named ``"docs\\nold"`` was said as ``corpus folder not found:
     docs``, another folder's name."""
     return one_line(undecodable_bytes_escaped(os.fspath(path)))
+
+
+def shell_word(path: str | os.PathLike[str]) -> str:
+    """``path`` as one word to paste into a shell (a folder with spaces): quoted by ``shlex``, or,
+    holding control characters, in bash's ``$'...'`` form, whose escapes are :func:`one_line`'s
+    (``shlex`` kept a newline as it is, and the message was cut there); a byte that is not UTF-8
+    as ``\\xNN``, which bash reads back as that byte."""
+    text = os.fspath(path)
+    if text.isprintable():
+        return shlex.quote(text)
+    return "$'" + one_line(undecodable_bytes_escaped(text.replace("\\", "\\\\").replace("'", "\\'"))) + "'"

@@ -28,7 +28,7 @@ import torch
 from rag_lookahead import embedded_model
 from rag_lookahead.cpu_linear import cpu_bf16, speed_up_cpu_linears
 from rag_lookahead.embedded_model import DEFAULT_MODEL_NAME, EMBEDDED, EmbeddedModel
-from rag_lookahead.errors import ConfigError, ModelLoadError, shown_path
+from rag_lookahead.errors import ConfigError, ModelLoadError, quoted_path
 from rag_lookahead.greedy_head import screen_greedy_head
 from rag_lookahead.paths import cache_dir, expand_user
 from rag_lookahead.progress import status_line
@@ -375,13 +375,13 @@ def _local_source(name: str) -> tuple[Path, dict[str, Any]]:
         return path.parent, {"gguf_file": path.name}
     if path.is_file():
         raise ModelLoadError(
-            f"'{shown_path(name)}' is a file, not a model folder: give the folder that holds it "
-            f"('{shown_path(path.parent)}') or a .gguf file"
+            f"{quoted_path(name)} is a file, not a model folder: give the folder that holds it "
+            f"({quoted_path(path.parent)}) or a .gguf file"
         )
     if not path.is_dir():
-        raise ModelLoadError(f"model folder '{shown_path(name)}' does not exist")
+        raise ModelLoadError(f"model folder {quoted_path(name)} does not exist")
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"'{shown_path(name)}' is not a model folder: it has no config.json")
+        raise ModelLoadError(f"{quoted_path(name)} is not a model folder: it has no config.json")
     return path, {}
 
 

@@ -10,7 +10,6 @@ has always offered).
 
 from __future__ import annotations
 
-import shlex
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +23,8 @@ from rag_lookahead.errors import (
     IndexLoadError,
     InputError,
     first_line,
-    one_line,
+    shell_word,
     shown_path,
-    undecodable_bytes_escaped,
 )
 from rag_lookahead.paths import expand_user
 from rag_lookahead.rag import store
@@ -282,17 +280,6 @@ def no_index_error(index_dir: Path, docs: str = "DIR") -> IndexLoadError:
         f"no index at {shown_path(index_dir)}: build one with `rag_lookahead index {docs} --index-dir "
         f"{shell_word(index_dir)}`"
     )
-
-
-def shell_word(path: str | Path) -> str:
-    """``path`` as one word to paste into a shell (a folder with spaces): quoted by ``shlex``, or,
-    holding control characters, in bash's ``$'...'`` form, whose escapes are :func:`one_line`'s
-    (``shlex`` kept a newline as it is, and the message was cut there); a byte that is not UTF-8
-    as ``\\xNN``, which bash reads back as that byte."""
-    text = str(path)
-    if text.isprintable():
-        return shlex.quote(text)
-    return "$'" + one_line(undecodable_bytes_escaped(text.replace("\\", "\\\\").replace("'", "\\'"))) + "'"
 
 
 def holds_index(index_dir: Path) -> bool:

@@ -184,8 +184,7 @@ def test_a_path_with_bytes_that_are_not_utf8_is_shown_and_quoted_as_those_bytes(
     import os
     import subprocess
 
-    from rag_lookahead.errors import shown_path
-    from rag_lookahead.rag.index import shell_word
+    from rag_lookahead.errors import shell_word, shown_path
 
     path = os.fsdecode(b"/tmp/idx\xfe it's\n")
     assert shown_path(path) == "/tmp/idx\\xfe it's\\n"
