@@ -1774,9 +1774,11 @@ def test_utf16_chinese_without_a_byte_order_mark_is_read_as_utf16(encoding):
     assert ix.decode_text(text.encode(encoding)) == ix.DecodedText(text, encoding)
 
 
-def test_files_read_with_the_old_encoding_guess_are_read_again(tmp_path, embedder, monkeypatch):
+@pytest.mark.parametrize("old_version", [None, 2])
+def test_files_read_with_the_old_encoding_guess_are_read_again(tmp_path, embedder, monkeypatch, old_version):
     """Files are keyed by their bytes' sha256, so a better encoding guess never reached an unchanged
-    file: an index built with the old guess kept the cp949 reading of a GBK file for good."""
+    file: an index built with the old guess kept the cp949 reading of a GBK file for good. Version
+    2 scored a long file whole, 3 a sample of it: an index of version 2 kept the whole-text guess."""
     from rag_lookahead.atomic import write_json_atomic
     from rag_lookahead.rag import charset
 
@@ -1791,6 +1793,8 @@ def test_files_read_with_the_old_encoding_guess_are_read_again(tmp_path, embedde
         build(corpus, tmp_path / "index", embedder)
     manifest = json.loads((tmp_path / "index" / "manifest.json").read_text(encoding="utf-8"))
     manifest.pop("decoding", None)  # as the builds before the key wrote it
+    if old_version is not None:
+        manifest["decoding"] = old_version
     write_json_atomic(tmp_path / "index" / "manifest.json", manifest)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no full rebuild
