@@ -93,6 +93,7 @@ class SeedMode(Enum):
 
 
 METHODS_HELP = (
+    f"comma-separated, of: {', '.join(METHODS)} (default: {', '.join(METHODS[:4])}). "
     "lookahead starts each prompt with an empty output pool; lookahead_warm keeps one pool across "
     "the prompts of a pass (earlier answers, never the same prompt's), as a RAG session would; "
     "lookahead_unseeded ignores the context passage given with --seed-mode references (drafts from the prompt only); "

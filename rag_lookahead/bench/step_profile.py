@@ -47,7 +47,7 @@ REGIONS = (
     ("propose", "trie lookups, draft trees, sizing to the cost curve"),
     ("inputs and mask", "the step's ids, positions and tree mask"),
     ("forward", "the model's forward over the step's tokens"),
-    ("accept", "argmax, copy to the host, longest accepted path"),
+    ("accept", "the screened output layer's logits where read, argmax, copy to the host, longest accepted path"),
     ("kv compaction", "keep the accepted columns of the cache"),
 )
 #: forward sizes are reported in these buckets (tokens verified in one forward)
