@@ -13,6 +13,7 @@ device are picked for the machine (bf16 on GPUs and on CPUs with AMX, else fp32;
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pickle
 import re
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from rag_lookahead import embedded_model
+from rag_lookahead.attention_choice import check_attn_implementation
 from rag_lookahead.cpu_linear import cpu_bf16, speed_up_cpu_linears
 from rag_lookahead.embedded_model import DEFAULT_MODEL_NAME, EMBEDDED, EmbeddedModel
 from rag_lookahead.errors import ConfigError, ModelLoadError, quoted_path
@@ -55,6 +57,10 @@ _DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",
 }
 
+#: the torch dtypes a model loads and computes in (int64 and complex64 are refused by transformers,
+#: float8 fails inside it: "couldn't find storage object")
+_WEIGHT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64})
+
 
 # ---------------------------------------------------------------- public API
 
@@ -82,13 +88,15 @@ def load_model(
     ModelLoadError naming it.
     ``dtype``: None picks bfloat16 on CPUs with AMX (else fp32) and on GPUs with native
     bf16 (compute capability 8+; older GPUs such as T4 and V100 get float16); also "bf16",
-    "fp32", "fp16", "auto" or a ``torch.dtype``.
+    "fp32", "fp16", "auto" or a floating ``torch.dtype`` (not float8: ConfigError).
     ``device``: where the weights go (default: cuda if available, else cpu); a GPU's weights are
     loaded straight onto it, never staged in host RAM as a whole. Ignored when ``device_map``
     is given, which is handed to transformers/accelerate unchanged (e.g. ``"auto"``). A device
     either names that torch does not see (``"cuda"`` on a CPU-only torch) is a ConfigError.
     ``attn_implementation``: defaults to "sdpa"; tree verification works through it (and
-    "eager"). Flash attention reads a 4-D mask as padding: with it drafts are single chains.
+    "eager"). Flash attention reads a 4-D mask as padding: with it drafts are single chains. A name
+    transformers does not know, or a flash attention whose package is not installed, is a
+    ConfigError before any file is read.
     ``trust_remote_code``: run the modeling code a hub repo or folder ships (ChatGLM3, Qwen-1);
     off by default, since that code runs with your rights. The tree-mask probe then decides
     whether its attention takes tree drafts or single chains.
@@ -105,7 +113,9 @@ def load_model(
     is_path = isinstance(name, os.PathLike)
     name = _model_name(name)
     torch_dtype = resolve_dtype(dtype, device, device_map)
-    kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation or "sdpa"}
+    attention = attn_implementation or "sdpa"
+    check_attn_implementation(attention)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attention}
     kwargs.update(_placement(device, device_map))
 
     if name in EMBEDDED and not is_path:
@@ -114,6 +124,8 @@ def load_model(
             model, tokenizer = _from_pretrained(str(folder), {}, kwargs, local=True)
         except OSError as err:  # ModelLoadError too: say what broke, and how to get a good folder back
             cause = err.__cause__ if isinstance(err, ModelLoadError) and err.__cause__ is not None else err
+            if not _about_the_files(cause):  # out of GPU memory, a package missing: the folder is sound
+                raise ModelLoadError(f"could not load the {name} model from {folder}: {_cause(cause)}") from err
             raise ModelLoadError(
                 f"the converted {name} model in {folder} is unreadable ({_cause(cause)});"
                 " delete that folder to reconvert"
@@ -142,16 +154,19 @@ def check_load_options(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     device_map: str | dict[str, Any] | None = None,
+    attn_implementation: str | dict[str, Any] | None = None,
 ) -> str:
     """Refuse now what :func:`load_model` would refuse before it reads any weights: a name that is
     no embedded model, local model folder or .gguf file, or hub id; an embedded model that is not
-    installed; an unknown dtype; a device torch does not see. For a caller with slow work to do
+    installed; an unknown dtype, or one no weights are computed in; a device torch does not see; an
+    attention transformers does not know or cannot run here. For a caller with slow work to do
     first: ``ask`` on a fresh machine indexes the bundled corpus (25-76 s) before it loads the
     model, and only then said that ``--device cuda`` had no GPU. Returns the name as
     ``load_model`` reads it (a string without surrounding spaces)."""
     is_path = isinstance(name, os.PathLike)
     name = _model_name(name)
     resolve_dtype(dtype, device, device_map)
+    check_attn_implementation(attn_implementation)
     _placement(device, device_map)
     if name in EMBEDDED and not is_path:
         check_embedded_installed(name)
@@ -432,6 +447,21 @@ _LOAD_ERRORS = (
     pickle.UnpicklingError,
 )
 
+#: what a load raises for a file of the folder that is missing, unreadable or malformed (a
+#: safetensors header, JSON, a cut-off pickle); not for an argument, a missing package or memory
+_FILE_ERRORS = (OSError, json.JSONDecodeError, UnicodeDecodeError, EOFError, struct.error, pickle.UnpicklingError)
+
+
+def _about_the_files(err: BaseException) -> bool:
+    """Whether a failed load of a converted embedded model says something about its folder's files,
+    so that converting again helps: a bad ``attn_implementation`` or dtype (ValueError), a missing
+    flash-attn (ImportError) or a full GPU (RuntimeError) said "delete that folder to reconvert"
+    about a sound 1.3 GB conversion."""
+    from safetensors import SafetensorError
+
+    return isinstance(err, (*_FILE_ERRORS, SafetensorError))
+
+
 #: a text every working tokenizer turns into tokens, and the fewest ordinary (not added, not special)
 #: tokens a vocabulary has unless its files are gone: transformers then builds one of the special
 #: tokens and a default or two (1-4 tokens) without a word of warning
@@ -487,8 +517,14 @@ def resolve_dtype(
 ) -> torch.dtype | str:
     """The dtype ``load_model`` loads in: the one asked for ("bf16", a torch.dtype...), else this
     device's fast one (bf16 on GPUs that have it natively, fp16 on older ones; on a CPU bf16 only
-    with AMX, else fp32). Refuses (ConfigError) a name it does not know."""
+    with AMX, else fp32). Refuses (ConfigError) a name it does not know, and a torch.dtype that
+    holds no weights (int64, float8)."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in _WEIGHT_DTYPES:  # transformers refused it only after reading the tokenizer and config
+            raise ConfigError(
+                f"dtype {dtype} cannot hold a model's weights here; use torch.bfloat16, torch.float16,"
+                f" torch.float32 or torch.float64 (or one of {', '.join(_DTYPES)})"
+            )
         return dtype
     if dtype is None:
         targets = _target_devices(device, device_map)

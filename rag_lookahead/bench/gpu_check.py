@@ -29,6 +29,7 @@ from typing import Annotated, Any
 import torch
 import typer
 
+from rag_lookahead.attention_choice import check_attn_implementation
 from rag_lookahead.bench.common import (
     chat_ids,
     check_output_path,
@@ -337,13 +338,12 @@ def gpu_check(
 
 
 def check_attention(attn: str) -> None:
-    """Refuse an ``--attn`` transformers does not know (each section failed with a traceback): eager,
-    its registered kernels, or a hub kernel (``org/name``)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
-    if attn not in known and "/" not in attn:
-        raise typer.BadParameter(f"unknown attention {attn!r}; one of {', '.join(known)}", param_hint="--attn")
+    """Refuse an ``--attn`` transformers does not know, or a flash attention whose package is missing
+    (each section failed with a traceback), as :func:`load_model` refuses it."""
+    try:
+        check_attn_implementation(attn)
+    except ConfigError as err:
+        raise typer.BadParameter(first_line(err), param_hint="--attn") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

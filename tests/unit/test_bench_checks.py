@@ -16,6 +16,7 @@ from rag_lookahead.errors import ConfigError, InputError, ModelLoadError
 
 # ---------------------------------------------------------------- bad options stop before the model loads
 
+_NO_FLASH_ATTENTION = importlib.util.find_spec("flash_attn") is None and importlib.util.find_spec("kernels") is None
 NO_METHOD = 2  # typer's usage error (the options' own checks: --methods, --temperatures)
 BELOW = "must be an integer >= 1, got"
 FOLDER = "error: --json '{dir}' is a folder; give a file path"
@@ -74,6 +75,8 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("interference", ["--tiny", "--prompts", "{file}"], NO_METHOD),  # ignored before
     ("gpu_check", ["--device", "cpu", "--tiny-only", "--attn", "bogus"], NO_METHOD),  # every section failed
     ("gpu_check", ["--device", "cpu", "--dtype", "fp8"], NO_METHOD),  # failed in the model section, a traceback
+    # without flash-attn (or kernels) every section failed
+    *([("gpu_check", ["--device", "cpu", "--attn", "flash_attention_2"], NO_METHOD)] if _NO_FLASH_ATTENTION else []),
     ("interference", ["--tiny", "--arrival-steps", "0"], f"error: --arrival-steps {BELOW} 0"),  # ran as 1
     ("rag", ["--json", "{dir}"], FOLDER),
     ("session", ["--json", "{dir}"], FOLDER),

@@ -154,6 +154,64 @@ def test_a_corrupt_converted_model_says_which_folder_to_delete(tiny_folder, no_c
     assert target.is_dir()  # said, not done: the user deletes it
 
 
+def _flash_attention_2_missing() -> bool:
+    """Whether transformers would refuse flash_attention_2 here: no flash-attn, no kernels package."""
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is None and importlib.util.find_spec("kernels") is None
+
+
+BAD_LOAD_ARGUMENTS = {  # what each argument error must say about itself
+    "misspelt attention": ({"attn_implementation": "eagre"}, "unknown attn_implementation 'eagre'; use one of eager"),
+    "attention not a string": ({"attn_implementation": 2}, "attn_implementation must be a string"),
+    "flash attention not installed": (
+        {"attn_implementation": "flash_attention_2"},
+        "attn_implementation 'flash_attention_2' needs the flash-attn package, which is not installed",
+    ),
+    "integer dtype": ({"dtype": torch.int64}, "dtype torch.int64 cannot hold a model's weights"),
+    "float8 dtype": ({"dtype": torch.float8_e4m3fn}, "dtype torch.float8_e4m3fn cannot hold a model's weights"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_LOAD_ARGUMENTS)
+@pytest.mark.parametrize("where", ["embedded", "local folder"])
+def test_a_bad_attention_or_dtype_is_a_config_error_not_a_folder_to_delete(tiny_folder, no_conversion, bad, where):
+    """transformers refused them inside from_pretrained, and load_model blamed the model: for the
+    embedded one, "the converted default model in ... is unreadable; delete that folder to reconvert"."""
+    arguments, said = BAD_LOAD_ARGUMENTS[bad]
+    if bad == "flash attention not installed" and not _flash_attention_2_missing():
+        pytest.skip("flash-attn (or kernels) is installed here")
+    name = "default" if where == "embedded" else str(tiny_folder)
+    folder = _stand_in(tiny_folder) if where == "embedded" else tiny_folder
+    options = {"dtype": "fp32", "device": "cpu", **arguments}
+    with pytest.raises(ConfigError) as loading:
+        load_model(name, **options)
+    msg = _one_line(loading)
+    assert msg.startswith(said) and str(folder) not in msg and "delete" not in msg
+    with pytest.raises(ConfigError) as checking:  # said before ask's slow sample index too
+        models.check_load_options(name, **options)
+    assert _one_line(checking) == msg
+
+
+def test_the_attentions_and_dtypes_transformers_takes_still_load(tiny_folder):
+    for arguments in ({"attn_implementation": "eager"}, {"attn_implementation": "paged|eager"}, {"dtype": "bf16"}):
+        model, _ = load_model(str(tiny_folder), **{"dtype": "fp32", "device": "cpu", **arguments})
+        assert model.config._attn_implementation == arguments.get("attn_implementation", "sdpa")
+    model, _ = load_model(str(tiny_folder), dtype=torch.float64, device="cpu")
+    assert model.dtype == torch.float64
+
+
+def test_a_load_of_a_sound_converted_model_that_fails_otherwise_does_not_say_to_delete_it(tiny_folder, no_conversion):
+    """Only a fault in its files is worth a 1.3 GB conversion: here a device map sends a layer to disk
+    without an offload folder (transformers' ValueError)."""
+    target = _stand_in(tiny_folder)
+    with pytest.raises(ModelLoadError) as err:
+        load_model("default", dtype="fp32", device_map={"": "cpu", "lm_head": "disk"})
+    msg = _one_line(err)
+    assert msg.startswith(f"could not load the default model from {target}: ValueError: ")
+    assert "unreadable" not in msg and "delete" not in msg
+
+
 @pytest.mark.parametrize("name", ["  default  ", "default\n", "\tdefault"])
 def test_a_model_name_is_read_without_surrounding_spaces(tiny_folder, no_conversion, name):
     """`--model " default "` was taken for a hub id ("the hub could not be reached"), while
