@@ -1,6 +1,21 @@
 """rag_lookahead: lossless lookahead decoding for local retrieval-augmented generation."""
 
+from typing import TYPE_CHECKING
+
 from rag_lookahead.errors import ConfigError, InputError, ModelLoadError, RagLookaheadError
+
+if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers; at run time only when asked for (torch)
+    from rag_lookahead.chat_api import chat
+    from rag_lookahead.decoding.config import LookaheadConfig
+    from rag_lookahead.decoding.loop import GenerationResult, GenerationStats, generate
+    from rag_lookahead.decoding.sampling import SamplingParams
+    from rag_lookahead.hf_entry import LookaheadGenerateOutput, hf_generate
+    from rag_lookahead.langchain.chat_model import ChatLookahead
+    from rag_lookahead.langchain.llm import LookaheadLLM
+    from rag_lookahead.models import load_model
+    from rag_lookahead.weight_watch import forget_weight_copies
+
+del TYPE_CHECKING  # not one of the package's names
 
 __all__ = [
     "ChatLookahead",

@@ -70,3 +70,9 @@ def test_every_module_and_data_file_ships(wheel):
     package = [name for name in working_tree_files() if name.startswith("rag_lookahead/")]
     missing = [name for name in package if name not in names]
     assert not missing, f"not in the wheel: {missing}"
+
+
+@pytest.mark.slow
+def test_the_wheel_is_marked_typed(wheel):
+    """PEP 561: without py.typed a user's mypy skips the package (every name Any)."""
+    assert "rag_lookahead/py.typed" in wheel.namelist()
