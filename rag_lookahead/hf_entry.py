@@ -173,15 +173,16 @@ def _lookahead_generate(
     _check_processors(logits_processor, build_processors(params), mask, params.do_sample)
     max_length, eos, custom = _read_criteria(stopping_criteria, rows)
     limit = context_limit(model)
+    width = "the prompts' padded width" if rows > 1 else "the prompt"  # one prompt has no padding to speak of
     if limit is not None and input_ids.shape[1] >= limit:
         raise InputError(
-            f"the prompt has {input_ids.shape[1]} tokens (padded width) and the model's context window is "
+            f"{width} is {input_ids.shape[1]} tokens and the model's context window is "
             f"{limit_words(model, limit)}: shorten the prompt"
         )
     if limit is not None and max_length > limit:
         # transformers decodes on past the window (with a warning); our loop stops at it
         raise ConfigError(
-            f"this call may run to {max_length} tokens (the prompt's padded width + max_new_tokens) but the "
+            f"this call may run to {max_length} tokens ({width} + max_new_tokens) but the "
             f"model's context window is {limit_words(model, limit)}; lookahead decoding stops at the "
             f"window where model.generate would go on past it, so end the call by {limit} tokens (max_new_tokens "
             f"at most {max(limit - input_ids.shape[1], 0)}, and no MaxLengthCriteria past {limit})"

@@ -808,10 +808,13 @@ def test_a_prompt_as_long_as_the_window_is_an_input_error():
     """It said "lower max_new_tokens to at most 0"; the prompt is what is too long."""
     model = tiny_model("qwen2")
     window = model.config.max_position_embeddings
-    with pytest.raises(InputError, match=f"the prompt has {window} tokens .* context window is {window}"):
+    with pytest.raises(InputError, match=f"^the prompt is {window} tokens and .* context window is {window}"):
         model.generate(
             input_ids=torch.tensor([[4 + i % 7 for i in range(window)]]), custom_generate=hf_generate, max_new_tokens=1
         )
+    rows = torch.tensor([[4 + i % 7 for i in range(window)]] * 2)  # a batch: its width is the padded one
+    with pytest.raises(InputError, match=f"^the prompts' padded width is {window} tokens"):
+        model.generate(input_ids=rows, custom_generate=hf_generate, max_new_tokens=1)
 
 
 # ---------------------------------------------------------------- arguments transformers does not pass on
