@@ -62,9 +62,15 @@ def _stop_word_ids(words) -> frozenset[int]:
     return frozenset(int(t) for t in items)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LookaheadConfig:
     """Knobs of the drafter and verifier.
+
+    Frozen: a changed copy is ``config.replace(field=value)`` (or ``dataclasses.replace``), which
+    checks the new value. Fields were assignable, and an assignment skipped the checks: a
+    ``max_key_length`` of 0 or text ``stop_words`` failed deep in the drafter, a negative
+    ``decoding_length`` or an unknown ``budget`` ran silently (and a config may be shared by the
+    decodes of a LangChain model or a server while one runs).
 
     decoding_length: most draft nodes verified in one forward (the tree size cap).
     branch_length: deepest draft path, i.e. most draft tokens one step can accept. 48 (was 24,
@@ -101,10 +107,12 @@ class LookaheadConfig:
         self.validate()
 
     def validate(self) -> None:
+        """Refuse a bad value (ConfigError); store integers as ``int`` and stop words as a frozenset."""
         for name, high in _UPPER_BOUNDS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+            if not isinstance(value, Integral) or isinstance(value, bool) or not 1 <= value <= high:
                 raise ConfigError(f"{name} must be an integer from 1 to {high:,}, got {value!r}")
+            object.__setattr__(self, name, int(value))  # a numpy integer as stop_words and max_new_tokens take it
         for name in ("enabled", "use_output_pool", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -114,7 +122,7 @@ class LookaheadConfig:
             )
         if self.budget not in ("auto", "fixed"):
             raise ConfigError(f"budget must be 'auto' or 'fixed', got {self.budget!r}")
-        self.stop_words = _stop_word_ids(self.stop_words)
+        object.__setattr__(self, "stop_words", _stop_word_ids(self.stop_words))
 
     def replace(self, **changes) -> LookaheadConfig:
         return replace(self, **changes)
@@ -122,6 +130,17 @@ class LookaheadConfig:
     def with_tokenizer(self, tokenizer, words: Iterable[str] = DEFAULT_STOP_WORDS) -> LookaheadConfig:
         """Return a copy whose stop words are the single-token ids of ``words`` for this tokenizer."""
         return self.replace(stop_words=self.stop_words | stop_word_ids(tokenizer, words))
+
+
+def config_or_default(config: LookaheadConfig | None) -> LookaheadConfig:
+    """``config``, or the defaults for None; anything else is a ConfigError naming what came (a
+    dict reached the decoder as "'dict' object has no attribute 'enabled'")."""
+    if config is None:
+        return LookaheadConfig()
+    if not isinstance(config, LookaheadConfig):
+        hint = " (a dict of its fields: LookaheadConfig(**fields))" if isinstance(config, dict) else ""
+        raise ConfigError(f"config must be a LookaheadConfig{hint}, got {type(config).__name__}")
+    return config
 
 
 def stop_word_ids(tokenizer, words: Iterable[str] = DEFAULT_STOP_WORDS) -> frozenset[int]:

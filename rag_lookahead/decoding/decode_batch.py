@@ -21,11 +21,19 @@ import torch
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.acceptance import AcceptanceRates
-from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.config import LookaheadConfig, config_or_default
 from rag_lookahead.decoding.costs import allocate, step_costs
 from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.drafter import Drafter, PromptLookupDrafter, TrieDrafter
-from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, check_room, context_limit, vocab_size
+from rag_lookahead.decoding.inputs import (
+    as_batch,
+    check_ids,
+    check_model,
+    check_references,
+    check_room,
+    context_limit,
+    vocab_size,
+)
 from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.prefill import ChunkedPrefill, forward_feed, prefill_padded, step_feed
 from rag_lookahead.decoding.profile import profile_of
@@ -79,7 +87,9 @@ class DecodeBatch:
     ) -> None:
         if drafter is not None and output_pool is not None:
             raise ConfigError("output_pool is the trie drafter's: pass TrieDrafter(config, output_pool) as the drafter")
+        check_model(model)
         check_layers(model)
+        config = config_or_default(config)
         self.model = model
         self.config = config
         self.eos = eos

@@ -8,13 +8,30 @@ character. Every front end (``generate``, ``DecodeBatch``, the server) funnels t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from numbers import Integral
 
 import torch
 
 from rag_lookahead.decoding.windows import ignored_window
-from rag_lookahead.errors import InputError
+from rag_lookahead.errors import ConfigError, InputError
+
+
+def check_model(model) -> None:
+    """A loaded model, not its name or nothing: ``generate("default", ids)`` failed with
+    "'str' object has no attribute 'config'" deep in the layer checks."""
+    if isinstance(model, (str, os.PathLike)):
+        name = os.fspath(model)
+        raise ConfigError(
+            f"model must be a loaded model, not the name {name!r}: load it first, e.g."
+            f" model, tokenizer = load_model({name!r}) (from rag_lookahead import load_model)"
+        )
+    if getattr(model, "config", None) is None:
+        raise ConfigError(
+            "model must be a loaded causal language model (rag_lookahead.load_model, or transformers'"
+            f" AutoModelForCausalLM.from_pretrained), got {type(model).__name__}"
+        )
 
 
 def vocab_size(model) -> int:

@@ -16,10 +16,10 @@ from numbers import Integral
 import torch
 
 from rag_lookahead.checks import positive_int
-from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.config import LookaheadConfig, config_or_default
 from rag_lookahead.decoding.decode_batch import DecodeBatch
 from rag_lookahead.decoding.drafter import Drafter
-from rag_lookahead.decoding.inputs import as_batch, check_ids, check_references, check_room, vocab_size
+from rag_lookahead.decoding.inputs import as_batch, check_ids, check_model, check_references, check_room, vocab_size
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.results import GenerationResult, GenerationStats, LogprobRecorder, assemble
 from rag_lookahead.decoding.rows import Row
@@ -147,7 +147,8 @@ def generate(
     prefill_chunk: prompt tokens per forward (chunked prefill, see ``prefill``; the same tokens);
         0: each prompt in one forward.
     """
-    config = config or LookaheadConfig()
+    check_model(model)
+    config = config_or_default(config)
     max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
     eos_order = _eos_ids(model, eos_token_id, generation_config)
     eos = frozenset(eos_order)

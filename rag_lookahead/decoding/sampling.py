@@ -95,13 +95,21 @@ _GREEDY_IGNORES = frozenset({"typical_p", "epsilon_cutoff", "eta_cutoff", "top_h
 PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
+#: SamplingParams fields whose None means 1.0, their "off"
+_NEUTRAL_WHEN_NONE = ("temperature", "top_p", "repetition_penalty")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What turns a row's logits into its next token (names and meanings as in ``model.generate``).
 
     do_sample: False picks the most likely token (after the repetition penalty, if any).
-    temperature, top_k, top_p, min_p: the sampling warpers; top_k 0/None and top_p 1.0 are off.
+    temperature, top_k, top_p, min_p: the sampling warpers; top_k 0/None, top_p 1.0 and min_p
+        None are off.
     repetition_penalty: applied exactly at each tree node over the row's tokens and the node's path.
+    None for temperature, top_p or repetition_penalty is their neutral 1.0 (off), as in
+    ``resolve_sampling`` and transformers: ``top_p=None`` was taken, then failed at the first
+    sampled step with "'<' not supported between 'NoneType' and 'float'".
     seed: None draws from torch's global generator (the order transformers draws in); an int
         gives the row a generator of its own, so its tokens depend on nothing else in the batch.
     """
@@ -115,6 +123,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in _NEUTRAL_WHEN_NONE:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, 1.0)
         if not isinstance(self.do_sample, bool):
             raise ConfigError(f"do_sample must be True or False, got {self.do_sample!r}")
         _number("temperature", self.temperature, low=0.0, high=math.inf, open_low=True)

@@ -164,6 +164,28 @@ def test_numpy_integers_are_taken_as_seeds_and_top_k():
     assert numpy.tolist() == plain.tolist()
 
 
+@pytest.mark.parametrize("name", ["top_p", "temperature", "repetition_penalty"])
+def test_a_none_sampling_param_is_its_neutral_one(name):
+    """SamplingParams(top_p=None) was taken, then the first sampled step failed with a bare
+    TypeError ('<' between NoneType and float); None is 1.0 (off) there, as in resolve_sampling."""
+    from rag_lookahead.decoding.decode_batch import DecodeBatch
+    from rag_lookahead.decoding.sampling import SamplingParams
+
+    model = tiny_model("qwen2")
+    config = LookaheadConfig(decoding_length=8, budget="fixed", use_output_pool=False)
+
+    def sampled(params: SamplingParams) -> list[int]:
+        batch = DecodeBatch(model, config, frozenset(), None)
+        (row,) = batch.add(torch.tensor([[1, 2, 3, 1, 2, 3]]), None, None, 10, sampling=params)
+        while not row.done:
+            batch.verify_and_accept(batch.propose())
+        return row.generated
+
+    given_none = SamplingParams(do_sample=True, seed=1, **{name: None})
+    assert getattr(given_none, name) == 1.0
+    assert sampled(given_none) == sampled(SamplingParams(do_sample=True, seed=1))
+
+
 def test_generation_config_is_taken_as_model_generate_takes_it():
     model = tiny_model("qwen2")
     prompt = [3, 4, 5, 6, 3, 4, 5, 6]

@@ -297,3 +297,19 @@ def test_every_streamed_chunk_goes_to_the_token_callbacks():
                 chunks = list(model.stream("t5 t6 t7", config={"callbacks": [handler]}))
             texts = [getattr(c, "content", c) for c in chunks]
             assert texts[-1] == "" and handler.tokens == texts, (type(model).__name__, asynchronous)
+
+
+def test_a_models_lookahead_settings_change_by_a_checked_copy():
+    """``llm.lookahead.max_key_length = 0`` changed the shared config unchecked, and the next call
+    failed deep in the trie; the config is frozen, and a checked copy goes in its place."""
+    import dataclasses
+
+    llm, chat, _ = _models()
+    for model in (llm, chat):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            model.lookahead.max_key_length = 0
+        with pytest.raises(ConfigError, match="max_key_length"):
+            model.lookahead.replace(max_key_length=0)
+    before = llm.invoke("t5 t6 t7 t5 t6 t7")
+    llm.lookahead = llm.lookahead.replace(max_key_length=2)
+    assert llm.invoke("t5 t6 t7 t5 t6 t7") == before

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tiny_models import VOCAB, reference_generate, tiny_model
@@ -147,6 +149,53 @@ def test_decode_batch_moves_inputs_to_the_model_device(model):
 def test_config_checks(changes, message):
     with pytest.raises(ConfigError, match=message):
         LookaheadConfig(**changes)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_key_length", 0), ("stop_words", "abc"), ("decoding_length", -5), ("budget", "weird"), ("debug", True)],
+)
+def test_a_config_is_changed_by_a_checked_copy_not_in_place(model, field, value):
+    """Fields were assignable after the checks: max_key_length 0 failed deep in the trie, text
+    stop words in the drafter, and a negative decoding_length or an unknown budget ran silently.
+    The config is frozen; ``replace`` checks the new value."""
+    config = LookaheadConfig(budget="fixed")
+    with pytest.raises(dataclasses.FrozenInstanceError, match=field):
+        setattr(config, field, value)
+    assert config == LookaheadConfig(budget="fixed")
+    if field == "debug":
+        assert config.replace(debug=True).debug is True
+    else:
+        with pytest.raises(ConfigError, match=field):
+            config.replace(**{field: value})
+    assert generate(model, [1, 2, 3, 1, 2, 3], max_new_tokens=4, config=config).sequences.shape == (1, 10)
+
+
+def test_numpy_integers_are_taken_as_config_integers():
+    """stop_words, max_new_tokens, seed and top_k took numpy integers; the config's sizes refused them."""
+    import numpy as np
+
+    config = LookaheadConfig(decoding_length=np.int64(8), branch_length=np.int32(3), max_key_length=np.int8(2))
+    assert (config.decoding_length, config.branch_length, config.max_key_length) == (8, 3, 2)
+    assert all(type(v) is int for v in (config.decoding_length, config.branch_length, config.max_key_length))
+    assert config == LookaheadConfig(decoding_length=8, branch_length=3, max_key_length=2)
+
+
+def test_a_dict_for_the_config_is_refused_naming_the_class(model):
+    """A dict reached the decoder: AttributeError "'dict' object has no attribute 'enabled'"."""
+    with pytest.raises(ConfigError, match=r"config must be a LookaheadConfig .*LookaheadConfig\(\*\*fields\).*dict"):
+        generate(model, [1, 2, 3], max_new_tokens=4, config={"decoding_length": 8})
+    with pytest.raises(ConfigError, match="config must be a LookaheadConfig"):
+        DecodeBatch(model, {"decoding_length": 8}, frozenset(), None)
+
+
+@pytest.mark.parametrize(("given", "message"), [("default", r"load_model\('default'\)"), (None, "NoneType")])
+def test_a_model_name_or_none_is_refused_asking_for_a_loaded_model(given, message):
+    """generate("default", ids) failed with AttributeError "'str' object has no attribute 'config'"."""
+    with pytest.raises(ConfigError, match=message):
+        generate(given, [1, 2, 3], max_new_tokens=4)
+    with pytest.raises(ConfigError, match=message):
+        DecodeBatch(given, LookaheadConfig(), frozenset(), None)
 
 
 def test_config_error_is_one_line():
