@@ -169,8 +169,21 @@ def _answer_config(model, generation_config, prompt_length: int):
             "(the history included): set max_new_tokens instead"
         )
     limit = context_limit(model)
-    config.max_new_tokens = max(min(wanted, limit or wanted) - prompt_length, 1)  # a full window: refused there
+    total = max(min(wanted, limit or wanted), prompt_length + 1)  # a full window: refused there
+    _set_length(config, own, prompt_length, total)
     return config
+
+
+def _set_length(config, own, prompt_length: int, total: int) -> None:
+    """Give ``config`` one length field, ``total`` tokens in all: ``model.generate`` logs "Both
+    max_new_tokens and max_length seem to have been set" whenever the merged config holds both
+    (GLM-4 ships max_length 128000, so every call did). A field left None is filled from the model's
+    own config, so the one kept is ``max_new_tokens`` where the model sets that (it would come back),
+    else ``max_length``; where the model sets both, plain ``model.generate`` logs it too."""
+    if getattr(own, "max_new_tokens", None) is not None:
+        config.max_new_tokens, config.max_length = total - prompt_length, None
+    else:
+        config.max_new_tokens, config.max_length = None, total
 
 
 _LENGTHS = ("max_new_tokens", "max_length")

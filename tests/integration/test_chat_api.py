@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_llm import transformers_warnings
 from tiny_models import tiny_model
 from tiny_tokenizer import tiny_tokenizer
 from transformers import GenerationConfig
@@ -66,6 +67,30 @@ def test_without_a_length_answers_are_not_cut_at_transformers_default_20(tiny):
     model, tokenizer = tiny  # no EOS in the tiny model's config: the answer runs to the context end
     answer, _ = chat(model, tokenizer, "t5 t6")
     assert len(answer.split()) > 20
+
+
+def test_one_length_setting_reaches_generate_so_transformers_does_not_warn_of_two(tiny):
+    """chat set max_new_tokens beside a max_length from the model's config (GLM-4 ships 128000) or
+    the caller's, and every call logged transformers' "Both max_new_tokens and max_length seem to
+    have been set", about a setting the user never made. Same tokens as model.generate."""
+    model, tokenizer = tiny
+    query = [{"role": "user", "content": "t5 t6"}]
+    prompt = tokenizer.apply_chat_template(query, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt_length = prompt["input_ids"].shape[1]
+    model.generation_config.max_length = 128000
+    try:
+        with transformers_warnings() as logged:
+            answer, _ = chat(model, tokenizer, "t5 t6", generation_config=GenerationConfig(max_new_tokens=9))
+        assert answer == plain_answer(model, tokenizer, query, max_new_tokens=9)
+        assert not [m for m in logged if "seem to have been set" in m]
+    finally:
+        model.generation_config.max_length = None
+    caller = GenerationConfig(max_length=prompt_length + 7, do_sample=False)
+    with transformers_warnings() as logged:
+        answer, _ = chat(model, tokenizer, "t5 t6", generation_config=caller)
+    assert answer == plain_answer(model, tokenizer, query, max_length=prompt_length + 7)
+    assert len(answer.split()) == 7 and caller.max_new_tokens is None  # the caller's config is left alone
+    assert not [m for m in logged if "seem to have been set" in m]
 
 
 @pytest.mark.parametrize(
