@@ -19,7 +19,8 @@ and output pool, and every ChatLookahead over the same loaded model shares one.
 ``finish_reason`` and the decode stats (``new_tokens``, ``forward_passes``, ``mean_accepted``,
 ``tokens_per_second``, ...). Per call: ``max_tokens``, ``references`` (passages that seed the
 draft trie without being in the prompt), ``enable_lookahead``, ``lookahead``, the sampling options,
-``timeout``; anything else is refused.
+``timeout``, ``chat_template_kwargs`` (more variables for the chat template, over the field's key by
+key: Qwen3's ``{"enable_thinking": False}``); anything else is refused.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFie
 from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening, plain_choice, several_calls
 from rag_lookahead.langchain.tools import parse_tool_calls as parse_tool_calls
 from rag_lookahead.models import reported_name
+from rag_lookahead.template_variables import reserved_names
 from rag_lookahead.tokens import chat_template_text, checked_stop, encode_messages
 
 __all__ = ["ChatLookahead", "parse_tool_calls"]
@@ -86,6 +88,7 @@ _CALL_OPTIONS = (
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "chat_template_kwargs",
 )
 
 
@@ -176,6 +179,10 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
     """Seconds one call may decode; rows still running then end with ``finish_reason="timeout"``."""
     max_retries: int | None = None
     """Accepted for LangChain's standard parameters; a local decode has no transient failure to retry."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More variables for the chat template, as the server's ``chat_template_kwargs`` (Qwen3's
+    ``{"enable_thinking": False}``); a call's own go over these key by key. ``apply_chat_template``'s
+    own arguments (``add_generation_prompt``, ``tools``, ...) are refused: the model sets those."""
     streaming: bool = False
     """Invoke through the streaming path (token callbacks then see chunks)."""
     dtype: Any = Field(default=None, exclude=True, repr=False)
@@ -206,6 +213,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         positive_int("max_tokens", self.max_tokens)
         _check_timeout(self.timeout)
         checked_stop(self.stop)
+        _template_variables(self.chat_template_kwargs)
         if not self.lookahead.stop_words:
             self.lookahead = self.lookahead.with_tokenizer(self._engine.tokenizer)
         self._sampling({})  # refuse bad sampling settings at construction
@@ -267,6 +275,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         params = {"model_name": self.model_name, "max_tokens": self.max_tokens, "default_stop": self.stop}
         params |= {"weights": self._engine.fingerprint, "timeout": self.timeout}
         params["prompt_format"] = prompt_format(self._engine.tokenizer)
+        params["chat_template_kwargs"] = self.chat_template_kwargs
         return params | self._sampling_params()
 
     def _require_template(self) -> None:
@@ -300,7 +309,14 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         formatted = [convert_to_openai_tool(t) for t in tools or ()]
         try:
             chat = template_messages(messages, to_answer=False)
-            return len(encode_messages(self._engine.tokenizer, chat, tools=formatted or None))
+            return len(
+                encode_messages(
+                    self._engine.tokenizer,
+                    chat,
+                    tools=formatted or None,
+                    template_variables=self.chat_template_kwargs,
+                )
+            )
         except InputError:
             return super().get_num_tokens_from_messages(messages)
 
@@ -365,6 +381,10 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         tool_choice = plain_choice(kwargs.pop("tool_choice", None))  # {"type": "none"} showed the tools
         parallel = kwargs.pop("parallel_tool_calls", None)
         references = kwargs.pop("references", None)
+        template_variables = {
+            **(self.chat_template_kwargs or {}),
+            **_template_variables(kwargs.pop("chat_template_kwargs", None)),
+        }
         sampling = self._sampling(kwargs)
         if kwargs:
             raise ConfigError(
@@ -380,7 +400,13 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
             tools = []
         self._require_template()
         chat = template_messages(messages)
-        ids = encode_messages(self._engine.tokenizer, chat, tools=tools or None, answer_prefix=opening)
+        ids = encode_messages(
+            self._engine.tokenizer,
+            chat,
+            tools=tools or None,
+            answer_prefix=opening,
+            template_variables=template_variables,
+        )
         check_prompt_room(self._engine.model, len(ids))  # here, so a batch fails this input alone
         passages = self._references(references, chat)
         request = RowRequest(
@@ -524,6 +550,24 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
                 run_wave(self._engine, self.invoke, inputs[wave], configs[wave], return_exceptions, kwargs, cancel)
             )
         return results
+
+
+def _template_variables(variables: Any) -> dict[str, Any]:
+    """``chat_template_kwargs`` (a field's or a call's) as a dict, refused unless a mapping of names
+    none of which is ``apply_chat_template``'s own argument (the server refuses the same ones)."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, Mapping) or not all(isinstance(name, str) for name in variables):
+        raise ConfigError(
+            f"chat_template_kwargs must be a dict of template variables by name, got {type(variables).__name__}"
+        )
+    taken = reserved_names(variables)
+    if taken:
+        raise ConfigError(
+            f"chat_template_kwargs cannot set {taken[0]!r}: it is an argument of apply_chat_template, which "
+            "ChatLookahead sets itself (tools are bound with bind_tools)"
+        )
+    return dict(variables)
 
 
 def _check_timeout(timeout: Any) -> float | None:

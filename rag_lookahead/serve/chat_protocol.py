@@ -7,8 +7,6 @@ how a refused field is worded.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
@@ -25,6 +23,7 @@ from rag_lookahead.serve.protocol import (
     Wording,
     invalid_request,
 )
+from rag_lookahead.template_variables import reserved_names
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "FunctionTool"]
 
@@ -52,25 +51,6 @@ VLLM_CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "documents": (),
     "mm_processor_kwargs": (),
 }
-#: apply_chat_template's own arguments: a template variable of one of these names is not passed
-TEMPLATE_ARGUMENTS = frozenset(
-    (
-        "conversation messages tools documents chat_template add_generation_prompt continue_final_message "
-        "tokenize padding truncation max_length return_tensors return_dict return_assistant_tokens_mask "
-        "tokenizer_kwargs self"
-    ).split()
-)
-
-
-@functools.cache
-def template_arguments() -> frozenset[str]:
-    """``TEMPLATE_ARGUMENTS`` and whatever the installed transformers' ``apply_chat_template`` takes
-    besides (5.24 added ``sanitize_control_tokens``: passed on, it broke the template call)."""
-    from transformers import PreTrainedTokenizerBase
-
-    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
-    named = (p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
-    return TEMPLATE_ARGUMENTS.union(named)
 
 
 class TextPart(BaseModel):
@@ -206,7 +186,7 @@ class ChatCompletionRequest(GenerationRequest):
                 raise invalid_request(message, name)
         if self.modalities is not None and self.modalities != ["text"]:
             raise invalid_request("'modalities' must be [\"text\"]: this server answers in text only", "modalities")
-        taken = sorted(template_arguments().intersection(self.chat_template_kwargs or ()))
+        taken = reserved_names(self.chat_template_kwargs)
         if taken:
             raise invalid_request(
                 f"'chat_template_kwargs' cannot set {quote(taken[0])}: the server sets it (send it as a field of "

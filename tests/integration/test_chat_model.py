@@ -1157,3 +1157,58 @@ def test_a_custom_token_counter_is_used_by_both_models(tiny_chat):
     assert chat.get_num_tokens_from_messages(history) == llm.get_num_tokens_from_messages(history) > 60
     assert len(trim_messages(history, max_tokens=45, token_counter=chat, strategy="last")) < len(history)
     assert tiny_chat.get_num_tokens("t5 t6") == len(tiny_chat.tokenizer.encode("t5 t6", add_special_tokens=False)) < 20
+
+
+#: the tiny template, plus Qwen3's switch: with enable_thinking false the answer opens with an empty think block
+THINKING_TEMPLATE = (
+    "{% for m in messages %}t2 {{ m['role'] }} {{ m['content'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}t2 assistant "
+    "{% if enable_thinking is defined and enable_thinking is false %}t8 t9 {% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template_as_field_per_call_and_bound():
+    """ChatLookahead refused ``chat_template_kwargs`` (and ``enable_thinking``) as a field, per call
+    and through bind, so LangChain users of a Qwen3-style template could not switch thinking off;
+    the server's chat route takes them. Prompt and tokens are apply_chat_template's with the
+    variable and model.generate's; apply_chat_template's own arguments are refused, as the server does."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.template_variables import template_arguments
+    from rag_lookahead.tiny import build_tiny_model
+
+    model, tok = build_tiny_model("qwen3", seed=0), tiny_tokenizer()
+    tok.chat_template = THINKING_TEMPLATE
+    messages = [{"role": "user", "content": "t5 t6 t7"}]
+
+    def reference(**variables) -> tuple[int, str]:
+        inputs = tok.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt", **variables
+        )
+        n = inputs["input_ids"].shape[1]
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=10, eos_token_id=tok.eos_token_id)
+        return n, tok.decode(out[0, n:], skip_special_tokens=True).strip()
+
+    off, on = reference(enable_thinking=False), reference()
+    assert off[0] == on[0] + 2 and off[1] != on[1]  # the switch changes the prompt and the answer
+
+    def answered(message) -> tuple[int, str]:
+        return message.usage_metadata["input_tokens"], message.content
+
+    plain = ChatLookahead(model=model, tokenizer=tok, max_tokens=10)
+    quiet = ChatLookahead(model=model, tokenizer=tok, max_tokens=10, chat_template_kwargs={"enable_thinking": False})
+    assert answered(plain.invoke(messages)) == on
+    assert answered(quiet.invoke(messages)) == off
+    assert answered(plain.invoke(messages, chat_template_kwargs={"enable_thinking": False})) == off
+    assert answered(plain.bind(chat_template_kwargs={"enable_thinking": False}).invoke(messages)) == off
+    assert answered(quiet.invoke(messages, chat_template_kwargs={"enable_thinking": True})) == on  # key by key
+    assert quiet.get_num_tokens_from_messages(quiet._convert_input(messages).to_messages()) == off[0]
+    assert quiet._identifying_params != plain._identifying_params  # LangChain's cache keeps the two apart
+    for name in sorted(template_arguments()):  # the names the server refuses with a 400
+        with pytest.raises(ConfigError, match=f"cannot set '{name}'"):
+            plain.invoke(messages, chat_template_kwargs={name: True})
+        with pytest.raises(ConfigError, match=f"cannot set '{name}'"):
+            ChatLookahead(model=model, tokenizer=tok, chat_template_kwargs={name: True})
+    for bad in ("enable_thinking", ["enable_thinking"], {1: True}):
+        with pytest.raises(ConfigError, match="chat_template_kwargs must be a dict"):
+            plain.invoke(messages, chat_template_kwargs=bad)
