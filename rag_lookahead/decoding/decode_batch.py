@@ -61,6 +61,18 @@ MAX_DRAFT_ROWS: dict[str, int] = {"cpu": 24}
 __all__ = ["DecodeBatch"]
 
 
+def row_budgets(max_new_tokens, count: int) -> list[int]:
+    """Each row's ``max_new_tokens``: one for all rows or one per row, each an integer >= 1
+    (ConfigError otherwise). A numpy integer was indexed as a list (IndexError), 0 or a negative
+    budget ran a row that could never end on a token, and a list of another length failed or was
+    silently cut."""
+    if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, (str, bytes)):
+        if len(max_new_tokens) != count:
+            raise ConfigError(f"max_new_tokens has {len(max_new_tokens)} entries for {count} rows")
+        return [positive_int("max_new_tokens", budget) for budget in max_new_tokens]
+    return [positive_int("max_new_tokens", max_new_tokens)] * count
+
+
 class DecodeBatch:
     """Rows decoded together: one packed KV cache, the columns each row owns, one drafter for all rows.
 
@@ -192,8 +204,9 @@ class DecodeBatch:
     def _new_rows(self, input_ids, attention_mask, max_new_tokens, keys, sampling, device) -> list[Row]:
         """The rows of left-padded prompts, with their budgets, keys and choosers; nothing in the cache yet."""
         count = input_ids.shape[0]
-        if isinstance(max_new_tokens, int):
-            max_new_tokens = [max_new_tokens] * count
+        max_new_tokens = row_budgets(max_new_tokens, count)
+        if keys is not None and len(keys) != count:
+            raise ConfigError(f"keys has {len(keys)} entries for {count} rows")
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()] * count
         if len(sampling) != count:

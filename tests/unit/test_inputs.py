@@ -57,6 +57,43 @@ def test_max_new_tokens_may_be_a_numpy_or_tensor_integer(model):
             generate(model, ids, max_new_tokens=value)
 
 
+def test_decode_batch_checks_each_rows_budget_as_generate_does(model):
+    """DecodeBatch.add indexed anything but an int as a list: a numpy integer was an IndexError, 2.5
+    a TypeError; 0 or a negative budget ran a row silently, and a list of another length than the
+    rows failed (too short) or was silently cut (too long)."""
+    import numpy as np
+
+    ids = torch.tensor([[5, 6, 7, 5, 6], [5, 6, 7, 5, 6]])
+    mask = torch.ones_like(ids)
+    expected = generate(model, ids, mask, max_new_tokens=5).sequences[:, 5:].tolist()
+
+    def decoded(budget) -> list[list[int]]:
+        batch = DecodeBatch(model, LookaheadConfig(), frozenset(), None)
+        rows = batch.add(ids, mask, None, budget)
+        while batch.retire() or batch.size:
+            if batch.size:
+                batch.verify_and_accept(batch.propose())
+        return [row.generated for row in rows]
+
+    for budget in (5, np.int64(5), torch.tensor(5), [5, np.int32(5)], (5, 5)):
+        assert decoded(budget) == expected, budget
+    for budget, message in (
+        (2.5, "max_new_tokens must be an integer >= 1"),
+        (0, "max_new_tokens must be an integer >= 1"),
+        (-3, "max_new_tokens must be an integer >= 1"),
+        (True, "max_new_tokens must be an integer >= 1"),
+        ([5, 0], "max_new_tokens must be an integer >= 1"),
+        ([5], "max_new_tokens has 1 entries for 2 rows"),
+        ([5, 6, 7], "max_new_tokens has 3 entries for 2 rows"),
+    ):
+        batch = DecodeBatch(model, LookaheadConfig(), frozenset(), None)
+        with pytest.raises(ConfigError, match=message):
+            batch.add(ids, mask, None, budget)
+        assert batch.size == 0
+    with pytest.raises(ConfigError, match="keys has 1 entries for 2 rows"):
+        DecodeBatch(model, LookaheadConfig(), frozenset(), None).add(ids, mask, None, 5, keys=["a"])
+
+
 def test_attention_mask_values_are_checked(model):
     with pytest.raises(InputError, match="only 0 and 1"):
         generate(model, [[1, 2, 3]], [[1, 2, 1]], max_new_tokens=2)
