@@ -78,6 +78,10 @@ _BUILDING = threading.Lock()
 _ROUNDING = 2 * 2.0**-24
 #: more candidates than this in a row: compute that row's logits in full instead
 _MAX_CANDIDATES = 4096
+#: fp32 candidates whose logits lie within this fraction of the best are resolved by the full layer
+#: (sums of another order can swap them by an ulp or two); bf16/fp16 logits are rounded after the
+#: sum, so tied ones are equal whatever the order (see ``output_rounding``)
+_TIE_BAND = 1e-5
 #: most positions screened in one product; above, the full layer costs as little (64 positions: 180 vs 188 ms here)
 MOST_POSITIONS = 48
 #: positions a screen takes together for little more than one (default model, this EPYC: 1
@@ -270,7 +274,13 @@ class GreedyTokens(Sequence):
         candidates = self._head.narrow(candidates, estimate[candidates], terms)
         if len(candidates) == 1:
             return int(candidates[0])
-        return int(candidates[(weight[candidates] @ x).float().argmax()])
+        logits = (weight[candidates] @ x).float()
+        best = logits.max()
+        if not self._head.output_rounding and int((logits >= best - _TIE_BAND * best.abs().clamp(min=1)).sum()) > 1:
+            # a near-tie: this small product sums in another order than the layer's (bit-identical
+            # rows came out 1 ulp apart, the later id first); the layer's own product decides
+            return int(self._head.full(self._x[r : r + 1]).argmax())
+        return int(candidates[logits.argmax()])
 
 
 def _no_screen() -> None:
