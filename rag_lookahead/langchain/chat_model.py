@@ -198,7 +198,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
 
     def model_post_init(self, __context: Any) -> None:
         super().model_post_init(__context)
-        self._settle(None)
+        self._settle_built()
 
     def _settle(self, updated: frozenset[str] | None) -> None:
         if self._new_engine(updated):
@@ -222,6 +222,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         if self.engine is not None:
             if not isinstance(self.engine, Engine):
                 raise ConfigError(f"engine must be a rag_lookahead Engine, got {type(self.engine).__name__}")
+            self._check_engine_matches()
             return self.engine
         if isinstance(self.model, str):
             if self.tokenizer is not None:
@@ -232,6 +233,20 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
                 raise ConfigError("ChatLookahead needs a model id, or a loaded model and its tokenizer")
             model, tokenizer = self.model, self.tokenizer
         return _shared_engine(model, tokenizer, self.lookahead)
+
+    def _check_engine_matches(self) -> None:
+        """A loaded ``model`` or a ``tokenizer`` given beside ``engine`` must be the engine's own: the
+        engine decodes, so ``chat.model = other`` on a chat model from ``from_llm`` (or a copy
+        updating ``model``) went on answering with the engine's model, with no word of it."""
+        for name, own in (("model", self.engine.model), ("tokenizer", self.engine.tokenizer)):
+            given = getattr(self, name)
+            if given is not None and not isinstance(given, str) and given is not own:
+                raise ConfigError(
+                    f"this ChatLookahead decodes with the engine it was given (from_llm), not with the {name} "
+                    f"given beside it: to decode with another {name}, drop the engine too, "
+                    f"model_copy(update={{{name!r}: ..., 'engine': None}}), "
+                    f"or build it from a LookaheadLLM on that {name}"
+                )
 
     def _derived_name(self) -> str:
         if isinstance(self.model, str):

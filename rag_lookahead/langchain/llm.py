@@ -84,7 +84,7 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
     engine_fields: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     def model_post_init(self, __context: Any) -> None:
-        self._settle(None)
+        self._settle_built()
 
     def _settle(self, updated: frozenset[str] | None) -> None:
         if self.model is None or self.tokenizer is None:

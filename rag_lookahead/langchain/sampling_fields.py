@@ -2,12 +2,14 @@
 
 Both models take the same sampling fields (as fields, or per call), turn them into ``generate``'s
 keywords the same way, and hand our own :class:`ConfigError` back to the caller instead of the
-``ValidationError`` pydantic wraps it in.
+``ValidationError`` pydantic wraps it in. A field changed after construction (``model_copy(update=...)``
+or plain assignment) is checked and settled as the constructor does it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, PrivateAttr, StrictFloat, StrictInt, ValidationError
@@ -39,6 +41,8 @@ class SamplingFields(BaseModel):
     """Sampling: a fixed seed makes each answer reproducible, whatever else is in the batch."""
 
     _engine: Any = PrivateAttr(default=None)  # the Engine the model decodes with (set in model_post_init)
+    # whether assigning a field goes through model_copy's checks (off while the model is built or settled)
+    _assignment_checked: bool = PrivateAttr(default=False)
 
     #: fields whose change needs another engine (the model it decodes with)
     engine_fields: ClassVar[frozenset[str]] = frozenset()
@@ -55,17 +59,47 @@ class SamplingFields(BaseModel):
         old one, a ``timeout`` of -1 cut answers to a token."""
         copied = super().model_copy(update=update, deep=deep)
         if update:
-            try:
-                for name, value in update.items():
-                    self.__pydantic_validator__.validate_assignment(copied, name, value)
-            except ValidationError as err:
-                raise settings_error(type(self).__name__, err) from None
-            copied._settle(frozenset(update))
+            with copied._assigning_unchecked():
+                try:
+                    for name, value in update.items():
+                        self.__pydantic_validator__.validate_assignment(copied, name, value)
+                except ValidationError as err:
+                    raise settings_error(type(self).__name__, err) from None
+                copied._settle(frozenset(update))
         return copied
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A field assigned after construction is checked and settled as :meth:`model_copy` does
+        (on a copy, taken over only if it passes): pydantic's plain assignment checked nothing and
+        kept the engine, so ``llm.model = other`` went on decoding with the old model, a ``timeout``
+        of -1 cut every answer to a token, and ``system_prompt = 5`` was taken."""
+        private = getattr(self, "__pydantic_private__", None) or {}
+        if name not in type(self).model_fields or not private.get("_assignment_checked"):
+            super().__setattr__(name, value)
+            return
+        settled = self.model_copy(update={name: value})
+        self.__dict__.update(settled.__dict__)
+        self.__pydantic_fields_set__.update(settled.__pydantic_fields_set__)
+        self.__pydantic_private__.update(settled.__pydantic_private__)
+
+    @contextlib.contextmanager
+    def _assigning_unchecked(self) -> Iterator[None]:
+        """Plain assignment while the settings are checked and settled (``_settle`` writes the values it
+        works out, pydantic's validators write fields), checked assignment after."""
+        self._assignment_checked = False
+        try:
+            yield
+        finally:
+            self._assignment_checked = True
+
+    def _settle_built(self) -> None:
+        """Settle the settings of a model just built; from then on an assigned field is checked."""
+        with self._assigning_unchecked():
+            self._settle(None)
 
     def _settle(self, updated: frozenset[str] | None) -> None:
         """Check the settings, and build the engine at construction (``updated`` None) or after a
-        :meth:`model_copy` that updated one of ``engine_fields``."""
+        :meth:`model_copy` (or an assignment) that updated one of ``engine_fields``."""
         raise NotImplementedError
 
     def _new_engine(self, updated: frozenset[str] | None) -> bool:
