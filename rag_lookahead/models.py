@@ -488,8 +488,9 @@ def _from_pretrained(where: str, extra: dict[str, Any], kwargs: dict[str, Any], 
     except (*_LOAD_ERRORS, SafetensorError) as err:
         if "trust_remote_code" in str(err) and not kwargs.get("trust_remote_code"):
             raise ModelLoadError(
-                f"model '{where}' ships its own modeling code, which is not run by default: pass "
-                "trust_remote_code=True (ask --trust-remote-code) if you trust its source"
+                f"model '{where}' ships its own modeling code, which is not run by default: if you trust its"
+                " source, pass --trust-remote-code (ask, serve) or trust_remote_code=True (load_model,"
+                " LookaheadLLM.from_model_id, ChatLookahead)"
             ) from err
         raise ModelLoadError(f"could not load model '{source}': {_cause(err)}") from err
     return model, tokenizer

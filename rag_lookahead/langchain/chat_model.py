@@ -42,7 +42,7 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field, PrivateAttr, StrictFloat, StrictInt
+from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
@@ -106,9 +106,10 @@ _LOAD_LOCK = threading.Lock()
 _ENGINES: weakref.WeakValueDictionary[int, Engine] = weakref.WeakValueDictionary()
 
 
-def _load(model_id: str, dtype: Any, device: Any, device_map: Any) -> tuple[Any, Any]:
-    """``load_model`` once per (model, dtype, device) while a chat model uses it: chat models built
-    from the same id share the weights."""
+def _load(model_id: str, dtype: Any, device: Any, device_map: Any, trust_remote_code: bool) -> tuple[Any, Any]:
+    """``load_model`` once per (model, dtype, device, remote-code opt-in) while a chat model uses it:
+    chat models built from the same id share the weights. The opt-in is part of the key, so a chat
+    model built without it is refused a remote-code model another one loaded, as ``load_model`` refuses it."""
     from rag_lookahead.embedded_model import EMBEDDED
     from rag_lookahead.models import load_model, resolve_dtype
     from rag_lookahead.paths import expand_user
@@ -116,7 +117,7 @@ def _load(model_id: str, dtype: Any, device: Any, device_map: Any) -> tuple[Any,
     where = model_id  # "default" is the embedded model whatever folder of that name is here, as load_model reads it
     if model_id not in EMBEDDED and (folder := expand_user(model_id, "model")).is_dir():
         where = str(folder.resolve())
-    key = (where, str(resolve_dtype(dtype, device, device_map)), str(device), repr(device_map))
+    key = (where, str(resolve_dtype(dtype, device, device_map)), str(device), repr(device_map), trust_remote_code)
     with _LOAD_LOCK:
         held = _LOADED.get(key)
         model = held[0]() if held is not None else None
@@ -124,7 +125,9 @@ def _load(model_id: str, dtype: Any, device: Any, device_map: Any) -> tuple[Any,
             return model, held[1]
         for gone in [k for k, (ref, _) in _LOADED.items() if ref() is None]:
             del _LOADED[gone]
-        model, tokenizer = load_model(model_id, dtype=dtype, device=device, device_map=device_map)
+        model, tokenizer = load_model(
+            model_id, dtype=dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code
+        )
         _LOADED[key] = (weakref.ref(model), tokenizer)
         return model, tokenizer
 
@@ -188,12 +191,15 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
     dtype: Any = Field(default=None, exclude=True, repr=False)
     device: Any = Field(default=None, exclude=True, repr=False)
     device_map: Any = Field(default=None, exclude=True, repr=False)
+    trust_remote_code: StrictBool = Field(default=False, exclude=True, repr=False)
+    """With a model id: run the modeling code its repo or folder ships (ChatGLM3, Qwen-1), as
+    :func:`rag_lookahead.models.load_model` does; off by default, since that code runs with your rights."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=(), extra="forbid")
     _name_derived: bool = PrivateAttr(default=False)  # model_name was worked out from the model
 
     engine_fields: ClassVar[frozenset[str]] = frozenset(
-        {"model", "tokenizer", "engine", "dtype", "device", "device_map"}
+        {"model", "tokenizer", "engine", "dtype", "device", "device_map", "trust_remote_code"}
     )
 
     def model_post_init(self, __context: Any) -> None:
@@ -227,7 +233,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         if isinstance(self.model, str):
             if self.tokenizer is not None:
                 raise ConfigError("give a tokenizer only with a loaded model; a model id loads its own")
-            model, tokenizer = _load(self.model, self.dtype, self.device, self.device_map)
+            model, tokenizer = _load(self.model, self.dtype, self.device, self.device_map, self.trust_remote_code)
         else:
             if self.model is None or self.tokenizer is None:
                 raise ConfigError("ChatLookahead needs a model id, or a loaded model and its tokenizer")

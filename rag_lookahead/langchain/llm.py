@@ -109,12 +109,16 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         dtype: Any = None,
         device: Any = None,
         device_map: Any = None,
+        trust_remote_code: bool = False,
         **kwargs: Any,
     ) -> LookaheadLLM:
-        """Load ``model_id`` ("default", a hub id or a local path) with :func:`rag_lookahead.models.load_model`."""
+        """Load ``model_id`` ("default", a hub id or a local path) with :func:`rag_lookahead.models.load_model`;
+        ``trust_remote_code=True`` runs the modeling code a repo or folder ships (ChatGLM3, Qwen-1), as there."""
         from rag_lookahead.models import load_model, reported_name
 
-        model, tokenizer = load_model(model_id, dtype=dtype, device=device, device_map=device_map)
+        model, tokenizer = load_model(
+            model_id, dtype=dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code
+        )
         name = reported_name(model_id)
         return cls(
             model=model,

@@ -53,6 +53,11 @@ def serve(
     device_map: str | None = typer.Option(
         None, help='accelerate device map, e.g. "auto" to spread the model over GPUs'
     ),
+    trust_remote_code: bool = typer.Option(
+        False,
+        "--trust-remote-code",
+        help="run the modeling code a model repo or folder ships (ChatGLM3, Qwen-1); only for sources you trust",
+    ),
     index_dir: str | None = typer.Option(
         None, help="document index for /v1/rag (default: the default index, if built)"
     ),

@@ -77,6 +77,8 @@ class ServerConfig:
     host/port: where to listen (loopback by default).
     model: "default" or "quality" (embedded), a hub id or a local folder (see :func:`rag_lookahead.models.load_model`).
     served_model_name: the name reported in responses when the request names none.
+    trust_remote_code: run the modeling code a hub repo or local folder ships (ChatGLM3, Qwen-1;
+        off by default, since that code runs with the server's rights); the embedded models ignore it.
     index_dir: document index for ``/v1/rag`` (None: the default index if it exists).
     max_batch_size: most rows decoded together.
     max_queue: most choices waiting for a batch slot (a request with ``n`` choices takes ``n``
@@ -133,6 +135,7 @@ class ServerConfig:
     dtype: str | None = None
     device: str | None = None
     device_map: str | None = None  # accelerate device map, e.g. "auto" over several GPUs
+    trust_remote_code: bool = False
     index_dir: str | None = None
     max_batch_size: int = 8
     max_queue: int = 64
@@ -191,8 +194,9 @@ class ServerConfig:
             if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not low <= seconds <= 86_400:
                 raise ConfigError(f"{name} must be a number in {low:g}..86400, got {seconds!r}")
             setattr(self, name, float(seconds))
-        if not isinstance(self.lookahead, bool):
-            raise ConfigError(f"lookahead must be true or false, got {self.lookahead!r}")
+        for name in ("lookahead", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.lookahead_config is not None and not isinstance(self.lookahead_config, LookaheadConfig):
             raise ConfigError(f"lookahead_config must be a LookaheadConfig, got {type(self.lookahead_config).__name__}")
 

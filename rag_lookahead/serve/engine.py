@@ -444,5 +444,11 @@ def _load(config: ServerConfig) -> dict:
             index = load_index(default_index_dir())
         except Exception as e:  # the default is optional: serve without RAG
             log.warning("default index at %s not loaded (%s); /v1/rag will answer 503", default_index_dir(), e)
-    model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device, device_map=config.device_map)
+    model, tokenizer = load_model(
+        config.model,
+        dtype=config.dtype,
+        device=config.device,
+        device_map=config.device_map,
+        trust_remote_code=config.trust_remote_code,
+    )
     return {"model": model, "tokenizer": tokenizer, "index": index.warm() if index is not None else None}

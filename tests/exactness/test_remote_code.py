@@ -95,3 +95,40 @@ def test_attention_that_ignores_the_tree_mask_gets_chains(tmp_path):
     )
     assert result.sequences[0, len(prompt) :].tolist() == expected
     assert result.stats.mean_accepted > 1.5  # chains still accept several tokens a step
+
+
+def test_serve_takes_the_opt_in(tmp_path, monkeypatch):
+    """``serve --trust-remote-code`` loads the model (a Ray replica builds the same app from the
+    same config). serve had no such flag, though the refusal told the user to pass it."""
+    pytest.importorskip("fastapi")
+    from rag_lookahead.serve.app import create_app
+    from rag_lookahead.serve.command import config_from_args, parse_args
+
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))  # no default index to open
+    folder = remote_folder(tmp_path, "TinyRemoteForCausalLM")
+    config = config_from_args(parse_args([f"--model={folder}", "--trust-remote-code"]), {})
+    assert config.trust_remote_code is True
+    assert type(create_app(config).state.engine.model).__name__ == "TinyRemoteForCausalLM"
+    with pytest.raises(ModelLoadError, match=r"--trust-remote-code \(ask, serve\)"):
+        create_app(config_from_args(parse_args([f"--model={folder}"]), {}))
+
+
+def test_langchain_takes_the_opt_in(tmp_path):
+    """``LookaheadLLM.from_model_id(..., trust_remote_code=True)`` and ``ChatLookahead(model=...,
+    trust_remote_code=True)`` load the model: the first passed the keyword on as a LookaheadLLM
+    setting after loading without it, the second refused it as an unknown field."""
+    from rag_lookahead.langchain.chat_model import ChatLookahead
+    from rag_lookahead.langchain.llm import LookaheadLLM
+
+    folder = str(remote_folder(tmp_path, "TinyRemoteForCausalLM"))
+    llm = LookaheadLLM.from_model_id(folder, trust_remote_code=True, max_new_tokens=4)
+    assert type(llm.model).__name__ == "TinyRemoteForCausalLM"
+    assert llm.invoke("t5 t6")
+    chat = ChatLookahead(model=folder, trust_remote_code=True, max_tokens=4)
+    assert type(chat._engine.model).__name__ == "TinyRemoteForCausalLM"
+    assert chat.invoke("t5 t6").content
+    # a chat model without the opt-in is refused the remote-code model the one above holds loaded
+    with pytest.raises(ModelLoadError, match=r"trust_remote_code=True \(load_model, LookaheadLLM"):
+        ChatLookahead(model=folder)
+    with pytest.raises(ConfigError, match="trust_remote_code"):
+        ChatLookahead(model=folder, trust_remote_code="yes")
