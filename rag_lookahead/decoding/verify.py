@@ -24,6 +24,7 @@ import torch
 
 from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.forward_signature import check_forward_signature
 from rag_lookahead.decoding.inputs import vocab_size
 from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.profile import profile_of
@@ -241,8 +242,11 @@ def supports_tree_mask(model) -> bool:
     A model whose attention ignores a custom 4-D mask would let one branch see another; such
     models fall back to single-chain drafts, which need no mask, with one warning. Attention
     known to choke on 4-D masks is refused without a forward; a probe that raises, or logits
-    that are not finite (fp16 overflow), also mean chains, never a dead ``generate``.
+    that are not finite (fp16 overflow), also mean chains, never a dead ``generate``. A forward
+    that cannot take the cache at all is a ConfigError (``forward_signature``), not a probe that
+    failed: chains would fail on it just the same.
     """
+    check_forward_signature(model)
     profile = profile_of(model)
     attention = "|".join(attention_implementations(model))
     # a verdict reached under sdpa, kept after a switch to flex attention, fed flex's CPU kernel

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rag_lookahead.decoding.forward_signature import check_forward_signature
+
 __all__ = ["SlidingWindow", "check_layers", "full_cache", "ignored_window", "sliding_window", "text_config"]
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -113,7 +115,9 @@ def check_layers(model) -> list[str]:
     layers, a recurrent state or a cache of the model's own, a Dory that runs a layer twice per
     forward; and a model that ``generate`` feeds the whole sequence on every step. Then refuse one
     that attends both ways (``causality``: where its config says ``is_decoder=False``, two short
-    forwards tell, once per model). Returns each layer's kind."""
+    forwards tell, once per model). First of all, one whose forward cannot take the KV cache as
+    ``cache`` (``forward_signature``: remote code written for transformers 4). Returns each layer's kind."""
+    check_forward_signature(model)
     if getattr(model.config, "is_encoder_decoder", False):
         raise NotImplementedError(
             f"rag_lookahead supports decoder-only models; {type(model).__name__} is an encoder-decoder"

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.forward_signature import check_forward_signature
 from rag_lookahead.decoding.inputs import context_limit, vocab_size
 from rag_lookahead.serve.admission import TokenBudget, busy, default_token_budget
 from rag_lookahead.serve.api_error import ApiError, engine_stopped, internal_error, shutting_down
@@ -50,6 +51,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, config: ServerConfig | None = None, index=None) -> None:
         self.config = config or ServerConfig()
+        # said before the server starts (serve exits 1), not at the warm-up, which answered 503 to everything
+        check_forward_signature(model)
         self.model = model
         self.tokenizer = tokenizer  # read only: its pad_token is left as the caller set it
         self.index = index

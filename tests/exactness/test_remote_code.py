@@ -7,8 +7,14 @@ ship them on the hub.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,6 +26,7 @@ from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding.loop import DecodeBatch
 from rag_lookahead.decoding.verify import supports_tree_mask
 from rag_lookahead.errors import ConfigError, ModelLoadError
+from rag_lookahead.hf_entry import hf_generate
 from rag_lookahead.models import load_model
 
 MODELING = Path(__file__).resolve().parents[1] / "remote_code" / "modeling_tiny_remote.py"
@@ -132,3 +139,52 @@ def test_langchain_takes_the_opt_in(tmp_path):
         ChatLookahead(model=folder)
     with pytest.raises(ConfigError, match="trust_remote_code"):
         ChatLookahead(model=folder, trust_remote_code="yes")
+
+
+TRANSFORMERS_4 = (
+    r"LegacyCacheForCausalLM's forward takes past_key_values \(code written for transformers 4\), not cache"
+)
+
+
+@pytest.mark.parametrize("model_class", ["LegacyCacheForCausalLM", "LegacyKwargsForCausalLM"])
+def test_a_forward_written_for_transformers_4_is_refused_before_it_runs(tmp_path, model_class):
+    """A forward that names the cache ``past_key_values`` (ChatGLM3's) got our ``cache=``: without a
+    ``**kwargs`` a bare TypeError, with one a cache never filled; both after a warning that the
+    mask probe had failed and chains were "still lossless". Now one ConfigError, before any forward."""
+    folder = remote_folder(tmp_path, model_class)
+    model, tokenizer = load_model(str(folder), dtype=torch.float32, device="cpu", trust_remote_code=True)
+    prompt = [7, 3, 9, 4, 11, 2, 8]
+    assert len(greedy(model, prompt, 4)) == 4  # its own prepare_inputs_for_generation runs it in model.generate
+    refusal = TRANSFORMERS_4.replace("LegacyCacheForCausalLM", model_class)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigError, match=refusal):
+            generate(model, prompt, max_new_tokens=4)
+        with pytest.raises(ConfigError, match=refusal):
+            model.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=4, pad_token_id=0, custom_generate=hf_generate
+            )
+        with pytest.raises(ConfigError, match=refusal):
+            supports_tree_mask(model)
+        if importlib.util.find_spec("fastapi") is not None:  # the server's engine, as it is built at start
+            from rag_lookahead.serve.engine import Engine
+
+            with pytest.raises(ConfigError, match=refusal):
+                Engine(model, tokenizer)
+    assert not [w for w in seen if "single chains" in str(w.message)]
+
+
+def test_serve_refuses_a_forward_written_for_transformers_4_at_start(tmp_path):
+    """The server started, logged a traceback from its warm-up and answered 503 to every request:
+    now ``serve`` says why in one line and exits 1 before it serves."""
+    pytest.importorskip("fastapi")
+    folder = remote_folder(tmp_path, "LegacyCacheForCausalLM")
+    command = [sys.executable, "-m", "rag_lookahead.serve", f"--model={folder}", "--trust-remote-code", "--port=0"]
+    env = {**os.environ, "RAG_LOOKAHEAD_CACHE": str(tmp_path / "cache")}
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    except subprocess.TimeoutExpired as err:  # it served
+        pytest.fail(f"serve started on the model instead of refusing it: {(err.stderr or b'')[-600:]!r}")
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-1500:]
+    assert len(errors) == 1 and re.search(TRANSFORMERS_4, errors[0]), run.stderr[-1500:]

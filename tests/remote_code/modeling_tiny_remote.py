@@ -3,7 +3,10 @@
 ``TinyRemoteForCausalLM`` is Qwen2 under another name, so its attention honours a 4-D mask
 and tree drafts apply. ``MaskBlindForCausalLM`` drops a 4-D mask and attends causally, as
 Qwen-1's attention did in the reference implementation: one branch would see the other, so
-the mask probe must fall back to chains.
+the mask probe must fall back to chains. ``LegacyCacheForCausalLM`` and
+``LegacyKwargsForCausalLM`` are code written for transformers 4, as ChatGLM2/3's is: the forward
+names the KV cache ``past_key_values`` (without and with a ``**kwargs``), and only their own
+``prepare_inputs_for_generation`` lets ``model.generate`` run them on transformers 5.
 """
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -22,3 +25,48 @@ class MaskBlindForCausalLM(TinyRemoteForCausalLM):
         if attention_mask is not None and attention_mask.dim() == 4:
             attention_mask = None  # causal attention over the whole cache, whatever the caller asked
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+class _PastKeyValuesInputs(TinyRemoteForCausalLM):
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        if "cache" in inputs:
+            inputs["past_key_values"] = inputs.pop("cache")
+        return inputs
+
+
+class LegacyCacheForCausalLM(_PastKeyValuesInputs):
+    """ChatGLM3's forward signature: ``past_key_values``, no ``**kwargs``."""
+
+    def forward(
+        self,
+        input_ids=None,
+        position_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        return_last_logit=False,
+    ):
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+        )
+
+
+class LegacyKwargsForCausalLM(_PastKeyValuesInputs):
+    """The same with a ``**kwargs`` that swallows anything else (many 4.x hub files have one)."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
+        return super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=past_key_values
+        )
