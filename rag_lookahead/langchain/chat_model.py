@@ -296,7 +296,9 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         params = {"model_name": self.model_name, "max_tokens": self.max_tokens, "default_stop": self.stop}
         params |= {"weights": self._engine.fingerprint, "timeout": self.timeout}
         params["prompt_format"] = prompt_format(self._engine.tokenizer)
-        params["chat_template_kwargs"] = self.chat_template_kwargs
+        # the field under its own name: a call's chat_template_kwargs (merged key by key over it)
+        # replaced it in LangChain's key, and two models of other fields shared cached answers
+        params["default_chat_template_kwargs"] = self.chat_template_kwargs
         return params | self._sampling_params()
 
     def _require_template(self) -> None:

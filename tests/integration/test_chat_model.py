@@ -1204,6 +1204,9 @@ def test_chat_template_kwargs_reach_the_template_as_field_per_call_and_bound():
     assert answered(quiet.invoke(messages, chat_template_kwargs={"enable_thinking": True})) == on  # key by key
     assert quiet.get_num_tokens_from_messages(quiet._convert_input(messages).to_messages()) == off[0]
     assert quiet._identifying_params != plain._identifying_params  # LangChain's cache keeps the two apart
+    # also when a call brings its own variables: they went over the field's in the cache key
+    other = {"chat_template_kwargs": {"other": 1}}
+    assert quiet._get_llm_string(**other) != plain._get_llm_string(**other)
     for name in sorted(template_arguments()):  # the names the server refuses with a 400
         with pytest.raises(ConfigError, match=f"cannot set '{name}'"):
             plain.invoke(messages, chat_template_kwargs={name: True})
