@@ -13,7 +13,6 @@ device are picked for the machine (bf16 on GPUs and on CPUs with AMX, else fp32;
 from __future__ import annotations
 
 import errno
-import json
 import os
 import pickle
 import re
@@ -71,7 +70,7 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     device_map: str | dict[str, Any] | None = None,
-    attn_implementation: str | None = None,
+    attn_implementation: str | dict[str, Any] | None = None,
     trust_remote_code: bool = False,
     few_token_linears: bool = True,
     greedy_head: bool = True,
@@ -124,7 +123,7 @@ def load_model(
             model, tokenizer = _from_pretrained(str(folder), {}, kwargs, local=True)
         except OSError as err:  # ModelLoadError too: say what broke, and how to get a good folder back
             cause = err.__cause__ if isinstance(err, ModelLoadError) and err.__cause__ is not None else err
-            if not _about_the_files(cause):  # out of GPU memory, a package missing: the folder is sound
+            if not _about_the_files(cause, device_map is not None):  # out of memory, a package missing: sound
                 raise ModelLoadError(f"could not load the {name} model from {folder}: {_cause(cause)}") from err
             raise ModelLoadError(
                 f"the converted {name} model in {folder} is unreadable ({_cause(cause)});"
@@ -447,19 +446,17 @@ _LOAD_ERRORS = (
     pickle.UnpicklingError,
 )
 
-#: what a load raises for a file of the folder that is missing, unreadable or malformed (a
-#: safetensors header, JSON, a cut-off pickle); not for an argument, a missing package or memory
-_FILE_ERRORS = (OSError, json.JSONDecodeError, UnicodeDecodeError, EOFError, struct.error, pickle.UnpicklingError)
 
-
-def _about_the_files(err: BaseException) -> bool:
-    """Whether a failed load of a converted embedded model says something about its folder's files,
-    so that converting again helps: a bad ``attn_implementation`` or dtype (ValueError), a missing
-    flash-attn (ImportError) or a full GPU (RuntimeError) said "delete that folder to reconvert"
-    about a sound 1.3 GB conversion."""
-    from safetensors import SafetensorError
-
-    return isinstance(err, (*_FILE_ERRORS, SafetensorError))
+def _about_the_files(err: BaseException, mapped: bool) -> bool:
+    """Whether a failed load of a converted embedded model may be its folder's fault, so that
+    converting again helps: all but what is not about the files (a package missing, memory, and a
+    ValueError where the caller gave a ``device_map``, which transformers refuses with one). A bad
+    ``attn_implementation`` or dtype said "delete that folder to reconvert" about a sound 1.3 GB
+    conversion; those are refused before the load now. A damaged config.json shows up as a
+    TypeError, ValueError or RuntimeError, a damaged tokenizer.json as a KeyError: all files."""
+    if isinstance(err, (ImportError, MemoryError, torch.OutOfMemoryError)):
+        return False
+    return not (mapped and type(err) is ValueError)
 
 
 #: a text every working tokenizer turns into tokens, and the fewest ordinary (not added, not special)

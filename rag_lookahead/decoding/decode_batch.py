@@ -66,6 +66,8 @@ def row_budgets(max_new_tokens, count: int) -> list[int]:
     (ConfigError otherwise). A numpy integer was indexed as a list (IndexError), 0 or a negative
     budget ran a row that could never end on a token, and a list of another length failed or was
     silently cut."""
+    if getattr(max_new_tokens, "ndim", 0) == 1:  # a numpy array or a tensor of one per row
+        max_new_tokens = max_new_tokens.tolist()
     if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, (str, bytes)):
         if len(max_new_tokens) != count:
             raise ConfigError(f"max_new_tokens has {len(max_new_tokens)} entries for {count} rows")

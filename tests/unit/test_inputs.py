@@ -75,7 +75,7 @@ def test_decode_batch_checks_each_rows_budget_as_generate_does(model):
                 batch.verify_and_accept(batch.propose())
         return [row.generated for row in rows]
 
-    for budget in (5, np.int64(5), torch.tensor(5), [5, np.int32(5)], (5, 5)):
+    for budget in (5, np.int64(5), torch.tensor(5), [5, np.int32(5)], (5, 5), np.array([5, 5]), torch.tensor([5, 5])):
         assert decoded(budget) == expected, budget
     for budget, message in (
         (2.5, "max_new_tokens must be an integer >= 1"),

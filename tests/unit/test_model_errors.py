@@ -141,7 +141,9 @@ def test_the_stand_in_for_the_converted_model_loads(tiny_folder, no_conversion):
     assert model.config.vocab_size == tiny_model("qwen2").config.vocab_size
 
 
-@pytest.mark.parametrize("damage", ["truncated weights", "weights cut inside the header", "tokenizer.json deleted"])
+@pytest.mark.parametrize(
+    "damage", ["truncated weights", "weights cut inside the header", "tokenizer.json deleted", "config.json a list"]
+)
 def test_a_corrupt_converted_model_says_which_folder_to_delete(tiny_folder, no_conversion, damage):
     target = _stand_in(tiny_folder)
     spoil, cause = DAMAGES[damage]
