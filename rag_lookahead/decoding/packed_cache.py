@@ -23,6 +23,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from rag_lookahead.decoding.forward_signature import cache_left_empty
+
 
 class PackedCache:
     """A ``DynamicCache`` of batch 1 plus the owner of each column."""
@@ -48,7 +50,7 @@ class PackedCache:
 
     def append_rows(self, prefill_cache, lengths: list[int]) -> None:
         """Add rows from a left-padded prefill cache; row r's entries are its last ``lengths[r]`` columns."""
-        if any(getattr(layer, "keys", None) is None for layer in prefill_cache.layers):
+        if cache_left_empty(prefill_cache):  # prefill_padded says why where it can (forward_signature)
             # a forward that takes **kwargs but keeps no cache (OpenAI GPT) leaves it empty
             raise NotImplementedError(
                 "rag_lookahead needs a model that fills transformers' KV cache; this one left it empty"

@@ -24,6 +24,7 @@ import torch
 
 from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
+from rag_lookahead.decoding.forward_signature import check_cache_filled
 from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.positions import position_origin
 from rag_lookahead.decoding.row_attention import ROW_LAYOUT, row_layout, row_local_applies
@@ -55,6 +56,7 @@ def prefill_padded(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
             use_cache=True,
             logits_to_keep=1,
         ).logits
+    check_cache_filled(model, cache)
     return cache, logits
 
 

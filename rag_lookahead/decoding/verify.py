@@ -24,12 +24,13 @@ import torch
 
 from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
-from rag_lookahead.decoding.forward_signature import check_forward_signature
+from rag_lookahead.decoding.forward_signature import cache_left_empty, check_forward_signature, empty_cache_error
 from rag_lookahead.decoding.inputs import vocab_size
 from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.sampling import Accepted
 from rag_lookahead.decoding.windows import full_cache, sliding_window, text_config
+from rag_lookahead.errors import ConfigError
 
 
 @dataclass
@@ -244,7 +245,8 @@ def supports_tree_mask(model) -> bool:
     known to choke on 4-D masks is refused without a forward; a probe that raises, or logits
     that are not finite (fp16 overflow), also mean chains, never a dead ``generate``. A forward
     that cannot take the cache at all is a ConfigError (``forward_signature``), not a probe that
-    failed: chains would fail on it just the same.
+    failed: chains would fail on it just the same; so is one whose ``past_key_values`` and
+    ``**kwargs`` took our ``cache=`` unread, found by the probe's first forward.
     """
     check_forward_signature(model)
     profile = profile_of(model)
@@ -257,6 +259,8 @@ def supports_tree_mask(model) -> bool:
     if reason is None:
         try:
             reason = _probe_tree_mask(model)
+        except ConfigError:  # the model cannot decode at all, with trees or chains
+            raise
         except Exception as err:  # e.g. a kernel that refuses the mask, out of memory
             reason = f"the tree-mask probe failed ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
     if reason is not None:
@@ -285,6 +289,8 @@ def _probe_tree_mask(model) -> str | None:
     draft = DraftTree(tokens=[a[0], a[1], b[0], b[1]], parents=[-1, 0, -1, 2], depths=[1, 2, 1, 2], probs=[1.0] * 4)
     cache = full_cache(model)
     _masked_forward(model, prefix[0], DraftTree.chain(prefix[1:-1]), 0, cache)
+    if cache_left_empty(cache):  # no fault of the mask: the forward never wrote its KV cache
+        raise empty_cache_error(model)
     tree_logits = _masked_forward(model, prefix[-1], draft, len(prefix) - 1, cache)
     tolerance = probe_tolerance(model.dtype, device)
     for branch, rows in ((a, [0, 1, 2]), (b, [0, 3, 4])):

@@ -116,7 +116,8 @@ def check_layers(model) -> list[str]:
     forward; and a model that ``generate`` feeds the whole sequence on every step. Then refuse one
     that attends both ways (``causality``: where its config says ``is_decoder=False``, two short
     forwards tell, once per model). First of all, one whose forward cannot take the KV cache as
-    ``cache`` (``forward_signature``: remote code written for transformers 4). Returns each layer's kind."""
+    ``cache`` (``forward_signature``: ``past_key_values`` without ``**kwargs``, remote code written
+    before transformers 5.24). Returns each layer's kind."""
     check_forward_signature(model)
     if getattr(model.config, "is_encoder_decoder", False):
         raise NotImplementedError(

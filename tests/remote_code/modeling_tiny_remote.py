@@ -4,9 +4,12 @@
 and tree drafts apply. ``MaskBlindForCausalLM`` drops a 4-D mask and attends causally, as
 Qwen-1's attention did in the reference implementation: one branch would see the other, so
 the mask probe must fall back to chains. ``LegacyCacheForCausalLM`` and
-``LegacyKwargsForCausalLM`` are code written for transformers 4, as ChatGLM2/3's is: the forward
-names the KV cache ``past_key_values`` (without and with a ``**kwargs``), and only their own
-``prepare_inputs_for_generation`` lets ``model.generate`` run them on transformers 5.
+``LegacyKwargsForCausalLM`` are code written before transformers 5.24, as ChatGLM2/3's is: the
+forward names the KV cache ``past_key_values`` (without and with a ``**kwargs`` that swallows
+anything else), and only their own ``prepare_inputs_for_generation`` lets ``model.generate`` run
+them on transformers 5.24. ``PassesKwargsOnForCausalLM`` is remote code written for transformers
+5.0-5.23 that subclasses a native class: ``past_key_values`` in its signature, and ``**kwargs``
+(the ``cache=`` of 5.24) passed on to the native forward, which takes it.
 """
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -69,4 +72,17 @@ class LegacyKwargsForCausalLM(_PastKeyValuesInputs):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
         return super().forward(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=past_key_values
+        )
+
+
+class PassesKwargsOnForCausalLM(TinyRemoteForCausalLM):
+    """A subclass of a native class with the signature of transformers 5.0-5.23, passing ``**kwargs`` on."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,  # 5.24's forward warns that it takes cache= (in kwargs) instead
+            **kwargs,
         )
