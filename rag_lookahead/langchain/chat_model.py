@@ -108,16 +108,20 @@ _ENGINES: weakref.WeakValueDictionary[int, Engine] = weakref.WeakValueDictionary
 
 def _load(model_id: str, dtype: Any, device: Any, device_map: Any, trust_remote_code: bool) -> tuple[Any, Any]:
     """``load_model`` once per (model, dtype, device, remote-code opt-in) while a chat model uses it:
-    chat models built from the same id share the weights. The opt-in is part of the key, so a chat
-    model built without it is refused a remote-code model another one loaded, as ``load_model`` refuses it."""
+    chat models built from the same id share the weights. The opt-in is part of the key for a
+    folder or hub id, so a chat model built without it is refused a remote-code model another one
+    loaded, as ``load_model`` refuses it; not for an embedded model, which has no code of its own to
+    run (``load_model`` ignores the flag there), so ``model="default"`` with and without it loads once."""
     from rag_lookahead.embedded_model import EMBEDDED
     from rag_lookahead.models import load_model, resolve_dtype
     from rag_lookahead.paths import expand_user
 
+    embedded = model_id in EMBEDDED
     where = model_id  # "default" is the embedded model whatever folder of that name is here, as load_model reads it
-    if model_id not in EMBEDDED and (folder := expand_user(model_id, "model")).is_dir():
+    if not embedded and (folder := expand_user(model_id, "model")).is_dir():
         where = str(folder.resolve())
-    key = (where, str(resolve_dtype(dtype, device, device_map)), str(device), repr(device_map), trust_remote_code)
+    remote_code = None if embedded else trust_remote_code
+    key = (where, str(resolve_dtype(dtype, device, device_map)), str(device), repr(device_map), remote_code)
     with _LOAD_LOCK:
         held = _LOADED.get(key)
         model = held[0]() if held is not None else None
@@ -171,7 +175,9 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
     tokenizer: Any = Field(default=None, exclude=True, repr=False)
     """The loaded model's tokenizer (only with a loaded ``model``)."""
     engine: Any = Field(default=None, exclude=True, repr=False)
-    """An :class:`Engine` to decode with (``from_llm`` passes LookaheadLLM's); overrides model/tokenizer."""
+    """An :class:`Engine` to decode with (``from_llm`` passes LookaheadLLM's). The engine decodes, so
+    ``model`` and ``tokenizer`` are its own: a loaded one given beside it must be the engine's, and
+    one assigned (or updated by ``model_copy``) alone takes them from it."""
     model_name: str | None = None
     lookahead: LookaheadConfig = Field(default_factory=LookaheadConfig)
     max_tokens: StrictInt = 256
@@ -208,7 +214,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
 
     def _settle(self, updated: frozenset[str] | None) -> None:
         if self._new_engine(updated):
-            self._engine = self._make_engine()
+            self._engine = self._make_engine(updated)
             if updated is not None and "model_name" not in updated and self._name_derived:
                 self.model_name = None  # named after the model it no longer decodes with
         if updated is not None and "model_name" in updated:
@@ -224,11 +230,18 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
             self.lookahead = self.lookahead.with_tokenizer(self._engine.tokenizer)
         self._sampling({})  # refuse bad sampling settings at construction
 
-    def _make_engine(self) -> Engine:
+    def _make_engine(self, updated: frozenset[str] | None) -> Engine:
+        """The engine to decode with: ``engine`` if given, else one for the loaded or named model.
+        ``updated``: the fields a copy or an assignment changed (None: the model is being built)."""
         if self.engine is not None:
             if not isinstance(self.engine, Engine):
                 raise ConfigError(f"engine must be a rag_lookahead Engine, got {type(self.engine).__name__}")
-            self._check_engine_matches()
+            if updated is not None and "engine" in updated and not updated & {"model", "tokenizer"}:
+                # another engine alone (chat.engine = llm2.engine): decode with it, and its model and
+                # tokenizer become the chat model's, as from_llm sets them
+                self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
+            else:
+                self._check_engine_matches()
             return self.engine
         if isinstance(self.model, str):
             if self.tokenizer is not None:
@@ -241,9 +254,9 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         return _shared_engine(model, tokenizer, self.lookahead)
 
     def _check_engine_matches(self) -> None:
-        """A loaded ``model`` or a ``tokenizer`` given beside ``engine`` must be the engine's own: the
-        engine decodes, so ``chat.model = other`` on a chat model from ``from_llm`` (or a copy
-        updating ``model``) went on answering with the engine's model, with no word of it."""
+        """A loaded ``model`` or a ``tokenizer`` given (or updated) beside ``engine`` must be the
+        engine's own: the engine decodes, so ``chat.model = other`` on a chat model from ``from_llm``
+        (or a copy updating ``model``) went on answering with the engine's model, with no word of it."""
         for name, own in (("model", self.engine.model), ("tokenizer", self.engine.tokenizer)):
             given = getattr(self, name)
             if given is not None and not isinstance(given, str) and given is not own:
@@ -301,10 +314,11 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         params["default_chat_template_kwargs"] = self.chat_template_kwargs
         return params | self._sampling_params()
 
-    def _require_template(self) -> None:
+    def _require_template(self, tokenizer: Any = None) -> None:
         """A conversation needs the template's roles and turns: without one its contents were joined
-        and answered as one text (as the server's chat route did)."""
-        if not chat_template_text(self._engine.tokenizer):
+        and answered as one text (as the server's chat route did). ``tokenizer``: the call's (by
+        default the current engine's)."""
+        if not chat_template_text(self._engine.tokenizer if tokenizer is None else tokenizer):
             raise ConfigError(
                 "the tokenizer has no chat template, so messages cannot be made into a prompt:"
                 " ChatLookahead needs a chat model (LookaheadLLM takes a base model's text)"
@@ -391,9 +405,13 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
     # ------------------------------------------------------------ one call's request
 
     def _prepare(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict, engine: Engine | None = None
     ) -> tuple[RowRequest, dict, dict]:
-        """(the row to decode, ``Engine.run``'s settings, the call's tool options) for one call."""
+        """(the row to decode, ``Engine.run``'s settings, the call's tool options) for one call on
+        ``engine`` (by default the current one), which the call read once: an assignment of ``model``
+        or ``tokenizer`` meanwhile (another thread's) builds another engine, and a call that read it
+        again encoded with one tokenizer and decoded with the other engine."""
+        engine = self._engine if engine is None else engine
         kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # LangChain's own switch
         config = resolve_config(self.lookahead, kwargs)
         max_tokens = kwargs.pop("max_tokens", None)
@@ -408,7 +426,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
             **(self.chat_template_kwargs or {}),
             **_template_variables(kwargs.pop("chat_template_kwargs", None)),
         }
-        sampling = self._sampling(kwargs)
+        sampling = self._sampling(kwargs, engine)
         if kwargs:
             raise ConfigError(
                 f"unknown option(s) for ChatLookahead: {', '.join(sorted(kwargs))} "
@@ -417,34 +435,34 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         if tool_choice not in (None, "auto", "none") and not tools:
             raise ConfigError(f"tool_choice={tool_choice!r} but no tools are bound")
         tools = [convert_to_openai_tool(t) for t in tools]
-        check_tools(self._engine.tokenizer, self.model_name, tools)
+        check_tools(engine.tokenizer, self.model_name, tools)
         opening = forced_opening(tool_choice, tools)
         if tool_choice == "none":
             tools = []
-        self._require_template()
+        self._require_template(engine.tokenizer)
         chat = template_messages(messages)
         ids = encode_messages(
-            self._engine.tokenizer,
+            engine.tokenizer,
             chat,
             tools=tools or None,
             answer_prefix=opening,
             template_variables=template_variables,
         )
-        check_prompt_room(self._engine.model, len(ids))  # here, so a batch fails this input alone
-        passages = self._references(references, chat)
+        check_prompt_room(engine.model, len(ids))  # here, so a batch fails this input alone
+        passages = self._references(references, chat, engine)
         request = RowRequest(
             ids,
             stop if stop is not None else self.stop,
-            self._engine.passages(passages),
+            engine.passages(passages),
             answer_prefix=opening,
             hold=(TOOL_CALL_OPEN,) if tools else (),
         )
         settings = {"max_new_tokens": max_tokens, "config": config, "sampling": sampling, "timeout": timeout or None}
         return request, settings, {"tools": bool(tools), "parallel": several_calls(tool_choice, parallel)}
 
-    def _references(self, references: Any, chat: list[dict]) -> list[str]:
+    def _references(self, references: Any, chat: list[dict], engine: Engine) -> list[str]:
         if references is None:
-            return self._engine.seeds.lookup("\n".join(str(m["content"]) for m in chat))
+            return engine.seeds.lookup("\n".join(str(m["content"]) for m in chat))
         if isinstance(references, str) or not all(isinstance(p, str) for p in references):
             raise InputError("references must be a list of passages (strings)")
         return list(references)
@@ -468,7 +486,8 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         kwargs: dict[str, Any],
         cancel: threading.Event | None = None,
     ) -> ChatResult:
-        request, settings, tool_options = self._prepare(messages, stop, kwargs)
+        engine = self._engine  # once per call (see _prepare)
+        request, settings, tool_options = self._prepare(messages, stop, kwargs, engine)
         on_block = None
         if run_manager is not None:
 
@@ -482,9 +501,12 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         gather = gather_of_this_thread(run_manager.run_id if run_manager is not None else None)
         if gather is not None:
             cancel = gather.cancel
+        if gather is not None and gather.engine is engine:
             gather.submit(call)
         else:
-            decode_together(self._engine, [call], cancel)
+            if gather is not None:  # the batch's engine was replaced since it began: this row decodes alone
+                gather.leave()
+            decode_together(engine, [call], cancel)
         if call.error is not None:
             raise call.error
         if cancel is not None and cancel.is_set():  # an answer cut short is no answer: never cached
@@ -518,8 +540,9 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         gather = gather_of_this_thread(run_manager.run_id if run_manager is not None else None)
         if gather is not None:  # a streamed row decodes alone: the batch must not wait for it
             gather.leave()
-        request, settings, tool_options = self._prepare(messages, stop, kwargs)
-        blocks = self._engine.stream([request], cancel, **settings)
+        engine = self._engine  # once per call (see _prepare)
+        request, settings, tool_options = self._prepare(messages, stop, kwargs, engine)
+        blocks = engine.stream([request], cancel, **settings)
         with closing(iter(blocks)) as it:
             for block in it:
                 if block.piece:

@@ -266,18 +266,20 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
 
     # ------------------------------------------------------------ encoding
 
-    def _encode(self, prompt: str) -> list[int]:
+    def _encode(self, prompt: str, engine: Engine | None = None) -> list[int]:
+        """The prompt's ids by ``engine``'s tokenizer (the call's; by default the current one)."""
+        engine = self._engine if engine is None else engine
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputError("the prompt is empty: give the model a question or an instruction")
         messages = []
         if self.system_prompt:
             messages.append({"role": "system", "content": self.system_prompt})
         messages.append({"role": "user", "content": prompt})
-        ids = encode_messages(self.tokenizer, messages)
-        check_prompt_room(self._engine.model, len(ids))  # here, so a batch can fail this prompt alone
+        ids = encode_messages(engine.tokenizer, messages)
+        check_prompt_room(engine.model, len(ids))  # here, so a batch can fail this prompt alone
         return ids
 
-    def _references(self, prompts: Sequence[str], references: Any) -> list[list[list[int]]]:
+    def _references(self, prompts: Sequence[str], references: Any, engine: Engine) -> list[list[list[int]]]:
         if isinstance(references, _ByPrompt):
             references = references.for_prompts(prompts)
         if references is None:
@@ -299,29 +301,31 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
                 if isinstance(r, str) or not all(isinstance(p, str) for p in r):
                     raise InputError("each entry of references must be a list of passages (strings)")
                 rows.append(list(r))
-        return [
-            self._engine.passages(passages or self._engine.seeds.lookup(prompt))
-            for prompt, passages in zip(prompts, rows)
-        ]
+        return [engine.passages(passages or engine.seeds.lookup(prompt)) for prompt, passages in zip(prompts, rows)]
 
     def _run(
         self, prompts: Sequence[str], stop, kwargs: dict, on_block=None, cancel: threading.Event | None = None
     ) -> EngineRun:
-        """One batched ``generate`` over ``prompts``; ``on_block(row, tokens, piece)`` sees each accepted block."""
+        """One batched ``generate`` over ``prompts``; ``on_block(row, tokens, piece)`` sees each accepted block.
+
+        The engine is read once: an assignment of ``model`` or ``tokenizer`` meanwhile (another
+        thread's) builds another engine, and a call that read it again encoded with one tokenizer
+        and decoded with the other engine."""
+        engine = self._engine
         kwargs = dict(kwargs)
         config = resolve_config(self.lookahead, kwargs)
         max_new = kwargs.pop("max_new_tokens", None)
         max_new = positive_int("max_new_tokens", self.max_new_tokens if max_new is None else max_new)
-        references = self._references(prompts, kwargs.pop("references", None))
-        sampling = self._sampling(kwargs)
+        references = self._references(prompts, kwargs.pop("references", None), engine)
+        sampling = self._sampling(kwargs, engine)
         if kwargs:
             raise ConfigError(
                 f"unknown option(s) for LookaheadLLM: {', '.join(sorted(kwargs))} (known: max_new_tokens, references, "
                 f"enable_lookahead, lookahead, {', '.join(SAMPLING_FIELDS)})"
             )
         stop = checked_stop(stop if stop is not None else self.stop)
-        rows = [RowRequest(self._encode(p), stop, refs) for p, refs in zip(prompts, references)]
-        return self._engine.run(
+        rows = [RowRequest(self._encode(p, engine), stop, refs) for p, refs in zip(prompts, references)]
+        return engine.run(
             rows, max_new_tokens=max_new, config=config, sampling=sampling, on_block=on_block, cancel=cancel
         )
 

@@ -9,6 +9,7 @@ or plain assignment) is checked and settled as the constructor does it.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -43,6 +44,9 @@ class SamplingFields(BaseModel):
     _engine: Any = PrivateAttr(default=None)  # the Engine the model decodes with (set in model_post_init)
     # whether assigning a field goes through model_copy's checks (off while the model is built or settled)
     _assignment_checked: bool = PrivateAttr(default=False)
+    # one checked assignment at a time: each settles a copy of every field and writes them all back,
+    # so two threads assigning different fields at once could revert one (a copy gets its own lock)
+    _assignment_lock: Any = PrivateAttr(default_factory=threading.RLock)
 
     #: fields whose change needs another engine (the model it decodes with)
     engine_fields: ClassVar[frozenset[str]] = frozenset()
@@ -68,19 +72,32 @@ class SamplingFields(BaseModel):
                 copied._settle(frozenset(update))
         return copied
 
+    def __copy__(self) -> Any:
+        """A shallow copy (``copy.copy``, ``model_copy``) with its own assignment lock."""
+        copied = super().__copy__()
+        if copied.__pydantic_private__ is not None:
+            copied.__pydantic_private__["_assignment_lock"] = threading.RLock()
+        return copied
+
     def __setattr__(self, name: str, value: Any) -> None:
         """A field assigned after construction is checked and settled as :meth:`model_copy` does
         (on a copy, taken over only if it passes): pydantic's plain assignment checked nothing and
         kept the engine, so ``llm.model = other`` went on decoding with the old model, a ``timeout``
-        of -1 cut every answer to a token, and ``system_prompt = 5`` was taken."""
+        of -1 cut every answer to a token, and ``system_prompt = 5`` was taken. Under the instance's
+        lock: the copy is settled from every field and all of them are written back, so another
+        thread's assignment between the two was reverted. (A call meanwhile reads the engine once,
+        so it decodes with one engine and its tokenizer.)"""
         private = getattr(self, "__pydantic_private__", None) or {}
         if name not in type(self).model_fields or not private.get("_assignment_checked"):
             super().__setattr__(name, value)
             return
-        settled = self.model_copy(update={name: value})
-        self.__dict__.update(settled.__dict__)
-        self.__pydantic_fields_set__.update(settled.__pydantic_fields_set__)
-        self.__pydantic_private__.update(settled.__pydantic_private__)
+        with private["_assignment_lock"]:
+            settled = self.model_copy(update={name: value})
+            self.__dict__.update(settled.__dict__)
+            self.__pydantic_fields_set__.update(settled.__pydantic_fields_set__)
+            self.__pydantic_private__.update(
+                (key, held) for key, held in settled.__pydantic_private__.items() if key != "_assignment_lock"
+            )
 
     @contextlib.contextmanager
     def _assigning_unchecked(self) -> Iterator[None]:
@@ -105,10 +122,11 @@ class SamplingFields(BaseModel):
     def _new_engine(self, updated: frozenset[str] | None) -> bool:
         return updated is None or bool(self.engine_fields & updated)
 
-    def _sampling(self, kwargs: dict) -> dict:
-        """``generate``'s sampling keywords: the fields, overridden per call; pops what it uses."""
+    def _sampling(self, kwargs: dict, engine: Any = None) -> dict:
+        """``generate``'s sampling keywords for ``engine``'s model (the call's; by default the current
+        engine's): the fields, overridden per call; pops what it uses."""
         values = {name: kwargs.pop(name, getattr(self, name)) for name in SAMPLING_FIELDS}
-        return sampling_options(self._engine.model, values)
+        return sampling_options((self._engine if engine is None else engine).model, values)
 
     def _sampling_params(self) -> dict[str, Any]:
         """The sampling fields that are set, for ``_identifying_params`` (they change the text)."""

@@ -1143,6 +1143,15 @@ def test_a_model_id_is_read_as_load_model_reads_it(tmp_path, monkeypatch):
         ChatLookahead(model="~no-such-user-here/model", max_tokens=2)._engine  # noqa: B018
 
 
+def test_the_embedded_model_is_loaded_once_with_or_without_the_remote_code_opt_in():
+    """The opt-in was part of the shared-model key for every id, so ``model="default"`` with and
+    without ``trust_remote_code=True`` (which an embedded model ignores: it runs no code of its
+    own) held two copies of the same weights."""
+    plain = ChatLookahead(model="default", dtype="bf16", max_tokens=2)
+    opted_in = ChatLookahead(model="default", dtype="bf16", max_tokens=2, trust_remote_code=True)
+    assert opted_in._engine.model is plain._engine.model
+
+
 def test_a_custom_token_counter_is_used_by_both_models(tiny_chat):
     """LangChain counts with ``custom_get_token_ids`` where one is given (get_num_tokens,
     trim_messages); ours took the field and counted with the tokenizer all the same."""

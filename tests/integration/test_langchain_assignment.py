@@ -3,10 +3,14 @@
 Pydantic's plain assignment checked nothing and kept the engine built for the old settings:
 ``llm.model = other`` went on answering with the old model, ``chat.timeout = -1.0`` cut every
 answer to one token, ``llm.system_prompt = 5`` was taken. An assignment is now checked and settled
-as ``model_copy(update=...)`` does it. Each test fails on the code before that.
+as ``model_copy(update=...)`` does it. Each test fails on the code before that, but
+``test_langchain_settings_assigned_or_bound_still_work``: a guard that LangChain's own settings,
+which plain assignment already took, still work through the checked one.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
@@ -52,8 +56,9 @@ def test_an_assigned_model_or_tokenizer_decodes_with_its_own_engine(cls, models)
     tokenizer = tiny_tokenizer()
     model.tokenizer = tokenizer
     assert model._engine.tokenizer is tokenizer
+    engine = model._engine
     model.temperature = 0.0  # other settings keep the engine, so its output pool
-    assert model._engine.model is second and answer(model) == wanted
+    assert model._engine is engine and answer(model) == wanted
 
 
 def test_a_chat_model_on_a_given_engine_refuses_another_model_beside_it(models):
@@ -69,6 +74,78 @@ def test_a_chat_model_on_a_given_engine_refuses_another_model_beside_it(models):
     assert chat.model is first and answer(chat) == before
     own = chat.model_copy(update={"model": second, "engine": None})
     assert answer(own) == answer(build(ChatLookahead, second))
+
+
+def test_an_engine_assigned_or_copied_in_alone_decodes_with_it(models):
+    """``chat.engine = llm2.engine`` or a copy updating the engine alone takes that engine's model
+    and tokenizer (as from_llm does); they were refused with "drop the engine too". A model given
+    beside an engine that is not its own is still refused."""
+    first, second = models
+    llm1, llm2 = build(LookaheadLLM, first), build(LookaheadLLM, second)
+    wanted = answer(ChatLookahead.from_llm(llm2))
+    chat = ChatLookahead.from_llm(llm1)
+    assert answer(chat) != wanted
+    copied = chat.model_copy(update={"engine": llm2.engine})
+    assert copied._engine is llm2.engine and copied.model is second and copied.tokenizer is llm2.tokenizer
+    assert answer(copied) == wanted
+    assert chat._engine is llm1.engine and chat.model is first  # the copied one is left as it was
+    chat.engine = llm2.engine
+    assert chat._engine is llm2.engine and chat.model is second and chat.tokenizer is llm2.tokenizer
+    assert answer(chat) == wanted
+    with pytest.raises(ConfigError, match="decodes with the engine it was given"):
+        chat.model_copy(update={"engine": llm1.engine, "model": second})
+
+
+def test_two_threads_assigning_different_fields_keep_both(models):
+    """Each assignment settles a copy of every field and writes them all back: another thread's
+    assignment between the two was reverted. The settle of one is held here until the other
+    assignment is done (or, under the lock, a second has passed), as a thread switch there would."""
+    first, _ = models
+    other_done = threading.Event()
+    others: list[threading.Thread] = []
+
+    class HeldSettle(LookaheadLLM):
+        def _settle(self, updated):
+            super()._settle(updated)
+            if updated == frozenset({"temperature"}) and not others:
+                others.append(threading.Thread(target=assign_length))
+                others[0].start()
+                other_done.wait(timeout=1.0)
+
+    llm = HeldSettle(model=first, tokenizer=tiny_tokenizer(), max_new_tokens=8)
+
+    def assign_length() -> None:
+        llm.max_new_tokens = 5
+        other_done.set()
+
+    llm.temperature = 0.5
+    others[0].join()
+    assert llm.temperature == 0.5 and llm.max_new_tokens == 5
+
+
+@pytest.mark.parametrize("cls", [LookaheadLLM, ChatLookahead])
+def test_a_call_overlapping_an_assignment_decodes_with_the_engine_it_began_with(cls, models):
+    """A call read the engine again after encoding: a model assigned (by another thread) while it
+    encoded decoded the prompt with the new engine, whose tokenizer need not be the one that
+    encoded it. The call now reads the engine once."""
+    first, second = models
+    began_with, assigned = answer(build(cls, first)), answer(build(cls, second))
+    assert began_with != assigned
+    tokenizer = tiny_tokenizer()
+    model = build(cls, first, tokenizer=tokenizer)
+    encode = tokenizer.apply_chat_template
+    assignments: list[threading.Thread] = []
+
+    def encode_while_assigned(*args, **kwargs):
+        if not assignments:
+            assignments.append(threading.Thread(target=setattr, args=(model, "model", second)))
+            assignments[0].start()
+            assignments[0].join()
+        return encode(*args, **kwargs)
+
+    tokenizer.apply_chat_template = encode_while_assigned
+    assert answer(model) == began_with and assignments
+    assert model._engine.model is second and answer(model) == assigned
 
 
 @pytest.mark.parametrize(
