@@ -482,7 +482,9 @@ def _from_pretrained(where: str, extra: dict[str, Any], kwargs: dict[str, Any], 
             model = AutoModelForCausalLM.from_pretrained(where, local_files_only=local, **extra, **kwargs)
     except OSError:
         raise
-    except (*_LOAD_ERRORS, SafetensorError) as err:
+    except Exception as err:
+        if not isinstance(err, (*_LOAD_ERRORS, SafetensorError)) and type(err) is not Exception:
+            raise  # (the tokenizers library raises a bare Exception for a tokenizer.json it cannot parse)
         if "trust_remote_code" in str(err) and not kwargs.get("trust_remote_code"):
             raise ModelLoadError(
                 f"model '{where}' ships its own modeling code, which is not run by default: if you trust its"

@@ -58,12 +58,20 @@ def _truncate(path: Path, size: int) -> None:
 
 
 # what each damage does to a model folder, and a word the error must carry about its cause
+def _retype_tokenizer(path: Path) -> None:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["model"]["type"] = "Bogus"
+    path.write_text(json.dumps(data), encoding="utf-8")
+
+
 DAMAGES = {
     "truncated weights": (lambda d: _truncate(d / "model.safetensors", 1000), "SafetensorError"),
     "weights cut inside the header": (lambda d: _truncate(d / "model.safetensors", 4), "SafetensorError"),
     "no weights": (lambda d: (d / "model.safetensors").unlink(), "model.safetensors"),
     "config.json not JSON": (lambda d: (d / "config.json").write_text("{not json"), "not a valid JSON"),
     "config.json a list": (lambda d: (d / "config.json").write_text("[]"), "TypeError"),
+    # the tokenizers library raises a bare Exception for it, which escaped load_model
+    "tokenizer.json of an unknown model type": (lambda d: _retype_tokenizer(d / "tokenizer.json"), "Exception"),
     "tokenizer.json deleted": (lambda d: (d / "tokenizer.json").unlink(), "no vocabulary"),
     "no tokenizer files": (
         lambda d: [(d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
@@ -142,7 +150,14 @@ def test_the_stand_in_for_the_converted_model_loads(tiny_folder, no_conversion):
 
 
 @pytest.mark.parametrize(
-    "damage", ["truncated weights", "weights cut inside the header", "tokenizer.json deleted", "config.json a list"]
+    "damage",
+    [
+        "truncated weights",
+        "weights cut inside the header",
+        "tokenizer.json deleted",
+        "config.json a list",
+        "tokenizer.json of an unknown model type",
+    ],
 )
 def test_a_corrupt_converted_model_says_which_folder_to_delete(tiny_folder, no_conversion, damage):
     target = _stand_in(tiny_folder)
