@@ -20,9 +20,11 @@ import inspect
 
 from rag_lookahead.errors import ConfigError
 
-__all__ = ["cache_left_empty", "check_cache_filled", "check_forward_signature", "empty_cache_error"]
+__all__ = ["EMPTY_CACHE", "cache_left_empty", "check_cache_filled", "check_forward_signature", "empty_cache_error"]
 
 BEFORE_CACHE_NAME = "code written before transformers 5.24"
+#: what a forward that left the cache empty is told where its signature gives no cause
+EMPTY_CACHE = "rag_lookahead needs a model that fills transformers' KV cache; this one left it empty"
 
 
 def _parameters(model) -> dict[str, inspect.Parameter] | None:
@@ -69,7 +71,7 @@ def empty_cache_error(model) -> Exception:
             " here; use a checkpoint with a native transformers class (GLM-4 -hf, Qwen2.5) or modeling code"
             " written for transformers 5.24 or later"
         )
-    return NotImplementedError("rag_lookahead needs a model that fills transformers' KV cache; this one left it empty")
+    return NotImplementedError(EMPTY_CACHE)
 
 
 def cache_left_empty(cache) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from rag_lookahead.decoding.forward_signature import cache_left_empty
+from rag_lookahead.decoding.forward_signature import EMPTY_CACHE, cache_left_empty
 
 
 class PackedCache:
@@ -52,9 +52,7 @@ class PackedCache:
         """Add rows from a left-padded prefill cache; row r's entries are its last ``lengths[r]`` columns."""
         if cache_left_empty(prefill_cache):  # prefill_padded says why where it can (forward_signature)
             # a forward that takes **kwargs but keeps no cache (OpenAI GPT) leaves it empty
-            raise NotImplementedError(
-                "rag_lookahead needs a model that fills transformers' KV cache; this one left it empty"
-            )
+            raise NotImplementedError(EMPTY_CACHE)
         width = prefill_cache.layers[0].keys.shape[2]
         starts = [width - n for n in lengths]
 

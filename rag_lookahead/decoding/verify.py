@@ -24,7 +24,7 @@ import torch
 
 from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
-from rag_lookahead.decoding.forward_signature import cache_left_empty, check_forward_signature, empty_cache_error
+from rag_lookahead.decoding.forward_signature import check_cache_filled, check_forward_signature
 from rag_lookahead.decoding.inputs import vocab_size
 from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.profile import profile_of
@@ -248,13 +248,13 @@ def supports_tree_mask(model) -> bool:
     failed: chains would fail on it just the same; so is one whose ``past_key_values`` and
     ``**kwargs`` took our ``cache=`` unread, found by the probe's first forward.
     """
-    check_forward_signature(model)
     profile = profile_of(model)
     attention = "|".join(attention_implementations(model))
     # a verdict reached under sdpa, kept after a switch to flex attention, fed flex's CPU kernel
     # tree masks: the heap was corrupted ("double free or corruption"); None: a verdict set by hand
     if profile.tree_mask is not None and profile.tree_mask_attention in (None, attention):
         return profile.tree_mask
+    check_forward_signature(model)  # once per model, as the verdict: one that has a verdict passed it
     reason = mask_blind_reason(model)
     if reason is None:
         try:
@@ -289,8 +289,7 @@ def _probe_tree_mask(model) -> str | None:
     draft = DraftTree(tokens=[a[0], a[1], b[0], b[1]], parents=[-1, 0, -1, 2], depths=[1, 2, 1, 2], probs=[1.0] * 4)
     cache = full_cache(model)
     _masked_forward(model, prefix[0], DraftTree.chain(prefix[1:-1]), 0, cache)
-    if cache_left_empty(cache):  # no fault of the mask: the forward never wrote its KV cache
-        raise empty_cache_error(model)
+    check_cache_filled(model, cache)  # no fault of the mask: the forward never wrote its KV cache
     tree_logits = _masked_forward(model, prefix[-1], draft, len(prefix) - 1, cache)
     tolerance = probe_tolerance(model.dtype, device)
     for branch, rows in ((a, [0, 1, 2]), (b, [0, 3, 4])):
