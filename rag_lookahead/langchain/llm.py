@@ -116,6 +116,12 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         ``trust_remote_code=True`` runs the modeling code a repo or folder ships (ChatGLM3, Qwen-1), as there."""
         from rag_lookahead.models import load_model, reported_name
 
+        unknown = sorted(set(kwargs) - set(cls.model_fields))
+        if unknown:  # refused before the load, which can take minutes, not after it
+            raise ConfigError(
+                f"invalid LookaheadLLM setting {unknown[0]}: Extra inputs are not permitted "
+                f"(nothing was loaded; its settings: {', '.join(sorted(cls.model_fields))})"
+            )
         model, tokenizer = load_model(
             model_id, dtype=dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code
         )
