@@ -68,6 +68,7 @@ from rag_lookahead.langchain.engine import (
 )
 from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
+from rag_lookahead.langchain.shared_weights import load_shared
 from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening, plain_choice, several_calls
 from rag_lookahead.langchain.tools import parse_tool_calls as parse_tool_calls
 from rag_lookahead.models import reported_name
@@ -95,45 +96,12 @@ _CALL_OPTIONS = (
 # ---------------------------------------------------------------- loading and sharing
 
 
-#: models loaded by id, held weakly (the model goes with the last chat model that uses it), with
-#: their tokenizers; keyed by the folder and dtype they resolve to ("bf16" and torch.bfloat16,
-#: "./m" and "m/" loaded the same weights again, and every copy was kept for the process's life)
-_LOADED: dict[tuple, tuple[weakref.ref, Any]] = {}
+#: guards the engines below (the weights have their own lock, in shared_weights)
 _LOAD_LOCK = threading.Lock()
 #: the engine of each loaded model in use, by the model's id: held weakly, so an engine (and the
 #: model it holds) goes once no chat model uses it; while it lives, its model does, so no other
 #: model can take that id (weak keys would never die: the engine holds its model)
 _ENGINES: weakref.WeakValueDictionary[int, Engine] = weakref.WeakValueDictionary()
-
-
-def _load(model_id: str, dtype: Any, device: Any, device_map: Any, trust_remote_code: bool) -> tuple[Any, Any]:
-    """``load_model`` once per (model, dtype, device, remote-code opt-in) while a chat model uses it:
-    chat models built from the same id share the weights. The opt-in is part of the key for a
-    folder or hub id, so a chat model built without it is refused a remote-code model another one
-    loaded, as ``load_model`` refuses it; not for an embedded model, which has no code of its own to
-    run (``load_model`` ignores the flag there), so ``model="default"`` with and without it loads once."""
-    from rag_lookahead.embedded_model import EMBEDDED
-    from rag_lookahead.models import load_model, resolve_dtype
-    from rag_lookahead.paths import expand_user
-
-    embedded = model_id in EMBEDDED
-    where = model_id  # "default" is the embedded model whatever folder of that name is here, as load_model reads it
-    if not embedded and (folder := expand_user(model_id, "model")).is_dir():
-        where = str(folder.resolve())
-    remote_code = None if embedded else trust_remote_code
-    key = (where, str(resolve_dtype(dtype, device, device_map)), str(device), repr(device_map), remote_code)
-    with _LOAD_LOCK:
-        held = _LOADED.get(key)
-        model = held[0]() if held is not None else None
-        if model is not None:
-            return model, held[1]
-        for gone in [k for k, (ref, _) in _LOADED.items() if ref() is None]:
-            del _LOADED[gone]
-        model, tokenizer = load_model(
-            model_id, dtype=dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code
-        )
-        _LOADED[key] = (weakref.ref(model), tokenizer)
-        return model, tokenizer
 
 
 def _shared_engine(model: Any, tokenizer: Any, config: LookaheadConfig) -> Engine:
@@ -246,7 +214,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         if isinstance(self.model, str):
             if self.tokenizer is not None:
                 raise ConfigError("give a tokenizer only with a loaded model; a model id loads its own")
-            model, tokenizer = _load(self.model, self.dtype, self.device, self.device_map, self.trust_remote_code)
+            model, tokenizer = load_shared(self.model, self.dtype, self.device, self.device_map, self.trust_remote_code)
         else:
             if self.model is None or self.tokenizer is None:
                 raise ConfigError("ChatLookahead needs a model id, or a loaded model and its tokenizer")

@@ -114,7 +114,8 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
     ) -> LookaheadLLM:
         """Load ``model_id`` ("default", a hub id or a local path) with :func:`rag_lookahead.models.load_model`;
         ``trust_remote_code=True`` runs the modeling code a repo or folder ships (ChatGLM3, Qwen-1), as there."""
-        from rag_lookahead.models import load_model, reported_name
+        from rag_lookahead.langchain.shared_weights import load_shared
+        from rag_lookahead.models import reported_name
 
         unknown = sorted(set(kwargs) - set(cls.model_fields))
         if unknown:  # refused before the load, which can take minutes, not after it
@@ -122,9 +123,7 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
                 f"invalid LookaheadLLM setting {unknown[0]}: Extra inputs are not permitted "
                 f"(nothing was loaded; its settings: {', '.join(sorted(cls.model_fields))})"
             )
-        model, tokenizer = load_model(
-            model_id, dtype=dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code
-        )
+        model, tokenizer = load_shared(model_id, dtype, device, device_map, trust_remote_code)
         name = reported_name(model_id)
         return cls(
             model=model,

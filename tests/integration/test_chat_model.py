@@ -1152,6 +1152,17 @@ def test_the_embedded_model_is_loaded_once_with_or_without_the_remote_code_opt_i
     assert opted_in._engine.model is plain._engine.model
 
 
+def test_the_text_llm_from_a_model_id_shares_the_chat_models_weights():
+    """``LookaheadLLM.from_model_id("default")`` beside ``ChatLookahead(model="default")``, as the
+    README's LangChain example builds them, loaded a second copy of the weights (several GB)."""
+    from rag_lookahead.langchain.llm import LookaheadLLM
+
+    chat = ChatLookahead(model="default", dtype="bf16", max_tokens=2)
+    llm = LookaheadLLM.from_model_id("default", dtype="bf16", max_new_tokens=2)
+    assert llm.model is chat._engine.model and llm.tokenizer is chat._engine.tokenizer
+    assert LookaheadLLM.from_model_id("default", dtype="bf16").model is llm.model
+
+
 def test_a_custom_token_counter_is_used_by_both_models(tiny_chat):
     """LangChain counts with ``custom_get_token_ids`` where one is given (get_num_tokens,
     trim_messages); ours took the field and counted with the tokenizer all the same."""
