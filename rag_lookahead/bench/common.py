@@ -53,6 +53,7 @@ __all__ = [
     "PlotOption",
     "PromptsOption",
     "chat_ids",
+    "check_bench_model",
     "check_method_list",
     "check_output_path",
     "check_plot",
@@ -249,11 +250,27 @@ def checked_config(extra_depths: Mapping[str, int], **settings: Any) -> Lookahea
 # ---------------------------------------------------------------- model, prompts, tokens
 
 
+def _loader_dtype(dtype: Any) -> Any:
+    """The ``--dtype`` option as ``load_model`` takes it (``"auto"``: None, the loader picks)."""
+    return None if dtype == "auto" else dtype
+
+
+def check_bench_model(model: str, dtype: Any, device: str | None, device_map: str | None) -> None:
+    """Refuse now what :func:`load_bench_model` would refuse before reading any weights (a model name
+    that is no embedded model, local folder or hub id; an embedded model not installed; an unknown
+    dtype; a device torch does not see). For the benchmarks that index a corpus before the model
+    loads (``bench.rag``, ``bench.session``, ``bench.quality``): they said ``--dtype bf17`` or
+    ``--device cuda`` without a GPU only after 23-45 s of indexing, as ``ask`` once did."""
+    from rag_lookahead.models import check_load_options
+
+    check_load_options(model, dtype=_loader_dtype(dtype), device=device, device_map=device_map)
+
+
 def load_bench_model(model: str, dtype: Any, device: str | None, device_map: str | None, **extra: Any):
     """The model and tokenizer the options name (``dtype="auto"``: the loader picks)."""
     from rag_lookahead.models import load_model
 
-    return load_model(model, dtype=None if dtype == "auto" else dtype, device=device, device_map=device_map, **extra)
+    return load_model(model, dtype=_loader_dtype(dtype), device=device, device_map=device_map, **extra)
 
 
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

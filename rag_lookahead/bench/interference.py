@@ -221,13 +221,33 @@ def tiny_mix(settings: dict):
     return model, [], 0, shorts, longs, LookaheadConfig()
 
 
+#: what ``--tiny`` replaces: an option given a value other than its default with it ran the tiny
+#: model's fp32 smoke run on the CPU all the same, unsaid
+_TINY_REPLACES = {
+    "prompts": (None, "--prompts", "its prompts are random tokens"),
+    "model": ("default", "--model", "it runs a tiny random model"),
+    "dtype": ("auto", "--dtype", "the tiny model runs in fp32"),
+    "device": (None, "--device", "the tiny model runs on the CPU"),
+}
+
+
+def refuse_with_tiny(**given: str | None) -> None:
+    """A usage error for an option ``--tiny`` replaces (see ``_TINY_REPLACES``) given with it."""
+    for name, value in given.items():
+        default, option, why = _TINY_REPLACES[name]
+        if value != default:
+            raise typer.BadParameter(f"does not apply with --tiny ({why})", param_hint=option)
+
+
 @keeps_report_despite_stdout
 def interference(
     model: ModelOption = "default",
     dtype: DtypeOption = "auto",
     device: DeviceOption = None,
     prompts: PromptsOption = None,
-    tiny: Annotated[bool, typer.Option("--tiny", help="a tiny random model instead (a smoke run)")] = False,
+    tiny: Annotated[
+        bool, typer.Option("--tiny", help="a tiny random fp32 model on the CPU, random-token prompts (a smoke run)")
+    ] = False,
     short_streams: Annotated[int, typer.Option(help="short requests decoding at any time")] = 3,
     short_max_new_tokens: int = 32,
     long_requests: int = 2,
@@ -250,8 +270,8 @@ def interference(
             "--arrival-steps": arrival_steps,  # 0 or below ran as 1, unsaid
         }
     )
-    if tiny and prompts is not None:  # the tiny model's prompts are random tokens of its own vocabulary
-        raise typer.BadParameter("does not apply with --tiny (its prompts are random tokens)", param_hint="--prompts")
+    if tiny:
+        refuse_with_tiny(prompts=prompts, model=model, dtype=dtype, device=device)
     seen = check_output_path(json_path, inputs=[prompts])
     settings = {
         "long_requests": long_requests,

@@ -31,7 +31,9 @@ METHODS = (
     "prompt_lookup_stock",
 )
 #: sampling methods, run once per --temperatures value as ``<method>_t<T>``; each run starts from
-#: the same ``torch.manual_seed``, so in fp32 all three give the same tokens
+#: the same ``torch.manual_seed``, so in fp32 ``sample`` and ``lookahead_sample`` give the same
+#: tokens; ``prompt_lookup_sample`` (transformers' prompt lookup, sampling) draws differently, so its
+#: tokens match theirs only sometimes (its law is still the model's)
 SAMPLING_METHODS = ("sample", "prompt_lookup_sample", "lookahead_sample")
 #: transformers' prompt lookup: draft tokens per step (its max_matching_ngram_size stays at its default)
 PROMPT_LOOKUP_TOKENS = 10

@@ -40,6 +40,7 @@ from rag_lookahead.bench.common import (
     DtypeOption,
     JsonOption,
     accepted,
+    check_bench_model,
     check_output_path,
     check_positive,
     dtype_label,
@@ -188,29 +189,31 @@ def _peak_rss_gb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # ru_maxrss is in KiB on Linux
 
 
-def model_names(models: str) -> list[str]:
-    """The ``--models`` names, each checked before the first runs: none empty or repeated, and an
-    embedded model (``default``, ``quality``) converted already or its parts installed."""
-    from rag_lookahead.embedded_model import is_complete, locate_parts
-    from rag_lookahead.models import EMBEDDED, embedded_model_dir
-
+def model_names(models: str, dtype: str = "auto", device: str | None = None) -> list[str]:
+    """The ``--models`` names, each checked with ``--dtype`` and ``--device`` before the index is
+    built and the first model runs: none empty or repeated, and each one ``load_model`` would take
+    (an embedded model installed, a local folder that exists, a name that can be a hub id). Only
+    the embedded ones were checked, so a misspelt folder second failed after the first model's
+    whole run, with no report."""
     names = [m.strip() for m in models.split(",") if m.strip()]
     if not names:
         raise ConfigError(f"--models {models!r} names no model")
     if len(set(names)) < len(names):
         raise ConfigError(f"--models {models!r} names a model twice")
     for name in names:
-        spec = EMBEDDED.get(name)
-        if spec is not None and not is_complete(embedded_model_dir(name, convert=False), spec):
-            locate_parts(spec)  # ModelLoadError (one line, with the pip command) when not installed
+        check_bench_model(name, dtype, device, None)  # ModelLoadError, with the pip command, for a missing extra
     return names
 
 
 @keeps_report_despite_stdout
 def quality(
-    models: Annotated[str, typer.Option("--models", help="embedded models to compare, comma-separated")] = (
-        "default,quality"
-    ),
+    models: Annotated[
+        str,
+        typer.Option(
+            "--models",
+            help='models to compare, comma-separated: "default", "quality", hub ids or local model folders',
+        ),
+    ] = "default,quality",
     dtype: DtypeOption = "auto",
     device: DeviceOption = None,
     max_new_tokens: int = 128,
@@ -223,7 +226,7 @@ def quality(
 ) -> dict:
     """The embedded models compared on the bundled corpus: grounded answers, decode speed, mean accepted."""
     # over 40 lines only because typer declares the options in the signature; the work is ask_all
-    names = model_names(models)
+    names = model_names(models, dtype, device)
     check_positive({"--max-new-tokens": max_new_tokens})
     k_seed = passage_counts(k_prompt, k_seed)
     seen = check_output_path(json_path)

@@ -28,6 +28,7 @@ from rag_lookahead.bench.common import (
     JsonOption,
     ModelOption,
     accepted,
+    check_bench_model,
     check_output_path,
     check_positive,
     decode_speed,
@@ -149,6 +150,7 @@ def rag(
     check_positive({"--max-new-tokens": max_new_tokens})
     k_seed = passage_counts(k_prompt, k_seed)
     seen = check_output_path(json_path)
+    check_bench_model(model, dtype, device, device_map)  # a bad option is said before the index is built
     with open_index(index_dir) as index:  # a missing index is said before the model loads
         loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
         dtype = dtype_label(loaded, dtype)  # what ran, not the option

@@ -140,9 +140,16 @@ def replay_all(
     return totals
 
 
+#: the forward times ``--cost-curve`` takes, in ms: 1 us (below a single GPU kernel launch) to
+#: 100 s. Outside them the replay's arithmetic broke: 1e-200 ms raised ZeroDivisionError in
+#: ``costs.allocate``, 1e-100 ms predicted 1e100 tokens/s
+CURVE_MS_RANGE = (1e-3, 1e5)
+
+
 def parse_curve(text: str) -> CostCurve:
     """``"1:15.4,8:18.3,64:20.5"`` (tokens in a forward : its milliseconds) as a cost curve, put
     through its lower hull as the loop's measured curves are; a clear error for anything else."""
+    low, high = CURVE_MS_RANGE
     points = {}
     for part in text.split(","):
         tokens, sep, ms = part.strip().partition(":")
@@ -150,10 +157,10 @@ def parse_curve(text: str) -> CostCurve:
             size, cost = int(tokens), float(ms)
         except ValueError:
             size = cost = None
-        if not sep or size is None or size < 1 or not cost > 0 or cost == float("inf"):
+        if not sep or size is None or size < 1 or not low <= cost <= high:
             raise InputError(
                 f"--cost-curve {text!r}: each point is TOKENS:MS, a whole number of tokens >= 1 and a "
-                f"positive time in milliseconds (bad point: {part.strip()!r})"
+                f"time from {low:g} to {high:.0f} milliseconds (bad point: {part.strip()!r})"
             )
         if size in points:
             raise InputError(f"--cost-curve {text!r}: {size} tokens are given twice")

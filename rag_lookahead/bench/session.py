@@ -33,6 +33,7 @@ from rag_lookahead.bench.common import (
     JsonOption,
     ModelOption,
     accepted,
+    check_bench_model,
     check_output_path,
     check_positive,
     decode_speed,
@@ -195,6 +196,7 @@ def session(
     check_positive({"--max-new-tokens": max_new_tokens})
     k_seed = passage_counts(k_prompt, k_seed)
     seen = check_output_path(json_path)
+    check_bench_model(model, dtype, device, device_map)  # a bad option is said before the index is built
     items = load_dataset(dataset)
     asked = session_questions(items, questions, seed)
     with session_index(items, index_dir) as index:  # a missing index is said before the model loads

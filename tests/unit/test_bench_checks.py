@@ -73,6 +73,17 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("interference", ["--short-max-new-tokens", "0"], f"error: --short-max-new-tokens {BELOW} 0"),
     ("interference", ["--tiny", "--json", "{dir}"], FOLDER),
     ("interference", ["--tiny", "--prompts", "{file}"], NO_METHOD),  # ignored before
+    # each ran the tiny model's fp32 CPU smoke run all the same, unsaid
+    ("interference", ["--tiny", "--model", "quality"], NO_METHOD),
+    ("interference", ["--tiny", "--dtype", "bf16"], NO_METHOD),
+    ("interference", ["--tiny", "--device", "cpu"], NO_METHOD),
+    # ZeroDivisionError in costs.allocate after the greedy answers were decoded
+    (
+        "replay",
+        ["--cost-curve", "1:1e-200,2:1e-200"],
+        "error: --cost-curve '1:1e-200,2:1e-200': each point is TOKENS:MS, a whole number of tokens >= 1 and"
+        " a time from 0.001 to 100000 milliseconds (bad point: '1:1e-200')",
+    ),
     ("gpu_check", ["--device", "cpu", "--tiny-only", "--attn", "bogus"], NO_METHOD),  # every section failed
     ("gpu_check", ["--device", "cpu", "--dtype", "fp8"], NO_METHOD),  # failed in the model section, a traceback
     # without flash-attn (or kernels) every section failed
@@ -133,6 +144,40 @@ def test_a_bad_option_stops_a_benchmark_before_the_model_loads(tmp_path, monkeyp
         bench.main([arg.format(**paths) for arg in argv])
     assert done.value.code == (expected.format(**paths) if isinstance(expected, str) else expected)
     assert loads == []
+
+
+NO_GPU = "error: device 'cuda' asked for, but torch {torch} sees no CUDA GPU"
+BAD_DTYPE = "error: unknown dtype 'bf17'; use one of bf16, bfloat16, fp32, float32, fp16, float16, half, auto or"
+INDEX_FIRST = [  # (benchmark, argv, the error's start): each was said only after 23-45 s of indexing
+    ("rag", ["--dtype", "bf17"], BAD_DTYPE),
+    ("rag", ["--device", "cuda"], NO_GPU),
+    ("session", ["--dtype", "bf17", "--dataset", "bundled"], BAD_DTYPE),
+    ("quality", ["--models", "default", "--device", "cuda"], NO_GPU),
+    # checked only after the default model had answered every question (minutes), with no report
+    (
+        "quality",
+        ["--models", "default,{dir}/no-model", "--max-new-tokens", "1"],
+        "error: model folder '{dir}/no-model'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("module", "argv", "expected"), INDEX_FIRST)
+def test_a_bad_model_option_is_refused_before_the_index_is_built(tmp_path, monkeypatch, module, argv, expected):
+    """The real entry points, with nothing replaced: temporary folders go to one that does not exist,
+    so a benchmark that starts building its temporary index before checking the model options fails
+    there at once (FileNotFoundError) instead of saying, minutes later, what was wrong."""
+    import tempfile
+
+    import torch
+
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-temp-folder"))
+    bench = importlib.import_module(f"rag_lookahead.bench.{module}")
+    with pytest.raises(SystemExit) as done:
+        bench.main([arg.format(dir=tmp_path) for arg in argv])
+    assert str(done.value.code).startswith(expected.format(dir=tmp_path, torch=torch.__version__))
 
 
 def test_input_files_that_never_end_are_refused_at_once(tmp_path):

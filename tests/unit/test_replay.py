@@ -90,7 +90,13 @@ def test_a_given_cost_curve_is_read_in_milliseconds_and_put_through_its_lower_hu
     assert curve(8) == pytest.approx(chord(8)) and curve(16) == pytest.approx(chord(16))  # both sat above it
 
 
-@pytest.mark.parametrize("text", ["", "1:15", "1:15,x", "0:3,8:4", "1:-2,8:4", "1:15,8", "1:15,1:16", "1:nan,8:4"])
+# 1e-200 ms raised ZeroDivisionError in costs.allocate, 1e-100 ms predicted 1e100 tokens/s
+OUT_OF_RANGE = ["1:1e-200,2:1e-200", "1:1e-100,8:4", "1:15,8:0.0001", "1:15,8:2e5", "1:inf,8:4"]
+
+
+@pytest.mark.parametrize(
+    "text", ["", "1:15", "1:15,x", "0:3,8:4", "1:-2,8:4", "1:15,8", "1:15,1:16", "1:nan,8:4", *OUT_OF_RANGE]
+)
 def test_a_bad_cost_curve_is_refused_with_the_point_named(text):
     with pytest.raises(InputError, match="--cost-curve"):
         parse_curve(text)
