@@ -2,8 +2,9 @@
 the replica's own process from the ServerConfig every replica is given.
 
 Each replica loads its own model, engine and index (from ``index_dir``, a folder every node reads)
-when it starts, and runs the app's lifespan as uvicorn would: the engine thread starts with it and,
-when Ray stops the replica, drains for ``drain_seconds``. Every response names the replica that
+when it starts, then starts its engine thread and waits for the warm-up before Ray counts it as
+up (a warm-up that fails fails the replica's start). It runs the app's lifespan as uvicorn would:
+when Ray stops the replica, the engine drains for ``drain_seconds``. Every response names the replica that
 answered in an ``X-Replica-Id`` header, so a client can tell which replica's ``/metrics`` it read.
 
 Ray imports this module in the replica processes (by its path); the default install never does.
@@ -24,6 +25,8 @@ __all__ = ["LookaheadReplica", "ReplicaHeader"]
 
 #: how often a replica looks for the driver's drain in Ray's key-value store
 DRAIN_POLL_SECONDS = 0.5
+#: how often a starting replica looks whether its engine's warm-up failed
+WARM_UP_POLL_SECONDS = 0.1
 
 
 class ReplicaHeader:
@@ -45,6 +48,22 @@ class ReplicaHeader:
         await self.app(scope, receive, send_named)
 
 
+def start_warmed_up(engine) -> None:
+    """Start ``engine``'s thread (the app's lifespan then finds it started) and wait for its warm-up;
+    raise the warm-up's error. Why: a replica is up once its app is built, so a warm-up that failed
+    afterwards (a remote-code forward whose ``**kwargs`` swallow the cache: a ConfigError at its
+    first forward) reached Ray's health check instead, and Ray replaced the replica, which loaded
+    the model and failed again, forever, while ``serve`` said it was serving. Raised here, it fails
+    the replica's start as a model that will not load does: Ray's few constructor retries, then
+    ``serve`` exits 1 with the error's line. (One process keeps running and reports it on /health.)"""
+    engine.start()
+    while not engine.ready.wait(WARM_UP_POLL_SECONDS):
+        if not engine.alive:  # the warm-up failed: its thread ended with engine.error set
+            break
+    if engine.error is not None:
+        raise engine.error
+
+
 @serve.ingress()
 class LookaheadReplica:
     """The deployment class; ``__serve_build_asgi_app__`` builds the app after the constructor."""
@@ -63,6 +82,7 @@ class LookaheadReplica:
 
         app = await asyncio.to_thread(create_app, self.config)  # the model loads off the event loop
         self.engine = app.state.engine
+        await asyncio.to_thread(start_warmed_up, self.engine)
         replica_id = serve.get_replica_context().replica_id.unique_id
         app.add_middleware(ReplicaHeader, replica_id=replica_id)
         threading.Thread(target=self._drain_when_told, args=(replica_id,), name="drain-watch", daemon=True).start()

@@ -1,26 +1,22 @@
 """Remote-code models are an explicit opt-in, and the tree-mask probe decides tree or chain drafts.
 
-The model folders are built here from ``remote_code/modeling_tiny_remote.py``: a config.json
-whose ``auto_map`` points at classes in a modeling file next to it, as ChatGLM3 and Qwen-1
-ship them on the hub.
+The model folders are built by ``remote_models.remote_folder`` from
+``remote_code/modeling_tiny_remote.py``: a config.json whose ``auto_map`` points at classes in a
+modeling file next to it, as ChatGLM3 and Qwen-1 ship them on the hub.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_model
-from tiny_tokenizer import tiny_tokenizer
+from remote_models import remote_folder
 
 from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding.loop import DecodeBatch
@@ -28,29 +24,6 @@ from rag_lookahead.decoding.verify import supports_tree_mask
 from rag_lookahead.errors import ConfigError, ModelLoadError
 from rag_lookahead.hf_entry import hf_generate
 from rag_lookahead.models import load_model
-
-MODELING = Path(__file__).resolve().parents[1] / "remote_code" / "modeling_tiny_remote.py"
-
-
-def remote_folder(root: Path, model_class: str) -> Path:
-    """A local model folder whose config maps AutoModelForCausalLM to ``model_class`` in its own modeling file."""
-    folder = (
-        root / f"tiny_remote_{model_class.lower()}"
-    )  # fixed names: transformers' module cache does not grow per run
-    tiny_model("qwen2").save_pretrained(folder)  # the shared cached weights; saving does not change them
-    tiny_tokenizer().save_pretrained(folder)
-    shutil.copy(MODELING, folder / MODELING.name)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(
-        model_type="tiny_remote",
-        architectures=[model_class],
-        auto_map={
-            "AutoConfig": "modeling_tiny_remote.TinyRemoteConfig",
-            "AutoModelForCausalLM": f"modeling_tiny_remote.{model_class}",
-        },
-    )
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 def greedy(model, prompt: list[int], max_new: int) -> list[int]:

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import pytest
 
@@ -30,6 +31,7 @@ try:
 except ImportError:
     ray = serve = None
 
+from remote_models import remote_folder
 from test_server import LOOKAHEAD, metric, parse_sse, stream_text, tiny_prompts, tokenizer
 from tiny_models import tiny_model
 
@@ -310,19 +312,21 @@ def test_replicas_refuse_port_zero_before_starting_ray():
     assert "error: --port 0 (any free port) does not work with --replicas" in out.stderr
 
 
-def serve_replicas_in_a_process(port: int, before: str = "") -> tuple[list[str], str]:
-    """``serve --replicas 1 --port PORT`` in a fresh process (a local Ray of its own), after the
-    code ``before``: (its exit code and whether Ray was still up at the end, its stderr)."""
+def serve_replicas_in_a_process(
+    port: int, before: str = "", flags: Sequence[str] = (), timeout: float = 240
+) -> tuple[list[str], str]:
+    """``serve --replicas 1 --port PORT [FLAGS]`` in a fresh process (a local Ray of its own), after
+    the code ``before``: (its exit code and whether Ray was still up at the end, its stderr)."""
     code = (
         "import os, sys\n"
         "os.environ['RAY_USAGE_STATS_ENABLED'] = '0'\n"
         "from rag_lookahead.serve import command, ray_deploy\n"
         f"{before}"
-        f"code = command.main(['--replicas', '1', '--port', '{port}', '--replica-cpus', '1'])\n"
+        f"code = command.main(['--replicas', '1', '--port', '{port}', '--replica-cpus', '1', *{list(flags)!r}])\n"
         "print(code, __import__('ray').is_initialized())\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
     return out.stdout.split()[-2:], out.stderr
 
 
@@ -335,6 +339,24 @@ def test_replicas_refuse_a_port_another_server_holds():
         ended, stderr = serve_replicas_in_a_process(port)
     assert ended == ["1", "False"], stderr
     assert f"error: cannot listen on 127.0.0.1:{port}" in stderr
+
+
+@needs_ray
+def test_a_model_that_fails_its_warm_up_fails_the_start_in_one_line(tmp_path):
+    """A remote-code forward whose ``**kwargs`` swallow the cache loads, then fails the engine's
+    warm-up (a ConfigError at its first forward). A replica was up once its app was built, so the
+    error reached Ray's health check: Ray replaced the replica, which loaded the model and failed
+    again, forever (8 loads in 90 s), while `serve` said it was serving. Now the start fails as
+    for a model that will not load: exit 1 and one line naming the cause."""
+    folder = remote_folder(tmp_path, "LegacyKwargsForCausalLM")
+    flags = ["--model", str(folder), "--trust-remote-code", "--dtype", "fp32", "--device", "cpu"]
+    ended, stderr = serve_replicas_in_a_process(free_port(), flags=flags, timeout=200)
+    assert ended == ["1", "False"], stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
+    assert errors[0].startswith(
+        "error: the Ray Serve replicas did not start: LegacyKwargsForCausalLM's forward takes past_key_values"
+    ), errors
 
 
 @needs_ray
