@@ -6,9 +6,12 @@
 
 Each replica is a Ray actor that builds the app with ``create_app`` from the one ServerConfig
 (:mod:`rag_lookahead.serve.ray_replica`): its own model, engine, output pool, and index loaded from
-``index_dir`` (a folder every node can read). A replica takes one GPU when the device is CUDA (or
-unset on a cluster with GPUs), else ``num_cpus`` CPUs and as many torch threads. Ray's HTTP proxy
-listens on ``host:port`` on every node.
+``index_dir`` (a folder every node can read). The replicas get this command's local paths as
+absolute ones and its settings' environment variables (:func:`local_paths_absolute`,
+:func:`replica_env`): on a cluster ``ray start`` began elsewhere they run in its folder, with its
+environment. A replica takes one GPU when the device is CUDA (or unset on a cluster with GPUs),
+else ``num_cpus`` CPUs and as many torch threads. Ray's HTTP proxy listens on ``host:port`` on
+every node.
 
 Routing (:mod:`rag_lookahead.serve.ray_router`): requests with the same ``X-Session-Id`` header,
 else the same API key, go to the same replica (consistent hashing) while it holds fewer than
@@ -48,9 +51,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rag_lookahead.checks import positive_int
+from rag_lookahead.embedded_model import EMBEDDED
 from rag_lookahead.errors import ConfigError, ModelLoadError, RagLookaheadError, first_line
 from rag_lookahead.serve import ray_probes
-from rag_lookahead.serve.config import ServerConfig, base_url
+from rag_lookahead.serve.config import API_KEY_ENV, ServerConfig, base_url
 
 __all__ = [
     "APP_NAME",
@@ -62,7 +66,9 @@ __all__ = [
     "deployment_options",
     "gpus_per_replica",
     "import_ray",
+    "local_paths_absolute",
     "replica_config",
+    "replica_env",
     "run_on_ray",
     "settings_from_args",
     "drain",
@@ -197,6 +203,60 @@ def replica_config(config: ServerConfig, gpus: float, sharers: int = 1) -> Serve
     return config
 
 
+def local_paths_absolute(config: ServerConfig) -> ServerConfig:
+    """``config`` with its model folder (or .gguf file) and ``index_dir`` as absolute paths where
+    they exist on this machine (``~`` expanded). Why: a replica on a cluster that ``ray start``
+    began elsewhere runs in that cluster's working folder, where ``--model models/x`` named nothing
+    and was looked up on the hub ("neither a local folder nor in the Hugging Face cache"). Responses
+    still report the model by the name given."""
+    changes: dict[str, Any] = {}
+    name = config.model.strip()
+    if name not in EMBEDDED and (model := _absolute_here(name)) not in (None, name):
+        changes.update(model=model, served_model_name=config.model_name)
+    if config.index_dir is not None and (index := _absolute_here(config.index_dir)) not in (None, config.index_dir):
+        changes["index_dir"] = index
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def _absolute_here(path: str) -> str | None:
+    """``path`` as an absolute path (``~`` expanded) where it names something on this machine, else None."""
+    full = os.path.abspath(os.path.expanduser(path))
+    return full if os.path.exists(full) else None
+
+
+#: The environment variables that replicas read as this command does, sent with them (Ray's
+#: ``runtime_env``): ours (``RAG_LOOKAHEAD_*``: the home with its default index, the cache, the CPU
+#: kernel, the recalibration), the XDG folders, and where the Hugging Face cache is and whether the
+#: hub may be asked. Why: replicas on a cluster that ``ray start`` began have the cluster's
+#: environment, not this command's; ``$RAG_LOOKAHEAD_HOME``'s index loaded in one process and
+#: silently not in the replicas (``/v1/rag`` answered 503).
+REPLICA_ENV = (
+    "XDG_CACHE_HOME",
+    "XDG_DATA_HOME",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "HF_MODULES_CACHE",
+    "HF_HUB_OFFLINE",
+    "HF_ENDPOINT",
+    "TRANSFORMERS_OFFLINE",
+)
+REPLICA_ENV_PREFIX = "RAG_LOOKAHEAD_"
+#: Never sent: Ray shows a runtime_env to whoever can read the cluster's state. The replicas' config
+#: carries the API keys; a hub token (HF_TOKEN) is the cluster's to set.
+REPLICA_ENV_SECRETS = frozenset({API_KEY_ENV})
+
+
+def replica_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of :data:`REPLICA_ENV` (and ``RAG_LOOKAHEAD_*``) set in ``environ`` (default: this process's)."""
+    environ = os.environ if environ is None else environ
+    return {
+        name: value
+        for name, value in environ.items()
+        if name in REPLICA_ENV or (name.startswith(REPLICA_ENV_PREFIX) and name not in REPLICA_ENV_SECRETS)
+    }
+
+
 def memory_sharers(settings: RaySettings, gpus: float, node_cpus: Sequence[float]) -> int:
     """How many replicas may share one node's memory, so that their default KV budgets together
     stay within the one-process share: CPU replicas as many as fit the largest node's CPUs (at
@@ -211,8 +271,11 @@ def memory_sharers(settings: RaySettings, gpus: float, node_cpus: Sequence[float
 HEALTH_CHECK_PERIOD_S = 2.0  # check_health reads two attributes: cheap to ask often
 
 
-def deployment_options(config: ServerConfig, settings: RaySettings, gpus: float) -> dict[str, Any]:
-    """The ``serve.deployment`` options: resources, capacity, routing, draining and scaling."""
+def deployment_options(
+    config: ServerConfig, settings: RaySettings, gpus: float, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The ``serve.deployment`` options: resources, capacity, routing, draining and scaling; ``env``:
+    environment variables the replicas get (:func:`replica_env`)."""
     from ray.serve.config import BackpressureConfig
 
     from rag_lookahead.serve.app import CLOSE_GRACE_SECONDS
@@ -233,6 +296,8 @@ def deployment_options(config: ServerConfig, settings: RaySettings, gpus: float)
         # a replica whose engine died answered 503 for 20-25 s at Ray's default 10 s period
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
+    if env:
+        options["ray_actor_options"]["runtime_env"] = {"env_vars": dict(env)}
     if settings.max_replicas is None:
         options["num_replicas"] = settings.replicas
     else:
@@ -296,9 +361,10 @@ def _start(ray, serve, config: ServerConfig, settings: RaySettings, gpus: float)
     from rag_lookahead.serve.ray_replica import LookaheadReplica
 
     threads = 0 if gpus else max(1, int(settings.num_cpus))
-    deployment = serve.deployment(LookaheadReplica, **deployment_options(config, settings, gpus))
+    deployment = serve.deployment(LookaheadReplica, **deployment_options(config, settings, gpus, replica_env()))
     node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
-    application = deployment.bind(replica_config(config, gpus, memory_sharers(settings, gpus, node_cpus)), threads)
+    sharers = memory_sharers(settings, gpus, node_cpus)
+    application = deployment.bind(replica_config(local_paths_absolute(config), gpus, sharers), threads)
     try:
         serve.start(
             http_options={"host": config.host, "port": config.port}, logging_config={"log_level": _level(config)}

@@ -14,12 +14,15 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -248,6 +251,53 @@ def test_replicas_on_one_node_divide_the_default_kv_budget(tokenizer):
     alone = default_token_budget(model, replica_config(config, 0.0, 1))
     shared = default_token_budget(model, replica_config(config, 0.0, 4))
     assert abs(shared * 4 - alone) < 0.05 * alone
+
+
+def test_replicas_get_the_commands_local_paths_as_absolute_ones(tmp_path, monkeypatch):
+    """A replica on a cluster that `ray start` began elsewhere runs in that cluster's working
+    folder: `--model models/x` named nothing there and was looked up on the hub."""
+    from rag_lookahead.serve.ray_deploy import local_paths_absolute
+
+    (tmp_path / "models" / "x").mkdir(parents=True)
+    (tmp_path / "idx").mkdir()
+    (tmp_path / "default").mkdir()  # a folder named as the embedded model: the name still means that model
+    monkeypatch.chdir(tmp_path)
+    given = ServerConfig(model="models/x", index_dir="idx")
+    sent = local_paths_absolute(given)
+    assert sent.model == str(tmp_path / "models" / "x") and sent.index_dir == str(tmp_path / "idx")
+    assert sent.model_name == "models/x"  # responses report the name given, as one process does
+    named = ServerConfig(model="models/x", served_model_name="mine")
+    assert local_paths_absolute(named).model_name == "mine"
+    for kept in (ServerConfig(model="default"), ServerConfig(model="org/hub-model", index_dir="/elsewhere/idx")):
+        assert local_paths_absolute(kept) is kept  # nothing here to point at: the cluster's own reading
+    absolute = ServerConfig(model=str(tmp_path / "models" / "x"))
+    assert local_paths_absolute(absolute) is absolute
+
+
+def test_replicas_get_the_commands_environment_but_not_its_secrets():
+    """Replicas on a `ray start` cluster have the cluster's environment: $RAG_LOOKAHEAD_HOME's
+    default index loaded in one process and silently not in the replicas (/v1/rag answered 503)."""
+    from rag_lookahead.serve.ray_deploy import replica_env
+
+    environ = {
+        "RAG_LOOKAHEAD_HOME": "/data/rl",
+        "RAG_LOOKAHEAD_CACHE": "/cache/rl",
+        "RAG_LOOKAHEAD_API_KEY": "sk-secret",  # the config carries the keys; Ray shows a runtime_env
+        "HF_HOME": "/hf",
+        "HF_HUB_OFFLINE": "1",
+        "HF_TOKEN": "hf_secret",
+        "XDG_DATA_HOME": "/xdg",
+        "PATH": "/bin",
+    }
+    sent = replica_env(environ)
+    assert sent == {
+        k: environ[k]
+        for k in ("RAG_LOOKAHEAD_HOME", "RAG_LOOKAHEAD_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "XDG_DATA_HOME")
+    }
+    config = ServerConfig()
+    options = deployment_options(config, RaySettings(replicas=1), 0.0, sent)
+    assert options["ray_actor_options"]["runtime_env"] == {"env_vars": sent}
+    assert "runtime_env" not in deployment_options(config, RaySettings(replicas=1), 0.0, {})["ray_actor_options"]
 
 
 def test_a_ray_address_where_nothing_listens_is_one_line_at_once():
@@ -513,6 +563,84 @@ def test_routing_key_is_the_session_else_the_api_key():
     assert routing_key(pending("", bearer)) == key
     assert routing_key(pending("", [])) is None
     assert routing_key(pending("", bearer, http=False)) is None  # a handle's bytes are never unpickled
+
+
+@contextlib.contextmanager
+def ray_start_cluster(cwd: Path, env: dict[str, str]):
+    """A one-node Ray cluster as `ray start --head` makes one, begun in ``cwd`` with ``env``: its
+    address. Its own temp folder keeps other Rays on this machine from joining it (a plain
+    ``ray.init`` joins the cluster named in the default folder's ``ray_current_cluster``). With
+    ``--block``, a SIGTERM stops the processes it started; any left are killed by their ids."""
+    import psutil
+
+    temp = tempfile.mkdtemp(prefix="ray_", dir="/tmp")  # short: Ray's socket paths live under it
+    port = free_port()
+    log = cwd / "ray_start.log"
+    ray_cli = Path(sys.executable).with_name("ray")
+    command = [
+        str(ray_cli), "start", "--head", "--block", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
+        f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={temp}", "--disable-usage-stats",
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        head = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    started: list = []
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text(errors="replace"):
+            assert head.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
+            time.sleep(0.5)
+        started = psutil.Process(head.pid).children(recursive=True)
+        yield f"127.0.0.1:{port}"
+    finally:
+        started += psutil.Process(head.pid).children(recursive=True) if head.poll() is None else []
+        head.terminate()
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        for process in started:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@needs_ray
+def test_replicas_on_a_ray_start_cluster_read_the_commands_paths_and_environment(config, tmp_path):
+    """`serve --replicas` joining a cluster that `ray start` began in another folder: a relative
+    `--model` named nothing in the replicas ("neither a local folder nor in the Hugging Face
+    cache"), and the command's environment never reached them ($RAG_LOOKAHEAD_HOME's index loaded in
+    one process, not in the replicas). Here the environment is $RAG_LOOKAHEAD_CACHE, where a
+    replica keeps the cost curve it measures (an index would load the embedder in the replica)."""
+    folder = Path(config.model)
+    cluster_dir, cache = tmp_path / "cluster", tmp_path / "cache"
+    cluster_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAG_LOOKAHEAD_CACHE")}
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")  # `ray start` asks for a token otherwise
+    port = free_port()
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in SETTINGS.items()]
+    command = [sys.executable, "-m", "rag_lookahead.serve", "--replicas=1", f"--port={port}", f"--model={folder.name}"]
+    with ray_start_cluster(cluster_dir, env) as address:
+        driver_env = {**env, "RAY_ADDRESS": address, "RAG_LOOKAHEAD_CACHE": str(cache)}
+        with open(tmp_path / "serve.log", "wb") as out:
+            server = subprocess.Popen([*command, *flags], cwd=folder.parent, env=driver_env, stdout=out, stderr=out)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 240
+            while not ok(base + "/health"):
+                running = server.poll() is None and time.monotonic() < deadline
+                assert running, (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
+                time.sleep(0.5)
+            health = httpx.get(base + "/health", timeout=10).json()
+            assert health["model"] == folder.name  # the name given, as one process reports it
+            body = {"prompt": PROMPTS[0], "max_tokens": 4}
+            assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
+            assert (cache / "cost_curves.json").is_file(), "the replica did not get $RAG_LOOKAHEAD_CACHE"
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
 
 
 # ---------------------------------------------------------------- fixtures
