@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing
 from typing import Any, ClassVar
@@ -47,7 +46,6 @@ from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, St
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.inputs import check_prompt_room
-from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.batching import (
     BatchCall,
@@ -63,12 +61,11 @@ from rag_lookahead.langchain.engine import (
     NotPickled,
     RowRequest,
     in_worker_cancellable,
-    pool_shape,
     prompt_format,
 )
 from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
-from rag_lookahead.langchain.shared_weights import load_shared
+from rag_lookahead.langchain.shared_weights import load_shared, shared_engine
 from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening, plain_choice, several_calls
 from rag_lookahead.langchain.tools import parse_tool_calls as parse_tool_calls
 from rag_lookahead.models import reported_name
@@ -94,39 +91,6 @@ _CALL_OPTIONS = (
 
 
 # ---------------------------------------------------------------- loading and sharing
-
-
-#: guards the engines below (the weights have their own lock, in shared_weights)
-_LOAD_LOCK = threading.Lock()
-#: the engine of each loaded model in use, by the model's id: held weakly, so an engine (and the
-#: model it holds) goes once no chat model uses it; while it lives, its model does, so no other
-#: model can take that id (weak keys would never die: the engine holds its model)
-_ENGINES: weakref.WeakValueDictionary[int, Engine] = weakref.WeakValueDictionary()
-
-
-def _shared_engine(model: Any, tokenizer: Any, config: LookaheadConfig) -> Engine:
-    """One engine (so one output pool) per loaded model and tokenizer: one decode at a time on
-    the model. A later chat model's pool settings cannot resize the shared pool, so they are
-    said to be unused rather than dropped in silence."""
-    with _LOAD_LOCK:
-        engine = _ENGINES.get(id(model))
-        if engine is None or engine.model is not model or engine.tokenizer is not tokenizer:
-            # the pool lives with the model (its profile), so chat models made one after another
-            # (one a request, say) draft from the answers of those before
-            pool = profile_of(model).output_pool(*pool_shape(config))
-            engine = Engine(model, tokenizer, config, output_pool=pool)
-            _ENGINES[id(model)] = engine
-        elif (engine.output_pool.depth, engine.output_pool.max_nodes) != pool_shape(config):
-            log.warning(
-                "this ChatLookahead shares the engine of a model already in use, and its output pool "
-                "(depth %d, max_nodes %d); this one's output_pool_nodes / branch_length + max_key_length "
-                "(%d, %d) size no pool: build the first model with the settings you want",
-                engine.output_pool.depth,
-                engine.output_pool.max_nodes,
-                config.output_pool_nodes,
-                config.branch_length + config.max_key_length,
-            )
-        return engine
 
 
 # ---------------------------------------------------------------- the chat model
@@ -219,7 +183,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
             if self.model is None or self.tokenizer is None:
                 raise ConfigError("ChatLookahead needs a model id, or a loaded model and its tokenizer")
             model, tokenizer = self.model, self.tokenizer
-        return _shared_engine(model, tokenizer, self.lookahead)
+        return shared_engine(model, tokenizer, self.lookahead)
 
     def _check_engine_matches(self) -> None:
         """A loaded ``model`` or a ``tokenizer`` given (or updated) beside ``engine`` must be the

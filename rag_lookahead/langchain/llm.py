@@ -113,10 +113,17 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         **kwargs: Any,
     ) -> LookaheadLLM:
         """Load ``model_id`` ("default", a hub id or a local path) with :func:`rag_lookahead.models.load_model`;
-        ``trust_remote_code=True`` runs the modeling code a repo or folder ships (ChatGLM3, Qwen-1), as there."""
-        from rag_lookahead.langchain.shared_weights import load_shared
+        ``trust_remote_code=True`` runs the modeling code a repo or folder ships (ChatGLM3, Qwen-1), as there.
+        Chat models and other LLMs built from the same id (and dtype, device) share its weights and its
+        engine (one output pool; their decodes take turns); ``model_name`` overrides the name reported."""
+        from rag_lookahead.langchain.shared_weights import load_shared, shared_engine
         from rag_lookahead.models import reported_name
 
+        if own := sorted({"model", "tokenizer"} & set(kwargs)):
+            raise ConfigError(
+                f"from_model_id loads the model and tokenizer itself ({', '.join(own)} given): "
+                "pass a loaded model and tokenizer to LookaheadLLM(model=..., tokenizer=...) instead"
+            )
         unknown = sorted(set(kwargs) - set(cls.model_fields))
         if unknown:  # refused before the load, which can take minutes, not after it
             raise ConfigError(
@@ -124,16 +131,19 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
                 f"(nothing was loaded; its settings: {', '.join(sorted(cls.model_fields))})"
             )
         model, tokenizer = load_shared(model_id, dtype, device, device_map, trust_remote_code)
-        name = reported_name(model_id)
-        return cls(
+        kwargs.setdefault("model_name", reported_name(model_id))
+        llm = cls(
             model=model,
             tokenizer=tokenizer,
-            model_name=name,
             lookahead=lookahead or LookaheadConfig(),
             max_new_tokens=max_new_tokens,
             system_prompt=system_prompt,
             **kwargs,
         )
+        # the weights' one engine, which chat models on the same id decode with too: with an engine
+        # of its own, its decodes and theirs ran on the one model at once (each engine has its lock)
+        llm._engine = shared_engine(model, tokenizer, llm.lookahead)
+        return llm
 
     # ------------------------------------------------------------ LangChain plumbing
 

@@ -532,7 +532,7 @@ def test_a_second_chat_models_pool_settings_are_said_unused(chat, weights, caplo
     import logging
 
     model, tok = weights
-    with caplog.at_level(logging.WARNING, logger="rag_lookahead.langchain.chat_model"):
+    with caplog.at_level(logging.WARNING, logger="rag_lookahead.langchain.shared_weights"):
         same = ChatLookahead(model=model, tokenizer=tok, lookahead=FIXED)
         assert not caplog.records  # the same pool settings: nothing to say
         other = ChatLookahead(model=model, tokenizer=tok, lookahead=LookaheadConfig(output_pool_nodes=123))
@@ -549,7 +549,7 @@ def test_a_loaded_model_is_freed_with_the_last_chat_model_on_it():
 
     from tiny_tokenizer import tiny_tokenizer
 
-    from rag_lookahead.langchain import chat_model
+    from rag_lookahead.langchain import shared_weights
     from rag_lookahead.tiny import build_tiny_model
 
     model, tok = build_tiny_model("qwen2", seed=5), tiny_tokenizer()
@@ -565,7 +565,7 @@ def test_a_loaded_model_is_freed_with_the_last_chat_model_on_it():
     gone = weakref.ref(model)
     del later, model, pool
     gc.collect()
-    assert gone() is None and all(engine.model is not None for engine in chat_model._ENGINES.values())
+    assert gone() is None and all(engine.model is not None for engine in shared_weights._ENGINES.values())
 
 
 def test_from_llm_carries_the_llms_stop_strings():
@@ -1158,9 +1158,13 @@ def test_the_text_llm_from_a_model_id_shares_the_chat_models_weights():
     from rag_lookahead.langchain.llm import LookaheadLLM
 
     chat = ChatLookahead(model="default", dtype="bf16", max_tokens=2)
-    llm = LookaheadLLM.from_model_id("default", dtype="bf16", max_new_tokens=2)
+    llm = LookaheadLLM.from_model_id("default", dtype="bf16", max_new_tokens=2, model_name="mine")
     assert llm.model is chat._engine.model and llm.tokenizer is chat._engine.tokenizer
-    assert LookaheadLLM.from_model_id("default", dtype="bf16").model is llm.model
+    # and its engine: two engines on one model decoded at once (each has its own lock)
+    assert llm.engine is chat._engine and llm.model_name == "mine"
+    assert LookaheadLLM.from_model_id("default", dtype="bf16").engine is llm.engine
+    with pytest.raises(ConfigError, match="from_model_id loads the model and tokenizer itself"):
+        LookaheadLLM.from_model_id("default", tokenizer=llm.tokenizer)
 
 
 def test_a_custom_token_counter_is_used_by_both_models(tiny_chat):
