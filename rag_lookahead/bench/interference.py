@@ -221,21 +221,22 @@ def tiny_mix(settings: dict):
     return model, [], 0, shorts, longs, LookaheadConfig()
 
 
-#: what ``--tiny`` replaces: an option given a value other than its default with it ran the tiny
-#: model's fp32 smoke run on the CPU all the same, unsaid
+#: what ``--tiny`` replaces, and the values it runs with: an option given another value with it ran
+#: the tiny model's fp32 smoke run on the CPU all the same, unsaid
 _TINY_REPLACES = {
-    "prompts": (None, "--prompts", "its prompts are random tokens"),
-    "model": ("default", "--model", "it runs a tiny random model"),
-    "dtype": ("auto", "--dtype", "the tiny model runs in fp32"),
-    "device": (None, "--device", "the tiny model runs on the CPU"),
+    "prompts": ((None,), "--prompts", "its prompts are random tokens"),
+    "model": (("default",), "--model", "it runs a tiny random model"),
+    "dtype": (("auto", "fp32", "float32"), "--dtype", "the tiny model runs in fp32"),
+    "device": ((None, "cpu"), "--device", "the tiny model runs on the CPU"),
 }
 
 
 def refuse_with_tiny(**given: str | None) -> None:
-    """A usage error for an option ``--tiny`` replaces (see ``_TINY_REPLACES``) given with it."""
+    """A usage error for an option ``--tiny`` replaces (see ``_TINY_REPLACES``) given with it, unless
+    its value is what the tiny run uses anyway (``--device cpu``, ``--dtype fp32``)."""
     for name, value in given.items():
-        default, option, why = _TINY_REPLACES[name]
-        if value != default:
+        kept, option, why = _TINY_REPLACES[name]
+        if value not in kept:
             raise typer.BadParameter(f"does not apply with --tiny ({why})", param_hint=option)
 
 

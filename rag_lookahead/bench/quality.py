@@ -1,4 +1,4 @@
-"""The two embedded models side by side on the bundled corpus: grounded answers and speed.
+"""Models side by side on the bundled corpus (by default the two embedded ones): grounded answers and speed.
 
 Each model (``default``: Qwen2.5-Coder-0.5B-Instruct; ``quality``: Qwen2.5-Coder-1.5B-Instruct,
 the ``rag-lookahead[quality]`` extra) answers the same questions about our user guide through the
@@ -224,7 +224,7 @@ def quality(
     ] = None,
     json_path: JsonOption = None,
 ) -> dict:
-    """The embedded models compared on the bundled corpus: grounded answers, decode speed, mean accepted."""
+    """Models compared on the bundled corpus: grounded answers, decode speed, mean accepted."""
     # over 40 lines only because typer declares the options in the signature; the work is ask_all
     names = model_names(models, dtype, device)
     check_positive({"--max-new-tokens": max_new_tokens})

@@ -204,6 +204,7 @@ def test_interference_benchmark_smoke_run(tmp_path):
 
     args = ["--tiny", "--long-tokens", "300", "--long-requests", "2", "--short-max-new-tokens", "12"]
     args += ["--long-max-new-tokens", "4", "--arrival-steps", "2", "--prefill-chunk", "64"]
+    args += ["--device", "cpu", "--dtype", "fp32"]  # what --tiny runs with anyway: taken, not refused
     report = main([*args, "--json", str(tmp_path / "interference.json")])
     off, on = report["results"]
     assert (off["prefill"], on["prefill"]) == ("off", "on") and on["prefill_chunk"] == 64

@@ -76,7 +76,7 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     # each ran the tiny model's fp32 CPU smoke run all the same, unsaid
     ("interference", ["--tiny", "--model", "quality"], NO_METHOD),
     ("interference", ["--tiny", "--dtype", "bf16"], NO_METHOD),
-    ("interference", ["--tiny", "--device", "cpu"], NO_METHOD),
+    ("interference", ["--tiny", "--device", "cuda"], NO_METHOD),
     # ZeroDivisionError in costs.allocate after the greedy answers were decoded
     (
         "replay",
