@@ -154,14 +154,16 @@ def check_load_options(
     device: str | torch.device | None = None,
     device_map: str | dict[str, Any] | None = None,
     attn_implementation: str | dict[str, Any] | None = None,
+    hub: bool = False,
 ) -> str:
     """Refuse now what :func:`load_model` would refuse before it reads any weights: a name that is
     no embedded model, local model folder or .gguf file, or hub id; an embedded model that is not
     installed; an unknown dtype, or one no weights are computed in; a device torch does not see; an
     attention transformers does not know or cannot run here. For a caller with slow work to do
     first: ``ask`` on a fresh machine indexes the bundled corpus (25-76 s) before it loads the
-    model, and only then said that ``--device cuda`` had no GPU. Returns the name as
-    ``load_model`` reads it (a string without surrounding spaces)."""
+    model, and only then said that ``--device cuda`` had no GPU. ``hub=True``: also a hub id that is
+    not in the Hugging Face cache while the hub is offline or cannot be reached (a probe of up to 3 s).
+    Returns the name as ``load_model`` reads it (a string without surrounding spaces)."""
     is_path = isinstance(name, os.PathLike)
     name = _model_name(name)
     resolve_dtype(dtype, device, device_map)
@@ -173,7 +175,35 @@ def check_load_options(
         _local_source(name)
     else:
         _check_hub_id(name)
+        if hub:
+            _check_hub_model_fetchable(name)
     return name
+
+
+def _check_hub_model_fetchable(name: str) -> None:
+    """ModelLoadError, as :func:`load_model` would raise it, for a hub id whose config is not in the
+    cache while the hub is offline or out of reach. For callers that run other models first:
+    ``bench.quality --models default,org/model`` answered every question on ``default`` before
+    the second name failed, and wrote no report."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(name, "config.json"), str) and (why := _why_not_fetchable(name)):
+        raise ModelLoadError(why)
+
+
+def _why_not_fetchable(name: str, local_err: Exception | None = None) -> str | None:
+    """Why hub id ``name``, not in the cache, cannot be fetched now (HF_HUB_OFFLINE, or the hub out
+    of reach), or None; ``local_err``: the cache lookup's error, said when offline."""
+    if _hub_offline():
+        cause = f": {_one_line(local_err)}" if local_err is not None else ""
+        return f"model '{name}' is neither a local folder nor in the Hugging Face cache (HF_HUB_OFFLINE is set){cause}"
+    unreachable = _hub_unreachable()
+    if unreachable:  # fail in seconds, not after huggingface_hub's ~50 s of retries
+        return (
+            f"model '{name}' is neither a local folder nor in the Hugging Face cache, and the hub could not "
+            f"be reached: {unreachable}"
+        )
+    return None
 
 
 def reported_name(name: str) -> str:
@@ -359,17 +389,9 @@ def _load_named(name: str, kwargs: dict[str, Any], *, local: bool = False) -> tu
     try:
         return _from_pretrained(name, {}, kwargs, local=True)
     except OSError as local_err:
-        if _hub_offline():
-            raise ModelLoadError(
-                f"model '{name}' is neither a local folder nor in the Hugging Face cache (HF_HUB_OFFLINE is set): "
-                f"{_one_line(local_err)}"
-            ) from local_err
-    unreachable = _hub_unreachable()
-    if unreachable:  # fail in seconds, not after huggingface_hub's ~50 s of retries
-        raise ModelLoadError(
-            f"model '{name}' is neither a local folder nor in the Hugging Face cache, and the hub could not "
-            f"be reached: {unreachable}"
-        )
+        why = _why_not_fetchable(name, local_err)
+        if why:
+            raise ModelLoadError(why) from local_err
     try:
         return _from_pretrained(name, {}, kwargs, local=False)
     except (OSError, ValueError) as err:

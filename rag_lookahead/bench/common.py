@@ -257,13 +257,14 @@ def _loader_dtype(dtype: Any) -> Any:
 
 def check_bench_model(model: str, dtype: Any, device: str | None, device_map: str | None) -> None:
     """Refuse now what :func:`load_bench_model` would refuse before reading any weights (a model name
-    that is no embedded model, local folder or hub id; an embedded model not installed; an unknown
-    dtype; a device torch does not see). For the benchmarks that index a corpus before the model
-    loads (``bench.rag``, ``bench.session``, ``bench.quality``): they said ``--dtype bf17`` or
-    ``--device cuda`` without a GPU only after 23-45 s of indexing, as ``ask`` once did."""
+    that is no embedded model, local folder or hub id; a hub id out of reach and not in the cache; an
+    embedded model not installed; an unknown dtype; a device torch does not see). For the benchmarks
+    that index a corpus before the model loads (``bench.rag``, ``bench.session``, ``bench.quality``):
+    they said ``--dtype bf17`` or ``--device cuda`` without a GPU only after 23-45 s of indexing, as
+    ``ask`` once did."""
     from rag_lookahead.models import check_load_options
 
-    check_load_options(model, dtype=_loader_dtype(dtype), device=device, device_map=device_map)
+    check_load_options(model, dtype=_loader_dtype(dtype), device=device, device_map=device_map, hub=True)
 
 
 def load_bench_model(model: str, dtype: Any, device: str | None, device_map: str | None, **extra: Any):

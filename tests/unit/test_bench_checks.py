@@ -159,6 +159,13 @@ INDEX_FIRST = [  # (benchmark, argv, the error's start): each was said only afte
         ["--models", "default,{dir}/no-model", "--max-new-tokens", "1"],
         "error: model folder '{dir}/no-model'",
     ),
+    # a hub id neither cached nor fetchable (HF_HUB_OFFLINE, set below): the same, after the run
+    (
+        "quality",
+        ["--models", "default,no-such-org/no-such-model", "--max-new-tokens", "1"],
+        "error: model 'no-such-org/no-such-model' is neither a local folder nor in the Hugging Face cache",
+    ),
+    ("rag", ["--model", "no-such-org/no-such-model"], "error: model 'no-such-org/no-such-model' is neither"),
 ]
 
 
@@ -174,6 +181,7 @@ def test_a_bad_model_option_is_refused_before_the_index_is_built(tmp_path, monke
     if "cuda" in argv and torch.cuda.is_available():
         pytest.skip("this machine has a CUDA GPU")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-temp-folder"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     bench = importlib.import_module(f"rag_lookahead.bench.{module}")
     with pytest.raises(SystemExit) as done:
         bench.main([arg.format(dir=tmp_path) for arg in argv])
