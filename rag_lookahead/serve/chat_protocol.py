@@ -96,17 +96,34 @@ class ChatMessage(BaseModel):
     name: Text | None = Field(
         None, description="the participant's name (a tool result's: its function), passed to the chat template"
     )
+    refusal: Text | None = Field(None, description="an assistant turn's refusal, its text where content is empty")
+    # OpenAI's other message fields, refused: they were dropped unseen, and the answer changed unsaid
+    function_call: Any = Field(None, description="not supported: give tool_calls")
+    audio: Any = Field(None, description="not supported: text only")
 
     @model_validator(mode="after")
     def _fields_of_the_role(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise invalid_request("only assistant messages carry 'tool_calls'", "messages")
+        if self.refusal is not None and self.role != "assistant":
+            raise invalid_request("only assistant messages carry 'refusal'", "messages")
+        if self.refusal is not None and self._content_text():
+            raise invalid_request("an assistant message gives 'content' or 'refusal', not both", "messages")
+        if self.function_call is not None:
+            raise invalid_request("a message's 'function_call' is not supported: give 'tool_calls'", "messages")
+        if self.audio is not None:
+            raise invalid_request("a message's 'audio' is not supported (text only)", "messages")
         return self
 
-    def text(self) -> str:
+    def _content_text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def text(self) -> str:
+        """The turn's text: its content, or an assistant's refusal (OpenAI sends a refusal with
+        ``content: null``; it was dropped, and the next answer was built on an empty turn)."""
+        return self._content_text() or self.refusal or ""
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template takes it, as ``apply_chat_template`` and vLLM pass it:

@@ -160,3 +160,31 @@ def test_the_chat_model_refuses_a_tokenizer_without_a_chat_template():
     for call in (chat.invoke, chat.get_num_tokens_from_messages):  # counted as a call would encode them
         with pytest.raises(ConfigError, match="no chat template"):
             call([SystemMessage("t40"), HumanMessage("t5")])
+
+
+def test_an_assistant_refusal_reaches_the_prompt_and_other_message_fields_are_refused():
+    """OpenAI writes a refused turn as ``{"role": "assistant", "content": null, "refusal": "..."}``:
+    the refusal was dropped unseen (an empty turn in the prompt, another answer); a message's
+    ``function_call`` or ``audio`` was dropped the same way."""
+    engine = engine_with(NAMES)
+    tokenizer, model = engine.tokenizer, engine.model
+    refused = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": None, "refusal": "t8 t9"}]
+    as_text = [refused[0], {"role": "assistant", "content": "t8 t9"}, {"role": "user", "content": "t13"}]
+    ids = template_ids(tokenizer, as_text)
+    expected = tokenizer.decode(reference_generate(model, ids, 4, eos=3), skip_special_tokens=True)
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=120) as http:
+        reply = http.post("/v1/chat/completions", json={"messages": [*refused, as_text[2]], "max_tokens": 4})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["prompt_tokens"] == len(ids)
+        assert reply.json()["choices"][0]["message"]["content"] == expected
+        for message, said in (
+            ({"role": "user", "content": "t5", "refusal": "t8"}, "only assistant messages carry 'refusal'"),
+            ({"role": "assistant", "content": "t5", "refusal": "t8"}, "'content' or 'refusal', not both"),
+            (
+                {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+                "give 'tool_calls'",
+            ),
+            ({"role": "assistant", "content": "t5", "audio": {"id": "a1"}}, "'audio' is not supported"),
+        ):
+            r = http.post("/v1/chat/completions", json={"messages": [refused[0], message, as_text[2]], "max_tokens": 2})
+            assert r.status_code == 400 and said in r.json()["error"]["message"], r.text
