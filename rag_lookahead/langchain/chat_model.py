@@ -66,7 +66,14 @@ from rag_lookahead.langchain.engine import (
 from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.langchain.shared_weights import load_shared, shared_engine
-from rag_lookahead.langchain.tools import TOOL_CALL_OPEN, check_tools, forced_opening, plain_choice, several_calls
+from rag_lookahead.langchain.tools import (
+    TOOL_CALL_OPEN,
+    ToolOptions,
+    check_tools,
+    forced_opening,
+    plain_choice,
+    several_calls,
+)
 from rag_lookahead.langchain.tools import parse_tool_calls as parse_tool_calls
 from rag_lookahead.models import reported_name
 from rag_lookahead.template_variables import reserved_names
@@ -325,7 +332,8 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
         """Bind tools: they go to the chat template, and Qwen-style calls come back as ``tool_calls``.
 
         ``tool_choice``: "auto" (default), "none", "any"/"required" (some tool must be called), or a
-        tool's name (that tool must be called).
+        tool's name (that tool must be called); or the objects OpenAI and Anthropic write for these
+        (:func:`~rag_lookahead.langchain.tools.plain_choice`). A call to a tool not bound is invalid.
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
         check_tools(self._engine.tokenizer, self.model_name, formatted)
@@ -338,7 +346,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
 
     def _prepare(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict, engine: Engine | None = None
-    ) -> tuple[RowRequest, dict, dict]:
+    ) -> tuple[RowRequest, dict, ToolOptions]:
         """(the row to decode, ``Engine.run``'s settings, the call's tool options) for one call on
         ``engine`` (by default the current one), which the call read once: an assignment of ``model``
         or ``tokenizer`` meanwhile (another thread's) builds another engine, and a call that read it
@@ -390,7 +398,8 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
             hold=(TOOL_CALL_OPEN,) if tools else (),
         )
         settings = {"max_new_tokens": max_tokens, "config": config, "sampling": sampling, "timeout": timeout or None}
-        return request, settings, {"tools": bool(tools), "parallel": several_calls(tool_choice, parallel)}
+        names = tuple(tool["function"]["name"] for tool in tools)
+        return request, settings, ToolOptions(names, several_calls(tool_choice, parallel))
 
     def _references(self, references: Any, chat: list[dict], engine: Engine) -> list[str]:
         if references is None:

@@ -27,7 +27,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk
 
 from rag_lookahead.errors import InputError
 from rag_lookahead.langchain.engine import EngineRun
-from rag_lookahead.langchain.tools import ParsedCall, split_calls
+from rag_lookahead.langchain.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ParsedCall, ToolOptions, split_calls
 
 __all__ = ["chat_generation", "last_chunk", "template_messages", "unsent_text"]
 
@@ -74,7 +74,7 @@ def _role_and_content(message: BaseMessage) -> dict:
     if isinstance(message, HumanMessage):
         return {"role": "user", "content": text}
     if isinstance(message, AIMessage):
-        out: dict[str, Any] = {"role": "assistant", "content": text}
+        out: dict[str, Any] = {"role": "assistant", "content": _with_invalid_calls(text, message.invalid_tool_calls)}
         if message.tool_calls:
             out["tool_calls"] = [
                 {"id": c.get("id"), "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
@@ -88,6 +88,28 @@ def _role_and_content(message: BaseMessage) -> dict:
     if isinstance(message, ChatMessage):  # LangChain's and OpenAI's names for the template's roles
         return {"role": _ROLE_NAMES.get(message.role, message.role), "content": text}
     raise InputError(f"unsupported message type {type(message).__name__}")
+
+
+def _with_invalid_calls(text: str, invalid_calls: Sequence[Mapping[str, Any]]) -> str:
+    """An assistant turn's text with its invalid tool calls written back as the model wrote them,
+    each in a ``<tool_call>`` block: a turn holding only a call cut by ``max_tokens`` was replayed
+    empty, so the model never saw what it had written (and asked to write it again, could not see
+    where it went wrong). The template writes the valid calls (``tool_calls``) after the text."""
+    blocks = [f"{TOOL_CALL_OPEN}\n{raw}\n{TOOL_CALL_CLOSE}" for raw in map(_as_written, invalid_calls) if raw]
+    return "\n".join([text, *blocks] if text else blocks)
+
+
+def _as_written(invalid_call: Mapping[str, Any]) -> str:
+    """An invalid call's text as the model wrote it: its ``args``, or, where a stream gave it (no
+    ``error``, ``args`` a JSON string: see :func:`call_chunks`), the text that string holds."""
+    args = invalid_call.get("args") or ""
+    if invalid_call.get("error") is None:
+        try:
+            written = json.loads(args)
+        except ValueError:
+            return args
+        return written if isinstance(written, str) else args
+    return args
 
 
 def template_messages(messages: Sequence[BaseMessage], *, to_answer: bool = True) -> list[dict]:
@@ -121,16 +143,14 @@ def _info(run: EngineRun, row: int, calls: list[ParsedCall], model_name: str | N
     return {"model_name": model_name, "finish_reason": finish, **run.info(row)}
 
 
-def chat_generation(
-    run: EngineRun, row: int, tool_options: Mapping[str, bool], model_name: str | None
-) -> ChatGeneration:
+def chat_generation(run: EngineRun, row: int, tool_options: ToolOptions, model_name: str | None) -> ChatGeneration:
     """The row's whole answer: an ``AIMessage`` with its tool calls (valid and invalid) and usage."""
     content, calls = split_calls(run.trackers[row].final_text(), tool_options)
     message = AIMessage(content=content, **message_calls(calls), usage_metadata=_usage(run, row))
     return ChatGeneration(message=message, generation_info=_info(run, row, calls, model_name))
 
 
-def last_chunk(run: EngineRun, tool_options: Mapping[str, bool], model_name: str | None) -> ChatGenerationChunk:
+def last_chunk(run: EngineRun, tool_options: ToolOptions, model_name: str | None) -> ChatGenerationChunk:
     """The closing chunk of a stream: the rest of the text, the tool calls whole, usage and stats."""
     content, calls = split_calls(run.trackers[0].final_text(), tool_options)
     message = AIMessageChunk(

@@ -4,7 +4,8 @@ The model writes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, a
 several objects in one block; :func:`parse_tool_calls` turns that back into calls, one per object.
 A ``tool_choice`` of "required"/"any" or a tool's name is honoured by opening the assistant's turn
 with ``<tool_call>`` (and the tool's name when it is known), so the model writes the call from
-there (:func:`forced_opening`); "none" and "auto" open nothing.
+there (:func:`forced_opening`); "none" and "auto" open nothing. A call naming a tool that was not
+bound is an invalid call (:func:`split_calls`): the model, made to call some tool, may make one up.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rag_lookahead.errors import ConfigError
 from rag_lookahead.tokens import chat_template_text
 
 __all__ = [
+    "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "ParsedCall",
+    "ToolOptions",
     "check_tools",
     "forced_opening",
     "parse_tool_calls",
@@ -31,6 +34,7 @@ __all__ = [
 ]
 
 TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
 # a block left open (no </tool_call>) ends where the next opens, or with the answer
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|(?=<tool_call>)|\Z)", re.S)
 _BETWEEN_CALLS = re.compile(r"[\s,]*")  # what separates two calls written in one block
@@ -117,20 +121,40 @@ def _takes_no_arguments(tool: Mapping[str, Any]) -> bool:
     return not parameters.get("properties") and not parameters.get("additionalProperties")
 
 
-def _named_tool(tool_choice: Mapping[str, Any]) -> str | None:
-    return (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+def _named_tool(tool_choice: Mapping[str, Any]) -> Any:
+    function = tool_choice.get("function")
+    return (function.get("name") if isinstance(function, Mapping) else None) or tool_choice.get("name")
+
+
+#: the ``tool_choice`` words that name no tool
+_CHOICE_WORDS = ("auto", "none", "any", "required")
+#: the keys a ``tool_choice`` object may hold: its type, and the tool it names
+_CHOICE_KEYS = frozenset({"type", "function", "name"})
 
 
 def plain_choice(tool_choice: Any) -> Any:
-    """``{"type": "auto"}`` and ``{"type": "none"}`` (the object form some providers use) as the
-    strings they mean; any other choice as given."""
-    if (
-        isinstance(tool_choice, Mapping)
-        and tool_choice.get("type") in ("auto", "none")
-        and not _named_tool(tool_choice)
-    ):
-        return tool_choice["type"]
-    return tool_choice
+    """A ``tool_choice`` object as what it means; anything else as given.
+
+    ``{"type": "auto" | "none" | "any" | "required"}`` (the object forms of OpenAI and Anthropic)
+    is that word; an object naming a tool (OpenAI's ``{"type": "function", "function": {"name":
+    ...}}``, Anthropic's ``{"type": "tool", "name": ...}``) stays as it is. Any other object is
+    refused: one this did not know (``{"type": "nonee"}``, ``{}``) forced a call, where an unknown
+    string is refused, and ``{"type": "any"}`` with one tool bound did not name that tool in the
+    opening, as "any" does.
+    """
+    if not isinstance(tool_choice, Mapping):
+        return tool_choice
+    kind, name = tool_choice.get("type"), _named_tool(tool_choice)
+    if set(tool_choice) <= _CHOICE_KEYS:
+        if kind in _CHOICE_WORDS and name is None:
+            return kind
+        if kind in ("function", "tool") and isinstance(name, str) and name:
+            return tool_choice
+    raise ConfigError(
+        f"tool_choice {tool_choice!r} is no tool choice this model knows: give "
+        "{'type': 'auto' | 'none' | 'any' | 'required'}, {'type': 'function', 'function': {'name': ...}}, "
+        "{'type': 'tool', 'name': ...}, or the strings 'auto', 'none', 'any', 'required' or a tool's name"
+    )
 
 
 def several_calls(tool_choice: Any, parallel: bool | None) -> bool:
@@ -139,10 +163,6 @@ def several_calls(tool_choice: Any, parallel: bool | None) -> bool:
     model, forced to name one tool, often goes on to call another in the same block; that call came
     back beside the chosen one, and cut by ``max_tokens`` it voided the chosen call on the server."""
     return parallel is not False and _chosen_tool(plain_choice(tool_choice)) is None
-
-
-#: the ``tool_choice`` words that name no tool
-_CHOICE_WORDS = ("auto", "none", "any", "required")
 
 
 def _chosen_tool(tool_choice: Any) -> str | None:
@@ -192,10 +212,31 @@ def check_tools(tokenizer: Any, model_name: str | None, tools: Sequence[Mapping[
         )
 
 
-def split_calls(text: str, tool_options: Mapping[str, bool]) -> tuple[str, list[ParsedCall]]:
+@dataclass(frozen=True)
+class ToolOptions:
+    """How one answer's tool calls are read back."""
+
+    names: tuple[str, ...] = ()  # the tools the model was shown (none: the answer is all text)
+    parallel: bool = True  # False: its first call only (see several_calls)
+
+
+def split_calls(text: str, tool_options: ToolOptions) -> tuple[str, list[ParsedCall]]:
     """An answer as (its text outside tool calls, the calls); with ``parallel`` off (see
-    :func:`several_calls`), the first call only."""
-    if not tool_options["tools"]:
+    :func:`several_calls`), the first call only. A call naming a tool the model was not shown is
+    invalid: forced to call some tool ("required" among several), the default model called a
+    "hello" it made up, and that came back as a valid call, for an agent's tool node to fail on."""
+    if not tool_options.names:
         return text, []
     content, calls = parse_tool_calls(text)
-    return content, calls if tool_options["parallel"] else calls[:1]
+    calls = calls if tool_options.parallel else calls[:1]
+    return content, [_unbound_as_invalid(call, tool_options.names) for call in calls]
+
+
+def _unbound_as_invalid(call: ParsedCall, names: Sequence[str]) -> ParsedCall:
+    if call.args is None or call.name in names:
+        return call
+    return replace(
+        call,
+        args=None,
+        error=f"the tool call names {call.name!r}, which is not among the bound tools ({', '.join(names)})",
+    )

@@ -6,9 +6,11 @@ model's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks come
 ``tool_calls`` with ``finish_reason: "tool_calls"``, one call per JSON object (Qwen2.5 often writes
 two calls in one block, a comma between them); the parsing is LangChain's
 (:mod:`rag_lookahead.langchain.tools`), shared rather than copied. If a call does not parse (cut
-short by ``max_tokens``, say, a second object in a block included), the whole answer comes back as
-plain ``content`` with the answer's own ``finish_reason`` ("length" when the limit cut it), as
-vLLM's Hermes parser does. With ``parallel_tool_calls`` false, or a ``tool_choice`` naming one
+short by ``max_tokens``, say, a second object in a block included), or names a function not among
+the request's ``tools`` (made to call one, "required" among several, the default model made up a
+"hello"; an OpenAI client dispatches on the name it gets), the whole answer comes back as plain
+``content`` with the answer's own ``finish_reason`` ("length" when the limit cut it), as vLLM's
+Hermes parser does with a call that does not parse. With ``parallel_tool_calls`` false, or a ``tool_choice`` naming one
 function, only the first call counts.
 
 ``tool_choice``: "auto" (default), "none" (the tools are left out of the prompt), "required" or
@@ -27,10 +29,11 @@ from typing import Any
 from rag_lookahead.errors import ConfigError
 from rag_lookahead.langchain.tools import (
     TOOL_CALL_OPEN,
+    ToolOptions,
     check_tools,
     forced_opening,
-    parse_tool_calls,
     several_calls,
+    split_calls,
 )
 from rag_lookahead.serve.api_error import ApiError
 
@@ -51,12 +54,13 @@ class ToolSetup:
         return (TOOL_CALL_OPEN,) if self.tools else ()
 
     def reply(self, text: str) -> ToolReply | None:
-        """The answer as content and calls; None when it holds no call, or one that does not parse."""
+        """The answer as content and calls; None when it holds no call, or one that does not parse or
+        names a function the request did not give."""
         if not self.tools:
             return None
-        content, calls = parse_tool_calls(text)
-        calls = calls if self.parallel else calls[:1]  # first: a broken second call must not void the first
-        if not calls or any(call.args is None for call in calls):
+        # first only when not parallel: a broken second call must not void the first
+        content, calls = split_calls(text, ToolOptions(tuple(t["function"]["name"] for t in self.tools), self.parallel))
+        if not calls or any(call.args is None for call in calls):  # unparsed, or a tool not in the request
             return None
         return ToolReply(
             content=content,

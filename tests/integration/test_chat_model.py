@@ -20,7 +20,7 @@ from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.langchain.messages import call_chunks, message_calls, template_messages
-from rag_lookahead.langchain.tools import forced_opening, parse_tool_calls, split_calls
+from rag_lookahead.langchain.tools import ToolOptions, forced_opening, parse_tool_calls, split_calls
 from rag_lookahead.tokens import TextTracker
 
 FIXED = LookaheadConfig(budget="fixed", decoding_length=16)
@@ -132,14 +132,34 @@ def test_a_block_left_open_ends_where_the_next_opens():
 def test_streamed_tool_calls_are_the_whole_answers(text):
     """Streamed, LangChain parsed each chunk's args again (completing cut JSON), so a call that
     invoke reported invalid came back valid, with the wrong args, for an agent to run."""
-    _, calls = split_calls(text, {"tools": True, "parallel": True})
+    _, calls = split_calls(text, ToolOptions(("get_weather", "get_time", "now")))
     whole = AIMessage("", **message_calls(calls))
     streamed = AIMessageChunk(content="") + AIMessageChunk(content="", tool_call_chunks=call_chunks(calls))
     assert whole.invalid_tool_calls  # each case holds a call that is not valid
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(c["name"], c["args"]) for c in whole.tool_calls]
+    # as the README says: streamed, an invalid call's args are its text as a JSON string, and no error
+    # (LangChain rebuilds invalid calls from the chunks, with error=None)
     assert [(c["name"], json.loads(c["args"])) for c in streamed.invalid_tool_calls] == [
         (c["name"], c["args"]) for c in whole.invalid_tool_calls
     ]
+    assert all(c["error"] for c in whole.invalid_tool_calls)
+    assert all(c["error"] is None for c in streamed.invalid_tool_calls)
+    # either way, replayed in a later prompt, each is the text the model wrote
+    assert template_messages([whole]) == template_messages([streamed])
+
+
+def test_a_call_to_a_tool_not_bound_is_invalid_without_the_model():
+    text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}},\n'
+        '{"name": "hello", "arguments": {"message": "Hi"}}\n</tool_call>'
+    )
+    _, calls = split_calls(text, ToolOptions(("get_weather", "now")))
+    message = AIMessage("", **message_calls(calls))
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [("get_weather", {"city": "Paris"})]
+    (hello,) = message.invalid_tool_calls
+    assert hello["name"] == "hello" and hello["args"] == '{"name": "hello", "arguments": {"message": "Hi"}}'
+    assert hello["error"] == "the tool call names 'hello', which is not among the bound tools (get_weather, now)"
+    assert split_calls(text, ToolOptions()) == (text, [])  # no tools shown: all text
 
 
 def test_forced_opening_per_tool_choice():
@@ -162,6 +182,25 @@ def test_forced_opening_per_tool_choice():
     # OpenAI's object forms: {"type": "auto"} lets the model choose (it forced a call)
     assert forced_opening({"type": "auto"}, tools) == forced_opening({"type": "none"}, tools) == ""
     assert forced_opening({"type": "required"}, tools) == '<tool_call>\n{"name": "'
+
+
+def test_tool_choice_objects_mean_their_words_or_are_refused():
+    """An object tool_choice the code did not know ({"type": "nonee"}, {}) forced a call, where an
+    unknown string is refused; Anthropic's {"type": "any"} with one tool bound did not open the call
+    with that tool's name, as "any" does, so the default model called a "hello" it made up."""
+    takes_x = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": takes_x}} for n in ("magic_function", "get_weather")
+    ]
+    named = '<tool_call>\n{"name": "get_weather", "arguments":'
+    assert forced_opening({"type": "any"}, tools[1:]) == forced_opening("any", tools[1:]) == named
+    assert forced_opening({"type": "required"}, tools[1:]) == named
+    assert forced_opening({"type": "any"}, tools) == forced_opening("any", tools) == '<tool_call>\n{"name": "'
+    assert forced_opening({"type": "tool", "name": "get_weather"}, tools) == named  # Anthropic's named form
+    assert forced_opening({"type": "none"}, tools) == forced_opening({"type": "auto"}, tools) == ""
+    for unknown in ({"type": "nonee"}, {"mode": "NONE"}, {}, {"type": "function"}, {"type": "any", "name": "x"}):
+        with pytest.raises(ConfigError, match="no tool choice this model knows"):
+            forced_opening(unknown, tools)
 
 
 def test_template_messages_convert_history():
@@ -459,6 +498,51 @@ def test_a_cut_tool_call_stays_invalid_when_streamed(chat):
         streamed = chunk if streamed is None else streamed + chunk
     assert not whole.tool_calls and [c["name"] for c in whole.invalid_tool_calls] == ["get_weather"]
     assert not streamed.tool_calls and [c["name"] for c in streamed.invalid_tool_calls] == ["get_weather"]
+
+
+@slow
+def test_a_cut_tool_call_is_replayed_as_the_model_wrote_it(chat):
+    """An answer holding only a call cut by max_tokens (content "", one invalid call) was replayed
+    in a later prompt as an empty assistant turn: the model did not see what it had written."""
+    bound = chat.bind_tools([get_weather], tool_choice="get_weather")
+    question = "What is the weather in Paris?"
+    whole = bound.invoke(question, max_tokens=3)
+    streamed = None
+    for chunk in bound.stream(question, max_tokens=3):
+        streamed = chunk if streamed is None else streamed + chunk
+    written = '<tool_call>\n{"name": "get_weather", "arguments": {"city":\n</tool_call>'
+    for answer in (whole, streamed):
+        assert answer.content == "" and not answer.tool_calls, answer
+        history = [HumanMessage(question), answer, HumanMessage("Your call was cut; write it again.")]
+        assert template_messages(history)[1] == {"role": "assistant", "content": written}
+    request = chat._prepare(history, None, {"tools": [get_weather]})[0]
+    assert "<|im_start|>assistant\n" + written + "<|im_end|>" in chat.get_engine().tokenizer.decode(request.ids)
+
+
+@slow
+def test_a_call_to_a_tool_not_bound_is_invalid(chat):
+    """Made to call one of two tools ("required"), the default model called a "hello" it made up:
+    it came back as a valid call with finish_reason "tool_calls", for an agent's tool node to fail on."""
+    bound = chat.bind_tools([get_weather, get_time], tool_choice="required")
+    whole = bound.invoke("Say hello to me.")
+    streamed = None
+    for chunk in bound.stream("Say hello to me."):
+        streamed = chunk if streamed is None else streamed + chunk
+    for answer in (whole, streamed):
+        assert not answer.tool_calls and [c["name"] for c in answer.invalid_tool_calls] == ["hello"], answer
+        assert answer.response_metadata["finish_reason"] == "stop"
+    assert "not among the bound tools (get_weather, get_time)" in whole.invalid_tool_calls[0]["error"]
+
+
+@slow
+def test_an_unknown_tool_choice_object_is_refused(chat):
+    """bind_tools(..., tool_choice={"type": "nonee"}) answered with a forced call (see
+    test_tool_choice_objects_mean_their_words_or_are_refused); it is refused on binding, and per call."""
+    for unknown in ({"type": "nonee"}, {"mode": "NONE"}, {}):
+        with pytest.raises(ConfigError, match="no tool choice this model knows"):
+            chat.bind_tools([get_weather], tool_choice=unknown)
+    with pytest.raises(ConfigError, match="no tool choice this model knows"):
+        chat.bind_tools([get_weather]).invoke(HELLO, tool_choice={"type": "nonee"})
 
 
 @tool

@@ -518,6 +518,22 @@ def test_tool_call_content_streamed_as_whole(tokenizer, text):
     assert content == (whole["message"]["content"] or "") and whole["message"]["tool_calls"]
 
 
+def test_a_call_to_a_function_not_in_the_request_comes_back_as_text(tokenizer):
+    """Made to call one of two tools ("required"), the default model answers "Say hello to me." with
+    a call to a "hello" it made up: that came back as a tool call, for the client to dispatch on a
+    function it never gave. It is the answer's text, with the answer's own finish_reason, as a call
+    that does not parse is."""
+    text = '<tool_call>\n{"name": "hello", "arguments": {"message": "Hello, world!"}}\n</tool_call>'
+    streamed, whole = _streamed_and_whole(tokenizer, text, "stop", ToolSetup([NOW, WEATHER]))
+    assert whole["message"] == {"role": "assistant", "content": text, "tool_calls": None}
+    assert whole["finish_reason"] == "stop"
+    assert "".join(c["delta"].get("content") or "" for c in streamed) == text
+    assert not any(c["delta"].get("tool_calls") for c in streamed) and streamed[-1]["finish_reason"] == "stop"
+    # beside a call to a function it gave, too: the answer is one, as with a call that does not parse
+    both = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n' + text
+    assert ToolSetup([NOW, WEATHER]).reply(both) is None
+
+
 def test_calls_in_one_block_are_parallel_tool_calls(tokenizer):
     """The default model writes two calls in one block (its greedy answer to "What's the weather in
     Paris and what time is it in Tokyo?"): the second was dropped, and cut by max_tokens it still
