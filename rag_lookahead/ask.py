@@ -159,9 +159,10 @@ def answer(
     if llm is None:
         from rag_lookahead.models import check_load_options
 
-        # a bad --model, --dtype or --device, or a missing optional model: said before the sample
-        # index is built (a minute on a fresh machine, and the index was left behind)
-        check_load_options(model, dtype=dtype, device=device, device_map=device_map)
+        # a bad --model, --dtype or --device, a missing optional model, a hub id that cannot be
+        # fetched: said before the sample index is built (a minute on a fresh machine, and the
+        # index was left behind)
+        check_load_options(model, dtype=dtype, device=device, device_map=device_map, hub=True)
     # only the default folder gets the sample
     index = ensure_index(folder, quiet=quiet, build_bundled=index_dir is None)
     if llm is None:

@@ -236,7 +236,7 @@ def refuse_with_tiny(**given: str | None) -> None:
     its value is what the tiny run uses anyway (``--device cpu``, ``--dtype fp32``)."""
     for name, value in given.items():
         kept, option, why = _TINY_REPLACES[name]
-        if value not in kept:
+        if (value.strip().lower() if isinstance(value, str) else value) not in kept:
             raise typer.BadParameter(f"does not apply with --tiny ({why})", param_hint=option)
 
 

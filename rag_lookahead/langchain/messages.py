@@ -74,6 +74,9 @@ def _role_and_content(message: BaseMessage) -> dict:
     if isinstance(message, HumanMessage):
         return {"role": "user", "content": text}
     if isinstance(message, AIMessage):
+        # a refused turn (langchain-openai keeps the refusal in additional_kwargs, content empty) is its refusal
+        refusal = message.additional_kwargs.get("refusal")
+        text = text or (refusal if isinstance(refusal, str) else "")
         out: dict[str, Any] = {"role": "assistant", "content": _with_invalid_calls(text, message.invalid_tool_calls)}
         if message.tool_calls:
             out["tool_calls"] = [

@@ -4,8 +4,9 @@ The model writes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, a
 several objects in one block; :func:`parse_tool_calls` turns that back into calls, one per object.
 A ``tool_choice`` of "required"/"any" or a tool's name is honoured by opening the assistant's turn
 with ``<tool_call>`` (and the tool's name when it is known), so the model writes the call from
-there (:func:`forced_opening`); "none" and "auto" open nothing. A call naming a tool that was not
-bound is an invalid call (:func:`split_calls`): the model, made to call some tool, may make one up.
+there (:func:`forced_opening`); "none" and "auto" open nothing. For the server, a call naming a
+tool that was not shown is an invalid call (:func:`split_calls`): made to call some tool, the model
+may make one up.
 """
 
 from __future__ import annotations
@@ -201,7 +202,15 @@ def forced_opening(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
 
 
 def check_tools(tokenizer: Any, model_name: str | None, tools: Sequence[Mapping[str, Any]]) -> None:
-    """Refuse tools a model's chat template cannot show it, or whose calls we could not parse back."""
+    """Refuse tools a model's chat template cannot show it, or whose calls we could not parse back
+    (a provider's built-in tool, ``{"type": "web_search_preview"}``, has no function to call)."""
+    for tool in tools:
+        function = tool.get("function")
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ConfigError(
+                f"tool {tool!r} is no function tool: ChatLookahead takes functions (a LangChain tool, a "
+                "Pydantic model, a Python function or an OpenAI function schema)"
+            )
     template = chat_template_text(tokenizer)
     if tools and "tools" not in template:
         raise ConfigError(f"{model_name}'s chat template does not take tools")
@@ -218,18 +227,23 @@ class ToolOptions:
 
     names: tuple[str, ...] = ()  # the tools the model was shown (none: the answer is all text)
     parallel: bool = True  # False: its first call only (see several_calls)
+    only_shown: bool = False  # True: a call naming a tool not shown is invalid (see split_calls)
 
 
 def split_calls(text: str, tool_options: ToolOptions) -> tuple[str, list[ParsedCall]]:
     """An answer as (its text outside tool calls, the calls); with ``parallel`` off (see
-    :func:`several_calls`), the first call only. A call naming a tool the model was not shown is
-    invalid: forced to call some tool ("required" among several), the default model called a
-    "hello" it made up, and that came back as a valid call, for an agent's tool node to fail on."""
+    :func:`several_calls`), the first call only. With ``only_shown`` (the server's), a call naming
+    a tool the model was not shown is invalid: forced to call one of several tools, the default
+    model may make one up ("hello"), and an OpenAI client dispatches on the name. The chat model
+    returns it as a call, as LangChain's chat models do: LangGraph's tool node answers it with an
+    error message naming the real tools, and the agent tries again."""
     if not tool_options.names:
         return text, []
     content, calls = parse_tool_calls(text)
     calls = calls if tool_options.parallel else calls[:1]
-    return content, [_unbound_as_invalid(call, tool_options.names) for call in calls]
+    if tool_options.only_shown:
+        calls = [_unbound_as_invalid(call, tool_options.names) for call in calls]
+    return content, calls
 
 
 def _unbound_as_invalid(call: ParsedCall, names: Sequence[str]) -> ParsedCall:

@@ -59,7 +59,9 @@ class ToolSetup:
         if not self.tools:
             return None
         # first only when not parallel: a broken second call must not void the first
-        content, calls = split_calls(text, ToolOptions(tuple(t["function"]["name"] for t in self.tools), self.parallel))
+        content, calls = split_calls(
+            text, ToolOptions(tuple(t["function"]["name"] for t in self.tools), self.parallel, only_shown=True)
+        )
         if not calls or any(call.args is None for call in calls):  # unparsed, or a tool not in the request
             return None
         return ToolReply(

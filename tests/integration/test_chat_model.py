@@ -20,7 +20,7 @@ from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.langchain.messages import call_chunks, message_calls, template_messages
-from rag_lookahead.langchain.tools import ToolOptions, forced_opening, parse_tool_calls, split_calls
+from rag_lookahead.langchain.tools import ToolOptions, check_tools, forced_opening, parse_tool_calls, split_calls
 from rag_lookahead.tokens import TextTracker
 
 FIXED = LookaheadConfig(budget="fixed", decoding_length=16)
@@ -148,18 +148,37 @@ def test_streamed_tool_calls_are_the_whole_answers(text):
     assert template_messages([whole]) == template_messages([streamed])
 
 
-def test_a_call_to_a_tool_not_bound_is_invalid_without_the_model():
+def test_a_call_to_a_tool_not_shown_is_invalid_for_the_server_only():
     text = (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}},\n'
         '{"name": "hello", "arguments": {"message": "Hi"}}\n</tool_call>'
     )
-    _, calls = split_calls(text, ToolOptions(("get_weather", "now")))
+    _, calls = split_calls(text, ToolOptions(("get_weather", "now"), only_shown=True))
     message = AIMessage("", **message_calls(calls))
     assert [(c["name"], c["args"]) for c in message.tool_calls] == [("get_weather", {"city": "Paris"})]
     (hello,) = message.invalid_tool_calls
     assert hello["name"] == "hello" and hello["args"] == '{"name": "hello", "arguments": {"message": "Hi"}}'
     assert hello["error"] == "the tool call names 'hello', which is not among the bound tools (get_weather, now)"
+    # the chat model's reading (LangChain's contract: the tool node answers a made-up name)
+    _, calls = split_calls(text, ToolOptions(("get_weather", "now")))
+    assert [c.name for c in calls] == ["get_weather", "hello"] and all(c.args is not None for c in calls)
     assert split_calls(text, ToolOptions()) == (text, [])  # no tools shown: all text
+
+
+def test_a_tool_that_is_no_function_is_refused_on_binding():
+    """A provider's built-in tool (``{"type": "web_search_preview"}``, which convert_to_openai_tool
+    passes through) was taken on binding, and every call then raised a bare KeyError."""
+    with pytest.raises(ConfigError, match="is no function tool"):
+        check_tools(None, "m", [{"type": "web_search_preview"}])
+
+
+def test_an_ai_messages_refusal_is_its_text():
+    """langchain-openai keeps a refused turn's text in ``additional_kwargs["refusal"]`` (content
+    empty): it was replayed as an empty assistant turn, as the server once did with OpenAI's field."""
+    refused = AIMessage("", additional_kwargs={"refusal": "I can't help with that."})
+    turns = template_messages([HumanMessage("hi"), refused, HumanMessage("why?")])
+    assert turns[1] == {"role": "assistant", "content": "I can't help with that."}
+    assert template_messages([AIMessage("said", additional_kwargs={"refusal": "x"})])[0]["content"] == "said"
 
 
 def test_forced_opening_per_tool_choice():
@@ -520,18 +539,19 @@ def test_a_cut_tool_call_is_replayed_as_the_model_wrote_it(chat):
 
 
 @slow
-def test_a_call_to_a_tool_not_bound_is_invalid(chat):
-    """Made to call one of two tools ("required"), the default model called a "hello" it made up:
-    it came back as a valid call with finish_reason "tool_calls", for an agent's tool node to fail on."""
+def test_a_call_to_a_tool_not_bound_comes_back_as_a_call(chat):
+    """Made to call one of two tools ("required"), the default model calls a "hello" it made up.
+    The chat model returns it in ``tool_calls``, as LangChain's chat models do: LangGraph's tool
+    node answers a made-up name with an error naming the real tools, and the agent tries again
+    (as an invalid call, the agent's run ended with an empty answer). The server refuses it."""
     bound = chat.bind_tools([get_weather, get_time], tool_choice="required")
     whole = bound.invoke("Say hello to me.")
     streamed = None
     for chunk in bound.stream("Say hello to me."):
         streamed = chunk if streamed is None else streamed + chunk
     for answer in (whole, streamed):
-        assert not answer.tool_calls and [c["name"] for c in answer.invalid_tool_calls] == ["hello"], answer
-        assert answer.response_metadata["finish_reason"] == "stop"
-    assert "not among the bound tools (get_weather, get_time)" in whole.invalid_tool_calls[0]["error"]
+        assert [c["name"] for c in answer.tool_calls] == ["hello"] and not answer.invalid_tool_calls, answer
+        assert answer.response_metadata["finish_reason"] == "tool_calls"
 
 
 @slow

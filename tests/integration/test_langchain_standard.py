@@ -104,15 +104,6 @@ class TestChatLookaheadStandard(_ChatSettings, ChatModelIntegrationTests):
     def test_unicode_tool_call_integration(self, model, *, tool_choice=None, force_tool_call=True) -> None:
         super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)
 
-    @pytest.mark.xfail(
-        reason='forced to call one of two tools ("any"), the 0.5B default answers "Hello!" with a call to '
-        'a "hello" it made up: a tool not bound, so the call is invalid (until 2026-12-06 it came back '
-        "as a valid call, which passed this test)",
-        strict=False,
-    )
-    def test_tool_choice(self, model) -> None:
-        super().test_tool_choice(model)
-
 
 @pytest.mark.slow
 class TestChatLookaheadUnitStandard(_ChatSettings, ChatModelUnitTests):

@@ -69,6 +69,8 @@ def test_sampling_settings_are_checked_before_anything_loads(tmp_path, monkeypat
         (["--model", "{tmp}/no_model"], "error: '{tmp}/no_model' is not a model folder: it has no config.json"),
         (["--model", "bad id with spaces"], "error: model 'bad id with spaces' is neither an embedded model"),
         (["--model", "DEFAULT"], "error: no model named 'DEFAULT': did you mean 'default'?"),
+        # neither cached nor fetchable (HF_HUB_OFFLINE, set below)
+        (["--model", "no-such-org/no-such-model"], "error: model 'no-such-org/no-such-model' is neither a local"),
     ],
 )
 def test_a_bad_model_option_is_refused_before_the_sample_index_is_built(tmp_path, monkeypatch, options, said):
@@ -83,6 +85,7 @@ def test_a_bad_model_option_is_refused_before_the_sample_index_is_built(tmp_path
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine too has no GPU here
     monkeypatch.setenv("RAG_LOOKAHEAD_HOME", str(tmp_path / "home"))  # no default index yet
     monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     (tmp_path / "no_model").mkdir()
     argv = [option.format(tmp=tmp_path) for option in options]
     result = CliRunner().invoke(app, ["ask", "what is decoding_length", *argv])
