@@ -73,6 +73,7 @@ from rag_lookahead.langchain.tools import (
     forced_opening,
     plain_choice,
     several_calls,
+    tool_names,
 )
 from rag_lookahead.langchain.tools import parse_tool_calls as parse_tool_calls
 from rag_lookahead.models import reported_name
@@ -95,9 +96,6 @@ _CALL_OPTIONS = (
     "parallel_tool_calls",
     "chat_template_kwargs",
 )
-
-
-# ---------------------------------------------------------------- loading and sharing
 
 
 # ---------------------------------------------------------------- the chat model
@@ -333,7 +331,8 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
 
         ``tool_choice``: "auto" (default), "none", "any"/"required" (some tool must be called), or a
         tool's name (that tool must be called); or the objects OpenAI and Anthropic write for these
-        (:func:`~rag_lookahead.langchain.tools.plain_choice`). A call to a tool not bound is invalid.
+        (:func:`~rag_lookahead.langchain.tools.plain_choice`). A call to a tool not bound comes back
+        as a call (see :func:`~rag_lookahead.langchain.tools.split_calls`).
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
         check_tools(self._engine.tokenizer, self.model_name, formatted)
@@ -398,8 +397,7 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
             hold=(TOOL_CALL_OPEN,) if tools else (),
         )
         settings = {"max_new_tokens": max_tokens, "config": config, "sampling": sampling, "timeout": timeout or None}
-        names = tuple(tool["function"]["name"] for tool in tools)
-        return request, settings, ToolOptions(names, several_calls(tool_choice, parallel))
+        return request, settings, ToolOptions(tool_names(tools), several_calls(tool_choice, parallel))
 
     def _references(self, references: Any, chat: list[dict], engine: Engine) -> list[str]:
         if references is None:

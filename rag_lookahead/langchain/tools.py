@@ -4,9 +4,7 @@ The model writes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, a
 several objects in one block; :func:`parse_tool_calls` turns that back into calls, one per object.
 A ``tool_choice`` of "required"/"any" or a tool's name is honoured by opening the assistant's turn
 with ``<tool_call>`` (and the tool's name when it is known), so the model writes the call from
-there (:func:`forced_opening`); "none" and "auto" open nothing. For the server, a call naming a
-tool that was not shown is an invalid call (:func:`split_calls`): made to call some tool, the model
-may make one up.
+there (:func:`forced_opening`); "none" and "auto" open nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from rag_lookahead.errors import ConfigError
@@ -32,6 +30,7 @@ __all__ = [
     "plain_choice",
     "several_calls",
     "split_calls",
+    "tool_names",
 ]
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -113,10 +112,6 @@ def _call_of(data: Any, raw: str) -> ParsedCall:
     return ParsedCall(data["name"], args, raw)
 
 
-def _tool_name(tool: Mapping[str, Any]) -> str:
-    return tool["function"]["name"]
-
-
 def _takes_no_arguments(tool: Mapping[str, Any]) -> bool:
     parameters = tool["function"].get("parameters") or {}
     return not parameters.get("properties") and not parameters.get("additionalProperties")
@@ -183,7 +178,7 @@ def forced_opening(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
     tool_choice = plain_choice(tool_choice)
     if tool_choice in (None, "auto", "none"):
         return ""
-    names = [_tool_name(t) for t in tools]
+    names = tool_names(tools)
     if tool_choice in ("any", "required", True):
         name = names[0] if len(names) == 1 else None
     elif isinstance(tool_choice, (str, Mapping)):
@@ -227,30 +222,20 @@ class ToolOptions:
 
     names: tuple[str, ...] = ()  # the tools the model was shown (none: the answer is all text)
     parallel: bool = True  # False: its first call only (see several_calls)
-    only_shown: bool = False  # True: a call naming a tool not shown is invalid (see split_calls)
+
+
+def tool_names(tools: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """The function names of tools in OpenAI's form (as :func:`check_tools` takes them)."""
+    return tuple(tool["function"]["name"] for tool in tools)
 
 
 def split_calls(text: str, tool_options: ToolOptions) -> tuple[str, list[ParsedCall]]:
     """An answer as (its text outside tool calls, the calls); with ``parallel`` off (see
-    :func:`several_calls`), the first call only. With ``only_shown`` (the server's), a call naming
-    a tool the model was not shown is invalid: forced to call one of several tools, the default
-    model may make one up ("hello"), and an OpenAI client dispatches on the name. The chat model
-    returns it as a call, as LangChain's chat models do: LangGraph's tool node answers it with an
-    error message naming the real tools, and the agent tries again."""
+    :func:`several_calls`), the first call only. A call naming a tool the model was not shown stays
+    a call, as LangChain's chat models return it: LangGraph's tool node answers it with an error
+    naming the real tools, and the agent tries again (the server, whose clients dispatch on the
+    name, reads such an answer as text)."""
     if not tool_options.names:
         return text, []
     content, calls = parse_tool_calls(text)
-    calls = calls if tool_options.parallel else calls[:1]
-    if tool_options.only_shown:
-        calls = [_unbound_as_invalid(call, tool_options.names) for call in calls]
-    return content, calls
-
-
-def _unbound_as_invalid(call: ParsedCall, names: Sequence[str]) -> ParsedCall:
-    if call.args is None or call.name in names:
-        return call
-    return replace(
-        call,
-        args=None,
-        error=f"the tool call names {call.name!r}, which is not among the bound tools ({', '.join(names)})",
-    )
+    return content, calls if tool_options.parallel else calls[:1]

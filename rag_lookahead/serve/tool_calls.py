@@ -34,6 +34,7 @@ from rag_lookahead.langchain.tools import (
     forced_opening,
     several_calls,
     split_calls,
+    tool_names,
 )
 from rag_lookahead.serve.api_error import ApiError
 
@@ -58,12 +59,11 @@ class ToolSetup:
         names a function the request did not give."""
         if not self.tools:
             return None
+        names = tool_names(self.tools)
         # first only when not parallel: a broken second call must not void the first
-        content, calls = split_calls(
-            text, ToolOptions(tuple(t["function"]["name"] for t in self.tools), self.parallel, only_shown=True)
-        )
-        if not calls or any(call.args is None for call in calls):  # unparsed, or a tool not in the request
-            return None
+        content, calls = split_calls(text, ToolOptions(names, self.parallel))
+        if not calls or any(call.args is None or call.name not in names for call in calls):
+            return None  # a call that does not parse, or to a function the request did not give
         return ToolReply(
             content=content,
             calls=[
@@ -98,7 +98,7 @@ def tool_setup(
             )
         return ToolSetup()
     tools = [dict(tool) for tool in tools]
-    names = [tool["function"]["name"] for tool in tools]
+    names = tool_names(tools)
     if isinstance(tool_choice, Mapping) and tool_choice["function"]["name"] not in names:
         raise ApiError(
             400,

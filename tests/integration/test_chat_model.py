@@ -148,20 +148,25 @@ def test_streamed_tool_calls_are_the_whole_answers(text):
     assert template_messages([whole]) == template_messages([streamed])
 
 
-def test_a_call_to_a_tool_not_shown_is_invalid_for_the_server_only():
+def test_a_call_to_a_tool_not_shown_is_text_for_the_server_only():
+    from rag_lookahead.serve.tool_calls import ToolSetup
+
     text = (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}},\n'
         '{"name": "hello", "arguments": {"message": "Hi"}}\n</tool_call>'
     )
-    _, calls = split_calls(text, ToolOptions(("get_weather", "now"), only_shown=True))
-    message = AIMessage("", **message_calls(calls))
-    assert [(c["name"], c["args"]) for c in message.tool_calls] == [("get_weather", {"city": "Paris"})]
-    (hello,) = message.invalid_tool_calls
-    assert hello["name"] == "hello" and hello["args"] == '{"name": "hello", "arguments": {"message": "Hi"}}'
-    assert hello["error"] == "the tool call names 'hello', which is not among the bound tools (get_weather, now)"
+    shown = [{"type": "function", "function": {"name": name, "parameters": {}}} for name in ("get_weather", "now")]
+    # the server reads the whole answer as text: its clients dispatch on the name
+    assert ToolSetup(tools=shown).reply(text) is None
+    assert ToolSetup(tools=shown, parallel=False).reply(text).calls[0]["function"]["name"] == "get_weather"
     # the chat model's reading (LangChain's contract: the tool node answers a made-up name)
     _, calls = split_calls(text, ToolOptions(("get_weather", "now")))
-    assert [c.name for c in calls] == ["get_weather", "hello"] and all(c.args is not None for c in calls)
+    message = AIMessage("", **message_calls(calls))
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("hello", {"message": "Hi"}),
+    ]
+    assert not message.invalid_tool_calls
     assert split_calls(text, ToolOptions()) == (text, [])  # no tools shown: all text
 
 
