@@ -115,7 +115,7 @@ def load_model(
     attention = attn_implementation or "sdpa"
     check_attn_implementation(attention)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attention}
-    kwargs.update(_placement(device, device_map))
+    kwargs.update(placement(device, device_map))
 
     if name in EMBEDDED and not is_path:
         folder = embedded_model_dir(name)
@@ -168,7 +168,7 @@ def check_load_options(
     name = _model_name(name)
     resolve_dtype(dtype, device, device_map)
     check_attn_implementation(attn_implementation)
-    _placement(device, device_map)
+    placement(device, device_map)
     if name in EMBEDDED and not is_path:
         check_embedded_installed(name)
     elif is_path or _looks_local(name):
@@ -604,7 +604,7 @@ def _target_devices(device: str | torch.device | None, device_map: Any) -> list[
     return [_resolve_device(device_map, "device_map")]
 
 
-def _placement(device: str | torch.device | None, device_map: Any) -> dict[str, Any]:
+def placement(device: str | torch.device | None, device_map: Any) -> dict[str, Any]:
     """``from_pretrained`` keywords that put the weights where they belong while loading.
 
     A GPU gets ``device_map={"": cuda:N}``: each tensor goes straight to it, so host RAM never

@@ -38,7 +38,7 @@ def load_shared(model_id: str, dtype: Any, device: Any, device_map: Any, trust_r
     which has no code of its own to run (``load_model`` ignores the flag there), so
     ``model="default"`` with and without it loads once."""
     from rag_lookahead.embedded_model import EMBEDDED
-    from rag_lookahead.models import load_model, resolve_dtype
+    from rag_lookahead.models import load_model, placement, resolve_dtype
     from rag_lookahead.paths import expand_user
 
     embedded = model_id in EMBEDDED
@@ -46,7 +46,9 @@ def load_shared(model_id: str, dtype: Any, device: Any, device_map: Any, trust_r
     if not embedded and (folder := expand_user(model_id, "model")).is_dir():
         where = str(folder.resolve())
     remote_code = None if embedded else trust_remote_code
-    key = (where, str(resolve_dtype(dtype, device, device_map)), str(device), repr(device_map), remote_code)
+    # where the weights go, not how it was said: device None and "cpu" on a CPU (or "cuda" and
+    # "cuda:0") loaded two copies
+    key = (where, str(resolve_dtype(dtype, device, device_map)), repr(placement(device, device_map)), remote_code)
     with _LOCK:
         held = _LOADED.get(key)
         model = held[0]() if held is not None else None

@@ -260,12 +260,12 @@ def test_gpus_without_native_bf16_get_fp16(monkeypatch):
 
 def test_gpu_weights_are_loaded_onto_the_gpu_not_moved_there(monkeypatch):
     _fake_gpus(monkeypatch, [8])
-    assert models._placement("cuda", None) == {"device_map": {"": torch.device("cuda", 0)}}
-    assert models._placement("cuda:0", None) == {"device_map": {"": torch.device("cuda", 0)}}
-    assert models._placement("cpu", None) == {}
-    assert models._placement("cuda", "auto") == {"device_map": "auto"}
+    assert models.placement("cuda", None) == {"device_map": {"": torch.device("cuda", 0)}}
+    assert models.placement("cuda:0", None) == {"device_map": {"": torch.device("cuda", 0)}}
+    assert models.placement("cpu", None) == {}
+    assert models.placement("cuda", "auto") == {"device_map": "auto"}
     with pytest.raises(ConfigError, match="only 1 CUDA GPU"):
-        models._placement("cuda:1", None)
+        models.placement("cuda:1", None)
 
 
 def test_a_missing_gpu_is_a_config_error(monkeypatch):

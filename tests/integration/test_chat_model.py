@@ -1348,3 +1348,19 @@ def test_chat_template_kwargs_reach_the_template_as_field_per_call_and_bound():
     for bad in ("enable_thinking", ["enable_thinking"], {1: True}):
         with pytest.raises(ConfigError, match="chat_template_kwargs must be a dict"):
             plain.invoke(messages, chat_template_kwargs=bad)
+
+
+def test_device_none_and_cpu_share_the_weights_on_a_cpu(tmp_path, monkeypatch):
+    """The shared-model key held the device as written, so ``device=None`` (the CPU here) and
+    ``device="cpu"`` loaded two copies of the same weights on the same CPU."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.tiny import build_tiny_model
+
+    build_tiny_model("qwen2").save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    monkeypatch.chdir(tmp_path)
+    unsaid = ChatLookahead(model="m", dtype="fp32", max_tokens=2)
+    cpu = ChatLookahead(model="m", dtype="fp32", max_tokens=2, device="cpu")
+    assert cpu._engine.model is unsaid._engine.model
+    assert ChatLookahead(model="m", dtype="bf16", max_tokens=2, device="cpu")._engine.model is not cpu._engine.model

@@ -323,17 +323,17 @@ def test_check_load_options_refuses_a_missing_accelerator(no_accelerators):
 
 def test_device_map_strategies_and_the_cpu_need_no_accelerator(no_accelerators):
     for device_map in ("auto", "balanced", "sequential", "cpu", {"": "cpu"}):
-        assert models._placement(None, device_map) == {"device_map": device_map}
+        assert models.placement(None, device_map) == {"device_map": device_map}
 
 
 def test_a_device_map_gpu_past_the_last_one_is_a_config_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert models._placement(None, {"": "cuda:0"}) == {"device_map": {"": "cuda:0"}}
+    assert models.placement(None, {"": "cuda:0"}) == {"device_map": {"": "cuda:0"}}
     with pytest.raises(ConfigError, match="only 1 CUDA GPU"):
-        models._placement(None, {"": "cuda:1"})
+        models.placement(None, {"": "cuda:1"})
     with pytest.raises(ConfigError, match="only 1 CUDA GPU"):
-        models._placement(None, 1)
+        models.placement(None, 1)
 
 
 _NO_USER = "~no_such_user_rag_lookahead_h37a"
