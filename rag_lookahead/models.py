@@ -510,8 +510,8 @@ def _from_pretrained(where: str, extra: dict[str, Any], kwargs: dict[str, Any], 
         if "trust_remote_code" in str(err) and not kwargs.get("trust_remote_code"):
             raise ModelLoadError(
                 f"model '{where}' ships its own modeling code, which is not run by default: if you trust its"
-                " source, pass --trust-remote-code (ask, serve) or trust_remote_code=True (load_model,"
-                " LookaheadLLM.from_model_id, ChatLookahead)"
+                " source, pass --trust-remote-code (ask, serve, the benchmarks) or trust_remote_code=True"
+                " (load_model, LookaheadLLM.from_model_id, ChatLookahead)"
             ) from err
         raise ModelLoadError(f"could not load model '{source}': {_cause(err)}") from err
     return model, tokenizer

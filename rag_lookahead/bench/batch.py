@@ -34,6 +34,7 @@ from rag_lookahead.bench.common import (
     JsonOption,
     ModelOption,
     PlotOption,
+    TrustRemoteCodeOption,
     chains_note,
     check_method_list,
     check_output_path,
@@ -241,6 +242,7 @@ def batch(
     dtype: DtypeOption = "auto",
     device: DeviceOption = None,
     device_map: DeviceMapOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
     prompts: Annotated[
         str | None, typer.Option(help="JSONL with context/question per line (default: bundled set)")
     ] = None,
@@ -266,7 +268,7 @@ def batch(
     config = checked_config(depths, branch_length=branch_length)
     prompt_set = load_prompts(prompts, ids)  # a bad file or setting fails before the model loads
     with report_despite_stdout(json_path):
-        loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+        loaded, tokenizer = load_bench_model(model, dtype, device, device_map, trust_remote_code)
         work, cycled = workload(loaded, tokenizer, prompt_set, requests, config, depths, max_new_tokens)
         results, single = warmed_measure(work, chosen, levels, repeats)
         contexts = [tokenizer.encode(p["context"], add_special_tokens=False) for p in cycled]

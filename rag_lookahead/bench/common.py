@@ -52,6 +52,7 @@ __all__ = [
     "ModelOption",
     "PlotOption",
     "PromptsOption",
+    "TrustRemoteCodeOption",
     "chat_ids",
     "check_bench_model",
     "check_method_list",
@@ -101,6 +102,13 @@ PromptsOption = Annotated[
     str | None, typer.Option("--prompts", help="JSONL with context/question per line (default: bundled set)")
 ]
 JsonOption = Annotated[str | None, typer.Option("--json", help="write the results here")]
+TrustRemoteCodeOption = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        help="run the modeling code a model repo or folder ships (ChatGLM3, Qwen-1); only for sources you trust",
+    ),
+]
 IdsOption = Annotated[str | None, typer.Option("--ids", help="use only these prompt ids (comma-separated)")]
 BranchLengthOption = Annotated[int, typer.Option("--branch-length")]
 ExtraBranchLengthOption = Annotated[
@@ -267,11 +275,21 @@ def check_bench_model(model: str, dtype: Any, device: str | None, device_map: st
     check_load_options(model, dtype=_loader_dtype(dtype), device=device, device_map=device_map, hub=True)
 
 
-def load_bench_model(model: str, dtype: Any, device: str | None, device_map: str | None, **extra: Any):
-    """The model and tokenizer the options name (``dtype="auto"``: the loader picks)."""
+def load_bench_model(
+    model: str, dtype: Any, device: str | None, device_map: str | None, trust_remote_code: bool = False, **extra: Any
+):
+    """The model and tokenizer the options name (``dtype="auto"``: the loader picks;
+    ``trust_remote_code``: ``--trust-remote-code``, run the modeling code a folder or hub repo ships)."""
     from rag_lookahead.models import load_model
 
-    return load_model(model, dtype=_loader_dtype(dtype), device=device, device_map=device_map, **extra)
+    return load_model(
+        model,
+        dtype=_loader_dtype(dtype),
+        device=device,
+        device_map=device_map,
+        trust_remote_code=trust_remote_code,
+        **extra,
+    )
 
 
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -473,6 +491,7 @@ def prompts_then_model(
     dtype: Any,
     device: str | None,
     device_map: str | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[list[dict], Any, Any, LookaheadConfig, FileState | EllipsisType]:
     """The chosen prompts, then the model, its tokenizer and the drafter config ``bench`` runs (the
     tokenizer's stop words too), and what the report's path held (:func:`check_output_path`); bad
@@ -481,7 +500,7 @@ def prompts_then_model(
     check_positive({"--limit": limit, "--max-new-tokens": max_new_tokens})
     seen = check_output_path(json_path, inputs=[prompts])
     chosen = load_prompts(prompts, ids)[:limit]
-    loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+    loaded, tokenizer = load_bench_model(model, dtype, device, device_map, trust_remote_code)
     context_fitted_ids(loaded, tokenizer, chosen, max_new_tokens)
     return chosen, loaded, tokenizer, LookaheadConfig().with_tokenizer(tokenizer), seen
 

@@ -31,6 +31,7 @@ import typer
 
 from rag_lookahead.attention_choice import check_attn_implementation
 from rag_lookahead.bench.common import (
+    TrustRemoteCodeOption,
     chat_ids,
     check_output_path,
     eos_pad,
@@ -73,6 +74,7 @@ class CheckSettings:
     model: str = "default"
     small: bool = False
     tiny_only: bool = False
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -115,7 +117,14 @@ def run_check(settings: CheckSettings) -> dict:
 
     def load(dtype=None):
         dtype = dtype if dtype is not None else settings.dtype
-        return load_bench_model(settings.model, dtype, device, settings.device_map, attn_implementation=settings.attn)
+        return load_bench_model(
+            settings.model,
+            dtype,
+            device,
+            settings.device_map,
+            settings.trust_remote_code,
+            attn_implementation=settings.attn,
+        )
 
     if not (settings.small or settings.tiny_only):
         run_section(report, "exactness_model", lambda: exactness_model(load, settings.model, load_prompts(None), sizes))
@@ -313,6 +322,7 @@ def gpu_check(
         str, typer.Option(help="attn_implementation: sdpa, eager, flash_attention_2 (refused tree masks: chains)")
     ] = "sdpa",
     model: Annotated[str, typer.Option(help='"default" (embedded), a hub id or a local folder')] = "default",
+    trust_remote_code: TrustRemoteCodeOption = False,
     small: Annotated[bool, typer.Option("--small", help="small sizes (CI on a CPU)")] = False,
     tiny_only: Annotated[
         bool, typer.Option("--tiny-only", help="only the tiny random models (no download, no conversion)")
@@ -323,6 +333,11 @@ def gpu_check(
 
     Exits 1 when an output differs where it must not (fp32 exactness) or a section failed.
     """
+    if tiny_only and trust_remote_code:  # it loads no model whose code could run
+        raise typer.BadParameter(
+            "does not apply with --tiny-only (it runs tiny random models only, which ship no code)",
+            param_hint="--trust-remote-code",
+        )
     seen = check_output_path(json_path)
     check_attention(attn)
     if dtype is not None:  # refused now: it failed in the model section, after the tiny ones had run
@@ -330,7 +345,7 @@ def gpu_check(
             resolve_dtype(dtype, "cpu", None)
         except ConfigError as err:
             raise typer.BadParameter(first_line(err), param_hint="--dtype") from None
-    report = run_check(CheckSettings(device, device_map, dtype, attn, model, small, tiny_only))
+    report = run_check(CheckSettings(device, device_map, dtype, attn, model, small, tiny_only, trust_remote_code))
     print_table(report)
     if json_path:
         write_report(json_path, report, seen=seen)

@@ -31,6 +31,7 @@ from rag_lookahead.bench.common import (
     JsonOption,
     ModelOption,
     PromptsOption,
+    TrustRemoteCodeOption,
     chat_ids,
     check_output_path,
     check_positive,
@@ -164,11 +165,11 @@ def identical(a: dict[str, list[int]], b: dict[str, list[int]]) -> str:
     return f"{sum(a[k] == b[k] for k in both)}/{len(both)}"
 
 
-def real_mix(model: str, dtype: str, device: str | None, prompts: str | None, settings: dict):
+def real_mix(model: str, dtype: str, device: str | None, trust_remote_code: bool, prompts: str | None, settings: dict):
     """The named model and a mix built from the prompt set: questions alone as the short requests,
     passages joined to about ``long_tokens`` tokens (then a question) as the long ones."""
     prompt_set = load_prompts(prompts)  # a bad file fails before the model loads
-    loaded, tokenizer = load_bench_model(model, dtype, device, None)
+    loaded, tokenizer = load_bench_model(model, dtype, device, None, trust_remote_code)
     eos, pad = eos_pad(loaded, tokenizer)
     shorts = context_fitted_ids(
         loaded,
@@ -228,10 +229,11 @@ _TINY_REPLACES = {
     "model": (("default",), "--model", "it runs a tiny random model"),
     "dtype": (("auto", "fp32", "float32"), "--dtype", "the tiny model runs in fp32"),
     "device": ((None, "cpu"), "--device", "the tiny model runs on the CPU"),
+    "trust_remote_code": ((False,), "--trust-remote-code", "the tiny model ships no code of its own"),
 }
 
 
-def refuse_with_tiny(**given: str | None) -> None:
+def refuse_with_tiny(**given: str | bool | None) -> None:
     """A usage error for an option ``--tiny`` replaces (see ``_TINY_REPLACES``) given with it, unless
     its value is what the tiny run uses anyway (``--device cpu``, ``--dtype fp32``)."""
     for name, value in given.items():
@@ -245,6 +247,7 @@ def interference(
     model: ModelOption = "default",
     dtype: DtypeOption = "auto",
     device: DeviceOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
     prompts: PromptsOption = None,
     tiny: Annotated[
         bool, typer.Option("--tiny", help="a tiny random fp32 model on the CPU, random-token prompts (a smoke run)")
@@ -272,7 +275,7 @@ def interference(
         }
     )
     if tiny:
-        refuse_with_tiny(prompts=prompts, model=model, dtype=dtype, device=device)
+        refuse_with_tiny(prompts=prompts, model=model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     seen = check_output_path(json_path, inputs=[prompts])
     settings = {
         "long_requests": long_requests,
@@ -281,7 +284,7 @@ def interference(
         "short_max_new_tokens": short_max_new_tokens,
     }
     loaded, eos, pad, shorts, longs, config = (
-        tiny_mix(settings) if tiny else real_mix(model, dtype, device, prompts, settings)
+        tiny_mix(settings) if tiny else real_mix(model, dtype, device, trust_remote_code, prompts, settings)
     )
     config = config.replace(enabled=not no_lookahead)
     mix = Mix(shorts, longs, short_streams, short_max_new_tokens, long_max_new_tokens, arrival_steps)

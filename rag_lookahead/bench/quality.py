@@ -39,6 +39,7 @@ from rag_lookahead.bench.common import (
     DeviceOption,
     DtypeOption,
     JsonOption,
+    TrustRemoteCodeOption,
     accepted,
     check_bench_model,
     check_output_path,
@@ -216,6 +217,7 @@ def quality(
     ] = "default,quality",
     dtype: DtypeOption = "auto",
     device: DeviceOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
     max_new_tokens: int = 128,
     k_prompt: int = 3,
     k_seed: int | None = None,
@@ -235,7 +237,7 @@ def quality(
     with open_index(index_dir) as index:
         for name in names:
             start = time.perf_counter()
-            model, tokenizer = load_bench_model(name, dtype, device, None)  # converts on first use
+            model, tokenizer = load_bench_model(name, dtype, device, None, trust_remote_code)  # converts on first use
             load_seconds = round(time.perf_counter() - start, 1)
             model_rows = ask_all(model, tokenizer, index, name, max_new_tokens, k_prompt, k_seed)
             # peak RSS is the process's so far: the earlier models' peaks are included

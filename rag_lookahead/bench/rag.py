@@ -27,6 +27,7 @@ from rag_lookahead.bench.common import (
     DtypeOption,
     JsonOption,
     ModelOption,
+    TrustRemoteCodeOption,
     accepted,
     check_bench_model,
     check_output_path,
@@ -138,6 +139,7 @@ def rag(
     dtype: DtypeOption = "auto",
     device: DeviceOption = None,
     device_map: DeviceMapOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
     index_dir: Annotated[
         str | None, typer.Option(help="an index to use (default: the bundled corpus, indexed into a temp dir)")
     ] = None,
@@ -152,7 +154,7 @@ def rag(
     seen = check_output_path(json_path)
     check_bench_model(model, dtype, device, device_map)  # a bad option is said before the index is built
     with open_index(index_dir) as index:  # a missing index is said before the model loads
-        loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+        loaded, tokenizer = load_bench_model(model, dtype, device, device_map, trust_remote_code)
         dtype = dtype_label(loaded, dtype)  # what ran, not the option
         rows, per_mode = ask_every_way(loaded, tokenizer, index, model, k_prompt, k_seed, max_new_tokens)
     summary = summarize_modes(per_mode)

@@ -32,6 +32,7 @@ from rag_lookahead.bench.common import (
     JsonOption,
     ModelOption,
     PromptsOption,
+    TrustRemoteCodeOption,
     dtype_label,
     eos_pad,
     fresh_pool_answers,
@@ -194,6 +195,7 @@ def replay_bench(
     model: ModelOption = "default",
     dtype: DtypeOption = "auto",
     device: DeviceOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
     prompts: PromptsOption = None,
     ids: IdsOption = None,
     limit: int | None = None,
@@ -206,7 +208,7 @@ def replay_bench(
 
     given = parse_curve(cost_curve_points) if cost_curve_points is not None else None
     chosen, loaded, tokenizer, config, seen = prompts_then_model(
-        prompts, ids, limit, max_new_tokens, json_path, model, dtype, device
+        prompts, ids, limit, max_new_tokens, json_path, model, dtype, device, trust_remote_code=trust_remote_code
     )
     with report_despite_stdout(json_path):
         dtype = dtype_label(loaded, dtype)  # what ran, not the option

@@ -32,6 +32,7 @@ from rag_lookahead.bench.common import (
     DtypeOption,
     JsonOption,
     ModelOption,
+    TrustRemoteCodeOption,
     accepted,
     check_bench_model,
     check_output_path,
@@ -173,6 +174,7 @@ def session(
     dtype: DtypeOption = "auto",
     device: DeviceOption = None,
     device_map: DeviceMapOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
     dataset: Annotated[
         str, typer.Option(help="realistic-zh, realistic-en, bundled (the retrieval sets), or a JSONL of that shape")
     ] = "realistic-zh",
@@ -200,7 +202,7 @@ def session(
     items = load_dataset(dataset)
     asked = session_questions(items, questions, seed)
     with session_index(items, index_dir) as index:  # a missing index is said before the model loads
-        loaded, tokenizer = load_bench_model(model, dtype, device, device_map)
+        loaded, tokenizer = load_bench_model(model, dtype, device, device_map, trust_remote_code)
         dtype = dtype_label(loaded, dtype)  # what ran, not the option
         records = ask_session(
             loaded,

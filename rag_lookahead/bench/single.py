@@ -35,6 +35,7 @@ from rag_lookahead.bench.common import (
     ModelOption,
     PlotOption,
     PromptsOption,
+    TrustRemoteCodeOption,
     chains_note,
     chat_ids,
     check_method_list,
@@ -136,6 +137,7 @@ class BenchSettings:
     json_path: str | None
     plot: bool
     report_seen: FileState | EllipsisType = ...  # what check_output_path found at json_path
+    trust_remote_code: bool = False
 
 
 def expand_methods(
@@ -357,7 +359,7 @@ def run_bench(s: BenchSettings) -> dict:
     config = checked_config(
         s.extra_depths, decoding_length=s.decoding_length, branch_length=s.branch_length, budget=s.budget
     )
-    model, tokenizer = load_bench_model(s.model, s.dtype, s.device, s.device_map)
+    model, tokenizer = load_bench_model(s.model, s.dtype, s.device, s.device_map, s.trust_remote_code)
     context_fitted_ids(model, tokenizer, prompts, s.max_new_tokens, with_context=s.seed_mode == "prompt")
     config = config.with_tokenizer(tokenizer)
     measured = measure(MethodRunner(model, tokenizer, s, config, prompts), s.methods)
@@ -375,6 +377,7 @@ def bench(
     dtype: DtypeOption = "auto",
     device: DeviceOption = None,
     device_map: DeviceMapOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
     prompts: PromptsOption = None,
     limit: Annotated[int | None, typer.Option(help="use the first N prompts")] = None,
     ids: IdsOption = None,
@@ -406,7 +409,7 @@ def bench(
     settings = BenchSettings(
         model, dtype, device, device_map, prompts, limit, ids, max_new_tokens, repeats, tuple(chosen), tuple(values),
         top_p, seed, decoding_length, Budget(budget).value, branch_length, extra, SeedMode(seed_mode).value,
-        copying_threshold, json_path, plot, report_seen,
+        copying_threshold, json_path, plot, report_seen, trust_remote_code,
     )  # fmt: skip
     with report_despite_stdout(json_path):
         return run_bench(settings)

@@ -29,6 +29,7 @@ from rag_lookahead.bench.common import (
     JsonOption,
     ModelOption,
     PromptsOption,
+    TrustRemoteCodeOption,
     chains_note,
     chat_ids,
     draft_shape,
@@ -190,6 +191,7 @@ def step_profile(
     dtype: DtypeOption = "auto",
     device: DeviceOption = None,
     device_map: DeviceMapOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
     prompts: PromptsOption = None,
     ids: IdsOption = None,
     limit: int | None = None,
@@ -198,7 +200,7 @@ def step_profile(
 ) -> dict:
     """Where a lookahead decode step's time goes, region by region, on a prompt set."""
     chosen, loaded, tokenizer, config, seen = prompts_then_model(
-        prompts, ids, limit, max_new_tokens, json_path, model, dtype, device, device_map
+        prompts, ids, limit, max_new_tokens, json_path, model, dtype, device, device_map, trust_remote_code
     )
     with report_despite_stdout(json_path):
         dtype = dtype_label(loaded, dtype)  # what ran, not the option

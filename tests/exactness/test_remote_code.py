@@ -8,6 +8,7 @@ modeling file next to it, as ChatGLM3 and Qwen-1 ship them on the hub.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -89,8 +90,31 @@ def test_serve_takes_the_opt_in(tmp_path, monkeypatch):
     config = config_from_args(parse_args([f"--model={folder}", "--trust-remote-code"]), {})
     assert config.trust_remote_code is True
     assert type(create_app(config).state.engine.model).__name__ == "TinyRemoteForCausalLM"
-    with pytest.raises(ModelLoadError, match=r"--trust-remote-code \(ask, serve\)"):
+    with pytest.raises(ModelLoadError, match=r"--trust-remote-code \(ask, serve, the benchmarks\)"):
         create_app(config_from_args(parse_args([f"--model={folder}"]), {}))
+
+
+def test_the_benchmarks_take_the_opt_in(tmp_path):
+    """``bench --trust-remote-code`` measures a remote-code model (ChatGLM3's case): no benchmark
+    had the flag, so none could load one, though ``ask`` and ``serve`` could. Without it the run
+    stops with the loader's one line, which names the benchmarks among the commands that take it."""
+    from rag_lookahead.bench import single
+
+    folder = str(remote_folder(tmp_path, "TinyRemoteForCausalLM"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "context": "t5 t6 t7 t8 t5 t6", "question": "t9 t5"}) + "\n")
+    argv = ["--model", folder, "--dtype", "fp32", "--device", "cpu", "--prompts", str(prompts)]
+    argv += ["--max-new-tokens", "2", "--methods", "greedy,lookahead"]
+    report = single.main([*argv, "--trust-remote-code"])
+    assert report["model"] == folder and report["prompts"] == 1
+    [row] = report["per_prompt"]
+    assert row["lookahead"]["identical_to_greedy"]
+    with pytest.raises(SystemExit) as refused:
+        single.main(argv)
+    assert re.fullmatch(
+        r"error: model '.*' ships its own modeling code, .*pass --trust-remote-code \(ask, serve, the benchmarks\).*",
+        str(refused.value.code),
+    )
 
 
 def test_langchain_takes_the_opt_in(tmp_path):

@@ -77,6 +77,8 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("interference", ["--tiny", "--model", "quality"], NO_METHOD),
     ("interference", ["--tiny", "--dtype", "bf16"], NO_METHOD),
     ("interference", ["--tiny", "--device", "cuda"], NO_METHOD),
+    # a tiny random model has no code of its own to trust: the flag would have been ignored
+    ("interference", ["--tiny", "--trust-remote-code"], NO_METHOD),
     # ZeroDivisionError in costs.allocate after the greedy answers were decoded
     (
         "replay",
@@ -85,6 +87,7 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
         " a time from 0.001 to 100000 milliseconds (bad point: '1:1e-200')",
     ),
     ("gpu_check", ["--device", "cpu", "--tiny-only", "--attn", "bogus"], NO_METHOD),  # every section failed
+    ("gpu_check", ["--device", "cpu", "--tiny-only", "--trust-remote-code"], NO_METHOD),  # loads no model
     ("gpu_check", ["--device", "cpu", "--dtype", "fp8"], NO_METHOD),  # failed in the model section, a traceback
     # without flash-attn (or kernels) every section failed
     *([("gpu_check", ["--device", "cpu", "--attn", "flash_attention_2"], NO_METHOD)] if _NO_FLASH_ATTENTION else []),
