@@ -162,7 +162,9 @@ def answer(
         # a bad --model, --dtype or --device, a missing optional model, a hub id that cannot be
         # fetched: said before the sample index is built (a minute on a fresh machine, and the
         # index was left behind)
-        check_load_options(model, dtype=dtype, device=device, device_map=device_map, hub=True)
+        check_load_options(
+            model, dtype=dtype, device=device, device_map=device_map, hub=True, trust_remote_code=trust_remote_code
+        )
     # only the default folder gets the sample
     index = ensure_index(folder, quiet=quiet, build_bundled=index_dir is None)
     if llm is None:

@@ -13,6 +13,7 @@ device are picked for the machine (bf16 on GPUs and on CPUs with AMX, else fp32;
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pickle
 import re
@@ -155,6 +156,7 @@ def check_load_options(
     device_map: str | dict[str, Any] | None = None,
     attn_implementation: str | dict[str, Any] | None = None,
     hub: bool = False,
+    trust_remote_code: bool = False,
 ) -> str:
     """Refuse now what :func:`load_model` would refuse before it reads any weights: a name that is
     no embedded model, local model folder or .gguf file, or hub id; an embedded model that is not
@@ -163,6 +165,7 @@ def check_load_options(
     first: ``ask`` on a fresh machine indexes the bundled corpus (25-76 s) before it loads the
     model, and only then said that ``--device cuda`` had no GPU. ``hub=True``: also a hub id that is
     not in the Hugging Face cache while the hub is offline or cannot be reached (a probe of up to 3 s).
+    A local folder that ships its own modeling code is refused without ``trust_remote_code``.
     Returns the name as ``load_model`` reads it (a string without surrounding spaces)."""
     is_path = isinstance(name, os.PathLike)
     name = _model_name(name)
@@ -172,7 +175,9 @@ def check_load_options(
     if name in EMBEDDED and not is_path:
         check_embedded_installed(name)
     elif is_path or _looks_local(name):
-        _local_source(name)
+        folder, _ = _local_source(name)
+        if not trust_remote_code and _needs_remote_code(folder):
+            raise ModelLoadError(_remote_code_refusal(name))
     else:
         _check_hub_id(name)
         if hub:
@@ -508,13 +513,30 @@ def _from_pretrained(where: str, extra: dict[str, Any], kwargs: dict[str, Any], 
         if not isinstance(err, (*_LOAD_ERRORS, SafetensorError)) and type(err) is not Exception:
             raise  # (the tokenizers library raises a bare Exception for a tokenizer.json it cannot parse)
         if "trust_remote_code" in str(err) and not kwargs.get("trust_remote_code"):
-            raise ModelLoadError(
-                f"model '{where}' ships its own modeling code, which is not run by default: if you trust its"
-                " source, pass --trust-remote-code (ask, serve, the benchmarks) or trust_remote_code=True"
-                " (load_model, LookaheadLLM.from_model_id, ChatLookahead)"
-            ) from err
+            raise ModelLoadError(_remote_code_refusal(where)) from err
         raise ModelLoadError(f"could not load model '{source}': {_cause(err)}") from err
     return model, tokenizer
+
+
+def _remote_code_refusal(where: str) -> str:
+    return (
+        f"model '{where}' ships its own modeling code, which is not run by default: if you trust its"
+        " source, pass --trust-remote-code (ask, serve, the benchmarks) or trust_remote_code=True"
+        " (load_model, LookaheadLLM.from_model_id, ChatLookahead)"
+    )
+
+
+def _needs_remote_code(folder: Path) -> bool:
+    """Whether transformers will run the folder's own code for it: its config maps the auto classes
+    to files of its own and names a model type transformers does not have (a type it has is loaded
+    with transformers' own code without the opt-in, as ``from_pretrained`` does)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # load_model says what is wrong with it
+    return isinstance(config, dict) and bool(config.get("auto_map")) and config.get("model_type") not in CONFIG_MAPPING
 
 
 def _refuse_broken_tokenizer(tokenizer: Any, source: str) -> None:

@@ -263,7 +263,9 @@ def _loader_dtype(dtype: Any) -> Any:
     return None if dtype == "auto" else dtype
 
 
-def check_bench_model(model: str, dtype: Any, device: str | None, device_map: str | None) -> None:
+def check_bench_model(
+    model: str, dtype: Any, device: str | None, device_map: str | None, trust_remote_code: bool = False
+) -> None:
     """Refuse now what :func:`load_bench_model` would refuse before reading any weights (a model name
     that is no embedded model, local folder or hub id; a hub id out of reach and not in the cache; an
     embedded model not installed; an unknown dtype; a device torch does not see). For the benchmarks
@@ -272,7 +274,14 @@ def check_bench_model(model: str, dtype: Any, device: str | None, device_map: st
     ``ask`` once did."""
     from rag_lookahead.models import check_load_options
 
-    check_load_options(model, dtype=_loader_dtype(dtype), device=device, device_map=device_map, hub=True)
+    check_load_options(
+        model,
+        dtype=_loader_dtype(dtype),
+        device=device,
+        device_map=device_map,
+        hub=True,
+        trust_remote_code=trust_remote_code,
+    )
 
 
 def load_bench_model(

@@ -190,7 +190,9 @@ def _peak_rss_gb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # ru_maxrss is in KiB on Linux
 
 
-def model_names(models: str, dtype: str = "auto", device: str | None = None) -> list[str]:
+def model_names(
+    models: str, dtype: str = "auto", device: str | None = None, trust_remote_code: bool = False
+) -> list[str]:
     """The ``--models`` names, each checked with ``--dtype`` and ``--device`` before the index is
     built and the first model runs: none empty or repeated, and each one ``load_model`` would take
     (an embedded model installed, a local folder that exists, a name that can be a hub id). Only
@@ -202,7 +204,9 @@ def model_names(models: str, dtype: str = "auto", device: str | None = None) -> 
     if len(set(names)) < len(names):
         raise ConfigError(f"--models {models!r} names a model twice")
     for name in names:
-        check_bench_model(name, dtype, device, None)  # ModelLoadError, with the pip command, for a missing extra
+        check_bench_model(
+            name, dtype, device, None, trust_remote_code
+        )  # ModelLoadError, with the pip command, for a missing extra
     return names
 
 
@@ -228,7 +232,7 @@ def quality(
 ) -> dict:
     """Models compared on the bundled corpus: grounded answers, decode speed, mean accepted."""
     # over 40 lines only because typer declares the options in the signature; the work is ask_all
-    names = model_names(models, dtype, device)
+    names = model_names(models, dtype, device, trust_remote_code)
     check_positive({"--max-new-tokens": max_new_tokens})
     k_seed = passage_counts(k_prompt, k_seed)
     seen = check_output_path(json_path)

@@ -152,7 +152,9 @@ def rag(
     check_positive({"--max-new-tokens": max_new_tokens})
     k_seed = passage_counts(k_prompt, k_seed)
     seen = check_output_path(json_path)
-    check_bench_model(model, dtype, device, device_map)  # a bad option is said before the index is built
+    check_bench_model(
+        model, dtype, device, device_map, trust_remote_code
+    )  # a bad option is said before the index is built
     with open_index(index_dir) as index:  # a missing index is said before the model loads
         loaded, tokenizer = load_bench_model(model, dtype, device, device_map, trust_remote_code)
         dtype = dtype_label(loaded, dtype)  # what ran, not the option

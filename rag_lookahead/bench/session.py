@@ -198,7 +198,9 @@ def session(
     check_positive({"--max-new-tokens": max_new_tokens})
     k_seed = passage_counts(k_prompt, k_seed)
     seen = check_output_path(json_path)
-    check_bench_model(model, dtype, device, device_map)  # a bad option is said before the index is built
+    check_bench_model(
+        model, dtype, device, device_map, trust_remote_code
+    )  # a bad option is said before the index is built
     items = load_dataset(dataset)
     asked = session_questions(items, questions, seed)
     with session_index(items, index_dir) as index:  # a missing index is said before the model loads

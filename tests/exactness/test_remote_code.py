@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +116,27 @@ def test_the_benchmarks_take_the_opt_in(tmp_path):
         r"error: model '.*' ships its own modeling code, .*pass --trust-remote-code \(ask, serve, the benchmarks\).*",
         str(refused.value.code),
     )
+
+
+def test_a_remote_code_folder_is_refused_before_slow_work(tmp_path, monkeypatch):
+    """``ask``, ``bench.rag`` and ``bench.session`` check the model before they build an index, and
+    ``bench.quality`` every name of ``--models`` before the first runs; a folder that ships its own
+    code passed those checks and was refused only when it loaded (``bench.quality --models
+    default,<folder>`` after the whole run on ``default``, its report lost)."""
+    from rag_lookahead.bench.quality import model_names
+    from rag_lookahead.models import check_load_options
+
+    folder = str(remote_folder(tmp_path, "TinyRemoteForCausalLM"))
+    with pytest.raises(ModelLoadError, match=r"ships its own modeling code.*--trust-remote-code"):
+        check_load_options(folder)
+    assert check_load_options(folder, trust_remote_code=True) == folder
+    with pytest.raises(ModelLoadError, match="ships its own modeling code"):
+        model_names(f"default,{folder}", "fp32", "cpu")
+    assert model_names(f"default,{folder}", "fp32", "cpu", trust_remote_code=True) == ["default", folder]
+    # a type transformers has is loaded with transformers' code without the opt-in, as from_pretrained does
+    config_file = Path(folder) / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "model_type": "llama"}))
+    assert check_load_options(folder) == folder
 
 
 def test_langchain_takes_the_opt_in(tmp_path):
