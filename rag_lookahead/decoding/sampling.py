@@ -279,10 +279,19 @@ def refuse_assisted_sampling(config, assistant_model=None) -> None:
     """Refuse sampling in transformers' assisted-generation mode (an ``assistant_model``, or
     ``prompt_lookup_num_tokens``, ``assistant_early_exit``, ``use_mtp`` in the config, the
     model's own included): ``model.generate`` then samples through its assisted decoding, whose
-    draws differ from plain sampling's; greedy assisted decoding gives greedy's tokens."""
+    draws differ from plain sampling's; greedy assisted decoding gives greedy's tokens, unless an
+    ``assistant_ensemble_weight`` makes it accept the argmax of a mix of the two models' probabilities."""
     from transformers.generation.configuration_utils import GenerationMode
 
-    if config.do_sample and config.get_generation_mode(assistant_model) == GenerationMode.ASSISTED_GENERATION:
+    if config.get_generation_mode(assistant_model) != GenerationMode.ASSISTED_GENERATION:
+        return
+    if getattr(config, "assistant_ensemble_weight", None) is not None:
+        raise ConfigError(
+            "assistant_ensemble_weight makes assisted generation accept the argmax of a mix of the model's and"
+            " the assistant's probabilities, not the model's own tokens, and lookahead decoding gives the model's"
+            " own tokens only: drop it and the assisted-generation argument (lookahead drafts on its own)"
+        )
+    if config.do_sample:
         raise ConfigError(
             "assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit, use_mtp) with"
             " do_sample=True draws other tokens than plain sampling under the same torch.manual_seed, and"

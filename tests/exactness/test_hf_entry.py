@@ -857,6 +857,24 @@ def test_assisted_greedy_stays_exact(fresh_model):
     assert not isinstance(got, ConfigError) and got.tolist() == expected.tolist()
 
 
+def test_an_assistant_ensemble_weight_is_refused():
+    """With ``assistant_ensemble_weight`` transformers' greedy assisted decoding accepts the argmax of
+    a mix of the two models' probabilities, not the model's own tokens; hf_generate answered with
+    plain greedy tokens (with prompt lookup, where transformers raises, too)."""
+    from rag_lookahead.tiny import build_tiny_model
+
+    model, assistant = build_tiny_model("qwen2"), build_tiny_model("qwen2", seed=1)
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
+    plain = model.generate(ids, max_new_tokens=20, do_sample=False)
+    mixed = model.generate(
+        ids, max_new_tokens=20, do_sample=False, assistant_model=assistant, assistant_ensemble_weight=0.2
+    )
+    assert not torch.equal(mixed, plain)  # (what the old code returned was plain greedy)
+    for extra in (dict(assistant_model=assistant), dict(prompt_lookup_num_tokens=3), dict(assistant_early_exit=1)):
+        with pytest.raises(ConfigError, match="assistant_ensemble_weight"):
+            model.generate(ids, max_new_tokens=20, assistant_ensemble_weight=0.2, custom_generate=hf_generate, **extra)
+
+
 @pytest.mark.parametrize("assisted", ["prompt_lookup", "assistant_model"])
 def test_assisted_generation_on_a_batch_is_refused_as_model_generate_refuses_it(fresh_model, assisted):
     """model.generate raises for assisted generation on two rows; hf_generate decoded them greedily."""
