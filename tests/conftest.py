@@ -47,7 +47,7 @@ def shared_embedder(monkeypatch, e5_embedder):
     default_names = {"default", "e5-small", "e5", embedders.E5SmallEmbedder.name.lower()}
 
     def shared(name: str | None = None):
-        if (name or embedders.DEFAULT_EMBEDDER).strip().lower() in default_names:
+        if (embedders.DEFAULT_EMBEDDER if name is None else name).strip().lower() in default_names:
             return e5_embedder
         return real(name)
 

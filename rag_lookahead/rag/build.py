@@ -1,9 +1,9 @@
 """Building the document index: split each file into chunks, embed the new ones, publish a version.
 
 Rebuilding is incremental: files are keyed by the sha256 of their bytes, and unchanged files keep
-their stored vectors (read back with ``reconstruct_n``); a changed embedding model or chunking
-re-embeds everything. Reading the corpus is :mod:`.corpus`; the folder on disk, the lock and the
-atomic publish are :mod:`.store`.
+their stored vectors (read back with ``reconstruct_n``); a changed embedding model (its name or
+its dimension) or chunking (size, overlap, separators) re-embeds everything. Reading the corpus
+is :mod:`.corpus`; the folder on disk, the lock and the atomic publish are :mod:`.store`.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def _searched_starts(text: str, chunks: list[str], overlap: int | None = None) -
 # ---------------------------------------------------------------- building
 
 
-def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int], guessed: set[str]):
+def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, object], guessed: set[str]):
     """The reusable part of an existing index: ``({source: (sha, [records], vectors)}, reason_if_not)``.
 
     Files are keyed by their bytes' sha256, so a change in how text is read would never reach an
@@ -182,8 +182,13 @@ def _previous(index_dir: Path, embedder: Embedder, chunking: dict[str, int], gue
         manifest = store.read_manifest(index_dir)
         if manifest["embedding_model"] != embedder.name:
             return {}, f"it was built with {manifest['embedding_model']!r}, now {embedder.name!r}"
+        if manifest["dimension"] != int(embedder.dimension):  # another model under the name (st:./my-model)
+            return {}, (
+                f"its {manifest['dimension']}-d vectors were made by another {embedder.name!r}, which now gives"
+                f" {int(embedder.dimension)}-d"
+            )
         if any(manifest.get(key) != value for key, value in chunking.items() if key not in READING_VERSIONS):
-            return {}, "the chunking changed (chunk size or overlap)"
+            return {}, "its chunk size, overlap or separators differ from this run's"
         if "headings" not in manifest:
             return {}, "it was built before Markdown chunks were searched under their headings"
         fidx, records = store.read_verified(index_dir, manifest)
@@ -301,6 +306,7 @@ def build_index(
     if not lock_timeout >= 0:
         raise ConfigError(f"lock_timeout must be >= 0 seconds, got {lock_timeout}")
     splitter = make_splitter(chunk_size, chunk_overlap)
+    # "separators": where the splitter cuts (an index cut at others is split and embedded again);
     # "headings": chunks of Markdown files are searched with their heading path; an index built
     # before that is embedded again, one whose headings were read otherwise (version 1: CR-only
     # lines, uncut titles, langchain's start_index) gets its Markdown files embedded again;
@@ -309,6 +315,7 @@ def build_index(
     chunking = {
         "chunk_size": chunk_size,
         "chunk_overlap": chunk_overlap,
+        "separators": SEPARATORS,
         "headings": HEADINGS_VERSION,
         "decoding": DECODING_VERSION,
         "pdf": PDF_VERSION,
@@ -376,8 +383,8 @@ def _loaded(embedder: Embedder | str | None) -> Embedder:
 def _embed_changes(index_dir: Path, corpus: Corpus, embedder: Embedder, splitting, progress, report: IndexReport):
     """The new version's ``(records, FAISS index)``: stored vectors for unchanged files, new ones for the rest.
 
-    ``splitting``: the splitter and its ``{"chunk_size", "chunk_overlap"}`` (stored vectors are
-    reused only under the same settings)."""
+    ``splitting``: the splitter and its settings (``chunking`` of :func:`build_index`; stored vectors
+    are reused only under the same size, overlap and separators, by the same model and dimension)."""
     splitter, chunking = splitting
     previous, why_not = _previous(index_dir, embedder, chunking, corpus.guessed)
     if why_not:
@@ -417,7 +424,6 @@ def _manifest(corpus: Corpus, records: list[dict], embedder: Embedder, settings:
         # every chunking and reading setting: one the manifest left out would compare equal on the
         # next run and keep a version whose text was read otherwise
         **{key: value for key, value in settings.items() if key != "corpus_dir"},
-        "separators": SEPARATORS,
         "num_files": len(corpus.docs),
         "num_chunks": len(records),
         # a name that is not UTF-8 as \\xNN: JSON (and the UTF-8 manifest) cannot hold its surrogate escapes

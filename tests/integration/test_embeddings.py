@@ -303,11 +303,14 @@ def test_bad_input_and_settings_are_refused(e5):
         E5SmallEmbedder(batch_tokens=0)
     with pytest.raises(ConfigError, match="precision"):
         E5SmallEmbedder(precision="int4")
+    from rag_lookahead.rag.embedders import get_embedder
+
+    for blank in ("", " "):  # an unset `--embedder "$EMB"`: "" was the default model, unsaid; None still is
+        with pytest.raises(ConfigError, match=r"embedding model name '\s*' is empty \(an unset variable\?\)"):
+            get_embedder(blank)
     try:
         import sentence_transformers  # noqa: F401
     except ImportError:  # a name of no embedder of ours says so before it asks for the extra
-        from rag_lookahead.rag.embedders import get_embedder
-
         with pytest.raises(ModelLoadError, match="'bogus-embedder' is not one of ours .*rag-lookahead\\[st\\]"):
             get_embedder("bogus-embedder")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rag_lookahead.errors import ConfigError, IndexLoadError, InputError
+from rag_lookahead.errors import ConfigError, IndexLoadError, InputError, RebuildWarning
 from rag_lookahead.rag import index as ix
 from rag_lookahead.rag import store
 from rag_lookahead.rag.chains import source_info
@@ -923,9 +923,82 @@ def test_an_index_of_a_newer_format_is_not_rebuilt_over(tmp_path, built, embedde
     m["format_version"] = ix.FORMAT_VERSION + 1
     (index_dir / "manifest.json").write_text(json.dumps(m), encoding="utf-8")
     before = tree(index_dir)
-    with pytest.raises(ConfigError, match="newer rag_lookahead"):
+    with pytest.raises(ConfigError, match="newer rag_lookahead") as refused:
         build(built[0], index_dir, embedder)
     assert tree(index_dir) == before
+    # readers said "rebuild it with `rag_lookahead index`", the very thing index refuses: they say as it does
+    with pytest.raises(IndexLoadError) as unread:
+        ix.load_index(index_dir, embedder)
+    said = str(unread.value)
+    assert said.startswith(str(refused.value).split(", or ")[0] + ", or "), said
+    assert "upgrade rag_lookahead" in said and "rebuild it" not in said and "--index-dir NEW_FOLDER" in said
+    assert tree(index_dir) == before
+
+
+class HashEmbedder:
+    """An embedder of another name (the :class:`~rag_lookahead.rag.embedders.Embedder` protocol):
+    a text's vector drawn from its sha256, of any ``dimension``; fast, for what the index does
+    with an embedder, not what a model makes of the text."""
+
+    name = "my-embedder"
+
+    def __init__(self, dimension: int):
+        self.dimension = dimension
+
+    def embed_query(self, text: str) -> np.ndarray:
+        seed = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "little")
+        v = np.random.default_rng(seed).standard_normal(self.dimension).astype(np.float32)
+        return v / np.linalg.norm(v)
+
+    def embed_documents(self, texts, *, progress=False) -> np.ndarray:
+        return np.stack([self.embed_query(t) for t in texts]).reshape(len(texts), self.dimension)
+
+
+def test_an_embedder_of_the_same_name_and_another_dimension_re_embeds_everything(tmp_path):
+    """Another model at the same path (``--embedder st:./my-model``) keeps the name: its vectors of
+    another size were stacked with the stored ones, and ``index`` failed with numpy's "cannot reshape"."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "tea.txt").write_text(TEA, encoding="utf-8")
+    (corpus / "git.txt").write_text(GIT, encoding="utf-8")
+    index_dir = tmp_path / "index"
+    first = build(corpus, index_dir, HashEmbedder(384))
+    with pytest.warns(
+        RebuildWarning, match="its 384-d vectors were made by another 'my-embedder', which now gives 256-d"
+    ):
+        report = build(corpus, index_dir, HashEmbedder(256))
+    assert report.rebuilt and report.embedded_chunks == report.chunks == first.chunks
+    assert (report.added, report.updated, report.removed) == (0, 2, 0)
+    assert any("re-embedded everything" in note for note in report.notes)
+    index = ix.load_index(index_dir, HashEmbedder(256))
+    assert index.faiss.d == 256 and index.search(GIT, k=1, mode="dense")[0].source == "git.txt"
+    # the model changed back under the name: loading says how to rebuild, with this corpus, folder and model
+    with pytest.raises(IndexLoadError) as wrong:
+        ix.load_index(index_dir, HashEmbedder(384))
+    assert str(wrong.value).endswith(
+        f"holds 256-d: rebuild it with `rag_lookahead index {corpus.resolve()} --index-dir {index_dir}"
+        " --embedder my-embedder`"
+    ), wrong.value
+
+
+def test_stored_chunks_cut_at_other_separators_are_split_again(tmp_path):
+    """The manifest records the splitter's separators, but only chunk size and overlap were compared:
+    an index cut at other separators kept its chunks."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "tea.txt").write_text(TEA, encoding="utf-8")
+    index_dir = tmp_path / "index"
+    build(corpus, index_dir, HashEmbedder(32))
+    manifest = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["separators"] == ix.SEPARATORS
+    manifest["separators"] = ["\n\n", ""]  # as if cut by a splitter of other separators
+    (index_dir / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.warns(RebuildWarning, match="separators"):
+        report = build(corpus, index_dir, HashEmbedder(32))
+    assert report.rebuilt and report.embedded_chunks == report.chunks
+    assert json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))["separators"] == ix.SEPARATORS
+    again = build(corpus, index_dir, HashEmbedder(32))
+    assert again.kept and not again.rebuilt and again.embedded_chunks == 0
 
 
 # ---------------------------------------------------------------- concurrent builds and readers
@@ -2129,14 +2202,18 @@ def test_a_pdf_with_an_unpaired_surrogate_is_indexed_with_a_note(tmp_path):
 # ---------------------------------------------------------------- bad input leaves no new folder
 
 
-def test_an_unknown_embedder_leaves_no_new_index_folder(tmp_path):
+@pytest.mark.parametrize("name", ["no-such-model-h38a", ""])
+def test_an_unknown_embedder_leaves_no_new_index_folder(tmp_path, name):
     """The index folder (and its missing parents) were made, with a lock file in it, before the
-    embedder was found missing; the error is one line, but the folders stayed."""
+    embedder was found missing; the error is one line, but the folders stayed. A blank name (an
+    unset ``--embedder "$EMB"``) is no name: it built with the default model, unsaid."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "git.txt").write_text(GIT, encoding="utf-8")
-    result = run_index(str(corpus), "--index-dir", str(tmp_path / "new" / "index"), "--embedder", "no-such-model-h38a")
+    result = run_index(str(corpus), "--index-dir", str(tmp_path / "new" / "index"), "--embedder", name)
     assert result.returncode == 1 and result.stderr.startswith("error:"), result.stderr
+    if not name:
+        assert "embedding model name '' is empty (an unset variable?)" in result.stderr, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
 
 
