@@ -119,7 +119,7 @@ def _parse_manifest(index_dir: Path, raw: bytes) -> dict:
         raise IndexLoadError(f"{shown_path(index_dir / MANIFEST)} is not a rag_lookahead index manifest; {where}")
     if _is_newer(version := manifest.get("format_version")):  # not ours to rebuild over: check_target refuses
         raise IndexLoadError(_newer_format(index_dir, version, _READ_ELSEWHERE))
-    if version not in READABLE_VERSIONS:
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:  # true == 1 to Python, not to us
         raise IndexLoadError(
             f"index at {shown_path(index_dir)} has format version {version!r}; this version "
             f"reads {', '.join(map(str, READABLE_VERSIONS))}: rebuild it with `rag_lookahead index`"

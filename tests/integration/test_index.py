@@ -935,6 +935,17 @@ def test_an_index_of_a_newer_format_is_not_rebuilt_over(tmp_path, built, embedde
     assert tree(index_dir) == before
 
 
+def test_a_format_version_of_true_is_unreadable(tmp_path, built, embedder):
+    """``"format_version": true`` was read as version 1 (True == 1 in Python) and its files looked for
+    where version 1 kept them."""
+    index_dir = copy_index(built, tmp_path)
+    m = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))
+    m["format_version"] = True
+    (index_dir / "manifest.json").write_text(json.dumps(m), encoding="utf-8")
+    with pytest.raises(IndexLoadError, match="has format version True; .*rebuild it"):
+        ix.load_index(index_dir, embedder)
+
+
 class HashEmbedder:
     """An embedder of another name (the :class:`~rag_lookahead.rag.embedders.Embedder` protocol):
     a text's vector drawn from its sha256, of any ``dimension``; fast, for what the index does
