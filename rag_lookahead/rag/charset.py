@@ -7,9 +7,12 @@ syllables mixed with Chinese characters ("王小明" -> "珙鬼츠"), Latin-1 re
 letters in French words ("Résumé" -> "Rķsumķ").
 
 So its guess is checked by how *plausible* the decoded text is: real text keeps to one script
-(Chinese, Japanese kana with kanji, Korean Hangul, Cyrillic, Greek, Latin), mostly its common
-letters (for Chinese characters: the common ones of GB2312, Big5 and JIS), each where real
-text puts it (no Cyrillic letter inside a Latin word, no accented letter on a digit). When the first
+(Chinese, Japanese kana with kanji, Korean Hangul, Cyrillic, Greek, Latin in one language's
+letters), mostly its common letters (for Chinese characters: the common ones of GB2312, Big5 and
+JIS), each where real text puts it (no Cyrillic letter inside a Latin word, no accented letter on
+a digit, no capital after a small letter, no dagger on a word). Latin letters are scored by
+language: counted as Latin letters alike, a French line's "é"s beside a Lithuanian "ą" ("à" read
+as cp1257) scored 0.96, too close to cp1252's 1.0 to replace a plausible first guess. When the first
 guess scores low, the best-scoring decoding (one charset-normalizer found, or GB18030 or cp1252,
 the legacy encodings of most of our users' files) is taken. A plausible first guess gives way
 only to GB18030 or cp1252 scoring clearly higher (by :data:`MARGIN`): "Python编程入门：变量、函数和类。"
@@ -65,6 +68,27 @@ _RANGES = (
 )
 # what a script's text is made of: Japanese mixes kana and kanji; Korean is Hangul
 _WRITING = {"japanese": ("kana", "han")}
+# the non-ASCII letters of the languages the Latin legacy code pages were made for (each with its
+# capitals): real text keeps to one of them, so a French text's "é" beside a Lithuanian "ą" is
+# "à" read as cp1257. Western Europe's languages share one, Latin-1's letters (and French "œ"), as
+# their texts mix each other's words and names
+_LATIN_LANGUAGES = {
+    "western": "àáâãäåæçèéêëìíîïðñòóôõöøùúûüýþÿßœ",
+    "polish": "ąćęłńóśźż",
+    "czech": "áčďéěíňóřšťúůýž",
+    "slovak": "áäčďéíĺľňóôŕšťúýž",
+    "hungarian": "áéíóöőúüű",
+    "croatian": "čćđšž",  # and Slovene, Bosnian, Serbian in Latin letters
+    "romanian": "ăâîșțşţ",
+    "lithuanian": "ąčęėįšųūž",
+    "latvian": "āčēģīķļņšūž",
+    "estonian": "äõöüšž",
+    "finnish": "äöåšž",
+    "turkish": "çğıİöşüâîû",
+    "maltese": "àèìòùċġħż",
+    "esperanto": "ĉĝĥĵŝŭ",
+    "welsh": "àáâäèéêëìíîïòóôöùúûüýÿŵŷẁẃẅỳ",
+}
 # punctuation and symbols any script's text may hold: neither for nor against a decoding
 _NEUTRAL = frozenset("\u00a0¡«»°·§©®±×÷¿–—‘’“”„…•€™")
 
@@ -117,8 +141,15 @@ def _script(char: str) -> tuple[str, float] | None:
 # alphabets whose letters never share a word with ASCII letters ("Rщsumщ" is cp1252 read as cp1125)
 _ALPHABETS = frozenset({"greek", "cyrillic", "hebrew", "arabic", "thai"})
 _CJK = frozenset({"han", "kana", "hangul"})
-# marks that may stand between two letters ("don’t", "l·l", "mid–word"); other symbols do not ("Se±or")
+# marks that may stand between two letters ("don’t", "mid–word"; "·" only in Catalan "l·l"); other
+# symbols do not ("Se±or")
 _INSIDE_WORDS = frozenset("‘’“”–—…·\u00a0")
+# punctuation real text puts on a word ("¿Dónde", "¡Hola", "etc…"); other punctuation and math
+# signs (Unicode's "Po" and "Sm": daggers, "‰", "•", "·" outside "l·l", "×", arrows) on a Latin
+# letter are odd, but by a digit ("5°C×3") and in CJK text, which spaces no words ("※Windows版",
+# "点击→Python"): "Voil‡" is "Voilà" read as Mac Roman, "andr‗" "andrò" as cp850, "P·blica"
+# "Pública" as cp1125, "｡hola" "¡hola" as cp932, "×e" Czech "že" as cp852
+_ON_WORDS = frozenset("¡¿…")
 
 
 def _cjk_punctuation(char: str) -> bool:
@@ -132,25 +163,36 @@ def _cjk_punctuation(char: str) -> bool:
 def _odd_here(text: str, i: int, script: str | None, cjk_runs: bool) -> bool:
     """Whether the non-ASCII character at ``i`` sits where real text never puts it: a letter of a
     non-Latin alphabet touching an ASCII letter, an accented Latin letter touching a digit ("ú40"
-    is "£40" misread), a symbol between two letters, a CJK character touching an ASCII letter in
-    a text with no two CJK characters in a row (Chinese next to Latin words, "用Python写代码",
-    has runs of them). Full-width CJK punctuation between Latin words is not odd ("ls、cd")."""
+    is "£40" misread) or a capital one after a small letter ("cÙtÈ" is "côté" read as Mac Roman),
+    a symbol between two letters or one real text never puts by a word on a Latin letter
+    ("Voil‡"), a CJK character touching an ASCII letter in a text with no two CJK characters in a
+    row (Chinese next to Latin words, "用Python写代码", has runs of them). Full-width CJK
+    punctuation between Latin words is not odd ("ls、cd")."""
+    char = text[i]
     before = text[i - 1] if i else " "
     after = text[i + 1] if i + 1 < len(text) else " "
     if script in _ALPHABETS:
         return any(c < "\x80" and c.isalpha() for c in (before, after))
     if script == "latin":  # "3ème" is French; "ú40" is not
+        if char.isupper() and before.islower() and _latin_letter(before):
+            return True
         return any(c < "\x80" and c.isdigit() for c in (before, after)) and not any(
             c < "\x80" and c.isalpha() for c in (before, after)
         )
     if script in _CJK and not cjk_runs:  # lone CJK characters on Latin words ("S縊 Paulo" is "São" read as cp932)
         return any(c < "\x80" and c.isalpha() for c in (before, after))
-    if script is None:  # between Latin letters only: "，" between Chinese characters is punctuation
+    if script is None:  # on Latin letters only: "，" between Chinese characters is punctuation
+        if _cjk_punctuation(char):
+            return False
+        on_letters = _latin_letter(before), _latin_letter(after)
+        if all(on_letters):
+            return char not in _INSIDE_WORDS or (char == "·" and (before + after).lower() != "ll")
         return (
-            text[i] not in _INSIDE_WORDS
-            and not _cjk_punctuation(text[i])
-            and _latin_letter(before)
-            and _latin_letter(after)
+            any(on_letters)
+            and not cjk_runs
+            and not (before.isdigit() or after.isdigit())
+            and char not in _ON_WORDS
+            and unicodedata.category(char) in ("Po", "Sm")
         )
     return False
 
@@ -166,6 +208,7 @@ def plausibility(text: str) -> float:
     """How much of ``text``'s non-ASCII part reads as one writing system's common letters (0-1);
     1.0 for pure ASCII."""
     weights: dict[str, float] = {}
+    latin: dict[str, float] = {}  # each Latin letter's weight, scored by _LATIN_LANGUAGES
     counted = 0
     scripts = [_script(c) if c >= "\x80" else None for c in text]
     cjk = [bool(found) and found[0] in _CJK for found in scripts]
@@ -180,14 +223,27 @@ def plausibility(text: str) -> float:
             continue
         counted += 1
         script, weight = found
-        if script:
+        if script == "latin":
+            latin[char] = latin.get(char, 0.0) + weight
+        elif script:
             weights[script] = weights.get(script, 0.0) + weight
     if not counted:
         return 1.0
     scores = dict(weights)
     for writing, scripts in _WRITING.items():
         scores[writing] = sum(weights.get(s, 0.0) for s in scripts)
+    for language, letters in _latin_letters().items():
+        scores[language] = sum(weight for char, weight in latin.items() if char in letters)
     return max(scores.values(), default=0.0) / counted
+
+
+@functools.cache
+def _latin_letters() -> dict[str, frozenset[str]]:
+    """:data:`_LATIN_LANGUAGES` with each letter's capital."""
+    return {
+        language: frozenset(letters) | {c.upper() for c in letters if len(c.upper()) == 1 and c.upper() >= "\x80"}
+        for language, letters in _LATIN_LANGUAGES.items()
+    }
 
 
 _NON_ASCII_RUN = re.compile("[^\x00-\x7f]+")

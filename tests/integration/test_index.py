@@ -1726,6 +1726,10 @@ def test_legacy_encodings_are_detected(encoding):
     assert decoded is not None and decoded.text == LEGACY[encoding] and decoded.replaced == 0
 
 
+FRENCH_LINE = (
+    "Le décodage anticipé est une méthode d'accélération sans perte : il construit un arbre de "
+    "brouillons à partir des passages récupérés."
+)
 # short files and mostly-English ones, where charset-normalizer's first guess read as text in
 # another script (cp949 for GBK: "王小明" -> "珙鬼츠"; cp775 for Latin-1: "Résumé" -> "Rķsumķ")
 SHORT_OR_MOSTLY_ASCII = [
@@ -1760,6 +1764,20 @@ SHORT_OR_MOSTLY_ASCII = [
     ("Python编程入门：变量、函数和类。\n", "gbk"),
     ("Linux常用命令：ls、cd、grep\n", "gbk"),
     ("使用git commit、git push命令提交代码。", "gbk"),
+    # read as cp1257, its "é"s with a Lithuanian "ą" for "à" scoring 0.96 as Latin letters alike
+    # (too close to cp1252's 1.0 to replace it); and as Mac Roman ("Voil‡ ‡ la maison ‡ cÙtÈ"), its
+    # double daggers neutral and its capitals after small letters common letters
+    (FRENCH_LINE, "cp1252"),
+    ("Voilà à la maison à côté", "cp1252"),
+    ("Voilà à la maison", "cp1252"),
+    # signs on a word: "La m·sica p·blica" (cp1125), "Dice ｡hola!" (cp932), "V mýsto na ×e." (cp852)
+    ("La música pública", "cp1252"),
+    ("Dice ¡hola!", "cp1252"),
+    ("V město na že.", "cp1250"),
+    # letters of two languages: "Zaṡóġæ gê¶lḟ jaỳñ." (ISO-8859-14), "£ůdü ... duŅym" (Mac Latin 2)
+    ("Zażółć gęślą jaźń.", "iso-8859-2"),
+    ("Łódź jest dużym miastem w środkowej Polsce.", "cp1250"),
+    ("Dziękuję bardzo, to było miłe.", "cp1250"),
 ]
 
 
@@ -1798,14 +1816,22 @@ def test_documents_with_bullets_and_symbols_read_as_written(text, encoding, time
 def test_real_text_reads_as_plausible_and_wrong_decodings_do_not():
     from rag_lookahead.rag.charset import PLAUSIBLE, plausibility
 
-    # (Polish scores low, its letters being Latin Extended, rarer by design; it reads right as
-    # no other decoding scores high either)
-    for text in [*LEGACY.values(), *(t for t, e in SHORT_OR_MOSTLY_ASCII if e != "cp1250"), "plain ASCII"]:
+    # (Polish and Czech score low, their letters being Latin Extended, rarer by design; they read
+    # right as no other decoding scores high either)
+    for text in [
+        *LEGACY.values(),
+        *(t for t, e in SHORT_OR_MOSTLY_ASCII if e not in ("cp1250", "iso-8859-2")),
+        "plain ASCII",
+    ]:
         assert plausibility(text) >= PLAUSIBLE, text
     # text that mixes scripts as writers do: Latin words in Chinese, digits by Cyrillic, signs
     for text in ("用Python写代码", "iPhone手机", "A股上涨", "Windows 10 и Linux", "3×4 m, 5°C", "don’t", "£40", "1ère"):
         assert plausibility(text) >= PLAUSIBLE, text
     for text in ("ls、cd", "ls，cd", "git「commit」", "A：B"):  # full-width CJK punctuation between Latin words
+        assert plausibility(text) >= PLAUSIBLE, text
+    # signs and capitals where writers put them: Catalan "l·l", Spanish marks, quotes, capitals
+    # after an apostrophe or in a word in capitals, a sign by a digit, CJK text's unspaced marks
+    for text in ("col·lecció", "¿Dónde está?", "¡Hola!", "«Oui»", "l'École", "DÉCODAGE", "5°C×3", "※Windows版本"):
         assert plausibility(text) >= PLAUSIBLE, text
     for wrong in (
         "珙鬼츠",
@@ -1816,6 +1842,14 @@ def test_real_text_reads_as_plausible_and_wrong_decodings_do_not():
         "Se±or",
         "ú40",
         "S縊 Paulo",
+        "Voil‡ ‡ la maison ‡ cÙtÈ",  # cp1252 read as Mac Roman
+        "Voil‡ ‡ la maison",
+        "cÙtÈ",
+        "La m·sica p·blica",  # as cp1125
+        "andr‗ per‗",  # as cp850
+        "Dice ｡hola!",  # as cp932
+        "Dziêkujê bardzo, to byġo miġe.",  # cp1250 read as ISO-8859-14
+        FRENCH_LINE.encode("cp1252").decode("cp1257"),  # "é"s with "ą" for "à"
     ):
         assert plausibility(wrong) < PLAUSIBLE, wrong
 
@@ -1858,11 +1892,12 @@ def test_utf16_chinese_without_a_byte_order_mark_is_read_as_utf16(encoding):
     assert ix.decode_text(text.encode(encoding)) == ix.DecodedText(text, encoding)
 
 
-@pytest.mark.parametrize("old_version", [None, 2])
+@pytest.mark.parametrize("old_version", [None, 2, 3])
 def test_files_read_with_the_old_encoding_guess_are_read_again(tmp_path, embedder, monkeypatch, old_version):
     """Files are keyed by their bytes' sha256, so a better encoding guess never reached an unchanged
     file: an index built with the old guess kept the cp949 reading of a GBK file for good. Version
-    2 scored a long file whole, 3 a sample of it: an index of version 2 kept the whole-text guess."""
+    2 scored a long file whole, 3 a sample of it: an index of version 2 kept the whole-text guess;
+    4 scores Latin letters by language: an index of version 3 kept short cp1252 French as cp1257."""
     from rag_lookahead.atomic import write_json_atomic
     from rag_lookahead.rag import charset
 
