@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from rag_lookahead.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    #: an integer as ``numbers.Integral`` takes it (``LookaheadConfig``'s fields, token ids): an
+    #: ``int`` or a numpy integer, not a ``bool`` (refused at run time; a type checker lets it pass)
+    Integer: TypeAlias = int | np.integer[Any]
 
 __all__ = ["is_unicode", "positive_int", "unicode_text"]
 

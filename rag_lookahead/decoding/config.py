@@ -9,9 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from numbers import Integral
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rag_lookahead.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rag_lookahead.checks import Integer
 
 #: Text pieces that are too common to predict anything when used alone as a lookup key.
 DEFAULT_STOP_WORDS: tuple[str, ...] = (
@@ -102,6 +105,25 @@ class LookaheadConfig:
     output_pool_nodes: int = 2_000_000
     use_output_pool: bool = True
     debug: bool = False
+
+    # What the generated __init__ takes, for type checkers (the fields' types are what ``validate``
+    # stores): numpy integers for the integer fields, any iterable of ids for ``stop_words``.
+    # tests/unit/test_public_names.py checks it against the fields.
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            decoding_length: Integer = 64,
+            branch_length: Integer = 48,
+            stop_words: Iterable[Integer] = frozenset(),
+            enabled: bool = True,
+            budget: Literal["auto", "fixed"] = "auto",
+            max_key_length: Integer = 4,
+            min_key_length: Integer = 1,
+            output_pool_nodes: Integer = 2_000_000,
+            use_output_pool: bool = True,
+            debug: bool = False,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         self.validate()

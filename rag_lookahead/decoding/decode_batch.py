@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
 
@@ -44,6 +45,10 @@ from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.decoding.verify import input_device, keep_accepted, supports_tree_mask
 from rag_lookahead.decoding.windows import check_layers
 from rag_lookahead.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 WORKLOAD_DECAY = 0.97  # the model's rates follow the last few dozen row-steps
 #: most (padded) prompt tokens in one prefill forward; rows joining together are prefilled in
@@ -137,7 +142,7 @@ class DecodeBatch:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         references=None,
-        max_new_tokens: int | Sequence[int] = 1,
+        max_new_tokens: SupportsIndex | Sequence[SupportsIndex] | torch.Tensor | npt.NDArray[np.integer[Any]] = 1,
         keys: Sequence | None = None,
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         logprobs: Sequence[LogprobRecorder | None] | None = None,

@@ -12,6 +12,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from numbers import Integral
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeAlias
 
 import torch
 
@@ -33,6 +34,15 @@ from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.decoding.verify import input_device, supports_tree_mask
 from rag_lookahead.decoding.windows import check_layers
 from rag_lookahead.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from rag_lookahead.checks import Integer
+
+    #: ``eos_token_id`` as ``_eos_ids`` reads it: one id or a list of them, or a numpy or tensor value
+    TokenIds: TypeAlias = Integer | Sequence[Integer | torch.Tensor] | torch.Tensor | npt.NDArray[np.integer[Any]]
 
 __all__ = ["DecodeBatch", "GenerationResult", "GenerationStats", "Row", "generate", "left_pad"]
 
@@ -82,7 +92,7 @@ def _setting(model, name: str, value, generation_config):
     return value
 
 
-def _pad_id(pad_token_id: int | None, eos: Sequence[int]) -> int:
+def _pad_id(pad_token_id: SupportsIndex | None, eos: Sequence[int]) -> int:
     """The id that right-pads the output: the pad id set (``_setting``), else the first EOS id (as
     transformers has it: a list's smallest padded differently), else 0."""
     if pad_token_id is None:
@@ -95,11 +105,11 @@ def generate(
     input_ids,
     attention_mask=None,
     *,
-    max_new_tokens: int,
+    max_new_tokens: SupportsIndex,
     config: LookaheadConfig | None = None,
     references: Sequence[Sequence[Sequence[int]]] | None = None,
-    eos_token_id: int | Sequence[int] | None = UNSET,
-    pad_token_id: int | None = UNSET,
+    eos_token_id: TokenIds | None = UNSET,
+    pad_token_id: SupportsIndex | None = UNSET,
     output_pool: OutputPool | None = None,
     drafter: Drafter | None = None,
     on_tokens: Callable[[int, list[int]], bool | None] | None = None,

@@ -13,7 +13,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 
@@ -278,6 +278,38 @@ def _assemble(plan, new_vecs, dimension: int):
     if len(matrix):
         fidx.add(np.ascontiguousarray(matrix))
     return records, fidx
+
+
+@overload
+def build_index(
+    corpus_dir: str | Path,
+    index_dir: str | Path | None = None,
+    embedder: Embedder | str | None = None,
+    *,
+    chunk_size: int = ...,
+    chunk_overlap: int = ...,
+    progress: bool = ...,
+    follow_symlinks: bool = ...,
+    max_file_mb: float = ...,
+    lock_timeout: float = ...,
+    if_missing: Literal[False] = False,
+) -> IndexReport: ...
+
+
+@overload
+def build_index(
+    corpus_dir: str | Path,
+    index_dir: str | Path | None = None,
+    embedder: Embedder | str | None = None,
+    *,
+    chunk_size: int = ...,
+    chunk_overlap: int = ...,
+    progress: bool = ...,
+    follow_symlinks: bool = ...,
+    max_file_mb: float = ...,
+    lock_timeout: float = ...,
+    if_missing: bool,
+) -> IndexReport | None: ...
 
 
 def build_index(

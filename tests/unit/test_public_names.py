@@ -5,7 +5,10 @@ public name is imported under ``TYPE_CHECKING``, since at run time most come fro
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
+import inspect
+import typing
 from pathlib import Path
 
 import rag_lookahead
@@ -51,3 +54,59 @@ def test_type_checkers_see_the_objects_the_package_hands_out():
     for name, module in lazy.items():
         assert getattr(rag_lookahead, name) is getattr(importlib.import_module(module), name), name
     assert "TYPE_CHECKING" not in dir(rag_lookahead)
+
+
+def _type_checking_init(cls: type) -> ast.FunctionDef:
+    """The ``__init__`` a class declares for type checkers only (``if TYPE_CHECKING:`` in its body)."""
+    source = Path(inspect.getsourcefile(cls) or "").read_text(encoding="utf-8")
+    (node,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == cls.__name__]
+    inits = [
+        f
+        for block in node.body
+        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+        for f in block.body
+        if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+    ]
+    assert len(inits) == 1, f"{cls.__name__} declares no __init__ for type checkers"
+    return inits[0]
+
+
+def test_type_checkers_see_the_config_fields_taking_numpy_integers():
+    """``LookaheadConfig(decoding_length=np.int64(32))`` runs (``validate`` stores an int), but the
+    generated ``__init__`` reads the fields' ``int`` to a type checker: mypy --strict refused it. The
+    ``__init__`` declared for type checkers must name the fields the dataclass has, in its order,
+    with its defaults, so that it cannot drift from the real one."""
+    from rag_lookahead.decoding.config import LookaheadConfig
+
+    declared = _type_checking_init(LookaheadConfig).args
+    names = [a.arg for a in declared.args[1:]]
+    defaults = [ast.unparse(d) for d in declared.defaults]
+    real = inspect.signature(LookaheadConfig).parameters.values()
+    assert names == [p.name for p in real]
+    fields = {f.name: f for f in dataclasses.fields(LookaheadConfig)}
+    assert defaults == [
+        repr(f.default if f.default is not dataclasses.MISSING else f.default_factory()) for f in fields.values()
+    ]
+    integer_fields = [name for name, f in fields.items() if f.type == "int"]
+    assert integer_fields and all(
+        ast.unparse(a.annotation) == "Integer" for a in declared.args if a.arg in integer_fields
+    )
+    assert not declared.kwonlyargs and declared.vararg is None and declared.kwarg is None
+
+
+def test_build_index_reports_unless_if_missing():
+    """``build_index`` returns None only with ``if_missing=True``; typed ``IndexReport | None`` for
+    every call, ``build_index(...).summary()`` was an error to mypy --strict. Its overloads take the
+    implementation's parameters and tell the two returns apart."""
+    from rag_lookahead.rag.build import build_index
+
+    overloads = typing.get_overloads(build_index)
+    real = inspect.signature(build_index)
+    assert [str(inspect.signature(o).return_annotation) for o in overloads] == ["IndexReport", "IndexReport | None"]
+    for overload in overloads:
+        parameters = inspect.signature(overload).parameters
+        assert [(p.name, p.kind) for p in parameters.values()] == [(p.name, p.kind) for p in real.parameters.values()]
+    assert [str(inspect.signature(o).parameters["if_missing"].annotation) for o in overloads] == [
+        "Literal[False]",
+        "bool",
+    ]
