@@ -92,7 +92,21 @@ def _setting(model, name: str, value, generation_config):
     return value
 
 
-def _pad_id(pad_token_id: SupportsIndex | None, eos: Sequence[int]) -> int:
+def _one_id(name: str, value) -> int | None:
+    """One token id (an int, a numpy integer, a one-element tensor or array), or None; a list, a
+    float or text is a ConfigError (``int()`` took 0.7 as 0 and "3" as 3, and a list raised a bare
+    TypeError)."""
+    if value is None:
+        return None
+    flat = _flat(value)
+    if isinstance(flat, list) and len(flat) == 1 and hasattr(value, "tolist"):
+        flat = flat[0]
+    if not isinstance(flat, Integral) or isinstance(flat, bool):
+        raise ConfigError(f"{name} must be one token id, got {value!r}")
+    return int(flat)
+
+
+def _pad_id(pad_token_id: int | None, eos: Sequence[int]) -> int:
     """The id that right-pads the output: the pad id set (``_setting``), else the first EOS id (as
     transformers has it: a list's smallest padded differently), else 0."""
     if pad_token_id is None:
@@ -162,8 +176,8 @@ def generate(
     max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
     eos_order = _eos_ids(model, eos_token_id, generation_config)
     eos = frozenset(eos_order)
-    pad_set = _setting(model, "pad_token_id", pad_token_id, generation_config)
-    masked_pad = None if pad_set is None or int(pad_set) in eos else int(pad_set)  # as transformers infers a mask
+    pad_set = _one_id("pad_token_id", _setting(model, "pad_token_id", pad_token_id, generation_config))
+    masked_pad = None if pad_set is None or pad_set in eos else pad_set  # as transformers infers a mask
     ids, mask, references = _checked_inputs(model, input_ids, attention_mask, references, masked_pad)
     params = resolve_sampling(
         model,

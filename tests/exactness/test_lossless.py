@@ -13,6 +13,7 @@ from tiny_models import ARCHITECTURES, PairedDrafter, reference_generate, tiny_m
 from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding import decode_batch
 from rag_lookahead.decoding.trie import OutputPool
+from rag_lookahead.errors import ConfigError
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -256,3 +257,10 @@ def test_eos_and_pad_of_a_generation_config_passed_in_are_honoured(arch):
     for value in (np.int64(eos), torch.tensor(eos), [np.int64(eos)], *two_d, *more):
         again = generate(model, prompt, max_new_tokens=16, eos_token_id=value).sequences[0, 6:].tolist()
         assert again[: len(expected)] == expected
+    for pad in (np.int64(1), torch.tensor(1), np.array([1])):  # one id, as model.generate takes it
+        padded = generate(model, prompt, max_new_tokens=16, eos_token_id=eos, pad_token_id=pad).sequences[0, 6:]
+        assert padded.tolist() == got
+    # a list raised a bare TypeError; int() read 0.7 as pad 0 and "1" as 1
+    for pad in ([1], 0.7, "1", True):
+        with pytest.raises(ConfigError, match="pad_token_id must be one token id"):
+            generate(model, prompt, max_new_tokens=16, eos_token_id=eos, pad_token_id=pad)
