@@ -35,7 +35,6 @@ from rag_lookahead.progress import status_line
 
 __all__ = [
     "DEFAULT",
-    "DEFAULT_MODEL_NAME",
     "DEFAULT_PARTS",
     "DEFAULT_SHA256",
     "EMBEDDED",
@@ -167,11 +166,8 @@ QUALITY = EmbeddedModel(
 #: The names ``load_model`` takes for the embedded models.
 EMBEDDED: dict[str, EmbeddedModel] = {spec.key: spec for spec in (DEFAULT, QUALITY)}
 
-# the default's names as they were before the quality model came (imported by the LangChain and server code)
-DEFAULT_MODEL_NAME = DEFAULT.name
+# shorthands for the default's parts and checksum, as they were before the quality model came (the tests use them)
 DEFAULT_PARTS = DEFAULT.parts
-DEFAULT_PARTS_VERSION = DEFAULT.version
-DEFAULT_TOTAL_SIZE = DEFAULT.total_size
 DEFAULT_SHA256 = DEFAULT.sha256
 
 MARKER_FILE = "rag_lookahead.json"

@@ -147,7 +147,7 @@ def _lookahead_generate(
     assistant_model=None,
 ) -> torch.LongTensor | LookaheadGenerateOutput:
     """:func:`hf_generate` once the streamer is known (it ends the streamer, whatever happens here)."""
-    _check_call(model, generation_config, synced_gpus)
+    _check_call(model, synced_gpus)
     mask = _attention_mask(input_ids, model_kwargs)
     rows = input_ids.shape[0]
     if streamer is not None and rows > 1:
@@ -394,7 +394,7 @@ def _synced_gpus_of_caller(frame, model) -> bool:
         return False
 
 
-def _check_call(model, generation_config, synced_gpus: bool) -> None:
+def _check_call(model, synced_gpus: bool) -> None:
     """Refuse what the loop cannot do: several processes in step, encoder-decoder models (per-step
     outputs: ``sampling.check_supported``)."""
     if synced_gpus:

@@ -29,14 +29,13 @@ import torch
 from rag_lookahead import embedded_model
 from rag_lookahead.attention_choice import check_attn_implementation
 from rag_lookahead.cpu_linear import cpu_bf16, speed_up_cpu_linears
-from rag_lookahead.embedded_model import DEFAULT_MODEL_NAME, EMBEDDED, EmbeddedModel
+from rag_lookahead.embedded_model import EMBEDDED, EmbeddedModel
 from rag_lookahead.errors import ConfigError, ModelLoadError, quoted_path
 from rag_lookahead.greedy_head import screen_greedy_head
 from rag_lookahead.paths import cache_dir, expand_user
 from rag_lookahead.progress import status_line
 
 __all__ = [
-    "DEFAULT_MODEL_NAME",
     "cache_dir",
     "check_load_options",
     "default_model_dir",

@@ -157,7 +157,7 @@ class DecodeBatch:
         a chunk at a time, and each row's first token comes from the step that ends its prompt.
         """
         input_ids, attention_mask = as_batch(input_ids, attention_mask)
-        check_ids(input_ids, attention_mask, self.vocab)
+        check_ids(input_ids, self.vocab)
         check_room(self.model, attention_mask)
         count = input_ids.shape[0]
         if not self.tree_mask and self.size + count > 1:

@@ -172,7 +172,7 @@ def left_padded(mask: torch.Tensor) -> bool:
     return not (mask.shape[1] > 1 and bool((mask[:, 1:] < mask[:, :-1]).any()))
 
 
-def check_ids(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> None:
+def check_ids(ids: torch.Tensor, vocab: int) -> None:
     """Every id the model will read lies in ``[0, vocab)`` (pad positions too: they are embedded)."""
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         bad = ids[(ids < 0) | (ids >= vocab)][0].item()

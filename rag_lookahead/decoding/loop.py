@@ -238,7 +238,7 @@ def _checked_inputs(model, input_ids, attention_mask, references, masked_pad: in
     leave room in the context window for at least one new token (``masked_pad``: see ``as_batch``)."""
     check_layers(model)  # before any forward (the tree-mask probe's, the cost curve's)
     ids, mask = as_batch(input_ids, attention_mask, masked_pad)
-    check_ids(ids, mask, vocab_size(model))
+    check_ids(ids, vocab_size(model))
     references = check_references(references, ids.shape[0], vocab_size(model))
     device = input_device(model)
     ids, mask = ids.to(device), mask.to(device)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from rag_lookahead.decoding.costs import CostCurve, StepCosts
     from rag_lookahead.decoding.trie import OutputPool
 
-__all__ = ["ModelProfile", "profile_of", "reset_profiles"]
+__all__ = ["ModelProfile", "profile_of"]
 
 
 @dataclass(eq=False)
@@ -133,11 +133,3 @@ def profile_of(model) -> ModelProfile:
         if profile is None:
             profile = _PROFILES[model] = ModelProfile()
         return profile
-
-
-def reset_profiles() -> None:
-    """Forget what is known about every model (``profile_of(model).reset()`` forgets one)."""
-    with _PROFILES_LOCK:
-        profiles = list(_PROFILES.values())
-    for profile in profiles:
-        profile.reset()

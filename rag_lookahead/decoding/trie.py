@@ -67,15 +67,6 @@ class NGramTrie:
             child = self._sibling[child]
         return found
 
-    def _child(self, node: int, token: int, add: int = 1) -> int:
-        """The child of ``node`` on ``token``, made if new; its count raised by ``add``."""
-        key = node * _SPAN + token
-        child = self._edges.get(key)
-        if child is None:
-            return self._new_child(node, token, key, add)
-        self._counts[child] += add
-        return child
-
     def _new_child(self, node: int, token: int, key: int, count: int) -> int:
         """Make ``node``'s child on ``token`` (``key``: its edge), last among its siblings."""
         first, last, sibling = self._first, self._last, self._sibling
@@ -125,8 +116,8 @@ class NGramTrie:
         window, with the edge lookup written out: seeding a prompt makes ~``depth`` nodes a token,
         and on a GPU that host work takes about as long as the prefill forward itself (1,000
         prompt tokens, depth 52: ~50k nodes, 32.5 ms against 38.7 ms window by window through
-        ``_child``, medians of 12 here). Each node's children still come in the order of their
-        n-grams' first occurrence, so drafts are the same."""
+        a method call a node, medians of 12 here). Each node's children still come in the order
+        of their n-grams' first occurrence, so drafts are the same."""
         depth, edges, counts, new_child = self.depth, self._edges, self._counts, self._new_child
         for token in tokens:
             if len(windows) == depth:  # the longest window is full: it stops growing

@@ -76,7 +76,7 @@ def _normalize(x: np.ndarray) -> np.ndarray:
     return (x / n).astype(np.float32, copy=False)
 
 
-def _batched(fn, texts: Sequence[str], dim: int, progress, desc: str = "embedding") -> np.ndarray:
+def _batched(fn, texts: Sequence[str], dim: int, progress) -> np.ndarray:
     """Run ``fn`` over ``texts`` in batches of ``BATCH_SIZE``, reporting ``progress`` (see :class:`_Progress`)."""
     texts = list(texts)
     _check_texts(texts)
@@ -163,7 +163,6 @@ class E5SmallEmbedder:
                 texts,
                 self.dimension,
                 progress,
-                "embedding",
             )
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
@@ -282,7 +281,7 @@ class USEEmbedder:
         self._model = USE(threads=threads)
 
     def embed_documents(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
-        return _batched(self._model.encode, texts, self.dimension, progress, "embedding")
+        return _batched(self._model.encode, texts, self.dimension, progress)
 
     def embed_query(self, text: str) -> np.ndarray:
         return _normalize(self._model.encode(text))
@@ -355,7 +354,7 @@ class SentenceTransformerEmbedder:
 
     def embed_documents(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
         texts = [self.document_prefix + t for t in texts]
-        return _batched(self._encode, texts, self.dimension, progress, "embedding")
+        return _batched(self._encode, texts, self.dimension, progress)
 
     def embed_query(self, text: str) -> np.ndarray:
         return _normalize(self._encode([self.query_prefix + text])[0])

@@ -685,7 +685,7 @@ def _check_serve_free(serve, config: ServerConfig) -> None:
             f"--replicas`, or one interrupted while it started): stop that one first (`serve shutdown`, or "
             f"serve.delete({APP_NAME!r}) for this app alone)"
         )
-    running = _serve_address(serve)
+    running = _serve_address()
     if running is None:  # Serve starts its proxy here: anything already on the port is not ours
         from rag_lookahead.serve.command import listening_socket
 
@@ -700,7 +700,7 @@ def _check_serve_free(serve, config: ServerConfig) -> None:
         )
 
 
-def _serve_address(serve) -> tuple[str, int] | None:
+def _serve_address() -> tuple[str, int] | None:
     """``(host, port)`` Ray Serve's proxies listen on, None when Serve is not running (Ray 2.60)."""
     from ray.serve.context import _get_global_client
 

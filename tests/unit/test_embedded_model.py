@@ -13,7 +13,6 @@ import pytest
 from rag_lookahead import embedded_model
 from rag_lookahead.embedded_model import (
     DEFAULT,
-    DEFAULT_MODEL_NAME,
     DEFAULT_PARTS,
     DEFAULT_SHA256,
     EMBEDDED,
@@ -53,7 +52,7 @@ def test_the_two_models():
 
 
 def test_default_names_kept_for_existing_imports():
-    assert (DEFAULT_MODEL_NAME, DEFAULT_PARTS, DEFAULT_SHA256) == (DEFAULT.name, DEFAULT.parts, DEFAULT.sha256)
+    assert (DEFAULT_PARTS, DEFAULT_SHA256) == (DEFAULT.parts, DEFAULT.sha256)
     assert DEFAULT.folder_name == "qwen2.5-coder-0.5b-instruct-1d9614638d18"  # converted caches stay valid
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tiny_models import build_tiny_model
 
 from rag_lookahead import LookaheadConfig, generate
-from rag_lookahead.decoding.profile import ModelProfile, profile_of, reset_profiles
+from rag_lookahead.decoding.profile import ModelProfile, profile_of
 
 
 def test_a_model_profile_fills_as_the_loop_learns_and_empties_on_reset():
@@ -68,12 +68,3 @@ def test_output_pools_are_shared_per_trie_depth_and_node_cap():
     small = LookaheadConfig(budget="fixed", output_pool_nodes=50)
     generate(model, list(range(3, 60)), max_new_tokens=40, config=small)
     assert pools[(d, 50)].max_nodes == 50 and pools[(d, 50)].nodes <= 50
-
-
-def test_reset_profiles_forgets_every_model():
-    models = [build_tiny_model("llama", seed=s) for s in (1, 2)]
-    for model in models:
-        generate(model, [1, 2, 3], max_new_tokens=2, config=LookaheadConfig(budget="fixed"))
-    assert all(profile_of(m).tree_mask for m in models)
-    reset_profiles()
-    assert all(profile_of(m).tree_mask is None for m in models)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from rag_lookahead import LookaheadConfig
 from rag_lookahead.decoding.draft import DraftTree, _TreeBuilder, children_of, propose
-from rag_lookahead.decoding.trie import ContextPool, NGramTrie, OutputPool
+from rag_lookahead.decoding.trie import _SPAN, ContextPool, NGramTrie, OutputPool
 
 sequences = st.lists(st.integers(min_value=0, max_value=9), min_size=0, max_size=60)
 
@@ -49,6 +49,16 @@ def _shape(trie, node=None):
     return [(token, trie.count(child), _shape(trie, child)) for token, child in trie.children(node)]
 
 
+def _child(trie, node, token):
+    """The child of ``node`` on ``token``, made if new; its count raised by one."""
+    key = node * _SPAN + token
+    child = trie._edges.get(key)
+    if child is None:
+        return trie._new_child(node, token, key, 1)
+    trie._counts[child] += 1
+    return child
+
+
 def _window_by_window(depth, sequences):
     """The trie as ``insert`` built it before streaming: each window walked whole, one after another."""
     trie = NGramTrie(depth)
@@ -56,7 +66,7 @@ def _window_by_window(depth, sequences):
         for start in range(len(tokens)):
             node = trie.ROOT
             for token in tokens[start : start + depth]:
-                node = trie._child(node, token)
+                node = _child(trie, node, token)
     return trie
 
 
