@@ -36,9 +36,10 @@ class RebuildWarning(UserWarning):
 
 
 def first_line(error: BaseException) -> str:
-    """What a command prints for ``error``: its message's first line, or its type's name."""
-    text = str(error)
-    return text.splitlines()[0] if text.strip() else type(error).__name__
+    """What a command prints for ``error``: its message's first line that holds text (a message that
+    starts with a line break printed an empty one), or its type's name."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 #: invisible characters that words are written with (Persian, Indic scripts, emoji sequences): kept as they are

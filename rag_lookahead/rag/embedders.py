@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import numpy as np
 import torch
 
-from rag_lookahead.errors import ConfigError, InputError, ModelLoadError
+from rag_lookahead.errors import ConfigError, InputError, ModelLoadError, first_line
 from rag_lookahead.rag.corpus import stage_bar
 from rag_lookahead.rag.e5 import (
     BATCH_TOKENS,
@@ -335,8 +335,9 @@ class SentenceTransformerEmbedder:
         try:
             self._model = SentenceTransformer(name_or_path, device=device)
         except Exception as e:  # hub errors, missing folders, bad configs
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ModelLoadError(f"could not load sentence-transformers model {name_or_path!r}: {msg}") from None
+            raise ModelLoadError(
+                f"could not load sentence-transformers model {name_or_path!r}: {first_line(e)}"
+            ) from None
         self.name = f"sentence-transformers:{name_or_path}"
         get_dim = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
         self.dimension = int(get_dim())

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from rag_lookahead.atomic import fsync_dir, naming_failed_write, temporary_names, write_json_atomic
-from rag_lookahead.errors import ConfigError, IndexLoadError, quoted_path, shown_path
+from rag_lookahead.errors import ConfigError, IndexLoadError, first_line, quoted_path, shown_path
 from rag_lookahead.locks import exclusive
 from rag_lookahead.paths import env_folder, home_dir
 
@@ -258,9 +258,8 @@ def read_verified(index_dir: Path, manifest: dict) -> tuple[Any, list[dict]]:
     try:  # read by Python, not by faiss: a path that is not UTF-8 is an ordinary path here
         fidx = faiss.deserialize_index(np.frombuffer(faiss_bytes, dtype=np.uint8))
     except (RuntimeError, MemoryError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise IndexLoadError(
-            f"index at {shown_path(index_dir)} is corrupt: cannot read {FAISS_FILE} ({first})"
+            f"index at {shown_path(index_dir)} is corrupt: cannot read {FAISS_FILE} ({first_line(e)})"
         ) from None
     records = []
     try:

@@ -98,7 +98,7 @@ def _sampling(engine: Engine, options: dict, prompt_width: int):
         return engine.sampling(options, prompt_width)
     except ConfigError as e:
         raise ApiError(
-            400, f"{first_line(str(e))[:300]} (the request's fields over the model's generation config)"
+            400, f"{first_line(e)[:300]} (the request's fields over the model's generation config)"
         ) from None
 
 
