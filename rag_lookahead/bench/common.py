@@ -530,7 +530,7 @@ def fresh_pool_answers(model, tokenizer, prompts: Sequence[dict], config: Lookah
             config=config,
             eos_token_id=eos,
             pad_token_id=pad,
-            output_pool=OutputPool(config.branch_length + config.max_key_length),
+            output_pool=OutputPool(config.pool_depth),
         )
         yield ids, result
 

@@ -202,7 +202,7 @@ def run_lookahead(
     earlier answers). ``references``: one passage's ids that seed the trie besides the prompt.
     ``drafter``: another drafter than lookahead's tries (``prompt_lookup_ours``)."""
     if drafter is None:
-        pool = pool or OutputPool(config.branch_length + config.max_key_length)
+        pool = pool or OutputPool(config.pool_depth)
     start = time.perf_counter()
     result = generate(
         model,

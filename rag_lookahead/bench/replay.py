@@ -128,7 +128,7 @@ def replay_all(
     answers: Sequence[tuple[list[int], list[int]]], eos: frozenset[int], curve: CostCurve, config: LookaheadConfig
 ) -> dict[str, Replayed]:
     """Every drafter of ``DRAFTERS`` over the (prompt, answer) pairs, in order."""
-    depth = config.branch_length + config.max_key_length
+    depth = config.pool_depth
     totals = {name: Replayed() for name in DRAFTERS}
     warm = OutputPool(depth)
     for prompt, answer in answers:

@@ -192,7 +192,7 @@ class MethodRunner:
 
     def new_pass(self) -> None:
         """``lookahead_warm`` starts each pass over the prompts with an empty pool."""
-        self.warm_pool = OutputPool(self.config.branch_length + self.config.max_key_length)
+        self.warm_pool = OutputPool(self.config.pool_depth)
 
     def context_ids(self, prompt: dict) -> list[int]:
         return self.tokenizer.encode(prompt["context"], add_special_tokens=False)

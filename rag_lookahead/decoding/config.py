@@ -38,7 +38,7 @@ DEFAULT_STOP_WORDS: tuple[str, ...] = (
 
 #: Upper bounds keep one bad value from building a huge mask or trie: a draft of
 #: ``decoding_length`` nodes costs a (nodes x nodes) mask per step, and the trie depth is
-#: ``branch_length + max_key_length``.
+#: ``branch_length + max_key_length`` (``LookaheadConfig.pool_depth``).
 _UPPER_BOUNDS = {
     "decoding_length": 1024,
     "branch_length": 256,
@@ -145,6 +145,12 @@ class LookaheadConfig:
         if self.budget not in ("auto", "fixed"):
             raise ConfigError(f"budget must be 'auto' or 'fixed', got {self.budget!r}")
         object.__setattr__(self, "stop_words", _stop_word_ids(self.stop_words))
+
+    @property
+    def pool_depth(self) -> int:
+        """Depth of the n-gram pools (the prompt's and the earlier answers'): the longest lookup key
+        plus the deepest draft path it leads to."""
+        return self.branch_length + self.max_key_length
 
     def replace(self, **changes) -> LookaheadConfig:
         return replace(self, **changes)

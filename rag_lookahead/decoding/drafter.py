@@ -73,9 +73,7 @@ class TrieDrafter(Drafter):
         self.output_pool = output_pool if config.use_output_pool else None
 
     def start(self, row: Row, references: Sequence[Sequence[int]]) -> None:
-        context = ContextPool(
-            self.config.branch_length + self.config.max_key_length, references, key_length=self.config.max_key_length
-        )
+        context = ContextPool(self.config.pool_depth, references, key_length=self.config.max_key_length)
         context.extend(row.tokens)
         row.draft_state = context
 

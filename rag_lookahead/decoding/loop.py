@@ -194,9 +194,7 @@ def generate(
     sampling = per_row(params, seed, ids.shape[0])
     pad = _pad_id(pad_set, eos_order)
     if drafter is None and output_pool is None and config.enabled and config.use_output_pool:
-        output_pool = profile_of(model).output_pool(
-            config.branch_length + config.max_key_length, config.output_pool_nodes
-        )
+        output_pool = profile_of(model).output_pool(config.pool_depth, config.output_pool_nodes)
     new_batch = functools.partial(DecodeBatch, model, config, eos, output_pool, drafter, prefill_chunk=prefill_chunk)
     run = functools.partial(_decode_rows, new_batch, max_new_tokens=max_new_tokens, pad=pad, logprobs=logprobs)
     if ids.shape[0] > 1 and not supports_tree_mask(model):  # packed rows are kept apart by the mask

@@ -153,7 +153,7 @@ _DECODING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("rag_looka
 
 def pool_shape(config: LookaheadConfig) -> tuple[int, int]:
     """The output pool's (depth, max_nodes) for ``config``."""
-    return config.branch_length + config.max_key_length, config.output_pool_nodes
+    return config.pool_depth, config.output_pool_nodes
 
 
 class Engine:

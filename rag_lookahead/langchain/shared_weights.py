@@ -83,6 +83,6 @@ def shared_engine(model: Any, tokenizer: Any, config: LookaheadConfig) -> Engine
                 engine.output_pool.depth,
                 engine.output_pool.max_nodes,
                 config.output_pool_nodes,
-                config.branch_length + config.max_key_length,
+                config.pool_depth,
             )
         return engine

@@ -75,7 +75,7 @@ class Batches:
             nodes = self.lookahead.output_pool_nodes
             if self.config.output_pool == "per-key":  # the pools together stay within the one bound
                 nodes = max(nodes // max(len(self.config.api_keys), 1), 1)
-            pool = self._pools[key] = OutputPool(self.lookahead.branch_length + self.lookahead.max_key_length, nodes)
+            pool = self._pools[key] = OutputPool(self.lookahead.pool_depth, nodes)
         return pool
 
     # ------------------------------------------------------------ admit

@@ -64,7 +64,7 @@ def test_single_row_matches_generate(arch, case):
     model = tiny_model(arch)
     references, eos = _references(model, prompt, max_new, kind, seed)
     expected = reference_generate(model, prompt, max_new, eos)
-    pool = OutputPool(config.branch_length + config.max_key_length)
+    pool = OutputPool(config.pool_depth)
     if config.use_output_pool:  # an earlier answer that partly matches
         pool.add(expected[: len(expected) // 2] + prompt)
     result = generate(

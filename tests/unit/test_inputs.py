@@ -208,6 +208,16 @@ def test_a_config_is_changed_by_a_checked_copy_not_in_place(model, field, value)
     assert generate(model, [1, 2, 3, 1, 2, 3], max_new_tokens=4, config=config).sequences.shape == (1, 10)
 
 
+def test_the_pool_depth_follows_the_fields_and_is_no_field():
+    """Every n-gram pool is ``branch_length + max_key_length`` deep; the property is derived, so a
+    copy recomputes it and it stays out of the fields (``asdict``, ``replace``)."""
+    config = LookaheadConfig(branch_length=10, max_key_length=3)
+    assert config.pool_depth == 13 and config.replace(max_key_length=5).pool_depth == 15
+    assert "pool_depth" not in dataclasses.asdict(config)
+    with pytest.raises(AttributeError):
+        config.pool_depth = 1
+
+
 def test_numpy_integers_are_taken_as_config_integers():
     """stop_words, max_new_tokens, seed and top_k took numpy integers; the config's sizes refused them."""
     import numpy as np

@@ -36,11 +36,7 @@ def _fixed(drafter_of, tree_mask: bool = True):
 @pytest.mark.parametrize("kind", ["trie", "prompt_lookup"])
 def test_a_fixed_budget_replay_takes_the_loops_own_steps(kind):
     def drafter_of(config):
-        return (
-            TrieDrafter(config, OutputPool(config.branch_length + config.max_key_length))
-            if kind == "trie"
-            else PromptLookupDrafter()
-        )
+        return TrieDrafter(config, OutputPool(config.pool_depth)) if kind == "trie" else PromptLookupDrafter()
 
     config, runs = _fixed(drafter_of)
     assert any(steps < len(answer) - 1 for _, answer, steps in runs)  # drafts were accepted somewhere
@@ -73,7 +69,7 @@ def test_the_budgeted_replay_gains_every_answer_token_and_prices_each_step():
 
 def test_a_chains_replay_takes_the_steps_of_the_loop_without_a_tree_mask():
     def drafter_of(config):
-        return TrieDrafter(config, OutputPool(config.branch_length + config.max_key_length))
+        return TrieDrafter(config, OutputPool(config.pool_depth))
 
     config, runs = _fixed(drafter_of, tree_mask=False)
     for prompt, answer, steps in runs:

@@ -252,9 +252,9 @@ def _is_tree(draft: DraftTree) -> bool:
 )
 def test_draft_trees_respect_limits_and_stay_trees(prompt, previous, decoding_length, branch_length, k):
     config = LookaheadConfig(decoding_length=decoding_length, branch_length=branch_length, stop_words=frozenset({0}))
-    context = ContextPool(branch_length + config.max_key_length)
+    context = ContextPool(config.pool_depth)
     context.extend(prompt)
-    output = OutputPool(branch_length + config.max_key_length)
+    output = OutputPool(config.pool_depth)
     output.add(previous)
     draft = propose(context, output, config)
     assert len(draft) <= decoding_length
