@@ -58,6 +58,7 @@ from rag_lookahead.langchain.batching import (
 from rag_lookahead.langchain.engine import (
     CancellableAsync,
     Engine,
+    EngineAccess,
     NotPickled,
     RowRequest,
     in_worker_cancellable,
@@ -101,7 +102,7 @@ _CALL_OPTIONS = (
 # ---------------------------------------------------------------- the chat model
 
 
-class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel):
+class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, BaseChatModel):
     """A local chat model decoded with trie-drafted, tree-verified lookahead (output unchanged).
 
     The sampling fields (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
@@ -261,13 +262,6 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
                 " ChatLookahead needs a chat model (LookaheadLLM takes a base model's text)"
             )
 
-    def get_token_ids(self, text: str) -> list[int]:
-        """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub), or
-        by ``custom_get_token_ids`` where one is given, as LangChain's own models count."""
-        if self.custom_get_token_ids is not None:
-            return self.custom_get_token_ids(text)
-        return self._engine.token_ids(text)
-
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """The prompt tokens these messages make through the chat template, as a call encodes them
         (LangChain's default counted "Human: ..." lines: a history ``trim_messages`` fitted to the
@@ -307,18 +301,9 @@ class ChatLookahead(CancellableAsync, NotPickled, SamplingFields, BaseChatModel)
             params["ls_stop"] = stop
         return params
 
-    @property
-    def output_pool(self):
-        return self._engine.output_pool
-
     def get_engine(self) -> Engine:
         """The decoding engine (shared with LookaheadLLM and other chat models on the same model)."""
         return self._engine
-
-    def register_seeds(self, anchors: Sequence[str], passages: Sequence[str]) -> None:
-        """Seed any later prompt whose messages contain every string in ``anchors`` with ``passages``
-        (see :class:`rag_lookahead.rag.chains.SeedingRetriever`)."""
-        self._engine.seeds.register(anchors, passages)
 
     def bind_tools(
         self,

@@ -38,6 +38,7 @@ __all__ = [
     "RowRequest",
     "SeedRegistry",
     "CancellableAsync",
+    "EngineAccess",
     "prompt_format",
     "weights_digest",
 ]
@@ -419,6 +420,32 @@ async def in_worker(work: Callable[..., Any], *args: Any, cancel: threading.Even
     except asyncio.CancelledError:
         cancel.set()
         raise
+
+
+class EngineAccess:
+    """What both models hand out of their engine (``self._engine``): token ids, the output pool,
+    and seeds registered ahead."""
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub), or
+        by ``custom_get_token_ids`` where one is given, as LangChain's own models count."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return self._engine.token_ids(text)
+
+    @property
+    def output_pool(self) -> OutputPool:
+        return self._engine.output_pool
+
+    def register_seeds(self, anchors: Sequence[str], passages: Sequence[str]) -> None:
+        """Seed any later prompt that contains every string in ``anchors`` (a chat model's: its
+        messages) with ``passages``.
+
+        Used when the chain cannot pass ``references`` to the model (``RetrievalQA``): the retriever
+        registers the passages it kept out of the prompt, keyed by the ones it put in (see
+        :class:`rag_lookahead.rag.chains.SeedingRetriever`).
+        """
+        self._engine.seeds.register(anchors, passages)
 
 
 class NotPickled:

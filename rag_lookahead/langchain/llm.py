@@ -40,13 +40,13 @@ from pydantic import ConfigDict, Field, StrictInt
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.inputs import check_prompt_room
-from rag_lookahead.decoding.trie import OutputPool
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.batching import wave_width
 from rag_lookahead.langchain.engine import (
     BlockStream,
     CancellableAsync,
     Engine,
+    EngineAccess,
     EngineRun,
     NotPickled,
     RowRequest,
@@ -63,7 +63,7 @@ _CHAT_ONLY = (
 )
 
 
-class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
+class LookaheadLLM(EngineAccess, CancellableAsync, NotPickled, SamplingFields, BaseLLM):
     """A local causal LM decoded with trie-drafted, tree-verified lookahead (output unchanged).
 
     The sampling fields (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
@@ -253,31 +253,10 @@ class LookaheadLLM(CancellableAsync, NotPickled, SamplingFields, BaseLLM):
         caller with many prompts to refuse a bad one before decoding any."""
         return len(self._encode(prompt))
 
-    def get_token_ids(self, text: str) -> list[int]:
-        """Token ids by this model's tokenizer (LangChain's fallback fetches GPT-2's from the hub), or
-        by ``custom_get_token_ids`` where one is given, as LangChain's own models count."""
-        if self.custom_get_token_ids is not None:
-            return self.custom_get_token_ids(text)
-        return self._engine.token_ids(text)
-
     @property
     def engine(self) -> Engine:
         """The decoding engine (model, tokenizer, output pool); share it with ``ChatLookahead.from_llm``."""
         return self._engine
-
-    @property
-    def output_pool(self) -> OutputPool:
-        return self._engine.output_pool
-
-    # ------------------------------------------------------------ seeds registered ahead (RetrievalQA)
-
-    def register_seeds(self, anchors: Sequence[str], passages: Sequence[str]) -> None:
-        """Seed any later prompt that contains every string in ``anchors`` with ``passages``.
-
-        Used when the chain cannot pass ``references`` to the LLM (``RetrievalQA``): the retriever
-        registers the passages it kept out of the prompt, keyed by the ones it put in.
-        """
-        self._engine.seeds.register(anchors, passages)
 
     # ------------------------------------------------------------ encoding
 
