@@ -44,7 +44,10 @@ def first_line(error: BaseException) -> str:
 
 #: invisible characters that words are written with (Persian, Indic scripts, emoji sequences): kept as they are
 _JOINERS = frozenset("\u200c\u200d")
-_BYTE_ESCAPE = re.compile("[\udc80-\udcff]")
+#: a byte that was not UTF-8, as errors="surrogateescape" (os.fsdecode, argv) holds it
+ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+#: any UTF-16 surrogate, which no UTF-8 encoder takes alone (json.loads of "\ud800", pypdf's ToUnicode maps)
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def one_line(text: str) -> str:
@@ -75,7 +78,7 @@ def undecodable_bytes_escaped(text: str) -> str:
     """``text`` with each byte of a name that was not UTF-8 (held as a surrogate escape,
     U+DC80..U+DCFF, as :func:`os.fsdecode` holds it) written ``\\xNN``: bash's ``$'...'`` reads that
     back as the byte, where ``\\udcfe`` read back as three other bytes and named another folder."""
-    return _BYTE_ESCAPE.sub(lambda m: f"\\x{ord(m[0]) - 0xDC00:02x}", text)
+    return ESCAPED_BYTE.sub(lambda m: f"\\x{ord(m[0]) - 0xDC00:02x}", text)
 
 
 def quoted_path(path: str | os.PathLike[str]) -> str:

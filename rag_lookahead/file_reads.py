@@ -4,6 +4,9 @@ Why: a name in a corpus, an index folder or a cache folder may hold a FIFO (an `
 reading waits for a writer, for ever), a link to ``/dev/zero`` (a read grows the process until it is
 killed) or a file that grows while it is read. The corpus, the index manifest and the caches
 (the cost curves, the BM25 words) all read through :func:`read_capped`.
+
+The bundled benchmark prompts, which the benchmarks and the e5 encoder's calibration both read, are
+read here too (:func:`bundled_prompts_text`, split by :func:`jsonl_lines`).
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 
-__all__ = ["read_capped"]
+__all__ = ["bundled_prompts_text", "jsonl_lines", "read_capped"]
 
 
 def _size(n: int) -> str:
@@ -61,3 +66,17 @@ def read_capped(
     if len(data) > max_bytes:  # it grew after the size check
         return too_big
     return data
+
+
+def bundled_prompts_text() -> str:
+    """The text of the prompt set shipped in the package (``data/bench_prompts.jsonl``)."""
+    return resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
+
+
+def jsonl_lines(text: str) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of a JSONL text with their numbers (from 1). Lines end at "\\n" only (a
+    trailing "\\r" is dropped): U+2028, U+0085 or a form feed inside a JSON string ends no line."""
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
+        if line.strip():
+            yield n, line

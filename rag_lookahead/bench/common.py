@@ -13,12 +13,11 @@ import errno
 import functools
 import importlib.util
 import json
-import re
+import resource
 import sys
 import tempfile
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from importlib import resources
 from pathlib import Path
 from types import EllipsisType
 from typing import Annotated, Any, NoReturn
@@ -34,7 +33,16 @@ from rag_lookahead.decoding.inputs import context_limit, limit_words
 from rag_lookahead.decoding.loop import left_pad
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.verify import input_device
-from rag_lookahead.errors import ConfigError, InputError, RagLookaheadError, first_line, quoted_path, shown_path
+from rag_lookahead.errors import (
+    SURROGATE,
+    ConfigError,
+    InputError,
+    RagLookaheadError,
+    first_line,
+    quoted_path,
+    shown_path,
+)
+from rag_lookahead.file_reads import bundled_prompts_text, jsonl_lines
 from rag_lookahead.interrupts import program_imported
 from rag_lookahead.output_files import FileState, PathTaken, check_output_file, is_report, save_report
 from rag_lookahead.paths import refuse_blank_path
@@ -73,6 +81,7 @@ __all__ = [
     "jsonl_object",
     "load_bench_model",
     "load_prompts",
+    "peak_rss_gb",
     "print_rows",
     "keeps_report_despite_stdout",
     "report_despite_stdout",
@@ -353,7 +362,7 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
                 f"cannot read the prompts file {quoted_path(path)}: {getattr(e, 'strerror', None) or e}"
             ) from None
     else:
-        text = resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
+        text = bundled_prompts_text()
     name = shown_path(path) if path else "the bundled prompts"  # a newline in it: the error was cut there
     prompts = _read_prompts(text, name)
     if not prompts:
@@ -367,15 +376,6 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
             raise InputError(f"unknown prompt ids: {', '.join(unknown)}")
         prompts = [p for p in prompts if p["id"] in wanted]
     return prompts
-
-
-def jsonl_lines(text: str) -> Iterator[tuple[int, str]]:
-    """The non-blank lines of a JSONL text with their numbers (from 1). Lines end at "\\n" only (a
-    trailing "\\r" is dropped): U+2028, U+0085 or a form feed inside a JSON string ends no line."""
-    for n, line in enumerate(text.split("\n"), start=1):
-        line = line.removesuffix("\r")
-        if line.strip():
-            yield n, line
 
 
 def _read_prompts(text: str, name: str) -> list[dict]:
@@ -411,16 +411,13 @@ def jsonl_object(line: str, where: str, fields: str) -> dict:
         raise InputError(f"{where} is nested too deeply to read ({fields})") from None
     if not isinstance(value, dict):
         raise InputError(f"{where} is not a JSON object ({fields})")
-    lone = _SURROGATE.search(text)
+    lone = SURROGATE.search(text)
     if lone is not None:
         raise InputError(
             f"{where} holds {ascii(lone.group())}, an unpaired UTF-16 surrogate, which is no character "
             "(write the character itself, or both halves of its pair)"
         )
     return value
-
-
-_SURROGATE = re.compile(r"[\ud800-\udfff]")  # what json.loads makes of an escaped half of a pair
 
 
 def _prompt(line: str, lineno: int, name: str) -> dict:
@@ -560,6 +557,11 @@ def decode_speed(stats: Iterable[dict]) -> float:
     tokens = sum(max(s.get("new_tokens", 0) - 1, 0) for s in stats)
     seconds = sum(s.get("decode_seconds", 0.0) for s in stats)
     return tokens / seconds if seconds else 0.0
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GiB (``ru_maxrss`` is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def run_record(result: dict) -> dict:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import platform
-import resource
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rag_lookahead.bench.common import chat_ids, cut_at_eos, eos_pad, hf_batched, in_turn
+from rag_lookahead.bench.common import chat_ids, cut_at_eos, eos_pad, hf_batched, in_turn, peak_rss_gb
 from rag_lookahead.bench.percentile import nearest_rank
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import device_name, model_devices, synchronize
@@ -344,8 +343,8 @@ def stress(model, prompts: list[list[int]], max_new_tokens: int, pad: int, confi
     report = decode_steps(model, prompts, max_new_tokens, pad, config)
     if devices:
         report["peak_gpu_memory_gb"] = round(sum(torch.cuda.max_memory_allocated(d) for d in devices) / 2**30, 3)
-    else:  # the process's peak resident memory (Linux: KiB)
-        report["peak_host_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+    else:
+        report["peak_host_rss_gb"] = round(peak_rss_gb(), 3)
     alone = [decode_steps(model, [p], max_new_tokens, pad, config) for p in prompts[:2]]
     report["one_row_step_ms_p50"] = round(statistics.mean(a["step_ms_p50"] for a in alone), 3)
     one_row = statistics.mean(a["decode_tokens_per_second"] or 0.0 for a in alone)

@@ -25,7 +25,6 @@ retrieval miss is not blamed on the model.
 from __future__ import annotations
 
 import gc
-import resource
 import statistics
 import time
 from collections.abc import Sequence
@@ -48,6 +47,7 @@ from rag_lookahead.bench.common import (
     keeps_report_despite_stdout,
     load_bench_model,
     passage_counts,
+    peak_rss_gb,
     run_command,
     write_report,
 )
@@ -186,10 +186,6 @@ def _fraction_sum(fractions) -> str:
     return f"{sum(a for a, _ in pairs)}/{sum(b for _, b in pairs)}"
 
 
-def _peak_rss_gb() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # ru_maxrss is in KiB on Linux
-
-
 def model_names(
     models: str, dtype: str = "auto", device: str | None = None, trust_remote_code: bool = False
 ) -> list[str]:
@@ -248,7 +244,7 @@ def quality(
             summaries[name] = summarize(model_rows) | {
                 "dtype": dtype_label(model, dtype),
                 "load seconds": load_seconds,
-                "peak rss gb": _peak_rss_gb(),
+                "peak rss gb": round(peak_rss_gb(), 2),
             }
             rows += model_rows
             del model, tokenizer

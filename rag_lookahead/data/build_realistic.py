@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from rag_lookahead.atomic import write_text_atomic
+from rag_lookahead.atomic import jsonl_text, write_text_atomic
 
 DATA_DIR = Path(__file__).resolve().parent  # rag_lookahead/data: everything here ships with the package
 OUT_DIR = DATA_DIR / "realistic"
@@ -220,10 +220,6 @@ def build_holdout() -> dict[str, list[dict]]:
     }
 
 
-def to_jsonl(rows: Iterable[dict]) -> str:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-
-
 def write_all(files: dict[str, list[dict]], out: Path) -> Iterator[str]:
     """Write each file atomically. Outside our own folder, a file already there is never replaced."""
     if out.resolve() != OUT_DIR:
@@ -231,7 +227,7 @@ def write_all(files: dict[str, list[dict]], out: Path) -> Iterator[str]:
         if taken:
             raise SystemExit(f"{out} already has {', '.join(taken)}; choose an empty folder")
     for name, rows in files.items():
-        write_text_atomic(out / name, to_jsonl(rows))
+        write_text_atomic(out / name, jsonl_text(rows))
         yield f"{out / name}: {len(rows)} rows"
 
 
@@ -256,7 +252,7 @@ def stale(files: dict[str, list[dict]], out: Path) -> list[str]:
     return [
         n
         for n, rows in files.items()
-        if not (out / n).is_file() or (out / n).read_text(encoding="utf-8") != to_jsonl(rows)
+        if not (out / n).is_file() or (out / n).read_text(encoding="utf-8") != jsonl_text(rows)
     ]
 
 

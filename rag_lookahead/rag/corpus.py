@@ -12,7 +12,6 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
-import re
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,7 +20,16 @@ from pathlib import Path
 import numpy as np
 
 from rag_lookahead.checks import is_unicode
-from rag_lookahead.errors import ConfigError, CorpusWarning, InputError, one_line, shown_path, undecodable_bytes_escaped
+from rag_lookahead.errors import (
+    ESCAPED_BYTE,
+    SURROGATE,
+    ConfigError,
+    CorpusWarning,
+    InputError,
+    one_line,
+    shown_path,
+    undecodable_bytes_escaped,
+)
 from rag_lookahead.file_reads import read_capped
 from rag_lookahead.paths import expand_user
 from rag_lookahead.rag.pdf_text import read_pdf_text
@@ -72,7 +80,6 @@ _BOMS = (
     (codecs.BOM_UTF16_LE, "utf-16"),
     (codecs.BOM_UTF16_BE, "utf-16"),
 )
-_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a bad byte
 
 
 _UTF8_PIECE = 1 << 20  # bytes decoded at a time by _decode_utf8_replacing
@@ -86,7 +93,7 @@ def _decode_utf8_replacing(data: bytes) -> DecodedText:
     pieces, replaced = [], 0
     for start in range(0, len(data), _UTF8_PIECE):
         end = start + _UTF8_PIECE
-        piece, count = _ESCAPED_BYTE.subn("\ufffd", decoder.decode(data[start:end], final=end >= len(data)))
+        piece, count = ESCAPED_BYTE.subn("\ufffd", decoder.decode(data[start:end], final=end >= len(data)))
         pieces.append(piece)
         replaced += count
     return DecodedText("".join(pieces), "utf-8", replaced)
@@ -171,14 +178,11 @@ class Corpus:
         return " and ".join(parts)
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def _join_surrogates(text: str) -> tuple[str, int]:
     """``text`` with UTF-16 surrogate pairs joined into their characters and unpaired surrogates
     replaced by U+FFFD (counted). pypdf decodes /ToUnicode maps with ``surrogatepass``, so a PDF can
     yield lone surrogates, which no tokenizer, JSON file or UTF-8 encoder accepts."""
-    if not _SURROGATE.search(text):
+    if not SURROGATE.search(text):
         return text, 0
     joined = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
     return joined, joined.count("\ufffd") - text.count("\ufffd")

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from importlib import resources
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from rag_lookahead.errors import ConfigError, ModelLoadError
+from rag_lookahead.file_reads import bundled_prompts_text, jsonl_lines
 from rag_lookahead.int8_linear import DenseLinear, Int8Linear, Spans, quantized_linear
 from rag_lookahead.rag.e5 import PASSAGE_PREFIX, Q4_BLOCK, E5File, E5Tokenizer, dequantize_q4
 
@@ -162,8 +162,7 @@ class E5Encoder:
 def calibration_texts() -> list[str]:
     """The passages of the bundled benchmark prompts (4 Chinese, 4 English): the smoothed linears'
     per-channel input peaks are taken on them once per load."""
-    lines = resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
-    return [json.loads(line)["context"] for line in lines.splitlines() if line.strip()]
+    return [json.loads(line)["context"] for _, line in jsonl_lines(bundled_prompts_text())]
 
 
 class _InputPeaks:
