@@ -153,6 +153,10 @@ def answer(
 
     check_searchable(question, "the question")
     _check_sampling(temperature, top_p, seed)
+    if lookahead:
+        from rag_lookahead.decoding.costs import recalibrate_asked
+
+        recalibrate_asked()  # a bad value, said now: the first decode reads it, after the index and the model
     k_seed = seed_count(k, k_seed, names=("--k", "--k-seed"))  # one below --k was raised to it in silence
     # a blank index_dir (an unset variable) is refused by expand_user, not taken for the default
     folder = expand_user(index_dir, "--index-dir") if index_dir is not None else default_index_dir()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import operator
+import os
+import urllib.parse
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from rag_lookahead.errors import ConfigError, InputError
@@ -14,7 +16,7 @@ if TYPE_CHECKING:
     #: ``int`` or a numpy integer, not a ``bool`` (refused at run time; a type checker lets it pass)
     Integer: TypeAlias = int | np.integer[Any]
 
-__all__ = ["is_unicode", "positive_int", "unicode_text"]
+__all__ = ["hub_endpoint", "is_unicode", "positive_int", "unicode_text"]
 
 
 def positive_int(name: str, value: Any, *, error: type[Exception] = ConfigError) -> int:
@@ -53,3 +55,23 @@ def unicode_text(text: str, subject: str, hint: str = "") -> str:
     except UnicodeEncodeError as err:
         raise InputError(f"{subject} not valid Unicode: {err.reason} at character {err.start}{hint}") from None
     return text
+
+
+def hub_endpoint() -> urllib.parse.SplitResult | None:
+    """``$HF_ENDPOINT`` split into its parts; None where it is unset or empty. A value that is not an
+    http(s) URL with a host is a ConfigError: huggingface_hub parses it as it is first imported,
+    so a port that is no number or a broken ``[`` host was a ValueError traceback from every model
+    load, and one with no scheme named no host (the reachability probe tried huggingface.co)."""
+    value = os.environ.get("HF_ENDPOINT")
+    if not value:
+        return None
+    try:
+        url = urllib.parse.urlsplit(value)
+        url.port  # noqa: B018 - raises for a port that is no number or out of range
+    except ValueError as err:
+        why = str(err)[:1].lower() + str(err)[1:]
+    else:
+        if url.scheme in ("http", "https") and url.hostname:
+            return url
+        why = "it needs http:// or https:// and a host, such as https://huggingface.co"
+    raise ConfigError(f"$HF_ENDPOINT {value!r} is not a URL: {why}")

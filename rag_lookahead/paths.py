@@ -25,16 +25,22 @@ def cache_dir() -> Path:
 
 def env_folder(name: str) -> Path | None:
     """The folder the environment variable ``name`` names; None where it is unset or blank, or, for
-    an ``XDG_*`` variable, relative (the XDG spec says to ignore such a value). One of ours must be
-    absolute after ``~``: a relative one named another folder from every working folder (another
-    1.26 GB conversion, another index)."""
+    an ``XDG_*`` variable, not an absolute path (relative, or a ``~user`` naming no user: the XDG
+    spec says to ignore such a value). One of ours must be absolute after ``~``: a relative one
+    named another folder from every working folder (another 1.26 GB conversion, another index)."""
     value = os.environ.get(name, "").strip()
     if not value:
         return None
-    path = expand_user(value, f"${name}")
+    xdg = name.startswith("XDG_")
+    try:
+        path = expand_user(value, f"${name}")
+    except ConfigError:
+        if xdg:
+            return None
+        raise
     if path.is_absolute():
         return path
-    if name.startswith("XDG_"):
+    if xdg:
         return None
     raise ConfigError(
         f"${name} {value!r} is a relative path, which names another folder from each working folder: "

@@ -30,6 +30,7 @@ from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.inputs import context_limit, vocab_size
 from rag_lookahead.decoding.profile import profile_of
 from rag_lookahead.decoding.windows import full_cache
+from rag_lookahead.errors import ConfigError
 from rag_lookahead.greedy_head import capture_hidden, greedy_head_of
 from rag_lookahead.int8_linear import packing_engine
 from rag_lookahead.locks import exclusive
@@ -245,14 +246,25 @@ def _fit_window(context: int, sizes, limit: int | None) -> tuple[int, list[int]]
     return max(min(context, limit - kept[-1]), 1), kept
 
 
-#: the values of RAG_LOOKAHEAD_RECALIBRATE that ask for a new measurement (any other, "0" too, do not)
+RECALIBRATE_ENV = "RAG_LOOKAHEAD_RECALIBRATE"
+#: the values of RAG_LOOKAHEAD_RECALIBRATE that ask for a new measurement, and those that do not
+#: (any letters; blank: as unset)
 RECALIBRATE_VALUES = ("1", "true", "yes", "on")
+NO_RECALIBRATE_VALUES = ("0", "false", "no", "off")
 
 
 def recalibrate_asked() -> bool:
-    """Whether RAG_LOOKAHEAD_RECALIBRATE asks every process to measure its curve again. Any value
-    did before, so ``=0`` or ``=false`` re-measured (and rewrote the stored curve) on every call."""
-    return os.environ.get("RAG_LOOKAHEAD_RECALIBRATE", "").strip().lower() in RECALIBRATE_VALUES
+    """Whether RAG_LOOKAHEAD_RECALIBRATE asks every process to measure its curve again; ConfigError
+    for a value that is neither yes nor no. Any value did before, so ``=0`` or ``=false``
+    re-measured (and rewrote the stored curve) on every call; then any value but those four
+    (``=y``, ``=2``, ``=enable``) was a silent no."""
+    value = os.environ.get(RECALIBRATE_ENV, "").strip().lower()
+    if value and value not in RECALIBRATE_VALUES + NO_RECALIBRATE_VALUES:
+        raise ConfigError(
+            f"{RECALIBRATE_ENV} must be 1, true, yes or on (measure the cost curve again) or 0, false, no or off, "
+            f"got {os.environ[RECALIBRATE_ENV]!r}"
+        )
+    return value in RECALIBRATE_VALUES
 
 
 def cost_curve(model) -> CostCurve:

@@ -22,6 +22,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import numpy as np
 import torch
 
+from rag_lookahead.checks import hub_endpoint
 from rag_lookahead.errors import ConfigError, InputError, ModelLoadError, first_line
 from rag_lookahead.rag.corpus import stage_bar
 from rag_lookahead.rag.e5 import (
@@ -324,6 +325,7 @@ class SentenceTransformerEmbedder:
         query_prefix: str | None = None,
         document_prefix: str | None = None,
     ):
+        hub_endpoint()  # a bad one fails huggingface_hub's import (a ValueError traceback)
         try:
             from sentence_transformers import SentenceTransformer
         except ImportError:

@@ -17,6 +17,7 @@ from typing import Any, Literal, NoReturn
 
 import typer
 
+from rag_lookahead.checks import hub_endpoint
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError, RagLookaheadError, first_line
 from rag_lookahead.interrupts import interrupted, leave_now
@@ -134,12 +135,15 @@ def serve(
     \f
     Long only by its option list; the options are read back from ``ctx.params``.
     """
+    from rag_lookahead.decoding.costs import recalibrate_asked
     from rag_lookahead.serve.ray_deploy import run_on_ray, settings_from_args
 
     try:
         config = config_from_args(ctx.params)
         ray_settings = settings_from_args(ctx.params)  # None without --replicas: one process, no Ray
         cache_dir()  # a relative $RAG_LOOKAHEAD_CACHE, said now: warm-up reads it after the server is up
+        recalibrate_asked()  # so is a RAG_LOOKAHEAD_RECALIBRATE that is neither yes nor no
+        hub_endpoint()  # a $HF_ENDPOINT huggingface_hub cannot parse: a traceback from the model load
     except ConfigError as e:
         _refuse(e, _config_error_exit(ctx))
     try:
@@ -248,14 +252,14 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def _api_keys(flags: Sequence[str] | None, environ_value: str) -> tuple[str, ...]:
     """Keys from ``--api-key`` (each taken whole), else ``$RAG_LOOKAHEAD_API_KEY`` (comma-separated;
-    empty: no keys). A flag that is empty, or a variable of commas only, is refused: it would
-    otherwise run the server open while the caller meant to set a key."""
+    set to "": no keys, as unset). A flag that is blank, or a variable of spaces or commas only, is
+    refused: it would otherwise run the server open while the caller meant to set a key."""
     if flags:
         if not all(key.strip() for key in flags):
             raise ConfigError("--api-key is empty (an unset variable?): give the key, or leave the option out")
         return tuple(key.strip() for key in flags)
     keys = _split_commas([environ_value])
-    if environ_value.strip() and not keys:
+    if environ_value and not keys:
         raise ConfigError(
             f"${API_KEY_ENV} holds no key ({environ_value!r}): give keys separated by commas, or unset it"
         )

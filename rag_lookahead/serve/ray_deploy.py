@@ -630,7 +630,7 @@ def _connect(ray, options: Mapping[str, Any]) -> None:
     """``ray.init`` (a local Ray, or the cluster ``RAY_ADDRESS`` names), its failure as one line."""
     if ray.is_initialized():
         return
-    _check_reachable(os.environ.get("RAY_ADDRESS", "").strip())
+    _check_reachable(_ray_address())
     try:
         # no dashboard for a local Ray: nobody reads it, and its 9 processes left a /tmp/pymp-* folder
         # behind per run (ignored when joining a cluster)
@@ -647,9 +647,21 @@ def _starts_local_ray() -> bool:
     from ray._private import services
 
     try:
-        return services.canonicalize_bootstrap_address(os.environ.get("RAY_ADDRESS", "").strip() or None) is None
+        return services.canonicalize_bootstrap_address(_ray_address() or None) is None
     except Exception:  # noqa: BLE001 - an address Ray cannot read: not ours (``_connect`` says why)
         return False
+
+
+def _ray_address() -> str:
+    """``$RAY_ADDRESS`` without surrounding spaces, put back so in this process's environment (and
+    removed there where blank), which ``ray.init`` reads as it is: a blank one counted as unset
+    for our checks (a local Ray), and ``ray.init`` then refused it ("Invalid address format")."""
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address:
+        os.environ["RAY_ADDRESS"] = address
+    else:
+        os.environ.pop("RAY_ADDRESS", None)
+    return address
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:

@@ -359,10 +359,16 @@ def test_blank_and_relative_cache_variables(monkeypatch, tmp_path):
         monkeypatch.delenv("XDG_DATA_HOME", raising=False)
         assert cache_dir() == tmp_path / ".cache" / "rag_lookahead"
         assert default_index_dir() == tmp_path / ".local" / "share" / "rag_lookahead" / "index"
-    monkeypatch.setenv("XDG_CACHE_HOME", "relx")  # the XDG spec: a relative value is ignored
-    monkeypatch.setenv("XDG_DATA_HOME", "reld")
-    assert cache_dir() == tmp_path / ".cache" / "rag_lookahead"
-    assert default_index_dir() == tmp_path / ".local" / "share" / "rag_lookahead" / "index"
+    # the XDG spec: a value that is not an absolute path is ignored, relative or a ~user naming no
+    # user (that one was a ConfigError, where a relative one was ignored)
+    for xdg_cache, xdg_data in (
+        ("relx", "reld"),
+        ("~no_such_user_rag_lookahead_x9/c", "~no_such_user_rag_lookahead_x9/d"),
+    ):
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg_cache)
+        monkeypatch.setenv("XDG_DATA_HOME", xdg_data)
+        assert cache_dir() == tmp_path / ".cache" / "rag_lookahead"
+        assert default_index_dir() == tmp_path / ".local" / "share" / "rag_lookahead" / "index"
     monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", "cache")
     monkeypatch.setenv("RAG_LOOKAHEAD_HOME", "~/rl")  # ~ makes it absolute
     with pytest.raises(ConfigError, match=r"\$RAG_LOOKAHEAD_CACHE 'cache' is a relative path"):

@@ -315,6 +315,23 @@ def test_a_ray_address_where_nothing_listens_is_one_line_at_once():
         _check_reachable(passed)  # Ray looks these up itself and fails fast
 
 
+@pytest.mark.parametrize(("raw", "kept"), [("   ", None), ("\t", None), (" local ", "local")])
+def test_a_blank_or_padded_ray_address_is_read_by_ray_as_by_our_checks(monkeypatch, raw, kept):
+    """Our checks read RAY_ADDRESS without its spaces (a blank one: a local Ray), while ``ray.init``
+    read the raw value: "   " failed there with "Invalid address format". What Ray reads from the
+    environment is now what the checks saw (no Ray is started: Ray's own address lookup is asked)."""
+    if ray is None:
+        pytest.skip("Ray is not installed")
+    from ray._private import services
+
+    from rag_lookahead.serve.ray_deploy import _starts_local_ray
+
+    monkeypatch.setenv("RAY_ADDRESS", raw)
+    assert _starts_local_ray()  # Ray's lookup raised on "   ", which read as joining a cluster
+    assert os.environ.get("RAY_ADDRESS") == kept
+    assert services.canonicalize_bootstrap_address(None) is None  # what ray.init() does with the environment
+
+
 def test_a_ray_address_where_something_else_listens_is_one_line_at_once():
     """A web server (or the dashboard's 8265, or another ``serve``) at RAY_ADDRESS took the TCP
     connect, and ``ray.init`` then retried it as Ray's GCS for ~14.6 minutes, deaf to Ctrl-C. Ray's

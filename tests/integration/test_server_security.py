@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -72,14 +73,15 @@ def test_api_keys_from_flags_or_environment():
     assert config_from_args(parse([]), env).api_keys == (KEY1, KEY2)
     assert config_from_args(parse(["--api-key", "sk-flag-key-123"]), env).api_keys == ("sk-flag-key-123",)
     assert config_from_args(parse([]), {}).api_keys == ()
-    assert config_from_args(parse([]), {API_KEY_ENV: " "}).api_keys == ()  # set empty: as unset
+    assert config_from_args(parse([]), {API_KEY_ENV: ""}).api_keys == ()  # set empty: as unset
     # a flag's key is taken whole: "a,b" was split, so each half opened the server and the whole key did not
     assert config_from_args(parse(["--api-key", f"{KEY1},{KEY2}"]), {}).api_keys == (f"{KEY1},{KEY2}",)
     # what would have run the server open while a key was meant: refused
     with pytest.raises(ConfigError, match="--api-key is empty"):
         config_from_args(parse(["--api-key", ""]), env)  # e.g. --api-key "$UNSET": the variable's keys were dropped
-    with pytest.raises(ConfigError, match="holds no key"):
-        config_from_args(parse([]), {API_KEY_ENV: " , "})
+    for keyless in (" , ", "   ", "\t"):  # spaces only ran the server with no keys while " , " was refused
+        with pytest.raises(ConfigError, match="^" + re.escape(f"${API_KEY_ENV} holds no key ({keyless!r})")):
+            config_from_args(parse([]), {API_KEY_ENV: keyless})
     for blank in ("", "  "):  # --index-dir "$UNSET": "  " was loaded as a folder of that name, after the model
         with pytest.raises(ConfigError, match=f"^index_dir {blank!r} is empty \\(an unset variable\\?\\)"):
             config_from_args(parse(["--index-dir", blank]), {})
@@ -126,6 +128,16 @@ def test_serve_refuses_bad_settings_in_one_line():
         # warm-up read it once the server was up: every request then got 503, and nothing exited
         ([], {"RAG_LOOKAHEAD_CACHE": "relative/cache"}, "$RAG_LOOKAHEAD_CACHE 'relative/cache' is a relative path", 2),
         (["--model", "LOCAL"], {"RAG_LOOKAHEAD_CACHE": "relative/cache"}, "$RAG_LOOKAHEAD_CACHE 'relative/cache'", 2),
+        # the warm-up refused it after the server was up (before: silently not re-measured)
+        (["--model", "/no/such/model"], {"RAG_LOOKAHEAD_RECALIBRATE": "y"}, "RAG_LOOKAHEAD_RECALIBRATE must be 1,", 2),
+        # huggingface_hub's import, as the model loaded: a ValueError traceback
+        (
+            ["--model", "/no/such/model"],
+            {"HF_ENDPOINT": "https://hub.example:abc"},
+            "$HF_ENDPOINT 'https://hub.example:abc' is not a URL: port could not be cast",
+            2,
+        ),
+        (["--model", "/no/such/model"], {"RAG_LOOKAHEAD_API_KEY": "  "}, "$RAG_LOOKAHEAD_API_KEY holds no key", 2),
         # a warning about binding without a key came first (two lines); found as it starts: exit 1
         (["--host", "no-such-host.invalid"], {}, "no-such-host.invalid", 1),
         (["--device-map", "bogus"], {}, "unknown device_map 'bogus'", 1),  # said "unknown device"

@@ -95,6 +95,31 @@ def test_a_bad_model_option_is_refused_before_the_sample_index_is_built(tmp_path
     assert not (tmp_path / "home").exists()  # no sample index was started
 
 
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        # read at the first decode: after the sample index (25-76 s) and the model (~40 s here)
+        ({"RAG_LOOKAHEAD_RECALIBRATE": "y"}, "error: RAG_LOOKAHEAD_RECALIBRATE must be 1, true, yes or on"),
+        # huggingface_hub's import as the model loaded, after the index: a ValueError traceback
+        ({"HF_ENDPOINT": "http://[bad"}, "error: $HF_ENDPOINT 'http://[bad' is not a URL: invalid IPv6 URL"),
+    ],
+)
+def test_a_bad_variable_is_refused_before_the_sample_index_is_built(tmp_path, monkeypatch, env, said):
+    from typer.testing import CliRunner
+
+    from rag_lookahead.cli import app
+
+    monkeypatch.setenv("RAG_LOOKAHEAD_HOME", str(tmp_path / "home"))  # no default index yet
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, ["ask", "what is decoding_length"])
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(said), line
+    assert not (tmp_path / "home").exists()  # no sample index was started
+
+
 def test_a_default_folder_holding_user_files_gets_asks_own_advice(tmp_path, monkeypatch):
     """`index`'s advice ("choose a new or empty folder with --index-dir") sent the user to a flag
     that, for `ask`, needs an index already built; the user's file stays as it was."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 
 import pytest
@@ -18,6 +19,7 @@ from tiny_models import tiny_model
 
 from rag_lookahead.decoding.costs import cost_curve
 from rag_lookahead.decoding.profile import profile_of
+from rag_lookahead.errors import ConfigError
 
 
 def _model(name: str, monkeypatch):
@@ -90,7 +92,8 @@ def test_the_curve_file_keeps_the_newest_curves_only(tmp_path, monkeypatch):
 
 def test_recalibrate_is_asked_by_1_not_by_0(tmp_path, monkeypatch):
     """Any value of RAG_LOOKAHEAD_RECALIBRATE re-measured, "0" and "false" too: every process
-    measured its curve again and rewrote the stored one."""
+    measured its curve again and rewrote the stored one. Then any value but 1/true/yes/on was a
+    silent no ("y", "2"): such a value is refused now."""
     from rag_lookahead.decoding import costs
 
     monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
@@ -100,10 +103,19 @@ def test_recalibrate_is_asked_by_1_not_by_0(tmp_path, monkeypatch):
     cost_curve(_model("tiny-recal-b", monkeypatch))
     stored = lambda: list(json.loads(path.read_text(encoding="utf-8")))  # noqa: E731
     a, b = stored()  # a curve measured again moves to the end
-    for value in ("0", "false", " "):
+    for value in ("0", "false", "no", "OFF", " ", ""):
         monkeypatch.setenv("RAG_LOOKAHEAD_RECALIBRATE", value)
         cost_curve(_model("tiny-recal-a", monkeypatch))
         assert stored() == [a, b], value  # the stored curve was read
+    for value in ("y", "2", "enable", "of"):  # were a silent no, whatever was meant
+        monkeypatch.setenv("RAG_LOOKAHEAD_RECALIBRATE", value)
+        message = (
+            "RAG_LOOKAHEAD_RECALIBRATE must be 1, true, yes or on (measure the cost curve again) "
+            f"or 0, false, no or off, got {value!r}"
+        )
+        with pytest.raises(ConfigError, match="^" + re.escape(message) + "$"):
+            cost_curve(_model("tiny-recal-a", monkeypatch))
+        assert stored() == [a, b], value
     monkeypatch.setenv("RAG_LOOKAHEAD_RECALIBRATE", "1")
     cost_curve(_model("tiny-recal-a", monkeypatch))
     assert stored() == [b, a]

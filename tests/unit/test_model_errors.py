@@ -355,3 +355,85 @@ def test_a_tilde_naming_no_user_is_one_config_error_not_a_runtime_error(monkeypa
     with pytest.raises(ConfigError) as err:
         call()
     assert _NO_USER in _one_line(err)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "why"),
+    [
+        ("https://hub.example:abc", "port could not be cast to integer value as 'abc'"),
+        ("http://[bad", "invalid IPv6 URL"),
+        ("https://hub.example:99999", "port out of range 0-65535"),
+        ("hub.example", "it needs http:// or https:// and a host"),  # the probe tried huggingface.co instead
+        ("ftp://hub.example", "it needs http:// or https:// and a host"),
+        ("https://", "it needs http:// or https:// and a host"),
+    ],
+)
+def test_an_hf_endpoint_that_is_not_a_url_is_one_config_error(tiny_folder, monkeypatch, endpoint, why):
+    """huggingface_hub parses $HF_ENDPOINT as it is first imported: every model load was a
+    ValueError traceback (see the next test for the first import itself)."""
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    for check in (lambda: _load(tiny_folder), lambda: models.check_load_options("default")):
+        with pytest.raises(ConfigError) as err:
+            check()
+        assert _one_line(err).startswith(f"$HF_ENDPOINT {endpoint!r} is not a URL: {why}")
+
+
+def test_an_hf_endpoint_is_checked_before_huggingface_hub_is_imported(tiny_folder):
+    import os
+    import subprocess
+    import sys
+
+    code = f"from rag_lookahead.models import load_model; load_model({str(tiny_folder)!r}, dtype='fp32', device='cpu')"
+    env = {**os.environ, "HF_ENDPOINT": "https://hub.example:abc"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("rag_lookahead.errors.ConfigError: $HF_ENDPOINT 'https://hub.example:abc' is not a URL")
+    assert "ValueError:" not in done.stderr  # no second exception, chained or not
+
+
+@pytest.mark.parametrize("endpoint", ["", "https://hf-mirror.example", "http://[::1]:8080/", "HTTPS://hub.example/x"])
+def test_an_hf_endpoint_that_is_a_url_or_empty_loads(tiny_folder, monkeypatch, endpoint):
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    model, _ = _load(tiny_folder)
+    assert model.config.vocab_size == tiny_model("qwen2").config.vocab_size
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"HF_HUB_OFFLINE": "1"},
+        {"HF_HUB_OFFLINE": "TRUE"},
+        {"HF_HUB_OFFLINE": "on"},
+        {"HF_HUB_OFFLINE": "y"},  # these four were offline for us, online for huggingface_hub
+        {"HF_HUB_OFFLINE": "2"},
+        {"HF_HUB_OFFLINE": "enable"},
+        {"HF_HUB_OFFLINE": " 1"},
+        {"HF_HUB_OFFLINE": "0"},
+        {"TRANSFORMERS_OFFLINE": "1"},  # missed: we probed the hub that transformers would not ask
+        {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "1"},
+        {"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "yes"},
+    ],
+    ids=lambda env: ",".join(f"{k}={v!r}" for k, v in env.items()),
+)
+def test_offline_mode_is_read_as_huggingface_hub_reads_it(monkeypatch, env):
+    """The hub is offline for us exactly where huggingface_hub, asked in a process started with
+    these variables, says so, and the refusal names the variable that did it."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    code = "import huggingface_hub; print(huggingface_hub.is_offline_mode())"
+    theirs = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=clean | env, timeout=120, check=True
+    ).stdout.strip()
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    offline = models._hub_offline()
+    assert str(bool(offline)) == theirs, (env, offline, theirs)
+    if offline:
+        with pytest.raises(ModelLoadError) as err:
+            models.check_load_options("rag-lookahead-test/no-such-model", hub=True)
+        assert f"is neither a local folder nor in the Hugging Face cache ({offline} is set)" in _one_line(err)
