@@ -20,7 +20,14 @@ if TYPE_CHECKING:
     from rag_lookahead.serve.chat_protocol import ChatMessage
     from rag_lookahead.serve.engine import Engine
 
-__all__ = ["answer_length", "checked_messages", "checked_prompt", "checked_stop", "checked_text_length"]
+__all__ = [
+    "answer_length",
+    "check_prompt_length",
+    "checked_messages",
+    "checked_prompt",
+    "checked_stop",
+    "checked_text_length",
+]
 
 
 def answer_length(name: str, value: int | None, config: ServerConfig) -> int:
@@ -92,30 +99,36 @@ def checked_text_length(
         )
 
 
+def check_prompt_length(length: int, engine: Engine, param: str, what: str, advice: str = "") -> None:
+    """400 unless ``length`` tokens fit ``max_prompt_tokens`` and leave the model's context room for
+    an answer (for the whole prompt, or a part of it that must fit on its own: /v1/rag's question)."""
+    config = engine.config
+    if length > config.max_prompt_tokens:
+        raise ApiError(
+            400,
+            f"{what} has {length} tokens; this server accepts at most {config.max_prompt_tokens} "
+            f"(max_prompt_tokens){advice}",
+            param=param,
+        )
+    if engine.context_limit is not None and length >= engine.context_limit:
+        raise ApiError(
+            400,
+            f"{what} has {length} tokens but the model's context holds "
+            f"{limit_words(engine.model, engine.context_limit)}, prompt and answer together: no room is left "
+            f"for an answer{advice}",
+            param=param,
+        )
+
+
 def checked_prompt(
     ids: list[int], engine: Engine, param: str = "prompt", what: str = "the prompt", advice: str = ""
 ) -> list[int]:
     """Prompt ids that are not empty, fit ``max_prompt_tokens`` and the model's context, and are in
     its vocabulary. ``what`` names the prompt and ``advice`` says how to shorten it where the
     server built it (``/v1/rag``: the question with its passages)."""
-    config = engine.config
     if not ids:
         raise ApiError(400, f"{what} is empty", param=param)
-    if len(ids) > config.max_prompt_tokens:
-        raise ApiError(
-            400,
-            f"{what} has {len(ids)} tokens; this server accepts at most {config.max_prompt_tokens} "
-            f"(max_prompt_tokens){advice}",
-            param=param,
-        )
-    if engine.context_limit is not None and len(ids) >= engine.context_limit:
-        raise ApiError(
-            400,
-            f"{what} has {len(ids)} tokens but the model's context holds "
-            f"{limit_words(engine.model, engine.context_limit)}, prompt and answer together: no room is left "
-            f"for an answer{advice}",
-            param=param,
-        )
+    check_prompt_length(len(ids), engine, param, what, advice)
     if engine.vocab_size and any(t >= engine.vocab_size for t in ids):
         raise ApiError(
             400, f"{what} holds token ids outside the model's vocabulary (size {engine.vocab_size})", param=param

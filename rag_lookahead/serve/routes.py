@@ -27,6 +27,7 @@ from rag_lookahead.serve.engine import Engine
 from rag_lookahead.serve.jobs import Answer, Job
 from rag_lookahead.serve.limits import (
     answer_length,
+    check_prompt_length,
     checked_messages,
     checked_prompt,
     checked_stop,
@@ -279,22 +280,21 @@ async def rag(body: RagRequest, http_request: Request) -> Response:
             "server_error",
         )
     checked_text_length(len(body.question), cfg, "question")
+    # searched and shown stripped, as ask and the chains do (spaces around it moved the dense ranking)
+    question = body.question.strip()
     engine.check_capacity()  # before tokenizing: the body may have been read while the server was full
-    if len(await run_in_threadpool(engine.encode_text, body.question)) > cfg.max_prompt_tokens:  # before retrieving
-        raise ApiError(
-            400,
-            f"'question' is longer than this server's prompt limit ({cfg.max_prompt_tokens} tokens)",
-            param="question",
-        )
+    # before retrieving: a question the prompt limit or the model's context cannot hold (no k helps)
+    asked = await run_in_threadpool(engine.encode_text, question)
+    check_prompt_length(len(asked), engine, "question", "'question'", "; no 'k' makes room for it")
     engine.check_capacity()  # again: the tokenizing may have taken a while
     start = time.perf_counter()
     try:
-        docs = await run_in_threadpool(engine.retrieve, body.question, max(cfg.k_seed, k))
+        docs = await run_in_threadpool(engine.retrieve, question, max(cfg.k_seed, k))
     except InputError as e:
         raise ApiError(400, str(e)[:300], param="question") from None
     retrieval_seconds = time.perf_counter() - start
     shown, seeds = docs[:k], docs[k:]
-    message = {"role": "user", "content": make_prompt(body.question, shown)}
+    message = {"role": "user", "content": make_prompt(question, shown)}
     prompt = await _encode_chat(engine, [message], "the prompt built from the question", None)
     seeded = engine.lookahead.enabled and seeds
     references = await run_in_threadpool(engine.encode_passages, [d.page_content for d in seeds]) if seeded else []

@@ -436,3 +436,24 @@ def test_rag_names_k_when_the_built_prompt_is_too_long(tokenizer, tiny_index):
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == "k", r.text
         assert "built from the question and its 2 passage(s)" in error["message"] and "smaller 'k'" in error["message"]
+
+
+def test_rag_searches_the_stripped_question_and_refuses_one_the_context_cannot_hold(tokenizer, monkeypatch, tiny_index):
+    """/v1/rag searched with the question as sent, spaces and all (ask and the chains strip it:
+    spaces moved the dense ranking, so other passages were shown), and measured the question
+    against max_prompt_tokens only: one longer than the model's context was retrieved for, then
+    refused naming 'k', which no value could fix."""
+    engine = tiny_engine(tokenizer)
+    engine.index = tiny_index
+    retrievals = []
+    real_retrieve = engine.retrieve
+    monkeypatch.setattr(engine, "retrieve", lambda *a: retrievals.append(a) or real_retrieve(*a))
+    assert engine.context_limit is not None and engine.context_limit < engine.config.max_prompt_tokens
+    with serving(engine) as base:
+        httpx.post(base + "/v1/rag", json={"question": "  How tall is Etna?\n\n", "max_tokens": 4}, timeout=60)
+        assert [question for question, _ in retrievals] == ["How tall is Etna?"]
+        long = " ".join(["Etna"] * engine.context_limit)
+        r = httpx.post(base + "/v1/rag", json={"question": long, "max_tokens": 4}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "question", r.text
+        assert "model's context holds" in error["message"] and len(retrievals) == 1
