@@ -178,8 +178,9 @@ def check_load_options(
     if name in EMBEDDED and not is_path:
         check_embedded_installed(name)
     elif is_path or _looks_local(name):
-        folder, _ = _local_source(name)
-        if not trust_remote_code and _needs_remote_code(folder):
+        folder, gguf = _local_source(name)
+        # a .gguf file carries its own config: transformers reads no config.json beside it
+        if not trust_remote_code and not gguf and _needs_remote_code(folder):
             raise ModelLoadError(_remote_code_refusal(name))
     else:
         _check_hub_id(name)

@@ -211,7 +211,10 @@ def _is_limit(e: BaseException) -> bool:
 
 
 def _error(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".splitlines()[0]
+    """``"ValueError: <its first line that holds text>"`` (a message starting with a line break printed
+    ``"ValueError: "``)."""
+    message = str(e).strip()
+    return f"{type(e).__name__}: {message.splitlines()[0]}" if message else type(e).__name__
 
 
 def _failed_pages(failed: list[int], pages: int, first_error: BaseException) -> str:

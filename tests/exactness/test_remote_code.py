@@ -137,6 +137,10 @@ def test_a_remote_code_folder_is_refused_before_slow_work(tmp_path, monkeypatch)
     config_file = Path(folder) / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "model_type": "llama"}))
     assert check_load_options(folder) == folder
+    # a .gguf file carries its own config: the config.json beside it is not what transformers reads
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "model_type": "tiny_remote"}))
+    (Path(folder) / "model-q4.gguf").write_bytes(b"")
+    assert check_load_options(str(Path(folder) / "model-q4.gguf")) == str(Path(folder) / "model-q4.gguf")
 
 
 def test_langchain_takes_the_opt_in(tmp_path):
