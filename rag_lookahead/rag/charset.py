@@ -10,7 +10,7 @@ So its guess is checked by how *plausible* the decoded text is: real text keeps 
 (Chinese, Japanese kana with kanji, Korean Hangul, Cyrillic, Greek, Latin in one language's
 letters), mostly its common letters (for Chinese characters: the common ones of GB2312, Big5 and
 JIS), each where real text puts it (no Cyrillic letter inside a Latin word, no accented letter on
-a digit, no capital after a small letter, no dagger on a word). Latin letters are scored by
+a digit, no capital after a small letter, no stray sign on a word). Latin letters are scored by
 language: counted as Latin letters alike, a French line's "é"s beside a Lithuanian "ą" ("à" read
 as cp1257) scored 0.96, too close to cp1252's 1.0 to replace a plausible first guess. When the first
 guess scores low, the best-scoring decoding (one charset-normalizer found, or GB18030 or cp1252,
@@ -88,6 +88,10 @@ _LATIN_LANGUAGES = {
     "maltese": "àèìòùċġħż",
     "esperanto": "ĉĝĥĵŝŭ",
     "welsh": "àáâäèéêëìíîïòóôöùúûüýÿŵŷẁẃẅỳ",
+    # Chinese in Latin letters, its tones marked (GBK holds these letters): without it, pinyin in a
+    # GBK file, its letters spread over the languages above, read as cp932's half-width kana
+    # ("Wǒ shì xuésheng" as "Wｨｯ shｨｬ xuｨｦsheng")
+    "pinyin": "āáǎàēéěèīíǐìōóǒòūúǔùüǖǘǚǜê",
 }
 # punctuation and symbols any script's text may hold: neither for nor against a decoding
 _NEUTRAL = frozenset("\u00a0¡«»°·§©®±×÷¿–—‘’“”„…•€™")
@@ -144,12 +148,14 @@ _CJK = frozenset({"han", "kana", "hangul"})
 # marks that may stand between two letters ("don’t", "mid–word"; "·" only in Catalan "l·l"); other
 # symbols do not ("Se±or")
 _INSIDE_WORDS = frozenset("‘’“”–—…·\u00a0")
-# punctuation real text puts on a word ("¿Dónde", "¡Hola", "etc…"); other punctuation and math
-# signs (Unicode's "Po" and "Sm": daggers, "‰", "•", "·" outside "l·l", "×", arrows) on a Latin
-# letter are odd, but by a digit ("5°C×3") and in CJK text, which spaces no words ("※Windows版",
-# "点击→Python"): "Voil‡" is "Voilà" read as Mac Roman, "andr‗" "andrò" as cp850, "P·blica"
-# "Pública" as cp1125, "｡hola" "¡hola" as cp932, "×e" Czech "že" as cp852
-_ON_WORDS = frozenset("¡¿…")
+# punctuation real text puts on a word ("¿Dónde", "¡Hola", "etc…"), footnote and reference marks
+# ("report†", "Author‡,", "†University A", "※git") and bullets ("•Première étape"); other
+# punctuation and math signs (Unicode's "Po" and "Sm": "‰", "·" outside "l·l", "×", arrows) on a
+# Latin letter are odd, but by a digit ("5°C×3") and in CJK text, which spaces no words
+# ("※Windows版", "点击→Python"): "andr‗" is "andrò" read as cp850, "P·blica" "Pública" as cp1125,
+# "｡hola" "¡hola" as cp932, "×e" Czech "že" as cp852. Mac Roman's "Voil‡" for "Voilà" reads as a
+# footnote mark so: "cÙtÈ" gives most French away, not a line whose only accent is "à"
+_ON_WORDS = frozenset("¡¿…†‡•※")
 
 
 def _cjk_punctuation(char: str) -> bool:
@@ -165,7 +171,7 @@ def _odd_here(text: str, i: int, script: str | None, cjk_runs: bool) -> bool:
     non-Latin alphabet touching an ASCII letter, an accented Latin letter touching a digit ("ú40"
     is "£40" misread) or a capital one after a small letter ("cÙtÈ" is "côté" read as Mac Roman),
     a symbol between two letters or one real text never puts by a word on a Latin letter
-    ("Voil‡"), a CJK character touching an ASCII letter in a text with no two CJK characters in a
+    ("andr‗"), a CJK character touching an ASCII letter in a text with no two CJK characters in a
     row (Chinese next to Latin words, "用Python写代码", has runs of them). Full-width CJK
     punctuation between Latin words is not odd ("ls、cd")."""
     char = text[i]
