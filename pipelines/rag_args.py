@@ -27,6 +27,7 @@ _imports_done = _START.__enter__() if _START is not None else None
 
 from rag_lookahead.ask import StdoutClosed, ensure_index, silence_stdout
 from rag_lookahead.checks import positive_int
+from rag_lookahead.decoding.costs import recalibrate_asked
 from rag_lookahead.errors import InputError, RagLookaheadError, first_line
 from rag_lookahead.models import check_load_options
 from rag_lookahead.paths import expand_user, refuse_blank_path
@@ -35,7 +36,8 @@ from rag_lookahead.rag.index import DocumentIndex, check_searchable, default_ind
 
 
 class RagArgumentParser(argparse.ArgumentParser):
-    """Checks ``--k`` and ``--k-seed`` as it parses, naming the flags (before any model loads)."""
+    """Checks ``--k`` and ``--k-seed`` as it parses, naming the flags, and RAG_LOOKAHEAD_RECALIBRATE
+    where lookahead runs (before any index is built or model loads)."""
 
     def parse_args(self, *args, **kwargs):  # type: ignore[override]
         parsed = super().parse_args(*args, **kwargs)
@@ -56,6 +58,8 @@ class RagArgumentParser(argparse.ArgumentParser):
         for name in ("max_new_tokens", "max_tokens"):
             if hasattr(parsed, name):  # either spelling may have been typed
                 positive_int("--max-tokens/--max-new-tokens", getattr(parsed, name))
+        if not getattr(parsed, "no_lookahead", False):  # the first decode refused it, after the index and model
+            recalibrate_asked()  # a RAG_LOOKAHEAD_RECALIBRATE that is neither yes nor no
         return parsed
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     #: ``int`` or a numpy integer, not a ``bool`` (refused at run time; a type checker lets it pass)
     Integer: TypeAlias = int | np.integer[Any]
 
-__all__ = ["hub_endpoint", "is_unicode", "positive_int", "unicode_text"]
+__all__ = ["hub_endpoint", "hub_offline", "hub_url", "is_unicode", "positive_int", "unicode_text"]
 
 
 def positive_int(name: str, value: Any, *, error: type[Exception] = ConfigError) -> int:
@@ -58,10 +58,12 @@ def unicode_text(text: str, subject: str, hint: str = "") -> str:
 
 
 def hub_endpoint() -> urllib.parse.SplitResult | None:
-    """``$HF_ENDPOINT`` split into its parts; None where it is unset or empty. A value that is not an
-    http(s) URL with a host is a ConfigError: huggingface_hub parses it as it is first imported,
-    so a port that is no number or a broken ``[`` host was a ValueError traceback from every model
-    load, and one with no scheme named no host (the reachability probe tried huggingface.co)."""
+    """``$HF_ENDPOINT`` split into its parts; None where it is unset or empty. ConfigError for a value
+    huggingface_hub cannot parse (a port that is no number or out of range, a broken ``[`` host):
+    it parses it as it is first imported, so such a value was a ValueError traceback from every
+    model load, a local folder's too. Any other value passes: only a fetch from the hub reads it,
+    and :func:`hub_url` checks it there (``hub.example`` with no scheme blocked loads that never
+    contact the hub)."""
     value = os.environ.get("HF_ENDPOINT")
     if not value:
         return None
@@ -69,9 +71,39 @@ def hub_endpoint() -> urllib.parse.SplitResult | None:
         url = urllib.parse.urlsplit(value)
         url.port  # noqa: B018 - raises for a port that is no number or out of range
     except ValueError as err:
-        why = str(err)[:1].lower() + str(err)[1:]
-    else:
-        if url.scheme in ("http", "https") and url.hostname:
-            return url
-        why = "it needs http:// or https:// and a host, such as https://huggingface.co"
-    raise ConfigError(f"$HF_ENDPOINT {value!r} is not a URL: {why}")
+        raise ConfigError(f"$HF_ENDPOINT {value!r} is not a URL: {str(err)[:1].lower() + str(err)[1:]}") from None
+    return url
+
+
+def hub_url() -> urllib.parse.SplitResult:
+    """The URL huggingface_hub fetches from: ``$HF_ENDPOINT``, else https://huggingface.co; for
+    callers about to fetch from the hub (a load from a local folder or the cache never reads it).
+    ConfigError for a value that is not an http(s) URL with a host: one with no scheme names no
+    host (our reachability probe tried huggingface.co), and one set but empty is used as it is,
+    so huggingface_hub asked for "/org/model/resolve/main/config.json" and failed saying nothing
+    of the variable."""
+    url = hub_endpoint()
+    if url is None and os.environ.get("HF_ENDPOINT") is None:
+        return urllib.parse.urlsplit("https://huggingface.co")
+    if url is not None and url.scheme in ("http", "https") and url.hostname:
+        return url
+    value = os.environ["HF_ENDPOINT"]
+    why = "it is set but empty" if not value else "it needs http:// or https:// and a host"
+    raise ConfigError(
+        f"$HF_ENDPOINT {value!r} is not a URL: {why}; give one such as https://huggingface.co, or unset it"
+    )
+
+
+def hub_offline() -> str | None:
+    """The variable that keeps huggingface_hub offline (``HF_HUB_OFFLINE``, else
+    ``TRANSFORMERS_OFFLINE``), or None; read as huggingface_hub reads it (the first of the two set
+    and not empty decides; 1, ON, YES or TRUE in any letters), but now: it reads them once, at its
+    import, which may come before a caller sets one. Ours took "y", "2" or " 1" for offline,
+    where huggingface_hub went online, and missed ``TRANSFORMERS_OFFLINE``. Call it after
+    :func:`hub_endpoint`: it imports huggingface_hub."""
+    from huggingface_hub.constants import ENV_VARS_TRUE_VALUES
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if value := os.environ.get(name):
+            return name if value.upper() in ENV_VARS_TRUE_VALUES else None
+    return None

@@ -28,7 +28,7 @@ import torch
 
 from rag_lookahead import embedded_model
 from rag_lookahead.attention_choice import check_attn_implementation
-from rag_lookahead.checks import hub_endpoint
+from rag_lookahead.checks import hub_endpoint, hub_offline, hub_url
 from rag_lookahead.cpu_linear import cpu_bf16, speed_up_cpu_linears
 from rag_lookahead.embedded_model import EMBEDDED, EmbeddedModel
 from rag_lookahead.errors import ConfigError, ModelLoadError, quoted_path
@@ -110,7 +110,7 @@ def load_model(
     tokens, proven by an error bound; ~280 MB more memory for the default model), built on the
     first greedy step (~3.5 s), not at load. False keeps the full output layer for every step.
     """
-    hub_endpoint()  # before transformers imports huggingface_hub, which raises a ValueError on a bad one
+    hub_endpoint()  # before transformers imports huggingface_hub, which raises a ValueError on one it cannot parse
     is_path = isinstance(name, os.PathLike)
     name = _model_name(name)
     torch_dtype = resolve_dtype(dtype, device, device_map)
@@ -162,11 +162,12 @@ def check_load_options(
     """Refuse now what :func:`load_model` would refuse before it reads any weights: a name that is
     no embedded model, local model folder or .gguf file, or hub id; an embedded model that is not
     installed; an unknown dtype, or one no weights are computed in; a device torch does not see; an
-    attention transformers does not know or cannot run here; a ``$HF_ENDPOINT`` that is not an
-    http(s) URL (a traceback from huggingface_hub's import before). For a caller with slow work to
-    do first: ``ask`` on a fresh machine indexes the bundled corpus (25-76 s) before it loads the
-    model, and only then said that ``--device cuda`` had no GPU. ``hub=True``: also a hub id that is
-    not in the Hugging Face cache while the hub is offline or cannot be reached (a probe of up to 3 s).
+    attention transformers does not know or cannot run here; a ``$HF_ENDPOINT`` huggingface_hub
+    cannot parse (a traceback from its import before). For a caller with slow work to do first:
+    ``ask`` on a fresh machine indexes the bundled corpus (25-76 s) before it loads the model, and
+    only then said that ``--device cuda`` had no GPU. ``hub=True``: also a hub id that is not in the
+    Hugging Face cache while the hub is offline or cannot be reached (a probe of up to 3 s), or
+    while ``$HF_ENDPOINT`` is no http(s) URL with a host (:func:`~rag_lookahead.checks.hub_url`).
     A local folder that ships its own modeling code is refused without ``trust_remote_code``.
     Returns the name as ``load_model`` reads it (a string without surrounding spaces)."""
     hub_endpoint()
@@ -203,11 +204,11 @@ def _check_hub_model_fetchable(name: str) -> None:
 def _why_not_fetchable(name: str, local_err: Exception | None = None) -> str | None:
     """Why hub id ``name``, not in the cache, cannot be fetched now (HF_HUB_OFFLINE or
     TRANSFORMERS_OFFLINE, or the hub out of reach), or None; ``local_err``: the cache lookup's
-    error, said when offline."""
-    if offline := _hub_offline():
+    error, said when offline. ConfigError for a ``$HF_ENDPOINT`` a fetch cannot use."""
+    if offline := hub_offline():
         cause = f": {_one_line(local_err)}" if local_err is not None else ""
         return f"model '{name}' is neither a local folder nor in the Hugging Face cache ({offline} is set){cause}"
-    unreachable = _hub_unreachable()
+    unreachable = _hub_unreachable(hub_url())
     if unreachable:  # fail in seconds, not after huggingface_hub's ~50 s of retries
         return (
             f"model '{name}' is neither a local folder nor in the Hugging Face cache, and the hub could not "
@@ -431,30 +432,15 @@ def _local_source(name: str) -> tuple[Path, dict[str, Any]]:
     return path, {}
 
 
-def _hub_unreachable(timeout: float = 3.0) -> str | None:
-    """Why the hub cannot be reached (DNS / TCP probe), or None if it can or a proxy decides."""
+def _hub_unreachable(url: urllib.parse.SplitResult, timeout: float = 3.0) -> str | None:
+    """Why the hub at ``url`` cannot be reached (DNS / TCP probe), or None if it can or a proxy decides."""
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return None  # the proxy may reach what we cannot resolve; let huggingface_hub try
-    url = hub_endpoint() or urllib.parse.urlsplit("https://huggingface.co")
     host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as err:
         return f"{host}:{port}: {_one_line(err)}"
-    return None
-
-
-def _hub_offline() -> str | None:
-    """The variable that keeps huggingface_hub offline (``HF_HUB_OFFLINE``, else
-    ``TRANSFORMERS_OFFLINE``), or None; read as huggingface_hub reads it (the first of the two set
-    and not empty decides; 1, ON, YES or TRUE in any letters), but now: it reads them once, at its
-    import, which may come before a caller sets one. Ours took "y", "2" or " 1" for offline,
-    where huggingface_hub went online, and missed ``TRANSFORMERS_OFFLINE``."""
-    from huggingface_hub.constants import ENV_VARS_TRUE_VALUES
-
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if value := os.environ.get(name):
-            return name if value.upper() in ENV_VARS_TRUE_VALUES else None
     return None
 
 

@@ -29,6 +29,7 @@ from rag_lookahead.bench import plots
 from rag_lookahead.bench.kernels import transformers_kernels
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.costs import recalibrate_asked
 from rag_lookahead.decoding.inputs import context_limit, limit_words
 from rag_lookahead.decoding.loop import left_pad
 from rag_lookahead.decoding.profile import profile_of
@@ -257,8 +258,12 @@ def extra_depth_methods(extra_branch_length: str) -> dict[str, int]:
 
 def checked_config(extra_depths: Mapping[str, int], **settings: Any) -> LookaheadConfig:
     """``LookaheadConfig(**settings)``, with each ``--extra-branch-length`` depth tried on it, so
-    that a bad value fails before the model loads (add the tokenizer's stop words after)."""
+    that a bad value fails before the model loads (add the tokenizer's stop words after); so does a
+    ``RAG_LOOKAHEAD_RECALIBRATE`` that is neither yes nor no, where ``budget="auto"`` reads it (the
+    first lookahead decode refused it, after the model loaded)."""
     config = LookaheadConfig(**settings)
+    if config.budget == "auto":
+        recalibrate_asked()
     for depth in extra_depths.values():
         config.replace(branch_length=depth)
     return config
@@ -277,12 +282,14 @@ def check_bench_model(
 ) -> None:
     """Refuse now what :func:`load_bench_model` would refuse before reading any weights (a model name
     that is no embedded model, local folder or hub id; a hub id out of reach and not in the cache; an
-    embedded model not installed; an unknown dtype; a device torch does not see). For the benchmarks
-    that index a corpus before the model loads (``bench.rag``, ``bench.session``, ``bench.quality``):
-    they said ``--dtype bf17`` or ``--device cuda`` without a GPU only after 23-45 s of indexing, as
-    ``ask`` once did."""
+    embedded model not installed; an unknown dtype; a device torch does not see), and a
+    ``RAG_LOOKAHEAD_RECALIBRATE`` that is neither yes nor no, which the first lookahead decode
+    refused. For the benchmarks that index a corpus before the model loads (``bench.rag``,
+    ``bench.session``, ``bench.quality``): they said ``--dtype bf17`` or ``--device cuda`` without
+    a GPU only after 23-45 s of indexing, as ``ask`` once did."""
     from rag_lookahead.models import check_load_options
 
+    recalibrate_asked()
     check_load_options(
         model,
         dtype=_loader_dtype(dtype),
@@ -504,6 +511,7 @@ def prompts_then_model(
     options and files fail before the model loads, prompts that do not fit its context
     (:func:`context_fitted_ids`) right after."""
     check_positive({"--limit": limit, "--max-new-tokens": max_new_tokens})
+    recalibrate_asked()  # a bad value, said now: the first lookahead decode read it, after the model loaded
     seen = check_output_path(json_path, inputs=[prompts])
     chosen = load_prompts(prompts, ids)[:limit]
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map, trust_remote_code)

@@ -33,6 +33,7 @@ from rag_lookahead.attention_choice import check_attn_implementation
 from rag_lookahead.bench.common import (
     TrustRemoteCodeOption,
     chat_ids,
+    check_bench_model,
     check_output_path,
     eos_pad,
     keeps_report_despite_stdout,
@@ -54,7 +55,7 @@ from rag_lookahead.bench.gpu_sections import (
     synthetic_prompts,
 )
 from rag_lookahead.decoding.config import LookaheadConfig
-from rag_lookahead.decoding.costs import model_devices
+from rag_lookahead.decoding.costs import model_devices, recalibrate_asked
 from rag_lookahead.decoding.verify import supports_tree_mask
 from rag_lookahead.errors import ConfigError, first_line
 from rag_lookahead.models import resolve_dtype
@@ -345,6 +346,11 @@ def gpu_check(
             resolve_dtype(dtype, "cpu", None)
         except ConfigError as err:
             raise typer.BadParameter(first_line(err), param_hint="--dtype") from None
+    if tiny_only:
+        recalibrate_asked()  # a bad RAG_LOOKAHEAD_RECALIBRATE failed the last three sections, each with a traceback
+    else:  # a model that will not load, said in one line now: it failed the "model" section with a traceback,
+        # after the environment and tiny sections had run (a bad RAG_LOOKAHEAD_RECALIBRATE too)
+        check_bench_model(model, dtype, device, device_map, trust_remote_code)
     report = run_check(CheckSettings(device, device_map, dtype, attn, model, small, tiny_only, trust_remote_code))
     print_table(report)
     if json_path:

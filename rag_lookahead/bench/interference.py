@@ -47,6 +47,7 @@ from rag_lookahead.bench.common import (
 )
 from rag_lookahead.bench.percentile import nearest_rank
 from rag_lookahead.decoding.config import LookaheadConfig
+from rag_lookahead.decoding.costs import recalibrate_asked
 from rag_lookahead.decoding.inputs import context_limit, limit_words
 from rag_lookahead.decoding.loop import DecodeBatch, left_pad
 from rag_lookahead.errors import InputError
@@ -277,6 +278,8 @@ def interference(
     if tiny:
         refuse_with_tiny(prompts=prompts, model=model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     seen = check_output_path(json_path, inputs=[prompts])
+    if not no_lookahead:  # a bad value, said now: the warm-up read it, after the model loaded
+        recalibrate_asked()
     settings = {
         "long_requests": long_requests,
         "long_prompt_tokens": long_tokens,

@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import numpy as np
 import torch
 
-from rag_lookahead.checks import hub_endpoint
+from rag_lookahead.checks import hub_endpoint, hub_offline, hub_url
 from rag_lookahead.errors import ConfigError, InputError, ModelLoadError, first_line
 from rag_lookahead.rag.corpus import stage_bar
 from rag_lookahead.rag.e5 import (
@@ -325,7 +325,9 @@ class SentenceTransformerEmbedder:
         query_prefix: str | None = None,
         document_prefix: str | None = None,
     ):
-        hub_endpoint()  # a bad one fails huggingface_hub's import (a ValueError traceback)
+        hub_endpoint()  # one it cannot parse fails huggingface_hub's import (a ValueError traceback)
+        if not os.path.exists(name_or_path) and not hub_offline():
+            hub_url()  # sentence-transformers fetches a name that is no path from the hub
         try:
             from sentence_transformers import SentenceTransformer
         except ImportError:

@@ -143,6 +143,28 @@ def test_a_remote_code_folder_is_refused_before_slow_work(tmp_path, monkeypatch)
     assert check_load_options(str(Path(folder) / "model-q4.gguf")) == str(Path(folder) / "model-q4.gguf")
 
 
+def test_gpu_check_refuses_a_remote_code_folder_before_its_sections(tmp_path, monkeypatch):
+    """Without --trust-remote-code, gpu-check ran its environment and tiny sections first, then
+    failed its "model" row with a ~45-line traceback; it is one line before any section now, as
+    for every other benchmark. With the flag the sections run (here: reach ``run_check``)."""
+    from rag_lookahead.bench import gpu_check
+
+    folder = str(remote_folder(tmp_path, "TinyRemoteForCausalLM"))
+    ran = []
+    monkeypatch.setattr(gpu_check, "run_check", lambda settings: ran.append(settings) or {"ok": True})
+    monkeypatch.setattr(gpu_check, "print_table", lambda report: None)
+    with pytest.raises(SystemExit) as done:
+        gpu_check.main(["--device", "cpu", "--model", folder])
+    assert done.value.code == (
+        f"error: model '{folder}' ships its own modeling code, which is not run by default: if you trust its"
+        " source, pass --trust-remote-code (ask, serve, the benchmarks) or trust_remote_code=True"
+        " (load_model, LookaheadLLM.from_model_id, ChatLookahead)"
+    )
+    assert ran == []
+    assert gpu_check.main(["--device", "cpu", "--model", folder, "--trust-remote-code"]) == 0
+    assert [s.trust_remote_code for s in ran] == [True]
+
+
 def test_langchain_takes_the_opt_in(tmp_path):
     """``LookaheadLLM.from_model_id(..., trust_remote_code=True)`` and ``ChatLookahead(model=...,
     trust_remote_code=True)`` load the model: the first passed the keyword on as a LookaheadLLM

@@ -191,6 +191,67 @@ def test_a_bad_model_option_is_refused_before_the_index_is_built(tmp_path, monke
     assert str(done.value.code).startswith(expected.format(dir=tmp_path, torch=torch.__version__))
 
 
+class _Reached(Exception):
+    """Raised where a benchmark would load its model (or, for gpu_check, run its sections)."""
+
+
+def _stop_at_the_model(monkeypatch, tmp_path, module: str):
+    """The benchmark ``module``, where loading a model raises :class:`_Reached` and a temporary
+    index cannot be built (its folder does not exist)."""
+    import tempfile
+
+    def reached(*args, **kwargs):
+        raise _Reached
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-temp-folder"))
+    bench = importlib.import_module(f"rag_lookahead.bench.{module}")
+    for owner in (bench, common):
+        monkeypatch.setattr(owner, "load_bench_model", reached, raising=False)
+    for name in ("tiny_mix", "run_check"):  # interference --tiny's model, gpu_check's sections
+        monkeypatch.setattr(bench, name, reached, raising=False)
+    return bench
+
+
+RECALIBRATE_READERS = [  # (benchmark, argv): each decodes with budget="auto", which reads the variable
+    ("single", []),
+    ("batch", []),
+    ("rag", []),
+    ("session", ["--dataset", "bundled"]),
+    ("quality", ["--models", "default"]),
+    ("replay", []),
+    ("step_profile", []),
+    ("interference", []),
+    ("interference", ["--tiny"]),
+    ("gpu_check", ["--device", "cpu"]),
+    ("gpu_check", ["--device", "cpu", "--small", "--tiny-only"]),
+]
+
+
+@pytest.mark.parametrize(("module", "argv"), RECALIBRATE_READERS)
+def test_a_bad_recalibrate_value_stops_a_benchmark_before_its_model_or_index(tmp_path, monkeypatch, module, argv):
+    """ask and serve said it as they started; the benchmarks raised it at their first lookahead
+    decode, after the index was built (bench.rag, bench.session) and the model had loaded
+    (gpu_check: as a traceback in each of its last three sections)."""
+    monkeypatch.setenv("RAG_LOOKAHEAD_RECALIBRATE", "y")
+    bench = _stop_at_the_model(monkeypatch, tmp_path, module)
+    with pytest.raises(SystemExit) as done:
+        bench.main(argv)
+    assert done.value.code == (
+        "error: RAG_LOOKAHEAD_RECALIBRATE must be 1, true, yes or on (measure the cost curve again) "
+        "or 0, false, no or off, got 'y'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"), [("single", ["--budget", "fixed"]), ("interference", ["--tiny", "--no-lookahead"])]
+)
+def test_a_benchmark_that_does_not_read_recalibrate_does_not_refuse_it(tmp_path, monkeypatch, module, argv):
+    monkeypatch.setenv("RAG_LOOKAHEAD_RECALIBRATE", "y")
+    bench = _stop_at_the_model(monkeypatch, tmp_path, module)
+    with pytest.raises(_Reached):
+        bench.main(argv)
+
+
 def test_input_files_that_never_end_are_refused_at_once(tmp_path):
     """A FIFO hung the benchmarks and batch_answers for good, /dev/zero grew them until killed."""
     from rag_lookahead.bench.retrieval import load_dataset

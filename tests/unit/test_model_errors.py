@@ -17,6 +17,7 @@ from tiny_models import tiny_model
 from tiny_tokenizer import tiny_tokenizer
 
 from rag_lookahead import embedded_model, models
+from rag_lookahead.checks import hub_offline
 from rag_lookahead.embedded_model import DEFAULT, MARKER_FILE
 from rag_lookahead.errors import ConfigError, ModelLoadError
 from rag_lookahead.models import embedded_model_dir, load_model
@@ -363,19 +364,67 @@ def test_a_tilde_naming_no_user_is_one_config_error_not_a_runtime_error(monkeypa
         ("https://hub.example:abc", "port could not be cast to integer value as 'abc'"),
         ("http://[bad", "invalid IPv6 URL"),
         ("https://hub.example:99999", "port out of range 0-65535"),
-        ("hub.example", "it needs http:// or https:// and a host"),  # the probe tried huggingface.co instead
-        ("ftp://hub.example", "it needs http:// or https:// and a host"),
-        ("https://", "it needs http:// or https:// and a host"),
     ],
 )
-def test_an_hf_endpoint_that_is_not_a_url_is_one_config_error(tiny_folder, monkeypatch, endpoint, why):
+def test_an_hf_endpoint_huggingface_hub_cannot_parse_is_one_config_error(tiny_folder, monkeypatch, endpoint, why):
     """huggingface_hub parses $HF_ENDPOINT as it is first imported: every model load was a
-    ValueError traceback (see the next test for the first import itself)."""
+    ValueError traceback, a local folder's too (see the next test for the first import itself)."""
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     for check in (lambda: _load(tiny_folder), lambda: models.check_load_options("default")):
         with pytest.raises(ConfigError) as err:
             check()
         assert _one_line(err).startswith(f"$HF_ENDPOINT {endpoint!r} is not a URL: {why}")
+
+
+NO_URL = "it needs http:// or https:// and a host"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "why"),
+    [
+        ("hub.example", NO_URL),  # the probe tried huggingface.co instead
+        ("ftp://hub.example", NO_URL),
+        ("https://", NO_URL),
+        # huggingface_hub fetched "/rag-lookahead-test/.../config.json": an error that named no variable
+        ("", "it is set but empty"),
+    ],
+)
+def test_an_hf_endpoint_that_is_no_url_is_refused_where_the_hub_is_asked_only(
+    tiny_folder, monkeypatch, tmp_path, endpoint, why
+):
+    """A value huggingface_hub can import with, but not fetch from, stopped every load: a local
+    folder and the embedded model, which never contact the hub, were refused too. It is refused
+    where a hub id must be fetched (check_load_options' hub check, load_model, a
+    sentence-transformers name), with or without a proxy, and never while the hub is offline."""
+    from rag_lookahead.rag.embedders import SentenceTransformerEmbedder
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    model, _ = _load(tiny_folder)
+    assert model.config.vocab_size == tiny_model("qwen2").config.vocab_size
+    assert models.check_load_options("default", hub=True) == "default"
+    assert models.check_load_options(str(tiny_folder), hub=True) == str(tiny_folder)
+    hub_id = "rag-lookahead-test/no-such-model"
+    for check in (
+        lambda: models.check_load_options(hub_id, hub=True),
+        lambda: _load(hub_id),
+        lambda: SentenceTransformerEmbedder(hub_id),
+    ):
+        with pytest.raises(ConfigError) as err:
+            check()
+        assert _one_line(err) == (
+            f"$HF_ENDPOINT {endpoint!r} is not a URL: {why}; give one such as https://huggingface.co, or unset it"
+        )
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # the reachability probe is skipped
+    with pytest.raises(ConfigError, match=r"^\$HF_ENDPOINT"):
+        models.check_load_options(hub_id, hub=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing is fetched: the cache's refusal, not the variable's
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE is set"):
+        models.check_load_options(hub_id, hub=True)
+    # a folder is no fetch for sentence-transformers: what is said is about the package or the folder
+    with pytest.raises(ModelLoadError, match="sentence-transformers"):
+        SentenceTransformerEmbedder(str(tmp_path))
 
 
 def test_an_hf_endpoint_is_checked_before_huggingface_hub_is_imported(tiny_folder):
@@ -431,7 +480,7 @@ def test_offline_mode_is_read_as_huggingface_hub_reads_it(monkeypatch, env):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    offline = models._hub_offline()
+    offline = hub_offline()
     assert str(bool(offline)) == theirs, (env, offline, theirs)
     if offline:
         with pytest.raises(ModelLoadError) as err:

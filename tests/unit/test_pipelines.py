@@ -186,6 +186,39 @@ def test_the_question_and_flags_are_checked_before_the_model_loads(tmp_path, scr
     assert not (tmp_path / "home").exists() and out.stdout == ""  # no index, no ">>> " before the error
 
 
+RECALIBRATE_Y = "error: RAG_LOOKAHEAD_RECALIBRATE must be 1, true, yes or on (measure the cost curve again)"
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "expected"),
+    [
+        ("retrieval_qa.py", ["q"], RECALIBRATE_Y),
+        ("lcel_chain.py", ["q"], RECALIBRATE_Y),
+        ("chat_stream.py", ["q"], RECALIBRATE_Y),
+        ("batch_answers.py", ["{d}/q.jsonl", "{d}/out.jsonl"], RECALIBRATE_Y),
+        # lookahead off: the variable is never read, so the next check speaks (still before the index)
+        (
+            "lcel_chain.py",
+            ["q", "--no-lookahead", "--model", "./no-such-model"],
+            "error: model folder './no-such-model'",
+        ),
+    ],
+)
+def test_a_bad_recalibrate_value_is_refused_before_the_index_and_model(tmp_path, script, argv, expected):
+    """It was refused at the first lookahead decode: after the sample index was built and the model loaded."""
+    (tmp_path / "q.jsonl").write_text('{"question": "What does budget do?"}\n', encoding="utf-8")
+    out = subprocess.run(
+        [sys.executable, str(PIPELINES / script), *(arg.format(d=tmp_path) for arg in argv)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "RAG_LOOKAHEAD_HOME": str(tmp_path / "home"), "RAG_LOOKAHEAD_RECALIBRATE": "y"},
+    )
+    assert out.returncode == 1 and out.stderr.startswith(expected) and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "home").exists() and not (tmp_path / "out.jsonl").exists()
+
+
 def _quality_installed() -> bool:
     from rag_lookahead.errors import ModelLoadError
     from rag_lookahead.models import check_embedded_installed
