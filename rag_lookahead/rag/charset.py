@@ -156,6 +156,9 @@ _INSIDE_WORDS = frozenset("‘’“”–—…·\u00a0")
 # "｡hola" "¡hola" as cp932, "×e" Czech "že" as cp852. Mac Roman's "Voil‡" for "Voilà" reads as a
 # footnote mark so: "cÙtÈ" gives most French away, not a line whose only accent is "à"
 _ON_WORDS = frozenset("¡¿…†‡•※")
+# of those, the ones that only open a word or an item: after a letter "•" and "※" are cp437's and
+# cp850's "ò" ("Per•" is "Però")
+_BEFORE_WORDS = frozenset("•※")
 
 
 def _cjk_punctuation(char: str) -> bool:
@@ -197,7 +200,7 @@ def _odd_here(text: str, i: int, script: str | None, cjk_runs: bool) -> bool:
             any(on_letters)
             and not cjk_runs
             and not (before.isdigit() or after.isdigit())
-            and char not in _ON_WORDS
+            and (char not in _ON_WORDS or (char in _BEFORE_WORDS and on_letters[0]))
             and unicodedata.category(char) in ("Po", "Sm")
         )
     return False

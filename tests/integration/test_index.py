@@ -1786,6 +1786,9 @@ SHORT_OR_MOSTLY_ASCII = [
     ("Smith† and Jones‡ wrote it", "cp1252"),
     ("costs fell‡.", "cp1252"),
     ("※git", "euc_kr"),
+    # cp850/cp437's "ò" is cp1252's bullet: after a letter it reads as no bullet does ("Per•")
+    ("Però non lo so.", "cp850"),
+    ("Cosa farò domani? Andrò là.", "cp437"),
 ]
 
 
