@@ -265,7 +265,7 @@ def batch(
     check_positive({"--requests": requests, "--max-new-tokens": max_new_tokens, "--repeats": repeats})
     levels = concurrency_levels(concurrency)
     chosen, depths = parse_methods(methods, extra_branch_length, branch_length)
-    config = checked_config(depths, branch_length=branch_length)
+    config = checked_config(depths, chosen, branch_length=branch_length)
     prompt_set = load_prompts(prompts, ids)  # a bad file or setting fails before the model loads
     with report_despite_stdout(json_path):
         loaded, tokenizer = load_bench_model(model, dtype, device, device_map, trust_remote_code)

@@ -256,13 +256,15 @@ def extra_depth_methods(extra_branch_length: str) -> dict[str, int]:
     return {f"lookahead_b{n}": n for n in depths}
 
 
-def checked_config(extra_depths: Mapping[str, int], **settings: Any) -> LookaheadConfig:
+def checked_config(extra_depths: Mapping[str, int], methods: Sequence[str], **settings: Any) -> LookaheadConfig:
     """``LookaheadConfig(**settings)``, with each ``--extra-branch-length`` depth tried on it, so
     that a bad value fails before the model loads (add the tokenizer's stop words after); so does a
-    ``RAG_LOOKAHEAD_RECALIBRATE`` that is neither yes nor no, where ``budget="auto"`` reads it (the
-    first lookahead decode refused it, after the model loaded)."""
+    ``RAG_LOOKAHEAD_RECALIBRATE`` that is neither yes nor no, where one of ``methods`` (the methods
+    to run) decodes with lookahead on ``budget="auto"``, which reads it (the first lookahead decode
+    refused it, after the model loaded). Only the ``lookahead*`` methods do: transformers' methods,
+    ``plain`` and ``prompt_lookup_ours`` (budget fixed) never read it, and were refused it."""
     config = LookaheadConfig(**settings)
-    if config.budget == "auto":
+    if config.budget == "auto" and any(m.startswith("lookahead") for m in methods):
         recalibrate_asked()
     for depth in extra_depths.values():
         config.replace(branch_length=depth)

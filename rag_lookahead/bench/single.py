@@ -357,7 +357,7 @@ def run_bench(s: BenchSettings) -> dict:
     """Load the model, run every method on every prompt, print the tables, write JSON and charts."""
     prompts = load_prompts(s.prompts, s.ids)[: s.limit]  # a bad file or setting fails before the model loads
     config = checked_config(
-        s.extra_depths, decoding_length=s.decoding_length, branch_length=s.branch_length, budget=s.budget
+        s.extra_depths, s.methods, decoding_length=s.decoding_length, branch_length=s.branch_length, budget=s.budget
     )
     model, tokenizer = load_bench_model(s.model, s.dtype, s.device, s.device_map, s.trust_remote_code)
     context_fitted_ids(model, tokenizer, prompts, s.max_new_tokens, with_context=s.seed_mode == "prompt")

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from rag_lookahead.checks import hub_endpoint, hub_offline, hub_url
-from rag_lookahead.errors import ConfigError, InputError, ModelLoadError, first_line
+from rag_lookahead.errors import ConfigError, InputError, ModelLoadError, first_line, quoted_path
+from rag_lookahead.paths import expand_user
 from rag_lookahead.rag.corpus import stage_bar
 from rag_lookahead.rag.e5 import (
     BATCH_TOKENS,
@@ -325,8 +326,13 @@ class SentenceTransformerEmbedder:
         query_prefix: str | None = None,
         document_prefix: str | None = None,
     ):
+        from rag_lookahead.models import _looks_local
+
         hub_endpoint()  # one it cannot parse fails huggingface_hub's import (a ValueError traceback)
-        if not os.path.exists(name_or_path) and not hub_offline():
+        if _looks_local(name_or_path):  # "./m" or "~/m", missing, was taken for a hub id: $HF_ENDPOINT was blamed
+            if not expand_user(name_or_path, "sentence-transformers model").exists():
+                raise ModelLoadError(f"sentence-transformers model folder {quoted_path(name_or_path)} does not exist")
+        elif not hub_offline():
             hub_url()  # sentence-transformers fetches a name that is no path from the hub
         try:
             from sentence_transformers import SentenceTransformer

@@ -31,6 +31,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rag_lookahead.errors import first_line
+
 __all__ = ["LEGACY_CJK_CMAPS", "PdfText", "read_pdf_text"]
 
 #: predefined CMaps whose codes are a legacy byte encoding that Python decodes, missing from pypdf's
@@ -213,8 +215,7 @@ def _is_limit(e: BaseException) -> bool:
 def _error(e: BaseException) -> str:
     """``"ValueError: <its first line that holds text>"`` (a message starting with a line break printed
     ``"ValueError: "``)."""
-    message = str(e).strip()
-    return f"{type(e).__name__}: {message.splitlines()[0]}" if message else type(e).__name__
+    return f"{type(e).__name__}: {first_line(e)}" if str(e).strip() else type(e).__name__
 
 
 def _failed_pages(failed: list[int], pages: int, first_error: BaseException) -> str:

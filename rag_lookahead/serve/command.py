@@ -142,7 +142,8 @@ def serve(
         config = config_from_args(ctx.params)
         ray_settings = settings_from_args(ctx.params)  # None without --replicas: one process, no Ray
         cache_dir()  # a relative $RAG_LOOKAHEAD_CACHE, said now: warm-up reads it after the server is up
-        recalibrate_asked()  # so is a RAG_LOOKAHEAD_RECALIBRATE that is neither yes nor no
+        if config.lookahead and (config.lookahead_config or LookaheadConfig()).budget == "auto":
+            recalibrate_asked()  # so is a RAG_LOOKAHEAD_RECALIBRATE that is neither yes nor no, where it is read
         hub_endpoint()  # a $HF_ENDPOINT huggingface_hub cannot parse: a traceback from the model load
     except ConfigError as e:
         _refuse(e, _config_error_exit(ctx))

@@ -283,9 +283,13 @@ async def rag(body: RagRequest, http_request: Request) -> Response:
     # searched and shown stripped, as ask and the chains do (spaces around it moved the dense ranking)
     question = body.question.strip()
     engine.check_capacity()  # before tokenizing: the body may have been read while the server was full
-    # before retrieving: a question the prompt limit or the model's context cannot hold (no k helps)
-    asked = await run_in_threadpool(engine.encode_text, question)
-    check_prompt_length(len(asked), engine, "question", "'question'", "; no 'k' makes room for it")
+    # before retrieving: a question the prompt limit or the model's context cannot hold with the
+    # template around it and no passage yet (no k helps); the question alone was measured, so one
+    # in the gap was retrieved for, then refused naming 'k' even at k=1
+    bare = {"role": "user", "content": make_prompt(question, [])}
+    alone = await _encode_chat(engine, [bare], "the prompt built from the question", None)
+    what = "the prompt built from the question with no passage"
+    check_prompt_length(len(alone), engine, "question", what, "; ask a shorter question: no 'k' makes room for it")
     engine.check_capacity()  # again: the tokenizing may have taken a while
     start = time.perf_counter()
     try:
@@ -300,7 +304,10 @@ async def rag(body: RagRequest, http_request: Request) -> Response:
     references = await run_in_threadpool(engine.encode_passages, [d.page_content for d in seeds]) if seeded else []
     key = getattr(http_request.state, "key_id", "")
     what = f"the prompt built from the question and its {len(shown)} passage(s)"
-    ids = checked_prompt(prompt, engine, "k", what, "; ask with a smaller 'k' or a shorter question")
+    if len(shown) > 1:
+        ids = checked_prompt(prompt, engine, "k", what, "; ask with a smaller 'k' or a shorter question")
+    else:  # k is at its least: only a shorter question makes room
+        ids = checked_prompt(prompt, engine, "question", what, "; ask a shorter question")
     job = engine.new_request(ids, max_tokens, [], references, pool_key=key, sampling=_sampling(engine, {}, len(ids)))
     engine.submit(job)
     sources = [source_info(d, i < k) for i, d in enumerate(docs)]

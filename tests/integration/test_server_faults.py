@@ -426,10 +426,18 @@ def test_rag_refuses_a_full_queue_before_retrieving(tokenizer, monkeypatch, tiny
         assert len(retrievals) == 1 and r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
 
 
+def bare_prompt_length(tokenizer, question: str) -> int:
+    """Tokens of /v1/rag's prompt for ``question`` with no passage (the template's words and the question)."""
+    from rag_lookahead.rag.chains import make_prompt
+    from rag_lookahead.tokens import encode_messages
+
+    return len(encode_messages(tokenizer, [{"role": "user", "content": make_prompt(question, [])}]))
+
+
 def test_rag_names_k_when_the_built_prompt_is_too_long(tokenizer, tiny_index):
     """The question fits, but the prompt the server builds around it does not: the error says so and
     names what the client can change, not a 'prompt' it never sent."""
-    engine = tiny_engine(tokenizer, max_prompt_tokens=40)
+    engine = tiny_engine(tokenizer, max_prompt_tokens=bare_prompt_length(tokenizer, "How tall is Etna?") + 1)
     engine.index = tiny_index
     with serving(engine) as base:
         r = httpx.post(base + "/v1/rag", json={"question": "How tall is Etna?", "k": 2, "max_tokens": 4}, timeout=60)
@@ -457,3 +465,32 @@ def test_rag_searches_the_stripped_question_and_refuses_one_the_context_cannot_h
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == "question", r.text
         assert "model's context holds" in error["message"] and len(retrievals) == 1
+
+
+def test_rag_measures_the_question_with_the_prompt_around_it_before_retrieving(tokenizer, monkeypatch, tiny_index):
+    """/v1/rag measured the question alone before retrieving, but the prompt adds the template's
+    words (~130 tokens) and a passage: a question in that gap was retrieved for, then refused
+    naming 'k' ("ask with a smaller 'k'") even at k=1, which no k could fix."""
+    engine = tiny_engine(tokenizer, max_prompt_tokens=200)
+    assert engine.context_limit is None or engine.context_limit > 200
+    engine.index = tiny_index
+    retrievals = []
+    real_retrieve = engine.retrieve
+    monkeypatch.setattr(engine, "retrieve", lambda *a: retrievals.append(a) or real_retrieve(*a))
+    question = " ".join(["Etna"] * 60)  # 180 tokens
+    assert len(engine.encode_text(question)) < 200 < bare_prompt_length(tokenizer, question)  # in the gap
+    with serving(engine) as base:
+        r = httpx.post(base + "/v1/rag", json={"question": question, "k": 1, "max_tokens": 4}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "question", r.text
+        assert "with no passage" in error["message"] and "shorter question" in error["message"], r.text
+        assert retrievals == []
+    # the question fits with the template, but not with its one passage: only a shorter question helps
+    short = "How tall is Etna?"
+    engine = tiny_engine(tokenizer, max_prompt_tokens=bare_prompt_length(tokenizer, short) + 1)
+    engine.index = tiny_index
+    with serving(engine) as base:
+        r = httpx.post(base + "/v1/rag", json={"question": short, "k": 1, "max_tokens": 4}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "question", r.text
+        assert "its 1 passage(s)" in error["message"] and "'k'" not in error["message"], r.text

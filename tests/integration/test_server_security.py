@@ -122,6 +122,9 @@ def test_serve_refuses_bad_settings_in_one_line():
     assert result.exit_code == 1 and "API key" in result.output
 
 
+NO_MODEL = "model folder '/no/such/model' does not exist"
+
+
 @pytest.mark.parametrize(
     ("flags", "env", "said", "code"),
     [
@@ -130,6 +133,9 @@ def test_serve_refuses_bad_settings_in_one_line():
         (["--model", "LOCAL"], {"RAG_LOOKAHEAD_CACHE": "relative/cache"}, "$RAG_LOOKAHEAD_CACHE 'relative/cache'", 2),
         # the warm-up refused it after the server was up (before: silently not re-measured)
         (["--model", "/no/such/model"], {"RAG_LOOKAHEAD_RECALIBRATE": "y"}, "RAG_LOOKAHEAD_RECALIBRATE must be 1,", 2),
+        # ... only where it is read: without lookahead or with the fixed budget it was refused all the same
+        (["--model", "/no/such/model", "--no-lookahead"], {"RAG_LOOKAHEAD_RECALIBRATE": "y"}, NO_MODEL, 1),
+        (["--model", "/no/such/model", "--budget", "fixed"], {"RAG_LOOKAHEAD_RECALIBRATE": "y"}, NO_MODEL, 1),
         # huggingface_hub's import, as the model loaded: a ValueError traceback
         (
             ["--model", "/no/such/model"],

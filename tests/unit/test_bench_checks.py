@@ -214,6 +214,8 @@ def _stop_at_the_model(monkeypatch, tmp_path, module: str):
 
 RECALIBRATE_READERS = [  # (benchmark, argv): each decodes with budget="auto", which reads the variable
     ("single", []),
+    ("single", ["--methods", "greedy,lookahead_sample"]),
+    ("single", ["--methods", "greedy", "--extra-branch-length", "8"]),
     ("batch", []),
     ("rag", []),
     ("session", ["--dataset", "bundled"]),
@@ -243,7 +245,15 @@ def test_a_bad_recalibrate_value_stops_a_benchmark_before_its_model_or_index(tmp
 
 
 @pytest.mark.parametrize(
-    ("module", "argv"), [("single", ["--budget", "fixed"]), ("interference", ["--tiny", "--no-lookahead"])]
+    ("module", "argv"),
+    [
+        ("single", ["--budget", "fixed"]),
+        # transformers' methods and prompt_lookup_ours (budget fixed) never read it, nor batch's plain
+        ("single", ["--methods", "greedy,prompt_lookup"]),
+        ("single", ["--methods", "greedy,prompt_lookup_ours,sample,greedy_stock"]),
+        ("batch", ["--methods", "hf_greedy,plain"]),
+        ("interference", ["--tiny", "--no-lookahead"]),
+    ],
 )
 def test_a_benchmark_that_does_not_read_recalibrate_does_not_refuse_it(tmp_path, monkeypatch, module, argv):
     monkeypatch.setenv("RAG_LOOKAHEAD_RECALIBRATE", "y")

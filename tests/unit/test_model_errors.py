@@ -425,6 +425,16 @@ def test_an_hf_endpoint_that_is_no_url_is_refused_where_the_hub_is_asked_only(
     # a folder is no fetch for sentence-transformers: what is said is about the package or the folder
     with pytest.raises(ModelLoadError, match="sentence-transformers"):
         SentenceTransformerEmbedder(str(tmp_path))
+    # nor is a path that names no folder: it was taken for a hub id, and $HF_ENDPOINT was blamed
+    from rag_lookahead.rag.embedders import get_embedder
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    for name in ("./my-st-model", "~/models/st", "../no-such-st-model"):
+        with pytest.raises(ModelLoadError) as err:
+            get_embedder(f"st:{name}")
+        assert _one_line(err) == f"sentence-transformers model folder '{name}' does not exist"
 
 
 def test_an_hf_endpoint_is_checked_before_huggingface_hub_is_imported(tiny_folder):
