@@ -42,10 +42,22 @@ class Batches:
     ) -> None:
         self.model, self.lookahead, self.eos, self.pad_id = model, lookahead, eos, pad_id
         self.config, self.metrics = config, metrics
-        self.active: dict[str, Job] = {}  # job id -> job, from its prefill to its last event
+        self.active: dict[str, Job] = {}  # job id -> job, from its prefill until it is answered and counted
+        self.admitting: dict[str, Job] = {}  # job id -> job, from leaving the queue until admitted or failed
         self._batches: dict[str, Any] = {}  # output pool key -> DecodeBatch
         self._pools: dict[str, Any] = {}  # output pool key -> OutputPool
         self.tokens_per_second = 0.0  # decode rate, all rows together (a moving average over steps)
+
+    @property
+    def busy(self) -> bool:
+        """A job is being admitted or decoded, or not yet answered and counted. Read from other
+        threads: ``admitting`` first, as a job joins ``active`` before it leaves ``admitting``."""
+        return bool(self.admitting) or bool(self.active)
+
+    @property
+    def jobs(self) -> int:
+        """Jobs being admitted or decoded (each once)."""
+        return len({**self.active, **self.admitting})
 
     @property
     def size(self) -> int:
@@ -80,8 +92,15 @@ class Batches:
 
     # ------------------------------------------------------------ admit
 
+    def hold(self, jobs: list[Job]) -> None:
+        """Mark ``jobs`` as being admitted as they leave the queue (the engine's lock held).
+        Counted from their prefill only, they were in neither the queue nor ``active`` while a
+        new batch was built: a drain, or a test waiting for the engine to be idle, saw it idle
+        (a SIGTERM then could end a request it had accepted, and a metrics scrape miss it)."""
+        self.admitting.update((job.id, job) for job in jobs)
+
     def admit(self, jobs: list[Job]) -> None:
-        """One prefill per output pool for the admitted jobs, merged into its running batch."""
+        """One prefill per output pool for the held jobs, merged into its running batch."""
         live = [job for job in jobs if job.live]  # one look: a cancel between two looks was never counted
         for job in jobs:  # cancelled between leaving the queue and the prefill (later ones are retired and counted)
             if job.cancelled and job not in live:
@@ -91,6 +110,8 @@ class Batches:
             groups.setdefault(job.pool_key, []).append(job)
         for key, group in groups.items():
             self._admit_group(key, group)
+        for job in jobs:  # each is active by now, or answered and counted
+            self.admitting.pop(job.id, None)
 
     def _admit_group(self, key: str, group: list[Job]) -> None:
         """Prefill ``group``; on failure retry one by one so only the job at fault fails."""
@@ -202,9 +223,18 @@ class Batches:
         return job is not None and job.live and not job.tracker.stopped
 
     def _answer(self, row) -> None:
-        """Send a retired row's last event (or count it cancelled)."""
-        job = self.active.pop(row.index, None)
-        if job is None or job.ended:
+        """Send a retired row's last event (or count it cancelled); only then is it no longer
+        active (whoever sees the engine idle sees it counted)."""
+        job = self.active.get(row.index)
+        if job is None:
+            return
+        try:
+            self._settle_retired(job, row)
+        finally:
+            self.active.pop(row.index, None)
+
+    def _settle_retired(self, job: Job, row) -> None:
+        if job.ended:
             return
         if job.cancelled:
             job.ended = True
@@ -249,16 +279,18 @@ class Batches:
         """End each job with ``error``; their rows (if any) are dropped at the next retire.
 
         A job whose client already left ends silently (counted as cancelled: nothing counted it
-        yet, since only jobs still in the queue are counted when they are cancelled)."""
+        yet, since only jobs still in the queue are counted when they are cancelled). A job is
+        no longer active or being admitted once answered and counted, not before."""
         for job in jobs:
-            if job.ended:
-                continue
-            if job.cancelled:
-                job.ended = True
-                self.metrics.settle(job, "cancelled")
-            else:
-                self.metrics.settle(job, "failed")
-                job.end(("error", error))
+            if not job.ended:
+                if job.cancelled:
+                    job.ended = True
+                    self.metrics.settle(job, "cancelled")
+                else:
+                    self.metrics.settle(job, "failed")
+                    job.end(("error", error))
+            self.active.pop(job.id, None)
+            self.admitting.pop(job.id, None)
 
     def _fail_batch(self, key: str, cause: BaseException, also: Sequence[Job] = ()) -> None:
         """A failure that cannot be pinned on one row: every job of the batch gets the error.
@@ -268,13 +300,10 @@ class Batches:
         self._batches.pop(key, None)
         jobs = {job.id: job for job in also}
         jobs.update((job.id, job) for job in self.active.values() if job.pool_key == key)
-        for job_id in jobs:
-            self.active.pop(job_id, None)
         self.fail(list(jobs.values()), self.failure(cause))
 
     def drop_all(self) -> list[Job]:
-        """Forget every batch; return the jobs that were in them (for the caller to fail)."""
-        running = list(self.active.values())
-        self.active.clear()
+        """Forget every batch; return the jobs in them or being admitted, for the caller to fail
+        (``fail`` takes each out of ``active`` once it is answered)."""
         self._batches.clear()
-        return running
+        return list({**self.active, **self.admitting}.values())

@@ -156,7 +156,10 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self._waiting and not self.batches.active
+        """Nothing waiting, being admitted or running. Under the lock: a job leaves the queue and
+        is held for admission in one step."""
+        with self._cond:  # reentrant (the engine thread asks while holding it)
+            return not self._waiting and not self.batches.busy
 
     @property
     def queue_depth(self) -> int:
@@ -168,7 +171,7 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return len(self.batches.active)
+        return self.batches.jobs
 
     # ------------------------------------------------------------ tokenizing, retrieval (handler side, worker threads)
 
@@ -336,7 +339,7 @@ class Engine:
                 self._waiting.remove(job)
             except ValueError:
                 return  # in a batch (or being admitted): the engine retires it and counts it
-        self.metrics.settle(job, "cancelled")
+            self.metrics.settle(job, "cancelled")  # inside the lock: whoever sees the queue shorter sees it counted
 
     # ------------------------------------------------------------ the engine thread
 
@@ -405,8 +408,9 @@ class Engine:
                 if expired and not self.idle:
                     break
                 if not expired and (self._waiting or self.batch_size):
-                    room = self.max_batch_size - self.batch_size
-                    return self._waiting.take(room)
+                    taken = self._waiting.take(self.max_batch_size - self.batch_size)
+                    self.batches.hold(taken)  # active from the queue on: no moment where they are in neither
+                    return taken
                 until_deadline = self._drain_deadline - time.monotonic()
                 self._cond.wait(timeout=min(1.0, until_deadline) if until_deadline > 0 else 1.0)
             else:

@@ -19,6 +19,7 @@ import gc
 import json
 import random
 import re
+import signal
 import socket
 import threading
 import time
@@ -131,7 +132,7 @@ def rss_bytes() -> int:
 
 def wait_idle(engine: Engine, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while engine.queue_depth or engine.active or engine.batch_size:
+    while not engine.idle or engine.batch_size:
         assert time.monotonic() < deadline, "the engine did not drain"
         time.sleep(0.05)
 
@@ -573,6 +574,46 @@ def test_a_request_of_n_choices_is_counted_once(tokenizer, monkeypatch):
     assert metric(text, "rag_lookahead_requests_completed_total") == 1
     assert metric(text, "rag_lookahead_requests_cancelled_total") == 1
     assert metric(text, "rag_lookahead_request_seconds_count") == 1
+
+
+def hold_after_warm_up(monkeypatch, engine: Engine, cls, name: str) -> Gate:
+    """``cls.name`` waits for the gate when the engine thread runs it once the engine is ready."""
+    gate = Gate()
+    patch_engine(monkeypatch, cls, name, lambda *a, **k: gate.wait() if engine.ready.is_set() else None)
+    return gate
+
+
+@pytest.mark.parametrize("held", ["new_batch", "settle"])
+def test_the_engine_is_never_idle_while_a_request_is_unanswered_or_uncounted(tokenizer, monkeypatch, held):
+    """A job taken from the queue was counted active only from its prefill: while the engine built
+    a new batch for it, the engine read idle (a drain then ended at once, and a test waiting for
+    idle scraped /metrics before the request was counted: CI's flaky n-choices test). And a
+    finished job left ``active`` before it was answered and counted."""
+    from rag_lookahead.serve.batches import Batches
+    from rag_lookahead.serve.metrics import Metrics
+
+    engine = tiny_engine(tokenizer, drain_seconds=30)
+    gate = hold_after_warm_up(monkeypatch, engine, Batches if held == "new_batch" else Metrics, held)
+    prompt = tiny_prompts(1, seed=61)[0]
+    want = single_text(engine, prompt, 6)
+
+    async def run(base: str, server) -> httpx.Response:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            sent = asyncio.create_task(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6}))
+            await until(lambda: gate.blocked == 1, 60)
+            seen = engine.queue_depth, engine.idle
+            server.handle_exit(signal.SIGTERM, None)  # the drain must wait for it
+            await until(lambda: engine.draining)
+            await asyncio.sleep(0.3)
+            gate.set()
+            response = await sent
+            assert seen == (0, False)
+            return response
+
+    with running(engine) as (base, server):
+        response = asyncio.run(run(base, server))
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == want
+    assert metric(engine.metrics.render().decode(), "rag_lookahead_requests_completed_total") == 1
 
 
 # ---------------------------------------------------------------- the real default model (slow)
