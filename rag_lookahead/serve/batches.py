@@ -28,8 +28,8 @@ __all__ = ["Batches"]
 
 
 class Batches:
-    """The batches and the jobs in them (``active``). Only the engine thread changes them;
-    handlers read ``size`` and ``len(active)``."""
+    """The batches, the jobs in them (``active``) and those being admitted. Only the engine thread
+    changes them; other threads read ``size``, ``jobs`` and ``busy``."""
 
     def __init__(
         self,
