@@ -495,15 +495,18 @@ def test_timeout_counts_from_when_the_decode_starts(chat):
     import threading
     import time
 
+    decoding = threading.Event()
+
     class Slow(BaseCallbackHandler):
         def on_llm_new_token(self, token: str, **kwargs) -> None:
+            decoding.set()
             time.sleep(0.25)
 
     # one token a block (lookahead off: a warm pool made few, long blocks), so >= 24 x 0.25 s held
     slow = {"max_tokens": 24, "enable_lookahead": False, "config": {"callbacks": [Slow()]}}
     busy = threading.Thread(target=lambda: chat.invoke(COUNT, **slow))
     busy.start()
-    time.sleep(1.0)  # the other call holds the engine for 24 blocks of >= 0.25 s
+    assert decoding.wait(120)  # the other call holds the engine for 24 blocks of >= 0.25 s
     start = time.monotonic()
     answer = chat.invoke(HELLO, max_tokens=3, timeout=4.0)
     waited = time.monotonic() - start

@@ -18,6 +18,7 @@ pytest.importorskip("uvicorn")
 
 from test_server import (  # noqa: F401 - tokenizer is a fixture
     parse_sse,
+    running,
     serving,
     slow_steps,
     tiny_engine,
@@ -281,12 +282,19 @@ def test_connections_past_max_connections_get_503_and_are_closed(tokenizer):
     """Connections that send nothing were never counted (uvicorn's limit_concurrency looks only at
     complete heads): a flood of them held a descriptor each until the process ran out."""
     engine = tiny_engine(tokenizer, max_connections=2, head_timeout=30)
-    with serving(engine) as base:
+    with running(engine) as (base, server):
         host, port = base.removeprefix("http://").split(":")
         get = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+
+        def open_connections(count: int) -> None:  # as the server counts them (a fixed sleep raced it)
+            deadline = time.monotonic() + 30
+            while len(server.server_state.connections) != count:
+                assert time.monotonic() < deadline, len(server.server_state.connections)
+                time.sleep(0.01)
+
         silent = [socket.create_connection((host, int(port))) for _ in range(2)]
         try:
-            time.sleep(0.3)  # both accepted
+            open_connections(2)
             with socket.create_connection((host, int(port))) as third:
                 third.settimeout(10)
                 third.sendall(get)  # at once, as clients do: a close with it unread was a reset, not the 503
@@ -305,7 +313,7 @@ def test_connections_past_max_connections_get_503_and_are_closed(tokenizer):
         finally:
             for s in silent:
                 s.close()
-        time.sleep(0.3)  # closed: their places are free again
+        open_connections(0)  # closed: their places are free again
         assert httpx.get(f"{base}/health", timeout=10).status_code == 200
         assert closed_by_server(base) == {"too_many_connections": 4.0}  # counted where no handler sees them
 

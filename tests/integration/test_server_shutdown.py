@@ -175,7 +175,10 @@ def test_real_sigterm_lets_the_running_stream_finish(tokenizer):
 
                 async def signal_then_ask() -> None:
                     child.send_signal(signal.SIGTERM)
-                    await asyncio.sleep(0.3)
+                    deadline = time.monotonic() + 30
+                    while (await client.get("/health")).status_code != 503:  # a fixed 0.3 s wait raced the signal
+                        assert time.monotonic() < deadline, "the server did not begin to drain"
+                        await asyncio.sleep(0.02)
                     late.append(await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}))
 
                 events = await stream_events(client, {"prompt": prompt, "max_tokens": 100}, signal_then_ask)
