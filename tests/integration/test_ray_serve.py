@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -66,10 +67,25 @@ CANCELLED = "rag_lookahead_requests_cancelled_total"
 # ---------------------------------------------------------------- helpers
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port outside the kernel's ephemeral range (32768-60999 on Linux) and above Ray's
+    worker ports (10002-19999): Ray opens dozens of connections from the ephemeral range before
+    its proxy binds the port, so one picked there (port 0) could be taken by then."""
+    rng = random.Random()
+    while True:
+        port = rng.randint(20000, 32000)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
 
 
 async def complete(client: httpx.AsyncClient, i: int, kind: str = "plain", headers: dict | None = None) -> dict:
