@@ -44,11 +44,12 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.embedded_model import EMBEDDED
@@ -429,7 +430,8 @@ def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = T
     :data:`UNDEPLOY_WAIT_S`: once this node's raylet had died, ``serve.status()`` blocked for good
     and the drain with it, deaf to every signal. A raylet found gone ends the drain at once; a Ray
     that does not answer ends it at the deadline, or at once after a second signal (``hurry``);
-    each with a line saying so."""
+    each with a line saying so. A question Ray never answered still waits in its thread
+    (:meth:`ray_probes.RayCall.unanswered`): ``ray.shutdown()`` under it crashes the process."""
     from ray.experimental.internal_kv import _internal_kv_list, _internal_kv_put
 
     from rag_lookahead.serve.app import CLOSE_GRACE_SECONDS
@@ -557,6 +559,8 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         else:
             log.info("shutting down: draining the replicas for up to %.0f s", config.drain_seconds)
             drain(config.drain_seconds, hurry, delete=not own_ray)  # a local Ray goes down whole below
+            if ray_probes.RayCall.unanswered():  # Ray did not answer the drain: no ray.shutdown() under its call
+                _exit_leaving_ray(ray)
     except StartAbandoned:
         log.warning(
             "interrupted again while deleting the half-started replicas: on a Ray cluster that outlives this "
@@ -573,6 +577,23 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         ray.shutdown()
     if abandoned:  # a start that never served is no clean exit (it was 0); one process exits 130 too
         raise SystemExit(130)
+
+
+def _exit_leaving_ray(ray) -> NoReturn:
+    """Exit 0 now, without ``ray.shutdown()`` and without Python's exit (whose atexit hooks include
+    Ray's ``ray.shutdown()``): a question of the drain that Ray never answered (a frozen Serve
+    controller, a dead node) still waits inside Ray's core worker, which ``ray.shutdown()`` tears
+    down under it (see :meth:`ray_probes.RayCall.unanswered`); the command then sometimes died
+    after its last line, by SIGSEGV (-11) where it should have exited 0. The local Ray this
+    command started is stopped first, as ``ray.shutdown()`` stops it; a cluster the command joined
+    sees its driver end, as when one is killed."""
+    node = getattr(ray._private.worker, "_global_node", None)  # the local Ray ray.init started, if any
+    if node is not None:
+        node.kill_all_processes(check_alive=False, allow_graceful=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _gcs_answers(ray, timeout: float = 2.0) -> bool:

@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["NotGrpc", "RayCall", "RayletWatch", "Unanswered", "connect_error", "speaks_grpc"]
 
@@ -125,13 +125,18 @@ class Unanswered(Exception):
 class RayCall:
     """A call to Ray run in a daemon thread, so that the caller can stop waiting for it: Ray's
     own calls have no timeout, and one to a dead node blocked ``serve``'s drain for good (deaf to
-    SIGTERM and Ctrl-C). A call that never answers leaves its thread behind, which does not keep
-    the process from exiting."""
+    SIGTERM and Ctrl-C). A call that never answers leaves its thread behind, waiting inside Ray's
+    core worker: it does not keep the process from exiting, but ``ray.shutdown()`` must not run
+    under it (see :meth:`unanswered`)."""
+
+    #: the threads of the calls that have not returned yet
+    _waiting: ClassVar[set[threading.Thread]] = set()
 
     def __init__(self, call: Callable[[], Any]) -> None:
         self.started = time.monotonic()
         self._box: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, args=(call,), name="ray-call", daemon=True)
+        RayCall._waiting.add(self._thread)
         self._thread.start()
 
     def _run(self, call: Callable[[], Any]) -> None:
@@ -139,6 +144,16 @@ class RayCall:
             self._box["value"] = call()
         except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
             self._box["error"] = err
+        finally:
+            RayCall._waiting.discard(threading.current_thread())
+
+    @staticmethod
+    def unanswered() -> int:
+        """How many calls still wait on Ray, each in its thread inside Ray's core worker, which
+        wakes every second to check for signals: ``ray.shutdown()`` frees the core worker under
+        it (Ray issue #31145), and the process then died at its exit, by SIGSEGV or with Ray's
+        "The core worker has already been shutdown" (exit 1), whichever the thread woke to."""
+        return len(RayCall._waiting)
 
     def result(self, seconds: float = 0.0) -> Any:
         """The call's result (its exception is raised here), waiting up to ``seconds``;

@@ -400,6 +400,15 @@ def serve_replicas_in_a_process(
 ) -> tuple[list[str], str]:
     """``serve --replicas 1 --port PORT [FLAGS]`` in a fresh process (a local Ray of its own), after
     the code ``before``: (its exit code and whether Ray was still up at the end, its stderr)."""
+    out = run_serve_replicas(port, before, flags, timeout)
+    return out.stdout.split()[-2:], out.stderr
+
+
+def run_serve_replicas(
+    port: int, before: str = "", flags: Sequence[str] = (), timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """:func:`serve_replicas_in_a_process`'s process, as it ended (stdout ends with what main
+    returned and whether Ray was still up, unless the process ended before main returned)."""
     code = (
         "import os, sys\n"
         "os.environ['RAY_USAGE_STATS_ENABLED'] = '0'\n"
@@ -407,10 +416,10 @@ def serve_replicas_in_a_process(
         f"{before}"
         f"code = command.main(['--replicas', '1', '--port', '{port}', '--replica-cpus', '1', *{list(flags)!r}])\n"
         "print(code, __import__('ray').is_initialized())\n"
+        "sys.exit(code)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
-    return out.stdout.split()[-2:], out.stderr
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @needs_ray
@@ -537,6 +546,7 @@ def test_serve_ends_when_rays_processes_die_or_hang(config, tmp_path, fault):
             server.send_signal(signal.SIGTERM)
         code = server.wait(60)
         took = time.monotonic() - started
+        _, left = psutil.wait_procs(ray_processes, timeout=10)  # the local Ray this `serve` started goes with it
     finally:
         for process in [*ray_processes, psutil.Process(server.pid)] if server.poll() is None else ray_processes:
             with contextlib.suppress(psutil.Error):  # Ray's own, and the old code's server (deaf to SIGTERM)
@@ -550,7 +560,58 @@ def test_serve_ends_when_rays_processes_die_or_hang(config, tmp_path, fault):
         assert took < 30, (took, stderr[-3000:])
     else:
         assert code == 0 and "which replicas still run (its controller or node is gone?)" in stderr, stderr[-3000:]
+        assert not left, [p.name() for p in left]
         assert took < 15, (took, stderr[-3000:])  # not the drain's 30 s + 10 s
+
+
+@needs_ray
+def test_a_drain_ray_did_not_answer_exits_0_without_a_crash():
+    """The drain's question to a frozen Serve controller was left waiting inside Ray's core worker,
+    and ``ray.shutdown()`` tore the core worker down under it: the command then died after its last
+    line whenever the waiting thread woke at the wrong moment (it checks for signals every second),
+    by SIGSEGV (-11, once in a full CI run of the controller_frozen case above) or with Ray's "The
+    core worker has already been shutdown" (exit 1). Here the question waits on a frozen actor of
+    the driver's own (a stand-in deploy, no model), and ``ray.shutdown()`` says whether a question
+    still waits when it runs (it did every time). Now the command exits 0 at once instead, and the
+    local Ray it started is stopped all the same (the frozen actor with it)."""
+    psutil = pytest.importorskip("psutil")
+    frozen_ray = (
+        "import signal, threading, time, ray\n"
+        "def deployed(*args, **kwargs):\n"
+        "    @ray.remote(num_cpus=0)\n"
+        "    class Frozen:\n"
+        "        def pid(self):\n"
+        "            return os.getpid()\n"
+        "    frozen = Frozen.remote()\n"
+        "    pid = ray.get(frozen.pid.remote())\n"
+        "    print('frozen', pid, file=sys.stderr, flush=True)\n"
+        "    os.kill(pid, signal.SIGSTOP)\n"
+        "    ray_deploy._running_replicas = lambda serve: ray.get(frozen.pid.remote())\n"
+        "    def two_signals():\n"
+        "        for _ in range(2):\n"
+        "            time.sleep(1.0)\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    threading.Thread(target=two_signals, daemon=True).start()\n"
+        "    return 'http://127.0.0.1:1'\n"
+        "ray_deploy.deploy = deployed\n"
+        "shutdown = ray.shutdown\n"
+        "def checked_shutdown(*args, **kwargs):\n"
+        "    if any(t.name == 'ray-call' and t.is_alive() for t in threading.enumerate()):\n"
+        "        print('ray.shutdown() while a question still waits in Ray', file=sys.stderr, flush=True)\n"
+        "    shutdown(*args, **kwargs)\n"
+        "ray.shutdown = checked_shutdown\n"
+    )
+    out = run_serve_replicas(free_port(), before=frozen_ray, timeout=120)
+    pid = int(re.search(r"^frozen (\d+)$", out.stderr, re.M).group(1))
+    try:
+        assert "which replicas still run (its controller or node is gone?)" in out.stderr, out.stderr[-3000:]
+        assert "ray.shutdown() while a question still waits in Ray" not in out.stderr, out.stderr[-3000:]
+        assert out.returncode == 0, out.stderr[-3000:]
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).wait(10)  # TimeoutExpired: the local Ray's actor outlived the command
+    finally:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
 
 
 def test_the_default_install_does_not_import_ray(monkeypatch):

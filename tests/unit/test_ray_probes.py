@@ -1,4 +1,5 @@
-"""The raylet watch of ``serve --replicas`` (``serve/ray_probes.py``) on real sockets: no Ray needed."""
+"""The raylet watch of ``serve --replicas`` (``serve/ray_probes.py``) on real sockets, and its calls
+that may never answer: no Ray needed."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import contextlib
 import os
 import resource
 import socket
+import threading
 
-from rag_lookahead.serve.ray_probes import RayletWatch
+import pytest
+
+from rag_lookahead.serve.ray_probes import RayCall, RayletWatch, Unanswered
 
 
 def listening() -> socket.socket:
@@ -51,3 +55,21 @@ def test_a_connect_error_that_says_nothing_of_the_raylet_does_not_count_as_gone(
             seen = [watch.gone() for _ in range(3)]
         assert seen == [False, False, False]
         assert not watch.gone()
+
+
+def test_a_call_that_has_not_returned_counts_as_unanswered_until_it_does():
+    """``serve`` must not ``ray.shutdown()`` under a call still waiting inside Ray (the process died
+    by SIGSEGV): a call counts until it returns or raises, even after its caller stopped waiting."""
+    answer, fail = threading.Event(), threading.Event()
+    before = RayCall.unanswered()  # none, unless a test before this one left a call behind
+    waiting = RayCall(lambda: answer.wait(30))
+    failing = RayCall(lambda: fail.wait(30) and 1 / 0)
+    with pytest.raises(Unanswered):
+        waiting.result(0.05)
+    assert RayCall.unanswered() == before + 2
+    answer.set()
+    assert waiting.result(5) is True
+    fail.set()
+    with pytest.raises(ZeroDivisionError):
+        failing.result(5)
+    assert RayCall.unanswered() == before
