@@ -278,7 +278,7 @@ def no_index_error(index_dir: Path, docs: str = "DIR") -> IndexLoadError:
     judges, our own leftovers allowed), the advice to build into that path failed when followed."""
     elsewhere = f"build one into a new folder with `rag_lookahead index {docs} --index-dir NEW_FOLDER`"
     try:
-        store.check_target(index_dir, advice=elsewhere)
+        store.check_target(index_dir, advice=elsewhere, writing=False)
     except ConfigError as refused:
         return IndexLoadError(f"no index at {shown_path(index_dir)}: {first_line(refused)}")
     return IndexLoadError(

@@ -376,9 +376,13 @@ def _is_our_leftover(path: Path) -> bool:
     return _is_our_data_dir(path)
 
 
-def check_target(index_dir: Path, advice: str = "choose a new or empty folder with --index-dir") -> None:
+def check_target(
+    index_dir: Path, advice: str = "choose a new or empty folder with --index-dir", *, writing: bool = True
+) -> None:
     """Refuse (:class:`ConfigError`) to write into anything but a new folder, an empty one, or an
-    index of ours; ``advice`` ends the message of a folder that holds someone else's files."""
+    index of ours; ``advice`` ends the message of a folder that holds someone else's files.
+    ``writing=False``: only reading was asked for (``ask --index-dir``), so the message of such a
+    folder does not speak of writing into it."""
     if not index_dir.exists():
         if index_dir.is_symlink():
             raise ConfigError(f"index path is a broken symbolic link: {shown_path(index_dir)}")
@@ -398,9 +402,10 @@ def check_target(index_dir: Path, advice: str = "choose a new or empty folder wi
         return  # our index, its manifest damaged (garbled, emptied): the build replaces it, re-embedding all
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        refusing = f"refusing to write an index into {shown_path(index_dir)}: " if writing else ""
         raise ConfigError(
-            f"refusing to write an index into {shown_path(index_dir)}: it is not empty"
-            f" ({quoted_path(foreign[0])}{more}) and is not a rag_lookahead index (no {MANIFEST} of ours); {advice}"
+            f"{refusing}it is not empty ({quoted_path(foreign[0])}{more}) and is not a rag_lookahead index"
+            f" (no {MANIFEST} of ours); {advice}"
         )
 
 

@@ -354,8 +354,10 @@ def test_manifest_problems(tmp_path, built, embedder):
         ix.load_index(tmp_path / "empty", embedder)
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "tea.md").write_text(TEA, encoding="utf-8")
-    with pytest.raises(IndexLoadError, match=r"^no index at .*docs: .*into a new folder"):
+    with pytest.raises(IndexLoadError, match=r"^no index at .*docs: .*into a new folder") as refused:
         ix.load_index(tmp_path / "docs", embedder)
+    # loading only: it said "refusing to write an index into .../docs", which nothing had asked for
+    assert str(refused.value).startswith(f"no index at {tmp_path / 'docs'}: it is not empty ('tea.md')")
 
 
 def test_missing_docstore(tmp_path, built, embedder):
