@@ -104,6 +104,7 @@ class Batches:
         live = [job for job in jobs if job.live]  # one look: a cancel between two looks was never counted
         for job in jobs:  # cancelled between leaving the queue and the prefill (later ones are retired and counted)
             if job.cancelled and job not in live:
+                job.ended = True  # counted here once: a later failure of this round skips it
                 self.metrics.settle(job, "cancelled")
         groups: dict[str, list[Job]] = {}
         for job in live:

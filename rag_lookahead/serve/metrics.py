@@ -97,7 +97,7 @@ class Metrics:
         # rows, not requests: a request of n choices waits and decodes as n
         gauge("rag_lookahead_queue_depth", "Choices waiting for a batch slot (n per request).", queue_depth)
         gauge("rag_lookahead_batch_size", "Rows in the running batches.", batch_size)
-        gauge("rag_lookahead_requests_active", "Choices being decoded (n per request).", active)
+        gauge("rag_lookahead_requests_active", "Choices being admitted or decoded (n per request).", active)
         gauge(
             "rag_lookahead_ready",
             "1 while the engine serves (warmed up, running, not draining: /health's ok); 0 before, while"
