@@ -64,6 +64,15 @@ def fail(error: BaseException) -> NoReturn:
     raise typer.Exit(1)
 
 
+def _as_flags(message: str, parameters: tuple[str, ...]) -> str:
+    """``message`` with each of ``parameters`` (``chunk_size``) named as its flag (``--chunk-size``):
+    ``index --chunk-size 0`` said "chunk_size must be positive", naming no flag the user typed."""
+    import re
+
+    names = "|".join(parameters)
+    return re.sub(rf"\b({names})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
 # ---------------------------------------------------------------- index
 
 
@@ -114,6 +123,8 @@ def index_command(
                 max_file_mb=max_file_mb,
                 lock_timeout=lock_timeout,
             )
+    except ConfigError as e:  # the library names a bad value by its parameter; here it was a flag
+        fail(ConfigError(_as_flags(first_line(e), ("chunk_size", "chunk_overlap", "max_file_mb", "lock_timeout"))))
     except (RagLookaheadError, OSError) as e:  # OSError: a folder we cannot create, read or lock
         fail(e)
     _lenient(sys.stdout)  # a terminal without CJK (latin-1): '?' for a name it cannot show, not a failed build

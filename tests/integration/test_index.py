@@ -596,6 +596,23 @@ def test_a_blank_path_is_refused_and_the_index_left_as_it_was(tmp_path, built, m
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--chunk-size", "0"], "--chunk-size must be positive, got 0"),
+        (["--chunk-overlap", "400"], "--chunk-overlap must be in [0, --chunk-size), got 400"),
+        (["--max-file-mb", "nan"], "--max-file-mb must be a positive number of megabytes, got nan"),
+        (["--lock-timeout", "-1"], "--lock-timeout must be >= 0 seconds, got -1.0"),
+    ],
+)
+def test_a_bad_flag_value_is_named_by_its_flag(tmp_path, built, flags, message):
+    """``index --chunk-size 0`` said "chunk_size must be positive": the library's parameter, not the flag typed."""
+    result = run_cli("index", str(built[0]), "--index-dir", str(tmp_path / "index"), *flags, "--no-progress")
+    assert result.exit_code == 1, result.output
+    assert one_line(result.stderr) == f"error: {message}"
+    assert not (tmp_path / "index").exists()
+
+
 def test_the_library_refuses_a_blank_folder(tmp_path, built, monkeypatch):
     monkeypatch.chdir(built[1])  # an index: "" (".") loaded it
     for blank in ("", " "):
