@@ -66,9 +66,12 @@ def fail(error: BaseException) -> NoReturn:
 
 def _as_flags(message: str, parameters: tuple[str, ...]) -> str:
     """``message`` with each of ``parameters`` (``chunk_size``) named as its flag (``--chunk-size``):
-    ``index --chunk-size 0`` said "chunk_size must be positive", naming no flag the user typed."""
+    ``index --chunk-size 0`` said "chunk_size must be positive", naming no flag the user typed.
+    Only a message that begins with one (the library's own checks): others may quote a path."""
     import re
 
+    if not message.startswith(parameters):
+        return message
     names = "|".join(parameters)
     return re.sub(rf"\b({names})\b", lambda m: "--" + m.group(1).replace("_", "-"), message)
 

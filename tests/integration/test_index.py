@@ -613,6 +613,16 @@ def test_a_bad_flag_value_is_named_by_its_flag(tmp_path, built, flags, message):
     assert not (tmp_path / "index").exists()
 
 
+def test_a_path_that_looks_like_a_parameter_is_quoted_as_it_is(tmp_path, built):
+    target = tmp_path / "chunk_size"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine", encoding="utf-8")
+    result = run_cli("index", str(built[0]), "--index-dir", str(target), "--no-progress")
+    assert result.exit_code == 1, result.output
+    assert one_line(result.stderr).startswith(f"error: refusing to write an index into {target}: it is not empty")
+    assert (target / "notes.txt").read_text(encoding="utf-8") == "mine"
+
+
 def test_the_library_refuses_a_blank_folder(tmp_path, built, monkeypatch):
     monkeypatch.chdir(built[1])  # an index: "" (".") loaded it
     for blank in ("", " "):
