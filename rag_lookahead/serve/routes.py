@@ -304,10 +304,13 @@ async def rag(body: RagRequest, http_request: Request) -> Response:
     references = await run_in_threadpool(engine.encode_passages, [d.page_content for d in seeds]) if seeded else []
     key = getattr(http_request.state, "key_id", "")
     what = f"the prompt built from the question and its {len(shown)} passage(s)"
-    if len(shown) > 1:
-        ids = checked_prompt(prompt, engine, "k", what, "; ask with a smaller 'k' or a shorter question")
-    else:  # k is at its least: only a shorter question makes room
-        ids = checked_prompt(prompt, engine, "question", what, "; ask a shorter question")
+    # with one passage k is at its least: only a shorter question makes room
+    param, advice = (
+        ("k", "; ask with a smaller 'k' or a shorter question")
+        if len(shown) > 1
+        else ("question", "; ask a shorter question")
+    )
+    ids = checked_prompt(prompt, engine, param, what, advice)
     job = engine.new_request(ids, max_tokens, [], references, pool_key=key, sampling=_sampling(engine, {}, len(ids)))
     engine.submit(job)
     sources = [source_info(d, i < k) for i, d in enumerate(docs)]
