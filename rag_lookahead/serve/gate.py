@@ -105,7 +105,10 @@ class Gate:
 
 
 class CountResponses:
-    """Counts responses by endpoint and status for /metrics (outermost: the gate's refusals too)."""
+    """Counts responses by endpoint and status for /metrics (outermost: the gate's refusals too).
+
+    A response is counted as its status goes out, not when the app returns: a stream's client
+    reads ``[DONE]`` before the stream's last awaits, so a scrape right after it missed the count."""
 
     def __init__(self, app, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -113,23 +116,27 @@ class CountResponses:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = [500]
+        endpoint = scope.get("path", "")
+        started = False
 
         async def send_counted(message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                self.metrics.request(endpoint, message["status"])
             await send(message)
 
+        status = 500
         try:
             await self.app(scope, receive, send_counted)
         except asyncio.CancelledError:
             # Ray Serve cancels a replica's handler when its client leaves (no http.disconnect
             # reaches it): counted 500 while no answer had started, where one process counts 499
-            if status[0] == 500:
-                status[0] = 499
+            status = 499
             raise
         finally:
-            self.metrics.request(scope.get("path", ""), status[0])
+            if not started:
+                self.metrics.request(endpoint, status)
 
 
 async def _send_error(send, error: ApiError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:

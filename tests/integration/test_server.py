@@ -576,6 +576,27 @@ def test_a_request_of_n_choices_is_counted_once(tokenizer, monkeypatch):
     assert metric(text, "rag_lookahead_request_seconds_count") == 1
 
 
+def test_a_stream_is_counted_as_its_status_goes_out(tokenizer, monkeypatch):
+    """A response was counted when the app returned: a stream's client reads ``[DONE]`` before the
+    stream's last awaits, so a /metrics scrape right after it could miss the request. Counted now
+    as the status goes out (once: the stream's end adds nothing)."""
+    from rag_lookahead.decoding.loop import DecodeBatch
+
+    engine = tiny_engine(tokenizer)
+    gate = hold_after_warm_up(monkeypatch, engine, DecodeBatch, "verify_and_accept")
+    label = '{endpoint="/v1/completions",status="200"}'
+    body = {"prompt": tiny_prompts(1, seed=66)[0], "max_tokens": 8, "stream": True}
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            during = metric(client.get("/metrics").text, "rag_lookahead_requests_total", label)
+            gate.set()
+            events = parse_sse(r.read().decode())
+        after = metric(client.get("/metrics").text, "rag_lookahead_requests_total", label)
+    assert gate.blocked >= 1 and events[-1] == "[DONE]"
+    assert (during, after) == (1, 1)
+
+
 def hold_after_warm_up(monkeypatch, engine: Engine, cls, name: str) -> Gate:
     """``cls.name`` waits for the gate when the engine thread runs it once the engine is ready."""
     gate = Gate()
