@@ -15,8 +15,6 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers; at run time 
     from rag_lookahead.models import load_model
     from rag_lookahead.weight_watch import forget_weight_copies
 
-del TYPE_CHECKING  # not one of the package's names
-
 __all__ = [
     "ChatLookahead",
     "ConfigError",
@@ -42,43 +40,48 @@ def __dir__():  # the lazy names too, for completion
     return sorted({*globals(), *__all__})
 
 
-def __getattr__(name):  # these pull in torch, transformers or LangChain, so only when asked for
-    if name == "LookaheadConfig":
-        from rag_lookahead.decoding.config import LookaheadConfig
+if not TYPE_CHECKING:  # seen by a type checker, it made every misspelled name Any
 
-        return LookaheadConfig
-    if name in ("GenerationResult", "GenerationStats", "generate"):
-        from rag_lookahead.decoding import loop
+    def __getattr__(name):  # these pull in torch, transformers or LangChain, so only when asked for
+        if name == "LookaheadConfig":
+            from rag_lookahead.decoding.config import LookaheadConfig
 
-        return getattr(loop, name)
-    if name == "SamplingParams":
-        from rag_lookahead.decoding.sampling import SamplingParams
+            return LookaheadConfig
+        if name in ("GenerationResult", "GenerationStats", "generate"):
+            from rag_lookahead.decoding import loop
 
-        return SamplingParams
-    if name == "load_model":
-        from rag_lookahead.models import load_model
+            return getattr(loop, name)
+        if name == "SamplingParams":
+            from rag_lookahead.decoding.sampling import SamplingParams
 
-        return load_model
-    if name in ("hf_generate", "LookaheadGenerateOutput"):
-        from rag_lookahead import hf_entry
+            return SamplingParams
+        if name == "load_model":
+            from rag_lookahead.models import load_model
 
-        return getattr(hf_entry, name)
-    if name == "forget_weight_copies":
-        from rag_lookahead.weight_watch import forget_weight_copies
+            return load_model
+        if name in ("hf_generate", "LookaheadGenerateOutput"):
+            from rag_lookahead import hf_entry
 
-        return forget_weight_copies
-    if name == "chat":
-        from rag_lookahead.chat_api import chat
+            return getattr(hf_entry, name)
+        if name == "forget_weight_copies":
+            from rag_lookahead.weight_watch import forget_weight_copies
 
-        return chat
-    if name == "ChatLookahead":
-        from rag_lookahead.langchain.chat_model import ChatLookahead
+            return forget_weight_copies
+        if name == "chat":
+            from rag_lookahead.chat_api import chat
 
-        return ChatLookahead
-    if name == "LookaheadLLM":
-        from rag_lookahead.langchain.llm import LookaheadLLM
+            return chat
+        if name == "ChatLookahead":
+            from rag_lookahead.langchain.chat_model import ChatLookahead
 
-        return LookaheadLLM
-    import sys  # here, so that it is not one of the package's names
+            return ChatLookahead
+        if name == "LookaheadLLM":
+            from rag_lookahead.langchain.llm import LookaheadLLM
 
-    raise AttributeError(f"module 'rag_lookahead' has no attribute {name!r}", name=name, obj=sys.modules[__name__])
+            return LookaheadLLM
+        import sys  # here, so that it is not one of the package's names
+
+        raise AttributeError(f"module 'rag_lookahead' has no attribute {name!r}", name=name, obj=sys.modules[__name__])
+
+
+del TYPE_CHECKING  # not one of the package's names

@@ -32,9 +32,11 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    import importlib
+if not TYPE_CHECKING:  # seen by a type checker, it made every misspelled name Any
 
-    if name not in _HOMES:
-        raise AttributeError(f"module 'rag_lookahead.serve' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+    def __getattr__(name: str) -> Any:
+        import importlib
+
+        if name not in _HOMES:
+            raise AttributeError(f"module 'rag_lookahead.serve' has no attribute {name!r}")
+        return getattr(importlib.import_module(_HOMES[name]), name)

@@ -110,3 +110,26 @@ def test_build_index_reports_unless_if_missing():
         "Literal[False]",
         "bool",
     ]
+
+
+def test_no_module_getattr_is_seen_by_type_checkers():
+    """A module-level ``__getattr__`` that a checker sees makes every name it cannot find ``Any``:
+    mypy passed ``from rag_lookahead import load_modle`` and ``rag_lookahead.serve.nothing_here()``.
+    The lazy ``__getattr__`` is defined under ``if not TYPE_CHECKING:``; the real names are imported
+    under ``TYPE_CHECKING``."""
+    lazy, seen = [], []
+    for path in sorted(INIT.parent.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:
+            hidden = (
+                isinstance(node, ast.If)
+                and isinstance(node.test, ast.UnaryOp)
+                and isinstance(node.test.op, ast.Not)
+                and isinstance(node.test.operand, ast.Name)
+                and node.test.operand.id == "TYPE_CHECKING"
+            )
+            for inner in node.body if hidden else [node]:
+                if isinstance(inner, ast.FunctionDef) and inner.name == "__getattr__":
+                    (lazy if hidden else seen).append(path.relative_to(INIT.parent).as_posix())
+    assert seen == []
+    assert lazy == ["__init__.py", "serve/__init__.py"]
