@@ -76,3 +76,15 @@ def test_every_module_and_data_file_ships(wheel):
 def test_the_wheel_is_marked_typed(wheel):
     """PEP 561: without py.typed a user's mypy skips the package (every name Any)."""
     assert "rag_lookahead/py.typed" in wheel.namelist()
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_licence_it_declares(wheel):
+    """The metadata said Apache-2.0 but no licence text shipped (the licence asks for a copy with
+    every redistribution)."""
+    metadata = next(name for name in wheel.namelist() if name.endswith(".dist-info/METADATA"))
+    fields = wheel.read(metadata).decode().split("\n\n", 1)[0].splitlines()
+    assert "License-Expression: Apache-2.0" in fields and "License-File: LICENSE" in fields
+    (shipped,) = [name for name in wheel.namelist() if name.endswith(".dist-info/licenses/LICENSE")]
+    text = wheel.read(shipped)
+    assert text == (REPO / "LICENSE").read_bytes() and b"Apache License" in text and b"Version 2.0" in text
