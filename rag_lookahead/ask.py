@@ -191,7 +191,8 @@ def answer(
             model=loaded, tokenizer=tokenizer, model_name=reported_name(model), max_new_tokens=max_new_tokens
         )
     _check_a_long_question(llm, question, note=not quiet)
-    chain = build_rag_chain(llm, index, k_prompt=k, k_seed=k_seed)
+    # a prompt its --k passages make too long is refused naming --k, before decoding
+    chain = build_rag_chain(llm, index, k_prompt=k, k_seed=k_seed, names=("--k", "--k-seed"))
     sampling = {"temperature": temperature, "top_p": top_p, "seed": seed}
     result = chain.invoke(
         {"question": question, "enable_lookahead": lookahead, "max_new_tokens": max_new_tokens}

@@ -98,15 +98,24 @@ def check_room(model, attention_mask: torch.Tensor) -> None:
     check_prompt_room(model, int(attention_mask.sum(-1).max()))
 
 
-def check_prompt_room(model, length: int) -> None:
+def check_prompt_room(model, length: int, what: str = "the input", advice: str = "") -> None:
     """:func:`check_room` for one prompt of ``length`` tokens (front ends check each input alone,
-    so that a batch fails a too-long input alone)."""
+    so that a batch fails a too-long input alone); ``what`` and ``advice`` as :func:`no_room_words`
+    takes them."""
     limit = context_limit(model)
     if limit is not None and length >= limit:
-        raise InputError(
-            f"the input has {length} tokens but the model's context holds {limit_words(model, limit)}, prompt and"
-            " answer together: no room is left for an answer"
-        )
+        raise InputError(no_room_words(model, length, limit, what, advice))
+
+
+def no_room_words(model, length: int, limit: int, what: str = "the input", advice: str = "") -> str:
+    """How a prompt of ``length`` tokens that leaves no room for an answer in ``model``'s context
+    ``limit`` is refused: ``what`` names the prompt, ``advice`` ("; ...") says how to shorten it
+    where the caller built it (the server's ``/v1/rag``, ``ask`` and the RAG chains: the question
+    with its passages, :func:`rag_lookahead.rag.chains.passage_prompt_words`)."""
+    return (
+        f"{what} has {length} tokens but the model's context holds {limit_words(model, limit)}, prompt and"
+        f" answer together: no room is left for an answer{advice}"
+    )
 
 
 def as_batch(input_ids, attention_mask=None, masked_pad: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

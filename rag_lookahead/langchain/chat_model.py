@@ -328,13 +328,30 @@ class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, 
 
     # ------------------------------------------------------------ one call's request
 
+    def check_messages(
+        self, messages: Sequence[BaseMessage], what: str = "the input", advice: str = "", **kwargs: Any
+    ) -> int:
+        """The prompt's length in tokens as a call with ``messages`` and the call options ``kwargs``
+        (``tools``, ``chat_template_kwargs``, ...) will decode it; ``InputError`` if it leaves no
+        room in the context window, naming the prompt ``what`` and ending with ``advice``
+        (``"; ask with a smaller k"``), or the error the call would fail with. For a caller that
+        built the prompt (the RAG chains) to say, before decoding, what made it too long."""
+        request, _, _ = self._prepare(list(messages), None, {**kwargs, "references": []}, room=(what, advice))
+        return len(request.ids)
+
     def _prepare(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict, engine: Engine | None = None
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        kwargs: dict,
+        engine: Engine | None = None,
+        room: tuple[str, str] = ("the input", ""),
     ) -> tuple[RowRequest, dict, ToolOptions]:
         """(the row to decode, ``Engine.run``'s settings, the call's tool options) for one call on
         ``engine`` (by default the current one), which the call read once: an assignment of ``model``
         or ``tokenizer`` meanwhile (another thread's) builds another engine, and a call that read it
-        again encoded with one tokenizer and decoded with the other engine."""
+        again encoded with one tokenizer and decoded with the other engine. ``room``: what a prompt
+        that leaves no room for an answer is called, and the advice after it."""
         engine = self._engine if engine is None else engine
         kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # LangChain's own switch
         config = resolve_config(self.lookahead, kwargs)
@@ -372,7 +389,7 @@ class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, 
             answer_prefix=opening,
             template_variables=template_variables,
         )
-        check_prompt_room(engine.model, len(ids))  # here, so a batch fails this input alone
+        check_prompt_room(engine.model, len(ids), *room)  # here, so a batch fails this input alone
         passages = self._references(references, chat, engine)
         request = RowRequest(
             ids,

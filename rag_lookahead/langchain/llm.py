@@ -247,11 +247,13 @@ class LookaheadLLM(EngineAccess, CancellableAsync, NotPickled, SamplingFields, B
         good = [i for i in range(len(inputs)) if i not in bad]
         return bad, good, get_config_list(config, len(inputs))
 
-    def check_prompt(self, prompt: str) -> int:
+    def check_prompt(self, prompt: str, what: str = "the input", advice: str = "") -> int:
         """The prompt's length in tokens as it will be decoded (system prompt and chat template
-        included); ``InputError`` if it is empty or leaves no room in the context window. For a
-        caller with many prompts to refuse a bad one before decoding any."""
-        return len(self._encode(prompt))
+        included); ``InputError`` if it is empty or leaves no room in the context window (naming
+        the prompt ``what``, ending with ``advice``: ``"; ask with a smaller k"``). For a caller
+        with many prompts to refuse a bad one before decoding any, or one that built the prompt
+        (the RAG chains) to say what made it too long."""
+        return len(self._encode(prompt, what=what, advice=advice))
 
     @property
     def engine(self) -> Engine:
@@ -260,8 +262,11 @@ class LookaheadLLM(EngineAccess, CancellableAsync, NotPickled, SamplingFields, B
 
     # ------------------------------------------------------------ encoding
 
-    def _encode(self, prompt: str, engine: Engine | None = None) -> list[int]:
-        """The prompt's ids by ``engine``'s tokenizer (the call's; by default the current one)."""
+    def _encode(
+        self, prompt: str, engine: Engine | None = None, what: str = "the input", advice: str = ""
+    ) -> list[int]:
+        """The prompt's ids by ``engine``'s tokenizer (the call's; by default the current one);
+        one that leaves no room in the context is refused naming it ``what``, with ``advice``."""
         engine = self._engine if engine is None else engine
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputError("the prompt is empty: give the model a question or an instruction")
@@ -270,7 +275,7 @@ class LookaheadLLM(EngineAccess, CancellableAsync, NotPickled, SamplingFields, B
             messages.append({"role": "system", "content": self.system_prompt})
         messages.append({"role": "user", "content": prompt})
         ids = encode_messages(engine.tokenizer, messages)
-        check_prompt_room(engine.model, len(ids))  # here, so a batch can fail this prompt alone
+        check_prompt_room(engine.model, len(ids), what, advice)  # here, so a batch can fail this prompt alone
         return ids
 
     def _references(self, prompts: Sequence[str], references: Any, engine: Engine) -> list[list[list[int]]]:

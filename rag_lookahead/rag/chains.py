@@ -31,7 +31,8 @@ from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
-from langchain_core.messages import BaseMessage
+from langchain_core.messages import BaseMessage, HumanMessage
+from langchain_core.prompt_values import PromptValue
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableGenerator, RunnableLambda, RunnablePassthrough
@@ -60,6 +61,7 @@ __all__ = [
     "aretrieve",
     "format_context",
     "make_prompt",
+    "passage_prompt_words",
     "source_info",
     "build_rag_chain",
     "build_chat_rag_chain",
@@ -237,6 +239,50 @@ def check_question_fits(llm: Any, question: str) -> int | None:
     return tokens
 
 
+def passage_prompt_words(shown: int, k: str, alone: str) -> tuple[str, str]:
+    """``(what, advice)`` for :func:`~rag_lookahead.decoding.inputs.no_room_words` where the prompt
+    built from the question and its ``shown`` passages leaves no room for an answer: a smaller ``k``
+    (as the caller names it: ``'k'``, ``--k``, ``k_prompt``) or a shorter question where more than
+    one passage is shown, else ``alone`` (no k is smaller than 1). The server's ``/v1/rag``, ``ask``
+    and the chains say it so."""
+    what = f"the prompt built from the question and its {shown} passage(s)"
+    advice = f"; ask with a smaller {k} or a shorter question" if shown > 1 else f"; {alone}"
+    return what, advice
+
+
+#: what makes room where the question and one passage fill the model's context (ask and the chains;
+#: the server's client can only shorten the question)
+ONE_PASSAGE_ADVICE = (
+    "ask a shorter question, index the documents in smaller chunks (a smaller chunk size),"
+    " or use a model with a longer context"
+)
+
+
+def _check_passages_fit(model: Any, prompt: str | PromptValue, shown: int, k: str = "k_prompt") -> None:
+    """Refuse, before decoding, a prompt that its ``shown`` passages make too long for ``model``'s
+    context, saying so and naming ``k`` (:func:`passage_prompt_words`): the model's own refusal
+    ("the input has 1385 tokens ...") named neither. ``prompt``: as the chain hands it to the
+    model; it is measured as the model will decode it, with the options its ``bind`` wrappers
+    pass. A model of another kind refuses an overlong prompt in its own words."""
+    from rag_lookahead.langchain.chat_model import ChatLookahead
+
+    what, advice = passage_prompt_words(shown, k, ONE_PASSAGE_ADVICE)
+    options = _bound_kwargs(model)
+    model = _unbound(model)
+    if _is_lookahead(model):
+        model.check_prompt(prompt if isinstance(prompt, str) else prompt.to_string(), what, advice)
+    elif isinstance(model, ChatLookahead):
+        messages = [HumanMessage(prompt)] if isinstance(prompt, str) else prompt.to_messages()
+        for name in _TAKEN_BY_LANGCHAIN:
+            options.pop(name, None)
+        model.check_messages(messages, what, advice, **options)
+
+
+#: bound keywords LangChain's chat model call takes itself, before the model's own options (none
+#: changes the prompt): ``stop``, and what ``with_structured_output`` binds for tracing
+_TAKEN_BY_LANGCHAIN = ("stop", "ls_structured_output_format", "structured_output_format")
+
+
 def format_context(docs: Sequence[Document]) -> str:
     return CONTEXT_SEPARATOR.join(f"{context_label(i, doc)}\n{doc.page_content}" for i, doc in enumerate(docs, start=1))
 
@@ -333,7 +379,13 @@ def _refuse_other_model_kind(model: Any, chain: str) -> None:
 
 
 def build_rag_chain(
-    llm, retriever_or_index: Any, k_prompt: int = 3, k_seed: int = 8, prompt: PromptTemplate = RAG_PROMPT
+    llm,
+    retriever_or_index: Any,
+    k_prompt: int = 3,
+    k_seed: int = 8,
+    prompt: PromptTemplate = RAG_PROMPT,
+    *,
+    names: tuple[str, str] = ("k_prompt", "k_seed"),
 ):
     """LCEL chain: question -> ``{"answer": str, "sources": [dict], "stats": dict}``.
 
@@ -342,7 +394,9 @@ def build_rag_chain(
     sampling options ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``seed``) can be
     given in the input dict: ``{"question": q, "enable_lookahead": False}``; another model option
     (``max_tokens``, ``stop``) or a near-miss (``temprature``) is a ``ConfigError``, other keys pass
-    over. A question the model's context cannot hold is refused before retrieving.
+    over. A question the model's context cannot hold is refused before retrieving, and a prompt
+    that its passages make too long for it before decoding, naming ``k_prompt`` (``names``: what
+    the errors call ``k_prompt`` and ``k_seed``; ``ask``'s are ``--k`` and ``--k-seed``).
     Token callbacks (``config={"callbacks": [...]}``) receive each accepted block's text.
     """
     llm, bound = _bound_options(llm)  # llm.bind(...)'s generate() was the bare model's: its options were lost
@@ -352,7 +406,7 @@ def build_rag_chain(
             " instead, e.g. build_rag_chain(llm, index).with_retry()"
         )
     _refuse_other_model_kind(llm, "build_rag_chain")
-    check_k(k_prompt, k_seed)
+    check_k(k_prompt, k_seed, names)
     retriever = as_retriever(retriever_or_index, k_seed)
 
     def request(inputs: Any) -> tuple[str, dict]:
@@ -366,7 +420,9 @@ def build_rag_chain(
         kwargs = bound | extra
         if _is_lookahead(llm):
             kwargs["references"] = [[d.page_content for d in docs[k_prompt:]]]
-        return [make_prompt(question, docs[:k_prompt], prompt)], kwargs
+        text = make_prompt(question, docs[:k_prompt], prompt)
+        _check_passages_fit(llm, text, len(docs[:k_prompt]), names[0])
+        return [text], kwargs
 
     def traced(config: RunnableConfig) -> dict:
         return {"callbacks": config.get("callbacks"), "tags": config.get("tags"), "metadata": config.get("metadata")}
@@ -450,6 +506,18 @@ def _unbound(model: Any) -> Any:
     return model
 
 
+def _bound_kwargs(model: Any) -> dict[str, Any]:
+    """The keywords every wrapper around ``model`` that holds one in ``.bound`` (``bind``,
+    ``bind_tools``, ``with_retry``) passes on to its calls; an outer one wins, as in the call."""
+    from langchain_core.runnables.base import RunnableBindingBase
+
+    options: dict[str, Any] = {}
+    while isinstance(model, RunnableBindingBase):
+        options = dict(model.kwargs or {}) | options
+        model = model.bound
+    return options
+
+
 def _bound_options(model: Any) -> tuple[Any, dict[str, Any]]:
     """The model under ``bind`` wrappers, and the keywords they bind (an outer one wins). Other
     wrappers (``with_retry``) are not unwrapped: their behaviour would be lost in silence. Nor is
@@ -499,14 +567,17 @@ def build_chat_rag_chain(
         t0 = time.perf_counter()
         docs = retrieve(retriever, question, k_seed, config)
         shown, seeds = docs[:k_prompt], docs[k_prompt:]
-        if seeds and hasattr(seeding, "register_seeds"):
-            seeding.register_seeds([d.page_content for d in shown], [d.page_content for d in seeds])
-        return {
+        fetched = {
             "question": question,
             "context": format_context(shown),
             "sources": [source_info(d, i < k_prompt) for i, d in enumerate(docs)],
             "retrieval": {"retrieval_seconds": round(time.perf_counter() - t0, 4), "seed_passages": len(seeds)},
         }
+        # the prompt the chat model will get, judged now: before the sources are streamed
+        _check_passages_fit(chat_model, prompt.format_prompt(**fetched), len(shown))
+        if seeds and hasattr(seeding, "register_seeds"):
+            seeding.register_seeds([d.page_content for d in shown], [d.page_content for d in seeds])
+        return fetched
 
     answer = RunnablePassthrough.assign(message=prompt | chat_model)
     return (
@@ -575,12 +646,15 @@ def _is_lookahead(llm) -> bool:
 
 class SeedingRetriever(BaseRetriever):
     """Retrieves ``k_seed`` passages, returns the top ``k_prompt`` and registers the rest on ``llm``
-    as references for the prompt that will hold the returned ones (see module docstring)."""
+    as references for the prompt that will hold the returned ones (see module docstring). With
+    ``prompt`` (the "stuff" prompt ``RetrievalQA`` fills with them), a prompt they make too long
+    for ``llm``'s context is refused here, naming ``k_prompt``, before ``llm`` is called."""
 
     retriever: BaseRetriever
     llm: Any = None
     k_prompt: int = 3
     k_seed: int = 8
+    prompt: Any = None
 
     def __init__(self, **fields: Any) -> None:
         super().__init__(**fields)
@@ -594,6 +668,10 @@ class SeedingRetriever(BaseRetriever):
             check_question_fits(self.llm, question)
         docs = retrieve(self.retriever, question, self.k_seed, {"callbacks": run_manager.get_child()})
         shown, seeds = docs[: self.k_prompt], docs[self.k_prompt :]
+        if self.llm is not None and self.prompt is not None:
+            # as RetrievalQA will fill it: the passages headed as below, the query as given
+            filled = self.prompt.format_prompt(context=format_context(shown), question=query)
+            _check_passages_fit(self.llm, filled, len(shown))
         if seeds and self.llm is not None and hasattr(self.llm, "register_seeds"):
             self.llm.register_seeds([d.page_content for d in shown], [d.page_content for d in seeds])
         # each with its heading in the prompt, so RetrievalQA's "stuff" prompt is make_prompt's
@@ -616,13 +694,14 @@ def build_retrieval_qa(
 
     Call it as ``qa.invoke({"query": question})`` -> ``{"query", "result", "source_documents"}``;
     the prompt is ``make_prompt``'s for a query without surrounding whitespace (RetrievalQA passes
-    the query as given, ``make_prompt`` strips it).
+    the query as given, ``make_prompt`` strips it). A prompt that its passages make too long for
+    ``llm``'s context is refused before ``llm`` is called, naming ``k_prompt``.
     """
     from langchain_classic.chains import RetrievalQA
 
     check_k(k_prompt, k_seed)
     base = as_retriever(retriever_or_index, k_seed)
-    seeding = SeedingRetriever(retriever=base, llm=llm, k_prompt=k_prompt, k_seed=k_seed)
+    seeding = SeedingRetriever(retriever=base, llm=llm, k_prompt=k_prompt, k_seed=k_seed, prompt=prompt)
     return RetrievalQA.from_chain_type(
         llm=llm,
         chain_type="stuff",

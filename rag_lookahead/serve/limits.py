@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rag_lookahead.decoding.inputs import limit_words
+from rag_lookahead.decoding.inputs import no_room_words
 from rag_lookahead.serve.api_error import ApiError, quote
 from rag_lookahead.serve.config import ServerConfig
 
@@ -113,9 +113,7 @@ def check_prompt_length(length: int, engine: Engine, param: str, what: str, advi
     if engine.context_limit is not None and length >= engine.context_limit:
         raise ApiError(
             400,
-            f"{what} has {length} tokens but the model's context holds "
-            f"{limit_words(engine.model, engine.context_limit)}, prompt and answer together: no room is left "
-            f"for an answer{advice}",
+            no_room_words(engine.model, length, engine.context_limit, what, advice),
             param=param,
         )
 

@@ -266,7 +266,7 @@ def _template_refusal(error: Exception, what: str, param: str | None) -> ApiErro
 @generation.post("/v1/rag", response_model=None, responses=_documented(RagAnswer))
 async def rag(body: RagRequest, http_request: Request) -> Response:
     """Retrieve ``k_seed`` passages, show ``k`` in the prompt, seed the drafter with the rest."""
-    from rag_lookahead.rag.chains import make_prompt, source_info
+    from rag_lookahead.rag.chains import make_prompt, passage_prompt_words, source_info
 
     engine = _engine(http_request)
     cfg = engine.config
@@ -303,14 +303,9 @@ async def rag(body: RagRequest, http_request: Request) -> Response:
     seeded = engine.lookahead.enabled and seeds
     references = await run_in_threadpool(engine.encode_passages, [d.page_content for d in seeds]) if seeded else []
     key = getattr(http_request.state, "key_id", "")
-    what = f"the prompt built from the question and its {len(shown)} passage(s)"
-    # with one passage k is at its least: only a shorter question makes room
-    param, advice = (
-        ("k", "; ask with a smaller 'k' or a shorter question")
-        if len(shown) > 1
-        else ("question", "; ask a shorter question")
-    )
-    ids = checked_prompt(prompt, engine, param, what, advice)
+    # with one passage k is at its least: only a shorter question makes room (the client cannot re-index)
+    what, advice = passage_prompt_words(len(shown), "'k'", "ask a shorter question")
+    ids = checked_prompt(prompt, engine, "k" if len(shown) > 1 else "question", what, advice)
     job = engine.new_request(ids, max_tokens, [], references, pool_key=key, sampling=_sampling(engine, {}, len(ids)))
     engine.submit(job)
     sources = [source_info(d, i < k) for i, d in enumerate(docs)]

@@ -9,6 +9,7 @@ reading the question and printing, not in decoding), with a real index and the r
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -245,3 +246,56 @@ def test_a_blank_index_dir_is_refused_not_read_as_the_working_folder(index_dir, 
     monkeypatch.chdir(index_dir)
     line = one_error_line(CliRunner().invoke(app, ["ask", "What is branch_length?", "--index-dir", blank]))
     assert line == f"error: --index-dir {blank!r} is empty (an unset variable?): give a path"
+
+
+#: five files of one ~50-token passage each (word-level tiny tokenizer): the prompt holds 3 of them
+#: in the tiny model's 256 tokens, not 5
+TOPICS = ("budget", "branch", "window", "trie", "cache")
+
+
+@pytest.fixture(scope="module")
+def five_passage_index(tmp_path_factory, e5_embedder):
+    root = tmp_path_factory.mktemp("ask_passages")
+    (root / "docs").mkdir()
+    for topic in TOPICS:
+        text = " ".join(f"{topic} setting {i} changes the {topic} speed." for i in range(8))
+        (root / "docs" / f"{topic}.md").write_text(text + "\n", encoding="utf-8")
+    report = build_index(root / "docs", root / "index", e5_embedder, progress=False)
+    assert report.chunks == len(TOPICS)  # one passage a file: --k 5 shows five
+    return root / "index"
+
+
+@pytest.mark.parametrize("flags", [[], ["--json"]])
+def test_a_prompt_that_k_passages_make_too_long_names_k_before_decoding(five_passage_index, tiny_llm, flags):
+    """`ask --k 5`: the question fits, its five passages do not. The refusal was the model's own,
+    "the input has 3xx tokens but the model's context holds 256": nothing said that the passages
+    were the cause, or that --k makes room."""
+    forwards = []
+    hook = tiny_llm.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        args = ["ask", "What does the budget setting change?", "--index-dir", str(five_passage_index)]
+        line = one_error_line(CliRunner().invoke(app, [*args, "--k", "5", *flags]))
+        fits = CliRunner().invoke(app, [*args, "--k", "2", "--max-new-tokens", "2", *flags])
+    finally:
+        hook.remove()
+    assert re.fullmatch(
+        r"error: the prompt built from the question and its 5 passage\(s\) has \d+ tokens but the model's context"
+        r" holds 256, prompt and answer together: no room is left for an answer; ask with a smaller --k or a"
+        r" shorter question",
+        line,
+    ), line
+    assert fits.exit_code == 0, (fits.exception, fits.stderr)  # the same question with fewer passages is answered
+    assert 0 < len(forwards) <= 3  # the refused one ran none: those are the second's
+
+
+def test_a_prompt_that_one_passage_makes_too_long_advises_chunks_or_context(five_passage_index, tiny_llm, monkeypatch):
+    """With one passage --k is at its least: a smaller --k cannot be the advice."""
+    monkeypatch.setattr(tiny_llm.config, "max_position_embeddings", 80)  # the question fits, with a passage not
+    args = ["ask", "What does the budget setting change?", "--index-dir", str(five_passage_index), "--k", "1"]
+    line = one_error_line(CliRunner().invoke(app, args))
+    assert "its 1 passage(s) has" in line and "holds 80" in line, line
+    assert line.endswith(
+        "; ask a shorter question, index the documents in smaller chunks (a smaller chunk size), or use a model"
+        " with a longer context"
+    ), line
+    assert "--k" not in line

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 from hang_guard import finished
@@ -891,6 +892,47 @@ def test_chat_rag_chain_streams_sources_then_answer(chat, corpus_index):
         {"context": context, "question": QUESTION}
     )
     assert plain == out["answer"]
+
+
+# the model's own refusal, "the input has 612 tokens but the model's context holds 256, ...", named
+# neither the passages nor k_prompt
+TOO_LONG_WITH_K = re.compile(
+    r"the prompt built from the question and its 8 passage\(s\) has (\d+) tokens but the model's context holds"
+    r" 256, prompt and answer together: no room is left for an answer; ask with a smaller k_prompt or a shorter"
+    r" question"
+)
+
+
+@pytest.mark.parametrize("builder", ["build_rag_chain", "build_chat_rag_chain", "build_retrieval_qa"])
+def test_a_prompt_that_k_prompt_passages_make_too_long_names_k_prompt_before_decoding(corpus_index, builder):
+    """Eight passages of the bundled corpus overflow the tiny model's 256 tokens (the question
+    fits): each chain says so, naming k_prompt, before the model runs; two passages fit and are
+    answered as before."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.rag import chains
+    from rag_lookahead.tiny import build_tiny_model
+
+    model, tokenizer = build_tiny_model("qwen2", seed=0), tiny_tokenizer()
+    cls = ChatLookahead if builder == "build_chat_rag_chain" else LookaheadLLM
+    options = {"max_tokens": 2} if cls is ChatLookahead else {"max_new_tokens": 2}
+    llm = cls(model=model, tokenizer=tokenizer, **options)
+    question = {"query": QUESTION} if builder == "build_retrieval_qa" else QUESTION
+    forwards = []
+    hook = model.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        chain = getattr(chains, builder)(llm, corpus_index, k_prompt=8, k_seed=8)
+        with pytest.raises(InputError, match=TOO_LONG_WITH_K) as refused:
+            chain.invoke(question)
+        if builder == "build_chat_rag_chain":  # refused before the sources are streamed
+            with pytest.raises(InputError, match=TOO_LONG_WITH_K):
+                next(iter(chain.stream(question)))
+        assert not forwards
+        fits = getattr(chains, builder)(llm, corpus_index, k_prompt=2, k_seed=8).invoke(question)
+    finally:
+        hook.remove()
+    assert int(TOO_LONG_WITH_K.search(str(refused.value)).group(1)) >= 256
+    assert fits and forwards  # two passages fit: answered
 
 
 # ---------------------------------------------------------------- batches on a tiny model
