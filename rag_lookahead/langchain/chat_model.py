@@ -265,10 +265,13 @@ class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """The prompt tokens these messages make through the chat template, as a call encodes them
         (LangChain's default counted "Human: ..." lines: a history ``trim_messages`` fitted to the
-        window by it still overflowed it). Where the template refuses the messages as they stand
-        (``trim_messages`` counts partial lists: a system message alone, a list that opens with an
-        assistant turn), LangChain's count of them, so trimming goes on. With ``custom_get_token_ids``,
-        LangChain's count through it, as its own models count."""
+        window by it still overflowed it). A system message alone counts what it adds to a
+        conversation (its turn, less the default system prompt a template such as Qwen's puts in
+        where none is given: it may be negative), so that it and the rest, counted apart as
+        ``trim_messages(include_system=True)`` counts them, add up to the whole. Where the template
+        refuses the messages as they stand (``trim_messages`` counts partial lists: a list that opens
+        with an assistant turn), LangChain's count of them, so trimming goes on. With
+        ``custom_get_token_ids``, LangChain's count through it, as its own models count."""
         if not messages:
             return 0
         if self.custom_get_token_ids is not None:
@@ -277,16 +280,19 @@ class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, 
         formatted = [convert_to_openai_tool(t) for t in tools or ()]
         try:
             chat = template_messages(messages, to_answer=False)
-            return len(
-                encode_messages(
-                    self._engine.tokenizer,
-                    chat,
-                    tools=formatted or None,
-                    template_variables=self.chat_template_kwargs,
-                )
-            )
+            if len(chat) == 1 and chat[0]["role"] == "system":
+                # counted alone it held the generation prompt and not the default system prompt,
+                # both of which the rest's count holds: the whole fitted the window, and the trim
+                # kept the system message only
+                probe = {"role": "user", "content": "?"}
+                return self._template_tokens([*chat, probe], formatted) - self._template_tokens([probe], formatted)
+            return self._template_tokens(chat, formatted)
         except InputError:
             return super().get_num_tokens_from_messages(messages)
+
+    def _template_tokens(self, chat: list[dict], tools: list[dict]) -> int:
+        tokenizer = self._engine.tokenizer
+        return len(encode_messages(tokenizer, chat, tools=tools or None, template_variables=self.chat_template_kwargs))
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         model = kwargs.get("model")  # LangChain's contract for tracing; a per-call model is refused at decode time

@@ -982,6 +982,52 @@ def test_trimming_a_history_works_where_the_template_refuses_partial_lists():
         assert chat.get_num_tokens_from_messages(trimmed) < whole
 
 
+@pytest.mark.parametrize("include_system", [True, False])
+def test_trimming_keeps_the_longest_tail_that_fits_beside_the_system_message(tokenizer, include_system):
+    """trim_messages(include_system=True) counts the system message alone and the tail without it,
+    and adds the two; Qwen's template puts its default system prompt (~20 tokens) into a list that
+    opens with no system message, so the tail's count held it and the system message's held the
+    generation prompt: a history of 32 tokens trimmed to 32 (or 40) kept the system message only."""
+    from langchain_core.messages import trim_messages
+
+    from rag_lookahead.tiny import build_tiny_model
+
+    chat = ChatLookahead(model=build_tiny_model("qwen2", seed=0), tokenizer=tokenizer, max_tokens=4)
+
+    def real(messages) -> int:  # the prompt ids a call decodes
+        return len(chat._prepare(messages, None, {})[0].ids)
+
+    system, *body = [
+        SystemMessage("Be brief."),
+        HumanMessage("hi"),
+        AIMessage("hello"),
+        HumanMessage("what is budget?"),
+    ]
+    assert real([system, *body]) == chat.get_num_tokens_from_messages([system, *body]) == 32
+    assert chat.get_num_tokens_from_messages(body[-1:]) == 33  # holds the default system prompt
+    assert trim_messages([system, *body], max_tokens=32, token_counter=chat, include_system=True) == [system, *body]
+    body += [AIMessage("budget is the draft size."), HumanMessage("and decoding_length, in a word?")]
+    body += [AIMessage("the most draft tokens one step checks."), HumanMessage("on a CPU?")]
+    history = [system, *body]
+    head = [system] if include_system else []
+    fits = {n: real([*head, *body[n:]]) for n in range(len(body)) if isinstance(body[n], HumanMessage)}
+    for max_tokens in range(real([system]) - 4, real(history) + 4):
+        kept = trim_messages(
+            history,
+            max_tokens=max_tokens,
+            token_counter=chat,
+            strategy="last",
+            include_system=include_system,
+            start_on="human",
+        )
+        longest = min((n for n, count in fits.items() if count <= max_tokens), default=len(body))
+        assert kept == [*head, *body[longest:]], max_tokens
+    first = {n: real(history[:n]) for n in range(2, len(history) + 1)}
+    for max_tokens in range(first[2], real(history) + 4):
+        kept = trim_messages(history, max_tokens=max_tokens, token_counter=chat, strategy="first")
+        assert kept == history[: max(n for n, count in first.items() if count <= max_tokens)], max_tokens
+
+
 def test_a_callback_that_raises_fails_its_own_row_of_a_batch_only(tiny_chat):
     """Each row's callbacks ran inside the shared decode, so one row's raising handler ended the
     decode and every row got its error, even with ``return_exceptions=True``."""
