@@ -5,8 +5,9 @@ reading waits for a writer, for ever), a link to ``/dev/zero`` (a read grows the
 killed) or a file that grows while it is read. The corpus, the index manifest and the caches
 (the cost curves, the BM25 words) all read through :func:`read_capped`.
 
-The bundled benchmark prompts, which the benchmarks and the e5 encoder's calibration both read, are
-read here too (:func:`bundled_prompts_text`, split by :func:`jsonl_lines`).
+The data sets shipped in the package are read here too, by name (:data:`PROMPT_SETS`,
+:data:`RETRIEVAL_SETS`, :func:`shipped_text`; the bundled prompts, which the e5 encoder's calibration
+reads as well: :func:`bundled_prompts_text`), and split by :func:`jsonl_lines`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,26 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["bundled_prompts_text", "jsonl_lines", "read_capped"]
+__all__ = ["PROMPT_SETS", "RETRIEVAL_SETS", "bundled_prompts_text", "jsonl_lines", "read_capped", "shipped_text"]
+
+#: the prompt sets shipped in the package, by the name the benchmarks' ``--prompts`` takes (files
+#: under ``rag_lookahead/``: a path to them works only in a checkout of the repository, the names anywhere)
+PROMPT_SETS = {
+    "bundled": "data/bench_prompts.jsonl",  # the default
+    "realistic-zh": "data/realistic/bench_zh.jsonl",
+    "realistic-en": "data/realistic/bench_en.jsonl",
+    "seeding": "data/seed_prompts.jsonl",  # passages for --seed-mode references to seed the trie with
+}
+#: the retrieval sets shipped in the package, by the name ``bench.retrieval``'s ``--dataset`` takes
+RETRIEVAL_SETS = {
+    "bundled": "data/retrieval_zh.jsonl",  # the default
+    "realistic-zh": "data/realistic/retrieval_zh.jsonl",
+    "realistic-en": "data/realistic/retrieval_en.jsonl",
+}
 
 
 def _size(n: int) -> str:
@@ -68,9 +84,19 @@ def read_capped(
     return data
 
 
+def shipped_text(sets: Mapping[str, str], name: str) -> str | None:
+    """The text of the set ``name`` of ``sets`` (:data:`PROMPT_SETS` or :data:`RETRIEVAL_SETS`), read
+    from the installed package wherever the process runs; None when no set has that name."""
+    return _package_text(sets[name]) if name in sets else None
+
+
 def bundled_prompts_text() -> str:
-    """The text of the prompt set shipped in the package (``data/bench_prompts.jsonl``)."""
-    return resources.files("rag_lookahead").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
+    """The text of the default prompt set shipped in the package (``data/bench_prompts.jsonl``)."""
+    return _package_text(PROMPT_SETS["bundled"])
+
+
+def _package_text(relative: str) -> str:
+    return resources.files("rag_lookahead").joinpath(relative).read_text(encoding="utf-8")
 
 
 def jsonl_lines(text: str) -> Iterator[tuple[int, str]]:

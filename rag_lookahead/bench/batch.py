@@ -34,6 +34,7 @@ from rag_lookahead.bench.common import (
     JsonOption,
     ModelOption,
     PlotOption,
+    PromptsOption,
     TrustRemoteCodeOption,
     chains_note,
     check_method_list,
@@ -52,6 +53,7 @@ from rag_lookahead.bench.common import (
     load_bench_model,
     load_prompts,
     print_rows,
+    prompts_file,
     report_despite_stdout,
     run_command,
     write_report,
@@ -243,9 +245,7 @@ def batch(
     device: DeviceOption = None,
     device_map: DeviceMapOption = None,
     trust_remote_code: TrustRemoteCodeOption = False,
-    prompts: Annotated[
-        str | None, typer.Option(help="JSONL with context/question per line (default: bundled set)")
-    ] = None,
+    prompts: PromptsOption = None,
     ids: IdsOption = None,
     requests: Annotated[int, typer.Option(help="requests per concurrency level (prompts cycled)")] = 16,
     concurrency: str = "1,4,16",
@@ -261,7 +261,7 @@ def batch(
 ) -> dict:
     """Throughput benchmark: many requests at once, batched."""
     check_plot(plot, json_path, plots.BATCH_CHARTS)
-    seen = check_output_path(json_path, inputs=[prompts])
+    seen = check_output_path(json_path, inputs=[prompts_file(prompts)])
     check_positive({"--requests": requests, "--max-new-tokens": max_new_tokens, "--repeats": repeats})
     levels = concurrency_levels(concurrency)
     chosen, depths = parse_methods(methods, extra_branch_length, branch_length)

@@ -13,6 +13,7 @@ import errno
 import functools
 import importlib.util
 import json
+import os
 import resource
 import sys
 import tempfile
@@ -43,10 +44,10 @@ from rag_lookahead.errors import (
     quoted_path,
     shown_path,
 )
-from rag_lookahead.file_reads import bundled_prompts_text, jsonl_lines
+from rag_lookahead.file_reads import PROMPT_SETS, jsonl_lines, shipped_text
 from rag_lookahead.interrupts import program_imported
 from rag_lookahead.output_files import FileState, PathTaken, check_output_file, is_report, save_report
-from rag_lookahead.paths import refuse_blank_path
+from rag_lookahead.paths import expand_user, refuse_blank_path
 from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.tokens import encode_messages, eos_ids, pad_id
 
@@ -84,6 +85,7 @@ __all__ = [
     "load_prompts",
     "peak_rss_gb",
     "print_rows",
+    "prompts_file",
     "keeps_report_despite_stdout",
     "report_despite_stdout",
     "run_record",
@@ -108,9 +110,11 @@ DeviceOption = Annotated[
 DeviceMapOption = Annotated[
     str | None, typer.Option("--device-map", help='accelerate device map, e.g. "auto" to spread over GPUs')
 ]
-PromptsOption = Annotated[
-    str | None, typer.Option("--prompts", help="JSONL with context/question per line (default: bundled set)")
-]
+PROMPTS_HELP = (
+    f"a prompt set shipped with the package ({', '.join(PROMPT_SETS)}; default: bundled) "
+    "or a JSONL file with context/question per line"
+)
+PromptsOption = Annotated[str | None, typer.Option("--prompts", help=PROMPTS_HELP)]
 JsonOption = Annotated[str | None, typer.Option("--json", help="write the results here")]
 TrustRemoteCodeOption = Annotated[
     bool,
@@ -354,7 +358,9 @@ def eos_pad(model, tokenizer) -> tuple[list[int], int]:
 def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
     """The prompt set (default: the bundled one), optionally only the comma-separated ``ids``.
 
-    Each line of a ``--prompts`` file is a JSON object with a ``question`` (a non-empty string)
+    ``path`` is the name of a set shipped in the package (:data:`PROMPT_SETS`, read wherever the
+    process runs; a name comes before a file of that name, as in ``bench.retrieval --dataset``) or a
+    file. Each line of a ``--prompts`` file is a JSON object with a ``question`` (a non-empty string)
     and a ``context`` (the passage, a string; may be empty; or ``passage``), optionally an ``id`` (a
     string), a ``reference`` answer and anything else. A line without an ``id`` gets ``line-N``.
     Reports and charts group by id, so no two prompts may share one, and ``ids`` selects by id, so
@@ -362,17 +368,12 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
     rules raises :class:`InputError` naming the first bad line, so the benchmarks check it before
     loading a model. An empty ``path`` is refused: it is no file, not a wish for the bundled set.
     """
-    if path is not None:
-        refuse_blank_path(path, "--prompts", "name a file, or leave the option out for the bundled prompts")
-        try:
-            text = read_input_text(path)
-        except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-            raise InputError(
-                f"cannot read the prompts file {quoted_path(path)}: {getattr(e, 'strerror', None) or e}"
-            ) from None
+    path = "bundled" if path is None else path
+    text = shipped_text(PROMPT_SETS, path)
+    if text is not None:
+        name = f"the {path} prompts"
     else:
-        text = bundled_prompts_text()
-    name = shown_path(path) if path else "the bundled prompts"  # a newline in it: the error was cut there
+        text, name = _prompts_file_text(path), shown_path(path)  # a newline in it: the error was cut there
     prompts = _read_prompts(text, name)
     if not prompts:
         raise InputError(f"{name}: no prompts (one JSON object with context and question per line)")
@@ -385,6 +386,26 @@ def load_prompts(path: str | None, ids: str | None = None) -> list[dict]:
             raise InputError(f"unknown prompt ids: {', '.join(unknown)}")
         prompts = [p for p in prompts if p["id"] in wanted]
     return prompts
+
+
+def prompts_file(path: str | None) -> str | None:
+    """The file ``--prompts`` names: None for a shipped set's name (no file of the run's, then)."""
+    return None if path is None or path in PROMPT_SETS else path
+
+
+def _prompts_file_text(path: str) -> str:
+    """The text of a ``--prompts`` file; :class:`InputError` saying why not, and the names of the
+    shipped sets where nothing is at the path (a misspelt name, or a path to them from another folder)."""
+    refuse_blank_path(
+        path, "--prompts", "name a file or a shipped set, or leave the option out for the bundled prompts"
+    )
+    try:
+        return read_input_text(path)
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError, so is a ~ naming no user
+        why = getattr(e, "strerror", None) or str(e)
+        if not isinstance(e, ConfigError) and not os.path.lexists(expand_user(path, "--prompts")):
+            why = f"no such file, and no prompt set shipped with the package has that name ({', '.join(PROMPT_SETS)})"
+        raise InputError(f"cannot read the prompts file {quoted_path(path)}: {why}") from None
 
 
 def _read_prompts(text: str, name: str) -> list[dict]:
@@ -514,7 +535,7 @@ def prompts_then_model(
     (:func:`context_fitted_ids`) right after."""
     check_positive({"--limit": limit, "--max-new-tokens": max_new_tokens})
     recalibrate_asked()  # a bad value, said now: the first lookahead decode read it, after the model loaded
-    seen = check_output_path(json_path, inputs=[prompts])
+    seen = check_output_path(json_path, inputs=[prompts_file(prompts)])
     chosen = load_prompts(prompts, ids)[:limit]
     loaded, tokenizer = load_bench_model(model, dtype, device, device_map, trust_remote_code)
     context_fitted_ids(loaded, tokenizer, chosen, max_new_tokens)

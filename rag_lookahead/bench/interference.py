@@ -42,6 +42,7 @@ from rag_lookahead.bench.common import (
     load_bench_model,
     load_prompts,
     print_rows,
+    prompts_file,
     run_command,
     write_report,
 )
@@ -277,7 +278,7 @@ def interference(
     )
     if tiny:
         refuse_with_tiny(prompts=prompts, model=model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    seen = check_output_path(json_path, inputs=[prompts])
+    seen = check_output_path(json_path, inputs=[prompts_file(prompts)])
     if not no_lookahead:  # a bad value, said now: the warm-up read it, after the model loaded
         recalibrate_asked()
     settings = {

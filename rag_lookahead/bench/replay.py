@@ -10,7 +10,7 @@ runs on a shared machine (single items move 20-40% between passes on these CPUs)
 predicted speed prices each forward by the curve only: the loop's own overhead and the
 machine's drift are left out, so confirm a change found here with ``bench`` before trusting it.
 
-    python -m rag_lookahead.bench.replay --prompts rag_lookahead/data/realistic/bench_zh.jsonl --dtype bf16
+    python -m rag_lookahead.bench.replay --prompts realistic-zh --dtype bf16
 
 ``--cost-curve`` prices the forwards by another device's curve (``tokens:ms`` pairs, as
 ``bench.step_profile`` reports a forward's cost by its size there), to predict that device's

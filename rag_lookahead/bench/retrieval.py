@@ -32,7 +32,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Annotated
 
@@ -47,17 +46,13 @@ from rag_lookahead.bench.common import (
     run_command,
 )
 from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.file_reads import RETRIEVAL_SETS, shipped_text
 from rag_lookahead.paths import refuse_blank_path
 from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.rag.embedders import Embedder, USEEmbedder, get_embedder
 from rag_lookahead.rag.lexical import HYBRID_WEIGHTS, RRF_K, BM25Index, reciprocal_rank_fusion
 
 CANDIDATES = 50  # how deep each ranking goes into the fusion (as in the index)
-DATASETS = {
-    "bundled": "data/retrieval_zh.jsonl",
-    "realistic-zh": "data/realistic/retrieval_zh.jsonl",
-    "realistic-en": "data/realistic/retrieval_en.jsonl",
-}
 PREVIOUS_FUSION = ((1.0, 0.5), 60)  # the default before the realistic sets: (weights, k)
 TUNE_BM25_WEIGHTS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 TUNE_K = (5, 10, 20, 60)
@@ -88,7 +83,7 @@ class Dataset:
 
 
 def load_dataset(path: str | Path | None = None) -> list[Item]:
-    """Items from a JSONL file, a name in :data:`DATASETS`, or (``None``) the bundled set.
+    """Items from a JSONL file, a name in :data:`RETRIEVAL_SETS`, or (``None``) the bundled set.
 
     A file's lines are passage records: ``passage`` (a non-empty string; or ``context``), its
     ``questions`` (a non-empty list of non-empty strings; or one ``question``), each asked of that
@@ -99,13 +94,12 @@ def load_dataset(path: str | Path | None = None) -> list[Item]:
     :class:`InputError`."""
     refuse_blank_path(path, "--dataset", "name a dataset or a file, or leave the option out")
     name = str(path) if path is not None else "bundled"
-    if name in DATASETS:
-        text = resources.files("rag_lookahead").joinpath(DATASETS[name]).read_text(encoding="utf-8")
-    else:
+    text = shipped_text(RETRIEVAL_SETS, name)
+    if text is None:
         try:
             text = read_input_text(name)
         except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-            known = ", ".join(DATASETS)
+            known = ", ".join(RETRIEVAL_SETS)
             raise InputError(
                 f"cannot read dataset {name!r} ({getattr(e, 'strerror', None) or e}); known names: {known}"
             ) from None
@@ -440,7 +434,7 @@ def retrieval(
     ] = "e5-small",
     dataset: Annotated[
         list[str] | None,
-        typer.Option("--dataset", help=f"{', '.join(DATASETS)} or a JSONL path; repeatable (default: bundled)"),
+        typer.Option("--dataset", help=f"{', '.join(RETRIEVAL_SETS)} or a JSONL path; repeatable (default: bundled)"),
     ] = None,
     tune_fusion: Annotated[bool, typer.Option("--tune", help="search RRF weights and k on half the questions")] = False,
     speed_chunks: Annotated[

@@ -54,6 +54,7 @@ from rag_lookahead.bench.common import (
     load_bench_model,
     load_prompts,
     print_rows,
+    prompts_file,
     report_despite_stdout,
     run_command,
     write_report,
@@ -401,7 +402,7 @@ def bench(
 ) -> dict:
     """Side-by-side benchmark: transformers greedy, transformers prompt lookup, and lookahead."""
     check_plot(plot, json_path, plots.SINGLE_CHARTS)
-    report_seen = check_output_path(json_path, inputs=[prompts])
+    report_seen = check_output_path(json_path, inputs=[prompts_file(prompts)])
     check_positive({"--limit": limit, "--repeats": repeats, "--max-new-tokens": max_new_tokens})
     extra = extra_depth_methods(extra_branch_length)
     chosen, values = expand_methods(methods, temperatures, extra, branch_length)

@@ -8,7 +8,7 @@ region synchronises the device first and last, so time lands where it is spent),
 forward by the number of tokens it verified. What the regions do not cover is Python: the loop,
 the rows' bookkeeping, the drafter's observations.
 
-    python -m rag_lookahead.bench.step_profile --prompts rag_lookahead/data/realistic/bench_en.jsonl --limit 6
+    python -m rag_lookahead.bench.step_profile --prompts realistic-en --limit 6
 """
 
 from __future__ import annotations

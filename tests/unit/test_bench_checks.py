@@ -21,7 +21,9 @@ NO_METHOD = 2  # typer's usage error (the options' own checks: --methods, --temp
 BELOW = "must be an integer >= 1, got"
 FOLDER = "error: --json '{dir}' is a folder; give a file path"
 KEPT = "remove it or give another path (nothing was changed)"
-NO_FILE = "is empty (an unset variable?): name a file, or leave the option out for the bundled prompts"
+NO_FILE = "is empty (an unset variable?): name a file or a shipped set, or leave the option out for the bundled prompts"
+PROMPT_SETS = "bundled, realistic-zh, realistic-en, seeding"
+NO_SET = "no such file, and no prompt set shipped with the package has that name (" + PROMPT_SETS + ")"
 NO_INDEX = "is empty (an unset variable?): name an index, or leave the option out"
 NO_DATASET = "is empty (an unset variable?): name a dataset or a file, or leave the option out"
 BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a usage error's code)
@@ -44,6 +46,11 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ("single", ["--prompts", ""], f"error: --prompts '' {NO_FILE}"),  # ran the bundled set
     ("batch", ["--prompts", ""], f"error: --prompts '' {NO_FILE}"),
     ("replay", ["--prompts", ""], f"error: --prompts '' {NO_FILE}"),
+    # neither a file nor the name of a shipped set: the names, said before the model loads
+    *[
+        (module, ["--prompts", "realistic-fr"], f"error: cannot read the prompts file 'realistic-fr': {NO_SET}")
+        for module in ("single", "batch", "step_profile", "replay", "interference")
+    ],
     # a value given twice ran its methods twice (or merged them) where a method named twice is refused
     ("single", ["--methods", "sample", "--temperatures", "0.7,0.70"], NO_METHOD),
     ("single", ["--methods", "lookahead", "--extra-branch-length", "12,12"], NO_METHOD),
@@ -147,6 +154,14 @@ def test_a_bad_option_stops_a_benchmark_before_the_model_loads(tmp_path, monkeyp
         bench.main([arg.format(**paths) for arg in argv])
     assert done.value.code == (expected.format(**paths) if isinstance(expected, str) else expected)
     assert loads == []
+
+
+@pytest.mark.parametrize("module", ["single", "batch", "step_profile", "replay", "interference"])
+def test_the_help_of_each_benchmark_taking_prompts_names_the_shipped_sets(module, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps the help to the terminal's width
+    bench = importlib.import_module(f"rag_lookahead.bench.{module}")
+    assert bench.main(["--help"]) == 0
+    assert f"({PROMPT_SETS}; default: bundled)" in capsys.readouterr().out
 
 
 NO_GPU = "error: device 'cuda' asked for, but torch {torch} sees no CUDA GPU"

@@ -470,3 +470,19 @@ def test_a_tilde_in_the_report_and_prompts_paths_is_the_home_folder(tiny, tmp_pa
     with pytest.raises(SystemExit) as done:  # the run's own input, named two ways, is still refused
         main([*argv, "--json", str(tmp_path / "prompts.jsonl")])
     assert "is this run's input" in done.value.code
+
+
+def test_prompts_names_a_shipped_set_from_any_folder(monkeypatch, tmp_path):
+    """``--prompts rag_lookahead/data/realistic/bench_en.jsonl``, as the README wrote it, worked only
+    in a checkout of the repository; from anywhere else (an installed wheel) it was "cannot read the
+    prompts file". The sets' names work from any folder, as ``bench.retrieval --dataset`` takes them,
+    and a report named like a set is no clash with the run's input (the set is no file of its)."""
+    monkeypatch.chdir(tmp_path)
+    roomy = build_tiny_model("qwen2", max_positions=512), tiny_tokenizer()  # the realistic prompts are longer than 64
+    main = loading_tiny(monkeypatch, roomy, "single").main
+    argv = ["--prompts", "realistic-en", "--limit", "2", "--methods", "greedy", "--max-new-tokens", "2"]
+    report = main([*argv, "--json", "r.json"])
+    assert [row["id"] for row in report["per_prompt"]] == ["en-squad2-150", "en-squad2-154"]
+    main([*argv, "--json", "realistic-en"])
+    saved = json.loads((tmp_path / "realistic-en").read_text(encoding="utf-8"))
+    assert [row["id"] for row in saved["per_prompt"]] == ["en-squad2-150", "en-squad2-154"]
