@@ -403,9 +403,21 @@ def _prompts_file_text(path: str) -> str:
         return read_input_text(path)
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError, so is a ~ naming no user
         why = getattr(e, "strerror", None) or str(e)
-        if not isinstance(e, ConfigError) and not os.path.lexists(expand_user(path, "--prompts")):
+        if not isinstance(e, ConfigError) and _nothing_at(expand_user(path, "--prompts")):
             why = f"no such file, and no prompt set shipped with the package has that name ({', '.join(PROMPT_SETS)})"
         raise InputError(f"cannot read the prompts file {quoted_path(path)}: {why}") from None
+
+
+def _nothing_at(path: Path) -> bool:
+    """True where no file is at ``path``; False where one may be but cannot be seen (a folder one
+    may not search: its reason, Permission denied, is the one to give)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _read_prompts(text: str, name: str) -> list[dict]:

@@ -268,7 +268,10 @@ class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, 
         window by it still overflowed it). A system message alone counts what it adds to a
         conversation (its turn, less the default system prompt a template such as Qwen's puts in
         where none is given: it may be negative), so that it and the rest, counted apart as
-        ``trim_messages(include_system=True)`` counts them, add up to the whole. Where the template
+        ``trim_messages(include_system=True)`` counts them, add up to the whole (the price:
+        ``strategy="first"``, which counts it alone first, may keep it alone where its real prompt
+        is over ``max_tokens`` by up to the default system prompt and the generation prompt; every
+        longer prefix is exact). Where the template
         refuses the messages as they stand (``trim_messages`` counts partial lists: a list that opens
         with an assistant turn), LangChain's count of them, so trimming goes on. With
         ``custom_get_token_ids``, LangChain's count through it, as its own models count."""

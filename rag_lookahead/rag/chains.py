@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import difflib
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
@@ -258,20 +258,25 @@ ONE_PASSAGE_ADVICE = (
 )
 
 
-def _check_passages_fit(model: Any, prompt: str | PromptValue, shown: int, k: str = "k_prompt") -> None:
+def _check_passages_fit(
+    model: Any, build_prompt: Callable[[], str | PromptValue], shown: int, k: str = "k_prompt"
+) -> None:
     """Refuse, before decoding, a prompt that its ``shown`` passages make too long for ``model``'s
     context, saying so and naming ``k`` (:func:`passage_prompt_words`): the model's own refusal
-    ("the input has 1385 tokens ...") named neither. ``prompt``: as the chain hands it to the
-    model; it is measured as the model will decode it, with the options its ``bind`` wrappers
-    pass. A model of another kind refuses an overlong prompt in its own words."""
+    ("the input has 1385 tokens ...") named neither. ``build_prompt()``: the prompt as the chain
+    hands it to the model, built only for a model of ours (another kind, or a prompt that is a
+    Runnable of the user's, goes on as before and refuses an overlong prompt in its own words); it
+    is measured as the model will decode it, with the options its ``bind`` wrappers pass."""
     from rag_lookahead.langchain.chat_model import ChatLookahead
 
     what, advice = passage_prompt_words(shown, k, ONE_PASSAGE_ADVICE)
     options = _bound_kwargs(model)
     model = _unbound(model)
     if _is_lookahead(model):
+        prompt = build_prompt()
         model.check_prompt(prompt if isinstance(prompt, str) else prompt.to_string(), what, advice)
     elif isinstance(model, ChatLookahead):
+        prompt = build_prompt()
         messages = [HumanMessage(prompt)] if isinstance(prompt, str) else prompt.to_messages()
         for name in _TAKEN_BY_LANGCHAIN:
             options.pop(name, None)
@@ -421,7 +426,7 @@ def build_rag_chain(
         if _is_lookahead(llm):
             kwargs["references"] = [[d.page_content for d in docs[k_prompt:]]]
         text = make_prompt(question, docs[:k_prompt], prompt)
-        _check_passages_fit(llm, text, len(docs[:k_prompt]), names[0])
+        _check_passages_fit(llm, lambda: text, len(docs[:k_prompt]), names[0])
         return [text], kwargs
 
     def traced(config: RunnableConfig) -> dict:
@@ -574,7 +579,7 @@ def build_chat_rag_chain(
             "retrieval": {"retrieval_seconds": round(time.perf_counter() - t0, 4), "seed_passages": len(seeds)},
         }
         # the prompt the chat model will get, judged now: before the sources are streamed
-        _check_passages_fit(chat_model, prompt.format_prompt(**fetched), len(shown))
+        _check_passages_fit(chat_model, lambda: prompt.invoke(fetched), len(shown))
         if seeds and hasattr(seeding, "register_seeds"):
             seeding.register_seeds([d.page_content for d in shown], [d.page_content for d in seeds])
         return fetched
@@ -670,8 +675,8 @@ class SeedingRetriever(BaseRetriever):
         shown, seeds = docs[: self.k_prompt], docs[self.k_prompt :]
         if self.llm is not None and self.prompt is not None:
             # as RetrievalQA will fill it: the passages headed as below, the query as given
-            filled = self.prompt.format_prompt(context=format_context(shown), question=query)
-            _check_passages_fit(self.llm, filled, len(shown))
+            filled = {"context": format_context(shown), "question": query}
+            _check_passages_fit(self.llm, lambda: self.prompt.invoke(filled), len(shown))
         if seeds and self.llm is not None and hasattr(self.llm, "register_seeds"):
             self.llm.register_seeds([d.page_content for d in shown], [d.page_content for d in seeds])
         # each with its heading in the prompt, so RetrievalQA's "stuff" prompt is make_prompt's

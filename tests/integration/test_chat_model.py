@@ -935,6 +935,29 @@ def test_a_prompt_that_k_prompt_passages_make_too_long_names_k_prompt_before_dec
     assert fits and forwards  # two passages fit: answered
 
 
+def test_the_chat_chain_builds_its_prompt_for_the_length_check_only_for_a_model_of_ours(corpus_index):
+    """The check filled the prompt for every chat model, with ``format_prompt``: another model's
+    chain with a prompt that is a Runnable (not a template) failed with an AttributeError, and a
+    template missing a variable with a bare KeyError in place of LangChain's message."""
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.prompt_values import ChatPromptValue
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.runnables import RunnableLambda
+
+    from rag_lookahead.rag import chains
+
+    def as_messages(inputs: dict) -> ChatPromptValue:
+        return ChatPromptValue(messages=[HumanMessage(f"{inputs['context']}\n\n{inputs['question']}")])
+
+    other = GenericFakeChatModel(messages=iter([AIMessage("an answer")]))
+    chain = chains.build_chat_rag_chain(other, corpus_index, k_prompt=2, prompt=RunnableLambda(as_messages))
+    assert chain.invoke(QUESTION)["answer"] == "an answer"
+    missing = ChatPromptTemplate.from_messages([("human", "{context} {history} {question}")])
+    other = GenericFakeChatModel(messages=iter([AIMessage("unused")]))
+    with pytest.raises(KeyError, match="missing variables"):
+        chains.build_chat_rag_chain(other, corpus_index, prompt=missing).invoke(QUESTION)
+
+
 # ---------------------------------------------------------------- batches on a tiny model
 
 
@@ -1026,6 +1049,12 @@ def test_trimming_keeps_the_longest_tail_that_fits_beside_the_system_message(tok
     for max_tokens in range(first[2], real(history) + 4):
         kept = trim_messages(history, max_tokens=max_tokens, token_counter=chat, strategy="first")
         assert kept == history[: max(n for n, count in first.items() if count <= max_tokens)], max_tokens
+    # the price, as the docstring says: below any longer prefix, "first" keeps the system message
+    # alone where its own prompt (default system prompt and generation prompt left out) fits
+    alone = chat.get_num_tokens_from_messages(history[:1])
+    for max_tokens in range(max(alone - 2, 0), first[2]):
+        kept = trim_messages(history, max_tokens=max_tokens, token_counter=chat, strategy="first")
+        assert kept == (history[:1] if max_tokens >= alone else []), max_tokens
 
 
 def test_a_callback_that_raises_fails_its_own_row_of_a_batch_only(tiny_chat):

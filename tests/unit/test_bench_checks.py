@@ -164,6 +164,21 @@ def test_the_help_of_each_benchmark_taking_prompts_names_the_shipped_sets(module
     assert f"({PROMPT_SETS}; default: bundled)" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(os.geteuid() == 0, reason="root searches any folder")
+def test_a_prompts_file_in_a_folder_one_may_not_search_says_so_not_no_such_file(tmp_path):
+    """Only a path with nothing at it gets the shipped sets' names: a folder one may not search
+    said "no such file" too (a check that reads any error as missing)."""
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / "p.jsonl").write_text('{"context": "c", "question": "q"}\n', encoding="utf-8")
+    (tmp_path / "locked").chmod(0)
+    try:
+        with pytest.raises(InputError, match="Permission denied") as refused:
+            common.load_prompts(str(tmp_path / "locked" / "p.jsonl"))
+    finally:
+        (tmp_path / "locked").chmod(stat.S_IRWXU)
+    assert "no such file" not in str(refused.value)
+
+
 NO_GPU = "error: device 'cuda' asked for, but torch {torch} sees no CUDA GPU"
 BAD_DTYPE = "error: unknown dtype 'bf17'; use one of bf16, bfloat16, fp32, float32, fp16, float16, half, auto or"
 INDEX_FIRST = [  # (benchmark, argv, the error's start): each was said only after 23-45 s of indexing
