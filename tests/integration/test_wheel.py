@@ -37,7 +37,7 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
         shutil.copy2(REPO / name, source / name)
     out = tmp_path_factory.mktemp("wheel")
     command = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "-q", "-w", str(out)]
-    if _has_setuptools(69):  # build with the installed backend; else pip fetches one (needs PyPI)
+    if _has_setuptools(77):  # build with the installed backend (pyproject asks 77); else pip fetches one (needs PyPI)
         command.append("--no-build-isolation")
     subprocess.run(command, check=True, capture_output=True, timeout=600)
     (built,) = out.glob("rag_lookahead-*.whl")
