@@ -471,8 +471,11 @@ def _ended(tracker: TextTracker, eos: frozenset[int]) -> bool:
 class BlockStream:
     """Iterate the accepted blocks of a run decoding in a worker thread; ``.run`` holds the outcome.
 
-    Leaving the loop early (``break``, an exception, a closed generator) cancels the decode
-    at its next block and waits for the worker, so no thread outlives the iteration. ``cancel``
+    Closing the generator early (an exception in the loop, ``close()``, or a ``break`` out of a
+    loop over a stream held nowhere else, which Python then closes) cancels the decode at its next
+    block and waits for the worker, so no thread outlives the iteration. A stream kept in a
+    variable is not closed by a ``break``: its worker decodes on, holding the engine, until it is
+    closed or collected. ``cancel``
     (one of the caller's own) lets another thread end the decode while the consumer waits for a
     block: ``astream``'s cancelled consumer, while the run still waits for the engine.
     """
