@@ -202,6 +202,38 @@ def test_a_call_cancelled_while_it_waits_for_the_engine_runs_no_forward(kind, ho
 
 
 @pytest.mark.parametrize("kind", ["llm", "chat"])
+def test_a_kept_stream_left_by_break_decodes_on_until_it_is_closed(kind):
+    """As the README says: a ``break`` leaves a stream held in a variable open (Python closes only
+    a generator nothing holds), so its decode goes on; ``close()`` ends it at the next block and
+    frees the engine."""
+    model, tok = build_tiny_model("qwen2", seed=0, max_positions=4096), tiny_tokenizer()
+    off = LookaheadConfig(enabled=False)  # one token a forward
+    if kind == "llm":
+        runnable, limit = LookaheadLLM(model=model, tokenizer=tok, max_new_tokens=1000, lookahead=off), "max_new_tokens"
+        engine = runnable.engine
+    else:
+        runnable, limit = ChatLookahead(model=model, tokenizer=tok, max_tokens=1000, lookahead=off), "max_tokens"
+        engine = runnable.get_engine()
+    runnable.invoke("t1", **{limit: 2})  # the first call measures step costs
+    forwards = _counted(model)
+    kept = runnable.stream("t9 t10")
+    for n, _ in enumerate(kept):
+        if n == 1:
+            break
+    at_break = forwards[0]
+    deadline = time.monotonic() + 60
+    while forwards[0] < at_break + 5:  # still decoding with nobody reading
+        assert time.monotonic() < deadline, "the kept stream's decode did not go on"
+        time.sleep(0.01)
+    kept.close()
+    at_close = forwards[0]
+    assert engine._decoding.acquire(timeout=30), "close() left the engine held"
+    engine._decoding.release()
+    time.sleep(0.2)
+    assert forwards[0] <= at_close + 1 < 1000
+
+
+@pytest.mark.parametrize("kind", ["llm", "chat"])
 def test_cancelling_abatch_as_completed_ends_its_decodes(kind):
     """LangChain's ``abatch_as_completed`` runs each ``ainvoke`` in a task of its own that nothing
     cancelled: once its consumer was cancelled, the decodes ran on to their token limit, holding the
