@@ -3,7 +3,8 @@
 Both models take the same sampling fields (as fields, or per call), turn them into ``generate``'s
 keywords the same way, and hand our own :class:`ConfigError` back to the caller instead of the
 ``ValidationError`` pydantic wraps it in. A field changed after construction (``model_copy(update=...)``
-or plain assignment) is checked and settled as the constructor does it.
+or plain assignment) is checked and settled as the constructor does it, and a call configured through
+``configurable_fields`` decodes with the model's engine, as a ``model_copy`` does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
+from langchain_core.runnables.configurable import RunnableConfigurableFields
 from pydantic import BaseModel, PrivateAttr, StrictFloat, StrictInt, ValidationError
 
 from rag_lookahead.decoding.config import LookaheadConfig
@@ -71,6 +73,15 @@ class SamplingFields(BaseModel):
                     raise settings_error(type(self).__name__, err) from None
                 copied._settle(frozenset(update))
         return copied
+
+    def configurable_fields(self, **kwargs: Any) -> Any:
+        """LangChain's, except that a configured call decodes with this model's engine (its weights'
+        one decode at a time, its output pool), as a :meth:`model_copy` does. LangChain rebuilds the
+        model from its fields for each configured call, and a ``LookaheadLLM`` so rebuilt made an
+        engine of its own: its forwards ran at once with this model's on the same weights, drafting
+        from an empty pool. A configured ``model`` or ``tokenizer`` still decodes with its own."""
+        configured = super().configurable_fields(**kwargs)
+        return _SameEngineFields(default=configured.default, fields=configured.fields)
 
     def __copy__(self) -> Any:
         """A shallow copy (``copy.copy``, ``model_copy``) with its own assignment lock."""
@@ -131,6 +142,21 @@ class SamplingFields(BaseModel):
     def _sampling_params(self) -> dict[str, Any]:
         """The sampling fields that are set, for ``_identifying_params`` (they change the text)."""
         return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+
+
+class _SameEngineFields(RunnableConfigurableFields):
+    """``configurable_fields`` of our models: the model LangChain rebuilds for a configured call
+    takes the engine of the model it was built from when it decodes the same model with the same
+    tokenizer (the engine is read once, so an assignment meanwhile cannot pair it with another)."""
+
+    def _prepare(self, config: Any = None) -> tuple[Any, Any]:
+        engine = self.default._engine
+        runnable, config = super()._prepare(config)
+        own = getattr(runnable, "_engine", None)
+        if runnable is not self.default and own is not None:
+            if own.model is engine.model and own.tokenizer is engine.tokenizer:
+                runnable._engine = engine
+        return runnable, config
 
 
 def resolve_config(default: LookaheadConfig, kwargs: dict) -> LookaheadConfig:
