@@ -17,6 +17,7 @@ __all__ = [
     "PairedDrafter",
     "build_tiny_model",
     "padded",
+    "real_vocab_model",
     "reference_generate",
     "tiny_model",
 ]
@@ -33,6 +34,26 @@ DECODE_CASES = dict(
 def tiny_model(arch: str, attn: str = "sdpa", seed: int = 0):
     """A deterministic fp32 tiny model; cached so every test reuses the same weights."""
     return build_tiny_model(arch, attn, seed)
+
+
+def real_vocab_model():
+    """``(model, tokenizer)``: a tiny random Qwen2 over the default model's tokenizer, for what needs
+    a real one (transformers' stop strings, the chat template's tool calls); its answers are noise."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from rag_lookahead.models import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    config = transformers.Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
 
 
 def reference_generate(model, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:

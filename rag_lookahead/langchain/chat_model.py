@@ -5,6 +5,7 @@
     for chunk in chat.stream("..."): print(chunk.content, end="")  # one chunk per accepted block
     chat.batch(["q1", "q2", "q3"])                                 # ONE batched decode for all three
     chat.bind_tools([my_tool]).invoke("...")                      # -> AIMessage.tool_calls
+    chat.with_structured_output(Person).invoke("...")             # -> Person, by a forced tool call
 
 Messages go through the tokenizer's chat template (:mod:`.messages`); tools bound with
 :meth:`ChatLookahead.bind_tools` go to the template too, and Qwen-style
@@ -30,18 +31,20 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing
+from functools import partial
 from typing import Any, ClassVar
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt
 
 from rag_lookahead.checks import positive_int
 from rag_lookahead.decoding.config import LookaheadConfig
@@ -64,7 +67,13 @@ from rag_lookahead.langchain.engine import (
     in_worker_cancellable,
     prompt_format,
 )
-from rag_lookahead.langchain.messages import chat_generation, last_chunk, template_messages, unsent_text
+from rag_lookahead.langchain.messages import (
+    call_error,
+    chat_generation,
+    last_chunk,
+    template_messages,
+    unsent_text,
+)
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
 from rag_lookahead.langchain.shared_weights import load_shared, shared_engine
 from rag_lookahead.langchain.tools import (
@@ -335,6 +344,45 @@ class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, 
             kwargs["tool_choice"] = tool_choice
         return super().bind(tools=formatted, **kwargs)
 
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        include_raw: bool = False,
+        method: str = "function_calling",
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """LangChain's structured output by function calling: ``schema`` is bound as the tool the
+        answer must call (:meth:`bind_tools`, ``tool_choice="any"``) and the call parsed back, with
+        ``include_raw`` as LangChain's (``{"raw", "parsed", "parsing_error"}``).
+
+        An answer whose call did not parse (cut by ``max_tokens`` or the timeout, or not valid
+        JSON) raises an ``OutputParserException`` naming the cause, or with ``include_raw=True``
+        has it as ``parsing_error``: LangChain's parsers look for such a call in
+        ``additional_kwargs``, where OpenAI's messages carry it (ours hold it in
+        ``invalid_tool_calls``), and returned None with no error. An answer with no call at all is
+        None, as LangChain gives it. ``method`` "json_schema" and "json_mode" and ``strict`` are
+        taken, as LangChain's standard tests ask of every chat model, and served by the same forced
+        call: this decoder does no constrained decoding, so nothing holds the answer to the schema
+        as it is written; a pydantic schema validates the parsed call (and raises where it does
+        not fit). Another ``method`` or option is refused.
+        """
+        if method not in STRUCTURED_METHODS:
+            raise ConfigError(
+                f"with_structured_output(method={method!r}) is not a method: use one of "
+                f"{', '.join(map(repr, STRUCTURED_METHODS))} (all served by a forced tool call)"
+            )
+        if kwargs:
+            raise ConfigError(
+                f"unknown option(s) for with_structured_output: {', '.join(sorted(kwargs))} "
+                "(known: include_raw, method, strict)"
+            )
+        del strict  # taken for LangChain's signature; the forced call is what each method gets
+        structured = super().with_structured_output(schema, include_raw=True)
+        check = partial(_checked_structured_output, include_raw=include_raw)
+        return structured | RunnableLambda(check, name="check_structured_output")
+
     # ------------------------------------------------------------ one call's request
 
     def check_messages(
@@ -546,6 +594,39 @@ class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, 
                 run_wave(self._engine, self.invoke, inputs[wave], configs[wave], return_exceptions, kwargs, cancel)
             )
         return results
+
+
+#: ``with_structured_output``'s methods, all served by a forced tool call (no constrained decoding)
+STRUCTURED_METHODS = ("function_calling", "json_schema", "json_mode")
+
+
+def _checked_structured_output(output: Mapping[str, Any], include_raw: bool) -> Any:
+    """LangChain's ``include_raw=True`` output of :meth:`ChatLookahead.with_structured_output`
+    with the error of a call that did not parse, raised (``include_raw`` false) or as its
+    ``parsing_error``. A stream's chunks come here added up, so it ends the same way."""
+    raw, parsed, error = output["raw"], output.get("parsed"), output.get("parsing_error")
+    if parsed is None and error is None:
+        error = _unparsed_call(raw)
+    if include_raw:
+        return {"raw": raw, "parsed": parsed, "parsing_error": error}
+    if error is not None:
+        raise error
+    return parsed
+
+
+def _unparsed_call(message: AIMessage) -> OutputParserException | None:
+    """Why an answer that gave no structured output has none: its call cut (by ``max_tokens`` or
+    the timeout) or not valid; None where it made no call (text only)."""
+    finish = message.response_metadata.get("finish_reason")
+    if finish == "length":
+        why = "the answer was cut by max_tokens before its tool call was complete: raise max_tokens"
+    elif finish == "timeout":
+        why = "the answer was cut by the timeout before its tool call was complete: raise timeout"
+    elif message.invalid_tool_calls:
+        why = f"the model's tool call is not valid: {call_error(message.invalid_tool_calls[0])}"
+    else:
+        return None
+    return OutputParserException(f"no structured output: {why}")
 
 
 def _template_variables(variables: Any) -> dict[str, Any]:

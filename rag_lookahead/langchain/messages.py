@@ -27,9 +27,16 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk
 
 from rag_lookahead.errors import InputError
 from rag_lookahead.langchain.engine import EngineRun
-from rag_lookahead.langchain.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ParsedCall, ToolOptions, split_calls
+from rag_lookahead.langchain.tools import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ParsedCall,
+    ToolOptions,
+    parse_tool_calls,
+    split_calls,
+)
 
-__all__ = ["chat_generation", "last_chunk", "template_messages", "unsent_text"]
+__all__ = ["call_error", "chat_generation", "last_chunk", "template_messages", "unsent_text"]
 
 #: content blocks an assistant turn may carry besides text; its tool_calls hold the same calls
 _AI_CALL_BLOCKS = frozenset({"tool_use", "tool_call", "tool_call_chunk", "function_call", "server_tool_call"})
@@ -113,6 +120,15 @@ def _as_written(invalid_call: Mapping[str, Any]) -> str:
             return args
         return written if isinstance(written, str) else args
     return args
+
+
+def call_error(invalid_call: Mapping[str, Any]) -> str:
+    """Why an invalid call did not parse: its ``error``, or, for one a stream gave (no ``error``:
+    see :func:`call_chunks`), the error its text gives when parsed again, so both say the same."""
+    if invalid_call.get("error") is not None:
+        return str(invalid_call["error"])
+    _, calls = parse_tool_calls(f"{TOOL_CALL_OPEN}{_as_written(invalid_call)}{TOOL_CALL_CLOSE}")
+    return next((c.error for c in calls if c.error), "the tool call is not valid")
 
 
 def template_messages(messages: Sequence[BaseMessage], *, to_answer: bool = True) -> list[dict]:

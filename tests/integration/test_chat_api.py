@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_llm import transformers_warnings
-from tiny_models import tiny_model
+from tiny_models import real_vocab_model, tiny_model
 from tiny_tokenizer import tiny_tokenizer
 from transformers import GenerationConfig
 
@@ -227,21 +227,7 @@ def test_a_refused_chat_still_ends_its_streamer(tiny):
 @pytest.fixture(scope="module")
 def real_vocab():
     """A tiny random Qwen2 over the default model's tokenizer (transformers' stop strings need a real one)."""
-    import transformers
-    from transformers import AutoTokenizer
-
-    from rag_lookahead.models import default_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
-    config = transformers.Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+    return real_vocab_model()
 
 
 def test_stop_strings_and_lengths_are_taken_as_model_generate_takes_them(real_vocab):

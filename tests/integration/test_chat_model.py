@@ -13,8 +13,10 @@ import re
 import pytest
 from hang_guard import finished
 from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
+from pydantic import BaseModel
 
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError, InputError
@@ -1484,3 +1486,87 @@ def test_device_none_and_cpu_share_the_weights_on_a_cpu(tmp_path, monkeypatch):
     cpu = ChatLookahead(model="m", dtype="fp32", max_tokens=2, device="cpu")
     assert cpu._engine.model is unsaid._engine.model
     assert ChatLookahead(model="m", dtype="bf16", max_tokens=2, device="cpu")._engine.model is not cpu._engine.model
+
+
+# ---------------------------------------------------------------- structured output
+
+
+class Person(BaseModel):
+    """A person mentioned in the text."""
+
+    name: str
+    age: int
+
+
+PERSON = "Alice is 31 years old and lives in Paris. Extract the person."
+
+
+@pytest.fixture(scope="module")
+def noise_chat():
+    """A tiny random Qwen2 over the default tokenizer (its template shows tools): the call a
+    structured answer is forced to open goes on in noise, never valid JSON."""
+    from tiny_models import real_vocab_model
+
+    model, tokenizer = real_vocab_model()
+    return ChatLookahead(model=model, tokenizer=tokenizer, max_tokens=8)
+
+
+@pytest.mark.parametrize("schema", [Person, Person.model_json_schema()], ids=["pydantic", "json_schema"])
+def test_a_structured_answer_cut_by_max_tokens_says_so(noise_chat, schema):
+    """The cut call was in invalid_tool_calls, where LangChain's parser does not look: invoke
+    returned None, and include_raw=True a parsing_error of None, with no word of the cut."""
+    structured = noise_chat.with_structured_output(schema)
+    for answer in (lambda: structured.invoke(PERSON), lambda: list(structured.stream(PERSON))):
+        with pytest.raises(OutputParserException, match="cut by max_tokens .*: raise max_tokens"):
+            answer()
+    with_raw = noise_chat.with_structured_output(schema, include_raw=True)
+    whole = with_raw.invoke(PERSON)
+    [streamed] = with_raw.stream(PERSON)  # the chunks added up, checked as invoke's
+    for out in (whole, streamed):
+        assert out["parsed"] is None and [c["name"] for c in out["raw"].invalid_tool_calls] == ["Person"], out
+        assert out["raw"].response_metadata["finish_reason"] == "length"
+        assert isinstance(out["parsing_error"], OutputParserException)
+        assert "cut by max_tokens" in str(out["parsing_error"])
+
+
+def test_a_structured_answer_whose_call_is_not_valid_gives_its_error(noise_chat):
+    """Ended by a stop string (not cut), the noise call's error is the cause, from invoke and stream alike."""
+    written = noise_chat.with_structured_output(Person, include_raw=True).invoke(PERSON)["raw"].invalid_tool_calls
+    noise = written[0]["args"].split('"arguments":', 1)[1]  # after the forced opening
+    stopped = noise_chat.model_copy(update={"stop": [noise[len(noise) // 2 : len(noise) // 2 + 2]]})
+    out = stopped.with_structured_output(Person, include_raw=True).invoke(PERSON)
+    raw = out["raw"]
+    assert raw.response_metadata["finish_reason"] == "stop" and raw.invalid_tool_calls, raw
+    error = raw.invalid_tool_calls[0]["error"]
+    assert out["parsed"] is None and error.startswith("the tool call is not valid JSON")
+    assert isinstance(out["parsing_error"], OutputParserException)
+    assert f"the model's tool call is not valid: {error}" in str(out["parsing_error"])
+    structured = stopped.with_structured_output(Person)
+    for answer in (lambda: structured.invoke(PERSON), lambda: list(structured.stream(PERSON))):
+        with pytest.raises(OutputParserException, match=re.escape(error)):  # a streamed call has no error: parsed again
+            answer()
+
+
+def test_structured_output_takes_langchains_methods_and_refuses_others(noise_chat):
+    """LangChain's methods and ``strict`` are taken (its standard tests ask it of every chat model),
+    all by the forced call; a method that is none of them, or an unknown option, was accepted and
+    ignored: now refused, as the model's own options are."""
+    for method in ("function_calling", "json_schema", "json_mode"):
+        for strict in (None, False, True):
+            assert noise_chat.with_structured_output(Person, method=method, strict=strict) is not None
+    with pytest.raises(ConfigError, match="'function-calling'\\) is not a method: use one of"):
+        noise_chat.with_structured_output(Person, method="function-calling")
+    with pytest.raises(ConfigError, match="unknown option.*: tools"):
+        noise_chat.with_structured_output(Person, tools=[get_weather])
+    with pytest.raises(OutputParserException, match="no structured output: the answer was cut by max_tokens"):
+        noise_chat.with_structured_output(Person, method="json_schema", strict=True).invoke(PERSON)
+
+
+@slow
+def test_a_valid_structured_answer_parses_as_before(chat):
+    alice = Person(name="Alice", age=31)
+    assert chat.with_structured_output(Person).invoke(PERSON) == alice
+    assert list(chat.with_structured_output(Person).stream(PERSON)) == [alice]
+    out = chat.with_structured_output(Person, include_raw=True).invoke(PERSON)
+    assert out["parsed"] == alice and out["parsing_error"] is None and out["raw"].tool_calls
+    assert chat.with_structured_output(Person.model_json_schema()).invoke(PERSON) == {"name": "Alice", "age": 31}
