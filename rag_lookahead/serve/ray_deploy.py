@@ -43,7 +43,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -414,9 +413,12 @@ UNDEPLOY_WAIT_S = 30.0
 #: A question to Ray unanswered for longer than this is Ray not answering: the drain ends at its
 #: deadline, or at once after a second signal (Ray cannot tell it whether the replicas are idle)
 RAY_SILENT_S = 1.0
+#: How long the drain waits for Ray's head (its GCS) to take the drain's key: one that has not by
+#: then is going away too (a signal to the whole process group reaches it; it still took connections)
+RAY_HEAD_WAIT_S = 3.0
 
 
-def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = True) -> None:
+def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = True) -> bool:
     """Drain every replica, then stop them: each replica's engine stops admitting (new requests get
     the one-process server's 503 ``shutting_down``, ``/health`` says "draining") and fails what is
     still running after ``seconds``; once every replica is idle, or ``seconds`` and a grace have
@@ -431,14 +433,32 @@ def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = T
     and the drain with it, deaf to every signal. A raylet found gone ends the drain at once; a Ray
     that does not answer ends it at the deadline, or at once after a second signal (``hurry``);
     each with a line saying so. A question Ray never answered still waits in its thread
-    (:meth:`ray_probes.RayCall.unanswered`): ``ray.shutdown()`` under it crashes the process."""
+    (:meth:`ray_probes.RayCall.unanswered`): ``ray.shutdown()`` under it crashes the process.
+
+    False where Ray's head (its GCS) fails or does not answer within :data:`RAY_HEAD_WAIT_S` (a
+    signal to the whole process group reached it too: it still takes connections while it shuts
+    down, and Ray's client then waited 60 s for it and aborted the process, exit 1): nothing to
+    drain, and the caller must not ``ray.shutdown()`` (it waits on the head as well)."""
     from ray.experimental.internal_kv import _internal_kv_list, _internal_kv_put
 
     from rag_lookahead.serve.app import CLOSE_GRACE_SECONDS
 
     ray, serve = import_ray()
     raylet = ray_probes.RayletWatch.of_driver(ray)
-    _internal_kv_put(DRAIN_KEY, str(float(seconds)).encode(), namespace=KV_NAMESPACE)
+
+    def head_answers(value: bytes) -> bool:
+        """Whether Ray's head took DRAIN_KEY = ``value`` in time; if not, says so."""
+        try:
+            ray_probes.RayCall(lambda: _internal_kv_put(DRAIN_KEY, value, namespace=KV_NAMESPACE)).result(
+                RAY_HEAD_WAIT_S
+            )
+        except Exception as err:  # noqa: BLE001 - Unanswered, or Ray's RpcError from a head shutting down
+            _log_head_gone(err, delete)
+            return False
+        return True
+
+    if not head_answers(str(float(seconds)).encode()):
+        return False
     deadline = time.monotonic() + seconds + 2 * CLOSE_GRACE_SECONDS
 
     def progress() -> tuple[int, int]:
@@ -450,7 +470,8 @@ def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = T
     while True:
         if hurry is not None and hurry.is_set() and not hurried:
             hurried = True
-            _internal_kv_put(DRAIN_KEY, b"0", namespace=KV_NAMESPACE)
+            if not head_answers(b"0"):
+                return False
             deadline = min(deadline, time.monotonic() + 2 * CLOSE_GRACE_SECONDS)
         if raylet is not None and raylet.gone():
             log.warning(
@@ -458,7 +479,7 @@ def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = T
                 raylet.address,
                 _MAY_BE_LEFT if delete else "",
             )
-            return
+            return True
         silent = 0.0 if asked is None else time.monotonic() - asked.started
         if time.monotonic() >= deadline or (hurried and silent > RAY_SILENT_S):
             if silent > RAY_SILENT_S:
@@ -473,12 +494,30 @@ def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = T
             drained, running = asked.result(0.1)
         except ray_probes.Unanswered:
             continue
+        except Exception as err:  # noqa: BLE001 - Ray's RpcError: its head went away under the question
+            _log_head_gone(err, delete)
+            return False
         asked = None
         if drained >= running:
             break
         time.sleep(0.1)
     if delete:  # after a second signal, no longer than the replicas had to end their requests
         _undeploy_within(2 * CLOSE_GRACE_SECONDS if hurried else UNDEPLOY_WAIT_S)
+    return True
+
+
+def _log_head_gone(err: BaseException, may_be_left: bool) -> None:
+    why = (
+        f"did not answer in {RAY_HEAD_WAIT_S:g} s"
+        if isinstance(err, ray_probes.Unanswered)
+        else f"failed ({first_line(err)})"
+    )
+    log.warning(
+        "Ray's head (its GCS) %s: Ray's own processes are going away too (the signal reached them?): "
+        "nothing to drain%s",
+        why,
+        _MAY_BE_LEFT if may_be_left else "",
+    )
 
 
 def _undeploy_within(seconds: float) -> None:
@@ -538,10 +577,10 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
     try:
         # at warning and above the replicas' logs stay in Ray's log folder (a failed start is pages of them)
         options = {"logging_level": _level(config), "log_to_driver": _level(config) in ("DEBUG", "INFO")}
-        arrived = _signals_during(lambda: _connect(ray, options))
-        listen()  # again: ray.init installs its own SIGTERM handler
+        arrived = _connect_holding_signals(ray, options)  # puts our handlers back after ray.init's
         logging.getLogger("ray.serve").setLevel(_level(config))  # Serve's driver-side logger keeps INFO otherwise
-        if arrived & {signal.SIGINT, signal.SIGTERM}:  # its exception was dropped inside ray.init
+        if arrived & {signal.SIGINT, signal.SIGTERM}:  # held until the local Ray was whole: ray.shutdown() stops it
+            stop.set()  # a signal now is a second one
             raise KeyboardInterrupt
         base = deploy(config, settings)  # deletes what it started if it fails or is interrupted
         serving.set()
@@ -557,9 +596,10 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         if not _gcs_answers(ray):
             log.warning("shutting down: Ray's own processes are gone (the signal reached them too): nothing to drain")
         else:
-            log.info("shutting down: draining the replicas for up to %.0f s", config.drain_seconds)
-            drain(config.drain_seconds, hurry, delete=not own_ray)  # a local Ray goes down whole below
-            if ray_probes.RayCall.unanswered():  # Ray did not answer the drain: no ray.shutdown() under its call
+            log.info("shutting down: draining the replicas for up to %g s", config.drain_seconds)
+            drained = drain(config.drain_seconds, hurry, delete=not own_ray)  # a local Ray goes down whole below
+            # Ray's head or a question of the drain did not answer: no ray.shutdown() waiting on them
+            if not drained or ray_probes.RayCall.unanswered():
                 _exit_leaving_ray(ray)
     except StartAbandoned:
         log.warning(
@@ -608,33 +648,73 @@ def _gcs_answers(ray, timeout: float = 2.0) -> bool:
     return ray_probes.connect_error(address, timeout) is None
 
 
-def _signals_during(call) -> set[int]:
-    """Run ``call``; return the signals that arrived meanwhile. Why: a SIGTERM during ``ray.init``
-    goes to Ray's handler (``sys.exit``), and where it lands inside a fork hook (Ray forks its
-    processes there) the exception is dropped: the replicas then started and served on. The C-level
-    wakeup fd records every signal whatever became of its Python handler's exception."""
+def _connect_holding_signals(ray, options: Mapping[str, Any]) -> set[int]:
+    """:func:`_connect` with SIGINT and SIGTERM held until ``ray.init`` returns: the signals that
+    arrived meanwhile; a second one raises KeyboardInterrupt at once. Why: one raised inside
+    ``ray.init`` (a KeyboardInterrupt of ours, or ``sys.exit(15)`` from the SIGTERM handler
+    ray.init installs) left a half-started local Ray that ``ray.shutdown()`` does not know: its
+    dashboard and runtime-env agents ran on for ~60 s, and SIGTERM exited 15 with no line of ours;
+    and where it landed inside one of ray.init's fork hooks the exception was dropped, and the
+    replicas started and served on. Whatever is still raised there (that second signal) ends the
+    processes ray.init started, by their pids (:func:`_end_new_descendants`), where it left no
+    local Ray for ``ray.shutdown()`` to stop."""
+    arrived: list[int] = []
+
+    def hold(signum, frame) -> None:
+        arrived.append(signum)
+        if len(arrived) > 1:
+            raise KeyboardInterrupt  # a second signal: no longer wait for Ray
+
+    utils = ray._private.utils
+    rays_own = getattr(utils, "set_sigterm_handler", None)
+    before = _descendants()
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        reader, writer = socket.socketpair()
-    except OSError:
-        call()
-        return set()
-    with reader, writer:
-        reader.setblocking(False)
-        writer.setblocking(False)
-        try:
-            previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-        except ValueError:  # not the main thread: no handler of ours runs there either
-            call()
-            return set()
-        try:
-            call()
-        finally:
-            signal.set_wakeup_fd(previous)
-        arrived: set[int] = set()
-        with contextlib.suppress(BlockingIOError):
-            while chunk := reader.recv(256):
-                arrived.update(chunk)
-        return arrived
+        if rays_own is not None:  # ray.init's SIGTERM handler (sys.exit) would replace ours meanwhile
+            utils.set_sigterm_handler = lambda handler: None
+        _connect(ray, options)
+    except (KeyboardInterrupt, SystemExit):
+        if getattr(ray._private.worker, "_global_node", None) is None:  # ray.shutdown() would not stop them
+            _end_new_descendants(before)
+        if not arrived:
+            raise
+        raise KeyboardInterrupt from None
+    finally:
+        if rays_own is not None:
+            utils.set_sigterm_handler = rays_own
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return set(arrived)
+
+
+def _descendants() -> dict[int, float]:
+    """This process's descendants: pid -> start time (psutil, which Ray ships)."""
+    import psutil
+
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            found[child.pid] = child.create_time()
+    return found
+
+
+def _end_new_descendants(before: Mapping[int, float], grace: float = 3.0) -> None:
+    """End the descendants of this process that were not among ``before`` (pid -> start time):
+    SIGTERM, then SIGKILL to those still running after ``grace`` seconds."""
+    import psutil
+
+    new = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if before.get(child.pid) != child.create_time():
+                new.append(child)
+    for child in new:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(new, timeout=grace)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
 
 
 def _level(config: ServerConfig) -> str:
