@@ -446,14 +446,15 @@ def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = T
     ray, serve = import_ray()
     raylet = ray_probes.RayletWatch.of_driver(ray)
 
+    # a cluster this command joined is no child of its process group: a slow head there is only slow
+    head_wait = UNDEPLOY_WAIT_S if delete else RAY_HEAD_WAIT_S
+
     def head_answers(value: bytes) -> bool:
         """Whether Ray's head took DRAIN_KEY = ``value`` in time; if not, says so."""
         try:
-            ray_probes.RayCall(lambda: _internal_kv_put(DRAIN_KEY, value, namespace=KV_NAMESPACE)).result(
-                RAY_HEAD_WAIT_S
-            )
+            ray_probes.RayCall(lambda: _internal_kv_put(DRAIN_KEY, value, namespace=KV_NAMESPACE)).result(head_wait)
         except Exception as err:  # noqa: BLE001 - Unanswered, or Ray's RpcError from a head shutting down
-            _log_head_gone(err, delete)
+            _log_head_gone(err, head_wait, delete)
             return False
         return True
 
@@ -495,7 +496,7 @@ def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = T
         except ray_probes.Unanswered:
             continue
         except Exception as err:  # noqa: BLE001 - Ray's RpcError: its head went away under the question
-            _log_head_gone(err, delete)
+            _log_head_gone(err, head_wait, delete)
             return False
         asked = None
         if drained >= running:
@@ -506,18 +507,17 @@ def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = T
     return True
 
 
-def _log_head_gone(err: BaseException, may_be_left: bool) -> None:
-    why = (
-        f"did not answer in {RAY_HEAD_WAIT_S:g} s"
-        if isinstance(err, ray_probes.Unanswered)
-        else f"failed ({first_line(err)})"
+def _log_head_gone(err: BaseException, waited: float, joined: bool) -> None:
+    """The drain's line where Ray's head failed it or did not answer within ``waited`` seconds:
+    a local Ray going away with this command (the signal reached its whole process group), or a
+    cluster this command joined that no longer answers (the app may be left there)."""
+    why = f"did not answer in {waited:g} s" if isinstance(err, ray_probes.Unanswered) else f"failed ({first_line(err)})"
+    whose = (
+        "the cluster's head does not answer"
+        if joined
+        else "Ray's own processes are going away too (the signal reached them?)"
     )
-    log.warning(
-        "Ray's head (its GCS) %s: Ray's own processes are going away too (the signal reached them?): "
-        "nothing to drain%s",
-        why,
-        _MAY_BE_LEFT if may_be_left else "",
-    )
+    log.warning("Ray's head (its GCS) %s: %s: nothing to drain%s", why, whose, _MAY_BE_LEFT if joined else "")
 
 
 def _undeploy_within(seconds: float) -> None:
@@ -560,12 +560,13 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
     _check_port(config.port)
     own_ray = not ray.is_initialized() and _starts_local_ray()
     stop, serving, hurry = threading.Event(), threading.Event(), threading.Event()
+    closing = threading.Event()  # ray.shutdown() runs: a signal then must not cut it short
 
     def on_signal(signum, frame) -> None:
         if stop.is_set():
             hurry.set()  # a second signal while draining: end what still runs
         stop.set()
-        if not serving.is_set():
+        if not serving.is_set() and not closing.is_set():
             raise KeyboardInterrupt  # out of serve.run, which may wait minutes for the models
 
     def listen() -> None:
@@ -614,6 +615,8 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         log.info("interrupted while the replicas started: deleted them")
         abandoned = True
     finally:
+        # a signal in ray.shutdown() (a second Ctrl-C after a held first one) cut it short: exit 1, Ray left
+        closing.set()
         ray.shutdown()
     if abandoned:  # a start that never served is no clean exit (it was 0); one process exits 130 too
         raise SystemExit(130)
