@@ -39,6 +39,7 @@ from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 from langchain_core.runnables.config import get_config_list
@@ -380,7 +381,13 @@ class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, 
             )
         del strict  # taken for LangChain's signature; the forced call is what each method gets
         structured = super().with_structured_output(schema, include_raw=True)
-        check = partial(_checked_structured_output, include_raw=include_raw)
+        # a stream parses partial calls and drops the schema's ValidationError: parsed again whole
+        whole = (
+            PydanticToolsParser(tools=[schema], first_tool_only=True)
+            if isinstance(schema, type) and issubclass(schema, BaseModel)
+            else None
+        )
+        check = partial(_checked_structured_output, include_raw=include_raw, whole=whole)
         return structured | RunnableLambda(check, name="check_structured_output")
 
     # ------------------------------------------------------------ one call's request
@@ -600,11 +607,18 @@ class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, 
 STRUCTURED_METHODS = ("function_calling", "json_schema", "json_mode")
 
 
-def _checked_structured_output(output: Mapping[str, Any], include_raw: bool) -> Any:
+def _checked_structured_output(output: Mapping[str, Any], include_raw: bool, whole: Runnable | None = None) -> Any:
     """LangChain's ``include_raw=True`` output of :meth:`ChatLookahead.with_structured_output`
     with the error of a call that did not parse, raised (``include_raw`` false) or as its
-    ``parsing_error``. A stream's chunks come here added up, so it ends the same way."""
+    ``parsing_error``. A stream's chunks come here added up, so it ends the same way: where its
+    parser gave nothing for a call, ``whole`` (the pydantic schema's parser) parses it again, so
+    a call that does not fit the schema raises as ``invoke``'s does (the stream gave None)."""
     raw, parsed, error = output["raw"], output.get("parsed"), output.get("parsing_error")
+    if parsed is None and error is None and whole is not None and raw.tool_calls:
+        try:
+            parsed = whole.invoke(raw)
+        except Exception as err:  # noqa: BLE001 - the schema's ValidationError, as invoke raises it
+            error = err
     if parsed is None and error is None:
         error = _unparsed_call(raw)
     if include_raw:

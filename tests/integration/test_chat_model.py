@@ -1547,6 +1547,33 @@ def test_a_structured_answer_whose_call_is_not_valid_gives_its_error(noise_chat)
             answer()
 
 
+def test_a_streamed_call_that_does_not_fit_the_schema_raises_as_invoke_does(noise_chat):
+    """A stream parses partial calls, and LangChain's partial parser drops the schema's
+    ValidationError: a valid JSON call missing a field streamed as None, with no error, where
+    invoke raised. Here the added-up stream output of such a call (as LangChain's stream hands
+    it to our check) goes through the check the structured runnable ends with."""
+    from pydantic import ValidationError
+
+    from rag_lookahead.langchain import chat_model
+
+    structured = noise_chat.with_structured_output(Person)
+    check = structured.last.func  # the check the runnable ends with
+    call = {"name": "Person", "args": '{"name": "Alice"}', "id": "call_1", "index": 0, "type": "tool_call_chunk"}
+    streamed = {"raw": AIMessageChunk(content="", tool_call_chunks=[call]), "parsed": None, "parsing_error": None}
+    assert streamed["raw"].tool_calls == [
+        {"name": "Person", "args": {"name": "Alice"}, "id": "call_1", "type": "tool_call"}
+    ]
+    with pytest.raises(ValidationError, match="age"):
+        check(streamed)
+    kept = chat_model._checked_structured_output(streamed, include_raw=True, whole=check.keywords["whole"])
+    assert kept["parsed"] is None and isinstance(kept["parsing_error"], ValidationError)
+    fits = {
+        **streamed,
+        "raw": AIMessageChunk(content="", tool_call_chunks=[{**call, "args": '{"name": "A", "age": 3}'}]),
+    }
+    assert check(fits) == Person(name="A", age=3)
+
+
 def test_structured_output_takes_langchains_methods_and_refuses_others(noise_chat):
     """LangChain's methods and ``strict`` are taken (its standard tests ask it of every chat model),
     all by the forced call; a method that is none of them, or an unknown option, was accepted and
