@@ -329,9 +329,12 @@ class SentenceTransformerEmbedder:
         from rag_lookahead.models import _looks_local
 
         hub_endpoint()  # one it cannot parse fails huggingface_hub's import (a ValueError traceback)
+        source = name_or_path
         if _looks_local(name_or_path):  # "./m" or "~/m", missing, was taken for a hub id: $HF_ENDPOINT was blamed
-            if not expand_user(name_or_path, "sentence-transformers model").exists():
+            folder = expand_user(name_or_path, "sentence-transformers model")
+            if not folder.exists():
                 raise ModelLoadError(f"sentence-transformers model folder {quoted_path(name_or_path)} does not exist")
+            source = str(folder)  # sentence-transformers takes an unexpanded "~/m" for a hub id
         elif not hub_offline():
             hub_url()  # sentence-transformers fetches a name that is no path from the hub
         try:
@@ -343,7 +346,7 @@ class SentenceTransformerEmbedder:
                 " pip install 'rag-lookahead[st]'"
             ) from None
         try:
-            self._model = SentenceTransformer(name_or_path, device=device)
+            self._model = SentenceTransformer(source, device=device)
         except Exception as e:  # hub errors, missing folders, bad configs
             raise ModelLoadError(
                 f"could not load sentence-transformers model {name_or_path!r}: {first_line(e)}"

