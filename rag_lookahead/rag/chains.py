@@ -270,8 +270,7 @@ def _check_passages_fit(
     from rag_lookahead.langchain.chat_model import ChatLookahead
 
     what, advice = passage_prompt_words(shown, k, ONE_PASSAGE_ADVICE)
-    options = _bound_kwargs(model)
-    model = _unbound(model)
+    model, options = _unwrapped(model)
     if _is_lookahead(model):
         prompt = build_prompt()
         model.check_prompt(prompt if isinstance(prompt, str) else prompt.to_string(), what, advice)
@@ -504,23 +503,19 @@ def _unbound(model: Any) -> Any:
     """The model under every wrapper that holds one in ``.bound`` (``bind``, ``bind_tools``,
     ``with_retry``, ``with_config``), for what the chain reads off the model itself: its tokenizer
     and context (the fit check) and ``register_seeds``. The chain still calls the wrapper."""
-    from langchain_core.runnables.base import RunnableBindingBase
-
-    while isinstance(model, RunnableBindingBase):
-        model = model.bound
-    return model
+    return _unwrapped(model)[0]
 
 
-def _bound_kwargs(model: Any) -> dict[str, Any]:
-    """The keywords every wrapper around ``model`` that holds one in ``.bound`` (``bind``,
-    ``bind_tools``, ``with_retry``) passes on to its calls; an outer one wins, as in the call."""
+def _unwrapped(model: Any) -> tuple[Any, dict[str, Any]]:
+    """:func:`_unbound`'s model, and the keywords those wrappers pass on to its calls (an outer
+    one wins, as in the call)."""
     from langchain_core.runnables.base import RunnableBindingBase
 
     options: dict[str, Any] = {}
     while isinstance(model, RunnableBindingBase):
         options = dict(model.kwargs or {}) | options
         model = model.bound
-    return options
+    return model, options
 
 
 def _bound_options(model: Any) -> tuple[Any, dict[str, Any]]:
