@@ -239,15 +239,19 @@ def check_question_fits(llm: Any, question: str) -> int | None:
     return tokens
 
 
-def passage_prompt_words(shown: int, k: str, alone: str) -> tuple[str, str]:
+def passage_prompt_words(shown: int, k: str, alone: str, one_fits: bool = True) -> tuple[str, str]:
     """``(what, advice)`` for :func:`~rag_lookahead.decoding.inputs.no_room_words` where the prompt
     built from the question and its ``shown`` passages leaves no room for an answer: a smaller ``k``
     (as the caller names it: ``'k'``, ``--k``, ``k_prompt``) or a shorter question where more than
-    one passage is shown, else ``alone`` (no k is smaller than 1). The server's ``/v1/rag``, ``ask``
-    and the chains say it so."""
+    one passage is shown and the prompt with the first one alone fits (``one_fits``), else ``alone``
+    (no k is smaller than 1, and a smaller one would not help). The server's ``/v1/rag``, ``ask`` and
+    the chains say it so."""
     what = f"the prompt built from the question and its {shown} passage(s)"
-    advice = f"; ask with a smaller {k} or a shorter question" if shown > 1 else f"; {alone}"
-    return what, advice
+    if shown < 2:
+        return what, f"; {alone}"
+    if not one_fits:
+        return what, f"; even with one passage it is too long, so no smaller {k} helps: {alone}"
+    return what, f"; ask with a smaller {k} or a shorter question"
 
 
 #: what makes room where the question and one passage fill the model's context (ask and the chains;
@@ -259,27 +263,52 @@ ONE_PASSAGE_ADVICE = (
 
 
 def _check_passages_fit(
-    model: Any, build_prompt: Callable[[], str | PromptValue], shown: int, k: str = "k_prompt"
+    model: Any,
+    build_prompt: Callable[[Sequence[Document]], str | PromptValue],
+    shown: Sequence[Document],
+    k: str = "k_prompt",
 ) -> None:
     """Refuse, before decoding, a prompt that its ``shown`` passages make too long for ``model``'s
     context, saying so and naming ``k`` (:func:`passage_prompt_words`): the model's own refusal
-    ("the input has 1385 tokens ...") named neither. ``build_prompt()``: the prompt as the chain
-    hands it to the model, built only for a model of ours (another kind, or a prompt that is a
-    Runnable of the user's, goes on as before and refuses an overlong prompt in its own words); it
-    is measured as the model will decode it, with the options its ``bind`` wrappers pass."""
+    ("the input has 1385 tokens ...") named neither. ``build_prompt(passages)``: the prompt as the
+    chain hands it to the model with those passages, built only for a model of ours (another kind,
+    or a prompt that is a Runnable of the user's, goes on as before and refuses an overlong prompt
+    in its own words); it is measured as the model will decode it, with the options its ``bind``
+    wrappers pass. Only a refused prompt of several passages is built again with the first alone:
+    where that does not fit either, no smaller ``k`` helps, and the refusal says what does."""
     from rag_lookahead.langchain.chat_model import ChatLookahead
 
-    what, advice = passage_prompt_words(shown, k, ONE_PASSAGE_ADVICE)
     model, options = _unwrapped(model)
     if _is_lookahead(model):
-        prompt = build_prompt()
-        model.check_prompt(prompt if isinstance(prompt, str) else prompt.to_string(), what, advice)
+
+        def measure(passages: Sequence[Document], what: str, advice: str) -> None:
+            prompt = build_prompt(passages)
+            model.check_prompt(prompt if isinstance(prompt, str) else prompt.to_string(), what, advice)
+
     elif isinstance(model, ChatLookahead):
-        prompt = build_prompt()
-        messages = [HumanMessage(prompt)] if isinstance(prompt, str) else prompt.to_messages()
         for name in _TAKEN_BY_LANGCHAIN:
             options.pop(name, None)
-        model.check_messages(messages, what, advice, **options)
+
+        def measure(passages: Sequence[Document], what: str, advice: str) -> None:
+            prompt = build_prompt(passages)
+            messages = [HumanMessage(prompt)] if isinstance(prompt, str) else prompt.to_messages()
+            model.check_messages(messages, what, advice, **options)
+
+    else:
+        return
+    what, advice = passage_prompt_words(len(shown), k, ONE_PASSAGE_ADVICE)
+    try:
+        measure(shown, what, advice)
+    except InputError as error:
+        # the advice ends a refusal for want of room only (no_room_words): another error is the model's
+        if len(shown) < 2 or not str(error).endswith(advice):
+            raise
+        try:
+            measure(shown[:1], what, advice)
+        except InputError as alone:
+            if str(alone).endswith(advice):  # the first passage alone leaves no room either
+                measure(shown, *passage_prompt_words(len(shown), k, ONE_PASSAGE_ADVICE, one_fits=False))
+        raise
 
 
 #: bound keywords LangChain's chat model call takes itself, before the model's own options (none
@@ -425,7 +454,7 @@ def build_rag_chain(
         if _is_lookahead(llm):
             kwargs["references"] = [[d.page_content for d in docs[k_prompt:]]]
         text = make_prompt(question, docs[:k_prompt], prompt)
-        _check_passages_fit(llm, lambda: text, len(docs[:k_prompt]), names[0])
+        _check_passages_fit(llm, lambda passages: make_prompt(question, passages, prompt), docs[:k_prompt], names[0])
         return [text], kwargs
 
     def traced(config: RunnableConfig) -> dict:
@@ -574,7 +603,9 @@ def build_chat_rag_chain(
             "retrieval": {"retrieval_seconds": round(time.perf_counter() - t0, 4), "seed_passages": len(seeds)},
         }
         # the prompt the chat model will get, judged now: before the sources are streamed
-        _check_passages_fit(chat_model, lambda: prompt.invoke(fetched), len(shown))
+        _check_passages_fit(
+            chat_model, lambda passages: prompt.invoke({**fetched, "context": format_context(passages)}), shown
+        )
         if seeds and hasattr(seeding, "register_seeds"):
             seeding.register_seeds([d.page_content for d in shown], [d.page_content for d in seeds])
         return fetched
@@ -670,8 +701,10 @@ class SeedingRetriever(BaseRetriever):
         shown, seeds = docs[: self.k_prompt], docs[self.k_prompt :]
         if self.llm is not None and self.prompt is not None:
             # as RetrievalQA will fill it: the passages headed as below, the query as given
-            filled = {"context": format_context(shown), "question": query}
-            _check_passages_fit(self.llm, lambda: self.prompt.invoke(filled), len(shown))
+            def filled(passages: Sequence[Document]) -> PromptValue:
+                return self.prompt.invoke({"context": format_context(passages), "question": query})
+
+            _check_passages_fit(self.llm, filled, shown)
         if seeds and self.llm is not None and hasattr(self.llm, "register_seeds"):
             self.llm.register_seeds([d.page_content for d in shown], [d.page_content for d in seeds])
         # each with its heading in the prompt, so RetrievalQA's "stuff" prompt is make_prompt's

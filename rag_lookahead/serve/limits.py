@@ -27,6 +27,7 @@ __all__ = [
     "checked_prompt",
     "checked_stop",
     "checked_text_length",
+    "prompt_fits",
 ]
 
 
@@ -99,9 +100,18 @@ def checked_text_length(
         )
 
 
+def prompt_fits(length: int, engine: Engine) -> bool:
+    """Whether ``length`` tokens fit ``max_prompt_tokens`` and leave the model's context room for an
+    answer (what :func:`check_prompt_length` refuses otherwise)."""
+    limit = engine.context_limit
+    return length <= engine.config.max_prompt_tokens and (limit is None or length < limit)
+
+
 def check_prompt_length(length: int, engine: Engine, param: str, what: str, advice: str = "") -> None:
     """400 unless ``length`` tokens fit ``max_prompt_tokens`` and leave the model's context room for
     an answer (for the whole prompt, or a part of it that must fit on its own: /v1/rag's question)."""
+    if prompt_fits(length, engine):
+        return
     config = engine.config
     if length > config.max_prompt_tokens:
         raise ApiError(

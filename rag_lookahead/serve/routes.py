@@ -32,6 +32,7 @@ from rag_lookahead.serve.limits import (
     checked_prompt,
     checked_stop,
     checked_text_length,
+    prompt_fits,
 )
 from rag_lookahead.serve.logprobs import AnswerLogprobs, LogprobFormat
 from rag_lookahead.serve.metrics import CONTENT_TYPE
@@ -303,9 +304,16 @@ async def rag(body: RagRequest, http_request: Request) -> Response:
     seeded = engine.lookahead.enabled and seeds
     references = await run_in_threadpool(engine.encode_passages, [d.page_content for d in seeds]) if seeded else []
     key = getattr(http_request.state, "key_id", "")
-    # with one passage k is at its least: only a shorter question makes room (the client cannot re-index)
-    what, advice = passage_prompt_words(len(shown), "'k'", "ask a shorter question")
-    ids = checked_prompt(prompt, engine, "k" if len(shown) > 1 else "question", what, advice)
+    # with one passage k is at its least: only a shorter question makes room (the client cannot
+    # re-index); so too where the first passage alone leaves no room (measured only when refused)
+    one_fits = True
+    if len(shown) > 1 and not prompt_fits(len(prompt), engine):
+        first = {"role": "user", "content": make_prompt(question, shown[:1])}
+        one_fits = prompt_fits(
+            len(await _encode_chat(engine, [first], "the prompt built from the question", None)), engine
+        )
+    what, advice = passage_prompt_words(len(shown), "'k'", "ask a shorter question", one_fits)
+    ids = checked_prompt(prompt, engine, "k" if len(shown) > 1 and one_fits else "question", what, advice)
     job = engine.new_request(ids, max_tokens, [], references, pool_key=key, sampling=_sampling(engine, {}, len(ids)))
     engine.submit(job)
     sources = [source_info(d, i < k) for i, d in enumerate(docs)]

@@ -289,6 +289,23 @@ def test_a_prompt_that_k_passages_make_too_long_names_k_before_decoding(five_pas
     assert refused_forwards == 0 and len(forwards) > 0  # the refused one ran none; the second decoded
 
 
+def test_a_prompt_that_even_one_passage_makes_too_long_advises_no_smaller_k(five_passage_index, tiny_llm, monkeypatch):
+    """`ask --k 5` where the question with its first passage alone overflows the context: the
+    refusal advised "a smaller --k", and `--k 1` was refused too. No --k helps, so it says so and
+    what does, still counting the prompt it refused (its five passages)."""
+    args = ["ask", "What does the budget setting change?", "--index-dir", str(five_passage_index), "--k", "5"]
+    counted = re.search(r"its 5 passage\(s\) has (\d+) tokens", one_error_line(CliRunner().invoke(app, args)))
+    monkeypatch.setattr(tiny_llm.config, "max_position_embeddings", 80)  # the question fits, with a passage not
+    line = one_error_line(CliRunner().invoke(app, args))
+    assert line == (
+        f"error: the prompt built from the question and its 5 passage(s) has {counted.group(1)} tokens but the"
+        " model's context holds 80, prompt and answer together: no room is left for an answer; even with one"
+        " passage it is too long, so no smaller --k helps: ask a shorter question, index the documents in smaller"
+        " chunks (a smaller chunk size), or use a model with a longer context"
+    ), line
+    assert "its 1 passage(s)" in one_error_line(CliRunner().invoke(app, [*args[:-1], "1"]))  # as --k 1 is refused
+
+
 def test_a_prompt_that_one_passage_makes_too_long_advises_chunks_or_context(five_passage_index, tiny_llm, monkeypatch):
     """With one passage --k is at its least: a smaller --k cannot be the advice."""
     monkeypatch.setattr(tiny_llm.config, "max_position_embeddings", 80)  # the question fits, with a passage not

@@ -937,6 +937,35 @@ def test_a_prompt_that_k_prompt_passages_make_too_long_names_k_prompt_before_dec
     assert fits and forwards  # two passages fit: answered
 
 
+@pytest.mark.parametrize("builder", ["build_rag_chain", "build_chat_rag_chain", "build_retrieval_qa"])
+def test_a_prompt_that_even_one_passage_makes_too_long_advises_no_smaller_k_prompt(corpus_index, builder, monkeypatch):
+    """Where the question with its first passage alone overflows the context, each chain advised
+    "a smaller k_prompt", which could not help: it says so and what does, still counting the
+    prompt it refused (its eight passages, as counted where the context is 256)."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.rag import chains
+    from rag_lookahead.tiny import build_tiny_model
+
+    model, tokenizer = build_tiny_model("qwen2", seed=0), tiny_tokenizer()
+    cls = ChatLookahead if builder == "build_chat_rag_chain" else LookaheadLLM
+    options = {"max_tokens": 2} if cls is ChatLookahead else {"max_new_tokens": 2}
+    llm = cls(model=model, tokenizer=tokenizer, **options)
+    question = {"query": QUESTION} if builder == "build_retrieval_qa" else QUESTION
+    chain = getattr(chains, builder)(llm, corpus_index, k_prompt=8, k_seed=8)
+    with pytest.raises(InputError, match=TOO_LONG_WITH_K) as refused:
+        chain.invoke(question)
+    tokens = TOO_LONG_WITH_K.search(str(refused.value)).group(1)
+    monkeypatch.setattr(model.config, "max_position_embeddings", 40)  # the question fits, no prompt of a passage
+    with pytest.raises(InputError) as refused:
+        chain.invoke(question)
+    assert str(refused.value) == (
+        f"the prompt built from the question and its 8 passage(s) has {tokens} tokens but the model's context"
+        " holds 40, prompt and answer together: no room is left for an answer; even with one passage it is too"
+        f" long, so no smaller k_prompt helps: {chains.ONE_PASSAGE_ADVICE}"
+    )
+
+
 def test_the_chat_chain_builds_its_prompt_for_the_length_check_only_for_a_model_of_ours(corpus_index):
     """The check filled the prompt for every chat model, with ``format_prompt``: another model's
     chain with a prompt that is a Runnable (not a template) failed with an AttributeError, and a

@@ -426,24 +426,59 @@ def test_rag_refuses_a_full_queue_before_retrieving(tokenizer, monkeypatch, tiny
         assert len(retrievals) == 1 and r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
 
 
-def bare_prompt_length(tokenizer, question: str) -> int:
-    """Tokens of /v1/rag's prompt for ``question`` with no passage (the template's words and the question)."""
+def bare_prompt_length(tokenizer, question: str, passages=()) -> int:
+    """Tokens of /v1/rag's prompt for ``question`` with ``passages`` (none: the template's words and the question)."""
     from rag_lookahead.rag.chains import make_prompt
     from rag_lookahead.tokens import encode_messages
 
-    return len(encode_messages(tokenizer, [{"role": "user", "content": make_prompt(question, [])}]))
+    return len(encode_messages(tokenizer, [{"role": "user", "content": make_prompt(question, list(passages))}]))
+
+
+def first_passage(index, question: str):
+    """The passage /v1/rag shows first for ``question`` (the nearest in ``index``), as a document."""
+    return index.search(question, 2)[0].to_document()
 
 
 def test_rag_names_k_when_the_built_prompt_is_too_long(tokenizer, tiny_index):
-    """The question fits, but the prompt the server builds around it does not: the error says so and
-    names what the client can change, not a 'prompt' it never sent."""
-    engine = tiny_engine(tokenizer, max_prompt_tokens=bare_prompt_length(tokenizer, "How tall is Etna?") + 1)
+    """The question fits, and with its first passage, but the prompt the server builds around it
+    with two does not: the error says so and names what the client can change, not a 'prompt' it
+    never sent; with 'k' 1 the prompt is no longer refused for its length."""
+    question = "How tall is Etna?"
+    one = bare_prompt_length(tokenizer, question, [first_passage(tiny_index, question)])
+    engine = tiny_engine(tokenizer, max_prompt_tokens=one)
     engine.index = tiny_index
     with serving(engine) as base:
-        r = httpx.post(base + "/v1/rag", json={"question": "How tall is Etna?", "k": 2, "max_tokens": 4}, timeout=60)
+        r = httpx.post(base + "/v1/rag", json={"question": question, "k": 2, "max_tokens": 4}, timeout=60)
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == "k", r.text
         assert "built from the question and its 2 passage(s)" in error["message"] and "smaller 'k'" in error["message"]
+        assert "no smaller" not in error["message"], r.text
+        # k 1 fits the limit (and is refused only for the tiny model's 96-token vocabulary)
+        r = httpx.post(base + "/v1/rag", json={"question": question, "k": 1, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"], r.text
+
+
+def test_rag_names_the_question_where_even_one_passage_makes_the_prompt_too_long(tokenizer, tiny_index):
+    """Two passages overflow the prompt limit, and the first alone does too: the refusal named 'k'
+    ("ask with a smaller 'k'"), and the client's retry with 'k' 1 was refused naming 'question'.
+    No k helps, so the first refusal names the question, and still counts the prompt it refused."""
+    question = "How tall is Etna?"
+    one = bare_prompt_length(tokenizer, question, [first_passage(tiny_index, question)])
+    engine = tiny_engine(tokenizer, max_prompt_tokens=one - 1)
+    engine.index = tiny_index
+    assert bare_prompt_length(tokenizer, question) <= one - 1  # the question fits with no passage
+    with serving(engine) as base:
+        r = httpx.post(base + "/v1/rag", json={"question": question, "k": 2, "max_tokens": 4}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "question", r.text
+        two = bare_prompt_length(tokenizer, question, [d.to_document() for d in tiny_index.search(question, 2)])
+        assert error["message"] == (
+            f"the prompt built from the question and its 2 passage(s) has {two} tokens; this server accepts at"
+            f" most {one - 1} (max_prompt_tokens); even with one passage it is too long, so no smaller 'k'"
+            " helps: ask a shorter question"
+        ), r.text
+        r = httpx.post(base + "/v1/rag", json={"question": question, "k": 1, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "question", r.text
 
 
 def test_rag_searches_the_stripped_question_and_refuses_one_the_context_cannot_hold(tokenizer, monkeypatch, tiny_index):
