@@ -19,6 +19,32 @@ class InputError(RagLookaheadError, ValueError):
     """Invalid input data: empty prompt, prompt longer than the model's context, empty question."""
 
 
+class NoRoomError(InputError):
+    """A prompt that leaves no room for an answer in the model's context window. ``length`` and
+    ``holds`` (the limit as the message names it) let a caller that built the prompt (the RAG
+    chains) say again in its own words what made it too long (:meth:`reworded`)."""
+
+    def __init__(self, length: int, holds: str, what: str = "the input", advice: str = "") -> None:
+        self.length, self.holds, self.what, self.advice = length, holds, what, advice
+        super().__init__(no_room_message(length, holds, what, advice))
+
+    def __reduce__(self):  # pickled with its parts (a replica's error), not its message alone
+        return type(self), (self.length, self.holds, self.what, self.advice)
+
+    def reworded(self, what: str, advice: str) -> NoRoomError:
+        """The same refusal, the prompt named ``what`` and ``advice`` after it."""
+        return NoRoomError(self.length, self.holds, what, advice)
+
+
+def no_room_message(length: int, holds: str, what: str = "the input", advice: str = "") -> str:
+    """How a prompt of ``length`` tokens that leaves no room for an answer is refused: ``what``
+    names the prompt, ``holds`` the context limit, ``advice`` ("; ...") says how to shorten it."""
+    return (
+        f"{what} has {length} tokens but the model's context holds {holds}, prompt and"
+        f" answer together: no room is left for an answer{advice}"
+    )
+
+
 class ModelLoadError(RagLookaheadError, OSError):
     """A model could not be found, downloaded, verified or converted."""
 

@@ -15,7 +15,7 @@ from numbers import Integral
 import torch
 
 from rag_lookahead.decoding.windows import ignored_window
-from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.errors import ConfigError, InputError, NoRoomError, no_room_message
 
 
 def check_model(model) -> None:
@@ -104,7 +104,7 @@ def check_prompt_room(model, length: int, what: str = "the input", advice: str =
     takes them."""
     limit = context_limit(model)
     if limit is not None and length >= limit:
-        raise InputError(no_room_words(model, length, limit, what, advice))
+        raise NoRoomError(length, limit_words(model, limit), what, advice)
 
 
 def no_room_words(model, length: int, limit: int, what: str = "the input", advice: str = "") -> str:
@@ -112,10 +112,7 @@ def no_room_words(model, length: int, limit: int, what: str = "the input", advic
     ``limit`` is refused: ``what`` names the prompt, ``advice`` ("; ...") says how to shorten it
     where the caller built it (the server's ``/v1/rag``, ``ask`` and the RAG chains: the question
     with its passages, :func:`rag_lookahead.rag.chains.passage_prompt_words`)."""
-    return (
-        f"{what} has {length} tokens but the model's context holds {limit_words(model, limit)}, prompt and"
-        f" answer together: no room is left for an answer{advice}"
-    )
+    return no_room_message(length, limit_words(model, limit), what, advice)
 
 
 def as_batch(input_ids, attention_mask=None, masked_pad: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

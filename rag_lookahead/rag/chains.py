@@ -41,7 +41,7 @@ from langchain_core.runnables.utils import AddableDict
 from pydantic import StrictInt
 
 from rag_lookahead.checks import positive_int, unicode_text
-from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.errors import ConfigError, InputError, NoRoomError
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS
 
 __all__ = [
@@ -281,7 +281,7 @@ def _check_passages_fit(
     model, options = _unwrapped(model)
     if _is_lookahead(model):
 
-        def measure(passages: Sequence[Document], what: str, advice: str) -> None:
+        def measure(passages: Sequence[Document], what: str = "the input", advice: str = "") -> None:
             prompt = build_prompt(passages)
             model.check_prompt(prompt if isinstance(prompt, str) else prompt.to_string(), what, advice)
 
@@ -289,26 +289,28 @@ def _check_passages_fit(
         for name in _TAKEN_BY_LANGCHAIN:
             options.pop(name, None)
 
-        def measure(passages: Sequence[Document], what: str, advice: str) -> None:
+        def measure(passages: Sequence[Document], what: str = "the input", advice: str = "") -> None:
             prompt = build_prompt(passages)
             messages = [HumanMessage(prompt)] if isinstance(prompt, str) else prompt.to_messages()
             model.check_messages(messages, what, advice, **options)
 
     else:
         return
-    what, advice = passage_prompt_words(len(shown), k, ONE_PASSAGE_ADVICE)
     try:
-        measure(shown, what, advice)
-    except InputError as error:
-        # the advice ends a refusal for want of room only (no_room_words): another error is the model's
-        if len(shown) < 2 or not str(error).endswith(advice):
+        measure(shown, *passage_prompt_words(len(shown), k, ONE_PASSAGE_ADVICE))
+    except NoRoomError as refused:
+        if len(shown) < 2 or _leaves_room(measure, shown[:1]):
             raise
-        try:
-            measure(shown[:1], what, advice)
-        except InputError as alone:
-            if str(alone).endswith(advice):  # the first passage alone leaves no room either
-                measure(shown, *passage_prompt_words(len(shown), k, ONE_PASSAGE_ADVICE, one_fits=False))
-        raise
+        raise refused.reworded(*passage_prompt_words(len(shown), k, ONE_PASSAGE_ADVICE, one_fits=False)) from None
+
+
+def _leaves_room(measure: Callable[..., None], passages: Sequence[Document]) -> bool:
+    """Whether the prompt built with ``passages`` leaves room for an answer (``measure`` refuses it)."""
+    try:
+        measure(passages)
+    except NoRoomError:
+        return False
+    return True
 
 
 #: bound keywords LangChain's chat model call takes itself, before the model's own options (none

@@ -10,7 +10,7 @@ from tiny_models import VOCAB, reference_generate, tiny_model
 
 from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding.loop import DecodeBatch
-from rag_lookahead.errors import ConfigError, InputError
+from rag_lookahead.errors import ConfigError, InputError, NoRoomError
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,21 @@ def test_a_prompt_filling_the_context_is_refused_by_the_batch_too(model):
     batch = DecodeBatch(model, LookaheadConfig(), frozenset(), None)
     (row,) = batch.add(ids[1:, 1:], mask[1:, 1:], None, 4)  # limit - 2 tokens: room to decode
     assert batch.size == 1
+
+
+def test_a_prompt_with_no_room_is_a_no_room_error_that_keeps_its_length_when_reworded_or_pickled(model):
+    """The RAG chains reword this refusal by its parts (they matched the message's text before)."""
+    import pickle
+
+    limit = model.config.max_position_embeddings
+    with pytest.raises(NoRoomError) as caught:
+        generate(model, torch.full((1, limit + 3), 5), max_new_tokens=4)
+    refused = caught.value
+    assert isinstance(refused, InputError) and refused.length == limit + 3
+    again = refused.reworded("the prompt built from X", "; ask less")
+    assert str(again) == str(refused).replace("the input", "the prompt built from X", 1) + "; ask less"
+    copy = pickle.loads(pickle.dumps(again))
+    assert type(copy) is NoRoomError and str(copy) == str(again) and copy.length == limit + 3
 
 
 def test_max_new_tokens_may_be_a_numpy_or_tensor_integer(model):
