@@ -28,8 +28,8 @@ class NoRoomError(InputError):
         self.length, self.holds, self.what, self.advice = length, holds, what, advice
         super().__init__(no_room_message(length, holds, what, advice))
 
-    def __reduce__(self):  # pickled with its parts (a replica's error), not its message alone
-        return type(self), (self.length, self.holds, self.what, self.advice)
+    def __reduce__(self):  # rebuilt from its parts (the default passes the message alone), notes kept
+        return type(self), (self.length, self.holds, self.what, self.advice), self.__dict__
 
     def reworded(self, what: str, advice: str) -> NoRoomError:
         """The same refusal, the prompt named ``what`` and ``advice`` after it."""

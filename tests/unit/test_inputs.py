@@ -55,8 +55,10 @@ def test_a_prompt_with_no_room_is_a_no_room_error_that_keeps_its_length_when_rew
     assert isinstance(refused, InputError) and refused.length == limit + 3
     again = refused.reworded("the prompt built from X", "; ask less")
     assert str(again) == str(refused).replace("the input", "the prompt built from X", 1) + "; ask less"
+    again.add_note("a note")
     copy = pickle.loads(pickle.dumps(again))
     assert type(copy) is NoRoomError and str(copy) == str(again) and copy.length == limit + 3
+    assert copy.__notes__ == ["a note"]
 
 
 def test_max_new_tokens_may_be_a_numpy_or_tensor_integer(model):
