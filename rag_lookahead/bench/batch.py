@@ -12,7 +12,6 @@ to its last token) and whether every output equals the single-request greedy out
 from __future__ import annotations
 
 import functools
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -52,6 +51,7 @@ from rag_lookahead.bench.common import (
     in_turn,
     load_bench_model,
     load_prompts,
+    print_json_line,
     print_rows,
     prompts_file,
     report_despite_stdout,
@@ -70,6 +70,9 @@ BASE_METHODS = ("hf_greedy", "plain", "lookahead")
 #: also: transformers greedy on torch's stock kernels (``transformers_kernels``: the model as transformers runs it;
 #: "hf_greedy" runs on the layout ``load_model`` gives the model, as ours does)
 STOCK_METHOD = "hf_greedy_stock"
+#: every name --methods takes, the table it is checked against and its help lists (the help listed none)
+ACCEPTED_METHODS = (*BASE_METHODS, STOCK_METHOD)
+METHODS_HELP = f"comma-separated, of: {', '.join(ACCEPTED_METHODS)}"
 
 
 def run_hf_waves(model, requests, level, max_new_tokens, eos, pad, stock: bool = False):
@@ -158,7 +161,7 @@ def timed_run(work: Workload, method: str, level: int, repeat: int) -> tuple[dic
         "identical_to_single": None,  # filled in once the single-request outputs exist
         "mean_accepted": None if accepted is None else round(accepted, 3),  # None: transformers' (no drafts)
     }
-    print(json.dumps(row, ensure_ascii=False), flush=True)  # a JSON line, as bench prints its rows
+    print_json_line(row)
     return row, produced
 
 
@@ -214,10 +217,10 @@ def parse_methods(methods: str, extra_branch_length: str, branch_length: int) ->
     """The methods to run (the extra depths last) and the extra depths, ``lookahead_bN`` -> N."""
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
     depths = extra_depth_methods(extra_branch_length)
-    unknown = set(chosen) - {*BASE_METHODS, STOCK_METHOD}
+    unknown = set(chosen) - set(ACCEPTED_METHODS)
     if unknown:
         raise typer.BadParameter(
-            f"unknown methods: {', '.join(sorted(unknown))} (choose from {', '.join((*BASE_METHODS, STOCK_METHOD))})",
+            f"unknown methods: {', '.join(sorted(unknown))} (choose from {', '.join(ACCEPTED_METHODS)})",
             param_hint="--methods",
         )
     check_method_list(chosen, depths, methods, branch_length)
@@ -250,7 +253,7 @@ def batch(
     requests: Annotated[int, typer.Option(help="requests per concurrency level (prompts cycled)")] = 16,
     concurrency: str = "1,4,16",
     max_new_tokens: int = 96,
-    methods: str = ",".join(BASE_METHODS),
+    methods: Annotated[str, typer.Option(help=METHODS_HELP)] = ",".join(BASE_METHODS),
     branch_length: BranchLengthOption = DEFAULT_BRANCH_LENGTH,
     extra_branch_length: ExtraBranchLengthOption = "",
     repeats: Annotated[

@@ -218,6 +218,28 @@ def check_method_list(chosen: Sequence[str], extra_depths: Mapping[str, int], me
         )
 
 
+#: what a tiny-model smoke run (``bench.interference --tiny``, ``gpu_check --tiny-only``) replaces,
+#: and the values it runs with: an option given another value with it was ignored, unsaid (the
+#: report's settings still recorded it). Each command names those its run replaces.
+_TINY_REPLACES = {
+    "prompts": ((None,), "--prompts", "its prompts are random tokens"),
+    "model": (("default",), "--model", "it runs tiny random models only"),
+    "device_map": ((None,), "--device-map", "the tiny models run whole on --device"),
+    "dtype": (("auto", "fp32", "float32"), "--dtype", "the tiny model runs in fp32"),
+    "device": ((None, "cpu"), "--device", "the tiny model runs on the CPU"),
+    "trust_remote_code": ((False,), "--trust-remote-code", "tiny random models ship no code of their own"),
+}
+
+
+def refuse_with_tiny(flag: str, **given: str | bool | None) -> None:
+    """A usage error for an option the tiny run of ``flag`` replaces (see ``_TINY_REPLACES``) given
+    with it, unless its value is what the tiny run uses anyway (``--device cpu``, ``--dtype fp32``)."""
+    for name, value in given.items():
+        kept, option, why = _TINY_REPLACES[name]
+        if (value.strip().lower() if isinstance(value, str) else value) not in kept:
+            raise typer.BadParameter(f"does not apply with {flag} ({why})", param_hint=option)
+
+
 @contextmanager
 def given_or_temporary_index(index_dir: str | None, build: Callable[[Path], Any], prefix: str) -> Iterator:
     """The index at ``index_dir``; without one, what ``build(folder)`` makes in a temporary folder
@@ -733,6 +755,12 @@ def write_report(
         print(f"wrote {path}")
     _SAVED_REPORT.set(written)
     return written
+
+
+def print_json_line(row: Mapping[str, Any]) -> None:
+    """One result row on stdout as a JSON line (non-ASCII text as is), flushed: the per-prompt rows
+    of ``bench``, ``bench.batch``, ``bench.rag`` and ``bench.quality``."""
+    print(json.dumps(row, ensure_ascii=False), flush=True)
 
 
 def table_columns(rows: Iterable[dict]) -> list:

@@ -39,6 +39,7 @@ from rag_lookahead.bench.common import (
     keeps_report_despite_stdout,
     load_bench_model,
     load_prompts,
+    refuse_with_tiny,
     run_command,
     write_report,
 )
@@ -58,7 +59,7 @@ from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.decoding.costs import model_devices, recalibrate_asked
 from rag_lookahead.decoding.verify import supports_tree_mask
 from rag_lookahead.errors import ConfigError, first_line
-from rag_lookahead.models import resolve_dtype
+from rag_lookahead.models import placement, resolve_dtype
 from rag_lookahead.tiny import build_tiny_model
 
 PROG = "python -m rag_lookahead.bench.gpu_check"
@@ -235,9 +236,11 @@ def table_rows(report: dict) -> Iterator[TableRow]:
         result = f"attention {model['attn_implementation']}, tree mask {model['tree_mask']}, on {devices}"
         yield "model", model["label"], result, None
     for method, s in report.get("speed_batch1", {}).get("summary", {}).items():
+        # greedy is the reference, compared with nothing: its row said "None identical"
+        identical = "" if s["identical_to_greedy"] is None else f", {s['identical_to_greedy']} identical"
         result = (
             f"{s['decode_tokens_per_second']} tok/s decode, x{s['speedup_decode']} greedy, "
-            f"x{s['vs_prompt_lookup_decode']} prompt lookup, {s['identical_to_greedy']} identical"
+            f"x{s['vs_prompt_lookup_decode']} prompt lookup{identical}"
         )
         yield "speed batch 1", method, result, None
     yield from _concurrency_rows(report.get("concurrency", {}))
@@ -334,11 +337,8 @@ def gpu_check(
 
     Exits 1 when an output differs where it must not (fp32 exactness) or a section failed.
     """
-    if tiny_only and trust_remote_code:  # it loads no model whose code could run
-        raise typer.BadParameter(
-            "does not apply with --tiny-only (it runs tiny random models only, which ship no code)",
-            param_hint="--trust-remote-code",
-        )
+    if tiny_only:  # no real model loads: --model and --device-map were ignored, unsaid, the report recording them
+        refuse_with_tiny("--tiny-only", model=model, device_map=device_map, trust_remote_code=trust_remote_code)
     seen = check_output_path(json_path)
     check_attention(attn)
     if dtype is not None:  # refused now: it failed in the model section, after the tiny ones had run
@@ -348,6 +348,9 @@ def gpu_check(
             raise typer.BadParameter(first_line(err), param_hint="--dtype") from None
     if tiny_only:
         recalibrate_asked()  # a bad RAG_LOOKAHEAD_RECALIBRATE failed the last three sections, each with a traceback
+        # a device torch does not see (--device cuda without a GPU), said in one line as load_model says it:
+        # every section failed with a traceback ("Torch not compiled with CUDA enabled")
+        placement(device, None)
     else:  # a model that will not load, said in one line now: it failed the "model" section with a traceback,
         # after the environment and tiny sections had run (a bad RAG_LOOKAHEAD_RECALIBRATE too)
         check_bench_model(model, dtype, device, device_map, trust_remote_code)

@@ -43,6 +43,7 @@ from rag_lookahead.bench.common import (
     load_prompts,
     print_rows,
     prompts_file,
+    refuse_with_tiny,
     run_command,
     write_report,
 )
@@ -224,26 +225,6 @@ def tiny_mix(settings: dict):
     return model, [], 0, shorts, longs, LookaheadConfig()
 
 
-#: what ``--tiny`` replaces, and the values it runs with: an option given another value with it ran
-#: the tiny model's fp32 smoke run on the CPU all the same, unsaid
-_TINY_REPLACES = {
-    "prompts": ((None,), "--prompts", "its prompts are random tokens"),
-    "model": (("default",), "--model", "it runs a tiny random model"),
-    "dtype": (("auto", "fp32", "float32"), "--dtype", "the tiny model runs in fp32"),
-    "device": ((None, "cpu"), "--device", "the tiny model runs on the CPU"),
-    "trust_remote_code": ((False,), "--trust-remote-code", "the tiny model ships no code of its own"),
-}
-
-
-def refuse_with_tiny(**given: str | bool | None) -> None:
-    """A usage error for an option ``--tiny`` replaces (see ``_TINY_REPLACES``) given with it, unless
-    its value is what the tiny run uses anyway (``--device cpu``, ``--dtype fp32``)."""
-    for name, value in given.items():
-        kept, option, why = _TINY_REPLACES[name]
-        if (value.strip().lower() if isinstance(value, str) else value) not in kept:
-            raise typer.BadParameter(f"does not apply with --tiny ({why})", param_hint=option)
-
-
 @keeps_report_despite_stdout
 def interference(
     model: ModelOption = "default",
@@ -277,7 +258,9 @@ def interference(
         }
     )
     if tiny:
-        refuse_with_tiny(prompts=prompts, model=model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        refuse_with_tiny(
+            "--tiny", prompts=prompts, model=model, dtype=dtype, device=device, trust_remote_code=trust_remote_code
+        )
     seen = check_output_path(json_path, inputs=[prompts_file(prompts)])
     if not no_lookahead:  # a bad value, said now: the warm-up read it, after the model loaded
         recalibrate_asked()

@@ -48,6 +48,7 @@ from rag_lookahead.bench.common import (
     load_bench_model,
     passage_counts,
     peak_rss_gb,
+    print_json_line,
     run_command,
     write_report,
 )
@@ -139,7 +140,7 @@ def ask_all(model, tokenizer, index, name: str, max_new_tokens: int, k_prompt: i
                 "answer": result["answer"],
             }
         )
-        print(f"{name}: {rows[-1]}", flush=True)
+        print_json_line(rows[-1])  # a JSON line, as bench prints its rows (it was a Python dict)
     return rows
 
 

@@ -13,7 +13,6 @@ identical to the "off" answer.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -40,6 +39,7 @@ from rag_lookahead.bench.common import (
     keeps_report_despite_stdout,
     load_bench_model,
     passage_counts,
+    print_json_line,
     print_rows,
     run_command,
     run_record,
@@ -114,7 +114,7 @@ def ask_every_way(model, tokenizer, index, model_name: str, k_prompt: int, k_see
                 "identical_to_off": same,
             }
         rows.append(row)
-        print(json.dumps(row, ensure_ascii=False), flush=True)  # a JSON line, as bench prints its rows
+        print_json_line(row)
     return rows, per_mode
 
 

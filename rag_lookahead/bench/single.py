@@ -10,7 +10,6 @@ output is token-identical to greedy.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -53,6 +52,7 @@ from rag_lookahead.bench.common import (
     in_turn,
     load_bench_model,
     load_prompts,
+    print_json_line,
     print_rows,
     prompts_file,
     report_despite_stdout,
@@ -94,8 +94,12 @@ class SeedMode(Enum):
     none = "none"
 
 
+#: every name --methods takes, the table it is checked against and its help lists (the help left
+#: out the sampling methods)
+ACCEPTED_METHODS = (*METHODS, *SAMPLING_METHODS)
 METHODS_HELP = (
-    f"comma-separated, of: {', '.join(METHODS)} (default: {', '.join(METHODS[:4])}). "
+    f"comma-separated, of: {', '.join(ACCEPTED_METHODS)} (default: {', '.join(METHODS[:4])}; "
+    f"{', '.join(SAMPLING_METHODS)} run once per --temperatures value). "
     "lookahead starts each prompt with an empty output pool; lookahead_warm keeps one pool across "
     "the prompts of a pass (earlier answers, never the same prompt's), as a RAG session would; "
     "lookahead_unseeded ignores the context passage given with --seed-mode references (drafts from the prompt only); "
@@ -147,7 +151,7 @@ def expand_methods(
     """The methods to run, in order: greedy ones, each sampling one per temperature, the extra depths.
     No temperature twice (as its methods name it: 0.7 and 0.70 ran the same methods twice)."""
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
-    unknown = set(chosen) - set(METHODS) - set(SAMPLING_METHODS)
+    unknown = set(chosen) - set(ACCEPTED_METHODS)
     try:
         values = [float(t) for t in temperatures.split(",") if t.strip()]
     except ValueError:
@@ -260,7 +264,7 @@ def measure(runner: MethodRunner, methods: Sequence[str]) -> Measured:
             runs = in_turn(methods, n + repeat, runner.run, prompt, repeat)
             row = prompt_row(runner, prompt, repeat, runs, measured)
             measured.per_prompt.append(row)
-            print(json.dumps(row, ensure_ascii=False), flush=True)
+            print_json_line(row)
     return measured
 
 

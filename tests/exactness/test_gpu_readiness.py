@@ -332,6 +332,11 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     summary = report["speed_batch1"]["summary"]
     assert {"greedy", "prompt_lookup", "lookahead"} <= set(summary)
     assert summary["greedy"]["identical_to_greedy"] is None  # not compared with itself (it read n/n)
+    from rag_lookahead.bench.gpu_check import table_rows
+
+    speed = {case: result for section, case, result, _ in table_rows(report) if section == "speed batch 1"}
+    assert "None" not in speed["greedy"] and speed["greedy"].endswith(" prompt lookup")  # "..., None identical"
+    assert speed["lookahead"].endswith(f", {summary['lookahead']['identical_to_greedy']} identical")
     assert report["concurrency"]["lookahead"]["identical"] == report["concurrency"]["requests"]
     stress = report["stress"]
     assert stress["rows"] >= 2 and 0 < stress["step_ms_p50"] <= stress["step_ms_p95"]

@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
 
 from rag_lookahead.bench import common
 from rag_lookahead.bench.retrieval import Item
@@ -95,6 +96,23 @@ BAD_OPTIONS = [  # (benchmark, argv, what it exits with: a one-line error, or a 
     ),
     ("gpu_check", ["--device", "cpu", "--tiny-only", "--attn", "bogus"], NO_METHOD),  # every section failed
     ("gpu_check", ["--device", "cpu", "--tiny-only", "--trust-remote-code"], NO_METHOD),  # loads no model
+    # a device torch does not see: every section failed with a traceback, then a table "GPU check: ? (?)"
+    (
+        "gpu_check",
+        ["--device", "meta", "--small", "--tiny-only"],
+        "error: device 'meta' holds shapes, not weights: nothing can be decoded on it; use cpu or a GPU",
+    ),
+    *(
+        [
+            (
+                "gpu_check",
+                ["--device", "cuda", "--small", "--tiny-only"],
+                f"error: device 'cuda' asked for, but torch {torch.__version__} sees no CUDA GPU",
+            )
+        ]
+        if not torch.cuda.is_available()
+        else []
+    ),
     ("gpu_check", ["--device", "cpu", "--dtype", "fp8"], NO_METHOD),  # failed in the model section, a traceback
     # without flash-attn (or kernels) every section failed
     *([("gpu_check", ["--device", "cpu", "--attn", "flash_attention_2"], NO_METHOD)] if _NO_FLASH_ATTENTION else []),
@@ -240,6 +258,37 @@ def _stop_at_the_model(monkeypatch, tmp_path, module: str):
     for name in ("tiny_mix", "run_check"):  # interference --tiny's model, gpu_check's sections
         monkeypatch.setattr(bench, name, reached, raising=False)
     return bench
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "refused"),
+    [
+        ("gpu_check", ["--tiny-only", "--model", "quality"], "--model"),
+        ("gpu_check", ["--tiny-only", "--device-map", "auto"], "--device-map"),
+        ("gpu_check", ["--tiny-only", "--device-map", "cpu"], "--device-map"),
+        ("gpu_check", ["--tiny-only", "--trust-remote-code"], "--trust-remote-code"),
+        ("interference", ["--tiny", "--model", "quality"], "--model"),
+        ("interference", ["--tiny", "--device", "cuda"], "--device"),
+    ],
+)
+def test_an_option_a_tiny_run_replaces_is_refused_by_name(tmp_path, monkeypatch, capsys, module, argv, refused):
+    """gpu_check --tiny-only ignored --model and --device-map: it ran the tiny models to the end, exit 0,
+    the report's settings naming a model that never ran. It shares bench.interference --tiny's
+    refusal (a usage error before anything runs), each naming its own flag."""
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps the usage error to the terminal's width
+    bench = _stop_at_the_model(monkeypatch, tmp_path, module)
+    with pytest.raises(SystemExit) as done:
+        bench.main(["--device", "cpu", *argv] if module == "gpu_check" else argv)
+    assert done.value.code == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert refused in said and f"does not apply with {argv[0]}" in said
+
+
+def test_gpu_check_tiny_only_takes_the_default_model_and_a_device_it_sees(tmp_path, monkeypatch):
+    """What the tiny run uses anyway is not refused: it goes on to the sections."""
+    bench = _stop_at_the_model(monkeypatch, tmp_path, "gpu_check")
+    with pytest.raises(_Reached):
+        bench.main(["--device", "cpu", "--small", "--tiny-only", "--model", "default"])
 
 
 RECALIBRATE_READERS = [  # (benchmark, argv): each decodes with budget="auto", which reads the variable

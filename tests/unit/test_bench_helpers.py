@@ -300,6 +300,47 @@ def test_a_wide_table_prints_its_names_whole(capsys):
     assert all(name in printed for name in row) and "hf_greedy_stock" in printed
 
 
+def _methods_help(command) -> str:
+    """The --methods help line of a benchmark's --help, as printed (one line: no wrapping at 5000 columns)."""
+    import io
+    from contextlib import redirect_stdout
+
+    from rag_lookahead.bench.common import run_command
+
+    printed = io.StringIO()
+    with redirect_stdout(printed), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("COLUMNS", "5000")
+        assert run_command(command, ["--help"], "bench") == 0
+    return next(line for line in printed.getvalue().splitlines() if "--methods " in line)
+
+
+def test_the_help_of_bench_and_bench_batch_lists_every_method_they_take():
+    """bench's --methods help left out sample, prompt_lookup_sample and lookahead_sample; bench.batch's
+    listed no method (only its error named them)."""
+    import re
+
+    from rag_lookahead.bench import batch, methods, single
+
+    names = {*methods.METHODS, *methods.SAMPLING_METHODS, *methods.STOCK_METHODS, *batch.BASE_METHODS}
+    names.add(batch.STOCK_METHOD)
+
+    def taken(check, name: str) -> bool:
+        try:
+            check(name)
+        except typer.BadParameter:
+            return False
+        return True
+
+    for command, check, expected in (
+        (single.bench, lambda m: single.expand_methods(m, "0.7", {}, 48), {"sample", "lookahead_sample"}),
+        (batch.batch, lambda m: batch.parse_methods(m, "", 48), {"hf_greedy_stock", "plain"}),
+    ):
+        accepted = {name for name in names if taken(check, name)}
+        assert expected <= accepted
+        listed = set(re.findall(r"[a-z_]+", _methods_help(command)))
+        assert accepted <= listed, sorted(accepted - listed)
+
+
 class FixedLatencies:
     """A batch workload whose 20 requests took 1..20 s (the run itself is not what is checked)."""
 

@@ -303,9 +303,11 @@ def test_a_chart_path_taken_after_the_report_is_saved_is_said_truthfully(tmp_pat
     assert theirs.read_bytes() == PNG_SIGNATURE + b"a user's picture"
 
 
-def test_quality_pools_mean_accepted_and_records_the_dtype_that_ran(monkeypatch, tmp_path):
+def test_quality_pools_mean_accepted_records_the_dtype_that_ran_and_prints_json_lines(monkeypatch, tmp_path, capsys):
     """Its "mean accepted" averaged each answer's own ratio, a 1-token answer counted 0 (bench and
-    bench.rag pool it); its report's "dtype" said "auto", not what ran."""
+    bench.rag pool it); its report's "dtype" said "auto", not what ran; its per-question rows went to
+    stdout as Python dicts (``default: {'model': ...}``) where bench, bench.batch and bench.rag print
+    JSON lines."""
     roomy = build_tiny_model("qwen2", max_positions=512), tiny_tokenizer()  # the RAG prompts are longer than 64
     quality = loading_tiny(monkeypatch, roomy, "quality")
     rows = [  # 1 token (no decode forward), then 41 tokens in 10 forwards: 40 / 10 pooled
@@ -318,6 +320,10 @@ def test_quality_pools_mean_accepted_and_records_the_dtype_that_ran(monkeypatch,
     report = quality.main(["--models", "default", "--max-new-tokens", "3", "--json", str(tmp_path / "q.json")])
     assert report["dtype"] == "fp32 (auto)" == report["summary"]["default"]["dtype"]
     assert all(row["decode forwards"] >= 1 for row in report["questions"])  # tiny's answers run to 3 tokens
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("{", "default:"))]
+    assert [json.loads(line) for line in printed] == report["questions"]
+    chinese = next(row["question"] for row in report["questions"] if not row["question"].isascii())
+    assert any(chinese in line for line in printed)  # as is, not \u escapes
 
 
 def test_batch_prints_json_lines_and_writes_null_where_a_figure_is_missing(tiny, monkeypatch, tmp_path, capsys):
