@@ -1201,6 +1201,11 @@ def test_second_build_waits_for_the_first(tmp_path, embedder, monkeypatch, caplo
         with pytest.raises(ix.IndexBusyError, match="another `rag_lookahead index` run") as err:
             build(a, index_dir, embedder, lock_timeout=0.2)
         assert "\n" not in str(err.value)
+        with caplog.at_level("WARNING", logger="rag_lookahead.rag.store"):
+            caplog.clear()  # the 0.2 s refusal above said it waited
+            with pytest.raises(ix.IndexBusyError, match="after 0 s"):
+                build(a, index_dir, embedder, lock_timeout=0)
+            assert "waiting up to" not in caplog.text  # --lock-timeout 0: the refusal alone, no "waiting up to 0 s"
         # by name, the embedder would load first (2-15 s) and only then find the folder busy: now it never loads
         from rag_lookahead.rag import embedders
 
