@@ -6,9 +6,10 @@ Each output line: {"question", "answer", "sources": [{source, chunk_id, score, i
 in input order. Questions are answered in batches through one batched generate call each
 (``LookaheadLLM.generate``, like ``.batch``); the output file is written to a temporary sibling and renamed into
 place, so an interrupted run never leaves a half-written file; an existing file at that path is replaced only
-if it is an earlier answers file of this pipeline. A run stopped part way (Ctrl-C, an error) writes the answers
-it made, the first questions' in order (beside an earlier run's answers file, never over it, unless resuming
-it), and ``--resume`` answers the rest after them. Where the file cannot be
+if it is an earlier answers file of this pipeline. A run stopped part way (Ctrl-C, SIGTERM or SIGHUP, an error)
+writes the answers it made, the first questions' in order (beside an earlier run's answers file, never over it,
+unless resuming it), and ``--resume`` answers the rest after them; a further signal while the answers are
+saved waits until they are. Where the file cannot be
 written (a full disk), the answers are printed on stdout instead, and one error line names the file.
 """
 
@@ -26,9 +27,11 @@ from tqdm import tqdm
 from rag_lookahead.atomic import jsonl_text
 from rag_lookahead.checks import positive_int
 from rag_lookahead.errors import InputError, first_line, shell_word, shown_path
+from rag_lookahead.interrupts import hold_signals
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.output_files import MOST_BYTES_READ, check_output_file, free_name, output_target, save_or_print
 from rag_lookahead.paths import refuse_blank_path
+from rag_lookahead.progress import status_line
 from rag_lookahead.rag.chains import as_retriever, make_prompt, retrieve, source_info
 from rag_lookahead.rag.corpus import read_input_text
 from rag_lookahead.rag.index import check_searchable
@@ -152,18 +155,19 @@ def main() -> None:
             )
             rows.extend(answer_records(args, [q for _, q in numbered[group]], found[group], result))
             print(f"answered {len(rows)}/{len(questions)}", file=sys.stderr)
-    except BaseException:  # Ctrl-C, a failed batch: what was answered is kept, and --resume goes on
+    except BaseException:  # Ctrl-C, SIGTERM, a failed batch: what was answered is kept, and --resume goes on
+        hold_signals()  # a second Ctrl-C in the save (at its fsync) lost every answer
         if len(rows) > resumed:
             target = save_answers(args, rows, seen, partial=True)
             there = (
                 "" if target == Path(args.answers).expanduser() else f" {shell_word(target)} as the answers file and"
             )
-            print(
+            status_line(  # not print: after a SIGHUP the terminal may be gone
                 f"stopped: wrote the {len(rows)} answers made of {len(questions)} to {target}; rerun with{there}"
-                " --resume to answer the rest",
-                file=sys.stderr,
+                " --resume to answer the rest"
             )
         raise
+    hold_signals()  # all answered: a Ctrl-C now must not lose them
     target = save_answers(args, rows, seen, partial=False)
     print(f"wrote {len(rows)} answers to {target}", file=sys.stderr)
 

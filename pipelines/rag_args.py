@@ -1,5 +1,5 @@
 """What the example pipelines share: the flags that pick the index, the model and ``k``, opening the
-index, and running the script (one-line errors, Ctrl-C).
+index, and running the script (one-line errors; Ctrl-C, SIGTERM, SIGHUP).
 
 The default index is built from the bundled corpora/ on first use (see ``rag_lookahead.ask.ensure_index``).
 A pipeline imports this module first (pyproject's isort section "pipeline" keeps it there): from then
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rag_lookahead.interrupts import command_interrupts
+from rag_lookahead.interrupts import command_interrupts, stop_signals
 
 _main_file = getattr(sys.modules["__main__"], "__file__", None)
 # entered only where a pipeline is the program (not where a test imports this module), left in run()
@@ -87,16 +87,18 @@ def open_index(args: argparse.Namespace) -> DocumentIndex:
 def run(main: Callable[[], None], *, prints_answers: bool = True) -> None:
     """Run a pipeline's ``main``; our errors (no index, a model that will not load, a bad option)
     print one line and exit 1, as the ``rag_lookahead`` commands do; Ctrl-C says "interrupted"
-    (exit 130) and a reader that left the pipe (``| head``) ends it quietly (exit 1), no traceback.
-    A script that prints its answers (``prints_answers``) and is started with stdout closed
-    (``>&-``) does no work: ``print`` would drop the answer unsaid."""
+    (exit 130), SIGTERM and SIGHUP stop it as Ctrl-C does ("terminated (SIGTERM)", exit 143; "hung
+    up (SIGHUP)", exit 129; see ``stop_signals``), and a reader that left the pipe (``| head``)
+    ends it quietly (exit 1), no traceback. A script that prints its answers (``prints_answers``)
+    and is started with stdout closed (``>&-``) does no work: ``print`` would drop the answer unsaid."""
     global _START
     try:
         if _imports_done is not None and _START is not None:
             _imports_done()  # a Ctrl-C during the imports: exit 130; from here it raises KeyboardInterrupt
         if prints_answers and sys.stdout is None:
             raise RagLookaheadError("stdout is closed: there is nowhere to write the answer")
-        main()
+        with stop_signals(own_process=_START is not None):
+            main()
     except RagLookaheadError as err:
         print(f"error: {first_line(err)}", file=sys.stderr)
         raise SystemExit(1) from None

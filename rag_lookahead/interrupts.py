@@ -5,7 +5,9 @@ handling of KeyboardInterrupt runs: a Ctrl-C then printed a 20-line traceback th
 ``import torch``. And a module being imported may swallow the interrupt (transformers then
 reported "could not import Qwen2ForCausalLM", and the command told the user to delete the
 model's folder). So a command runs within :func:`command_interrupts`, and an error met after a
-Ctrl-C (:func:`interrupted`) is the interrupt's doing.
+Ctrl-C (:func:`interrupted`) is the interrupt's doing. A command that keeps what it made when
+stopped runs within :func:`stop_signals`: SIGTERM and SIGHUP stop it as Ctrl-C does, and a
+further signal cannot cut its save short.
 """
 
 from __future__ import annotations
@@ -18,13 +20,25 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
-__all__ = ["command_interrupts", "interrupted", "leave_now", "program_imported", "program_importing"]
+from rag_lookahead.progress import status_line
+
+__all__ = [
+    "Terminated",
+    "command_interrupts",
+    "hold_signals",
+    "interrupted",
+    "leave_now",
+    "program_imported",
+    "program_importing",
+    "stop_signals",
+]
 
 _SEEN: list[int] = []
 
 
 def interrupted() -> bool:
-    """Whether a Ctrl-C reached the command running (within :func:`command_interrupts`)."""
+    """Whether a Ctrl-C reached the command running (within :func:`command_interrupts`), or
+    SIGTERM or SIGHUP within :func:`stop_signals`."""
     return bool(_SEEN)
 
 
@@ -120,3 +134,79 @@ def _sigint_scope(importing: Callable) -> Iterator[Callable[[], None]]:
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _SEEN.clear()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP within :func:`stop_signals`, raised where a Ctrl-C raises KeyboardInterrupt:
+    what a command keeps of its work on a Ctrl-C it keeps on these too (``timeout``, ``kill``,
+    systemd and ``docker stop`` send SIGTERM; a closed terminal SIGHUP), where they killed it at once."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_SAID = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}  # what a stop by each says
+if hasattr(signal, "SIGHUP"):  # not on Windows
+    _SAID[signal.SIGHUP] = "hung up (SIGHUP)"
+
+
+def _stop(signum, frame) -> None:
+    """SIGINT, SIGTERM, SIGHUP within :func:`stop_signals`: raised as KeyboardInterrupt (SIGINT) or
+    :class:`Terminated`; nothing while an earlier one's is being handled (the command saves its work
+    and leaves: a second Ctrl-C landed in the save, at its fsync, and lost every answer made)."""
+    _SEEN.append(signum)
+    handled = sys.exc_info()[1]
+    while handled is not None:  # through what was raised in its handling ("raise SystemExit(130) from None")
+        if isinstance(handled, KeyboardInterrupt):
+            return
+        handled = handled.__context__
+    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+
+def _held(signum, frame) -> None:
+    _SEEN.append(signum)
+
+
+@contextlib.contextmanager
+def stop_signals(own_process: bool = False) -> Iterator[None]:
+    """Within, a command that keeps what it made when stopped (``except BaseException``: save, then
+    raise): SIGTERM and SIGHUP raise :class:`Terminated` as SIGINT raises KeyboardInterrupt, and a
+    signal that comes while one of these is being handled is noted, not raised; :func:`hold_signals`
+    holds them all from there on, also after an error. A command stopped so leaves it with one line
+    ("interrupted", "terminated (SIGTERM)", "hung up (SIGHUP)") and exit status 128 + the signal's
+    number (130, 143, 129: what a shell gives for a process the signal ended); ``own_process`` (it is
+    the program) by :func:`leave_now`, signals still held: a Ctrl-C during Python's own exit printed
+    "Exception ignored ... KeyboardInterrupt" tracebacks. Left otherwise, the handlers are what they
+    were. A signal ignored (``nohup``'s SIGHUP) or handled by the caller is left so, and all of them
+    off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in _SAID}
+    raising = (_interrupt, signal.default_int_handler)  # SIGINT's after command_interrupts' imports, or Python's
+    ours = [
+        sig for sig, handler in before.items() if handler in (raising if sig == signal.SIGINT else (signal.SIG_DFL,))
+    ]
+    for sig in ours:
+        signal.signal(sig, _stop)
+    try:
+        yield
+    except KeyboardInterrupt as stop:  # signals are held while it is handled (see _stop)
+        signum = getattr(stop, "signum", signal.SIGINT)
+        status_line(_SAID[signum])
+        if own_process:
+            leave_now(128 + signum)
+        raise SystemExit(128 + signum) from None
+    finally:
+        for sig in ours:
+            signal.signal(sig, before[sig])
+
+
+def hold_signals() -> None:
+    """Within :func:`stop_signals`, from now until it is left: SIGINT, SIGTERM and SIGHUP are noted,
+    not raised (nothing outside it). For a command on its way out, before it saves what it made."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in _SAID:
+            if signal.getsignal(sig) is _stop:
+                signal.signal(sig, _held)

@@ -177,7 +177,7 @@ def save_or_print(path: Path, text: str, what: str) -> None:
             write_text_atomic(path, text)
     except OSError as e:
         why = e.strerror or str(e)  # "cannot write PATH: No space left on device"
-        status_line(f"{why}: {what} follows on stdout")  # stderr on the same full disk: the report comes first
+        status_line(f"{why}: printing {what} on stdout instead")  # stderr on the same full disk: before the report
         kept = f"{what} went to stdout instead" if _printed(text) else f"stdout could not take {what} either: lost"
         raise RagLookaheadError(f"{why}; {kept}") from None
 

@@ -418,7 +418,7 @@ def test_a_report_printed_in_its_place_is_utf8_whatever_stdout_encodes(tmp_path,
     with files_limited_to(0), pytest.raises(RagLookaheadError, match="the report went to stdout instead"):
         save_or_print(tmp_path / "r.json", text, "the report")
     assert raw.getvalue().decode("utf-8") == "a table row printed before\n" + text
-    assert "the report follows on stdout" in capsys.readouterr().err
+    assert "printing the report on stdout instead" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -372,6 +373,105 @@ def test_ctrl_c_while_a_pipeline_starts_exits_130_without_a_traceback(tmp_path, 
         assert started.returncode == 130 and "Traceback" not in text and "KeyboardInterrupt" not in text, (delay, text)
 
 
+@pytest.fixture
+def long_batch_run(tmp_path, shared_embedder) -> tuple[list[str], Path, list[str]]:
+    """``(argv, answers file, questions)`` of a batch_answers run of 200 questions, one a batch, on
+    a tiny random-weight model saved to a folder: long enough to be stopped part way."""
+    import json
+
+    from tiny_models import build_tiny_model
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.rag.index import build_index
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("t5 t6 t7 t8 t9 t10.", encoding="utf-8")
+    build_index(tmp_path / "docs", tmp_path / "index", shared_embedder, progress=False)
+    build_tiny_model("qwen2").save_pretrained(tmp_path / "tiny")
+    tiny_tokenizer().save_pretrained(tmp_path / "tiny")
+    asked = [f"t5 t6 {n}?" for n in range(200)]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"question": q}) + "\n" for q in asked), encoding="utf-8")
+    answers = tmp_path / "a.jsonl"
+    argv = [str(PIPELINES / "batch_answers.py"), str(tmp_path / "q.jsonl"), str(answers)]
+    argv += ["--index-dir", str(tmp_path / "index"), "--model", str(tmp_path / "tiny"), "--k", "1"]
+    return argv + ["--batch-size", "1", "--max-new-tokens", "32"], answers, asked
+
+
+def _answering(argv: list[str]) -> tuple[subprocess.Popen, Callable[[], str]]:
+    """batch_answers started and past its first answer ("answered 1/" on stderr), with a function
+    that waits for it to end and returns all it wrote on stderr."""
+    import threading
+    import time
+
+    run = subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    said, deadline = b"", time.monotonic() + 600  # the model and embedder load on a loaded machine
+    while b"answered 1/" not in said:
+        chunk = run.stderr.read1(65536)
+        if not chunk or time.monotonic() > deadline:
+            run.kill()
+            pytest.fail(f"no first answer: {(said + run.stderr.read()).decode(errors='replace')}")
+        said += chunk
+    rest: list[bytes] = []
+    reader = threading.Thread(target=lambda: rest.append(run.stderr.read()), daemon=True)
+    reader.start()
+
+    def ended() -> str:
+        run.wait(timeout=300)
+        reader.join(timeout=60)
+        return (said + b"".join(rest)).decode(errors="replace").replace("\r", "\n")
+
+    return run, ended
+
+
+def _kept(err: str, answers: Path, asked: list[str]) -> None:
+    """The run said it stopped and wrote the answers it made, of the first questions in order."""
+    import json
+
+    kept = [json.loads(line)["question"] for line in answers.read_text(encoding="utf-8").splitlines()]
+    assert 1 <= len(kept) < len(asked) and kept == asked[: len(kept)], err
+    stopped = f"stopped: wrote the {len(kept)} answers made of {len(asked)} to {answers}; rerun with --resume"
+    assert stopped in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("stop", "status", "said"), [("SIGTERM", 143, "terminated (SIGTERM)"), ("SIGHUP", 129, "hung up (SIGHUP)")]
+)
+def test_sigterm_or_sighup_keeps_the_answers_made_as_ctrl_c_does(long_batch_run, stop, status, said):
+    """SIGTERM (``timeout``, ``kill``, systemd, ``docker stop``) or SIGHUP killed a batch run at
+    once: every answer it had made was lost, unsaid. They stop it as Ctrl-C does: the answers made
+    are written for ``--resume``, one line says what stopped it, exit 128 + the signal's number."""
+    import signal
+
+    argv, answers, asked = long_batch_run
+    run, ended = _answering(argv)
+    run.send_signal(getattr(signal, stop))
+    err = ended()
+    assert run.returncode == status, err
+    _kept(err, answers, asked)
+    assert err.strip().splitlines()[-1] == said, err
+
+
+def test_ctrl_c_again_while_the_answers_are_saved_waits_until_they_are(long_batch_run):
+    """A second Ctrl-C that landed in the save of the answers made (at its fsync) lost them all
+    ("interrupted", no file), and one during the exit printed "Exception ignored ... KeyboardInterrupt"
+    tracebacks. Here Ctrl-C comes every millisecond until the process has ended: the answers are
+    written, and it ends as after one Ctrl-C. (One kind of signal: ones pending together are taken
+    in the order of their numbers, not of their sending.)"""
+    import signal
+    import time
+
+    argv, answers, asked = long_batch_run
+    run, ended = _answering(argv)
+    deadline = time.monotonic() + 300
+    while run.poll() is None and time.monotonic() < deadline:
+        run.send_signal(signal.SIGINT)
+        time.sleep(0.001)
+    err = ended()
+    assert run.returncode == 130, err
+    _kept(err, answers, asked)
+    assert err.strip().splitlines()[-1] == "interrupted" and "KeyboardInterrupt" not in err, err
+
+
 def test_an_answers_file_another_run_wrote_meanwhile_is_kept(tmp_path, monkeypatch, capsys):
     """Two runs writing the same answers file: the later one replaced the other's answers unsaid,
     though the README says a file taken during the run stays and the output goes beside it."""
@@ -425,6 +525,7 @@ def test_answers_the_disk_cannot_take_are_one_line_naming_the_file_and_go_to_std
         rag_args.run(batch_answers.main, prints_answers=False)  # the script's own ``__main__`` line
     out, err = capsys.readouterr()
     assert done.value.code == 1
+    assert f"cannot write {answers}: File too large: printing the answers on stdout instead\n" in err, err
     assert (
         err.strip().splitlines()[-1]
         == f"error: cannot write {answers}: File too large; the answers went to stdout instead"
