@@ -26,8 +26,9 @@ def exclusive(
 ) -> Iterator[bool]:
     """Hold an exclusive lock on ``path`` (created if missing) for the block.
 
-    ``on_wait`` runs once when another process holds it; after ``timeout`` seconds more the
-    exception ``on_timeout()`` returns is raised. Yields whether it had to wait, since a caller
+    ``on_wait`` runs once when another process holds it and ``timeout`` gives time to wait (none
+    is announced at 0: the refusal alone is said); after ``timeout`` seconds more the exception
+    ``on_timeout()`` returns is raised. Yields whether it had to wait, since a caller
     that read files before waiting may need to read them again. A lock path it cannot open (a
     read-only folder, a folder of that name) raises the ``OSError`` at once.
     """
@@ -39,6 +40,8 @@ def exclusive(
         lock.acquire(timeout=0)
     except Timeout:
         waited = True
+        if timeout <= 0:
+            raise on_timeout() from None
         if on_wait is not None:
             on_wait()
         try:

@@ -417,14 +417,9 @@ def writer_lock(index_dir: Path, timeout: float) -> Iterator[bool]:
     with exclusive(
         index_dir / LOCK_FILE,
         timeout,
-        # with no time to wait, the refusal alone is said (it followed "waiting up to 0 s")
-        on_wait=(
-            lambda: log.warning(
-                "another `rag_lookahead index` run is writing %s; waiting up to %g s", index_dir, timeout
-            )
-        )
-        if timeout > 0
-        else None,
+        on_wait=lambda: log.warning(
+            "another `rag_lookahead index` run is writing %s; waiting up to %g s", index_dir, timeout
+        ),
         on_timeout=lambda: IndexBusyError(
             f"another `rag_lookahead index` run is still writing {shown_path(index_dir)} after {timeout:g} s;"
             f" try again when it ends, or wait longer with --lock-timeout"
