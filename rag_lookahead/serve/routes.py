@@ -301,9 +301,6 @@ async def rag(body: RagRequest, http_request: Request) -> Response:
     shown, seeds = docs[:k], docs[k:]
     message = {"role": "user", "content": make_prompt(question, shown)}
     prompt = await _encode_chat(engine, [message], "the prompt built from the question", None)
-    seeded = engine.lookahead.enabled and seeds
-    references = await run_in_threadpool(engine.encode_passages, [d.page_content for d in seeds]) if seeded else []
-    key = getattr(http_request.state, "key_id", "")
     # with one passage k is at its least: only a shorter question makes room (the client cannot
     # re-index); so too where the first passage alone leaves no room (measured only when refused)
     one_fits = True
@@ -314,6 +311,10 @@ async def rag(body: RagRequest, http_request: Request) -> Response:
         )
     what, advice = passage_prompt_words(len(shown), "'k'", "ask a shorter question", one_fits)
     ids = checked_prompt(prompt, engine, "k" if len(shown) > 1 and one_fits else "question", what, advice)
+    # the seed passages encoded once the prompt is taken: a refused one paid for them
+    seeded = engine.lookahead.enabled and seeds
+    references = await run_in_threadpool(engine.encode_passages, [d.page_content for d in seeds]) if seeded else []
+    key = getattr(http_request.state, "key_id", "")
     job = engine.new_request(ids, max_tokens, [], references, pool_key=key, sampling=_sampling(engine, {}, len(ids)))
     engine.submit(job)
     sources = [source_info(d, i < k) for i, d in enumerate(docs)]
