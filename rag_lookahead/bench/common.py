@@ -773,6 +773,11 @@ def cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def times(value: float | None) -> str:
+    """A speed ratio as "1.23x"; "-" where there is none (its baseline did not run, or measured 0)."""
+    return f"{value:.2f}x" if value else "-"
+
+
 def print_rows(title: str, rows: list[dict]) -> None:
     """A rich table of dicts; a column per key of any row, "-" where a row has no value."""
     from rich.console import Console

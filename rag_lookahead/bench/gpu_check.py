@@ -41,6 +41,7 @@ from rag_lookahead.bench.common import (
     load_prompts,
     refuse_with_tiny,
     run_command,
+    times,
     write_report,
 )
 from rag_lookahead.bench.gpu_sections import (
@@ -239,8 +240,8 @@ def table_rows(report: dict) -> Iterator[TableRow]:
         # greedy is the reference, compared with nothing: its row said "None identical"
         identical = "" if s["identical_to_greedy"] is None else f", {s['identical_to_greedy']} identical"
         result = (
-            f"{s['decode_tokens_per_second']} tok/s decode, x{s['speedup_decode']} greedy, "
-            f"x{s['vs_prompt_lookup_decode']} prompt lookup{identical}"
+            f"{s['decode_tokens_per_second']} tok/s decode, {times(s['speedup_decode'])} greedy, "
+            f"{times(s['vs_prompt_lookup_decode'])} prompt lookup{identical}"
         )
         yield "speed batch 1", method, result, None
     yield from _concurrency_rows(report.get("concurrency", {}))
@@ -271,7 +272,7 @@ def _concurrency_rows(conc: dict) -> Iterator[TableRow]:
     for method in ("plain", "lookahead"):
         c = conc[method]
         result = (
-            f"{c['tokens_per_second']} tok/s, x{c['speedup_vs_hf']} hf, "
+            f"{c['tokens_per_second']} tok/s, {times(c['speedup_vs_hf'])} hf, "
             f"{c['identical']}/{conc['requests']} identical to hf, mean accepted {c['mean_accepted']}"
         )
         yield section, method, result, None
@@ -298,7 +299,7 @@ def _stress_rows(st: dict) -> Iterator[TableRow]:
         "stress",
         "one row alone",
         f"step p50 {st['one_row_step_ms_p50']} ms, {st['one_row_tokens_per_second']} tok/s, "
-        f"packed/row-by-row x{st.get('packed_vs_row_by_row')}",
+        f"packed/row-by-row {times(st.get('packed_vs_row_by_row'))}",
         None,
     )
 

@@ -57,6 +57,7 @@ from rag_lookahead.bench.common import (
     prompts_file,
     report_despite_stdout,
     run_command,
+    times,
     write_report,
 )
 from rag_lookahead.bench.methods import (
@@ -328,9 +329,6 @@ def build_report(s: BenchSettings, model, config: LookaheadConfig, prompts: list
 
 def print_summary(report: dict) -> None:
     """The summary table, and one over the copying prompts where they are not all of them."""
-
-    def times(value) -> str:
-        return f"{value:.2f}x" if value else "-"
 
     copying = f"the {report['copying_runs']} prompt runs whose answers copy >= {report['copying_threshold']:.0%}"
     for key, which in (("summary", f"{report['prompts']} prompts x {report['repeats']}"), ("summary_copying", copying)):
