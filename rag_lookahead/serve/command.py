@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any, Literal, NoReturn
 
+import click
 import typer
 
 from rag_lookahead.checks import hub_endpoint
@@ -146,7 +148,7 @@ def serve(
             recalibrate_asked()  # so is a RAG_LOOKAHEAD_RECALIBRATE that is neither yes nor no, where it is read
         hub_endpoint()  # a $HF_ENDPOINT huggingface_hub cannot parse: a traceback from the model load
     except ConfigError as e:
-        _refuse(e, _config_error_exit(ctx))
+        _refuse(said_as_flags(e, ctx.command), _config_error_exit(ctx))
     try:
         if ray_settings is None:
             run_server(config)
@@ -231,6 +233,19 @@ def _standalone_app() -> typer.Typer:
 def _config_error_exit(ctx: typer.Context) -> int:
     obj = ctx.find_root().obj
     return obj.get(CONFIG_ERROR_EXIT, 1) if isinstance(obj, dict) else 1
+
+
+def said_as_flags(error: ConfigError, command: click.Command) -> ConfigError:
+    """``error`` with the config fields it names said as the options that set them: ``serve
+    --max-body-bytes 100`` said "max_body_bytes must be ..." (``ServerConfig``'s and
+    ``LookaheadConfig``'s checks name their fields). A field of one word is renamed only where
+    it starts the message ("port must be ..."), not where the word is plain prose ("model")."""
+    text = str(error)
+    for param in command.params:
+        flags = [opt for opt in param.opts if opt.startswith("--")]
+        if param.name and flags and ("_" in param.name or text.startswith(f"{param.name} ")):
+            text = re.sub(rf"(?<![\w-]){re.escape(param.name)}(?![\w-])", max(flags, key=len), text)
+    return error if text == str(error) else ConfigError(text)
 
 
 def _refuse(error: BaseException, exit_code: int) -> NoReturn:

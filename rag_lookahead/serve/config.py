@@ -174,7 +174,7 @@ class ServerConfig:
         if self.max_queue_per_key is not None and not self.api_keys:  # else every request is one key's
             raise ConfigError("max_queue_per_key needs API keys (--api-key or $RAG_LOOKAHEAD_API_KEY); use max_queue")
         if self.output_pool == "per-key" and not self.api_keys:
-            raise ConfigError("output_pool='per-key' needs API keys (--api-key or $RAG_LOOKAHEAD_API_KEY)")
+            raise ConfigError("output_pool 'per-key' needs API keys (--api-key or $RAG_LOOKAHEAD_API_KEY)")
 
     def _check_numbers(self) -> None:
         for name, (low, high) in INT_RANGES.items():

@@ -122,6 +122,28 @@ def test_serve_refuses_bad_settings_in_one_line():
     assert result.exit_code == 1 and "API key" in result.output
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--max-body-bytes", "100"], "error: --max-body-bytes must be an integer in 1024..1073741824, got 100"),
+        (["--k-seed", "1"], "error: --k-seed must be >= --k-prompt (3), got 1"),
+        (["--port", "70000"], "error: --port must be an integer in 0..65535, got 70000"),
+        (["--body-timeout", "0"], "error: --body-timeout must be a number in 0.001..86400, got 0.0"),
+        (["--decoding-length", "5000"], "error: --decoding-length must be an integer from 1 to 1,024, got 5000"),
+        (["--max-queue-per-key", "2"], "error: --max-queue-per-key needs API keys (--api-key or"),
+    ],
+)
+def test_serve_names_the_option_a_bad_setting_came_from(flags, said):
+    """The config checks name their fields ("max_body_bytes must be ..."): a user of ``serve`` reads
+    the option they typed."""
+    from typer.testing import CliRunner
+
+    from rag_lookahead.cli import app
+
+    result = CliRunner().invoke(app, ["serve", *flags], env={API_KEY_ENV: ""})
+    assert result.exit_code == 1 and result.output.startswith(said) and result.output.count("\n") == 1
+
+
 NO_MODEL = "model folder '/no/such/model' does not exist"
 
 
