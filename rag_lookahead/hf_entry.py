@@ -51,7 +51,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from rag_lookahead.decoding.config import LookaheadConfig, stop_word_ids
+from rag_lookahead.decoding.config import LookaheadConfig, checked_stop_word_ids, stop_word_ids
 from rag_lookahead.decoding.inputs import context_limit, left_padded, limit_words
 from rag_lookahead.decoding.loop import generate
 from rag_lookahead.decoding.results import GenerationStats
@@ -158,18 +158,14 @@ def _lookahead_generate(
 
     has_eos = getattr(generation_config, "_eos_token_tensor", None) is not None
     inner = _config_for_the_loop(generation_config, has_eos)
+    returned = getattr(generation_config, "num_return_sequences", None) or 1
+    if generation_config.do_sample and returned > 1:  # rows of one prompt: the same interleaved draws
+        raise _sampled_batch(f"num_return_sequences={returned} with sampling")
     params = resolve_sampling(model, inner, prompt_width=input_ids.shape[1], has_eos=has_eos)
     refuse_assisted_sampling(generation_config, assistant_model)  # resolve_sampling saw no assistant_model
     _refuse_what_generate_refuses(model, generation_config, assistant_model, rows)
     if params.do_sample and rows > 1:
-        # transformers draws one token for every row (finished ones too) from the global generator
-        # at each step; rows that accept different numbers of tokens per step cannot keep that order
-        raise ConfigError(
-            "sampling a batch through model.generate cannot give transformers' tokens for the same"
-            " torch.manual_seed (its draws interleave the rows one token a step): sample one row per call,"
-            " or use rag_lookahead.generate(..., do_sample=True, seed=[one seed per row]), where each row"
-            " draws from a generator of its own"
-        )
+        raise _sampled_batch("sampling a batch")
     _check_processors(logits_processor, build_processors(params), mask, params.do_sample)
     max_length, eos, custom = _read_criteria(stopping_criteria, rows)
     limit = context_limit(model)
@@ -288,8 +284,10 @@ def _stop_words(words, tokenizer) -> frozenset[int]:
     text = [w for w in words if isinstance(w, str)]
     if text and tokenizer is None:
         raise ConfigError("stop_words given as text need lookahead_tokenizer=tokenizer in model.generate")
-    ids = [w for w in words if not isinstance(w, str)]
-    return LookaheadConfig(stop_words=ids).stop_words | (stop_word_ids(tokenizer, text) if text else frozenset())
+    ids = checked_stop_word_ids(
+        [w for w in words if not isinstance(w, str)], "words are given as text, with lookahead_tokenizer=tokenizer"
+    )
+    return ids | (stop_word_ids(tokenizer, text) if text else frozenset())
 
 
 #: how ``references`` nest in ``model.generate``, for the errors that find them nested otherwise
@@ -392,6 +390,18 @@ def _synced_gpus_of_caller(frame, model) -> bool:
         return bool(sharded and utils._get_torch_distributed_world_size() > 1)
     except (AttributeError, ImportError):  # another transformers: only an explicit value is seen
         return False
+
+
+def _sampled_batch(what: str) -> ConfigError:
+    """Why several sampled rows are refused: transformers draws one token for every row (finished
+    ones too) from the global generator at each step, and rows that accept different numbers of
+    tokens a step cannot keep that order."""
+    return ConfigError(
+        f"{what} through model.generate cannot give transformers' tokens for the same"
+        " torch.manual_seed (its draws interleave the rows one token a step): sample one row per call,"
+        " or use rag_lookahead.generate(..., do_sample=True, seed=[one seed per row]), where each row"
+        " draws from a generator of its own"
+    )
 
 
 def _check_call(model, synced_gpus: bool) -> None:

@@ -48,8 +48,12 @@ _UPPER_BOUNDS = {
 }
 
 
-def _stop_word_ids(words) -> frozenset[int]:
-    """Stop words are token ids; text is refused (``with_tokenizer`` turns words into ids)."""
+WORDS_ADVICE = "for words, use LookaheadConfig().with_tokenizer(tokenizer, words)"
+
+
+def checked_stop_word_ids(words, words_advice: str = WORDS_ADVICE) -> frozenset[int]:
+    """Stop words are token ids; text is refused (``with_tokenizer`` turns words into ids).
+    ``words_advice``: how the caller's API takes words instead (``model.generate`` takes them otherwise)."""
     if isinstance(words, (str, bytes)):
         raise ConfigError("stop_words are token ids, not text: use LookaheadConfig().with_tokenizer(tokenizer)")
     try:
@@ -58,10 +62,7 @@ def _stop_word_ids(words) -> frozenset[int]:
         raise ConfigError(f"stop_words must be a set of token ids, got {words!r}") from None
     for item in items:
         if isinstance(item, bool) or not isinstance(item, Integral) or item < 0:
-            raise ConfigError(
-                f"stop_words must be non-negative token ids, got {item!r} "
-                "(for words, use LookaheadConfig().with_tokenizer(tokenizer, words))"
-            )
+            raise ConfigError(f"stop_words must be non-negative token ids, got {item!r} ({words_advice})")
     return frozenset(int(t) for t in items)
 
 
@@ -144,7 +145,7 @@ class LookaheadConfig:
             )
         if self.budget not in ("auto", "fixed"):
             raise ConfigError(f"budget must be 'auto' or 'fixed', got {self.budget!r}")
-        object.__setattr__(self, "stop_words", _stop_word_ids(self.stop_words))
+        object.__setattr__(self, "stop_words", checked_stop_word_ids(self.stop_words))
 
     @property
     def pool_depth(self) -> int:

@@ -641,6 +641,11 @@ def test_lookahead_config_is_the_base_the_keys_override():
         (dict(generation_config=GenerationConfig(use_lookahead="yes")), "use_lookahead"),
         (dict(generation_config=GenerationConfig(branch_length=0)), "branch_length"),
         (dict(generation_config=GenerationConfig(stop_words="t5")), "lookahead_tokenizer"),
+        # it advised LookaheadConfig().with_tokenizer, which model.generate does not take
+        (
+            dict(generation_config=GenerationConfig(stop_words=[-3])),
+            r"got -3 \(words are given as text, with lookahead_",
+        ),
     ],
 )
 def test_what_cannot_be_reproduced_is_refused(call, message):
@@ -719,6 +724,9 @@ def test_sampling_a_batch_is_refused():
         model.generate(
             input_ids=ids, attention_mask=mask, custom_generate=hf_generate, do_sample=True, max_new_tokens=3
         )
+    # one prompt's several samples are rows too: the same reason, not "not supported by lookahead"
+    with pytest.raises(ConfigError, match="^num_return_sequences=2 with sampling .*seed=\\[one seed per row\\]"):
+        model.generate(input_ids=ids[:1], custom_generate=hf_generate, do_sample=True, num_return_sequences=2)
     torch.manual_seed(5)  # one row still samples exactly as transformers does
     expected = model.generate(input_ids=ids[:1], do_sample=True, max_new_tokens=6)
     torch.manual_seed(5)
