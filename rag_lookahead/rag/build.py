@@ -20,7 +20,7 @@ import numpy as np
 from rag_lookahead.errors import ConfigError, IndexLoadError, RebuildWarning, one_line, shown_path
 from rag_lookahead.paths import expand_user, refuse_blank_path
 from rag_lookahead.rag import store
-from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, load_corpus, stage_bar
+from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, corpus_root, load_corpus, stage_bar
 from rag_lookahead.rag.headings import MARKDOWN_SUFFIXES, heading_paths, searched_text
 from rag_lookahead.rag.store import FORMAT_VERSION, LOCK_TIMEOUT_S, default_index_dir
 
@@ -355,20 +355,24 @@ def build_index(
         "pdf": PDF_VERSION,
     }
     store.check_target(index_dir)  # before any slow work, and before anything is created
-    corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb, progress=progress)
-
-    if not index_dir.exists():  # no other build's yet: a bad --embedder fails before the folder is made
+    corpus_root(corpus_dir, max_file_mb)  # a mistyped corpus folder fails before an embedder loads (or downloads)
+    # a blank or misspelt --embedder is refused before the documents are read (it was only after
+    # the whole corpus was read: minutes of PDFs), into a new index folder or an existing one
+    corpus: Corpus | None = None
+    if not index_dir.exists():  # no other build's yet: a bad --embedder or corpus fails before the folder is made
         embedder = _loaded(embedder)
+        corpus = load_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb, progress=progress)
     index_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # a folder we make is its owner's only
-    with store.writer_lock(index_dir, lock_timeout) as waited:  # before the embedder loads: a busy folder fails fast
+    # into an existing folder, before the embedder loads and the files are read: a busy folder fails fast
+    with store.writer_lock(index_dir, lock_timeout) as waited:
         store.check_target(index_dir)  # again: the folder may have changed while we waited
         if if_missing and store.our_manifest(index_dir) is not None:
             return None
-        if waited:  # the files too: a build that read them earlier must not publish an older corpus last
+        embedder = _loaded(embedder)
+        if corpus is None or waited:  # waited: a build that read them earlier must not publish an older corpus last
             corpus = load_corpus(
                 corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb, progress=progress
             )
-        embedder = _loaded(embedder)
         report = IndexReport(
             index_dir=index_dir,
             embedding_model=embedder.name,

@@ -362,6 +362,19 @@ def _file_text(
     return decoded.text
 
 
+def corpus_root(corpus_dir: str | Path, max_file_mb: float = MAX_FILE_MB) -> Path:
+    """The corpus folder :func:`load_corpus` would read, checked without reading it: an
+    :class:`InputError` where it is missing or no folder, a :class:`ConfigError` for ``max_file_mb``."""
+    root = expand_user(corpus_dir, "corpus folder")
+    if not root.exists():
+        raise InputError(f"corpus folder not found: {shown_path(root)}")
+    if not root.is_dir():
+        raise InputError(f"corpus path is not a folder: {shown_path(root)}")
+    if not 0 < max_file_mb < float("inf"):
+        raise ConfigError(f"max_file_mb must be a positive number of megabytes, got {max_file_mb}")
+    return root
+
+
 def load_corpus(
     corpus_dir: str | Path, *, follow_symlinks: bool = False, max_file_mb: float = MAX_FILE_MB, progress: bool = False
 ) -> Corpus:
@@ -376,13 +389,7 @@ def load_corpus(
     second (an 18 MB file took 22 s before the embedding bar, with nothing shown) or runs past
     :data:`READ_BAR_LATE_S`.
     """
-    root = expand_user(corpus_dir, "corpus folder")
-    if not root.exists():
-        raise InputError(f"corpus folder not found: {shown_path(root)}")
-    if not root.is_dir():
-        raise InputError(f"corpus path is not a folder: {shown_path(root)}")
-    if not 0 < max_file_mb < float("inf"):
-        raise ConfigError(f"max_file_mb must be a positive number of megabytes, got {max_file_mb}")
+    root = corpus_root(corpus_dir, max_file_mb)
     corpus = Corpus(docs={})
 
     def skip(rel: str, why: str) -> None:

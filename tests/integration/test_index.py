@@ -2328,6 +2328,40 @@ def test_an_unknown_embedder_leaves_no_new_index_folder(tmp_path, name):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
 
 
+@pytest.mark.parametrize("name", [" ", "no-such-model-h38a"])
+def test_a_bad_embedder_is_refused_before_the_corpus_is_read(tmp_path, embedder, name):
+    """``index BIG --embedder " "`` (or a misspelt name) read the whole corpus first, the reading bar
+    over every file (minutes of PDFs), and only then said the one-line error; into an existing
+    index the embedder loaded only after the writer lock too. Here a corpus large enough for the
+    bar from its start: no bar, one line, for a new index folder and for an index that exists."""
+    from rag_lookahead.rag.corpus import STAGE_BAR_LEAST
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "git.txt").write_text(GIT, encoding="utf-8")
+    build(corpus, tmp_path / "index", embedder)
+    before = (tmp_path / "index" / store.MANIFEST).read_bytes()
+    (corpus / "big.txt").write_text((GIT + "\n") * (STAGE_BAR_LEAST // len(GIT) + 1), encoding="utf-8")
+    for index_dir in (tmp_path / "new", tmp_path / "index"):
+        result = subprocess.run(  # run_index's --no-progress would hide the bar this test looks for
+            [sys.executable, "-m", "rag_lookahead", "index", str(corpus), "--index-dir", str(index_dir)]
+            + ["--embedder", name],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 1, result.stderr
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+        if not name.strip():
+            assert "embedding model name ' ' is empty (an unset variable?)" in lines[0]
+        assert "reading" not in result.stderr and "big.txt" not in result.stderr
+    assert not (tmp_path / "new").exists()
+    assert (tmp_path / "index" / store.MANIFEST).read_bytes() == before
+    with pytest.raises(InputError, match="corpus folder not found"):  # a mistyped folder: before any embedder
+        ix.build_index(tmp_path / "missing", tmp_path / "new", name, progress=False)
+
+
 # ---------------------------------------------------------------- an interrupt just after the manifest's rename
 
 
