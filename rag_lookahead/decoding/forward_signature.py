@@ -20,7 +20,15 @@ import inspect
 
 from rag_lookahead.errors import ConfigError
 
-__all__ = ["EMPTY_CACHE", "cache_left_empty", "check_cache_filled", "check_forward_signature", "empty_cache_error"]
+__all__ = [
+    "EMPTY_CACHE",
+    "cache_left_empty",
+    "check_cache_filled",
+    "check_forward_signature",
+    "empty_cache_error",
+    "ignores_position_ids",
+    "takes_position_ids",
+]
 
 BEFORE_CACHE_NAME = "code written before transformers 5.24"
 #: what a forward that left the cache empty is told where its signature gives no cause
@@ -34,6 +42,24 @@ def _parameters(model) -> dict[str, inspect.Parameter] | None:
         return dict(inspect.signature(model.forward).parameters)
     except (AttributeError, TypeError, ValueError):
         return None
+
+
+def takes_position_ids(model) -> bool:
+    """Whether ``model.forward`` names a ``position_ids`` parameter (False where its signature
+    cannot be read)."""
+    return "position_ids" in (_parameters(model) or {})
+
+
+def ignores_position_ids(model) -> bool:
+    """Whether the model numbers its positions itself, by cache column, whatever ``position_ids`` we
+    pass: a transformers class whose forward names none (RoFormer, the Bart-family decoders, Bloom,
+    MPT; ``**kwargs`` take ours unread). Remote code is not judged so: its ``**kwargs`` may pass
+    them on to a native forward."""
+    return (
+        type(model).__module__.startswith("transformers.")
+        and _parameters(model) is not None
+        and (not takes_position_ids(model))
+    )
 
 
 def check_forward_signature(model) -> None:

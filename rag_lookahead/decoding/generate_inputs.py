@@ -17,9 +17,9 @@ on text alone tells nothing here, and is judged by its forwards as before.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
+
+from rag_lookahead.decoding.forward_signature import takes_position_ids
 
 __all__ = ["feeds_whole_sequence", "prefill_position_ids"]
 
@@ -30,10 +30,7 @@ def _generate_makes_positions(model) -> bool:
     """Whether ``generate`` makes position ids for the model (as transformers decides it)."""
     if getattr(model.config, "is_encoder_decoder", False):
         return False
-    try:
-        return "position_ids" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # a forward without a signature
-        return False
+    return takes_position_ids(model)  # False for a forward without a signature
 
 
 def _prepared(model, ids: torch.Tensor, cached: int, **kwargs) -> dict | None:

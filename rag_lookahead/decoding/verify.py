@@ -24,7 +24,7 @@ import torch
 
 from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
-from rag_lookahead.decoding.forward_signature import check_cache_filled, check_forward_signature
+from rag_lookahead.decoding.forward_signature import check_cache_filled, check_forward_signature, ignores_position_ids
 from rag_lookahead.decoding.inputs import vocab_size
 from rag_lookahead.decoding.packed_cache import PackedCache
 from rag_lookahead.decoding.profile import profile_of
@@ -171,6 +171,10 @@ def mask_blind_reason(model) -> str | None:
         # should see, and a packed cache longer than the table broke the forward; a single chain's
         # columns are its positions
         return f"its attention ({type(column_masked).__name__}) masks by cache column from a fixed causal table"
+    if ignores_position_ids(model):
+        # a tree's node sits at a column past its depth; RoFormer's sinusoid table then ran out at the
+        # context end (IndexError), and a probe on small weights could not see the wrong positions
+        return "its forward takes no position_ids, so a tree's nodes would be placed by cache column, not by depth"
     config = text_config(model)
     if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
         # Llama-4's NoPE layers scale queries by the cache's length, not by the positions: packed

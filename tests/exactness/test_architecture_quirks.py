@@ -553,3 +553,34 @@ def test_a_causal_model_whose_config_says_is_decoder_false_still_decodes():
     prompt = [10, 2, 5, 7] * 3
     expected = reference_generate(model, prompt, 8, None)
     assert generate(model, prompt, max_new_tokens=8, pad_token_id=0).sequences[0, len(prompt) :].tolist() == expected
+
+
+def test_a_model_numbering_its_own_positions_drafts_chains_and_decodes_to_the_context_end():
+    """RoFormer's forward takes no ``position_ids`` and numbers a step's tokens from the cache's
+    length: a tree's nodes got positions past their depths, and near the context end past its
+    40-row sinusoid table (IndexError). With small weights the tree-mask probe could not see the
+    wrong positions (a relative logit error under its tolerance), so trees were drafted."""
+    config = transformers.RoFormerConfig(
+        **{**_BERT_SIZES, "max_position_embeddings": 40, "initializer_range": 0.02}, embedding_size=64, is_decoder=True
+    )
+    torch.manual_seed(0)
+    model = transformers.RoFormerForCausalLM(config).eval()  # its own attention: the probe passed it
+    model.generation_config.eos_token_id = None
+    assert mask_blind_reason(model) is not None and not supports_tree_mask(model)
+    prompt = [5, 6, 7, 8, 9] * 3
+    expected = reference_generate(model, prompt, 25, None)
+    right = prompt[-3:] + expected
+    partly = [t if j % 6 else t % 95 + 1 for j, t in enumerate(right)]  # drafts accepted in part
+    config = LookaheadConfig(budget="fixed", use_output_pool=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the chains-only warning
+        for references in ([[right]], [[partly]], None):
+            result = generate(model, prompt, max_new_tokens=25, config=config, references=references, pad_token_id=0)
+            assert result.sequences[0, len(prompt) :].tolist() == expected
+        prompts = [prompt, [11, 4, 9, 4] * 3, [3, 8, 1] * 2]
+        ids, mask = padded(prompts)
+        result = generate(model, ids, mask, max_new_tokens=40 - ids.shape[1], config=config, pad_token_id=0)
+    reference = model.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=40 - ids.shape[1], pad_token_id=0
+    )
+    assert result.sequences.tolist() == reference.tolist()
