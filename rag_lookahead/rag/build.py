@@ -20,7 +20,7 @@ import numpy as np
 from rag_lookahead.errors import ConfigError, IndexLoadError, RebuildWarning, one_line, shown_path
 from rag_lookahead.paths import expand_user, refuse_blank_path
 from rag_lookahead.rag import store
-from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, corpus_root, load_corpus, stage_bar
+from rag_lookahead.rag.corpus import MAX_FILE_MB, Corpus, check_corpus, load_corpus, stage_bar
 from rag_lookahead.rag.headings import MARKDOWN_SUFFIXES, heading_paths, searched_text
 from rag_lookahead.rag.store import FORMAT_VERSION, LOCK_TIMEOUT_S, default_index_dir
 
@@ -355,7 +355,8 @@ def build_index(
         "pdf": PDF_VERSION,
     }
     store.check_target(index_dir)  # before any slow work, and before anything is created
-    corpus_root(corpus_dir, max_file_mb)  # a mistyped corpus folder fails before an embedder loads (or downloads)
+    # a mistyped, empty or .docx-only corpus folder fails before an embedder loads (or downloads)
+    check_corpus(corpus_dir, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb)
     # a blank or misspelt --embedder is refused before the documents are read (it was only after
     # the whole corpus was read: minutes of PDFs), into a new index folder or an existing one
     corpus: Corpus | None = None

@@ -375,6 +375,16 @@ def corpus_root(corpus_dir: str | Path, max_file_mb: float = MAX_FILE_MB) -> Pat
     return root
 
 
+def check_corpus(corpus_dir: str | Path, *, follow_symlinks: bool = False, max_file_mb: float = MAX_FILE_MB) -> None:
+    """Raise what :func:`load_corpus` would raise before it reads a byte: a missing folder, a bad
+    ``max_file_mb``, or no file it would read (an empty folder, one of .docx only). For what must
+    come before slow work (``build_index`` loads the embedder first): the walk stops at the
+    first file to read, so a corpus of any size answers at once."""
+    root = corpus_root(corpus_dir, max_file_mb)
+    if next(_walk(root, follow_symlinks, lambda rel, why: None, Corpus(docs={})), None) is None:
+        load_corpus(root, follow_symlinks=follow_symlinks, max_file_mb=max_file_mb)  # nothing to read: its error
+
+
 def load_corpus(
     corpus_dir: str | Path, *, follow_symlinks: bool = False, max_file_mb: float = MAX_FILE_MB, progress: bool = False
 ) -> Corpus:

@@ -2360,6 +2360,14 @@ def test_a_bad_embedder_is_refused_before_the_corpus_is_read(tmp_path, embedder,
     assert (tmp_path / "index" / store.MANIFEST).read_bytes() == before
     with pytest.raises(InputError, match="corpus folder not found"):  # a mistyped folder: before any embedder
         ix.build_index(tmp_path / "missing", tmp_path / "new", name, progress=False)
+    for others in ((), ("notes.docx",)):  # nothing to read: said before the embedder loads too
+        empty = tmp_path / f"empty-{len(others)}"
+        empty.mkdir()
+        for other in others:
+            (empty / other).write_bytes(b"PK")
+        with pytest.raises(InputError, match="no loadable .txt/.md/.markdown/.pdf files"):
+            ix.build_index(empty, tmp_path / "new", name, progress=False)
+    assert not (tmp_path / "new").exists()
 
 
 # ---------------------------------------------------------------- an interrupt just after the manifest's rename
