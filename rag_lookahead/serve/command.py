@@ -235,16 +235,28 @@ def _config_error_exit(ctx: typer.Context) -> int:
     return obj.get(CONFIG_ERROR_EXIT, 1) if isinstance(obj, dict) else 1
 
 
+#: a value a message quotes as given (``repr``): said as typed, never renamed inside
+_QUOTED = re.compile(r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
+
+
 def said_as_flags(error: ConfigError, command: click.Command) -> ConfigError:
     """``error`` with the config fields it names said as the options that set them: ``serve
     --max-body-bytes 100`` said "max_body_bytes must be ..." (``ServerConfig``'s and
     ``LookaheadConfig``'s checks name their fields). A field of one word is renamed only where
-    it starts the message ("port must be ..."), not where the word is plain prose ("model")."""
-    text = str(error)
+    it starts the message ("port must be ..."), not where the word is plain prose ("model"), and
+    nothing inside a quoted value (``--allowed-hosts 'http://h/max_queue'`` is echoed as typed)."""
+    parts = _QUOTED.split(str(error))  # odd places: the quoted values
     for param in command.params:
         flags = [opt for opt in param.opts if opt.startswith("--")]
-        if param.name and flags and ("_" in param.name or text.startswith(f"{param.name} ")):
-            text = re.sub(rf"(?<![\w-]){re.escape(param.name)}(?![\w-])", max(flags, key=len), text)
+        if not (param.name and flags):
+            continue
+        flag = max(flags, key=len)
+        if "_" in param.name:
+            field = re.compile(rf"(?<![\w-]){re.escape(param.name)}(?![\w-])")
+            parts[::2] = [field.sub(flag, part) for part in parts[::2]]
+        elif parts[0].startswith(f"{param.name} "):
+            parts[0] = flag + parts[0][len(param.name) :]
+    text = "".join(parts)
     return error if text == str(error) else ConfigError(text)
 
 

@@ -131,6 +131,8 @@ def test_serve_refuses_bad_settings_in_one_line():
         (["--body-timeout", "0"], "error: --body-timeout must be a number in 0.001..86400, got 0.0"),
         (["--decoding-length", "5000"], "error: --decoding-length must be an integer from 1 to 1,024, got 5000"),
         (["--max-queue-per-key", "2"], "error: --max-queue-per-key needs API keys (--api-key or"),
+        # a value is echoed as typed, a field's name in it too (it read 'http://h/--max-queue')
+        (["--allowed-hosts", "http://h/max_queue"], "error: --allowed-hosts entries must be host names or"),
     ],
 )
 def test_serve_names_the_option_a_bad_setting_came_from(flags, said):
@@ -142,6 +144,7 @@ def test_serve_names_the_option_a_bad_setting_came_from(flags, said):
 
     result = CliRunner().invoke(app, ["serve", *flags], env={API_KEY_ENV: ""})
     assert result.exit_code == 1 and result.output.startswith(said) and result.output.count("\n") == 1
+    assert "'http://h/--max-queue'" not in result.output
 
 
 NO_MODEL = "model folder '/no/such/model' does not exist"
