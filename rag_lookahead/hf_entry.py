@@ -281,6 +281,10 @@ def _stop_words(words, tokenizer) -> frozenset[int]:
     """Token ids as given; words become the ids they encode to as a single token."""
     if isinstance(words, (str, bytes)):
         words = [words]
+    try:
+        words = list(words)
+    except TypeError:  # a single id: iterating it failed with "'int' object is not iterable"
+        raise ConfigError(f"stop_words must be a list of token ids or words, got {words!r}") from None
     text = [w for w in words if isinstance(w, str)]
     if text and tokenizer is None:
         raise ConfigError("stop_words given as text need lookahead_tokenizer=tokenizer in model.generate")

@@ -52,14 +52,19 @@ def takes_position_ids(model) -> bool:
 
 def ignores_position_ids(model) -> bool:
     """Whether the model numbers its positions itself, by cache column, whatever ``position_ids`` we
-    pass: a transformers class whose forward names none (RoFormer, the Bart-family decoders, Bloom,
-    MPT; ``**kwargs`` take ours unread). Remote code is not judged so: its ``**kwargs`` may pass
-    them on to a native forward."""
-    return (
-        type(model).__module__.startswith("transformers.")
-        and _parameters(model) is not None
-        and (not takes_position_ids(model))
-    )
+    pass: a transformers class whose forward names none, nor does its decoder (RoFormer, the
+    Bart-family decoders, Bloom, MPT; ``**kwargs`` take ours unread). Evolla's forward names none
+    but passes its ``**kwargs`` to a decoder that reads them. Remote code is not judged so: its
+    ``**kwargs`` may pass them on to a native forward."""
+    if not type(model).__module__.startswith("transformers.") or _parameters(model) is None:
+        return False
+    if takes_position_ids(model):
+        return False
+    try:
+        decoder = model.get_decoder()
+    except Exception:  # no decoder to ask (or one it cannot name)
+        return True
+    return decoder is model or decoder is None or not takes_position_ids(decoder)
 
 
 def check_forward_signature(model) -> None:

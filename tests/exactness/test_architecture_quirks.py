@@ -584,3 +584,26 @@ def test_a_model_numbering_its_own_positions_drafts_chains_and_decodes_to_the_co
         ids, attention_mask=mask, do_sample=False, max_new_tokens=40 - ids.shape[1], pad_token_id=0
     )
     assert result.sequences.tolist() == reference.tolist()
+
+
+def test_a_forward_passing_position_ids_on_to_its_decoder_keeps_trees():
+    """Evolla's forward names no ``position_ids`` but hands its ``**kwargs`` to a decoder that reads
+    them: it is not one of the models that number positions themselves (it lost its trees)."""
+    from rag_lookahead.decoding.forward_signature import ignores_position_ids
+
+    config = transformers.EvollaConfig(
+        protein_encoder_config=dict(
+            vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+        ),
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, aligner_num_add_layers=1, resampler_depth=1, resampler_dim_head=8, resampler_heads=2,
+        resampler_num_latents=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    evolla = transformers.EvollaForProteinText2Text(config).eval()
+    assert not ignores_position_ids(evolla)
+    bart = transformers.BartConfig(
+        vocab_size=96, d_model=64, decoder_layers=2, decoder_attention_heads=4, encoder_layers=1,
+        encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64,
+    )  # fmt: skip
+    assert ignores_position_ids(transformers.BartForCausalLM(bart))

@@ -641,6 +641,10 @@ def test_lookahead_config_is_the_base_the_keys_override():
         (dict(generation_config=GenerationConfig(use_lookahead="yes")), "use_lookahead"),
         (dict(generation_config=GenerationConfig(branch_length=0)), "branch_length"),
         (dict(generation_config=GenerationConfig(stop_words="t5")), "lookahead_tokenizer"),
+        (
+            dict(generation_config=GenerationConfig(stop_words=5)),
+            "stop_words must be a list of token ids or words, got 5",
+        ),
         # it advised LookaheadConfig().with_tokenizer, which model.generate does not take
         (
             dict(generation_config=GenerationConfig(stop_words=[-3])),
