@@ -159,7 +159,7 @@ def _lookahead_generate(
     has_eos = getattr(generation_config, "_eos_token_tensor", None) is not None
     inner = _config_for_the_loop(generation_config, has_eos)
     returned = getattr(generation_config, "num_return_sequences", None) or 1
-    if generation_config.do_sample and returned > 1:  # rows of one prompt: the same interleaved draws
+    if generation_config.do_sample and returned > 1 and (generation_config.num_beams or 1) == 1:  # rows of one prompt
         raise _sampled_batch(f"num_return_sequences={returned} with sampling")
     params = resolve_sampling(model, inner, prompt_width=input_ids.shape[1], has_eos=has_eos)
     refuse_assisted_sampling(generation_config, assistant_model)  # resolve_sampling saw no assistant_model
