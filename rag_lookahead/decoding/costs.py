@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import platform
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from rag_lookahead.atomic import write_json_atomic
+from rag_lookahead.atomic import temporary_names, write_json_atomic
 from rag_lookahead.cpu_linear import mkl_packed_works, onednn_linear_works, packed_kernel
 from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
@@ -337,8 +338,19 @@ def _keep_curve(path: Path, key: str, curve: CostCurve) -> None:
             for old in list(stored)[: max(len(stored) - MAX_STORED_CURVES, 0)]:
                 del stored[old]
             write_json_atomic(path, stored)
+            _remove_killed_writes(path)
     except OSError as err:  # TimeoutError is one
         log.warning("could not keep the measured cost curve in %s (%s): it is measured again next run", path, err)
+
+
+def _remove_killed_writes(path: Path) -> None:
+    """The temporary files ``write_json_atomic`` left beside ``path`` when a process was killed
+    mid-write (``.cost_curves.json.XXXXXXXX``; nothing removed them). Called under the curves'
+    lock, which every writer holds while it writes: any such file is a dead writer's."""
+    leftover = temporary_names(re.escape(path.name))
+    for child in path.parent.iterdir():
+        if leftover.fullmatch(child.name) and child.is_file() and not child.is_symlink():
+            child.unlink(missing_ok=True)
 
 
 class StepCosts:

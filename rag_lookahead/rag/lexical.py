@@ -17,12 +17,15 @@ import logging
 import math
 import os
 import re
+import time
 import unicodedata
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 __all__ = ["HYBRID_WEIGHTS", "RRF_K", "BM25Index", "reciprocal_rank_fusion", "tokenize"]
+
+log = logging.getLogger(__name__)
 
 # RRF weights (dense, BM25) and constant for hybrid search, tuned on half of the questions of the
 # realistic sets (300 similar court judgments in Chinese, 299 Wikipedia paragraphs in English; see
@@ -84,6 +87,26 @@ def _keep_dictionary_cache_in_ours(jieba) -> None:
         return
     if folder.is_dir() and os.access(folder, os.W_OK):
         jieba.dt.tmp_dir = str(folder)
+        _remove_killed_dumps(folder)
+
+
+#: what jieba's dump writes first (``tempfile.mkstemp`` in its folder), then renames to jieba.cache
+_JIEBA_TEMPORARY = re.compile(r"tmp[a-z0-9_]{8}")
+STALE_DUMP_SECONDS = 3600  # a dump takes a second or two: one this old is a killed process's
+
+
+def _remove_killed_dumps(folder) -> None:
+    """The 9 MB temporary files of jieba dumps killed before their rename (``kill -9``, a Ctrl-C: its
+    dump catches only ``Exception``), which nothing removed: in our own jieba folder, by
+    ``mkstemp``'s names only, an hour old or more."""
+    stale = time.time() - STALE_DUMP_SECONDS
+    try:
+        for child in folder.iterdir():
+            if _JIEBA_TEMPORARY.fullmatch(child.name) and child.is_file() and not child.is_symlink():
+                if child.stat().st_mtime < stale:
+                    child.unlink(missing_ok=True)
+    except OSError as err:
+        log.debug("could not remove jieba's leftovers in %s: %s", folder, err)
 
 
 @functools.cache

@@ -185,3 +185,21 @@ def test_a_held_curve_lock_costs_only_the_keeping(tmp_path, monkeypatch, caplog)
     assert curve(1) > 0 and "could not keep the measured cost curve" in caplog.text
     assert not (tmp_path / "cost_curves.json").exists()
     profile_of(model).reset()
+
+
+def test_a_writer_killed_mid_write_leaves_no_temporary_file_for_good(tmp_path, monkeypatch):
+    """``kill -9`` during the curves file's atomic write left ``.cost_curves.json.XXXXXXXX`` beside
+    it, and nothing removed it (one more a kill). The next write, under the lock every writer
+    holds, removes them; a user's file of another name stays."""
+    monkeypatch.setenv("RAG_LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.delenv("RAG_LOOKAHEAD_RECALIBRATE", raising=False)
+    killed = [tmp_path / ".cost_curves.json.064722b6", tmp_path / ".cost_curves.json.ac23bff0"]
+    theirs = [tmp_path / ".cost_curves.json.bak", tmp_path / "cost_curves.json.0123abcd", tmp_path / "notes.txt"]
+    for path in killed + theirs:
+        path.write_text("{", encoding="utf-8")
+    model = _model("tiny-killed-writer", monkeypatch)
+    cost_curve(model)
+    assert not any(path.exists() for path in killed)
+    assert all(path.read_text(encoding="utf-8") == "{" for path in theirs)
+    assert json.loads((tmp_path / "cost_curves.json").read_text(encoding="utf-8"))
+    profile_of(model).reset()

@@ -169,6 +169,30 @@ def test_jieba_keeps_its_dictionary_cache_in_our_cache_not_in_the_shared_tmp(tmp
     assert (ours / "jieba" / "jieba.cache").is_file()
 
 
+def test_a_jieba_dump_killed_before_its_rename_leaves_no_9_mb_file_for_good(tmp_path):
+    """jieba dumps its dictionary to a ``mkstemp`` file and renames it: a process killed between
+    (``kill -9``; its dump catches only ``Exception``, so a Ctrl-C too) left a 9 MB ``tmpXXXXXXXX`` in
+    our jieba folder that nothing removed. An hour-old one goes; a fresh one (a dump under way)
+    and files of other names stay."""
+    import subprocess
+    import sys
+    import time
+
+    folder = tmp_path / "cache" / "jieba"
+    folder.mkdir(parents=True)
+    killed, running, theirs = folder / "tmplmnj6wv0", folder / "tmp8k2_d9qa", folder / "mine.txt"
+    for path in (killed, running, theirs):
+        path.write_bytes(b"x")
+    long_ago = time.time() - 2 * 3600
+    for path in (killed, theirs):
+        os.utime(path, (long_ago, long_ago))
+    env = dict(os.environ, RAG_LOOKAHEAD_CACHE=str(tmp_path / "cache"))
+    code = "from rag_lookahead.rag import lexical; print(lexical.tokenize('原告与被告签订了房屋租赁合同'))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "被告" in done.stdout, done.stderr
+    assert not killed.exists() and running.exists() and theirs.exists()
+
+
 def test_cached_words_follow_the_dictionary_jieba_has_loaded(tmp_path):
     """The key held jieba's version, not its dictionary: after ``jieba.add_word`` (or a rebuilt
     dictionary cache) the cached words were the old dictionary's while queries were cut with the new."""
