@@ -56,6 +56,33 @@ def test_a_stop_field_is_in_the_cache_key(model):
     )
 
 
+def test_weights_edited_anywhere_are_another_cache_key():
+    """The key's weights digest sampled three parameters (the first, the middle one, the last), once
+    per engine: a copy with an adapter merged into the attention's values and the MLPs, or the same
+    model after an edit in place, was served the answer cached before."""
+    import torch
+
+    base = build_tiny_model("qwen2", seed=0)
+    merged = copy.deepcopy(base)
+    with torch.no_grad():
+        for name, weight in merged.named_parameters():
+            if "v_proj.weight" in name or "mlp" in name:
+                weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    want = make_llm(merged).invoke(A)
+    assert want != make_llm(base).invoke(A)
+    cache = InMemoryCache()
+    assert make_llm(base, cache=cache).invoke(A) != want
+    assert make_llm(merged, cache=cache).invoke(A) == want  # was the base model's answer
+    edited = make_llm(base, cache=cache)
+    with torch.no_grad():  # in place, through .data as peft merges: no version counter moves
+        for name, weight in base.named_parameters():
+            if "mlp" in name:
+                weight.data.copy_(dict(merged.named_parameters())[name])
+            if "v_proj.weight" in name:
+                weight.data.copy_(dict(merged.named_parameters())[name])
+    assert edited.invoke(A) == want  # was the answer cached before the edit
+
+
 def test_an_explicit_none_option_is_in_the_cache_key(model):
     """``temperature=None`` turns the field's sampling off (greedy), but the key left it out and the
     cached sample came back."""
