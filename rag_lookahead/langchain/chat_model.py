@@ -65,6 +65,7 @@ from rag_lookahead.langchain.engine import (
     EngineAccess,
     NotPickled,
     RowRequest,
+    check_loaded,
     in_worker_cancellable,
     prompt_format,
 )
@@ -198,6 +199,7 @@ class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, 
         else:
             if self.model is None or self.tokenizer is None:
                 raise ConfigError("ChatLookahead needs a model id, or a loaded model and its tokenizer")
+            check_loaded(self.model, self.tokenizer)  # model=5: "cannot create weak reference to 'int' object"
             model, tokenizer = self.model, self.tokenizer
         return shared_engine(model, tokenizer, self.lookahead)
 

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import contextvars
 import hashlib
+import os
 import queue
 import threading
 import time
@@ -103,6 +104,24 @@ class Block:
     piece: str
 
 
+def check_loaded(model, tokenizer) -> None:
+    """A loaded model and its tokenizer, not names: ``LookaheadLLM(model="default", tokenizer=...)``
+    was taken, then every call failed with "'str' object has no attribute 'config'" (a tokenizer
+    given as text: "'add_special_tokens' is an invalid keyword argument for encode()")."""
+    if isinstance(model, (str, bytes, os.PathLike)) or not (hasattr(model, "config") and callable(model)):
+        raise ConfigError(
+            f"model must be a loaded model (a transformers PreTrainedModel), got {type(model).__name__}: for a"
+            " model id or folder use LookaheadLLM.from_model_id(...) or ChatLookahead(model=...) without a tokenizer"
+        )
+    if isinstance(tokenizer, (str, bytes, os.PathLike)) or not all(
+        callable(getattr(tokenizer, name, None)) for name in ("encode", "decode")
+    ):
+        raise ConfigError(
+            f"tokenizer must be the model's loaded tokenizer (e.g. AutoTokenizer.from_pretrained(...)),"
+            f" got {type(tokenizer).__name__}"
+        )
+
+
 @dataclass
 class EngineRun:
     """What a batched run left: each row's tracker and step count, and generate's result."""
@@ -169,6 +188,7 @@ class Engine:
     ) -> None:
         if model is None or tokenizer is None:
             raise ConfigError("the engine needs a model and a tokenizer")
+        check_loaded(model, tokenizer)
         config = config or LookaheadConfig()
         self.model = model
         self.tokenizer = tokenizer

@@ -50,6 +50,7 @@ from rag_lookahead.langchain.engine import (
     EngineRun,
     NotPickled,
     RowRequest,
+    check_loaded,
     prompt_format,
 )
 from rag_lookahead.langchain.sampling_fields import SAMPLING_FIELDS, SamplingFields, resolve_config
@@ -89,6 +90,7 @@ class LookaheadLLM(EngineAccess, CancellableAsync, NotPickled, SamplingFields, B
     def _settle(self, updated: frozenset[str] | None) -> None:
         if self.model is None or self.tokenizer is None:
             raise ConfigError("LookaheadLLM needs a model and a tokenizer (or use LookaheadLLM.from_model_id)")
+        check_loaded(self.model, self.tokenizer)
         positive_int("max_new_tokens", self.max_new_tokens)
         if not self.lookahead.stop_words:
             self.lookahead = self.lookahead.with_tokenizer(self.tokenizer)

@@ -332,3 +332,24 @@ def test_retrieval_qa_retrieves_with_the_question_stripped(model):
     retriever = Asked(docs=[Document(page_content=A, metadata={"source": "a.md"})])
     build_retrieval_qa(make_llm(model), retriever, k_prompt=1, k_seed=1).invoke({"query": "  t5 t6 \n"})
     assert retriever.queries == ["t5 t6"]
+
+
+def test_a_name_or_text_where_a_loaded_model_or_tokenizer_goes_is_refused(model):
+    """``LookaheadLLM(model="default", tokenizer=tok)`` was taken and every call then failed with
+    "'str' object has no attribute 'config'"; an assignment left the LLM unusable; a tokenizer
+    given as text, or ``ChatLookahead(model=5)``, raised a TypeError from deep inside."""
+    tokenizer = tiny_tokenizer()
+    for build in (
+        lambda: LookaheadLLM(model="default", tokenizer=tokenizer),
+        lambda: ChatLookahead(model=5, tokenizer=tokenizer),
+    ):
+        with pytest.raises(ConfigError, match="^model must be a loaded model .*from_model_id"):
+            build()
+    for build in (lambda: make_llm(model, tokenizer="x"), lambda: ChatLookahead(model=model, tokenizer="x")):
+        with pytest.raises(ConfigError, match="^tokenizer must be the model's loaded tokenizer"):
+            build()
+    llm = make_llm(model)
+    want = llm.invoke(A)
+    with pytest.raises(ConfigError, match="^model must be a loaded model"):
+        llm.model = "default"
+    assert llm.model is model and llm.invoke(A) == want  # left as it was
