@@ -470,7 +470,7 @@ class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, 
     def _references(self, references: Any, chat: list[dict], engine: Engine) -> list[str]:
         if references is None:
             return engine.seeds.lookup("\n".join(str(m["content"]) for m in chat))
-        if isinstance(references, str) or not all(isinstance(p, str) for p in references):
+        if not isinstance(references, (list, tuple)) or not all(isinstance(p, str) for p in references):
             raise InputError("references must be a list of passages (strings)")
         return list(references)
 

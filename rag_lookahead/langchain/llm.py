@@ -285,7 +285,8 @@ class LookaheadLLM(EngineAccess, CancellableAsync, NotPickled, SamplingFields, B
             references = references.for_prompts(prompts)
         if references is None:
             rows: list[list[str]] = [[] for _ in prompts]
-        elif isinstance(references, str):
+        elif isinstance(references, str) or not isinstance(references, (list, tuple)):
+            # 5: "'int' object is not iterable"; {"a": 1}: its keys taken for passages
             raise InputError("references must be a list of passages (strings), one list per prompt")
         else:
             references = list(references) or [[] for _ in prompts]  # [] (no passages) as ChatLookahead takes it

@@ -166,7 +166,9 @@ def resolve_config(default: LookaheadConfig, kwargs: dict) -> LookaheadConfig:
     if not isinstance(config, LookaheadConfig):
         raise ConfigError("lookahead must be a LookaheadConfig")
     if enable is not None:
-        config = config.replace(enabled=bool(enable))
+        if not isinstance(enable, bool):  # "False" read as on
+            raise ConfigError(f"enable_lookahead must be True or False, got {enable!r}")
+        config = config.replace(enabled=enable)
     return config
 
 

@@ -353,3 +353,19 @@ def test_a_name_or_text_where_a_loaded_model_or_tokenizer_goes_is_refused(model)
     with pytest.raises(ConfigError, match="^model must be a loaded model"):
         llm.model = "default"
     assert llm.model is model and llm.invoke(A) == want  # left as it was
+
+
+def test_references_and_enable_lookahead_of_the_wrong_type_are_refused(model):
+    """``references=5`` raised "'int' object is not iterable", a dict had its keys taken for
+    passages, and ``enable_lookahead="False"`` decoded with lookahead on."""
+    llm = make_llm(model)
+    for references in (5, {A: 1}):
+        with pytest.raises(InputError, match="^references must be a list of passages"):
+            llm.invoke(A, references=references)
+    chat = ChatLookahead(model=model, tokenizer=tiny_tokenizer(), max_tokens=8)
+    for references in (5, {A: 1}, A):
+        with pytest.raises(InputError, match="^references must be a list of passages"):
+            chat.invoke(A, references=references)
+    with pytest.raises(ConfigError, match="^enable_lookahead must be True or False, got 'False'"):
+        llm.invoke(A, enable_lookahead="False")
+    assert llm.invoke(A, references=(f"{A} t8",), enable_lookahead=False) == llm.invoke(A)
