@@ -187,7 +187,7 @@ def check_k(k_prompt: int, k_seed: int, names: tuple[str, str] = ("k_prompt", "k
     trie); ``names``: what the caller calls them (a command line's ``--k``, ``--k-seed``)."""
     prompt_name, seed_name = names
     positive_int(prompt_name, k_prompt)
-    if not isinstance(k_seed, int) or k_seed < k_prompt:
+    if not isinstance(k_seed, int) or isinstance(k_seed, bool) or k_seed < k_prompt:  # True is an int
         raise ConfigError(f"{seed_name} must be an integer >= {prompt_name} ({k_prompt}), got {k_seed!r}")
 
 

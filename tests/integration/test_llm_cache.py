@@ -369,3 +369,10 @@ def test_references_and_enable_lookahead_of_the_wrong_type_are_refused(model):
     with pytest.raises(ConfigError, match="^enable_lookahead must be True or False, got 'False'"):
         llm.invoke(A, enable_lookahead="False")
     assert llm.invoke(A, references=(f"{A} t8",), enable_lookahead=False) == llm.invoke(A)
+
+
+def test_a_boolean_k_seed_is_refused_under_its_own_name(model):
+    """``k_seed=True`` passed as the integer 1 and was refused later as "k must be an integer"."""
+    for build in (build_rag_chain, build_retrieval_qa):
+        with pytest.raises(ConfigError, match=r"^k_seed must be an integer >= k_prompt \(1\), got True"):
+            build(make_llm(model), Fixed(docs=[]), k_prompt=1, k_seed=True)
