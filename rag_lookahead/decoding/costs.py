@@ -348,9 +348,12 @@ def _remove_killed_writes(path: Path) -> None:
     mid-write (``.cost_curves.json.XXXXXXXX``; nothing removed them). Called under the curves'
     lock, which every writer holds while it writes: any such file is a dead writer's."""
     leftover = temporary_names(re.escape(path.name))
-    for child in path.parent.iterdir():
-        if leftover.fullmatch(child.name) and child.is_file() and not child.is_symlink():
-            child.unlink(missing_ok=True)
+    try:  # the curve is kept already: a leftover that will not go is no reason to say otherwise
+        for child in path.parent.iterdir():
+            if leftover.fullmatch(child.name) and child.is_file() and not child.is_symlink():
+                child.unlink(missing_ok=True)
+    except OSError as err:
+        log.debug("could not remove a killed writer's leftover beside %s: %s", path, err)
 
 
 class StepCosts:

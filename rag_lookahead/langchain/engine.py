@@ -340,21 +340,28 @@ def weights_digest(model) -> str:
     cache keys an answer by the model's identifying params, and two loaded models may report the
     same name ("custom", or two folders both called "final"): the digest tells them apart. Every
     parameter counts (three of them did: a LoRA merged into the attention's values and the MLPs
-    shared the base model's answers), ``DIGEST_SAMPLE`` values each, strided over the tensor, so a
-    dense edit (a merged adapter, a rescaled layer) changes it; ~3 ms for the default model."""
+    shared the base model's answers), ``DIGEST_SAMPLE`` values each, spread over its rows and columns,
+    so a dense edit (a merged adapter, a rescaled layer) changes it; ~3 ms for the default model.
+    A weight offloaded to ``meta`` counts by its shape only."""
     import torch
 
     digest = hashlib.sha256()
     config = getattr(model, "config", None)
     digest.update((config.to_json_string() if hasattr(config, "to_json_string") else repr(config)).encode())
     params = list(model.parameters()) if hasattr(model, "parameters") else []  # a tied weight once
+    spots: dict[torch.Size, tuple] = {}
     samples: dict[object, list] = {}  # by device: one copy to the host each, not one per weight (a GPU sync)
     for param in params:
         digest.update(f"{tuple(param.shape)}:{param.dtype}".encode())
         if param.device.type == "meta":  # offloaded (accelerate's hooks bring it in): its shape only
             continue
-        flat = param.detach().reshape(-1)
-        samples.setdefault(flat.device, []).append(flat[:: max(1, flat.numel() // DIGEST_SAMPLE)][:DIGEST_SAMPLE])
+        # spread over the flat index, so over rows and columns (a stride of numel // 64 kept to
+        # column 0 where the rows are a multiple of 64); gathered where they lie, without a copy
+        # of a non-contiguous weight
+        if param.shape not in spots:  # the same shapes recur layer after layer
+            flat = torch.linspace(0, max(param.numel() - 1, 0), min(DIGEST_SAMPLE, param.numel())).round().long()
+            spots[param.shape] = torch.unravel_index(flat, param.shape) if param.dim() else ()
+        samples.setdefault(param.device, []).append(param.detach()[spots[param.shape]].reshape(-1))
     for device_samples in samples.values():
         digest.update(torch.cat([v.float() for v in device_samples]).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]

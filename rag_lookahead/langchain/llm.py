@@ -300,7 +300,7 @@ class LookaheadLLM(EngineAccess, CancellableAsync, NotPickled, SamplingFields, B
             for r in references:
                 if r is None:
                     r = []
-                if isinstance(r, str) or not all(isinstance(p, str) for p in r):
+                if not isinstance(r, (list, tuple)) or not all(isinstance(p, str) for p in r):
                     raise InputError("each entry of references must be a list of passages (strings)")
                 rows.append(list(r))
         return [engine.passages(passages or engine.seeds.lookup(prompt)) for prompt, passages in zip(prompts, rows)]

@@ -101,6 +101,8 @@ def _remove_killed_dumps(folder) -> None:
     ``mkstemp``'s names only, an hour old or more."""
     stale = time.time() - STALE_DUMP_SECONDS
     try:
+        if folder.is_symlink():  # a folder linked elsewhere (/tmp) holds others' mkstemp files
+            return
         for child in folder.iterdir():
             if _JIEBA_TEMPORARY.fullmatch(child.name) and child.is_file() and not child.is_symlink():
                 if child.stat().st_mtime < stale:

@@ -81,6 +81,14 @@ def test_weights_edited_anywhere_are_another_cache_key():
             if "v_proj.weight" in name:
                 weight.data.copy_(dict(merged.named_parameters())[name])
     assert edited.invoke(A) == want  # was the answer cached before the edit
+    from rag_lookahead.langchain.engine import weights_digest
+
+    spared = copy.deepcopy(merged)
+    with torch.no_grad():  # matrices edited but for their first column, where every sample sat (rows 64k)
+        for name, weight in spared.named_parameters():
+            if "q_proj.weight" in name or "mlp" in name:
+                weight[:, 1:] *= 1.01
+    assert weights_digest(spared) != weights_digest(merged)
 
 
 def test_an_explicit_none_option_is_in_the_cache_key(model):
@@ -361,6 +369,9 @@ def test_references_and_enable_lookahead_of_the_wrong_type_are_refused(model):
     llm = make_llm(model)
     for references in (5, {A: 1}):
         with pytest.raises(InputError, match="^references must be a list of passages"):
+            llm.invoke(A, references=references)
+    for references in ([5], [{A: 1}]):  # a prompt's own entry
+        with pytest.raises(InputError, match="^each entry of references must be a list of passages"):
             llm.invoke(A, references=references)
     chat = ChatLookahead(model=model, tokenizer=tiny_tokenizer(), max_tokens=8)
     for references in (5, {A: 1}, A):
