@@ -394,6 +394,8 @@ def _load_named(name: str, kwargs: dict[str, Any], *, local: bool = False) -> tu
     unless HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set."""
     if local or _looks_local(name):
         folder, extra = _local_source(name)
+        if not extra and not kwargs.get("trust_remote_code") and _needs_remote_code(folder):
+            raise ModelLoadError(_remote_code_refusal(name))  # before transformers reads it (a warning line)
         return _from_local(folder, extra, kwargs)
 
     _check_hub_id(name)
@@ -429,6 +431,16 @@ def _local_source(name: str) -> tuple[Path, dict[str, Any]]:
         raise ModelLoadError(f"model folder {quoted_path(name)} does not exist")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{quoted_path(name)} is not a model folder: it has no config.json")
+    config = _folder_config(path)
+    kind = config.get("model_type") if config else None
+    if isinstance(kind, str) and not config.get("auto_map") and kind not in _known_model_types():
+        # transformers warned on stderr, then failed its load with a ValueError cut short
+        import transformers
+
+        raise ModelLoadError(
+            f"model folder {quoted_path(name)} has model_type {kind!r}, which transformers {transformers.__version__}"
+            " does not know: a newer transformers may, or the folder's config.json is not a causal LM's"
+        )
     return path, {}
 
 
@@ -527,17 +539,28 @@ def _remote_code_refusal(where: str) -> str:
     )
 
 
+def _folder_config(folder: Path) -> dict | None:
+    """The folder's config.json as a dict; None where it cannot be read as one (``load_model`` says
+    what is wrong with it)."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _known_model_types() -> Any:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING
+
+
 def _needs_remote_code(folder: Path) -> bool:
     """Whether transformers will run the folder's own code for it: its config maps the auto classes
     to files of its own and names a model type transformers does not have (a type it has is loaded
     with transformers' own code without the opt-in, as ``from_pretrained`` does)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False  # load_model says what is wrong with it
-    return isinstance(config, dict) and bool(config.get("auto_map")) and config.get("model_type") not in CONFIG_MAPPING
+    config = _folder_config(folder)
+    return config is not None and bool(config.get("auto_map")) and config.get("model_type") not in _known_model_types()
 
 
 def _refuse_broken_tokenizer(tokenizer: Any, source: str) -> None:

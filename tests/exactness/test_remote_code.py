@@ -262,3 +262,36 @@ def test_serve_refuses_a_forward_written_before_transformers_5_24_at_start(tmp_p
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-1500:]
     assert len(errors) == 1 and re.search(BEFORE_5_24, errors[0]), run.stderr[-1500:]
+
+
+def test_serve_refuses_a_remote_code_or_unknown_type_folder_in_one_line(tmp_path):
+    """``serve`` (and plain ``bench``) met these folders only in transformers' loader, which first
+    printed "You are using a model of type ... to instantiate a model of type ``" on stderr; a
+    model_type transformers does not know then failed with a ValueError cut short, after ``ask``
+    had indexed the sample corpus."""
+    from rag_lookahead.models import check_load_options
+
+    remote = remote_folder(tmp_path / "r", "TinyRemoteForCausalLM")
+    config = json.loads((remote / "config.json").read_text())
+    config["model_type"] = "frobnicator"
+    (remote / "config.json").write_text(json.dumps(config))
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "auto_map"}))
+    said = {
+        remote: r"error: model '.*' ships its own modeling code, which is not run by default: .*",
+        unknown: r"error: model folder '.*' has model_type 'frobnicator', which transformers .* does not know: .*",
+    }
+    for folder, line in said.items():
+        run = subprocess.run(
+            [sys.executable, "-m", "rag_lookahead", "serve", "--model", str(folder), "--port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "RAG_LOOKAHEAD_HOME": str(tmp_path / "home")},
+        )
+        assert run.returncode == 1 and re.fullmatch(line + "\n", run.stderr), run.stderr
+    with pytest.raises(ModelLoadError, match="has model_type 'frobnicator'"):
+        check_load_options(str(unknown))  # ask's check, before it indexes
+    with pytest.raises(ModelLoadError, match="has model_type 'frobnicator'"):
+        load_model(str(unknown))
