@@ -179,10 +179,7 @@ def check_load_options(
     if name in EMBEDDED and not is_path:
         check_embedded_installed(name)
     elif is_path or _looks_local(name):
-        folder, gguf = _local_source(name)
-        # a .gguf file carries its own config: transformers reads no config.json beside it
-        if not trust_remote_code and not gguf and _needs_remote_code(folder):
-            raise ModelLoadError(_remote_code_refusal(name))
+        _local_source(name, trust_remote_code)
     else:
         _check_hub_id(name)
         if hub:
@@ -393,9 +390,7 @@ def _load_named(name: str, kwargs: dict[str, Any], *, local: bool = False) -> tu
     """Local folder / .gguf file (always when ``local``), else hub id: local cache first, then online
     unless HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set."""
     if local or _looks_local(name):
-        folder, extra = _local_source(name)
-        if not extra and not kwargs.get("trust_remote_code") and _needs_remote_code(folder):
-            raise ModelLoadError(_remote_code_refusal(name))  # before transformers reads it (a warning line)
+        folder, extra = _local_source(name, kwargs.get("trust_remote_code", False))
         return _from_local(folder, extra, kwargs)
 
     _check_hub_id(name)
@@ -414,11 +409,13 @@ def _load_named(name: str, kwargs: dict[str, Any], *, local: bool = False) -> tu
         ) from err
 
 
-def _local_source(name: str) -> tuple[Path, dict[str, Any]]:
+def _local_source(name: str, trust_remote_code: bool = False) -> tuple[Path, dict[str, Any]]:
     """The folder a local model loads from, and the ``from_pretrained`` keywords that pick a .gguf
     file in it; ModelLoadError for a path that holds no model (missing, a file other than a .gguf,
-    a folder without config.json). Looks only at names on the disk, so :func:`check_load_options`
-    can run it before slow work."""
+    a folder without config.json, a model type transformers does not know, a folder that ships its
+    own modeling code without ``trust_remote_code``). Reads only names on the disk and config.json,
+    so :func:`check_load_options` can run it before slow work, and :func:`load_model` before
+    transformers reads the folder."""
     path = expand_user(name, "model")
     if path.is_file() and path.suffix == ".gguf":
         return path.parent, {"gguf_file": path.name}
@@ -431,10 +428,16 @@ def _local_source(name: str) -> tuple[Path, dict[str, Any]]:
         raise ModelLoadError(f"model folder {quoted_path(name)} does not exist")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{quoted_path(name)} is not a model folder: it has no config.json")
+    # refused before transformers reads the folder: it warned on stderr first ("You are using a
+    # model of type ..."), then failed an unknown type with a ValueError cut short
     config = _folder_config(path)
     kind = config.get("model_type") if config else None
-    if isinstance(kind, str) and not config.get("auto_map") and kind not in _known_model_types():
-        # transformers warned on stderr, then failed its load with a ValueError cut short
+    if config and config.get("auto_map"):
+        # transformers runs the folder's own code for a model type it does not have (one it has is
+        # loaded with its own code without the opt-in, as from_pretrained does)
+        if not trust_remote_code and kind not in _known_model_types():
+            raise ModelLoadError(_remote_code_refusal(name))
+    elif isinstance(kind, str) and kind not in _known_model_types():
         import transformers
 
         raise ModelLoadError(
@@ -553,14 +556,6 @@ def _known_model_types() -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     return CONFIG_MAPPING
-
-
-def _needs_remote_code(folder: Path) -> bool:
-    """Whether transformers will run the folder's own code for it: its config maps the auto classes
-    to files of its own and names a model type transformers does not have (a type it has is loaded
-    with transformers' own code without the opt-in, as ``from_pretrained`` does)."""
-    config = _folder_config(folder)
-    return config is not None and bool(config.get("auto_map")) and config.get("model_type") not in _known_model_types()
 
 
 def _refuse_broken_tokenizer(tokenizer: Any, source: str) -> None:
