@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import secrets
 import stat
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -20,6 +22,7 @@ __all__ = [
     "json_text",
     "jsonl_text",
     "naming_failed_write",
+    "remove_leftovers",
     "temporary_names",
     "write_bytes_atomic",
     "write_json_atomic",
@@ -58,6 +61,21 @@ def temporary_names(name: str) -> re.Pattern[str]:
     regex ``name`` (``.NAME.XXXXXXXX``): the leftovers of a writer killed mid-write, which only
     their owner may clean (store's manifest, the BM25 word cache)."""
     return re.compile(rf"\.(?:{name})\.[0-9a-f]{{{2 * _TEMPORARY_SUFFIX_HEX}}}")
+
+
+def remove_leftovers(folder: Path, names: re.Pattern[str], older_than: float | None = None) -> None:
+    """Remove a killed writer's temporary files from a folder of ours: the regular files (no links)
+    whose whole name ``names`` matches, and with ``older_than`` only those last written that many
+    seconds ago or more (where a live writer may hold one). A cache chore: what cannot be removed is
+    left, with a debug line."""
+    stale = None if older_than is None else time.time() - older_than
+    try:
+        for child in folder.iterdir():
+            if names.fullmatch(child.name) and child.is_file() and not child.is_symlink():
+                if stale is None or child.stat().st_mtime < stale:
+                    child.unlink(missing_ok=True)
+    except OSError as err:
+        logging.getLogger(__name__).debug("could not remove leftovers in %s: %s", folder, err)
 
 
 def _create_beside(path: Path, private: bool) -> tuple[int, Path]:

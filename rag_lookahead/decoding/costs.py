@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from rag_lookahead.atomic import temporary_names, write_json_atomic
+from rag_lookahead.atomic import remove_leftovers, temporary_names, write_json_atomic
 from rag_lookahead.cpu_linear import mkl_packed_works, onednn_linear_works, packed_kernel
 from rag_lookahead.decoding.attention_backends import without_cudnn_attention
 from rag_lookahead.decoding.draft import DraftTree
@@ -347,13 +347,7 @@ def _remove_killed_writes(path: Path) -> None:
     """The temporary files ``write_json_atomic`` left beside ``path`` when a process was killed
     mid-write (``.cost_curves.json.XXXXXXXX``; nothing removed them). Called under the curves'
     lock, which every writer holds while it writes: any such file is a dead writer's."""
-    leftover = temporary_names(re.escape(path.name))
-    try:  # the curve is kept already: a leftover that will not go is no reason to say otherwise
-        for child in path.parent.iterdir():
-            if leftover.fullmatch(child.name) and child.is_file() and not child.is_symlink():
-                child.unlink(missing_ok=True)
-    except OSError as err:
-        log.debug("could not remove a killed writer's leftover beside %s: %s", path, err)
+    remove_leftovers(path.parent, temporary_names(re.escape(path.name)))  # one that will not go: the curve is kept
 
 
 class StepCosts:

@@ -17,15 +17,14 @@ import logging
 import math
 import os
 import re
-import time
 import unicodedata
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["HYBRID_WEIGHTS", "RRF_K", "BM25Index", "reciprocal_rank_fusion", "tokenize"]
+from rag_lookahead.atomic import remove_leftovers
 
-log = logging.getLogger(__name__)
+__all__ = ["HYBRID_WEIGHTS", "RRF_K", "BM25Index", "reciprocal_rank_fusion", "tokenize"]
 
 # RRF weights (dense, BM25) and constant for hybrid search, tuned on half of the questions of the
 # realistic sets (300 similar court judgments in Chinese, 299 Wikipedia paragraphs in English; see
@@ -99,16 +98,8 @@ def _remove_killed_dumps(folder) -> None:
     """The 9 MB temporary files of jieba dumps killed before their rename (``kill -9``, a Ctrl-C: its
     dump catches only ``Exception``), which nothing removed: in our own jieba folder, by
     ``mkstemp``'s names only, an hour old or more."""
-    stale = time.time() - STALE_DUMP_SECONDS
-    try:
-        if folder.is_symlink():  # a folder linked elsewhere (/tmp) holds others' mkstemp files
-            return
-        for child in folder.iterdir():
-            if _JIEBA_TEMPORARY.fullmatch(child.name) and child.is_file() and not child.is_symlink():
-                if child.stat().st_mtime < stale:
-                    child.unlink(missing_ok=True)
-    except OSError as err:
-        log.debug("could not remove jieba's leftovers in %s: %s", folder, err)
+    if not folder.is_symlink():  # a folder linked elsewhere (/tmp) holds others' mkstemp files
+        remove_leftovers(folder, _JIEBA_TEMPORARY, older_than=STALE_DUMP_SECONDS)
 
 
 @functools.cache

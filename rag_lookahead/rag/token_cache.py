@@ -20,11 +20,10 @@ import hashlib
 import logging
 import os
 import re
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rag_lookahead.atomic import temporary_names, write_text_atomic
+from rag_lookahead.atomic import remove_leftovers, temporary_names, write_text_atomic
 from rag_lookahead.file_reads import read_capped
 from rag_lookahead.paths import cache_dir
 from rag_lookahead.rag import lexical
@@ -98,12 +97,11 @@ def _prune(folder: Path, keep: int) -> None:
     try:
         files = [p for p in folder.iterdir() if p.is_file() and not p.is_symlink()]
         ours = sorted((p for p in files if _NAME.fullmatch(p.name)), key=lambda p: p.stat().st_mtime, reverse=True)
-        stale = time.time() - STALE_SECONDS
-        left = [p for p in files if _TEMPORARY.fullmatch(p.name) and p.stat().st_mtime < stale]
-        for p in ours[keep:] + left:
+        for p in ours[keep:]:
             p.unlink(missing_ok=True)
     except OSError as e:
         log.debug("could not prune the BM25 word cache in %s: %s", folder, e)
+    remove_leftovers(folder, _TEMPORARY, older_than=STALE_SECONDS)
 
 
 def cached_tokens(
