@@ -14,6 +14,7 @@ state, and runs the loop's steps:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, SupportsIndex
@@ -146,6 +147,7 @@ class DecodeBatch:
         keys: Sequence | None = None,
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         logprobs: Sequence[LogprobRecorder | None] | None = None,
+        stop_check: Callable[[Any, list[int]], bool] | None = None,
     ) -> list[Row]:
         """Prefill new left-padded rows and merge them into the running batch.
 
@@ -153,6 +155,9 @@ class DecodeBatch:
         batch are how a server batches continuously. ``sampling``: one setting for all rows
         or one per row (default greedy); rows with different settings share the batch.
         ``logprobs``: per row, a recorder for its tokens' log-probabilities (None: not recorded).
+        ``stop_check(key, tokens)``: asked after each token a row that walks (samples, or applies a
+        penalty) chooses, its first included, with the step's tokens so far; True ends the row
+        there, before its next draw (``TokenChooser.stop_after``).
         With ``prefill_chunk`` the rows only queue here: their prompts go through the next steps
         a chunk at a time, and each row's first token comes from the step that ends its prompt.
         """
@@ -169,6 +174,9 @@ class DecodeBatch:
         device = input_device(self.model)  # callers may build ids on the CPU
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         rows = self._new_rows(input_ids, attention_mask, max_new_tokens, keys, sampling, device)
+        if stop_check is not None:  # before the prefill: it chooses the first tokens
+            for row in rows:
+                row.chooser.stop_after = functools.partial(stop_check, row.index)
         for row, recorder in zip(rows, logprobs or [None] * count):
             if recorder is not None:
                 self.logprobs[row] = recorder
@@ -243,7 +251,7 @@ class DecodeBatch:
             token = logits
         else:
             token = int(logits.float().argmax()) if row.chooser.plain else row.chooser.choose(row.prompt, logits)
-        first = row.take([token], self.eos)
+        first = row.take([token], self.eos, stopped=row.chooser.stops([token]))
         recorder = self.logprobs.get(row)
         if recorder is not None:
             recorder.record(logits[None], first)
@@ -307,7 +315,7 @@ class DecodeBatch:
             result, offset = accepted[r], feed.starts[r]
             row.position += 1 + len(result.nodes)
             self._learn(row, draft, result)
-            gained.append(row.take(result.tokens, self.eos))
+            gained.append(row.take(result.tokens, self.eos, stopped=result.stopped))
             recorder = self.logprobs.get(row)
             if recorder is not None:  # the logits that chose each token: the root's, then each accepted node's
                 recorder.record(logits[[offset] + [offset + 1 + node for node in result.nodes]], gained[-1])

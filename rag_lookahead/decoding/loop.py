@@ -163,9 +163,11 @@ def generate(
     on_tokens(row, tokens): called as each row's tokens are accepted; return True to end that
         row there (a stop string was seen, the client left).
     stop_check(row, tokens): for rows that draw their tokens (sampling, a repetition penalty),
-        asked after each token a step draws, with the tokens drawn so far in that step; True ends
-        the row's block there, before the next draw (what ``on_tokens`` would cut must not have
-        been drawn: the random generator must stand where ``model.generate`` leaves it).
+        asked after each token drawn (the row's first and each step's last included), with the
+        tokens drawn so far in that step; True ends the row at that token, as a transformers
+        ``StoppingCriteria`` does: its output ends there and nothing more is drawn, so the random
+        generator stands where ``model.generate`` leaves it (``on_tokens`` still sees the block).
+        Plain greedy rows (no repetition penalty) draw nothing and are not asked: ``on_tokens`` ends them.
     logprobs: record each new token's log-probability under the model (``results``) with the
         ``logprobs`` most likely tokens at its place (0: none); in ``result.logprobs``.
     prefill_chunk: prompt tokens per forward (chunked prefill, see ``prefill``; the same tokens);
@@ -221,10 +223,7 @@ def _decode_rows(
     stats = GenerationStats(rows=ids.shape[0], trace=[] if batch.config.debug else None)
     start = time.perf_counter()
     recorders = None if logprobs is None else [LogprobRecorder(logprobs) for _ in range(ids.shape[0])]
-    rows = batch.add(ids, mask, references, max_new_tokens, sampling=sampling, logprobs=recorders)
-    if stop_check is not None:
-        for row in rows:
-            row.chooser.stop_after = functools.partial(stop_check, row.index)
+    batch.add(ids, mask, references, max_new_tokens, sampling=sampling, logprobs=recorders, stop_check=stop_check)
     stats.prefill_seconds = time.perf_counter() - start
     outputs = _decode(batch, stats, on_tokens)
     sequences = assemble(ids, [outputs[r] for r in range(ids.shape[0])], pad)

@@ -1,8 +1,9 @@
 """One row of a decode batch: its tokens so far and when it must stop.
 
-A row stops at EOS, at its token budget (``max_new_tokens``) or at the end of the model's
-context window, whichever comes first; ``take`` enforces all three as tokens arrive, so a
-running row's KV cache and its ``generated`` tokens always stay in step.
+A row stops at EOS, at its token budget (``max_new_tokens``), at the end of the model's
+context window or where a caller's stopping rule says (``take``'s ``stopped``), whichever comes
+first; ``take`` enforces them as tokens arrive, so a running row's KV cache and its
+``generated`` tokens always stay in step.
 
 Under chunked prefill a row joins the batch before its prompt is in the cache: it is
 ``prefilling`` until its last prompt chunk has been through a step, which also gives its first token.
@@ -79,11 +80,12 @@ class Row:
             room = min(room, self.context_limit - self.length)
         return max(room, 0)
 
-    def take(self, tokens: list[int], eos: frozenset[int]) -> list[int]:
+    def take(self, tokens: list[int], eos: frozenset[int], stopped: bool = False) -> list[int]:
         """Append accepted tokens, cut at EOS, the token budget or the context end; return what was kept.
 
         The room is counted before the tokens are added; a block cut short always ends the row,
-        so a running row's KV cache and ``generated`` stay in step.
+        so a running row's KV cache and ``generated`` stay in step. ``stopped``: a caller's
+        stopping rule ended the row at the last of ``tokens`` (``TokenChooser.stop_after``).
         """
         tokens = tokens[: self.room]
         for i, token in enumerate(tokens):
@@ -91,6 +93,6 @@ class Row:
                 tokens = tokens[: i + 1]
                 break
         self.generated.extend(tokens)
-        if not tokens or tokens[-1] in eos or self.room == 0:
+        if stopped or not tokens or tokens[-1] in eos or self.room == 0:
             self.done = True
         return tokens

@@ -351,15 +351,17 @@ class Accepted:
 
     nodes: list[int]  # accepted draft node indices, root to leaf
     tokens: list[int]  # their tokens followed by the bonus token
+    stopped: bool = False  # the chooser's ``stop_after`` ended the row at the last token
 
 
 class TokenChooser:
     """One row's rule for picking tokens from logits: its processors and its random generator.
 
-    ``stop_after(tokens)``: optional; told the tokens a walk has chosen so far this step, True ends
-    the walk after the last of them. For a caller's own stopping rule (transformers' stopping
-    criteria): a sampled row must stop drawing where the rule stops it, or the draws spent on
-    tokens cut afterwards leave the random generator where ``model.generate`` would not."""
+    ``stop_after(tokens)``: optional; told the tokens chosen so far this step (each one, the step's
+    last and a row's first included), True ends the row after the last of them. For a caller's own
+    stopping rule (transformers' stopping criteria): a sampled row must stop drawing where the rule
+    stops it, or the draws spent on tokens cut afterwards leave the random generator where
+    ``model.generate`` would not. Only rows that walk are asked (see ``stops``)."""
 
     def __init__(self, params: SamplingParams, device) -> None:
         self.params = params
@@ -372,6 +374,11 @@ class TokenChooser:
     @property
     def plain(self) -> bool:
         return self.params.plain
+
+    def stops(self, tokens: list[int]) -> bool:
+        """Whether ``stop_after`` ends the row after ``tokens`` (this step's so far). Greedy rows with
+        nothing to apply are not asked: they draw nothing, so a stop seen after a step cuts nothing drawn."""
+        return self.stop_after is not None and not self.plain and bool(self.stop_after(tokens))
 
     def choose(self, history: Sequence[int], logits: torch.Tensor) -> int:
         """The next token after ``history`` given its logits (V,), drawn as ``model.generate`` draws."""
@@ -388,8 +395,8 @@ class TokenChooser:
         self, draft: DraftTree, logits: torch.Tensor, history: Sequence[int], limit: int, eos: frozenset[int]
     ) -> Accepted:
         """Choose down the tree; ``logits[i]`` is node i-1's (0: the root). At most ``limit`` tokens,
-        and none after EOS or where ``stop_after`` says stop, so no draw is spent on a token that
-        would be cut."""
+        and none after EOS or where ``stop_after`` says stop (asked after every token, the last
+        too: ``Accepted.stopped`` ends the row), so no draw is spent on a token that would be cut."""
         children = draft.children()
         path = list(history)
         nodes: list[int] = []
@@ -398,8 +405,10 @@ class TokenChooser:
         while len(tokens) < max(limit, 1):
             token = self.choose(path, logits[current + 1])
             tokens.append(token)
+            if self.stops(tokens):
+                return Accepted(nodes, tokens, stopped=True)
             child = children.get((current, token))
-            if child is None or token in eos or (self.stop_after is not None and self.stop_after(tokens)):
+            if child is None or token in eos:
                 break
             nodes.append(child)
             path.append(token)

@@ -11,9 +11,10 @@ from hf_reference import equal_up_to_an_fp32_tie
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import ARCHITECTURES, PairedDrafter, tiny_model
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from rag_lookahead import LookaheadConfig, generate
+from rag_lookahead.decoding.loop import left_pad
 from rag_lookahead.decoding.sampling import Accepted, TokenChooser
 from rag_lookahead.errors import ConfigError
 
@@ -529,3 +530,159 @@ def test_a_row_whose_first_draw_failed_is_stepped_past_before_retire():
         batch.verify_and_accept(batch.propose())
     assert healthy.generated == want
     assert broken.done and broken.generated == [] and "probability tensor" in str(broken.failure)
+
+
+#: the sampling of the stop tests, and drafts from the row's own tokens only (no shared pool), in
+#: blocks of at most five tokens (a step's last comes before the budget's)
+STOP_SAMPLING = dict(do_sample=True, temperature=0.7)
+NO_POOL = LookaheadConfig(budget="fixed", use_output_pool=False, branch_length=4)
+
+
+def hf_stopped(model, prompt, max_new, seed, stop, **options):
+    """transformers' decoding of one prompt after ``torch.manual_seed(seed)``, stopped by a
+    criterion at the first ``stop`` token: its new tokens and torch's generator state after it."""
+
+    class LastIs(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == stop
+
+    ids = torch.tensor([prompt])
+    torch.manual_seed(seed)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        pad_token_id=0,
+        stopping_criteria=StoppingCriteriaList([LastIs()]),
+        **options,
+    )
+    return out[0, len(prompt) :].tolist(), torch.get_rng_state()
+
+
+def token_places(blocks: list[list[int]]) -> list[str]:
+    """Where each token came in the blocks ``on_tokens`` saw: the row's first (drawn in its
+    prefill), inside a block (the walk would have gone on), or a block's last (no drafted child)."""
+    places = ["first"]
+    for block in blocks[1:]:
+        places += ["inside a block"] * (len(block) - 1) + ["a block's last"]
+    return places
+
+
+@pytest.mark.parametrize(("arch", "prefill_chunk"), [("qwen2", 0), ("llama", 0), ("qwen2", 4)])
+def test_stop_check_alone_ends_a_sampled_row_where_a_stopping_criterion_does(arch, prefill_chunk):
+    """``generate(stop_check=)`` without an ``on_tokens`` that also stops: the walk broke at the stop,
+    but the row went on drawing to ``max_new_tokens`` (its tokens and torch's generator past
+    ``model.generate``'s), and the first token and each block's last were never asked. Now the
+    row ends at the token the check stops, wherever that token comes, as a StoppingCriteria ends it."""
+    model = tiny_model(arch)
+    prompt, budget = [5, 6, 7, 5, 6, 7], 12
+    covered = set()
+    for seed in (0, 1, 2):
+        free, _ = hf_stopped(model, prompt, budget, seed, stop=-1, **STOP_SAMPLING)
+        references = [[prompt[-2:] + free]]  # the answer to draft from: long blocks are accepted
+        blocks: list[list[int]] = []
+        torch.manual_seed(seed)
+        whole = generate(
+            model,
+            prompt,
+            max_new_tokens=budget,
+            config=NO_POOL,
+            references=references,
+            prefill_chunk=prefill_chunk,
+            on_tokens=lambda _row, tokens, blocks=blocks: blocks.append(list(tokens)),
+            **STOP_SAMPLING,
+        )
+        assert whole.sequences[0, len(prompt) :].tolist() == free
+        places = token_places(blocks)
+        for place in ("first", "inside a block", "a block's last"):
+            # a token not seen before it, and not the last (where the budget ends the row anyway)
+            at = next((i for i in range(budget - 1) if places[i] == place and free[i] not in free[:i]), None)
+            if at is None:
+                continue
+            covered.add(place)
+            want, state = hf_stopped(model, prompt, budget, seed, stop=free[at], **STOP_SAMPLING)
+            assert want == free[: at + 1]
+            asked: list[list[int]] = []
+
+            def stop_check(_row, drawn, stop=free[at], asked=asked):
+                asked.append(list(drawn))
+                return drawn[-1] == stop
+
+            torch.manual_seed(seed)
+            got = generate(
+                model,
+                prompt,
+                max_new_tokens=budget,
+                config=NO_POOL,
+                references=references,
+                prefill_chunk=prefill_chunk,
+                stop_check=stop_check,
+                **STOP_SAMPLING,
+            )
+            assert got.sequences[0, len(prompt) :].tolist() == want, (seed, place)
+            assert torch.equal(torch.get_rng_state(), state), (seed, place)
+            assert len(asked) == at + 1  # every token drawn asked once, none drawn past the stop
+    assert covered == {"first", "inside a block", "a block's last"}
+
+
+def test_stop_check_ends_only_the_row_it_stops_in_a_seeded_batch():
+    """Rows with seeds of their own: the row the check stops ends at its stop token, padded after
+    it, and draws nothing more; the row beside it decodes to its budget as it does alone."""
+    model = tiny_model("qwen2")
+    prompts, seeds, budget = [[5, 6, 7, 5, 6, 7], [9, 3, 11, 9, 3]], [11, 12], 12
+    alone = [
+        generate(model, p, max_new_tokens=budget, seed=s, config=NO_POOL, **STOP_SAMPLING)
+        .sequences[0, len(p) :]
+        .tolist()
+        for p, s in zip(prompts, seeds)
+    ]
+    at = next(i for i in range(2, budget - 1) if alone[0][i] not in alone[0][:i])
+    asked: dict[int, list[list[int]]] = {0: [], 1: []}
+
+    def stop_check(row, drawn):
+        asked[row].append(list(drawn))
+        return row == 0 and drawn[-1] == alone[0][at]
+
+    ids, mask = left_pad(prompts, 0)
+    got = generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=budget,
+        seed=seeds,
+        config=NO_POOL,
+        references=[[p[-2:] + a] for p, a in zip(prompts, alone)],
+        pad_token_id=0,
+        stop_check=stop_check,
+        **STOP_SAMPLING,
+    )
+    width = ids.shape[1]
+    assert got.sequences[0, width:].tolist() == alone[0][: at + 1] + [0] * (budget - at - 1)
+    assert got.sequences[1, width:].tolist() == alone[1]
+    assert len(asked[0]) == at + 1 and len(asked[1]) == budget
+
+
+def test_stop_check_ends_a_greedy_row_with_a_penalty_and_plain_greedy_rows_are_not_asked():
+    """A repetition penalty makes a greedy row walk its tree: the check ends it where a criterion
+    does. Plain greedy rows draw nothing and are not asked (``on_tokens`` ends them), as documented."""
+    model = tiny_model("qwen2")
+    prompt, budget = [5, 6, 7, 5, 6, 7], 12
+    asked = []
+    plain = generate(
+        model, prompt, max_new_tokens=budget, do_sample=False, stop_check=lambda _row, drawn: asked.append(drawn)
+    )
+    assert asked == [] and plain.sequences[0, len(prompt) :].tolist() == hf_stopped(model, prompt, budget, 0, -1)[0]
+    penalty = dict(do_sample=False, repetition_penalty=1.5)
+    free, _ = hf_stopped(model, prompt, budget, 0, stop=-1, **penalty)
+    at = next(i for i in range(3, budget - 1) if free[i] not in free[:i])
+    want, _ = hf_stopped(model, prompt, budget, 0, stop=free[at], **penalty)
+    got = generate(
+        model,
+        prompt,
+        max_new_tokens=budget,
+        config=NO_POOL,
+        references=[[prompt[-2:] + free]],
+        stop_check=lambda _row, drawn: drawn[-1] == free[at],
+        **penalty,
+    )
+    assert want == free[: at + 1] and got.sequences[0, len(prompt) :].tolist() == want
