@@ -155,9 +155,9 @@ class DecodeBatch:
         batch are how a server batches continuously. ``sampling``: one setting for all rows
         or one per row (default greedy); rows with different settings share the batch.
         ``logprobs``: per row, a recorder for its tokens' log-probabilities (None: not recorded).
-        ``stop_check(key, tokens)``: asked after each token a row that walks (samples, or applies a
-        penalty) chooses, its first included, with the step's tokens so far; True ends the row
-        there, before its next draw (``TokenChooser.stop_after``).
+        ``stop_check(key, tokens)``: asked after each token a row chooses, its first included, with
+        the step's tokens so far; True ends the row there, before its next draw
+        (``TokenChooser.stop_after``).
         With ``prefill_chunk`` the rows only queue here: their prompts go through the next steps
         a chunk at a time, and each row's first token comes from the step that ends its prompt.
         """
@@ -380,7 +380,8 @@ class DecodeBatch:
         else:
             greedy = logits.float().argmax(dim=-1).tolist() if any(row.chooser.plain for row in rows) else []
         plain = [r for r, row in enumerate(rows) if row.chooser.plain]
-        accepted = dict(zip(plain, longest_paths([drafts[r] for r in plain], greedy, [offsets[r] for r in plain])))
+        found = longest_paths([drafts[r] for r in plain], greedy, [offsets[r] for r in plain])
+        accepted = {r: rows[r].chooser.cut_at_stop(path, rows[r].room, self.eos) for r, path in zip(plain, found)}
         for r, (row, draft, start, end) in enumerate(zip(rows, drafts, offsets, ends)):
             if r not in accepted:
                 try:

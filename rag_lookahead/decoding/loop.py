@@ -162,12 +162,11 @@ def generate(
         default: the trie drafter of ``config`` with ``output_pool``.
     on_tokens(row, tokens): called as each row's tokens are accepted; return True to end that
         row there (a stop string was seen, the client left).
-    stop_check(row, tokens): for rows that draw their tokens (sampling, a repetition penalty),
-        asked after each token drawn (the row's first and each step's last included), with the
-        tokens drawn so far in that step; True ends the row at that token, as a transformers
-        ``StoppingCriteria`` does: its output ends there and nothing more is drawn, so the random
-        generator stands where ``model.generate`` leaves it (``on_tokens`` still sees the block).
-        Plain greedy rows (no repetition penalty) draw nothing and are not asked: ``on_tokens`` ends them.
+    stop_check(row, tokens): asked after each token a row chooses (its first and each step's
+        last included), with the tokens chosen so far in that step; True ends the row at that
+        token, as a transformers ``StoppingCriteria`` does: its output ends there and nothing more
+        is drawn, so a sampled row's random generator stands where ``model.generate`` leaves it
+        (``on_tokens`` then sees the block up to that token).
     logprobs: record each new token's log-probability under the model (``results``) with the
         ``logprobs`` most likely tokens at its place (0: none); in ``result.logprobs``.
     prefill_chunk: prompt tokens per forward (chunked prefill, see ``prefill``; the same tokens);

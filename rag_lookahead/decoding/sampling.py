@@ -361,7 +361,8 @@ class TokenChooser:
     last and a row's first included), True ends the row after the last of them. For a caller's own
     stopping rule (transformers' stopping criteria): a sampled row must stop drawing where the rule
     stops it, or the draws spent on tokens cut afterwards leave the random generator where
-    ``model.generate`` would not. Only rows that walk are asked (see ``stops``)."""
+    ``model.generate`` would not. A plain greedy row, which draws nothing, is asked the same way
+    once its path is found (``cut_at_stop``)."""
 
     def __init__(self, params: SamplingParams, device) -> None:
         self.params = params
@@ -376,9 +377,20 @@ class TokenChooser:
         return self.params.plain
 
     def stops(self, tokens: list[int]) -> bool:
-        """Whether ``stop_after`` ends the row after ``tokens`` (this step's so far). Greedy rows with
-        nothing to apply are not asked: they draw nothing, so a stop seen after a step cuts nothing drawn."""
-        return self.stop_after is not None and not self.plain and bool(self.stop_after(tokens))
+        """Whether ``stop_after`` ends the row after ``tokens`` (this step's so far)."""
+        return self.stop_after is not None and bool(self.stop_after(tokens))
+
+    def cut_at_stop(self, path: Accepted, limit: int, eos: frozenset[int]) -> Accepted:
+        """A plain greedy row's path (found without a walk) cut where ``stop_after`` ends the row,
+        asked token by token as a walk asks: up to ``limit`` tokens, none after EOS."""
+        if self.stop_after is None:
+            return path
+        for i, token in enumerate(path.tokens[: max(limit, 1)]):
+            if self.stops(path.tokens[: i + 1]):
+                return Accepted(path.nodes[:i], path.tokens[: i + 1], stopped=True)
+            if token in eos:
+                break
+        return path
 
     def choose(self, history: Sequence[int], logits: torch.Tensor) -> int:
         """The next token after ``history`` given its logits (V,), drawn as ``model.generate`` draws."""

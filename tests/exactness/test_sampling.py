@@ -662,27 +662,49 @@ def test_stop_check_ends_only_the_row_it_stops_in_a_seeded_batch():
     assert len(asked[0]) == at + 1 and len(asked[1]) == budget
 
 
-def test_stop_check_ends_a_greedy_row_with_a_penalty_and_plain_greedy_rows_are_not_asked():
-    """A repetition penalty makes a greedy row walk its tree: the check ends it where a criterion
-    does. Plain greedy rows draw nothing and are not asked (``on_tokens`` ends them), as documented."""
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+def test_stop_check_alone_ends_a_greedy_row_where_a_stopping_criterion_does(penalty):
+    """Greedy rows too: a plain one (its path found by one argmax, no walk) was never asked, and one
+    with a repetition penalty (which walks) drew on past the stop. Each ends at the first token the
+    check stops, the first token, inside a block and a block's last, as a StoppingCriteria ends it,
+    each token asked once."""
     model = tiny_model("qwen2")
-    prompt, budget = [5, 6, 7, 5, 6, 7], 12
-    asked = []
-    plain = generate(
-        model, prompt, max_new_tokens=budget, do_sample=False, stop_check=lambda _row, drawn: asked.append(drawn)
-    )
-    assert asked == [] and plain.sequences[0, len(prompt) :].tolist() == hf_stopped(model, prompt, budget, 0, -1)[0]
-    penalty = dict(do_sample=False, repetition_penalty=1.5)
-    free, _ = hf_stopped(model, prompt, budget, 0, stop=-1, **penalty)
-    at = next(i for i in range(3, budget - 1) if free[i] not in free[:i])
-    want, _ = hf_stopped(model, prompt, budget, 0, stop=free[at], **penalty)
-    got = generate(
+    prompt, budget = [9, 3, 11, 9, 3], 12  # greedy text without long runs of one token
+    options = dict(do_sample=False, repetition_penalty=penalty)
+    free, _ = hf_stopped(model, prompt, budget, 0, stop=-1, **options)
+    references = [[prompt[-2:] + free]]
+    blocks: list[list[int]] = []
+    generate(
         model,
         prompt,
         max_new_tokens=budget,
         config=NO_POOL,
-        references=[[prompt[-2:] + free]],
-        stop_check=lambda _row, drawn: drawn[-1] == free[at],
-        **penalty,
+        references=references,
+        on_tokens=lambda _row, tokens: blocks.append(list(tokens)),
+        **options,
     )
-    assert want == free[: at + 1] and got.sequences[0, len(prompt) :].tolist() == want
+    places = token_places(blocks)
+    covered = set()
+    for at in range(budget - 1):
+        if free[at] in free[:at] or places[at] in covered:
+            continue
+        covered.add(places[at])
+        want, _ = hf_stopped(model, prompt, budget, 0, stop=free[at], **options)
+        asked: list[list[int]] = []
+
+        def stop_check(_row, chosen, stop=free[at], asked=asked):
+            asked.append(list(chosen))
+            return chosen[-1] == stop
+
+        got = generate(
+            model,
+            prompt,
+            max_new_tokens=budget,
+            config=NO_POOL,
+            references=references,
+            stop_check=stop_check,
+            **options,
+        )
+        assert want == free[: at + 1] and got.sequences[0, len(prompt) :].tolist() == want, places[at]
+        assert len(asked) == at + 1, places[at]
+    assert covered == {"first", "inside a block", "a block's last"}
