@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
     #: ``eos_token_id`` as ``_eos_ids`` reads it: one id or a list of them, or a numpy or tensor value
     TokenIds: TypeAlias = Integer | Sequence[Integer | torch.Tensor] | torch.Tensor | npt.NDArray[np.integer[Any]]
+    #: ``seed`` as ``sampling.per_row`` reads it: one for every row, or one per row, in the same forms
+    Seeds: TypeAlias = TokenIds
 
 __all__ = ["DecodeBatch", "GenerationResult", "GenerationStats", "Row", "generate", "left_pad"]
 
@@ -134,7 +136,7 @@ def generate(
     top_p: float | None = UNSET,
     min_p: float | None = UNSET,
     repetition_penalty: float | None = UNSET,
-    seed: int | Sequence[int] | None = None,
+    seed: Seeds | None = None,
     generation_config=None,
     logprobs: int | None = None,
     prefill_chunk: int = 0,

@@ -311,7 +311,10 @@ def _holds_nothing_back(name: str, value, prompt_width: int | None, has_eos: boo
 
 
 def per_row(params: SamplingParams, seed: int | Sequence[int] | None, rows: int) -> list[SamplingParams]:
-    """One ``SamplingParams`` per row: an int seed is every row's, a list gives one per row."""
+    """One ``SamplingParams`` per row: an int seed is every row's, a list (or a numpy array or a
+    tensor of one per row, as ``max_new_tokens`` takes them) gives one per row."""
+    if getattr(seed, "ndim", None) in (0, 1):  # numpy or torch values
+        seed = seed.tolist()
     if seed is None or isinstance(seed, Integral):
         return [replace(params, seed=seed)] * rows
     if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence) or len(seed) != rows:
