@@ -715,3 +715,32 @@ def test_stop_check_alone_ends_a_greedy_row_where_a_stopping_criterion_does(pena
         assert want == free[: at + 1] and got.sequences[0, len(prompt) :].tolist() == want, places[at]
         assert len(asked) == at + 1, places[at]
     assert covered == {"first", "inside a block", "a block's last"}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_sampled_walk_draws_nothing_past_an_eos_inside_its_draft(seed):
+    """An EOS drawn at a node with drafted children ends the walk: a draw below it would be cut from
+    the output but would move torch's generator, so the call after it would differ from
+    ``model.generate``'s (a mutation that walked on passed every other test)."""
+    model = tiny_model("qwen2")
+    ids = torch.tensor([[7, 3, 9, 4, 11, 2, 8] * 2])
+    n = ids.shape[1]
+    torch.manual_seed(seed)
+    free = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=True, pad_token_id=0)
+    free = free[0, n:].tolist()
+    at = next(i for i in range(4, 29) if free[i] not in free[:i])  # an EOS well inside the answer
+    options = dict(max_new_tokens=30, do_sample=True, eos_token_id=free[at], pad_token_id=0)
+    torch.manual_seed(seed)
+    want = [model.generate(ids, attention_mask=torch.ones_like(ids), **options)[0, n:].tolist() for _ in range(2)]
+    state = torch.get_rng_state()
+    assert want[0] == free[: at + 1]
+    torch.manual_seed(seed)
+    blocks: list[list[int]] = []
+    got = [
+        generate(model, ids, references=[[free]], config=NO_POOL, on_tokens=lambda _r, t: blocks.append(t), **options)
+        for _ in range(2)
+    ]
+    assert [g.sequences[0, n:].tolist() for g in got] == want
+    assert torch.equal(torch.get_rng_state(), state)
+    first_call = blocks[: next(i for i, b in enumerate(blocks) if b[-1] == free[at]) + 1]
+    assert len(first_call[-1]) > 1  # the EOS was a drafted node's token, with the answer drafted below it
