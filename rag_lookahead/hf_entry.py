@@ -591,7 +591,7 @@ class _RowWatcher:
 
     The order is transformers' (``_sample``): the criteria judge a token before the streamer gets
     it (the stopping token is streamed too), so a criterion that reads what a streamer has shown
-    sees what it sees there. Rows that draw their tokens ask the criteria during the draws
+    sees what it sees there. Every row asks the criteria as its tokens are chosen
     (``stop_check``), so nothing is drawn past a stop; a token is judged and streamed once, when it
     is first seen (a sampled row's drawn tokens are all accepted: the walk stops at a stop, at EOS
     and at the row's room), so every criterion is still called once a token."""

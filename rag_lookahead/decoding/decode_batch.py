@@ -380,16 +380,18 @@ class DecodeBatch:
         else:
             greedy = logits.float().argmax(dim=-1).tolist() if any(row.chooser.plain for row in rows) else []
         plain = [r for r, row in enumerate(rows) if row.chooser.plain]
-        found = longest_paths([drafts[r] for r in plain], greedy, [offsets[r] for r in plain])
-        accepted = {r: rows[r].chooser.cut_at_stop(path, rows[r].room, self.eos) for r, path in zip(plain, found)}
+        paths = dict(zip(plain, longest_paths([drafts[r] for r in plain], greedy, [offsets[r] for r in plain])))
+        accepted = []
         for r, (row, draft, start, end) in enumerate(zip(rows, drafts, offsets, ends)):
-            if r not in accepted:
-                try:
-                    accepted[r] = row.chooser.walk(draft, logits[start:end], row.tokens, row.room, self.eos)
-                except Exception as e:  # noqa: BLE001 - e.g. NaN logits in this row only: it alone ends
-                    row.failure = e
-                    accepted[r] = Accepted([], [])
-        return [accepted[r] for r in range(len(rows))]
+            try:
+                if r in paths:
+                    accepted.append(row.chooser.cut_at_stop(paths[r], row.room, self.eos))
+                else:
+                    accepted.append(row.chooser.walk(draft, logits[start:end], row.tokens, row.room, self.eos))
+            except Exception as e:  # noqa: BLE001 - NaN logits, a caller's stop check failing: this row alone ends
+                row.failure = e
+                accepted.append(Accepted([], []))
+        return accepted
 
     def retire(self, keep: Callable[[Row], bool] | None = None) -> list[Row]:
         """Take the finished rows (and any that ``keep`` rejects, also among those waiting for their

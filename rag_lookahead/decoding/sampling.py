@@ -315,6 +315,8 @@ def per_row(params: SamplingParams, seed: int | Sequence[int] | None, rows: int)
     tensor of one per row, as ``max_new_tokens`` takes them) gives one per row."""
     if getattr(seed, "ndim", None) in (0, 1):  # numpy or torch values
         seed = seed.tolist()
+    elif isinstance(seed, Sequence) and not isinstance(seed, (str, bytes)):
+        seed = [s.item() if getattr(s, "ndim", None) == 0 else s for s in seed]  # 0-d tensors in a list
     if seed is None or isinstance(seed, Integral):
         return [replace(params, seed=seed)] * rows
     if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence) or len(seed) != rows:

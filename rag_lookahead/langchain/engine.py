@@ -254,7 +254,7 @@ class Engine:
                 return True
             return tracker.stopped or (cancel is not None and cancel.is_set())
 
-        def stop_check(row: int, drawn: list[int]) -> bool:  # sampled rows: no draw past a stop string
+        def stop_check(row: int, drawn: list[int]) -> bool:  # the row ends at a stop string: no draw past it
             return trackers[row].would_stop(drawn)
 
         ids, mask = left_pad([r.ids for r in rows], self.pad)

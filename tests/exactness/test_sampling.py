@@ -163,7 +163,7 @@ def test_numpy_integers_are_taken_as_seeds_and_top_k():
         model, ids, mask, max_new_tokens=8, do_sample=True, top_k=np.int64(5), seed=list(np.arange(1, 3))
     ).sequences
     assert numpy.tolist() == plain.tolist()
-    for seeds in (np.array([1, 2]), torch.tensor([1, 2])):  # one per row, as max_new_tokens takes them
+    for seeds in (np.array([1, 2]), torch.tensor([1, 2]), [torch.tensor(1), torch.tensor(2)]):  # as max_new_tokens
         given = generate(model, ids, mask, max_new_tokens=8, do_sample=True, top_k=5, seed=seeds).sequences
         assert given.tolist() == plain.tolist()
     one = generate(model, ids, mask, max_new_tokens=8, do_sample=True, top_k=5, seed=torch.tensor(3)).sequences
