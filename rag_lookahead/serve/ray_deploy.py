@@ -411,7 +411,7 @@ _MAY_BE_LEFT = (
 #: How long the drain waits for Ray to delete the app once the replicas are idle (it took ~3 s)
 UNDEPLOY_WAIT_S = 30.0
 #: A question to Ray unanswered for longer than this is Ray not answering: the drain ends at its
-#: deadline, or at once after a second signal (Ray cannot tell it whether the replicas are idle)
+#: deadline, or at once after a second Ctrl-C (Ray cannot tell it whether the replicas are idle)
 RAY_SILENT_S = 1.0
 #: How long the drain waits for Ray's head (its GCS) to take the drain's key: one that has not by
 #: then is going away too (a signal to the whole process group reaches it; it still took connections)
@@ -431,7 +431,7 @@ def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = T
     Ray's answers are waited for within the drain's deadline only, and the deletion for
     :data:`UNDEPLOY_WAIT_S`: once this node's raylet had died, ``serve.status()`` blocked for good
     and the drain with it, deaf to every signal. A raylet found gone ends the drain at once; a Ray
-    that does not answer ends it at the deadline, or at once after a second signal (``hurry``);
+    that does not answer ends it at the deadline, or at once after a second Ctrl-C (``hurry``);
     each with a line saying so. A question Ray never answered still waits in its thread
     (:meth:`ray_probes.RayCall.unanswered`): ``ray.shutdown()`` under it crashes the process.
 
@@ -502,7 +502,7 @@ def drain(seconds: float, hurry: threading.Event | None = None, delete: bool = T
         if drained >= running:
             break
         time.sleep(0.1)
-    if delete:  # after a second signal, no longer than the replicas had to end their requests
+    if delete:  # after a second Ctrl-C, no longer than the replicas had to end their requests
         _undeploy_within(2 * CLOSE_GRACE_SECONDS if hurried else UNDEPLOY_WAIT_S)
     return True
 
@@ -550,9 +550,11 @@ def _forget_drain() -> None:
             _internal_kv_del(key, del_by_prefix=True, namespace=KV_NAMESPACE)
 
 
-def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
-    """Deploy, serve until SIGTERM or SIGINT, then drain the replicas and disconnect from Ray. A
-    signal while the replicas start abandons them (they are deleted) rather than wait. Where this
+def run_on_ray(config: ServerConfig, settings: RaySettings) -> NoReturn:
+    """Deploy, serve until SIGTERM or SIGINT, then drain the replicas, disconnect from Ray and end
+    as the one-process server does (:func:`_end_by`): killed by SIGTERM (a shell's 143), exit 130
+    after SIGINT. As there, a second Ctrl-C ends the drain at once and a second SIGTERM does not.
+    A signal while the replicas start abandons them (they are deleted) rather than wait. Where this
     node's raylet dies meanwhile, :class:`RayNodeLost` (exit 1) within a few seconds: Ray's driver
     is not told, and the command had gone on running while its port refused every connection."""
     ray, _ = import_ray()
@@ -561,10 +563,12 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
     own_ray = not ray.is_initialized() and _starts_local_ray()
     stop, serving, hurry = threading.Event(), threading.Event(), threading.Event()
     closing = threading.Event()  # ray.shutdown() runs: a signal then must not cut it short
+    received: list[int] = []  # the signals, in order: the command ends by the last (see _end_by)
 
     def on_signal(signum, frame) -> None:
-        if stop.is_set():
-            hurry.set()  # a second signal while draining: end what still runs
+        received.append(signum)
+        if stop.is_set() and signum == signal.SIGINT:
+            hurry.set()  # a second Ctrl-C while draining: end what still runs (a second SIGTERM does not)
         stop.set()
         if not serving.is_set() and not closing.is_set():
             raise KeyboardInterrupt  # out of serve.run, which may wait minutes for the models
@@ -601,7 +605,7 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
             drained = drain(config.drain_seconds, hurry, delete=not own_ray)  # a local Ray goes down whole below
             # Ray's head or a question of the drain did not answer: no ray.shutdown() waiting on them
             if not drained or ray_probes.RayCall.unanswered():
-                _exit_leaving_ray(ray)
+                _exit_leaving_ray(ray, received[-1])
     except StartAbandoned:
         log.warning(
             "interrupted again while deleting the half-started replicas: on a Ray cluster that outlives this "
@@ -620,23 +624,39 @@ def run_on_ray(config: ServerConfig, settings: RaySettings) -> None:
         ray.shutdown()
     if abandoned:  # a start that never served is no clean exit (it was 0); one process exits 130 too
         raise SystemExit(130)
+    _end_by(received[-1])  # only a signal ends the serving loop without an exception
 
 
-def _exit_leaving_ray(ray) -> NoReturn:
-    """Exit 0 now, without ``ray.shutdown()`` and without Python's exit (whose atexit hooks include
-    Ray's ``ray.shutdown()``): a question of the drain that Ray never answered (a frozen Serve
-    controller, a dead node) still waits inside Ray's core worker, which ``ray.shutdown()`` tears
-    down under it (see :meth:`ray_probes.RayCall.unanswered`); the command then sometimes died
-    after its last line, by SIGSEGV (-11) where it should have exited 0. The local Ray this
-    command started is stopped first, as ``ray.shutdown()`` stops it; a cluster the command joined
-    sees its driver end, as when one is killed."""
+def _end_by(signum: int, leave: bool = False) -> NoReturn:
+    """End after a drain as the one-process server does, where uvicorn raises the last signal it
+    got again once it has shut down: killed by SIGTERM (a shell's 143, which systemd counts as a
+    clean stop, where an exit status of 143 is a failure to it), exit 130 after SIGINT. (Until
+    2026-12-07 ``--replicas`` exited 0 after either.) ``leave``: at once, without Python's exit
+    and its atexit hooks (see :func:`_exit_leaving_ray`)."""
+    if signum == signal.SIGINT and not leave:
+        raise SystemExit(130)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # closed, or flushing when a signal came
+            stream.flush()
+    if signum != signal.SIGINT:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)  # its default action ends the process here
+    os._exit(128 + signum)
+
+
+def _exit_leaving_ray(ray, signum: int) -> NoReturn:
+    """End now by ``signum`` (:func:`_end_by`), without ``ray.shutdown()`` and without Python's
+    exit (whose atexit hooks include Ray's ``ray.shutdown()``): a question of the drain that Ray
+    never answered (a frozen Serve controller, a dead node) still waits inside Ray's core worker,
+    which ``ray.shutdown()`` tears down under it (see :meth:`ray_probes.RayCall.unanswered`); the
+    command then sometimes died after its last line, by SIGSEGV (-11) where it should have ended
+    by its signal. The local Ray this command started is stopped first, as ``ray.shutdown()``
+    stops it; a cluster the command joined sees its driver end, as when one is killed."""
     node = getattr(ray._private.worker, "_global_node", None)  # the local Ray ray.init started, if any
     if node is not None:
         node.kill_all_processes(check_alive=False, allow_graceful=True)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _end_by(signum, leave=True)
 
 
 def _gcs_answers(ray, timeout: float = 2.0) -> bool:

@@ -554,11 +554,67 @@ def test_a_signal_while_ray_starts_exits_130_and_leaves_no_ray_process(signals):
     assert not left, [p.name() for p in left]
 
 
+def serve_replicas_popen(folder: Path, port: int, log: Path, flags: Sequence[str] = ()) -> subprocess.Popen:
+    """``python -m rag_lookahead.serve --replicas 1`` of the remote-code model ``folder`` on ``port``
+    (a local Ray of its own), its output in ``log``; returned once it says it serves."""
+    command = [sys.executable, "-m", "rag_lookahead.serve", f"--model={folder}", f"--port={port}", "--replicas=1"]
+    flags = ["--replica-cpus=1", "--trust-remote-code", "--dtype=fp32", "--device=cpu", "--log-level=info", *flags]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    with open(log, "w") as out:
+        server = subprocess.Popen([*command, *flags], stdout=out, stderr=out, env=env)
+    deadline = time.monotonic() + 180
+    while " on Ray Serve (" not in log.read_text():
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            server.wait(30)
+            raise AssertionError(log.read_text()[-3000:])
+        time.sleep(0.5)
+    return server
+
+
+@needs_ray
+@pytest.mark.parametrize(("signals", "ends"), [(["SIGTERM", "SIGTERM"], -signal.SIGTERM), (["SIGINT", "SIGINT"], 130)])
+def test_the_drain_and_the_exit_status_after_signals_are_one_processs(tmp_path, signals, ends):
+    """As the one-process server (uvicorn) does: a second SIGTERM does not cut the drain short (a
+    stream running finishes), a second Ctrl-C ends what still runs at once (an error event), and
+    the command ends by the last signal: killed by SIGTERM (a shell's 143, a clean stop to
+    systemd), exit 130 after SIGINT. `--replicas` exited 0 after either, and any second signal cut
+    the drain short. The stream here lasts ~10 s (a model whose forwards take 50 ms each)."""
+    folder = remote_folder(tmp_path, "SlowForCausalLM")
+    log = tmp_path / "serve.log"
+    port = free_port()
+    server = serve_replicas_popen(folder, port, log, ["--no-lookahead", "--drain-seconds=60"])
+    try:
+        body = {"prompt": PROMPTS[0], "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+            chunks = r.iter_text()
+            raw = next(chunks)  # the stream runs
+            for name in signals:
+                server.send_signal(getattr(signal, name))
+                time.sleep(1.0)
+            raw += "".join(chunks)
+        code = server.wait(90)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)
+    stderr = log.read_text()
+    events = parse_sse(raw)
+    assert events[-1] == "[DONE]", raw[-500:]
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    if signals[-1] == "SIGTERM":
+        assert not errors and events[-2]["choices"][0]["finish_reason"] == "length", raw[-500:]
+    else:
+        assert errors and errors[0]["error"]["code"] == "shutting_down", raw[-500:]
+    assert code == ends, stderr[-3000:]
+
+
 @needs_ray
 def test_a_sigterm_that_also_ended_rays_processes_exits_at_once():
     """A SIGTERM to the whole process group (systemd's stop, `timeout`) also ends the local Ray's
     GCS: the drain then waited 60 s on it and Ray's client aborted the process with exit 1. Here
-    the GCS is stopped and the driver signalled once the app is up (a stand-in deploy, no model)."""
+    the GCS is stopped and the driver signalled once the app is up (a stand-in deploy, no model).
+    It ends by the SIGTERM, as the one-process server does."""
     group_signal = (
         "import signal, threading, time, psutil\n"
         "def stop_the_group():\n"
@@ -566,28 +622,28 @@ def test_a_sigterm_that_also_ended_rays_processes_exits_at_once():
         "        if child.name().startswith('gcs_server'):\n"
         "            child.kill()\n"
         "    time.sleep(1)\n"
+        "    print('signalled at', time.time(), file=sys.stderr, flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "def deployed(*args, **kwargs):\n"
         "    threading.Timer(1.0, stop_the_group).start()\n"
         "    return 'http://127.0.0.1:1'\n"
         "ray_deploy.deploy = deployed\n"
-        "started = time.monotonic()\n"
-        "import atexit\n"
-        "atexit.register(lambda: print('took', round(time.monotonic() - started), file=sys.stderr))\n"
     )
-    ended, stderr = serve_replicas_in_a_process(free_port(), before=group_signal)
-    assert ended == ["0", "False"], stderr
-    assert "Ray's own processes are gone" in stderr and "Failed to connect to GCS" not in stderr
-    assert int(re.search(r"took (\d+)", stderr).group(1)) < 45, stderr
+    out = run_serve_replicas(free_port(), before=group_signal)
+    took = time.time() - float(re.search(r"^signalled at (\S+)$", out.stderr, re.M).group(1))
+    assert out.returncode == -signal.SIGTERM, out.stderr[-3000:]
+    assert "Ray's own processes are gone" in out.stderr and "Failed to connect to GCS" not in out.stderr
+    assert took < 45, (took, out.stderr[-3000:])
 
 
 @needs_ray
-def test_a_sigterm_to_the_whole_process_group_exits_0_at_once(config, tmp_path):
+def test_a_sigterm_to_the_whole_process_group_ends_the_command_at_once(config, tmp_path):
     """systemd's default stop (KillMode=control-group), `timeout` and `kill -- -PGID` send SIGTERM to
     the whole group, Ray's GCS included, which still takes connections while it shuts down: the
     drain's first write to it then waited 60 s until Ray's client aborted the process (exit 1), or
     failed with Ray's "RPC error: CANCELLED" traceback. Now `serve` says there is nothing to drain
-    and exits 0 at once, and nothing of the local Ray it started is left."""
+    and ends by the SIGTERM at once (as one process does), and nothing of the local Ray it started
+    is left."""
     port = free_port()
     command = [sys.executable, "-m", "rag_lookahead.serve", f"--model={config.model}", f"--port={port}"]
     flags = ["--replicas=1", "--replica-cpus=1", "--dtype=fp32", "--device=cpu", "--drain-seconds=30"]
@@ -614,7 +670,7 @@ def test_a_sigterm_to_the_whole_process_group_exits_0_at_once(config, tmp_path):
         left = session_left(server.pid, 10)
     stderr = log.read_text()
     print(f"\nserve ended {took:.1f} s after the group's SIGTERM")
-    assert code == 0, stderr[-3000:]
+    assert code == -signal.SIGTERM, stderr[-3000:]
     assert "nothing to drain" in stderr and "Failed to connect to GCS" not in stderr, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert took < 20, (took, stderr[-3000:])  # not Ray's 60 s
@@ -629,7 +685,7 @@ def test_serve_ends_when_rays_processes_die_or_hang(config, tmp_path, fault):
     a SIGTERM, a second one and SIGINT did nothing (the drain waited for good on serve.status();
     only SIGKILL ended it). Now it exits 1 within seconds with one line saying so.
     controller_frozen: a Serve controller that does not answer (SIGSTOP here: a frozen process)
-    blocked the drain the same way; now a second SIGTERM ends it at once."""
+    blocked the drain the same way; now a Ctrl-C after the SIGTERM ends it at once (exit 130)."""
     psutil = pytest.importorskip("psutil")
     port = free_port()
     command = [sys.executable, "-m", "rag_lookahead.serve", f"--model={config.model}", f"--port={port}"]
@@ -654,7 +710,7 @@ def test_serve_ends_when_rays_processes_die_or_hang(config, tmp_path, fault):
             controller.suspend()
             server.send_signal(signal.SIGTERM)
             time.sleep(1.0)  # the drain is asking the controller
-            server.send_signal(signal.SIGTERM)
+            server.send_signal(signal.SIGINT)
         code = server.wait(60)
         took = time.monotonic() - started
         _, left = psutil.wait_procs(ray_processes, timeout=10)  # the local Ray this `serve` started goes with it
@@ -670,22 +726,23 @@ def test_serve_ends_when_rays_processes_die_or_hang(config, tmp_path, fault):
         assert re.search(r"^error: Ray's raylet on this node \(\S+\) died", stderr, re.M), stderr[-3000:]
         assert took < 30, (took, stderr[-3000:])
     else:
-        assert code == 0 and "which replicas still run (its controller or node is gone?)" in stderr, stderr[-3000:]
+        assert code == 130 and "which replicas still run (its controller or node is gone?)" in stderr, stderr[-3000:]
         assert "draining the replicas for up to 29.5 s" in stderr, stderr[-3000:]  # as given, not rounded to 30
         assert not left, [p.name() for p in left]
         assert took < 15, (took, stderr[-3000:])  # not the drain's 29.5 s + 10 s
 
 
 @needs_ray
-def test_a_drain_ray_did_not_answer_exits_0_without_a_crash():
+def test_a_drain_ray_did_not_answer_ends_without_a_crash():
     """The drain's question to a frozen Serve controller was left waiting inside Ray's core worker,
     and ``ray.shutdown()`` tore the core worker down under it: the command then died after its last
     line whenever the waiting thread woke at the wrong moment (it checks for signals every second),
     by SIGSEGV (-11, once in a full CI run of the controller_frozen case above) or with Ray's "The
     core worker has already been shutdown" (exit 1). Here the question waits on a frozen actor of
     the driver's own (a stand-in deploy, no model), and ``ray.shutdown()`` says whether a question
-    still waits when it runs (it did every time). Now the command exits 0 at once instead, and the
-    local Ray it started is stopped all the same (the frozen actor with it)."""
+    still waits when it runs (it did every time). Now the command exits at once instead (130: a
+    SIGTERM, then a Ctrl-C that ends the drain), and the local Ray it started is stopped all the same
+    (the frozen actor with it)."""
     psutil = pytest.importorskip("psutil")
     frozen_ray = (
         "import signal, threading, time, ray\n"
@@ -700,9 +757,9 @@ def test_a_drain_ray_did_not_answer_exits_0_without_a_crash():
         "    os.kill(pid, signal.SIGSTOP)\n"
         "    ray_deploy._running_replicas = lambda serve: ray.get(frozen.pid.remote())\n"
         "    def two_signals():\n"
-        "        for _ in range(2):\n"
+        "        for sig in (signal.SIGTERM, signal.SIGINT):\n"
         "            time.sleep(1.0)\n"
-        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "            os.kill(os.getpid(), sig)\n"
         "    threading.Thread(target=two_signals, daemon=True).start()\n"
         "    return 'http://127.0.0.1:1'\n"
         "ray_deploy.deploy = deployed\n"
@@ -718,7 +775,7 @@ def test_a_drain_ray_did_not_answer_exits_0_without_a_crash():
     try:
         assert "which replicas still run (its controller or node is gone?)" in out.stderr, out.stderr[-3000:]
         assert "ray.shutdown() while a question still waits in Ray" not in out.stderr, out.stderr[-3000:]
-        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.returncode == 130, out.stderr[-3000:]
         with contextlib.suppress(psutil.NoSuchProcess):
             psutil.Process(pid).wait(10)  # TimeoutExpired: the local Ray's actor outlived the command
     finally:

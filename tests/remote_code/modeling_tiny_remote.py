@@ -9,7 +9,8 @@ forward names the KV cache ``past_key_values`` (without and with a ``**kwargs`` 
 anything else), and only their own ``prepare_inputs_for_generation`` lets ``model.generate`` run
 them on transformers 5.24. ``PassesKwargsOnForCausalLM`` is remote code written for transformers
 5.0-5.23 that subclasses a native class: ``past_key_values`` in its signature, and ``**kwargs``
-(the ``cache=`` of 5.24) passed on to the native forward, which takes it.
+(the ``cache=`` of 5.24) passed on to the native forward, which takes it. ``SlowForCausalLM``
+takes 50 ms more per forward (a stream that lasts seconds).
 """
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -86,3 +87,15 @@ class PassesKwargsOnForCausalLM(TinyRemoteForCausalLM):
             past_key_values=past_key_values,  # 5.24's forward warns that it takes cache= (in kwargs) instead
             **kwargs,
         )
+
+
+class SlowForCausalLM(TinyRemoteForCausalLM):
+    """Each forward takes 50 ms more: a stream of a few hundred tokens lasts seconds, long enough to
+    signal a server while it runs."""
+
+    def forward(self, *args, **kwargs):
+        import time
+
+        time.sleep(0.05)
+        return super().forward(*args, **kwargs)
+
