@@ -762,7 +762,28 @@ def _connect(ray, options: Mapping[str, Any]) -> None:
     except Exception as err:
         address = os.environ.get("RAY_ADDRESS")
         where = f"reach the Ray cluster at RAY_ADDRESS={address}" if address else "start a local Ray"
-        raise ConfigError(f"could not {where}: {_cause(err)}") from err
+        raise ConfigError(f"could not {where}: {_auth_refusal(err) or _cause(err)}") from err
+
+
+def _auth_refusal(err: BaseException) -> str:
+    """What to do where ``ray.init`` failed because the cluster's token authentication refused this
+    driver (Ray's AuthenticationError, "InvalidAuthToken", is only in the text of the error its
+    ConnectionError wraps); else "". Ray said only "Failed to connect to Ray cluster at ..."."""
+    text = ""
+    for _ in range(8):  # the error and what it wraps
+        if err is None:
+            break
+        text += f"{type(err).__name__}: {err}\n"
+        err = err.__cause__ or err.__context__
+    if "InvalidAuthToken" not in text and "AuthenticationError" not in text:
+        return ""
+    where = "~/.ray/auth_token, $RAY_AUTH_TOKEN_PATH or $RAY_AUTH_TOKEN"
+    if os.environ.get("RAY_AUTH_MODE", "").strip().lower() != "token":
+        return (
+            "the cluster uses Ray's token authentication and this command sent no token: set RAY_AUTH_MODE=token"
+            f" (Ray reads the cluster's token from {where})"
+        )
+    return f"the cluster's token authentication refused the token this command sent: put the cluster's token in {where}"
 
 
 def _starts_local_ray() -> bool:

@@ -906,6 +906,34 @@ def test_replicas_on_a_ray_start_cluster_read_the_commands_paths_and_environment
                 server.kill()
 
 
+@needs_ray
+def test_a_cluster_with_token_authentication_is_named_as_the_cause(config, tmp_path):
+    """Ray 2.60's `ray start` turns on token authentication, and a driver that sends no token
+    (RAY_AUTH_MODE unset) was refused with "Failed to connect to Ray cluster at ...", which names no
+    cause; the cause was only in Ray's C++ warnings above it. Now the one line names it and the
+    setting that fixes it. (The cluster's token is given in its environment, not ~/.ray.)"""
+    import secrets
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH_")}
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    cluster_env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    command = [sys.executable, "-m", "rag_lookahead.serve", "--replicas=1", f"--port={free_port()}"]
+    with ray_start_cluster(tmp_path, cluster_env) as address:
+        out = subprocess.run(
+            [*command, f"--model={config.model}", "--device=cpu"],
+            env={**env, "RAY_ADDRESS": address},
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
+    assert errors[0].startswith(
+        f"error: could not reach the Ray cluster at RAY_ADDRESS={address}: the cluster uses Ray's token authentication"
+    ), errors
+    assert "set RAY_AUTH_MODE=token" in errors[0], errors
+
+
 # ---------------------------------------------------------------- fixtures
 
 
