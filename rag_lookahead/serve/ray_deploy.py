@@ -83,6 +83,8 @@ INSTALL_HINT = "pip install 'rag-lookahead[ray]'"
 REPLICA_HEADER = "x-replica-id"
 #: Ray versions this module was written and tested against (the router reads Ray 2.60 internals).
 SUPPORTED_RAY = "2.60."
+#: Replica starts that may fail before the deploy does (at Ray's default, 20 loads of a model that will not load)
+MAX_CONSTRUCTOR_RETRIES = 3
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,7 @@ def deployment_options(
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),  # as one process answers
         graceful_shutdown_timeout_s=config.drain_seconds + CLOSE_GRACE_SECONDS,
         request_router_config={"request_router_class": ROUTER_PATH},
-        max_constructor_retry_count=3,  # a model that will not load fails the deploy, not 20 reloads
+        max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES,  # a model that will not load fails the deploy
         # a replica whose engine died answered 503 for 20-25 s at Ray's default 10 s period
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
@@ -371,10 +373,17 @@ def _start(ray, serve, config: ServerConfig, settings: RaySettings, gpus: float)
         )
     except Exception as err:  # the port is taken, or the host is not an address of this machine
         raise ConfigError(f"Ray Serve could not listen on {config.host}:{config.port}: {_cause(err)}") from err
-    try:
-        serve.run(application, name=APP_NAME, route_prefix="/", logging_config={"log_level": _level(config)})
+    from ray.serve.api import _run
+
+    watch = StartWatch(limit=MAX_CONSTRUCTOR_RETRIES)
+    try:  # serve.run without its wait, which had no limit (see StartWatch)
+        _run(
+            application, _blocking=False, name=APP_NAME, route_prefix="/", logging_config={"log_level": _level(config)}
+        )
+        _wait_until_running(serve, watch)
     except BaseException as err:  # a replica's constructor failed (the model or the index did not load), or ^C
-        why = _cause(err, _replica_errors(serve)) if isinstance(err, Exception) else ""
+        killed = watch.seen() if isinstance(err, Exception) else ""  # Ray's own error then names no cause
+        why = (killed or _cause(err, _replica_errors(serve))) if isinstance(err, Exception) else ""
         try:
             _delete_quietly(serve)
         except KeyboardInterrupt:  # a second ^C while deleting: the app may be left on the cluster
@@ -383,6 +392,111 @@ def _start(ray, serve, config: ServerConfig, settings: RaySettings, gpus: float)
             raise ModelLoadError(f"the Ray Serve replicas did not start: {why}") from err
         raise
     return base_url(config.host, config.port)
+
+
+#: How often the start looks whether the app runs, and at Ray's actors (:class:`StartWatch`)
+START_POLL_S = 1.0
+
+
+def _wait_until_running(serve, watch: StartWatch) -> None:
+    """Wait, as ``serve.run`` does, until the app runs; raise Ray's error where it failed, and one
+    of ours once :class:`StartWatch` finds the start hopeless."""
+    while True:
+        app = serve.status().applications.get(APP_NAME)
+        if app is None:
+            raise RuntimeError(f"the Serve app {APP_NAME!r} was deleted as it started")
+        if app.status == "RUNNING":
+            return
+        if app.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"Deploying application {APP_NAME} failed: {app.message}")
+        if watch.hopeless():
+            raise ModelLoadError(watch.seen())
+        time.sleep(START_POLL_S)
+
+
+#: Ray Serve's name for its controller actor (namespace "serve"), and how it names our replicas' actors
+_CONTROLLER_ACTOR = "SERVE_CONTROLLER_ACTOR"
+_REPLICA_ACTOR_PREFIX = f"SERVE_REPLICA::{APP_NAME}#"
+
+
+class StartWatch:
+    """Counts, while the replicas start, the replica processes that die unasked (killed: by Ray's
+    memory monitor, the kernel's OOM killer, a signal) and the restarts of Ray's Serve controller.
+    Ray counts a replica's failed starts towards ``max_constructor_retry_count`` and then fails the
+    app, with a message that names no cause ("Failed to update the deployments"); but where the
+    controller is killed too (Ray's memory monitor killed both, under a model too big for memory),
+    each new controller starts the replica again with a fresh count, and ``serve.run``, which waits
+    with no limit, waited for good. Past ``limit`` of either the start is :meth:`hopeless`. It reads
+    Ray's actor table from the GCS (Ray's state API needs the dashboard, which a local Ray here
+    starts without)."""
+
+    def __init__(self, limit: int) -> None:
+        from ray._private import state
+
+        self._state, self.limit = state, limit
+        self._deaths: dict[str, bool] = {}  # replica actor id -> whether Ray says memory
+        self._restarts = 0
+        try:
+            self._dead_before, self._restarts_before = self._look()  # an earlier app's, on this cluster
+        except Exception:  # noqa: BLE001 - the GCS did not answer: counted from its next answer, which holds them
+            self._dead_before, self._restarts_before = {}, 0
+
+    def _look(self) -> tuple[dict[str, bool], int]:
+        """(our replicas' actors that died unasked: id -> whether Ray says memory, the controller's restarts)"""
+        died, restarts = {}, 0
+        for actor_id, actor in self._state.actors().items():
+            name = actor.get("Name") or ""
+            if name == _CONTROLLER_ACTOR:
+                restarts = int(actor.get("NumRestarts") or 0)
+            elif name.startswith(_REPLICA_ACTOR_PREFIX) and actor.get("State") == "DEAD":
+                memory, unasked = _how_it_died(actor.get("DeathCause"))
+                if unasked:
+                    died[actor_id] = memory
+        return died, restarts
+
+    def _update(self) -> None:
+        try:
+            died, restarts = self._look()
+        except Exception:  # noqa: BLE001 - the GCS did not answer this once: the last count stands
+            return
+        self._deaths = {k: v for k, v in died.items() if k not in self._dead_before}
+        self._restarts = max(0, restarts - self._restarts_before)
+
+    def hopeless(self) -> bool:
+        """Whether more than ``limit`` replicas died as they started, or the controller restarted as often."""
+        self._update()
+        return len(self._deaths) > self.limit or self._restarts > self.limit
+
+    def seen(self) -> str:
+        """What killed the start so far, in words ("" where nothing did)."""
+        self._update()
+        deaths, restarts = len(self._deaths), self._restarts
+        controller = f"Ray's Serve controller was killed {restarts} times" if restarts else ""
+        if any(self._deaths.values()):
+            what = f"Ray's memory monitor killed a replica's process {deaths} times as it started (out of memory)"
+        elif deaths:
+            what = (
+                f"a replica's process was killed {deaths} times as it started (by the kernel's OOM killer, "
+                "too little memory for the model? or by a signal)"
+            )
+        else:
+            return f"{controller} as the replicas started (out of memory?)" if restarts else ""
+        return f"{what}; {controller} too" if restarts else what
+
+
+def _how_it_died(cause) -> tuple[bool, bool]:
+    """(whether Ray says memory, whether it died unasked: not by ``ray.kill``, which Serve uses to
+    stop a replica whose constructor raised) of an actor's DeathCause (Ray's protobuf)."""
+    if cause is None:
+        return False, False
+    kind = cause.WhichOneof("context")
+    if kind == "oom_context":
+        return True, True
+    if kind != "actor_died_error_context":
+        return False, False
+    context = cause.actor_died_error_context
+    unasked = context.reason in (context.WORKER_DIED, context.NODE_DIED)
+    return unasked and "running low on memory" in context.error_message, unasked
 
 
 #: Ray's key-value store (its GCS), namespace of the drain: the driver sets DRAIN_KEY to the drain's

@@ -460,6 +460,45 @@ def test_a_model_that_fails_its_warm_up_fails_the_start_in_one_line(tmp_path):
 
 
 @needs_ray
+def test_replicas_killed_as_they_start_end_the_start_in_one_line(tmp_path):
+    """Ray's memory monitor killed each replica loading a model too big for memory, and Ray's Serve
+    controller with it; each new controller started the replica again (Ray's constructor retries
+    count exceptions, and start afresh with each controller), and serve.run waited with no limit:
+    `serve --replicas` hung silently for good. Here the model's constructor kills its own process
+    and the Serve controller (SIGKILL; no memory used). Now the start ends in one line naming the
+    cause and exit 1, and nothing of the local Ray is left."""
+    folder = remote_folder(tmp_path, "KilledOnLoadForCausalLM")
+    command = [sys.executable, "-m", "rag_lookahead.serve", f"--model={folder}", f"--port={free_port()}"]
+    flags = ["--replicas=1", "--replica-cpus=1", "--trust-remote-code", "--dtype=fp32", "--device=cpu"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    log = tmp_path / "serve.log"
+    started = time.monotonic()
+    with open(log, "w") as out:
+        server = subprocess.Popen([*command, *flags], stdout=out, stderr=out, env=env, start_new_session=True)
+    try:
+        code = server.wait(150)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)
+        left = session_left(server.pid, 15)
+    took = time.monotonic() - started
+    stderr = log.read_text()
+    assert code == 1, (code, stderr[-3000:])
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert re.match(
+        r"error: the Ray Serve replicas did not start: a replica's process was killed \d+ times as it started",
+        errors[0],
+    ), errors
+    assert "Ray's Serve controller was killed" in errors[0], errors
+    assert took < 120, took
+    assert not left, [p.name() for p in left]
+
+
+@needs_ray
 def test_a_start_interrupted_while_the_replicas_load_exits_130():
     """It exited 0 after deleting the half-started app, which a supervisor reads as a clean run;
     the one-process server exits 130 there. (The interrupt is raised where serve.run waits.)"""
@@ -1084,7 +1123,7 @@ def test_an_interrupted_start_deletes_its_app_or_says_it_may_be_left(endpoint, c
         if second_interrupt:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(serve, "run", interrupted_run)
+    monkeypatch.setattr(ray.serve.api, "_run", interrupted_run)
     monkeypatch.setattr(serve, "delete", delete)
     with pytest.raises(KeyboardInterrupt) as raised:
         deploy(config, RaySettings(replicas=1, num_cpus=1))

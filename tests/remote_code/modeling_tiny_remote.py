@@ -10,7 +10,8 @@ anything else), and only their own ``prepare_inputs_for_generation`` lets ``mode
 them on transformers 5.24. ``PassesKwargsOnForCausalLM`` is remote code written for transformers
 5.0-5.23 that subclasses a native class: ``past_key_values`` in its signature, and ``**kwargs``
 (the ``cache=`` of 5.24) passed on to the native forward, which takes it. ``SlowForCausalLM``
-takes 50 ms more per forward (a stream that lasts seconds).
+takes 50 ms more per forward (a stream that lasts seconds); ``KilledOnLoadForCausalLM`` kills its
+own process (and a Serve controller beside it) as it is built, as Ray's memory monitor does.
 """
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -99,3 +100,24 @@ class SlowForCausalLM(TinyRemoteForCausalLM):
         time.sleep(0.05)
         return super().forward(*args, **kwargs)
 
+
+
+class KilledOnLoadForCausalLM(TinyRemoteForCausalLM):
+    """Its process is killed (SIGKILL) as the model is built, and under Ray Serve the Serve
+    controller beside it too: what Ray's memory monitor did to a model too big for memory (it
+    killed the replica and the controller, each new controller started the replica again, and
+    Ray's constructor retries never ran out), without using any memory."""
+
+    def __init__(self, config) -> None:
+        import os
+        import signal
+
+        import psutil
+
+        for sibling in psutil.Process().parent().children():  # the raylet's workers: ours only
+            try:
+                if sibling.name().startswith("ray::ServeController"):
+                    sibling.kill()
+            except psutil.Error:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
