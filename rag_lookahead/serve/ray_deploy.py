@@ -436,18 +436,19 @@ class StartWatch:
         self._state, self.limit = state, limit
         self._deaths: dict[str, bool] = {}  # replica actor id -> whether Ray says memory
         self._restarts = 0
-        try:
-            self._dead_before, self._restarts_before = self._look()  # an earlier app's, on this cluster
-        except Exception:  # noqa: BLE001 - the GCS did not answer: counted from its next answer, which holds them
-            self._dead_before, self._restarts_before = {}, 0
+        # what the cluster held before this start (an earlier app's dead replicas, a controller's
+        # restarts, a controller left DEAD by `serve shutdown`): None until the GCS first answers
+        self._before: tuple[dict[str, bool], dict[str, int]] | None = None
+        self._update()
 
-    def _look(self) -> tuple[dict[str, bool], int]:
-        """(our replicas' actors that died unasked: id -> whether Ray says memory, the controller's restarts)"""
-        died, restarts = {}, 0
+    def _look(self) -> tuple[dict[str, bool], dict[str, int]]:
+        """(our replicas' actors that died unasked: id -> whether Ray says memory, each Serve
+        controller actor's restarts: id -> count; an earlier controller stays listed, DEAD)"""
+        died, restarts = {}, {}
         for actor_id, actor in self._state.actors().items():
             name = actor.get("Name") or ""
             if name == _CONTROLLER_ACTOR:
-                restarts = int(actor.get("NumRestarts") or 0)
+                restarts[actor_id] = int(actor.get("NumRestarts") or 0)
             elif name.startswith(_REPLICA_ACTOR_PREFIX) and actor.get("State") == "DEAD":
                 memory, unasked = _how_it_died(actor.get("DeathCause"))
                 if unasked:
@@ -459,8 +460,11 @@ class StartWatch:
             died, restarts = self._look()
         except Exception:  # noqa: BLE001 - the GCS did not answer this once: the last count stands
             return
-        self._deaths = {k: v for k, v in died.items() if k not in self._dead_before}
-        self._restarts = max(0, restarts - self._restarts_before)
+        if self._before is None:  # nothing is counted before the cluster's state before this start is known
+            self._before = died, restarts
+        dead_before, restarts_before = self._before
+        self._deaths = {k: v for k, v in died.items() if k not in dead_before}
+        self._restarts = sum(max(0, n - restarts_before.get(k, 0)) for k, n in restarts.items())
 
     def hopeless(self) -> bool:
         """Whether more than ``limit`` replicas died as they started, or the controller restarted as often."""
@@ -892,6 +896,8 @@ def _auth_refusal(err: BaseException) -> str:
     if "InvalidAuthToken" not in text and "AuthenticationError" not in text:
         return ""
     where = "~/.ray/auth_token, $RAY_AUTH_TOKEN_PATH or $RAY_AUTH_TOKEN"
+    if "no authentication token was found" in text:  # Ray's own check, before it reaches the cluster
+        return f"RAY_AUTH_MODE=token is set but no Ray token was found: put the cluster's token in {where}"
     if os.environ.get("RAY_AUTH_MODE", "").strip().lower() != "token":
         return (
             "the cluster uses Ray's token authentication and this command sent no token: set RAY_AUTH_MODE=token"

@@ -957,13 +957,18 @@ def test_a_cluster_with_token_authentication_is_named_as_the_cause(config, tmp_p
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     cluster_env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     command = [sys.executable, "-m", "rag_lookahead.serve", "--replicas=1", f"--port={free_port()}"]
+    home = tmp_path / "home"  # a home without ~/.ray/auth_token (a service's, say)
+    home.mkdir()
     with ray_start_cluster(tmp_path, cluster_env) as address:
-        out = subprocess.run(
-            [*command, f"--model={config.model}", "--device=cpu"],
-            env={**env, "RAY_ADDRESS": address},
-            capture_output=True,
-            text=True,
-            timeout=180,
+        out, tokenless = (
+            subprocess.run(
+                [*command, f"--model={config.model}", "--device=cpu"],
+                env={**env, "RAY_ADDRESS": address, **more},
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
+            for more in ({}, {"RAY_AUTH_MODE": "token", "HOME": str(home)})
         )
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
@@ -971,6 +976,44 @@ def test_a_cluster_with_token_authentication_is_named_as_the_cause(config, tmp_p
         f"error: could not reach the Ray cluster at RAY_ADDRESS={address}: the cluster uses Ray's token authentication"
     ), errors
     assert "set RAY_AUTH_MODE=token" in errors[0], errors
+    # the mode set but no token anywhere: Ray refuses before it reaches the cluster, which refused nothing
+    errors = [line for line in tokenless.stderr.splitlines() if line.startswith("error:")]
+    assert tokenless.returncode == 1 and len(errors) == 1, tokenless.stderr[-3000:]
+    assert "RAY_AUTH_MODE=token is set but no Ray token was found" in errors[0], errors
+
+
+@needs_ray
+def test_the_start_watch_counts_controller_restarts_beside_a_dead_earlier_controller():
+    """`serve shutdown` (which our own error lines advise) leaves the earlier Serve controller listed
+    DEAD in Ray's actor table, after the live one: its restart count (0) was read last and stood
+    for the live controller's, so a controller killed again and again as the replicas started was
+    never counted, and such a start could wait for good."""
+    code = (
+        "import os, signal, time, ray\n"
+        "from ray import serve\n"
+        "from ray._private import state\n"
+        "from rag_lookahead.serve.ray_deploy import StartWatch\n"
+        "ray.init(num_cpus=1, include_dashboard=False)\n"
+        f"serve.start(http_options={{'port': {free_port()}}})\n"
+        "serve.shutdown()\n"
+        f"serve.start(http_options={{'port': {free_port()}}})\n"
+        "def controllers(): return [a for a in state.actors().values() if a['Name'] == 'SERVE_CONTROLLER_ACTOR']\n"
+        "watch = StartWatch(limit=1)\n"
+        "for kill in range(2):\n"
+        "    pid = next(a['Pid'] for a in controllers() if a['State'] == 'ALIVE')\n"
+        "    os.kill(pid, signal.SIGKILL)\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while not any(a['State'] == 'ALIVE' and a['NumRestarts'] == kill + 1 for a in controllers()):\n"
+        "        assert time.monotonic() < deadline, controllers()\n"
+        "        time.sleep(0.5)\n"
+        "print('watch:', len(controllers()), watch.hopeless(), watch.seen())\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line for line in out.stdout.splitlines() if line.startswith("watch:")]  # Ray logs to stdout too
+    assert said and said[0].startswith("watch: 2 True Ray's Serve controller was killed 2 times"), out.stdout
 
 
 # ---------------------------------------------------------------- fixtures
