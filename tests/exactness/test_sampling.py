@@ -3,11 +3,12 @@ and the same distribution (chi-square on the joint law of the first three tokens
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
-from hf_reference import equal_up_to_an_fp32_tie
+from hf_reference import equal_up_to_an_fp32_tie, hf_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import ARCHITECTURES, PairedDrafter, tiny_model
@@ -553,17 +554,17 @@ def hf_stopped(model, prompt, max_new, seed, stop, **options):
         def __call__(self, input_ids, scores, **kwargs):
             return input_ids[:, -1] == stop
 
-    ids = torch.tensor([prompt])
-    torch.manual_seed(seed)
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new,
-        pad_token_id=0,
-        stopping_criteria=StoppingCriteriaList([LastIs()]),
-        **options,
-    )
+    out = hf_run(model, prompt, max_new, seed, stopping_criteria=StoppingCriteriaList([LastIs()]), **options)
     return out[0, len(prompt) :].tolist(), torch.get_rng_state()
+
+
+def stop_run(model, prompt, budget, references, seed=None, **options) -> list[int]:
+    """Our decoding of one prompt in the stop tests (drafts from ``references`` only), after
+    ``torch.manual_seed(seed)`` where given: its new tokens."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = generate(model, prompt, max_new_tokens=budget, config=NO_POOL, references=references, **options)
+    return out.sequences[0, len(prompt) :].tolist()
 
 
 def token_places(blocks: list[list[int]]) -> list[str]:
@@ -588,18 +589,10 @@ def test_stop_check_alone_ends_a_sampled_row_where_a_stopping_criterion_does(arc
         free, _ = hf_stopped(model, prompt, budget, seed, stop=-1, **STOP_SAMPLING)
         references = [[prompt[-2:] + free]]  # the answer to draft from: long blocks are accepted
         blocks: list[list[int]] = []
-        torch.manual_seed(seed)
-        whole = generate(
-            model,
-            prompt,
-            max_new_tokens=budget,
-            config=NO_POOL,
-            references=references,
-            prefill_chunk=prefill_chunk,
-            on_tokens=lambda _row, tokens, blocks=blocks: blocks.append(list(tokens)),
-            **STOP_SAMPLING,
+        ours = functools.partial(
+            stop_run, model, prompt, budget, references, seed, prefill_chunk=prefill_chunk, **STOP_SAMPLING
         )
-        assert whole.sequences[0, len(prompt) :].tolist() == free
+        assert ours(on_tokens=lambda _row, tokens, blocks=blocks: blocks.append(list(tokens))) == free
         places = token_places(blocks)
         for place in ("first", "inside a block", "a block's last"):
             # a token not seen before it, and not the last (where the budget ends the row anyway)
@@ -615,18 +608,8 @@ def test_stop_check_alone_ends_a_sampled_row_where_a_stopping_criterion_does(arc
                 asked.append(list(drawn))
                 return drawn[-1] == stop
 
-            torch.manual_seed(seed)
-            got = generate(
-                model,
-                prompt,
-                max_new_tokens=budget,
-                config=NO_POOL,
-                references=references,
-                prefill_chunk=prefill_chunk,
-                stop_check=stop_check,
-                **STOP_SAMPLING,
-            )
-            assert got.sequences[0, len(prompt) :].tolist() == want, (seed, place)
+            got = ours(stop_check=stop_check)
+            assert got == want, (seed, place)
             assert torch.equal(torch.get_rng_state(), state), (seed, place)
             assert len(asked) == at + 1  # every token drawn asked once, none drawn past the stop
     assert covered == {"first", "inside a block", "a block's last"}
@@ -681,15 +664,7 @@ def test_stop_check_alone_ends_a_greedy_row_where_a_stopping_criterion_does(pena
     free, _ = hf_stopped(model, prompt, budget, 0, stop=-1, **options)
     references = [[prompt[-2:] + free]]
     blocks: list[list[int]] = []
-    generate(
-        model,
-        prompt,
-        max_new_tokens=budget,
-        config=NO_POOL,
-        references=references,
-        on_tokens=lambda _row, tokens: blocks.append(list(tokens)),
-        **options,
-    )
+    stop_run(model, prompt, budget, references, on_tokens=lambda _row, tokens: blocks.append(list(tokens)), **options)
     places = token_places(blocks)
     covered = set()
     for at in range(budget - 1):
@@ -703,16 +678,8 @@ def test_stop_check_alone_ends_a_greedy_row_where_a_stopping_criterion_does(pena
             asked.append(list(chosen))
             return chosen[-1] == stop
 
-        got = generate(
-            model,
-            prompt,
-            max_new_tokens=budget,
-            config=NO_POOL,
-            references=references,
-            stop_check=stop_check,
-            **options,
-        )
-        assert want == free[: at + 1] and got.sequences[0, len(prompt) :].tolist() == want, places[at]
+        got = stop_run(model, prompt, budget, references, stop_check=stop_check, **options)
+        assert want == free[: at + 1] and got == want, places[at]
         assert len(asked) == at + 1, places[at]
     assert covered == {"first", "inside a block", "a block's last"}
 
