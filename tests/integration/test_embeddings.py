@@ -370,6 +370,8 @@ def test_fusion_defaults_weigh_both_lists_equally():
     assert HYBRID_WEIGHTS[0] == HYBRID_WEIGHTS[1]
     fused = reciprocal_rank_fusion([[7], [9]], weights=HYBRID_WEIGHTS)
     assert [d for d, _ in fused] == [7, 9] and fused[0][1] == fused[1][1]
+    # ranks count from 1 (w / (k + 1) for a list's first): from 0 the scores shown change, and the order
+    assert reciprocal_rank_fusion([[7, 8]]) == [(7, 1 / (RRF_K + 1)), (8, 1 / (RRF_K + 2))]
 
 
 def test_fusion_small_constant_lets_a_top_hit_beat_a_middling_agreement():

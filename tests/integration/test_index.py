@@ -128,6 +128,26 @@ def test_retriever_returns_documents_with_metadata(built, embedder):
     assert "杀青" in docs[0].page_content
 
 
+def test_chunk_ids_number_each_files_chunks_from_0_in_order(tmp_path, embedder):
+    """``chunk_id`` is public (Document metadata, ``ask --json``, the server's sources, the batch
+    pipeline's output): a file's chunks are ``source#0``, ``source#1``, ... in the file's order, and
+    each record's ``id`` is its row (an id counted from 1 passed every test)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = "tea leaves steep in water that is hot but not boiling for a few minutes".split()
+    (corpus / "long.md").write_text("\n\n".join(" ".join(words[i:] + words[:i]) * 6 for i in range(12)))
+    (corpus / "short.txt").write_text("Volcanoes explode when gas is trapped in thick magma.")
+    build(corpus, tmp_path / "index", embedder)
+    _, _, records = store.read_snapshot(tmp_path / "index")
+    assert [r["id"] for r in records] == list(range(len(records)))
+    by_source: dict[str, list[str]] = {}
+    for r in records:
+        by_source.setdefault(r["source"], []).append(r["chunk_id"])
+    assert any(len(ids) > 1 for ids in by_source.values())
+    for source, ids in by_source.items():
+        assert ids == [f"{source}#{n}" for n in range(len(ids))], source
+
+
 def test_a_retriever_checks_k_and_mode_when_built(built, embedder):
     """Pydantic took ``k=True`` as 1 and ``k="2"`` as 2, and ``k=0``, ``k=-3`` or ``mode="bm25"``
     were built and refused only at the first search: checked now as ``index.search`` checks them."""

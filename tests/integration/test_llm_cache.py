@@ -387,3 +387,57 @@ def test_a_boolean_k_seed_is_refused_under_its_own_name(model):
     for build in (build_rag_chain, build_retrieval_qa):
         with pytest.raises(ConfigError, match=r"^k_seed must be an integer >= k_prompt \(1\), got True"):
             build(make_llm(model), Fixed(docs=[]), k_prompt=1, k_seed=True)
+
+
+def _passes(result) -> int:
+    return result.generations[0][0].generation_info["forward_passes"]
+
+
+def test_passages_given_or_registered_reach_the_drafts(model):
+    """Passages change only the speed, so no text comparison sees them: an engine that dropped
+    every call's ``references`` and a text LLM that never looked up its registered seeds (what
+    ``SeedingRetriever`` and ``build_retrieval_qa`` rely on) passed every test. Each LLM is fresh:
+    the shared pool of earlier answers would draft the answer too."""
+
+    def fresh() -> LookaheadLLM:  # a model of its own: the pool of earlier answers is per model
+        return LookaheadLLM(model=build_tiny_model("qwen2", seed=0), tokenizer=tiny_tokenizer(), max_new_tokens=32)
+
+    plain = fresh().generate([A])
+    answer = plain.generations[0][0].text
+    given = fresh().generate([A], references=[[answer]])
+    registered = fresh()
+    registered.register_seeds([A], [answer])
+    seeded = registered.generate([A])
+    for run in (given, seeded):
+        assert run.generations[0][0].text == answer
+        assert _passes(run) < _passes(plain) / 2, (_passes(run), _passes(plain))
+
+    def fresh_chat() -> ChatLookahead:
+        return ChatLookahead(model=build_tiny_model("qwen2", seed=0), tokenizer=tiny_tokenizer(), max_tokens=32)
+
+    chat_plain = fresh_chat().invoke(A)
+    chat_given = fresh_chat().invoke(A, references=[chat_plain.content])
+    assert chat_given.content == chat_plain.content
+    passes = [m.response_metadata["forward_passes"] for m in (chat_plain, chat_given)]
+    assert passes[1] < passes[0] / 2, passes
+
+
+@pytest.mark.parametrize("field", ["seed", "top_k", "top_p", "min_p"])
+def test_every_sampling_field_is_in_the_cache_key(model, field):
+    """Two sampled models sharing one cache that differ in one sampling field get their own
+    answers (a key without ``seed`` returned seed 1's answer to seed 2: no test saw it)."""
+    base = dict(temperature=1.5, seed=1, top_k=0, top_p=1.0, min_p=0.0)
+    other = {"seed": 2, "top_k": 3, "top_p": 0.3, "min_p": 0.9}[field]
+    want = [make_llm(model, **base).invoke(A), make_llm(model, **{**base, field: other}).invoke(A)]
+    assert want[0] != want[1]
+    cache = InMemoryCache()
+    assert [make_llm(model, cache=cache, **{**base, field: v}).invoke(A) for v in (base[field], other)] == want
+    chat_fields = dict(base)
+    chats = [
+        ChatLookahead(model=model, tokenizer=tiny_tokenizer(), max_tokens=8, cache=shared, **{**chat_fields, field: v})
+        for shared in (None, InMemoryCache())
+        for v in (base[field], other)
+    ]
+    chat_want = [c.invoke(A).content for c in chats[:2]]
+    assert chat_want[0] != chat_want[1]
+    assert [c.invoke(A).content for c in chats[2:]] == chat_want
