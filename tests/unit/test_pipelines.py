@@ -394,7 +394,7 @@ def long_batch_run(tmp_path, shared_embedder) -> tuple[list[str], Path, list[str
     answers = tmp_path / "a.jsonl"
     argv = [str(PIPELINES / "batch_answers.py"), str(tmp_path / "q.jsonl"), str(answers)]
     argv += ["--index-dir", str(tmp_path / "index"), "--model", str(tmp_path / "tiny"), "--k", "1"]
-    return argv + ["--batch-size", "1", "--max-new-tokens", "32"], answers, asked
+    return argv + ["--batch-size", "1", "--max-new-tokens", "96"], answers, asked
 
 
 def _answering(argv: list[str]) -> tuple[subprocess.Popen, Callable[[], str]]:
