@@ -25,6 +25,7 @@ from rag_lookahead.progress import status_line
 __all__ = [
     "Terminated",
     "command_interrupts",
+    "flush_output",
     "hold_signals",
     "interrupted",
     "leave_now",
@@ -55,12 +56,17 @@ def _leave_130(signum, frame) -> None:
     leave_now(130)
 
 
-def leave_now(code: int) -> NoReturn:
-    """End the process at once with ``code`` (``os._exit``, what was printed flushed): where
-    Python's own exit would wait for, or finalize under, a thread still busy in torch."""
+def flush_output() -> None:
+    """Flush stdout and stderr, for a process about to end without Python's exit."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # closed, or flushing when the signal came
             stream.flush()
+
+
+def leave_now(code: int) -> NoReturn:
+    """End the process at once with ``code`` (``os._exit``, what was printed flushed): where
+    Python's own exit would wait for, or finalize under, a thread still busy in torch."""
+    flush_output()
     os._exit(code)
 
 

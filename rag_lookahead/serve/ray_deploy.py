@@ -43,7 +43,6 @@ import logging
 import os
 import re
 import signal
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -53,6 +52,7 @@ from typing import Any, NoReturn
 from rag_lookahead.checks import positive_int
 from rag_lookahead.embedded_model import EMBEDDED
 from rag_lookahead.errors import ConfigError, ModelLoadError, RagLookaheadError, first_line
+from rag_lookahead.interrupts import flush_output, leave_now
 from rag_lookahead.serve import ray_probes
 from rag_lookahead.serve.config import API_KEY_ENV, ServerConfig, base_url
 
@@ -382,8 +382,9 @@ def _start(ray, serve, config: ServerConfig, settings: RaySettings, gpus: float)
         )
         _wait_until_running(serve, watch)
     except BaseException as err:  # a replica's constructor failed (the model or the index did not load), or ^C
-        killed = watch.seen() if isinstance(err, Exception) else ""  # Ray's own error then names no cause
-        why = (killed or _cause(err, _replica_errors(serve))) if isinstance(err, Exception) else ""
+        why = ""
+        if isinstance(err, Exception):  # where replicas were killed, Ray's own error names no cause
+            why = watch.seen() or _cause(err, _replica_errors(serve))
         try:
             _delete_quietly(serve)
         except KeyboardInterrupt:  # a second ^C while deleting: the app may be left on the cluster
@@ -754,13 +755,11 @@ def _end_by(signum: int, leave: bool = False) -> NoReturn:
     if signum == signal.SIGINT and not leave:
         raise SystemExit(130)
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # closed, or flushing when a signal came
-            stream.flush()
     if signum != signal.SIGINT:
+        flush_output()
         signal.signal(signum, signal.SIG_DFL)
         signal.raise_signal(signum)  # its default action ends the process here
-    os._exit(128 + signum)
+    leave_now(128 + signum)
 
 
 def _exit_leaving_ray(ray, signum: int) -> NoReturn:
