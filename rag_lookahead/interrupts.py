@@ -98,7 +98,9 @@ def program_imported() -> None:
 def command_interrupts(own_process: bool = False) -> Iterator[Callable[[], None]]:
     """Within, a command: until it calls the function this yields (its imports done), SIGINT
     exits 130 without a traceback, also where an import swallowed the exit; after, SIGINT raises
-    KeyboardInterrupt as Python's own handler does, and is remembered. On leaving, SIGINT's
+    KeyboardInterrupt as Python's own handler does, and is remembered; one that leaves the scope
+    (it landed as ``imported`` switched handlers, before typer's handling took over: a traceback
+    and death by SIGINT) exits 130 without a word, as typer's would. On leaving, SIGINT's
     handler and ``sys.excepthook`` (typer's app sets its own for good) are what they were and
     nothing is remembered (``ask.main`` may run in a caller's process). ``own_process``: the
     command is the program (a console script, ``python -m``), so a Ctrl-C during its imports ends
@@ -110,6 +112,8 @@ def command_interrupts(own_process: bool = False) -> Iterator[Callable[[], None]
     try:
         with _sigint_scope(_leave_130 if own_process else _exit_130) as imported:
             yield imported
+    except KeyboardInterrupt:  # one that landed before the command's own handling (typer's) took over
+        raise SystemExit(130) from None
     except Exception:
         failed = own_process  # on its way out of the program: typer's hook (if its app set one) shows it
         raise

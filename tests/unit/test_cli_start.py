@@ -107,6 +107,24 @@ with command_interrupts(own_process=True) as imported:
     assert (done.returncode, done.stderr, marker.exists()) == (130, "", False)
 
 
+def test_a_ctrl_c_as_the_imports_end_exits_130_without_a_word(tmp_path):
+    """A Ctrl-C that landed just as ``imported()`` switched handlers (seen inside ``signal.signal``
+    itself), before typer's handling of KeyboardInterrupt took over, left the program as a
+    traceback and death by SIGINT (-2): a rare flake of the start test above, under load."""
+    marker = tmp_path / "went-on"
+    program = f"""
+import os, signal
+from rag_lookahead.interrupts import command_interrupts
+
+with command_interrupts(own_process=True) as imported:
+    imported()
+    os.kill(os.getpid(), signal.SIGINT)
+    open({str(marker)!r}, "w").close()
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr, marker.exists()) == (130, "", False)
+
+
 def test_a_command_run_in_process_leaves_ctrl_c_as_it_was():
     """ask.main left its own SIGINT handler installed (asyncio.run then installed none), kept a
     Ctrl-C its caller had caught (every later error exited 130 without a word), and raised
