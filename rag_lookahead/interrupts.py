@@ -12,7 +12,9 @@ further signal cannot cut its save short.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -100,7 +102,8 @@ def command_interrupts(own_process: bool = False) -> Iterator[Callable[[], None]
     exits 130 without a traceback, also where an import swallowed the exit; after, SIGINT raises
     KeyboardInterrupt as Python's own handler does, and is remembered; one that leaves the scope
     (it landed as ``imported`` switched handlers, before typer's handling took over: a traceback
-    and death by SIGINT) exits 130 without a word, as typer's would. On leaving, SIGINT's
+    and death by SIGINT) exits 130 without a word, as typer's would, and one raised where Python
+    cannot pass it on (a ``__del__``) is delivered again. On leaving, SIGINT's
     handler and ``sys.excepthook`` (typer's app sets its own for good) are what they were and
     nothing is remembered (``ask.main`` may run in a caller's process). ``own_process``: the
     command is the program (a console script, ``python -m``), so a Ctrl-C during its imports ends
@@ -130,8 +133,11 @@ def _sigint_scope(importing: Callable) -> Iterator[Callable[[], None]]:
         yield lambda: None
         return
 
+    unraisable = sys.unraisablehook
+
     def imported() -> None:
         signal.signal(signal.SIGINT, _interrupt)
+        sys.unraisablehook = functools.partial(_raised_again, unraisable)
         if _SEEN:
             raise SystemExit(130)
 
@@ -143,7 +149,23 @@ def _sigint_scope(importing: Callable) -> Iterator[Callable[[], None]]:
             raise SystemExit(130)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.unraisablehook = unraisable
         _SEEN.clear()
+
+
+def _raised_again(hook: Callable, unraisable) -> None:
+    """``sys.unraisablehook`` within a command: a KeyboardInterrupt our handler raised where Python
+    cannot pass it on (a ``__del__`` or weakref callback run by the garbage collector, often while
+    a model loads) is delivered again, to land in code that can; Python printed "Exception ignored
+    in ..." and the command ran on to the end, exit 0."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and _SEEN:
+        signum = getattr(unraisable.exc_value, "signum", signal.SIGINT)
+        # a moment later, from another thread: made here, it ran at once, in this hook, and was lost
+        later = threading.Timer(0.01, _thread.interrupt_main, args=(signum,))
+        later.daemon = True
+        later.start()
+    else:
+        hook(unraisable)
 
 
 class Terminated(KeyboardInterrupt):

@@ -1,5 +1,6 @@
 """What a CLI start pays for: commands that need no LLM do not import transformers (~1 s here)."""
 
+import signal
 import subprocess
 import sys
 
@@ -125,6 +126,42 @@ with command_interrupts(own_process=True) as imported:
     assert (done.returncode, done.stderr, marker.exists()) == (130, "", False)
 
 
+@pytest.mark.parametrize(
+    ("signum", "keeping", "ended"),
+    [
+        (signal.SIGINT, False, (130, "")),
+        (signal.SIGINT, True, (130, "interrupted\n")),
+        (signal.SIGTERM, True, (143, "terminated (SIGTERM)\n")),
+    ],
+)
+def test_a_ctrl_c_landing_in_a_finalizer_still_stops_the_command(tmp_path, signum, keeping, ended):
+    """After the imports, a Ctrl-C that landed in a ``__del__`` (the garbage collector runs them
+    often while a model loads) raised KeyboardInterrupt where Python can only print "Exception
+    ignored in ..." and go on: ``ask`` answered to the end and exited 0 (1 start in ~60 under
+    load). The same for SIGTERM within ``stop_signals``."""
+    marker = tmp_path / "went-on"
+    program = f"""
+import contextlib, os, time
+from rag_lookahead.interrupts import command_interrupts, stop_signals
+
+class Callback:
+    def __del__(self):
+        os.kill(os.getpid(), {int(signum)})
+        for _ in range(1000):  # the handler runs between bytecodes
+            pass
+
+with command_interrupts(own_process=True) as imported:
+    imported()
+    with stop_signals(own_process=True) if {keeping} else contextlib.nullcontext():
+        Callback()
+        for _ in range(100):  # the command's work
+            time.sleep(0.05)
+        open({str(marker)!r}, "w").close()
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr, marker.exists()) == (*ended, False)
+
+
 def test_a_command_run_in_process_leaves_ctrl_c_as_it_was():
     """ask.main left its own SIGINT handler installed (asyncio.run then installed none), kept a
     Ctrl-C its caller had caught (every later error exited 130 without a word), and raised
@@ -139,12 +176,14 @@ def test_a_command_run_in_process_leaves_ctrl_c_as_it_was():
     from rag_lookahead.interrupts import command_interrupts, interrupted
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    unraisable = sys.unraisablehook
     with command_interrupts() as imported:
         imported()
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
         assert interrupted()
     assert not interrupted() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert sys.unraisablehook is unraisable
     with pytest.raises(SystemExit):
         main(["--help"])
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
