@@ -18,7 +18,7 @@ from rag_lookahead.decoding.draft import DraftTree
 from rag_lookahead.decoding.drafter import Drafter, PromptLookupDrafter
 from rag_lookahead.decoding.loop import DecodeBatch
 from rag_lookahead.decoding.rows import Row
-from rag_lookahead.decoding.trie import OutputPool
+from rag_lookahead.decoding.trie import NGramTrie, OutputPool
 from rag_lookahead.errors import ConfigError
 
 tokens = st.integers(min_value=1, max_value=12)
@@ -239,3 +239,54 @@ def test_the_output_pool_belongs_to_the_trie_drafter():
         DecodeBatch(model, LookaheadConfig(), frozenset(), OutputPool(8), drafter=PromptLookupDrafter())
     with pytest.raises(ConfigError, match="max_ngram"):
         PromptLookupDrafter(max_ngram=0)
+
+
+def _decode_with_batch(model, prompt, max_new, config, pool):
+    """``prompt`` decoded through a ``DecodeBatch`` stepped by hand (as the server steps it)."""
+    batch = DecodeBatch(model, config, frozenset(), pool)
+    batch.add(torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long), None, max_new, keys=["only"])
+    generated = []
+    while batch.rows:
+        batch.verify_and_accept(batch.propose())
+        generated += [row.generated for row in batch.retire()]
+    return generated[0]
+
+
+def test_use_output_pool_false_neither_reads_nor_fills_a_pool_passed_in():
+    """``LookaheadConfig(use_output_pool=False)`` is the switch that keeps answers from being
+    drafted from one another (a measurement of the context pool alone, say): an output pool
+    handed in anyway must be neither read nor filled, through ``generate`` and through a
+    ``DecodeBatch`` alike."""
+    model = tiny_model("qwen2")
+    prompt, max_new = [5, 9, 3, 7, 2, 8, 4, 6], 24
+    expected = reference_generate(model, prompt, max_new, None)
+    off, on = (LookaheadConfig(budget="fixed", use_output_pool=use) for use in (False, True))
+
+    def forwards(config, pool):
+        result = generate(model, prompt, max_new_tokens=max_new, config=config, output_pool=pool)
+        assert result.sequences[0, len(prompt) :].tolist() == expected
+        return result.stats.forward_passes
+
+    empty = OutputPool(off.pool_depth)
+    without_pool = forwards(off, None)
+    assert forwards(off, empty) == without_pool and empty.nodes == 0  # not filled
+    assert _decode_with_batch(model, prompt, max_new, off, empty) == expected and empty.nodes == 0
+    known = OutputPool(off.pool_depth)
+    known.add(expected)  # an earlier answer that drafts this one whole
+    nodes = known.nodes
+    assert forwards(off, known) == without_pool and known.nodes == nodes  # not read, not added to
+    assert forwards(on, known) < without_pool  # the control: switched on, the same pool pays
+
+
+def test_only_the_answer_enters_the_output_pool():
+    """A row that leaves adds its answer's n-grams to the shared pool, not its prompt's: prompts
+    (retrieved passages, mostly) are long, so the pool filled and decayed many times faster, with
+    text the row's own context pool already drafts from."""
+    model = tiny_model("qwen2")
+    prompt = [(7 * i) % 90 + 1 for i in range(40)]
+    config = LookaheadConfig(budget="fixed")
+    pool = OutputPool(config.pool_depth)
+    answer = generate(model, prompt, max_new_tokens=6, config=config, output_pool=pool).sequences[0, 40:].tolist()
+    alone = NGramTrie(config.pool_depth)
+    alone.insert(answer)
+    assert pool.nodes == alone.nodes and pool.trie.find(prompt[:2]) is None

@@ -201,6 +201,53 @@ def test_a_step_inside_the_window_takes_one_mask():
     assert isinstance(step_mask(model, owned, step), torch.Tensor)
 
 
+def test_a_query_at_exactly_the_window_already_slides():
+    """A query at position ``size`` sees positions 1..size: key 0 is the first to leave its window.
+    A step whose furthest query sat there took no window mask, and its rows read key 0 too."""
+    model = tiny_model("gemma3")
+    window = sliding_window(model)
+    assert window.size == 8 and window.reaches(8) and not window.reaches(7)
+    owned = torch.ones((1, 8), dtype=torch.bool)
+    step = step_inputs([1], [DraftTree.chain([])], [8], torch.device("cpu"))  # the root at position 8
+    masks = step_mask(model, owned, step)
+    assert masks[SLIDING][0, 0, 0].tolist() == [False] + [True] * 8
+    assert masks["full_attention"][0, 0, 0].tolist() == [True] * 9
+
+
+#: two-row batches whose first verify step's furthest query sits at exactly the window (the first
+#: row's prompt fills it): decoded with key 0 in view, each pair's first row changes its tokens
+AT_THE_WINDOW = {
+    "mistral": [  # window 16
+        [
+            [46, 52, 39, 58, 10, 20, 7, 47, 5, 58, 55, 44, 22, 31, 36, 7],
+            [23, 28, 21, 40, 41, 59, 14, 36, 31, 29, 56, 34, 17, 4],
+        ],
+        [
+            [6, 58, 45, 60, 54, 35, 44, 26, 54, 46, 34, 18, 34, 52, 16, 55],
+            [14, 58, 44, 38, 53, 27, 38, 18, 29, 32, 43, 42, 45, 59],
+        ],
+    ],
+    "gemma3": [  # window 8
+        [[59, 35, 46, 52, 39, 58, 10, 20], [7, 47, 5, 58, 55]],
+        [[44, 22, 31, 36, 7, 23, 28, 21], [40, 41, 59, 14]],
+    ],
+}
+
+
+@pytest.mark.parametrize("arch", sorted(AT_THE_WINDOW))
+def test_batches_reaching_exactly_the_window_decode_exactly(arch):
+    """One row alone runs the model's own causal mask; rows side by side take ours, so a step of
+    two rows whose furthest query sits at the window is where ours must slide already."""
+    model = tiny_model(arch)
+    assert sliding_window(model).size == len(AT_THE_WINDOW[arch][0][0])
+    config = LookaheadConfig(budget="fixed", use_output_pool=False)
+    for prompts in AT_THE_WINDOW[arch]:
+        ids, mask = padded(prompts)
+        result = generate(model, ids, mask, max_new_tokens=3, config=config)
+        for i, prompt in enumerate(prompts):
+            assert result.sequences[i, ids.shape[1] :].tolist() == reference_generate(model, prompt, 3, None), i
+
+
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
 def test_the_probe_passes_and_the_cache_keeps_every_column(arch):
     model = tiny_model(arch)

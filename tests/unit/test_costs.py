@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rag_lookahead.decoding.acceptance import AcceptanceRates
 from rag_lookahead.decoding.costs import CostCurve, StepCosts, allocate, lower_hull
 from rag_lookahead.decoding.draft import DraftTree
@@ -247,3 +249,25 @@ def test_step_costs_are_safe_to_share_between_threads():
         sys.setswitchinterval(interval)
     assert errors == []
     assert len(costs.seen) == 4_000  # (1, 1) and the 3,999 even counts
+
+
+def test_a_curve_goes_on_rising_past_its_largest_timed_size():
+    """A step larger than any size timed (many rows, deep drafts) costs more than the largest:
+    held flat at the last point, the budget saw the extra tokens as free and drafted them."""
+    curve = CostCurve([1, 4, 8], [1.0, 1.5, 2.0])
+    assert curve(16) == 3.0  # the last segment's slope, carried on
+    assert CostCurve([1, 4, 8], [1.0, 2.0, 1.8])(16) == 1.8  # a falling last segment is not carried on
+
+
+def test_an_unseen_token_count_is_scaled_like_the_nearest_seen_one():
+    """Steps of one row measured at 1, 4 and 40 tokens: a 5-token step is predicted from the
+    curve scaled as the 4-token step was (2.0 s where the curve said 1.3), not as the plain
+    1-token step was (exactly the curve), and a 35-token one like the 40-token step."""
+    curve = CostCurve([1, 64], [1.0, 7.3])  # 0.1 s a token
+    costs = StepCosts(curve)
+    costs.observe(1, 1, 1.0)
+    costs.observe(1, 4, 2.0)
+    costs.observe(1, 40, 30.0)
+    assert costs(1, 5) == pytest.approx(curve(5) * 2.0 / curve(4))  # 2.154
+    assert costs(1, 35) == pytest.approx(curve(35) * 30.0 / curve(40))
+    assert costs(1, 4) == 2.0  # a count seen: its own time

@@ -235,6 +235,24 @@ def test_the_pool_depth_follows_the_fields_and_is_no_field():
         config.pool_depth = 1
 
 
+def test_longrope_per_layer_kind_limits_the_context_at_the_earliest_switch(model):
+    """Rope parameters per layer kind (``rope_parameters`` keyed by layer type), each longrope with
+    its own switch: past the earlier one those layers' factors change, so decoding must stop
+    there, not at the later one, where a verify step would re-rotate the earlier layers' keys."""
+    import copy
+
+    from rag_lookahead.decoding.inputs import context_limit
+
+    longrope = copy.deepcopy(model)
+    longrope.config.rope_parameters = {
+        "full_attention": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 96},
+        "sliding_attention": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 48},
+    }
+    assert context_limit(longrope) == 48
+    with pytest.raises(InputError, match="48 tokens but .* holds 48 .*longrope"):
+        generate(longrope, [5] * 48, max_new_tokens=4)
+
+
 def test_numpy_integers_are_taken_as_config_integers():
     """stop_words, max_new_tokens, seed and top_k took numpy integers; the config's sizes refused them."""
     import numpy as np

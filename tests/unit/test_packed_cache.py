@@ -81,3 +81,14 @@ def test_row_columns_follow_joins_chunks_accepts_and_leaves():
     packed.drop_rows([1, 2])  # 6 of 11 dead: reclaimed
     assert packed.length == 5 and _host_columns_agree(packed) and packed.hole_free
     assert [c.tolist() for c in packed.row_columns()] == [[0, 1, 2], [3, 4]]
+
+
+def test_the_last_row_left_gets_a_cache_without_holes_however_few_are_dead():
+    """One dead column of ten is under a quarter, but with one row left the cache is compacted
+    anyway: only a hole-free single row verifies its chains under the plain causal mask
+    (``verify.is_plain_causal``); kept, the hole cost it that path for the rest of its answer."""
+    packed = PackedCache()
+    packed.append_rows(_prefill([[1, 2, 3, 4, 5, 6, 7, 8, 9], [10]]), [9, 1])
+    assert packed.length == 10
+    packed.drop_rows([0])
+    assert packed.length == 9 and packed.hole_free and _row_columns(packed, 0) == [1, 2, 3, 4, 5, 6, 7, 8, 9]

@@ -307,6 +307,65 @@ def test_a_key_that_ends_in_punctuation_the_source_lacks_skips_it():
     assert len(propose(context, None, config)) == 0
 
 
+def test_the_source_punctuation_the_text_typed_itself_is_not_drafted_again():
+    """The text ends in its own stop word (99) after "2"; in the source "2" was once followed by
+    that same 99. Drafting past it again would propose "3 4", a continuation whose punctuation
+    the text already has, instead of what followed "2" otherwise."""
+    config = LookaheadConfig(decoding_length=8, branch_length=3, max_key_length=1, stop_words=frozenset({99}))
+    context = ContextPool(config.pool_depth, [[2, 99, 3, 4], [2, 10, 11]], key_length=config.max_key_length)
+    context.extend([5, 2, 99])
+    draft = propose(context, None, config)
+    assert draft.tokens == [10, 11]
+    assert draft.probs == [1.0, 1.0]  # the typed 99's share is not counted either
+
+
+def test_a_key_past_the_texts_punctuation_drafts_as_deep_as_a_direct_key():
+    """A key of ``max_key_length`` tokens before the text's own stop word: what followed it in the
+    source is drafted to ``branch_length``, as after a key found directly. The stop word was
+    counted into the key's length, which left such drafts a level short (depth 3 of 4 here),
+    though the trie holds the whole continuation. A continuation found past a stop word in the
+    source sits a level deeper in the trie and ends where the trie ends, never deeper."""
+    config = LookaheadConfig(decoding_length=64, branch_length=4, max_key_length=2, stop_words=frozenset({98, 99}))
+    context = ContextPool(config.pool_depth, [[1, 2, 10, 11, 12, 13, 14, 15]], key_length=config.max_key_length)
+    context.extend([5, 1, 2, 99])  # the answer typed its own punctuation after "1 2"
+    draft = propose(context, None, config)
+    assert (draft.tokens, draft.depths) == ([10, 11, 12, 13], [1, 2, 3, 4])
+    output = OutputPool(config.pool_depth)  # the same from the output pool's trie
+    output.add([1, 2, 10, 11, 12, 13, 14, 15])
+    empty = ContextPool(config.pool_depth)
+    empty.extend([5, 1, 2, 99])
+    assert propose(empty, output, config).tokens == [10, 11, 12, 13]
+    # the source's own stop word (98) after "1 2": its continuation is one level deeper in a trie
+    # of depth 6, so it stops at depth 3, where the trie ends
+    context = ContextPool(config.pool_depth, [[1, 2, 98, 10, 11, 12, 13, 14]], key_length=config.max_key_length)
+    context.extend([5, 1, 2, 99])
+    assert propose(context, None, config).tokens == [10, 11, 12]
+
+
+def test_both_pools_reaching_a_node_keep_the_surer_estimate():
+    """The context saw "7 8" followed by 1, 2 and 3 once each (a third each); earlier answers
+    followed it with 3 five times. Node 3 must carry the output pool's certainty, or the
+    budget ranks the likeliest continuation no higher than the other two."""
+    config = LookaheadConfig(decoding_length=8, branch_length=4)
+    context = ContextPool(config.pool_depth, [[7, 8, 1], [7, 8, 2], [7, 8, 3]], key_length=config.max_key_length)
+    context.extend([5, 7, 8])
+    output = OutputPool(config.pool_depth)
+    for _ in range(5):
+        output.add([7, 8, 3])
+    draft = propose(context, output, config)
+    assert draft.probs[draft.tokens.index(3)] == 1.0
+    assert draft.top(1).tokens == [3]
+
+
+def test_the_best_chain_weighs_depth_by_probability():
+    """A model that cannot take a tree mask verifies one chain: four likely tokens deep beat one
+    slightly likelier token beside them (expected accepted tokens, not the likeliest leaf)."""
+    tree = DraftTree(
+        tokens=[1, 2, 3, 4, 9], parents=[-1, 0, 1, 2, -1], depths=[1, 2, 3, 4, 1], probs=[0.6, 0.6, 0.6, 0.6, 0.7]
+    )
+    assert tree.best_chain().tokens == [1, 2, 3, 4]
+
+
 def test_context_pool_is_preferred_over_output_pool():
     config = LookaheadConfig(decoding_length=2, branch_length=1, max_key_length=1)
     context = ContextPool(4)
