@@ -206,6 +206,26 @@ def test_max_length_counts_the_padded_width_as_transformers_does():
     assert got.tolist() == expected.tolist() and got.shape[1] == 15
 
 
+def test_the_shortest_of_several_max_length_criteria_ends_the_answer():
+    """A caller's own ``MaxLengthCriteria`` list: transformers lets the first replace its own and
+    keeps the others, and stops at whichever is reached first. Taking the last one read decoded
+    past the shorter limit (14 tokens where ``model.generate`` gave 10)."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[4, 5, 6, 7, 8, 9]])
+
+    def criteria():
+        return StoppingCriteriaList([MaxLengthCriteria(max_length=10), MaxLengthCriteria(max_length=14)])
+
+    want = model.generate(input_ids=ids, do_sample=False, max_new_tokens=20, stopping_criteria=criteria())
+    got = model.generate(
+        input_ids=ids,
+        custom_generate=hf_generate,
+        generation_config=lookahead(max_new_tokens=20, do_sample=False),
+        stopping_criteria=criteria(),
+    )
+    assert got.tolist() == want.tolist() and want.shape[1] == 10
+
+
 def test_pad_and_eos_come_from_the_generation_config():
     """Two EOS ids and a pad id other than both: a row that ends early is filled as transformers fills it."""
     model = tiny_model("qwen3")
@@ -620,6 +640,19 @@ def test_lookahead_config_is_the_base_the_keys_override():
     assert max(out.lookahead_stats.accepted_histogram) == 3
 
 
+def test_a_lookahead_config_keeps_its_stop_words_when_a_tokenizer_is_passed():
+    """The tokenizer's punctuation is the default only where no ``lookahead_config`` is given: a
+    config's own ``stop_words`` (none at all, too) must not be replaced because
+    ``model.generate`` was also handed the tokenizer (for stop strings, say)."""
+    from rag_lookahead.hf_entry import lookahead_settings, stop_word_ids
+
+    tokenizer = tiny_tokenizer()
+    assert lookahead_settings(GenerationConfig(), None, tokenizer).stop_words == stop_word_ids(tokenizer) != frozenset()
+    base = LookaheadConfig(stop_words=frozenset({7}))
+    assert lookahead_settings(GenerationConfig(), base, tokenizer).stop_words == frozenset({7})
+    assert lookahead_settings(GenerationConfig(), LookaheadConfig(), tokenizer).stop_words == frozenset()
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -656,6 +689,19 @@ def test_what_cannot_be_reproduced_is_refused(call, message):
     model = tiny_model("qwen2")
     with pytest.raises(ConfigError, match=message):
         model.generate(input_ids=torch.tensor([[4, 5, 6]]), custom_generate=hf_generate, max_new_tokens=5, **call)
+
+
+def test_a_filled_cache_is_refused():
+    """``past_key_values`` holding an earlier forward's keys: transformers feeds only the uncached
+    tail of ``input_ids``, while lookahead decoding prefills its own full-precision cache from all
+    of them; the caller is told to pass the whole text instead."""
+    model = tiny_model("qwen2")
+    ids = torch.tensor([[4, 5, 6]])
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :2], use_cache=True).past_key_values
+    assert cache.get_seq_length() == 2
+    with pytest.raises(ConfigError, match="a filled cache cannot be continued"):
+        model.generate(input_ids=ids, custom_generate=hf_generate, max_new_tokens=5, past_key_values=cache)
 
 
 @pytest.mark.parametrize(
