@@ -12,7 +12,6 @@ further signal cannot cut its save short.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import functools
 import os
@@ -138,19 +137,73 @@ def _sigint_scope(importing: Callable) -> Iterator[Callable[[], None]]:
     def imported() -> None:
         signal.signal(signal.SIGINT, _interrupt)
         sys.unraisablehook = functools.partial(_raised_again, unraisable)
+        _AGAIN.open()
         if _SEEN:
             raise SystemExit(130)
 
     _SEEN.clear()
     signal.signal(signal.SIGINT, importing)
+    ended_well = False
     try:
         yield imported
         if _SEEN and signal.getsignal(signal.SIGINT) is importing:  # never told: an import swallowed it
             raise SystemExit(130)
+        ended_well = True
+    except SystemExit as end:
+        ended_well = end.code in (0, None)
+        raise
     finally:
+        missed = _AGAIN.close()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.unraisablehook = unraisable
         _SEEN.clear()
+        if missed is not None and ended_well:  # the command ended before it could be delivered again
+            raise SystemExit(128 + missed)
+
+
+class _Again:
+    """A signal our handler raised where Python could not pass it on (see :func:`_raised_again`),
+    to deliver again a moment later from a timer thread, to the main thread: made in the hook, it
+    ran at once, in the hook, and was lost. ``pthread_kill``, not ``_thread.interrupt_main``: a
+    real signal wakes a main thread blocked in a ``join`` or lock (a model loading on a passing
+    thread). Only while the command's scope is open: after it, the caller's own code would get it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live = False
+        self._pending: int | None = None
+        self._timer: threading.Timer | None = None
+
+    def open(self) -> None:
+        with self._lock:
+            self._live = True
+
+    def schedule(self, signum: int) -> None:
+        with self._lock:
+            if not self._live or self._timer is not None:  # one on its way already
+                return
+            self._pending = signum
+            self._timer = threading.Timer(0.01, self._deliver)
+            self._timer.daemon = True
+        self._timer.start()
+
+    def _deliver(self) -> None:
+        with self._lock:
+            signum, self._pending, self._timer = self._pending, None, None
+            if self._live and signum is not None and callable(signal.getsignal(signum)):
+                signal.pthread_kill(threading.main_thread().ident, signum)
+
+    def close(self) -> int | None:
+        """No more deliveries; the signal that was still to be delivered, if one was."""
+        with self._lock:
+            self._live = False
+            if self._timer is not None:
+                self._timer.cancel()
+            signum, self._pending, self._timer = self._pending, None, None
+        return signum
+
+
+_AGAIN = _Again()
 
 
 def _raised_again(hook: Callable, unraisable) -> None:
@@ -158,14 +211,16 @@ def _raised_again(hook: Callable, unraisable) -> None:
     cannot pass it on (a ``__del__`` or weakref callback run by the garbage collector, often while
     a model loads) is delivered again, to land in code that can; Python printed "Exception ignored
     in ..." and the command ran on to the end, exit 0."""
-    if isinstance(unraisable.exc_value, KeyboardInterrupt) and _SEEN:
-        signum = getattr(unraisable.exc_value, "signum", signal.SIGINT)
-        # a moment later, from another thread: made here, it ran at once, in this hook, and was lost
-        later = threading.Timer(0.01, _thread.interrupt_main, args=(signum,))
-        later.daemon = True
-        later.start()
-    else:
+    if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and _SEEN):
         hook(unraisable)
+        return
+    signum = getattr(unraisable.exc_value, "signum", signal.SIGINT)
+    while True:
+        try:
+            _AGAIN.schedule(signum)
+            return
+        except KeyboardInterrupt as again:  # a delivery landed in this hook: schedule it once more
+            signum = getattr(again, "signum", signal.SIGINT)
 
 
 class Terminated(KeyboardInterrupt):

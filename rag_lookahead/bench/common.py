@@ -147,11 +147,14 @@ def run_command(command: Callable[..., Any], argv: Sequence[str] | None, prog_na
     error is printed the typer way and exits 2 (SystemExit); one of our errors (:class:`RagLookaheadError`)
     prints as one line and exits 1.
     """
-    program_imported()  # a Ctrl-C raises KeyboardInterrupt from here, which typer ends with 130
     returned: list[Any] = []
 
     @functools.wraps(command)
     def keep_result(*args: Any, **kwargs: Any) -> None:
+        # within typer's handling, which ends a KeyboardInterrupt with 130: a Ctrl-C from here raises
+        # one (before, the program's imports' handler exits 130; called outside typer, one that
+        # landed as the handlers switched escaped as a traceback)
+        program_imported()
         try:
             returned.append(command(*args, **kwargs))
         except typer.Exit as done:

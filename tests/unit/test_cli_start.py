@@ -3,6 +3,7 @@
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -131,6 +132,32 @@ with command_interrupts(own_process=True) as imported:
     assert (done.returncode, done.stderr, marker.exists()) == (130, "", False)
 
 
+def test_a_ctrl_c_as_a_benchmark_programs_imports_end_exits_130_without_a_word(tmp_path):
+    """``python -m rag_lookahead.bench.X`` switched handlers (``program_imported``) before typer's
+    handling of KeyboardInterrupt began: a Ctrl-C landing there escaped as a traceback. Here it
+    lands as the switch returns."""
+    marker = tmp_path / "went-on"
+    program = f"""
+import os, signal
+from rag_lookahead.interrupts import program_importing
+program_importing()
+from rag_lookahead.bench import common
+
+switch = common.program_imported
+def switched():
+    switch()
+    os.kill(os.getpid(), signal.SIGINT)
+common.program_imported = switched
+
+def command():
+    open({str(marker)!r}, "w").close()
+
+common.run_command(command, [], "bench")
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr, marker.exists()) == (130, "", False)
+
+
 @pytest.mark.parametrize(
     ("signum", "keeping", "ended"),
     [
@@ -165,6 +192,61 @@ with command_interrupts(own_process=True) as imported:
 """
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr, marker.exists()) == (*ended, False)
+
+
+_SWALLOWED = """
+import os, signal, sys, threading, time
+from rag_lookahead.interrupts import command_interrupts
+
+class Callback:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs between bytecodes
+            pass
+"""
+
+
+def test_a_ctrl_c_swallowed_as_a_command_ends_ends_it_and_not_its_caller():
+    """The Ctrl-C a finalizer swallowed was delivered again 10 ms later, whether or not the
+    command's scope was still open: a caller of ``ask.main`` in its own process got a
+    KeyboardInterrupt in its own code after the command had ended well (and a program ending
+    within those 10 ms exited 0)."""
+    program = (
+        _SWALLOWED
+        + """
+try:
+    with command_interrupts() as imported:
+        imported()
+        Callback()
+    print("ended well")
+except SystemExit as end:
+    print("exit", end.code)
+time.sleep(0.5)
+print("the caller ran on")
+"""
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "exit 130\nthe caller ran on\n", "")
+
+
+def test_a_ctrl_c_swallowed_before_a_long_wait_ends_the_wait():
+    """Delivered again with ``_thread.interrupt_main``, which only marks the signal, a swallowed
+    Ctrl-C waited out whatever join or lock the main thread blocked in next (a model loading on a
+    passing thread: the very wait a Ctrl-C must cut short)."""
+    program = (
+        _SWALLOWED
+        + """
+with command_interrupts(own_process=True) as imported:
+    imported()
+    Callback()
+    worker = threading.Thread(target=time.sleep, args=(60,), daemon=True)
+    worker.start()
+    worker.join()
+"""
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (130, "") and time.monotonic() - started < 30
 
 
 def test_a_command_run_in_process_leaves_ctrl_c_as_it_was():
