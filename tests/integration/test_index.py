@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import errno
 import hashlib
 import io
@@ -12,6 +13,7 @@ import re
 import resource
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -850,11 +852,12 @@ def _swap_faiss(index_dir: Path, data: bytes) -> None:
     _rewrite_manifest(index_dir, artifacts={**manifest["artifacts"], "index.faiss": hashlib.sha256(data).hexdigest()})
 
 
-@pytest.mark.parametrize("kind", ["id map", "far id", "huge claim", "l2"])
+@pytest.mark.parametrize("kind", ["id map", "far id", "huge claim", "l2", "metric"])
 def test_a_swapped_faiss_file_is_corrupt_and_rebuilt_never_a_crash(tmp_path, built, embedder, kind):
     """A faiss file of another kind whose sha256 was made to match: an IndexIDMap aborted ``index``
     (faiss's reconstruct_n), a foreign id made every search an IndexError, a header claiming 2**35
-    vectors in a 3 KB file was a MemoryError traceback."""
+    vectors in a 3 KB file was a MemoryError traceback. "metric": our IndexFlatIP's header with its
+    metric patched from inner product (0) to L2 (1), which faiss would load and rank by distance."""
     import faiss
 
     index_dir = copy_index(built, tmp_path)
@@ -869,6 +872,11 @@ def test_a_swapped_faiss_file_is_corrupt_and_rebuilt_never_a_crash(tmp_path, bui
         other = faiss.IndexFlatL2(d)
         other.add(vectors)
         data = faiss.serialize_index(other).tobytes()
+    elif kind == "metric":
+        data = bytearray(artifact(index_dir, "index.faiss").read_bytes())
+        assert struct.unpack_from("<i", data, struct.calcsize("<4siqqq?")) == (0,)  # inner product
+        struct.pack_into("<i", data, struct.calcsize("<4siqqq?"), 1)  # METRIC_L2
+        data = bytes(data)
     else:
         small = faiss.IndexFlatIP(d)
         small.add(vectors[:2])
@@ -877,8 +885,10 @@ def test_a_swapped_faiss_file_is_corrupt_and_rebuilt_never_a_crash(tmp_path, bui
         data[37:45] = (2**35 * d).to_bytes(8, "little")  # the float count faiss allocates for
         data = bytes(data)
     _swap_faiss(index_dir, data)
-    with pytest.raises(IndexLoadError, match="corrupt: index.faiss"):
+    with pytest.raises(IndexLoadError, match="corrupt: index.faiss") as refused:
         ix.load_index(index_dir, embedder)
+    if kind == "metric":
+        assert "is not an IndexFlatIP (it starts b'IxFI', metric 1)" in str(refused.value)
     with pytest.warns(UserWarning, match="could not be reused"):
         report = build(built[0], index_dir, embedder)
     assert report.embedded_chunks == built[2].chunks
@@ -944,8 +954,10 @@ def test_a_rebuild_with_nothing_changed_keeps_the_published_version(tmp_path, bu
     assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
 
 
-def test_version1_index_is_read_and_upgraded(tmp_path, built, embedder):
-    """Indexes written before the versioned layout (data files directly in the folder) still load."""
+def test_version1_index_is_read_and_upgraded(tmp_path, built, embedder, monkeypatch, caplog):
+    """Indexes written before the versioned layout (data files directly in the folder) still load.
+    The upgrade removes a top-level file only if it is the one the old manifest recorded: a user's
+    docstore.jsonl put there while the build ran is kept, with a warning (not deleted: data loss)."""
     index_dir = copy_index(built, tmp_path)
     data = artifact(index_dir, "index.faiss").parent
     for name in ("index.faiss", "docstore.jsonl"):
@@ -957,10 +969,19 @@ def test_version1_index_is_read_and_upgraded(tmp_path, built, embedder):
     m["format_version"] = 1
     (index_dir / "manifest.json").write_text(json.dumps(m), encoding="utf-8")
     assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
-    with pytest.warns(UserWarning, match="blob.txt"):
+    real_publish = store.publish
+
+    def user_replaces_docstore(*args, **kwargs):  # after the old index was read, before the old files go
+        (index_dir / "docstore.jsonl").write_bytes(b"the user's own docstore\n")
+        real_publish(*args, **kwargs)
+
+    monkeypatch.setattr(store, "publish", user_replaces_docstore)
+    with caplog.at_level(logging.WARNING, logger="rag_lookahead"), pytest.warns(UserWarning, match="blob.txt"):
         report = build(built[0], index_dir, embedder)
     assert report.embedded_chunks == 0  # the version-1 vectors were reused
-    assert not (index_dir / "index.faiss").exists() and not (index_dir / "docstore.jsonl").exists()
+    assert not (index_dir / "index.faiss").exists()  # the one the old manifest recorded: removed
+    assert (index_dir / "docstore.jsonl").read_bytes() == b"the user's own docstore\n"  # another: kept
+    assert "it is not the file the old manifest recorded" in caplog.text
     assert json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))["format_version"] == ix.FORMAT_VERSION
     assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
 
@@ -1039,6 +1060,23 @@ def test_an_embedder_of_the_same_name_and_another_dimension_re_embeds_everything
         f"holds 256-d: rebuild it with `rag_lookahead index {corpus.resolve()} --index-dir {index_dir}"
         " --embedder my-embedder`"
     ), wrong.value
+
+
+def test_k_past_the_fusion_depth_returns_k_passages_in_every_mode(tmp_path):
+    """Each ranking goes ``max(CANDIDATES, k)`` deep: capped at CANDIDATES (50), ``search(k=60)``
+    over 60 distinct chunks gave 50 passages however many were asked for."""
+    assert ix.CANDIDATES < 60
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(60):
+        (corpus / f"note{i:02d}.txt").write_text(f"apple note number {i} about orchard{i}", encoding="utf-8")
+    build(corpus, tmp_path / "index", HashEmbedder(16))
+    index = ix.load_index(tmp_path / "index", HashEmbedder(16))
+    assert len(index) == 60
+    for mode in ("lexical", "dense", "hybrid"):
+        hits = index.search("apple", k=60, mode=mode)
+        assert len(hits) == 60, mode
+        assert {p.source for p in hits} == {f"note{i:02d}.txt" for i in range(60)}, mode
 
 
 def test_stored_chunks_cut_at_other_separators_are_split_again(tmp_path):
@@ -2076,7 +2114,14 @@ def test_a_long_english_file_with_quotes_and_a_few_chinese_names_reads_as_writte
 
 
 def test_decode_text_edge_cases():
+    """Also: a UTF-32 byte order mark is looked for before UTF-16's (the UTF-32-LE mark starts with
+    the UTF-16-LE one), and a text with 10% control bytes is binary (over max(8, 1%) of its head)."""
     assert ix.decode_text(b"\xef\xbb\xbfplain") == ix.DecodedText("plain", "utf-8-sig", 0)
+    for order in ("le", "be"):
+        bom = codecs.BOM_UTF32_LE if order == "le" else codecs.BOM_UTF32_BE
+        data = bom + "hello 中文 world".encode(f"utf-32-{order}")
+        assert ix.decode_text(data) == ix.DecodedText("hello 中文 world", "utf-32", 0), order
+    assert ix.decode_text(b"abcdefghi\x01" * 50) is None  # 50 control bytes in 500
     assert ix.decode_text("中文".encode("utf-16")).text == "中文"  # with its byte order mark
     assert ix.decode_text(b"\xff\xfe" + b"\x00\xd8" * 10) is None  # an FF FE start that is not UTF-16
     assert ix.decode_text(bytes(range(256)) * 4) is None

@@ -408,7 +408,8 @@ def test_a_report_path_taken_during_the_run_is_kept_and_the_report_goes_beside_i
 
 def test_a_report_of_ours_written_at_the_path_during_the_run_is_kept(tmp_path, capsys):
     """Two runs to one --json: the later one replaced the report the other saved meanwhile (any
-    report of ours passed the check at the end); what the check before the run found decides."""
+    report of ours passed the check at the end); what the check before the run found decides. A
+    report removed during the run is no file taken: the report goes back at its path, not beside it."""
     from rag_lookahead.bench.common import check_output_path, write_report
 
     path = tmp_path / "run.json"
@@ -423,6 +424,12 @@ def test_a_report_of_ours_written_at_the_path_during_the_run_is_kept(tmp_path, c
     assert write_report(path, {"summary": "mine"}, seen=seen) == tmp_path / "run.1.json"
     assert json.loads(path.read_text(encoding="utf-8"))["summary"] == "the other run's"
     assert "run.json appeared or changed during the run, not by this command" in capsys.readouterr().err
+    # a report of ours removed during the run left the path free: written back there, nothing said
+    seen = check_output_path(str(path))
+    path.unlink()
+    assert write_report(path, {"summary": "mine again"}, seen=seen) == path
+    assert json.loads(path.read_text(encoding="utf-8"))["summary"] == "mine again"
+    assert "appeared or changed" not in capsys.readouterr().err
 
 
 def test_a_temperature_or_branch_length_given_twice_is_refused_naming_the_option():

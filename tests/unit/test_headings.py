@@ -126,11 +126,16 @@ def test_a_heading_is_read_in_linear_time_and_cut():
 
 
 def test_commonmark_blocks_that_hold_no_headings_and_lines_that_are_not_them():
+    """Each case guards one CommonMark rule the reader keeps: a fence closed by a longer run (else
+    every heading after it is lost), the six heading levels, a comment opener's 3-space indent."""
     cases = {
         "Write `<!--` to start a comment.\n\n## B\n\nMARK": "A > B",  # a comment starts a line, not mid-line
         "``` `code` ``` inline\n\n## B\n\nMARK": "A > B",  # a backtick fence's info holds no backtick
         "```\n    ```\n## in code\n```\n\n## B\n\nMARK": "A > B",  # a closing fence is indented 3 spaces at most
         "## B\n\n#\n\nMARK": "",  # an empty level-1 heading closes A
+        "````\ncode\n`````\n## After\n\nMARK": "A > After",  # a longer run closes a fence too
+        "####### seven\n\nMARK": "A",  # seven #s are a paragraph: headings go to level 6
+        "    <!-- x\n## Sub\n\nMARK": "A > Sub",  # a comment opener indented 4 spaces is code, no comment
     }
     for body, expected in cases.items():
         text = "# A\n\n" + body

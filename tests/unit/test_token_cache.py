@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import string
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -32,6 +34,16 @@ def _cut(texts):
 
 def _files(folder):
     return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+def _rechecked(change):
+    """A damage to the file's body with its checksum line rewritten to match."""
+
+    def damage(text):
+        body = change(text.partition("\n")[2])
+        return token_cache._HEADER + hashlib.sha256(body.encode("utf-8")).hexdigest() + "\n" + body
+
+    return damage
 
 
 @settings(max_examples=60, deadline=None)
@@ -90,14 +102,35 @@ def test_a_small_corpus_is_cut_without_a_file(tmp_path):
         lambda s: s.replace("合同", "合约", 1),  # a word changed, the line count kept
         lambda s: s + "extra\n",  # a chunk too many
         lambda s: "",  # empty
+        _rechecked(lambda b: b[: b.rstrip("\n").rfind("\n") + 1]),  # a chunk short, checksum matching
+        _rechecked(lambda b: b + "extra\n"),  # a chunk too many, checksum matching
     ],
 )
 def test_a_damaged_file_is_cut_again_and_rewritten(tmp_path, damage):
+    """A file whose checksum matches but holds another number of chunks than asked is cut again:
+    else its words are given to the wrong chunks (or too few lists for the corpus)."""
     token_cache.cached_tokens(TEXTS, tmp_path, min_chunks=1)
     (path,) = tmp_path.iterdir()
     path.write_text(damage(path.read_text(encoding="utf-8")), encoding="utf-8")
     assert token_cache.cached_tokens(TEXTS, tmp_path, min_chunks=1) == _cut(TEXTS)
     assert token_cache._read(path, len(TEXTS)) == _cut(TEXTS)  # rewritten whole
+
+
+def test_words_cut_by_another_tokenizer_are_cut_again(tmp_path, monkeypatch):
+    """The key hashes lexical.py's source: without it, words cut by an older ``tokenize`` were read
+    back after an upgrade changed how words are cut, and BM25 searched with the old words."""
+    folder = tmp_path / "bm25"
+    first = token_cache.cached_tokens(TEXTS, folder, min_chunks=1)
+    key = token_cache._key(TEXTS)
+    edited = tmp_path / "lexical.py"
+    edited.write_bytes(Path(lexical.__file__).read_bytes() + b"\n# how words are cut changed\n")
+    monkeypatch.setattr(lexical, "__file__", str(edited))
+    assert token_cache._key(TEXTS) != key
+    real = lexical.tokenize
+    calls = []
+    monkeypatch.setattr(lexical, "tokenize", lambda t: calls.append(t) or real(t))
+    assert token_cache.cached_tokens(TEXTS, folder, min_chunks=1) == first
+    assert len(calls) == len(TEXTS) and len(_files(folder)) == 2  # cut again, saved under the new key
 
 
 def test_a_fifo_at_the_files_name_is_cut_around_without_waiting(tmp_path):
