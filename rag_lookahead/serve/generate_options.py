@@ -15,6 +15,9 @@ from typing import Any
 
 from rag_lookahead.decoding.sampling import MIN_TEMPERATURE, UNSUPPORTED_NEUTRAL
 
+#: the highest ``temperature`` the endpoints take (OpenAI's bound)
+MAX_TEMPERATURE = 2.0
+
 
 def _with_int_forms(values: tuple[Any, ...]) -> tuple[Any, ...]:
     """The neutral values as JSON sends them: ``1.0`` may come as ``1``; None is "left out" anyway."""
@@ -82,7 +85,7 @@ def _refused_do_sample(do_sample: Any, temperature: Any, greedy_only: bool) -> s
         temperature = 0
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         return None
-    if temperature != 0 and temperature < MIN_TEMPERATURE:
+    if temperature != 0 and not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
         return None
     if do_sample is (temperature > 0):
         return None

@@ -25,7 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from rag_lookahead.decoding.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 from rag_lookahead.serve.api_error import quote
-from rag_lookahead.serve.generate_options import neutral, refused_generate_option
+from rag_lookahead.serve.generate_options import MAX_TEMPERATURE, neutral, refused_generate_option
 
 __all__ = [
     "INVALID_REQUEST",
@@ -178,7 +178,7 @@ class GenerationRequest(OpenAIRequest):
         1, ge=1, le=MAX_CHOICES, description="independent choices; choice i of a seeded request draws with seed + i"
     )
     best_of: Annotated[Integer | None, Wording(hint=" (best_of is not supported)")] = Field(1, ge=1, le=1)
-    temperature: Number | None = Field(None, ge=0.0, le=2.0)
+    temperature: Number | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: Number | None = Field(None, gt=0.0, le=1.0)
     top_k: Integer | None = Field(None, ge=-1, le=1 << 31, description="0 and -1: off, as in vLLM")
     min_p: Number | None = Field(None, ge=0.0, le=1.0)

@@ -133,3 +133,16 @@ def test_byte_level_names_keep_their_bytes(qwen_tokenizer):
     tokens, _, chat = _names(qwen_tokenizer, ids)
     assert tokens == [qwen_tokenizer.decode([t]) for t in ids]
     assert b"".join(bytes(c.bytes) for c in chat.content) == "原告 签订 🙂 the cat".encode()
+
+
+@pytest.mark.parametrize("low", [-20000.0, float("-inf")])
+def test_logprobs_below_openais_floor_read_minus_9999(qwen_tokenizer, low):
+    """OpenAI's floor: a token the model all but rules out (or a sampler masked) reads -9999.0, in
+    chat and completion entries and their top lists alike, so the JSON holds no -Infinity."""
+    token = qwen_tokenizer.encode(" cat", add_special_tokens=False)[0]
+    entry = TokenLogprob(token, low, ((token, low),))
+    chat = LogprobFormat(qwen_tokenizer).chat([entry])
+    assert chat.content[0].logprob == -9999.0 and [t.logprob for t in chat.content[0].top_logprobs] == [-9999.0]
+    completion = LogprobFormat(qwen_tokenizer).completion([entry])
+    assert completion.token_logprobs == [-9999.0] and completion.top_logprobs == [{" cat": -9999.0}]
+    assert "Infinity" not in chat.model_dump_json() + completion.model_dump_json()

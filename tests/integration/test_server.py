@@ -490,7 +490,10 @@ def test_tiny_validation_health_metrics(tokenizer):
 def test_metrics_count_decode_steps_and_the_tokens_answers_keep(tokenizer):
     """Rows taking prompt chunks counted as decode steps that gained nothing (plain decoding's
     mean accepted read 0.36, not 1.0), and tokens a step accepted past a stop string were counted
-    though the answer drops them (40 with lookahead on, 29 off, for one answer of 29 tokens)."""
+    though the answer drops them (40 with lookahead on, 29 off, for one answer of 29 tokens).
+    An answer's ``stats`` count its decode steps, not the prefill that gave its first token (plain
+    decoding: 39 forward passes for 40 tokens, 1.0 accepted each), and a row cut by a stop string
+    leaves the batch then (it decoded on, unseen, to max_tokens)."""
     loop = [81, 24, 23, 68, 51, 41, 44, 42] * 6  # a loop the tiny model repeats, so drafts run long
     for lookahead in (False, True):
         engine = tiny_engine(tokenizer, max_tokens_limit=64, lookahead=lookahead, prefill_chunk=3, max_batch_size=2)
@@ -507,6 +510,11 @@ def test_metrics_count_decode_steps_and_the_tokens_answers_keep(tokenizer):
         assert cut["choices"][0]["finish_reason"] == "stop"
         kept = cut["usage"]["completion_tokens"]
         assert kept < whole["usage"]["completion_tokens"]
+        assert cut["stats"]["forward_passes"] < whole["stats"]["forward_passes"], (cut["stats"], whole["stats"])
+        if not lookahead:  # one token a step: the prefill's first, then a forward pass each
+            assert whole["usage"]["completion_tokens"] == 40 and whole["choices"][0]["finish_reason"] == "length"
+            assert (whole["stats"]["forward_passes"], whole["stats"]["mean_accepted"]) == (39, 1.0)
+            assert (cut["stats"]["forward_passes"], cut["stats"]["mean_accepted"]) == (kept - 1, 1.0)
         assert metric(text, "rag_lookahead_tokens_generated_total") - before == kept, lookahead
         if not lookahead:
             assert metric(text, "rag_lookahead_mean_accepted_tokens") == 1.0  # "1.0 = plain decoding"

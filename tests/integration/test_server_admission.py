@@ -26,9 +26,10 @@ from test_server import (  # noqa: F401 - tokenizer is a fixture
 from tiny_models import tiny_model
 
 from rag_lookahead.errors import ConfigError
-from rag_lookahead.serve import ServerConfig
-from rag_lookahead.serve.admission import default_token_budget, kv_bytes_per_token
+from rag_lookahead.serve import ServerConfig, admission
+from rag_lookahead.serve.admission import RETRY_MAX, RETRY_MIN, TokenBudget, default_token_budget, kv_bytes_per_token
 from rag_lookahead.serve.command import config_from_args, parse_args
+from rag_lookahead.serve.jobs import Job
 
 
 def completion(prompt, max_tokens: int, **extra) -> dict:
@@ -77,11 +78,16 @@ def test_token_budget_refuses_with_429_and_retry_after(tokenizer, monkeypatch):
 
 
 def test_request_larger_than_the_whole_budget_gets_400(tokenizer):
+    """Budget 50: 10 + 45 tokens can never fit (400), 10 + 8 is served, and so is 10 + 40, exactly
+    the whole budget (a request that fills an empty budget must not be refused as too large)."""
     engine = tiny_engine(tokenizer, max_batch_tokens=50)
     prompt = tiny_prompts(1, seed=32)[0][:10]
+    assert len(prompt) == 10
     with serving(engine) as base:
         too_big = httpx.post(base + "/v1/completions", json=completion(prompt, 45), timeout=10)
         fits = httpx.post(base + "/v1/completions", json=completion(prompt, 8), timeout=60)
+        whole = httpx.post(base + "/v1/completions", json=completion(prompt, 40), timeout=60)
+    assert whole.status_code == 200, whole.text
     assert too_big.status_code == 400, too_big.text
     error = too_big.json()["error"]
     assert error["code"] == "request_too_large" and "max_batch_tokens" in error["message"] and "50" in error["message"]
@@ -231,7 +237,8 @@ def test_choices_that_never_fit_get_400_while_the_queue_is_full(tokenizer, monke
 def test_a_request_larger_than_the_budget_gets_400_while_the_budget_is_full(tokenizer, monkeypatch):
     """Budget 160, all held (two requests of 20 + 60): one needing 20 + 150 can never fit, so it is a
     400 then too (it was a 429 to retry, "this request needs 1", before the body was read); one of
-    20 + 10 could fit later: 429 with what it needs."""
+    20 + 10 could fit later: 429 with what it needs. A body over 64 KiB is refused unread: a full
+    budget has no room for any request (judged as needing one token, not none, which "fits")."""
     engine = tiny_engine(tokenizer, max_batch_size=1, max_batch_tokens=160, max_tokens_limit=200)
     a, b, c = (p[:20] + [5] * (20 - len(p[:20])) for p in tiny_prompts(3, seed=40))
     gate = hold_steps(monkeypatch)
@@ -244,17 +251,21 @@ def test_a_request_larger_than_the_budget_gets_400_while_the_budget_is_full(toke
             await until(lambda: engine.queue_depth == 1)
             never = await client.post("/v1/completions", json=completion(c, 150))
             later = await client.post("/v1/completions", json=completion(c, 10))
+            unread = await head_only(base, 100_000)
             gate.set()
-            return never, later, await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            return never, later, unread, await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
     with serving(engine) as base:
-        never, later, done = asyncio.run(run(base))
+        never, later, unread, done = asyncio.run(run(base))
     assert never.status_code == 400, never.text
     error = never.json()["error"]
     assert error["code"] == "request_too_large" and "170 tokens" in error["message"], error
     assert "whole budget is 160" in error["message"], error
     assert_busy(later)
     assert "hold 160 of its 160 KV tokens (max_batch_tokens) and this request needs 30" in later.text
+    status, _, rest = unread.partition(b"\r\n")
+    assert b" 429 " in status, unread
+    assert b"retry-after" in rest.lower() and b"hold 160 of its 160" in rest and b"this request needs" not in rest, rest
     assert [r.status_code for r in done] == [200, 200]
 
 
@@ -297,13 +308,45 @@ def test_settings_and_their_command_line():
             ServerConfig(**bad)
 
 
-def test_default_budget_is_between_one_request_and_what_the_limits_allow():
+def test_default_budget_is_between_one_request_and_what_the_limits_allow(monkeypatch):
+    """Whatever the host's free memory: a budget below one request of the largest size would refuse
+    every such request as too large (with 1 MiB free, 512 tokens fit), one above what the batch and
+    the queue can hold is never used."""
     model = tiny_model("qwen2")
     assert kv_bytes_per_token(model) == 2 * 2 * 2 * 16 * 4  # k and v, 2 layers, 2 KV heads of 16, fp32
     config = ServerConfig()
     budget = default_token_budget(model, config)
     largest = config.max_prompt_tokens + config.max_tokens_limit
-    assert largest <= budget <= (config.max_batch_size + config.max_queue) * largest
+    ceiling = (config.max_batch_size + config.max_queue) * largest
+    assert largest <= budget <= ceiling
+    monkeypatch.setattr(admission, "free_memory", lambda device: (1 << 20, admission.CPU_SHARE))  # a low-memory host
+    assert (1 << 20) // 4 // kv_bytes_per_token(model) < largest
+    assert default_token_budget(model, config) == largest
+    monkeypatch.setattr(admission, "free_memory", lambda device: (1 << 50, admission.CPU_SHARE))
+    assert default_token_budget(model, config) == ceiling
+
+
+def budget_holding(limit: int, prompt_tokens: int, max_tokens: int) -> TokenBudget:
+    """A budget of ``limit`` tokens that holds one real job of ``prompt_tokens`` + ``max_tokens``."""
+
+    async def job() -> Job:  # a job is made where a handler's event loop runs
+        return Job([5] * prompt_tokens, max_tokens, [], [], tracker=None)
+
+    budget = TokenBudget(limit)
+    budget.hold(asyncio.run(job()))
+    return budget
+
+
+def test_a_full_budget_refuses_at_the_door_and_retry_after_stays_within_its_bounds():
+    """Held exactly to its limit, the budget refuses a request whose body is not read yet (taken to
+    need 1 token: taken as 0 it "fitted"); Retry-After is 1 to 60 s however far the rate is off."""
+    full = budget_holding(50, 10, 40)
+    refusal = full.refusal((), 10.0)
+    assert refusal is not None and refusal.status == 429 and refusal.headers["Retry-After"] == "1"
+    assert budget_holding(51, 10, 40).refusal((), 10.0) is None  # one token free: room for a request
+    slow = budget_holding(100, 10, 90)
+    assert slow.retry_after(10_000, 1.0) == RETRY_MAX == 60  # ~9,000 s at this rate: capped
+    assert slow.retry_after(1, 1000.0) == RETRY_MIN == 1
 
 
 def test_engine_batches_take_the_settings(tokenizer):

@@ -159,7 +159,8 @@ def health_latencies(base: str, stop: threading.Event, out: list) -> None:
 
 def test_huge_body_gets_413_at_once_and_health_stays_prompt(tokenizer):
     """A declared 60 MB body is refused before it is read (the measured bug: 27 s to a 400, /health
-    blocked meanwhile); a chunked body with no length is cut off once it passes the limit."""
+    blocked meanwhile); a chunked body with no length is cut off once it passes the limit. A body of
+    exactly the limit is served, declared or chunked (the limit is the largest body taken)."""
     engine = tiny_engine(tokenizer)
     with serving(engine) as base:
         host = base.removeprefix("http://")
@@ -188,6 +189,20 @@ def test_huge_body_gets_413_at_once_and_health_stays_prompt(tokenizer):
                 body,
                 seconds,
             )
+            # exactly max_body_bytes is taken, with a Content-Length and chunked; one byte more is not
+            limit = engine.config.max_body_bytes
+            body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 2}).encode()
+            body += b" " * (limit - len(body))
+            for content in (body, iter([body[: limit // 2], body[limit // 2 :]])):
+                r = httpx.post(base + "/v1/completions", content=content, headers={"content-type": "application/json"})
+                assert r.status_code == 200, r.text
+            over = body + b" "
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            status, _, _ = raw_request(base, f"{head}Content-Length: {len(over)}\r\n\r\n", [over[:1024]])
+            assert status == 413
+            chunked = [f"{len(over):x}\r\n".encode() + over + b"\r\n0\r\n\r\n"]
+            status, _, _ = raw_request(base, f"{head}Transfer-Encoding: chunked\r\n\r\n", chunked)
+            assert status == 413
             seen = len(latencies)
             asyncio.run(until(lambda: len(latencies) >= seen + 2))
         finally:
@@ -240,6 +255,7 @@ def test_tokenizing_a_long_prompt_stalls_neither_health_nor_streams(tokenizer, m
 
 
 def test_messages_and_stop_strings_are_capped(tokenizer):
+    """Past a cap: 400 naming it. At it (3 messages, 2 stop strings of 8 characters): taken."""
     engine = tiny_engine(tokenizer, max_messages=3, max_stop=2, max_stop_chars=8)
     message = {"role": "user", "content": "hi"}
     cases = [
@@ -256,6 +272,13 @@ def test_messages_and_stop_strings_are_capped(tokenizer):
             base + "/v1/completions", json={"prompt": [5, 6], "stop": ["12345678"], "max_tokens": 3}, timeout=30
         )
         assert r.status_code == 200
+        r = httpx.post(base + "/v1/completions", json={"prompt": [5, 6], "stop": ["ab", "cd"], "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        # 3 messages pass the cap and reach the tokenizer (whose chat template ids the tiny model's
+        # 96-token vocabulary cannot hold: the refusal that comes after the cap's)
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": [message] * 3, "max_tokens": 2}, timeout=30)
+        error = r.json()["error"]
+        assert "max_messages" not in error["message"] and "outside the model's vocabulary" in error["message"], r.text
 
 
 def test_malformed_json_is_a_400(tokenizer):
@@ -274,6 +297,14 @@ def test_malformed_json_is_a_400(tokenizer):
                 base + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30
             )
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (body[:40], r.text)
+        # NaN and Infinity are not JSON wherever they stand, in a field the endpoint drops too
+        for path, body in (
+            ("/v1/completions", b'{"prompt": [1, 2], "foo": NaN}'),
+            ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": 2, "user": "u", "extra": [-Infinity]}'),
+            ("/v1/chat/completions", b'{"messages": [], "chat_template_kwargs": {"x": NaN}}'),
+        ):
+            r = httpx.post(base + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], (body, r.text)
         r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True}, timeout=30)
         assert parse_sse(r.text)[-1] == "[DONE]"
 

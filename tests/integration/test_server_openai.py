@@ -20,7 +20,15 @@ from hf_reference import hf_logits
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from test_server import LOOKAHEAD, cut_at_stop, serving, tiny_engine, tiny_prompts, tokenizer  # noqa: F401
+from test_server import (  # noqa: F401 - tokenizer is a fixture
+    LOOKAHEAD,
+    cut_at_stop,
+    parse_sse,
+    serving,
+    tiny_engine,
+    tiny_prompts,
+    tokenizer,
+)
 
 from rag_lookahead.decoding.loop import generate
 from rag_lookahead.serve import Engine, ServerConfig
@@ -224,11 +232,19 @@ def test_models_retrieve(tokenizer):
         assert httpx.get(base + "/v1/models/org").status_code == 404
 
 
+def decoding(reply) -> tuple[int, float]:
+    """A completion's ``stats`` (an extension of OpenAI's shape), less the seconds."""
+    stats = reply.to_dict()["stats"]
+    return stats["forward_passes"], stats["mean_accepted"]
+
+
 def test_several_prompts_in_one_request(tokenizer):
     """A list of prompts (langchain's OpenAI LLM sends up to 20 a request) was refused: each gets n
-    choices, choice i of prompt p at index p * n + i, as OpenAI and vLLM answer; usage adds them up."""
+    choices, choice i of prompt p at index p * n + i, as OpenAI and vLLM answer; usage adds them up.
+    The ``stats`` are the first prompt's first choice's (``Stats``: "the (first) answer"; they once
+    could have been any choice's): with no output pool its decoding is the same alone or not."""
     tok = underscore_tokenizer()
-    engine = tiny_engine(tok, max_prompt_tokens=40)
+    engine = tiny_engine(tok, max_prompt_tokens=40, output_pool="off")  # no pool: each prompt's stats its own
     prompts = tiny_prompts(3, seed=11)
     with serving(engine) as base:
         client = client_for(base)
@@ -241,6 +257,10 @@ def test_several_prompts_in_one_request(tokenizer):
                 assert (choice.text, choice.logprobs.tokens) == (single.text, single.logprobs.tokens)
             assert reply.usage.prompt_tokens == sum(len(p) for p in prompts)
             assert reply.usage.completion_tokens == 2 * sum(r.usage.completion_tokens for r in alone)
+        # 16 tokens: the first and the last prompt's decoding differ (in 6 they did not)
+        alone = [client.completions.create(model="t", prompt=p, max_tokens=16) for p in prompts]
+        reply = client.completions.create(model="t", prompt=prompts, max_tokens=16)
+        assert decoding(reply) == decoding(alone[0]) != decoding(alone[-1])
         with pytest.raises(openai.BadRequestError, match=r"'prompt'\[1\] has 41 tokens"):
             client.completions.create(model="t", prompt=[[5, 6], [7] * 41], max_tokens=2)
         with pytest.raises(openai.BadRequestError, match="one prompt per streamed request"):
@@ -370,6 +390,38 @@ def test_chat_logprobs_stream_and_not(chat_server):
     assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     plain = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=4)
     assert plain.choices[0].logprobs is None
+
+
+def test_streamed_logprobs_hold_the_token_a_stop_string_starts_inside(chat_server):
+    """A stop string that starts inside a token keeps that token's first characters: the token's
+    entry is sent with the stream's closing chunk, whose text may be empty (it was left out of the
+    stream when the closing chunk carried no text, so the streamed entries missed the last token)."""
+    _, _, base = chat_server
+    body = {"prompt": "The cat sat on the mat and", "max_tokens": 30, "logprobs": 1}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        tokens = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+        # a token of two or more characters followed by one, neither cutting a character
+        i = next(i for i, t in enumerate(tokens[:-1]) if len(t) >= 2 and "\ufffd" not in t + tokens[i + 1])
+        stop = tokens[i][1:] + tokens[i + 1]
+        whole = http.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+        events = parse_sse(http.post("/v1/completions", json={**body, "stop": [stop], "stream": True}).text)
+    assert whole["finish_reason"] == "stop" and whole["text"].endswith(tokens[i][0]), (whole, stop)
+    assert whole["logprobs"]["tokens"] == tokens[: i + 1]  # the cut token's entry is the answer's last
+    choices = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    streamed = [c["logprobs"] for c in choices if c["logprobs"]]
+    assert sum((lp["tokens"] for lp in streamed), []) == whole["logprobs"]["tokens"]
+    assert sum((lp["token_logprobs"] for lp in streamed), []) == pytest.approx(whole["logprobs"]["token_logprobs"])
+
+
+def test_max_completion_tokens_wins_over_max_tokens(chat_server):
+    """Sent both (as OpenAI's newer clients do, the older field kept for old servers), the answer's
+    length is ``max_completion_tokens``, OpenAI's current name, not ``max_tokens``."""
+    _, _, base = chat_server
+    body = {"messages": QUESTION, "max_tokens": 2, "max_completion_tokens": 6}
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 6 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
 # ---------------------------------------------------------------- tools
@@ -603,6 +655,9 @@ def test_refusals(chat_server, tokenizer):
         ]
         r = http.post("/v1/chat/completions", json={"messages": bad_arguments, "max_tokens": 2})
         assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+        # "auto" (LangChain's and OpenAI's clients send it) with no tools asks for nothing: answered
+        r = http.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2, "tool_choice": "auto"})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None, r.text
         r = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "top_logprobs": 2})
         assert r.status_code == 400 and "'logprobs' is the number" in r.json()["error"]["message"]
         r = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "logprobs": True})
@@ -760,9 +815,15 @@ def test_transformers_generation_options_that_change_the_answer_are_refused(chat
                 r = http.post(path, json={**body, **sampling})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "do_sample", (sampling, r.text)
                 assert "disagrees with 'temperature'" in r.json()["error"]["message"], r.text
-            for wrong in ({"do_sample": True, "temperature": "0.7"}, {"do_sample": False, "temperature": 1e-9}):
+            for wrong in (
+                {"do_sample": True, "temperature": "0.7"},
+                {"do_sample": False, "temperature": 1e-9},
+                {"do_sample": False, "temperature": 3.0},  # above the range: it said do_sample disagreed
+            ):
                 r = http.post(path, json={**body, **wrong})  # the temperature is what is wrong: said first
                 assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", (wrong, r.text)
+            r = http.post(path, json={**body, "do_sample": False, "temperature": 3.0})
+            assert "'temperature' must be a number in [0.0, 2.0], got 3.0" in r.json()["error"]["message"], r.text
             harmless = {"suppress_tokens": [], "encoder_repetition_penalty": 1, "guidance_scale": 1.0}
             for extra in (
                 {"do_sample": False, "min_new_tokens": 0, "renormalize_logits": False, **harmless},
