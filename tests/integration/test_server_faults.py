@@ -21,6 +21,7 @@ from test_server import (  # noqa: F401 - tokenizer is a fixture
     hold_prefills,
     hold_steps,
     metric,
+    parse_sse,
     patch_engine,
     running,
     serving,
@@ -206,7 +207,8 @@ def test_a_rows_failed_draw_fails_only_its_request(tokenizer, monkeypatch):
 
 def test_retire_failure_fails_its_batch_and_the_engine_carries_on(tokenizer, monkeypatch):
     """Dropping a finished row from the packed cache raises (drop_rows, inside retire): every request
-    of that batch ends with an error instead of waiting forever, and the engine keeps serving."""
+    of that batch ends with an error instead of waiting forever, and the engine keeps serving. A
+    streamed one gets the error as an event, then ``[DONE]`` (clients wait for it to stop reading)."""
     engine = tiny_engine(tokenizer, max_batch_size=2, lookahead=False, lookahead_config=None)  # one token a step
     short, long = tiny_prompts(2, seed=23)
     faults = fail_once(monkeypatch, PackedCache, "drop_rows", RuntimeError(f"index out of range in {SECRET}"))
@@ -214,12 +216,17 @@ def test_retire_failure_fails_its_batch_and_the_engine_carries_on(tokenizer, mon
 
     async def run(base: str):
         async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-            tasks = await fill(client, engine, gate, completion(short, 6), [completion(long, 60)])
+            tasks = await fill(client, engine, gate, completion(short, 6, stream=True), [completion(long, 60)])
             return await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
     with serving(engine) as base:
-        for r in asyncio.run(run(base)):
-            assert_generic_error(r)
+        streamed, whole = asyncio.run(run(base))
+        assert_generic_error(whole)
+        assert streamed.status_code == 200, streamed.text
+        events = parse_sse(streamed.text)
+        assert events[-1] == "[DONE]" and SECRET not in streamed.text, events[-2:]
+        error = events[-2]["error"]
+        assert error["type"] == "server_error" and "error id" in error["message"], error
         assert not faults, "the fault was not injected"
         assert_serves_normally(base, engine, long)
 

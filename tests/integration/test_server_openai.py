@@ -187,6 +187,26 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<pad>", pad_token="<pad>", eos_token="<eos>")
 
 
+def test_an_answer_the_model_ends_stops_with_no_entry_for_its_end_token():
+    """The tiny model says <eos> after 29 tokens of this answer: finish_reason is "stop", not
+    "length", and the logprobs hold the answer's 29 tokens, not an entry for the end token that
+    spells nothing, streamed or not."""
+    engine = tiny_engine(underscore_tokenizer())
+    prompt = tiny_prompts(1, seed=25)[0]
+    tokens = answer_ids(engine, prompt, 40)  # generate()'s, cut before the end token
+    assert len(tokens) == 29
+    names = [engine.tokenizer.decode([t]) for t in tokens]
+    body = {"prompt": prompt, "max_tokens": 40, "logprobs": 1}
+    with serving(engine) as base, httpx.Client(base_url=base, timeout=120) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]
+        events = parse_sse(http.post("/v1/completions", json={**body, "stream": True}).text)
+    assert whole["finish_reason"] == "stop" and whole["text"] == "".join(names)
+    assert whole["logprobs"]["tokens"] == names and len(whole["logprobs"]["top_logprobs"]) == 29
+    choices = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert choices[-1]["finish_reason"] == "stop"
+    assert sum((c["logprobs"]["tokens"] for c in choices if c["logprobs"]), []) == names
+
+
 def test_completion_top_logprobs_spelled_alike_hold_the_chosen_tokens_own():
     """Byte tokens each half a character are all named U+FFFD: top_logprobs[token] took the last,
     least likely of them, below the chosen token's own token_logprobs value. The chosen token's
