@@ -281,6 +281,22 @@ def test_messages_and_stop_strings_are_capped(tokenizer):
         assert "max_messages" not in error["message"] and "outside the model's vocabulary" in error["message"], r.text
 
 
+def test_a_prompt_as_long_as_the_context_is_refused_and_one_token_shorter_served(tokenizer):
+    """The edge of ``prompt_fits``: a prompt that fills the model's whole context leaves no room
+    for one token of answer, so 400 naming the context before any work; one token shorter is
+    served (its one token)."""
+    engine = tiny_engine(tokenizer)
+    limit = engine.context_limit
+    assert limit is not None and limit <= engine.config.max_prompt_tokens
+    with serving(engine) as base:
+        r = httpx.post(base + "/v1/completions", json={"prompt": [5] * limit, "max_tokens": 1}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "prompt", r.text
+        assert "model's context holds" in error["message"], r.text
+        r = httpx.post(base + "/v1/completions", json={"prompt": [5] * (limit - 1), "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+
+
 def test_malformed_json_is_a_400(tokenizer):
     engine = tiny_engine(tokenizer)
     bodies = [
