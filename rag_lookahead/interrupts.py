@@ -12,6 +12,7 @@ further signal cannot cut its save short.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -107,9 +108,13 @@ def command_interrupts(own_process: bool = False) -> Iterator[Callable[[], None]
     nothing is remembered (``ask.main`` may run in a caller's process). ``own_process``: the
     command is the program (a console script, ``python -m``), so a Ctrl-C during its imports ends
     the process there and then (``os._exit``), and an unexpected error leaving it keeps typer's
-    hook, which shows its traceback. SIGINT is left alone off
+    hook, which shows its traceback, and its exit status is the one it chose (see
+    :func:`_forget_caught_interrupt`). SIGINT is left alone off
     the main thread, or where it is not Python's default (ignored in a background job, or a
     handler of the caller's)."""
+    if own_process and _forget_caught_interrupt not in _AT_EXIT:
+        _AT_EXIT.append(_forget_caught_interrupt)
+        atexit.register(_forget_caught_interrupt)
     hook, failed = sys.excepthook, False
     try:
         with _sigint_scope(_leave_130 if own_process else _exit_130) as imported:
@@ -122,6 +127,19 @@ def command_interrupts(own_process: bool = False) -> Iterator[Callable[[], None]
     finally:
         if not failed:
             sys.excepthook = hook
+
+
+_AT_EXIT: list[Callable[[], None]] = []
+
+
+def _forget_caught_interrupt() -> None:
+    """At a program's exit: CPython (3.11, 3.12) notes a KeyboardInterrupt that ends code run from
+    source text (``exec``/``eval`` of a string: dataclasses and namedtuple build their methods so
+    while modules import) even where it is caught later, and a program started with ``python -m``
+    then kills itself by SIGINT after its exit, without a word, whatever status it chose: a
+    Ctrl-C while ``ask`` loaded the model ended it -2, not 130. Evaluating source text clears
+    that note first; our commands end every KeyboardInterrupt themselves (exit 130)."""
+    exec("pass", {})  # noqa: S102 - a constant string: clears CPython's note, runs nothing
 
 
 @contextlib.contextmanager

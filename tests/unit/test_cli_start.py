@@ -1,5 +1,6 @@
 """What a CLI start pays for: commands that need no LLM do not import transformers (~1 s here)."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -247,6 +248,33 @@ with command_interrupts(own_process=True) as imported:
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr) == (130, "") and time.monotonic() - started < 30
+
+
+def test_a_ctrl_c_caught_after_it_ended_source_text_exits_as_the_program_chose(tmp_path):
+    """A Ctrl-C that landed in code run from source text (``exec`` of a string, as dataclasses
+    build their methods while modules import) and was then caught and ended with 130 (typer's
+    way) still killed a ``python -m`` program by SIGINT after its exit, without a word: CPython
+    notes such an interrupt and acts on the note at exit (``ask``: -2 in 1 start of ~30, a Ctrl-C
+    while it loaded the model)."""
+    (tmp_path / "program_here.py").write_text(
+        """
+import os, signal
+from rag_lookahead.interrupts import command_interrupts
+
+with command_interrupts(own_process=True) as imported:
+    imported()
+    try:
+        exec("import os, signal\\nos.kill(os.getpid(), signal.SIGINT)\\nfor _ in range(1000): pass", {})
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+""",
+        encoding="utf-8",
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-m", "program_here"], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
+    assert (done.returncode, done.stderr) == (130, "")
 
 
 def test_a_command_run_in_process_leaves_ctrl_c_as_it_was():
