@@ -201,9 +201,9 @@ class _Again:
             if not self._live or self._timer is not None:  # one on its way already
                 return
             self._pending = signum
-            self._timer = threading.Timer(0.01, self._deliver)
-            self._timer.daemon = True
-        self._timer.start()
+            self._timer = timer = threading.Timer(0.01, self._deliver)
+            timer.daemon = True
+        timer.start()
 
     def _deliver(self) -> None:
         with self._lock:
