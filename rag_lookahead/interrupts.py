@@ -112,8 +112,8 @@ def command_interrupts(own_process: bool = False) -> Iterator[Callable[[], None]
     :func:`_forget_caught_interrupt`). SIGINT is left alone off
     the main thread, or where it is not Python's default (ignored in a background job, or a
     handler of the caller's)."""
-    if own_process and _forget_caught_interrupt not in _AT_EXIT:
-        _AT_EXIT.append(_forget_caught_interrupt)
+    if own_process:  # once: registered again, it is first taken off
+        atexit.unregister(_forget_caught_interrupt)
         atexit.register(_forget_caught_interrupt)
     hook, failed = sys.excepthook, False
     try:
@@ -127,9 +127,6 @@ def command_interrupts(own_process: bool = False) -> Iterator[Callable[[], None]
     finally:
         if not failed:
             sys.excepthook = hook
-
-
-_AT_EXIT: list[Callable[[], None]] = []
 
 
 def _forget_caught_interrupt() -> None:
@@ -189,8 +186,7 @@ class _Again:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live = False
-        self._pending: int | None = None
-        self._timer: threading.Timer | None = None
+        self._timer: threading.Timer | None = None  # the delivery on its way; its args hold the signal
 
     def open(self) -> None:
         with self._lock:
@@ -200,25 +196,27 @@ class _Again:
         with self._lock:
             if not self._live or self._timer is not None:  # one on its way already
                 return
-            self._pending = signum
-            self._timer = timer = threading.Timer(0.01, self._deliver)
+            self._timer = timer = threading.Timer(0.01, self._deliver, args=(signum,))
             timer.daemon = True
         timer.start()
 
-    def _deliver(self) -> None:
+    def _deliver(self, signum: int) -> None:
         with self._lock:
-            signum, self._pending, self._timer = self._pending, None, None
-            if self._live and signum is not None and callable(signal.getsignal(signum)):
+            if self._timer is not threading.current_thread():  # cancelled by close() meanwhile
+                return
+            self._timer = None
+            if self._live and callable(signal.getsignal(signum)):
                 signal.pthread_kill(threading.main_thread().ident, signum)
 
     def close(self) -> int | None:
         """No more deliveries; the signal that was still to be delivered, if one was."""
         with self._lock:
             self._live = False
-            if self._timer is not None:
-                self._timer.cancel()
-            signum, self._pending, self._timer = self._pending, None, None
-        return signum
+            timer, self._timer = self._timer, None
+        if timer is None:
+            return None
+        timer.cancel()
+        return timer.args[0]
 
 
 _AGAIN = _Again()
