@@ -90,27 +90,36 @@ def test_ctrl_c_while_a_benchmark_module_starts_exits_130_without_a_word(tmp_pat
         assert started.returncode == 130 and "Traceback" not in text and "KeyboardInterrupt" not in text, (delay, text)
 
 
+def _swallowing(signum: int = signal.SIGINT) -> str:
+    """The start of a program whose ``Callback()``, once collected, sends ``signum`` from its
+    ``__del__``: a finalizer, where Python cannot pass an exception on."""
+    return f"""
+import contextlib, os, signal, sys, threading, time
+from rag_lookahead.interrupts import command_interrupts, stop_signals
+
+class Callback:
+    def __del__(self):
+        os.kill(os.getpid(), {int(signum)})
+        for _ in range(1000):  # the handler runs between bytecodes
+            pass
+"""
+
+
 def test_a_ctrl_c_during_a_programs_imports_never_raises_into_the_code_it_lands_in(tmp_path):
     """The handler raised SystemExit wherever the signal landed; while torch imported, that was
     once a callback from C++ that cannot pass an exception on, and the process aborted (SIGABRT,
     "terminate called ... SystemExit: 130"). A ``__del__`` stands in for such a callback here: the
     exit must not be raised into it (there it was swallowed, and the import went on)."""
     marker = tmp_path / "went-on"
-    program = f"""
-import os, signal
-from rag_lookahead.interrupts import command_interrupts
-
-class Callback:
-    def __del__(self):
-        os.kill(os.getpid(), signal.SIGINT)
-        for _ in range(1000):  # the handler runs between bytecodes
-            pass
-
+    program = (
+        _swallowing()
+        + f"""
 with command_interrupts(own_process=True) as imported:
     Callback()
     open({str(marker)!r}, "w").close()
     imported()
 """
+    )
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr, marker.exists()) == (130, "", False)
 
@@ -173,16 +182,9 @@ def test_a_ctrl_c_landing_in_a_finalizer_still_stops_the_command(tmp_path, signu
     ignored in ..." and go on: ``ask`` answered to the end and exited 0 (1 start in ~60 under
     load). The same for SIGTERM within ``stop_signals``."""
     marker = tmp_path / "went-on"
-    program = f"""
-import contextlib, os, time
-from rag_lookahead.interrupts import command_interrupts, stop_signals
-
-class Callback:
-    def __del__(self):
-        os.kill(os.getpid(), {int(signum)})
-        for _ in range(1000):  # the handler runs between bytecodes
-            pass
-
+    program = (
+        _swallowing(signum)
+        + f"""
 with command_interrupts(own_process=True) as imported:
     imported()
     with stop_signals(own_process=True) if {keeping} else contextlib.nullcontext():
@@ -191,20 +193,9 @@ with command_interrupts(own_process=True) as imported:
             time.sleep(0.05)
         open({str(marker)!r}, "w").close()
 """
+    )
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr, marker.exists()) == (*ended, False)
-
-
-_SWALLOWED = """
-import os, signal, sys, threading, time
-from rag_lookahead.interrupts import command_interrupts
-
-class Callback:
-    def __del__(self):
-        os.kill(os.getpid(), signal.SIGINT)
-        for _ in range(1000):  # the handler runs between bytecodes
-            pass
-"""
 
 
 def test_a_ctrl_c_swallowed_as_a_command_ends_ends_it_and_not_its_caller():
@@ -213,7 +204,7 @@ def test_a_ctrl_c_swallowed_as_a_command_ends_ends_it_and_not_its_caller():
     KeyboardInterrupt in its own code after the command had ended well (and a program ending
     within those 10 ms exited 0)."""
     program = (
-        _SWALLOWED
+        _swallowing()
         + """
 try:
     with command_interrupts() as imported:
@@ -235,7 +226,7 @@ def test_a_ctrl_c_swallowed_before_a_long_wait_ends_the_wait():
     Ctrl-C waited out whatever join or lock the main thread blocked in next (a model loading on a
     passing thread: the very wait a Ctrl-C must cut short)."""
     program = (
-        _SWALLOWED
+        _swallowing()
         + """
 with command_interrupts(own_process=True) as imported:
     imported()
