@@ -395,14 +395,17 @@ class ChatLookahead(EngineAccess, CancellableAsync, NotPickled, SamplingFields, 
     # ------------------------------------------------------------ one call's request
 
     def check_messages(
-        self, messages: Sequence[BaseMessage], what: str = "the input", advice: str = "", **kwargs: Any
+        self, messages: LanguageModelInput, what: str = "the input", advice: str = "", **kwargs: Any
     ) -> int:
         """The prompt's length in tokens as a call with ``messages`` and the call options ``kwargs``
         (``tools``, ``chat_template_kwargs``, ...) will decode it; ``InputError`` if it leaves no
         room in the context window, naming the prompt ``what`` and ending with ``advice``
         (``"; ask with a smaller k"``), or the error the call would fail with. For a caller that
-        built the prompt (the RAG chains) to say, before decoding, what made it too long."""
-        request, _, _ = self._prepare(list(messages), None, {**kwargs, "references": []}, room=(what, advice))
+        built the prompt (the RAG chains) to say, before decoding, what made it too long.
+        ``messages``: any input ``invoke`` takes (a string, a prompt value, messages, or
+        ``("human", "...")`` tuples and dicts), converted as ``invoke`` converts it."""
+        messages = self._convert_input(messages).to_messages()
+        request, _, _ = self._prepare(messages, None, {**kwargs, "references": []}, room=(what, advice))
         return len(request.ids)
 
     def _prepare(

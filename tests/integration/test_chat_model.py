@@ -14,7 +14,8 @@ import pytest
 from hang_guard import finished
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.exceptions import OutputParserException
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.tools import tool
 from pydantic import BaseModel
 
@@ -77,6 +78,16 @@ def test_parse_tool_calls_splits_text_and_calls():
     unclosed = parse_tool_calls('<tool_call>\n{"name": "now", "arguments": {}}\nThat is the call.')[1]
     assert (unclosed[0].name, unclosed[0].args) == ("now", {})  # text after the JSON is not part of it
     assert parse_tool_calls('<tool_call>["a"]</tool_call>')[1][0].error.startswith("a tool call needs")
+
+
+def test_a_calls_arguments_may_be_named_parameters_or_be_an_empty_string():
+    """Some models write a call's arguments under "parameters" (Llama 3.1's JSON calls), or write
+    an argument-less call's as an empty string: each is a valid call, not an invalid one."""
+    [call] = parse_tool_calls('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>')[1]
+    assert (call.name, call.args, call.error) == ("f", {"x": 1}, None)
+    for empty in ('""', '" "'):
+        [call] = parse_tool_calls(f'<tool_call>{{"name": "now", "arguments": {empty}}}</tool_call>')[1]
+        assert (call.name, call.args, call.error) == ("now", {}, None)
 
 
 # the default model's greedy answer to WEATHER_AND_TIME with both tools bound ("any"): two calls, one block
@@ -180,6 +191,25 @@ def test_a_tool_that_is_no_function_is_refused_on_binding():
         check_tools(None, "m", [{"type": "web_search_preview"}])
 
 
+def test_a_template_that_takes_tools_but_writes_no_tool_call_blocks_is_refused(tokenizer):
+    """A template that shows tools but has the model write its calls some other way (Llama 3.1's
+    bare JSON) gives calls no parser here reads back: refused when the tools are bound."""
+    from transformers import AutoTokenizer
+
+    from rag_lookahead.models import default_model_dir
+
+    llama_like = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    llama_like.chat_template = (
+        "{% if tools %}{{ tools | tojson }} Respond with a JSON function call.{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {}}}]
+    with pytest.raises(ConfigError, match="llama's chat template does not call tools with <tool_call>"):
+        check_tools(llama_like, "llama", tools)
+    check_tools(tokenizer, "default", tools)  # Qwen's template writes <tool_call> blocks
+    check_tools(llama_like, "llama", [])  # no tools bound: nothing to read back
+
+
 def test_an_ai_messages_refusal_is_its_text():
     """langchain-openai keeps a refused turn's text in ``additional_kwargs["refusal"]`` (content
     empty): it was replayed as an empty assistant turn, as the server once did with OpenAI's field."""
@@ -202,6 +232,10 @@ def test_forced_opening_per_tool_choice():
     assert forced_opening("required", tools[1:]) == named  # one tool: its name is known
     bare = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
     assert forced_opening("any", bare) == '<tool_call>\n{"name": "now", "arguments": {}}'  # the only possible call
+    # a free-form object (no properties, but additionalProperties) takes arguments: the model writes them
+    free_form = {"type": "object", "additionalProperties": {"type": "string"}}
+    labels = [{"type": "function", "function": {"name": "set_labels", "parameters": free_form}}]
+    assert forced_opening("any", labels) == '<tool_call>\n{"name": "set_labels", "arguments":'
     with pytest.raises(ConfigError, match="not among the bound tools"):
         forced_opening("nope", tools)
     with pytest.raises(ConfigError, match="tool_choice must be"):
@@ -257,6 +291,37 @@ def test_template_messages_convert_history():
         template_messages([HumanMessage("")])
     with pytest.raises(InputError, match="empty"):  # as LookaheadLLM refuses a blank prompt (it was answered)
         template_messages([SystemMessage(" "), HumanMessage("  \n ")])
+
+
+def test_a_developer_message_is_a_system_message():
+    """OpenAI's "developer" role is the system prompt: Qwen's template skips a turn of a role it does
+    not know, so the instruction went unseen. It joins the system messages before it, as one."""
+    assert template_messages([SystemMessage("a"), ChatMessage(role="developer", content="b"), HumanMessage("q")]) == [
+        {"role": "system", "content": "a\n\nb"},
+        {"role": "user", "content": "q"},
+    ]
+
+
+def test_a_developer_message_counts_as_a_system_message(noise_chat):
+    """Token counts (``trim_messages``) read a developer message as the system message it is."""
+    count = noise_chat.get_num_tokens_from_messages
+    assert count([ChatMessage(role="developer", content="Answer briefly.")]) == count(
+        [SystemMessage("Answer briefly.")]
+    )
+    joined = [SystemMessage("Be kind.\n\nAnswer briefly."), HumanMessage("hi")]
+    assert count(
+        [SystemMessage("Be kind."), ChatMessage(role="developer", content="Answer briefly."), HumanMessage("hi")]
+    ) == count(joined)
+
+
+def test_a_history_of_tool_calls_only_is_not_empty():
+    """An assistant turn whose only content is its tool calls says something: a history that is
+    that turn alone was refused as empty messages."""
+    calls = [{"name": "now", "args": {}, "id": "call_1", "type": "tool_call"}]
+    [turn] = template_messages([AIMessage("", tool_calls=calls)])
+    assert turn["role"] == "assistant" and turn["tool_calls"][0]["function"]["name"] == "now"
+    with pytest.raises(InputError, match="empty"):
+        template_messages([AIMessage("")])
 
 
 @pytest.fixture(scope="module")
@@ -1556,6 +1621,36 @@ def test_a_structured_answer_cut_by_max_tokens_says_so(noise_chat, schema):
         assert out["raw"].response_metadata["finish_reason"] == "length"
         assert isinstance(out["parsing_error"], OutputParserException)
         assert "cut by max_tokens" in str(out["parsing_error"])
+
+
+def test_a_structured_answer_cut_by_the_timeout_says_so(noise_chat):
+    """A call cut by the timeout names the timeout (not the noise it was cut into) as the cause."""
+    timed = noise_chat.model_copy(update={"timeout": 1e-6})  # the prefill's token, then the deadline
+    out = timed.with_structured_output(Person, include_raw=True).invoke(PERSON)
+    assert out["parsed"] is None and out["raw"].response_metadata["finish_reason"] == "timeout", out
+    assert isinstance(out["parsing_error"], OutputParserException)
+    assert "cut by the timeout" in str(out["parsing_error"])
+    with pytest.raises(OutputParserException, match="cut by the timeout .*: raise timeout"):
+        timed.with_structured_output(Person).invoke(PERSON)
+
+
+def test_check_messages_takes_what_invoke_takes(noise_chat):
+    """``check_messages`` took messages only: ``[("human", "...")]``, which ``invoke`` takes, failed
+    with an AttributeError. It counts each input form as the call encodes it."""
+    want = noise_chat.invoke([("human", PERSON)], max_tokens=1).usage_metadata["input_tokens"]
+    for given in (
+        [("human", PERSON)],
+        PERSON,
+        [{"role": "user", "content": PERSON}],
+        [HumanMessage(PERSON)],
+        ChatPromptTemplate.from_messages([("human", "{q}")]).invoke({"q": PERSON}),
+    ):
+        assert noise_chat.check_messages(given) == want, given
+    # a history whose only turn is a tool call is no empty input
+    calls = [{"name": "now", "args": {}, "id": "call_1", "type": "tool_call"}]
+    assert noise_chat.check_messages([AIMessage("", tool_calls=calls)]) > 0
+    with pytest.raises(InputError, match="empty"):
+        noise_chat.check_messages([("human", " ")])
 
 
 def test_a_structured_answer_whose_call_is_not_valid_gives_its_error(noise_chat):

@@ -24,7 +24,7 @@ from tiny_tokenizer import tiny_tokenizer
 from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError
 from rag_lookahead.langchain.chat_model import ChatLookahead
-from rag_lookahead.langchain.engine import Engine
+from rag_lookahead.langchain.engine import Engine, RowRequest
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.rag.chains import build_rag_chain
 from rag_lookahead.tiny import build_tiny_model
@@ -201,6 +201,29 @@ def test_a_call_cancelled_while_it_waits_for_the_engine_runs_no_forward(kind, ho
     # asyncio.run returns once its worker threads end
     assert finished(lambda: asyncio.run(cancel_while_it_waits())) == [None]
     assert forwards[0] == 0
+
+
+def test_a_run_cancelled_before_it_holds_an_idle_engine_runs_no_forward():
+    """A cancel already set when the run takes an idle engine (no wait, so the check made while
+    waiting never ran) ends the run there with ``CancelledError``, before any forward, and frees
+    the engine."""
+    model, tok = build_tiny_model("qwen2", seed=0), tiny_tokenizer()
+    engine = Engine(model, tok)
+    rows = [RowRequest(tok.encode("t9 t10"))]
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        cancel = threading.Event()
+        cancel.set()
+        with pytest.raises(asyncio.CancelledError):
+            engine.run(rows, max_new_tokens=8, config=LookaheadConfig(), sampling={}, cancel=cancel)
+        assert forwards == []
+        assert engine._decoding.acquire(blocking=False), "the cancelled run kept the engine"
+        engine._decoding.release()
+        engine.run(rows, max_new_tokens=8, config=LookaheadConfig(), sampling={}, cancel=threading.Event())
+        assert forwards  # the hook sees this model's forwards
+    finally:
+        hook.remove()
 
 
 @pytest.mark.parametrize("kind", ["llm", "chat"])

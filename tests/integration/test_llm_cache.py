@@ -15,6 +15,7 @@ from tiny_tokenizer import tiny_tokenizer
 
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.chat_model import ChatLookahead
+from rag_lookahead.langchain.engine import SeedRegistry
 from rag_lookahead.langchain.llm import LookaheadLLM
 from rag_lookahead.rag.chains import SeedingRetriever, build_chat_rag_chain, build_rag_chain, build_retrieval_qa
 from rag_lookahead.tiny import build_tiny_model
@@ -420,6 +421,48 @@ def test_passages_given_or_registered_reach_the_drafts(model):
     assert chat_given.content == chat_plain.content
     passes = [m.response_metadata["forward_passes"] for m in (chat_plain, chat_given)]
     assert passes[1] < passes[0] / 2, passes
+
+
+def test_a_prompt_holding_two_registrations_anchors_is_seeded_by_the_newer():
+    """The seeds are looked up newest first: a prompt that holds the anchors of an older
+    registration too (a shorter set, of the same document) got the older one's passages."""
+    seeds = SeedRegistry()
+    seeds.register(["doc"], ["old"])
+    seeds.register(["doc", "more"], ["new"])
+    assert seeds.lookup("doc more") == ["new"]
+    assert seeds.lookup("doc alone") == ["old"]
+    seeds.register(["doc"], ["again"])  # registered again: the newest once more
+    assert seeds.lookup("doc more") == ["again"]
+
+
+def test_mean_accepted_counts_the_tokens_of_each_decode_step():
+    """``mean_accepted`` is the tokens a decode step gave on average; the prefill's token is no
+    decode step's, so a decode without lookahead (one token a step) reads exactly 1.0."""
+    llm = LookaheadLLM(model=build_tiny_model("qwen2", seed=0), tokenizer=tiny_tokenizer(), max_new_tokens=32)
+    plain = llm.generate([A], enable_lookahead=False).generations[0][0]
+    info = plain.generation_info
+    assert info["new_tokens"] > 2 and info["forward_passes"] == info["new_tokens"] - 1, info
+    assert info["mean_accepted"] == 1.0
+    seeded = llm.generate([A], references=[[plain.text]]).generations[0][0]
+    info = seeded.generation_info
+    assert seeded.text == plain.text and info["mean_accepted"] > 1.5, info
+    assert info["mean_accepted"] == round((info["new_tokens"] - 1) / info["forward_passes"], 4)
+
+
+def test_a_call_that_differs_only_in_its_references_is_answered_from_the_cache(model):
+    """References change the speed, never the text, so they are no part of the cache key: the same
+    prompt with other passages is the cached answer, not decoded again."""
+    cached = make_llm(model, cache=InMemoryCache())
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        first = cached.invoke(A, references=[f"{A} t8"])
+        decoded = len(forwards)
+        assert decoded > 0
+        assert cached.invoke(A, references=[f"{B} t12"]) == first
+        assert len(forwards) == decoded
+    finally:
+        hook.remove()
 
 
 @pytest.mark.parametrize("field", ["seed", "top_k", "top_p", "min_p"])
