@@ -31,7 +31,7 @@ from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
-from langchain_core.messages import BaseMessage, HumanMessage
+from langchain_core.messages import BaseMessage
 from langchain_core.prompt_values import PromptValue
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.retrievers import BaseRetriever
@@ -290,9 +290,7 @@ def _check_passages_fit(
             options.pop(name, None)
 
         def measure(passages: Sequence[Document], what: str = "the input", advice: str = "") -> None:
-            prompt = build_prompt(passages)
-            messages = [HumanMessage(prompt)] if isinstance(prompt, str) else prompt.to_messages()
-            model.check_messages(messages, what, advice, **options)
+            model.check_messages(build_prompt(passages), what, advice, **options)
 
     else:
         return
