@@ -386,6 +386,13 @@ def test_fusion_small_constant_lets_a_top_hit_beat_a_middling_agreement():
     assert old.index(2) < old.index(1)
 
 
+def test_fusion_ties_go_to_the_better_rank_in_the_earliest_list():
+    """Two lists that swap two chunks score them alike: the first list's first wins the tie (taking
+    each chunk's place from the last list it is in would hand the tie to the later list's first)."""
+    assert [d for d, _ in reciprocal_rank_fusion([[1, 2], [2, 1]])] == [1, 2]
+    assert [d for d, _ in reciprocal_rank_fusion([[7, 5], [5, 7]], weights=HYBRID_WEIGHTS)] == [7, 5]
+
+
 def test_passage_ranking_keeps_each_passage_at_its_best_chunk():
     owner = np.array([0, 0, 1, 2, 2])
     assert br.passage_ranking([4, 1, 3, 2, 0], owner) == [2, 0, 1]
@@ -427,6 +434,18 @@ def test_default_hybrid_finds_wikipedia_paragraphs(e5):
 
 def test_bm25_index_of_nothing_finds_nothing():
     assert BM25Index([]).search("anything", 5) == []
+
+
+def test_bm25_index_of_chunks_without_a_word_finds_nothing_quietly():
+    """Chunks of stop words and punctuation only hold no token: Okapi over them would divide by an
+    average length of 0 and score every chunk NaN, with a RuntimeWarning; each scores 0 instead."""
+    import warnings
+
+    index = BM25Index(["the and of", "!!"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert index.scores("budget").tolist() == [0.0, 0.0]
+        assert index.search("budget", 2) == []
 
 
 @pytest.mark.parametrize(
@@ -484,6 +503,14 @@ def test_english_stop_words_are_dropped_as_english_writes_them():
     assert tokenize("IT部门和B股") == ["it", "部门", "和", "b", "股"]
     assert tokenize("该股票属于A股市场") == ["该", "股票", "属于", "a", "股", "市场"]
     assert tokenize("The WHO issued guidance") == ["who", "issued", "guidance"]
+    assert tokenize("A股上涨") == ["a", "股", "上涨"]  # a letter before Chinese, with nothing before it
+
+
+def test_an_identifier_is_found_by_its_parts_but_not_by_its_stop_words():
+    """``the_budget_of_tokens`` is found by "budget" and "tokens"; its parts "the" and "of" are no
+    more words to search for than "the" and "of" written apart."""
+    assert tokenize("the_budget_of_tokens") == ["the_budget_of_tokens", "budget", "tokens"]
+    assert tokenize("__init__") == ["__init__", "init"]
 
 
 def test_normalising_keeps_what_matched_before():

@@ -17,7 +17,16 @@ from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.langchain.engine import SeedRegistry
 from rag_lookahead.langchain.llm import LookaheadLLM
-from rag_lookahead.rag.chains import SeedingRetriever, build_chat_rag_chain, build_rag_chain, build_retrieval_qa
+from rag_lookahead.rag.chains import (
+    SNIPPET_CHARS,
+    SeedingRetriever,
+    build_chat_rag_chain,
+    build_rag_chain,
+    build_retrieval_qa,
+    check_k,
+    format_context,
+    source_info,
+)
 from rag_lookahead.tiny import build_tiny_model
 
 A, B, C = "t5 t6 t7", "t9 t10 t11", "t20 t21 t22"
@@ -163,6 +172,8 @@ def test_a_seeding_retriever_checks_its_counts():
         with pytest.raises(ConfigError):
             SeedingRetriever(retriever=Fixed(), k_prompt=k_prompt, k_seed=k_seed)
     assert SeedingRetriever(retriever=Fixed(), k_prompt="2", k_seed=4).k_prompt == 2  # as pydantic reads it
+    check_k(3, 3)  # every passage retrieved is shown: none seeds the trie, and that is allowed
+    assert SeedingRetriever(retriever=Fixed(), k_prompt=3, k_seed=3).k_seed == 3
 
 
 def test_a_rag_chain_retrieves_with_the_question_the_prompt_holds(model):
@@ -258,6 +269,8 @@ def test_the_rag_chains_pass_over_keys_not_meant_for_them(model):
         # "toolset" and "top" are one letter or two from options, but plausible keys of their own
         carried = chain.invoke({"question": "t5 t6", "question_id": 7, "chat_history": [], "toolset": 1, "top": 2})
         assert carried["answer"] == plain["answer"], name
+        # one letter from "query", but the question is given (under "question"): no misspelling of it
+        assert chain.invoke({"question": "t5 t6", "querys": 1})["answer"] == plain["answer"], name
 
 
 def test_the_rag_chains_refuse_a_question_past_the_context_before_retrieving(model):
@@ -308,6 +321,7 @@ def test_the_rag_chains_ask_a_message_and_the_key_that_holds_a_string(model):
         plain = chain.invoke("t5 t6")["answer"]
         assert chain.invoke(HumanMessage(" t5 t6 "))["answer"] == plain
         assert chain.invoke({"question": None, "query": "t5 t6"})["answer"] == plain
+        assert chain.invoke({"question": "  ", "query": "t5 t6"})["answer"] == plain  # a blank one too
         assert chain.invoke({"question": HumanMessage("t5 t6")})["answer"] == plain
         with pytest.raises(InputError, match="got int$"):
             chain.invoke(5)
@@ -317,6 +331,46 @@ def test_the_rag_chains_ask_a_message_and_the_key_that_holds_a_string(model):
             chain.invoke({"input": "t5 t6"})
         with pytest.raises(InputError, match="the question is empty"):
             chain.invoke({"question": " ", "query": None})
+
+
+def test_the_rag_chains_keep_k_seed_passages_of_a_retriever_that_returns_more(model):
+    """A retriever with no ``k`` to set (a custom one, an ensemble) returns what it likes: the
+    chains keep its first ``k_seed``, the first ``k_prompt`` of them shown, the rest seeds."""
+    docs = [Document(page_content=f"t{i} t{i + 1} t{i + 2}", metadata={"source": f"d{i}.md"}) for i in range(5, 15)]
+    chains = {
+        "build_rag_chain": build_rag_chain(make_llm(model), Fixed(docs=docs), k_prompt=1, k_seed=3),
+        "build_chat_rag_chain": build_chat_rag_chain(make_chat(model), Fixed(docs=docs), k_prompt=1, k_seed=3),
+    }
+    for name, chain in chains.items():
+        out = chain.invoke("t5 t6")
+        assert [s["source"] for s in out["sources"]] == ["d5.md", "d6.md", "d7.md"], name
+        assert [s["in_prompt"] for s in out["sources"]] == [True, False, False], name
+        assert out["stats"]["seed_passages"] == 2, name
+
+
+def test_an_empty_answer_is_still_under_the_answer_key(model):
+    """A chat model that answers nothing (stopped at its first word) still answers ``""``: the
+    output and the stream hold the ``answer`` key as for any answer."""
+    docs = [Document(page_content=A, metadata={"source": "a.md"})]
+    first = build_chat_rag_chain(make_chat(model), Fixed(docs=docs), k_prompt=1, k_seed=1).invoke("t5 t6")["answer"]
+    stopped = ChatLookahead(model=model, tokenizer=tiny_tokenizer(), max_tokens=8, stop=[first.split()[0]])
+    chain = build_chat_rag_chain(stopped, Fixed(docs=docs), k_prompt=1, k_seed=1)
+    out = chain.invoke("t5 t6")
+    assert set(out) == {"question", "answer", "sources", "stats"} and out["answer"] == ""
+    parts = list(chain.stream("t5 t6"))
+    assert [p["answer"] for p in parts if "answer" in p] == [""] and "stats" in parts[-1]
+
+
+def test_passages_are_headed_by_their_source_and_shown_in_a_snippet():
+    """The prompt heads each passage "[n] (source)", or "[n]" alone for one without a source (not
+    "[n] ()"); a source's snippet is its text on one line, cut to ``SNIPPET_CHARS`` characters
+    with the ellipsis included."""
+    docs = [Document(page_content="x"), Document(page_content="y", metadata={"source": "b.md"})]
+    assert format_context(docs) == "[1]\nx\n\n[2] (b.md)\ny"
+    long = source_info(Document(page_content="word\n  " * 100), True)["snippet"]
+    assert len(long) == SNIPPET_CHARS and long.endswith("…") and long.startswith("word word ")
+    short = source_info(Document(page_content=" a\n\tb "), False)
+    assert (short["snippet"], short["text"], short["in_prompt"]) == ("a b", " a\n\tb ", False)
 
 
 def test_the_chat_rag_chain_reaches_the_model_through_with_retry(model):

@@ -127,7 +127,8 @@ def test_a_heading_is_read_in_linear_time_and_cut():
 
 def test_commonmark_blocks_that_hold_no_headings_and_lines_that_are_not_them():
     """Each case guards one CommonMark rule the reader keeps: a fence closed by a longer run (else
-    every heading after it is lost), the six heading levels, a comment opener's 3-space indent."""
+    every heading after it is lost), a fence's three characters at least, the six heading levels, a
+    comment opener's 3-space indent, YAML front matter's two closing lines, a closing run of "#"."""
     cases = {
         "Write `<!--` to start a comment.\n\n## B\n\nMARK": "A > B",  # a comment starts a line, not mid-line
         "``` `code` ``` inline\n\n## B\n\nMARK": "A > B",  # a backtick fence's info holds no backtick
@@ -136,12 +137,19 @@ def test_commonmark_blocks_that_hold_no_headings_and_lines_that_are_not_them():
         "````\ncode\n`````\n## After\n\nMARK": "A > After",  # a longer run closes a fence too
         "####### seven\n\nMARK": "A",  # seven #s are a paragraph: headings go to level 6
         "    <!-- x\n## Sub\n\nMARK": "A > Sub",  # a comment opener indented 4 spaces is code, no comment
+        "   <!--\n## hidden\n-->\n\nMARK": "A",  # ... and one indented 3 spaces opens a comment
+        "``\n## Two\n\nMARK": "A > Two",  # two backticks open no fence: a fence takes three
     }
     for body, expected in cases.items():
         text = "# A\n\n" + body
         assert _path_of_line(text, "MARK") == expected, body
     assert _path_of_line("---\n\n# A\n\nMARK", "MARK") == "A"  # a rule never closed is no front matter
     assert _path_of_line("+++\n# key = 1\n+++\n# A\n\nMARK", "MARK") == "A"  # TOML front matter
+    # YAML front matter may close with "..." as well as "---": its "#" comment is no heading
+    assert _path_of_line("---\n# a YAML comment\ntitle: x\n...\n\nMARK", "MARK") == ""
+    # a closing run of "#" follows a space: the "#" that ends a word is the title's
+    assert _path_of_line("# Learn C#\n\nMARK", "MARK") == "Learn C#"
+    assert _path_of_line("# Learn C# #\n\nMARK", "MARK") == "Learn C#"
 
 
 def test_chunk_starts_are_where_the_splitter_cut():
