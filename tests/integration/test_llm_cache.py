@@ -13,6 +13,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from tiny_tokenizer import tiny_tokenizer
 
+from rag_lookahead.decoding.config import LookaheadConfig
 from rag_lookahead.errors import ConfigError, InputError
 from rag_lookahead.langchain.chat_model import ChatLookahead
 from rag_lookahead.langchain.engine import SeedRegistry
@@ -452,10 +453,15 @@ def test_passages_given_or_registered_reach_the_drafts(model):
     """Passages change only the speed, so no text comparison sees them: an engine that dropped
     every call's ``references`` and a text LLM that never looked up its registered seeds (what
     ``SeedingRetriever`` and ``build_retrieval_qa`` rely on) passed every test. Each LLM is fresh:
-    the shared pool of earlier answers would draft the answer too."""
+    the shared pool of earlier answers would draft the answer too. The draft size is fixed: the
+    auto budget sizes drafts from forwards timed on this machine, and on a busy CPU it drew small
+    ones (17 forwards against 15 once)."""
+    fixed = LookaheadConfig(budget="fixed")
 
     def fresh() -> LookaheadLLM:  # a model of its own: the pool of earlier answers is per model
-        return LookaheadLLM(model=build_tiny_model("qwen2", seed=0), tokenizer=tiny_tokenizer(), max_new_tokens=32)
+        return LookaheadLLM(
+            model=build_tiny_model("qwen2", seed=0), tokenizer=tiny_tokenizer(), max_new_tokens=32, lookahead=fixed
+        )
 
     plain = fresh().generate([A])
     answer = plain.generations[0][0].text
@@ -468,7 +474,9 @@ def test_passages_given_or_registered_reach_the_drafts(model):
         assert _passes(run) < _passes(plain) / 2, (_passes(run), _passes(plain))
 
     def fresh_chat() -> ChatLookahead:
-        return ChatLookahead(model=build_tiny_model("qwen2", seed=0), tokenizer=tiny_tokenizer(), max_tokens=32)
+        return ChatLookahead(
+            model=build_tiny_model("qwen2", seed=0), tokenizer=tiny_tokenizer(), max_tokens=32, lookahead=fixed
+        )
 
     chat_plain = fresh_chat().invoke(A)
     chat_given = fresh_chat().invoke(A, references=[chat_plain.content])
@@ -492,7 +500,12 @@ def test_a_prompt_holding_two_registrations_anchors_is_seeded_by_the_newer():
 def test_mean_accepted_counts_the_tokens_of_each_decode_step():
     """``mean_accepted`` is the tokens a decode step gave on average; the prefill's token is no
     decode step's, so a decode without lookahead (one token a step) reads exactly 1.0."""
-    llm = LookaheadLLM(model=build_tiny_model("qwen2", seed=0), tokenizer=tiny_tokenizer(), max_new_tokens=32)
+    llm = LookaheadLLM(
+        model=build_tiny_model("qwen2", seed=0),
+        tokenizer=tiny_tokenizer(),
+        max_new_tokens=32,
+        lookahead=LookaheadConfig(budget="fixed"),  # not sized by timings (see the test above)
+    )
     plain = llm.generate([A], enable_lookahead=False).generations[0][0]
     info = plain.generation_info
     assert info["new_tokens"] > 2 and info["forward_passes"] == info["new_tokens"] - 1, info
