@@ -624,6 +624,7 @@ def test_a_blank_path_is_refused_and_the_index_left_as_it_was(tmp_path, built, m
         (["--chunk-size", "0"], "--chunk-size must be positive, got 0"),
         (["--chunk-overlap", "400"], "--chunk-overlap must be in [0, --chunk-size), got 400"),
         (["--max-file-mb", "nan"], "--max-file-mb must be a positive number of megabytes, got nan"),
+        (["--max-file-mb", "0"], "--max-file-mb must be a positive number of megabytes, got 0.0"),
         (["--lock-timeout", "-1"], "--lock-timeout must be >= 0 seconds, got -1.0"),
     ],
 )
@@ -1432,6 +1433,30 @@ def test_hidden_entries_and_files_of_other_types_are_counted_in_one_report_line(
     assert "skipped" not in build(corpus, tmp_path / "index", embedder).summary()
 
 
+def test_upper_case_suffixes_are_read_and_a_byte_order_mark_is_noted(tmp_path):
+    """A suffix is matched in any case (NOTES.TXT, SCAN.PDF are a text file and a PDF); a file read
+    by its UTF-16 byte order mark is named in a note, as a detected encoding is; a limit of 0 MB
+    reads nothing and is refused."""
+    corpus = corpus_of(
+        tmp_path,
+        {
+            "NOTES.TXT": GIT.encode(),
+            "SCAN.PDF": tiny_pdf("The osprey nests on the old lighthouse."),
+            "u16.txt": codecs.BOM_UTF16_LE + TEA.encode("utf-16-le"),
+        },
+    )
+    loaded = ix.load_corpus(corpus)
+    assert {rel: text for rel, (_, text) in loaded.docs.items()} == {
+        "NOTES.TXT": GIT,
+        "SCAN.PDF": "The osprey nests on the old lighthouse.",
+        "u16.txt": TEA,
+    }
+    assert loaded.notes == ["u16.txt: read as utf-16 (byte order mark)"]
+    assert (loaded.skipped, loaded.passed_over()) == ([], "")
+    with pytest.raises(ConfigError, match=r"^max_file_mb must be a positive number of megabytes, got 0$"):
+        ix.load_corpus(corpus, max_file_mb=0)
+
+
 def test_special_files_are_skipped_without_blocking(tmp_path, embedder):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -1522,6 +1547,23 @@ def test_pdf_text_is_indexed_and_a_damaged_pdf_is_one_report_line(tmp_path):
     assert [r["text"] for r in index.records] == ["The osprey nests on the old lighthouse every spring."]
 
 
+def test_reading_pdfs_leaves_pypdfs_logger_as_it_was(caplog):
+    """pypdf's log is kept off stderr while a PDF is read, and given back after: its level, its
+    handlers and its passing records on to the application's logging, after a PDF that cannot be
+    opened as after one that is read."""
+    from rag_lookahead.rag.pdf_text import read_pdf_text
+
+    log = logging.getLogger("pypdf")
+    before = (log.level, log.propagate, list(log.handlers))
+    with pytest.raises(ValueError, match="^unreadable PDF"):
+        read_pdf_text(b"not a pdf at all, just text with the wrong name", 1.0)
+    assert read_pdf_text(tiny_pdf("The osprey nests here."), 1.0).text == "The osprey nests here."
+    assert (log.level, log.propagate, list(log.handlers)) == before
+    with caplog.at_level(logging.WARNING):
+        log.warning("heard after reading")
+    assert "heard after reading" in caplog.text
+
+
 # ---------------------------------------------------------------- PDFs: much text, damaged pages and ends, CMaps
 
 HELVETICA = b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"
@@ -1580,6 +1622,18 @@ def test_a_pdf_whose_text_passes_the_size_limit_is_skipped_at_that_page(tmp_path
     assert loaded.skipped == ["shared.pdf: its text passes the 0.01 MB limit at page 2 of 3 (--max-file-mb)"]
     assert sorted(loaded.docs) == ["git.txt"]
     assert ix.load_corpus(corpus).docs["shared.pdf"][1].count("cassowary") == 600  # under the default limit
+
+
+def test_a_pdf_whose_text_is_exactly_the_size_limit_is_read():
+    """The limit is the most text a file may hold, as for a text file: text of exactly that many
+    bytes is read, one byte more is refused."""
+    from rag_lookahead.rag.pdf_text import read_pdf_text
+
+    text = b"The osprey nests on the old lighthouse."
+    data = pdf_pages([text_stream(text)])
+    assert read_pdf_text(data, len(text) / 2**20).text == text.decode()
+    with pytest.raises(ValueError, match=r"^its text passes the [0-9.e-]+ MB limit at page 1 of 1 \(--max-file-mb\)$"):
+        read_pdf_text(data, (len(text) - 1) / 2**20)
 
 
 def drawing_pdf(operators: int, pages: int) -> bytes:
@@ -1678,6 +1732,21 @@ def test_a_damaged_page_leaves_out_only_itself(tmp_path, damage):
     assert len(loaded.skipped) == 1 and re.fullmatch(
         r"bad\.pdf: PDF has no extractable text: page 1 of 1 unreadable \(\w+: .+\)", loaded.skipped[0]
     ), loaded.skipped
+
+
+@pytest.mark.parametrize(
+    ("failed", "named"), [(5, "pages 2, 3, 4, 5, 6 of 6"), (6, "pages 2, 3, 4, 5, 6 and 1 more of 7")]
+)
+def test_five_failed_pages_are_named_and_the_rest_counted(failed, named):
+    from rag_lookahead.rag.pdf_text import read_pdf_text
+
+    damaged = DAMAGED_PAGES["unterminated string"]
+    data = pdf_pages([text_stream(b"The heron setting is nine."), damaged], shown=[0] + [1] * failed)
+    read = read_pdf_text(data, 1.0)
+    assert read.text == "The heron setting is nine."
+    assert len(read.notes) == 1 and re.fullmatch(rf"{named} unreadable \(\w+: .+\), left out", read.notes[0]), (
+        read.notes
+    )
 
 
 def test_a_pdf_cut_before_its_eof_marker_is_read_and_left_as_it_was(tmp_path):
@@ -1934,6 +2003,18 @@ def test_documents_with_bullets_and_symbols_read_as_written(text, encoding, time
     assert decoded is not None and decoded.text == text * times, (decoded, encoding)
 
 
+def test_a_plausible_first_guess_gives_way_only_to_a_fallback_scoring_a_margin_higher():
+    """Hungarian with one "ű" among "é"s: charset-normalizer's first guess, cp1250, scores 0.96;
+    cp1252 reads French "û" beside the "é"s, 1.0, less than MARGIN higher, and the first guess is kept."""
+    from rag_lookahead.rag.charset import MARGIN, PLAUSIBLE, plausibility
+
+    text = "Szép kék fény ég, és a tűz mellett egy fehér szék és egy régi kép."
+    data = text.encode("cp1250")
+    right, wrong = plausibility(text), plausibility(data.decode("cp1252"))
+    assert PLAUSIBLE <= right < wrong < right + MARGIN, (right, wrong)
+    assert ix.decode_text(data) == ix.DecodedText(text, "cp1250")
+
+
 def test_real_text_reads_as_plausible_and_wrong_decodings_do_not():
     from rag_lookahead.rag.charset import PLAUSIBLE, plausibility
 
@@ -2115,7 +2196,10 @@ def test_a_long_english_file_with_quotes_and_a_few_chinese_names_reads_as_writte
 
 def test_decode_text_edge_cases():
     """Also: a UTF-32 byte order mark is looked for before UTF-16's (the UTF-32-LE mark starts with
-    the UTF-16-LE one), and a text with 10% control bytes is binary (over max(8, 1%) of its head)."""
+    the UTF-16-LE one), and a text with 10% control bytes is binary (over max(8, 1%) of its head),
+    with a byte order mark too; ESC, which starts a terminal's colour codes, is no control byte of
+    a binary file; and UTF-8 with bad bytes is read as damaged UTF-8 where its valid non-ASCII
+    bytes are at least 10 times the bad ones (else as a legacy encoding)."""
     assert ix.decode_text(b"\xef\xbb\xbfplain") == ix.DecodedText("plain", "utf-8-sig", 0)
     for order in ("le", "be"):
         bom = codecs.BOM_UTF32_LE if order == "le" else codecs.BOM_UTF32_BE
@@ -2125,6 +2209,14 @@ def test_decode_text_edge_cases():
     assert ix.decode_text("中文".encode("utf-16")).text == "中文"  # with its byte order mark
     assert ix.decode_text(b"\xff\xfe" + b"\x00\xd8" * 10) is None  # an FF FE start that is not UTF-16
     assert ix.decode_text(bytes(range(256)) * 4) is None
+    controls = "\x01\x02\x03\x04\x05\x06\x07\x08\x0e\x0f\x10"
+    assert ix.decode_text(codecs.BOM_UTF16_LE + (controls * 3).encode("utf-16-le")) is None
+    coloured = "Hello \x1b[1mbold\x1b[0m text\n" * 5  # 10 ESC bytes in 120
+    assert ix.decode_text(coloured.encode()) == ix.DecodedText(coloured, "utf-8", 0)
+    ten = "ééééé".encode() + b"\xff" + b" rest of the line"  # 10 valid non-ASCII bytes to 1 bad
+    assert ix.decode_text(ten) == ix.DecodedText("ééééé\ufffd rest of the line", "utf-8", 1)
+    eight = "éééé".encode() + b"\xff" + b" rest of the line"  # 8 to 1
+    assert ix.decode_text(eight).encoding != "utf-8"
 
 
 def test_a_text_in_two_files_is_one_passage_with_both_sources(tmp_path, embedder):
