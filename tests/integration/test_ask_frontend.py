@@ -77,6 +77,46 @@ def test_an_ascii_stdout_gets_the_answer_not_a_traceback(index_dir, tiny_llm, as
         assert "tuning.md" in result.stdout
 
 
+def test_json_holds_the_question_stripped_the_sources_without_their_text_and_cjk_as_written(index_dir, tiny_llm):
+    """--json on a UTF-8 stdout: the question as asked less its blanks, each source's snippet but
+    not the whole passage, Chinese as it is (not \\u escapes), and the stats of the decode that ran:
+    --no-lookahead decodes without drafts."""
+    question = "branch_length 默认是多少？"
+    args = ["ask", f"  {question}  ", "--index-dir", str(index_dir), "--max-new-tokens", "4", "--json"]
+    ran = {}
+    for flags in ([], ["--no-lookahead"]):
+        result = CliRunner().invoke(app, [*args, *flags])
+        assert result.exit_code == 0, (result.exception, result.stderr)
+        out = json.loads(result.stdout)
+        assert out["question"] == question
+        assert out["sources"] and all("text" not in s and s["snippet"] for s in out["sources"]), out["sources"]
+        assert question in result.stdout and "默认值为 48" in result.stdout  # the question, a snippet
+        ran[tuple(flags)] = out["stats"]["lookahead"]
+    assert ran == {(): True, ("--no-lookahead",): False}
+
+
+def test_a_sampled_answer_with_seed_0_is_the_seeded_sample(index_dir, tiny_llm):
+    """--seed 0 is a seed: the answer is the chain's own sample drawn with seed 0, from the command
+    and from ``answer()``, with lookahead on or off."""
+    from rag_lookahead.ask import answer
+    from rag_lookahead.rag.chains import build_rag_chain
+    from rag_lookahead.rag.index import load_index
+
+    question = "What do Redis keys look like?"
+    llm = LookaheadLLM(model=tiny_llm, tokenizer=tiny_tokenizer(), model_name="tiny")
+    chain = build_rag_chain(llm, load_index(index_dir), k_prompt=3, k_seed=8)
+    sampled = {"question": question, "max_new_tokens": 16, "temperature": 1.0, "seed": 0}
+    expected = chain.invoke(sampled | {"enable_lookahead": False})["answer"]
+    assert chain.invoke(sampled | {"enable_lookahead": False, "seed": 1})["answer"] != expected  # the seed matters
+    args = ["ask", question, "--index-dir", str(index_dir), "--max-new-tokens", "16", "--json"]
+    for flags in ([], ["--no-lookahead"]):
+        result = CliRunner().invoke(app, [*args, "--temperature", "1", "--seed", "0", *flags])
+        assert result.exit_code == 0, (result.exception, result.stderr)
+        assert json.loads(result.stdout)["answer"] == expected, flags
+    got = answer(question, index_dir=index_dir, llm=llm, lookahead=False, max_new_tokens=16, temperature=1.0, seed=0)
+    assert got["answer"] == expected and got["stats"]["lookahead"] is False
+
+
 def test_sources_are_printed_as_the_passage_says_not_as_emoji(index_dir, tiny_llm):
     """rich turned ':id:' into U+1F194 and ':b:' into U+1F171 in the printed snippet (and file
     names), so the sources shown did not match the passage the model read."""
@@ -187,13 +227,21 @@ def test_a_closed_stdout_is_refused_before_anything_loads(index_dir, tiny_llm, m
 
 def test_a_long_question_gets_a_note_before_the_silent_read(index_dir, tiny_llm, monkeypatch):
     """A 51,000-character question sat 5.5 minutes with nothing printed after the weights loaded."""
+    from rag_lookahead.ask import LONG_QUESTION_TOKENS
+
     monkeypatch.setattr(tiny_llm.config, "max_position_embeddings", 8192)  # room for it (the tiny model holds 256)
-    question = "branch_length " * 3000  # 3,000 tokens of the tiny tokenizer
-    result = CliRunner().invoke(app, ["ask", question, "--index-dir", str(index_dir), "--max-new-tokens", "2"])
-    first = result.stderr.strip().splitlines()[0]
-    assert first.startswith("note: a ") and "-token question" in first, result.stderr
-    short = CliRunner().invoke(app, ["ask", "branch_length?", "--index-dir", str(index_dir), "--max-new-tokens", "2"])
-    assert "note:" not in short.stderr
+
+    def ask(tokens: int, *flags: str):  # a word is a token of the tiny tokenizer
+        args = ["ask", "branch_length " * tokens, "--index-dir", str(index_dir), "--max-new-tokens", "2", *flags]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, (result.exception, result.stderr)
+        return result
+
+    said = ask(LONG_QUESTION_TOKENS).stderr
+    assert said.startswith(f"note: a {LONG_QUESTION_TOKENS:,}-token question; the model reads all of it"), said
+    assert "note:" not in ask(LONG_QUESTION_TOKENS - 1).stderr
+    long_json = ask(LONG_QUESTION_TOKENS, "--json")
+    assert "note:" not in long_json.stderr and "answer" in json.loads(long_json.stdout)  # --json: the JSON alone
 
 
 @pytest.mark.parametrize("flags", [[], ["--json"]])

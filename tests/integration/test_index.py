@@ -1321,6 +1321,77 @@ def test_a_build_that_waited_indexes_the_files_as_they_are_when_it_gets_the_lock
     assert reports["report"].files == 2
 
 
+def test_a_new_folders_build_that_waited_reads_the_files_again(tmp_path, embedder, caplog, monkeypatch):
+    """Into a folder that does not exist yet, the corpus is read before the lock (a bad corpus fails
+    before the folder is made); another build that makes the folder and takes its lock meanwhile
+    makes this one wait, and the files it read may change meanwhile: it reads them again."""
+    import threading
+
+    from filelock import FileLock
+
+    from rag_lookahead.rag import build as build_module
+
+    a, _ = two_corpora(tmp_path)
+    index_dir = tmp_path / "index"
+    holder = FileLock(str(index_dir / store.LOCK_FILE), thread_local=False)  # taken in the build's thread
+    real_load = build_module.load_corpus
+
+    def read_then_another_build_starts(*args, **kwargs):
+        corpus = real_load(*args, **kwargs)
+        if not index_dir.exists():  # the read before the lock: the other build comes now
+            index_dir.mkdir(mode=0o700)
+            holder.acquire()
+        return corpus
+
+    monkeypatch.setattr(build_module, "load_corpus", read_then_another_build_starts)
+    reports: dict[str, ix.IndexReport] = {}
+    waiting = threading.Thread(
+        target=lambda: reports.setdefault("report", build(a, index_dir, embedder, lock_timeout=120))
+    )
+    try:
+        with caplog.at_level("WARNING", logger="rag_lookahead.rag.store"):
+            waiting.start()
+            deadline = time.monotonic() + 60
+            while "waiting up to" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert "waiting up to" in caplog.text
+        (a / "panda.md").unlink()  # changed while it waited
+        (a / "volcano.md").write_text(VOLCANO, encoding="utf-8")
+    finally:
+        if holder.is_locked:
+            holder.release()
+        waiting.join()
+    assert sources(ix.load_index(index_dir, embedder)) == {"tea.md", "volcano.md"}
+    assert reports["report"].files == 2
+
+
+def test_the_lock_says_whether_it_waited(tmp_path):
+    """``exclusive`` yields True only where another holder made it wait: a caller that read files
+    before the lock reads them again then."""
+    import threading
+
+    from filelock import FileLock
+
+    from rag_lookahead.locks import exclusive
+
+    path = tmp_path / "x.lock"
+
+    def busy() -> Exception:
+        return TimeoutError("held")
+
+    with exclusive(path, 10, on_timeout=busy) as waited:
+        assert waited is False
+    holder = FileLock(str(path), thread_local=False)  # released by the timer's thread
+    holder.acquire()
+    released = threading.Timer(0.3, holder.release)
+    released.start()
+    try:
+        with exclusive(path, 10, on_timeout=busy) as waited:
+            assert waited is True
+    finally:
+        released.join()
+
+
 def test_cli_fails_clearly_while_another_process_holds_the_lock(tmp_path, built):
     import subprocess
     import sys

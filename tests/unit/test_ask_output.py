@@ -31,6 +31,17 @@ def test_a_streamed_answer_is_not_printed_twice(capsys):
     assert LONG not in out and out.startswith("\n")
 
 
+@pytest.mark.parametrize(("lookahead", "said"), [(False, "off"), (True, "on")])
+def test_the_stats_line_says_each_count_and_whether_lookahead_ran(capsys, lookahead, said):
+    result = _result("x")
+    result["stats"] |= {"lookahead": lookahead}
+    print_result(result, streamed=False)
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == (
+        f"Stats 120 tokens, 9.50 tok/s, mean accepted 3.20 tokens/forward, 40 forward passes, lookahead {said}"
+    ), last
+
+
 def test_sampling_settings_are_checked_before_anything_loads(tmp_path, monkeypatch):
     """--top-p 0 passed the option parser and failed after the model had loaded (~25 s); --seed or
     --top-p without --temperature were silently ignored by greedy decoding."""

@@ -369,7 +369,12 @@ def test_check_output_path_accepts_a_new_file_or_a_report_of_ours_only(tmp_path,
     check_output_path(str(tmp_path / "new.json"))
     save_report(tmp_path / "old.json", {"summary": {}})
     check_output_path(str(tmp_path / "old.json"))  # a rerun replaces its own report
-    for name, text in (("mine.json", "{}"), ("notes.txt", "user notes"), ("prompts.jsonl", '{"question": "q"}\n')):
+    for name, text in (
+        ("mine.json", "{}"),
+        ("notes.txt", "user notes"),
+        ("prompts.jsonl", '{"question": "q"}\n'),
+        ("theirs.json", '{"written_by": "someone else"}'),  # our mark's key, another's name
+    ):
         (tmp_path / name).write_text(text, encoding="utf-8")
         with pytest.raises(ConfigError, match="this command did not write it"):
             check_output_path(str(tmp_path / name))
@@ -391,7 +396,8 @@ def test_a_report_path_taken_during_the_run_is_kept_and_the_report_goes_beside_i
     meanwhile was replaced by the report at the end."""
     from rag_lookahead.output_files import is_report, save_report
 
-    assert save_report(tmp_path / "run.json", {"summary": 1}) == tmp_path / "run.json"
+    assert save_report(tmp_path / "run.json", {"summary": 1, "prompt": "怎么设置？"}) == tmp_path / "run.json"
+    assert '"prompt": "怎么设置？"' in (tmp_path / "run.json").read_text(encoding="utf-8")  # as written, not \u escapes
     assert save_report(tmp_path / "run.json", {"summary": 2}) == tmp_path / "run.json"  # a rerun: its own
     (tmp_path / "taken.json").write_text("user notes", encoding="utf-8")
     (tmp_path / "taken.1.json").write_text("more notes", encoding="utf-8")
