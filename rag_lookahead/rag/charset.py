@@ -12,12 +12,7 @@ letters), mostly its common letters (for Chinese characters: the common ones of 
 JIS), each where real text puts it (no Cyrillic letter inside a Latin word, no accented letter on
 a digit, no capital after a small letter, no stray sign on a word). Latin letters are scored by
 language: counted as Latin letters alike, a French line's "é"s beside a Lithuanian "ą" ("à" read
-as cp1257) scored 0.96, too close to cp1252's 1.0 to replace a plausible first guess. Western
-Europe's languages are scored each alone too, another one's letters counting as rarer ones (a
-name, a loanword): counted as one alphabet, the Latin-1 letters cp1252 makes of Hungarian "ő ű"
-and Czech "ě ř" ("Árvíztûrõ": Portuguese "õ" beside French "û") outscored the right reading,
-whose Latin Extended letters weigh 0.6 (1.0 against 0.891); the two now score alike, and
-charset-normalizer's order settles it. When the first
+as cp1257) scored 0.96, too close to cp1252's 1.0 to replace a plausible first guess. When the first
 guess scores low, the best-scoring decoding (one charset-normalizer found, or GB18030 or cp1252,
 the legacy encodings of most of our users' files) is taken. A plausible first guess gives way
 only to GB18030 or cp1252 scoring clearly higher (by :data:`MARGIN`): "Python编程入门：变量、函数和类。"
@@ -75,19 +70,10 @@ _RANGES = (
 _WRITING = {"japanese": ("kana", "han")}
 # the non-ASCII letters of the languages the Latin legacy code pages were made for (each with its
 # capitals): real text keeps to one of them, so a French text's "é" beside a Lithuanian "ą" is
-# "à" read as cp1257. Western Europe's languages (:data:`_WESTERN`) mix each other's words and
-# names, so in their texts another one's letter counts too, as a rarer letter (:data:`FOREIGN`)
+# "à" read as cp1257. Western Europe's languages share one, Latin-1's letters (and French "œ"), as
+# their texts mix each other's words and names
 _LATIN_LANGUAGES = {
-    "french": "àâæçéèêëîïôœùûüÿ",
-    "german": "äöüß",
-    "spanish": "áéíóúñü",
-    "portuguese": "áâãàçéêíóôõú",
-    "italian": "àèéìíîòóù",
-    "catalan": "àçèéíïòóúü",
-    "dutch": "áéíóúèêëïöü",
-    "danish": "æøåé",  # and Norwegian
-    "swedish": "åäöé",
-    "icelandic": "áðéíóúýþæö",
+    "western": "àáâãäåæçèéêëìíîïðñòóôõöøùúûüýþÿßœ",
     "polish": "ąćęłńóśźż",
     "czech": "áčďéěíňóřšťúůýž",
     "slovak": "áäčďéíĺľňóôŕšťúýž",
@@ -107,25 +93,6 @@ _LATIN_LANGUAGES = {
     # ("Wǒ shì xuésheng" as "Wｨｯ shｨｬ xuｨｦsheng")
     "pinyin": "āáǎàēéěèīíǐìōóǒòūúǔùüǖǘǚǜê",
 }
-# the languages of Latin-1's letters (and French "œ"); Finnish and Estonian, whose "š ž" are not
-# Latin-1's, are scored alone
-_WESTERN = (
-    "french",
-    "german",
-    "spanish",
-    "portuguese",
-    "italian",
-    "catalan",
-    "dutch",
-    "danish",
-    "swedish",
-    "icelandic",
-)
-# what a letter of another western language weighs in a western language's text ("Müller" in
-# French): as much as a Latin Extended letter. Counted as one alphabet (weight 1), the Latin-1
-# letters cp1252 makes of Central European ones outscored them: Hungarian "Árvíztűrő" read as
-# "Árvíztûrõ" (Portuguese "õ", French "û"), Czech "Děkuji ... dobře" as "Dìkuji ... dobøe"
-FOREIGN = 0.6
 # punctuation and symbols any script's text may hold: neither for nor against a decoding
 _NEUTRAL = frozenset("\u00a0¡«»°·§©®±×÷¿–—‘’“”„…•€™")
 
@@ -274,19 +241,9 @@ def plausibility(text: str) -> float:
     scores = dict(weights)
     for writing, scripts in _WRITING.items():
         scores[writing] = sum(weights.get(s, 0.0) for s in scripts)
-    western = _western_letters()
     for language, letters in _latin_letters().items():
         scores[language] = sum(weight for char, weight in latin.items() if char in letters)
-        if language in _WESTERN:
-            foreign = sum(weight for char, weight in latin.items() if char in western and char not in letters)
-            scores[language] += FOREIGN * foreign
     return max(scores.values(), default=0.0) / counted
-
-
-@functools.cache
-def _western_letters() -> frozenset[str]:
-    """The letters of :data:`_WESTERN`'s languages, each with its capital."""
-    return frozenset().union(*(_latin_letters()[language] for language in _WESTERN))
 
 
 @functools.cache
