@@ -33,7 +33,7 @@ from contextlib import closing
 from typing import Any, ClassVar
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseLLM
+from langchain_core.language_models import BaseLLM, LanguageModelInput
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict, Field, StrictInt
 
@@ -243,19 +243,20 @@ class LookaheadLLM(EngineAccess, CancellableAsync, NotPickled, SamplingFields, B
         bad: dict[int, Exception] = {}
         for i, value in enumerate(inputs):
             try:
-                self._encode(self._convert_input(value).to_string())
+                self.check_prompt(value)
             except (InputError, ValueError) as err:  # ValueError: LangChain's for an input of no known type
                 bad[i] = err
         good = [i for i in range(len(inputs)) if i not in bad]
         return bad, good, get_config_list(config, len(inputs))
 
-    def check_prompt(self, prompt: str, what: str = "the input", advice: str = "") -> int:
+    def check_prompt(self, prompt: LanguageModelInput, what: str = "the input", advice: str = "") -> int:
         """The prompt's length in tokens as it will be decoded (system prompt and chat template
         included); ``InputError`` if it is empty or leaves no room in the context window (naming
         the prompt ``what``, ending with ``advice``: ``"; ask with a smaller k"``). For a caller
         with many prompts to refuse a bad one before decoding any, or one that built the prompt
-        (the RAG chains) to say what made it too long."""
-        return len(self._encode(prompt, what=what, advice=advice))
+        (the RAG chains) to say what made it too long. ``prompt``: any input ``invoke`` takes (a
+        string, a prompt value, messages), converted as ``invoke`` converts it."""
+        return len(self._encode(self._convert_input(prompt).to_string(), what=what, advice=advice))
 
     @property
     def engine(self) -> Engine:

@@ -282,8 +282,7 @@ def _check_passages_fit(
     if _is_lookahead(model):
 
         def measure(passages: Sequence[Document], what: str = "the input", advice: str = "") -> None:
-            prompt = build_prompt(passages)
-            model.check_prompt(prompt if isinstance(prompt, str) else prompt.to_string(), what, advice)
+            model.check_prompt(build_prompt(passages), what, advice)
 
     elif isinstance(model, ChatLookahead):
         for name in _TAKEN_BY_LANGCHAIN:

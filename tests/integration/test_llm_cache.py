@@ -551,3 +551,19 @@ def test_every_sampling_field_is_in_the_cache_key(model, field):
     chat_want = [c.invoke(A).content for c in chats[:2]]
     assert chat_want[0] != chat_want[1]
     assert [c.invoke(A).content for c in chats[2:]] == chat_want
+
+
+def test_check_prompt_takes_what_invoke_takes(model):
+    """``check_prompt`` took a string only: a prompt value or messages, which ``invoke`` takes,
+    were refused as an empty prompt. Each form counts as ``invoke`` converts it."""
+    from langchain_core.messages import HumanMessage
+    from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
+
+    llm = make_llm(model)
+    text = "t5 t6 t7"
+    assert llm.check_prompt(PromptTemplate.from_template("{q}").invoke({"q": text})) == llm.check_prompt(text)
+    as_chat = ChatPromptTemplate.from_messages([("human", "{q}")]).invoke({"q": text})
+    for given in (as_chat, [HumanMessage(text)], [("human", text)]):
+        assert llm.check_prompt(given) == llm.check_prompt(f"Human: {text}"), given
+    with pytest.raises(InputError, match="empty"):
+        llm.check_prompt(PromptTemplate.from_template("{q}").invoke({"q": " "}))
