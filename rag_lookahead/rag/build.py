@@ -42,8 +42,10 @@ HEADINGS_VERSION = 2  # how Markdown headings are read (see ``_previous``)
 # 2 scored a long file's whole text, 3 a sample of it (``charset.scored_sample``), which can pick
 # another encoding for a file past the sample's size; 4 scores Latin letters by language and counts
 # signs glued to words and capitals after small letters against a decoding (3 read short cp1252
-# French as cp1257 or Mac Roman)
-DECODING_VERSION = 4
+# French as cp1257 or Mac Roman); 5 ranks cp1252 against a reading with Latin Extended letters by
+# language, Western Europe's languages each alone (4 read Hungarian "Árvíztűrő" in cp1250 as cp1252
+# "Árvíztûrõ")
+DECODING_VERSION = 5
 # how a PDF's text is read (``rag.pdf_text``): an index without the key read PDFs as before
 # 2026-12-06 (Korean and Big5 CMaps as nonsense, a damaged page losing the file)
 PDF_VERSION = 2

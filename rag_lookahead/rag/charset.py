@@ -19,7 +19,18 @@ only to GB18030 or cp1252 scoring clearly higher (by :data:`MARGIN`): "Python编
 in GBK read as cp949 scores 0.9 (its Hangul syllables are common letters too) where GB18030
 scores 1.0; between charset-normalizer's own candidates its order holds (our scale put EUC-KR with
 bullets read as EUC-JIS kanji above the Hangul it was). Scores that cannot tell (a short string
-that is plausible in two encodings) keep charset-normalizer's order. Where no
+that is plausible in two encodings) keep charset-normalizer's order.
+
+Where cp1252 would be taken and charset-normalizer names before it a decoding with Latin Extended
+letters (cp1250's Hungarian "ő", Czech "ř"), the two are ranked again by language
+(:func:`_by_language`): Western Europe's languages each alone, another one's letter counting as a
+rarer one outside capitalised words (names), and the Central European letters as common ones.
+Scored as one alphabet, the Latin-1 letters cp1252 makes of Central European ones ("Árvíztûrõ":
+Portuguese "õ" beside French "û"; Czech "dobøe") read as plausible western text and outscored the
+right reading, whose Latin Extended letters weigh 0.6 (1.0 against 0.891). The coarse score still
+decides what is plausible, so a western line with a foreign name ("Ødegaard arrive à la gare à
+midi.") keeps its 1.0 against any other decoding; ties go to cp1252 ("Is with Åsa Málaga." is no
+"Ĺsa"). Where no
 decoding reads as plausible, the best-scoring one is taken still, unless UTF-16 without a byte
 order mark reads as plausible (Chinese saved as UTF-16 by a Windows tool that wrote no mark;
 charset-normalizer's own UTF-16 guesses are not used, being what it says of short texts it cannot
@@ -93,6 +104,23 @@ _LATIN_LANGUAGES = {
     # ("Wǒ shì xuésheng" as "Wｨｯ shｨｬ xuｨｦsheng")
     "pinyin": "āáǎàēéěèīíǐìōóǒòūúǔùüǖǘǚǜê",
 }
+# Western Europe's languages each alone, for :func:`_by_language` (Finnish and Estonian, whose "š ž"
+# are not Latin-1's, are scored as :data:`_LATIN_LANGUAGES` has them)
+_WESTERN = {
+    "french": "àâæçéèêëîïôœùûüÿ",
+    "german": "äöüß",
+    "spanish": "áéíóúñü",
+    "portuguese": "áâãàçéêíóôõú",
+    "italian": "àèéìíîòóù",
+    "catalan": "àçèéíïòóúü",
+    "dutch": "áéíóúèêëïöü",
+    "danish": "æøåé",  # and Norwegian
+    "swedish": "åäöé",
+    "icelandic": "áðéíóúýþæö",
+}
+# what another western language's letter weighs in a western language's text, by language, outside
+# a capitalised word (a name: "Søren" in French counts fully): as much as a Latin Extended letter
+FOREIGN = 0.6
 # punctuation and symbols any script's text may hold: neither for nor against a decoding
 _NEUTRAL = frozenset("\u00a0¡«»°·§©®±×÷¿–—‘’“”„…•€™")
 
@@ -213,11 +241,15 @@ def _latin_letter(char: str) -> bool:
     return found is not None and found[0] == "latin"
 
 
-def plausibility(text: str) -> float:
+def plausibility(text: str, by_language: bool = False) -> float:
     """How much of ``text``'s non-ASCII part reads as one writing system's common letters (0-1);
-    1.0 for pure ASCII."""
+    1.0 for pure ASCII. ``by_language``: Western Europe's languages scored each alone, another
+    one's letter outside a capitalised word weighing :data:`FOREIGN`, and Latin Extended letters
+    weighing as common ones (for :func:`_by_language` only: short western lines read as Czech or
+    Polish scored so, "Très" as "Trčs")."""
     weights: dict[str, float] = {}
     latin: dict[str, float] = {}  # each Latin letter's weight, scored by _LATIN_LANGUAGES
+    named: dict[str, float] = {}  # by_language: the weight of each Latin letter in capitalised words
     counted = 0
     scripts = [_script(c) if c >= "\x80" else None for c in text]
     cjk = [bool(found) and found[0] in _CJK for found in scripts]
@@ -233,7 +265,11 @@ def plausibility(text: str) -> float:
         counted += 1
         script, weight = found
         if script == "latin":
+            if by_language and 0x100 <= ord(char) <= 0x24F:
+                weight = 1.0
             latin[char] = latin.get(char, 0.0) + weight
+            if by_language and _capitalised(text, i):
+                named[char] = named.get(char, 0.0) + weight
         elif script:
             weights[script] = weights.get(script, 0.0) + weight
     if not counted:
@@ -242,20 +278,44 @@ def plausibility(text: str) -> float:
     for writing, scripts in _WRITING.items():
         scores[writing] = sum(weights.get(s, 0.0) for s in scripts)
     for language, letters in _latin_letters().items():
-        scores[language] = sum(weight for char, weight in latin.items() if char in letters)
+        if not (by_language and language == "western"):
+            scores[language] = sum(weight for char, weight in latin.items() if char in letters)
+    if by_language:
+        western = _latin_letters()["western"]
+        for language, letters in _western_letters().items():
+            scores[language] = sum(
+                weight if char in letters else named.get(char, 0.0) + FOREIGN * (weight - named.get(char, 0.0))
+                for char, weight in latin.items()
+                if char in letters or char in western
+            )
     return max(scores.values(), default=0.0) / counted
+
+
+def _capitalised(text: str, i: int) -> bool:
+    """Whether the Latin letter at ``i`` is in a word whose first letter is a capital."""
+    while i and _latin_letter(text[i - 1]):
+        i -= 1
+    return text[i].isupper()
+
+
+@functools.cache
+def _western_letters() -> dict[str, frozenset[str]]:
+    """:data:`_WESTERN` with each letter's capital."""
+    return {language: _with_capitals(letters) for language, letters in _WESTERN.items()}
+
+
+def _with_capitals(letters: str) -> frozenset[str]:
+    return frozenset(letters) | {c.upper() for c in letters if len(c.upper()) == 1 and c.upper() >= "\x80"}
 
 
 @functools.cache
 def _latin_letters() -> dict[str, frozenset[str]]:
     """:data:`_LATIN_LANGUAGES` with each letter's capital."""
-    return {
-        language: frozenset(letters) | {c.upper() for c in letters if len(c.upper()) == 1 and c.upper() >= "\x80"}
-        for language, letters in _LATIN_LANGUAGES.items()
-    }
+    return {language: _with_capitals(letters) for language, letters in _LATIN_LANGUAGES.items()}
 
 
 _NON_ASCII_RUN = re.compile("[^\x00-\x7f]+")
+WORD_CHARS = 64  # how far _word_sample looks from a non-ASCII run for the start and end of its word
 
 
 def scored_sample(text: str) -> str:
@@ -289,6 +349,27 @@ def _runs(text: str, start: int, end: int, most: int, whole: bool) -> str | None
             break
         pieces.append(text[begin:stop])
         room -= stop - begin + 1
+    return "\n".join(pieces)
+
+
+def _word_sample(text: str) -> str:
+    """The words of ``text`` that hold a non-ASCII character, with the character before and after
+    each, one a line, up to :data:`SAMPLE_CHARS`: what :func:`_by_language` scores (whether a letter
+    is in a capitalised word needs the whole word, which :func:`scored_sample` does not keep)."""
+    pieces, room, end = [], SAMPLE_CHARS, 0
+    for run in _NON_ASCII_RUN.finditer(text):
+        if run.start() < end:  # in the word taken already
+            continue
+        begin, end = run.start(), run.end()
+        while begin > max(run.start() - WORD_CHARS, 0) and not text[begin - 1].isspace():
+            begin -= 1
+        while end < min(run.end() + WORD_CHARS, len(text)) and not text[end].isspace():
+            end += 1
+        begin, end = max(begin - 1, 0), end + 1
+        if end - begin > room:
+            break
+        pieces.append(text[begin:end])
+        room -= end - begin + 1
     return "\n".join(pieces)
 
 
@@ -359,6 +440,25 @@ def detect_legacy(data: bytes) -> Guess | None:
     return Guess(_read(data, chosen), chosen) if chosen is not None else None
 
 
+def _by_language(data: bytes, guesses: list[_Scored], chosen: _Scored) -> str:
+    """``chosen``'s encoding, unless it is cp1252 and a decoding with Latin Extended letters that
+    charset-normalizer ranks above cp1252 (any, where it did not name cp1252) scores higher by
+    language (``plausibility(by_language=True)``, on :func:`_word_sample`; the highest, the earliest
+    of equals)."""
+    if chosen.encoding != "cp1252":
+        return chosen.encoding
+    best, best_score = chosen.encoding, None
+    for guess in guesses[: guesses.index(chosen)]:
+        sample = _word_sample(_read(data, guess.encoding))
+        if any(0x100 <= ord(c) <= 0x24F for c in sample):
+            if best_score is None:
+                best_score = plausibility(_word_sample(_read(data, chosen.encoding)), by_language=True)
+            score = plausibility(sample, by_language=True)
+            if score > best_score:
+                best, best_score = guess.encoding, score
+    return best
+
+
 def _choose(data: bytes) -> str | None:
     """The encoding :func:`detect_legacy` reads ``data`` in."""
     guesses = _candidates(data)
@@ -369,11 +469,13 @@ def _choose(data: bytes) -> str | None:
             # charset-normalizer's own candidates its order knows more than our scores (EUC-KR
             # with bullets read as EUC-JIS kanji scored higher than the Hangul it was)
             fallback = guesses[_best(guesses, [i for i, g in enumerate(guesses) if g.encoding in FALLBACKS])]
-            return fallback.encoding if fallback.score - first >= MARGIN else guesses[0].encoding
+            if fallback.score - first < MARGIN:
+                return guesses[0].encoding
+            return _by_language(data, guesses, fallback)
         best = guesses[_best(guesses)]
         if best.score >= PLAUSIBLE:
-            return best.encoding
+            return _by_language(data, guesses, best)
     readings = _utf16_readings(data)
     if readings and max(r.score for r in readings) >= PLAUSIBLE:
         return readings[_best(readings)].encoding
-    return guesses[_best(guesses)].encoding if guesses else None
+    return _by_language(data, guesses, guesses[_best(guesses)]) if guesses else None

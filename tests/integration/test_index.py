@@ -2071,6 +2071,104 @@ def test_documents_with_bullets_and_symbols_read_as_written(text, encoding, time
     assert decoded is not None and decoded.text == text * times, (decoded, encoding)
 
 
+# Central European text whose letters cp1252 reads as Latin-1 letters of several western languages
+# (Hungarian "ő ű" as Portuguese "õ" and French "û", Czech "ě ř" as Italian "ì" and Danish "ø"):
+# read as cp1252 while cp1252 and the Latin Extended reading were ranked with the western languages
+# counted as one alphabet, the right reading's Latin Extended letters weighing 0.6 ("Árvíztûrõ"
+# scored 1.0 against 0.891)
+CENTRAL_EUROPEAN = [
+    ("Árvíztűrő tükörfúrógép és ő.", "cp1250"),
+    ("Árvíztűrő tükörfúrógép és ő.", "iso-8859-2"),
+    ("Report: Árvíztűrő tükörfúrógép és ő. (draft)", "cp1250"),
+    ("Děkuji, mám se dobře.", "cp1250"),
+    ("Děkuji, mám se dobře.", "iso-8859-2"),
+    ("Příliš žluťoučký kůň úpěl ďábelské ódy.", "iso-8859-2"),
+    (
+        "Česká republika je vnitrozemský stát ve střední Evropě. Hlavním městem je Praha, která leží na řece Vltavě.",
+        "cp1250",
+    ),
+    # and what read right before
+    ("Příliš žluťoučký kůň úpěl ďábelské ódy.", "cp1250"),
+    (
+        "A magyar nyelv az uráli nyelvcsalád tagja, a finnugor nyelvek közé tartozik. Legközelebbi "
+        "rokonai a manysi és a hanti nyelv.",
+        "cp1250",
+    ),
+    *(
+        (text, encoding)
+        for text in (
+            "Polska jest państwem położonym w Europie Środkowej. Stolicą kraju jest Warszawa, a drugie co "
+            "do wielkości miasto to Kraków.",
+            "Slovenská republika je vnútrozemský štát v strednej Európe. Hlavným mestom je Bratislava, "
+            "ktorá leží na rieke Dunaj.",
+        )
+        for encoding in ("cp1250", "iso-8859-2")
+    ),
+]
+
+
+@pytest.mark.parametrize("text, encoding", CENTRAL_EUROPEAN)
+def test_central_european_text_reads_as_written(text, encoding):
+    decoded = ix.decode_text(text.encode(encoding))
+    assert decoded is not None and decoded.text == text, (decoded, encoding)
+
+
+# western text whose cp1250 reading keeps to one Central European language's letters (French "û"
+# read as Hungarian "ű", "ï" as Czech "ď", "à" as Slovak "ŕ", Italian "è ì" as Czech "č ě",
+# Portuguese "õ" as "ő", Swedish "å" as Slovak "ĺ", Spanish "ñ" as Polish "ń") and texts mixing
+# western languages' names: read as cp1252 still (scoring those letters as common ones read these
+# as cp1250)
+WESTERN = [
+    "Le goût de l'été",
+    "Il est sûr que le coût a augmenté.",
+    "Résumé café naïve",
+    "Voilà déjà la fin, à bientôt.",
+    "Le décodage anticipé accélère la génération sans changer le résultat.",
+    "Così è la vita.",
+    "Però non lo so, forse lunedì.",
+    "Camões escreveu Os Lusíadas.",
+    "Ele põe o pão na mesa.",
+    "Åsa går på bio.",
+    "Bjørn bor på Ålesund.",
+    "El niño comió piña en la mañana.",
+    "Això és màgic.",
+    "Tõnu läks poodi ja ostis õunu.",
+    "Müller's café in São Paulo and Zoë's smörgåsbord.",
+]
+
+
+@pytest.mark.parametrize("text", WESTERN)
+def test_western_text_whose_cp1250_reading_is_one_languages_reads_as_written(text):
+    decoded = ix.decode_text(text.encode("cp1252"))
+    assert decoded is not None and decoded.text == text, decoded
+
+
+# western lines with another western language's name or loanword: scoring Western Europe's
+# languages each alone everywhere (another one's letter at 0.6) read these as cp850, cp775,
+# ISO-8859-14, cp1257 or cp1250 ("Sřren", "pĺ"); ranked so only against a Latin Extended reading,
+# a name's letters counting for any western language, they read as before
+WESTERN_WITH_NAMES = [
+    "Ødegaard arrive à la gare à midi.",
+    "Mårten arrive à la gare à midi.",
+    "Bellò (Niccolò), Tromsø",
+    "Reunión con Søren en el salón.",
+    "Gómez kommer på mandag.",
+    "Guðrún är här nu.",
+    "Þórður and Hämäläinen signed the contract.",
+    "Il a été très gentil avec Søren.",
+    "Is with Åsa Málaga.",
+    "Call López about the trip to Søren.",
+    "Ødegaard and Bellò signed the contract.",
+    "tomorrow;demain;morgen;mañana;domani;amanhã",
+]
+
+
+@pytest.mark.parametrize("text", WESTERN_WITH_NAMES)
+def test_western_text_with_foreign_names_reads_as_written(text):
+    decoded = ix.decode_text(text.encode("cp1252"))
+    assert decoded is not None and decoded.text == text, decoded
+
+
 def test_a_plausible_first_guess_gives_way_only_to_a_fallback_scoring_a_margin_higher():
     """Hungarian with one "ű" among "é"s: charset-normalizer's first guess, cp1250, scores 0.96;
     cp1252 reads French "û" beside the "é"s, 1.0, less than MARGIN higher, and the first guess is kept."""
@@ -2164,12 +2262,14 @@ def test_utf16_chinese_without_a_byte_order_mark_is_read_as_utf16(encoding):
     assert ix.decode_text(text.encode(encoding)) == ix.DecodedText(text, encoding)
 
 
-@pytest.mark.parametrize("old_version", [None, 2, 3])
+@pytest.mark.parametrize("old_version", [None, 2, 3, 4])
 def test_files_read_with_the_old_encoding_guess_are_read_again(tmp_path, embedder, monkeypatch, old_version):
     """Files are keyed by their bytes' sha256, so a better encoding guess never reached an unchanged
     file: an index built with the old guess kept the cp949 reading of a GBK file for good. Version
     2 scored a long file whole, 3 a sample of it: an index of version 2 kept the whole-text guess;
-    4 scores Latin letters by language: an index of version 3 kept short cp1252 French as cp1257."""
+    4 scores Latin letters by language: an index of version 3 kept short cp1252 French as cp1257;
+    5 ranks cp1252 against a Latin Extended reading by language: an index of version 4 kept
+    Hungarian in cp1250 as cp1252."""
     from rag_lookahead.atomic import write_json_atomic
     from rag_lookahead.rag import charset
 
