@@ -556,6 +556,7 @@ def test_rag_bench_pools_mean_accepted_and_does_not_compare_off_with_itself():
     }
     rows = {row["mode"]: row for row in summarize_modes(per_mode)}
     assert rows["seeded"]["mean accepted"] == 5.0  # 100 tokens after the first over 20 forwards
+    assert rows["seeded"]["decode tok/s"] == 50.0  # the same 100 tokens over 2 s, pooled over every question
     assert rows["off"]["identical to off"] == "-" and rows["seeded"]["identical to off"] == "1/2"
 
 
@@ -566,6 +567,75 @@ def test_session_questions_are_distinct_and_a_repeat_is_warned_of(capsys):
     items = [Item("a", "zh", "p1", ["q1", "q2"]), Item("b", "zh", "p2", ["q1", "q3"])]  # q1 twice in the data
     assert sorted(session_questions(items, 3)) == ["q1", "q2", "q3"] and capsys.readouterr().err == ""
     assert len(set(session_questions(items, 4))) == 3 and "3 distinct questions" in capsys.readouterr().err
+
+
+def test_session_blocks_count_decode_tokens_after_the_first_and_end_at_the_blocks_pool():
+    from rag_lookahead.bench.session import summarize_blocks
+
+    records = [{"new_tokens": 5, "decode_seconds": 1.0, "steps": 2, "pool_nodes": n} for n in (10, 20, 30, 40)]
+    blocks = summarize_blocks(records, 3)
+    assert [b["questions"] for b in blocks] == ["1-3", "4-4"]
+    assert [b["decode tok/s"] for b in blocks] == [4.0, 4.0]  # 4 tokens after each answer's first, a second
+    assert [b["pool nodes"] for b in blocks] == [30, 40]  # the pool as the block leaves it
+
+
+def test_quality_totals_pool_decode_tokens_and_the_table_keeps_its_columns():
+    from rag_lookahead.bench.quality import markdown, summarize
+
+    row = {"model": "m", "question": "q", "grounded": True, "key terms": "1/1", "gold retrieved": True}
+    rows = [
+        {**row, "new tokens": 1, "decode tok/s": 0.0, "mean accepted": 0.0, "decode forwards": 0},  # no decode
+        {**row, "new tokens": 41, "decode tok/s": 10.0, "mean accepted": 4.0, "decode forwards": 10},
+    ]
+    summary = summarize(rows)
+    assert summary["decode tok/s"] == 10.0 and summary["mean accepted"] == 4.0
+    table = markdown(rows[1:], {"m": {**summary, "load seconds": 1.0, "peak rss gb": 0.5}}).splitlines()
+    head = [c.strip() for c in table[0].split("|")]
+    cells = [c.strip() for c in table[2].split("|")]
+    assert dict(zip(head, cells, strict=True))["decode tok/s"] == "10.0"
+    assert dict(zip(head, cells, strict=True))["mean accepted"] == "4.0"
+
+
+class _TimedEmbedder:
+    """Takes ``cost`` seconds a text on the clock it is given."""
+
+    def __init__(self, clock, cost):
+        self.clock, self.cost = clock, cost
+
+    def embed_documents(self, texts, progress=False):
+        self.clock[0] += self.cost * len(texts)
+
+
+def test_retrieval_speed_is_chunks_over_every_round_and_ratios_are_over_the_first(monkeypatch):
+    from types import SimpleNamespace
+
+    from rag_lookahead.bench import retrieval
+
+    clock = [0.0]
+    monkeypatch.setattr(retrieval, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    embedders = {"fast": _TimedEmbedder(clock, 0.01), "slow": _TimedEmbedder(clock, 0.02)}
+    cps = retrieval.speed(embedders, ["x"] * 10, 3)
+    assert cps == {"fast": pytest.approx(100.0), "slow": pytest.approx(50.0)}
+    monkeypatch.setattr(retrieval, "load_embedders", lambda names: embedders)
+    out = retrieval.run(["fast", "slow"], speed_chunks=4, rounds=2, recall_too=False)
+    assert out["speed"]["ratio_to_first"] == {"fast": 1.0, "slow": pytest.approx(0.5)}
+
+
+def test_tuning_lists_the_fusion_settings_best_first():
+    import numpy as np
+
+    from rag_lookahead.bench import retrieval
+
+    items = [
+        Item(str(i), "en", f"passage {i} about topic{i} word{i}", [f"what about topic{i}?", f"word{i}?"])
+        for i in range(6)
+    ]
+    ds = retrieval.chunk_dataset("toy", items)
+    rng = np.random.default_rng(1)
+    dense = [list(rng.permutation(len(ds.chunks))) for _ in ds.questions]
+    bm25 = retrieval.bm25_rankings(retrieval.BM25Index(ds.chunks), ds.questions, len(ds.chunks))
+    objectives = [row["objective_A"] for row in retrieval.tune([retrieval.Ranked(ds, bm25, {"e": dense}, {})], "e")]
+    assert objectives == sorted(objectives, reverse=True) and objectives[0] > objectives[-1]
 
 
 # ---------------------------------------------------------------- JSONL lines end at "\n" only

@@ -1,5 +1,7 @@
 """The benchmarks' pure helpers (the benchmarks themselves are run by hand, not timed in tests)."""
 
+from types import SimpleNamespace
+
 import pytest
 import typer
 from hypothesis import given
@@ -54,6 +56,8 @@ def test_summary_ratios_are_decode_speeds_over_greedy_and_over_prompt_lookup():
         }
     )
     assert summary["lookahead"]["speedup_decode"] == 5.0
+    # end to end the prefill counts too: 102 tokens in 4 s over greedy's 101 in 11 s, not the 5x of decode
+    assert summary["lookahead"]["speedup_e2e"] == round((102 / 4.0) / (101 / 11.0), 3)
     assert summary["lookahead"]["vs_prompt_lookup_decode"] == 2.0
     assert summary["lookahead"]["vs_prompt_lookup_stock_decode"] == 2.5
     assert summary["prompt_lookup"]["speedup_decode"] == 2.5
@@ -89,6 +93,18 @@ def test_batch_speedups_over_transformers_on_the_layout_and_on_stock_kernels():
     add_speedups(rows)
     ours = rows[-1]
     assert ours["speedup_vs_hf"] == 1.5 and ours["speedup_vs_hf_stock"] == 3.0
+    # each pass over its own pass's transformers at that level, not the first pass's
+    two = [
+        {"pass": p, "concurrency": 4, "method": m, "tokens_per_second": tps}
+        for p, m, tps in (
+            (0, "hf_greedy", 10.0),
+            (0, "lookahead", 20.0),
+            (1, "hf_greedy", 20.0),
+            (1, "lookahead", 30.0),
+        )
+    ]
+    add_speedups(two)
+    assert [r["speedup_vs_hf"] for r in two] == [1.0, 2.0, 1.0, 1.5]
     assert parse_methods(f"{STOCK_METHOD},lookahead", "", 48)[0] == [STOCK_METHOD, "lookahead"]
     with pytest.raises(typer.BadParameter, match=STOCK_METHOD):  # named among the choices
         parse_methods("nonsense", "", 48)
@@ -358,6 +374,7 @@ def test_p95_is_the_nearest_rank(capsys):
 
     row, _ = timed_run(FixedLatencies(), "hf_greedy", 1, 0)
     assert row["p95_latency_s"] == 19.0
+    assert row["p50_latency_s"] == 10.5  # the median of 1..20 s, whatever order they came in
     assert summary("one forward", 0, Trace(gaps=[s / 1e3 for s in range(1, 21)]))["p95_itl_ms"] == 19.0
     from rag_lookahead.bench.percentile import nearest_rank  # the one rule they share
 
@@ -365,6 +382,8 @@ def test_p95_is_the_nearest_rank(capsys):
     assert nearest_rank([5.0], 0.95) == 5.0 and nearest_rank(range(1, 101), 0.95) == 95
     with pytest.raises(ValueError):
         nearest_rank([], 0.95)
+    with pytest.raises(ValueError):  # no rank holds a share of none of them
+        nearest_rank([1, 2, 3], 0)
 
 
 @given(st.lists(st.floats(0, 1e6), min_size=1, max_size=200), st.sampled_from([0.5, 0.9, 0.95, 0.99, 1.0]))
@@ -375,3 +394,141 @@ def test_the_nearest_rank_is_the_smallest_value_that_share_of_them_do_not_exceed
     assert p in values
     assert sum(v <= p for v in values) >= share * len(values) - 1e-9
     assert sum(v < p for v in values) < share * len(values) - 1e-9
+
+
+def test_a_wave_of_transformers_requests_all_wait_for_the_whole_wave(monkeypatch):
+    """Each row of a padded batch comes back when the batch does: its latency is the wave's time."""
+    from rag_lookahead.bench import batch
+
+    ticks = iter(range(100))  # each wave takes 1 s on this clock
+    monkeypatch.setattr(batch, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    monkeypatch.setattr(batch, "hf_batched", lambda model, rows, *args: [[1]] * len(rows))
+    outputs, latencies, accepted = batch.run_hf_waves(None, [[1]] * 6, 4, 8, [], 0)
+    assert len(outputs) == 6 and accepted is None
+    assert latencies == [1.0] * 6  # waves of 4 and of 2 rows
+
+
+def test_the_single_reference_is_transformers_greedy_at_concurrency_one():
+    from rag_lookahead.bench.batch import single_reference
+
+    rows = [{"method": "hf_greedy", "concurrency": 4}, {"method": "lookahead", "concurrency": 1}]
+    assert single_reference(rows + [{"method": "hf_greedy", "concurrency": 1}]) == 2
+    assert single_reference(rows) is None
+
+
+def test_decode_figures_leave_out_the_tokens_of_the_first_forward(monkeypatch):
+    """The first answer token comes with the prefill (several, where the first forward accepted
+    drafts): decode tok/s counts the tokens after them over the time after them."""
+    from rag_lookahead.bench.common import decode_speed, peak_rss_gb, times
+
+    totals = MethodTotals()
+    totals.add(Run(list(range(11)), 2.0, 1.0, first_tokens=3), None)
+    assert totals.decode_tokens_per_second == 8.0  # 8 tokens after the first forward's 3, in 1 s
+    assert decode_speed([{"new_tokens": 11, "decode_seconds": 1.0}, {"new_tokens": 1}]) == 10.0
+    assert times(0.0) == "-" and times(None) == "-" and times(1.5) == "1.50x"  # 0: its baseline measured 0
+    from rag_lookahead.bench import common
+
+    monkeypatch.setattr(common.resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=2**20))  # KiB
+    assert peak_rss_gb() == 1.0
+
+
+def _row_runner(threshold):
+    context = [5, 6, 7, 8, 9]
+    return SimpleNamespace(
+        eos=[2], context_ids=lambda prompt: context, settings=SimpleNamespace(copying_threshold=threshold)
+    )
+
+
+def test_a_prompt_row_counts_decode_tokens_as_the_totals_do_and_a_copy_at_the_threshold_as_copying():
+    import torch
+
+    from rag_lookahead.bench.single import Measured, build_report, prompt_row
+
+    methods = ["greedy", "prompt_lookup"]
+    measured = Measured({m: MethodTotals() for m in methods}, {m: MethodTotals() for m in methods}, [])
+    runs = {"greedy": Run([5, 6, 7, 8, 9], 2.0, 1.0), "prompt_lookup": Run([5, 6, 7, 8, 9], 1.5, 1.0, first_tokens=3)}
+    row = prompt_row(_row_runner(1.0), {"id": "p"}, 0, runs, measured)  # the answer copies all of the context
+    assert row["copied_from_context"] == 1.0
+    assert row["prompt_lookup"]["decode_tokens_per_second"] == 4.0  # 2 tokens after the first 3, in 0.5 s
+    assert measured.copying["greedy"].runs == 1 and measured.copying["prompt_lookup"].runs == 1
+
+    class Model:
+        dtype, device = torch.float32, "cpu"
+
+    settings = SimpleNamespace(
+        model="m", dtype="fp32", repeats=1, max_new_tokens=4, seed_mode="prompt", temperatures=(), top_p=0.9,
+        seed=0, copying_threshold=0.8,
+    )  # fmt: skip
+    config = SimpleNamespace(decoding_length=64, branch_length=48, budget="auto")
+    copied = Measured({}, {}, [{"copied_from_context": 0.8}, {"copied_from_context": 0.5}])
+    assert build_report(settings, Model(), config, [{}, {}], copied)["copying_runs"] == 1
+
+
+def test_each_pass_turns_the_methods_order_and_samples_from_its_own_seed(monkeypatch, capsys):
+    import torch
+
+    from rag_lookahead.bench import single
+
+    order = []
+
+    class Runner:
+        settings = SimpleNamespace(repeats=2, copying_threshold=0.8)
+        prompts = [{"id": "a"}, {"id": "b"}]
+        eos = [2]
+
+        def new_pass(self):
+            pass
+
+        def context_ids(self, prompt):
+            return [1]
+
+        def run(self, method, prompt, repeat=-1):
+            if repeat >= 0:  # not the warm-up
+                order.append((repeat, prompt["id"], method))
+            return Run([1, 2], 1.0, 0.5)
+
+    single.measure(Runner(), ["greedy", "lookahead"])
+    first = {(repeat, pid): m for repeat, pid, m in order[::2]}
+    assert first[(0, "a")] != first[(1, "a")] and first[(0, "b")] != first[(1, "b")]
+
+    seeds = []
+    monkeypatch.setattr(torch, "manual_seed", seeds.append)
+    monkeypatch.setattr(single, "run_hf", lambda *args, **kwargs: Run([1], 1.0, 0.5))
+    runner = single.MethodRunner.__new__(single.MethodRunner)
+    runner.settings = SimpleNamespace(top_p=0.9, seed=7, max_new_tokens=4, seed_mode="prompt")
+    runner.prompts = [{"id": "a"}, {"id": "b"}]
+    runner.model = runner.eos = runner.pad = None
+    for repeat in (-1, 0, 1):  # the warm-up, then two passes: seed + 1000 * (repeat + 1) + the prompt's index
+        runner._sample("sample", 0.7, runner.prompts[1], [1], repeat)
+    assert seeds == [8, 1008, 2008]
+
+
+def test_the_summary_table_shows_each_speedup_under_its_own_name(capsys):
+    from rag_lookahead.bench.single import print_summary
+
+    greedy, ours = MethodTotals(), MethodTotals()
+    greedy.add(Run(list(range(101)), 11.0, 1.0), None)
+    ours.add(Run(list(range(101)), 6.0, 4.0), None)  # a slow prefill: 1.83x end to end, 5x decoding
+    report = {
+        "summary": summarize({"greedy": greedy, "lookahead": ours}), "summary_copying": {}, "prompts": 1,
+        "repeats": 1, "copying_runs": 0, "copying_threshold": 0.8, "per_prompt": [{}],
+        "mean_copied_from_context": None, "model": "m", "dtype": "fp32", "device": "cpu", "seed_mode": "prompt",
+        "drafts": "trees",
+    }  # fmt: skip
+    print_summary(report)
+    lines = capsys.readouterr().out.splitlines()
+    head = [c.strip() for c in next(line for line in lines if "speedup e2e" in line).split("\u2503")]
+    cells = [c.strip() for c in next(line for line in lines if " lookahead " in line).split("\u2502")]
+    row = dict(zip(head, cells, strict=True))
+    assert row["speedup e2e"] == "1.83x" and row["speedup decode"] == "5.00x"
+
+
+def test_run_hf_times_its_first_token_apart_from_the_prompt():
+    """transformers' streamer is handed the prompt first, then the first answer token."""
+    from tiny_models import tiny_model
+
+    from rag_lookahead.bench.methods import run_hf
+
+    run = run_hf(tiny_model("qwen2"), list(range(3, 23)), 8, [], 0, None)
+    assert len(run.tokens) == 8 and run.first_tokens == 1
+    assert 0 < run.first_token_seconds < run.seconds

@@ -315,3 +315,30 @@ def test_reports_without_a_figure_draw_what_they_can(tmp_path):
     written = plot_batch(report, tmp_path / "gap.json")
     assert [p.name for p in written] == ["gap.concurrency.png"]
     _assert_png(written[0])
+
+
+def test_the_speedup_points_are_ours_over_the_baseline_at_the_share_copied():
+    from rag_lookahead.bench.plots import _speedup_points
+
+    row = {
+        "copied_from_context": 0.9,
+        "greedy": {"decode_tokens_per_second": 10.0},
+        "lookahead": {"decode_tokens_per_second": 25.0},
+    }
+    assert _speedup_points([row], ["greedy", "lookahead"]) == {"lookahead": [(0.9, 2.5)]}
+
+
+def test_the_batch_chart_draws_p50_and_p95_latencies_from_their_own_figures(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    drawn = {}
+    plot = matplotlib.axes.Axes.plot
+
+    def noting(self, *args, **kwargs):
+        drawn[kwargs.get("label")] = list(args[1])
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", noting)
+    row = {"method": "lookahead", "concurrency": 4, "tokens_per_second": 50.0, "p50_latency_s": 1.0}
+    plot_batch({"model": "m", "dtype": "fp32", "results": [{**row, "p95_latency_s": 3.0}]}, tmp_path / "b.json")
+    assert drawn["lookahead p50"] == [1.0] and drawn["lookahead p95"] == [3.0]

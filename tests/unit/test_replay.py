@@ -53,6 +53,29 @@ def test_an_answer_ending_at_eos_stops_there_and_a_one_token_answer_takes_no_ste
     assert replay(PromptLookupDrafter(), prompt, [99], frozenset({99}), CURVE) == Replayed()
 
 
+def test_each_step_is_priced_as_a_forward_of_its_draft_and_the_token_before_it():
+    sizes = []
+
+    class Noting(PromptLookupDrafter):
+        def observe(self, row, draft, path):
+            sizes.append(len(draft))
+            super().observe(row, draft, path)
+
+    curve = parse_curve("1:10,16:40")  # 10 ms + 2 ms a token
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 2 + [1, 2]
+    done = replay(
+        Noting(), prompt, [3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 99], frozenset({99}), curve, budget=False
+    )
+    assert done.steps == len(sizes) > 0 and any(sizes)
+    assert done.seconds == pytest.approx(sum(0.010 + 0.002 * size for size in sizes))
+
+
+def test_the_table_gives_tokens_a_step_and_the_rate_over_prompt_lookups():
+    rows = rows_of({"prompt_lookup": Replayed(10, 20, 1.0), "lookahead": Replayed(5, 20, 0.5)})
+    assert rows[1]["tokens a step"] == 4.0 and rows[1]["predicted decode tok/s"] == 40.0
+    assert rows[1]["vs prompt lookup"] == "2.000x" and rows[0]["vs prompt lookup"] == "1.000x"
+
+
 def test_the_budgeted_replay_gains_every_answer_token_and_prices_each_step():
     config = LookaheadConfig(decoding_length=12, branch_length=6)
     prompt = [5, 6, 7, 8, 9, 10, 11] * 4 + [5, 6]
