@@ -1294,8 +1294,6 @@ def test_second_build_waits_for_the_first(tmp_path, embedder, monkeypatch, caplo
 def test_a_build_that_waited_indexes_the_files_as_they_are_when_it_gets_the_lock(tmp_path, embedder, caplog):
     """The corpus was read before the wait: a build that waited published the files as they were
     when it started, over a newer build's (three overlapping builds could end on an older corpus)."""
-    import threading
-
     from filelock import FileLock
 
     a, _ = two_corpora(tmp_path)
@@ -1303,8 +1301,18 @@ def test_a_build_that_waited_indexes_the_files_as_they_are_when_it_gets_the_lock
     index_dir.mkdir()
     holder = FileLock(str(index_dir / store.LOCK_FILE))
     holder.acquire()
+    report = _corpus_changed_while_it_waits(a, holder, lambda: build(a, index_dir, embedder), caplog)
+    assert sources(ix.load_index(index_dir, embedder)) == {"tea.md", "volcano.md"}
+    assert report.files == 2
+
+
+def _corpus_changed_while_it_waits(corpus, holder, run_build, caplog) -> ix.IndexReport:
+    """``run_build()``'s report, the build run in a thread: once it waits for ``holder``'s lock,
+    ``panda.md`` goes and ``volcano.md`` comes, then the holder lets go."""
+    import threading
+
     reports: dict[str, ix.IndexReport] = {}
-    waiting = threading.Thread(target=lambda: reports.setdefault("report", build(a, index_dir, embedder)))
+    waiting = threading.Thread(target=lambda: reports.setdefault("report", run_build()))
     try:
         with caplog.at_level("WARNING", logger="rag_lookahead.rag.store"):
             waiting.start()
@@ -1312,21 +1320,19 @@ def test_a_build_that_waited_indexes_the_files_as_they_are_when_it_gets_the_lock
             while "waiting up to" not in caplog.text and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert "waiting up to" in caplog.text
-        (a / "panda.md").unlink()  # changed while it waited
-        (a / "volcano.md").write_text(VOLCANO, encoding="utf-8")
+        (corpus / "panda.md").unlink()
+        (corpus / "volcano.md").write_text(VOLCANO, encoding="utf-8")
     finally:
-        holder.release()
+        if holder.is_locked:
+            holder.release()
         waiting.join()
-    assert sources(ix.load_index(index_dir, embedder)) == {"tea.md", "volcano.md"}
-    assert reports["report"].files == 2
+    return reports["report"]
 
 
 def test_a_new_folders_build_that_waited_reads_the_files_again(tmp_path, embedder, caplog, monkeypatch):
     """Into a folder that does not exist yet, the corpus is read before the lock (a bad corpus fails
     before the folder is made); another build that makes the folder and takes its lock meanwhile
     makes this one wait, and the files it read may change meanwhile: it reads them again."""
-    import threading
-
     from filelock import FileLock
 
     from rag_lookahead.rag import build as build_module
@@ -1344,25 +1350,9 @@ def test_a_new_folders_build_that_waited_reads_the_files_again(tmp_path, embedde
         return corpus
 
     monkeypatch.setattr(build_module, "load_corpus", read_then_another_build_starts)
-    reports: dict[str, ix.IndexReport] = {}
-    waiting = threading.Thread(
-        target=lambda: reports.setdefault("report", build(a, index_dir, embedder, lock_timeout=120))
-    )
-    try:
-        with caplog.at_level("WARNING", logger="rag_lookahead.rag.store"):
-            waiting.start()
-            deadline = time.monotonic() + 60
-            while "waiting up to" not in caplog.text and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert "waiting up to" in caplog.text
-        (a / "panda.md").unlink()  # changed while it waited
-        (a / "volcano.md").write_text(VOLCANO, encoding="utf-8")
-    finally:
-        if holder.is_locked:
-            holder.release()
-        waiting.join()
+    report = _corpus_changed_while_it_waits(a, holder, lambda: build(a, index_dir, embedder, lock_timeout=120), caplog)
     assert sources(ix.load_index(index_dir, embedder)) == {"tea.md", "volcano.md"}
-    assert reports["report"].files == 2
+    assert report.files == 2
 
 
 def test_the_lock_says_whether_it_waited(tmp_path):
@@ -2021,12 +2011,6 @@ SHORT_OR_MOSTLY_ASCII = [
 ]
 
 
-@pytest.mark.parametrize("text, encoding", SHORT_OR_MOSTLY_ASCII)
-def test_short_and_mostly_ascii_legacy_files_read_as_written(text, encoding):
-    decoded = ix.decode_text(text.encode(encoding))
-    assert decoded is not None and decoded.text == text, (decoded, encoding)
-
-
 # pinyin in a GBK file: its tone letters, in no one European language's alphabet, were read as
 # cp932's half-width kana ("Wｨｯ shｨｬ xuｨｦsheng"). They score under PLAUSIBLE (ǎ ǐ ǒ ǔ ā ē ī ō ū
 # weigh 0.6) and read right as the best of the implausible decodings
@@ -2107,12 +2091,6 @@ CENTRAL_EUROPEAN = [
 ]
 
 
-@pytest.mark.parametrize("text, encoding", CENTRAL_EUROPEAN)
-def test_central_european_text_reads_as_written(text, encoding):
-    decoded = ix.decode_text(text.encode(encoding))
-    assert decoded is not None and decoded.text == text, (decoded, encoding)
-
-
 # western text whose cp1250 reading keeps to one Central European language's letters (French "û"
 # read as Hungarian "ű", "ï" as Czech "ď", "à" as Slovak "ŕ", Italian "è ì" as Czech "č ě",
 # Portuguese "õ" as "ő", Swedish "å" as Slovak "ĺ", Spanish "ñ" as Polish "ń") and texts mixing
@@ -2137,12 +2115,6 @@ WESTERN = [
 ]
 
 
-@pytest.mark.parametrize("text", WESTERN)
-def test_western_text_whose_cp1250_reading_is_one_languages_reads_as_written(text):
-    decoded = ix.decode_text(text.encode("cp1252"))
-    assert decoded is not None and decoded.text == text, decoded
-
-
 # western lines with another western language's name or loanword: scoring Western Europe's
 # languages each alone everywhere (another one's letter at 0.6) read these as cp850, cp775,
 # ISO-8859-14, cp1257 or cp1250 ("Sřren", "pĺ"); ranked so only against a Latin Extended reading,
@@ -2163,10 +2135,13 @@ WESTERN_WITH_NAMES = [
 ]
 
 
-@pytest.mark.parametrize("text", WESTERN_WITH_NAMES)
-def test_western_text_with_foreign_names_reads_as_written(text):
-    decoded = ix.decode_text(text.encode("cp1252"))
-    assert decoded is not None and decoded.text == text, decoded
+@pytest.mark.parametrize(
+    "text, encoding",
+    SHORT_OR_MOSTLY_ASCII + CENTRAL_EUROPEAN + [(text, "cp1252") for text in WESTERN + WESTERN_WITH_NAMES],
+)
+def test_short_and_mostly_ascii_legacy_files_read_as_written(text, encoding):
+    decoded = ix.decode_text(text.encode(encoding))
+    assert decoded is not None and decoded.text == text, (decoded, encoding)
 
 
 def test_a_plausible_first_guess_gives_way_only_to_a_fallback_scoring_a_margin_higher():
