@@ -448,10 +448,14 @@ def test_tiny_validation_health_metrics(tokenizer):
                 assert client.post("/v1/rag", json={"question": "what?", **harmless}).status_code == 503
             r = client.get("/v1/nothing")
             assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+            for i in range(3):  # paths nobody serves: one "other" series, not a series per path
+                assert client.get(f"/random-{i}").status_code == 404
             ok = client.post(
-                "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "stop": None}
+                "/v1/completions",
+                json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "stop": None, "model": "my-alias"},
             )
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+            assert ok.json()["model"] == "my-alias"  # the name the client asked by comes back, as OpenAI's does
             health = client.get("/health")
             assert health.status_code == 200 and health.json()["status"] == "ok"
             head = client.head("/health")  # load balancers probe with HEAD (it answered 405)
@@ -475,6 +479,9 @@ def test_tiny_validation_health_metrics(tokenizer):
         assert line.startswith("# HELP ") or line.startswith("# TYPE ") or sample.match(line), line
     assert metric(text, "rag_lookahead_requests_total", '{endpoint="/v1/completions",status="400"}') == len(bad)
     assert metric(text, "rag_lookahead_requests_total", '{endpoint="/v1/completions",status="200"}') == 1
+    assert metric(text, "rag_lookahead_requests_total", '{endpoint="other",status="404"}') == 4
+    assert len([line for line in text.splitlines() if 'endpoint="other",status="404"' in line]) == 1
+    assert "/random-" not in text and "/v1/nothing" not in text
     assert metric(text, "rag_lookahead_tokens_generated_total") == 4
     assert metric(text, "rag_lookahead_forward_passes_total") >= 1
     assert metric(text, "process_resident_memory_bytes") > 0
@@ -518,6 +525,22 @@ def test_metrics_count_decode_steps_and_the_tokens_answers_keep(tokenizer):
         assert metric(text, "rag_lookahead_tokens_generated_total") - before == kept, lookahead
         if not lookahead:
             assert metric(text, "rag_lookahead_mean_accepted_tokens") == 1.0  # "1.0 = plain decoding"
+
+
+def test_a_request_answered_by_its_prefill_costs_no_decode_step(tokenizer):
+    """``max_tokens`` 1: the prefill gives the only token and the row leaves the batch then (it
+    stayed for one more forward pass whose token nobody kept: 3 passes for these 3 answers)."""
+    engine = tiny_engine(tokenizer, prefill_chunk=0)
+    with serving(engine) as base:
+        answers = [
+            httpx.post(base + "/v1/completions", json={"prompt": p, "max_tokens": 1}, timeout=60).json()
+            for p in tiny_prompts(3, seed=5)
+        ]
+        wait_idle(engine, 30)
+        text = httpx.get(base + "/metrics").text
+    assert [(a["usage"]["completion_tokens"], a["stats"]["forward_passes"]) for a in answers] == [(1, 0)] * 3
+    assert metric(text, "rag_lookahead_tokens_generated_total") == 3
+    assert metric(text, "rag_lookahead_forward_passes_total") == 0
 
 
 def test_tiny_cancel_frees_the_slot(tokenizer):

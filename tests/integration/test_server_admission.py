@@ -18,6 +18,7 @@ from test_server import (  # noqa: F401 - tokenizer is a fixture
     metric,
     serving,
     single_text,
+    slow_steps,
     tiny_engine,
     tiny_prompts,
     tokenizer,
@@ -441,3 +442,34 @@ def test_max_queue_per_key_is_checked():
         ServerConfig(max_queue_per_key=2)
     args = parse_args(["--max-queue-per-key", "3", "--api-key", KEY_A])
     assert config_from_args(args, {}).max_queue_per_key == 3
+
+
+def test_the_batch_never_grows_past_max_batch_size(tokenizer, monkeypatch):
+    """Six requests at once for a two-row engine whose steps are slowed: rows are taken from the
+    queue only as far as the batch has room (it grew to six rows), and every request is served."""
+    engine = tiny_engine(tokenizer, max_batch_size=2, lookahead=False, lookahead_config=None)
+    slow_steps(monkeypatch, 0.05)
+    engine.start()
+    assert engine.ready.wait(60)
+
+    async def run():
+        jobs = [engine.new_request(p, 12, []) for p in tiny_prompts(6, seed=37)]
+        for job in jobs:
+            engine.submit(job)
+        sizes = []
+        while not engine.idle:
+            sizes.append(engine.batch_size)
+            await asyncio.sleep(0.005)
+        ends = []
+        for job in jobs:
+            while (event := await asyncio.wait_for(job.channel.get(), 30))[0] == "piece":
+                pass
+            ends.append(event[0])
+        return sizes, ends
+
+    try:
+        sizes, ends = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert max(sizes) == 2, sorted(set(sizes))
+    assert ends == ["done"] * 6

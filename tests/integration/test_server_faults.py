@@ -433,6 +433,36 @@ def test_rag_refuses_a_full_queue_before_retrieving(tokenizer, monkeypatch, tiny
         assert len(retrievals) == 1 and r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_rag_shows_k_passages_and_seeds_the_drafter_with_the_rest(tiny_index, monkeypatch, lookahead):
+    """``k_prompt`` 1, ``k_seed`` 2 over the two-passage index (a real-vocabulary tiny model, so the
+    chat prompt is taken): the nearest passage is in the prompt and marked so, the other is the one
+    seed passage, encoded for the drafter only with lookahead on (off, nothing reads it)."""
+    from test_server import LOOKAHEAD
+    from tiny_models import real_vocab_model
+
+    from rag_lookahead.serve import Engine, ServerConfig
+
+    model, tokenizer = real_vocab_model()
+    config = ServerConfig(k_prompt=1, k_seed=2, lookahead=lookahead, lookahead_config=LOOKAHEAD if lookahead else None)
+    engine = Engine(model, tokenizer, config)
+    engine.index = tiny_index
+    encoded = []
+    real_encode = engine.encode_passages
+    monkeypatch.setattr(
+        engine, "encode_passages", lambda passages: encoded.append(list(passages)) or real_encode(passages)
+    )
+    question = "Where is Mount Etna?"
+    with serving(engine) as base:
+        r = httpx.post(base + "/v1/rag", json={"question": question, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    other = tiny_index.search(question, 2)[1].to_document().page_content
+    assert [s["in_prompt"] for s in answer["sources"]] == [True, False], answer["sources"]
+    assert answer["stats"]["seed_passages"] == 1, answer["stats"]
+    assert encoded == ([[other]] if lookahead else []), encoded
+
+
 def bare_prompt_length(tokenizer, question: str, passages=()) -> int:
     """Tokens of /v1/rag's prompt for ``question`` with ``passages`` (none: the template's words and the question)."""
     from rag_lookahead.rag.chains import make_prompt
@@ -536,3 +566,36 @@ def test_rag_measures_the_question_with_the_prompt_around_it_before_retrieving(t
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == "question", r.text
         assert "its 1 passage(s)" in error["message"] and "'k'" not in error["message"], r.text
+
+
+def test_a_client_gone_after_one_choice_cancels_the_rest_and_gets_499(tokenizer, monkeypatch):
+    """Two choices: the short one is answered, then the client leaves while the long one runs.
+    Collecting them gives None (the route's 499) and the long one is stopped; a list holding the
+    answer and a hole for the missing choice would be shaped into a 500."""
+    from rag_lookahead.serve import routes
+
+    engine = tiny_engine(tokenizer, max_tokens_limit=200, lookahead=False, lookahead_config=None)
+    slow_steps(monkeypatch, 0.02)
+    engine.start()
+    assert engine.ready.wait(60)
+    jobs = []
+
+    class LeavesOnceTheShortOneIsDone:  # the part of a Starlette request collect asks
+        async def is_disconnected(self) -> bool:
+            return jobs[0].finished
+
+    async def run():
+        jobs.extend(engine.new_request(p, n, []) for p, n in zip(tiny_prompts(2, seed=29), (1, 200)))
+        short, long = jobs
+        engine.submit(short, long)
+        start = time.monotonic()
+        answers = await routes._collect_all([short, long], LeavesOnceTheShortOneIsDone(), engine)
+        await until(lambda: engine.idle and engine.batch_size == 0, timeout=10)
+        return answers, time.monotonic() - start
+
+    try:
+        answers, seconds = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert jobs[0].finished and answers is None, answers
+    assert seconds < 3, seconds  # 200 steps of 0.02 s: the long one did not run to its end

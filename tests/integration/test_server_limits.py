@@ -418,3 +418,54 @@ def test_connection_limits_set_with_replicas_are_said_unapplied(caplog):
         assert not caplog.records  # the defaults: nothing was asked
         _warn_about_proxy_limits(ServerConfig(max_connections=10, head_timeout=5))
     assert "--head-timeout, --max-connections: not applied with --replicas" in caplog.text
+
+
+def test_a_chunked_body_past_the_limit_gets_413_and_the_connection_closed(tokenizer):
+    """A chunked body (no Content-Length) is cut off once it passes ``max_body_bytes``; the rest of
+    it is still on the wire, unread, so the 413 must close the connection (kept open, the unread
+    bytes would be read as the next request)."""
+    engine = tiny_engine(tokenizer, max_body_bytes=1024)
+
+    def body():
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"x" * 500
+        yield b'"}'
+
+    with serving(engine) as base:
+        r = httpx.post(base + "/v1/completions", content=body(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"], r.text
+        assert r.headers.get("connection") == "close", r.headers
+        assert httpx.post(base + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}).status_code == 200
+
+
+def test_the_default_max_tokens_never_passes_max_tokens_limit(tokenizer):
+    """``default_max_tokens`` 40 with ``max_tokens_limit`` 8: a request that names no ``max_tokens``
+    gets at most 8 tokens (the limit is the most any request is given)."""
+    assert ServerConfig(default_max_tokens=40, max_tokens_limit=8).default_tokens == 8
+    engine = tiny_engine(tokenizer, default_max_tokens=40, max_tokens_limit=8, lookahead=False, lookahead_config=None)
+    with serving(engine) as base:
+        r = httpx.post(base + "/v1/completions", json={"prompt": tiny_prompts(1, seed=34)[0]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert 1 <= r.json()["usage"]["completion_tokens"] <= 8, r.json()["usage"]
+
+
+def test_a_generation_config_that_no_prompt_can_meet_is_refused_at_the_start(tokenizer):
+    """``min_length`` equal to the model's context: the widest prompt the server takes is one token
+    short of the context, so no request could ever be served; Engine(...) says so at once."""
+    from test_server import LOOKAHEAD
+    from tiny_models import tiny_model
+
+    from rag_lookahead.decoding.inputs import context_limit
+    from rag_lookahead.serve import Engine
+
+    model = tiny_model("qwen2")
+    model.generation_config.min_length = context_limit(model)
+    try:
+        with pytest.raises(ConfigError):
+            Engine(model, tokenizer, ServerConfig(max_prompt_tokens=10_000, lookahead_config=LOOKAHEAD))
+        model.generation_config.min_length = context_limit(model) - 1
+        engine = Engine(model, tokenizer, ServerConfig(max_prompt_tokens=10_000, lookahead_config=LOOKAHEAD))
+        assert engine.widest_prompt == context_limit(model) - 1
+    finally:
+        model.generation_config.min_length = 0

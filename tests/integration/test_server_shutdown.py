@@ -222,3 +222,56 @@ def test_a_second_ctrl_c_ends_the_drain_at_once(tokenizer):
         stderr = child.stderr_file.read()
     assert seconds < 15 and len(events) < 100, (seconds, len(events))
     assert "CancelledError" not in stderr  # the app's own shutdown ran
+
+
+async def job_end(job, timeout: float = 30) -> tuple[str, object]:
+    """A submitted job's last event once it comes: ``("done", result)`` or ``("error", ApiError)``."""
+    while True:
+        event = await asyncio.wait_for(job.channel.get(), timeout)
+        if event[0] != "piece":
+            return event[0], event[1]
+
+
+def test_a_clean_stop_ends_the_leftovers_as_shutting_down_and_health_says_draining(tokenizer, monkeypatch):
+    """``stop(0, 0.3)`` while a decode step takes 1.5 s: the running request is ended with the
+    shutting-down error of a drain (not the engine-stopped one of a failure), and /health after the
+    clean stop says "draining" (it read "error": an engine that stopped on purpose had failed)."""
+    engine = slow_engine(tokenizer, monkeypatch, drain_seconds=30, step_seconds=1.5)
+    engine.start()
+    assert engine.ready.wait(60) and engine.health == "ok"
+
+    async def run():
+        job = engine.new_request(tiny_prompts(1, seed=54)[0], 30, [])
+        engine.submit(job)
+        await until(lambda: engine.active == 1)
+        await asyncio.to_thread(engine.stop, 0.0, 0.3)
+        return await job_end(job)
+
+    kind, error = asyncio.run(run())
+    assert kind == "error" and error.body()["error"]["code"] == "shutting_down", (kind, error)
+    assert engine.error is None and engine.health == "draining"
+
+
+def test_a_later_longer_drain_does_not_extend_an_earlier_deadline(tokenizer, monkeypatch):
+    """``begin_drain(0.2)`` then ``begin_drain(30)`` (lifespan's stop after a cut-short drain): the
+    running request (60 steps of 0.1 s) is ended at the first deadline, not left to run on."""
+    engine = slow_engine(tokenizer, monkeypatch, drain_seconds=30, step_seconds=0.1)
+    engine.start()
+    assert engine.ready.wait(60)
+
+    async def run():
+        job = engine.new_request(tiny_prompts(1, seed=55)[0], 60, [])
+        engine.submit(job)
+        await until(lambda: engine.active == 1)
+        engine.begin_drain(0.2)
+        engine.begin_drain(30)
+        start = time.monotonic()
+        end = await job_end(job)
+        return end, time.monotonic() - start
+
+    try:
+        (kind, error), seconds = asyncio.run(run())
+    finally:
+        engine.stop(0, 5)
+    assert kind == "error" and error.body()["error"]["code"] == "shutting_down", (kind, error)
+    assert seconds < 2, seconds
