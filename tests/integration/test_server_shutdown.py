@@ -274,4 +274,4 @@ def test_a_later_longer_drain_does_not_extend_an_earlier_deadline(tokenizer, mon
     finally:
         engine.stop(0, 5)
     assert kind == "error" and error.body()["error"]["code"] == "shutting_down", (kind, error)
-    assert seconds < 2, seconds
+    assert seconds < 4, seconds  # the whole answer takes 6 s
