@@ -25,6 +25,7 @@ Three shapes:
 from __future__ import annotations
 
 import difflib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
@@ -280,19 +281,17 @@ def _check_passages_fit(
 
     model, options = _unwrapped(model)
     if _is_lookahead(model):
-
-        def measure(passages: Sequence[Document], what: str = "the input", advice: str = "") -> None:
-            model.check_prompt(build_prompt(passages), what, advice)
-
+        check = model.check_prompt
     elif isinstance(model, ChatLookahead):
         for name in _TAKEN_BY_LANGCHAIN:
             options.pop(name, None)
-
-        def measure(passages: Sequence[Document], what: str = "the input", advice: str = "") -> None:
-            model.check_messages(build_prompt(passages), what, advice, **options)
-
+        check = functools.partial(model.check_messages, **options)
     else:
         return
+
+    def measure(passages: Sequence[Document], what: str = "the input", advice: str = "") -> None:
+        check(build_prompt(passages), what, advice)
+
     try:
         measure(shown, *passage_prompt_words(len(shown), k, ONE_PASSAGE_ADVICE))
     except NoRoomError as refused:
