@@ -88,3 +88,21 @@ def test_a_bad_logprobs_count_is_a_config_error(top):
 
     with pytest.raises(ConfigError, match="logprobs"):
         generate(tiny_model("qwen2"), PROMPTS[0], max_new_tokens=2, config=CONFIG, logprobs=top)
+
+
+@pytest.mark.parametrize("extra", [0, 3])
+def test_a_top_count_of_the_whole_vocabulary_or_more_lists_every_token(extra):
+    """``top`` >= V keeps all V tokens at each place (clamped, not one short), most likely first,
+    the chosen token among them with its own log-probability."""
+    vocab = 7
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    chosen = [int(logits[0].argmin()), 4, int(logits[2].argmax())]  # the least likely token too
+    entries = results.token_logprobs(logits, chosen, top=vocab + extra)
+    for entry, row, token in zip(entries, logits, chosen, strict=True):
+        expected = torch.log_softmax(row, dim=-1)
+        assert sorted(t for t, _ in entry.top) == list(range(vocab))
+        values = [v for _, v in entry.top]
+        assert values == sorted(values, reverse=True)
+        assert values == pytest.approx(sorted(expected.tolist(), reverse=True), abs=1e-6)
+        assert dict(entry.top)[token] == pytest.approx(entry.logprob)
+        assert entry.logprob == pytest.approx(expected[token].item(), abs=1e-6)

@@ -8,15 +8,15 @@ import math
 
 import pytest
 import torch
-from hf_reference import equal_up_to_an_fp32_tie, hf_run
+from hf_reference import equal_up_to_an_fp32_tie, hf_logits, hf_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import ARCHITECTURES, PairedDrafter, tiny_model
+from tiny_models import ARCHITECTURES, PairedDrafter, build_tiny_model, tiny_model
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding.loop import left_pad
-from rag_lookahead.decoding.sampling import Accepted, TokenChooser
+from rag_lookahead.decoding.sampling import Accepted, SamplingParams, TokenChooser
 from rag_lookahead.errors import ConfigError
 
 tokens = st.integers(min_value=1, max_value=12)
@@ -122,6 +122,32 @@ def test_greedy_with_repetition_penalty_equals_hf(arch, prompt, max_new, penalty
     assert equal_up_to_an_fp32_tie(result.sequences[0, len(prompt) :].tolist(), expected, hf.scores)
 
 
+@functools.cache
+def bf16_model():
+    """Tiny qwen2 in bf16 (its logits come out bf16, as a real model's on GPU do)."""
+    return build_tiny_model("qwen2", "sdpa", 0).to(torch.bfloat16)
+
+
+def test_a_bf16_model_samples_and_scores_as_model_generate_does():
+    """transformers casts each step's logits to fp32 before its processors and its draw; warped and
+    softmaxed in bf16 they round otherwise, and 5 of these 30 seeded rows drew another token. The
+    log-probabilities are taken in fp32 too (``log_softmax`` in bf16 is off by ~1e-2). Decoded one
+    token a forward (``enabled=False``), so no verify forward's shape changes the bf16 logits
+    themselves: what is compared is the picking and the scoring."""
+    model = bf16_model()
+    options = dict(do_sample=True, temperature=0.7, top_p=0.9, top_k=0)
+    config = LookaheadConfig(enabled=False)
+    for seed in range(30):
+        prompt = [5, 9, 3, 7, 2, 8, 5, 9, 3][: 3 + seed % 6]
+        expected, logits = hf_logits(model, prompt, 20, seed=seed, **options)
+        torch.manual_seed(seed)
+        result = generate(model, prompt, max_new_tokens=20, pad_token_id=0, config=config, logprobs=1, **options)
+        assert result.sequences[0, len(prompt) :].tolist() == expected, seed
+        if seed < 3:
+            for entry, step in zip(result.logprobs[0], logits, strict=True):
+                assert entry.logprob == pytest.approx(torch.log_softmax(step.float(), -1)[entry.token].item(), abs=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "glm4"])
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
@@ -178,7 +204,6 @@ def test_a_none_sampling_param_is_its_neutral_one(name):
     """SamplingParams(top_p=None) was taken, then the first sampled step failed with a bare
     TypeError ('<' between NoneType and float); None is 1.0 (off) there, as in resolve_sampling."""
     from rag_lookahead.decoding.decode_batch import DecodeBatch
-    from rag_lookahead.decoding.sampling import SamplingParams
 
     model = tiny_model("qwen2")
     config = LookaheadConfig(decoding_length=8, budget="fixed", use_output_pool=False)
@@ -395,7 +420,6 @@ def test_a_hot_row_learns_low_acceptance_and_yields_its_nodes():
     gives the batch's draft nodes to the row whose drafts are being accepted."""
     from rag_lookahead.decoding.costs import CostCurve, StepCosts, allocate
     from rag_lookahead.decoding.loop import DecodeBatch
-    from rag_lookahead.decoding.sampling import SamplingParams
 
     model = tiny_model("qwen2")
     cold, hot = [3, 4, 5, 6, 3, 4, 5, 6, 3], [7, 8, 9, 10, 7, 8, 9, 10, 7]
@@ -433,7 +457,6 @@ def test_a_row_whose_sampling_fails_ends_alone(chunked):
     beside it keep their own outputs, token for token. It used to fail the whole step, and with it
     every request in the server's batch."""
     from rag_lookahead.decoding.loop import DecodeBatch
-    from rag_lookahead.decoding.sampling import SamplingParams
 
     model = tiny_model("qwen2")
     greedy_prompt, sampled_prompt, failing_prompt = [5, 9, 3, 7, 2, 8], [4, 4, 6, 1, 9], [7, 3, 3, 8, 2, 6, 1]
@@ -490,7 +513,6 @@ def test_a_row_done_before_a_step_gains_nothing_and_draws_nothing():
     the public DecodeBatch, bench.interference) it gained tokens past its EOS, and its draws moved
     the global generator under a seedless row beside it."""
     from rag_lookahead.decoding.decode_batch import DecodeBatch
-    from rag_lookahead.decoding.sampling import SamplingParams
 
     model = tiny_model("qwen2")
     short, other = [1, 1], [5, 9, 13, 7]
@@ -521,7 +543,6 @@ def test_a_row_whose_first_draw_failed_is_stepped_past_before_retire():
     """Under chunked prefill a row whose first token's draw failed is done with no token; a step
     before ``retire`` read its last token and failed the whole batch, the healthy row too."""
     from rag_lookahead.decoding.decode_batch import DecodeBatch
-    from rag_lookahead.decoding.sampling import SamplingParams
 
     model = tiny_model("qwen2")
     config = LookaheadConfig(decoding_length=8, budget="fixed", use_output_pool=False)
@@ -711,3 +732,18 @@ def test_a_sampled_walk_draws_nothing_past_an_eos_inside_its_draft(seed):
     assert torch.equal(torch.get_rng_state(), state)
     first_call = blocks[: next(i for i, b in enumerate(blocks) if b[-1] == free[at]) + 1]
     assert len(first_call[-1]) > 1  # the EOS was a drafted node's token, with the answer drafted below it
+
+
+@pytest.mark.parametrize("stop_at", [0, 1, 2, 3])
+def test_a_greedy_path_cut_at_a_stop_keeps_only_the_nodes_its_tokens_spell(stop_at):
+    """A plain greedy path cut where ``stop_after`` ends the row: its tokens up to the stop, and
+    one node fewer (the last kept token is the bonus, no node): the drafter is told only the
+    nodes whose tokens were kept, or its acceptance statistics count a node that was cut."""
+    chooser = TokenChooser(SamplingParams(), "cpu")
+    path = Accepted(nodes=[3, 5, 8], tokens=[10, 11, 12, 13])
+    chooser.stop_after = lambda tokens: tokens[-1] == path.tokens[stop_at]
+    cut = chooser.cut_at_stop(path, limit=10, eos=frozenset())
+    assert cut.stopped
+    assert cut.tokens == path.tokens[: stop_at + 1]
+    assert cut.nodes == path.nodes[:stop_at]
+    assert len(cut.nodes) == len(cut.tokens) - 1
