@@ -95,6 +95,80 @@ def test_prompt_lookup_accepts_blocks_where_the_text_repeats():
     assert result.stats.mean_accepted > 2
 
 
+def test_the_trie_drafts_from_the_answer_so_far():
+    """Without references or an output pool, the context pool still learns the row's own
+    answer as it grows: where the greedy continuation falls into a loop, the loop is drafted
+    and accepted in blocks (12 steps for 60 tokens; 59 once the accepted tokens stopped reaching it)."""
+    model = tiny_model("qwen2")
+    prompt, max_new = [3, 4], 60
+    expected = reference_generate(model, prompt, max_new, None)
+    config = LookaheadConfig(decoding_length=12, branch_length=6, budget="fixed", use_output_pool=False)
+    result = generate(model, prompt, max_new_tokens=max_new, config=config)
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+    assert result.stats.row_steps < 25 and result.stats.mean_accepted > 2.5
+
+
+def test_generate_drafts_from_the_models_own_output_pool_by_default():
+    """With no pool passed in, ``generate`` keeps one per model: asked the same again, it drafts
+    the earlier answer whole."""
+    from rag_lookahead.tiny import build_tiny_model
+
+    model = build_tiny_model("qwen2")  # its own, empty output pool
+    prompt, max_new = [5, 9, 3, 7, 2, 8, 4, 6], 30
+    expected = reference_generate(model, prompt, max_new, None)
+    config = LookaheadConfig(decoding_length=12, branch_length=6, budget="fixed")
+    steps = []
+    for _ in range(2):
+        result = generate(model, prompt, max_new_tokens=max_new, config=config)
+        assert result.sequences[0, len(prompt) :].tolist() == expected
+        steps.append(result.stats.row_steps)
+    assert steps[1] <= max_new // 3 < steps[0]
+
+
+class ChainOfTheAnswer(Drafter):
+    """Proposes the true continuation, as deep as the row's whole room (one node too deep)."""
+
+    def __init__(self, answer: list[int]) -> None:
+        self.answer = answer
+
+    def propose(self, row: Row) -> DraftTree:
+        done = len(row.generated)
+        return DraftTree.chain(self.answer[done : done + row.room])
+
+
+@pytest.mark.parametrize("max_new", [3, 6])
+def test_no_draft_node_is_verified_past_the_rows_room(max_new):
+    """The bonus token needs no draft: with ``room`` tokens left a draft is cut to ``room - 1``
+    levels, so the whole answer after the first token is one step with ``max_new - 2`` nodes."""
+    model = tiny_model("qwen2")
+    prompt = [5, 9, 3, 7, 2, 8]
+    expected = reference_generate(model, prompt, max_new, None)
+    config = LookaheadConfig(budget="fixed", use_output_pool=False)
+    result = generate(model, prompt, max_new_tokens=max_new, config=config, drafter=ChainOfTheAnswer(expected))
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+    assert result.stats.draft_tokens == max_new - 2 and result.stats.forward_passes == 1
+
+
+def test_a_draft_token_equal_to_the_vocabulary_size_is_dropped():
+    """Ids run to ``vocab - 1``; a user's drafter proposing ``vocab`` itself (alone, or beside a
+    negative id, which takes the slow path) must not reach the embedding."""
+    model = tiny_model("qwen2")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prompt = [1, 2, 3]
+    expected = reference_generate(model, prompt, 6, None)
+
+    class Edge(Drafter):
+        def __init__(self, tree: DraftTree) -> None:
+            self.tree = tree
+
+        def propose(self, row: Row) -> DraftTree:
+            return self.tree
+
+    for tree in (DraftTree([vocab], [-1], [1], [1.0]), DraftTree([vocab, -1], [-1, -1], [1, 1], [1.0, 1.0])):
+        result = generate(model, prompt, max_new_tokens=6, config=LookaheadConfig(budget="fixed"), drafter=Edge(tree))
+        assert result.sequences[0, len(prompt) :].tolist() == expected
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "glm4"])
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(

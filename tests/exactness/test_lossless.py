@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import ARCHITECTURES, PairedDrafter, reference_generate, tiny_model
+from tiny_models import ARCHITECTURES, PairedDrafter, padded, reference_generate, tiny_model
 
 from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding import decode_batch
@@ -233,6 +233,33 @@ def test_a_failed_add_leaves_the_running_rows_as_they_were(fails):
     assert outputs["first"] == reference_generate(model, first, 20, None)
     assert outputs["later"] == reference_generate(model, later, 20, None)
     assert not drafter.started
+
+
+def test_rows_added_without_keys_get_their_arrival_order_and_leave_no_recorder():
+    """Keys default to the order of arrival over all ``add`` calls (two calls both got key 0),
+    and a retired row's log-probability recorder leaves the batch with it (kept, it leaked in
+    a long-running server batch and put every later greedy step on the full-logits path)."""
+    from rag_lookahead.decoding.loop import DecodeBatch
+    from rag_lookahead.decoding.results import LogprobRecorder
+
+    model = tiny_model("qwen2")
+    config = LookaheadConfig(decoding_length=8, branch_length=4, budget="fixed", use_output_pool=False)
+    batch = DecodeBatch(model, config, frozenset(), None)
+    prompts, budgets = [[1, 2, 3], [4, 5, 6], [7, 8]], [3, 6, 4]
+    recorder = LogprobRecorder()
+    added = batch.add(torch.tensor([prompts[0]]), torch.ones(1, 3, dtype=torch.long), None, 3, logprobs=[recorder])
+    ids, mask = padded(prompts[1:])
+    added += batch.add(ids, mask, None, budgets[1:])
+    assert [row.index for row in added] == [0, 1, 2]
+    outputs = {}
+    while batch.rows:
+        batch.verify_and_accept(batch.propose())
+        for row in batch.retire():
+            outputs[row.index] = row.generated
+            assert row not in batch.logprobs
+        assert len(batch.logprobs) == (0 in [row.index for row in batch.rows])
+    assert not batch.logprobs and len(recorder.entries) == 3
+    assert outputs == {key: reference_generate(model, p, n, None) for key, (p, n) in enumerate(zip(prompts, budgets))}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

@@ -50,6 +50,10 @@ def test_dead_columns_are_reclaimed_once_they_are_a_quarter():
     packed.append_rows(_prefill([[1], [2], [3, 4, 5]]), [1, 1, 3])
     packed.drop_rows([0, 1])  # 3 of 5 columns dead
     assert packed.length == 2 and [_row_columns(packed, r) for r in range(2)] == [[1], [2]]
+    exactly = PackedCache()
+    exactly.append_rows(_prefill([[1, 2], [3, 4, 5], [6, 7, 8]]), [2, 3, 3])
+    exactly.drop_rows([1, 2])  # 2 of 8 columns dead: exactly a quarter, reclaimed
+    assert exactly.length == 6 and [_row_columns(exactly, r) for r in range(2)] == [[3, 4, 5], [6, 7, 8]]
 
 
 def _host_columns_agree(packed: PackedCache) -> bool:

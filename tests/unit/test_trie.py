@@ -366,6 +366,48 @@ def test_the_best_chain_weighs_depth_by_probability():
     assert tree.best_chain().tokens == [1, 2, 3, 4]
 
 
+def test_top_ranks_nodes_by_probability_before_depth():
+    """A deep likely node outranks shallow unlikely ones: the cut keeps the nodes likeliest to
+    be accepted, whatever their depth."""
+    tree = DraftTree(tokens=[1, 2, 3, 4], parents=[-1, -1, -1, 0], depths=[1, 1, 1, 2], probs=[0.9, 0.05, 0.05, 0.85])
+    assert tree.top(2).tokens == [1, 4]
+    assert tree.top(3).tokens == [1, 2, 4]  # ties go to the shallower node, then the earlier one
+
+
+def test_limit_depth_drops_every_node_past_the_room():
+    chain = DraftTree.chain([4, 5, 6])
+    assert chain.limit_depth(3) is chain
+    assert chain.limit_depth(2).tokens == [4, 5]
+    assert chain.limit_depth(1).tokens == [4]
+
+
+def test_within_vocab_drops_the_id_equal_to_the_vocabulary_size():
+    """Ids run from 0 to vocab - 1: a draft token equal to ``vocab`` goes, with its subtree, on
+    the fast path (no negative id) and on the slow one (a negative id beside it) alike."""
+    vocab = 64
+    kept = DraftTree([5, vocab - 1], [-1, 0], [1, 2], [1.0, 1.0])
+    assert kept.within_vocab(vocab) is kept
+    assert DraftTree([5, vocab], [-1, 0], [1, 2], [1.0, 1.0]).within_vocab(vocab).tokens == [5]
+    slow = DraftTree([5, vocab, 7, -1], [-1, 0, 1, -1], [1, 2, 3, 1], [1.0, 1.0, 1.0, 1.0])
+    assert slow.within_vocab(vocab).tokens == [5]
+
+
+def test_a_full_tree_still_merges_what_the_output_pool_also_saw():
+    """The context pool fills the tree (K -> z seven times, K -> a once); the output pool's
+    candidates for K are x, w and a. x and w find no room, but a is already in the tree and its
+    surer estimate (3 of 10) must still reach it, past the two that did not fit."""
+    config = LookaheadConfig(decoding_length=3, branch_length=4, min_key_length=1, stop_words=())
+    key, z, a, x, w = 100, 1, 2, 3, 4
+    context = ContextPool(config.pool_depth, [[key, z]] * 7 + [[key, a]], key_length=config.max_key_length)
+    context.extend([key])
+    output = OutputPool(config.pool_depth)
+    for answer in [[key, x]] * 4 + [[key, w]] * 3 + [[key, a]] * 3:
+        output.add(answer)
+    draft = propose(context, output, config)
+    assert draft.tokens == [z, a, x]
+    assert [round(p, 6) for p in draft.probs] == [0.875, 0.3, 0.4]
+
+
 def test_context_pool_is_preferred_over_output_pool():
     config = LookaheadConfig(decoding_length=2, branch_length=1, max_key_length=1)
     context = ContextPool(4)
