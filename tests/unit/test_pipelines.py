@@ -7,6 +7,7 @@ with one line and exit 1, and creates nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rag_lookahead.errors import ConfigError
+from rag_lookahead.errors import ConfigError, InputError
 
 PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
 
@@ -54,6 +55,7 @@ BAD_BATCH_ARGS = [  # (arguments after the script, the one error line's start); 
     (["{d}/q.jsonl", "/proc/answers.jsonl"], "error: answers '/proc/answers.jsonl': cannot write in its folder"),
     (["{d}/blank.jsonl", "{d}/out.jsonl"], "error: {d}/blank.jsonl holds no questions"),
     (["{d}/number.jsonl", "{d}/out.jsonl"], "error: {d}/number.jsonl:1: the question must be a string, got int"),
+    (["{d}/spaces.jsonl", "{d}/out.jsonl"], "error: {d}/spaces.jsonl:2: the question is empty"),
     (["{d}/dots.jsonl", "{d}/out.jsonl"], "error: {d}/dots.jsonl:2: the question has no letters or digits"),
     (["{d}/lone.jsonl", "{d}/out.jsonl"], "error: {d}/lone.jsonl:2: the question is not valid Unicode"),
     # a traceback (RecursionError) for a line nested past Python's limit, in the input or a user's output
@@ -80,6 +82,7 @@ def test_batch_answers_refuses_bad_arguments_in_one_line_and_changes_nothing(tmp
     (tmp_path / "notes.txt").write_text("my notes", encoding="utf-8")
     (tmp_path / "blank.jsonl").write_text("\n  \n", encoding="utf-8")  # wrote an empty answers file its rerun refused
     (tmp_path / "number.jsonl").write_text('{"question": 5}\n', encoding="utf-8")
+    (tmp_path / "spaces.jsonl").write_text('{"question": "ok?"}\n{"question": " \\t "}\n', encoding="utf-8")
     (tmp_path / "dots.jsonl").write_text('{"question": "ok?"}\n{"question": "…"}\n', encoding="utf-8")  # failed mid-run
     (tmp_path / "lone.jsonl").write_text('{"question": "ok?"}\n{"question": "caf\\udce9?"}\n', encoding="utf-8")
     (tmp_path / "deep.jsonl").write_text('{"question": "ok?"}\n' + "[" * 200_000 + "\n", encoding="utf-8")
@@ -103,6 +106,7 @@ def test_batch_answers_refuses_bad_arguments_in_one_line_and_changes_nothing(tmp
     [
         (['{"question": "Q?", "answer": "A", "sources": [], "stats": {}}'], True),  # what batch_answers writes
         (['{"question": "Q?", "answer": "the gold answer", "sources": ["doc1.md"]}'], False),  # a user's Q&A set
+        (['{"question": "Q?", "answer": "A", "sources": [], "stats": {}, "gold": "B"}'], False),  # ours and more
         (["", "  "], False),  # an empty file: nothing says it is ours
     ],
 )
@@ -240,6 +244,7 @@ def test_k_alone_raises_the_default_k_seed_and_an_explicit_lower_one_is_refused(
     finally:
         sys.path.remove(str(PIPELINES))
     parser = rag_parser("test")
+    assert parser.parse_args([]).k == 3  # the default the docstrings and README give
     assert parser.parse_args(["--k", "10"]).k_seed == 10
     assert parser.parse_args(["--k", "2"]).k_seed == 8
     assert parser.parse_args(["--k", "2", "--k-seed", "3"]).k_seed == 3
@@ -267,6 +272,8 @@ def test_questions_hold_any_character_json_allows_in_a_line(tmp_path, monkeypatc
     path = tmp_path / "q.jsonl"
     path.write_bytes("\r\n".join(json.dumps({"question": q}, ensure_ascii=False) for q in asked).encode())
     assert read_questions(path) == [(1, asked[0]), (2, asked[1]), (3, asked[2])]
+    path.write_text('{"question": "  padded?\\t "}\n', encoding="utf-8")
+    assert read_questions(path) == [(1, "padded?")]  # as the answers file's "question", which --resume compares
     ours = tmp_path / "a.jsonl"
     record = {"question": asked[0], "answer": "a\u2028b", "sources": [], "stats": {}}
     ours.write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -373,27 +380,35 @@ def test_ctrl_c_while_a_pipeline_starts_exits_130_without_a_traceback(tmp_path, 
         assert started.returncode == 130 and "Traceback" not in text and "KeyboardInterrupt" not in text, (delay, text)
 
 
+def _tiny_rag(folder: Path, embedder, texts: tuple[str, ...] = ("t5 t6 t7 t8 t9 t10.",)) -> tuple[Path, Path]:
+    """``(index folder, model folder)`` in ``folder``: a real index of ``texts`` (one file each) and a
+    tiny random-weight qwen2 model with its word-level tokenizer saved to a folder."""
+    from tiny_models import build_tiny_model
+    from tiny_tokenizer import tiny_tokenizer
+
+    from rag_lookahead.rag.index import build_index
+
+    (folder / "docs").mkdir()
+    for n, text in enumerate(texts):
+        (folder / "docs" / f"{chr(ord('a') + n)}.txt").write_text(text, encoding="utf-8")
+    build_index(folder / "docs", folder / "index", embedder, progress=False)
+    build_tiny_model("qwen2").save_pretrained(folder / "tiny")
+    tiny_tokenizer().save_pretrained(folder / "tiny")
+    return folder / "index", folder / "tiny"
+
+
 @pytest.fixture
 def long_batch_run(tmp_path, shared_embedder) -> tuple[list[str], Path, list[str]]:
     """``(argv, answers file, questions)`` of a batch_answers run of 200 questions, one a batch, on
     a tiny random-weight model saved to a folder: long enough to be stopped part way."""
     import json
 
-    from tiny_models import build_tiny_model
-    from tiny_tokenizer import tiny_tokenizer
-
-    from rag_lookahead.rag.index import build_index
-
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "a.txt").write_text("t5 t6 t7 t8 t9 t10.", encoding="utf-8")
-    build_index(tmp_path / "docs", tmp_path / "index", shared_embedder, progress=False)
-    build_tiny_model("qwen2").save_pretrained(tmp_path / "tiny")
-    tiny_tokenizer().save_pretrained(tmp_path / "tiny")
+    index, model = _tiny_rag(tmp_path, shared_embedder)
     asked = [f"t5 t6 {n}?" for n in range(200)]
     (tmp_path / "q.jsonl").write_text("".join(json.dumps({"question": q}) + "\n" for q in asked), encoding="utf-8")
     answers = tmp_path / "a.jsonl"
     argv = [str(PIPELINES / "batch_answers.py"), str(tmp_path / "q.jsonl"), str(answers)]
-    argv += ["--index-dir", str(tmp_path / "index"), "--model", str(tmp_path / "tiny"), "--k", "1"]
+    argv += ["--index-dir", str(index), "--model", str(model), "--k", "1"]
     return argv + ["--batch-size", "1", "--max-new-tokens", "96"], answers, asked
 
 
@@ -501,17 +516,8 @@ def test_answers_the_disk_cannot_take_are_one_line_naming_the_file_and_go_to_std
     import json
 
     from file_limits import files_limited_to
-    from tiny_models import build_tiny_model
-    from tiny_tokenizer import tiny_tokenizer
 
-    from rag_lookahead.rag.index import build_index
-
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "a.txt").write_text("t5 t6 t7 t8 t9 t10.", encoding="utf-8")
-    build_index(tmp_path / "docs", tmp_path / "index", shared_embedder, progress=False)
-    model = tmp_path / "tiny"
-    build_tiny_model("qwen2").save_pretrained(model)
-    tiny_tokenizer().save_pretrained(model)
+    _, model = _tiny_rag(tmp_path, shared_embedder)
     (tmp_path / "q.jsonl").write_text('{"question": "t5 t6?"}\n', encoding="utf-8")
     answers = tmp_path / "a.jsonl"
     monkeypatch.syspath_prepend(str(PIPELINES))
@@ -550,3 +556,251 @@ def test_a_tilde_in_the_questions_and_answers_paths_is_the_home_folder(tmp_path,
     assert output_target("~/a.jsonl", is_answers_file, seen) == tmp_path / "a.jsonl"
     with pytest.raises(ConfigError, match="is this run's input"):
         check_output_file("~/q.jsonl", "answers", ours=is_answers_file, inputs=[str(tmp_path / "q.jsonl")])
+
+
+def test_resuming_a_complete_answers_file_finds_every_question_answered(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    from batch_answers import answered_before
+
+    records = [{"question": q, "answer": "A", "sources": [], "stats": {}} for q in ("a?", "b?")]
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    assert answered_before(str(path), ["a?", "b?"]) == records  # main then says "all 2 questions are answered"
+    with pytest.raises(InputError, match="holds 2 answers, more than the 1 questions"):
+        answered_before(str(path), ["a?"])
+
+
+@pytest.mark.parametrize(
+    ("resume", "partial", "written"),
+    [
+        (False, False, "a.jsonl"),  # a whole rerun replaces our earlier answers file
+        (False, True, "a.1.jsonl"),  # a stopped rerun goes beside it, never over it
+        (True, True, "a.jsonl"),  # a stopped --resume run adds to the file it resumed
+        (True, False, "a.jsonl"),
+    ],
+)
+def test_the_answers_replace_an_earlier_file_unless_a_stopped_rerun_would_lose_it(
+    tmp_path, monkeypatch, resume, partial, written
+):
+    import argparse
+
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    from batch_answers import is_answers_file, save_answers
+
+    from rag_lookahead.output_files import check_output_file
+
+    earlier = '{"question": "Q?", "answer": "old", "sources": [], "stats": {}}\n'
+    answers = tmp_path / "a.jsonl"
+    answers.write_text(earlier, encoding="utf-8")
+    seen = check_output_file(answers, "answers", ours=is_answers_file)
+    rows = [{"question": "Q?", "answer": "new", "sources": [], "stats": {}}]
+    args = argparse.Namespace(answers=str(answers), resume=resume)
+    assert save_answers(args, rows, seen, partial=partial) == tmp_path / written
+    assert json.loads((tmp_path / written).read_text(encoding="utf-8"))["answer"] == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"a.jsonl", written})
+
+
+def test_an_answer_record_marks_the_first_k_sources_as_in_the_prompt(monkeypatch):
+    import argparse
+
+    from langchain_core.documents import Document
+    from langchain_core.outputs import Generation, LLMResult
+
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    from batch_answers import answer_records
+
+    docs = [
+        Document(f"t{n}  text\n{n}", metadata={"source": f"{n}.md", "chunk_id": n, "score": 1 - n / 10})
+        for n in range(4)
+    ]
+    result = LLMResult(generations=[[Generation(text="  the answer \n", generation_info={"tokens": 3})]])
+    [record] = answer_records(argparse.Namespace(k=2), ["Q?"], [docs], result)
+    assert record == {
+        "question": "Q?",
+        "answer": "the answer",
+        "sources": [
+            {"source": f"{n}.md", "chunk_id": n, "score": 1 - n / 10, "in_prompt": n < 2, "snippet": f"t{n} text {n}"}
+            for n in range(4)
+        ],
+        "stats": {"tokens": 3},
+    }
+
+
+PASSAGES = ("t5 t6 t7.", "t5 t8 t9.", "t6 t10 t11.", "t7 t12 t13.", "t14 t15 t16.")  # one chunk each
+
+
+@pytest.fixture(scope="module")
+def tiny_rag(tmp_path_factory, e5_embedder) -> tuple[Path, Path]:
+    """``(index folder, model folder)``: a real index of the five PASSAGES and a tiny random-weight
+    model, for the pipelines run in this process (tests add ``shared_embedder`` to open the index)."""
+    return _tiny_rag(tmp_path_factory.mktemp("tiny_rag"), e5_embedder, PASSAGES)
+
+
+def _run_pipeline(monkeypatch, script: str, argv: list[str]) -> int:
+    """Run ``script``'s ``main`` in this process as its ``__main__`` line does, with ``argv``; the exit status."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    rag_args = importlib.import_module("rag_args")
+    module = importlib.import_module(script.removesuffix(".py"))
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    try:
+        rag_args.run(module.main, prints_answers=script != "batch_answers.py")
+    except SystemExit as done:
+        return done.code
+    return 0
+
+
+def _spy(monkeypatch, owner, name: str, calls: list, effect: Callable | None = None, results: list | None = None):
+    """Wrap ``owner.name``: each call's arguments are appended to ``calls`` (``effect`` is called with
+    them first), then the real one runs (its result appended to ``results``)."""
+    real = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        if effect is not None:
+            effect(args, kwargs)
+        result = real(*args, **kwargs)
+        if results is not None:
+            results.append(result)
+        return result
+
+    monkeypatch.setattr(owner, name, spy)
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-lookahead"]])
+def test_batch_answers_prompts_k_passages_seeds_the_rest_and_batches_four(
+    tmp_path, monkeypatch, shared_embedder, tiny_rag, flags
+):
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    import batch_answers
+
+    from rag_lookahead.langchain.llm import LookaheadLLM
+    from rag_lookahead.rag.chains import make_prompt
+
+    index, model = tiny_rag
+    asked = ["t5 t6?", "t7 t8?", "t9 t10?"]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"question": q}) + "\n" for q in asked), encoding="utf-8")
+    found: list = []  # what the real retrieve found, for the expected prompts
+    _spy(monkeypatch, batch_answers, "retrieve", [], results=found)
+    generated: list = []
+    _spy(monkeypatch, LookaheadLLM, "generate", generated)
+    argv = [str(tmp_path / "q.jsonl"), str(tmp_path / "a.jsonl"), "--index-dir", str(index), "--model", str(model)]
+    assert (
+        _run_pipeline(
+            monkeypatch, "batch_answers.py", [*argv, "--k", "2", "--k-seed", "4", "--max-tokens", "2", *flags]
+        )
+        == 0
+    )
+    assert [len(d) for d in found] == [4, 4, 4]
+    [((_, prompts), kwargs)] = generated  # the default --batch-size 4: one batch for three questions
+    assert prompts == [make_prompt(q, d[:2]) for q, d in zip(asked, found)]
+    assert kwargs["references"] == [[x.page_content for x in d[2:]] for d in found]
+    assert kwargs["enable_lookahead"] is (not flags)
+    records = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["question"] for r in records] == asked
+
+
+def test_ctrl_c_in_the_first_batch_writes_no_answers_file(tmp_path, monkeypatch, capsys, shared_embedder, tiny_rag):
+    """No answer was made: an empty answers file would be one its own --resume rerun refuses."""
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    from rag_lookahead.langchain.llm import LookaheadLLM
+
+    index, model = tiny_rag
+    (tmp_path / "q.jsonl").write_text('{"question": "t5 t6?"}\n{"question": "t7?"}\n', encoding="utf-8")
+
+    def ctrl_c(args, kwargs):
+        raise KeyboardInterrupt
+
+    _spy(monkeypatch, LookaheadLLM, "generate", [], ctrl_c)
+    argv = [str(tmp_path / "q.jsonl"), str(tmp_path / "a.jsonl"), "--index-dir", str(index), "--model", str(model)]
+    assert _run_pipeline(monkeypatch, "batch_answers.py", [*argv, "--batch-size", "1"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.jsonl"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-lookahead"]])
+def test_chat_stream_prompts_k_passages_labels_the_seeds_and_binds_no_lookahead(
+    monkeypatch, capsys, shared_embedder, tiny_rag, flags
+):
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    import chat_stream
+
+    from rag_lookahead.langchain.chat_model import ChatLookahead
+
+    index, model = tiny_rag
+    built: list = []
+    _spy(monkeypatch, chat_stream, "build_chat_rag_chain", built)
+    argv = ["t5 t6?", "--index-dir", str(index), "--model", str(model), "--k", "2", "--k-seed", "3"]
+    assert _run_pipeline(monkeypatch, "chat_stream.py", [*argv, "--max-tokens", "2", *flags]) == 0
+    [((chat, _), kwargs)] = built
+    assert (kwargs["k_prompt"], kwargs["k_seed"]) == (2, 3)
+    if flags:
+        assert chat.kwargs == {"enable_lookahead": False} and isinstance(chat.bound, ChatLookahead)
+    else:
+        assert isinstance(chat, ChatLookahead)
+    out = capsys.readouterr().out
+    assert [line.split("]")[0] for line in out.splitlines() if line.startswith("  [")] == [
+        "  [prompt",
+        "  [prompt",
+        "  [seed only",
+    ], out
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-lookahead"]])
+def test_lcel_chain_retrieves_k_and_passes_the_lookahead_flag_to_the_model(
+    monkeypatch, capsys, shared_embedder, tiny_rag, flags
+):
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    import lcel_chain
+
+    from rag_lookahead.langchain.chat_model import ChatLookahead
+
+    index, model = tiny_rag
+    retrievers: list = []
+    _spy(monkeypatch, lcel_chain, "as_retriever", retrievers)
+    streamed: list = []
+    _spy(monkeypatch, ChatLookahead, "_stream", streamed)
+    argv = ["  t5 t6? \n", "--index-dir", str(index), "--model", str(model), "--k", "2", "--max-tokens", "2"]
+    assert _run_pipeline(monkeypatch, "lcel_chain.py", [*argv, *flags]) == 0
+    [((_, k), _)] = retrievers
+    assert k == 2
+    [((_, messages), kwargs)] = streamed
+    assert kwargs["enable_lookahead"] is (not flags)
+    assert messages[-1].content.endswith("Question / 问题: t5 t6?")  # the question stripped
+    assert messages[-1].content.count("[") == 2, messages[-1].content  # two passages, each headed by its label
+
+
+def test_retrieval_qa_prompts_k_seeds_k_seed_and_prints_the_answer_stripped(
+    monkeypatch, capsys, shared_embedder, tiny_rag
+):
+    monkeypatch.syspath_prepend(str(PIPELINES))
+    import retrieval_qa
+
+    from rag_lookahead.langchain.llm import LookaheadLLM
+
+    index, model = tiny_rag
+    built: list = []
+    _spy(monkeypatch, retrieval_qa, "build_retrieval_qa", built)
+    answers: list = []
+    real_generate = LookaheadLLM._generate
+
+    def padded(self, *args, **kwargs):  # the real answer, with the blank a model may put around it
+        result = real_generate(self, *args, **kwargs)
+        for gens in result.generations:
+            gens[0].text = f"\n  {gens[0].text} \n"
+            answers.append(gens[0].text)
+        return result
+
+    monkeypatch.setattr(LookaheadLLM, "_generate", padded)
+    prompts: list = []
+    _spy(monkeypatch, LookaheadLLM, "_generate", prompts)
+    argv = ["  t5 t6? \n", "--index-dir", str(index), "--model", str(model), "--k", "2", "--k-seed", "3"]
+    assert _run_pipeline(monkeypatch, "retrieval_qa.py", [*argv, "--max-new-tokens", "2"]) == 0
+    [(_, kwargs)] = built
+    assert (kwargs["k_prompt"], kwargs["k_seed"]) == (2, 3)
+    [((_, [prompt]), _)] = prompts
+    assert prompt.endswith("Question / 问题: t5 t6?") and prompt.count("[") == 2, prompt  # k passages
+    out = capsys.readouterr().out
+    [answer] = answers
+    assert out.startswith(answer.strip() + "\n\n- "), (answer, out)
