@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -359,8 +360,15 @@ def test_batch_answers_runs_with_stdout_closed(tmp_path):
 @pytest.mark.parametrize("script", ["retrieval_qa.py", "lcel_chain.py", "chat_stream.py", "batch_answers.py"])
 def test_ctrl_c_while_a_pipeline_starts_exits_130_without_a_traceback(tmp_path, script):
     """The pipelines import torch and LangChain before run() handles a Ctrl-C: one in the first
-    seconds printed a 20-line traceback through those imports and died of SIGINT."""
+    seconds printed a 20-line traceback through those imports and died of SIGINT.
+
+    The Ctrl-C is sent once rag_args has taken SIGINT over (no program can before its first line
+    runs: Python's own start-up and site imports take ~0.1 s here, and on a loaded machine they
+    passed the fixed 0.4 s this test slept, a traceback from inside ``site`` or ``signal``): the
+    child runs with ``-X importtime``, which notes each import as it ends on stderr, and the first
+    import ended after ``rag_lookahead.interrupts`` is one begun after rag_args' handler was in place."""
     import signal
+    import threading
     import time
 
     args = ["What does budget do?"]
@@ -368,15 +376,30 @@ def test_ctrl_c_while_a_pipeline_starts_exits_130_without_a_traceback(tmp_path, 
         (tmp_path / "q.jsonl").write_text('{"question": "What does budget do?"}\n', encoding="utf-8")
         args = [str(tmp_path / "q.jsonl"), str(tmp_path / "answers.jsonl")]
     env = {**os.environ, "RAG_LOOKAHEAD_HOME": str(tmp_path / "home")}
-    for delay in (0.4, 1.0):  # during the imports, however loaded the machine (or just after them)
+    for delay in (0.0, 0.4, 1.0):  # at once in the imports (torch, LangChain still to come), and later on
         started = subprocess.Popen(
-            [sys.executable, str(PIPELINES / script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+            [sys.executable, "-X", "importtime", str(PIPELINES / script), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
         )
+        said, deadline = b"", time.monotonic() + 120
+        while not re.search(rb"\| +rag_lookahead\.interrupts\n(.*\n)", said):
+            chunk = started.stderr.read1(65536)
+            if not chunk or time.monotonic() > deadline:
+                started.kill()
+                pytest.fail(f"rag_args never took SIGINT over: {(said + started.stderr.read()).decode()[-2000:]}")
+            said += chunk
+        rest: list[bytes] = []  # read on meanwhile: the import notes would fill the pipe and stall it
+        reader = threading.Thread(target=lambda rest=rest, run=started: rest.append(run.stderr.read()), daemon=True)
+        reader.start()
         time.sleep(delay)
         started.send_signal(signal.SIGINT)
-        _, err = started.communicate(timeout=120)
+        started.wait(timeout=120)
+        reader.join(timeout=60)
+        lines = (said + b"".join(rest)).decode(errors="replace").splitlines()
+        text = "\n".join(line for line in lines if not line.startswith("import time:"))
         # past the imports on a quick machine the first run's progress notes come first: no traceback
-        text = err.decode()
         assert started.returncode == 130 and "Traceback" not in text and "KeyboardInterrupt" not in text, (delay, text)
 
 
