@@ -193,12 +193,13 @@ def gpus_per_replica(config: ServerConfig, settings: RaySettings, cluster_gpus: 
 
 def replica_config(config: ServerConfig, gpus: float, sharers: int = 1) -> ServerConfig:
     """The config each replica builds its app from: Ray shows a replica only its own GPU (``cuda``
-    is that one), and a replica without a GPU runs on the CPU; ``sharers`` replicas may share a
+    is that one; a replica on a fraction of a GPU too sees only that GPU, so ``cuda:1`` would name
+    none there), and a replica without a GPU runs on the CPU; ``sharers`` replicas may share a
     node's memory (see :func:`memory_sharers`)."""
     if sharers != config.memory_sharers:
         config = dataclasses.replace(config, memory_sharers=sharers)
     device = (config.device or "").lower()
-    if gpus >= 1 and device.startswith("cuda:"):
+    if gpus > 0 and device.startswith("cuda:"):
         return dataclasses.replace(config, device="cuda")
     if gpus == 0 and not device and config.device_map is None:
         return dataclasses.replace(config, device="cpu")

@@ -180,6 +180,7 @@ def test_settings_and_deployment_options():
     ]:
         with pytest.raises(ConfigError, match=words):
             RaySettings(**bad)
+    assert RaySettings(num_cpus=0, num_gpus=1).num_cpus == 0  # a GPU replica needs no CPU of its own
     assert settings_from_args({"replicas": 0, "port": 8000}) is None
     for alone in ({"max_replicas": 3}, {"max_replicas": 0}, {"replica_cpus": -5.0}, {"replica_cpus": 2.0}):
         with pytest.raises(ConfigError, match="needs --replicas"):  # was silently ignored (0 and -5 too)
@@ -193,6 +194,7 @@ def test_settings_and_deployment_options():
     ]:
         with pytest.raises(ConfigError, match=words):
             settings_from_args(flags)
+    assert settings_from_args({"replicas": 2, "max_replicas": 2}).most_replicas == 2  # not below: accepted
     config = ServerConfig(max_batch_size=8, max_queue=4, drain_seconds=10)
     fixed = deployment_options(config, RaySettings(replicas=2), 0.0)
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
@@ -211,6 +213,10 @@ def test_settings_and_deployment_options():
         "max_replicas": 4,
         "target_ongoing_requests": 8,
     }
+    assert scaling["max_queued_requests"] == 4 + 4 * 12  # the most replicas that may run, each full
+    started = deployment_options(config, RaySettings(replicas=3, min_replicas=1, max_replicas=4), 0)
+    assert started["autoscaling_config"]["initial_replicas"] == 3  # starts with --replicas, not the fewest
+    assert started["autoscaling_config"]["min_replicas"] == 1
 
 
 def test_gpu_per_replica_when_the_device_is_cuda():
@@ -219,8 +225,10 @@ def test_gpu_per_replica_when_the_device_is_cuda():
     assert gpus_per_replica(cpu, default, cluster_gpus=8) == 0
     assert gpus_per_replica(cuda1, default, cluster_gpus=8) == 1
     assert gpus_per_replica(unset, default, cluster_gpus=8) == 1 and gpus_per_replica(unset, default, 0) == 0
+    assert gpus_per_replica(ServerConfig(device_map="auto"), default, cluster_gpus=8) == 0  # accelerate places it
     assert gpus_per_replica(cpu, RaySettings(num_gpus=0.5), cluster_gpus=8) == 0.5
     assert replica_config(cuda1, 1).device == "cuda"  # Ray shows a replica only its own GPU
+    assert replica_config(cuda1, 0.5).device == "cuda"  # on a fraction of a GPU too: cuda:1 named none there
     assert replica_config(unset, 0).device == "cpu" and replica_config(cpu, 0) is cpu
 
 
@@ -232,6 +240,7 @@ def test_a_cluster_without_gpus_is_told_to_run_on_the_cpu():
         _check_fits(RaySettings(replicas=1), 1.0, {"CPU": 2.0})
     with pytest.raises(ConfigError, match=r"need 2 GPUs; the Ray cluster has 1 \(lower --replicas\)$"):
         _check_fits(RaySettings(replicas=2), 1.0, {"CPU": 4.0, "GPU": 1.0})
+    _check_fits(RaySettings(replicas=1, max_replicas=4), 0.0, {"CPU": 2.0})  # only the fewest must fit
 
 
 def test_ray_start_up_errors_are_one_line_with_their_cause():
@@ -250,6 +259,10 @@ def test_ray_start_up_errors_are_one_line_with_their_cause():
     bind = "Failed to start the proxy.\nTraceback ...\nOSError: [Errno 98] Address already in use"
     assert _cause(RuntimeError(bind)) == "[Errno 98] Address already in use"
     assert _cause(RuntimeError("no cause given")) == "no cause given"
+    chained = "ValueError: while reading the config\nThe above exception was the direct cause of:\nOSError: disk full"
+    assert _cause(RuntimeError(chained)) == "disk full"  # the error raised last is the one that ended the start
+    ours_then_ray = wrapped + "ray.exceptions.RayActorError: The actor died unexpectedly before finishing this task."
+    assert _cause(RuntimeError(ours_then_ray)) == "model folder /nowhere does not exist"  # ours says why
 
 
 def test_replicas_on_one_node_divide_the_default_kv_budget(tokenizer):
@@ -262,6 +275,7 @@ def test_replicas_on_one_node_divide_the_default_kv_budget(tokenizer):
     assert memory_sharers(RaySettings(replicas=8, num_cpus=4), 0.0, [16.0, 8.0]) == 4  # 4 fit the largest node
     assert memory_sharers(RaySettings(replicas=2), 1.0, [16.0]) == 1  # a GPU each
     assert memory_sharers(RaySettings(replicas=4), 0.25, [16.0]) == 4  # a quarter of one GPU each
+    assert memory_sharers(RaySettings(replicas=2), 0.25, [16.0]) == 2  # no more than the replicas asked for
     config = ServerConfig(max_queue=1_000_000, max_prompt_tokens=1_000_000)  # no ceiling below the memory
     model = tiny_model("qwen2")
     alone = default_token_budget(model, replica_config(config, 0.0, 1))
@@ -1014,6 +1028,38 @@ def test_the_start_watch_counts_controller_restarts_beside_a_dead_earlier_contro
     assert out.returncode == 0, out.stderr[-3000:]
     said = [line for line in out.stdout.splitlines() if line.startswith("watch:")]  # Ray logs to stdout too
     assert said and said[0].startswith("watch: 2 True Ray's Serve controller was killed 2 times"), out.stdout
+
+
+class ControllerTable:
+    """Ray's actor table as :class:`StartWatch` reads it (``ray._private.state.actors()``), holding
+    only Serve controllers: id -> restarts so far. A controller killed before this start cannot be
+    staged without Ray (the real table is read in the test above)."""
+
+    def __init__(self, restarts: dict[str, int]) -> None:
+        self.restarts = restarts
+
+    def actors(self) -> dict[str, dict]:
+        return {
+            actor_id: {"Name": "SERVE_CONTROLLER_ACTOR", "State": "ALIVE", "NumRestarts": count}
+            for actor_id, count in self.restarts.items()
+        }
+
+
+@needs_ray
+def test_the_start_watch_does_not_count_a_controllers_restarts_before_the_start(monkeypatch):
+    """A controller restarted 3 times before this start (an earlier app's) read as killed 3 times
+    as these replicas started: a start that nothing hindered was called hopeless."""
+    import ray._private
+
+    from rag_lookahead.serve.ray_deploy import StartWatch
+
+    table = ControllerTable({"controller": 3})
+    monkeypatch.setattr(ray._private, "state", table)
+    watch = StartWatch(limit=1)
+    assert watch.seen() == "" and not watch.hopeless()
+    table.restarts["controller"] = 5
+    assert watch.seen() == "Ray's Serve controller was killed 2 times as the replicas started (out of memory?)"
+    assert watch.hopeless()
 
 
 # ---------------------------------------------------------------- fixtures
