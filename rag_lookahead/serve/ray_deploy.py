@@ -136,7 +136,7 @@ class RaySettings:
 
     @property
     def lowest(self) -> int:
-        """The fewest replicas running (what must fit in the cluster)."""
+        """The fewest replicas autoscaling keeps running."""
         if self.max_replicas is None:
             return self.replicas
         return self.min_replicas if self.min_replicas is not None else self.replicas
@@ -1035,8 +1035,9 @@ def _describe(settings: RaySettings) -> str:
 
 
 def _check_fits(settings: RaySettings, gpus: float, resources: Mapping[str, float]) -> None:
-    """Ray would wait forever for replicas the cluster cannot hold: say so instead."""
-    need = {"CPU": settings.lowest * settings.num_cpus, "GPU": settings.lowest * gpus}
+    """Ray would wait forever for replicas the cluster cannot hold: say so instead. The replicas
+    that must fit are those the deploy starts (``replicas``; autoscaling may go below it later)."""
+    need = {"CPU": settings.replicas * settings.num_cpus, "GPU": settings.replicas * gpus}
     for kind, amount in need.items():
         have = resources.get(kind, 0.0)
         if amount > have:
@@ -1046,6 +1047,6 @@ def _check_fits(settings: RaySettings, gpus: float, resources: Mapping[str, floa
             else:  # with no GPU at all, fewer replicas cannot help
                 advice = " (lower --replicas)" if have else " (run on the CPU: --device cpu)"
             raise ConfigError(
-                f"{settings.lowest} replicas x {per:g} {kind} need {amount:g} {kind}s; the Ray cluster has {have:g}"
+                f"{settings.replicas} replicas x {per:g} {kind} need {amount:g} {kind}s; the Ray cluster has {have:g}"
                 + advice
             )

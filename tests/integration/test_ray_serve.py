@@ -240,7 +240,10 @@ def test_a_cluster_without_gpus_is_told_to_run_on_the_cpu():
         _check_fits(RaySettings(replicas=1), 1.0, {"CPU": 2.0})
     with pytest.raises(ConfigError, match=r"need 2 GPUs; the Ray cluster has 1 \(lower --replicas\)$"):
         _check_fits(RaySettings(replicas=2), 1.0, {"CPU": 4.0, "GPU": 1.0})
-    _check_fits(RaySettings(replicas=1, max_replicas=4), 0.0, {"CPU": 2.0})  # only the fewest must fit
+    _check_fits(RaySettings(replicas=1, max_replicas=4), 0.0, {"CPU": 2.0})  # those started must fit, not the most
+    # the deploy starts `replicas`, not the fewest autoscaling allows: 3 x 1 CPU waited forever on 2
+    with pytest.raises(ConfigError, match=r"^3 replicas x 1 CPU need 3 CPUs; the Ray cluster has 2 "):
+        _check_fits(RaySettings(replicas=3, min_replicas=1, max_replicas=4), 0.0, {"CPU": 2.0})
 
 
 def test_ray_start_up_errors_are_one_line_with_their_cause():
