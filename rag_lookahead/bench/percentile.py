@@ -19,5 +19,5 @@ def nearest_rank(values: Iterable[float], share: float) -> float:
         raise ValueError("a percentile of no values")
     if not 0 < share <= 1:
         raise ValueError(f"share must be in (0, 1], got {share}")
-    rank = math.ceil(round(share * len(ordered), 9))  # 0.95 * 20 must stay 19, not become 19.000000000000004
+    rank = math.ceil(round(share * len(ordered), 9))  # 0.07 * 100 is 7.000000000000001: rank 7, not 8
     return ordered[rank - 1]

@@ -358,12 +358,14 @@ def test_the_help_of_bench_and_bench_batch_lists_every_method_they_take():
 
 
 class FixedLatencies:
-    """A batch workload whose 20 requests took 1..20 s (the run itself is not what is checked)."""
+    """A batch workload whose requests took the given seconds, by default 1..20 s (the run itself is not what is checked)."""
 
-    requests = list(range(20))
+    def __init__(self, latencies=tuple(range(20, 0, -1))):
+        self.latencies = [float(s) for s in latencies]
+        self.requests = list(range(len(self.latencies)))
 
     def run(self, method, level):
-        return [[1]] * 20, [float(s) for s in range(20, 0, -1)], None
+        return [[1]] * len(self.latencies), self.latencies, None
 
 
 def test_p95_is_the_nearest_rank(capsys):
@@ -375,11 +377,14 @@ def test_p95_is_the_nearest_rank(capsys):
     row, _ = timed_run(FixedLatencies(), "hf_greedy", 1, 0)
     assert row["p95_latency_s"] == 19.0
     assert row["p50_latency_s"] == 10.5  # the median of 1..20 s, whatever order they came in
+    skewed, _ = timed_run(FixedLatencies([10, 1, 1]), "hf_greedy", 1, 0)
+    assert (skewed["p50_latency_s"], skewed["p95_latency_s"]) == (1.0, 10.0)  # a median, not the mean (4.0)
     assert summary("one forward", 0, Trace(gaps=[s / 1e3 for s in range(1, 21)]))["p95_itl_ms"] == 19.0
     from rag_lookahead.bench.percentile import nearest_rank  # the one rule they share
 
     assert nearest_rank(range(1, 21), 0.95) == 19 and nearest_rank(range(1, 22), 0.95) == 20
     assert nearest_rank([5.0], 0.95) == 5.0 and nearest_rank(range(1, 101), 0.95) == 95
+    assert nearest_rank(range(1, 101), 0.07) == 7  # 0.07 * 100 is 7.000000000000001: ceil alone gave 8
     with pytest.raises(ValueError):
         nearest_rank([], 0.95)
     with pytest.raises(ValueError):  # no rank holds a share of none of them
@@ -406,6 +411,22 @@ def test_a_wave_of_transformers_requests_all_wait_for_the_whole_wave(monkeypatch
     outputs, latencies, accepted = batch.run_hf_waves(None, [[1]] * 6, 4, 8, [], 0)
     assert len(outputs) == 6 and accepted is None
     assert latencies == [1.0] * 6  # waves of 4 and of 2 rows
+
+
+def test_batch_mean_accepted_is_none_where_no_decode_step_ran():
+    """With one new token the prefill gives the whole answer: no step ran, so there is no mean
+    accepted (the table's "-"), not 0.0 tokens a step."""
+    from tiny_models import tiny_model
+
+    from rag_lookahead.bench.batch import run_continuous
+    from rag_lookahead.decoding.config import LookaheadConfig
+
+    model, requests = tiny_model("qwen2"), [[5, 6, 7, 8, 9] * 4, [3, 4, 3, 4, 3]]
+    outputs, latencies, accepted = run_continuous(model, requests, 2, 1, [], 0, LookaheadConfig())
+    assert [len(o) for o in outputs] == [1, 1] and len(latencies) == 2
+    assert accepted is None
+    outputs, _, accepted = run_continuous(model, requests, 2, 6, [], 0, LookaheadConfig())
+    assert accepted is not None and accepted >= 1.0
 
 
 def test_the_single_reference_is_transformers_greedy_at_concurrency_one():
