@@ -560,6 +560,71 @@ def test_rag_bench_pools_mean_accepted_and_does_not_compare_off_with_itself():
     assert rows["off"]["identical to off"] == "-" and rows["seeded"]["identical to off"] == "1/2"
 
 
+class _FakeChains:
+    """Stands in for ``build_rag_chain`` (and ``LookaheadLLM``): a chain answers the same text, with
+    as many tokens as the passages it seeds (``k_seed``), from ``sources``."""
+
+    def __init__(self, monkeypatch, sources=()):
+        from rag_lookahead.langchain import llm
+        from rag_lookahead.rag import chains
+
+        self.sources = list(sources)
+        monkeypatch.setattr(llm, "LookaheadLLM", lambda **kwargs: object())
+        monkeypatch.setattr(chains, "build_rag_chain", self.build)
+
+    def build(self, language_model, index, k_prompt, k_seed):
+        sources = self.sources
+
+        class Chain:
+            def invoke(self, question):
+                stats = {"new_tokens": k_seed, "forward_passes": 1, "decode_seconds": 1.0, "mean_accepted": 1.0}
+                return {"answer": "the same", "stats": stats, "sources": sources}
+
+        return Chain()
+
+
+def test_rag_bench_seeds_k_seed_passages_and_leaves_off_uncompared(monkeypatch, capsys):
+    """The "seeded" and "session" modes seed ``k_seed`` passages, "off" and "prompt" ``k_prompt``; the
+    "off" row is not compared with itself (None, not true)."""
+    from tiny_models import build_tiny_model
+
+    from rag_lookahead.bench import rag
+
+    _FakeChains(monkeypatch)
+    rows, per_mode = rag.ask_every_way(build_tiny_model("qwen2", seed=21), None, None, "m", 2, 5, 16)
+    assert len(rows) == len(rag.QUESTIONS)
+    for row in rows:
+        assert {mode: row[mode]["new_tokens"] for mode in rag.MODES} == {
+            "off": 2,
+            "prompt": 2,
+            "seeded": 5,
+            "session": 5,
+        }
+        assert row["off"]["identical_to_off"] is None
+        assert row["prompt"]["identical_to_off"] is True and row["seeded"]["identical_to_off"] is False
+    assert all(same is None for _, same in per_mode["off"])
+
+
+def test_quality_gold_retrieved_is_whether_the_gold_file_was_shown(monkeypatch, capsys):
+    from rag_lookahead.bench import quality
+
+    sources = [{"source": "/corpora/en/quickstart.md", "in_prompt": True}, {"source": "tuning.md", "in_prompt": False}]
+    _FakeChains(monkeypatch, sources)
+    rows = quality.ask_all(None, None, None, "default", 16, 2, 4)
+    gold = {q.text: q.gold for q in quality.QUESTIONS}
+    assert {r["question"]: r["gold retrieved"] for r in rows} == {t: g == "quickstart.md" for t, g in gold.items()}
+    assert any(r["gold retrieved"] for r in rows) and not all(r["gold retrieved"] for r in rows)
+
+
+def test_an_answer_holding_one_key_term_in_any_case_is_grounded():
+    from rag_lookahead.bench.quality import Question, grounded, terms_found
+
+    question = Question("What drafts?", "a.md", ("Trie", "output pool", "n-gram"))
+    assert grounded("It uses a trie.", question) and grounded("uses a TRIE", question)
+    assert terms_found("the TRIE and the `Output   Pool`", question) == 2
+    assert not grounded("It guesses.", question) and terms_found("It guesses.", question) == 0
+
+
 def test_session_questions_are_distinct_and_a_repeat_is_warned_of(capsys):
     from rag_lookahead.bench.retrieval import Item
     from rag_lookahead.bench.session import session_questions

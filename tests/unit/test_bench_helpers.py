@@ -358,7 +358,7 @@ def test_the_help_of_bench_and_bench_batch_lists_every_method_they_take():
 
 
 class FixedLatencies:
-    """A batch workload whose requests took the given seconds, by default 1..20 s (the run itself is not what is checked)."""
+    """A batch workload whose requests took the given seconds, by default 1..20 s (the run is not what is checked)."""
 
     def __init__(self, latencies=tuple(range(20, 0, -1))):
         self.latencies = [float(s) for s in latencies]

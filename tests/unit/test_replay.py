@@ -119,3 +119,24 @@ OUT_OF_RANGE = ["1:1e-200,2:1e-200", "1:1e-100,8:4", "1:15,8:0.0001", "1:15,8:2e
 def test_a_bad_cost_curve_is_refused_with_the_point_named(text):
     with pytest.raises(InputError, match="--cost-curve"):
         parse_curve(text)
+
+
+def test_lookahead_warm_drafts_from_the_answers_before_it():
+    """``lookahead_warm`` keeps one pool over the answers: the second of two equal answers comes
+    whole from the first (in two steps, the budget's), where a fresh pool per answer drafts nothing from tokens never seen."""
+    config = LookaheadConfig()
+    answer = list(range(20, 61))  # 41 distinct tokens, none in the prompt
+    totals = replay_all([([1, 2, 3], answer)] * 2, frozenset(), CURVE, config)
+    assert totals["lookahead"].steps == 2 * (len(answer) - 1) == 80  # one token a step
+    assert totals["lookahead_warm"].steps == len(answer) - 1 + 2 == 42  # the second answer in two steps
+    assert totals["lookahead_warm"].tokens == totals["lookahead"].tokens
+
+
+def test_a_budgeted_replay_learns_the_rows_acceptance_as_the_loop_does():
+    """Each step's outcome feeds the row's acceptance rates, which size the next drafts: an answer
+    that keeps repeating is drafted deeper as its drafts keep being accepted."""
+    config = LookaheadConfig()
+    done = replay(
+        TrieDrafter(config, OutputPool(config.pool_depth)), [1, 2, 3], [5, 6, 7, 8, 9] * 12, frozenset(), CURVE
+    )
+    assert (done.steps, done.tokens) == (10, 59)  # 12 steps where nothing was learned
