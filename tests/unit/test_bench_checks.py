@@ -7,6 +7,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -569,14 +570,16 @@ class _FakeChains:
         from rag_lookahead.rag import chains
 
         self.sources = list(sources)
-        monkeypatch.setattr(llm, "LookaheadLLM", lambda **kwargs: object())
+        self.on_invoke = lambda: None
+        monkeypatch.setattr(llm, "LookaheadLLM", lambda **kwargs: SimpleNamespace(output_pool=SimpleNamespace(nodes=0)))
         monkeypatch.setattr(chains, "build_rag_chain", self.build)
 
     def build(self, language_model, index, k_prompt, k_seed):
-        sources = self.sources
+        sources, fakes = self.sources, self
 
         class Chain:
             def invoke(self, question):
+                fakes.on_invoke()
                 stats = {"new_tokens": k_seed, "forward_passes": 1, "decode_seconds": 1.0, "mean_accepted": 1.0}
                 return {"answer": "the same", "stats": stats, "sources": sources}
 
@@ -603,6 +606,27 @@ def test_rag_bench_seeds_k_seed_passages_and_leaves_off_uncompared(monkeypatch, 
         assert row["off"]["identical_to_off"] is None
         assert row["prompt"]["identical_to_off"] is True and row["seeded"]["identical_to_off"] is False
     assert all(same is None for _, same in per_mode["off"])
+
+
+def test_the_session_control_runs_from_the_sessions_learned_rates(monkeypatch, capsys):
+    """The empty-pool control differs from the session in its pool only: it starts from the rates
+    the session learned (not a new process's prior), and leaves them as they were."""
+    from tiny_models import build_tiny_model
+
+    from rag_lookahead.bench.session import ask_session
+    from rag_lookahead.decoding.acceptance import AcceptanceRates
+    from rag_lookahead.decoding.profile import profile_of
+
+    model = build_tiny_model("qwen2", seed=21)
+    met = profile_of(model).drafts_met
+    met["trie"] = AcceptanceRates()
+    fakes, seen = _FakeChains(monkeypatch), []
+    fakes.on_invoke = lambda: seen.append(list(met))
+    records = ask_session(
+        model, None, None, ["q1", "q2"], model_name="m", k_prompt=2, k_seed=4, max_new_tokens=8, control_every=1
+    )
+    assert all("fresh" in r for r in records) and len(seen) == 1 + 2 * 2  # the warm-up, then session and control
+    assert seen == [["trie"]] * len(seen)
 
 
 def test_quality_gold_retrieved_is_whether_the_gold_file_was_shown(monkeypatch, capsys):

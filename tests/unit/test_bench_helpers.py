@@ -490,15 +490,15 @@ def test_each_pass_turns_the_methods_order_and_samples_from_its_own_seed(monkeyp
 
     from rag_lookahead.bench import single
 
-    order = []
+    order, passes = [], []
 
     class Runner:
         settings = SimpleNamespace(repeats=2, copying_threshold=0.8)
         prompts = [{"id": "a"}, {"id": "b"}]
         eos = [2]
 
-        def new_pass(self):
-            pass
+        def new_pass(self):  # lookahead_warm's pool, emptied before each pass
+            passes.append(len(order))
 
         def context_ids(self, prompt):
             return [1]
@@ -511,6 +511,7 @@ def test_each_pass_turns_the_methods_order_and_samples_from_its_own_seed(monkeyp
     single.measure(Runner(), ["greedy", "lookahead"])
     first = {(repeat, pid): m for repeat, pid, m in order[::2]}
     assert first[(0, "a")] != first[(1, "a")] and first[(0, "b")] != first[(1, "b")]
+    assert passes == [0, 4]  # a new pool at the start of each pass of 2 prompts x 2 methods
 
     seeds = []
     monkeypatch.setattr(torch, "manual_seed", seeds.append)
@@ -522,6 +523,29 @@ def test_each_pass_turns_the_methods_order_and_samples_from_its_own_seed(monkeyp
     for repeat in (-1, 0, 1):  # the warm-up, then two passes: seed + 1000 * (repeat + 1) + the prompt's index
         runner._sample("sample", 0.7, runner.prompts[1], [1], repeat)
     assert seeds == [8, 1008, 2008]
+
+
+def test_lookahead_unseeded_gets_no_references_where_the_others_are_seeded(monkeypatch):
+    """Under --seed-mode references every lookahead variant drafts from the passage but
+    ``lookahead_unseeded``, the control that shows what the seeding gains."""
+    from tiny_models import build_tiny_model
+
+    from rag_lookahead.bench import single
+
+    seeded = {}
+    monkeypatch.setattr(single, "chat_ids", lambda tokenizer, prompt, with_context=True: [1])
+    # run_lookahead's config (the method's name here) and references
+    monkeypatch.setattr(single, "run_lookahead", lambda *args: seeded.setdefault(args[5], args[6]))
+    runner = single.MethodRunner.__new__(single.MethodRunner)
+    runner.settings = SimpleNamespace(max_new_tokens=4, seed_mode="references")
+    runner.model = build_tiny_model("qwen2", seed=21)
+    runner.tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [7, 8, 9])
+    runner.eos = runner.pad = None
+    runner.sampling = {}
+    runner.configs = {m: m for m in ("lookahead", "lookahead_unseeded")}
+    for method in runner.configs:
+        runner.run(method, {"context": "the passage"})
+    assert seeded == {"lookahead": [7, 8, 9], "lookahead_unseeded": None}
 
 
 def test_the_summary_table_shows_each_speedup_under_its_own_name(capsys):

@@ -123,7 +123,8 @@ def test_a_bad_cost_curve_is_refused_with_the_point_named(text):
 
 def test_lookahead_warm_drafts_from_the_answers_before_it():
     """``lookahead_warm`` keeps one pool over the answers: the second of two equal answers comes
-    whole from the first (in two steps, the budget's), where a fresh pool per answer drafts nothing from tokens never seen."""
+    whole from the first (in two steps, the budget's), where a fresh pool per answer drafts nothing
+    from tokens never seen."""
     config = LookaheadConfig()
     answer = list(range(20, 61))  # 41 distinct tokens, none in the prompt
     totals = replay_all([([1, 2, 3], answer)] * 2, frozenset(), CURVE, config)
