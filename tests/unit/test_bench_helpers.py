@@ -577,3 +577,39 @@ def test_run_hf_times_its_first_token_apart_from_the_prompt():
     run = run_hf(tiny_model("qwen2"), list(range(3, 23)), 8, [], 0, None)
     assert len(run.tokens) == 8 and run.first_tokens == 1
     assert 0 < run.first_token_seconds < run.seconds
+
+
+def test_interference_reports_off_over_on_and_compares_the_requests_both_finished(monkeypatch, capsys):
+    """p95_itl_reduction is the p95 gap without chunking over the one with it (2.0: halved), and
+    ``identical`` counts over the requests both runs finished."""
+    from rag_lookahead.bench import interference
+    from rag_lookahead.decoding.config import LookaheadConfig
+
+    class Run:
+        def __init__(self, model, config, eos, pad, mix, chunk):
+            self.chunk = chunk
+
+        def run(self):
+            if self.chunk == 0:
+                return interference.Trace(outputs={"x": [1], "y": [2], "z": [3]}, gaps=[0.02])
+            return interference.Trace(outputs={"x": [1], "y": [2]}, gaps=[0.01])
+
+    monkeypatch.setattr(interference, "Runner", Run)
+    monkeypatch.setattr(interference, "tiny_mix", lambda settings: (None, [], 0, [[1]], [[1] * 4], LookaheadConfig()))
+    report = interference.main(["--tiny"])
+    assert report["p95_itl_reduction"] == 2.0
+    assert [r["identical"] for r in report["results"]] == ["2/2", "2/2"]
+    assert interference.identical({"x": [1], "y": [2], "z": [3]}, {"x": [1], "y": [9]}) == "1/2"
+
+
+def test_a_long_request_is_refused_when_its_answer_would_pass_the_context():
+    from tiny_models import build_tiny_model
+
+    from rag_lookahead.bench.interference import check_long_fits
+    from rag_lookahead.errors import InputError
+
+    model = build_tiny_model("qwen2", seed=21, max_positions=128)
+    settings = {"long_prompt_tokens": 126, "long_max_new_tokens": 8}
+    with pytest.raises(InputError, match="--long-max-new-tokens 8"):
+        check_long_fits(model, [[1] * 120, [1] * 126], settings)
+    check_long_fits(model, [[1] * 120], settings)  # 120 + 8 fits
