@@ -621,12 +621,20 @@ def test_the_session_control_runs_from_the_sessions_learned_rates(monkeypatch, c
     met = profile_of(model).drafts_met
     met["trie"] = AcceptanceRates()
     fakes, seen = _FakeChains(monkeypatch), []
-    fakes.on_invoke = lambda: seen.append(list(met))
+
+    def learn() -> None:  # each call sees the rates as they are, then learns one of its own
+        seen.append(list(met))
+        met[f"call{len(seen) - 1}"] = AcceptanceRates()
+
+    fakes.on_invoke = learn
     records = ask_session(
         model, None, None, ["q1", "q2"], model_name="m", k_prompt=2, k_seed=4, max_new_tokens=8, control_every=1
     )
-    assert all("fresh" in r for r in records) and len(seen) == 1 + 2 * 2  # the warm-up, then session and control
-    assert seen == [["trie"]] * len(seen)
+    assert all("fresh" in r for r in records)
+    # the warm-up, q1's session then control, q2's control (every other one first) then session:
+    # the controls start from what the session learned and what they learn is gone after them
+    learned = ["trie", "call0", "call1"]
+    assert seen == [["trie"], ["trie", "call0"], learned, learned, learned]
 
 
 def test_quality_gold_retrieved_is_whether_the_gold_file_was_shown(monkeypatch, capsys):

@@ -702,7 +702,7 @@ def test_batch_answers_prompts_k_passages_seeds_the_rest_and_batches_four(
     from rag_lookahead.rag.chains import make_prompt
 
     index, model = tiny_rag
-    asked = ["t5 t6?", "t7 t8?", "t9 t10?"]
+    asked = ["t5 t6?", "t7 t8?", "t9 t10?", "t11 t12?", "t13 t14?"]
     (tmp_path / "q.jsonl").write_text("".join(json.dumps({"question": q}) + "\n" for q in asked), encoding="utf-8")
     found: list = []  # what the real retrieve found, for the expected prompts
     _spy(monkeypatch, batch_answers, "retrieve", [], results=found)
@@ -715,11 +715,15 @@ def test_batch_answers_prompts_k_passages_seeds_the_rest_and_batches_four(
         )
         == 0
     )
-    assert [len(d) for d in found] == [4, 4, 4]
-    [((_, prompts), kwargs)] = generated  # the default --batch-size 4: one batch for three questions
-    assert prompts == [make_prompt(q, d[:2]) for q, d in zip(asked, found)]
-    assert kwargs["references"] == [[x.page_content for x in d[2:]] for d in found]
-    assert kwargs["enable_lookahead"] is (not flags)
+    assert [len(d) for d in found] == [4] * 5
+    assert [len(prompts) for (_, prompts), _ in generated] == [4, 1]  # the default --batch-size 4
+    assert [p for (_, prompts), _ in generated for p in prompts] == [
+        make_prompt(q, d[:2]) for q, d in zip(asked, found)
+    ]
+    assert [r for _, kwargs in generated for r in kwargs["references"]] == [
+        [x.page_content for x in d[2:]] for d in found
+    ]
+    assert all(kwargs["enable_lookahead"] is (not flags) for _, kwargs in generated)
     records = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["question"] for r in records] == asked
 
