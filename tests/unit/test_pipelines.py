@@ -379,24 +379,28 @@ def test_ctrl_c_while_a_pipeline_starts_exits_130_without_a_traceback(tmp_path, 
     for delay in (0.0, 0.4, 1.0):  # at once in the imports (torch, LangChain still to come), and later on
         started = subprocess.Popen(
             [sys.executable, "-X", "importtime", str(PIPELINES / script), *args],
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=env,
         )
-        said, deadline = b"", time.monotonic() + 120
-        while not re.search(rb"\| +rag_lookahead\.interrupts\n(.*\n)", said):
-            chunk = started.stderr.read1(65536)
-            if not chunk or time.monotonic() > deadline:
-                started.kill()
-                pytest.fail(f"rag_args never took SIGINT over: {(said + started.stderr.read()).decode()[-2000:]}")
-            said += chunk
-        rest: list[bytes] = []  # read on meanwhile: the import notes would fill the pipe and stall it
-        reader = threading.Thread(target=lambda rest=rest, run=started: rest.append(run.stderr.read()), daemon=True)
-        reader.start()
-        time.sleep(delay)
-        started.send_signal(signal.SIGINT)
-        started.wait(timeout=120)
-        reader.join(timeout=60)
+        try:
+            said, deadline = b"", time.monotonic() + 120
+            while not re.search(rb"\| +rag_lookahead\.interrupts\n(.*\n)", said):
+                chunk = started.stderr.read1(65536)
+                if not chunk or time.monotonic() > deadline:
+                    started.kill()
+                    pytest.fail(f"rag_args never took SIGINT over: {(said + started.stderr.read()).decode()[-2000:]}")
+                said += chunk
+            rest: list[bytes] = []  # read on meanwhile: the import notes would fill the pipe and stall it
+            reader = threading.Thread(target=lambda rest=rest, run=started: rest.append(run.stderr.read()), daemon=True)
+            reader.start()
+            time.sleep(delay)
+            started.send_signal(signal.SIGINT)
+            started.wait(timeout=120)
+            reader.join(timeout=60)
+            assert not reader.is_alive(), "the child's stderr never closed"
+        finally:
+            started.kill()  # no-op once it has ended; never left running by a failed wait
         lines = (said + b"".join(rest)).decode(errors="replace").splitlines()
         text = "\n".join(line for line in lines if not line.startswith("import time:"))
         # past the imports on a quick machine the first run's progress notes come first: no traceback
