@@ -103,14 +103,15 @@ class Runner:
         start = time.perf_counter()
         while self.batch.size or self.longs:
             self._retire()
-            if self.longs and (self.trace.steps >= self.next_arrival or not self.batch.size):
-                index, ids = self.longs.popleft()
-                self.next_arrival = self.trace.steps + self.mix.arrival_steps
-                self._add(f"long{index}", ids, self.mix.long_tokens)
             while self.longs_in_flight and self._shorts_running() < self.mix.short_slots:
                 ids = self.mix.shorts[self.short_count % len(self.mix.shorts)]
                 self._add(f"short{self.short_count}", ids, self.mix.short_tokens)
                 self.short_count += 1
+            # the streams first, or the first long request came into an empty batch at step 0
+            if self.longs and (self.trace.steps >= self.next_arrival or not self.batch.size):
+                index, ids = self.longs.popleft()
+                self.next_arrival = self.trace.steps + self.mix.arrival_steps
+                self._add(f"long{index}", ids, self.mix.long_tokens)
             if self.batch.size:
                 self._step()
         self.trace.seconds = time.perf_counter() - start

@@ -613,3 +613,34 @@ def test_a_long_request_is_refused_when_its_answer_would_pass_the_context():
     with pytest.raises(InputError, match="--long-max-new-tokens 8"):
         check_long_fits(model, [[1] * 120, [1] * 126], settings)
     check_long_fits(model, [[1] * 120], settings)  # 120 + 8 fits
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_interference_streams_run_alone_first_and_gaps_count_only_while_a_long_request_is_in_flight(chunk):
+    """The long requests arrive every ``arrival_steps`` decode steps, the first after the streams ran
+    alone that long; the gaps measured are those of streams sharing the batch with a long request
+    (the streams still finishing after the last long one was answered add none)."""
+    from rag_lookahead.bench.interference import Mix, Runner, tiny_mix
+
+    model, eos, pad, shorts, longs, config = tiny_mix({"long_prompt_tokens": 48, "long_requests": 2})
+    mix = Mix(shorts, longs, short_slots=2, short_tokens=24, long_tokens=4, arrival_steps=3)
+    runner = Runner(model, config.replace(budget="fixed"), eos, pad, mix, chunk)
+    arrivals, outside = [], []
+    add, delivered = runner._add, runner._delivered
+
+    def on_add(key, ids, max_new_tokens):
+        if key.startswith("long"):
+            arrivals.append(runner.trace.steps)
+        add(key, ids, max_new_tokens)
+
+    def on_delivered(key, tokens):
+        before, in_flight = len(runner.trace.gaps), runner.longs_in_flight
+        delivered(key, tokens)
+        if not in_flight:
+            outside.append(len(runner.trace.gaps) - before)
+
+    runner._add, runner._delivered = on_add, on_delivered
+    trace = runner.run()
+    assert arrivals == [3, 6]
+    assert sorted(trace.outputs) == ["long0", "long1", *(f"short{n}" for n in range(runner.short_count))]
+    assert trace.gaps and outside and not any(outside)  # deliveries after the long ones added no gap
