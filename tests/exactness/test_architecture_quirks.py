@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from tiny_models import padded, reference_generate
+from tiny_models import build_tiny_model, padded, reference_generate
 
 from rag_lookahead import LookaheadConfig, generate
 from rag_lookahead.decoding.costs import _fit_window, cost_curve
@@ -521,6 +521,32 @@ def test_models_fed_other_than_new_tokens_over_a_dynamic_cache_are_refused_befor
     with pytest.raises(NotImplementedError, match=said):
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, custom_generate=hf_generate)
     assert forwards == []
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_decode_step_fed_even_one_token_past_the_new_one_is_refused(extra):
+    """The probe reads how many tokens ``generate``'s decode step feeds: the new one and one more
+    (a token of its own after it, as XLM appends) is already not what our forwards feed."""
+    from rag_lookahead.decoding.generate_inputs import feeds_whole_sequence
+
+    model = build_tiny_model("qwen2", seed=5)
+    prepare = model.prepare_inputs_for_generation
+
+    def fed(input_ids, *args, **kwargs):
+        prepared = prepare(input_ids, *args, **kwargs)
+        ids = prepared["input_ids"]
+        prepared["input_ids"] = torch.cat([ids, ids[:, -1:].repeat(1, extra)], 1)
+        return prepared
+
+    model.prepare_inputs_for_generation = fed
+    assert feeds_whole_sequence(model, torch.device("cpu")) is bool(extra)
+    prompt, config = [10, 2, 5, 7] * 3, LookaheadConfig(budget="fixed")
+    if extra:
+        with pytest.raises(NotImplementedError, match="the whole sequence on every step"):
+            generate(model, prompt, max_new_tokens=4, config=config)
+    else:
+        result = generate(model, prompt, max_new_tokens=4, config=config)
+        assert result.sequences[0, len(prompt) :].tolist() == reference_generate(model, prompt, 4, None)
 
 
 def _bidirectional_decoder(kind: str):

@@ -122,6 +122,19 @@ def test_greedy_with_repetition_penalty_equals_hf(arch, prompt, max_new, penalty
     assert equal_up_to_an_fp32_tie(result.sequences[0, len(prompt) :].tolist(), expected, hf.scores)
 
 
+def test_a_min_p_that_binds_samples_as_model_generate_does():
+    """min_p 0.9 keeps only tokens near the likeliest one (the drawn cases' 0.01-0.2 never removed a
+    token from a tiny model's flat distribution, so min_p dropped went unseen)."""
+    model = tiny_model("qwen2", seed=4)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    options = dict(do_sample=True, min_p=0.9, top_k=None)
+    expected = hf_sample(model, prompt, 12, 0, **options)
+    assert expected != hf_sample(model, prompt, 12, 0, **{**options, "min_p": None})  # it binds
+    torch.manual_seed(0)
+    result = generate(model, prompt, max_new_tokens=12, pad_token_id=0, **options)
+    assert result.sequences[0, len(prompt) :].tolist() == expected
+
+
 @functools.cache
 def bf16_model():
     """Tiny qwen2 in bf16 (its logits come out bf16, as a real model's on GPU do)."""
@@ -276,7 +289,8 @@ def test_the_models_own_per_step_output_switches_do_not_block_generate():
         ({"no_repeat_ngram_size": 3}, "no_repeat_ngram_size"),
         ({"typical_p": 0.5, "do_sample": True}, "typical_p"),  # greedy ignores it, as transformers does
         ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
-        ({"do_sample": True, "temperature": 0.0}, "temperature"),
+        ({"do_sample": True, "temperature": 0.0}, r"temperature must be a number > 0"),  # open at 0
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be a number > 0"),  # ours, not transformers' ValueError
         ({"do_sample": True, "top_p": 1.5}, "top_p"),
         ({"do_sample": True, "top_k": -1}, "top_k"),
         ({"seed": "abc"}, "seed"),
@@ -285,6 +299,9 @@ def test_the_models_own_per_step_output_switches_do_not_block_generate():
 )
 def test_unsupported_or_bad_options_raise(options, message):
     model = tiny_model("qwen2")
+    if "temperature" in options or "repetition_penalty" in options:  # refused by SamplingParams itself too
+        with pytest.raises(ConfigError, match=message):
+            SamplingParams(**options)
     with pytest.raises(ConfigError, match=message):
         if (
             "num_beams" in options

@@ -137,6 +137,16 @@ def test_nodes_the_budget_cut_are_judged_by_the_bonus_token():
     open_below.observe(chain, [0, 1], open_end=True)  # node 1's child was never verified
     start = AcceptanceRates().onward
     assert failing.onward < start < open_below.onward  # a failure below lowers it; an open end only adds a hit
+    # learn() finds that from the step's tokens: the bonus token 6 spells the cut node 1 (open end)
+    cut = DraftTree.chain([5, 6, 7])
+    learned, observed = AcceptanceRates(), AcceptanceRates()
+    assert learned.learn(cut, [5, 6]) == ([0, 1], True)
+    observed.observe(cut, [0, 1], open_end=True)
+    assert learned.onward == observed.onward > start
+    departed, observed = AcceptanceRates(), AcceptanceRates()
+    assert departed.learn(cut, [5, 9]) == ([0], False)  # the bonus token 9 is no node: node 0's child failed
+    observed.observe(cut, [0])
+    assert departed.onward == observed.onward < start
 
 
 def test_a_joining_row_starts_from_what_the_batch_has_met():

@@ -198,11 +198,25 @@ def test_decode_batch_moves_inputs_to_the_model_device(model):
         ({"stop_words": {","}}, "stop_words"),
         ({"stop_words": {-3}}, "stop_words"),
         ({"budget": "AUTO"}, "budget"),
+        ({"min_key_length": 5, "max_key_length": 4}, r"min_key_length \(5\) must not exceed max_key_length \(4\)"),
     ],
 )
 def test_config_checks(changes, message):
     with pytest.raises(ConfigError, match=message):
         LookaheadConfig(**changes)
+
+
+def test_config_bounds_are_inclusive():
+    """Each integer field takes its upper bound and refuses one more; a key length range may be a
+    single length."""
+    from rag_lookahead.decoding.config import _UPPER_BOUNDS
+
+    assert LookaheadConfig(min_key_length=4, max_key_length=4).min_key_length == 4
+    for name, high in _UPPER_BOUNDS.items():
+        valid = {"max_key_length": high} if name == "min_key_length" else {}  # min may not exceed max
+        assert getattr(LookaheadConfig(**valid, **{name: high}), name) == high
+        with pytest.raises(ConfigError, match=f"{name} must be an integer from 1 to {high:,}, got {high + 1}"):
+            LookaheadConfig(**{name: high + 1})
 
 
 @pytest.mark.parametrize(

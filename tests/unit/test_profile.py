@@ -68,3 +68,20 @@ def test_output_pools_are_shared_per_trie_depth_and_node_cap():
     small = LookaheadConfig(budget="fixed", output_pool_nodes=50)
     generate(model, list(range(3, 60)), max_new_tokens=40, config=small)
     assert pools[(d, 50)].max_nodes == 50 and pools[(d, 50)].nodes <= 50
+
+
+def test_a_tree_mask_verdict_set_by_hand_is_kept_and_one_from_other_attention_is_probed_again():
+    """``tree_mask`` set by hand (no ``tree_mask_attention``) is the verdict under any attention: no
+    probe forward overrides it; one reached under another attention is probed again."""
+    from rag_lookahead.decoding.verify import supports_tree_mask
+
+    model = build_tiny_model("qwen2", seed=7)
+    forwards = []
+    model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    profile = profile_of(model)
+    profile.tree_mask = False
+    assert supports_tree_mask(model) is False and forwards == []
+    assert profile.tree_mask is False and profile.tree_mask_attention is None
+    profile.tree_mask_attention = "flex_attention"  # reached under flex, the model now runs sdpa
+    assert supports_tree_mask(model) is True and forwards  # the probe ran: this tiny model takes tree masks
+    assert profile.tree_mask_attention == "sdpa"
