@@ -401,6 +401,14 @@ def test_server_config_refuses_bad_settings(changes, message):
         ServerConfig(**changes)
 
 
+def test_server_config_takes_the_edges_of_what_it_allows():
+    """k_seed may equal k_prompt (every passage retrieved is shown, none only seeds the trie), and an
+    IPv6 address may be given as it appears in a Host header, in brackets."""
+    config = ServerConfig(k_prompt=3, k_seed=3, allowed_hosts=["[2001:DB8::1]", "2001:db8::2"])
+    assert (config.k_prompt, config.k_seed) == (3, 3)
+    assert config.allowed_hosts == ("2001:db8::1", "2001:db8::2")
+
+
 def test_server_config_keeps_keys_out_of_its_repr():
     config = ServerConfig(api_keys=["sk-0123456789abcdef"], allowed_hosts=["Example.COM."], output_pool="per-key")
     assert "sk-0123456789abcdef" not in repr(config)

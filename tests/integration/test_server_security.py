@@ -246,6 +246,9 @@ def test_allowed_hosts_extend_the_list(tokenizer):
     with serving(tiny_engine(tokenizer, allowed_hosts=("rag.lan",))) as base:
         assert httpx.post(base + "/v1/completions", json=body, headers={"Host": "rag.lan:8000"}).status_code == 200
         assert httpx.post(base + "/v1/completions", json=body, headers={"Host": "other.lan"}).status_code == 421
+    with serving(tiny_engine(tokenizer, allowed_hosts=("[2001:db8::1]",))) as base:  # as a Host header writes it
+        for host, status in [("[2001:db8::1]:8000", 200), ("[2001:db8::1]", 200), ("[2001:db8::2]:8000", 421)]:
+            assert httpx.post(base + "/v1/completions", json=body, headers={"Host": host}).status_code == status, host
     with serving(tiny_engine(tokenizer, allowed_hosts=("*",))) as base:
         assert httpx.post(base + "/v1/completions", json=body, headers={"Host": "anything.example"}).status_code == 200
 

@@ -59,6 +59,8 @@ def test_a_broken_curve_file_is_measured_around(tmp_path, monkeypatch, caplog, k
     assert curve(1) > 0 and curve(64) >= curve(1)
     if kind == "folder":  # not ours to replace: left as it is, and the user is told
         assert path.is_dir() and "could not keep the measured cost curve" in caplog.text
+        # and the failed write took its temporary file with it (``.cost_curves.json.XXXXXXXX`` stayed)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["cost_curves.json", "cost_curves.json.lock"]
     else:  # rewritten with the measured curve, which the next process reads back
         stored = json.loads(path.read_text(encoding="utf-8"))
         assert isinstance(stored, dict) and len(stored) == 1

@@ -59,18 +59,42 @@ def test_remove_and_clear():
     assert sorted(names(queue.clear())) == ["a0", "a2"] and len(queue) == 0 and list(queue) == []
 
 
-@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 3)), max_size=40))
+def test_removing_an_owners_last_job_gives_up_its_turn():
+    """A client that left while its only request waited: the next take serves the others (it once
+    raised KeyError on the departed owner's turn, which crashed the engine step)."""
+    queue = FairQueue()
+    a, b = Waiting("a", "a0"), Waiting("b", "b0")
+    queue.append(a)
+    queue.append(b)
+    queue.remove(a)
+    assert names(queue.take(2)) == ["b0"] and not queue
+    queue.append(a)  # and it can come back, joining the end of the round
+    assert names(queue.take(2)) == ["a0"]
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abc"), st.integers(0, 3), st.none() | st.integers(0, 99)),
+        max_size=40,
+    )
+)
 def test_every_job_leaves_once_and_in_order_within_its_owner(ops):
-    """Appends interleaved with takes: nothing is lost or taken twice, and an owner's jobs leave in
-    the order they came."""
+    """Appends interleaved with takes and removes (clients leaving): nothing is lost or taken twice,
+    and an owner's jobs leave in the order they came."""
     queue = FairQueue()
     appended: list[Waiting] = []
     taken: list[Waiting] = []
-    for i, (owner, take) in enumerate(ops):
+    for i, (owner, take, leave) in enumerate(ops):
         job = Waiting(owner, f"{owner}{i}")
         queue.append(job)
         appended.append(job)
+        waiting = list(queue)
+        if leave is not None:
+            gone = waiting[leave % len(waiting)]
+            queue.remove(gone)
+            appended.remove(gone)
         taken += queue.take(take)
+        assert len(queue) == len(appended) - len(taken)
     taken += queue.take(len(queue))
     assert sorted(map(id, taken)) == sorted(map(id, appended)) and len(taken) == len(appended)
     for owner in "abc":
