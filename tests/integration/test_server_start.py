@@ -123,3 +123,35 @@ def test_a_named_index_that_is_not_there_is_said_before_the_model_loads(tmp_path
         done.stderr[-2000:]
     )
     assert not missing.exists()
+
+
+# the real entry point, where a Ctrl-C lands while the address is taken (a slow name lookup) and
+# what it interrupted then fails with an error of its own (as a library that catches the
+# KeyboardInterrupt does)
+INTERRUPTED_BIND = r"""
+import os, runpy, signal, sys, time
+from rag_lookahead.errors import ConfigError
+from rag_lookahead.serve import command
+
+def interrupted_bind(host, port):
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+    except KeyboardInterrupt:
+        pass
+    raise ConfigError(f"cannot listen on {host}:{port}: interrupted")
+
+command.listening_socket = interrupted_bind
+sys.argv[0] = "rag_lookahead.serve"
+runpy.run_module("rag_lookahead.serve", run_name="__main__")
+"""
+
+
+def test_an_error_after_a_ctrl_c_while_starting_exits_130_without_a_word(tmp_path):
+    """The operator pressed Ctrl-C: what failed because of it is no error of theirs to be told
+    about ("error: ..." and exit 1), the server just ends, 130, as for any Ctrl-C."""
+    command = [sys.executable, "-c", INTERRUPTED_BIND, f"--model={tmp_path / 'no_model'}", "--port=0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert (done.returncode, "error:" in done.stderr, "Traceback" in done.stderr) == (130, False, False), done.stderr[
+        -2000:
+    ]

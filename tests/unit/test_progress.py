@@ -4,6 +4,7 @@ around other libraries' bars undoes itself however the blocks of several threads
 from __future__ import annotations
 
 import errno
+import io
 import sys
 import threading
 
@@ -66,3 +67,14 @@ def test_overlapping_blocks_on_two_threads_put_the_real_stderr_back(monkeypatch)
     with others_bars_tolerated():
         sys.stderr.write("lost, quietly")
     assert sys.stderr is real and real.writes == 1
+
+
+def test_a_stderr_set_inside_the_block_is_kept_when_it_ends(monkeypatch):
+    """The block puts back the stderr it replaced only where its own wrapper is still there: a
+    caller that redirected stderr inside (``contextlib.redirect_stderr`` around the load, a test
+    capturing it) kept its stream, not the one from before."""
+    monkeypatch.setattr(sys, "stderr", Full())
+    mine = io.StringIO()
+    with others_bars_tolerated():
+        sys.stderr = mine
+    assert sys.stderr is mine
