@@ -108,3 +108,34 @@ def test_a_surrogate_in_a_dataset_stops_the_command_with_one_line_before_any_mod
         bench.main(["--dataset", path])
     assert done.value.code == f"error: dataset {path}: {SURROGATE}"
     assert loads == []
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 10])
+def test_the_halves_share_out_every_question_once_and_the_same_for_a_seed(n):
+    """Half A (tuning) has n // 2 questions, half B the rest; none in both, none left out; the
+    seeded split is the same run after run (the held-out numbers are comparable)."""
+    a, b = br.split_halves(n)
+    assert (len(a), len(b)) == (n // 2, n - n // 2)
+    assert sorted([*a.tolist(), *b.tolist()]) == list(range(n))
+    again = br.split_halves(n)
+    assert a.tolist() == again[0].tolist() and b.tolist() == again[1].tolist()
+
+
+def test_a_set_of_two_passages_is_ranked_to_the_last_passage():
+    """Rankings go as deep as the set has passages: one passage short, a question whose passage
+    BM25 ranks second found it nowhere (recall@5 0.5 on a set of two)."""
+    items = [
+        br.Item("a", "en", "apple banana cherry", ["apple grape melon kiwi?"]),
+        br.Item("b", "en", "grape melon kiwi", ["kiwi?"]),
+    ]
+    ranked = br.rank_dataset(br.chunk_dataset("t", items), {})
+    assert ranked.bm25[0] == [1, 0]  # its own passage second
+    assert br.method_table(ranked)["bm25 (jieba)"]["r@5"] == 1.0
+
+
+def test_in_a_small_set_a_word_of_one_passage_only_makes_a_question_specific():
+    """5% of 4 passages is no passage: every question counted as generic, however unique the word
+    it shares with its passage. A word in one passage singles it out at any size."""
+    items = [br.Item(f"i{i}", "en", f"common words here unique{i}zz", [f"what about unique{i}zz"]) for i in range(4)]
+    items.append(br.Item("j", "en", "common words here", ["common words?"]))  # shares only words every passage has
+    assert br.generic_questions(br.chunk_dataset("t", items)).tolist() == [False] * 4 + [True]
