@@ -355,3 +355,27 @@ def test_a_command_run_in_process_leaves_the_excepthook_and_progress_bars_as_the
         assert not hf_logging.is_progress_bar_enabled()
     finally:
         hf_logging.enable_progress_bar()
+
+
+def test_a_second_ctrl_c_while_the_first_is_handled_does_not_cut_the_handling_short():
+    """Within ``stop_signals`` a command saves what it made when stopped; a second Ctrl-C during
+    that save raised again in it (at its fsync) and every answer made was lost. Real signals."""
+    program = """
+import os, signal, time
+from rag_lookahead.interrupts import stop_signals
+try:
+    with stop_signals():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)
+        except KeyboardInterrupt:
+            os.kill(os.getpid(), signal.SIGINT)  # pressed again while the answers are saved
+            for _ in range(50):
+                time.sleep(0.002)
+            print("saved", flush=True)
+            raise
+except SystemExit as end:
+    print("exit", end.code)
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "saved\nexit 130\n"), done.stderr[-2000:]
