@@ -626,6 +626,7 @@ def test_a_blank_path_is_refused_and_the_index_left_as_it_was(tmp_path, built, m
         (["--max-file-mb", "nan"], "--max-file-mb must be a positive number of megabytes, got nan"),
         (["--max-file-mb", "0"], "--max-file-mb must be a positive number of megabytes, got 0.0"),
         (["--lock-timeout", "-1"], "--lock-timeout must be >= 0 seconds, got -1.0"),
+        (["--lock-timeout", "nan"], "--lock-timeout must be >= 0 seconds, got nan"),
     ],
 )
 def test_a_bad_flag_value_is_named_by_its_flag(tmp_path, built, flags, message):
@@ -853,7 +854,7 @@ def _swap_faiss(index_dir: Path, data: bytes) -> None:
     _rewrite_manifest(index_dir, artifacts={**manifest["artifacts"], "index.faiss": hashlib.sha256(data).hexdigest()})
 
 
-@pytest.mark.parametrize("kind", ["id map", "far id", "huge claim", "l2", "metric"])
+@pytest.mark.parametrize("kind", ["id map", "far id", "huge claim", "l2", "metric", "trailing bytes"])
 def test_a_swapped_faiss_file_is_corrupt_and_rebuilt_never_a_crash(tmp_path, built, embedder, kind):
     """A faiss file of another kind whose sha256 was made to match: an IndexIDMap aborted ``index``
     (faiss's reconstruct_n), a foreign id made every search an IndexError, a header claiming 2**35
@@ -878,6 +879,8 @@ def test_a_swapped_faiss_file_is_corrupt_and_rebuilt_never_a_crash(tmp_path, bui
         assert struct.unpack_from("<i", data, struct.calcsize("<4siqqq?")) == (0,)  # inner product
         struct.pack_into("<i", data, struct.calcsize("<4siqqq?"), 1)  # METRIC_L2
         data = bytes(data)
+    elif kind == "trailing bytes":  # our own vectors, and more after them that faiss would not read
+        data = artifact(index_dir, "index.faiss").read_bytes() + b"\0" * 4096
     else:
         small = faiss.IndexFlatIP(d)
         small.add(vectors[:2])
@@ -890,6 +893,10 @@ def test_a_swapped_faiss_file_is_corrupt_and_rebuilt_never_a_crash(tmp_path, bui
         ix.load_index(index_dir, embedder)
     if kind == "metric":
         assert "is not an IndexFlatIP (it starts b'IxFI', metric 1)" in str(refused.value)
+    if kind == "trailing bytes":
+        assert f"does not hold {n} vectors of dimension {d} in {4096 + len(faiss.serialize_index(original))}" in str(
+            refused.value
+        )
     with pytest.warns(UserWarning, match="could not be reused"):
         report = build(built[0], index_dir, embedder)
     assert report.embedded_chunks == built[2].chunks
@@ -924,20 +931,46 @@ def test_rebuild_deletes_only_what_it_wrote(tmp_path, built, embedder):
     (index_dir / "data-userstuff" / "photo.jpg").write_bytes(b"\xff\xd8")
     (index_dir / "data-backup").mkdir()  # our name pattern and file names, not our mark
     (index_dir / "data-backup" / "docstore.jsonl").write_text("a backup\n", encoding="utf-8")
+    (index_dir / "data-backup_1").mkdir()  # named as mkdtemp names ours, holding our file names, not our mark
+    for name in ("docstore.jsonl", "index.faiss"):
+        (index_dir / "data-backup_1" / name).write_text(f"my copy of {name}\n", encoding="utf-8")
     (index_dir / "data-old").mkdir()  # empty, but not named as mkdtemp names ours
     (index_dir / ".manifest.json.bak").write_text("a copy", encoding="utf-8")  # not write_json_atomic's name
     moved = shutil.copytree(built[0], tmp_path / "moved")  # the same files elsewhere: a new version is published
     with pytest.warns(UserWarning, match="blob.txt"):
-        build(moved, index_dir, embedder)
+        report = build(moved, index_dir, embedder)
+    assert not report.kept and report.embedded_chunks == 0  # the vectors reused, the manifest says where from
+    assert json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))["corpus_dir"] == str(moved.resolve())
     assert (index_dir / "data-old").is_dir() and (index_dir / ".manifest.json.bak").read_text(
         encoding="utf-8"
     ) == "a copy"
     assert (index_dir / "data-backup" / "docstore.jsonl").read_text(encoding="utf-8") == "a backup\n"
+    for name in ("docstore.jsonl", "index.faiss"):
+        assert (index_dir / "data-backup_1" / name).read_text(encoding="utf-8") == f"my copy of {name}\n"
     assert (index_dir / "my-notes.txt").read_text(encoding="utf-8") == "mine"
     assert sorted(p.name for p in old_data.iterdir()) == ["keep.txt"]  # our two files gone, theirs kept
     assert (index_dir / "data-userstuff" / "photo.jpg").read_bytes() == b"\xff\xd8"
     assert artifact(index_dir, "index.faiss").parent != old_data
     assert len(ix.load_index(index_dir, embedder)) == built[2].chunks
+
+
+def test_a_rebuild_never_empties_a_data_folder_it_reaches_through_a_link(tmp_path, built, embedder):
+    """Index B's data folder is a link to index A's (shared, or moved to another disk): a rebuild of
+    B removes its old version by the link alone, never the files of A behind it."""
+    a = copy_index(built, tmp_path / "a")
+    b = copy_index(built, tmp_path / "b")
+    shared = artifact(a, "index.faiss").parent
+    link = b / shared.name
+    shutil.rmtree(link)
+    link.symlink_to(shared, target_is_directory=True)
+    before = {p.name: p.read_bytes() for p in shared.iterdir()}
+    moved = shutil.copytree(built[0], tmp_path / "moved")  # the same files elsewhere: a new version is published
+    with pytest.warns(UserWarning, match="blob.txt"):
+        build(moved, b, embedder)
+    assert artifact(b, "index.faiss").parent != link
+    assert {p.name: p.read_bytes() for p in shared.iterdir()} == before
+    assert link.is_symlink() and link.resolve() == shared.resolve()
+    assert len(ix.load_index(a, embedder)) == len(ix.load_index(b, embedder)) == built[2].chunks
 
 
 def test_a_rebuild_with_nothing_changed_keeps_the_published_version(tmp_path, built, embedder):
@@ -1353,6 +1386,37 @@ def test_a_new_folders_build_that_waited_reads_the_files_again(tmp_path, embedde
     report = _corpus_changed_while_it_waits(a, holder, lambda: build(a, index_dir, embedder, lock_timeout=120), caplog)
     assert sources(ix.load_index(index_dir, embedder)) == {"tea.md", "volcano.md"}
     assert report.files == 2
+
+
+def test_a_file_dropped_into_a_new_folder_while_the_build_waits_is_never_built_over(tmp_path, embedder, monkeypatch):
+    """The folder was empty when the build looked; a user's file came while it waited for another
+    build's lock: it looks again once it holds the lock, and refuses, writing nothing."""
+    from filelock import FileLock
+
+    a, _ = two_corpora(tmp_path)
+    index_dir = tmp_path / "index"
+    index_dir.mkdir()
+    holder = FileLock(str(index_dir / store.LOCK_FILE))
+    holder.acquire()
+    real = store.exclusive
+
+    def user_file_comes_while_waiting(path, timeout, *, on_wait=None, on_timeout):
+        def then_let_go():  # the build found the lock held: the user's file comes, the holder lets go
+            on_wait()
+            (index_dir / "notes.txt").write_text("mine", encoding="utf-8")
+            holder.release()
+
+        return real(path, timeout, on_wait=then_let_go, on_timeout=on_timeout)
+
+    monkeypatch.setattr(store, "exclusive", user_file_comes_while_waiting)
+    try:
+        with pytest.raises(ConfigError, match="it is not empty .*notes.txt"):
+            build(a, index_dir, embedder, lock_timeout=60)
+    finally:
+        if holder.is_locked:
+            holder.release()
+    assert sorted(p.name for p in index_dir.iterdir()) == sorted([store.LOCK_FILE, "notes.txt"])
+    assert (index_dir / "notes.txt").read_text(encoding="utf-8") == "mine"
 
 
 def test_the_lock_says_whether_it_waited(tmp_path):

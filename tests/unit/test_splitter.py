@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from langchain_text_splitters import RecursiveCharacterTextSplitter
 
+from rag_lookahead.errors import ConfigError
 from rag_lookahead.rag import build
 from rag_lookahead.rag.build import SEPARATORS, chunk_starts, make_splitter
 from rag_lookahead.rag.corpus import load_corpus
@@ -51,6 +52,13 @@ def _texts() -> dict[str, str]:
         texts[f"x {n}"] = "x" * n
         texts[f"x {n} in sentences"] = "head. " + "x" * n + " tail\n\n" + "\t" * (n % 7) + "y" * n + "\t"
     return texts
+
+
+@pytest.mark.parametrize("size,overlap", [(10, 10), (10, 11), (10, -1), (1, 1), (0, 0)])
+def test_an_overlap_outside_0_to_the_size_is_refused(size, overlap):
+    """An overlap as long as the window never moves it forward (the splitter divided by zero)."""
+    with pytest.raises(ConfigError, match=r"^chunk_(size|overlap) must be"):
+        make_splitter(size, overlap)
 
 
 @pytest.mark.parametrize("size,overlap", [(400, 50), (60, 10), (30, 0), (10, 9), (2, 1), (1, 0)])
