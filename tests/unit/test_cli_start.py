@@ -379,3 +379,36 @@ except SystemExit as end:
 """
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout) == (0, "saved\nexit 130\n"), done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("entry", "first_import"),
+    [
+        ("from rag_lookahead.console import main; main()", "rag_lookahead.cli"),  # the console script
+        ("import runpy; runpy.run_module('rag_lookahead.serve', run_name='__main__')", "rag_lookahead.serve.command"),
+    ],
+)
+def test_the_program_entries_leave_at_once_on_a_ctrl_c_during_their_imports(entry, first_import):
+    """The console script and ``python -m rag_lookahead.serve`` are the program: a Ctrl-C landing
+    in a callback while their commands import (as torch's C++ callbacks do) ends the process there
+    and then, without a word. Entered as a library's scope instead (``own_process`` off), the exit
+    was raised into the callback, which cannot pass it on: an "Exception ignored ... SystemExit:
+    130" traceback here, an abort (SIGABRT) in a C++ callback."""
+    program = (
+        _swallowing()
+        + f"""
+import importlib.abc
+
+class SignalOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == {first_import!r}:
+            Callback()  # collected at once: its __del__ sends the signal
+        return None
+
+sys.meta_path.insert(0, SignalOnImport())
+sys.argv = ["rag_lookahead", "--help"]
+{entry}
+"""
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", "")
