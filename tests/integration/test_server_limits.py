@@ -394,6 +394,9 @@ def test_connections_past_max_connections_get_503_and_are_closed(tokenizer):
         ({"log_level": "loud"}, "log_level"),
         ({"host": ""}, "host"),
         ({"lookahead_config": {"decoding_length": 8}}, "lookahead_config"),
+        ({"memory_sharers": 0}, "memory_sharers"),  # it divides the default KV budget
+        ({"api_keys": ["1234567"]}, "API key"),  # one short of the 8 characters a key needs
+        ({"allowed_hosts": [f"h{i}.example" for i in range(1025)]}, "at most 1024"),
     ],
 )
 def test_server_config_refuses_bad_settings(changes, message):
@@ -407,6 +410,10 @@ def test_server_config_takes_the_edges_of_what_it_allows():
     config = ServerConfig(k_prompt=3, k_seed=3, allowed_hosts=["[2001:DB8::1]", "2001:db8::2"])
     assert (config.k_prompt, config.k_seed) == (3, 3)
     assert config.allowed_hosts == ("2001:db8::1", "2001:db8::2")
+    # drain_seconds 0 (no drain: stop at once), a key of exactly 8 characters, 1024 host names
+    hosts = [f"h{i}.example" for i in range(1024)]
+    config = ServerConfig(drain_seconds=0, api_keys=["12345678"], allowed_hosts=hosts)
+    assert (config.drain_seconds, config.api_keys, len(config.allowed_hosts)) == (0.0, ("12345678",), 1024)
 
 
 def test_server_config_keeps_keys_out_of_its_repr():
@@ -426,6 +433,25 @@ def test_connection_limits_set_with_replicas_are_said_unapplied(caplog):
         assert not caplog.records  # the defaults: nothing was asked
         _warn_about_proxy_limits(ServerConfig(max_connections=10, head_timeout=5))
     assert "--head-timeout, --max-connections: not applied with --replicas" in caplog.text
+
+
+def test_a_public_bind_is_warned_about_missing_keys_and_allowed_hosts(caplog):
+    """Bound past loopback: no API key is said (anyone can use it), and a wildcard bind without
+    --allowed-hosts is said (only loopback names would be answered); loopback says nothing."""
+    import logging
+
+    from rag_lookahead.serve.command import _warn_about_exposure
+
+    key = ["sk-0123456789abcdef"]
+    with caplog.at_level(logging.WARNING, logger="rag_lookahead.serve.command"):
+        _warn_about_exposure(ServerConfig())
+        _warn_about_exposure(ServerConfig(host="0.0.0.0", api_keys=key, allowed_hosts=["example.com"]))
+        assert not caplog.records
+        _warn_about_exposure(ServerConfig(host="0.0.0.0", api_keys=key))
+        assert "pass --allowed-hosts" in caplog.text and "without --api-key" not in caplog.text
+        caplog.clear()
+        _warn_about_exposure(ServerConfig(host="192.0.2.7"))
+    assert "binding to 192.0.2.7 without --api-key" in caplog.text and "--allowed-hosts" not in caplog.text
 
 
 def test_a_chunked_body_past_the_limit_gets_413_and_the_connection_closed(tokenizer):
