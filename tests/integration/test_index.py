@@ -956,7 +956,7 @@ def test_rebuild_deletes_only_what_it_wrote(tmp_path, built, embedder):
 
 def test_a_rebuild_never_empties_a_data_folder_it_reaches_through_a_link(tmp_path, built, embedder):
     """Index B's data folder is a link to index A's (shared, or moved to another disk): a rebuild of
-    B removes its old version by the link alone, never the files of A behind it."""
+    B leaves the link in place and never touches the files of A behind it."""
     a = copy_index(built, tmp_path / "a")
     b = copy_index(built, tmp_path / "b")
     shared = artifact(a, "index.faiss").parent

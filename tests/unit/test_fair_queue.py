@@ -60,8 +60,8 @@ def test_remove_and_clear():
 
 
 def test_removing_an_owners_last_job_gives_up_its_turn():
-    """A client that left while its only request waited: the next take serves the others (it once
-    raised KeyError on the departed owner's turn, which crashed the engine step)."""
+    """A client that left while its only request waited: the next take serves the others (had the
+    owner kept its turn, the take would fail with KeyError on it and crash the engine step)."""
     queue = FairQueue()
     a, b = Waiting("a", "a0"), Waiting("b", "b0")
     queue.append(a)
