@@ -265,7 +265,7 @@ def plausibility(text: str, by_language: bool = False) -> float:
         counted += 1
         script, weight = found
         if script == "latin":
-            if by_language and 0x100 <= ord(char) <= 0x24F:
+            if by_language and _latin_extended(char):
                 weight = 1.0
             latin[char] = latin.get(char, 0.0) + weight
             if by_language and _capitalised(text, i):
@@ -289,6 +289,11 @@ def plausibility(text: str, by_language: bool = False) -> float:
                 if char in letters or char in western
             )
     return max(scores.values(), default=0.0) / counted
+
+
+def _latin_extended(char: str) -> bool:
+    """A Latin Extended-A or -B letter (cp1250's "ő ř ł", not Latin-1's)."""
+    return 0x100 <= ord(char) <= 0x24F
 
 
 def _capitalised(text: str, i: int) -> bool:
@@ -450,7 +455,7 @@ def _by_language(data: bytes, guesses: list[_Scored], chosen: _Scored) -> str:
     best, best_score = chosen.encoding, None
     for guess in guesses[: guesses.index(chosen)]:
         sample = _word_sample(_read(data, guess.encoding))
-        if any(0x100 <= ord(c) <= 0x24F for c in sample):
+        if any(map(_latin_extended, sample)):
             if best_score is None:
                 best_score = plausibility(_word_sample(_read(data, chosen.encoding)), by_language=True)
             score = plausibility(sample, by_language=True)
